@@ -1,0 +1,56 @@
+"""The wire language of Fleetpilot: every event, every subject, one codec.
+
+Import events from here: ``from fleetpilot.contracts import TaskSubmitted, DecisionMade``.
+"""
+
+from .action import ActionExecuted, ActionFailed
+from .base import Event, Record, now
+from .catalog import (
+    BUCKETS,
+    CONSUMERS,
+    ROUTES,
+    STREAMS,
+    BucketSpec,
+    ConsumerSpec,
+    Route,
+    StreamSpec,
+    dlq_subject,
+    msg_id_for,
+    route_for,
+    subject_for,
+)
+from .codec import decode, decoder_for, encode
+from .deadletter import DeadLetter
+from .decision import ActionKind, DecisionMade, Placement, PolicyRef
+from .feedback import FeedbackRecorded, Measured, Outcome
+from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
+from .ledger import Allocation, NodeLedger
+from .sla import OfferOption, SlaOffer, SlaReply
+from .task import (
+    Contract,
+    LifecycleState,
+    RejectCode,
+    SlaRequest,
+    SlaTier,
+    TaskAdmitted,
+    TaskKind,
+    TaskLifecycle,
+    TaskRejected,
+    TaskSubmitted,
+)
+from .telemetry import GpuSample, NodeTelemetry, ProcessMemory, Reading, TaskTelemetry
+from .topology import (
+    BandwidthEstimate,
+    GpuInfo,
+    Link,
+    LinkKind,
+    NicInfo,
+    NicPort,
+    NodeTopology,
+    TopologyReport,
+    TopologyUpdated,
+)
+
+ALL_EVENTS: tuple[type[Event], ...] = tuple(route.event for route in ROUTES)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,171 @@
+"""Every subject, stream, durable consumer and KV bucket, declared as data in one place.
+
+The runtime creates streams, consumers and buckets from these tables idempotently at
+start-up, and routes each outgoing event to its subject with ``subject_for`` and its
+de-duplication id with ``msg_id_for``: handlers only ever return events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .action import ActionExecuted, ActionFailed
+from .base import Event
+from .deadletter import DeadLetter
+from .decision import DecisionMade
+from .feedback import FeedbackRecorded
+from .fingerprint import TaskFingerprinted
+from .sla import SlaOffer, SlaReply
+from .task import TaskAdmitted, TaskLifecycle, TaskRejected, TaskSubmitted
+from .telemetry import NodeTelemetry, TaskTelemetry
+from .topology import TopologyReport, TopologyUpdated
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where an event type is published: a subject template and an idempotency-key template,
+    both filled from the event's fields, and a one-line description for the docs."""
+
+    event: type[Event]
+    subject: str
+    msg_id: str | None
+    description: str
+    durable: bool = True
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(TaskSubmitted, "task.submitted", "submit:{task_id}", "A user asks to run a task."),
+    Route(TaskAdmitted, "task.admitted", "admit:{task.task_id}", "The SLA negotiator accepted a task with a contract."),
+    Route(TaskRejected, "task.rejected", "reject:{task_id}", "A task will not run, with the reason."),
+    Route(TaskLifecycle, "task.lifecycle.{task_id}", "life:{task_id}:{state}:{at}", "A running task started, finished, was OOM-killed..."),
+    Route(TaskFingerprinted, "task.fingerprinted", None, "A task's memory-growth fingerprint, new or changed."),
+    Route(SlaOffer, "sla.offer.{task_id}", "offer:{offer_id}", "A counter-offer for a task that cannot be met as asked."),
+    Route(SlaReply, "sla.reply.{task_id}", "reply:{offer_id}", "The client accepts one option of an offer or declines it."),
+    Route(DecisionMade, "decision.made", "decision:{decision_id}", "A policy decided an action for a task."),
+    Route(ActionExecuted, "action.executed", "executed:{action_id}", "The executor carried out a decision."),
+    Route(ActionFailed, "action.failed", "failed:{action_id}", "The executor could not carry out a decision."),
+    Route(FeedbackRecorded, "feedback.recorded", "feedback:{action_id}", "An action's outcome was stored."),
+    Route(NodeTelemetry, "telemetry.gpu.{node}", None, "Per-GPU samples of one node (core NATS, high rate).", durable=False),
+    Route(TaskTelemetry, "telemetry.task.{task_id}", None, "Memory samples of one task's processes (core NATS).", durable=False),
+    Route(TopologyReport, "topology.report.{node.node}", "topo:{node.node}:{at}", "A collector's raw view of one node's topology."),
+    Route(TopologyUpdated, "topology.updated", "topo-rev:{revision}", "The merged fleet topology changed."),
+    Route(DeadLetter, "dlq.{subject}", None, "A message no handler could take, with its reason and original bytes."),
+)
+
+_ROUTE_BY_TYPE: dict[type, Route] = {route.event: route for route in ROUTES}
+
+
+def route_for(event_type: type[Event]) -> Route:
+    """The route of an event type; a type without one is a programming error."""
+    try:
+        return _ROUTE_BY_TYPE[event_type]
+    except KeyError:
+        raise LookupError(f"no route declared for {event_type.__name__}") from None
+
+
+def _fill(template: str, event: Event) -> str:
+    def lookup(path: str) -> str:
+        value: object = event
+        for part in path.split("."):
+            value = getattr(value, part)
+        return str(value)
+
+    out, rest = [], template
+    while "{" in rest:
+        head, _, tail = rest.partition("{")
+        name, _, rest = tail.partition("}")
+        out.append(head)
+        out.append(lookup(name))
+    out.append(rest)
+    return "".join(out)
+
+
+def subject_for(event: Event) -> str:
+    """The subject an event is published on, e.g. ``sla.offer.<task_id>``."""
+    return _fill(route_for(type(event)).subject, event)
+
+
+def msg_id_for(event: Event) -> str | None:
+    """The ``Nats-Msg-Id`` that makes publishing this event idempotent, if it has one."""
+    template = route_for(type(event)).msg_id
+    return _fill(template, event) if template else None
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A JetStream stream. ``max_age_s = 0`` keeps messages until limits apply."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float = 7 * 24 * 3600
+    duplicate_window_s: float = 120
+    max_bytes: int = 1 << 30
+    memory: bool = False
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer shared by every replica of one service."""
+
+    durable: str
+    stream: str
+    filter_subject: str
+    ack_wait_s: float = 30
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    backoff_s: tuple[float, ...] = field(default=(0.5, 2, 5, 10))
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A JetStream key-value bucket."""
+
+    name: str
+    history: int = 1
+    ttl_s: float = 0
+    description: str = ""
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec("TASKS", ("task.>",)),
+    StreamSpec("SLA", ("sla.>",)),
+    StreamSpec("DECISIONS", ("decision.>",)),
+    StreamSpec("ACTIONS", ("action.>",)),
+    StreamSpec("FEEDBACK", ("feedback.>",)),
+    StreamSpec("TOPOLOGY", ("topology.>",), max_age_s=24 * 3600),
+    # High-rate telemetry travels on core NATS; this short-lived stream serves late joiners.
+    StreamSpec("TELEMETRY", ("telemetry.>",), max_age_s=300, max_bytes=256 << 20, memory=True),
+    StreamSpec("DLQ", ("dlq.>",), max_age_s=30 * 24 * 3600),
+)
+
+CONSUMERS: dict[str, ConsumerSpec] = {
+    spec.durable: spec
+    for spec in (
+        ConsumerSpec("sla-submitted", "TASKS", "task.submitted"),
+        ConsumerSpec("sla-replies", "SLA", "sla.reply.*"),
+        ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
+        ConsumerSpec("policy-admitted", "TASKS", "task.admitted"),
+        ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
+        ConsumerSpec("feedback-executed", "ACTIONS", "action.>"),
+        ConsumerSpec("feedback-lifecycle", "TASKS", "task.lifecycle.>"),
+        ConsumerSpec("topology-reports", "TOPOLOGY", "topology.report.>"),
+    )
+}
+
+BUCKETS: tuple[BucketSpec, ...] = (
+    BucketSpec("ledger", history=5, description="Allocation ledger: one key per node, CAS writes."),
+    BucketSpec("topology", description="Fleet topology: one key per node."),
+    BucketSpec("gpu_state", ttl_s=120, description="Latest sample per GPU, for late joiners."),
+    BucketSpec("fingerprints", history=3, description="Fingerprints by task signature."),
+    BucketSpec("config", history=10, description="Policy profiles and shaping rules per host."),
+    BucketSpec("contracts", description="Agreed SLA contracts and open offers by task."),
+    BucketSpec("hook_locks", ttl_s=35 * 60, description="Locks with a time-to-live for lifecycle hooks."),
+    BucketSpec("executions", ttl_s=24 * 3600, description="Executed decision ids (idempotency)."),
+)
+
+DLQ_PREFIX = "dlq."
+
+
+def dlq_subject(subject: str) -> str:
+    """The dead-letter subject for a message that arrived on ``subject``."""
+    return DLQ_PREFIX + subject

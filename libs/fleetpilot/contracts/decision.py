@@ -1,0 +1,47 @@
+"""Decision family: what the policy decided for a task, and how sure it is."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .base import Event, Record
+from .task import Contract, TaskSubmitted
+
+ActionKind = Literal["assign", "migrate", "evict", "resize", "queue", "reject"]
+
+
+class Placement(Record, frozen=True, kw_only=True):
+    """A share of one GPU (or CPU only, with ``gpu = -1``) on one node."""
+
+    node: str
+    gpu: int
+    milli: int
+    memory_mb: int = 0
+
+
+class PolicyRef(Record, frozen=True, kw_only=True):
+    """Which policy (and version) made a decision."""
+
+    name: str
+    version: str = "1"
+
+
+class DecisionMade(Event, frozen=True, kw_only=True, tag="decision.made.v1"):
+    """A decision about one task. ``confidence`` is the estimated probability that the
+    action meets its goal; ``source`` is where a migrating task comes from."""
+
+    decision_id: str
+    task_id: str
+    action: ActionKind
+    placement: list[Placement] = msgspec.field(default_factory=list)
+    source: list[Placement] = msgspec.field(default_factory=list)
+    confidence: float
+    policy: PolicyRef
+    shard_id: str = "primary"
+    fallback: bool = False
+    reason: str = ""
+    decided_at: float
+    task: TaskSubmitted | None = None
+    contract: Contract | None = None

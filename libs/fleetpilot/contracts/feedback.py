@@ -1,0 +1,37 @@
+"""Feedback family: the recorded outcome of every action."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .base import Event, Record
+from .decision import PolicyRef
+
+Outcome = Literal["success", "failure", "oom", "sla_missed", "timeout", "partial"]
+
+
+class Measured(Record, frozen=True, kw_only=True):
+    """A measured value and how much to trust it (0 = exact, 1 = no information)."""
+
+    value: float
+    uncertainty_score: float
+
+
+class FeedbackRecorded(Event, frozen=True, kw_only=True, tag="feedback.recorded.v1"):
+    """One action's outcome as stored in the feedback store."""
+
+    action_id: str
+    decision_id: str = ""
+    task_id: str = ""
+    outcome: Outcome
+    latency_ms: Measured
+    resource_saving_mb: float = 0.0
+    unexpected_side_effect: list[str]
+    policy: PolicyRef
+    shard_id: str = "primary"
+    confidence: float = 0.0
+    task_kind: str = ""
+    gpu_model: str = ""
+    recorded_at: float

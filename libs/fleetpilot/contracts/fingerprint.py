@@ -1,0 +1,35 @@
+"""Fingerprint family: how a task grows its memory and what it will peak at."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .base import Event, Record
+
+GrowthPattern = Literal["flat", "linear", "steps", "sawtooth", "leak", "unknown"]
+
+
+class Fingerprint(Record, frozen=True, kw_only=True):
+    """A task's behaviour, predicted from its memory series (or from its signature)."""
+
+    signature: str
+    pattern: GrowthPattern
+    pattern_confidence: float
+    growth_rate_mb_per_s: float
+    predicted_peak_mb: float
+    peak_low_mb: float
+    peak_high_mb: float
+    time_to_peak_s: float | None = None
+    warmup_s: float = 0.0
+    burstiness: float = 0.0
+    context_switch_sensitivity: float = 0.0
+    samples: int = 0
+
+
+class TaskFingerprinted(Event, frozen=True, kw_only=True, tag="task.fingerprinted.v1"):
+    """A new or materially changed fingerprint for a task."""
+
+    task_id: str
+    fingerprint: Fingerprint
+    source: Literal["observed", "signature"]
+    at: float

@@ -1,0 +1,98 @@
+"""Task family: what users submit and how a submission moves through its life."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .base import Event, Record
+
+TaskKind = Literal["train", "finetune", "infer", "encode", "batch"]
+SlaTier = Literal["vip", "standard", "best_effort"]
+RejectCode = Literal["unauthenticated", "invalid", "infeasible", "offer_declined", "offer_expired"]
+LifecycleState = Literal["started", "finished", "oom_killed", "failed", "evicted", "migrated", "resized"]
+
+
+class SlaRequest(Record, frozen=True, kw_only=True):
+    """What the submitter asks for; every bound is optional (``None`` = no bound)."""
+
+    tier: SlaTier = "standard"
+    max_queue_s: float | None = None
+    warmup_ms: float | None = None
+    p95_latency_ms: float | None = None
+    deadline: float | None = None
+    cost_ceiling_per_hour: float | None = None
+
+
+class TaskSubmitted(Event, frozen=True, kw_only=True, tag="task.submitted.v1"):
+    """A user's request to run a task. ``task_id`` is client-chosen and the idempotency key.
+
+    ``gpus`` is the GPU count (0 for CPU-only); a task with ``gpus == 1`` and
+    ``gpu_milli < 1000`` shares one GPU; ``gpu_models`` lists acceptable models (empty: any).
+    """
+
+    task_id: str
+    tenant: str = ""
+    kind: TaskKind = "batch"
+    gpus: int = 1
+    gpu_milli: int = 1000
+    gpu_memory_mb: int = 0
+    gpu_models: list[str] = msgspec.field(default_factory=list)
+    cpu_milli: int = 0
+    memory_mb: int = 0
+    size_gb: float = 0.0
+    qos: str = ""
+    sla: SlaRequest = msgspec.field(default_factory=SlaRequest)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    command: list[str] | None = None
+    image: str | None = None
+    expected_duration_s: float | None = None
+    submitted_at: float = 0.0
+
+
+class Contract(Record, frozen=True, kw_only=True):
+    """The terms Fleetpilot agreed to for one task (the negotiated ``SlaRequest``)."""
+
+    tier: SlaTier = "standard"
+    max_queue_s: float | None = None
+    warmup_ms: float | None = None
+    p95_latency_ms: float | None = None
+    deadline: float | None = None
+    cost_ceiling_per_hour: float | None = None
+    gpu_models: list[str] = msgspec.field(default_factory=list)
+    site: str | None = None
+    not_before: float | None = None
+    offer_id: str | None = None
+    notes: str = ""
+
+
+class TaskAdmitted(Event, frozen=True, kw_only=True, tag="task.admitted.v1"):
+    """The SLA negotiator accepted a task under ``contract``; the tenant comes from its token."""
+
+    task: TaskSubmitted
+    contract: Contract
+    tenant: str
+    admitted_at: float
+
+
+class TaskRejected(Event, frozen=True, kw_only=True, tag="task.rejected.v1"):
+    """A submission that will not run, with a machine-readable ``code`` and a human reason."""
+
+    task_id: str
+    tenant: str = ""
+    code: RejectCode
+    reason: str
+    rejected_at: float
+
+
+class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
+    """A change in a running task's life as the executor saw it."""
+
+    task_id: str
+    state: LifecycleState
+    node: str = ""
+    gpus: list[int] = msgspec.field(default_factory=list)
+    exit_code: int | None = None
+    detail: str = ""
+    at: float

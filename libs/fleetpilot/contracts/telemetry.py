@@ -1,0 +1,84 @@
+"""Telemetry family: per-GPU samples (the resource schema) and per-task process samples.
+
+Fields that ``nvidia-smi`` does not show are ``Reading``s: a value plus an
+``uncertainty_score`` in 0..1 (0 = an exact hardware counter, 1 = a guess). How each is
+derived is documented in ``libs/fleetpilot/fleet/README.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .base import Event, Record
+
+
+class Reading(Record, frozen=True, kw_only=True):
+    """A derived value and how much to trust it (0 = exact counter, 1 = no information)."""
+
+    value: float
+    uncertainty_score: float
+
+
+class ProcessMemory(Record, frozen=True, kw_only=True):
+    """GPU memory held by one process, with the task it belongs to when known."""
+
+    pid: int
+    used_mb: float
+    task_id: str | None = None
+
+
+class GpuSample(Record, frozen=True, kw_only=True):
+    """One reading of one GPU: the resource schema published by the collector."""
+
+    node: str
+    gpu: int
+    uuid: str
+    model: str
+    at: float
+    utilization_gpu_pct: float
+    utilization_memory_pct: float
+    memory_total_mb: float
+    memory_used_mb: float
+    memory_free_mb: float
+    temperature_c: float
+    power_w: float
+    power_limit_w: float
+    sm_clock_mhz: float
+    pcie_tx_kbps: float
+    pcie_rx_kbps: float
+    ecc_corrected: int = 0
+    ecc_uncorrected: int = 0
+    retired_pages: int = 0
+    remapped_rows: int = 0
+    pcie_replays: int = 0
+    pcie_link_width: int = 0
+    pcie_link_width_max: int = 0
+    xid_last: int = 0
+    xid_count: int = 0
+    cuda_context_switches_per_sec: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
+    nvlink_bandwidth_utilization_ratio: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
+    processes: list[ProcessMemory] = msgspec.field(default_factory=list)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class NodeTelemetry(Event, frozen=True, kw_only=True, tag="telemetry.gpu.v1"):
+    """A batch of GPU samples from one node, taken together."""
+
+    node: str
+    at: float
+    source: Literal["nvml", "sim"]
+    gpus: list[GpuSample]
+
+
+class TaskTelemetry(Event, frozen=True, kw_only=True, tag="telemetry.task.v1"):
+    """Memory and utilisation of one task's processes at one instant."""
+
+    task_id: str
+    node: str
+    gpus: list[int]
+    at: float
+    memory_used_mb: float
+    utilization_gpu_pct: float = 0.0
+    pids: list[int] = msgspec.field(default_factory=list)

@@ -1,0 +1,94 @@
+"""Topology family: what a node is made of and how its parts and the sites connect."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .base import Event, Record
+
+# nvidia-smi topo -m link kinds, closest first ("NV" is NVLink with a link count).
+LinkKind = Literal["X", "NV", "PIX", "PXB", "PHB", "NODE", "SYS", "PSB"]
+
+
+class GpuInfo(Record, frozen=True, kw_only=True):
+    """One GPU as the topology sees it."""
+
+    index: int
+    model: str
+    uuid: str = ""
+    memory_mb: int = 0
+    numa_node: int | None = None
+    cpu_affinity: str = ""
+    pci_bus_id: str = ""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class NicPort(Record, frozen=True, kw_only=True):
+    """One port of a NIC: rate and link layer (InfiniBand or Ethernet for RoCE)."""
+
+    port: int
+    rate_gbps: float
+    link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
+    state: str = "ACTIVE"
+
+
+class NicInfo(Record, frozen=True, kw_only=True):
+    """A network interface card and its ports."""
+
+    name: str
+    numa_node: int | None = None
+    ports: list[NicPort] = msgspec.field(default_factory=list)
+
+
+class Link(Record, frozen=True, kw_only=True):
+    """The path between two devices (``GPU0``, ``NIC1``) with its kind and relative cost."""
+
+    a: str
+    b: str
+    kind: LinkKind
+    nvlinks: int = 0
+    cost: float = 0.0
+
+
+class NodeTopology(Record, frozen=True, kw_only=True):
+    """A node's devices, their links and its place in the fleet."""
+
+    node: str
+    site: str = "default"
+    cpu_sockets: int = 1
+    numa_nodes: int = 1
+    cpu_milli: int = 0
+    memory_mb: int = 0
+    gpus: list[GpuInfo] = msgspec.field(default_factory=list)
+    nics: list[NicInfo] = msgspec.field(default_factory=list)
+    links: list[Link] = msgspec.field(default_factory=list)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class TopologyReport(Event, frozen=True, kw_only=True, tag="topology.report.v1"):
+    """A collector's raw view of one node's topology."""
+
+    node: NodeTopology
+    source: Literal["nvml", "nvidia-smi", "sim"]
+    at: float
+
+
+class BandwidthEstimate(Record, frozen=True, kw_only=True):
+    """Effective bandwidth between two sites under one multipath strategy."""
+
+    a_site: str
+    b_site: str
+    strategy: Literal["min_rtt", "balanced"]
+    effective_gbps: float
+    uncertainty_score: float = 0.5
+
+
+class TopologyUpdated(Event, frozen=True, kw_only=True, tag="topology.updated.v1"):
+    """The topology service's merged view changed; full nodes live in the topology bucket."""
+
+    revision: int
+    nodes: list[str]
+    bandwidth: list[BandwidthEstimate] = msgspec.field(default_factory=list)
+    at: float

@@ -1,0 +1,89 @@
+"""How a task's GPU memory grows over its life: the ground truth the simulator plays out
+and the fingerprinter learns to recognise.
+
+Patterns (``t`` is seconds since the task started, ``T`` its duration):
+
+- ``flat``: warm-up ramp to ``peak_mb`` within ``warmup_s``, then a plateau (an LLM server).
+- ``linear``: from ``base_mb`` rising steadily to ``peak_mb`` at ``T``.
+- ``steps``: ``n_steps`` equal jumps from ``base_mb`` to ``peak_mb`` (a CLIP fine-tune
+  growing its batch or caches).
+- ``sawtooth``: rises from ``base_mb`` to ``peak_mb`` and drops back every ``period_s``
+  (periodic allocation and release).
+- ``leak``: grows at a rate that itself increases (quadratic), reaching ``peak_mb`` at
+  ``T`` — the leaking notebook that ends in an OOM if left alone.
+
+Every function is vectorised over ``t`` with numpy and carries optional noise from a
+seeded generator, so a series is reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+PatternName = Literal["flat", "linear", "steps", "sawtooth", "leak"]
+GROWTH_PATTERNS: tuple[PatternName, ...] = ("flat", "linear", "steps", "sawtooth", "leak")
+
+
+class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
+    """A memory-growth curve; ``memory_at(t)`` gives used MB at ``t`` seconds after start."""
+
+    pattern: PatternName
+    base_mb: float
+    peak_mb: float
+    duration_s: float
+    warmup_s: float = 0.0
+    n_steps: int = 4
+    period_s: float = 60.0
+    noise_mb: float = 0.0
+
+    def memory_at(self, t: np.ndarray | float, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Used memory (MB) at times ``t``; noise is added only when ``rng`` is given."""
+        t = np.clip(np.asarray(t, dtype=np.float64), 0.0, self.duration_s)
+        span = self.peak_mb - self.base_mb
+        life = max(self.duration_s, 1e-9)
+        if self.pattern == "flat":
+            warm = max(self.warmup_s, 1e-9)
+            mem = self.base_mb + span * np.minimum(t / warm, 1.0)
+        elif self.pattern == "linear":
+            mem = self.base_mb + span * (t / life)
+        elif self.pattern == "steps":
+            steps = max(self.n_steps, 1)
+            level = np.minimum(np.floor(t / life * steps) + 1, steps)
+            mem = self.base_mb + span * level / steps
+        elif self.pattern == "sawtooth":
+            phase = np.mod(t, max(self.period_s, 1e-9)) / max(self.period_s, 1e-9)
+            mem = self.base_mb + span * phase
+        elif self.pattern == "leak":
+            mem = self.base_mb + span * (t / life) ** 2
+        else:  # pragma: no cover - Literal guards this
+            raise ValueError(f"unknown pattern {self.pattern!r}")
+        if rng is not None and self.noise_mb > 0:
+            mem = mem + rng.normal(0.0, self.noise_mb, size=np.shape(mem))
+        return np.maximum(mem, 0.0)
+
+    @property
+    def true_peak_mb(self) -> float:
+        """The highest memory the noiseless curve reaches over the task's life."""
+        return float(self.peak_mb)
+
+
+def random_growth(rng: np.random.Generator, pattern: PatternName | None = None, *,
+                  peak_mb: float | None = None, duration_s: float | None = None) -> MemoryGrowth:
+    """A plausible random curve of ``pattern`` (random when ``None``) for tests and benchmarks."""
+    pattern = pattern or GROWTH_PATTERNS[int(rng.integers(len(GROWTH_PATTERNS)))]
+    peak = float(peak_mb if peak_mb is not None else rng.uniform(2_000, 70_000))
+    duration = float(duration_s if duration_s is not None else rng.uniform(600, 7_200))
+    base = peak * float(rng.uniform(0.15, 0.5))
+    return MemoryGrowth(
+        pattern=pattern,
+        base_mb=base,
+        peak_mb=peak,
+        duration_s=duration,
+        warmup_s=duration * float(rng.uniform(0.02, 0.1)),
+        n_steps=int(rng.integers(3, 7)),
+        period_s=duration / float(rng.uniform(4, 12)),
+        noise_mb=peak * float(rng.uniform(0.002, 0.01)),
+    )

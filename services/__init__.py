@@ -1,0 +1,1 @@
+"""Fleetpilot's services: one thin adapter per folder, each its own process and container."""
