@@ -1,0 +1,273 @@
+"""Contract tests: every event survives the wire, tolerates the future and names itself.
+
+Instances are built from the types themselves (``msgspec.inspect``), so a new event or a
+new field is covered without touching this file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+from fleetpilot.contracts import (
+    ALL_EVENTS,
+    ROUTES,
+    DeadLetter,
+    DecisionMade,
+    NodeTelemetry,
+    SlaOffer,
+    TaskLifecycle,
+    TaskSubmitted,
+    TopologyReport,
+    decode,
+    dlq_subject,
+    encode,
+    msg_id_for,
+    route_for,
+    subject_for,
+)
+from fleetpilot.contracts.base import Event
+
+TAG_PATTERN = re.compile(r"^[a-z][a-z_]*\.[a-z][a-z_]*\.v[1-9][0-9]*$")
+# Tags that predate the `<family>.<name>.v<N>` rule; renaming one is a breaking change
+# (a new tag), so each is listed here on purpose and the test below insists it still exists.
+TAGS_WITHOUT_NAME = {"dlq.v1"}
+
+
+def _value(t: mi.Type, full: bool, token: str) -> Any:
+    """A valid value of type ``t``; ``full`` also fills optional fields and prefers non-None."""
+    if isinstance(t, mi.StrType):
+        return token
+    if isinstance(t, mi.BoolType):
+        return True
+    if isinstance(t, mi.IntType):
+        return 3
+    if isinstance(t, mi.FloatType):
+        return 1.5
+    if isinstance(t, mi.BytesType):
+        return b"\x00raw bytes\xff"
+    if isinstance(t, mi.NoneType):
+        return None
+    if isinstance(t, mi.LiteralType):
+        return t.values[-1] if full else t.values[0]
+    if isinstance(t, mi.ListType):
+        return [_value(t.item_type, full, token)] if full else []
+    if isinstance(t, mi.DictType):
+        return {"k": _value(t.value_type, full, token)} if full else {}
+    if isinstance(t, mi.UnionType):
+        members = [m for m in t.types if not isinstance(m, mi.NoneType)]
+        return _value(members[0], full, token)
+    if isinstance(t, mi.StructType):
+        return _build(t, full, token)
+    raise NotImplementedError(f"no sample value for {t!r}; extend _value")
+
+
+def _build(info: mi.StructType, full: bool, token: str) -> Any:
+    kwargs = {f.name: _value(f.type, full, token) for f in info.fields if f.required or full}
+    return info.cls(**kwargs)
+
+
+def minimal(event_type: type[Event], token: str = "t1") -> Any:
+    """An instance with only the required fields set."""
+    return _build(mi.type_info(event_type), full=False, token=token)
+
+
+def full(event_type: type[Event], token: str = "t1") -> Any:
+    """An instance with every field set to a non-default value where the type allows."""
+    return _build(mi.type_info(event_type), full=True, token=token)
+
+
+EVENT_IDS = [e.__name__ for e in ALL_EVENTS]
+
+
+@pytest.mark.parametrize("event_type", ALL_EVENTS, ids=EVENT_IDS)
+@pytest.mark.parametrize("builder", [minimal, full], ids=["minimal", "full"])
+def test_round_trip_through_own_and_union_decoder(event_type, builder):
+    event = builder(event_type)
+    data = encode(event)
+    assert decode(data, event_type) == event
+    # The runtime decodes a stream's subjects with a union decoder; the tag must pick the type.
+    back = decode(data, *ALL_EVENTS)
+    assert type(back) is event_type and back == event
+
+
+@pytest.mark.parametrize("event_type", ALL_EVENTS, ids=EVENT_IDS)
+def test_full_instance_sets_every_field_so_round_trip_is_meaningful(event_type):
+    # Guard against the builder silently producing defaults (which would make the round trip
+    # above pass for an encoder that drops fields).
+    event, info = full(event_type), mi.type_info(event_type)
+    wire = msgspec.json.decode(encode(event))
+    for f in info.fields:
+        assert f.encode_name in wire, f"{event_type.__name__}.{f.name} missing on the wire"
+        if not f.required and not isinstance(f.type, mi.LiteralType):
+            assert getattr(event, f.name) != f.default, f"{event_type.__name__}.{f.name} left at default"
+
+
+@pytest.mark.parametrize("event_type", ALL_EVENTS, ids=EVENT_IDS)
+def test_unknown_fields_are_tolerated_at_top_level_and_nested(event_type):
+    event = full(event_type)
+    wire = msgspec.json.decode(encode(event))
+    wire["added_in_v1_1"] = {"anything": [1, 2, 3]}
+    nested = [f.encode_name for f in mi.type_info(event_type).fields if isinstance(f.type, mi.StructType)]
+    for name in nested:
+        wire[name]["nested_future_field"] = "x"
+    assert decode(msgspec.json.encode(wire), event_type) == event
+
+
+def test_unknown_fields_inside_a_nested_record_are_tolerated():
+    # Guards the loop above against finding no nested record at all.
+    wire = msgspec.json.decode(encode(TaskSubmitted(task_id="j")))
+    wire["sla"]["max_queue_s_v2"] = 5
+    assert decode(msgspec.json.encode(wire), TaskSubmitted) == TaskSubmitted(task_id="j")
+
+
+def test_tags_are_versioned_unique_and_in_the_type_field():
+    tags = [e.__struct_config__.tag for e in ALL_EVENTS]
+    assert len(tags) == len(set(tags)), "two events share a tag"
+    for event_type, tag in zip(ALL_EVENTS, tags, strict=True):
+        assert event_type.__struct_config__.tag_field == "type"
+        assert isinstance(tag, str) and re.search(r"\.v[1-9][0-9]*$", tag), tag
+        if tag not in TAGS_WITHOUT_NAME:
+            assert TAG_PATTERN.match(tag), f"{tag} is not <family>.<name>.v<N>"
+        assert msgspec.json.decode(encode(minimal(event_type)))["type"] == tag
+
+
+def test_tag_exceptions_are_still_needed():
+    # When an exception is renamed to follow the rule, this fails so the list gets trimmed.
+    tags = {e.__struct_config__.tag for e in ALL_EVENTS}
+    assert TAGS_WITHOUT_NAME <= tags
+    assert not any(TAG_PATTERN.match(t) for t in TAGS_WITHOUT_NAME)
+
+
+def test_every_event_has_exactly_one_route():
+    assert len({r.event for r in ROUTES}) == len(ROUTES) == len(ALL_EVENTS)
+    for event_type in ALL_EVENTS:
+        assert issubclass(event_type, Event)
+        assert route_for(event_type).event is event_type
+
+
+def test_route_for_unrouted_type_is_an_error():
+    class Stray(Event, frozen=True, kw_only=True, tag="stray.thing.v1"):
+        x: int = 0
+
+    with pytest.raises(LookupError, match="Stray"):
+        route_for(Stray)
+
+
+@pytest.mark.parametrize("event_type", ALL_EVENTS, ids=EVENT_IDS)
+def test_every_route_template_fills_from_a_valid_event(event_type):
+    # Placeholders are filled with the builder's token, so a subject never keeps a brace.
+    event = minimal(event_type, token="tok")
+    subject = subject_for(event)
+    assert "{" not in subject and "}" not in subject
+    msg_id = msg_id_for(event)
+    assert msg_id is None or ("{" not in msg_id and msg_id)
+
+
+# --------------------------------------------------------------------------- decode failures
+
+
+def _submitted_wire() -> dict[str, Any]:
+    return msgspec.json.decode(encode(TaskSubmitted(task_id="job-1")))
+
+
+def test_unknown_tag_is_rejected():
+    wire = _submitted_wire() | {"type": "task.submitted.v99"}
+    with pytest.raises(msgspec.ValidationError, match="Invalid value 'task.submitted.v99'"):
+        decode(msgspec.json.encode(wire), *ALL_EVENTS)
+
+
+def test_tag_of_another_event_is_rejected_by_a_narrow_decoder():
+    data = encode(TaskSubmitted(task_id="job-1"))
+    with pytest.raises(msgspec.ValidationError):
+        decode(data, DecisionMade)
+
+
+def test_missing_tag_is_rejected_by_a_union_decoder():
+    wire = _submitted_wire()
+    del wire["type"]
+    with pytest.raises(msgspec.ValidationError, match="missing required field `type`"):
+        decode(msgspec.json.encode(wire), *ALL_EVENTS)
+
+
+def test_missing_tag_is_accepted_by_a_single_type_decoder():
+    # msgspec only needs the tag to choose between types; a one-type decoder accepts a
+    # payload without it. proto/ still marks `type` required so clients always send it.
+    wire = _submitted_wire()
+    del wire["type"]
+    assert decode(msgspec.json.encode(wire), TaskSubmitted) == TaskSubmitted(task_id="job-1")
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("task_id", 42), ("gpus", "two"), ("kind", "mine"), ("sla", []), ("labels", {"a": 1})],
+)
+def test_wrong_type_is_rejected(field, bad):
+    wire = _submitted_wire() | {field: bad}
+    with pytest.raises(msgspec.ValidationError, match=field):
+        decode(msgspec.json.encode(wire), TaskSubmitted)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"{", b'{"type": "task.submitted.v1", "task_id": }', b"\xff\xfe", b"nul", b'{"task_id": "a"\x00}'],
+)
+def test_bad_json_is_a_decode_error(data):
+    with pytest.raises(msgspec.DecodeError) as info:
+        decode(data, TaskSubmitted)
+    # A structural error (ValidationError) would mean the bytes parsed: these must not.
+    assert not isinstance(info.value, msgspec.ValidationError)
+
+
+# --------------------------------------------------------------------------- subjects and ids
+
+
+def test_sla_offer_subject_carries_the_task():
+    offer = full(SlaOffer)
+    offer = msgspec.structs.replace(offer, task_id="job-7", offer_id="of-3")
+    assert subject_for(offer) == "sla.offer.job-7"
+    assert msg_id_for(offer) == "offer:of-3"
+
+
+def test_node_telemetry_subject_carries_the_node_and_has_no_dedup_id():
+    sample = msgspec.structs.replace(full(NodeTelemetry), node="dgx-a100-03")
+    assert subject_for(sample) == "telemetry.gpu.dgx-a100-03"
+    # High-rate core NATS samples are never de-duplicated.
+    assert msg_id_for(sample) is None
+
+
+def test_dead_letter_subject_prefixes_the_original_subject():
+    dead = DeadLetter(subject="task.submitted", reason="decode", data=b"{", at=1.0)
+    assert subject_for(dead) == "dlq.task.submitted" == dlq_subject("task.submitted")
+    assert msg_id_for(dead) is None
+    nested = msgspec.structs.replace(dead, subject="sla.reply.job-9")
+    assert subject_for(nested) == "dlq.sla.reply.job-9"
+
+
+def test_dead_letter_keeps_original_bytes_exactly():
+    raw = b'\x00{"not": json\xff'
+    dead = DeadLetter(subject="decision.made", reason="bad json", data=raw, at=2.0)
+    assert decode(encode(dead), DeadLetter).data == raw
+
+
+def test_msg_ids_follow_nested_and_multi_field_templates():
+    submitted = TaskSubmitted(task_id="job-1")
+    assert msg_id_for(submitted) == "submit:job-1"
+    life = TaskLifecycle(task_id="job-1", state="oom_killed", at=12.5)
+    assert subject_for(life) == "task.lifecycle.job-1"
+    assert msg_id_for(life) == "life:job-1:oom_killed:12.5"
+    report = full(TopologyReport, token="node-4")
+    assert subject_for(report) == "topology.report.node-4"
+    assert msg_id_for(report) == f"topo:node-4:{report.at}"
+    decision = msgspec.structs.replace(full(DecisionMade), decision_id="d-1")
+    assert (subject_for(decision), msg_id_for(decision)) == ("decision.made", "decision:d-1")
+
+
+def test_same_event_gives_same_msg_id_so_retries_dedupe():
+    a, b = full(DecisionMade), full(DecisionMade)
+    assert a == b and msg_id_for(a) == msg_id_for(b)
+    other = msgspec.structs.replace(a, decision_id="other")
+    assert msg_id_for(other) != msg_id_for(a)

@@ -1,0 +1,146 @@
+"""A client that knows only ``proto/``: hand-written JSON, checked against the committed
+JSON Schema with a tiny validator, must decode with Fleetpilot's own decoder.
+
+The validator is deliberately small (the keywords msgspec emits) so the project needs no
+``jsonschema`` dependency; it is itself tested to reject bad documents.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from fleetpilot.contracts import ALL_EVENTS, DecisionMade, TaskSubmitted, decode
+
+PROTO = Path(__file__).resolve().parents[4] / "proto"
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def validate(instance: Any, node: dict[str, Any], root: dict[str, Any], path: str = "$") -> list[str]:
+    """Errors of ``instance`` against ``node`` (a subset of JSON Schema 2020-12)."""
+    if "$ref" in node:
+        target: Any = root
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        return validate(instance, target, root, path)
+    if "anyOf" in node:
+        if any(not validate(instance, branch, root, path) for branch in node["anyOf"]):
+            return []
+        return [f"{path}: matches no anyOf branch"]
+    errors: list[str] = []
+    if "enum" in node and instance not in node["enum"]:
+        errors.append(f"{path}: {instance!r} not in {node['enum']}")
+    if "type" in node:
+        allowed = _JSON_TYPES[node["type"]]
+        # JSON booleans are not numbers, though Python's bool is an int.
+        if (isinstance(instance, bool) and bool not in allowed) or not isinstance(instance, allowed):
+            return errors + [f"{path}: expected {node['type']}, got {type(instance).__name__}"]
+    if isinstance(instance, dict):
+        for name in node.get("required", []):
+            if name not in instance:
+                errors.append(f"{path}: missing required {name!r}")
+        properties = node.get("properties", {})
+        extra = node.get("additionalProperties", True)
+        for key, value in instance.items():
+            if key in properties:
+                errors += validate(value, properties[key], root, f"{path}.{key}")
+            elif isinstance(extra, dict):
+                errors += validate(value, extra, root, f"{path}.{key}")
+            elif extra is False:
+                errors.append(f"{path}: unexpected {key!r}")
+    if isinstance(instance, list) and "items" in node:
+        for i, item in enumerate(instance):
+            errors += validate(item, node["items"], root, f"{path}[{i}]")
+    return errors
+
+
+def load_schema(tag: str) -> dict[str, Any]:
+    """The committed JSON Schema of one event tag (only ``proto/`` is read)."""
+    return json.loads((PROTO / "jsonschema" / f"{tag}.json").read_text())
+
+
+HAND_WRITTEN_SUBMISSION = """
+{
+  "type": "task.submitted.v1",
+  "task_id": "go-client-0001",
+  "kind": "train",
+  "gpus": 2,
+  "gpu_memory_mb": 40000,
+  "gpu_models": ["A100-80GB", "H100-80GB"],
+  "sla": {"tier": "vip", "max_queue_s": 120, "deadline": 1893456000},
+  "labels": {"team": "vision"},
+  "image": "ghcr.io/acme/trainer:1.4",
+  "command": ["python", "train.py"],
+  "expected_duration_s": 3600.5,
+  "client_version": "go/1.2.0"
+}
+"""
+
+
+def test_hand_written_task_submitted_validates_and_decodes():
+    schema = load_schema("task.submitted.v1")
+    doc = json.loads(HAND_WRITTEN_SUBMISSION)
+    assert validate(doc, schema, schema) == []
+    task = decode(HAND_WRITTEN_SUBMISSION.encode(), TaskSubmitted)
+    assert isinstance(task, TaskSubmitted)
+    assert (task.task_id, task.gpus, task.sla.tier, task.sla.max_queue_s) == ("go-client-0001", 2, "vip", 120)
+    # The same bytes also decode through the all-events union a consumer would use.
+    assert decode(HAND_WRITTEN_SUBMISSION.encode(), *ALL_EVENTS) == task
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda d: d.pop("task_id"), "missing required 'task_id'"),
+        (lambda d: d.pop("type"), "missing required 'type'"),
+        (lambda d: d.update(type="task.submitted.v2"), "not in"),
+        (lambda d: d.update(gpus="2"), "expected integer"),
+        (lambda d: d.update(gpus=True), "expected integer"),
+        (lambda d: d.update(kind="gaming"), "not in"),
+        (lambda d: d["sla"].update(tier="gold"), "$.sla.tier"),
+        (lambda d: d["labels"].update(team=7), "$.labels.team"),
+        (lambda d: d.update(command="python train.py"), "$.command"),
+    ],
+)
+def test_schema_and_decoder_agree_on_invalid_submissions(mutate, error):
+    schema = load_schema("task.submitted.v1")
+    doc = json.loads(HAND_WRITTEN_SUBMISSION)
+    mutate(doc)
+    errors = validate(doc, schema, schema)
+    assert any(error in e for e in errors), errors
+    if "type" in doc:
+        # Everything the schema rejects, the service rejects too (a missing tag is the one
+        # case only the schema catches; see test_contracts).
+        with pytest.raises(msgspec.ValidationError):
+            decode(json.dumps(doc).encode(), TaskSubmitted)
+
+
+def _readme_examples() -> list[dict[str, Any]]:
+    text = (PROTO / "README.md").read_text()
+    return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, flags=re.S)]
+
+
+def test_readme_examples_validate_against_proto_and_decode():
+    examples = _readme_examples()
+    tags = [e["type"] for e in examples]
+    assert "task.submitted.v1" in tags and "decision.made.v1" in tags
+    for example in examples:
+        schema = load_schema(example["type"])
+        assert validate(example, schema, schema) == [], example["type"]
+        event = decode(json.dumps(example).encode(), *ALL_EVENTS)
+        assert event.__struct_config__.tag == example["type"]
+    decision = next(e for e in examples if e["type"] == "decision.made.v1")
+    assert isinstance(decode(json.dumps(decision).encode(), DecisionMade), DecisionMade)

@@ -1,0 +1,183 @@
+"""``proto/`` is generated from the code, committed, and must never drift from it.
+
+Also checks that the AsyncAPI document describes the whole bus: every route, header,
+stream, durable consumer and bucket, with every ``$ref`` resolvable.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fleetpilot.contracts import ALL_EVENTS, BUCKETS, CONSUMERS, ROUTES, STREAMS, schema
+
+PROTO = Path(__file__).resolve().parents[4] / "proto"
+
+
+def _resolve(doc: dict[str, Any], ref: str) -> Any:
+    assert ref.startswith("#/"), f"non-local $ref {ref}"
+    node: Any = doc
+    for part in ref[2:].split("/"):
+        node = node[part]
+    return node
+
+
+def _all_refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _all_refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _all_refs(v)]
+    return []
+
+
+def test_committed_proto_matches_the_code():
+    assert PROTO.is_dir(), "proto/ is missing"
+    drifted = schema.drift(PROTO)
+    assert drifted == [], f"run `python -m fleetpilot.contracts.schema --write`; drifted: {drifted}"
+
+
+def test_rendering_is_deterministic():
+    assert schema.render() == schema.render()
+
+
+def test_check_reports_drift_in_one_line_and_write_repairs_it(tmp_path, capsys):
+    proto = tmp_path / "proto"
+    assert schema.main(["--write", "--proto-dir", str(proto)]) == 0
+    assert schema.main(["--check", "--proto-dir", str(proto)]) == 0
+
+    edited = proto / "jsonschema" / "task.submitted.v1.json"
+    edited.write_text(edited.read_text() + " ")
+    (proto / "asyncapi.yaml").unlink()
+    (proto / "jsonschema" / "task.removed.v1.json").write_text("{}")
+    capsys.readouterr()
+    assert schema.main(["--check", "--proto-dir", str(proto)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for name in ("asyncapi.yaml", "jsonschema/task.submitted.v1.json", "jsonschema/task.removed.v1.json"):
+        assert name in err
+
+    assert schema.main(["--write", "--proto-dir", str(proto)]) == 0
+    assert schema.drift(proto) == []
+    assert not (proto / "jsonschema" / "task.removed.v1.json").exists()
+
+
+def test_check_passes_on_a_copy_of_the_committed_proto(tmp_path):
+    shutil.copytree(PROTO, tmp_path / "proto")
+    assert schema.main(["--check", "--proto-dir", str(tmp_path / "proto")]) == 0
+
+
+# --------------------------------------------------------------------------- JSON Schema
+
+
+def test_one_self_contained_schema_per_event():
+    files = {p.name for p in (PROTO / "jsonschema").glob("*.json")}
+    tags = {schema.tag_of(e) for e in ALL_EVENTS}
+    assert files == {f"{t}.json" for t in tags} | {"all.json"}
+    for tag in tags:
+        doc = json.loads((PROTO / "jsonschema" / f"{tag}.json").read_text())
+        assert doc["$schema"] == schema.JSON_SCHEMA_DIALECT
+        root = _resolve(doc, doc["$ref"])
+        assert root["properties"]["type"] == {"enum": [tag]}
+        assert "type" in root["required"]
+        # Unknown fields must stay allowed for forward compatibility.
+        assert root.get("additionalProperties", True) is not False
+        for ref in _all_refs(doc):
+            _resolve(doc, ref)
+
+
+def test_all_json_covers_every_event():
+    doc = json.loads((PROTO / "jsonschema" / "all.json").read_text())
+    names = [_resolve(doc, branch["$ref"])["title"] for branch in doc["oneOf"]]
+    assert names == [e.__name__ for e in ALL_EVENTS]
+
+
+# --------------------------------------------------------------------------- AsyncAPI
+
+
+@pytest.fixture(scope="module")
+def asyncapi() -> dict[str, Any]:
+    return yaml.safe_load((PROTO / "asyncapi.yaml").read_text())
+
+
+def test_asyncapi_basics(asyncapi):
+    assert asyncapi["asyncapi"] == "3.0.0"
+    assert asyncapi["servers"]["nats"]["protocol"] == "nats"
+    assert asyncapi["defaultContentType"] == "application/json"
+    assert "`type`" in asyncapi["info"]["description"]
+    assert "&id" not in (PROTO / "asyncapi.yaml").read_text()
+    for ref in _all_refs(asyncapi):
+        _resolve(asyncapi, ref)
+
+
+def test_every_route_has_a_channel_message_and_operations(asyncapi):
+    by_address = {c["address"]: (cid, c) for cid, c in asyncapi["channels"].items()}
+    assert len(by_address) == len(ROUTES)
+    for route in ROUTES:
+        address = route.subject.replace("{node.node}", "{node}")
+        cid, channel = by_address[address]
+        name = route.event.__name__
+        for param in channel.get("parameters", {}):
+            assert "{" + param + "}" in address and channel["parameters"][param]["description"]
+        assert ("{" in address) == bool(channel.get("parameters"))
+        message = asyncapi["components"]["messages"][name]
+        assert message["name"] == schema.tag_of(route.event)
+        assert message["payload"] == {"$ref": f"#/components/schemas/{name}"}
+        headers = message["headers"]["properties"]
+        assert "traceparent" in headers
+        assert ("Nats-Msg-Id" in headers) == (route.msg_id is not None)
+        actions = {
+            op["action"]
+            for op in asyncapi["operations"].values()
+            if op["channel"]["$ref"] == f"#/channels/{cid}"
+        }
+        assert actions == {"send", "receive"}
+
+
+def test_task_submitted_documents_auth_and_idempotency(asyncapi):
+    headers = asyncapi["components"]["messages"]["TaskSubmitted"]["headers"]["properties"]
+    assert "Bearer" in headers["Authorization"]["description"]
+    assert "submit:{task_id}" in headers["Nats-Msg-Id"]["description"]
+
+
+def test_dead_letter_channel_is_documented(asyncapi):
+    dlq = asyncapi["channels"]["dlq"]
+    assert dlq["address"] == "dlq.{subject}"
+    assert "dlq.>" in dlq["parameters"]["subject"]["description"]
+    assert asyncapi["channels"]["decision_made"]["x-fleetpilot"]["deadLetter"] == "dlq.decision.made"
+    assert "dlq." in asyncapi["x-fleetpilot"]["deadLetter"]
+
+
+def test_bus_layout_extension_mirrors_the_catalog(asyncapi):
+    layout = asyncapi["x-fleetpilot"]
+    assert [s["name"] for s in layout["streams"]] == [s.name for s in STREAMS]
+    assert {c["durable"] for c in layout["consumers"]} == set(CONSUMERS)
+    assert [b["name"] for b in layout["buckets"]] == [b.name for b in BUCKETS]
+    for channel in asyncapi["channels"].values():
+        assert channel["x-fleetpilot"]["stream"] in {s.name for s in STREAMS}
+    consumers = {
+        c for ch in asyncapi["channels"].values() for c in ch["x-fleetpilot"].get("durableConsumers", [])
+    }
+    # Every durable consumer reads at least one documented channel.
+    assert consumers == set(CONSUMERS)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "expected"),
+    [
+        ("task.>", "task.submitted", True),
+        ("task.>", "task", False),
+        ("sla.reply.*", "sla.reply.job", True),
+        ("sla.reply.*", "sla.reply.job.x", False),
+        ("action.>", "action.failed", True),
+        ("decision.made", "decision.made", True),
+        ("decision.made", "decision.made.x", False),
+        ("telemetry.*", "telemetry.gpu.n1", False),
+    ],
+)
+def test_subject_matching(pattern, subject, expected):
+    assert schema.subject_matches(pattern, subject) is expected
