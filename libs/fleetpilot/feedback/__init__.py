@@ -1,0 +1,42 @@
+"""The feedback store: every action's outcome stored once, with exact running statistics.
+
+``SqliteFeedbackStore`` is the embedded default, ``PostgresFeedbackStore`` the production
+backend; both implement :class:`FeedbackStore` and keep aggregates that
+:func:`recompute` reproduces exactly from the raw rows.
+"""
+
+from .aggregates import (
+    KEY_FIELDS,
+    Aggregate,
+    FeedbackRow,
+    ReliabilityBin,
+    Totals,
+    nearest_rank,
+    recompute,
+    row_from_event,
+)
+from .migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
+from .postgres_store import PostgresFeedbackStore
+from .retry import backoff_delay, is_retryable
+from .sqlite_store import SqliteFeedbackStore
+from .store import FeedbackStore
+
+__all__ = [
+    "KEY_FIELDS",
+    "Aggregate",
+    "FeedbackRow",
+    "FeedbackStore",
+    "Migration",
+    "POSTGRES_MIGRATIONS",
+    "PostgresFeedbackStore",
+    "ReliabilityBin",
+    "SQLITE_MIGRATIONS",
+    "SqliteFeedbackStore",
+    "Totals",
+    "backoff_delay",
+    "is_retryable",
+    "nearest_rank",
+    "pending",
+    "recompute",
+    "row_from_event",
+]

@@ -1,0 +1,307 @@
+"""Pure feedback aggregation: from raw feedback rows to per-key statistics.
+
+Every sum is kept in **fixed-point integers** so that it is independent of the order in
+which rows were added. That is what lets a store maintain aggregates incrementally (one
+``UPSERT ... SET x = x + excluded.x`` per record, under concurrency, in any order) and
+still be *exactly* equal to :func:`recompute` over the raw rows — float sums would differ in
+the last bits depending on the order of additions.
+
+Fixed-point units:
+
+- weights, confidences and success indicators: ``1 / UNIT`` (``UNIT = 10_000``);
+- latency: microseconds (``latency_us``);
+- resource saving: ``1/1000`` MB (``saving_milli_mb``).
+
+Weighting: a record's weight is ``1 - latency_ms.uncertainty_score`` clipped to 0..1 (a
+record whose latency we could not measure says little about how the action went). A
+success is ``outcome == "success"``; every other outcome (``partial`` included) is a
+failure for the success rate.
+
+Calibration: ``expected_successes`` is the sum of predicted confidences, ``successes`` the
+observed count; the Brier score is ``mean((confidence - success)^2)``; the reliability
+table splits records into ``CALIBRATION_BINS`` equal confidence bins.
+
+p95 latency uses the nearest-rank definition (``sorted[ceil(0.95 n) - 1]``), the same as
+PostgreSQL's ``percentile_disc(0.95)``, computed from raw rows at query time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+import msgspec
+
+from fleetpilot.contracts import FeedbackRecorded
+
+KeyField = Literal["policy", "shard_id", "task_kind", "gpu_model"]
+KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_model")
+UNIT = 10_000
+CALIBRATION_BINS = 10
+P95 = 0.95
+
+BaseKey = tuple[str, str, str, str]
+
+
+class FeedbackRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One feedback record reduced to the quantised columns a store keeps per raw row."""
+
+    action_id: str
+    policy: str
+    shard_id: str
+    task_kind: str
+    gpu_model: str
+    success: int
+    weight_units: int
+    latency_us: int
+    saving_milli_mb: int
+    confidence_units: int
+    side_effects: int
+
+    @property
+    def key(self) -> BaseKey:
+        """The full aggregation key (policy, shard_id, task_kind, gpu_model)."""
+        return (self.policy, self.shard_id, self.task_kind, self.gpu_model)
+
+    @property
+    def calibration_bin(self) -> int:
+        """Index of this row's confidence bin (0 .. CALIBRATION_BINS - 1)."""
+        return calibration_bin(self.confidence_units)
+
+
+def policy_label(name: str, version: str) -> str:
+    """The ``policy`` key of a record: ``name@version`` so versions compare side by side."""
+    return f"{name}@{version}"
+
+
+def _clip01(value: float) -> float:
+    return 0.0 if not math.isfinite(value) else min(max(value, 0.0), 1.0)
+
+
+def calibration_bin(confidence_units: int) -> int:
+    """The reliability bin of a confidence given in ``1/UNIT``; 1.0 falls in the top bin."""
+    return min(confidence_units * CALIBRATION_BINS // UNIT, CALIBRATION_BINS - 1)
+
+
+def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
+    """Quantise one feedback event into the row a store keeps (the only rounding step)."""
+    latency_ms = event.latency_ms.value if math.isfinite(event.latency_ms.value) else 0.0
+    saving = event.resource_saving_mb if math.isfinite(event.resource_saving_mb) else 0.0
+    return FeedbackRow(
+        action_id=event.action_id,
+        policy=policy_label(event.policy.name, event.policy.version),
+        shard_id=event.shard_id,
+        task_kind=event.task_kind,
+        gpu_model=event.gpu_model,
+        success=1 if event.outcome == "success" else 0,
+        weight_units=round((1.0 - _clip01(event.latency_ms.uncertainty_score)) * UNIT),
+        latency_us=max(round(latency_ms * 1000.0), 0),
+        saving_milli_mb=round(saving * 1000.0),
+        confidence_units=round(_clip01(event.confidence) * UNIT),
+        side_effects=1 if event.unexpected_side_effect else 0,
+    )
+
+
+class Totals(msgspec.Struct, kw_only=True):
+    """Order-independent integer sums over a set of rows (the stored aggregate row)."""
+
+    count: int = 0
+    successes: int = 0
+    weight_units: int = 0
+    weighted_success_units: int = 0
+    latency_us: int = 0
+    weighted_latency: int = 0
+    saving_milli_mb: int = 0
+    confidence_units: int = 0
+    brier_units2: int = 0
+    side_effects: int = 0
+
+    def add(self, other: Totals) -> None:
+        """Add another set of sums into this one, in place."""
+        for field in self.__struct_fields__:
+            setattr(self, field, getattr(self, field) + getattr(other, field))
+
+
+TOTALS_FIELDS: tuple[str, ...] = Totals.__struct_fields__
+
+
+def totals_of(row: FeedbackRow) -> Totals:
+    """The contribution of one row to its key's sums (what a store adds per record)."""
+    error = row.confidence_units - row.success * UNIT
+    return Totals(
+        count=1,
+        successes=row.success,
+        weight_units=row.weight_units,
+        weighted_success_units=row.weight_units * row.success,
+        latency_us=row.latency_us,
+        weighted_latency=row.weight_units * row.latency_us,
+        saving_milli_mb=row.saving_milli_mb,
+        confidence_units=row.confidence_units,
+        brier_units2=error * error,
+        side_effects=row.side_effects,
+    )
+
+
+class BinTotals(msgspec.Struct, kw_only=True):
+    """Sums of one confidence bin of one key (the stored calibration row)."""
+
+    count: int = 0
+    confidence_units: int = 0
+    successes: int = 0
+
+    def add(self, other: BinTotals) -> None:
+        """Add another bin's sums into this one, in place."""
+        self.count += other.count
+        self.confidence_units += other.confidence_units
+        self.successes += other.successes
+
+
+class ReliabilityBin(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of a reliability table: predicted vs observed success in a confidence band."""
+
+    lower: float
+    upper: float
+    count: int
+    mean_confidence: float
+    observed_rate: float
+
+
+class Aggregate(msgspec.Struct, frozen=True, kw_only=True):
+    """Statistics of one group of feedback records.
+
+    ``key`` maps each grouping field to its value. The integer sums are exact; the float
+    figures are derived from them deterministically, so two aggregates over the same rows
+    compare equal with ``==`` whatever order the rows were added in.
+    """
+
+    key: dict[str, str]
+    count: int
+    successes: int
+    success_rate: float
+    weighted_success_rate: float | None
+    mean_latency_ms: float
+    weighted_mean_latency_ms: float | None
+    p95_latency_ms: float
+    mean_resource_saving_mb: float
+    total_resource_saving_mb: float
+    expected_successes: float
+    calibration_gap: float
+    brier_score: float
+    side_effect_rate: float
+    reliability: list[ReliabilityBin]
+    totals: Totals
+
+
+def nearest_rank(values: Sequence[int], q: float = P95) -> int:
+    """The ``q`` quantile by nearest rank (PostgreSQL's ``percentile_disc``); 0 if empty."""
+    if not values:
+        return 0
+    ordered = sorted(values)
+    rank = max(math.ceil(q * len(ordered)), 1)
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _reliability(bins: Mapping[int, BinTotals]) -> list[ReliabilityBin]:
+    table = []
+    for index in sorted(bins):
+        b = bins[index]
+        if b.count == 0:
+            continue
+        table.append(
+            ReliabilityBin(
+                lower=index / CALIBRATION_BINS,
+                upper=(index + 1) / CALIBRATION_BINS,
+                count=b.count,
+                mean_confidence=b.confidence_units / UNIT / b.count,
+                observed_rate=b.successes / b.count,
+            )
+        )
+    return table
+
+
+def finish(key: dict[str, str], totals: Totals, bins: Mapping[int, BinTotals], p95_us: int) -> Aggregate:
+    """Derive an :class:`Aggregate` from exact sums (shared by stores and :func:`recompute`)."""
+    n = totals.count
+    w = totals.weight_units
+    return Aggregate(
+        key=key,
+        count=n,
+        successes=totals.successes,
+        success_rate=totals.successes / n if n else 0.0,
+        weighted_success_rate=totals.weighted_success_units / w if w else None,
+        mean_latency_ms=totals.latency_us / n / 1000.0 if n else 0.0,
+        weighted_mean_latency_ms=totals.weighted_latency / w / 1000.0 if w else None,
+        p95_latency_ms=p95_us / 1000.0,
+        mean_resource_saving_mb=totals.saving_milli_mb / n / 1000.0 if n else 0.0,
+        total_resource_saving_mb=totals.saving_milli_mb / 1000.0,
+        expected_successes=totals.confidence_units / UNIT,
+        calibration_gap=(totals.confidence_units / UNIT - totals.successes) / n if n else 0.0,
+        brier_score=totals.brier_units2 / (UNIT * UNIT) / n if n else 0.0,
+        side_effect_rate=totals.side_effects / n if n else 0.0,
+        reliability=_reliability(bins),
+        totals=totals,
+    )
+
+
+def validate_by(by: Sequence[str]) -> tuple[KeyField, ...]:
+    """Check a grouping: a non-repeating subset of ``KEY_FIELDS`` (an empty one = overall)."""
+    fields = tuple(by)
+    unknown = [f for f in fields if f not in KEY_FIELDS]
+    if unknown or len(set(fields)) != len(fields):
+        raise ValueError(f"group by a subset of {KEY_FIELDS}, got {fields}")
+    return fields  # type: ignore[return-value]
+
+
+def project(key: BaseKey, by: Sequence[str]) -> tuple[str, ...]:
+    """The values of ``by`` fields from a full key."""
+    return tuple(key[KEY_FIELDS.index(f)] for f in by)  # type: ignore[arg-type]
+
+
+def assemble(
+    base: Mapping[BaseKey, Totals],
+    bins: Mapping[tuple[BaseKey, int], BinTotals],
+    p95_us: Mapping[tuple[str, ...], int],
+    by: Sequence[str],
+) -> list[Aggregate]:
+    """Roll full-key sums up to the ``by`` grouping; ``p95_us`` is keyed by the projection.
+
+    Used by the stores over their stored aggregate rows and by :func:`recompute` over raw
+    rows, so the two paths differ only in where the sums come from.
+    """
+    fields = validate_by(by)
+    groups: dict[tuple[str, ...], Totals] = {}
+    group_bins: dict[tuple[str, ...], dict[int, BinTotals]] = {}
+    for key, totals in base.items():
+        group = project(key, fields)
+        groups.setdefault(group, Totals()).add(totals)
+    for (key, index), b in bins.items():
+        group = project(key, fields)
+        group_bins.setdefault(group, {}).setdefault(index, BinTotals()).add(b)
+    return [
+        finish(dict(zip(fields, group, strict=True)), groups[group], group_bins.get(group, {}), p95_us.get(group, 0))
+        for group in sorted(groups)
+    ]
+
+
+def p95_by_group(rows: Iterable[tuple[BaseKey, int]], by: Sequence[str]) -> dict[tuple[str, ...], int]:
+    """Nearest-rank p95 of latency (µs) per ``by`` group from ``(full key, latency_us)`` pairs."""
+    fields = validate_by(by)
+    latencies: dict[tuple[str, ...], list[int]] = {}
+    for key, latency in rows:
+        latencies.setdefault(project(key, fields), []).append(latency)
+    return {group: nearest_rank(values) for group, values in latencies.items()}
+
+
+def recompute(rows: Iterable[FeedbackRow], by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
+    """Aggregates computed from scratch over raw rows: the reference the stores must match."""
+    base: dict[BaseKey, Totals] = {}
+    bins: dict[tuple[BaseKey, int], BinTotals] = {}
+    latencies: list[tuple[BaseKey, int]] = []
+    for row in rows:
+        base.setdefault(row.key, Totals()).add(totals_of(row))
+        bins.setdefault((row.key, row.calibration_bin), BinTotals()).add(
+            BinTotals(count=1, confidence_units=row.confidence_units, successes=row.success)
+        )
+        latencies.append((row.key, row.latency_us))
+    return assemble(base, bins, p95_by_group(latencies, by), by)

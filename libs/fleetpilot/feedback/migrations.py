@@ -1,0 +1,89 @@
+"""Versioned schema migrations for both feedback store backends.
+
+Each backend has an ordered list of :class:`Migration`; a store applies at start-up the ones
+missing from its ``schema_migrations`` table, in order, each in its own transaction, so
+starting a store (or several at once) on an up-to-date database changes nothing. Versions
+are never edited once released: a change is a new migration at the end of the list.
+
+Aggregate sums are integers (see :mod:`fleetpilot.feedback.aggregates`): ``BIGINT`` in
+SQLite (64-bit; an overflow raises instead of wrapping) and ``NUMERIC`` in PostgreSQL
+(arbitrary precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+
+class Migration(msgspec.Struct, frozen=True, kw_only=True):
+    """One schema step: a version number, a name and the SQL statements it runs."""
+
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations ("
+    " version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+)
+
+_KEY_COLUMNS = "policy TEXT NOT NULL, shard_id TEXT NOT NULL, task_kind TEXT NOT NULL, gpu_model TEXT NOT NULL"
+
+
+def _tables(sum_type: str, payload_type: str) -> tuple[str, ...]:
+    sums = ", ".join(
+        f"{name} {sum_type} NOT NULL DEFAULT 0"
+        for name in (
+            "count", "successes", "weight_units", "weighted_success_units", "latency_us",
+            "weighted_latency", "saving_milli_mb", "confidence_units", "brier_units2", "side_effects",
+        )
+    )
+    return (
+        "CREATE TABLE feedback_raw ("
+        " action_id TEXT PRIMARY KEY, " + _KEY_COLUMNS + ","
+        " success INTEGER NOT NULL, weight_units INTEGER NOT NULL, latency_us BIGINT NOT NULL,"
+        " saving_milli_mb BIGINT NOT NULL, confidence_units INTEGER NOT NULL,"
+        " side_effects INTEGER NOT NULL, recorded_at DOUBLE PRECISION NOT NULL,"
+        f" payload {payload_type} NOT NULL)",
+        f"CREATE TABLE feedback_aggregate ({_KEY_COLUMNS}, {sums},"
+        " PRIMARY KEY (policy, shard_id, task_kind, gpu_model))",
+        f"CREATE TABLE feedback_calibration ({_KEY_COLUMNS}, bin INTEGER NOT NULL,"
+        f" count {sum_type} NOT NULL DEFAULT 0, confidence_units {sum_type} NOT NULL DEFAULT 0,"
+        f" successes {sum_type} NOT NULL DEFAULT 0,"
+        " PRIMARY KEY (policy, shard_id, task_kind, gpu_model, bin))",
+    )
+
+
+_KEY_INDEX = (
+    "CREATE INDEX IF NOT EXISTS feedback_raw_key ON feedback_raw"
+    " (policy, shard_id, task_kind, gpu_model, latency_us)",
+)
+
+SQLITE_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT")),
+    Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
+)
+
+POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(version=1, name="raw and aggregate tables", statements=_tables("NUMERIC", "TEXT")),
+    Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
+)
+
+
+def pending(migrations: Sequence[Migration], applied: Iterable[int]) -> list[Migration]:
+    """The migrations still to apply, in order; raises if the list itself is malformed.
+
+    Versions must run 1, 2, 3 ... without gaps, and a database may not know a version the
+    code does not (that would be a downgrade).
+    """
+    versions = [m.version for m in migrations]
+    if versions != list(range(1, len(versions) + 1)):
+        raise ValueError(f"migration versions must be 1..n in order, got {versions}")
+    done = set(applied)
+    unknown = done - set(versions)
+    if unknown:
+        raise ValueError(f"database has migrations this code does not know: {sorted(unknown)}")
+    return [m for m in migrations if m.version not in done]

@@ -1,0 +1,231 @@
+"""The production feedback store: PostgreSQL via asyncpg, SERIALIZABLE with retry.
+
+Each record is one SERIALIZABLE transaction running a single statement: a data-modifying
+CTE that inserts the raw row (``ON CONFLICT (action_id) DO NOTHING``) and, from the rows
+that insert returned, upserts the aggregate and calibration rows of its key. A conflicting
+writer gets SQLSTATE 40001 (or 40P01 on a deadlock); the whole transaction is retried
+after an exponential backoff with jitter (:mod:`fleetpilot.feedback.retry`), so no record is
+lost or counted twice.
+
+The store lives in its own schema (``schema=``, created if missing), which is how tests run
+side by side without colliding; migrations are applied at start-up under a transaction-
+scoped advisory lock so several replicas may start at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import asyncpg
+
+from fleetpilot.contracts import FeedbackRecorded, decode, encode
+
+from .aggregates import (
+    KEY_FIELDS,
+    P95,
+    TOTALS_FIELDS,
+    Aggregate,
+    BinTotals,
+    Totals,
+    assemble,
+    row_from_event,
+    totals_of,
+    validate_by,
+)
+from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending
+from .retry import backoff_delay, is_retryable
+
+T = TypeVar("T")
+
+_KEYS = "policy, shard_id, task_kind, gpu_model"
+_RAW_COLUMNS = (
+    "action_id", "policy", "shard_id", "task_kind", "gpu_model", "success", "weight_units",
+    "latency_us", "saving_milli_mb", "confidence_units", "side_effects", "recorded_at", "payload",
+)
+_N_RAW = len(_RAW_COLUMNS)
+_CONFIDENCE_ARG = _RAW_COLUMNS.index("confidence_units") + 1
+_SUCCESS_ARG = _RAW_COLUMNS.index("success") + 1
+_BIN_ARG = _N_RAW + len(TOTALS_FIELDS) + 1
+# One round trip per record: the calibration row reuses the raw row's confidence and
+# success parameters; the aggregate and calibration upserts read from ``ins``, so they do
+# nothing when the action_id was already stored.
+_RECORD = (
+    f"WITH ins AS (INSERT INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
+    f" VALUES ({', '.join(f'${i + 1}' for i in range(_N_RAW))})"
+    f" ON CONFLICT (action_id) DO NOTHING RETURNING {_KEYS}),"
+    f" agg AS (INSERT INTO feedback_aggregate ({_KEYS}, {', '.join(TOTALS_FIELDS)})"
+    f" SELECT {_KEYS}, "
+    + ", ".join(f"${_N_RAW + i + 1}::numeric" for i in range(len(TOTALS_FIELDS)))
+    + f" FROM ins ON CONFLICT ({_KEYS}) DO UPDATE SET "
+    + ", ".join(f"{f} = feedback_aggregate.{f} + excluded.{f}" for f in TOTALS_FIELDS)
+    + "),"
+    f" cal AS (INSERT INTO feedback_calibration ({_KEYS}, bin, count, confidence_units, successes)"
+    f" SELECT {_KEYS}, ${_BIN_ARG}::integer, 1, ${_CONFIDENCE_ARG}::numeric, ${_SUCCESS_ARG}::numeric FROM ins"
+    f" ON CONFLICT ({_KEYS}, bin) DO UPDATE SET count = feedback_calibration.count + 1,"
+    " confidence_units = feedback_calibration.confidence_units + excluded.confidence_units,"
+    " successes = feedback_calibration.successes + excluded.successes)"
+    " SELECT count(*) FROM ins"
+)
+
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class PostgresFeedbackStore:
+    """A :class:`~fleetpilot.feedback.store.FeedbackStore` on PostgreSQL; build with :meth:`open`."""
+
+    def __init__(self, pool: asyncpg.Pool, schema: str, *, max_attempts: int = 50, rng: random.Random | None = None) -> None:
+        """Wrap an open pool whose ``search_path`` is ``schema``; prefer :meth:`open`."""
+        self._pool = pool
+        self.schema = schema
+        self._max_attempts = max_attempts
+        self._rng = rng or random.Random()
+        self.retries = 0
+        """How many transactions were rerun after a serialization failure or deadlock."""
+
+    @classmethod
+    async def open(
+        cls, dsn: str, *, schema: str = "fleetpilot_feedback", min_size: int = 1, max_size: int = 8, max_attempts: int = 50
+    ) -> PostgresFeedbackStore:
+        """Connect, create ``schema`` if needed and apply pending migrations idempotently."""
+        if not _SCHEMA_NAME.match(schema):
+            raise ValueError(f"schema must be a lower-case SQL identifier, got {schema!r}")
+        bootstrap = await asyncpg.connect(dsn)
+        try:
+            await _retrying(lambda: bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'), 10, random.Random())
+        finally:
+            await bootstrap.close()
+        pool = await asyncpg.create_pool(
+            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
+        )
+        store = cls(pool, schema, max_attempts=max_attempts)
+        try:
+            await store._migrate()
+        except BaseException:
+            await pool.close()
+            raise
+        return store
+
+    async def _migrate(self) -> None:
+        async def apply(conn: asyncpg.Connection) -> None:
+            # Serialises concurrent start-ups; released at commit.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"migrate:{self.schema}")
+            await conn.execute(MIGRATIONS_TABLE)
+            applied = [r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")]
+            for migration in pending(POSTGRES_MIGRATIONS, applied):
+                for statement in migration.statements:
+                    await conn.execute(statement)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
+                    migration.version, migration.name, time.time(),
+                )
+
+        await self._transaction(apply, isolation="read_committed")
+
+    async def applied_migrations(self) -> list[int]:
+        """Versions recorded in ``schema_migrations``."""
+        async with self._pool.acquire() as conn:
+            return [r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")]
+
+    async def _transaction(self, body: Callable[[asyncpg.Connection], Awaitable[T]], *, isolation: str = "serializable", readonly: bool = False) -> T:
+        async def once() -> T:
+            async with self._pool.acquire() as conn, conn.transaction(isolation=isolation, readonly=readonly):
+                return await body(conn)
+
+        result, retries = await _retrying_counted(once, self._max_attempts, self._rng)
+        self.retries += retries
+        return result
+
+    async def record(self, event: FeedbackRecorded) -> bool:
+        """Store one outcome once (SERIALIZABLE, retried); ``False`` for a known ``action_id``."""
+        row = row_from_event(event)
+        totals = totals_of(row)
+        args: tuple[Any, ...] = (
+            row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.success,
+            row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units,
+            row.side_effects, event.recorded_at, encode(event).decode(),
+            *(getattr(totals, f) for f in TOTALS_FIELDS), row.calibration_bin,
+        )
+
+        async def body(conn: asyncpg.Connection) -> bool:
+            return await conn.fetchval(_RECORD, *args) == 1
+
+        return await self._transaction(body)
+
+    async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
+        """Stored sums rolled up to ``by``; p95 by ``percentile_disc`` over raw rows, one snapshot."""
+        fields = validate_by(by)
+        group = f" GROUP BY {', '.join(fields)}" if fields else ""
+        select_keys = f"{', '.join(fields)}, " if fields else ""
+
+        async def body(conn: asyncpg.Connection) -> list[Aggregate]:
+            base = {
+                (r[0], r[1], r[2], r[3]): Totals(**{f: int(r[f]) for f in TOTALS_FIELDS})
+                for r in await conn.fetch(f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate")
+            }
+            bins = {
+                ((r[0], r[1], r[2], r[3]), r[4]): BinTotals(
+                    count=int(r[5]), confidence_units=int(r[6]), successes=int(r[7])
+                )
+                for r in await conn.fetch(
+                    f"SELECT {_KEYS}, bin, count, confidence_units, successes FROM feedback_calibration"
+                )
+            }
+            p95 = {
+                tuple(r[: len(fields)]): int(r[len(fields)])
+                for r in await conn.fetch(
+                    f"SELECT {select_keys}percentile_disc({P95}::float8) WITHIN GROUP (ORDER BY latency_us)"
+                    f" FROM feedback_raw{group}"
+                )
+                if r[len(fields)] is not None
+            }
+            return assemble(base, bins, p95, fields)
+
+        return await self._transaction(body, isolation="repeatable_read", readonly=True)
+
+    async def raw(self) -> AsyncIterator[FeedbackRecorded]:
+        """Every stored record in ``action_id`` order, read in pages of 500."""
+        after = ""
+        while True:
+            async with self._pool.acquire() as conn:
+                page = await conn.fetch(
+                    "SELECT action_id, payload FROM feedback_raw WHERE action_id > $1 ORDER BY action_id LIMIT 500",
+                    after,
+                )
+            if not page:
+                return
+            for r in page:
+                yield decode(r["payload"].encode(), FeedbackRecorded)
+            after = page[-1]["action_id"]
+
+    async def drop_schema(self) -> None:
+        """Drop this store's schema and everything in it (tests and teardown only)."""
+        async with self._pool.acquire() as conn:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._pool.close()
+
+
+async def _retrying_counted(fn: Callable[[], Awaitable[T]], max_attempts: int, rng: random.Random) -> tuple[T, int]:
+    for attempt in range(max_attempts):
+        try:
+            return await fn(), attempt
+        except asyncpg.PostgresError as error:
+            if not is_retryable(error) or attempt == max_attempts - 1:
+                raise
+            await asyncio.sleep(backoff_delay(attempt, rng=rng))
+    raise AssertionError("unreachable")
+
+
+async def _retrying(fn: Callable[[], Awaitable[T]], max_attempts: int, rng: random.Random) -> T:
+    try:
+        return (await _retrying_counted(fn, max_attempts, rng))[0]
+    except asyncpg.UniqueViolationError:
+        # Two CREATE SCHEMA IF NOT EXISTS racing: the other one won, which is what we wanted.
+        return None  # type: ignore[return-value]

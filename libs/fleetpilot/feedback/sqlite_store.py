@@ -1,0 +1,190 @@
+"""The default feedback store: one SQLite file (stdlib ``sqlite3``) in WAL mode.
+
+One connection is shared behind a lock and every call runs in a worker thread
+(``asyncio.to_thread``) so the event loop never blocks on disk. Each record is one
+``BEGIN IMMEDIATE`` transaction that inserts the raw row (``INSERT OR IGNORE`` on the
+``action_id`` key) and, only when the row is new, adds its contribution to the aggregate
+and calibration rows. Several processes may share the file: WAL plus a busy timeout
+serialises their writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from fleetpilot.contracts import FeedbackRecorded, decode, encode
+
+from .aggregates import (
+    KEY_FIELDS,
+    TOTALS_FIELDS,
+    Aggregate,
+    BinTotals,
+    Totals,
+    assemble,
+    p95_by_group,
+    row_from_event,
+    totals_of,
+    validate_by,
+)
+from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending
+
+T = TypeVar("T")
+
+_RAW_COLUMNS = (
+    "action_id", "policy", "shard_id", "task_kind", "gpu_model", "success", "weight_units",
+    "latency_us", "saving_milli_mb", "confidence_units", "side_effects", "recorded_at", "payload",
+)
+_INSERT_RAW = (
+    f"INSERT OR IGNORE INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
+    f" VALUES ({', '.join('?' for _ in _RAW_COLUMNS)})"
+)
+_UPSERT_AGGREGATE = (
+    f"INSERT INTO feedback_aggregate (policy, shard_id, task_kind, gpu_model, {', '.join(TOTALS_FIELDS)})"
+    f" VALUES (?, ?, ?, ?, {', '.join('?' for _ in TOTALS_FIELDS)})"
+    " ON CONFLICT (policy, shard_id, task_kind, gpu_model) DO UPDATE SET "
+    + ", ".join(f"{f} = {f} + excluded.{f}" for f in TOTALS_FIELDS)
+)
+_UPSERT_BIN = (
+    "INSERT INTO feedback_calibration (policy, shard_id, task_kind, gpu_model, bin, count,"
+    " confidence_units, successes) VALUES (?, ?, ?, ?, ?, 1, ?, ?)"
+    " ON CONFLICT (policy, shard_id, task_kind, gpu_model, bin) DO UPDATE SET"
+    " count = count + 1, confidence_units = confidence_units + excluded.confidence_units,"
+    " successes = successes + excluded.successes"
+)
+
+
+class SqliteFeedbackStore:
+    """A :class:`~fleetpilot.feedback.store.FeedbackStore` on a SQLite file (``":memory:"`` works)."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+        """Open (creating if needed) the database and apply pending migrations."""
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(MIGRATIONS_TABLE)
+                applied = [v for (v,) in self._db.execute("SELECT version FROM schema_migrations")]
+                for migration in pending(SQLITE_MIGRATIONS, applied):
+                    for statement in migration.statements:
+                        self._db.execute(statement)
+                    self._db.execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                        (migration.version, migration.name, time.time()),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        def locked() -> T:
+            with self._lock:
+                return fn()
+
+        return await asyncio.to_thread(locked)
+
+    def applied_migrations(self) -> list[int]:
+        """Versions recorded in ``schema_migrations`` (for tests and operators)."""
+        with self._lock:
+            return [v for (v,) in self._db.execute("SELECT version FROM schema_migrations ORDER BY version")]
+
+    async def record(self, event: FeedbackRecorded) -> bool:
+        """Store one outcome once; ``False`` for an ``action_id`` already stored."""
+        row = row_from_event(event)
+        totals = totals_of(row)
+        payload = encode(event).decode()
+
+        def write() -> bool:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = self._db.execute(
+                    _INSERT_RAW,
+                    (
+                        row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model,
+                        row.success, row.weight_units, row.latency_us, row.saving_milli_mb,
+                        row.confidence_units, row.side_effects, event.recorded_at, payload,
+                    ),
+                )
+                inserted = cursor.rowcount == 1
+                if inserted:
+                    self._db.execute(_UPSERT_AGGREGATE, (*row.key, *(getattr(totals, f) for f in TOTALS_FIELDS)))
+                    self._db.execute(
+                        _UPSERT_BIN, (*row.key, row.calibration_bin, row.confidence_units, row.success)
+                    )
+                self._db.execute("COMMIT")
+                return inserted
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+        return await self._run(write)
+
+    async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
+        """Stored sums rolled up to ``by``; p95 from the raw latencies, in one read snapshot."""
+        fields = validate_by(by)
+
+        def read() -> list[Aggregate]:
+            self._db.execute("BEGIN")
+            try:
+                base = {
+                    tuple(r[:4]): Totals(**dict(zip(TOTALS_FIELDS, r[4:], strict=True)))
+                    for r in self._db.execute(
+                        f"SELECT policy, shard_id, task_kind, gpu_model, {', '.join(TOTALS_FIELDS)}"
+                        " FROM feedback_aggregate"
+                    )
+                }
+                bins = {
+                    (tuple(r[:4]), r[4]): BinTotals(count=r[5], confidence_units=r[6], successes=r[7])
+                    for r in self._db.execute(
+                        "SELECT policy, shard_id, task_kind, gpu_model, bin, count, confidence_units,"
+                        " successes FROM feedback_calibration"
+                    )
+                }
+                latencies = (
+                    (tuple(r[:4]), r[4])
+                    for r in self._db.execute(
+                        "SELECT policy, shard_id, task_kind, gpu_model, latency_us FROM feedback_raw"
+                    )
+                )
+                p95 = p95_by_group(latencies, fields)  # type: ignore[arg-type]
+            finally:
+                self._db.execute("COMMIT")
+            return assemble(base, bins, p95, fields)  # type: ignore[arg-type]
+
+        return await self._run(read)
+
+    async def raw(self) -> AsyncIterator[FeedbackRecorded]:
+        """Every stored record in ``action_id`` order, read in pages of 500."""
+        after = ""
+        while True:
+            page = await self._run(
+                lambda after=after: self._db.execute(
+                    "SELECT action_id, payload FROM feedback_raw WHERE action_id > ?"
+                    " ORDER BY action_id LIMIT 500",
+                    (after,),
+                ).fetchall()
+            )
+            if not page:
+                return
+            for _, payload in page:
+                yield decode(payload.encode(), FeedbackRecorded)
+            after = page[-1][0]
+
+    async def close(self) -> None:
+        """Close the connection."""
+        await self._run(self._db.close)
+

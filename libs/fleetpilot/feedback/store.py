@@ -1,0 +1,35 @@
+"""The feedback store interface, shared by the SQLite and PostgreSQL implementations."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, runtime_checkable
+
+from fleetpilot.contracts import FeedbackRecorded
+
+from .aggregates import KEY_FIELDS, Aggregate
+
+
+@runtime_checkable
+class FeedbackStore(Protocol):
+    """Where every action's outcome is kept once, with statistics maintained as it grows.
+
+    Implementations store the raw record and update the aggregate rows of its key in the
+    same transaction, so a reader never sees one without the other.
+    """
+
+    async def record(self, event: FeedbackRecorded) -> bool:
+        """Store one outcome; ``False`` when its ``action_id`` was already stored (no change)."""
+        ...
+
+    async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
+        """Statistics grouped by a subset of ``KEY_FIELDS``, sorted by key."""
+        ...
+
+    def raw(self) -> AsyncIterator[FeedbackRecorded]:
+        """Every stored record, in ``action_id`` order."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store is unusable afterwards."""
+        ...

@@ -1,0 +1,130 @@
+"""Pure aggregation: quantisation, percentiles, calibration and order independence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fleetpilot.contracts import FeedbackRecorded, Measured, PolicyRef
+from fleetpilot.feedback import nearest_rank, recompute, row_from_event
+from fleetpilot.feedback.aggregates import calibration_bin, validate_by
+from fleetpilot.feedback.migrations import SQLITE_MIGRATIONS, Migration, pending
+from fleetpilot.feedback.retry import backoff_delay, is_retryable
+from fleetpilot.feedback.synthetic import writer_stream
+
+
+def event(action_id: str, outcome: str = "success", latency: float = 10.0, uncertainty: float = 0.0,
+          confidence: float = 0.5, gpu: str = "A100", policy: str = "fgd", saving: float = 0.0) -> FeedbackRecorded:
+    return FeedbackRecorded(
+        action_id=action_id, outcome=outcome,  # type: ignore[arg-type]
+        latency_ms=Measured(value=latency, uncertainty_score=uncertainty), resource_saving_mb=saving,
+        unexpected_side_effect=[], policy=PolicyRef(name=policy), confidence=confidence,
+        task_kind="train", gpu_model=gpu, recorded_at=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([], 0), ([7], 7), ([1, 2], 2), (list(range(1, 21)), 19), (list(range(1, 101)), 95), (list(range(100, 0, -1)), 95)],
+)
+def test_nearest_rank_matches_percentile_disc(values: list[int], expected: int) -> None:
+    assert nearest_rank(values) == expected
+
+
+@pytest.mark.parametrize(
+    ("confidence", "uncertainty", "latency", "weight", "conf_units", "latency_us", "bin"),
+    [
+        (0.0, 0.0, 1.0, 10_000, 0, 1000, 0),
+        (1.0, 1.0, 0.0005, 0, 10_000, 0, 9),  # 1.0 falls in the top bin; 0.5 µs rounds to 0
+        (0.73, 0.25, 12.3456, 7_500, 7_300, 12_346, 7),
+        (1.7, -0.5, float("nan"), 10_000, 10_000, 0, 9),  # out-of-range inputs are clipped
+    ],
+)
+def test_row_quantisation(confidence: float, uncertainty: float, latency: float, weight: int,
+                          conf_units: int, latency_us: int, bin: int) -> None:
+    row = row_from_event(event("a", latency=latency, uncertainty=uncertainty, confidence=confidence))
+    assert (row.weight_units, row.confidence_units, row.latency_us, row.calibration_bin) == (
+        weight, conf_units, latency_us, bin)
+    assert calibration_bin(row.confidence_units) == bin
+
+
+def test_hand_computed_aggregate() -> None:
+    rows = [
+        row_from_event(event("a", "success", latency=10, uncertainty=0.0, confidence=0.9, saving=100)),
+        row_from_event(event("b", "oom", latency=30, uncertainty=0.5, confidence=0.9, saving=-50)),
+        row_from_event(event("c", "success", latency=20, uncertainty=1.0, confidence=0.2)),
+    ]
+    [agg] = recompute(rows)
+    assert agg.key == {"policy": "fgd@1", "shard_id": "primary", "task_kind": "train", "gpu_model": "A100"}
+    assert agg.count == 3 and agg.successes == 2
+    assert agg.success_rate == pytest.approx(2 / 3)
+    # weights 1, 0.5, 0: weighted success = 1 / 1.5
+    assert agg.weighted_success_rate == pytest.approx(1 / 1.5)
+    assert agg.weighted_mean_latency_ms == pytest.approx((10 * 1 + 30 * 0.5) / 1.5)
+    assert agg.mean_latency_ms == pytest.approx(20.0)
+    assert agg.p95_latency_ms == 30.0
+    assert agg.total_resource_saving_mb == pytest.approx(50.0)
+    assert agg.expected_successes == pytest.approx(2.0)
+    assert agg.calibration_gap == pytest.approx(0.0)
+    assert agg.brier_score == pytest.approx((0.1**2 + 0.9**2 + 0.8**2) / 3)
+    assert [(b.lower, b.count, b.observed_rate) for b in agg.reliability] == [
+        (pytest.approx(0.2), 1, 1.0), (pytest.approx(0.9), 2, 0.5)]
+
+
+def test_no_weight_means_no_weighted_rate() -> None:
+    [agg] = recompute([row_from_event(event("a", uncertainty=1.0))])
+    assert agg.weighted_success_rate is None and agg.weighted_mean_latency_ms is None
+
+
+@pytest.mark.parametrize("by", [("policy", "shard_id", "task_kind", "gpu_model"), ("policy",), ("gpu_model", "policy"), ()])
+def test_recompute_is_order_independent_and_rolls_up(by: tuple[str, ...]) -> None:
+    rows = [row_from_event(e) for e in writer_stream(0, 600, seed=3)]
+    shuffled = rows[:]
+    random.Random(1).shuffle(shuffled)
+    assert recompute(rows, by) == recompute(shuffled, by)
+    groups = recompute(rows, by)
+    assert sum(g.count for g in groups) == len(rows)
+    assert sum(g.totals.latency_us for g in groups) == sum(r.latency_us for r in rows)
+    assert all(list(g.key) == list(by) for g in groups)
+
+
+@pytest.mark.parametrize("by", [("nope",), ("policy", "policy")])
+def test_bad_grouping_rejected(by: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):
+        validate_by(by)
+
+
+@pytest.mark.parametrize(
+    ("applied", "expected"),
+    [([], [1, 2]), ([1], [2]), ([1, 2], [])],
+)
+def test_pending_migrations(applied: list[int], expected: list[int]) -> None:
+    assert [m.version for m in pending(SQLITE_MIGRATIONS, applied)] == expected
+
+
+@pytest.mark.parametrize(
+    ("migrations", "applied"),
+    [
+        ((Migration(version=2, name="x", statements=()),), []),  # gap
+        ((Migration(version=1, name="x", statements=()),), [1, 2]),  # database is newer
+    ],
+)
+def test_malformed_migrations_rejected(migrations: tuple[Migration, ...], applied: list[int]) -> None:
+    with pytest.raises(ValueError):
+        pending(migrations, applied)
+
+
+def test_backoff_grows_with_jitter_and_caps() -> None:
+    rng = random.Random(0)
+    for attempt in range(12):
+        ceiling = min(0.25, 0.002 * 2**attempt)
+        delays = {backoff_delay(attempt, rng=rng) for _ in range(20)}
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(delays) > 1  # jittered
+
+
+@pytest.mark.parametrize(("sqlstate", "retry"), [("40001", True), ("40P01", True), ("23505", False), (None, False)])
+def test_retryable_sqlstates(sqlstate: str | None, retry: bool) -> None:
+    error = Exception()
+    error.sqlstate = sqlstate  # type: ignore[attr-defined]
+    assert is_retryable(error) is retry
