@@ -1,0 +1,1 @@
+"""Benchmarks that measure Fleetpilot libraries against ground truth and baselines."""
