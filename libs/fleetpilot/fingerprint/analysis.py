@@ -71,9 +71,9 @@ class LevelPrior:
     evaluation seeds. A known signature replaces them with its own history.
     """
 
-    ratio: float = 1.9
-    low_ratio: float = 1.0
-    high_ratio: float = 2.8
+    ratio: float = 1.99
+    low_ratio: float = 1.63
+    high_ratio: float = 2.64
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""Task fingerprints: memory-growth pattern, predicted peak with uncertainty, warm-up, behaviour.
+
+Offline: :func:`fingerprint_series` / :func:`analyse_series` on a whole series.
+Online: :class:`OnlineFingerprinter` with :func:`changed_materially`.
+Memory across runs: :func:`task_signature` and :class:`SignatureMemory`.
+CLI: :func:`fingerprint_csv` behind ``fleetpilot fingerprint SERIES.csv --at 0.25``.
+"""
+
+from .analysis import (
+    LevelPrior,
+    SeriesAnalysis,
+    analyse_series,
+    burstiness,
+    context_switch_sensitivity,
+    fingerprint_series,
+)
+from .online import OnlineFingerprinter, changed_materially
+from .series_csv import fingerprint_csv, parse_series_csv
+from .signature import MODEL_LABEL, SignatureMemory, SignatureStats, merge, predict, task_signature
+
+__all__ = [
+    "LevelPrior",
+    "MODEL_LABEL",
+    "OnlineFingerprinter",
+    "SeriesAnalysis",
+    "SignatureMemory",
+    "SignatureStats",
+    "analyse_series",
+    "burstiness",
+    "changed_materially",
+    "context_switch_sensitivity",
+    "fingerprint_csv",
+    "fingerprint_series",
+    "merge",
+    "parse_series_csv",
+    "predict",
+    "task_signature",
+]

@@ -1,0 +1,112 @@
+"""Fingerprinting while a task runs: a first guess after a few samples, refined as it grows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleetpilot.contracts import Fingerprint
+
+from .analysis import MIN_SAMPLES, LevelPrior, SeriesAnalysis, analyse_series
+
+# Defaults of :func:`changed_materially`: a peak that moved more than 10%, or an interval
+# that widened or narrowed by more than 25%, is news worth a ``task.fingerprinted`` event.
+PEAK_TOLERANCE = 0.10
+WIDTH_TOLERANCE = 0.25
+
+
+def changed_materially(old: Fingerprint | None, new: Fingerprint, *,
+                       peak_tolerance: float = PEAK_TOLERANCE,
+                       width_tolerance: float = WIDTH_TOLERANCE) -> bool:
+    """Whether ``new`` differs from ``old`` enough to publish it.
+
+    Material: no previous fingerprint, a different pattern, a predicted peak that moved by
+    more than ``peak_tolerance`` of the old peak, or an interval whose width changed by
+    more than ``width_tolerance`` of the old width. Anything smaller is refinement noise
+    that consumers (the policy) should not react to.
+    """
+    if old is None or old.pattern != new.pattern:
+        return True
+    if abs(new.predicted_peak_mb - old.predicted_peak_mb) > peak_tolerance * max(abs(old.predicted_peak_mb), 1e-9):
+        return True
+    old_width = old.peak_high_mb - old.peak_low_mb
+    new_width = new.peak_high_mb - new.peak_low_mb
+    return abs(new_width - old_width) > width_tolerance * max(old_width, 1e-9)
+
+
+class OnlineFingerprinter:
+    """Accumulates one task's samples and refits its fingerprint as they arrive.
+
+    ``add`` returns a fingerprint only when it changed materially (the first one counts),
+    so a service can publish whatever it returns. Refits happen on a geometric schedule —
+    after ``min_samples`` samples, then whenever the series grew by ``refit_growth`` (10%)
+    since the last fit — so the total cost over a task's life stays near-linear. ``prior``
+    (for instance from :class:`~fleetpilot.fingerprint.signature.SignatureMemory`) is
+    what :attr:`current` answers before the first fit.
+    """
+
+    def __init__(self, signature: str = "", *, expected_duration_s: float | None = None,
+                 started_at: float | None = None, min_samples: int = MIN_SAMPLES,
+                 refit_growth: float = 0.10, prior: Fingerprint | None = None,
+                 level_prior: LevelPrior | None = None) -> None:
+        """``started_at`` is the task's start on the samples' clock (default: first sample)."""
+        self.signature = signature
+        self.expected_duration_s = expected_duration_s
+        self._start = started_at
+        self._min = max(min_samples, 2)
+        self._growth = refit_growth
+        self._level_prior = level_prior
+        self._t: list[float] = []
+        self._mb: list[float] = []
+        self._util: list[float] = []
+        self._coloc: list[float] = []
+        self._fitted_at = 0
+        self._published: Fingerprint | None = None
+        self._current: Fingerprint | None = prior
+        self._analysis: SeriesAnalysis | None = None
+
+    @property
+    def current(self) -> Fingerprint | None:
+        """The latest fingerprint (fitted, or the prior before the first fit)."""
+        return self._current
+
+    @property
+    def analysis(self) -> SeriesAnalysis | None:
+        """The latest full analysis, with notes; ``None`` before the first fit."""
+        return self._analysis
+
+    @property
+    def samples(self) -> int:
+        """How many memory samples have been added."""
+        return len(self._t)
+
+    def add(self, at: float, used_mb: float, *, utilisation: float | None = None,
+            colocated: int | None = None) -> Fingerprint | None:
+        """Add one sample; returns the refitted fingerprint when it changed materially."""
+        if self._start is None:
+            self._start = at
+        self._t.append(at - self._start)
+        self._mb.append(used_mb)
+        if utilisation is not None:
+            self._util.append(utilisation)
+            self._coloc.append(float(colocated) if colocated is not None else np.nan)
+        n = len(self._t)
+        if n < self._min or n < self._fitted_at * (1.0 + self._growth):
+            return None
+        return self.refit()
+
+    def refit(self) -> Fingerprint | None:
+        """Refit now on every sample so far; returns the fingerprint if it changed materially."""
+        if not self._t:
+            return None
+        coloc = np.asarray(self._coloc)
+        use_coloc = bool(self._coloc) and not np.isnan(coloc).any()
+        self._analysis = analyse_series(
+            self._t, self._mb, signature=self.signature, expected_duration_s=self.expected_duration_s,
+            utilisation=self._util or None, colocated=coloc if use_coloc else None,
+            prior=self._level_prior)
+        self._fitted_at = len(self._t)
+        self._current = self._analysis.fingerprint
+        if changed_materially(self._published, self._current):
+            self._published = self._current
+            return self._current
+        return None

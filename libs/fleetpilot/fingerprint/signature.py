@@ -1,0 +1,147 @@
+"""Task signatures, and what the fleet remembers about tasks that share one.
+
+A signature is what makes two submissions "the same program": the task kind, the
+container image, the command line and the model label (``labels["model"]``). Tenant,
+sizes, SLA and the task id are left out on purpose, so a nightly re-run of the same
+fine-tune is recognised even when it asks for a different GPU count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import msgspec
+
+from fleetpilot.contracts import Fingerprint, GrowthPattern, TaskSubmitted
+
+# The label that names the model a task trains or serves.
+MODEL_LABEL = "model"
+
+
+def task_signature(task: TaskSubmitted) -> str:
+    """Stable signature ``"sig-" + 16 hex digits`` of kind, image, command and model label.
+
+    The hash is SHA-256 over canonical JSON (sorted keys, no spaces) of those four fields,
+    so it is identical across processes, machines and Python versions.
+    """
+    payload = {
+        "kind": task.kind,
+        "image": task.image or "",
+        "command": list(task.command or []),
+        "model": task.labels.get(MODEL_LABEL, ""),
+    }
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return "sig-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class SignatureStats(msgspec.Struct, kw_only=True):
+    """Running statistics of the fingerprints of one signature (serialisable for a KV bucket)."""
+
+    signature: str
+    count: int = 0
+    votes: dict[str, float] = msgspec.field(default_factory=dict)
+    mean_peak_mb: float = 0.0
+    m2_peak: float = 0.0
+    min_peak_mb: float = 0.0
+    max_peak_mb: float = 0.0
+    mean_growth_mb_per_s: float = 0.0
+    mean_warmup_s: float = 0.0
+    mean_time_to_peak_s: float | None = None
+    mean_burstiness: float = 0.0
+    mean_sensitivity: float = 0.0
+
+
+def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
+    """``stats`` with one more observed fingerprint folded in (Welford's running moments).
+
+    A fingerprint votes for its pattern with its confidence, so a confident end-of-life
+    fingerprint outweighs an early guess. The input is not modified.
+    """
+    n = stats.count + 1
+    delta = fp.predicted_peak_mb - stats.mean_peak_mb
+    mean = stats.mean_peak_mb + delta / n
+    votes = dict(stats.votes)
+    votes[fp.pattern] = votes.get(fp.pattern, 0.0) + max(fp.pattern_confidence, 0.05)
+    ttp = stats.mean_time_to_peak_s
+    if fp.time_to_peak_s is not None:
+        ttp = fp.time_to_peak_s if ttp is None else ttp + (fp.time_to_peak_s - ttp) / n
+
+    def running(old: float, new: float) -> float:
+        return old + (new - old) / n
+
+    return SignatureStats(
+        signature=stats.signature, count=n, votes=votes, mean_peak_mb=mean,
+        m2_peak=stats.m2_peak + delta * (fp.predicted_peak_mb - mean),
+        min_peak_mb=fp.predicted_peak_mb if stats.count == 0 else min(stats.min_peak_mb, fp.predicted_peak_mb),
+        max_peak_mb=max(stats.max_peak_mb, fp.predicted_peak_mb),
+        mean_growth_mb_per_s=running(stats.mean_growth_mb_per_s, fp.growth_rate_mb_per_s),
+        mean_warmup_s=running(stats.mean_warmup_s, fp.warmup_s),
+        mean_time_to_peak_s=ttp,
+        mean_burstiness=running(stats.mean_burstiness, fp.burstiness),
+        mean_sensitivity=running(stats.mean_sensitivity, fp.context_switch_sensitivity),
+    )
+
+
+def predict(stats: SignatureStats) -> Fingerprint | None:
+    """The fingerprint a new submission of this signature should expect; ``None`` if unseen.
+
+    Pattern: the vote winner, with confidence its vote share shrunk towards 0.5 for few
+    observations (``share * n / (n + 1)``). Peak: the running mean; the interval spans the
+    observed extremes and the mean +- 2 standard deviations, whichever is wider.
+    """
+    if stats.count == 0:
+        return None
+    total = sum(stats.votes.values()) or 1.0
+    pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
+    n = stats.count
+    sd = math.sqrt(stats.m2_peak / (n - 1)) if n > 1 else 0.25 * stats.mean_peak_mb
+    growth_pattern: GrowthPattern = pattern  # type: ignore[assignment]
+    return Fingerprint(
+        signature=stats.signature,
+        pattern=growth_pattern,
+        pattern_confidence=round(vote / total * n / (n + 1), 4),
+        growth_rate_mb_per_s=stats.mean_growth_mb_per_s,
+        predicted_peak_mb=stats.mean_peak_mb,
+        peak_low_mb=max(min(stats.min_peak_mb, stats.mean_peak_mb - 2 * sd), 0.0),
+        peak_high_mb=max(stats.max_peak_mb, stats.mean_peak_mb + 2 * sd),
+        time_to_peak_s=stats.mean_time_to_peak_s,
+        warmup_s=stats.mean_warmup_s,
+        burstiness=stats.mean_burstiness,
+        context_switch_sensitivity=stats.mean_sensitivity,
+        samples=0,
+    )
+
+
+class SignatureMemory:
+    """In-memory map of signature -> :class:`SignatureStats`; no I/O (the service persists it).
+
+    Record end-of-life fingerprints with :meth:`observe`; ask :meth:`predict` when a task
+    with a known signature is submitted.
+    """
+
+    def __init__(self, stats: dict[str, SignatureStats] | None = None) -> None:
+        """Start empty, or from previously exported stats."""
+        self._stats: dict[str, SignatureStats] = dict(stats or {})
+
+    def observe(self, fp: Fingerprint) -> SignatureStats:
+        """Fold ``fp`` into its signature's statistics and return them."""
+        if not fp.signature:
+            raise ValueError("fingerprint has no signature")
+        old = self._stats.get(fp.signature, SignatureStats(signature=fp.signature))
+        self._stats[fp.signature] = merge(old, fp)
+        return self._stats[fp.signature]
+
+    def predict(self, signature: str) -> Fingerprint | None:
+        """The expected fingerprint of ``signature``, or ``None`` if it was never observed."""
+        stats = self._stats.get(signature)
+        return predict(stats) if stats is not None else None
+
+    def stats(self, signature: str) -> SignatureStats | None:
+        """The raw statistics of ``signature`` (for persisting one KV entry)."""
+        return self._stats.get(signature)
+
+    def __len__(self) -> int:
+        """Number of known signatures."""
+        return len(self._stats)
