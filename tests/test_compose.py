@@ -1,0 +1,137 @@
+"""docker-compose.yml starts the whole system: NATS with JetStream, PostgreSQL 16 and the
+seven services, each healthy-checked on its own metrics port.
+
+The structure is checked with PyYAML on every run; ``docker compose config`` (or the older
+``docker-compose``) additionally validates the file against the Compose schema where a
+compose client is installed. No Docker engine is needed for either.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+SERVICE_PORTS = {
+    "collector": 9101,
+    "topology": 9102,
+    "fingerprinter": 9103,
+    "sla": 9104,
+    "policy": 9105,
+    "executor": 9106,
+    "feedback": 9107,
+}
+FEEDBACK_DSN = "postgresql://postgres:postgres@postgres:5432/fleetpilot"
+
+
+def compose_command() -> list[str] | None:
+    """The compose CLI on this machine: the v2 plugin, else the v1 binary, else None."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    # safe_load resolves the `<<: *anchor` merge keys the file uses for shared settings.
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def _depends(service: dict[str, Any]) -> dict[str, str]:
+    return {name: spec["condition"] for name, spec in service.get("depends_on", {}).items()}
+
+
+def test_all_services_and_infrastructure_are_declared(compose):
+    assert set(compose["services"]) == set(SERVICE_PORTS) | {"nats", "postgres"}
+
+
+def test_nats_runs_jetstream_with_a_data_dir_and_healthcheck(compose):
+    nats = compose["services"]["nats"]
+    assert nats["image"].startswith("nats:2.10")
+    command = nats["command"]
+    assert "-js" in command and command[command.index("-sd") + 1] == "/data"
+    assert any("/data" in volume for volume in nats["volumes"])
+    assert "healthz" in " ".join(nats["healthcheck"]["test"])
+
+
+def test_postgres_16_with_healthcheck(compose):
+    postgres = compose["services"]["postgres"]
+    assert postgres["image"].split(":")[1].startswith("16")
+    assert postgres["environment"]["POSTGRES_DB"] == "fleetpilot"
+    assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize(("name", "port"), sorted(SERVICE_PORTS.items()))
+def test_each_service_runs_its_module_on_its_port(compose, name, port):
+    service = compose["services"][name]
+    assert service["command"] == ["python", "-m", f"fleetpilot_services.{name}"]
+    assert service["image"] == "fleetpilot:dev"
+    env = _env(service)
+    assert env["FLEETPILOT_NATS_URL"] == "nats://nats:4222"
+    prefix = f"FLEETPILOT_{name.upper()}_"
+    assert env[prefix + "METRICS_PORT"] == str(port)
+    # The runtime binds 127.0.0.1 by default, unreachable from outside the container.
+    assert env[prefix + "METRICS_HOST"] == "0.0.0.0"
+    published = [str(p) for p in service["ports"]]
+    assert any(p == str(port) or p.endswith(f":{port}") for p in published), published
+    assert f":{port}/healthz" in " ".join(service["healthcheck"]["test"])
+    assert _depends(service)["nats"] == "service_healthy"
+
+
+def test_feedback_uses_postgres(compose):
+    feedback = compose["services"]["feedback"]
+    assert _env(feedback)["FLEETPILOT_FEEDBACK_STORE_DSN"] == FEEDBACK_DSN
+    assert _depends(feedback) == {"nats": "service_healthy", "postgres": "service_healthy"}
+
+
+def test_policy_runs_two_replicas_without_a_fixed_host_port(compose):
+    policy = compose["services"]["policy"]
+    assert policy["deploy"]["replicas"] == 2
+    assert "container_name" not in policy
+    # A fixed "9105:9105" would make the second replica fail to start.
+    assert all(":" not in str(p) for p in policy["ports"])
+
+
+def test_dockerfile_builds_one_image_for_every_service():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
+    assert "download.pytorch.org/whl/cpu" in dockerfile
+    assert "pip install ." in dockerfile
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv"} <= set(ignored)
+
+
+def test_compose_config_validates():
+    command = compose_command()
+    if command is None:
+        pytest.skip("no compose client (neither `docker compose` nor `docker-compose`) installed")
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE_FILE), "-p", "fleetpilot", "config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert set(SERVICE_PORTS) | {"nats", "postgres"} <= set(resolved["services"])
+    assert resolved["services"]["policy"]["deploy"]["replicas"] == 2
+    assert _env(resolved["services"]["feedback"])["FLEETPILOT_FEEDBACK_STORE_DSN"] == FEEDBACK_DSN
