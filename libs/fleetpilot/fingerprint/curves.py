@@ -231,7 +231,7 @@ def fit_steps(t: np.ndarray, y: np.ndarray, sigma: float, max_changes: int = 12,
     penalty = (2.0 * np.log(max(n, 2)) + 6.0) * sigma * sigma
     for _ in range(max_changes):
         best_gain, best_cut = 0.0, -1
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             if hi - lo < 2 * min_len:
                 continue
             k = np.arange(lo + min_len, hi - min_len + 1)
@@ -243,8 +243,8 @@ def fit_steps(t: np.ndarray, y: np.ndarray, sigma: float, max_changes: int = 12,
         if best_cut < 0 or best_gain <= penalty:
             break
         cuts = sorted(cuts + [best_cut])
-    levels = tuple(float((cy[hi] - cy[lo]) / (hi - lo)) for lo, hi in zip(cuts[:-1], cuts[1:]))
-    rss = float(sum(_segment_rss(cy, cyy, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:])))
+    levels = tuple(float((cy[hi] - cy[lo]) / (hi - lo)) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True))
+    rss = float(sum(_segment_rss(cy, cyy, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)))
     changes = tuple(float(0.5 * (t[c - 1] + t[c])) for c in cuts[1:-1])
     return StepFit(levels=levels, change_s=changes, first_len=cuts[1] - cuts[0], rss=max(rss, 0.0))
 
@@ -268,7 +268,7 @@ def fit_teeth(t: np.ndarray, y: np.ndarray, sigma: float) -> ToothFit | None:
     tops: list[float] = []
     slopes: list[float] = []
     rss = 0.0
-    for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         ts, ys = t[lo:hi], y[lo:hi]
         if ts.size >= 3:
             slope, icpt = np.polyfit(ts, ys, 1)

@@ -1,0 +1,129 @@
+"""Each growth pattern is recognised and its peak predicted, on clean and noisy series."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fleetpilot.fingerprint import analyse_series, burstiness, context_switch_sensitivity, fingerprint_series
+from fleetpilot.workload.growth import MemoryGrowth
+
+# (pattern, extra curve parameters); every curve: base 4 GB, peak 20 GB, 3600 s of life.
+CURVES = [
+    ("flat", {"warmup_s": 240.0}),
+    ("linear", {}),
+    ("steps", {"n_steps": 5}),
+    ("sawtooth", {"period_s": 400.0}),
+    ("leak", {}),
+]
+# (fraction of life observed, noise MB, allowed relative peak error)
+CUTS = [
+    (1.0, 0.0, 0.01),
+    (1.0, 100.0, 0.02),
+    (0.5, 100.0, 0.03),
+    (0.3, 100.0, 0.06),
+]
+
+
+def _series(pattern: str, extra: dict, frac: float, noise: float, seed: int = 7):
+    g = MemoryGrowth(pattern=pattern, base_mb=4_000.0, peak_mb=20_000.0, duration_s=3_600.0,
+                     noise_mb=noise, **extra)
+    t = np.arange(0.0, frac * g.duration_s + 1e-9, 6.0)
+    rng = np.random.default_rng(seed) if noise > 0 else None
+    return g, t, g.memory_at(t, rng)
+
+
+@pytest.mark.parametrize("pattern,extra", CURVES)
+@pytest.mark.parametrize("frac,noise,tolerance", CUTS)
+def test_pattern_and_peak(pattern, extra, frac, noise, tolerance):
+    g, t, y = _series(pattern, extra, frac, noise)
+    fp = fingerprint_series(t, y, signature="sig-x", expected_duration_s=g.duration_s)
+    assert fp.pattern == pattern
+    assert abs(fp.predicted_peak_mb - g.peak_mb) / g.peak_mb <= tolerance
+    assert fp.peak_low_mb <= fp.predicted_peak_mb <= fp.peak_high_mb
+    assert fp.samples == t.size and fp.signature == "sig-x"
+
+
+@pytest.mark.parametrize("pattern,extra", CURVES)
+def test_interval_covers_truth_under_noise(pattern, extra):
+    g, t, y = _series(pattern, extra, 0.5, 150.0, seed=11)
+    fp = fingerprint_series(t, y, expected_duration_s=g.duration_s)
+    assert fp.peak_low_mb <= g.peak_mb <= fp.peak_high_mb
+
+
+def test_flat_warmup_and_time_to_peak():
+    g, t, y = _series("flat", {"warmup_s": 240.0}, 0.5, 50.0)
+    fp = fingerprint_series(t, y, expected_duration_s=g.duration_s)
+    assert abs(fp.warmup_s - 240.0) <= 12.0
+    assert fp.time_to_peak_s == 0.0
+    assert abs(fp.growth_rate_mb_per_s) < 1e-9
+
+
+def test_linear_growth_rate_and_time_to_peak():
+    g, t, y = _series("linear", {}, 0.5, 0.0)
+    fp = fingerprint_series(t, y, expected_duration_s=g.duration_s)
+    assert fp.growth_rate_mb_per_s == pytest.approx(16_000 / 3_600, rel=0.01)
+    assert fp.time_to_peak_s == pytest.approx(3_600 - t[-1], abs=1.0)
+
+
+def test_without_duration_interval_is_wider():
+    g, t, y = _series("linear", {}, 0.25, 100.0)
+    known = analyse_series(t, y, expected_duration_s=g.duration_s)
+    unknown = analyse_series(t, y)
+    def relative_width(fp):
+        return (fp.peak_high_mb - fp.peak_low_mb) / fp.predicted_peak_mb
+
+    assert relative_width(unknown.fingerprint) > 1.3 * relative_width(known.fingerprint)
+    # Without a duration the horizon is twice the age: the line is extrapolated to 2 x 900 s.
+    assert unknown.fingerprint.time_to_peak_s == pytest.approx(t[-1])
+    assert any("no expected duration" in n for n in unknown.notes)
+
+
+def test_first_level_uses_prior_with_low_confidence():
+    g, t, y = _series("steps", {"n_steps": 3}, 0.2, 50.0)
+    a = analyse_series(t, y, expected_duration_s=g.duration_s)
+    assert a.fingerprint.pattern == "steps"
+    assert a.fingerprint.pattern_confidence <= 0.55
+    assert a.fingerprint.predicted_peak_mb > 1.5 * y.mean()
+
+
+def test_few_samples_still_answer():
+    fp = fingerprint_series([0.0, 5.0, 10.0], [1000.0, 1001.0, 999.0])
+    assert fp.samples == 3 and fp.predicted_peak_mb >= 999.0
+
+
+@pytest.mark.parametrize("t,y", [([], []), ([0.0, 1.0], [1.0])])
+def test_bad_input_raises(t, y):
+    with pytest.raises(ValueError):
+        fingerprint_series(t, y)
+
+
+@pytest.mark.parametrize("util,expected_low,expected_high", [
+    ([0.5] * 20, 0.0, 0.0),
+    ([0.9, 0.1] * 10, 0.4, 0.5),
+    ([0.0] * 18 + [1.0, 1.0], 0.7, 0.8),
+])
+def test_burstiness(util, expected_low, expected_high):
+    assert expected_low <= burstiness(util) <= expected_high
+
+
+@pytest.mark.parametrize("util,coloc,expected", [
+    ([0.8, 0.6, 0.4], [1, 2, 3], 0.25),   # loses a quarter of solo utilisation per neighbour
+    ([0.8, 0.8, 0.8], [1, 2, 3], 0.0),
+    ([0.8, 0.7, 0.9], [2, 2, 2], None),  # count never varies: unknown
+])
+def test_context_switch_sensitivity(util, coloc, expected):
+    got = context_switch_sensitivity(util, coloc)
+    assert got == (None if expected is None else pytest.approx(expected, abs=1e-6))
+
+
+def test_behaviour_fields_flow_into_fingerprint():
+    g, t, y = _series("flat", {"warmup_s": 240.0}, 0.5, 0.0)
+    util = np.where(np.arange(t.size) % 2 == 0, 0.9, 0.3)
+    coloc = np.where(np.arange(t.size) % 2 == 0, 1, 3)
+    a = analyse_series(t, y, utilisation=util, colocated=coloc)
+    assert a.fingerprint.burstiness > 0.2
+    assert a.fingerprint.context_switch_sensitivity == pytest.approx(0.6 / 0.9 / 2, abs=1e-6)
+    assert not any("sensitivity" in n for n in a.notes)
+    b = analyse_series(t, y)
+    assert b.fingerprint.context_switch_sensitivity == 0.0
+    assert any("sensitivity unknown" in n for n in b.notes)

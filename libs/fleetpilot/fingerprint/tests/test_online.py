@@ -1,0 +1,61 @@
+"""Online fingerprinting: first answer after a few samples, refinements, material changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fleetpilot.contracts import Fingerprint
+from fleetpilot.fingerprint import OnlineFingerprinter, changed_materially
+from fleetpilot.workload.growth import MemoryGrowth
+
+
+def _fp(pattern="linear", peak=1000.0, low=900.0, high=1100.0) -> Fingerprint:
+    return Fingerprint(signature="s", pattern=pattern, pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
+                       predicted_peak_mb=peak, peak_low_mb=low, peak_high_mb=high)
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    (None, _fp(), True),
+    (_fp(), _fp(), False),
+    (_fp(), _fp(pattern="leak"), True),
+    (_fp(), _fp(peak=1090.0, low=990.0, high=1190.0), False),   # 9% move, same width
+    (_fp(), _fp(peak=1110.0, low=1010.0, high=1210.0), True),   # 11% move
+    (_fp(), _fp(low=880.0, high=1120.0), False),                # width +20%
+    (_fp(), _fp(low=870.0, high=1130.0), True),                 # width +30%
+    (_fp(), _fp(low=930.0, high=1070.0), True),                 # width -30%
+])
+def test_changed_materially(old, new, expected):
+    assert changed_materially(old, new) is expected
+
+
+def test_online_converges_and_publishes_sparingly():
+    g = MemoryGrowth(pattern="leak", base_mb=3000.0, peak_mb=24000.0, duration_s=3000.0, noise_mb=80.0)
+    t = np.arange(0.0, 3000.0, 6.0)
+    y = g.memory_at(t, np.random.default_rng(5))
+    prior = _fp(pattern="flat", peak=5000.0)
+    online = OnlineFingerprinter("sig-1", expected_duration_s=3000.0, started_at=-0.0, prior=prior)
+    assert online.current is prior
+    published = []
+    for i, (a, b) in enumerate(zip(t, y, strict=True)):
+        fp = online.add(float(a), float(b))
+        if i < 5:
+            assert fp is None  # too few samples to fit
+        if fp is not None:
+            published.append((i, fp))
+    assert published and published[0][0] == 5
+    assert len(published) < 40  # refits are geometric and only material changes publish
+    online.refit()
+    final = online.current
+    assert final.pattern == "leak" and final.samples == t.size
+    assert abs(final.predicted_peak_mb - 24000.0) / 24000.0 < 0.02
+    # A quarter into its life it already knew the shape and the peak.
+    early = [fp for i, fp in published if i <= t.size // 4][-1]
+    assert early.pattern == "leak" and abs(early.predicted_peak_mb - 24000.0) / 24000.0 < 0.1
+
+
+def test_online_uses_its_own_clock_origin():
+    online = OnlineFingerprinter(min_samples=6)
+    for k in range(8):
+        online.add(1_700_000_000.0 + 10.0 * k, 1000.0 + 10.0 * k)
+    assert online.current is not None and online.current.pattern == "linear"
+    assert online.current.growth_rate_mb_per_s == pytest.approx(1.0, rel=1e-6)

@@ -1,0 +1,62 @@
+"""Task signatures are stable and selective; signature memory merges and predicts."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from fleetpilot.contracts import Fingerprint, TaskSubmitted
+from fleetpilot.fingerprint import SignatureMemory, SignatureStats, task_signature
+
+BASE = dict(task_id="t1", kind="finetune", image="reg/clip:1", command=["python", "ft.py"],
+            labels={"model": "clip-vit-l"})
+
+
+@pytest.mark.parametrize("change,same", [
+    ({"task_id": "t2", "tenant": "other", "gpus": 4, "labels": {"model": "clip-vit-l", "team": "x"}}, True),
+    ({"kind": "train"}, False),
+    ({"image": "reg/clip:2"}, False),
+    ({"command": ["python", "ft.py", "--big"]}, False),
+    ({"labels": {"model": "clip-vit-b"}}, False),
+])
+def test_signature_fields(change, same):
+    a = task_signature(TaskSubmitted(**BASE))
+    b = task_signature(TaskSubmitted(**{**BASE, **change}))
+    assert (a == b) is same
+
+
+def test_signature_is_stable_text():
+    sig = task_signature(TaskSubmitted(**BASE))
+    assert sig.startswith("sig-") and len(sig) == 20
+    assert sig == task_signature(TaskSubmitted(**BASE))
+
+
+def _fp(sig: str, pattern: str, peak: float, conf: float = 0.9) -> Fingerprint:
+    return Fingerprint(signature=sig, pattern=pattern, pattern_confidence=conf, growth_rate_mb_per_s=2.0,
+                       predicted_peak_mb=peak, peak_low_mb=peak * 0.9, peak_high_mb=peak * 1.1,
+                       warmup_s=30.0, time_to_peak_s=100.0)
+
+
+def test_memory_merges_and_predicts():
+    mem = SignatureMemory()
+    assert mem.predict("sig-a") is None
+    for pattern, peak, conf in [("leak", 10_000, 0.9), ("leak", 12_000, 0.95), ("linear", 11_000, 0.5)]:
+        mem.observe(_fp("sig-a", pattern, peak, conf))
+    fp = mem.predict("sig-a")
+    assert fp.pattern == "leak"
+    assert fp.predicted_peak_mb == pytest.approx(11_000)
+    assert fp.peak_low_mb <= 10_000 and fp.peak_high_mb >= 12_000
+    assert 0.5 < fp.pattern_confidence < 1.0 and fp.samples == 0
+    assert mem.predict("sig-b") is None and len(mem) == 1
+
+
+def test_stats_roundtrip_through_json():
+    mem = SignatureMemory()
+    mem.observe(_fp("sig-a", "flat", 8_000))
+    raw = msgspec.json.encode(mem.stats("sig-a"))
+    again = SignatureMemory({"sig-a": msgspec.json.decode(raw, type=SignatureStats)})
+    assert again.predict("sig-a") == mem.predict("sig-a")
+
+
+def test_observe_requires_signature():
+    with pytest.raises(ValueError):
+        SignatureMemory().observe(_fp("", "flat", 1.0))
