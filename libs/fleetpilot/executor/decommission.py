@@ -1,0 +1,174 @@
+"""Pre-decommission of overheating GPUs: cordon, drain, then pull — once, fleet-wide.
+
+A GPU above ``threshold_c`` (85 °C) for ``hot_for_s`` (5 minutes) is not pulled at once:
+
+1. **cordon**: no new work goes to it (``before_assign`` refuses it);
+2. **drain**: running tasks may finish, for up to ``drain_s`` (30 minutes);
+3. **decommission**: when it is empty or the drain time is over (remaining tasks are
+   evicted).
+
+:func:`step` is the pure state machine (time is an argument, so tests fast-forward).
+:class:`PreDecommissionHook` runs it in an executor: every replica observes the same
+samples and keeps the same state, but only the one holding the GPU's :class:`HookLock`
+(TTL ``lock_ttl_s`` = 35 minutes, longer than the drain) emits commands. When it is done it
+leaves a ``.done`` marker so no one repeats the work after the lock expires; if it dies
+mid-drain, the lock expires and another replica takes over where the state says it is.
+Cordon and decommission commands are idempotent for whoever carries them out.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from fleetpilot.contracts import DecisionMade, GpuSample, TaskLifecycle
+
+from .business import ALLOW, HookVerdict
+from .locks import Clock, HookLock
+
+Stage = Literal["healthy", "hot", "cordoned", "decommissioned"]
+_RANK: dict[Stage, int] = {"healthy": 0, "hot": 1, "cordoned": 2, "decommissioned": 3}
+
+
+class DecommissionRules(msgspec.Struct, frozen=True, kw_only=True):
+    """The thresholds of the pre-decommission procedure."""
+
+    threshold_c: float = 85.0
+    hot_for_s: float = 300.0
+    drain_s: float = 1800.0
+    lock_ttl_s: float = 2100.0
+    done_ttl_s: float = 7 * 24 * 3600.0
+
+
+class GpuDecommission(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one GPU is in the procedure."""
+
+    stage: Stage = "healthy"
+    hot_since: float | None = None
+    cordoned_at: float | None = None
+    decommissioned_at: float | None = None
+
+
+class Cordon(msgspec.Struct, frozen=True, kw_only=True, tag="cordon"):
+    """Stop placing new work on the GPU."""
+
+    node: str
+    gpu: int
+    reason: str
+
+
+class Decommission(msgspec.Struct, frozen=True, kw_only=True, tag="decommission"):
+    """Pull the GPU from service, evicting ``evict`` first."""
+
+    node: str
+    gpu: int
+    evict: list[str]
+    reason: str
+
+
+Command = Cordon | Decommission
+
+
+def step(
+    state: GpuDecommission, temperature_c: float, running_tasks: int, now: float, rules: DecommissionRules
+) -> GpuDecommission:
+    """The next state after one observation (pure). A cordon is sticky: cooling down after
+    it does not put the GPU back in service; an operator does that."""
+    if state.stage in ("healthy", "hot"):
+        if temperature_c <= rules.threshold_c:
+            return GpuDecommission()
+        hot_since = state.hot_since if state.hot_since is not None else now
+        if now - hot_since < rules.hot_for_s:
+            return GpuDecommission(stage="hot", hot_since=hot_since)
+        state = GpuDecommission(stage="cordoned", hot_since=hot_since, cordoned_at=now)
+    if state.stage == "cordoned":
+        assert state.cordoned_at is not None
+        if running_tasks == 0 or now - state.cordoned_at >= rules.drain_s:
+            return msgspec.structs.replace(state, stage="decommissioned", decommissioned_at=now)
+    return state
+
+
+def commands_for(
+    applied: Stage, target: GpuDecommission, node: str, gpu: int, running_tasks: Sequence[str]
+) -> list[Command]:
+    """The commands that take a GPU from stage ``applied`` to ``target.stage`` (pure)."""
+    out: list[Command] = []
+    if _RANK[applied] < _RANK["cordoned"] <= _RANK[target.stage]:
+        out.append(Cordon(node=node, gpu=gpu, reason=f"above threshold since {target.hot_since}"))
+    if _RANK[applied] < _RANK["decommissioned"] == _RANK[target.stage]:
+        out.append(Decommission(node=node, gpu=gpu, evict=sorted(running_tasks), reason="drained or drain time over"))
+    return out
+
+
+def lock_key(node: str, gpu: int) -> str:
+    """The lock key of one GPU's procedure (characters a NATS KV key accepts)."""
+    return "decommission." + re.sub(r"[^A-Za-z0-9_=-]", "_", node) + f".{gpu}"
+
+
+class PreDecommissionHook:
+    """The shipped pre-decommission hook for one executor replica (``owner``)."""
+
+    def __init__(
+        self, owner: str, lock: HookLock, *, rules: DecommissionRules | None = None, clock: Clock = time.time
+    ) -> None:
+        """Create the hook; ``lock`` is shared by every replica."""
+        self.owner = owner
+        self.rules = rules or DecommissionRules()
+        self._lock = lock
+        self._clock = clock
+        self._states: dict[tuple[str, int], GpuDecommission] = {}
+        self._applied: dict[tuple[str, int], Stage] = {}
+
+    def state(self, node: str, gpu: int) -> GpuDecommission:
+        """This replica's view of one GPU."""
+        return self._states.get((node, gpu), GpuDecommission())
+
+    async def observe(self, sample: GpuSample, running_tasks: Sequence[str]) -> list[Command]:
+        """Feed one sample; returns the commands this replica must carry out now (often none)."""
+        key = (sample.node, sample.gpu)
+        state = step(self.state(*key), sample.temperature_c, len(running_tasks), sample.at, self.rules)
+        self._states[key] = state
+        applied = self._applied.get(key, "healthy")
+        if _RANK[state.stage] < _RANK["cordoned"] or _RANK[state.stage] <= _RANK[applied]:
+            return []
+        name = lock_key(*key)
+        if await self._lock.holder(name + ".done") is not None:
+            self._applied[key] = "decommissioned"  # another replica finished the procedure
+            return []
+        if not await self._lock.acquire(name, self.owner, self.rules.lock_ttl_s):
+            return []  # another replica runs it
+        commands = commands_for(applied, state, sample.node, sample.gpu, running_tasks)
+        self._applied[key] = state.stage
+        if state.stage == "decommissioned":
+            await self._lock.acquire(name + ".done", self.owner, self.rules.done_ttl_s)
+            await self._lock.release(name, self.owner)
+        return commands
+
+    def accepts_work(self, node: str, gpu: int) -> bool:
+        """Whether new work may go to this GPU (not cordoned, not decommissioned)."""
+        return _RANK[self.state(node, gpu).stage] < _RANK["cordoned"]
+
+    async def before_assign(self, decision: DecisionMade) -> HookVerdict:
+        """Refuse placements on cordoned or decommissioned GPUs."""
+        for p in decision.placement:
+            if p.gpu >= 0 and not self.accepts_work(p.node, p.gpu):
+                return HookVerdict(allow=False, reason=f"{p.node}/{p.gpu} is {self.state(p.node, p.gpu).stage}")
+        return ALLOW
+
+    async def after_finish(self, event: TaskLifecycle) -> None:
+        """Nothing to do: the running-task count comes with each observation."""
+
+    async def pre_decommission(self, node: str, gpu: int, running_tasks: Sequence[str]) -> HookVerdict:
+        """Allow pulling a GPU only once it is drained or its drain time is over."""
+        state = self.state(node, gpu)
+        if state.stage != "cordoned":
+            return ALLOW  # not in this procedure's drain: nothing for this hook to hold back
+        assert state.cordoned_at is not None
+        left = self.rules.drain_s - (self._clock() - state.cordoned_at)
+        if running_tasks and left > 0:
+            return HookVerdict(allow=False, reason=f"{len(running_tasks)} tasks draining, {left:.0f}s left")
+        return ALLOW

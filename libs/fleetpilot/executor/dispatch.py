@@ -1,0 +1,109 @@
+"""Carrying out one decision on a backend, exactly once.
+
+:func:`execute_decision` is what the executor service calls for each ``decision.made``: it
+looks the decision up in the :class:`~fleetpilot.executor.journal.ExecutionJournal` (a
+redelivery returns the recorded result and does nothing), claims it, asks the business
+context, runs the verb on the backend and records the resulting ``action.executed`` or
+``action.failed``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from fleetpilot.contracts import ActionExecuted, ActionFailed, DecisionMade
+
+from .backend import BackendError, ExecutorBackend
+from .business import BusinessContextProvider, check_before_assign
+from .journal import ActionResult, ExecutionJournal
+from .locks import Clock
+
+
+def action_id_for(decision_id: str) -> str:
+    """The action id of a decision: derived, so every replica and retry agrees on it."""
+    return f"act-{decision_id}"
+
+
+def _gpu_model(decision: DecisionMade, business: BusinessContextProvider | None) -> str:
+    if business is None:
+        return ""
+    for p in decision.placement or decision.source:
+        if p.gpu >= 0:
+            return business.gpu_context(p.node, p.gpu).model
+    return ""
+
+
+async def _run(decision: DecisionMade, backend: ExecutorBackend, grace_s: float, env: Mapping[str, str]) -> float:
+    """Run the verb; returns the backend latency in ms."""
+    began = time.perf_counter()
+    if decision.action == "assign":
+        command = (decision.task.command if decision.task else None) or []
+        full_env = {**env, "FLEETPILOT_DECISION_ID": decision.decision_id}
+        handle = await backend.start(decision.task_id, decision.placement, command, full_env)
+        return handle.latency_ms or (time.perf_counter() - began) * 1000.0
+    if decision.action == "migrate":
+        handle = await backend.migrate(decision.task_id, decision.placement)
+        return handle.latency_ms or (time.perf_counter() - began) * 1000.0
+    if decision.action == "evict":
+        await backend.stop(decision.task_id, grace_s)
+    elif decision.action == "resize":
+        share = next((p for p in decision.placement if p.gpu >= 0), None)
+        if share is None:
+            raise BackendError("resize decision without a GPU share")
+        await backend.resize(decision.task_id, share.milli, share.memory_mb)
+    # queue and reject change nothing on the backend: executing them is acknowledging them.
+    return (time.perf_counter() - began) * 1000.0
+
+
+async def execute_decision(
+    decision: DecisionMade,
+    backend: ExecutorBackend,
+    journal: ExecutionJournal,
+    *,
+    owner: str,
+    business: BusinessContextProvider | None = None,
+    grace_s: float = 30.0,
+    env: Mapping[str, str] | None = None,
+    clock: Clock = time.time,
+) -> ActionResult | None:
+    """Execute ``decision`` once; ``None`` when another replica has claimed it and is running it.
+
+    A decision already executed returns its recorded result unchanged (to be republished
+    with the same ``Nats-Msg-Id``, which the stream deduplicates).
+    """
+    recorded = await journal.result(decision.decision_id)
+    if recorded is not None:
+        return recorded
+    if not await journal.claim(decision.decision_id, owner):
+        return None
+    common = dict(
+        action_id=action_id_for(decision.decision_id),
+        decision_id=decision.decision_id,
+        task_id=decision.task_id,
+        action=decision.action,
+        backend=backend.name,
+        policy=decision.policy,
+        shard_id=decision.shard_id,
+        confidence=decision.confidence,
+        task_kind=decision.task.kind if decision.task else "",
+        gpu_model=_gpu_model(decision, business),
+    )
+    result: ActionResult
+    if business is not None and decision.action in ("assign", "migrate"):
+        verdict = await check_before_assign(business, decision)
+        if not verdict.allow:
+            result = ActionFailed(**common, error=f"business rule: {verdict.reason}", retryable=False, failed_at=clock())
+            await journal.record(decision.decision_id, result)
+            return result
+    began = time.perf_counter()
+    try:
+        latency = await _run(decision, backend, grace_s, env or {})
+        result = ActionExecuted(**common, placement=decision.placement, latency_ms=latency, executed_at=clock())
+    except BackendError as error:
+        result = ActionFailed(
+            **common, error=str(error), retryable=error.retryable,
+            latency_ms=(time.perf_counter() - began) * 1000.0, failed_at=clock(),
+        )
+    await journal.record(decision.decision_id, result)
+    return result

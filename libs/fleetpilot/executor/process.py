@@ -1,0 +1,308 @@
+"""``ProcessBackend``: runs each task's ``command`` as a real OS process on this node.
+
+- **GPUs**: the child sees only its GPUs (``CUDA_VISIBLE_DEVICES``); a fractional share
+  (``milli < 1000``) is passed as ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for MPS to enforce.
+- **Evict** (``stop``): SIGTERM to the task's process group, SIGKILL after ``grace_s``.
+- **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
+  its state (it may exit by itself), then stop with grace and start again on the target
+  with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
+  (the signal's default action) and simply restarts from scratch.
+- **Resize**: the new share is recorded and used at the next start; with
+  ``limit_address_space`` the memory cap is changed live with ``prlimit``.
+- **OOM**: reported as ``oom_killed`` when the process dies by SIGKILL that we did not send
+  (exit 137 / -9: the kernel OOM killer) or its stderr carries an out-of-memory marker
+  (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``, ``std::bad_alloc``...).
+  With ``limit_address_space=True`` a task given ``memory_mb`` also gets
+  ``RLIMIT_AS = memory_mb + headroom_mb``: without a GPU-level memory limit on this machine
+  the host address space stands in for it, so a leaking task fails as an OOM would. It is
+  off by default because CUDA reserves far more virtual address space than it uses.
+- **Samples**: :meth:`ProcessBackend.samples` reads each task's RSS from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
+
+from .backend import BackendError, ProcessSample, TaskHandle, gpus_of, node_of
+from .locks import Clock
+
+OOM_MARKERS: tuple[str, ...] = (
+    "CUDA out of memory",
+    "OutOfMemoryError",
+    "MemoryError",
+    "std::bad_alloc",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+)
+STDERR_TAIL_BYTES = 16_384
+
+StopReason = LifecycleState | None
+
+
+def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) -> tuple[LifecycleState, str]:
+    """What a process exit means for its task: the lifecycle state and a short detail.
+
+    ``stop_reason`` is the state we asked for when *we* stopped the process (``evicted`` or
+    ``migrated``); an exit we caused is never mistaken for an OOM or a failure.
+    """
+    if stop_reason is not None:
+        return stop_reason, f"stopped by executor (exit {returncode})"
+    marker = next((m for m in OOM_MARKERS if m in stderr_tail), None)
+    if marker:
+        return "oom_killed", f"out of memory: {marker!r} on stderr (exit {returncode})"
+    if returncode in (137, -signal.SIGKILL):
+        return "oom_killed", f"killed by SIGKILL not sent by the executor (exit {returncode}), likely the OOM killer"
+    if returncode == 0:
+        return "finished", "exit 0"
+    tail = stderr_tail.strip().splitlines()[-1:] or [""]
+    return "failed", f"exit {returncode}: {tail[0][:200]}"
+
+
+def child_env(
+    base: Mapping[str, str], env: Mapping[str, str], task_id: str, placement: Sequence[Placement], *, restore: bool
+) -> dict[str, str]:
+    """The environment a task's process gets (pure, so it can be tested without processes)."""
+    full = dict(base)
+    full.update(env)
+    gpus = gpus_of(placement)
+    full["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    full["FLEETPILOT_TASK_ID"] = task_id
+    shares = [p.milli for p in placement if p.gpu >= 0]
+    if shares and max(shares) < 1000:
+        full["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, max(shares) // 10))
+    if restore:
+        full["FLEETPILOT_RESTORE"] = "1"
+    return full
+
+
+class _Task:
+    """One running process and what we know about it."""
+
+    def __init__(self, task_id: str, placement: list[Placement], command: list[str], env: dict[str, str]) -> None:
+        self.task_id = task_id
+        self.placement = placement
+        self.command = command
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stop_reason: StopReason = None
+        self.stderr = bytearray()
+        self.watcher: asyncio.Task[None] | None = None
+
+
+class ProcessBackend:
+    """An :class:`~fleetpilot.executor.backend.ExecutorBackend` running OS processes."""
+
+    name = "process"
+
+    def __init__(
+        self,
+        *,
+        node: str = "",
+        limit_address_space: bool = False,
+        headroom_mb: int = 512,
+        checkpoint_signal: signal.Signals = signal.SIGUSR1,
+        checkpoint_s: float = 1.0,
+        inherit_env: bool = True,
+        log_dir: Path | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        """Configure the backend; see the module docstring for what each knob does."""
+        self.node = node
+        self._limit_as = limit_address_space
+        self._headroom_mb = headroom_mb
+        self._checkpoint_signal = checkpoint_signal
+        self._checkpoint_s = checkpoint_s
+        self._inherit_env = inherit_env
+        self._log_dir = log_dir
+        self._clock = clock
+        self._tasks: dict[str, _Task] = {}
+        self._events: deque[TaskLifecycle] = deque()
+
+    def _emit(self, task: _Task, state: LifecycleState, *, exit_code: int | None = None, detail: str = "") -> None:
+        self._events.append(
+            TaskLifecycle(
+                task_id=task.task_id, state=state, node=node_of(task.placement) or self.node,
+                gpus=gpus_of(task.placement), exit_code=exit_code, detail=detail, at=self._clock(),
+            )
+        )
+
+    def _memory_limit_mb(self, placement: Sequence[Placement]) -> int | None:
+        memory = sum(p.memory_mb for p in placement)
+        return memory + self._headroom_mb if self._limit_as and memory > 0 else None
+
+    def _preexec(self, limit_mb: int | None) -> Callable[[], None] | None:
+        if limit_mb is None:
+            return None
+        limit = limit_mb * 1024 * 1024
+
+        def cap() -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+        return cap
+
+    async def _spawn(self, task: _Task, *, restore: bool) -> TaskHandle:
+        began = time.perf_counter()
+        base = os.environ if self._inherit_env else {"PATH": os.environ.get("PATH", "")}
+        stdout: int | object = asyncio.subprocess.DEVNULL
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            stdout = open(self._log_dir / f"{task.task_id}.out", "ab")  # noqa: SIM115 - the child owns it
+        try:
+            task.proc = await asyncio.create_subprocess_exec(
+                *task.command,
+                env=child_env(base, task.env, task.task_id, task.placement, restore=restore),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,  # type: ignore[arg-type]
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group, so eviction reaches its children
+                preexec_fn=self._preexec(self._memory_limit_mb(task.placement)),
+            )
+        except OSError as error:
+            raise BackendError(f"cannot start {task.task_id}: {error}") from error
+        finally:
+            if not isinstance(stdout, int):
+                stdout.close()  # type: ignore[attr-defined]
+        task.stop_reason = None
+        task.stderr = bytearray()
+        task.watcher = asyncio.create_task(self._watch(task, task.proc))
+        self._tasks[task.task_id] = task
+        return TaskHandle(
+            task_id=task.task_id, backend=self.name, node=node_of(task.placement) or self.node,
+            gpus=gpus_of(task.placement), pid=task.proc.pid, started_at=self._clock(),
+            latency_ms=(time.perf_counter() - began) * 1000.0,
+        )
+
+    async def _watch(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        while chunk := await proc.stderr.read(4096):
+            task.stderr.extend(chunk)
+            del task.stderr[:-STDERR_TAIL_BYTES]  # keep only the tail: markers come last
+        returncode = await proc.wait()
+        if self._tasks.get(task.task_id) is task and task.proc is proc:
+            if task.stop_reason != "migrated":  # the migration reports its own event
+                del self._tasks[task.task_id]
+            state, detail = classify_exit(returncode, task.stderr.decode(errors="replace"), task.stop_reason)
+            if task.stop_reason != "migrated":
+                self._emit(task, state, exit_code=returncode, detail=detail)
+
+    async def start(
+        self, task_id: str, placement: Sequence[Placement], command: Sequence[str], env: Mapping[str, str]
+    ) -> TaskHandle:
+        """Start ``command`` as a process of its own session; raises if the task runs."""
+        if task_id in self._tasks:
+            raise BackendError(f"task {task_id} is already running")
+        if not command:
+            raise BackendError(f"task {task_id} has no command")
+        task = _Task(task_id, list(placement), list(command), dict(env))
+        handle = await self._spawn(task, restore=False)
+        self._emit(task, "started", detail=f"pid {handle.pid}")
+        return handle
+
+    async def _terminate(self, task: _Task, grace_s: float, reason: LifecycleState) -> None:
+        proc, watcher = task.proc, task.watcher
+        if proc is None or watcher is None:
+            return
+        task.stop_reason = reason
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(watcher), timeout=max(grace_s, 0.0))
+        except TimeoutError:
+            _signal_group(proc.pid, signal.SIGKILL)
+            await watcher
+
+    async def stop(self, task_id: str, grace_s: float) -> None:
+        """Evict: SIGTERM to the process group, SIGKILL after ``grace_s``; no-op if not running."""
+        task = self._tasks.get(task_id)
+        if task is not None:
+            await self._terminate(task, grace_s, "evicted")
+
+    async def migrate(self, task_id: str, target: Sequence[Placement], grace_s: float = 5.0) -> TaskHandle:
+        """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``."""
+        task = self._tasks.get(task_id)
+        if task is None or task.proc is None or task.watcher is None:
+            raise BackendError(f"task {task_id} is not running here")
+        source = list(task.placement)
+        task.stop_reason = "migrated"
+        try:
+            os.kill(task.proc.pid, self._checkpoint_signal)
+            await asyncio.wait_for(asyncio.shield(task.watcher), timeout=self._checkpoint_s)
+        except (ProcessLookupError, TimeoutError):
+            pass  # gone already, or still saving: the stop below finishes it
+        await self._terminate(task, grace_s, "migrated")
+        task.placement = list(target)
+        handle = await self._spawn(task, restore=True)
+        self._emit(task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}")
+        return handle
+
+    async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
+        """Record the new share (used at the next start); cap memory live when enabled."""
+        task = self._tasks.get(task_id)
+        if task is None:
+            raise BackendError(f"task {task_id} is not running here")
+        task.placement = [
+            Placement(node=p.node, gpu=p.gpu, milli=milli, memory_mb=memory_mb) if p.gpu >= 0 else p
+            for p in task.placement
+        ]
+        limit_mb = self._memory_limit_mb(task.placement)
+        if limit_mb is not None and task.proc is not None:
+            limit = limit_mb * 1024 * 1024
+            try:
+                resource.prlimit(task.proc.pid, resource.RLIMIT_AS, (limit, limit))
+            except (ProcessLookupError, PermissionError, ValueError) as error:
+                raise BackendError(f"cannot cap memory of {task_id}: {error}", retryable=True) from error
+        self._emit(task, "resized", detail=f"milli={milli} memory_mb={memory_mb}")
+
+    async def poll(self) -> list[TaskLifecycle]:
+        """Lifecycle changes since the last poll, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def running(self) -> list[str]:
+        """Ids of the tasks with a live process."""
+        return sorted(self._tasks)
+
+    def samples(self) -> list[ProcessSample]:
+        """Resident memory of each running task's main process, from ``/proc``."""
+        out = []
+        for task in self._tasks.values():
+            if task.proc is None or task.proc.returncode is not None:
+                continue
+            rss = _rss_mb(task.proc.pid)
+            if rss is not None:
+                out.append(ProcessSample(task_id=task.task_id, pid=task.proc.pid, rss_mb=rss, at=self._clock()))
+        return out
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Evict every running task (used when the executor itself stops)."""
+        await asyncio.gather(*(self.stop(task_id, grace_s) for task_id in list(self._tasks)))
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own session, so its pgid is its pid
+    except ProcessLookupError:
+        pass
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _describe(placement: Sequence[Placement]) -> str:
+    return ",".join(f"{p.node}/{p.gpu}" for p in placement) or "-"

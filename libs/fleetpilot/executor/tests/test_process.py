@@ -1,0 +1,180 @@
+"""ProcessBackend with real OS processes: start, finish, evict with grace, migrate, OOM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.contracts import Placement, TaskLifecycle
+from fleetpilot.executor import BackendError, ProcessBackend, classify_exit
+
+PY = sys.executable
+GPU0 = [Placement(node="n1", gpu=0, milli=1000)]
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", code]
+
+
+async def wait_for_state(backend: ProcessBackend, task_id: str, timeout: float = 10.0) -> list[TaskLifecycle]:
+    """Poll until the task leaves the backend; return all its events."""
+    events: list[TaskLifecycle] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events += [e for e in await backend.poll() if e.task_id == task_id]
+        if events and events[-1].state not in ("started", "migrated", "resized"):
+            return events
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no end state for {task_id}: {events}")
+
+
+async def wait_for_file(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return path.read_text()
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{path} never written")
+
+
+@pytest.mark.parametrize(
+    ("code", "state", "exit_code"),
+    [
+        ("pass", "finished", 0),
+        ("import sys; sys.exit(3)", "failed", 3),
+        ("import sys; print('CUDA out of memory. Tried to allocate 2 GiB', file=sys.stderr); sys.exit(1)", "oom_killed", 1),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "oom_killed", -9),
+    ],
+)
+async def test_exit_is_reported(code: str, state: str, exit_code: int) -> None:
+    backend = ProcessBackend(node="n1")
+    handle = await backend.start("t", GPU0, py(code), {})
+    assert handle.pid and handle.gpus == [0]
+    events = await wait_for_state(backend, "t")
+    assert [e.state for e in events] == ["started", state]
+    assert events[-1].exit_code == exit_code
+    assert backend.running() == []
+
+
+async def test_environment_gpus_and_samples(tmp_path: Path) -> None:
+    out = tmp_path / "env.txt"
+    backend = ProcessBackend(node="n1")
+    placement = [Placement(node="n1", gpu=3, milli=500), Placement(node="n1", gpu=1, milli=500)]
+    code = (
+        "import os, time, pathlib; e = os.environ; "
+        f"pathlib.Path({str(out)!r}).write_text(e['CUDA_VISIBLE_DEVICES'] + ' ' + e['FLEETPILOT_TASK_ID'] + ' '"
+        " + e.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', '-') + ' ' + e['MINE'] + '\\n'); time.sleep(30)"
+    )
+    await backend.start("t", placement, py(code), {"MINE": "x"})
+    assert (await wait_for_file(out)).split() == ["1,3", "t", "50", "x"]
+    [sample] = backend.samples()
+    assert sample.task_id == "t" and sample.rss_mb > 1
+    with pytest.raises(BackendError):
+        await backend.start("t", placement, py("pass"), {})
+    await backend.stop("t", grace_s=2)
+
+
+async def test_evict_cooperative_process_is_quick() -> None:
+    backend = ProcessBackend()
+    await backend.start("t", GPU0, py("import time; time.sleep(60)"), {})
+    began = time.monotonic()
+    await backend.stop("t", grace_s=5)
+    assert time.monotonic() - began < 3
+    events = await wait_for_state(backend, "t")
+    assert events[-1].state == "evicted" and events[-1].exit_code == -signal.SIGTERM
+
+
+async def test_process_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    backend = ProcessBackend()
+    code = (
+        "import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).write_text('ok\\n'); time.sleep(60)"
+    )
+    await backend.start("stubborn", GPU0, py(code), {})
+    await wait_for_file(ready)
+    began = time.monotonic()
+    await backend.stop("stubborn", grace_s=0.5)
+    elapsed = time.monotonic() - began
+    assert 0.5 <= elapsed < 3
+    events = await wait_for_state(backend, "stubborn")
+    assert events[-1].state == "evicted" and events[-1].exit_code == -signal.SIGKILL
+    await backend.stop("stubborn", grace_s=1)  # stopping a stopped task is a no-op
+
+
+async def test_migrate_checkpoints_and_restarts_on_target(tmp_path: Path) -> None:
+    ready, checkpoint, restored = tmp_path / "ready", tmp_path / "ckpt", tmp_path / "restored"
+    code = (
+        "import os, signal, sys, time, pathlib\n"
+        f"ready, ckpt, restored = pathlib.Path({str(ready)!r}), pathlib.Path({str(checkpoint)!r}), pathlib.Path({str(restored)!r})\n"
+        "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
+        "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
+        "def save(*_):\n"
+        "    ckpt.write_text('step=42\\n'); sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, save)\n"
+        "ready.write_text('ok\\n')\n"
+        "time.sleep(60)\n"
+    )
+    backend = ProcessBackend(checkpoint_s=5)
+    first = await backend.start("m", GPU0, py(code), {})
+    await wait_for_file(ready)
+    target = [Placement(node="n2", gpu=5, milli=1000)]
+    second = await backend.migrate("m", target)
+    assert second.pid != first.pid and second.node == "n2" and second.gpus == [5]
+    assert (await wait_for_file(restored)).strip() == "step=42 gpus=5"
+    events = [e for e in await backend.poll() if e.task_id == "m"]
+    assert [e.state for e in events] == ["started", "migrated"]  # the old exit is not a "finished"
+    assert events[-1].node == "n2" and events[-1].gpus == [5]
+    assert backend.running() == ["m"]
+    await backend.stop("m", grace_s=2)
+    assert (await wait_for_state(backend, "m"))[-1].state == "evicted"
+
+
+async def test_memory_limit_makes_a_leak_an_oom() -> None:
+    backend = ProcessBackend(limit_address_space=True, headroom_mb=256)
+    grant = [Placement(node="n1", gpu=0, milli=1000, memory_mb=128)]
+    await backend.start("leak", grant, py("b = bytearray(2 * 1024**3)"), {})
+    events = await wait_for_state(backend, "leak")
+    assert events[-1].state == "oom_killed" and "MemoryError" in events[-1].detail
+    # the same task without a cap allocates fine (proves the cap caused the failure)
+    free = ProcessBackend()
+    await free.start("ok", grant, py("b = bytearray(64 * 1024**2)"), {})
+    assert (await wait_for_state(free, "ok"))[-1].state == "finished"
+
+
+async def test_resize_caps_memory_live(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    backend = ProcessBackend(limit_address_space=True, headroom_mb=256)
+    code = (
+        "import time, pathlib\n"
+        f"go = pathlib.Path({str(go)!r})\n"
+        "while not go.exists(): time.sleep(0.02)\n"
+        "b = bytearray(1024**3)\n"
+    )
+    await backend.start("r", [Placement(node="n1", gpu=0, milli=1000, memory_mb=4096)], py(code), {})
+    await backend.resize("r", milli=500, memory_mb=64)
+    go.write_text("go")
+    events = await wait_for_state(backend, "r")
+    assert [e.state for e in events] == ["started", "resized", "oom_killed"]
+
+
+@pytest.mark.parametrize(
+    ("code", "stderr", "reason", "expected"),
+    [
+        (0, "", None, "finished"),
+        (1, "Traceback...\nValueError: x", None, "failed"),
+        (1, "torch.OutOfMemoryError: CUDA out of memory", None, "oom_killed"),
+        (137, "", None, "oom_killed"),
+        (-9, "", None, "oom_killed"),
+        (-9, "", "evicted", "evicted"),
+        (-15, "MemoryError", "evicted", "evicted"),
+        (0, "", "migrated", "migrated"),
+    ],
+)
+def test_classify_exit(code: int, stderr: str, reason: str | None, expected: str) -> None:
+    assert classify_exit(code, stderr, reason)[0] == expected  # type: ignore[arg-type]
