@@ -1,0 +1,139 @@
+"""Pre-decommission: the pure state machine and two executors competing for one lock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleetpilot.contracts import DecisionMade, GpuSample, Placement, PolicyRef
+from fleetpilot.executor import (
+    Cordon,
+    Decommission,
+    DecommissionRules,
+    GpuDecommission,
+    InMemoryHookLock,
+    PreDecommissionHook,
+    StaticBusinessContext,
+    check_before_assign,
+    check_pre_decommission,
+    step,
+)
+
+RULES = DecommissionRules()
+
+
+class FakeClock:
+    """Time that only moves when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample(at: float, temp: float, node: str = "n1", gpu: int = 0) -> GpuSample:
+    return GpuSample(
+        node=node, gpu=gpu, uuid=f"GPU-{node}-{gpu}", model="A100", at=at, utilization_gpu_pct=90,
+        utilization_memory_pct=50, memory_total_mb=80000, memory_used_mb=40000, memory_free_mb=40000,
+        temperature_c=temp, power_w=300, power_limit_w=400, sm_clock_mhz=1400, pcie_tx_kbps=0, pcie_rx_kbps=0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("temps", "running", "stage"),
+    [
+        ([80, 90], 1, "hot"),
+        ([90, 90, 90, 90, 90, 84], 1, "healthy"),  # a dip before 5 minutes resets
+        ([90] * 6, 1, "cordoned"),  # 0..300 s above: cordon at 5 min
+        ([90] * 6, 0, "decommissioned"),  # nothing to drain: straight through
+        ([90] * 6 + [70] * 5, 1, "cordoned"),  # a cordon is sticky
+        ([90] * 6 + [70] * 30, 1, "decommissioned"),  # drain time (30 min) over
+        ([85] * 10, 1, "healthy"),  # "above" 85 is strict
+    ],
+)
+def test_state_machine(temps: list[float], running: int, stage: str) -> None:
+    state = GpuDecommission()
+    for minute, temp in enumerate(temps):
+        state = step(state, temp, running, minute * 60.0, RULES)
+    assert state.stage == stage
+
+
+async def feed(hooks: list[PreDecommissionHook], clock: FakeClock, minutes: range, temp: float,
+               running: list[str]) -> list[tuple[str, object]]:
+    """Both executors observe each minute's sample, concurrently; returns who did what."""
+    done: list[tuple[str, object]] = []
+    for minute in minutes:
+        clock.now = minute * 60.0
+        results = await asyncio.gather(*(h.observe(sample(clock.now, temp), running) for h in hooks))
+        done += [(h.owner, c) for h, cmds in zip(hooks, results, strict=True) for c in cmds]
+    return done
+
+
+async def test_two_executors_one_runs_it_with_drain() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    a, b = PreDecommissionHook("exec-a", lock, clock=clock), PreDecommissionHook("exec-b", lock, clock=clock)
+    done = await feed([a, b], clock, range(0, 5), 91, ["t1", "t2"])
+    assert done == []  # hot, not yet 5 minutes
+    done = await feed([a, b], clock, range(5, 6), 91, ["t1", "t2"])
+    assert [type(c) for _, c in done] == [Cordon]
+    owner = done[0][0]
+    # both replicas now refuse new work on the GPU
+    d = DecisionMade(decision_id="d", task_id="x", action="assign", placement=[Placement(node="n1", gpu=0, milli=1000)],
+                     confidence=1, policy=PolicyRef(name="p"), decided_at=0)
+    for hook in (a, b):
+        verdict = await check_before_assign(StaticBusinessContext(hooks=[hook]), d)
+        assert not verdict.allow and "cordoned" in verdict.reason
+        # tasks are still draining: pulling the GPU is refused for now
+        assert not (await check_pre_decommission(StaticBusinessContext(hooks=[hook]), "n1", 0, ["t1"])).allow
+    # tasks keep running for 10 minutes, then finish: decommission then, by the same owner
+    done = await feed([a, b], clock, range(6, 16), 91, ["t1", "t2"])
+    assert done == []
+    done = await feed([a, b], clock, range(16, 60), 91, [])
+    assert [(o, type(c)) for o, c in done] == [(owner, Decommission)]
+    assert done[0][1].evict == []
+    # long after the lock's TTL, nobody does it again
+    done = await feed([a, b], clock, range(100, 110), 91, [])
+    assert done == []
+
+
+async def test_drain_time_limit_evicts_the_rest() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    hooks = [PreDecommissionHook(f"exec-{i}", lock, clock=clock) for i in range(2)]
+    done = await feed(hooks, clock, range(0, 60), 95, ["t9", "t1"])
+    kinds = [(type(c), round(clock.now)) for _, c in done]
+    assert [k for k, _ in kinds] == [Cordon, Decommission]
+    assert len({o for o, _ in done}) == 1
+    decommission = done[1][1]
+    assert isinstance(decommission, Decommission) and decommission.evict == ["t1", "t9"]
+    assert hooks[0].state("n1", 0).decommissioned_at == 35 * 60.0  # cordon at 5 min + 30 min drain
+
+
+async def test_other_executor_takes_over_when_owner_dies() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    a, b = PreDecommissionHook("exec-a", lock, clock=clock), PreDecommissionHook("exec-b", lock, clock=clock)
+    done = await feed([a, b], clock, range(0, 6), 91, ["t1"])
+    owner, other = (a, b) if done[0][0] == "exec-a" else (b, a)
+    # the owner crashes right after cordoning; the other keeps observing
+    done = await feed([other], clock, range(6, 39), 91, ["t1"])
+    assert done == []  # still locked: TTL 35 min from the cordon at minute 5 runs to minute 40
+    done = await feed([other], clock, range(39, 45), 91, ["t1"])
+    assert [(o, type(c)) for o, c in done] == [(other.owner, Cordon), (other.owner, Decommission)]
+    assert other.state("n1", 0).stage == "decommissioned"
+
+
+async def test_lock_ttl_and_ownership() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    assert await lock.acquire("k", "a", 10)
+    assert await lock.acquire("k", "a", 10)  # re-entrant for the owner
+    assert not await lock.acquire("k", "b", 10)
+    assert not await lock.release("k", "b")
+    clock.now = 10.0
+    assert await lock.holder("k") is None  # expired
+    assert await lock.acquire("k", "b", 10)
+    assert await lock.release("k", "b") and await lock.holder("k") is None

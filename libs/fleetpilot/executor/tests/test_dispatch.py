@@ -1,0 +1,86 @@
+"""execute_decision: exactly-once execution, business rules, backend failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleetpilot.contracts import ActionExecuted, ActionFailed, DecisionMade, Placement, PolicyRef, TaskSubmitted
+from fleetpilot.executor import (
+    GpuContext,
+    InMemoryExecutionJournal,
+    SimBackend,
+    StaticBusinessContext,
+    action_id_for,
+    execute_decision,
+)
+
+P = [Placement(node="n1", gpu=0, milli=1000, memory_mb=8000)]
+
+
+def decision(action: str = "assign", decision_id: str = "d1", kind: str = "train", labels: dict | None = None,
+             placement: list[Placement] | None = None) -> DecisionMade:
+    task = TaskSubmitted(task_id="t1", kind=kind, labels=labels or {}, command=["run"])  # type: ignore[arg-type]
+    return DecisionMade(
+        decision_id=decision_id, task_id="t1", action=action, placement=P if placement is None else placement,  # type: ignore[arg-type]
+        confidence=0.8, policy=PolicyRef(name="fgd"), decided_at=0.0, task=task,
+    )
+
+
+async def test_redelivered_decision_runs_once() -> None:
+    backend, journal = SimBackend(), InMemoryExecutionJournal()
+    first = await execute_decision(decision(), backend, journal, owner="e1")
+    again = await execute_decision(decision(), backend, journal, owner="e1")
+    assert isinstance(first, ActionExecuted) and again == first
+    assert first.action_id == action_id_for("d1") and first.confidence == 0.8 and first.task_kind == "train"
+    assert [a.verb for a in backend.actions] == ["start"]
+
+
+async def test_two_replicas_racing_execute_once() -> None:
+    backend, journal = SimBackend(time_scale=0.001), InMemoryExecutionJournal()
+    results = await asyncio.gather(
+        execute_decision(decision(), backend, journal, owner="e1"),
+        execute_decision(decision(), backend, journal, owner="e2"),
+    )
+    assert sorted(r is None for r in results) == [False, True]
+    assert len(backend.actions) == 1
+
+
+@pytest.mark.parametrize(
+    ("context", "kind", "labels", "allowed"),
+    [
+        (GpuContext(node="n1", gpu=0), "train", {}, True),
+        (GpuContext(node="n1", gpu=0, role="reserved"), "train", {}, False),
+        (GpuContext(node="n1", gpu=0, driver_pin="535"), "train", {"driver": "550"}, False),
+        (GpuContext(node="n1", gpu=0, driver_pin="535"), "train", {"driver": "535"}, True),
+        (GpuContext(node="n1", gpu=0, task_kinds=["infer"]), "train", {}, False),
+        (GpuContext(node="n1", gpu=0, task_kinds=["infer"]), "infer", {}, True),
+    ],
+)
+async def test_business_rules(context: GpuContext, kind: str, labels: dict, allowed: bool) -> None:
+    backend = SimBackend()
+    business = StaticBusinessContext([context])
+    result = await execute_decision(decision(kind=kind, labels=labels), backend, InMemoryExecutionJournal(),
+                                    owner="e1", business=business)
+    assert isinstance(result, ActionExecuted) is allowed
+    assert bool(backend.actions) is allowed
+    if not allowed:
+        assert isinstance(result, ActionFailed) and not result.retryable and "business rule" in result.error
+
+
+async def test_backend_failure_becomes_action_failed() -> None:
+    journal = InMemoryExecutionJournal()
+    result = await execute_decision(decision("migrate"), SimBackend(), journal, owner="e1")  # nothing to migrate
+    assert isinstance(result, ActionFailed) and "not running" in result.error
+    assert await journal.result("d1") == result
+
+
+@pytest.mark.parametrize("action", ["evict", "resize", "queue", "reject"])
+async def test_other_verbs(action: str) -> None:
+    backend, journal = SimBackend(), InMemoryExecutionJournal()
+    await execute_decision(decision("assign", "d0"), backend, journal, owner="e1")
+    result = await execute_decision(decision(action, "d1"), backend, journal, owner="e1")
+    assert isinstance(result, ActionExecuted) and result.action == action
+    expected = {"evict": ["start", "stop"], "resize": ["start", "resize"]}.get(action, ["start"])
+    assert [a.verb for a in backend.actions] == expected
