@@ -1,0 +1,187 @@
+"""The Kubernetes manifests in deploy/ parse, and every workload is production-shaped:
+probes on /healthz at its service's port, resource requests, GPU-node placement for the
+per-node services, and a disruption budget for the policy.
+
+Pure YAML checks, so they run everywhere; ``kubectl kustomize`` (offline, no cluster)
+additionally builds the kustomization where kubectl is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+NAMESPACE = "fleetpilot"
+
+SERVICE_PORTS = {
+    "collector": 9101,
+    "topology": 9102,
+    "fingerprinter": 9103,
+    "sla": 9104,
+    "policy": 9105,
+    "executor": 9106,
+    "feedback": 9107,
+}
+PER_NODE = {"collector", "executor"}
+WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet"}
+YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _kubernetes_docs() -> list[dict[str, Any]]:
+    # The Helm values file is chart input, not a Kubernetes object.
+    return [doc for path in YAML_FILES for doc in _load(path) if "apiVersion" in doc and "kind" in doc]
+
+
+def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in _kubernetes_docs() if doc["kind"] == kind}
+
+
+def _workloads() -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in _kubernetes_docs() if doc["kind"] in WORKLOAD_KINDS}
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def test_there_are_manifests():
+    assert (K8S / "kustomization.yaml").is_file()
+    assert len(YAML_FILES) >= 10
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_file_parses(path):
+    docs = _load(path)
+    assert docs, f"{path} has no documents"
+    for doc in docs:
+        assert isinstance(doc, dict)
+
+
+def test_every_object_is_namespaced_or_the_namespace():
+    for doc in _kubernetes_docs():
+        if doc["kind"] == "Kustomization":
+            continue
+        meta = doc["metadata"]
+        if doc["kind"] == "Namespace":
+            assert meta["name"] == NAMESPACE
+        else:
+            assert meta.get("namespace") == NAMESPACE, f"{doc['kind']}/{meta['name']}"
+
+
+def test_kustomization_lists_every_manifest_that_exists():
+    kustomization = _load(K8S / "kustomization.yaml")[0]
+    listed = set(kustomization["resources"])
+    assert all((K8S / name).is_file() for name in listed)
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "nats-helm-values.yaml"}
+    assert listed == manifests
+
+
+def test_every_service_has_a_workload():
+    workloads = _workloads()
+    assert set(SERVICE_PORTS) | {"nats"} == set(workloads)
+    for name in SERVICE_PORTS:
+        expected = "DaemonSet" if name in PER_NODE else "Deployment"
+        assert workloads[name]["kind"] == expected, name
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS) + ["nats"])
+def test_every_container_has_probes_and_resource_requests(name):
+    workload = _workloads()[name]
+    template = workload["spec"]["template"]
+    assert _matches(workload["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
+    for container in template["spec"]["containers"]:
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert probe in container, f"{name}: {container['name']} lacks {probe}"
+            assert "httpGet" in container[probe]
+        requests = container["resources"]["requests"]
+        assert requests.get("cpu") and requests.get("memory"), f"{name}: requests {requests}"
+
+
+@pytest.mark.parametrize(("name", "port"), sorted(SERVICE_PORTS.items()))
+def test_service_probes_hit_healthz_on_its_port(name, port):
+    spec = _workloads()[name]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"] == ["python", "-m", f"fleetpilot_services.{name}"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == "/healthz" and ports[get["port"]] == port
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    prefix = f"FLEETPILOT_{name.upper()}_"
+    assert env[prefix + "METRICS_PORT"] == str(port)
+    assert env[prefix + "METRICS_HOST"] == "0.0.0.0"
+    assert {"configMapRef": {"name": "fleetpilot-env"}} in container["envFrom"]
+
+
+@pytest.mark.parametrize("name", sorted(PER_NODE))
+def test_per_node_services_run_on_gpu_nodes_with_nvml_access(name):
+    spec = _workloads()[name]["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["hostPID"] is True
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    # Requesting nvidia.com/gpu would take a GPU away from the tasks being scheduled.
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in container["resources"].get(section, {})
+
+
+def test_every_service_port_is_exposed_by_a_service_that_selects_its_pods():
+    services = _by_kind("Service")
+    workloads = _workloads()
+    for name, port in SERVICE_PORTS.items():
+        service = services[name]
+        assert [p["port"] for p in service["spec"]["ports"]] == [port]
+        labels = workloads[name]["spec"]["template"]["metadata"]["labels"]
+        assert _matches(service["spec"]["selector"], labels)
+    assert services["nats"]["spec"]["ports"][0]["port"] == 4222
+
+
+def test_policy_has_a_disruption_budget_and_two_replicas():
+    policy = _workloads()["policy"]
+    assert policy["spec"]["replicas"] >= 2
+    budget = _by_kind("PodDisruptionBudget")["policy"]
+    assert budget["spec"]["minAvailable"] == 1
+    assert _matches(
+        budget["spec"]["selector"]["matchLabels"], policy["spec"]["template"]["metadata"]["labels"]
+    )
+
+
+def test_nats_runs_jetstream_with_persistent_storage():
+    config = _by_kind("ConfigMap")["nats-config"]["data"]["nats.conf"]
+    assert "jetstream" in config and "store_dir: /data" in config
+    nats = _workloads()["nats"]
+    assert nats["kind"] == "StatefulSet" and nats["spec"]["replicas"] == 3
+    assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert _by_kind("ConfigMap")["fleetpilot-env"]["data"]["FLEETPILOT_NATS_URL"] == "nats://nats:4222"
+
+
+def test_feedback_reads_its_dsn_from_a_secret_that_exists():
+    (container,) = _workloads()["feedback"]["spec"]["template"]["spec"]["containers"]
+    dsn = next(e for e in container["env"] if e["name"] == "FLEETPILOT_FEEDBACK_STORE_DSN")
+    ref = dsn["valueFrom"]["secretKeyRef"]
+    secret = _by_kind("Secret")[ref["name"]]
+    assert secret["stringData"][ref["key"]].startswith("postgresql://")
+
+
+def test_kustomize_builds():
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert kinds.count("Deployment") == 5 and kinds.count("DaemonSet") == 2
