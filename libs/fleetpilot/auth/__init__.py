@@ -1,0 +1,25 @@
+"""Tenant authentication: rotating signing keys and strict JWT verification.
+
+Issuer side: :class:`KeyRing` and :func:`mint_token`. Verifier side: :class:`TokenVerifier`
+over the ring's public JWKS, returning :class:`Claims` or raising :class:`AuthError`.
+"""
+
+from .keys import DAY_S, SUPPORTED_ALGORITHMS, WEEK_S, KeyRing, SigningKey, generate_jwk, load_jwks, save_jwks
+from .tokens import REQUIRED_CLAIMS, AuthError, AuthReason, Claims, TokenVerifier, mint_token
+
+__all__ = [
+    "DAY_S",
+    "REQUIRED_CLAIMS",
+    "SUPPORTED_ALGORITHMS",
+    "WEEK_S",
+    "AuthError",
+    "AuthReason",
+    "Claims",
+    "KeyRing",
+    "SigningKey",
+    "TokenVerifier",
+    "generate_jwk",
+    "load_jwks",
+    "mint_token",
+    "save_jwks",
+]

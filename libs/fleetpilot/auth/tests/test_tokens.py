@@ -1,0 +1,183 @@
+"""Token verification: every rejection has its reason; rotation works through the overlap only."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import jwt
+import pytest
+from fleetpilot.auth import DAY_S, WEEK_S, AuthError, KeyRing, TokenVerifier, mint_token
+
+AUD, ISS = "fleetpilot", "https://auth.example"
+T0 = 1_800_000_000.0
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, at: float = T0) -> None:
+        self.at = at
+
+    def __call__(self) -> float:
+        return self.at
+
+
+def _b64(obj: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+
+
+def _setup(alg: str = "EdDSA"):
+    clock = FakeClock()
+    ring = KeyRing(alg, clock=clock)
+    verifier = TokenVerifier(ring.public_jwks() if ring.keys else {"keys": []}, audience=AUD, issuer=ISS,
+                             algorithms=[alg], clock=clock)
+    token = mint_token(ring, "acme", AUD, ISS, ttl_s=600)
+    verifier.update_jwks(ring.public_jwks())
+    return clock, ring, verifier, token
+
+
+@pytest.mark.parametrize("alg", ["EdDSA", "ES256", "RS256", "HS256"])
+def test_valid_token_gives_tenant(alg):
+    _, ring, verifier, token = _setup(alg)
+    claims = verifier.verify(token)
+    assert claims.tenant == "acme" and claims.audience == AUD and claims.issuer == ISS
+    assert claims.kid == ring.keys[-1].kid and claims.expires_at - claims.issued_at == 600
+
+
+def _forged(token: str, ring: KeyRing) -> str:
+    header, payload, sig = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=="))
+    claims["tenant"] = "evil"
+    return f"{header}.{_b64(claims)}.{sig}"
+
+
+def _alg_none(token: str, ring: KeyRing) -> str:
+    _, payload, _ = token.split(".")
+    return f"{_b64({'alg': 'none', 'typ': 'JWT', 'kid': ring.keys[-1].kid})}.{payload}."
+
+
+def _unknown_kid(token: str, ring: KeyRing) -> str:
+    other = KeyRing("EdDSA", clock=lambda: T0)
+    return mint_token(other, "acme", AUD, ISS, ttl_s=600)
+
+
+def _hs256_with_public_key(token: str, ring: KeyRing) -> str:
+    # The classic confusion attack: sign HS256 with the public key bytes as the secret.
+    _, payload, _ = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=="))
+    return jwt.encode(claims, "public-key-bytes-used-as-an-hmac-secret", algorithm="HS256", headers={"kid": ring.keys[-1].kid})
+
+
+def _other_signature(token: str, ring: KeyRing) -> str:
+    header, payload, _ = token.split(".")
+    other = mint_token(KeyRing("EdDSA", clock=lambda: T0), "acme", AUD, ISS, ttl_s=600)
+    return f"{header}.{payload}.{other.split('.')[2]}"
+
+
+def _mint(ring: KeyRing, **kw) -> str:
+    key = ring.signing_key()
+    claims = {"tenant": "acme", "sub": "acme", "aud": AUD, "iss": ISS, "iat": int(T0), "nbf": int(T0),
+              "exp": int(T0 + 600)}
+    claims.update(kw)
+    claims = {k: v for k, v in claims.items() if v is not None}
+    return jwt.encode(claims, jwt.PyJWK(key.private_jwk, key.alg).key, algorithm=key.alg,
+                      headers={"kid": key.kid})
+
+
+CASES = [
+    ("forged payload", _forged, "forged"),
+    ("signature from another key", _other_signature, "forged"),
+    ("alg none", _alg_none, "alg_not_allowed"),
+    ("alg not configured", _hs256_with_public_key, "alg_not_allowed"),
+    ("unknown kid", _unknown_kid, "unknown_kid"),
+    ("garbage", lambda t, r: "not-a-token", "malformed"),
+    ("truncated", lambda t, r: t.rsplit(".", 1)[0], "malformed"),
+    ("wrong audience", lambda t, r: _mint(r, aud="other-service"), "wrong_audience"),
+    ("wrong issuer", lambda t, r: _mint(r, iss="https://evil.example"), "wrong_issuer"),
+    ("no exp", lambda t, r: _mint(r, exp=None), "missing_claim"),
+    ("no tenant", lambda t, r: _mint(r, tenant=None, sub=None), "no_tenant"),
+    ("expired", lambda t, r: _mint(r, iat=int(T0 - 900), nbf=int(T0 - 900), exp=int(T0 - 300)), "expired"),
+    ("not yet valid", lambda t, r: _mint(r, nbf=int(T0 + 300)), "not_yet_valid"),
+]
+
+
+@pytest.mark.parametrize("name,tamper,reason", CASES, ids=[c[0] for c in CASES])
+def test_rejections(name, tamper, reason):
+    _, ring, verifier, token = _setup()
+    bad = tamper(token, ring)
+    with pytest.raises(AuthError) as err:
+        verifier.verify(bad)
+    assert err.value.reason == reason, str(err.value)
+
+
+def test_tenant_falls_back_to_sub():
+    _, ring, verifier, _ = _setup()
+    assert verifier.verify(_mint(ring, tenant=None, sub="globex")).tenant == "globex"
+
+
+def test_expiry_follows_the_clock():
+    clock, _, verifier, token = _setup()
+    clock.at = T0 + 600 + 29  # inside the 30 s leeway
+    assert verifier.verify(token).tenant == "acme"
+    clock.at = T0 + 600 + 31
+    with pytest.raises(AuthError, match="expired"):
+        verifier.verify(token)
+
+
+def test_rotated_key_works_through_overlap_and_fails_after():
+    clock, ring, verifier, _ = _setup()
+    old_kid = ring.keys[-1].kid
+    clock.at = T0 + WEEK_S - 60
+    old_token = mint_token(ring, "acme", AUD, ISS, ttl_s=DAY_S)
+    assert ring.keys[-1].kid == old_kid  # not due yet
+    clock.at = T0 + WEEK_S
+    new_token = mint_token(ring, "acme", AUD, ISS, ttl_s=600)
+    assert ring.keys[-1].kid != old_kid and len(ring.keys) == 2
+    verifier.update_jwks(ring.public_jwks())
+    assert verifier.verify(old_token).kid == old_kid
+    assert verifier.verify(new_token).tenant == "acme"
+    clock.at = T0 + WEEK_S + DAY_S - 120  # still inside the overlap, old token still unexpired
+    assert verifier.verify(old_token).kid == old_kid
+    clock.at = T0 + WEEK_S + DAY_S + 60  # overlap over: a stale JWKS still refuses the old key
+    with pytest.raises(AuthError) as err:
+        verifier.verify(old_token)
+    assert err.value.reason == "key_retired"
+    verifier.update_jwks(ring.public_jwks())  # and a fresh JWKS no longer lists it at all
+    assert [k["kid"] for k in ring.public_jwks()["keys"]] == [ring.keys[-1].kid]
+    with pytest.raises(AuthError) as err:
+        verifier.verify(old_token)
+    assert err.value.reason == "unknown_kid"
+
+
+def test_ring_persists_and_public_jwks_has_no_private_parts(tmp_path):
+    clock, ring, verifier, token = _setup("ES256")
+    path = tmp_path / "ring.json"
+    ring.save(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    again = KeyRing.load(path, clock=clock)
+    assert [k.kid for k in again.keys] == [k.kid for k in ring.keys]
+    token2 = mint_token(again, "acme", AUD, ISS, ttl_s=60)
+    assert verifier.verify(token2).kid == ring.keys[-1].kid
+    assert all("d" not in k for k in ring.public_jwks()["keys"])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"algorithms": ["none"]},
+    {"algorithms": []},
+    {"algorithms": ["HS512"]},
+])
+def test_verifier_refuses_bad_configuration(kwargs):
+    with pytest.raises(ValueError):
+        TokenVerifier({"keys": []}, audience=AUD, issuer=ISS, **kwargs)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, DAY_S + 1])
+def test_mint_refuses_ttl_outside_overlap(ttl):
+    with pytest.raises(ValueError):
+        mint_token(KeyRing(clock=lambda: T0), "acme", AUD, ISS, ttl_s=ttl)
+
+
+def test_load_refuses_garbage():
+    with pytest.raises(ValueError):
+        KeyRing.from_json('{"keys": 3}')

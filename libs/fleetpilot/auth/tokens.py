@@ -1,0 +1,165 @@
+"""Minting and verifying JWTs: tenant from a claim, every check explicit, ``alg: none`` never.
+
+Verification order, each failure with its own :class:`AuthError` reason:
+header parses (``malformed``) -> ``alg`` configured and not ``none`` (``alg_not_allowed``)
+-> ``kid`` in the key set (``unknown_kid``) -> the key's own ``alg`` equals the header's
+(``alg_not_allowed``: no RS256-key-as-HMAC-secret confusion) -> key not past its
+``valid_until`` (``key_retired``) -> signature (``forged``) -> ``aud`` (``wrong_audience``),
+``iss`` (``wrong_issuer``), required claims (``missing_claim``) -> ``exp`` (``expired``),
+``nbf`` (``not_yet_valid``) on the verifier's injectable clock -> tenant (``no_tenant``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jwt
+
+from .keys import SUPPORTED_ALGORITHMS, Clock, KeyRing
+
+AuthReason = Literal[
+    "malformed", "alg_not_allowed", "unknown_kid", "key_retired", "forged", "expired",
+    "not_yet_valid", "wrong_audience", "wrong_issuer", "missing_claim", "no_tenant",
+]
+REQUIRED_CLAIMS = ("exp", "nbf", "iat", "aud", "iss")
+
+
+class AuthError(Exception):
+    """A token was refused; ``reason`` is machine-readable, the message says why to a human."""
+
+    def __init__(self, reason: AuthReason, detail: str) -> None:
+        """Carry the ``reason`` code and a one-line ``detail``."""
+        super().__init__(f"{reason}: {detail}")
+        self.reason: AuthReason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What a verified token says: who (tenant), for whom (audience), by whom (issuer), when."""
+
+    tenant: str
+    subject: str
+    audience: str
+    issuer: str
+    issued_at: float
+    not_before: float
+    expires_at: float
+    kid: str
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def mint_token(keyring: KeyRing, tenant: str, audience: str, issuer: str, ttl_s: float, *,
+               subject: str | None = None, extra: dict[str, Any] | None = None,
+               clock: Clock | None = None) -> str:
+    """A signed JWT for ``tenant`` valid ``ttl_s`` seconds from now, signed by the ring's current key.
+
+    ``ttl_s`` may not exceed the ring's overlap window, so that a token never outlives the key
+    that signed it. ``clock`` defaults to the ring's clock.
+    """
+    if not tenant:
+        raise ValueError("tenant must not be empty")
+    if not 0 < ttl_s <= keyring.overlap_s:
+        raise ValueError(f"ttl_s must be in (0, {keyring.overlap_s:g}] (the key overlap window)")
+    key = keyring.signing_key()
+    now = clock() if clock is not None else keyring.now()
+    claims = {
+        **(extra or {}),
+        "tenant": tenant, "sub": subject or tenant, "aud": audience, "iss": issuer,
+        "iat": int(now), "nbf": int(now), "exp": int(now + ttl_s), "jti": uuid.uuid4().hex,
+    }
+    signing = jwt.PyJWK(key.private_jwk, key.alg)
+    return jwt.encode(claims, signing.key, algorithm=key.alg, headers={"kid": key.kid})
+
+
+class TokenVerifier:
+    """Verifies tokens against a JWKS for one audience and issuer with the allowed algorithms."""
+
+    def __init__(self, jwks: dict[str, Any], *, audience: str, issuer: str,
+                 algorithms: Iterable[str] = ("EdDSA",), tenant_claims: tuple[str, ...] = ("tenant", "sub"),
+                 leeway_s: float = 30.0, clock: Clock = time.time) -> None:
+        """``jwks`` is ``{"keys": [...]}`` as published by :meth:`KeyRing.public_jwks`.
+
+        ``algorithms`` must be a subset of EdDSA, ES256, RS256, HS256 (``none`` is refused
+        here too); ``tenant_claims`` are tried in order; ``leeway_s`` absorbs clock skew.
+        """
+        algs = tuple(algorithms)
+        bad = [a for a in algs if a not in SUPPORTED_ALGORITHMS]
+        if bad or not algs:
+            raise ValueError(f"algorithms must be a non-empty subset of {SUPPORTED_ALGORITHMS}, got {algs}")
+        self.audience = audience
+        self.issuer = issuer
+        self.algorithms = algs
+        self.tenant_claims = tenant_claims
+        self.leeway_s = leeway_s
+        self._clock = clock
+        self._keys: dict[str, tuple[str, Any, float | None]] = {}
+        self.update_jwks(jwks)
+
+    def update_jwks(self, jwks: dict[str, Any]) -> None:
+        """Replace the key set (after the issuer rotated); keys of other algorithms are ignored."""
+        keys: dict[str, tuple[str, Any, float | None]] = {}
+        for jwk in jwks.get("keys", []):
+            alg, kid = jwk.get("alg"), jwk.get("kid")
+            if not kid or alg not in self.algorithms:
+                continue
+            member = {k: v for k, v in jwk.items() if k != "valid_until"}
+            keys[kid] = (alg, jwt.PyJWK(member, alg).key, jwk.get("valid_until"))
+        self._keys = keys
+
+    def verify(self, token: str) -> Claims:
+        """The token's claims, or :class:`AuthError` naming the first check that failed."""
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.DecodeError as exc:
+            raise AuthError("malformed", f"not a JWT ({exc})") from exc
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg.lower() == "none":
+            raise AuthError("alg_not_allowed", "unsigned tokens (alg none) are never accepted")
+        if alg not in self.algorithms:
+            raise AuthError("alg_not_allowed", f"algorithm {alg} is not one of {', '.join(self.algorithms)}")
+        kid = header.get("kid")
+        if not isinstance(kid, str) or kid not in self._keys:
+            raise AuthError("unknown_kid", f"no key with kid {kid!r} in the key set")
+        key_alg, key, valid_until = self._keys[kid]
+        if key_alg != alg:
+            raise AuthError("alg_not_allowed", f"key {kid} is for {key_alg}, token says {alg}")
+        now = self._clock()
+        if valid_until is not None and now > float(valid_until) + self.leeway_s:
+            raise AuthError("key_retired", f"key {kid} was retired after its overlap window")
+        try:
+            claims = jwt.decode(
+                token, key, algorithms=[alg], audience=self.audience, issuer=self.issuer,
+                options={"verify_exp": False, "verify_nbf": False, "verify_iat": False,
+                         "require": list(REQUIRED_CLAIMS)},
+            )
+        except jwt.InvalidSignatureError as exc:
+            raise AuthError("forged", "signature does not match the key") from exc
+        except jwt.MissingRequiredClaimError as exc:
+            raise AuthError("missing_claim", str(exc)) from exc
+        except jwt.InvalidAudienceError as exc:
+            raise AuthError("wrong_audience", f"token is not for {self.audience!r}") from exc
+        except jwt.InvalidIssuerError as exc:
+            raise AuthError("wrong_issuer", f"token was not issued by {self.issuer!r}") from exc
+        except jwt.InvalidTokenError as exc:
+            raise AuthError("malformed", str(exc)) from exc
+        # Time is checked here, on the injectable clock, rather than by pyjwt's wall clock.
+        try:
+            exp, nbf, iat = float(claims["exp"]), float(claims["nbf"]), float(claims["iat"])
+        except (TypeError, ValueError) as exc:
+            raise AuthError("malformed", "exp, nbf and iat must be numbers") from exc
+        if now >= exp + self.leeway_s:
+            raise AuthError("expired", f"expired {now - exp:.0f} s ago")
+        if now + self.leeway_s < nbf:
+            raise AuthError("not_yet_valid", f"valid only in {nbf - now:.0f} s")
+        tenant = next((claims[c] for c in self.tenant_claims if isinstance(claims.get(c), str) and claims[c]), None)
+        if tenant is None:
+            raise AuthError("no_tenant", f"none of the claims {', '.join(self.tenant_claims)} names a tenant")
+        aud = claims["aud"]
+        return Claims(tenant=tenant, subject=str(claims.get("sub", "")),
+                      audience=aud if isinstance(aud, str) else self.audience, issuer=claims["iss"],
+                      issued_at=iat, not_before=nbf, expires_at=exp, kid=kid, raw=claims)
