@@ -412,6 +412,7 @@ class _PlainDumper(yaml.SafeDumper):
     make the document harder to read and would change whenever dict identity does."""
 
     def ignore_aliases(self, data: Any) -> bool:
+        """Never emit an alias, whatever the object."""
         return True
 
 
