@@ -1,0 +1,45 @@
+"""Fixtures shared by every test folder: a real nats-server per test, the PostgreSQL DSN."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fleetpilot.runtime.embedded import EmbeddedNats
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    """A fresh ``nats-server`` with JetStream on a free port, stopped after the test."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    """The URL of the test's own NATS server."""
+    return nats_server.url
+
+
+@pytest.fixture
+def pg_dsn() -> str:
+    """The PostgreSQL DSN for tests; unreachable means skip locally and fail in CI."""
+    import asyncio
+
+    import asyncpg
+
+    dsn = os.environ.get("FLEETPILOT_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+    async def probe() -> None:
+        conn = await asyncpg.connect(dsn, timeout=5)
+        await conn.close()
+
+    try:
+        asyncio.run(probe())
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the server counts
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL unreachable at {dsn} in CI: {exc}")
+        pytest.skip(f"PostgreSQL unreachable at {dsn}: {exc}")
+    return dsn

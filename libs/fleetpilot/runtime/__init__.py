@@ -1,0 +1,11 @@
+"""The bus runtime: typed handlers over NATS (or in memory), with dead letters, retries,
+trace context, metrics and graceful shutdown handled once for every service."""
+
+from .bus import Bus, CasConflict, Delivery, KeyValue, KvEntry, Reject, Retry, subject_matches
+from .config import ServiceSettings
+from .dispatch import Dispatcher
+from .host import ServiceHost
+from .memory import InMemoryBus
+
+__all__ = ["Bus", "CasConflict", "Delivery", "Dispatcher", "InMemoryBus", "KeyValue", "KvEntry", "Reject",
+           "Retry", "ServiceHost", "ServiceSettings", "subject_matches"]

@@ -1,0 +1,167 @@
+"""The bus seen by a service: publish typed events, consume them, ask and answer, keep state.
+
+Two implementations share these types: ``NatsBus`` (nats-py, JetStream, KV, micro) and
+``InMemoryBus`` (one process, for fast service tests). Handlers never see either: the
+``Dispatcher`` turns an ``Inbound`` message into a typed call and back.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+from fleetpilot.contracts import ConsumerSpec, Event
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a handler may know about the message it handles (never a NATS object)."""
+
+    subject: str
+    headers: dict[str, str] = field(default_factory=dict)
+    deliveries: int = 1
+    msg_id: str | None = None
+
+
+class Retry(Exception):
+    """Raised by a handler to have the message delivered again after ``delay_s``."""
+
+    def __init__(self, reason: str, delay_s: float = 1.0) -> None:
+        super().__init__(reason)
+        self.delay_s = delay_s
+
+
+class Reject(Exception):
+    """Raised by a handler for a message that can never succeed: it is dead-lettered at once."""
+
+
+class CasConflict(Exception):
+    """A compare-and-set write lost: the key changed since the revision it was based on."""
+
+
+@dataclass(frozen=True)
+class KvEntry:
+    """A key's value and revision; ``value is None`` marks a deletion in a watch."""
+
+    key: str
+    value: bytes | None
+    revision: int
+
+
+class KeyValue(abc.ABC):
+    """A KV bucket with compare-and-set, the only way shared state is written."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> KvEntry | None:
+        """The current entry, or ``None`` when the key is absent or deleted."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes) -> int:
+        """Write unconditionally; returns the new revision."""
+
+    @abc.abstractmethod
+    async def create(self, key: str, value: bytes) -> int:
+        """Write only if the key does not exist; raises ``CasConflict`` otherwise."""
+
+    @abc.abstractmethod
+    async def update(self, key: str, value: bytes, revision: int) -> int:
+        """Write only if the key is still at ``revision``; raises ``CasConflict`` otherwise."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove a key (no error when absent)."""
+
+    @abc.abstractmethod
+    async def keys(self) -> list[str]:
+        """Every live key."""
+
+    @abc.abstractmethod
+    def watch(self, pattern: str = ">") -> AsyncIterator[KvEntry]:
+        """The current values of matching keys, then every change, until cancelled."""
+
+
+class Inbound(abc.ABC):
+    """One received message with its acknowledgement verbs, as each bus implements them."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    deliveries: int
+
+    @abc.abstractmethod
+    async def ack(self) -> None:
+        """Done: never deliver again."""
+
+    @abc.abstractmethod
+    async def nak(self, delay_s: float) -> None:
+        """Failed for now: deliver again after ``delay_s``."""
+
+    @abc.abstractmethod
+    async def term(self) -> None:
+        """Never deliver again, without success (it has been dead-lettered)."""
+
+
+InboundHandler = Callable[[Inbound], Awaitable[None]]
+RequestHandler = Callable[[bytes, dict[str, str]], Awaitable[bytes]]
+
+
+class Bus(abc.ABC):
+    """Transport used by the service host; durable subjects go over JetStream."""
+
+    @abc.abstractmethod
+    async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
+        """Publish an event on its catalogued subject with its idempotency key."""
+
+    @abc.abstractmethod
+    async def publish_raw(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
+                          durable: bool = True) -> None:
+        """Publish bytes as they are (used for dead letters and by tests sending garbage)."""
+
+    @abc.abstractmethod
+    async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
+        """Start feeding a durable pull consumer, shared by replicas, to ``handler``."""
+
+    @abc.abstractmethod
+    async def subscribe(self, subject: str, handler: InboundHandler, *, queue: str | None = None) -> None:
+        """Start a core subscription (no redelivery; ack verbs are no-ops)."""
+
+    @abc.abstractmethod
+    async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
+        """Answer requests on ``subject`` (a micro endpoint on NATS)."""
+
+    @abc.abstractmethod
+    async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
+                      headers: dict[str, str] | None = None) -> bytes:
+        """Send a request and wait for one reply; raises ``TimeoutError``."""
+
+    @abc.abstractmethod
+    async def kv(self, bucket: str) -> KeyValue:
+        """A catalogued KV bucket."""
+
+    @abc.abstractmethod
+    async def ensure_topology(self) -> None:
+        """Create the catalogued streams and buckets (idempotent)."""
+
+    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Stop taking new messages, let in-flight handlers finish, close."""
+
+    @property
+    @abc.abstractmethod
+    def connected(self) -> bool:
+        """Whether the transport is currently usable (drives ``/healthz``)."""
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` is one token, ``>`` one or more trailing tokens."""
+    p_tokens, s_tokens = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p_tokens):
+        if token == ">":
+            return len(s_tokens) > i
+        if i >= len(s_tokens) or (token != "*" and token != s_tokens[i]):
+            return False
+    return len(p_tokens) == len(s_tokens)
+
+

@@ -1,0 +1,136 @@
+"""Turns a received message into one typed handler call and its outcome into ack verbs.
+
+The one place where delivery semantics live, shared by both buses:
+
+- undecodable bytes (broken JSON, wrong type, unknown tag) → dead letter at once, ``term``;
+- ``Reject`` from the handler → dead letter at once, ``term``;
+- ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
+  ``max_deliver`` is reached, then dead letter and ``term``;
+- success → publish every returned event (idempotent ids), then ``ack``.
+
+A dead letter keeps the original bytes and headers, so nothing is ever lost.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from fleetpilot.contracts import DeadLetter, Event, decoder_for, dlq_subject, encode, now
+
+from . import tracing
+from .bus import Bus, Delivery, Inbound, Reject, Retry
+from .metrics import HandlerMetrics
+
+HandlerResult = Event | Iterable[Event] | None
+TypedHandler = Callable[..., Awaitable[HandlerResult]]
+
+log = logging.getLogger("fleetpilot.runtime")
+
+
+def _wants_delivery(handler: TypedHandler) -> bool:
+    params = [p for p in inspect.signature(handler).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(params) >= 2
+
+
+def as_events(result: HandlerResult) -> list[Event]:
+    """Normalise a handler's return value to a list of events."""
+    if result is None:
+        return []
+    if isinstance(result, Event):
+        return [result]
+    return list(result)
+
+
+@dataclass
+class Dispatcher:
+    """Decodes, calls one handler, publishes its output and settles the message."""
+
+    bus: Bus
+    service: str
+    name: str
+    event_types: tuple[type[Event], ...]
+    handler: TypedHandler
+    metrics: HandlerMetrics
+    max_deliver: int = 5
+    retry_base_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        self._decoder = decoder_for(*self.event_types)
+        self._pass_delivery = _wants_delivery(self.handler)
+
+    async def __call__(self, msg: Inbound) -> None:
+        """Handle one message end to end; never raises."""
+        started = time.perf_counter()
+        self.metrics.received(self.name, msg.deliveries)
+        try:
+            event = self._decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._dead_letter(msg, "undecodable", str(exc))
+            return
+        delivery = Delivery(subject=msg.subject, headers=dict(msg.headers), deliveries=msg.deliveries,
+                            msg_id=msg.headers.get("Nats-Msg-Id"))
+        with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
+            try:
+                result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
+                outputs = as_events(result)
+                carrier = tracing.inject_headers()
+                for out in outputs:
+                    await self.bus.publish(out, headers=carrier)
+            except Reject as exc:
+                span.record_exception(exc)
+                await self._dead_letter(msg, "rejected", str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                span.record_exception(exc)
+                self.metrics.failed(self.name)
+                if msg.deliveries >= self.max_deliver:
+                    await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
+                    return
+                delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
+                log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
+                            self.name, msg.deliveries, delay, exc)
+                await msg.nak(delay)
+                return
+        await msg.ack()
+        self.metrics.handled(self.name, time.perf_counter() - started)
+
+    async def _dead_letter(self, msg: Inbound, reason: str, error: str) -> None:
+        letter = DeadLetter(subject=msg.subject, reason=reason, error=error[:2000], service=self.service,
+                            deliveries=msg.deliveries, headers=dict(msg.headers), data=msg.data, at=now())
+        log.error("dead letter on %s (%s): %s", msg.subject, reason, error[:300])
+        self.metrics.dead_lettered(self.name, reason)
+        # The dead letter must be stored before the original is dropped.
+        await self.bus.publish_raw(dlq_subject(msg.subject), encode(letter))
+        await msg.term()
+
+
+def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler) -> Callable[[bytes, dict[str, str]], Awaitable[bytes]]:
+    """Adapt a typed request handler (event in, event out) to a bytes request handler.
+
+    A request that does not decode gets a JSON error body ``{"error": ...}`` instead of a
+    reply, so an interactive client always learns what was wrong.
+    """
+    decoder = decoder_for(*event_types)
+    pass_delivery = _wants_delivery(handler)
+
+    async def handle(data: bytes, headers: dict[str, str]) -> bytes:
+        try:
+            event = decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return msgspec.json.encode({"error": f"invalid request: {exc}"})
+        delivery = Delivery(subject="", headers=headers)
+        try:
+            result: Any = await (handler(event, delivery) if pass_delivery else handler(event))
+        except Reject as exc:
+            return msgspec.json.encode({"error": str(exc)})
+        return encode(result)
+
+    return handle

@@ -1,0 +1,222 @@
+"""The service host: everything a service needs around its handlers.
+
+A service module builds a ``ServiceHost``, registers plain async handlers with decorators
+and calls ``host.main()``. The host connects the bus, creates streams and buckets, binds
+durable consumers, serves ``/metrics`` and ``/healthz``, runs periodic jobs, and on SIGTERM
+stops taking work, lets in-flight handlers finish and drains the connection.
+
+    host = ServiceHost("sla", SlaSettings())
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def admit(task: TaskSubmitted, delivery: Delivery) -> TaskAdmitted: ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from fleetpilot.contracts import CONSUMERS, Event
+
+from . import logs, tracing
+from .bus import Bus
+from .config import ServiceSettings
+from .dispatch import Dispatcher, TypedHandler, as_events, reply_handler
+from .http import OpsServer
+from .metrics import HandlerMetrics
+
+log = logging.getLogger("fleetpilot.host")
+
+
+@dataclass
+class _Durable:
+    consumer: str
+    event_types: tuple[type[Event], ...]
+    handler: TypedHandler
+
+
+@dataclass
+class _Core:
+    subject: str
+    queue: str | None
+    event_types: tuple[type[Event], ...]
+    handler: TypedHandler
+
+
+@dataclass
+class _Endpoint:
+    name: str
+    subject: str
+    event_types: tuple[type[Event], ...]
+    handler: TypedHandler
+
+
+@dataclass
+class _Periodic:
+    interval_s: float
+    job: Callable[[], Awaitable[object]]
+
+
+class ServiceHost:
+    """Hosts one service's handlers on a bus."""
+
+    def __init__(self, name: str, settings: ServiceSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.metrics = HandlerMetrics(name)
+        self.bus: Bus | None = None
+        self._durables: list[_Durable] = []
+        self._cores: list[_Core] = []
+        self._endpoints: list[_Endpoint] = []
+        self._periodic: list[_Periodic] = []
+        self._startup: list[Callable[[Bus], Awaitable[None]]] = []
+        self._shutdown: list[Callable[[], Awaitable[None]]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._ops: OpsServer | None = None
+        self._stopped = asyncio.Event()
+
+    # -- registration -------------------------------------------------------------------
+    def on(self, *event_types: type[Event], consumer: str) -> Callable[[TypedHandler], TypedHandler]:
+        """Handle events from a catalogued durable consumer (shared by all replicas)."""
+        if consumer not in CONSUMERS:
+            raise LookupError(f"consumer {consumer!r} is not declared in the catalog")
+
+        def register(handler: TypedHandler) -> TypedHandler:
+            self._durables.append(_Durable(consumer, event_types, handler))
+            return handler
+        return register
+
+    def on_core(self, subject: str, *event_types: type[Event], queue: str | None = None
+                ) -> Callable[[TypedHandler], TypedHandler]:
+        """Handle events from a core subscription (telemetry); ``queue`` shares it among replicas."""
+        def register(handler: TypedHandler) -> TypedHandler:
+            self._cores.append(_Core(subject, queue, event_types, handler))
+            return handler
+        return register
+
+    def endpoint(self, name: str, subject: str, *event_types: type[Event]) -> Callable[[TypedHandler], TypedHandler]:
+        """Answer typed requests on ``subject`` (a ``nats.micro`` endpoint)."""
+        def register(handler: TypedHandler) -> TypedHandler:
+            self._endpoints.append(_Endpoint(name, subject, event_types, handler))
+            return handler
+        return register
+
+    def every(self, interval_s: float) -> Callable[[Callable[[], Awaitable[object]]], Callable[[], Awaitable[object]]]:
+        """Run a job periodically; the events it returns are published."""
+        def register(job: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+            self._periodic.append(_Periodic(interval_s, job))
+            return job
+        return register
+
+    def on_startup(self, hook: Callable[[Bus], Awaitable[None]]) -> Callable[[Bus], Awaitable[None]]:
+        """Run ``hook(bus)`` once the bus is ready, before any handler is bound."""
+        self._startup.append(hook)
+        return hook
+
+    def on_shutdown(self, hook: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """Run ``hook()`` after the bus is drained (close stores, stop child processes)."""
+        self._shutdown.append(hook)
+        return hook
+
+    def background(self, coro: Awaitable[None], name: str) -> None:
+        """Keep a long-running coroutine (a KV watcher, say) alive until the service stops."""
+        self._tasks.append(asyncio.ensure_future(self._guard(coro, name)))
+
+    async def _guard(self, coro: Awaitable[None], name: str) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("background task %s died", name)
+
+    # -- life cycle -----------------------------------------------------------------------
+    async def start(self, bus: Bus | None = None) -> None:
+        """Connect (unless a bus is given), set up the bus and begin serving."""
+        tracing.configure(self.name, self.settings.otlp_endpoint)
+        if bus is None:
+            from .nats_bus import NatsBus
+
+            bus = await NatsBus.connect(self.settings.nats_url, f"{self.name}-{self.settings.replica}")
+        self.bus = bus
+        await bus.ensure_topology()
+        for hook in self._startup:
+            await hook(bus)
+        for durable in self._durables:
+            spec = CONSUMERS[durable.consumer]
+            dispatcher = Dispatcher(bus, self.name, durable.consumer, durable.event_types, durable.handler,
+                                    self.metrics, max_deliver=spec.max_deliver)
+            await bus.consume(spec, dispatcher)
+        for core in self._cores:
+            dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics)
+            await bus.subscribe(core.subject, dispatcher, queue=core.queue)
+        for ep in self._endpoints:
+            await bus.serve(self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler))
+        for periodic in self._periodic:
+            self._tasks.append(asyncio.ensure_future(self._run_periodic(periodic)))
+        if self.settings.metrics_port >= 0:
+            self._ops = OpsServer(self.metrics.registry, self.health)
+            port = await self._ops.start(self.settings.metrics_host, self.settings.metrics_port)
+            log.info("%s: /metrics and /healthz on %s:%d", self.name, self.settings.metrics_host, port)
+        log.info("%s: started (replica %s)", self.name, self.settings.replica)
+
+    async def _run_periodic(self, periodic: _Periodic) -> None:
+        while True:
+            await asyncio.sleep(periodic.interval_s)
+            try:
+                for event in as_events(await periodic.job()):  # type: ignore[arg-type]
+                    await self.bus.publish(event)  # type: ignore[union-attr]
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("periodic job %s failed", getattr(periodic.job, "__name__", "?"))
+
+    def health(self) -> dict:
+        """The ``/healthz`` document: ok while the bus is connected."""
+        connected = bool(self.bus and self.bus.connected)
+        self.metrics.connected.labels(self.name).set(1 if connected else 0)
+        return {"ok": connected, "service": self.name, "replica": self.settings.replica}
+
+    async def stop(self) -> None:
+        """Stop periodic jobs, drain the bus (in-flight handlers finish), run shutdown hooks."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.bus is not None:
+            await self.bus.drain()
+        for hook in self._shutdown:
+            with contextlib.suppress(Exception):
+                await hook()
+        if self._ops is not None:
+            await self._ops.stop()
+        self._stopped.set()
+        log.info("%s: stopped", self.name)
+
+    async def run_forever(self) -> None:
+        """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("%s: signal received, draining", self.name)
+        await self.stop()
+
+    def main(self) -> None:
+        """Process entry point: logging, run, and a one-line error instead of a traceback."""
+        logs.configure(self.name, self.settings.log_level, self.settings.log_json)
+        try:
+            asyncio.run(self.run_forever())
+        except (OSError, TimeoutError) as exc:
+            print(f"fleetpilot-{self.name}: cannot start: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except KeyboardInterrupt:
+            pass

@@ -1,0 +1,265 @@
+"""The production bus: nats-py over a NATS server with JetStream.
+
+Durable subjects are published with JetStream (``Nats-Msg-Id`` de-duplicates them within
+the stream's window); telemetry goes over core NATS and is captured by a short-lived
+stream for late joiners. Each durable consumer is a pull consumer bound by name, so every
+replica of a service shares it. When the server restarts the client reconnects on its own;
+the consume loop re-creates its stream and consumer if the server lost them and re-binds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, Service, ServiceConfig
+
+from fleetpilot.contracts import BUCKETS, STREAMS, ConsumerSpec, Event, encode, msg_id_for, route_for, subject_for
+
+from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
+
+log = logging.getLogger("fleetpilot.runtime.nats")
+
+
+class _NatsInbound(Inbound):
+    def __init__(self, msg: Msg, durable: bool) -> None:
+        self._msg, self._durable = msg, durable
+        self.subject = msg.subject
+        self.data = msg.data
+        self.headers = dict(msg.headers or {})
+        self.deliveries = msg.metadata.num_delivered if durable else 1
+
+    async def ack(self) -> None:
+        if self._durable:
+            await self._msg.ack()
+
+    async def nak(self, delay_s: float) -> None:
+        if self._durable:
+            await self._msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        if self._durable:
+            await self._msg.term()
+
+
+class NatsKeyValue(KeyValue):
+    """A NATS KV bucket behind the ``KeyValue`` interface."""
+
+    def __init__(self, kv) -> None:
+        self._kv = kv
+
+    async def get(self, key: str) -> KvEntry | None:
+        try:
+            entry = await self._kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return KvEntry(key, entry.value, entry.revision)
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await self._kv.put(key, value)
+
+    async def create(self, key: str, value: bytes) -> int:
+        try:
+            return await self._kv.create(key, value)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise CasConflict(f"key {key!r} exists") from exc
+
+    async def update(self, key: str, value: bytes, revision: int) -> int:
+        try:
+            return await self._kv.update(key, value, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            raise CasConflict(f"key {key!r} is not at revision {revision}") from exc
+
+    async def delete(self, key: str) -> None:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            await self._kv.delete(key)
+
+    async def keys(self) -> list[str]:
+        try:
+            return await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+
+    async def watch(self, pattern: str = ">") -> AsyncIterator[KvEntry]:
+        watcher = await self._kv.watch(pattern)
+        try:
+            async for entry in watcher:
+                if entry is None:  # marks the end of the initial values
+                    continue
+                deleted = entry.operation in ("DEL", "PURGE")
+                yield KvEntry(entry.key, None if deleted else entry.value, entry.revision)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+
+class NatsBus(Bus):
+    """A connection to NATS used by one service process."""
+
+    def __init__(self, nc: Client, name: str, fetch_batch: int = 16) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._name = name
+        self._fetch_batch = fetch_batch
+        self._stopping = asyncio.Event()
+        self._loops: list[asyncio.Task] = []
+        self._micro: Service | None = None
+        self._kv_cache: dict[str, NatsKeyValue] = {}
+
+    @classmethod
+    async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0) -> NatsBus:
+        """Connect with unlimited reconnects, so a restarted server is picked up again."""
+
+        async def on_disconnect() -> None:
+            log.warning("%s: disconnected from NATS", name)
+
+        async def on_reconnect() -> None:
+            log.warning("%s: reconnected to NATS", name)
+
+        async def on_error(exc: Exception) -> None:
+            log.debug("%s: NATS error: %s", name, exc)
+
+        nc = await nats.connect(servers=[url], name=name, connect_timeout=connect_timeout_s,
+                                max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                                allow_reconnect=True, disconnected_cb=on_disconnect,
+                                reconnected_cb=on_reconnect, error_cb=on_error)
+        return cls(nc, name)
+
+    @property
+    def connected(self) -> bool:
+        return self._nc.is_connected
+
+    async def ensure_topology(self) -> None:
+        for spec in STREAMS:
+            config = api.StreamConfig(
+                name=spec.name, subjects=list(spec.subjects), max_age=spec.max_age_s or None,
+                duplicate_window=spec.duplicate_window_s, max_bytes=spec.max_bytes,
+                storage=api.StorageType.MEMORY if spec.memory else api.StorageType.FILE)
+            try:
+                await self._js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                await self._js.update_stream(config)
+        for bucket in BUCKETS:
+            with contextlib.suppress(nats.js.errors.BadRequestError):
+                await self._js.create_key_value(bucket=bucket.name, history=bucket.history,
+                                                ttl=bucket.ttl_s or None, description=bucket.description)
+
+    async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
+        hdrs = dict(headers or {})
+        msg_id = msg_id_for(event)
+        if msg_id:
+            hdrs["Nats-Msg-Id"] = msg_id
+        await self.publish_raw(subject_for(event), encode(event), headers=hdrs,
+                               durable=route_for(type(event)).durable)
+
+    async def publish_raw(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
+                          durable: bool = True) -> None:
+        if durable:
+            await self._js.publish(subject, data, headers=headers or None)
+        else:
+            await self._nc.publish(subject, data, headers=headers or None)
+
+    async def _bind(self, spec: ConsumerSpec):
+        config = api.ConsumerConfig(
+            durable_name=spec.durable, filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait_s, max_ack_pending=spec.max_ack_pending,
+            # Redelivery limits are enforced by the dispatcher so that the last failure
+            # is dead-lettered rather than silently dropped by the server.
+            max_deliver=-1)
+        try:
+            await self._js.add_consumer(spec.stream, config)
+        except nats.js.errors.BadRequestError:
+            log.debug("consumer %s exists with another config; binding to it", spec.durable)
+        return await self._js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+
+    async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
+        sub = await self._bind(spec)
+        self._loops.append(asyncio.create_task(self._consume_loop(spec, sub, handler),
+                                               name=f"consume:{spec.durable}"))
+
+    async def _consume_loop(self, spec: ConsumerSpec, sub, handler: InboundHandler) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                msgs = await sub.fetch(self._fetch_batch, timeout=1.0)
+                failures = 0
+            except nats.errors.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - connection loss, consumer lost on a fresh server
+                failures += 1
+                log.warning("consumer %s: %s; re-binding", spec.durable, exc)
+                await asyncio.sleep(min(0.25 * failures, 5.0))
+                with contextlib.suppress(Exception):
+                    if self._nc.is_connected:
+                        await self.ensure_topology()
+                        sub = await self._bind(spec)
+                continue
+            for i, msg in enumerate(msgs):
+                if self._stopping.is_set():
+                    # Hand what we fetched but did not start back to the other replicas now.
+                    for rest in msgs[i:]:
+                        with contextlib.suppress(Exception):
+                            await rest.nak()
+                    break
+                await handler(_NatsInbound(msg, durable=True))
+
+    async def subscribe(self, subject: str, handler: InboundHandler, *, queue: str | None = None) -> None:
+        async def on_msg(msg: Msg) -> None:
+            await handler(_NatsInbound(msg, durable=False))
+
+        await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
+
+    async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
+        if self._micro is None:
+            self._micro = await add_service(self._nc, ServiceConfig(name=f"fleetpilot-{service}", version="0.1.0"))
+
+        async def on_request(req) -> None:
+            await req.respond(await handler(req.data, dict(req.headers or {})))
+
+        await self._micro.add_endpoint(EndpointConfig(name=name, subject=subject, handler=on_request))
+
+    async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
+                      headers: dict[str, str] | None = None) -> bytes:
+        try:
+            msg = await self._nc.request(subject, data, timeout=timeout_s, headers=headers)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise TimeoutError(f"no reply on {subject}") from exc
+        return msg.data
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv_cache:
+            try:
+                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket))
+            except nats.js.errors.BucketNotFoundError:
+                await self.ensure_topology()
+                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket))
+        return self._kv_cache[bucket]
+
+    async def drain(self) -> None:
+        self._stopping.set()
+        if self._loops:
+            await asyncio.wait(self._loops, timeout=10)
+        if self._micro is not None:
+            with contextlib.suppress(Exception):
+                await self._micro.stop()
+        # Pending pull requests would hold a plain drain for its whole timeout; every
+        # consumer loop has finished by now, so a short drain then a close loses nothing.
+        try:
+            await asyncio.wait_for(self._nc.drain(), 0.5)
+        except Exception:  # noqa: BLE001 - the connection is going away either way
+            pass
+        if not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

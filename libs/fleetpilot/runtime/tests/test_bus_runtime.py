@@ -1,0 +1,225 @@
+"""The runtime's delivery semantics, the same tests on the in-memory bus and a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from fleetpilot.contracts import (
+    CONSUMERS,
+    DeadLetter,
+    PolicyRef,
+    TaskAdmitted,
+    TaskSubmitted,
+    decode,
+    encode,
+)
+from fleetpilot.contracts import Contract as TaskContract
+from fleetpilot.runtime import CasConflict, Delivery, InMemoryBus, Reject, Retry, ServiceSettings, ServiceHost
+from fleetpilot.runtime.bus import subject_matches
+from fleetpilot.runtime.nats_bus import NatsBus
+
+
+
+@pytest.fixture(params=["memory", "nats"])
+async def bus(request):
+    if request.param == "memory":
+        bus = InMemoryBus()
+    else:
+        server = request.getfixturevalue("nats_server")
+        bus = await NatsBus.connect(server.url, "test")
+    await bus.ensure_topology()
+    yield bus
+    await bus.drain()
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def settings() -> ServiceSettings:
+    return ServiceSettings(metrics_port=-1, nats_url="unused")
+
+
+def submitted(task_id: str) -> TaskSubmitted:
+    return TaskSubmitted(task_id=task_id, tenant="t", submitted_at=1.0)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "expected"),
+    [
+        ("task.submitted", "task.submitted", True),
+        ("task.*", "task.submitted", True),
+        ("task.*", "task.lifecycle.a", False),
+        ("task.>", "task.lifecycle.a", True),
+        ("task.>", "task", False),
+        ("sla.offer.*", "sla.offer.t1", True),
+        ("sla.offer.*", "sla.reply.t1", False),
+    ],
+)
+def test_subject_matching(pattern, subject, expected):
+    assert subject_matches(pattern, subject) is expected
+
+
+async def test_handler_output_is_published_and_typed(bus):
+    host = ServiceHost("sla", settings())
+    admitted: list[TaskAdmitted] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def admit(task: TaskSubmitted) -> TaskAdmitted:
+        return TaskAdmitted(task=task, contract=TaskContract(), tenant=task.tenant, admitted_at=2.0)
+
+    watcher = ServiceHost("policy", settings())
+
+    @watcher.on(TaskAdmitted, consumer="policy-admitted")
+    async def seen(event: TaskAdmitted) -> None:
+        admitted.append(event)
+
+    await host.start(bus)
+    await watcher.start(bus)
+    for i in range(5):
+        await bus.publish(submitted(f"t{i}"))
+    await wait_for(lambda: len(admitted) == 5)
+    assert sorted(a.task.task_id for a in admitted) == [f"t{i}" for i in range(5)]
+
+
+async def test_duplicate_publish_is_deduplicated(bus):
+    host = ServiceHost("sla", settings())
+    seen: list[str] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def count(task: TaskSubmitted) -> None:
+        seen.append(task.task_id)
+
+    await host.start(bus)
+    for _ in range(3):
+        await bus.publish(submitted("same"))
+    await bus.publish(submitted("other"))
+    await wait_for(lambda: len(seen) >= 2)
+    await asyncio.sleep(0.3)
+    assert sorted(seen) == ["other", "same"]
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b'{"type":"task.submitted.v1","task_id":7}',
+                                     b'{"type":"task.exploded.v9","task_id":"x"}'])
+async def test_malformed_message_goes_to_dlq_and_service_keeps_serving(bus, payload):
+    host = ServiceHost("sla", settings())
+    handled: list[str] = []
+    letters: list[DeadLetter] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def ok(task: TaskSubmitted) -> None:
+        handled.append(task.task_id)
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await host.start(bus)
+    await bus.subscribe("dlq.>", on_dlq)
+    await bus.publish_raw("task.submitted", payload, headers={"Nats-Msg-Id": "bad-1"})
+    await bus.publish(submitted("good"))
+    await wait_for(lambda: letters and handled)
+    assert handled == ["good"]
+    assert letters[0].subject == "task.submitted"
+    assert letters[0].reason == "undecodable"
+    assert letters[0].data == payload
+    assert letters[0].error
+
+
+async def test_failing_handler_is_retried_then_dead_lettered(bus):
+    host = ServiceHost("sla", settings())
+    attempts: list[int] = []
+    letters: list[DeadLetter] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def flaky(task: TaskSubmitted, delivery: Delivery) -> None:
+        attempts.append(delivery.deliveries)
+        if task.task_id == "heals" and delivery.deliveries >= 2:
+            return
+        raise Retry("not yet", delay_s=0.05)
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await host.start(bus)
+    await bus.subscribe("dlq.>", on_dlq)
+    await bus.publish(submitted("heals"))
+    await bus.publish(submitted("never"))
+    await wait_for(lambda: letters, timeout_s=15)
+    max_deliver = CONSUMERS["sla-submitted"].max_deliver
+    assert len(letters) == 1 and letters[0].reason == "max_deliver"
+    assert decode(letters[0].data, TaskSubmitted).task_id == "never"
+    assert max(attempts) == max_deliver
+
+
+async def test_reject_dead_letters_at_once(bus):
+    host = ServiceHost("sla", settings())
+    letters: list[DeadLetter] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def refuse(task: TaskSubmitted) -> None:
+        raise Reject("never valid")
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await host.start(bus)
+    await bus.subscribe("dlq.>", on_dlq)
+    await bus.publish(submitted("x"))
+    await wait_for(lambda: letters)
+    assert letters[0].reason == "rejected" and letters[0].deliveries == 1
+
+
+async def test_trace_context_flows_to_outputs(bus):
+    host = ServiceHost("sla", settings())
+    headers_seen: list[dict] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def admit(task: TaskSubmitted) -> TaskAdmitted:
+        return TaskAdmitted(task=task, contract=TaskContract(), tenant="t", admitted_at=1.0)
+
+    async def on_admitted(msg) -> None:
+        headers_seen.append(msg.headers)
+
+    await host.start(bus)
+    await bus.subscribe("task.admitted", on_admitted)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    await bus.publish(submitted("traced"), headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    await wait_for(lambda: headers_seen)
+    assert headers_seen[0]["traceparent"].split("-")[1] == trace_id
+    assert headers_seen[0]["Nats-Msg-Id"] == "admit:traced"
+
+
+async def test_kv_compare_and_set(bus):
+    kv = await bus.kv("ledger")
+    rev = await kv.create("node.a", b"1")
+    with pytest.raises(CasConflict):
+        await kv.create("node.a", b"2")
+    rev2 = await kv.update("node.a", b"2", rev)
+    with pytest.raises(CasConflict):
+        await kv.update("node.a", b"3", rev)
+    entry = await kv.get("node.a")
+    assert entry is not None and entry.value == b"2" and entry.revision == rev2
+    assert await kv.keys() == ["node.a"]
+    await kv.delete("node.a")
+    assert await kv.get("node.a") is None
+
+
+async def test_request_reply_endpoint(bus):
+    host = ServiceHost("sla", settings())
+
+    @host.endpoint("echo", "test.echo", TaskSubmitted)
+    async def echo(task: TaskSubmitted) -> TaskSubmitted:
+        return msgspec.structs.replace(task, tenant="answered")
+
+    await host.start(bus)
+    reply = decode(await bus.request("test.echo", encode(submitted("q"))), TaskSubmitted)
+    assert reply.tenant == "answered"
+    bad = msgspec.json.decode(await bus.request("test.echo", b"garbage"))
+    assert "invalid request" in bad["error"]

@@ -1,0 +1,58 @@
+"""W3C trace context across the bus with OpenTelemetry.
+
+Spans are always created (so ``traceparent`` flows from ``task.submitted`` to
+``feedback.recorded``); they are exported over OTLP/HTTP only when an endpoint is
+configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the service's ``otlp_endpoint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_tracer = trace.get_tracer("fleetpilot")
+
+
+def configure(service: str, otlp_endpoint: str | None) -> None:
+    """Install a tracer provider for ``service``; export only when an endpoint is set."""
+    global _tracer
+    provider = TracerProvider(resource=Resource.create({"service.name": f"fleetpilot-{service}"}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+    trace.set_tracer_provider(provider)
+    _tracer = provider.get_tracer("fleetpilot")
+
+
+@contextlib.contextmanager
+def span_from_headers(name: str, headers: dict[str, str], subject: str) -> Iterator[trace.Span]:
+    """A consumer span whose parent is the ``traceparent`` carried in ``headers``."""
+    parent = propagate.extract(headers)
+    token = context.attach(parent)
+    try:
+        with _tracer.start_as_current_span(name, kind=trace.SpanKind.CONSUMER,
+                                           attributes={"messaging.system": "nats",
+                                                       "messaging.destination.name": subject}) as span:
+            yield span
+    finally:
+        context.detach(token)
+
+
+def inject_headers() -> dict[str, str]:
+    """The current trace context as message headers (``traceparent``/``tracestate``)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+@contextlib.contextmanager
+def producer_span(name: str) -> Iterator[dict[str, str]]:
+    """Start a root producer span (e.g. a CLI submission) and yield headers carrying it."""
+    with _tracer.start_as_current_span(name, kind=trace.SpanKind.PRODUCER):
+        yield inject_headers()
