@@ -1,0 +1,397 @@
+"""The policy's view of the fleet: a vectorised, serialisable snapshot and the task request.
+
+``ClusterState`` holds one row per node and one ``node × max_gpus`` padded matrix per GPU
+attribute, so that every plugin scores the whole fleet with a few numpy operations. A GPU
+slot that does not exist has ``gpu_exists = False`` and zero free capacity, which lets most
+arithmetic ignore the mask. ``allocate`` / ``release`` update the arrays in place and bump a
+per-node version counter, which derived-feature caches use to recompute only dirty nodes.
+
+Snapshots round-trip through ``to_record`` / ``from_record`` (a msgspec struct of plain
+lists, JSON-able) and ``to_npz_bytes`` / ``from_npz_bytes`` (compact binary), so a recorded
+``(state, task)`` pair can be replayed against another policy later.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fleetpilot.contracts.fingerprint import Fingerprint
+from fleetpilot.contracts.task import TaskSubmitted
+from fleetpilot.contracts.topology import NodeTopology
+
+MILLI = 1000
+"""Milli-GPU of one whole GPU."""
+
+# Link classes between two GPUs of a node, closest first; the value is a relative cost used
+# by the NUMA/NVLink transformers (0 = same device).
+LINK_COST: dict[str, int] = {"X": 0, "NV": 1, "PIX": 2, "PXB": 3, "PHB": 4, "NODE": 5, "SYS": 6, "PSB": 6}
+UNKNOWN_LINK_COST = 4
+
+
+class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What one task asks of the fleet, in the units the policies score with.
+
+    ``gpus`` GPUs of ``gpu_milli`` each; a task with ``gpus == 1`` and ``gpu_milli < 1000``
+    shares a GPU. ``gpu_models`` empty means any model. ``predicted_peak_mb`` and
+    ``peak_sigma_mb`` come from the task's fingerprint (0 = unknown) and feed the OOM risk.
+    """
+
+    task_id: str
+    kind: str = "batch"
+    gpus: int = 1
+    gpu_milli: int = MILLI
+    gpu_memory_mb: int = 0
+    cpu_milli: int = 0
+    memory_mb: int = 0
+    gpu_models: tuple[str, ...] = ()
+    tier: str = "standard"
+    role: str = ""
+    predicted_peak_mb: float = 0.0
+    peak_sigma_mb: float = 0.0
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def shares_gpu(self) -> bool:
+        """True for a fractional request on one GPU (never split across GPUs)."""
+        return self.gpus == 1 and 0 < self.gpu_milli < MILLI
+
+    @property
+    def total_milli(self) -> int:
+        """Requested milli-GPU over all GPUs."""
+        return self.gpus * self.gpu_milli if self.gpus > 0 else 0
+
+    @classmethod
+    def from_submitted(cls, task: TaskSubmitted, fingerprint: Fingerprint | None = None) -> TaskRequest:
+        """Build a request from the wire event, with the fingerprint's predicted peak if known.
+
+        The peak's spread is taken as a normal whose 90% interval is
+        ``[peak_low_mb, peak_high_mb]`` (sigma = width / 3.29).
+        """
+        peak = sigma = 0.0
+        if fingerprint is not None:
+            peak = float(fingerprint.predicted_peak_mb)
+            sigma = max(0.0, float(fingerprint.peak_high_mb - fingerprint.peak_low_mb) / 3.29)
+        return cls(
+            task_id=task.task_id,
+            kind=task.kind,
+            gpus=task.gpus,
+            gpu_milli=task.gpu_milli if task.gpus > 0 else 0,
+            gpu_memory_mb=task.gpu_memory_mb,
+            cpu_milli=task.cpu_milli,
+            memory_mb=task.memory_mb,
+            gpu_models=tuple(task.gpu_models),
+            tier=task.sla.tier,
+            role=task.labels.get("role", ""),
+            predicted_peak_mb=peak,
+            peak_sigma_mb=sigma,
+            labels=dict(task.labels),
+        )
+
+
+class ClusterStateRecord(msgspec.Struct, kw_only=True):
+    """The JSON-able form of a ``ClusterState``: names plus nested lists."""
+
+    node_names: list[str]
+    models: list[str]
+    sites: list[str]
+    roles: list[str]
+    arrays: dict[str, Any]
+
+
+# Per-node and per-GPU arrays, with their dtypes; the order is the serialisation order.
+_NODE_ARRAYS: dict[str, Any] = {
+    "cpu_total": np.int64,
+    "cpu_free": np.int64,
+    "mem_total": np.int64,
+    "mem_free": np.int64,
+    "node_model": np.int32,
+    "node_site": np.int32,
+    "version": np.int64,
+}
+_GPU_ARRAYS: dict[str, Any] = {
+    "gpu_exists": np.bool_,
+    "gpu_free": np.int32,
+    "gpu_mem_total": np.int32,
+    "gpu_mem_free": np.int32,
+    "gpu_healthy": np.bool_,
+    "gpu_maintenance": np.bool_,
+    "gpu_temp_c": np.float32,
+    "gpu_role": np.int32,
+    "gpu_numa": np.int32,
+    "gpu_nvlink_util": np.float32,
+}
+
+
+@dataclass
+class ClusterState:
+    """A vectorised snapshot of the fleet (see the module docstring for the layout).
+
+    ``gpu_link`` is ``(N, G, G)`` link costs between GPUs of a node (``LINK_COST``).
+    ``gpu_role`` indexes ``roles`` (0 = no role). Mutated only through ``allocate`` /
+    ``release``; everything else treats it as read-only.
+    """
+
+    node_names: list[str]
+    models: list[str]
+    sites: list[str]
+    roles: list[str]
+    cpu_total: np.ndarray
+    cpu_free: np.ndarray
+    mem_total: np.ndarray
+    mem_free: np.ndarray
+    node_model: np.ndarray
+    node_site: np.ndarray
+    version: np.ndarray
+    gpu_exists: np.ndarray
+    gpu_free: np.ndarray
+    gpu_mem_total: np.ndarray
+    gpu_mem_free: np.ndarray
+    gpu_healthy: np.ndarray
+    gpu_maintenance: np.ndarray
+    gpu_temp_c: np.ndarray
+    gpu_role: np.ndarray
+    gpu_numa: np.ndarray
+    gpu_nvlink_util: np.ndarray
+    gpu_link: np.ndarray
+    _index: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {name: i for i, name in enumerate(self.node_names)}
+
+    # ---- shape -----------------------------------------------------------------------
+    @property
+    def n_nodes(self) -> int:
+        """Number of nodes (rows)."""
+        return len(self.node_names)
+
+    @property
+    def max_gpus(self) -> int:
+        """Padded GPU slots per node (columns)."""
+        return int(self.gpu_free.shape[1])
+
+    def node_index(self, name: str) -> int:
+        """Row of a node by name; raises ``KeyError`` for an unknown node."""
+        return self._index[name]
+
+    def model_index(self, model: str) -> int:
+        """Index of a GPU model in ``models``, or -1 when the fleet has none of it."""
+        try:
+            return self.models.index(model)
+        except ValueError:
+            return -1
+
+    def usable_free(self) -> np.ndarray:
+        """Free milli per GPU slot that a new task may use: healthy, not in maintenance."""
+        return np.where(self.gpu_healthy & ~self.gpu_maintenance, self.gpu_free, 0)
+
+    def gpu_count(self) -> np.ndarray:
+        """GPUs per node."""
+        return self.gpu_exists.sum(axis=1)
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        *,
+        names: Sequence[str],
+        cpu_milli: Sequence[int],
+        memory_mb: Sequence[int],
+        gpus: Sequence[int],
+        models: Sequence[str],
+        sites: Sequence[str] | None = None,
+        gpu_memory_mb: Sequence[int] | None = None,
+        max_gpus: int | None = None,
+    ) -> ClusterState:
+        """An empty (nothing allocated) cluster from per-node columns.
+
+        GPU links default to NVLink inside a node, NUMA to one domain per half of the GPUs.
+        """
+        n = len(names)
+        g = max(max_gpus or 0, max(gpus) if n else 0, 1)
+        model_names = sorted({m for m in models if m})
+        site_list = list(sites) if sites is not None else ["default"] * n
+        site_names = sorted(set(site_list)) or ["default"]
+        exists = np.arange(g)[None, :] < np.asarray(gpus, dtype=np.int64)[:, None]
+        mem_each = np.asarray(gpu_memory_mb if gpu_memory_mb is not None else [0] * n, dtype=np.int32)
+        per_node = np.asarray(gpus, dtype=np.int64)
+        numa = np.where(exists, (np.arange(g)[None, :] * 2) // np.maximum(per_node, 1)[:, None], 0)
+        link = np.full((n, g, g), LINK_COST["NV"], dtype=np.int8)
+        link[:, np.arange(g), np.arange(g)] = 0
+        cpu = np.asarray(cpu_milli, dtype=np.int64)
+        mem = np.asarray(memory_mb, dtype=np.int64)
+        return cls(
+            node_names=list(names),
+            models=model_names,
+            sites=site_names,
+            roles=[""],
+            cpu_total=cpu.copy(),
+            cpu_free=cpu.copy(),
+            mem_total=mem.copy(),
+            mem_free=mem.copy(),
+            node_model=np.asarray([model_names.index(m) if m else -1 for m in models], dtype=np.int32),
+            node_site=np.asarray([site_names.index(s) for s in site_list], dtype=np.int32),
+            version=np.zeros(n, dtype=np.int64),
+            gpu_exists=exists,
+            gpu_free=np.where(exists, MILLI, 0).astype(np.int32),
+            gpu_mem_total=np.where(exists, mem_each[:, None], 0).astype(np.int32),
+            gpu_mem_free=np.where(exists, mem_each[:, None], 0).astype(np.int32),
+            gpu_healthy=exists.copy(),
+            gpu_maintenance=np.zeros((n, g), dtype=bool),
+            gpu_temp_c=np.full((n, g), 40.0, dtype=np.float32),
+            gpu_role=np.zeros((n, g), dtype=np.int32),
+            gpu_numa=numa.astype(np.int32),
+            gpu_nvlink_util=np.zeros((n, g), dtype=np.float32),
+            gpu_link=link,
+        )
+
+    @classmethod
+    def from_topology(
+        cls,
+        nodes: Iterable[NodeTopology],
+        allocations: Mapping[str, Iterable[Any]] | None = None,
+        *,
+        temperatures: Mapping[tuple[str, int], float] | None = None,
+        unhealthy: Iterable[tuple[str, int]] = (),
+        maintenance: Iterable[str] = (),
+    ) -> ClusterState:
+        """Build the state from ``contracts.topology.NodeTopology`` records and the ledger.
+
+        ``allocations`` maps a node name to its holds (``contracts.ledger.Allocation``-like:
+        ``gpu``, ``milli``, ``memory_mb``, ``cpu_milli``, ``host_memory_mb``). GPU labels
+        ``role`` set the business role; ``temperatures`` and ``unhealthy`` come from telemetry;
+        nodes listed in ``maintenance`` take no new work.
+        """
+        topo = list(nodes)
+        state = cls.build(
+            names=[t.node for t in topo],
+            cpu_milli=[t.cpu_milli for t in topo],
+            memory_mb=[t.memory_mb for t in topo],
+            gpus=[len(t.gpus) for t in topo],
+            models=[t.gpus[0].model if t.gpus else "" for t in topo],
+            sites=[t.site for t in topo],
+        )
+        # Mixed-model nodes are rare; the node's model is its first GPU's, per-GPU models
+        # would need a per-slot model array that no policy uses yet.
+        roles: list[str] = [""]
+        for i, t in enumerate(topo):
+            for gpu in t.gpus:
+                j = gpu.index
+                if j >= state.max_gpus:
+                    continue
+                state.gpu_mem_total[i, j] = state.gpu_mem_free[i, j] = gpu.memory_mb
+                if gpu.numa_node is not None:
+                    state.gpu_numa[i, j] = gpu.numa_node
+                role = gpu.labels.get("role", "")
+                if role:
+                    if role not in roles:
+                        roles.append(role)
+                    state.gpu_role[i, j] = roles.index(role)
+            if t.links:
+                state.gpu_link[i] = UNKNOWN_LINK_COST
+                np.fill_diagonal(state.gpu_link[i], 0)
+                for link in t.links:
+                    if link.a.startswith("GPU") and link.b.startswith("GPU"):
+                        a, b = int(link.a[3:]), int(link.b[3:])
+                        if a < state.max_gpus and b < state.max_gpus:
+                            cost = LINK_COST.get(link.kind, UNKNOWN_LINK_COST)
+                            state.gpu_link[i, a, b] = state.gpu_link[i, b, a] = cost
+        state.roles = roles
+        for (node, j), temp in (temperatures or {}).items():
+            if node in state._index:
+                state.gpu_temp_c[state._index[node], j] = temp
+        for node, j in unhealthy:
+            if node in state._index:
+                state.gpu_healthy[state._index[node], j] = False
+        for node in maintenance:
+            if node in state._index:
+                state.gpu_maintenance[state._index[node], :] = True
+        for node, holds in (allocations or {}).items():
+            if node not in state._index:
+                continue
+            i = state._index[node]
+            for hold in holds:
+                state.cpu_free[i] -= int(getattr(hold, "cpu_milli", 0))
+                state.mem_free[i] -= int(getattr(hold, "host_memory_mb", 0))
+                gpu = int(getattr(hold, "gpu", -1))
+                if gpu >= 0:
+                    state.gpu_free[i, gpu] -= int(getattr(hold, "milli", 0))
+                    state.gpu_mem_free[i, gpu] -= int(getattr(hold, "memory_mb", 0))
+        return state
+
+    def copy(self) -> ClusterState:
+        """A deep copy (arrays copied)."""
+        kwargs = {name: getattr(self, name).copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
+        return ClusterState(
+            node_names=list(self.node_names), models=list(self.models), sites=list(self.sites),
+            roles=list(self.roles), **kwargs,
+        )
+
+    # ---- incremental updates ---------------------------------------------------------
+    def allocate(self, node: int, gpus: Sequence[int], milli: int, *, cpu_milli: int = 0,
+                 memory_mb: int = 0, gpu_memory_mb: int = 0) -> None:
+        """Hold ``milli`` on each GPU in ``gpus`` (and CPU / memory) of row ``node``.
+
+        Raises ``ValueError`` if the hold does not fit; the state is unchanged then.
+        """
+        idx = np.asarray(list(gpus), dtype=np.int64)
+        if self.cpu_free[node] < cpu_milli or self.mem_free[node] < memory_mb:
+            raise ValueError(f"node {self.node_names[node]}: not enough CPU or memory")
+        if idx.size and (np.any(~self.gpu_exists[node, idx]) or np.any(self.gpu_free[node, idx] < milli)):
+            raise ValueError(f"node {self.node_names[node]}: GPUs {idx.tolist()} cannot hold {milli} milli")
+        self.cpu_free[node] -= cpu_milli
+        self.mem_free[node] -= memory_mb
+        if idx.size:
+            self.gpu_free[node, idx] -= milli
+            self.gpu_mem_free[node, idx] -= gpu_memory_mb
+        self.version[node] += 1
+
+    def release(self, node: int, gpus: Sequence[int], milli: int, *, cpu_milli: int = 0,
+                memory_mb: int = 0, gpu_memory_mb: int = 0) -> None:
+        """Undo an ``allocate`` with the same arguments (capped at capacity)."""
+        idx = np.asarray(list(gpus), dtype=np.int64)
+        self.cpu_free[node] = min(self.cpu_total[node], self.cpu_free[node] + cpu_milli)
+        self.mem_free[node] = min(self.mem_total[node], self.mem_free[node] + memory_mb)
+        if idx.size:
+            self.gpu_free[node, idx] = np.minimum(MILLI, self.gpu_free[node, idx] + milli)
+            self.gpu_mem_free[node, idx] = np.minimum(self.gpu_mem_total[node, idx],
+                                                      self.gpu_mem_free[node, idx] + gpu_memory_mb)
+        self.version[node] += 1
+
+    # ---- serialisation ---------------------------------------------------------------
+    def to_record(self) -> ClusterStateRecord:
+        """The JSON-able record (``msgspec.json.encode`` it)."""
+        arrays = {name: getattr(self, name).tolist() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
+        return ClusterStateRecord(node_names=list(self.node_names), models=list(self.models),
+                                  sites=list(self.sites), roles=list(self.roles), arrays=arrays)
+
+    @classmethod
+    def from_record(cls, record: ClusterStateRecord) -> ClusterState:
+        """Rebuild a state from ``to_record`` output."""
+        dtypes = {**_NODE_ARRAYS, **_GPU_ARRAYS, "gpu_link": np.int8}
+        kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()}
+        return cls(node_names=list(record.node_names), models=list(record.models),
+                   sites=list(record.sites), roles=list(record.roles), **kwargs)
+
+    def to_npz_bytes(self) -> bytes:
+        """Compact binary snapshot (numpy ``.npz`` in memory; names stored as JSON)."""
+        buf = io.BytesIO()
+        names = msgspec.json.encode({"node_names": self.node_names, "models": self.models,
+                                     "sites": self.sites, "roles": self.roles})
+        arrays = {name: getattr(self, name) for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
+        np.savez_compressed(buf, _names=np.frombuffer(names, dtype=np.uint8), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_npz_bytes(cls, data: bytes) -> ClusterState:
+        """Rebuild a state from ``to_npz_bytes`` output."""
+        with np.load(io.BytesIO(data)) as z:
+            names = msgspec.json.decode(z["_names"].tobytes())
+            kwargs = {name: z[name].copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
+        return cls(node_names=names["node_names"], models=names["models"], sites=names["sites"],
+                   roles=names["roles"], **kwargs)
