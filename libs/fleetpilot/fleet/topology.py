@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
-
 from fleetpilot.contracts.topology import GpuInfo, Link, LinkKind, NicInfo, NodeTopology
 
 from .topo_parser import TopoMatrix

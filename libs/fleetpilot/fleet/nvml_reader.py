@@ -1,0 +1,449 @@
+"""The NVML backend of ``reader.GpuReader``: real GPUs read through nvidia-ml-py.
+
+The ``pynvml`` module is injected (``NvmlReader(nvml=pynvml)``), so tests drive the very
+same code with ``fake_nvml.FakeNvml``. Every NVML call is guarded: a call that raises
+``NVMLError`` (``NotSupported`` on a consumer card, ``NoPermission`` in a container ...)
+yields the field's default, lists the field under the ``nvml_unsupported`` label of the
+sample and, for derived readings, raises the ``uncertainty_score``. Nothing here crashes
+because one GPU lacks one feature.
+
+Besides NVML the reader looks at two kernel interfaces, under a ``root`` path so tests
+can use a temporary directory: ``/proc/driver/nvidia/params`` (driver module parameters,
+put on the node's labels as ``nvidia.<Param>``) and the InfiniBand/RoCE port counters
+``/sys/class/infiniband/<dev>/ports/<n>/{rate,link_layer,state,counters/*}``.
+
+How each derived field is computed, and from which call, is in ``fleet/README.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+from fleetpilot.contracts.telemetry import GpuSample, ProcessMemory, Reading, TaskTelemetry
+from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NicPort, NodeTopology
+
+from .bandwidth import IbPort
+from .reader import FleetEvent
+from .topology import make_link
+
+MB = 1024 * 1024
+SWITCH_RATE_PER_PEER = 400.0  # the same time-slice model the simulator plays out
+TASK_ENV = "FLEETPILOT_TASK_ID"
+
+# nvmlDeviceGetTopologyCommonAncestor levels -> nvidia-smi link kinds.
+_LEVEL_KIND: dict[int, str] = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+def nvml_available(nvml: Any = None) -> bool:
+    """True when NVML can be initialised; False (never an exception) without a driver."""
+    try:
+        if nvml is None:
+            import pynvml as nvml  # noqa: PLC0415 - optional at import time on purpose
+        nvml.nvmlInit()
+        nvml.nvmlDeviceGetCount()
+        nvml.nvmlShutdown()
+        return True
+    except Exception:  # noqa: BLE001 - any failure (no lib, no driver, no device) means "no"
+        return False
+
+
+def _read(path: Path, default: str = "") -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return default
+
+
+def read_ib_ports(root: str | Path = "/") -> list[IbPort]:
+    """Every port under ``<root>/sys/class/infiniband``.
+
+    ``port_xmit_data`` / ``port_rcv_data`` count 4-byte words (per the IB spec, divided by
+    the lane count), so they are multiplied by 4. The rate file reads "200 Gb/sec (4X HDR)".
+    """
+    base = Path(root) / "sys/class/infiniband"
+    ports: list[IbPort] = []
+    if not base.is_dir():
+        return ports
+    for dev in sorted(p for p in base.iterdir() if (p / "ports").is_dir()):
+        for port_dir in sorted((dev / "ports").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 0):
+            rate = re.match(r"([\d.]+)", _read(port_dir / "rate", "0"))
+            layer = _read(port_dir / "link_layer", "InfiniBand")
+            state = _read(port_dir / "state", "")
+            ports.append(IbPort(
+                device=dev.name, port=int(port_dir.name), rate_gbps=float(rate.group(1)) if rate else 0.0,
+                link_layer="Ethernet" if layer == "Ethernet" else "InfiniBand",
+                state=state.split(":", 1)[-1].strip() or "UNKNOWN",
+                xmit_bytes=int(_read(port_dir / "counters/port_xmit_data", "0") or 0) * 4,
+                rcv_bytes=int(_read(port_dir / "counters/port_rcv_data", "0") or 0) * 4,
+            ))
+    return ports
+
+
+def read_driver_params(root: str | Path = "/") -> dict[str, str]:
+    """``/proc/driver/nvidia/params`` as a dict ("Key: Value" lines); empty when absent."""
+    out: dict[str, str] = {}
+    for line in _read(Path(root) / "proc/driver/nvidia/params").splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cpu_ranges(mask_words: Any) -> str:
+    cpus = [w * 64 + b for w, word in enumerate(mask_words) for b in range(64) if int(word) >> b & 1]
+    ranges: list[str] = []
+    for cpu in cpus:
+        if ranges and cpu == int(ranges[-1].split("-")[-1]) + 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
+
+
+class NvmlReader:
+    """Reads the local node's GPUs through an injected ``pynvml``-compatible module.
+
+    ``node`` names the node (default: the host name), ``root`` prefixes ``/proc`` and
+    ``/sys`` paths, ``clock`` gives wall time (injected for tests), ``task_of_pid`` maps
+    a PID to a task id (default: ``FLEETPILOT_TASK_ID`` in ``<root>/proc/<pid>/environ``).
+    """
+
+    source: Literal["nvml"] = "nvml"
+
+    def __init__(self, nvml: ModuleType | Any, *, node: str | None = None, site: str = "default",
+                 root: str | Path = "/", clock: Callable[[], float] = time.time,
+                 task_of_pid: Callable[[int], str | None] | None = None) -> None:
+        self._nvml = nvml
+        self.node = node or socket.gethostname()
+        self.site = site
+        self.root = Path(root)
+        self._clock = clock
+        self._task_of_pid = task_of_pid or self._task_from_environ
+        nvml.nvmlInit()
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self._events: list[FleetEvent] = []
+        self._xid_last = [0] * len(self._handles)
+        self._xid_count = [0] * len(self._handles)
+        self._nvlink_prev: dict[int, tuple[float, float, float]] = {}
+        self._proc_util_ts = [0] * len(self._handles)
+        self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
+        self._event_set = self._register_xid_events()
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _try(self, fn: Callable[..., Any], *args: Any, default: Any = None, missing: list[str] | None = None,
+             field: str = "") -> Any:
+        try:
+            return fn(*args)
+        except self._nvml.NVMLError:
+            if missing is not None and field:
+                missing.append(field)
+            return default
+
+    def _register_xid_events(self) -> Any:
+        nvml = self._nvml
+        event_set = self._try(nvml.nvmlEventSetCreate)
+        if event_set is None:
+            return None
+        for handle in self._handles:
+            self._try(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+        return event_set
+
+    def _drain_xids(self) -> None:
+        if self._event_set is None:
+            return
+        nvml = self._nvml
+        for _ in range(1024):  # bounded: a storm of XIDs must not stall sampling
+            try:
+                data = nvml.nvmlEventSetWait(self._event_set, 0)
+            except nvml.NVMLError:  # Timeout: nothing pending (or events unsupported)
+                return
+            # ctypes handles compare by identity, so ask NVML for the index of the device.
+            index = self._try(nvml.nvmlDeviceGetIndex, data.device)
+            if index is None or not 0 <= index < len(self._handles):
+                continue
+            xid = int(data.eventData)
+            self._xid_last[index] = xid
+            self._xid_count[index] += 1
+            self._events.append(FleetEvent(kind="xid", node=self.node, gpu=index, at=self._clock(),
+                                           value=xid, detail=f"Xid {xid}"))
+
+    def _task_from_environ(self, pid: int) -> str | None:
+        try:
+            env = (self.root / f"proc/{pid}/environ").read_bytes()
+        except OSError:
+            return None
+        for item in env.split(b"\0"):
+            if item.startswith(TASK_ENV.encode() + b"="):
+                return item.split(b"=", 1)[1].decode() or None
+        return None
+
+    def _check_node(self, node: str) -> None:
+        if node != self.node:
+            raise KeyError(f"this NVML reader serves node {self.node!r}, not {node!r}")
+
+    # -- GpuReader -------------------------------------------------------------------
+
+    def node_names(self) -> list[str]:
+        """The local node only."""
+        return [self.node]
+
+    def events(self) -> list[FleetEvent]:
+        """XID events since the last call (polled from the NVML event set, 0 ms timeout)."""
+        self._drain_xids()
+        out, self._events = self._events, []
+        return out
+
+    def _processes(self, handle: Any, missing: list[str]) -> list[ProcessMemory]:
+        nvml = self._nvml
+        seen: dict[int, ProcessMemory] = {}
+        for fn in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
+            for proc in self._try(fn, handle, default=[], missing=missing, field="processes") or []:
+                used = getattr(proc, "usedGpuMemory", None)
+                if proc.pid not in seen:
+                    seen[proc.pid] = ProcessMemory(pid=int(proc.pid), used_mb=round((used or 0) / MB, 1),
+                                                   task_id=self._task_of_pid(int(proc.pid)))
+        return sorted(seen.values(), key=lambda p: p.pid)
+
+    def _context_switches(self, index: int, handle: Any, util_gpu: float, processes: int) -> Reading:
+        # NVML has no context-switch counter. The rate is modelled from the number of
+        # processes that got SM time in the last window (nvmlDeviceGetProcessUtilization)
+        # and how busy the GPU is: SWITCH_RATE_PER_PEER * (active - 1) * busy.
+        nvml = self._nvml
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._proc_util_ts[index])
+        except nvml.NVMLError as exc:
+            # NotFound: supported, but no process got SM time since the last read.
+            samples = [] if exc.value == nvml.NVML_ERROR_NOT_FOUND else None
+        busy = min(max(util_gpu, 0.0), 100.0) / 100.0
+        if samples is not None:
+            if samples:
+                self._proc_util_ts[index] = max(int(s.timeStamp) for s in samples)
+            active = len({s.pid for s in samples if getattr(s, "smUtil", 0) > 0})
+            return Reading(value=SWITCH_RATE_PER_PEER * max(active - 1, 0) * busy, uncertainty_score=0.6)
+        if processes:
+            # Fallback: every resident process is assumed to contend (over-estimates).
+            return Reading(value=SWITCH_RATE_PER_PEER * max(processes - 1, 0) * busy, uncertainty_score=0.8)
+        return Reading(value=0.0, uncertainty_score=1.0)
+
+    def _nvlink_ratio(self, index: int, handle: Any, now: float) -> Reading:
+        # Cumulative TX/RX data counters (KiB) per link through nvmlDeviceGetFieldValues; the
+        # ratio is the busier direction's rate over active links x common link speed.
+        nvml = self._nvml
+        head = self._try(nvml.nvmlDeviceGetFieldValues, handle,
+                         [nvml.NVML_FI_DEV_NVLINK_LINK_COUNT, nvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON])
+        if head is None or head[0].nvmlReturn != 0:
+            return Reading(value=0.0, uncertainty_score=1.0)
+        links = int(head[0].value.uiVal)
+        if links == 0:
+            return Reading(value=0.0, uncertainty_score=0.0)  # no NVLink: exactly zero
+        speed_mbps = float(head[1].value.uiVal) if head[1].nvmlReturn == 0 else 25_000.0
+        ids = [(f, link) for link in range(links)
+               for f in (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)]
+        values = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids)
+        if values is None or any(v.nvmlReturn != 0 for v in values):
+            return Reading(value=0.0, uncertainty_score=1.0)
+        tx = float(sum(v.value.ullVal for v in values[0::2]))
+        rx = float(sum(v.value.ullVal for v in values[1::2]))
+        prev = self._nvlink_prev.get(index)
+        self._nvlink_prev[index] = (now, tx, rx)
+        if prev is None or now <= prev[0]:
+            return Reading(value=0.0, uncertainty_score=1.0)  # first read: no rate yet
+        dt = now - prev[0]
+        kib_per_s = max(tx - prev[1], rx - prev[2], 0.0) / dt
+        peak_kib_per_s = links * speed_mbps * 1e6 / 1024
+        return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
+                       uncertainty_score=0.1 if head[1].nvmlReturn == 0 else 0.3)
+
+    def sample(self, node: str) -> list[GpuSample]:
+        """One reading of every local GPU; unsupported fields default and are labelled."""
+        self._check_node(node)
+        self._drain_xids()
+        nvml = self._nvml
+        now = self._clock()
+        out = []
+        for index, handle in enumerate(self._handles):
+            missing: list[str] = []
+
+            def call(fn: Callable[..., Any], *args: Any, default: Any = None, field: str = "",
+                     _missing: list[str] = missing) -> Any:
+                return self._try(fn, *args, default=default, missing=_missing, field=field)
+
+            util = call(nvml.nvmlDeviceGetUtilizationRates, handle, field="utilization")
+            mem = call(nvml.nvmlDeviceGetMemoryInfo, handle, field="memory")
+            util_gpu = float(util.gpu) if util is not None else 0.0
+            corrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                             nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
+            uncorrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                               nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
+            retired = sum(len(call(nvml.nvmlDeviceGetRetiredPages, handle, cause, default=[], field="retired_pages") or [])
+                          for cause in (nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+                                        nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+            remap = call(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0), field="remapped_rows")
+            processes = self._processes(handle, missing)
+            total_mb = mem.total / MB if mem is not None else 0.0
+            used_mb = mem.used / MB if mem is not None else 0.0
+            out.append(GpuSample(
+                node=self.node, gpu=index,
+                uuid=_text(call(nvml.nvmlDeviceGetUUID, handle, default="", field="uuid")),
+                model=_text(call(nvml.nvmlDeviceGetName, handle, default="", field="name")),
+                at=now,
+                utilization_gpu_pct=util_gpu,
+                utilization_memory_pct=float(util.memory) if util is not None else 0.0,
+                memory_total_mb=round(total_mb, 1), memory_used_mb=round(used_mb, 1),
+                memory_free_mb=round(mem.free / MB, 1) if mem is not None else 0.0,
+                temperature_c=float(call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU,
+                                         default=0, field="temperature")),
+                power_w=float(call(nvml.nvmlDeviceGetPowerUsage, handle, default=0, field="power")) / 1000.0,
+                power_limit_w=float(call(nvml.nvmlDeviceGetEnforcedPowerLimit, handle, default=0,
+                                         field="power_limit")) / 1000.0,
+                sm_clock_mhz=float(call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM, default=0,
+                                        field="sm_clock")),
+                pcie_tx_kbps=float(call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES,
+                                        default=0, field="pcie_throughput")),
+                pcie_rx_kbps=float(call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES,
+                                        default=0, field="pcie_throughput")),
+                ecc_corrected=int(corrected), ecc_uncorrected=int(uncorrected),
+                retired_pages=retired, remapped_rows=int(remap[0]) + int(remap[1]),
+                pcie_replays=int(call(nvml.nvmlDeviceGetPcieReplayCounter, handle, default=0, field="pcie_replays")),
+                pcie_link_width=int(call(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle, default=0, field="pcie_link_width")),
+                pcie_link_width_max=int(call(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle, default=0,
+                                             field="pcie_link_width")),
+                xid_last=self._xid_last[index], xid_count=self._xid_count[index],
+                cuda_context_switches_per_sec=self._context_switches(index, handle, util_gpu, len(processes)),
+                nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle, now),
+                processes=processes,
+                labels={"driver_version": self._driver, "site": self.site,
+                        **({"nvml_unsupported": ",".join(sorted(set(missing)))} if missing else {})},
+            ))
+        return out
+
+    def task_samples(self, node: str) -> list[TaskTelemetry]:
+        """Per task (or ``pid-<pid>`` for processes without a task id): memory over its GPUs."""
+        self._check_node(node)
+        now = self._clock()
+        nvml = self._nvml
+        grouped: dict[str, tuple[set[int], float, set[int]]] = {}
+        sm_util: dict[str, list[float]] = {}
+        for index, handle in enumerate(self._handles):
+            # Timestamp 0 asks for every sample NVML still buffers; keep each PID's latest.
+            latest: dict[int, tuple[int, float]] = {}
+            for s in self._try(nvml.nvmlDeviceGetProcessUtilization, handle, 0, default=[]) or []:
+                if s.pid not in latest or s.timeStamp > latest[s.pid][0]:
+                    latest[s.pid] = (int(s.timeStamp), float(s.smUtil))
+            for proc in self._processes(handle, []):
+                key = proc.task_id or f"pid-{proc.pid}"
+                gpus, used, pids = grouped.get(key, (set(), 0.0, set()))
+                grouped[key] = (gpus | {index}, used + proc.used_mb, pids | {proc.pid})
+                sm_util.setdefault(key, []).append(latest.get(proc.pid, (0, 0.0))[1])
+        return [TaskTelemetry(task_id=key, node=self.node, gpus=sorted(gpus), at=now, memory_used_mb=round(used, 1),
+                              utilization_gpu_pct=round(sum(sm_util[key]) / len(sm_util[key]), 2), pids=sorted(pids))
+                for key, (gpus, used, pids) in sorted(grouped.items())]
+
+    def topology(self, node: str) -> NodeTopology:
+        """The node's graph from NVML (see ``topology_from_nvml``) plus sysfs NICs and driver params."""
+        self._check_node(node)
+        params = read_driver_params(self.root)
+        labels = {"driver_version": self._driver, **{f"nvidia.{k}": v for k, v in params.items()}}
+        return topology_from_nvml(self._nvml, self._handles, self.node, site=self.site, root=self.root, labels=labels)
+
+    def close(self) -> None:
+        """Free the event set and shut NVML down."""
+        if self._event_set is not None:
+            self._try(self._nvml.nvmlEventSetFree, self._event_set)
+        self._try(self._nvml.nvmlShutdown)
+
+
+def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = "default",
+                       root: str | Path = "/", labels: dict[str, str] | None = None) -> NodeTopology:
+    """Build a ``NodeTopology`` from NVML.
+
+    PCIe kinds come from ``nvmlDeviceGetTopologyCommonAncestor``; NVLinks from
+    ``nvmlDeviceGetNvLinkState`` + ``nvmlDeviceGetNvLinkRemotePciInfo`` (links to another
+    GPU's bus id count towards that pair; links to an NVSwitch make every pair of
+    switch-attached GPUs ``NV<min links>``, as ``nvidia-smi`` shows); NUMA from
+    ``nvmlDeviceGetNumaNodeId`` (falling back to ``/sys/bus/pci/devices/<bus>/numa_node``);
+    CPU affinity from ``nvmlDeviceGetCpuAffinity``; NICs from sysfs InfiniBand ports.
+    """
+
+    def attempt(fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        try:
+            return fn(*args)
+        except nvml.NVMLError:
+            return default
+
+    root = Path(root)
+    gpus: list[GpuInfo] = []
+    bus_ids: list[str] = []
+    for i, h in enumerate(handles):
+        pci = attempt(nvml.nvmlDeviceGetPciInfo, h)
+        bus = _text(pci.busId).lower() if pci is not None else ""
+        bus_ids.append(bus)
+        numa = attempt(nvml.nvmlDeviceGetNumaNodeId, h)
+        if numa is None or numa < 0:
+            text = _read(root / "sys/bus/pci/devices" / bus[-12:] / "numa_node", "-1") if bus else "-1"
+            numa = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
+        mem = attempt(nvml.nvmlDeviceGetMemoryInfo, h)
+        affinity = attempt(nvml.nvmlDeviceGetCpuAffinity, h, 4)
+        gpus.append(GpuInfo(index=i, model=_text(attempt(nvml.nvmlDeviceGetName, h, default="")),
+                            uuid=_text(attempt(nvml.nvmlDeviceGetUUID, h, default="")),
+                            memory_mb=int(mem.total // MB) if mem is not None else 0, numa_node=numa,
+                            cpu_affinity=_cpu_ranges(affinity) if affinity is not None else "", pci_bus_id=bus))
+
+    pair_links: dict[tuple[int, int], int] = {}
+    switch_links = [0] * len(handles)
+    for i, h in enumerate(handles):
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            state = attempt(nvml.nvmlDeviceGetNvLinkState, h, link)
+            if state is None:
+                break  # NotSupported / InvalidArgument: no (more) links on this GPU
+            if state != nvml.NVML_FEATURE_ENABLED:
+                continue
+            remote = attempt(nvml.nvmlDeviceGetNvLinkRemotePciInfo, h, link)
+            remote_bus = _text(remote.busId).lower() if remote is not None else ""
+            if remote_bus in bus_ids:
+                j = bus_ids.index(remote_bus)
+                if j > i:
+                    pair_links[(i, j)] = pair_links.get((i, j), 0) + 1
+            elif remote_bus:
+                switch_links[i] += 1
+
+    links: list[Link] = []
+    for i in range(len(handles)):
+        for j in range(i + 1, len(handles)):
+            nv = pair_links.get((i, j), 0)
+            if switch_links[i] and switch_links[j]:
+                nv = max(nv, min(switch_links[i], switch_links[j]))
+            if nv:
+                links.append(make_link(f"GPU{i}", f"GPU{j}", "NV", nv))
+                continue
+            level = attempt(nvml.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j])
+            links.append(make_link(f"GPU{i}", f"GPU{j}", _LEVEL_KIND.get(level, "SYS")))  # type: ignore[arg-type]
+
+    nics: dict[str, list[NicPort]] = {}
+    for port in read_ib_ports(root):
+        nics.setdefault(port.device, []).append(NicPort(port=port.port, rate_gbps=port.rate_gbps,
+                                                        link_layer=port.link_layer, state=port.state))
+    nic_infos = []
+    for name, ports in nics.items():
+        text = _read(root / "sys/class/infiniband" / name / "device/numa_node", "-1")
+        numa = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
+        nic_infos.append(NicInfo(name=name, numa_node=numa, ports=ports))
+    # GPU<->NIC kinds are not in NVML; NUMA gives a floor: same node NODE, otherwise SYS.
+    for i, g in enumerate(gpus):
+        for j, nic in enumerate(nic_infos):
+            same = g.numa_node is not None and g.numa_node == nic.numa_node
+            links.append(make_link(f"GPU{i}", f"NIC{j}", "NODE" if same else "SYS"))
+    numa_ids = {g.numa_node for g in gpus if g.numa_node is not None}
+    return NodeTopology(node=node, site=site, cpu_sockets=max(len(numa_ids), 1), numa_nodes=max(len(numa_ids), 1),
+                        gpus=gpus, nics=nic_infos, links=links, labels=dict(labels or {}))
