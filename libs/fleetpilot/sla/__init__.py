@@ -1,0 +1,38 @@
+"""SLA negotiation: admit as asked, counter-offer what the fleet can meet, or reject.
+
+:func:`negotiate` decides one submission against a :class:`FleetView`; an
+:class:`OfferBook` tracks the counter-offers it makes until they are accepted, declined or
+expire.
+"""
+
+from .fleet import FleetView, GpuPool
+from .negotiate import (
+    DATA_SITE_LABEL,
+    P95_REFERENCE_LABEL,
+    Admit,
+    CounterOffer,
+    Decision,
+    Estimate,
+    NegotiationPolicy,
+    Reject,
+    admit_contract,
+    negotiate,
+)
+from .offers import OfferBook, contract_for
+
+__all__ = [
+    "DATA_SITE_LABEL",
+    "P95_REFERENCE_LABEL",
+    "Admit",
+    "CounterOffer",
+    "Decision",
+    "Estimate",
+    "FleetView",
+    "GpuPool",
+    "NegotiationPolicy",
+    "OfferBook",
+    "Reject",
+    "admit_contract",
+    "contract_for",
+    "negotiate",
+]

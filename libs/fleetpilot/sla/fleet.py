@@ -1,0 +1,56 @@
+"""What the SLA negotiator knows about the fleet: free capacity, queues, links, prices.
+
+A :class:`FleetView` is a snapshot the sla service assembles from the ledger, telemetry and
+topology; the negotiator only reads it, so one snapshot gives one answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """The GPUs of one model at one site, as capacity the negotiator can promise.
+
+    ``reserved_gpus`` of the ``free_gpus`` are held back for guaranteed tiers (vip and
+    standard): best_effort requests never see them. ``preemptible_gpus`` are busy running
+    best_effort work that a vip request may preempt. ``completions`` lists running tasks'
+    expected completions as ``(seconds from now, GPUs freed)``. ``free_milli`` is spare
+    compute on GPUs already shared, for fractional requests.
+    """
+
+    site: str
+    gpu_model: str
+    memory_mb_per_gpu: int
+    price_per_gpu_hour: float
+    free_gpus: int = 0
+    free_milli: int = 0
+    reserved_gpus: int = 0
+    preemptible_gpus: int = 0
+    completions: tuple[tuple[float, int], ...] = ()
+    relative_compute: float = 1.0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """A snapshot of the fleet for negotiation.
+
+    ``bandwidth_gbps[(data_site, site)]`` is the measured GB/s for moving a task's data to
+    a site; unknown pairs use ``local_bandwidth_gbps`` within a site and
+    ``default_bandwidth_gbps`` across sites. ``reference_p95_ms`` is the p95 latency of an
+    inference task on a GPU of ``relative_compute`` 1.0 (a task may override it with the
+    label ``p95_ref_ms``); a pool's estimate is that divided by its relative compute.
+    """
+
+    pools: tuple[GpuPool, ...]
+    bandwidth_gbps: dict[tuple[str, str], float] = field(default_factory=dict)
+    local_bandwidth_gbps: float = 5.0
+    default_bandwidth_gbps: float = 1.0
+    reference_p95_ms: float = 50.0
+
+    def bandwidth(self, data_site: str | None, site: str) -> float:
+        """GB/s from ``data_site`` to ``site`` (local when the data site is unknown)."""
+        if data_site is None or data_site == site:
+            return self.bandwidth_gbps.get((site, site), self.local_bandwidth_gbps)
+        return self.bandwidth_gbps.get((data_site, site), self.default_bandwidth_gbps)

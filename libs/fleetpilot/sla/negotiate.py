@@ -1,0 +1,301 @@
+"""The SLA negotiator: admit a submission as asked, counter-offer what can be met, or reject.
+
+For every pool that can hold the task (enough GPU memory per GPU for the asked memory or
+the fingerprint's predicted peak), the negotiator estimates what the task would get there:
+queue time (from free GPUs visible to its tier, then running tasks' expected completions),
+warm-up (data size over the link bandwidth from the data's site, plus the fingerprint's
+warm-up), p95 latency for inference (reference latency over relative compute) and cost.
+Each estimate is compared with the asked bounds:
+
+- nothing violated on an acceptable GPU model -> :class:`Admit` (fastest, then cheapest);
+- a vip request that only fits by preempting best_effort work -> :class:`Admit` with
+  ``may_preempt`` (and a note in the contract);
+- otherwise every estimate that breaks some bounds (but never the deadline) is a concrete
+  :class:`~fleetpilot.contracts.OfferOption` — relax warm-up, wait longer, another GPU
+  model or site, a higher cost, or a mix — and the best few, one of each kind first, make a
+  :class:`CounterOffer`;
+- nothing can hold the task at all, or nothing meets the deadline -> :class:`Reject`.
+
+Tiers: vip and standard see every free GPU; best_effort sees only free GPUs not reserved
+for guaranteed tiers, so it is never offered someone else's guaranteed capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fleetpilot.contracts import Contract, Fingerprint, OfferOption, RejectCode, TaskSubmitted
+
+from .fleet import FleetView, GpuPool
+
+# Labels a submission may carry to inform the estimates.
+DATA_SITE_LABEL = "data_site"
+P95_REFERENCE_LABEL = "p95_ref_ms"
+
+Term = str  # one of TERMS
+TERMS = ("gpu_model", "queue", "warmup", "latency", "cost")
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Run the task under ``contract``; ``may_preempt`` lets a vip task displace best_effort work."""
+
+    contract: Contract
+    may_preempt: bool = False
+
+
+@dataclass(frozen=True)
+class CounterOffer:
+    """The ask cannot be met as is; each option is met as stated. Open until ``valid_until``."""
+
+    options: list[OfferOption]
+    reason: str
+    valid_until: float
+
+
+@dataclass(frozen=True)
+class Reject:
+    """The task will not run: ``code`` for machines, ``reason`` for people."""
+
+    code: RejectCode
+    reason: str
+    task_id: str = ""
+
+
+Decision = Admit | CounterOffer | Reject
+
+
+@dataclass(frozen=True)
+class NegotiationPolicy:
+    """Knobs: how long offers stay open and how many options one offer carries."""
+
+    offer_ttl_s: float = 300.0
+    max_options: int = 4
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the task would get on one pool, and which asked bounds that breaks."""
+
+    pool: GpuPool
+    queue_s: float
+    warmup_ms: float
+    p95_ms: float | None
+    cost_per_hour: float
+    violations: tuple[Term, ...]
+    preempts: bool = False
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"about {seconds / 60:.0f} minutes"
+    return f"about {seconds / 3600:.1f} hours"
+
+
+def _visible_free(pool: GpuPool, tier: str) -> int:
+    if tier == "best_effort":
+        return max(pool.free_gpus - pool.reserved_gpus, 0)
+    return pool.free_gpus
+
+
+def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str) -> float:
+    """Seconds until enough GPUs free up for the task; ``inf`` if running work never frees them."""
+    if task.gpus == 1 and task.gpu_milli < 1000 and pool.free_milli >= task.gpu_milli:
+        return 0.0
+    have = _visible_free(pool, tier)
+    if have >= task.gpus:
+        return 0.0
+    for in_s, gpus in sorted(pool.completions):
+        have += gpus
+        if have >= task.gpus:
+            return max(float(in_s), 0.0)
+    return math.inf
+
+
+def _estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: Fingerprint | None,
+              now: float, preempt: bool) -> Estimate | None:
+    sla = task.sla
+    if preempt:
+        if pool.free_gpus + pool.preemptible_gpus < task.gpus:
+            return None
+        queue = 0.0
+    else:
+        queue = _queue_s(pool, task, sla.tier)
+    if math.isinf(queue):
+        return None
+    bandwidth = fleet.bandwidth(task.labels.get(DATA_SITE_LABEL), pool.site)
+    warmup = (task.size_gb / bandwidth * 1000.0 if task.size_gb > 0 else 0.0)
+    warmup += (fingerprint.warmup_s * 1000.0 if fingerprint is not None else 0.0)
+    p95 = None
+    if task.kind == "infer":
+        reference = float(task.labels.get(P95_REFERENCE_LABEL, fleet.reference_p95_ms))
+        p95 = reference / max(pool.relative_compute, 1e-9)
+    share = task.gpus if task.gpu_milli >= 1000 or task.gpus != 1 else task.gpu_milli / 1000.0
+    cost = pool.price_per_gpu_hour * share
+    if sla.deadline is not None:
+        finish = now + queue + warmup / 1000.0 + (task.expected_duration_s or 0.0)
+        if finish > sla.deadline:
+            return None  # a deadline is hard: nothing that misses it is offered
+    violations: list[Term] = []
+    if task.gpu_models and pool.gpu_model not in task.gpu_models:
+        violations.append("gpu_model")
+    if sla.max_queue_s is not None and queue > sla.max_queue_s:
+        violations.append("queue")
+    if sla.warmup_ms is not None and warmup > sla.warmup_ms:
+        violations.append("warmup")
+    if sla.p95_latency_ms is not None and p95 is not None and p95 > sla.p95_latency_ms:
+        violations.append("latency")
+    if sla.cost_ceiling_per_hour is not None and cost > sla.cost_ceiling_per_hour:
+        violations.append("cost")
+    return Estimate(pool=pool, queue_s=queue, warmup_ms=warmup, p95_ms=p95, cost_per_hour=cost,
+                    violations=tuple(violations), preempts=preempt)
+
+
+def _where(e: Estimate) -> str:
+    when = "now" if e.queue_s <= 0 else f"in {_duration(e.queue_s)}"
+    return f"{e.pool.gpu_model} at {e.pool.site} {when}"
+
+
+def _terms(e: Estimate) -> str:
+    parts = [f"warm-up {e.warmup_ms:.0f} ms"]
+    if e.p95_ms is not None:
+        parts.append(f"p95 {e.p95_ms:.0f} ms")
+    parts.append(f"{e.cost_per_hour:.2f}/h")
+    return ", ".join(parts)
+
+
+def _why(e: Estimate, task: TaskSubmitted) -> str:
+    sla = task.sla
+    changes = []
+    for term in e.violations:
+        if term == "gpu_model":
+            changes.append(f"another GPU model ({e.pool.gpu_model}, not {'/'.join(task.gpu_models)})")
+        elif term == "queue":
+            changes.append(f"a longer wait ({_duration(e.queue_s)}, not within {_duration(sla.max_queue_s or 0)})")
+        elif term == "warmup":
+            changes.append(f"a slower warm-up ({e.warmup_ms:.0f} ms, not {sla.warmup_ms:.0f} ms)")
+        elif term == "latency":
+            changes.append(f"a higher p95 ({e.p95_ms:.0f} ms, not {sla.p95_latency_ms:.0f} ms)")
+        elif term == "cost":
+            changes.append(f"a higher cost ({e.cost_per_hour:.2f}/h, above {sla.cost_ceiling_per_hour:.2f}/h)")
+    return f"{_where(e)}: {_terms(e)}; accepts " + " and ".join(changes)
+
+
+def _shortfall(task: TaskSubmitted, acceptable_now: list[Estimate]) -> str:
+    """Why the ask fails now, bound by bound, against the best acceptable pool for that bound."""
+    sla = task.sla
+    if not acceptable_now:
+        models = "/".join(task.gpu_models) if task.gpu_models else "any GPU"
+        return f"no {models} can start within the asked wait"
+    lines = []
+    best = min(acceptable_now, key=lambda e: e.warmup_ms)
+    if sla.warmup_ms is not None and best.warmup_ms > sla.warmup_ms:
+        lines.append(f"warm-up within {sla.warmup_ms:.0f} ms is not possible on a free GPU now "
+                     f"(best {best.warmup_ms:.0f} ms on {best.pool.gpu_model} at {best.pool.site})")
+    p95s = [e for e in acceptable_now if e.p95_ms is not None]
+    if sla.p95_latency_ms is not None and p95s:
+        fastest = min(p95s, key=lambda e: e.p95_ms or 0.0)
+        if (fastest.p95_ms or 0.0) > sla.p95_latency_ms:
+            lines.append(f"p95 within {sla.p95_latency_ms:.0f} ms is not possible now "
+                         f"(best {fastest.p95_ms:.0f} ms on {fastest.pool.gpu_model})")
+    cheapest = min(acceptable_now, key=lambda e: e.cost_per_hour)
+    if sla.cost_ceiling_per_hour is not None and cheapest.cost_per_hour > sla.cost_ceiling_per_hour:
+        lines.append(f"nothing free now costs under {sla.cost_ceiling_per_hour:.2f}/h "
+                     f"(cheapest {cheapest.cost_per_hour:.2f}/h)")
+    return "; ".join(lines) or "the asked terms cannot all be met together now"
+
+
+def _option(e: Estimate, task: TaskSubmitted, now: float, option_id: str) -> OfferOption:
+    return OfferOption(option_id=option_id, gpu_model=e.pool.gpu_model, site=e.pool.site,
+                       warmup_ms=round(e.warmup_ms, 1), expected_queue_s=round(e.queue_s, 1),
+                       p95_latency_ms=None if e.p95_ms is None else round(e.p95_ms, 1),
+                       cost_per_hour=round(e.cost_per_hour, 4),
+                       not_before=now + e.queue_s if e.queue_s > 0 else None, why=_why(e, task))
+
+
+def _notes(e: Estimate) -> str:
+    text = f"estimated on {_where(e)}: {_terms(e)}"
+    if e.preempts:
+        text += "; may_preempt: best_effort work may be preempted to start now"
+    return text
+
+
+def admit_contract(task: TaskSubmitted, e: Estimate, now: float) -> Contract:
+    """The contract for running ``task`` as estimated in ``e``: the asked bounds, placed."""
+    sla = task.sla
+    return Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, warmup_ms=sla.warmup_ms,
+                    p95_latency_ms=sla.p95_latency_ms, deadline=sla.deadline,
+                    cost_ceiling_per_hour=sla.cost_ceiling_per_hour, gpu_models=[e.pool.gpu_model],
+                    site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e))
+
+
+def _invalid(task: TaskSubmitted) -> str | None:
+    if task.gpus < 0:
+        return "gpus must be >= 0"
+    if not 1 <= task.gpu_milli <= 1000:
+        return "gpu_milli must be in 1..1000"
+    if task.gpus != 1 and task.gpu_milli < 1000:
+        return "only a single-GPU task may share a GPU (gpu_milli < 1000)"
+    if task.gpu_memory_mb < 0 or task.size_gb < 0:
+        return "sizes must be >= 0"
+    return None
+
+
+def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint: Fingerprint | None = None,
+              policy: NegotiationPolicy | None = None) -> Decision:
+    """Decide on ``task`` against ``fleet`` at time ``now``; see the module docstring."""
+    policy = policy or NegotiationPolicy()
+    problem = _invalid(task)
+    if problem is not None:
+        return Reject("invalid", problem, task.task_id)
+    sla = task.sla
+    if task.gpus == 0:
+        return Admit(Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, deadline=sla.deadline,
+                              cost_ceiling_per_hour=sla.cost_ceiling_per_hour, notes="cpu-only task"))
+    need_mb = max(task.gpu_memory_mb, fingerprint.predicted_peak_mb if fingerprint is not None else 0.0)
+    pools = [p for p in fleet.pools if p.memory_mb_per_gpu >= need_mb]
+    if not pools:
+        return Reject("infeasible", f"no GPU model has {need_mb:.0f} MB per GPU", task.task_id)
+    estimates = [e for p in pools if (e := _estimate(task, p, fleet, fingerprint, now, preempt=False))]
+    meeting = [e for e in estimates if not e.violations]
+    if meeting:
+        best = min(meeting, key=lambda e: (e.queue_s, e.cost_per_hour, e.warmup_ms))
+        return Admit(admit_contract(task, best, now))
+    if sla.tier == "vip":
+        preempting = [e for p in pools if (e := _estimate(task, p, fleet, fingerprint, now, preempt=True))]
+        preempting = [e for e in preempting if not e.violations]
+        if preempting:
+            best = min(preempting, key=lambda e: (e.cost_per_hour, e.warmup_ms))
+            return Admit(admit_contract(task, best, now), may_preempt=True)
+    if not estimates:
+        why = "the deadline cannot be met on any pool" if sla.deadline is not None else \
+            "no pool will free enough GPUs for this task"
+        return Reject("infeasible", why, task.task_id)
+    chosen = _pick_options(estimates, policy.max_options)
+    options = [_option(e, task, now, f"o{i + 1}") for i, e in enumerate(chosen)]
+    acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
+    reason = _shortfall(task, acceptable_now) + "; options: " + " | ".join(
+        f"{o.option_id}: {o.why}" for o in options)
+    return CounterOffer(options=options, reason=reason, valid_until=now + policy.offer_ttl_s)
+
+
+def _severity(e: Estimate) -> tuple[int, float, float, float]:
+    return (len(e.violations), e.queue_s, e.cost_per_hour, e.warmup_ms)
+
+
+def _pick_options(estimates: list[Estimate], limit: int) -> list[Estimate]:
+    """The best estimate of each kind of relaxation first (fewest relaxed terms), then the rest."""
+    ranked = sorted(estimates, key=_severity)
+    chosen: list[Estimate] = []
+    kinds: set[tuple[Term, ...]] = set()
+    for e in ranked:
+        if e.violations not in kinds:
+            kinds.add(e.violations)
+            chosen.append(e)
+    for e in ranked:
+        if e not in chosen:
+            chosen.append(e)
+    return sorted(chosen[:limit], key=_severity)

@@ -1,0 +1,116 @@
+"""Open counter-offers: opened from a :class:`CounterOffer`, closed by a reply or by expiry.
+
+The book is pure state with an injectable clock; the sla service persists nothing but the
+events it publishes. Closing is idempotent: a redelivered reply to a closed offer gets the
+same answer again, never a second contract.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fleetpilot.contracts import Contract, OfferOption, SlaOffer, SlaReply, TaskSubmitted
+
+from .negotiate import Admit, CounterOffer, Reject
+
+
+@dataclass(frozen=True)
+class _Open:
+    offer: SlaOffer
+    task: TaskSubmitted
+
+
+def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Contract:
+    """The contract an accepted option makes: the asked terms, relaxed to what the option states."""
+    sla = task.sla
+
+    def relaxed(asked: float | None, offered: float | None) -> float | None:
+        if asked is None or offered is None:
+            return asked
+        return max(asked, offered)
+
+    return Contract(
+        tier=sla.tier,
+        max_queue_s=relaxed(sla.max_queue_s, option.expected_queue_s),
+        warmup_ms=relaxed(sla.warmup_ms, option.warmup_ms),
+        p95_latency_ms=relaxed(sla.p95_latency_ms, option.p95_latency_ms),
+        deadline=sla.deadline,
+        cost_ceiling_per_hour=relaxed(sla.cost_ceiling_per_hour, option.cost_per_hour),
+        gpu_models=[option.gpu_model] if option.gpu_model else list(task.gpu_models),
+        site=option.site,
+        not_before=option.not_before,
+        offer_id=offer_id,
+        notes=f"accepted option {option.option_id}: {option.why}",
+    )
+
+
+class OfferBook:
+    """Tracks open offers; turns replies into contracts or rejections and expires the silent."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` gives the current time in seconds (injectable for tests and replay)."""
+        self._clock = clock
+        self._open: dict[str, _Open] = {}
+        self._closed: dict[str, Admit | Reject] = {}
+        self._count = 0
+
+    def open(self, task: TaskSubmitted, counter: CounterOffer, tenant: str = "") -> SlaOffer:
+        """Record ``counter`` for ``task`` and return the ``sla.offer`` event to publish."""
+        self._count += 1
+        offer_id = f"{task.task_id}/offer-{self._count}"
+        offer = SlaOffer(offer_id=offer_id, task_id=task.task_id, tenant=tenant or task.tenant, asked=task.sla,
+                         options=list(counter.options), reason=counter.reason,
+                         valid_until=counter.valid_until, at=self._clock())
+        self._open[offer_id] = _Open(offer=offer, task=task)
+        return offer
+
+    @property
+    def pending(self) -> list[SlaOffer]:
+        """Offers still waiting for an answer, oldest first."""
+        return [o.offer for o in self._open.values()]
+
+    def task_of(self, offer_id: str) -> TaskSubmitted | None:
+        """The submission an open offer is about (to build ``task.admitted``)."""
+        entry = self._open.get(offer_id)
+        return entry.task if entry is not None else None
+
+    def reply(self, reply: SlaReply) -> Admit | Reject:
+        """Apply the client's answer.
+
+        Accepting a listed option gives :class:`Admit`; declining gives ``offer_declined``;
+        answering after ``valid_until`` gives ``offer_expired``; an unknown offer, or one
+        about another task, gives ``invalid``. Accepting an option the offer does not list
+        raises ``ValueError`` and leaves the offer open for a correct answer.
+        """
+        if reply.offer_id in self._closed:
+            return self._closed[reply.offer_id]
+        entry = self._open.get(reply.offer_id)
+        if entry is None or entry.offer.task_id != reply.task_id:
+            return Reject("invalid", f"no open offer {reply.offer_id!r} for task {reply.task_id!r}", reply.task_id)
+        offer = entry.offer
+        if self._clock() > offer.valid_until:
+            return self._close(offer.offer_id, Reject("offer_expired", "the offer expired before the answer came",
+                                                      offer.task_id))
+        if not reply.accept:
+            return self._close(offer.offer_id, Reject("offer_declined", "the client declined every option",
+                                                      offer.task_id))
+        option = next((o for o in offer.options if o.option_id == reply.option_id), None)
+        if option is None:
+            raise ValueError(f"offer {offer.offer_id} has no option {reply.option_id!r}")
+        return self._close(offer.offer_id, Admit(contract_for(entry.task, option, offer.offer_id)))
+
+    def expire(self) -> list[Reject]:
+        """Close every offer past its ``valid_until`` with ``offer_expired``; the rejections to publish."""
+        now = self._clock()
+        due = [entry.offer for entry in self._open.values() if now > entry.offer.valid_until]
+        rejects = [Reject("offer_expired", "no answer before the offer expired", o.task_id) for o in due]
+        for offer, reject in zip(due, rejects, strict=True):
+            self._close(offer.offer_id, reject)
+        return rejects
+
+    def _close(self, offer_id: str, outcome: Admit | Reject) -> Admit | Reject:
+        self._open.pop(offer_id, None)
+        self._closed[offer_id] = outcome
+        return outcome

@@ -1,0 +1,125 @@
+"""The negotiator over a table of fleet states and requests: admit, counter-offers, rejects, tiers."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.contracts import Fingerprint, SlaRequest, TaskSubmitted
+from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, NegotiationPolicy, Reject, negotiate
+
+NOW = 10_000.0
+
+A100 = GpuPool(site="eu-1", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=2,
+               reserved_gpus=1, preemptible_gpus=2, completions=((600.0, 2),))
+H100 = GpuPool(site="us-1", gpu_model="H100", memory_mb_per_gpu=81_920, price_per_gpu_hour=4.0, free_gpus=0,
+               completions=((240.0, 1), (900.0, 1)), relative_compute=2.0)
+V100 = GpuPool(site="eu-1", gpu_model="V100", memory_mb_per_gpu=16_384, price_per_gpu_hour=0.8, free_gpus=4,
+               relative_compute=0.5)
+SHARED = GpuPool(site="eu-2", gpu_model="L4", memory_mb_per_gpu=24_576, price_per_gpu_hour=1.0, free_gpus=0,
+                 free_milli=600)
+FLEET = FleetView(pools=(A100, H100, V100), bandwidth_gbps={("us-1", "eu-1"): 0.2}, local_bandwidth_gbps=10.0)
+
+
+def task(**kw) -> TaskSubmitted:
+    sla = SlaRequest(**kw.pop("sla", {}))
+    return TaskSubmitted(task_id="t1", tenant="acme", sla=sla, **kw)
+
+
+def kinds(decision: CounterOffer) -> set[str]:
+    """Which terms each option relaxes, read back from its explanation."""
+    found = set()
+    for o in decision.options:
+        for word, kind in [("slower warm-up", "warmup"), ("longer wait", "queue"), ("another GPU model", "model"),
+                           ("higher cost", "cost"), ("higher p95", "latency")]:
+            if word in o.why:
+                found.add(kind)
+    return found
+
+
+# (name, task, expected outcome, (model, site) of the admission or expected counter-offer kinds / reject code)
+CASES = [
+    ("cheapest free GPU", task(kind="train"), Admit, ("V100", "eu-1")),
+    ("memory rules out V100", task(kind="train", gpu_memory_mb=40_000), Admit, ("A100", "eu-1")),
+    ("fractional on a shared GPU", task(kind="infer", gpu_milli=500, gpu_models=["L4"]), Admit, ("L4", "eu-2")),
+    ("waits when no queue bound", task(kind="train", gpu_models=["H100"]), Admit, ("H100", "us-1")),
+    ("no GPU big enough", task(gpu_memory_mb=100_000), Reject, "infeasible"),
+    ("deadline cannot be met", task(expected_duration_s=3_600, sla={"deadline": NOW + 100}), Reject, "infeasible"),
+    ("bad milli", task(gpu_milli=0), Reject, "invalid"),
+    ("shared multi-GPU", task(gpus=2, gpu_milli=500), Reject, "invalid"),
+    ("never enough GPUs", task(gpus=16), Reject, "infeasible"),
+    ("relax warm-up or wait",
+     task(kind="infer", size_gb=2.0, labels={"data_site": "us-1"}, gpu_models=["A100", "H100"],
+          sla={"warmup_ms": 250, "max_queue_s": 30}),
+     CounterOffer, {"warmup", "queue"}),
+    ("wait longer or other model", task(kind="train", gpu_models=["H100"], sla={"max_queue_s": 60}),
+     CounterOffer, {"queue", "model"}),
+    ("higher cost", task(kind="train", gpu_memory_mb=40_000, sla={"cost_ceiling_per_hour": 1.0}),
+     CounterOffer, {"cost"}),
+    ("latency needs the H100 later", task(kind="infer", sla={"p95_latency_ms": 30, "max_queue_s": 30}),
+     CounterOffer, {"latency", "queue"}),
+    ("vip preempts best_effort", task(gpus=4, gpu_models=["A100"], sla={"tier": "vip", "max_queue_s": 60}),
+     Admit, ("A100", "eu-1")),
+    ("standard cannot preempt", task(gpus=4, gpu_models=["A100"], sla={"tier": "standard", "max_queue_s": 60}),
+     CounterOffer, {"queue"}),
+    ("standard uses reserved capacity", task(gpus=2, gpu_models=["A100"], sla={"max_queue_s": 60}),
+     Admit, ("A100", "eu-1")),
+    ("best_effort never sees reserved", task(gpus=2, gpu_models=["A100"], sla={"tier": "best_effort",
+                                                                                "max_queue_s": 60}),
+     CounterOffer, {"queue"}),
+    ("cpu only", task(gpus=0), Admit, (None, None)),
+]
+
+
+@pytest.mark.parametrize("name,submitted,outcome,expected", CASES, ids=[c[0] for c in CASES])
+def test_negotiate_table(name, submitted, outcome, expected):
+    fleet = FleetView(pools=(*FLEET.pools, SHARED), bandwidth_gbps=FLEET.bandwidth_gbps, local_bandwidth_gbps=10.0)
+    decision = negotiate(submitted, fleet, now=NOW)
+    assert isinstance(decision, outcome), decision
+    if isinstance(decision, Admit):
+        models = decision.contract.gpu_models or [None]
+        assert (models[0], decision.contract.site) == expected
+        assert decision.contract.tier == submitted.sla.tier
+    elif isinstance(decision, Reject):
+        assert decision.code == expected and decision.task_id == "t1" and decision.reason
+    else:
+        assert expected <= kinds(decision), decision.reason
+        assert decision.valid_until == NOW + NegotiationPolicy().offer_ttl_s
+        assert len({o.option_id for o in decision.options}) == len(decision.options) <= 4
+
+
+def test_counter_offer_options_are_concrete_and_meetable():
+    submitted = task(kind="infer", size_gb=2.0, labels={"data_site": "us-1"}, gpu_models=["A100", "H100"],
+                     sla={"warmup_ms": 250, "max_queue_s": 30})
+    decision = negotiate(submitted, FLEET, now=NOW)
+    assert isinstance(decision, CounterOffer)
+    assert "warm-up within 250 ms is not possible on a free GPU now" in decision.reason
+    by_model = {o.gpu_model: o for o in decision.options}
+    # A100 now, but the data crosses a 0.2 GB/s link: 2 GB -> 10 s of warm-up.
+    assert by_model["A100"].expected_queue_s == 0 and by_model["A100"].warmup_ms == pytest.approx(10_000)
+    # H100 sits with the data (10 GB/s -> 200 ms) but frees up in 4 minutes.
+    assert by_model["H100"].warmup_ms == pytest.approx(200) and by_model["H100"].expected_queue_s == 240
+    assert by_model["H100"].not_before == NOW + 240 and by_model["H100"].p95_latency_ms == pytest.approx(25)
+    assert "about 4 minutes" in by_model["H100"].why
+
+
+def test_vip_admission_is_marked_preemptive():
+    decision = negotiate(task(gpus=4, gpu_models=["A100"], sla={"tier": "vip", "max_queue_s": 60}), FLEET, now=NOW)
+    assert isinstance(decision, Admit) and decision.may_preempt
+    assert "may_preempt" in decision.contract.notes
+    plain = negotiate(task(gpus=1, gpu_models=["A100"], sla={"tier": "vip"}), FLEET, now=NOW)
+    assert isinstance(plain, Admit) and not plain.may_preempt
+
+
+def test_best_effort_options_avoid_reserved_capacity():
+    decision = negotiate(task(gpus=2, gpu_models=["A100"], sla={"tier": "best_effort", "max_queue_s": 60}),
+                         FLEET, now=NOW)
+    assert isinstance(decision, CounterOffer)
+    a100 = [o for o in decision.options if o.gpu_model == "A100"]
+    assert a100 and all(o.expected_queue_s >= 600 for o in a100)
+
+
+def test_fingerprint_peak_and_warmup_count():
+    fp = Fingerprint(signature="s", pattern="leak", pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
+                     predicted_peak_mb=30_000, peak_low_mb=25_000, peak_high_mb=35_000, warmup_s=1.5)
+    decision = negotiate(task(kind="train"), FLEET, now=NOW, fingerprint=fp)
+    assert isinstance(decision, Admit) and decision.contract.gpu_models == ["A100"]  # V100 too small
+    assert "warm-up 1500 ms" in decision.contract.notes

@@ -1,0 +1,99 @@
+"""The offer book: accept makes a contract, decline and silence reject, replies are idempotent."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.contracts import SlaReply, SlaRequest, TaskSubmitted
+from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, OfferBook, Reject, negotiate
+
+T0 = 50_000.0
+FLEET = FleetView(pools=(
+    GpuPool(site="eu-1", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=1),
+    GpuPool(site="us-1", gpu_model="H100", memory_mb_per_gpu=81_920, price_per_gpu_hour=4.0,
+            completions=((240.0, 1),), relative_compute=2.0),
+), bandwidth_gbps={("us-1", "eu-1"): 0.2}, local_bandwidth_gbps=10.0)
+TASK = TaskSubmitted(task_id="t9", tenant="acme", kind="infer", size_gb=2.0, labels={"data_site": "us-1"},
+                     sla=SlaRequest(tier="standard", warmup_ms=250, max_queue_s=30))
+
+
+class Clock:
+    """A hand-moved clock."""
+
+    def __init__(self) -> None:
+        self.at = T0
+
+    def __call__(self) -> float:
+        return self.at
+
+
+def _open():
+    clock = Clock()
+    book = OfferBook(clock=clock)
+    counter = negotiate(TASK, FLEET, now=clock())
+    assert isinstance(counter, CounterOffer)
+    offer = book.open(TASK, counter)
+    return clock, book, offer
+
+
+def test_open_publishes_offer():
+    _, book, offer = _open()
+    assert offer.task_id == "t9" and offer.tenant == "acme" and offer.asked == TASK.sla
+    assert offer.valid_until == T0 + 300 and len(offer.options) == 2
+    assert book.pending == [offer] and book.task_of(offer.offer_id) == TASK
+
+
+def test_accept_makes_contract_with_relaxed_terms():
+    _, book, offer = _open()
+    h100 = next(o for o in offer.options if o.gpu_model == "H100")
+    out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id=h100.option_id))
+    assert isinstance(out, Admit)
+    c = out.contract
+    assert (c.gpu_models, c.site, c.offer_id) == (["H100"], "us-1", offer.offer_id)
+    assert c.max_queue_s == 240 and c.warmup_ms == 250 and c.not_before == T0 + 240
+    assert book.pending == []
+
+
+# (reply accept?, option, clock advance, expected code)
+REPLIES = [
+    (False, None, 10.0, "offer_declined"),
+    (True, "o1", 301.0, "offer_expired"),
+    (False, None, 301.0, "offer_expired"),
+]
+
+
+@pytest.mark.parametrize("accept,option,advance,code", REPLIES)
+def test_rejecting_replies(accept, option, advance, code):
+    clock, book, offer = _open()
+    clock.at += advance
+    out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=accept, option_id=option))
+    assert isinstance(out, Reject) and out.code == code and out.task_id == "t9"
+    again = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o1"))
+    assert again == out  # a redelivered or late reply gets the same answer
+
+
+def test_expire_sweeps_only_due_offers():
+    clock, book, first = _open()
+    clock.at += 200
+    second = book.open(TASK, negotiate(TASK, FLEET, now=clock()))
+    assert book.expire() == []
+    clock.at = T0 + 301
+    rejects = book.expire()
+    assert [r.code for r in rejects] == ["offer_expired"] and book.pending == [second]
+    assert book.reply(SlaReply(offer_id=first.offer_id, task_id="t9", accept=True, option_id="o1")).code \
+        == "offer_expired"
+
+
+@pytest.mark.parametrize("offer_id,task_id", [("nope", "t9"), (None, "other-task")])
+def test_unknown_offer_is_invalid(offer_id, task_id):
+    _, book, offer = _open()
+    out = book.reply(SlaReply(offer_id=offer_id or offer.offer_id, task_id=task_id, accept=True, option_id="o1"))
+    assert isinstance(out, Reject) and out.code == "invalid"
+    assert book.pending == [offer]
+
+
+def test_unknown_option_keeps_offer_open():
+    _, book, offer = _open()
+    with pytest.raises(ValueError, match="no option"):
+        book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o99"))
+    assert book.pending == [offer]
+    assert isinstance(book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o1")), Admit)
