@@ -1,0 +1,227 @@
+"""GPU health: a failure probability per GPU from a window of telemetry samples (pure).
+
+The model is a logistic regression with **hand-set, documented weights**: it was not fitted
+on real fleet failures (we have none yet), only checked against the simulated fault
+histories of :mod:`fleetpilot.maintenance.faults` (see :mod:`fleetpilot.maintenance.eval`).
+Its output is a risk score in 0..1 ordered the right way, not a calibrated probability;
+calibrating it needs real outcomes from the feedback store.
+
+Features over a window of :class:`~fleetpilot.contracts.GpuSample` (cumulative hardware
+counters are differenced over the window, so a counter reset reads as zero):
+
+========================  ==========================================================  ======
+feature                   meaning (transform)                                         weight
+========================  ==========================================================  ======
+``xid``                   sum of XID severities in the window (capped at 5)           2.0
+``ecc_corrected``         log1p(corrected ECC errors per hour)                        0.6
+``ecc_uncorrected``       uncorrected ECC errors in the window (capped at 5)          2.5
+``remap``                 log1p(new retired pages + remapped rows)                    1.2
+``remap_level``           retired pages + remapped rows so far / 64 (capped at 1)     1.0
+``pcie_replays``          log1p(PCIe replays per hour)                                0.6
+``link_downtrain``        1 - worst link width / max width (0: full width)            6.0
+``thermal_slope``         positive temperature slope in °C per hour / 5 (span >= 1 h) 1.5
+``hot_fraction``          share of the window above ``temp_threshold_c``              4.0
+``overheat``              latest °C above ``temp_threshold_c`` / 5 (capped at 2)      1.5
+(bias)                                                                                -5.0
+========================  ==========================================================  ======
+
+XID severities (:data:`XID_SEVERITY`): the hardware-fault codes weigh 0.5-1.0 (48 double-bit
+ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rates and
+containment, 119/120 GSP); codes that are usually the application's fault (13, 31, 43)
+weigh 0.1 or less, so a buggy job does not send a healthy GPU to maintenance.
+
+With the bias at -6 a quiet GPU scores ~0.0025; one isolated DBE (XID 48) ~0.02; the
+:data:`MAINTENANCE_THRESHOLD` 0.85 needs several independent signs of decay together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+from fleetpilot.contracts import GpuSample
+
+MAINTENANCE_THRESHOLD = 0.85
+
+XID_SEVERITY: Mapping[int, float] = {
+    13: 0.1,  # graphics engine exception: usually the application
+    31: 0.1,  # GPU memory page fault: usually the application
+    43: 0.05,  # GPU stopped processing: usually the application
+    45: 0.0,  # preemptive cleanup after another error
+    48: 1.0,  # double-bit ECC error
+    61: 0.6,  # internal micro-controller breakpoint
+    62: 0.6,  # internal micro-controller halt
+    63: 0.5,  # ECC page retirement / row remapping recorded
+    64: 1.0,  # ECC page retirement / row remapping failure
+    74: 0.6,  # NVLink error
+    79: 1.0,  # GPU has fallen off the bus
+    92: 0.6,  # high single-bit ECC error rate
+    94: 0.5,  # contained ECC error
+    95: 1.0,  # uncontained ECC error
+    119: 0.7,  # GSP RPC timeout
+    120: 0.7,  # GSP error
+}
+UNKNOWN_XID_SEVERITY = 0.2
+MIN_SLOPE_SPAN_H = 1.0
+REMAP_CAPACITY = 64  # rows an A100/H100 bank can remap before the GPU needs replacing
+
+
+def xid_severity(code: int) -> float:
+    """How much one XID event of ``code`` says about hardware decay (0..1)."""
+    return XID_SEVERITY.get(code, UNKNOWN_XID_SEVERITY)
+
+
+class HealthFeatures(msgspec.Struct, frozen=True, kw_only=True):
+    """The transformed features of one GPU's window (see the module table)."""
+
+    xid: float = 0.0
+    ecc_corrected: float = 0.0
+    ecc_uncorrected: float = 0.0
+    remap: float = 0.0
+    remap_level: float = 0.0
+    pcie_replays: float = 0.0
+    link_downtrain: float = 0.0
+    thermal_slope: float = 0.0
+    hot_fraction: float = 0.0
+    overheat: float = 0.0
+
+
+class LogisticWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """The logistic model's coefficients, one per :class:`HealthFeatures` field, plus a bias."""
+
+    bias: float = -5.0
+    xid: float = 2.0
+    ecc_corrected: float = 0.6
+    ecc_uncorrected: float = 2.5
+    remap: float = 1.2
+    remap_level: float = 1.0
+    pcie_replays: float = 0.6
+    link_downtrain: float = 6.0
+    thermal_slope: float = 1.5
+    hot_fraction: float = 4.0
+    overheat: float = 1.5
+
+
+class HealthAssessment(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU's failure risk at the end of a window, why, and what to move off it."""
+
+    node: str
+    gpu: int
+    uuid: str
+    at: float
+    failure_probability: float
+    maintenance_pending: bool
+    features: HealthFeatures
+    contributions: dict[str, float]
+    tasks_to_migrate: list[str]
+
+
+class MigrationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A task to move away from a GPU that is about to go to maintenance."""
+
+    task_id: str
+    node: str
+    gpu: int
+    failure_probability: float
+    reason: str
+
+
+def _delta(first: int, last: int) -> int:
+    return max(last - first, 0)
+
+
+def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) -> HealthFeatures:
+    """Features of one GPU's samples (any order; sorted by time here)."""
+    if not window:
+        return HealthFeatures()
+    samples = sorted(window, key=lambda s: s.at)
+    first, last = samples[0], samples[-1]
+    span_h = max((last.at - first.at) / 3600.0, 1.0 / 60.0)  # at least a minute: rates stay finite
+    xid = 0.0
+    for prev, cur in zip(samples, samples[1:], strict=False):
+        new = cur.xid_count - prev.xid_count
+        if new > 0:
+            # Only the last code of an interval is known: every event in it is scored as that code.
+            xid += new * xid_severity(cur.xid_last)
+    remap_new = _delta(first.retired_pages + first.remapped_rows, last.retired_pages + last.remapped_rows)
+    widths = [s.pcie_link_width / s.pcie_link_width_max for s in samples if s.pcie_link_width_max > 0]
+    at = np.array([s.at for s in samples]) / 3600.0
+    temp = np.array([s.temperature_c for s in samples])
+    # Over a short span sensor noise dominates the slope (1 °C of noise over 10 minutes reads
+    # as 6 °C/h), so the trend counts only once the window covers MIN_SLOPE_SPAN_H.
+    enough = len(samples) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
+    slope = float(np.polyfit(at - at[0], temp, 1)[0]) if enough else 0.0
+    if len(samples) >= 2:
+        dt = np.diff(at)
+        hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(np.sum(dt), 1e-9))
+    else:
+        hot = float(temp[0] > temp_threshold_c)
+    return HealthFeatures(
+        xid=min(xid, 5.0),
+        ecc_corrected=math.log1p(_delta(first.ecc_corrected, last.ecc_corrected) / span_h),
+        ecc_uncorrected=float(min(_delta(first.ecc_uncorrected, last.ecc_uncorrected), 5)),
+        remap=math.log1p(remap_new),
+        remap_level=min((last.retired_pages + last.remapped_rows) / REMAP_CAPACITY, 1.0),
+        pcie_replays=math.log1p(_delta(first.pcie_replays, last.pcie_replays) / span_h),
+        link_downtrain=1.0 - min(widths) if widths else 0.0,
+        thermal_slope=max(slope, 0.0) / 5.0,
+        hot_fraction=hot,
+        overheat=min(max(last.temperature_c - temp_threshold_c, 0.0) / 5.0, 2.0),
+    )
+
+
+class HealthModel(msgspec.Struct, frozen=True, kw_only=True):
+    """The logistic health model: weights, the maintenance threshold, the thermal limit."""
+
+    weights: LogisticWeights = msgspec.field(default_factory=LogisticWeights)
+    threshold: float = MAINTENANCE_THRESHOLD
+    temp_threshold_c: float = 85.0
+
+    def contributions(self, features: HealthFeatures) -> dict[str, float]:
+        """Each feature's share of the log-odds (weight x value), for explanations."""
+        return {f: getattr(self.weights, f) * getattr(features, f) for f in HealthFeatures.__struct_fields__}
+
+    def probability(self, features: HealthFeatures) -> float:
+        """The failure risk in 0..1: the logistic of bias plus contributions."""
+        z = self.weights.bias + sum(self.contributions(features).values())
+        return 1.0 / (1.0 + math.exp(-z))
+
+    def assess(self, window: Sequence[GpuSample]) -> HealthAssessment:
+        """Assess one GPU from its window; the latest sample names the GPU and its tasks."""
+        if not window:
+            raise ValueError("cannot assess an empty window")
+        latest = max(window, key=lambda s: s.at)
+        features = features_of(window, temp_threshold_c=self.temp_threshold_c)
+        probability = self.probability(features)
+        pending = probability >= self.threshold
+        tasks = sorted({p.task_id for p in latest.processes if p.task_id}) if pending else []
+        return HealthAssessment(
+            node=latest.node, gpu=latest.gpu, uuid=latest.uuid, at=latest.at,
+            failure_probability=probability, maintenance_pending=pending, features=features,
+            contributions=self.contributions(features), tasks_to_migrate=tasks,
+        )
+
+    def assess_fleet(self, windows: Mapping[str, Sequence[GpuSample]]) -> list[HealthAssessment]:
+        """Assess every GPU (windows keyed by GPU uuid), riskiest first."""
+        out = [self.assess(w) for w in windows.values() if w]
+        return sorted(out, key=lambda a: (-a.failure_probability, a.node, a.gpu))
+
+
+def migration_plan(assessments: Iterable[HealthAssessment]) -> list[MigrationRequest]:
+    """The tasks to move off GPUs pending maintenance, riskiest GPU first."""
+    plan = []
+    for a in sorted(assessments, key=lambda a: -a.failure_probability):
+        if not a.maintenance_pending:
+            continue
+        top = max(a.contributions, key=lambda k: a.contributions[k])
+        for task_id in a.tasks_to_migrate:
+            plan.append(
+                MigrationRequest(
+                    task_id=task_id, node=a.node, gpu=a.gpu, failure_probability=a.failure_probability,
+                    reason=f"maintenance_pending (p={a.failure_probability:.2f}, mostly {top})",
+                )
+            )
+    return plan
