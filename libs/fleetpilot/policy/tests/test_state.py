@@ -1,0 +1,82 @@
+"""ClusterState: construction, incremental updates, serialisation, topology conversion."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from fleetpilot.contracts import Allocation, GpuInfo, Link, NodeTopology, TaskSubmitted
+from fleetpilot.contracts.fingerprint import Fingerprint
+from fleetpilot.policy import ClusterState, ClusterStateRecord, TaskRequest
+
+
+def small() -> ClusterState:
+    return ClusterState.build(names=["a", "b"], cpu_milli=[8000, 4000], memory_mb=[1000, 1000],
+                              gpus=[2, 1], models=["T4", "A100"])
+
+
+def test_build_pads_gpu_slots():
+    s = small()
+    assert s.max_gpus == 2
+    assert s.gpu_exists.tolist() == [[True, True], [True, False]]
+    assert s.gpu_free.tolist() == [[1000, 1000], [1000, 0]]
+    assert s.models == ["A100", "T4"] and s.node_model.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("node", "gpus", "milli", "cpu", "free_after", "cpu_after"),
+    [(0, [1], 300, 1000, [[1000, 700], [1000, 0]], [7000, 4000]),
+     (1, [0], 1000, 4000, [[1000, 1000], [0, 0]], [8000, 0]),
+     (0, [], 0, 500, [[1000, 1000], [1000, 0]], [7500, 4000])],
+)
+def test_allocate_then_release_restores(node, gpus, milli, cpu, free_after, cpu_after):
+    s = small()
+    s.allocate(node, gpus, milli, cpu_milli=cpu)
+    assert s.gpu_free.tolist() == free_after and s.cpu_free.tolist() == cpu_after
+    assert s.version[node] == 1
+    s.release(node, gpus, milli, cpu_milli=cpu)
+    assert s.gpu_free.tolist() == small().gpu_free.tolist() and s.cpu_free.tolist() == [8000, 4000]
+
+
+@pytest.mark.parametrize(("node", "gpus", "milli", "cpu"), [(1, [1], 100, 0), (0, [0], 1200, 0), (1, [0], 10, 5000)])
+def test_allocate_rejects_what_does_not_fit(node, gpus, milli, cpu):
+    s = small()
+    with pytest.raises(ValueError):
+        s.allocate(node, gpus, milli, cpu_milli=cpu)
+    assert s.gpu_free.tolist() == small().gpu_free.tolist()
+
+
+def test_round_trips_json_and_npz():
+    s = small()
+    s.allocate(0, [0], 250, cpu_milli=10)
+    rec = msgspec.json.decode(msgspec.json.encode(s.to_record()), type=ClusterStateRecord)
+    for back in (ClusterState.from_record(rec), ClusterState.from_npz_bytes(s.to_npz_bytes())):
+        assert back.node_names == s.node_names
+        np.testing.assert_array_equal(back.gpu_free, s.gpu_free)
+        np.testing.assert_array_equal(back.gpu_link, s.gpu_link)
+        assert back.gpu_free.dtype == s.gpu_free.dtype
+
+
+def test_from_topology_applies_ledger_roles_links_and_health():
+    nodes = [NodeTopology(node="n1", site="eu", cpu_milli=16000, memory_mb=64000,
+                          gpus=[GpuInfo(index=0, model="A100", memory_mb=40000, labels={"role": "serving"}),
+                                GpuInfo(index=1, model="A100", memory_mb=40000)],
+                          links=[Link(a="GPU0", b="GPU1", kind="SYS")])]
+    holds = {"n1": [Allocation(task_id="t", decision_id="d", gpu=1, milli=400, memory_mb=1000, cpu_milli=2000)]}
+    s = ClusterState.from_topology(nodes, holds, temperatures={("n1", 0): 80.0}, unhealthy=[("n1", 0)])
+    assert s.gpu_free.tolist() == [[1000, 600]] and s.cpu_free.tolist() == [14000]
+    assert s.gpu_mem_free.tolist() == [[40000, 39000]]
+    assert s.roles == ["", "serving"] and s.gpu_role.tolist() == [[1, 0]]
+    assert s.gpu_link[0, 0, 1] == 6 and s.gpu_temp_c[0, 0] == 80.0
+    assert s.usable_free().tolist() == [[0, 600]]
+
+
+def test_task_request_from_submitted_uses_fingerprint_spread():
+    task = TaskSubmitted(task_id="t", kind="finetune", gpus=1, gpu_milli=500, gpu_models=["A100"],
+                         labels={"role": "training"})
+    fp = Fingerprint(signature="s", pattern="linear", pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
+                     predicted_peak_mb=10000, peak_low_mb=9000, peak_high_mb=12290)
+    r = TaskRequest.from_submitted(task, fp)
+    assert r.shares_gpu and r.gpu_models == ("A100",) and r.role == "training"
+    assert r.predicted_peak_mb == 10000 and r.peak_sigma_mb == pytest.approx(1000.0)
