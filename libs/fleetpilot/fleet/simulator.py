@@ -220,7 +220,8 @@ class SimulatedFleet:
         for info in topo.gpus:
             i = base + info.index
             used = float(g.memory_used_mb[i])
-            nvlink_ratio = float(g.nvlink_gbps[i] / g.nvlink_peak_gbps[i]) if g.nvlink_peak_gbps[i] > 0 else 0.0
+            has_nvlink = bool(g.has_nvlink[i])
+            nvlink_ratio = float(g.nvlink_gbps[i] / g.nvlink_peak_gbps[i]) if has_nvlink else 0.0
             out.append(GpuSample(
                 node=node, gpu=info.index, uuid=info.uuid, model=info.model, at=at,
                 utilization_gpu_pct=round(float(g.utilization_gpu[i]), 2),
@@ -239,7 +240,8 @@ class SimulatedFleet:
                                                       uncertainty_score=CTX_SWITCH_UNCERTAINTY),
                 nvlink_bandwidth_utilization_ratio=Reading(
                     value=round(min(nvlink_ratio, 1.0), 4),
-                    uncertainty_score=NVLINK_UNCERTAINTY if g.nvlink_peak_gbps[i] > 0 else 1.0),
+                    # Without NVLink the ratio is exactly 0, as NVML's link count of 0 says.
+                    uncertainty_score=NVLINK_UNCERTAINTY if has_nvlink else 0.0),
                 processes=sorted(procs.get(info.index, []), key=lambda p: p.pid),
                 labels={**info.labels, "site": topo.site},
             ))
@@ -321,6 +323,7 @@ class SimulatedFleet:
     def inject_xid(self, node: str, gpu: int, xid: int = 79) -> None:
         """Raise XID ``xid`` on a GPU; a fatal XID (``FATAL_XIDS``) kills the GPU's tasks."""
         gi = self._global(node, gpu)
+        self._refresh_if_dirty()  # so tasks placed just now are known, with their memory
         self.gpu.xid_last[gi] = xid
         self.gpu.xid_count[gi] += 1
         self._emit("xid", gi, value=xid, detail=f"Xid {xid}")
