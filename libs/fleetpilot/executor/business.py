@@ -102,7 +102,10 @@ def rule_verdict(context: GpuContext, decision: DecisionMade) -> HookVerdict:
         return ALLOW
     wanted_driver = task.labels.get("driver")
     if context.driver_pin and wanted_driver and wanted_driver != context.driver_pin:
-        return HookVerdict(allow=False, reason=f"{where} is pinned to driver {context.driver_pin}, task wants {wanted_driver}")
+        return HookVerdict(
+            allow=False,
+            reason=f"{where} is pinned to driver {context.driver_pin}, task wants {wanted_driver}",
+        )
     if context.task_kinds and task.kind not in context.task_kinds:
         return HookVerdict(allow=False, reason=f"{where} takes {context.task_kinds}, not {task.kind}")
     return ALLOW

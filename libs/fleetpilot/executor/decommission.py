@@ -100,7 +100,9 @@ def commands_for(
     if _RANK[applied] < _RANK["cordoned"] <= _RANK[target.stage]:
         out.append(Cordon(node=node, gpu=gpu, reason=f"above threshold since {target.hot_since}"))
     if _RANK[applied] < _RANK["decommissioned"] == _RANK[target.stage]:
-        out.append(Decommission(node=node, gpu=gpu, evict=sorted(running_tasks), reason="drained or drain time over"))
+        out.append(
+            Decommission(node=node, gpu=gpu, evict=sorted(running_tasks), reason="drained or drain time over")
+        )
     return out
 
 
@@ -156,7 +158,9 @@ class PreDecommissionHook:
         """Refuse placements on cordoned or decommissioned GPUs."""
         for p in decision.placement:
             if p.gpu >= 0 and not self.accepts_work(p.node, p.gpu):
-                return HookVerdict(allow=False, reason=f"{p.node}/{p.gpu} is {self.state(p.node, p.gpu).stage}")
+                return HookVerdict(
+                    allow=False, reason=f"{p.node}/{p.gpu} is {self.state(p.node, p.gpu).stage}"
+                )
         return ALLOW
 
     async def after_finish(self, event: TaskLifecycle) -> None:

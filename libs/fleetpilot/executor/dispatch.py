@@ -34,7 +34,9 @@ def _gpu_model(decision: DecisionMade, business: BusinessContextProvider | None)
     return ""
 
 
-async def _run(decision: DecisionMade, backend: ExecutorBackend, grace_s: float, env: Mapping[str, str]) -> float:
+async def _run(
+    decision: DecisionMade, backend: ExecutorBackend, grace_s: float, env: Mapping[str, str]
+) -> float:
     """Run the verb; returns the backend latency in ms."""
     began = time.perf_counter()
     if decision.action == "assign":
@@ -93,17 +95,24 @@ async def execute_decision(
     if business is not None and decision.action in ("assign", "migrate"):
         verdict = await check_before_assign(business, decision)
         if not verdict.allow:
-            result = ActionFailed(**common, error=f"business rule: {verdict.reason}", retryable=False, failed_at=clock())
+            result = ActionFailed(
+                **common, error=f"business rule: {verdict.reason}", retryable=False, failed_at=clock()
+            )
             await journal.record(decision.decision_id, result)
             return result
     began = time.perf_counter()
     try:
         latency = await _run(decision, backend, grace_s, env or {})
-        result = ActionExecuted(**common, placement=decision.placement, latency_ms=latency, executed_at=clock())
+        result = ActionExecuted(
+            **common, placement=decision.placement, latency_ms=latency, executed_at=clock()
+        )
     except BackendError as error:
         result = ActionFailed(
-            **common, error=str(error), retryable=error.retryable,
-            latency_ms=(time.perf_counter() - began) * 1000.0, failed_at=clock(),
+            **common,
+            error=str(error),
+            retryable=error.retryable,
+            latency_ms=(time.perf_counter() - began) * 1000.0,
+            failed_at=clock(),
         )
     await journal.record(decision.decision_id, result)
     return result

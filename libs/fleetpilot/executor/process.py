@@ -60,7 +60,10 @@ def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) ->
     if marker:
         return "oom_killed", f"out of memory: {marker!r} on stderr (exit {returncode})"
     if returncode in (137, -signal.SIGKILL):
-        return "oom_killed", f"killed by SIGKILL not sent by the executor (exit {returncode}), likely the OOM killer"
+        return (
+            "oom_killed",
+            f"killed by SIGKILL not sent by the executor (exit {returncode}), likely the OOM killer",
+        )
     if returncode == 0:
         return "finished", "exit 0"
     tail = stderr_tail.strip().splitlines()[-1:] or [""]
@@ -68,7 +71,12 @@ def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) ->
 
 
 def child_env(
-    base: Mapping[str, str], env: Mapping[str, str], task_id: str, placement: Sequence[Placement], *, restore: bool
+    base: Mapping[str, str],
+    env: Mapping[str, str],
+    task_id: str,
+    placement: Sequence[Placement],
+    *,
+    restore: bool,
 ) -> dict[str, str]:
     """The environment a task's process gets (pure, so it can be tested without processes)."""
     full = dict(base)
@@ -87,7 +95,9 @@ def child_env(
 class _Task:
     """One running process and what we know about it."""
 
-    def __init__(self, task_id: str, placement: list[Placement], command: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, task_id: str, placement: list[Placement], command: list[str], env: dict[str, str]
+    ) -> None:
         self.task_id = task_id
         self.placement = placement
         self.command = command
@@ -127,11 +137,18 @@ class ProcessBackend:
         self._tasks: dict[str, _Task] = {}
         self._events: deque[TaskLifecycle] = deque()
 
-    def _emit(self, task: _Task, state: LifecycleState, *, exit_code: int | None = None, detail: str = "") -> None:
+    def _emit(
+        self, task: _Task, state: LifecycleState, *, exit_code: int | None = None, detail: str = ""
+    ) -> None:
         self._events.append(
             TaskLifecycle(
-                task_id=task.task_id, state=state, node=node_of(task.placement) or self.node,
-                gpus=gpus_of(task.placement), exit_code=exit_code, detail=detail, at=self._clock(),
+                task_id=task.task_id,
+                state=state,
+                node=node_of(task.placement) or self.node,
+                gpus=gpus_of(task.placement),
+                exit_code=exit_code,
+                detail=detail,
+                at=self._clock(),
             )
         )
 
@@ -176,8 +193,12 @@ class ProcessBackend:
         task.watcher = asyncio.create_task(self._watch(task, task.proc))
         self._tasks[task.task_id] = task
         return TaskHandle(
-            task_id=task.task_id, backend=self.name, node=node_of(task.placement) or self.node,
-            gpus=gpus_of(task.placement), pid=task.proc.pid, started_at=self._clock(),
+            task_id=task.task_id,
+            backend=self.name,
+            node=node_of(task.placement) or self.node,
+            gpus=gpus_of(task.placement),
+            pid=task.proc.pid,
+            started_at=self._clock(),
             latency_ms=(time.perf_counter() - began) * 1000.0,
         )
 
@@ -240,7 +261,9 @@ class ProcessBackend:
         await self._terminate(task, grace_s, "migrated")
         task.placement = list(target)
         handle = await self._spawn(task, restore=True)
-        self._emit(task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}")
+        self._emit(
+            task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}"
+        )
         return handle
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
@@ -279,7 +302,9 @@ class ProcessBackend:
                 continue
             rss = _rss_mb(task.proc.pid)
             if rss is not None:
-                out.append(ProcessSample(task_id=task.task_id, pid=task.proc.pid, rss_mb=rss, at=self._clock()))
+                out.append(
+                    ProcessSample(task_id=task.task_id, pid=task.proc.pid, rss_mb=rss, at=self._clock())
+                )
         return out
 
     async def shutdown(self, grace_s: float = 5.0) -> None:

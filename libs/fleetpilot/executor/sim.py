@@ -98,15 +98,24 @@ class SimBackend:
         if self._time_scale > 0:
             await asyncio.sleep(latency / 1000.0 * self._time_scale)
         self.actions.append(
-            ActionRecord(verb=verb, task_id=task_id, latency_ms=latency, at=self._clock(), placement=list(placement))
+            ActionRecord(
+                verb=verb, task_id=task_id, latency_ms=latency, at=self._clock(), placement=list(placement)
+            )
         )
         return latency
 
-    def _emit(self, task: SimTask, state: LifecycleState, detail: str = "", exit_code: int | None = None) -> None:
+    def _emit(
+        self, task: SimTask, state: LifecycleState, detail: str = "", exit_code: int | None = None
+    ) -> None:
         self._events.append(
             TaskLifecycle(
-                task_id=task.task_id, state=state, node=node_of(task.placement), gpus=gpus_of(task.placement),
-                exit_code=exit_code, detail=detail, at=self._clock(),
+                task_id=task.task_id,
+                state=state,
+                node=node_of(task.placement),
+                gpus=gpus_of(task.placement),
+                exit_code=exit_code,
+                detail=detail,
+                at=self._clock(),
             )
         )
 
@@ -125,12 +134,18 @@ class SimBackend:
         if self._adapter is not None:
             self._adapter.on_start(task_id, placement, command)
         latency = await self._take("start", task_id, placement)
-        task = SimTask(task_id=task_id, placement=list(placement), command=list(command), started_at=self._clock())
+        task = SimTask(
+            task_id=task_id, placement=list(placement), command=list(command), started_at=self._clock()
+        )
         self.tasks[task_id] = task
         self._emit(task, "started")
         return TaskHandle(
-            task_id=task_id, backend=self.name, node=node_of(placement), gpus=gpus_of(placement),
-            started_at=task.started_at, latency_ms=latency,
+            task_id=task_id,
+            backend=self.name,
+            node=node_of(placement),
+            gpus=gpus_of(placement),
+            started_at=task.started_at,
+            latency_ms=latency,
         )
 
     async def stop(self, task_id: str, grace_s: float) -> None:
@@ -152,8 +167,12 @@ class SimBackend:
         task.placement = list(target)
         self._emit(task, "migrated")
         return TaskHandle(
-            task_id=task_id, backend=self.name, node=node_of(target), gpus=gpus_of(target),
-            started_at=self._clock(), latency_ms=latency,
+            task_id=task_id,
+            backend=self.name,
+            node=node_of(target),
+            gpus=gpus_of(target),
+            started_at=self._clock(),
+            latency_ms=latency,
         )
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:

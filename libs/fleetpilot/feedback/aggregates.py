@@ -279,7 +279,12 @@ def assemble(
         group = project(key, fields)
         group_bins.setdefault(group, {}).setdefault(index, BinTotals()).add(b)
     return [
-        finish(dict(zip(fields, group, strict=True)), groups[group], group_bins.get(group, {}), p95_us.get(group, 0))
+        finish(
+            dict(zip(fields, group, strict=True)),
+            groups[group],
+            group_bins.get(group, {}),
+            p95_us.get(group, 0),
+        )
         for group in sorted(groups)
     ]
 

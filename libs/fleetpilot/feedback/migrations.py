@@ -30,15 +30,25 @@ MIGRATIONS_TABLE = (
     " version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
 )
 
-_KEY_COLUMNS = "policy TEXT NOT NULL, shard_id TEXT NOT NULL, task_kind TEXT NOT NULL, gpu_model TEXT NOT NULL"
+_KEY_COLUMNS = (
+    "policy TEXT NOT NULL, shard_id TEXT NOT NULL, task_kind TEXT NOT NULL, gpu_model TEXT NOT NULL"
+)
 
 
 def _tables(sum_type: str, payload_type: str) -> tuple[str, ...]:
     sums = ", ".join(
         f"{name} {sum_type} NOT NULL DEFAULT 0"
         for name in (
-            "count", "successes", "weight_units", "weighted_success_units", "latency_us",
-            "weighted_latency", "saving_milli_mb", "confidence_units", "brier_units2", "side_effects",
+            "count",
+            "successes",
+            "weight_units",
+            "weighted_success_units",
+            "latency_us",
+            "weighted_latency",
+            "saving_milli_mb",
+            "confidence_units",
+            "brier_units2",
+            "side_effects",
         )
     )
     return (

@@ -44,8 +44,19 @@ T = TypeVar("T")
 
 _KEYS = "policy, shard_id, task_kind, gpu_model"
 _RAW_COLUMNS = (
-    "action_id", "policy", "shard_id", "task_kind", "gpu_model", "success", "weight_units",
-    "latency_us", "saving_milli_mb", "confidence_units", "side_effects", "recorded_at", "payload",
+    "action_id",
+    "policy",
+    "shard_id",
+    "task_kind",
+    "gpu_model",
+    "success",
+    "weight_units",
+    "latency_us",
+    "saving_milli_mb",
+    "confidence_units",
+    "side_effects",
+    "recorded_at",
+    "payload",
 )
 _N_RAW = len(_RAW_COLUMNS)
 _CONFIDENCE_ARG = _RAW_COLUMNS.index("confidence_units") + 1
@@ -78,7 +89,9 @@ _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 class PostgresFeedbackStore:
     """A :class:`~fleetpilot.feedback.store.FeedbackStore` on PostgreSQL; build with :meth:`open`."""
 
-    def __init__(self, pool: asyncpg.Pool, schema: str, *, max_attempts: int = 50, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, schema: str, *, max_attempts: int = 50, rng: random.Random | None = None
+    ) -> None:
         """Wrap an open pool whose ``search_path`` is ``schema``; prefer :meth:`open`."""
         self._pool = pool
         self.schema = schema
@@ -89,14 +102,22 @@ class PostgresFeedbackStore:
 
     @classmethod
     async def open(
-        cls, dsn: str, *, schema: str = "fleetpilot_feedback", min_size: int = 1, max_size: int = 8, max_attempts: int = 50
+        cls,
+        dsn: str,
+        *,
+        schema: str = "fleetpilot_feedback",
+        min_size: int = 1,
+        max_size: int = 8,
+        max_attempts: int = 50,
     ) -> PostgresFeedbackStore:
         """Connect, create ``schema`` if needed and apply pending migrations idempotently."""
         if not _SCHEMA_NAME.match(schema):
             raise ValueError(f"schema must be a lower-case SQL identifier, got {schema!r}")
         bootstrap = await asyncpg.connect(dsn)
         try:
-            await _retrying(lambda: bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'), 10, random.Random())
+            await _retrying(
+                lambda: bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'), 10, random.Random()
+            )
         finally:
             await bootstrap.close()
         pool = await asyncpg.create_pool(
@@ -121,7 +142,9 @@ class PostgresFeedbackStore:
                     await conn.execute(statement)
                 await conn.execute(
                     "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
-                    migration.version, migration.name, time.time(),
+                    migration.version,
+                    migration.name,
+                    time.time(),
                 )
 
         await self._transaction(apply, isolation="read_committed")
@@ -129,9 +152,18 @@ class PostgresFeedbackStore:
     async def applied_migrations(self) -> list[int]:
         """Versions recorded in ``schema_migrations``."""
         async with self._pool.acquire() as conn:
-            return [r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")]
+            return [
+                r["version"]
+                for r in await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")
+            ]
 
-    async def _transaction(self, body: Callable[[asyncpg.Connection], Awaitable[T]], *, isolation: str = "serializable", readonly: bool = False) -> T:
+    async def _transaction(
+        self,
+        body: Callable[[asyncpg.Connection], Awaitable[T]],
+        *,
+        isolation: str = "serializable",
+        readonly: bool = False,
+    ) -> T:
         async def once() -> T:
             async with self._pool.acquire() as conn, conn.transaction(isolation=isolation, readonly=readonly):
                 return await body(conn)
@@ -145,10 +177,21 @@ class PostgresFeedbackStore:
         row = row_from_event(event)
         totals = totals_of(row)
         args: tuple[Any, ...] = (
-            row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.success,
-            row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units,
-            row.side_effects, event.recorded_at, encode(event).decode(),
-            *(getattr(totals, f) for f in TOTALS_FIELDS), row.calibration_bin,
+            row.action_id,
+            row.policy,
+            row.shard_id,
+            row.task_kind,
+            row.gpu_model,
+            row.success,
+            row.weight_units,
+            row.latency_us,
+            row.saving_milli_mb,
+            row.confidence_units,
+            row.side_effects,
+            event.recorded_at,
+            encode(event).decode(),
+            *(getattr(totals, f) for f in TOTALS_FIELDS),
+            row.calibration_bin,
         )
 
         async def body(conn: asyncpg.Connection) -> bool:
@@ -165,7 +208,9 @@ class PostgresFeedbackStore:
         async def body(conn: asyncpg.Connection) -> list[Aggregate]:
             base = {
                 (r[0], r[1], r[2], r[3]): Totals(**{f: int(r[f]) for f in TOTALS_FIELDS})
-                for r in await conn.fetch(f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate")
+                for r in await conn.fetch(
+                    f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate"
+                )
             }
             bins = {
                 ((r[0], r[1], r[2], r[3]), r[4]): BinTotals(
@@ -212,7 +257,9 @@ class PostgresFeedbackStore:
         await self._pool.close()
 
 
-async def _retrying_counted(fn: Callable[[], Awaitable[T]], max_attempts: int, rng: random.Random) -> tuple[T, int]:
+async def _retrying_counted(
+    fn: Callable[[], Awaitable[T]], max_attempts: int, rng: random.Random
+) -> tuple[T, int]:
     for attempt in range(max_attempts):
         try:
             return await fn(), attempt

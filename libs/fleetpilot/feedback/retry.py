@@ -8,7 +8,9 @@ RETRYABLE_SQLSTATES: frozenset[str] = frozenset({"40001", "40P01"})
 """Serialization failure and deadlock: the transaction did nothing and may simply rerun."""
 
 
-def backoff_delay(attempt: int, *, base_s: float = 0.002, cap_s: float = 0.25, rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, *, base_s: float = 0.002, cap_s: float = 0.25, rng: random.Random | None = None
+) -> float:
     """Seconds to wait before retry number ``attempt`` (0-based), "equal jitter" style.
 
     The ceiling doubles per attempt up to ``cap_s``; the wait is half the ceiling plus a

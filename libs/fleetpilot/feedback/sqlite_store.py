@@ -37,8 +37,19 @@ from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending
 T = TypeVar("T")
 
 _RAW_COLUMNS = (
-    "action_id", "policy", "shard_id", "task_kind", "gpu_model", "success", "weight_units",
-    "latency_us", "saving_milli_mb", "confidence_units", "side_effects", "recorded_at", "payload",
+    "action_id",
+    "policy",
+    "shard_id",
+    "task_kind",
+    "gpu_model",
+    "success",
+    "weight_units",
+    "latency_us",
+    "saving_milli_mb",
+    "confidence_units",
+    "side_effects",
+    "recorded_at",
+    "payload",
 )
 _INSERT_RAW = (
     f"INSERT OR IGNORE INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
@@ -114,14 +125,26 @@ class SqliteFeedbackStore:
                 cursor = self._db.execute(
                     _INSERT_RAW,
                     (
-                        row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model,
-                        row.success, row.weight_units, row.latency_us, row.saving_milli_mb,
-                        row.confidence_units, row.side_effects, event.recorded_at, payload,
+                        row.action_id,
+                        row.policy,
+                        row.shard_id,
+                        row.task_kind,
+                        row.gpu_model,
+                        row.success,
+                        row.weight_units,
+                        row.latency_us,
+                        row.saving_milli_mb,
+                        row.confidence_units,
+                        row.side_effects,
+                        event.recorded_at,
+                        payload,
                     ),
                 )
                 inserted = cursor.rowcount == 1
                 if inserted:
-                    self._db.execute(_UPSERT_AGGREGATE, (*row.key, *(getattr(totals, f) for f in TOTALS_FIELDS)))
+                    self._db.execute(
+                        _UPSERT_AGGREGATE, (*row.key, *(getattr(totals, f) for f in TOTALS_FIELDS))
+                    )
                     self._db.execute(
                         _UPSERT_BIN, (*row.key, row.calibration_bin, row.confidence_units, row.success)
                     )
@@ -187,4 +210,3 @@ class SqliteFeedbackStore:
     async def close(self) -> None:
         """Close the connection."""
         await self._run(self._db.close)
-

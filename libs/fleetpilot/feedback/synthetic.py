@@ -6,11 +6,24 @@ import random
 
 from fleetpilot.contracts import FeedbackRecorded, Measured, Outcome, PolicyRef
 
-POLICIES: tuple[PolicyRef, ...] = (PolicyRef(name="fgd"), PolicyRef(name="learned", version="7"), PolicyRef(name="best-fit"))
+POLICIES: tuple[PolicyRef, ...] = (
+    PolicyRef(name="fgd"),
+    PolicyRef(name="learned", version="7"),
+    PolicyRef(name="best-fit"),
+)
 SHARDS: tuple[str, ...] = ("primary", "candidate")
 TASK_KINDS: tuple[str, ...] = ("train", "infer", "finetune")
 GPU_MODELS: tuple[str, ...] = ("A100", "H100", "RTX4090")
-OUTCOMES: tuple[Outcome, ...] = ("success", "success", "success", "failure", "oom", "sla_missed", "timeout", "partial")
+OUTCOMES: tuple[Outcome, ...] = (
+    "success",
+    "success",
+    "success",
+    "failure",
+    "oom",
+    "sla_missed",
+    "timeout",
+    "partial",
+)
 
 
 def feedback_event(action_id: str, rng: random.Random) -> FeedbackRecorded:
@@ -23,7 +36,9 @@ def feedback_event(action_id: str, rng: random.Random) -> FeedbackRecorded:
         decision_id=f"d-{action_id}",
         task_id=f"t-{action_id}",
         outcome=outcome,
-        latency_ms=Measured(value=rng.lognormvariate(3.0, 1.0), uncertainty_score=rng.choice((0.0, 0.1, 0.35, 0.8, 1.0))),
+        latency_ms=Measured(
+            value=rng.lognormvariate(3.0, 1.0), uncertainty_score=rng.choice((0.0, 0.1, 0.35, 0.8, 1.0))
+        ),
         resource_saving_mb=rng.uniform(-512.0, 4096.0),
         unexpected_side_effect=["neighbour_slowdown"] if rng.random() < 0.05 else [],
         policy=rng.choice(POLICIES),

@@ -84,18 +84,29 @@ def run_scenario(
                 first_alarm = t
         t += every_s
     return ScenarioResult(
-        uuid=scenario.uuid, kind=scenario.kind, mode=scenario.mode, fails_at=scenario.fails_at,
-        first_alarm_at=first_alarm, peak_probability=peak, min_lead_s=min_lead_s,
+        uuid=scenario.uuid,
+        kind=scenario.kind,
+        mode=scenario.mode,
+        fails_at=scenario.fails_at,
+        first_alarm_at=first_alarm,
+        peak_probability=peak,
+        min_lead_s=min_lead_s,
     )
 
 
 def evaluate(
-    scenarios: Sequence[FaultScenario], model: HealthModel | None = None, *, window_s: float = 2 * 3600.0,
-    every_s: float = 600.0, min_lead_s: float = 600.0,
+    scenarios: Sequence[FaultScenario],
+    model: HealthModel | None = None,
+    *,
+    window_s: float = 2 * 3600.0,
+    every_s: float = 600.0,
+    min_lead_s: float = 600.0,
 ) -> EvalReport:
     """Run the model over every scenario and sum up detections, lead times, false alarms."""
     model = model or HealthModel()
-    results = [run_scenario(s, model, window_s=window_s, every_s=every_s, min_lead_s=min_lead_s) for s in scenarios]
+    results = [
+        run_scenario(s, model, window_s=window_s, every_s=every_s, min_lead_s=min_lead_s) for s in scenarios
+    ]
     failing = [r for r in results if r.fails_at is not None]
     others = [r for r in results if r.fails_at is None]
     by_mode: dict[str, tuple[int, int]] = {}
@@ -130,8 +141,10 @@ def format_report(report: EvalReport) -> str:
             f"lead time (h)             median {statistics.median(leads_h):.2f}, min {min(leads_h):.2f}, "
             f"max {max(leads_h):.2f}"
         )
-    lines.append(f"false alarms              {report.false_alarms} of {report.non_failing} non-failing GPUs "
-                 f"({report.false_alarm_rate:.0%})")
+    lines.append(
+        f"false alarms              {report.false_alarms} of {report.non_failing} non-failing GPUs "
+        f"({report.false_alarm_rate:.0%})"
+    )
     for mode, (seen, total) in sorted(report.by_mode.items()):
         lines.append(f"  mode {mode:<10}          {seen}/{total} seen coming")
     return "\n".join(lines)
@@ -147,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--window-h", type=float, default=2.0)
     args = parser.parse_args(argv)
     fleet = generate_fleet(healthy=args.healthy, noisy=args.noisy, degrading=args.degrading, seed=args.seed)
-    print(f"health model, threshold {HealthModel().threshold}, window {args.window_h:g} h, assessed every 10 min")
+    print(
+        f"health model, threshold {HealthModel().threshold}, window {args.window_h:g} h, assessed every 10 min"
+    )
     print(format_report(evaluate(fleet, window_s=args.window_h * 3600.0)))
 
 

@@ -70,14 +70,35 @@ def _poisson(rng: random.Random, mean: float) -> int:
         k += 1
 
 
-def _sample(node: str, gpu: int, uuid: str, at: float, temp: float, width: int, c: _Counters, tasks: list[str]) -> GpuSample:
+def _sample(
+    node: str, gpu: int, uuid: str, at: float, temp: float, width: int, c: _Counters, tasks: list[str]
+) -> GpuSample:
     return GpuSample(
-        node=node, gpu=gpu, uuid=uuid, model="A100", at=at, utilization_gpu_pct=80.0,
-        utilization_memory_pct=50.0, memory_total_mb=81920.0, memory_used_mb=40960.0, memory_free_mb=40960.0,
-        temperature_c=temp, power_w=300.0, power_limit_w=400.0, sm_clock_mhz=1410.0, pcie_tx_kbps=0.0,
-        pcie_rx_kbps=0.0, ecc_corrected=c.ecc_corrected, ecc_uncorrected=c.ecc_uncorrected,
-        retired_pages=c.retired_pages, remapped_rows=c.remapped_rows, pcie_replays=c.pcie_replays,
-        pcie_link_width=width, pcie_link_width_max=16, xid_last=c.xid_last, xid_count=c.xid_count,
+        node=node,
+        gpu=gpu,
+        uuid=uuid,
+        model="A100",
+        at=at,
+        utilization_gpu_pct=80.0,
+        utilization_memory_pct=50.0,
+        memory_total_mb=81920.0,
+        memory_used_mb=40960.0,
+        memory_free_mb=40960.0,
+        temperature_c=temp,
+        power_w=300.0,
+        power_limit_w=400.0,
+        sm_clock_mhz=1410.0,
+        pcie_tx_kbps=0.0,
+        pcie_rx_kbps=0.0,
+        ecc_corrected=c.ecc_corrected,
+        ecc_uncorrected=c.ecc_uncorrected,
+        retired_pages=c.retired_pages,
+        remapped_rows=c.remapped_rows,
+        pcie_replays=c.pcie_replays,
+        pcie_link_width=width,
+        pcie_link_width_max=16,
+        xid_last=c.xid_last,
+        xid_count=c.xid_count,
         processes=[ProcessMemory(pid=1000 + i, used_mb=20480.0, task_id=t) for i, t in enumerate(tasks)],
     )
 
@@ -102,9 +123,14 @@ def generate(
         fails = rng.uniform(0.45, 0.95) * horizon_s
         lead = 600.0 if mode == "sudden" else rng.uniform(2.0, 8.0) * 3600.0
         onset = fails - lead
-    noise_at = {
-        event: rng.uniform(0.05, 0.95) * horizon_s for event in ("xid_app", "ecc_burst", "remap", "spike", "replays")
-    } if kind == "noisy" else {}
+    noise_at = (
+        {
+            event: rng.uniform(0.05, 0.95) * horizon_s
+            for event in ("xid_app", "ecc_burst", "remap", "spike", "replays")
+        }
+        if kind == "noisy"
+        else {}
+    )
     base_temp = rng.uniform(55.0, 72.0)
     c = _Counters()
     samples: list[GpuSample] = []
@@ -158,15 +184,31 @@ def generate(
 
 
 def generate_fleet(
-    *, healthy: int = 40, noisy: int = 20, degrading: int = 20, seed: int = 0, horizon_s: float = 24 * 3600.0,
+    *,
+    healthy: int = 40,
+    noisy: int = 20,
+    degrading: int = 20,
+    seed: int = 0,
+    horizon_s: float = 24 * 3600.0,
     period_s: float = 120.0,
 ) -> list[FaultScenario]:
     """A fleet of histories; degrading GPUs cycle through every failure mode in turn."""
-    fleet = [generate("healthy", i, seed=seed, horizon_s=horizon_s, period_s=period_s) for i in range(healthy)]
-    fleet += [generate("noisy", healthy + i, seed=seed, horizon_s=horizon_s, period_s=period_s) for i in range(noisy)]
+    fleet = [
+        generate("healthy", i, seed=seed, horizon_s=horizon_s, period_s=period_s) for i in range(healthy)
+    ]
     fleet += [
-        generate("degrading", healthy + noisy + i, seed=seed, horizon_s=horizon_s, period_s=period_s,
-                 mode=FAILURE_MODES[i % len(FAILURE_MODES)])
+        generate("noisy", healthy + i, seed=seed, horizon_s=horizon_s, period_s=period_s)
+        for i in range(noisy)
+    ]
+    fleet += [
+        generate(
+            "degrading",
+            healthy + noisy + i,
+            seed=seed,
+            horizon_s=horizon_s,
+            period_s=period_s,
+            mode=FAILURE_MODES[i % len(FAILURE_MODES)],
+        )
         for i in range(degrading)
     ]
     return fleet

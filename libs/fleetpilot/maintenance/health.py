@@ -199,9 +199,15 @@ class HealthModel(msgspec.Struct, frozen=True, kw_only=True):
         pending = probability >= self.threshold
         tasks = sorted({p.task_id for p in latest.processes if p.task_id}) if pending else []
         return HealthAssessment(
-            node=latest.node, gpu=latest.gpu, uuid=latest.uuid, at=latest.at,
-            failure_probability=probability, maintenance_pending=pending, features=features,
-            contributions=self.contributions(features), tasks_to_migrate=tasks,
+            node=latest.node,
+            gpu=latest.gpu,
+            uuid=latest.uuid,
+            at=latest.at,
+            failure_probability=probability,
+            maintenance_pending=pending,
+            features=features,
+            contributions=self.contributions(features),
+            tasks_to_migrate=tasks,
         )
 
     def assess_fleet(self, windows: Mapping[str, Sequence[GpuSample]]) -> list[HealthAssessment]:
@@ -220,7 +226,10 @@ def migration_plan(assessments: Iterable[HealthAssessment]) -> list[MigrationReq
         for task_id in a.tasks_to_migrate:
             plan.append(
                 MigrationRequest(
-                    task_id=task_id, node=a.node, gpu=a.gpu, failure_probability=a.failure_probability,
+                    task_id=task_id,
+                    node=a.node,
+                    gpu=a.gpu,
+                    failure_probability=a.failure_probability,
                     reason=f"maintenance_pending (p={a.failure_probability:.2f}, mostly {top})",
                 )
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from fleetpilot.contracts import DecisionMade, GpuSample, Placement, PolicyRef
 from fleetpilot.executor import (
     Cordon,
@@ -35,9 +34,22 @@ class FakeClock:
 
 def sample(at: float, temp: float, node: str = "n1", gpu: int = 0) -> GpuSample:
     return GpuSample(
-        node=node, gpu=gpu, uuid=f"GPU-{node}-{gpu}", model="A100", at=at, utilization_gpu_pct=90,
-        utilization_memory_pct=50, memory_total_mb=80000, memory_used_mb=40000, memory_free_mb=40000,
-        temperature_c=temp, power_w=300, power_limit_w=400, sm_clock_mhz=1400, pcie_tx_kbps=0, pcie_rx_kbps=0,
+        node=node,
+        gpu=gpu,
+        uuid=f"GPU-{node}-{gpu}",
+        model="A100",
+        at=at,
+        utilization_gpu_pct=90,
+        utilization_memory_pct=50,
+        memory_total_mb=80000,
+        memory_used_mb=40000,
+        memory_free_mb=40000,
+        temperature_c=temp,
+        power_w=300,
+        power_limit_w=400,
+        sm_clock_mhz=1400,
+        pcie_tx_kbps=0,
+        pcie_rx_kbps=0,
     )
 
 
@@ -60,8 +72,9 @@ def test_state_machine(temps: list[float], running: int, stage: str) -> None:
     assert state.stage == stage
 
 
-async def feed(hooks: list[PreDecommissionHook], clock: FakeClock, minutes: range, temp: float,
-               running: list[str]) -> list[tuple[str, object]]:
+async def feed(
+    hooks: list[PreDecommissionHook], clock: FakeClock, minutes: range, temp: float, running: list[str]
+) -> list[tuple[str, object]]:
     """Both executors observe each minute's sample, concurrently; returns who did what."""
     done: list[tuple[str, object]] = []
     for minute in minutes:
@@ -81,8 +94,15 @@ async def test_two_executors_one_runs_it_with_drain() -> None:
     assert [type(c) for _, c in done] == [Cordon]
     owner = done[0][0]
     # both replicas now refuse new work on the GPU
-    d = DecisionMade(decision_id="d", task_id="x", action="assign", placement=[Placement(node="n1", gpu=0, milli=1000)],
-                     confidence=1, policy=PolicyRef(name="p"), decided_at=0)
+    d = DecisionMade(
+        decision_id="d",
+        task_id="x",
+        action="assign",
+        placement=[Placement(node="n1", gpu=0, milli=1000)],
+        confidence=1,
+        policy=PolicyRef(name="p"),
+        decided_at=0,
+    )
     for hook in (a, b):
         verdict = await check_before_assign(StaticBusinessContext(hooks=[hook]), d)
         assert not verdict.allow and "cordoned" in verdict.reason

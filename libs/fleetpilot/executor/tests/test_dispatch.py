@@ -5,8 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from fleetpilot.contracts import ActionExecuted, ActionFailed, DecisionMade, Placement, PolicyRef, TaskSubmitted
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    DecisionMade,
+    Placement,
+    PolicyRef,
+    TaskSubmitted,
+)
 from fleetpilot.executor import (
     GpuContext,
     InMemoryExecutionJournal,
@@ -19,12 +25,23 @@ from fleetpilot.executor import (
 P = [Placement(node="n1", gpu=0, milli=1000, memory_mb=8000)]
 
 
-def decision(action: str = "assign", decision_id: str = "d1", kind: str = "train", labels: dict | None = None,
-             placement: list[Placement] | None = None) -> DecisionMade:
+def decision(
+    action: str = "assign",
+    decision_id: str = "d1",
+    kind: str = "train",
+    labels: dict | None = None,
+    placement: list[Placement] | None = None,
+) -> DecisionMade:
     task = TaskSubmitted(task_id="t1", kind=kind, labels=labels or {}, command=["run"])  # type: ignore[arg-type]
     return DecisionMade(
-        decision_id=decision_id, task_id="t1", action=action, placement=P if placement is None else placement,  # type: ignore[arg-type]
-        confidence=0.8, policy=PolicyRef(name="fgd"), decided_at=0.0, task=task,
+        decision_id=decision_id,
+        task_id="t1",
+        action=action,
+        placement=P if placement is None else placement,  # type: ignore[arg-type]
+        confidence=0.8,
+        policy=PolicyRef(name="fgd"),
+        decided_at=0.0,
+        task=task,
     )
 
 
@@ -61,8 +78,9 @@ async def test_two_replicas_racing_execute_once() -> None:
 async def test_business_rules(context: GpuContext, kind: str, labels: dict, allowed: bool) -> None:
     backend = SimBackend()
     business = StaticBusinessContext([context])
-    result = await execute_decision(decision(kind=kind, labels=labels), backend, InMemoryExecutionJournal(),
-                                    owner="e1", business=business)
+    result = await execute_decision(
+        decision(kind=kind, labels=labels), backend, InMemoryExecutionJournal(), owner="e1", business=business
+    )
     assert isinstance(result, ActionExecuted) is allowed
     assert bool(backend.actions) is allowed
     if not allowed:
@@ -71,7 +89,9 @@ async def test_business_rules(context: GpuContext, kind: str, labels: dict, allo
 
 async def test_backend_failure_becomes_action_failed() -> None:
     journal = InMemoryExecutionJournal()
-    result = await execute_decision(decision("migrate"), SimBackend(), journal, owner="e1")  # nothing to migrate
+    result = await execute_decision(
+        decision("migrate"), SimBackend(), journal, owner="e1"
+    )  # nothing to migrate
     assert isinstance(result, ActionFailed) and "not running" in result.error
     assert await journal.result("d1") == result
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fleetpilot.contracts import Placement, TaskLifecycle
 from fleetpilot.executor import BackendError, ProcessBackend, classify_exit
 
@@ -47,7 +46,11 @@ async def wait_for_file(path: Path, timeout: float = 10.0) -> str:
     [
         ("pass", "finished", 0),
         ("import sys; sys.exit(3)", "failed", 3),
-        ("import sys; print('CUDA out of memory. Tried to allocate 2 GiB', file=sys.stderr); sys.exit(1)", "oom_killed", 1),
+        (
+            "import sys; print('CUDA out of memory. Tried to allocate 2 GiB', file=sys.stderr); sys.exit(1)",
+            "oom_killed",
+            1,
+        ),
         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "oom_killed", -9),
     ],
 )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-
 from fleetpilot.contracts import Placement
 from fleetpilot.executor import BackendError, ExecutorBackend, ProcessBackend, SimBackend
 
@@ -41,7 +40,9 @@ def test_backends_satisfy_protocol() -> None:
 
 async def test_full_lifecycle_with_adapter() -> None:
     adapter = RecordingAdapter()
-    backend = SimBackend(adapter=adapter, latency_ms=lambda verb, _t: {"start": 10.0}.get(verb, 1.0), clock=lambda: 5.0)
+    backend = SimBackend(
+        adapter=adapter, latency_ms=lambda verb, _t: {"start": 10.0}.get(verb, 1.0), clock=lambda: 5.0
+    )
     handle = await backend.start("t", A, ["train.py"], {})
     assert handle.latency_ms == 10.0 and handle.node == "n1"
     moved = await backend.migrate("t", B)
@@ -53,7 +54,12 @@ async def test_full_lifecycle_with_adapter() -> None:
     states = [e.state for e in await backend.poll()]
     assert states == ["started", "migrated", "resized", "evicted"]
     assert await backend.poll() == []
-    assert adapter.calls == [("start", "t", "n1"), ("migrate", "t", "n1", "n2"), ("resize", "t", 250, 800), ("stop", "t")]
+    assert adapter.calls == [
+        ("start", "t", "n1"),
+        ("migrate", "t", "n1", "n2"),
+        ("resize", "t", 250, 800),
+        ("stop", "t"),
+    ]
     assert [a.verb for a in backend.actions] == ["start", "migrate", "resize", "stop"]
 
 

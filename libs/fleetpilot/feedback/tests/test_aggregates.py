@@ -13,19 +13,40 @@ from fleetpilot.feedback.retry import backoff_delay, is_retryable
 from fleetpilot.feedback.synthetic import writer_stream
 
 
-def event(action_id: str, outcome: str = "success", latency: float = 10.0, uncertainty: float = 0.0,
-          confidence: float = 0.5, gpu: str = "A100", policy: str = "fgd", saving: float = 0.0) -> FeedbackRecorded:
+def event(
+    action_id: str,
+    outcome: str = "success",
+    latency: float = 10.0,
+    uncertainty: float = 0.0,
+    confidence: float = 0.5,
+    gpu: str = "A100",
+    policy: str = "fgd",
+    saving: float = 0.0,
+) -> FeedbackRecorded:
     return FeedbackRecorded(
-        action_id=action_id, outcome=outcome,  # type: ignore[arg-type]
-        latency_ms=Measured(value=latency, uncertainty_score=uncertainty), resource_saving_mb=saving,
-        unexpected_side_effect=[], policy=PolicyRef(name=policy), confidence=confidence,
-        task_kind="train", gpu_model=gpu, recorded_at=0.0,
+        action_id=action_id,
+        outcome=outcome,  # type: ignore[arg-type]
+        latency_ms=Measured(value=latency, uncertainty_score=uncertainty),
+        resource_saving_mb=saving,
+        unexpected_side_effect=[],
+        policy=PolicyRef(name=policy),
+        confidence=confidence,
+        task_kind="train",
+        gpu_model=gpu,
+        recorded_at=0.0,
     )
 
 
 @pytest.mark.parametrize(
     ("values", "expected"),
-    [([], 0), ([7], 7), ([1, 2], 2), (list(range(1, 21)), 19), (list(range(1, 101)), 95), (list(range(100, 0, -1)), 95)],
+    [
+        ([], 0),
+        ([7], 7),
+        ([1, 2], 2),
+        (list(range(1, 21)), 19),
+        (list(range(1, 101)), 95),
+        (list(range(100, 0, -1)), 95),
+    ],
 )
 def test_nearest_rank_matches_percentile_disc(values: list[int], expected: int) -> None:
     assert nearest_rank(values) == expected
@@ -40,11 +61,22 @@ def test_nearest_rank_matches_percentile_disc(values: list[int], expected: int) 
         (1.7, -0.5, float("nan"), 10_000, 10_000, 0, 9),  # out-of-range inputs are clipped
     ],
 )
-def test_row_quantisation(confidence: float, uncertainty: float, latency: float, weight: int,
-                          conf_units: int, latency_us: int, bin: int) -> None:
+def test_row_quantisation(
+    confidence: float,
+    uncertainty: float,
+    latency: float,
+    weight: int,
+    conf_units: int,
+    latency_us: int,
+    bin: int,
+) -> None:
     row = row_from_event(event("a", latency=latency, uncertainty=uncertainty, confidence=confidence))
     assert (row.weight_units, row.confidence_units, row.latency_us, row.calibration_bin) == (
-        weight, conf_units, latency_us, bin)
+        weight,
+        conf_units,
+        latency_us,
+        bin,
+    )
     assert calibration_bin(row.confidence_units) == bin
 
 
@@ -68,7 +100,9 @@ def test_hand_computed_aggregate() -> None:
     assert agg.calibration_gap == pytest.approx(0.0)
     assert agg.brier_score == pytest.approx((0.1**2 + 0.9**2 + 0.8**2) / 3)
     assert [(b.lower, b.count, b.observed_rate) for b in agg.reliability] == [
-        (pytest.approx(0.2), 1, 1.0), (pytest.approx(0.9), 2, 0.5)]
+        (pytest.approx(0.2), 1, 1.0),
+        (pytest.approx(0.9), 2, 0.5),
+    ]
 
 
 def test_no_weight_means_no_weighted_rate() -> None:
@@ -76,7 +110,9 @@ def test_no_weight_means_no_weighted_rate() -> None:
     assert agg.weighted_success_rate is None and agg.weighted_mean_latency_ms is None
 
 
-@pytest.mark.parametrize("by", [("policy", "shard_id", "task_kind", "gpu_model"), ("policy",), ("gpu_model", "policy"), ()])
+@pytest.mark.parametrize(
+    "by", [("policy", "shard_id", "task_kind", "gpu_model"), ("policy",), ("gpu_model", "policy"), ()]
+)
 def test_recompute_is_order_independent_and_rolls_up(by: tuple[str, ...]) -> None:
     rows = [row_from_event(e) for e in writer_stream(0, 600, seed=3)]
     shuffled = rows[:]
@@ -123,7 +159,9 @@ def test_backoff_grows_with_jitter_and_caps() -> None:
         assert len(delays) > 1  # jittered
 
 
-@pytest.mark.parametrize(("sqlstate", "retry"), [("40001", True), ("40P01", True), ("23505", False), (None, False)])
+@pytest.mark.parametrize(
+    ("sqlstate", "retry"), [("40001", True), ("40P01", True), ("23505", False), (None, False)]
+)
 def test_retryable_sqlstates(sqlstate: str | None, retry: bool) -> None:
     error = Exception()
     error.sqlstate = sqlstate  # type: ignore[attr-defined]

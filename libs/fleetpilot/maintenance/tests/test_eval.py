@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fleetpilot.maintenance import FAILURE_MODES, generate, generate_fleet
 from fleetpilot.maintenance.eval import evaluate, format_report, main
 
@@ -47,4 +46,6 @@ def test_main_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for label in ("seen coming", "lead time", "false alarms", "mode thermal"):
         assert label in out
-    assert "failures                  5" in format_report(evaluate(generate_fleet(healthy=1, noisy=0, degrading=5)))
+    assert "failures                  5" in format_report(
+        evaluate(generate_fleet(healthy=1, noisy=0, degrading=5))
+    )

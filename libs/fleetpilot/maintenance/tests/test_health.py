@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
 from fleetpilot.contracts import GpuSample, ProcessMemory
 from fleetpilot.maintenance import (
     MAINTENANCE_THRESHOLD,
@@ -16,12 +15,29 @@ from fleetpilot.maintenance import (
 )
 
 BASE = GpuSample(
-    node="n1", gpu=2, uuid="GPU-x", model="H100", at=0.0, utilization_gpu_pct=90, utilization_memory_pct=50,
-    memory_total_mb=81920, memory_used_mb=40000, memory_free_mb=41920, temperature_c=60, power_w=500,
-    power_limit_w=700, sm_clock_mhz=1900, pcie_tx_kbps=0, pcie_rx_kbps=0, pcie_link_width=16,
+    node="n1",
+    gpu=2,
+    uuid="GPU-x",
+    model="H100",
+    at=0.0,
+    utilization_gpu_pct=90,
+    utilization_memory_pct=50,
+    memory_total_mb=81920,
+    memory_used_mb=40000,
+    memory_free_mb=41920,
+    temperature_c=60,
+    power_w=500,
+    power_limit_w=700,
+    sm_clock_mhz=1900,
+    pcie_tx_kbps=0,
+    pcie_rx_kbps=0,
+    pcie_link_width=16,
     pcie_link_width_max=16,
-    processes=[ProcessMemory(pid=1, used_mb=1000, task_id="train-b"), ProcessMemory(pid=2, used_mb=1000, task_id="train-a"),
-               ProcessMemory(pid=3, used_mb=10)],
+    processes=[
+        ProcessMemory(pid=1, used_mb=1000, task_id="train-b"),
+        ProcessMemory(pid=2, used_mb=1000, task_id="train-a"),
+        ProcessMemory(pid=3, used_mb=10),
+    ],
 )
 
 
@@ -58,9 +74,13 @@ def test_rates_are_per_hour_and_counters_may_reset() -> None:
 
 
 def test_thermal_trend_needs_an_hour() -> None:
-    rising = [msgspec.structs.replace(BASE, at=i * 60.0, temperature_c=60 + i) for i in range(20)]  # 60 °C/h, 19 min
+    rising = [
+        msgspec.structs.replace(BASE, at=i * 60.0, temperature_c=60 + i) for i in range(20)
+    ]  # 60 °C/h, 19 min
     assert features_of(rising).thermal_slope == 0.0
-    slow = [msgspec.structs.replace(BASE, at=i * 120.0, temperature_c=60 + i * 0.2) for i in range(61)]  # 6 °C/h
+    slow = [
+        msgspec.structs.replace(BASE, at=i * 120.0, temperature_c=60 + i * 0.2) for i in range(61)
+    ]  # 6 °C/h
     assert features_of(slow).thermal_slope == pytest.approx(6.0 / 5.0)
     hot = [msgspec.structs.replace(BASE, at=i * 60.0, temperature_c=90 if i >= 10 else 70) for i in range(20)]
     assert features_of(hot).hot_fraction == pytest.approx(10 / 19)
@@ -98,8 +118,10 @@ def test_quiet_gpu_is_near_zero_and_contributions_explain() -> None:
 def test_migration_plan_riskiest_first() -> None:
     model = HealthModel()
     sick = model.assess(series(pcie_link_width=4, pcie_replays=5000))
-    sicker_window = [msgspec.structs.replace(s, node="n9", processes=[ProcessMemory(pid=9, used_mb=1, task_id="infer-z")])
-                     for s in series(pcie_link_width=2, pcie_replays=50000, xid_count=2, xid_last=79)]
+    sicker_window = [
+        msgspec.structs.replace(s, node="n9", processes=[ProcessMemory(pid=9, used_mb=1, task_id="infer-z")])
+        for s in series(pcie_link_width=2, pcie_replays=50000, xid_count=2, xid_last=79)
+    ]
     sicker = model.assess(sicker_window)
     well = model.assess(series())
     plan = migration_plan([sick, well, sicker])
