@@ -26,6 +26,7 @@ from fleetpilot.workload.growth import GROWTH_PATTERNS, MemoryGrowth, random_gro
 
 EVAL_SEED_BASE = 1_000_000
 FRACTIONS = (0.10, 0.25, 0.50, 1.0)
+BLIND_FRACTIONS = (0.10, 0.25, 0.75)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Trial:
     baseline_peak: float
     low: float
     high: float
+    confidence: float = 0.0
 
 
 def make_series(seed: int) -> Series:
@@ -60,20 +62,21 @@ def make_series(seed: int) -> Series:
     return Series(growth=growth, t=t, used_mb=growth.memory_at(t, rng))
 
 
-def run_trials(seeds: range, prior: LevelPrior, fractions: tuple[float, ...] = FRACTIONS) -> list[Trial]:
+def run_trials(seeds: range, prior: LevelPrior, fractions: tuple[float, ...] = FRACTIONS,
+               duration_known: bool = True) -> list[Trial]:
     """Fingerprint every seed's series at every fraction of its life."""
     trials: list[Trial] = []
     for seed in seeds:
         s = make_series(seed)
         for frac in fractions:
             mask = s.t <= frac * s.growth.duration_s + 1e-9
-            a = analyse_series(s.t[mask], s.used_mb[mask], expected_duration_s=s.growth.duration_s,
-                               prior=prior)
+            duration = s.growth.duration_s if duration_known else None
+            a = analyse_series(s.t[mask], s.used_mb[mask], expected_duration_s=duration, prior=prior)
             fp = a.fingerprint
             trials.append(Trial(pattern=s.growth.pattern, predicted=fp.pattern, fraction=frac,
                                 true_peak=s.growth.true_peak_mb, predicted_peak=fp.predicted_peak_mb,
                                 baseline_peak=float(s.used_mb[mask].max()), low=fp.peak_low_mb,
-                                high=fp.peak_high_mb))
+                                high=fp.peak_high_mb, confidence=fp.pattern_confidence))
     return trials
 
 
@@ -123,11 +126,25 @@ def _confusion_rows(trials: list[Trial], frac: float) -> list[str]:
     return rows
 
 
-def _peak_rows(trials: list[Trial]) -> list[str]:
-    rows = ["peak prediction: median absolute error, model vs baseline 'peak so far'",
+def _calibration_rows(trials: list[Trial]) -> list[str]:
+    rows = ["pattern confidence vs accuracy (is the confidence honest?)",
+            f"  {'fraction':>8} {'confidence':>12} {'n':>5} {'accuracy':>9}"]
+    bins = [(0.0, 0.6), (0.6, 0.9), (0.9, 0.99), (0.99, 1.01)]
+    for frac in (0.10, 0.25, 0.50):
+        for lo, hi in bins:
+            group = [x for x in trials if x.fraction == frac and lo <= x.confidence < hi]
+            if group:
+                acc = np.mean([x.predicted == x.pattern for x in group])
+                rows.append(f"  {frac:8.2f} {f'{lo:.2f}-{min(hi, 1.0):.2f}':>12} {len(group):5d} {acc:9.3f}")
+    return rows
+
+
+def _peak_rows(trials: list[Trial], title: str = "duration known",
+               fractions: tuple[float, ...] = (0.10, 0.25, 0.50)) -> list[str]:
+    rows = [f"peak prediction ({title}): median absolute error, model vs baseline 'peak so far'",
             f"  {'fraction':>8} {'pattern':>9} {'model MB':>10} {'model %':>8} {'base MB':>10} {'base %':>8}"
             f" {'ratio':>6} {'covered':>8}"]
-    for frac in (0.10, 0.25, 0.50):
+    for frac in fractions:
         sub = [x for x in trials if x.fraction == frac]
         groups: dict[str, list[Trial]] = defaultdict(list)
         for x in sub:
@@ -149,6 +166,8 @@ def evaluate(train: int = 400, test: int = 500) -> list[str]:
     started = time.perf_counter()
     prior = fit_level_prior(range(train))
     trials = run_trials(range(EVAL_SEED_BASE, EVAL_SEED_BASE + test), prior)
+    blind = run_trials(range(EVAL_SEED_BASE, EVAL_SEED_BASE + test), prior, fractions=BLIND_FRACTIONS,
+                       duration_known=False)
     elapsed = time.perf_counter() - started
     acc25 = np.mean([x.predicted == x.pattern for x in trials if x.fraction == 0.25])
     acc50 = np.mean([x.predicted == x.pattern for x in trials if x.fraction == 0.5])
@@ -168,12 +187,17 @@ def evaluate(train: int = 400, test: int = 500) -> list[str]:
         "",
         *_confusion_rows(trials, 1.0),
         "",
+        *_calibration_rows(trials),
+        "",
         *_peak_rows(trials),
+        "",
+        *_peak_rows(blind, "duration unknown: horizon twice the age", BLIND_FRACTIONS),
+        "  (50% is left out here: a horizon of twice the age is exactly the true end there, which flatters)",
         "",
         f"targets: accuracy >= 0.95 at 25%: {acc25:.3f} {'MET' if acc25 >= 0.95 else 'MISSED'}; "
         f"at 50%: {acc50:.3f} {'MET' if acc50 >= 0.95 else 'MISSED'}; "
         f"median peak error at 25% <= 0.5 x baseline: {ratio25:.3f} x {'MET' if ratio25 <= 0.5 else 'MISSED'}",
-        f"({len(trials)} fingerprints in {elapsed:.1f} s)",
+        f"({len(trials) + len(blind)} fingerprints in {elapsed:.1f} s)",
     ]
     return lines
 

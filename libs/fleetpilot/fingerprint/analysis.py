@@ -12,7 +12,8 @@ How it works (see README.md in this folder):
 3. The winning shape is extrapolated to the end of the task's life (``expected_duration_s``)
    for the predicted peak. Without a duration the horizon is twice the task's age (a task
    that has run ``t`` seconds is, without other knowledge, as likely as not to run ``t``
-   more) and the interval's upper end reaches four times its age. Shapes that are nearly as
+   more), the interval's upper end reaches four times its age and its lower end is what the
+   task holds now. Shapes that are nearly as
    likely as the winner widen the interval to cover their own predictions.
 
 A series that has held one level since its first sample has shown no growth yet. Flat
@@ -23,7 +24,7 @@ schedule, with low confidence, and its peak comes from :class:`LevelPrior`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -243,8 +244,10 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     candidates: list[_Candidate] = []
     if n < MIN_SAMPLES:
         notes.append(f"only {n} samples: too few for a shape, reporting the level")
-        level = fit_level(t, y)
-        candidates.append(_level_candidate(level, n, sigma, prior))
+        fit = fit_level(t, y)
+        level = _level_candidate(fit, n, sigma, prior)
+        # Too few samples to trust even "no growth yet": the peak may be the level itself.
+        candidates.append(replace(level, key="unknown", pattern="unknown", low=fit.level - 2 * sigma))
     else:
         teeth = fit_teeth(t, y, sigma)
         if teeth is not None and teeth.tops:
@@ -270,6 +273,9 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     floor = _held_level(y, sigma)
     peak = max(best.peak, floor)
     low = min(max(low, floor - 2 * sigma), peak)
+    if not known_end:
+        # Without a known end the task may stop any moment: what it holds now is a possible peak.
+        low = min(low, max(floor, 0.0))
     high = max(high, peak)
 
     burst = 0.0

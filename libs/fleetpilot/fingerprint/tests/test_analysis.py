@@ -87,8 +87,10 @@ def test_first_level_uses_prior_with_low_confidence():
 
 
 def test_few_samples_still_answer():
-    fp = fingerprint_series([0.0, 5.0, 10.0], [1000.0, 1001.0, 999.0])
-    assert fp.samples == 3 and fp.predicted_peak_mb >= 999.0
+    a = analyse_series([0.0, 5.0, 10.0], [1000.0, 1001.0, 999.0])
+    assert a.fingerprint.samples == 3 and a.fingerprint.pattern == "unknown"
+    assert a.fingerprint.peak_low_mb <= 1000.0 <= a.fingerprint.predicted_peak_mb <= a.fingerprint.peak_high_mb
+    assert any("too few" in n for n in a.notes)
 
 
 @pytest.mark.parametrize("t,y", [([], []), ([0.0, 1.0], [1.0])])
