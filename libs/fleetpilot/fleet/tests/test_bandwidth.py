@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fleetpilot.fleet.bandwidth import MIN_RTT_SHARE, IbPort, SiteNetwork, port_rates
 from fleetpilot.fleet.inventory import SiteLink, load_fleet_spec
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from fleetpilot.fleet.catalogue import CATALOGUE, UnknownGpuModel, gpu_model, known_models
 
 REQUIRED = ["A100-40GB", "A100-80GB", "H100", "H200", "V100-16GB", "V100-32GB", "T4", "A10G", "L4", "RTX4090",

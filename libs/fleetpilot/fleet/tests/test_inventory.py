@@ -7,7 +7,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from fleetpilot.fleet.catalogue import UnknownGpuModel
 from fleetpilot.fleet.inventory import (
     build_fleet,

@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-
 from fleetpilot.contracts.telemetry import GpuSample
 from fleetpilot.fleet.inventory import Fleet, Site, build_fleet, load_fleet_spec
 from fleetpilot.fleet.reader import GpuReader, lifecycle_for

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fleetpilot.fleet.topo_parser import TopoParseError, parse_topo_matrix
 
 TOPO = Path(__file__).resolve().parents[1] / "data" / "topo"

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from fleetpilot.contracts.topology import GpuInfo, NodeTopology
 from fleetpilot.fleet.topo_parser import parse_topo_matrix
 from fleetpilot.fleet.topology import (

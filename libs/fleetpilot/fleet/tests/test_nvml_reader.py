@@ -1,0 +1,268 @@
+"""The NVML backend against the fake NVML module: every field, every guard, sysfs inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pynvml
+import pytest
+from fleetpilot.contracts.telemetry import GpuSample
+from fleetpilot.fleet import fake_nvml
+from fleetpilot.fleet.fake_nvml import CONSTANT_NAMES, FakeGpu, FakeNvml
+from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.fleet.nvml_reader import (
+    SWITCH_RATE_PER_PEER,
+    NvmlReader,
+    nvml_available,
+    read_driver_params,
+    read_ib_ports,
+    topology_from_nvml,
+)
+from fleetpilot.fleet.reader import GpuReader
+from fleetpilot.fleet.simulator import SimulatedFleet
+from fleetpilot.workload.growth import MemoryGrowth
+
+GIB = 1024**3
+SWITCH_BUS = "00000000:C0:00.0"
+
+
+def rich_gpu(i: int) -> FakeGpu:
+    """A GPU on which every reading is non-default."""
+    return FakeGpu(
+        name="NVIDIA A100-SXM4-80GB", uuid=f"GPU-{i:08d}-aaaa", pci_bus_id=f"00000000:{0x07 + 0x10 * i:02X}:00.0",
+        memory_total=80 * GIB, memory_used=30 * GIB, util_gpu=90, util_memory=45, temperature=66, power_mw=350_500,
+        power_limit_mw=400_000, sm_clock=1_380, pcie_tx_kbs=1_200, pcie_rx_kbs=3_400, ecc_corrected=12,
+        ecc_uncorrected=1, retired_sbe=[0x1000, 0x2000], retired_dbe=[0x3000], remapped=(2, 1, 0, 0), pcie_replays=7,
+        link_width=8, link_width_max=16, compute_procs=[(4242, 20 * GIB)], graphics_procs=[(4343, 1 * GIB)],
+        proc_util=[(4242, 100, 60), (4343, 100, 25), (4444, 100, 10)], nvlink_links=12,
+        nvlink_remote_bus=[SWITCH_BUS] * 12, nvlink_tx_kib=[0] * 12, nvlink_rx_kib=[0] * 12,
+        numa_node=i // 4, cpu_mask=(0xFF << (8 * (i // 4)),),
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_reader(gpus: list[FakeGpu], tmp_path: Path | None = None, **kw) -> tuple[NvmlReader, FakeNvml, Clock]:
+    fake, clock = FakeNvml(gpus), Clock()
+    reader = NvmlReader(fake, node="n1", root=tmp_path or "/nonexistent-root", clock=clock, **kw)
+    return reader, fake, clock
+
+
+def test_fake_constants_and_errors_match_the_real_module() -> None:
+    for name in CONSTANT_NAMES:
+        assert getattr(pynvml, name) == getattr(fake_nvml, name), name
+    for name in ("NVMLError_NotSupported", "NVMLError_Timeout", "NVMLError_NotFound", "NVMLError_LibraryNotFound"):
+        real, fake = getattr(pynvml, name), getattr(fake_nvml, name)
+        assert real().value == fake().value
+        assert issubclass(fake, fake_nvml.NVMLError)
+    assert type(fake_nvml.NVMLError(3)) is fake_nvml.NVMLError_NotSupported
+    for fn in [n for n in dir(FakeNvml) if n.startswith("nvml")]:
+        assert hasattr(pynvml, fn), fn
+
+
+def test_nvml_available_is_false_cleanly_without_a_driver() -> None:
+    assert isinstance(nvml_available(), bool)
+    assert nvml_available(FakeNvml([], available=False)) is False
+    assert nvml_available(FakeNvml([FakeGpu()])) is True
+
+
+def test_every_schema_field_is_filled() -> None:
+    reader, fake, clock = make_reader([rich_gpu(0), rich_gpu(1)], task_of_pid=lambda pid: f"task-{pid}")
+    fake.push_xid(0, 31)
+    reader.sample("n1")
+    fake.add_nvlink_traffic(0, 2 * 10**6 * 12, 10**6 * 12)
+    fake.gpus[0].proc_util.extend([(4242, 200, 55), (4343, 200, 20)])  # only samples newer than the last read count
+    clock.t += 10
+    s = reader.sample("n1")[0]
+    defaults = GpuSample(node="", gpu=0, uuid="", model="", at=0, utilization_gpu_pct=0, utilization_memory_pct=0,
+                         memory_total_mb=0, memory_used_mb=0, memory_free_mb=0, temperature_c=0, power_w=0,
+                         power_limit_w=0, sm_clock_mhz=0, pcie_tx_kbps=0, pcie_rx_kbps=0)
+    for field in msgspec.structs.fields(GpuSample):
+        if field.name == "gpu":
+            continue
+        assert getattr(s, field.name) != getattr(defaults, field.name), field.name
+    assert (s.memory_total_mb, s.memory_used_mb, s.memory_free_mb) == (81_920, 30_720, 51_200)
+    assert (s.power_w, s.power_limit_w, s.sm_clock_mhz, s.temperature_c) == (350.5, 400.0, 1_380, 66)
+    assert (s.ecc_corrected, s.ecc_uncorrected, s.retired_pages, s.remapped_rows, s.pcie_replays) == (12, 1, 3, 3, 7)
+    assert (s.pcie_link_width, s.pcie_link_width_max, s.xid_last, s.xid_count) == (8, 16, 31, 1)
+    assert [(p.pid, p.used_mb, p.task_id) for p in s.processes] == [(4242, 20_480, "task-4242"), (4343, 1_024, "task-4343")]
+    assert s.cuda_context_switches_per_sec.value == pytest.approx(SWITCH_RATE_PER_PEER * 1 * 0.9)
+    # 2e6 KiB/link-set over 10 s vs 12 links x 25,000 MB/s.
+    expected = (2 * 10**6 * 12 / 12 * 12) / 10 / (12 * 25_000 * 1e6 / 1024)
+    assert s.nvlink_bandwidth_utilization_ratio.value == pytest.approx(expected, rel=1e-3)
+    assert s.nvlink_bandwidth_utilization_ratio.uncertainty_score == 0.1
+    assert s.labels == {"driver_version": "550.90.07", "site": "default"}
+    assert isinstance(reader, GpuReader) and reader.source == "nvml" and reader.node_names() == ["n1"]
+
+
+GUARDED = [
+    ("nvmlDeviceGetUtilizationRates", "utilization"), ("nvmlDeviceGetMemoryInfo", "memory"),
+    ("nvmlDeviceGetTemperature", "temperature"), ("nvmlDeviceGetPowerUsage", "power"),
+    ("nvmlDeviceGetEnforcedPowerLimit", "power_limit"), ("nvmlDeviceGetClockInfo", "sm_clock"),
+    ("nvmlDeviceGetPcieThroughput", "pcie_throughput"), ("nvmlDeviceGetTotalEccErrors", "ecc"),
+    ("nvmlDeviceGetRetiredPages", "retired_pages"), ("nvmlDeviceGetRemappedRows", "remapped_rows"),
+    ("nvmlDeviceGetPcieReplayCounter", "pcie_replays"), ("nvmlDeviceGetCurrPcieLinkWidth", "pcie_link_width"),
+    ("nvmlDeviceGetMaxPcieLinkWidth", "pcie_link_width"), ("nvmlDeviceGetComputeRunningProcesses", "processes"),
+    ("nvmlDeviceGetGraphicsRunningProcesses", "processes"), ("nvmlDeviceGetUUID", "uuid"),
+    ("nvmlDeviceGetName", "name"), ("nvmlDeviceGetProcessUtilization", None),
+    ("nvmlDeviceGetFieldValues", None), ("nvmlDeviceRegisterEvents", None),
+]
+
+
+@pytest.mark.parametrize(("function", "label"), GUARDED)
+def test_not_supported_yields_defaults_not_a_crash(function: str, label: str | None) -> None:
+    broken = rich_gpu(1)
+    broken.unsupported = {function}
+    reader, fake, clock = make_reader([rich_gpu(0), broken])
+    fake.push_xid(1, 79)
+    reader.sample("n1")
+    clock.t += 5
+    good, bad = reader.sample("n1")
+    assert "nvml_unsupported" not in good.labels
+    if label is not None:
+        assert label in bad.labels["nvml_unsupported"].split(",")
+    else:
+        assert "nvml_unsupported" not in bad.labels
+    if function == "nvmlDeviceGetFieldValues":
+        assert bad.nvlink_bandwidth_utilization_ratio.uncertainty_score == 1.0
+    if function == "nvmlDeviceGetProcessUtilization":
+        # Falls back to resident processes: a rougher guess, so more doubt.
+        assert bad.cuda_context_switches_per_sec.uncertainty_score > good.cuda_context_switches_per_sec.uncertainty_score
+    if function == "nvmlDeviceRegisterEvents":
+        assert bad.xid_count == 0
+    else:
+        assert bad.xid_last == 79
+
+
+def test_no_nvlink_is_an_exact_zero_and_unsupported_fields_are_unknown() -> None:
+    plain = FakeGpu(nvlink_links=0)
+    hidden = FakeGpu(nvlink_links=4, nvlink_tx_kib=[0] * 4, nvlink_rx_kib=[0] * 4, nvlink_remote_bus=[SWITCH_BUS] * 4,
+                     unsupported={"field:138"})
+    reader, _, clock = make_reader([plain, hidden])
+    reader.sample("n1")
+    clock.t += 1
+    a, b = reader.sample("n1")
+    assert (a.nvlink_bandwidth_utilization_ratio.value, a.nvlink_bandwidth_utilization_ratio.uncertainty_score) == (0.0, 0.0)
+    assert b.nvlink_bandwidth_utilization_ratio.uncertainty_score == 1.0
+
+
+@pytest.mark.parametrize(("proc_util", "unsupported", "value", "doubt"), [
+    ([(1, 10, 50), (2, 10, 40), (3, 10, 0)], set(), SWITCH_RATE_PER_PEER * 1 * 0.8, 0.6),   # 2 active of 3
+    ([], set(), 0.0, 0.6),                                                                   # NotFound: none active
+    ([], {"nvmlDeviceGetProcessUtilization"}, SWITCH_RATE_PER_PEER * 2 * 0.8, 0.8),          # 3 resident
+    ([], {"nvmlDeviceGetProcessUtilization", "nvmlDeviceGetComputeRunningProcesses",
+          "nvmlDeviceGetGraphicsRunningProcesses"}, 0.0, 1.0),                               # nothing known
+])
+def test_context_switch_rate_derivation(proc_util, unsupported, value: float, doubt: float) -> None:
+    gpu = FakeGpu(util_gpu=80, proc_util=proc_util, compute_procs=[(1, GIB), (2, GIB), (3, GIB)], unsupported=unsupported)
+    reader, _, _ = make_reader([gpu])
+    (s,) = reader.sample("n1")
+    assert s.cuda_context_switches_per_sec.value == pytest.approx(value)
+    assert s.cuda_context_switches_per_sec.uncertainty_score == doubt
+
+
+def test_xid_events_are_drained_once() -> None:
+    reader, fake, _ = make_reader([FakeGpu(), FakeGpu()])
+    fake.push_xid(1, 48)
+    fake.push_xid(1, 63)
+    events = reader.events()
+    assert [(e.kind, e.gpu, e.value) for e in events] == [("xid", 1, 48), ("xid", 1, 63)]
+    assert reader.events() == []
+    assert reader.sample("n1")[1].xid_count == 2 and reader.sample("n1")[1].xid_last == 63
+
+
+def write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def sysfs(root: Path) -> None:
+    write(root, "proc/driver/nvidia/params", "ResmanDebugLevel: 4294967295\nEnableMSI: 1\nNVreg_EnableGpuFirmware: 18\n")
+    for dev, numa, layer, rate in (("mlx5_0", 0, "InfiniBand", "200 Gb/sec (4X HDR)"),
+                                   ("mlx5_1", 1, "Ethernet", "400 Gb/sec (4X NDR)")):
+        write(root, f"sys/class/infiniband/{dev}/device/numa_node", f"{numa}\n")
+        write(root, f"sys/class/infiniband/{dev}/ports/1/rate", rate)
+        write(root, f"sys/class/infiniband/{dev}/ports/1/link_layer", layer)
+        write(root, f"sys/class/infiniband/{dev}/ports/1/state", "4: ACTIVE")
+        write(root, f"sys/class/infiniband/{dev}/ports/1/counters/port_xmit_data", "1000")
+        write(root, f"sys/class/infiniband/{dev}/ports/1/counters/port_rcv_data", "250\n")
+    write(root, "proc/4242/environ", "PATH=/usr/bin\0FLEETPILOT_TASK_ID=train-17\0HOME=/root\0")
+
+
+def test_sysfs_ports_and_driver_params(tmp_path: Path) -> None:
+    sysfs(tmp_path)
+    ports = read_ib_ports(tmp_path)
+    assert [(p.device, p.port, p.rate_gbps, p.link_layer, p.state, p.xmit_bytes, p.rcv_bytes) for p in ports] == [
+        ("mlx5_0", 1, 200.0, "InfiniBand", "ACTIVE", 4000, 1000), ("mlx5_1", 1, 400.0, "Ethernet", "ACTIVE", 4000, 1000)]
+    assert read_driver_params(tmp_path)["EnableMSI"] == "1"
+    assert read_ib_ports(tmp_path / "missing") == [] and read_driver_params(tmp_path / "missing") == {}
+
+
+def test_task_ids_come_from_process_environment(tmp_path: Path) -> None:
+    sysfs(tmp_path)
+    reader, _, _ = make_reader([rich_gpu(0)], tmp_path)
+    assert [p.task_id for p in reader.sample("n1")[0].processes] == ["train-17", None]
+    tasks = {t.task_id: t for t in reader.task_samples("n1")}
+    assert set(tasks) == {"train-17", "pid-4343"}
+    assert tasks["train-17"].memory_used_mb == 20_480 and tasks["train-17"].utilization_gpu_pct == 60
+
+
+def test_topology_from_nvml_with_nvswitch_and_sysfs(tmp_path: Path) -> None:
+    sysfs(tmp_path)
+    gpus = [rich_gpu(i) for i in range(8)]
+    gpus[7].unsupported = {"nvmlDeviceGetNumaNodeId"}
+    write(tmp_path, "sys/bus/pci/devices/0000:77:00.0/numa_node", "1\n")
+    reader, _, _ = make_reader(gpus, tmp_path)
+    topo = reader.topology("n1")
+    assert {(link.kind, link.nvlinks) for link in topo.links if link.b.startswith("GPU")} == {("NV", 12)}
+    assert [g.numa_node for g in topo.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert topo.gpus[0].cpu_affinity == "0-7" and topo.gpus[4].cpu_affinity == "8-15"
+    assert [(n.name, n.numa_node, n.ports[0].rate_gbps) for n in topo.nics] == [("mlx5_0", 0, 200.0), ("mlx5_1", 1, 400.0)]
+    assert topo.labels["nvidia.EnableMSI"] == "1" and topo.labels["driver_version"] == "550.90.07"
+    kinds = {(link.a, link.b): link.kind for link in topo.links}
+    assert kinds[("GPU0", "NIC0")] == "NODE" and kinds[("GPU0", "NIC1")] == "SYS"
+
+
+def test_topology_from_nvml_pcie_levels_and_direct_links() -> None:
+    gpus = [FakeGpu(pci_bus_id=f"00000000:{i + 1:02X}:00.0", numa_node=i // 2) for i in range(4)]
+    gpus[0].nvlink_links = gpus[1].nvlink_links = 2
+    gpus[0].nvlink_remote_bus = [gpus[1].pci_bus_id] * 2
+    gpus[1].nvlink_remote_bus = [gpus[0].pci_bus_id] * 2
+    fake = FakeNvml(gpus, levels={(0, 2): 10, (0, 3): 20, (1, 2): 30, (2, 3): 40})
+    fake.nvmlInit()
+    handles = [fake.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+    topo = topology_from_nvml(fake, handles, "n")
+    kinds = {(link.a, link.b): (link.kind, link.nvlinks) for link in topo.links}
+    assert kinds == {("GPU0", "GPU1"): ("NV", 2), ("GPU0", "GPU2"): ("PIX", 0), ("GPU0", "GPU3"): ("PXB", 0),
+                     ("GPU1", "GPU2"): ("PHB", 0), ("GPU1", "GPU3"): ("SYS", 0), ("GPU2", "GPU3"): ("NODE", 0)}
+
+
+def test_reader_serves_only_its_node() -> None:
+    reader, _, _ = make_reader([FakeGpu()])
+    with pytest.raises(KeyError):
+        reader.sample("other")
+
+
+def test_nvml_reader_over_a_simulated_node_reads_what_the_simulator_reads() -> None:
+    sim = SimulatedFleet(load_fleet_spec(), seed=1, start_at=0.0)
+    sim.place("job", "a100-00", [0, 1], MemoryGrowth(pattern="linear", base_mb=1_000, peak_mb=9_000, duration_s=100), util=75)
+    sim.inject_ecc("a100-00", 1, corrected=3)
+    sim.advance(50)
+    reader = NvmlReader(FakeNvml.from_simulator(sim, "a100-00"), node="a100-00", root="/nonexistent-root",
+                        task_of_pid=lambda pid: "job" if pid >= 10_000 else None)
+    for mine, theirs in zip(reader.sample("a100-00"), sim.sample("a100-00"), strict=True):
+        assert (mine.uuid, mine.memory_total_mb, mine.ecc_corrected, mine.pcie_link_width) == \
+            (theirs.uuid, theirs.memory_total_mb, theirs.ecc_corrected, theirs.pcie_link_width)
+        assert mine.memory_used_mb == pytest.approx(theirs.memory_used_mb, abs=0.1)
+        assert mine.utilization_gpu_pct == pytest.approx(theirs.utilization_gpu_pct, abs=0.5)
+        assert [(p.pid, p.task_id) for p in mine.processes] == [(p.pid, p.task_id) for p in theirs.processes]
+    (task,) = reader.task_samples("a100-00")
+    assert task.memory_used_mb == pytest.approx(sim.task_samples("a100-00")[0].memory_used_mb, abs=0.2)
