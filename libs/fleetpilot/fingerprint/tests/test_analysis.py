@@ -129,3 +129,15 @@ def test_behaviour_fields_flow_into_fingerprint():
     b = analyse_series(t, y)
     assert b.fingerprint.context_switch_sensitivity == 0.0
     assert any("sensitivity unknown" in n for n in b.notes)
+
+
+@pytest.mark.parametrize("pattern,extra", CURVES)
+@pytest.mark.parametrize("duration", [3_600.0, None])
+def test_fingerprint_survives_the_wire(pattern, extra, duration):
+    from fleetpilot.contracts import TaskFingerprinted, decode, encode
+
+    _, t, y = _series(pattern, extra, 0.4, 80.0)
+    fp = fingerprint_series(t, y, expected_duration_s=duration, utilisation=np.linspace(0.2, 0.9, t.size),
+                            colocated=np.arange(t.size) % 3)
+    event = TaskFingerprinted(task_id="t", fingerprint=fp, source="observed", at=1.0)
+    assert decode(encode(event), TaskFingerprinted) == event

@@ -97,3 +97,13 @@ def test_unknown_option_keeps_offer_open():
         book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o99"))
     assert book.pending == [offer]
     assert isinstance(book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o1")), Admit)
+
+
+def test_offer_and_admission_survive_the_wire():
+    from fleetpilot.contracts import SlaOffer, TaskAdmitted, decode, encode
+
+    _, book, offer = _open()
+    assert decode(encode(offer), SlaOffer) == offer
+    out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o2"))
+    admitted = TaskAdmitted(task=TASK, contract=out.contract, tenant="acme", admitted_at=T0)
+    assert decode(encode(admitted), TaskAdmitted) == admitted
