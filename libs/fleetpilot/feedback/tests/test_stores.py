@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,22 @@ def test_both_backends_satisfy_the_protocol(tmp_path: Path) -> None:
     store = SqliteFeedbackStore(tmp_path / "p.db")
     assert isinstance(store, FeedbackStore)
     assert all(hasattr(PostgresFeedbackStore, m) for m in ("record", "aggregates", "raw", "close"))
+
+
+async def test_postgres_concurrent_startups_migrate_once(pg_dsn: str) -> None:
+    schema = f"fp_test_{uuid.uuid4().hex[:12]}"
+    stores = await asyncio.gather(*(PostgresFeedbackStore.open(pg_dsn, schema=schema) for _ in range(4)))
+    try:
+        expected = [m.version for m in POSTGRES_MIGRATIONS]
+        assert [await s.applied_migrations() for s in stores] == [expected] * 4
+        assert await stores[0].record(writer_stream(0, 1)[0])
+        assert not await stores[3].record(writer_stream(0, 1)[0])
+    finally:
+        await stores[0].drop_schema()
+        for s in stores:
+            await s.close()
+
+
+async def test_postgres_rejects_unsafe_schema_names(pg_dsn: str) -> None:
+    with pytest.raises(ValueError):
+        await PostgresFeedbackStore.open(pg_dsn, schema='x"; DROP TABLE y; --')
