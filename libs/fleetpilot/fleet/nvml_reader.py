@@ -111,7 +111,7 @@ def _cpu_ranges(mask_words: Any) -> str:
 
 
 class NvmlReader:
-    """Reads the local node's GPUs through an injected ``pynvml``-compatible module.
+    """Reads the local node's GPUs through a ``pynvml``-compatible module (default: pynvml).
 
     ``node`` names the node (default: the host name), ``root`` prefixes ``/proc`` and
     ``/sys`` paths, ``clock`` gives wall time (injected for tests), ``task_of_pid`` maps
@@ -120,9 +120,11 @@ class NvmlReader:
 
     source: Literal["nvml"] = "nvml"
 
-    def __init__(self, nvml: ModuleType | Any, *, node: str | None = None, site: str = "default",
+    def __init__(self, nvml: ModuleType | Any = None, *, node: str | None = None, site: str = "default",
                  root: str | Path = "/", clock: Callable[[], float] = time.time,
                  task_of_pid: Callable[[int], str | None] | None = None) -> None:
+        if nvml is None:
+            import pynvml as nvml  # noqa: PLC0415 - the real module only when none is injected
         self._nvml = nvml
         self.node = node or socket.gethostname()
         self.site = site
