@@ -16,6 +16,7 @@ from .aggregates import (
     row_from_event,
 )
 from .migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
+from .outcomes import feedback_for, outcome_of
 from .postgres_store import PostgresFeedbackStore
 from .retry import backoff_delay, is_retryable
 from .sqlite_store import SqliteFeedbackStore
@@ -35,7 +36,9 @@ __all__ = [
     "Totals",
     "backoff_delay",
     "is_retryable",
+    "feedback_for",
     "nearest_rank",
+    "outcome_of",
     "pending",
     "recompute",
     "row_from_event",
