@@ -28,6 +28,7 @@ import itertools
 from typing import Literal
 
 import msgspec
+
 from fleetpilot.contracts.topology import BandwidthEstimate
 
 from .inventory import SiteLink

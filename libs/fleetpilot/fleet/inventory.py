@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import msgspec
 import yaml
+
 from fleetpilot.contracts.topology import NodeTopology
 
 from .node_shapes import NicSpec, NodeShape, build_node

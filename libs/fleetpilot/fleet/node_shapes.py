@@ -14,6 +14,7 @@ import uuid
 from typing import Literal
 
 import msgspec
+
 from fleetpilot.contracts.topology import GpuInfo, Link, LinkKind, NicInfo, NicPort, NodeTopology
 
 from .catalogue import gpu_model

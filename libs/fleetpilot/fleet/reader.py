@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
+
 from fleetpilot.contracts.task import TaskLifecycle
 from fleetpilot.contracts.telemetry import GpuSample, TaskTelemetry
 from fleetpilot.contracts.topology import NodeTopology

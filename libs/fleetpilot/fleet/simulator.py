@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
 from fleetpilot.contracts.telemetry import GpuSample, ProcessMemory, Reading, TaskTelemetry
 from fleetpilot.contracts.topology import NodeTopology
 from fleetpilot.workload.growth import GROWTH_PATTERNS, MemoryGrowth

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
+
 from fleetpilot.contracts.topology import GpuInfo, Link, LinkKind, NicInfo, NodeTopology
 
 from .topo_parser import TopoMatrix

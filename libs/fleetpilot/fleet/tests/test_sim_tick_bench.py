@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fleetpilot.bench.sim_tick import measure, populate, python_loop_tick
 from fleetpilot.fleet.inventory import build_fleet
 from fleetpilot.fleet.simulator import SimulatedFleet
