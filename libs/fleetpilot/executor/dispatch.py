@@ -114,5 +114,15 @@ async def execute_decision(
             latency_ms=(time.perf_counter() - began) * 1000.0,
             failed_at=clock(),
         )
+    except Exception as error:  # noqa: BLE001 - a bug in a backend must not leave the claim dangling
+        # Recorded as a retryable failure: the policy re-decides under a new decision_id,
+        # and this decision_id is never half-executed twice.
+        result = ActionFailed(
+            **common,
+            error=f"{type(error).__name__}: {error}",
+            retryable=True,
+            latency_ms=(time.perf_counter() - began) * 1000.0,
+            failed_at=clock(),
+        )
     await journal.record(decision.decision_id, result)
     return result

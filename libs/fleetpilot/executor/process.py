@@ -260,7 +260,13 @@ class ProcessBackend:
             pass  # gone already, or still saving: the stop below finishes it
         await self._terminate(task, grace_s, "migrated")
         task.placement = list(target)
-        handle = await self._spawn(task, restore=True)
+        try:
+            handle = await self._spawn(task, restore=True)
+        except BackendError as error:
+            # The old process is gone and the new one did not start: the task is lost.
+            del self._tasks[task_id]
+            self._emit(task, "failed", detail=f"migration restart failed: {error}")
+            raise
         self._emit(
             task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}"
         )

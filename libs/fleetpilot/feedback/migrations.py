@@ -7,7 +7,8 @@ are never edited once released: a change is a new migration at the end of the li
 
 Aggregate sums are integers (see :mod:`fleetpilot.feedback.aggregates`): ``BIGINT`` in
 SQLite (64-bit; an overflow raises instead of wrapping) and ``NUMERIC`` in PostgreSQL
-(arbitrary precision).
+(arbitrary precision). ``action_id`` compares bytewise in both (``COLLATE "C"`` in
+PostgreSQL), so ``raw()`` pages through the primary-key index in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _KEY_COLUMNS = (
 )
 
 
-def _tables(sum_type: str, payload_type: str) -> tuple[str, ...]:
+def _tables(sum_type: str, payload_type: str, id_type: str) -> tuple[str, ...]:
     sums = ", ".join(
         f"{name} {sum_type} NOT NULL DEFAULT 0"
         for name in (
@@ -53,7 +54,7 @@ def _tables(sum_type: str, payload_type: str) -> tuple[str, ...]:
     )
     return (
         "CREATE TABLE feedback_raw ("
-        " action_id TEXT PRIMARY KEY, " + _KEY_COLUMNS + ","
+        f" action_id {id_type} PRIMARY KEY, " + _KEY_COLUMNS + ","
         " success INTEGER NOT NULL, weight_units INTEGER NOT NULL, latency_us BIGINT NOT NULL,"
         " saving_milli_mb BIGINT NOT NULL, confidence_units INTEGER NOT NULL,"
         " side_effects INTEGER NOT NULL, recorded_at DOUBLE PRECISION NOT NULL,"
@@ -73,12 +74,14 @@ _KEY_INDEX = (
 )
 
 SQLITE_MIGRATIONS: tuple[Migration, ...] = (
-    Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT")),
+    Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT", "TEXT")),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
 )
 
 POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
-    Migration(version=1, name="raw and aggregate tables", statements=_tables("NUMERIC", "TEXT")),
+    Migration(
+        version=1, name="raw and aggregate tables", statements=_tables("NUMERIC", "TEXT", 'TEXT COLLATE "C"')
+    ),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
 )
 

@@ -104,3 +104,14 @@ async def test_other_verbs(action: str) -> None:
     assert isinstance(result, ActionExecuted) and result.action == action
     expected = {"evict": ["start", "stop"], "resize": ["start", "resize"]}.get(action, ["start"])
     assert [a.verb for a in backend.actions] == expected
+
+
+async def test_backend_bug_is_recorded_not_left_claimed() -> None:
+    class Broken(SimBackend):
+        async def start(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyError("bug")
+
+    journal = InMemoryExecutionJournal()
+    result = await execute_decision(decision(), Broken(), journal, owner="e1")
+    assert isinstance(result, ActionFailed) and result.retryable and "KeyError" in result.error
+    assert await execute_decision(decision(), Broken(), journal, owner="e2") == result

@@ -181,3 +181,16 @@ async def test_resize_caps_memory_live(tmp_path: Path) -> None:
 )
 def test_classify_exit(code: int, stderr: str, reason: str | None, expected: str) -> None:
     assert classify_exit(code, stderr, reason)[0] == expected  # type: ignore[arg-type]
+
+
+async def test_migration_whose_restart_fails_reports_the_task_lost(tmp_path: Path) -> None:
+    script = tmp_path / "job"
+    script.write_text(f"#!{PY}\nimport time\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    backend = ProcessBackend(checkpoint_s=0.1)
+    await backend.start("gone", GPU0, [str(script)], {})
+    script.unlink()  # the binary disappears from the node: the restart cannot happen
+    with pytest.raises(BackendError):
+        await backend.migrate("gone", [Placement(node="n1", gpu=1, milli=1000)], grace_s=1)
+    assert [e.state for e in await backend.poll()] == ["started", "failed"]
+    assert backend.running() == []

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 from fleetpilot.feedback import (
     KEY_FIELDS,
@@ -89,3 +90,11 @@ async def test_postgres_concurrent_startups_migrate_once(pg_dsn: str) -> None:
 async def test_postgres_rejects_unsafe_schema_names(pg_dsn: str) -> None:
     with pytest.raises(ValueError):
         await PostgresFeedbackStore.open(pg_dsn, schema='x"; DROP TABLE y; --')
+
+
+async def test_raw_order_is_bytewise_on_every_backend(any_store: FeedbackStore) -> None:
+    ids = ["b", "B", "a-1", "a_1", "Z", "a1", "é"]
+    template = writer_stream(0, 1)[0]
+    for action_id in ids:
+        await any_store.record(msgspec.structs.replace(template, action_id=action_id))
+    assert [e.action_id async for e in any_store.raw()] == sorted(ids, key=lambda s: s.encode())
