@@ -17,11 +17,17 @@ from .inventory import (
 from .reader import FleetEvent, GpuReader
 from .simulator import SimulatedFleet
 from .topo_parser import TopoParseError, parse_topo_matrix
-from .topology import colocation_domains, gpu_cost_matrix, render_topology, topology_from_matrix
+from .topology import (
+    colocation_domains,
+    gpu_cost_matrix,
+    render_nvidia_smi,
+    render_topology,
+    topology_from_matrix,
+)
 
 __all__ = [
     "CATALOGUE", "Fleet", "FleetEvent", "GpuModel", "GpuReader", "SimulatedFleet", "Site", "SiteLink", "SiteNetwork",
     "TopoParseError", "UnknownGpuModel", "build_fleet", "colocation_domains", "fleet_from_json", "fleet_to_json",
     "gpu_cost_matrix", "gpu_model", "load_fleet_spec", "load_openb_fleet", "parse_topo_matrix", "port_rates",
-    "render_topology", "topology_from_matrix",
+    "render_nvidia_smi", "render_topology", "topology_from_matrix",
 ]

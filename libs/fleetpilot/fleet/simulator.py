@@ -175,6 +175,8 @@ class SimulatedFleet:
             self._offset[n.node] = offset
             offset += len(n.gpus)
         self._tasks: dict[str, _Task] = {}
+        # Per-node view of the same tasks, so sampling one node does not scan the fleet.
+        self._on_node: dict[str, dict[str, _Task]] = {n.node: {} for n in fleet.nodes}
         self._seq = 0
         self._events: list[FleetEvent] = []
         self._degradations: list[_Degradation] = []
@@ -212,11 +214,10 @@ class SimulatedFleet:
         g = self.gpu
         at = self.start_at + self.now_s
         procs: dict[int, list[ProcessMemory]] = {}
-        for task in self._tasks.values():
-            if task.node == node:
-                per_gpu = float(self._task_mem[self._task_index[task.task_id]]) + CONTEXT_MB
-                for local, pid in zip(task.gpus, task.pids, strict=True):
-                    procs.setdefault(local, []).append(ProcessMemory(pid=pid, used_mb=round(per_gpu, 1), task_id=task.task_id))
+        for task in self._on_node[node].values():
+            per_gpu = float(self._task_mem[self._task_index[task.task_id]]) + CONTEXT_MB
+            for local, pid in zip(task.gpus, task.pids, strict=True):
+                procs.setdefault(local, []).append(ProcessMemory(pid=pid, used_mb=round(per_gpu, 1), task_id=task.task_id))
         out = []
         for info in topo.gpus:
             i = base + info.index
@@ -254,9 +255,7 @@ class SimulatedFleet:
         base = self._offset[node]
         at = self.start_at + self.now_s
         out = []
-        for task in self._tasks.values():
-            if task.node != node:
-                continue
+        for task in self._on_node[node].values():
             per_gpu = float(self._task_mem[self._task_index[task.task_id]]) + CONTEXT_MB
             demand = self._demand[[base + k for k in task.gpus]]
             got = task.util * np.minimum(1.0, 100.0 / np.maximum(demand, 1e-9))
@@ -288,17 +287,19 @@ class SimulatedFleet:
             peak = float(self.gpu.nvlink_peak_gbps[glob[0]]) if self.gpu.has_nvlink[glob[0]] else 4.0
             comm_gbps = 0.25 * peak * util / 100.0 if len(gpus) > 1 else 0.0
         self._seq += 1
-        self._tasks[task_id] = _Task(
+        task = self._tasks[task_id] = _Task(
             task_id=task_id, node=node, gpus=list(gpus), global_gpus=glob, growth=growth, util=float(util),
             mem_util=float(mem_util if mem_util is not None else util * 0.5), comm_gbps=float(comm_gbps),
             pcie_gbps=float(pcie_gbps), start_s=self.now_s, seq=self._seq,
             pids=[PID_BASE + self._seq * 8 + j for j in range(len(gpus))],
         )
+        self._on_node[node][task_id] = task
         self._dirty = True
 
     def remove(self, task_id: str) -> None:
         """Stop a task and free its GPUs; ``KeyError`` when it is not running."""
-        del self._tasks[task_id]
+        task = self._tasks.pop(task_id)
+        del self._on_node[task.node][task_id]
         self._dirty = True
 
     def running(self) -> list[str]:
@@ -329,7 +330,7 @@ class SimulatedFleet:
         self.gpu.xid_count[gi] += 1
         self._emit("xid", gi, value=xid, detail=f"Xid {xid}")
         if xid in FATAL_XIDS:
-            for task in [t for t in self._tasks.values() if gi in t.global_gpus]:
+            for task in [t for t in self._on_node[node].values() if gi in t.global_gpus]:
                 self._kill(task, "task_failed", gi, f"Xid {xid} on GPU {gpu}")
 
     def inject_ecc(self, node: str, gpu: int, corrected: int = 0, uncorrected: int = 0) -> None:
@@ -409,17 +410,20 @@ class SimulatedFleet:
         k = self._task_index.get(task.task_id)
         held = float(self._task_mem[k]) if k is not None and k < len(self._task_mem) else 0.0
         self._emit(kind, gi, task_id=task.task_id, value=held, detail=detail)
-        self._tasks.pop(task.task_id, None)
+        if self._tasks.pop(task.task_id, None) is not None:
+            del self._on_node[task.node][task.task_id]
         self._dirty = True
 
     def _step(self, dt: float) -> None:
         g = self.gpu
         n = g.count
         # Tasks that reached their duration end before this tick is accounted.
-        for task in [t for t in self._tasks.values() if self.now_s - t.start_s >= t.growth.duration_s]:
+        if self._dirty:
+            self._rebuild()
+        for k in np.flatnonzero(self._t_start + self._t_duration <= self.now_s):
+            task = self._task_list[int(k)]
             self._emit("finished", task.global_gpus[0], task_id=task.task_id, detail="completed")
-            del self._tasks[task.task_id]
-            self._dirty = True
+            self.remove(task.task_id)
         while True:
             if self._dirty:
                 self._rebuild()

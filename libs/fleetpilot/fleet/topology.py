@@ -28,7 +28,7 @@ import numpy as np
 
 from fleetpilot.contracts.topology import GpuInfo, Link, LinkKind, NicInfo, NodeTopology
 
-from .topo_parser import TopoMatrix
+from .topo_parser import TopoMatrix, parse_topo_matrix
 
 KIND_COST: dict[str, float] = {
     "X": 0.0,
@@ -289,3 +289,11 @@ def render_topology(node: NodeTopology) -> dict[str, Any]:
         "gpu_cost_matrix": gpu_cost_matrix(node).round(3).tolist(),
         "domains": [{"kind": d.kind, "gpus": list(d.gpus)} for d in colocation_domains(node)],
     }
+
+
+def render_nvidia_smi(text: str, node: str = "local", *, site: str = "default") -> dict[str, Any]:
+    """Parse ``nvidia-smi topo -m`` text and render it (what ``fleetpilot topology FILE`` prints).
+
+    Raises ``TopoParseError`` (a ``ValueError``) naming the offending line.
+    """
+    return render_topology(topology_from_matrix(parse_topo_matrix(text), node, site=site))

@@ -17,6 +17,7 @@ from fleetpilot.fleet.topology import (
     gpu_nic_costs,
     link_cost,
     make_link,
+    render_nvidia_smi,
     render_topology,
     split_cell,
     topology_from_matrix,
@@ -132,3 +133,11 @@ def test_render_is_json_ready_and_complete() -> None:
     assert rendered["nics"][0] == {"name": "mlx5_0", "numa_node": 3, "ports": [], "closest_gpus": [0, 1]}
     assert len(rendered["gpu_cost_matrix"]) == 8
     assert rendered["domains"][0] == {"kind": "nvlink", "gpus": list(range(8))}
+
+
+def test_render_nvidia_smi_text_for_the_cli() -> None:
+    rendered = render_nvidia_smi((TOPO / "dual_socket_pcie.txt").read_text(), "srv1")
+    assert rendered["node"] == "srv1" and [n["name"] for n in rendered["nics"]] == ["mlx5_0", "mlx5_1"]
+    assert rendered["nics"][1]["closest_gpus"] == [2]
+    with pytest.raises(ValueError, match="line 1"):
+        render_nvidia_smi("not a matrix")
