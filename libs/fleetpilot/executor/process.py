@@ -13,7 +13,7 @@
   (exit 137 / -9: the kernel OOM killer) or its stderr carries an out-of-memory marker
   (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``, ``std::bad_alloc``...).
   With ``limit_address_space=True`` a task given ``memory_mb`` also gets
-  ``RLIMIT_AS = memory_mb + headroom_mb``: without a GPU-level memory limit on this machine
+  ``RLIMIT_AS = memory_mb + headroom_mb`` (set by a launcher that then ``exec``s it): without a GPU-level memory limit on this machine
   the host address space stands in for it, so a leaking task fails as an OOM would. It is
   off by default because CUDA reserves far more virtual address space than it uses.
 - **Samples**: :meth:`ProcessBackend.samples` reads each task's RSS from ``/proc``.
@@ -25,9 +25,10 @@ import asyncio
 import os
 import resource
 import signal
+import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
@@ -44,6 +45,18 @@ OOM_MARKERS: tuple[str, ...] = (
     "cudaErrorMemoryAllocation",
 )
 STDERR_TAIL_BYTES = 16_384
+_RLIMIT_LAUNCHER = (
+    "import os, resource, sys\n"
+    "limit, (_, hard) = int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_AS)\n"
+    "if hard != resource.RLIM_INFINITY:\n"
+    "    limit = min(limit, hard)  # a resize that came first (prlimit) wins\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as error:\n"
+    "    print(f'cannot exec {sys.argv[2]}: {error}', file=sys.stderr)\n"
+    "    os._exit(127)\n"
+)
 
 StopReason = LifecycleState | None
 
@@ -156,15 +169,17 @@ class ProcessBackend:
         memory = sum(p.memory_mb for p in placement)
         return memory + self._headroom_mb if self._limit_as and memory > 0 else None
 
-    def _preexec(self, limit_mb: int | None) -> Callable[[], None] | None:
+    def _argv(self, task: _Task) -> list[str]:
+        """The command line to exec, behind the address-space launcher when a cap applies.
+
+        The cap is set by a tiny Python launcher that calls ``setrlimit`` and then ``exec``s
+        the task (same pid), rather than by ``preexec_fn``, which is unsafe in a process
+        that runs threads (the SQLite store and ``asyncio.to_thread`` do).
+        """
+        limit_mb = self._memory_limit_mb(task.placement)
         if limit_mb is None:
-            return None
-        limit = limit_mb * 1024 * 1024
-
-        def cap() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-        return cap
+            return task.command
+        return [sys.executable, "-c", _RLIMIT_LAUNCHER, str(limit_mb * 1024 * 1024), *task.command]
 
     async def _spawn(self, task: _Task, *, restore: bool) -> TaskHandle:
         began = time.perf_counter()
@@ -175,13 +190,12 @@ class ProcessBackend:
             stdout = open(self._log_dir / f"{task.task_id}.out", "ab")  # noqa: SIM115 - the child owns it
         try:
             task.proc = await asyncio.create_subprocess_exec(
-                *task.command,
+                *self._argv(task),
                 env=child_env(base, task.env, task.task_id, task.placement, restore=restore),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,  # type: ignore[arg-type]
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group, so eviction reaches its children
-                preexec_fn=self._preexec(self._memory_limit_mb(task.placement)),
             )
         except OSError as error:
             raise BackendError(f"cannot start {task.task_id}: {error}") from error
