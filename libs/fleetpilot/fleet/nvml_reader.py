@@ -17,6 +17,7 @@ How each derived field is computed, and from which call, is in ``fleet/README.md
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -385,6 +386,8 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
             return default
 
     root = Path(root)
+    # One 64-bit word per 64 logical CPUs; at least 4 so a test box still reads 256.
+    cpu_words = max(4, -(-(os.cpu_count() or 1) // 64))
     gpus: list[GpuInfo] = []
     bus_ids: list[str] = []
     for i, h in enumerate(handles):
@@ -396,7 +399,7 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
             text = _read(root / "sys/bus/pci/devices" / bus[-12:] / "numa_node", "-1") if bus else "-1"
             numa = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
         mem = attempt(nvml.nvmlDeviceGetMemoryInfo, h)
-        affinity = attempt(nvml.nvmlDeviceGetCpuAffinity, h, 4)
+        affinity = attempt(nvml.nvmlDeviceGetCpuAffinity, h, cpu_words)
         gpus.append(GpuInfo(index=i, model=_text(attempt(nvml.nvmlDeviceGetName, h, default="")),
                             uuid=_text(attempt(nvml.nvmlDeviceGetUUID, h, default="")),
                             memory_mb=int(mem.total // MB) if mem is not None else 0, numa_node=numa,
