@@ -20,7 +20,7 @@ from .outcomes import feedback_for, outcome_of
 from .postgres_store import PostgresFeedbackStore
 from .retry import backoff_delay, is_retryable
 from .sqlite_store import SqliteFeedbackStore
-from .store import FeedbackStore
+from .store import FeedbackStore, open_store
 
 __all__ = [
     "KEY_FIELDS",
@@ -38,6 +38,7 @@ __all__ = [
     "is_retryable",
     "feedback_for",
     "nearest_rank",
+    "open_store",
     "outcome_of",
     "pending",
     "recompute",

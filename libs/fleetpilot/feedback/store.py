@@ -33,3 +33,16 @@ class FeedbackStore(Protocol):
     async def close(self) -> None:
         """Release connections; the store is unusable afterwards."""
         ...
+
+
+async def open_store(url: str, *, schema: str = "fleetpilot_feedback") -> FeedbackStore:
+    """Open the store a config URL names: ``postgresql://...`` (or ``postgres://``) for
+    PostgreSQL in ``schema``; for SQLite ``sqlite:///relative.db``, ``sqlite:////abs/path.db``
+    (SQLAlchemy's convention) or a bare path."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from .postgres_store import PostgresFeedbackStore
+
+        return await PostgresFeedbackStore.open(url, schema=schema)
+    from .sqlite_store import SqliteFeedbackStore
+
+    return SqliteFeedbackStore(url.removeprefix("sqlite:///"))

@@ -16,7 +16,7 @@ from fleetpilot.feedback import (
     row_from_event,
 )
 from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
-from fleetpilot.feedback.store import FeedbackStore
+from fleetpilot.feedback.store import FeedbackStore, open_store
 from fleetpilot.feedback.synthetic import writer_stream
 
 
@@ -98,3 +98,18 @@ async def test_raw_order_is_bytewise_on_every_backend(any_store: FeedbackStore) 
     for action_id in ids:
         await any_store.record(msgspec.structs.replace(template, action_id=action_id))
     assert [e.action_id async for e in any_store.raw()] == sorted(ids, key=lambda s: s.encode())
+
+
+@pytest.mark.parametrize("prefix", ["sqlite:///", ""])
+async def test_open_store_from_url_sqlite(tmp_path: Path, prefix: str) -> None:
+    store = await open_store(f"{prefix}{tmp_path / 'u.db'}")
+    assert isinstance(store, SqliteFeedbackStore)
+    assert await store.record(writer_stream(0, 1)[0])
+    await store.close()
+
+
+async def test_open_store_from_url_postgres(pg_dsn: str) -> None:
+    store = await open_store(pg_dsn, schema=f"fp_test_{uuid.uuid4().hex[:12]}")
+    assert isinstance(store, PostgresFeedbackStore)
+    await store.drop_schema()
+    await store.close()
