@@ -25,8 +25,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -297,9 +299,17 @@ def _job(args: tuple[list[NodeRow], list[TaskRequest], str, int, str, bool]) -> 
     return run_trace(nodes, tasks, policy, seed, trace=trace, keep_placements=keep)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line (``SystemExit``), not usage text."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        """Exit with ``openb: <message>``."""
+        raise SystemExit(f"openb: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fleetpilot bench openb`` argument parser."""
-    p = argparse.ArgumentParser(prog="fleetpilot bench openb", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="fleetpilot bench openb", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=Path, help="node list CSV (default: the shared openb one)")
     p.add_argument("--pods", type=Path, action="append",
                    help="pod list CSV; repeat for several (default: the default and gpuspec20 traces)")
@@ -389,7 +399,9 @@ def summarise(results: Sequence[OpenbResult]) -> dict[tuple[str, str], dict[int,
     acc: dict[tuple[str, str], list[list[float]]] = {}
     for r in results:
         acc.setdefault((r.trace, r.policy), []).append([r.points[x] for x in REPORT_POINTS])
-    return {k: dict(zip(REPORT_POINTS, np.nanmean(v, axis=0).tolist(), strict=True)) for k, v in acc.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a point no run reached stays NaN
+        return {k: dict(zip(REPORT_POINTS, np.nanmean(v, axis=0).tolist(), strict=True)) for k, v in acc.items()}
 
 
 def format_table(summary: dict[tuple[str, str], dict[int, float]], paper: dict[tuple[str, str], dict[int, float]]) -> str:
@@ -421,7 +433,10 @@ def plot_curves(results: Sequence[OpenbResult], path: Path) -> None:
     for ax, trace in zip(axes[0], traces, strict=True):
         for policy in sorted({r.policy for r in results if r.trace == trace}):
             curves = [list(r.curve().values()) for r in results if r.trace == trace and r.policy == policy]
-            ax.plot(xs, np.nanmean(np.asarray(curves, dtype=float), axis=0), label=policy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(np.asarray(curves, dtype=float), axis=0)
+            ax.plot(xs, mean, label=policy)
         ax.plot(xs, np.minimum(xs, 100), color="grey", linestyle=":", linewidth=0.8)
         ax.set(title=f"openb {trace}", xlabel="arrived workload (% of GPU capacity)",
                ylabel="GPU allocation (%)", xlim=(60, 130), ylim=(60, 100))
