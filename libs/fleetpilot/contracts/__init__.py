@@ -22,9 +22,10 @@ from .catalog import (
 from .codec import decode, decoder_for, encode
 from .deadletter import DeadLetter
 from .decision import ActionKind, DecisionMade, Placement, PolicyRef
-from .feedback import FeedbackRecorded, Measured, Outcome
+from .feedback import FeedbackRecorded, FeedbackStats, Measured, Outcome, StatsGroup, StatsQuery
 from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
 from .ledger import Allocation, NodeLedger
+from .sim import SimAck, SimCommand, SimEvent
 from .sla import OfferOption, SlaOffer, SlaReply
 from .task import (
     Contract,

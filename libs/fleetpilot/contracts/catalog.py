@@ -13,8 +13,9 @@ from .action import ActionExecuted, ActionFailed
 from .base import Event
 from .deadletter import DeadLetter
 from .decision import DecisionMade
-from .feedback import FeedbackRecorded
+from .feedback import FeedbackRecorded, FeedbackStats, StatsQuery
 from .fingerprint import TaskFingerprinted
+from .sim import SimAck, SimCommand, SimEvent
 from .sla import SlaOffer, SlaReply
 from .task import TaskAdmitted, TaskLifecycle, TaskRejected, TaskSubmitted
 from .telemetry import NodeTelemetry, TaskTelemetry
@@ -50,6 +51,13 @@ ROUTES: tuple[Route, ...] = (
     Route(TopologyReport, "topology.report.{node.node}", "topo:{node.node}:{at}", "A collector's raw view of one node's topology."),
     Route(TopologyUpdated, "topology.updated", "topo-rev:{revision}", "The merged fleet topology changed."),
     Route(DeadLetter, "dlq.{subject}", None, "A message no handler could take, with its reason and original bytes."),
+    Route(StatsQuery, "feedback.stats", None, "Request: feedback statistics per policy, shard, kind, GPU model.",
+          durable=False),
+    Route(FeedbackStats, "feedback.stats", None, "Reply with the uncertainty-weighted statistics.", durable=False),
+    Route(SimCommand, "sim.control", None, "Request: start/stop/move a task on the simulated fleet.", durable=False),
+    Route(SimAck, "sim.control", None, "Reply of the simulated fleet to a command.", durable=False),
+    Route(SimEvent, "sim.event.{node}", None, "The simulated hardware finished or killed a task, or failed.",
+          durable=False),
 )
 
 _ROUTE_BY_TYPE: dict[type, Route] = {route.event: route for route in ROUTES}
@@ -128,10 +136,10 @@ class BucketSpec:
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("TASKS", ("task.>",)),
-    StreamSpec("SLA", ("sla.>",)),
+    StreamSpec("SLA", ("sla.offer.*", "sla.reply.*")),
     StreamSpec("DECISIONS", ("decision.>",)),
     StreamSpec("ACTIONS", ("action.>",)),
-    StreamSpec("FEEDBACK", ("feedback.>",)),
+    StreamSpec("FEEDBACK", ("feedback.recorded",)),
     StreamSpec("TOPOLOGY", ("topology.>",), max_age_s=24 * 3600),
     # High-rate telemetry travels on core NATS; this short-lived stream serves late joiners.
     StreamSpec("TELEMETRY", ("telemetry.>",), max_age_s=300, max_bytes=256 << 20, memory=True),
@@ -144,10 +152,12 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("sla-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("sla-replies", "SLA", "sla.reply.*"),
         ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
-        ConsumerSpec("policy-admitted", "TASKS", "task.admitted"),
+        ConsumerSpec("policy-admitted", "TASKS", "task.admitted", ack_wait_s=10),
+        ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),
         ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
         ConsumerSpec("feedback-executed", "ACTIONS", "action.>"),
         ConsumerSpec("feedback-lifecycle", "TASKS", "task.lifecycle.>"),
+        ConsumerSpec("fingerprinter-lifecycle", "TASKS", "task.lifecycle.>"),
         ConsumerSpec("topology-reports", "TOPOLOGY", "topology.report.>"),
     )
 }
@@ -161,6 +171,7 @@ BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec("contracts", description="Agreed SLA contracts and open offers by task."),
     BucketSpec("hook_locks", ttl_s=35 * 60, description="Locks with a time-to-live for lifecycle hooks."),
     BucketSpec("executions", ttl_s=24 * 3600, description="Executed decision ids (idempotency)."),
+    BucketSpec("pending", description="Admitted tasks waiting for capacity, by task id."),
 )
 
 DLQ_PREFIX = "dlq."

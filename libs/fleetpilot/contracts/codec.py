@@ -23,10 +23,15 @@ def encode(event: msgspec.Struct) -> bytes:
     return _ENCODER.encode(event)
 
 
+class _NoEvent(Event, frozen=True, kw_only=True, tag="_"):
+    """Never sent: makes a single type a union, so that msgspec requires the ``type`` tag."""
+
+
 @lru_cache(maxsize=None)
 def decoder_for(*event_types: type[Event]) -> msgspec.json.Decoder:
-    """A cached decoder for a tagged union of the given event types."""
-    target: Any = event_types[0] if len(event_types) == 1 else Union[event_types]  # noqa: UP007
+    """A cached decoder for a tagged union of the given event types (the tag is required)."""
+    members = event_types if len(event_types) > 1 else (*event_types, _NoEvent)
+    target: Any = Union[members]  # noqa: UP007
     return msgspec.json.Decoder(target)
 
 

@@ -7,7 +7,7 @@ import msgspec
 from .base import Event
 
 
-class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.v1"):
+class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.dead_letter.v1"):
     """Published on ``dlq.<original subject>``; ``data`` is the original bytes, untouched."""
 
     subject: str

@@ -35,3 +35,31 @@ class FeedbackRecorded(Event, frozen=True, kw_only=True, tag="feedback.recorded.
     task_kind: str = ""
     gpu_model: str = ""
     recorded_at: float
+
+
+class StatsQuery(Event, frozen=True, kw_only=True, tag="feedback.stats_query.v1"):
+    """A request for feedback statistics grouped by some of policy, shard_id, task_kind, gpu_model."""
+
+    by: list[str] = msgspec.field(default_factory=lambda: ["policy", "shard_id", "task_kind", "gpu_model"])
+
+
+class StatsGroup(Record, frozen=True, kw_only=True):
+    """Uncertainty-weighted statistics of one group of feedback records."""
+
+    key: dict[str, str]
+    count: int
+    successes: int
+    success_rate: float
+    weighted_success_rate: float | None = None
+    p95_latency_ms: float = 0.0
+    mean_resource_saving_mb: float = 0.0
+    expected_successes: float = 0.0
+    calibration_gap: float = 0.0
+    brier_score: float = 0.0
+
+
+class FeedbackStats(Event, frozen=True, kw_only=True, tag="feedback.stats.v1"):
+    """The reply to a ``StatsQuery``."""
+
+    groups: list[StatsGroup]
+    at: float

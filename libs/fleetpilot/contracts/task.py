@@ -95,4 +95,10 @@ class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
     gpus: list[int] = msgspec.field(default_factory=list)
     exit_code: int | None = None
     detail: str = ""
+    decision_id: str = ""
+    policy: str = ""
+    shard_id: str = "primary"
+    confidence: float = 0.0
+    gpu_model: str = ""
+    task_kind: str = ""
     at: float

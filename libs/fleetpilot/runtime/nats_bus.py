@@ -128,10 +128,15 @@ class NatsBus(Bus):
         async def on_error(exc: Exception) -> None:
             log.debug("%s: NATS error: %s", name, exc)
 
-        nc = await nats.connect(servers=[url], name=name, connect_timeout=connect_timeout_s,
-                                max_reconnect_attempts=-1, reconnect_time_wait=0.25,
-                                allow_reconnect=True, disconnected_cb=on_disconnect,
-                                reconnected_cb=on_reconnect, error_cb=on_error)
+        # Unlimited reconnects once connected; the first connection must succeed in time,
+        # or the caller learns at once that there is no server.
+        try:
+            nc = await asyncio.wait_for(nats.connect(
+                servers=[url], name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25, allow_reconnect=True, disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect, error_cb=on_error), timeout=connect_timeout_s * 2)
+        except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+            raise ConnectionError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
         return cls(nc, name)
 
     @property

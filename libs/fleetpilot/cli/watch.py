@@ -1,0 +1,52 @@
+"""``fleetpilot watch``: follow subjects (``decision.made`` by default) as JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+import msgspec
+
+from fleetpilot.runtime.nats_bus import NatsBus
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot watch``."""
+    parser.add_argument("subjects", nargs="*", default=["decision.made"], help="subjects (wildcards allowed)")
+    parser.add_argument("--count", type=int, default=0, help="exit after this many messages")
+    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL", "nats://127.0.0.1:4222"))
+
+
+async def watch(args, out=sys.stdout) -> int:
+    """Print each message as one JSON line with its subject."""
+    bus = await NatsBus.connect(args.nats_url, "fleetpilot-watch", connect_timeout_s=2)
+    done = asyncio.Event()
+    seen = 0
+
+    async def on_msg(msg) -> None:
+        nonlocal seen
+        try:
+            payload = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            payload = msg.data.decode("utf-8", "replace")
+        print(json.dumps({"subject": msg.subject, "data": payload}), file=out, flush=True)
+        seen += 1
+        if args.count and seen >= args.count:
+            done.set()
+
+    for subject in args.subjects:
+        await bus._nc.subscribe(subject, cb=on_msg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    await bus.drain()
+    return 0
+
+
+def main(args) -> int:
+    """Entry of the subcommand."""
+    return asyncio.run(watch(args))

@@ -1,0 +1,36 @@
+"""The demo workload of ``fleetpilot up --demo``: a seeded mix of training, fine-tuning,
+inference and encoding tasks, shared and whole GPUs, with memory-growth patterns."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleetpilot.contracts import SlaRequest, TaskSubmitted
+
+# (kind, gpus, gpu_milli, memory MB, growth pattern, duration s, weight)
+_SHAPES = [
+    ("infer", 1, 250, 9_000, "flat", 90, 0.30),
+    ("infer", 1, 500, 18_000, "flat", 120, 0.15),
+    ("encode", 1, 500, 12_000, "sawtooth", 60, 0.15),
+    ("finetune", 1, 1000, 30_000, "steps", 150, 0.15),
+    ("train", 2, 1000, 60_000, "linear", 240, 0.10),
+    ("train", 8, 1000, 70_000, "linear", 300, 0.05),
+    ("batch", 1, 1000, 20_000, "leak", 120, 0.10),
+]
+
+
+def demo_tasks(count: int, seed: int = 7, prefix: str = "demo") -> list[TaskSubmitted]:
+    """``count`` tasks drawn from the shapes above with the seed."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([s[-1] for s in _SHAPES])
+    picks = rng.choice(len(_SHAPES), size=count, p=weights / weights.sum())
+    tasks = []
+    for i, pick in enumerate(picks):
+        kind, gpus, milli, mem, pattern, duration, _ = _SHAPES[int(pick)]
+        tier = ("vip", "standard", "best_effort")[int(rng.integers(3))]
+        tasks.append(TaskSubmitted(
+            task_id=f"{prefix}-{i:04d}", kind=kind, gpus=gpus, gpu_milli=milli, gpu_memory_mb=mem,
+            cpu_milli=4000 * gpus, memory_mb=16_384 * gpus, size_gb=float(rng.uniform(1, 40)),
+            sla=SlaRequest(tier=tier), labels={"growth": pattern}, expected_duration_s=float(duration),
+            submitted_at=0.0))
+    return tasks

@@ -1,0 +1,52 @@
+"""Pure ledger arithmetic over ``NodeTopology`` and ``NodeLedger`` records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology
+
+
+@dataclass(frozen=True)
+class FreeCapacity:
+    """What is still free on one node: per-GPU milli and memory, CPU and host memory."""
+
+    node: str
+    gpu_milli: tuple[int, ...]
+    gpu_memory_mb: tuple[int, ...]
+    cpu_milli: int
+    memory_mb: int
+
+
+def free_capacity(node: NodeTopology, ledger: NodeLedger | None) -> FreeCapacity:
+    """Subtract every hold in ``ledger`` from the node's capacity."""
+    milli = [1000] * len(node.gpus)
+    memory = [g.memory_mb for g in node.gpus]
+    cpu, host_mem = node.cpu_milli, node.memory_mb
+    for alloc in ledger.allocations if ledger else ():
+        if 0 <= alloc.gpu < len(milli):
+            milli[alloc.gpu] -= alloc.milli
+            memory[alloc.gpu] -= alloc.memory_mb
+        cpu -= alloc.cpu_milli
+        host_mem -= alloc.host_memory_mb
+    return FreeCapacity(node.node, tuple(milli), tuple(memory), cpu, host_mem)
+
+
+def with_allocations(ledger: NodeLedger | None, node: str, allocations: list[Allocation]) -> NodeLedger:
+    """A new ledger with ``allocations`` added (replacing the same task's earlier holds)."""
+    task_ids = {a.task_id for a in allocations}
+    kept = [a for a in (ledger.allocations if ledger else []) if a.task_id not in task_ids]
+    return NodeLedger(node=node, allocations=kept + list(allocations))
+
+
+def without_task(ledger: NodeLedger, task_id: str) -> NodeLedger:
+    """A new ledger without any hold of ``task_id``."""
+    return NodeLedger(node=ledger.node, allocations=[a for a in ledger.allocations if a.task_id != task_id])
+
+
+def confirmed(ledger: NodeLedger, task_id: str) -> NodeLedger:
+    """A new ledger where ``task_id``'s holds are marked confirmed by the executor."""
+    import msgspec
+
+    return NodeLedger(node=ledger.node, allocations=[
+        msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a for a in ledger.allocations])

@@ -1,0 +1,1 @@
+"""Executor: carries out decisions on a backend, exactly once, and reports every action."""

@@ -1,0 +1,125 @@
+"""Backends the executor service adds to the library's: the simulated fleet over the bus,
+and the KV-backed execution journal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    Placement,
+    SimAck,
+    SimCommand,
+    TaskLifecycle,
+    decode,
+    encode,
+)
+from fleetpilot.executor import BackendError, TaskHandle
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import Bus, CasConflict, KeyValue
+
+_RESULT = msgspec.json.Decoder(ActionExecuted | ActionFailed)
+
+
+class BusSimBackend:
+    """Runs tasks on the simulated fleet hosted by the collector (``sim.control``)."""
+
+    name = "sim"
+
+    def __init__(self, bus: Bus, default_duration_s: float = 120.0) -> None:
+        self._bus = bus
+        self._default_duration_s = default_duration_s
+        self.task_meta: dict[str, tuple[float, str, float]] = {}
+
+    def describe(self, task_id: str, peak_mb: float, pattern: str, duration_s: float | None) -> None:
+        """Tell the backend how the task will behave (from its submission and fingerprint)."""
+        self.task_meta[task_id] = (peak_mb, pattern, duration_s or self._default_duration_s)
+
+    async def _send(self, cmd: SimCommand) -> float:
+        began = time.perf_counter()
+        try:
+            ack = decode(await self._bus.request("sim.control", encode(cmd), timeout_s=5.0), SimAck)
+        except TimeoutError as exc:
+            raise BackendError("simulated fleet did not answer", retryable=True) from exc
+        if not ack.ok:
+            raise BackendError(ack.detail)
+        return (time.perf_counter() - began) * 1000.0
+
+    async def start(self, task_id: str, placement: Sequence[Placement], command: Sequence[str],
+                    env: Mapping[str, str]) -> TaskHandle:
+        """Place the task on its GPUs; CPU-only tasks run without touching the GPUs."""
+        peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
+        gpus = [p.gpu for p in placement if p.gpu >= 0]
+        latency = 0.0
+        if gpus:
+            latency = await self._send(SimCommand(verb="place", task_id=task_id, node=placement[0].node, gpus=gpus,
+                                                  peak_memory_mb=peak, pattern=pattern, duration_s=duration))
+        return TaskHandle(task_id=task_id, backend=self.name, node=placement[0].node if placement else "",
+                          gpus=gpus, started_at=time.time(), latency_ms=latency)
+
+    async def stop(self, task_id: str, grace_s: float) -> None:
+        """Remove the task from the simulated fleet."""
+        await self._send(SimCommand(verb="remove", task_id=task_id))
+
+    async def migrate(self, task_id: str, target: Sequence[Placement]) -> TaskHandle:
+        """Move the task (its memory curve restarts on the target, as after a checkpoint)."""
+        peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
+        gpus = [p.gpu for p in target if p.gpu >= 0]
+        latency = await self._send(SimCommand(verb="move", task_id=task_id, node=target[0].node, gpus=gpus,
+                                              peak_memory_mb=peak, pattern=pattern, duration_s=duration))
+        return TaskHandle(task_id=task_id, backend=self.name, node=target[0].node, gpus=gpus,
+                          started_at=time.time(), latency_ms=latency)
+
+    async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
+        """A resize changes only the ledger's view of the share in simulation."""
+
+    async def poll(self) -> list[TaskLifecycle]:
+        """Lifecycle changes arrive as ``sim.event`` messages instead."""
+        return []
+
+
+class KvExecutionJournal:
+    """The execution journal in the ``executions`` bucket.
+
+    A claim is a create-only key; a claim older than ``stale_after_s`` without a result
+    belongs to a replica that died mid-action and may be taken over with compare-and-set.
+    """
+
+    def __init__(self, kv: KeyValue, stale_after_s: float = 30.0) -> None:
+        self._kv = kv
+        self._stale_after_s = stale_after_s
+
+    async def claim(self, decision_id: str, owner: str) -> bool:
+        """Reserve ``decision_id`` for ``owner``."""
+        key = node_key(decision_id)
+        body = msgspec.json.encode({"claim": owner, "at": time.time()})
+        try:
+            await self._kv.create(key, body)
+            return True
+        except CasConflict:
+            entry = await self._kv.get(key)
+            if entry is None or entry.value is None:
+                return False
+            doc = msgspec.json.decode(entry.value)
+            if "claim" in doc and time.time() - doc["at"] > self._stale_after_s:
+                try:
+                    await self._kv.update(key, body, entry.revision)
+                    return True
+                except CasConflict:
+                    return False
+            return False
+
+    async def result(self, decision_id: str) -> ActionExecuted | ActionFailed | None:
+        """The recorded result, if the decision was executed."""
+        entry = await self._kv.get(node_key(decision_id))
+        if entry is None or entry.value is None or entry.value.startswith(b'{"claim"'):
+            return None
+        return _RESULT.decode(entry.value)
+
+    async def record(self, decision_id: str, result: ActionExecuted | ActionFailed) -> None:
+        """Store the result (replaces the claim)."""
+        await self._kv.put(node_key(decision_id), encode(result))

@@ -1,0 +1,1 @@
+"""Feedback: records the outcome of every action and serves uncertainty-weighted statistics."""

@@ -1,0 +1,1 @@
+"""Fingerprinter: learns how each task grows its memory and predicts its peak."""

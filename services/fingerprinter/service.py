@@ -1,0 +1,92 @@
+"""The fingerprinter service.
+
+- ``task.submitted``: computes the task's signature; when the ``fingerprints`` bucket knows
+  it, publishes a predicted ``task.fingerprinted`` (source ``signature``) at once.
+- ``telemetry.task.<task>``: feeds the task's online model and publishes
+  ``task.fingerprinted`` (source ``observed``) whenever the prediction changes materially.
+- ``task.lifecycle``: when a task ends, its last fingerprint is merged into its
+  signature's statistics in the bucket (compare-and-set), for the next submission.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from pydantic_settings import SettingsConfigDict
+
+from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
+from fleetpilot.fingerprint import OnlineFingerprinter
+from fleetpilot.fingerprint.signature import SignatureStats, merge, predict, task_signature
+from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
+
+_STATS = msgspec.json.Decoder(SignatureStats)
+
+
+class FingerprinterSettings(ServiceSettings):
+    """``FLEETPILOT_FINGERPRINTER_*``."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETPILOT_FINGERPRINTER_", extra="ignore")
+
+    max_tracked_tasks: int = 100_000
+
+
+def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
+    """Wire the fingerprinter."""
+    settings = settings or FingerprinterSettings()
+    host = ServiceHost("fingerprinter", settings)
+    models: dict[str, OnlineFingerprinter] = {}
+
+    def model_for(task_id: str, signature: str = "", duration: float | None = None) -> OnlineFingerprinter:
+        if task_id not in models:
+            if len(models) >= settings.max_tracked_tasks:
+                models.pop(next(iter(models)))  # forget the oldest rather than grow without bound
+            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration)
+        return models[task_id]
+
+    @host.on(TaskSubmitted, consumer="fingerprinter-submitted")
+    async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
+        signature = task_signature(task)
+        model_for(task.task_id, signature, task.expected_duration_s)
+        entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
+        if entry is None or entry.value is None:
+            return None
+        predicted = predict(_STATS.decode(entry.value))
+        if predicted is None:
+            return None
+        return TaskFingerprinted(task_id=task.task_id, fingerprint=predicted, source="signature", at=now())
+
+    @host.on_core("telemetry.task.*", TaskTelemetry, queue="fingerprinter")
+    async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
+        fp = model_for(sample.task_id).add(sample.at, sample.memory_used_mb,
+                                           utilisation=sample.utilization_gpu_pct)
+        if fp is None:
+            return None
+        return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())
+
+    @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle")
+    async def on_lifecycle(life: TaskLifecycle) -> None:
+        if life.state not in ("finished", "oom_killed", "failed", "evicted"):
+            return
+        model = models.pop(life.task_id, None)
+        final = model.refit() if model is not None and model.samples >= 3 else None
+        if final is None or not model.signature:  # type: ignore[union-attr]
+            return
+        kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
+        for _ in range(10):
+            entry = await kv.get(model.signature)  # type: ignore[union-attr]
+            stats = _STATS.decode(entry.value) if entry and entry.value else SignatureStats(signature=model.signature)  # type: ignore[union-attr]
+            body = encode(merge(stats, final))
+            try:
+                if entry is None:
+                    await kv.create(model.signature, body)  # type: ignore[union-attr]
+                else:
+                    await kv.update(model.signature, body, entry.revision)  # type: ignore[union-attr]
+                return
+            except CasConflict:
+                continue
+
+    return host
+
+
+def main() -> None:
+    """Console entry point ``fleetpilot-fingerprinter``."""
+    build().main()

@@ -1,0 +1,1 @@
+"""SLA negotiator: authenticates submissions and agrees what can be promised before admitting."""
