@@ -1,0 +1,46 @@
+# Fleetpilot — `make run` and `make test` are all a fresh clone needs.
+# Set-up installs into .venv with pip and is idempotent: it reruns only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU wheel of torch (a plain `torch` would pull several GB of CUDA).
+TORCH  := torch==2.13.0
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test bench contracts lint clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv and install Fleetpilot (only when needed)
+
+run: $(STAMP) ## Whole fleet on an embedded NATS: services, simulated fleet, demo workload, closing report
+	$(BIN)/fleetpilot up --demo $${DEMO_TASKS:-150} --rate 10 --duration $${DURATION:-45}
+
+test: $(STAMP) ## Every test (unit, service over real nats-server, end to end, PostgreSQL)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measured in the same run)
+	$(BIN)/python -m fleetpilot.bench.sim_tick
+	$(BIN)/python -m fleetpilot.bench.policy_latency
+	$(BIN)/python -m fleetpilot.bench.fingerprint_eval
+	$(BIN)/python -m fleetpilot.maintenance.eval
+	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --plot out/openb.png --json out/openb.json
+
+contracts: $(STAMP) ## Regenerate proto/ (JSON Schema + AsyncAPI) from the code
+	$(BIN)/python -m fleetpilot.contracts.schema --write
+
+lint: $(STAMP) ## ruff
+	$(BIN)/ruff check libs services tests conftest.py
+
+clean: ## Remove local state (not the venv)
+	rm -rf .fleetpilot out .pytest_cache

@@ -1,0 +1,112 @@
+"""End to end through a real nats-server with all seven services as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from fleetpilot.contracts import ActionExecuted, DeadLetter, DecisionMade, TaskSubmitted, decode
+
+from .fleet_harness import Fleet
+
+
+def small_task(i: int, prefix: str) -> TaskSubmitted:
+    # Shared quarter-GPU inference tasks: 200 of them fit the three-site fleet at once,
+    # so every task gets exactly one decision (an assign) and no queueing.
+    return TaskSubmitted(task_id=f"{prefix}-{i:04d}", kind="infer", gpus=1, gpu_milli=250, gpu_memory_mb=4_000,
+                         cpu_milli=500, memory_mb=2_048, expected_duration_s=3_600, submitted_at=time.time())
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    f = Fleet(tmp_path)
+    try:
+        await f.start()
+        yield f
+    finally:
+        await f.close()
+
+
+async def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def decisions_by_task(fleet: Fleet) -> Counter:
+    msgs = await fleet.stream("DECISIONS", "decision.made", idle_s=0.5)
+    return Counter(decode(m.data, DecisionMade).task_id for m in msgs)
+
+
+async def test_200_tasks_each_get_one_decision_and_one_action(fleet):
+    ids = [f"burst-{i:04d}" for i in range(200)]
+    for i in range(200):
+        await fleet.submit(small_task(i, "burst"))
+
+    async def all_executed():
+        msgs = await fleet.stream("ACTIONS", "action.executed", idle_s=0.5)
+        return len(msgs) >= 200 and msgs
+
+    await wait_until(all_executed, 120, "200 executed actions")
+    await asyncio.sleep(2)  # anything doubled would show up by now
+    decisions = await decisions_by_task(fleet)
+    actions = Counter(decode(m.data, ActionExecuted).task_id
+                      for m in await fleet.stream("ACTIONS", "action.executed"))
+    assert sorted(decisions) == ids and set(decisions.values()) == {1}
+    assert sorted(actions) == ids and set(actions.values()) == {1}
+    for m in await fleet.stream("DECISIONS", "decision.made"):
+        d = decode(m.data, DecisionMade)
+        assert d.action == "assign" and d.placement and 0.0 <= d.confidence <= 1.0
+
+
+@pytest.mark.parametrize("payload,reason", [
+    (b"{this is not json", "undecodable"),
+    (b'{"type":"task.submitted.v1","task_id":42}', "undecodable"),
+    (b'{"type":"task.teleported.v7","task_id":"x"}', "undecodable"),
+])
+async def test_malformed_submission_is_dead_lettered_and_services_keep_serving(fleet, payload, reason):
+    await fleet.nc.jetstream().publish("task.submitted", payload, headers={"Nats-Msg-Id": f"bad-{hash(payload)}"})
+    await fleet.submit(small_task(0, "after-bad"))
+
+    async def dead_letters():
+        letters = [decode(m.data, DeadLetter) for m in await fleet.stream("DLQ", "dlq.task.submitted", idle_s=0.3)]
+        return [d for d in letters if d.data == payload]
+
+    letters = await wait_until(dead_letters, 30, "the dead letter")
+    assert {d.reason for d in letters} == {reason}
+    assert {d.service for d in letters} >= {"sla"}
+    assert all(d.subject == "task.submitted" and d.error for d in letters)
+
+    async def decided():
+        return (await decisions_by_task(fleet)).get("after-bad-0000")
+
+    assert await wait_until(decided, 30, "the valid task's decision") == 1
+
+
+async def test_policy_killed_mid_burst_loses_no_task(fleet):
+    ids = [f"kill-{i:04d}" for i in range(120)]
+    for i in range(60):
+        await fleet.submit(small_task(i, "kill"))
+    await asyncio.sleep(0.3)
+    policy = fleet.procs.procs["policy"]
+    policy.send_signal(signal.SIGKILL)
+    policy.wait(10)
+    for i in range(60, 120):
+        await fleet.submit(small_task(i, "kill"))
+    await asyncio.sleep(1)
+    fleet.restart("policy")
+
+    async def all_decided():
+        got = await decisions_by_task(fleet)
+        return set(ids) <= set(got) and got
+
+    got = await wait_until(all_decided, 90, "a decision for every task")
+    assert {got[t] for t in ids} == {1}, "a redelivered task was decided twice"
