@@ -24,8 +24,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn

@@ -14,7 +14,7 @@ import msgspec
 
 from . import plugins as _plugins  # noqa: F401  (registers the built-in plugins)
 from .fragmentation import TaskShape
-from .framework import Policy, PluginSpec, ProfileConfig
+from .framework import PluginSpec, Policy, ProfileConfig
 
 BUILTIN_POLICIES: tuple[str, ...] = ("k8s-default", "bestfit", "packing", "fgd", "fleetpilot")
 """Names accepted by ``builtin_profile``."""

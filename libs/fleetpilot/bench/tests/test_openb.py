@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from fleetpilot.bench.openb import (
     NodeRow,
     alloc_at,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, build_policy
 from fleetpilot.policy.fallback import (
     BreakerConfig,

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from fleetpilot.policy import ClusterState, FragTable, TaskRequest, TaskShape, build_policy, fgd_score, typical_tasks
+from fleetpilot.policy import (
+    ClusterState,
+    FragTable,
+    TaskRequest,
+    TaskShape,
+    build_policy,
+    fgd_score,
+    typical_tasks,
+)
 
 
 def cluster(rows: list[tuple[str, str, int, list[int]]]) -> ClusterState:

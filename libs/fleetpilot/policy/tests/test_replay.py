@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import msgspec
-
 from fleetpilot.policy import ClusterState, TaskRequest, TaskShape, build_policy
 from fleetpilot.policy.replay import Snapshot, classify, record, replay
 

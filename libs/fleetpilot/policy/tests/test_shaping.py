@@ -5,10 +5,16 @@ from __future__ import annotations
 import builtins
 
 import pytest
-
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.contracts.task import SlaRequest
-from fleetpilot.policy.shaping import ConditionSyntaxError, RouteRule, Router, hash_unit, parse_condition, tokenize
+from fleetpilot.policy.shaping import (
+    ConditionSyntaxError,
+    Router,
+    RouteRule,
+    hash_unit,
+    parse_condition,
+    tokenize,
+)
 
 TASK = TaskSubmitted(task_id="t-1", kind="finetune", size_gb=7.5, gpus=2, labels={"team": "vision"},
                      sla=SlaRequest(tier="vip"))

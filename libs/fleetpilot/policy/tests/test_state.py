@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-
 from fleetpilot.contracts import Allocation, GpuInfo, Link, NodeTopology, TaskSubmitted
 from fleetpilot.contracts.fingerprint import Fingerprint
 from fleetpilot.policy import ClusterState, ClusterStateRecord, TaskRequest
