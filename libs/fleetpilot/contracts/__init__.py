@@ -52,6 +52,7 @@ from .topology import (
     TopologyUpdated,
 )
 
-ALL_EVENTS: tuple[type[Event], ...] = tuple(route.event for route in ROUTES)
+ALL_EVENTS: tuple[type[Event], ...] = tuple(route.event for route in ROUTES) + tuple(
+    route.reply for route in ROUTES if route.reply is not None)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

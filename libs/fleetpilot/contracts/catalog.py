@@ -25,13 +25,15 @@ from .topology import TopologyReport, TopologyUpdated
 @dataclass(frozen=True)
 class Route:
     """Where an event type is published: a subject template and an idempotency-key template,
-    both filled from the event's fields, and a one-line description for the docs."""
+    both filled from the event's fields, and a one-line description for the docs.
+    ``reply`` names the answer's type when the subject is a request/reply endpoint."""
 
     event: type[Event]
     subject: str
     msg_id: str | None
     description: str
     durable: bool = True
+    reply: type[Event] | None = None
 
 
 ROUTES: tuple[Route, ...] = (
@@ -52,10 +54,9 @@ ROUTES: tuple[Route, ...] = (
     Route(TopologyUpdated, "topology.updated", "topo-rev:{revision}", "The merged fleet topology changed."),
     Route(DeadLetter, "dlq.{subject}", None, "A message no handler could take, with its reason and original bytes."),
     Route(StatsQuery, "feedback.stats", None, "Request: feedback statistics per policy, shard, kind, GPU model.",
-          durable=False),
-    Route(FeedbackStats, "feedback.stats", None, "Reply with the uncertainty-weighted statistics.", durable=False),
-    Route(SimCommand, "sim.control", None, "Request: start/stop/move a task on the simulated fleet.", durable=False),
-    Route(SimAck, "sim.control", None, "Reply of the simulated fleet to a command.", durable=False),
+          durable=False, reply=FeedbackStats),
+    Route(SimCommand, "sim.control", None, "Request: start/stop/move a task on the simulated fleet.", durable=False,
+          reply=SimAck),
     Route(SimEvent, "sim.event.{node}", None, "The simulated hardware finished or killed a task, or failed.",
           durable=False),
 )

@@ -172,13 +172,15 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     """
     _, components = msgspec.json.schema_components(ALL_EVENTS, ref_template="#/$defs/{name}")
     docs: dict[str, dict[str, Any]] = {}
-    for route in ROUTES:
-        name, tag = route.event.__name__, tag_of(route.event)
+    described = [(r.event, f"{r.description} Subject: `{_address(r.subject)}`.") for r in ROUTES] + [
+        (r.reply, f"Reply to `{_address(r.subject)}` requests.") for r in ROUTES if r.reply is not None]
+    for event, description in described:
+        name, tag = event.__name__, tag_of(event)
         docs[f"{JSONSCHEMA_DIR}/{tag}.json"] = {
             "$schema": JSON_SCHEMA_DIALECT,
             "$id": f"{tag}.json",
             "title": name,
-            "description": f"{route.description} Subject: `{_address(route.subject)}`.",
+            "description": description,
             "$ref": f"#/$defs/{name}",
             "$defs": {key: components[key] for key in _closure(name, components)},
         }
@@ -187,7 +189,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "$id": "all.json",
         "title": "FleetpilotEvent",
         "description": "Any Fleetpilot event; the `type` field tells which. " + PAYLOAD_NOTE,
-        "oneOf": [{"$ref": f"#/$defs/{route.event.__name__}"} for route in ROUTES],
+        "oneOf": [{"$ref": f"#/$defs/{event.__name__}"} for event, _ in described],
         "$defs": {key: components[key] for key in sorted(components)},
     }
     return docs
@@ -271,7 +273,8 @@ def _channel(route: Route) -> dict[str, Any]:
                 else " Durable on JetStream (at-least-once)."
             ),
             "parameters": parameters or None,
-            "messages": {name: {"$ref": f"#/components/messages/{name}"}},
+            "messages": {n: {"$ref": f"#/components/messages/{n}"}
+                         for n in [name] + ([route.reply.__name__] if route.reply else [])},
             "x-fleetpilot": _strip_none(
                 {
                     "transport": transport,
@@ -299,13 +302,15 @@ def _operations(route: Route) -> dict[str, dict[str, Any]]:
     else:
         how = "With a plain core NATS subscription."
     return {
-        f"send_{cid}": {
+        f"send_{cid}": _strip_none({
             "action": "send",
             "channel": channel_ref,
             "title": f"Publish {tag}",
             "summary": route.description,
             "messages": message_ref,
-        },
+            "reply": {"messages": [{"$ref": f"#/channels/{cid}/messages/{route.reply.__name__}"}]}
+            if route.reply else None,
+        }),
         f"receive_{cid}": _strip_none(
             {
                 "action": "receive",
@@ -324,7 +329,7 @@ def _bus_layout() -> dict[str, Any]:
         "payloadFormat": PAYLOAD_NOTE,
         "deadLetter": (
             f"A message no handler can take is republished on `{DLQ_PREFIX}<original subject>` "
-            "as a `dlq.v1` event carrying the reason, the original headers and the original "
+            "as a `dlq.dead_letter.v1` event carrying the reason, the original headers and the original "
             "bytes (base64); it is never lost and never crashes a service."
         ),
         "streams": [
@@ -367,6 +372,11 @@ def asyncapi_document() -> dict[str, Any]:
         channels[_channel_id(route)] = _channel(route)
         operations.update(_operations(route))
         messages[route.event.__name__] = _message(route)
+        if route.reply is not None:
+            reply_doc = " ".join((route.reply.__doc__ or "").split())
+            messages[route.reply.__name__] = {"name": tag_of(route.reply), "title": route.reply.__name__,
+                                              "summary": reply_doc, "contentType": "application/json",
+                                              "payload": {"$ref": f"#/components/schemas/{route.reply.__name__}"}}
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {

@@ -16,7 +16,8 @@ from .base import Event
 from .fingerprint import GrowthPattern
 
 SimVerb = Literal["place", "remove", "move"]
-SimEventKind = Literal["finished", "oom_killed", "xid", "ecc", "overheat"]
+# ``task_failed``: a fatal XID (see ``fleet.reader.FATAL_XIDS``) killed the task.
+SimEventKind = Literal["finished", "oom_killed", "task_failed", "xid", "ecc", "overheat"]
 
 
 class SimCommand(Event, frozen=True, kw_only=True, tag="sim.command.v1"):
