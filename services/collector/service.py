@@ -7,11 +7,13 @@
 
 With ``source = sim`` it hosts the simulated fleet (advanced ``speed`` virtual seconds per
 real second) and answers ``sim.control`` so the executor can run tasks on it; simulated
-hardware events (a task finished or was OOM-killed, faults) go out on ``sim.event.<node>``.
+hardware events (a task finished, was OOM-killed or lost to a fatal XID, faults) go out on
+``sim.event.<node>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -29,16 +31,21 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.fleet.reader import GpuReader
+from fleetpilot.fleet.reader import FleetEvent, GpuReader
+from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings
 from fleetpilot.workload import MemoryGrowth
 
 log = logging.getLogger("fleetpilot.collector")
 
+# KV puts are JetStream publishes waiting for an ack each; sent in concurrent batches so
+# the openb fleet's 6,212 GPUs fit in one sampling interval instead of 6,212 round trips.
+KV_PUT_BATCH = 512
+
 
 class CollectorSettings(ServiceSettings):
-    """``FLEETPILOT_COLLECTOR_*``."""
+    """``FLEETPILOT_COLLECTOR_*``: where readings come from and how often they go out."""
 
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_COLLECTOR_", extra="ignore")
 
@@ -56,7 +63,11 @@ class NoGpuSource(RuntimeError):
 
 
 def open_reader(settings: CollectorSettings) -> tuple[GpuReader, str]:
-    """The reader for the configured source; ``auto`` prefers NVML, then a configured simulator."""
+    """The reader for the configured source; ``auto`` prefers NVML, then a configured simulator.
+
+    ``auto`` only falls back to the simulator when a fleet is configured (a spec or the
+    openb node list): a GPU node whose driver broke must not quietly start simulating.
+    """
     if settings.source in ("auto", "nvml"):
         from fleetpilot.fleet.nvml_reader import NvmlReader, nvml_available
 
@@ -66,76 +77,125 @@ def open_reader(settings: CollectorSettings) -> tuple[GpuReader, str]:
             raise NoGpuSource("NVML is not available on this machine (no NVIDIA driver)")
     if settings.source == "sim" or settings.fleet_spec or settings.openb_nodes:
         from fleetpilot.fleet.inventory import load_fleet_spec, load_openb_fleet
-        from fleetpilot.fleet.simulator import SimulatedFleet
 
-        if settings.openb_nodes:
-            fleet = load_openb_fleet(settings.openb_nodes)
-        elif settings.fleet_spec:
-            fleet = load_fleet_spec(Path(settings.fleet_spec))
-        else:
-            fleet = load_fleet_spec()
+        try:
+            if settings.openb_nodes:
+                fleet = load_openb_fleet(settings.openb_nodes)
+            elif settings.fleet_spec:
+                fleet = load_fleet_spec(Path(settings.fleet_spec))
+            else:
+                fleet = load_fleet_spec()
+        except (OSError, ValueError, KeyError, LookupError) as exc:
+            raise NoGpuSource(f"cannot load the simulated fleet: {exc}") from None
         return SimulatedFleet(fleet, seed=settings.seed), "sim"
     raise NoGpuSource("no GPU found (NVML unavailable) and no simulated fleet configured "
-                      "(set FLEETPILOT_COLLECTOR_SOURCE=sim)")
+                      "(set FLEETPILOT_COLLECTOR_SOURCE=sim, FLEETPILOT_COLLECTOR_FLEET_SPEC "
+                      "or FLEETPILOT_COLLECTOR_OPENB_NODES)")
+
+
+# Simulator event kind -> the kind on ``sim.event``; kinds not listed are not forwarded.
+_FORWARDED: dict[str, str] = {"oom": "oom_killed", "task_failed": "task_failed", "xid": "xid", "ecc": "ecc",
+                              "overheat": "overheat"}
 
 
 class SimulatedHardware:
-    """The simulated fleet as hardware: runs tasks for their duration, reports what happens."""
+    """The simulated fleet as hardware: runs tasks for their duration, reports what happens.
 
-    def __init__(self, fleet) -> None:
+    A task placed through ``command`` is tracked until exactly one ending event has been
+    reported for it: ``finished`` at its end time, ``oom_killed`` or ``task_failed`` (a
+    fatal XID) when the simulator kills it, or nothing when the executor removed it. A move
+    keeps the original end time (the executor's clock for the task does not restart).
+    """
+
+    def __init__(self, fleet: SimulatedFleet) -> None:
         self.fleet = fleet
         self.ends_at: dict[str, float] = {}
         self.node_of: dict[str, str] = {}
 
+    def _forget(self, task_id: str) -> None:
+        self.ends_at.pop(task_id, None)
+        self.node_of.pop(task_id, None)
+
+    def _check_target(self, cmd: SimCommand) -> None:
+        # Validate before a move removes the task, so a bad target leaves it running.
+        topo = self.fleet.topology(cmd.node)  # KeyError for an unknown node
+        if not cmd.gpus or any(not 0 <= g < len(topo.gpus) for g in cmd.gpus) or len(set(cmd.gpus)) != len(cmd.gpus):
+            raise ValueError(f"bad GPU list {list(cmd.gpus)!r} for node {cmd.node!r} with {len(topo.gpus)} GPUs")
+
     def command(self, cmd: SimCommand) -> SimAck:
-        """Apply one executor command."""
+        """Apply one executor command; a refused one leaves the fleet as it was."""
         try:
-            if cmd.verb in ("remove", "move") and cmd.task_id in self.fleet.running():
+            running = cmd.task_id in self.fleet.running()
+            if cmd.verb == "remove":
+                if running:
+                    self.fleet.remove(cmd.task_id)
+                self._forget(cmd.task_id)
+                return SimAck(ok=True, detail="" if running else "not running")
+            if cmd.verb == "place" and running:
+                return SimAck(ok=True, detail="already running")
+            self._check_target(cmd)
+            if cmd.verb == "move" and running:
                 self.fleet.remove(cmd.task_id)
-                if cmd.verb == "remove":
-                    self.ends_at.pop(cmd.task_id, None)
-            if cmd.verb in ("place", "move"):
-                if cmd.task_id in self.fleet.running():
-                    return SimAck(ok=True, detail="already running")
-                peak = max(cmd.peak_memory_mb, 1.0)
-                growth = MemoryGrowth(pattern=cmd.pattern if cmd.pattern != "unknown" else "flat",
-                                      base_mb=peak * 0.3, peak_mb=peak, duration_s=cmd.duration_s,
-                                      warmup_s=cmd.duration_s * 0.05, period_s=cmd.duration_s / 6,
-                                      noise_mb=peak * 0.003)
-                self.fleet.place(cmd.task_id, cmd.node, list(cmd.gpus), growth, util=cmd.utilization_pct)
-                self.ends_at.setdefault(cmd.task_id, self.fleet.now_s + cmd.duration_s)
-                self.node_of[cmd.task_id] = cmd.node
+            peak = max(cmd.peak_memory_mb, 1.0)
+            growth = MemoryGrowth(pattern=cmd.pattern if cmd.pattern != "unknown" else "flat",
+                                  base_mb=peak * 0.3, peak_mb=peak, duration_s=cmd.duration_s,
+                                  warmup_s=cmd.duration_s * 0.05, period_s=cmd.duration_s / 6,
+                                  noise_mb=peak * 0.003)
+            self.fleet.place(cmd.task_id, cmd.node, list(cmd.gpus), growth, util=cmd.utilization_pct)
+            self.ends_at.setdefault(cmd.task_id, self.fleet.now_s + cmd.duration_s)
+            self.node_of[cmd.task_id] = cmd.node
         except (KeyError, ValueError) as exc:
-            return SimAck(ok=False, detail=str(exc))
+            return SimAck(ok=False, detail=str(exc).strip("'\""))
         return SimAck(ok=True)
 
     def advance(self, dt_s: float) -> list[SimEvent]:
-        """Advance virtual time; finished tasks leave, OOM kills and faults are reported."""
+        """Advance virtual time; report tasks that ended and faults, each ending once."""
         self.fleet.advance(dt_s)
         events: list[SimEvent] = []
         for ev in self.fleet.events():
-            kind = {"oom": "oom_killed"}.get(ev.kind, ev.kind)
-            if kind in ("oom_killed", "xid", "ecc", "overheat"):
-                if ev.task_id:
-                    self.ends_at.pop(ev.task_id, None)
-                events.append(SimEvent(kind=kind, node=ev.node, gpu=ev.gpu, task_id=ev.task_id,
-                                       detail=ev.detail, at=now()))
+            kind = _FORWARDED.get(ev.kind)
+            if kind is None:
+                # The simulator's own "finished" fires at the curve's end; ours (ends_at)
+                # is authoritative because a move restarts the curve but not the task.
+                continue
+            if ev.task_id is not None:
+                if ev.task_id not in self.node_of:
+                    continue  # already reported or removed by the executor
+                self._forget(ev.task_id)
+            events.append(self._event(ev, kind))
         for task_id, end in list(self.ends_at.items()):
             if self.fleet.now_s >= end:
-                node = self.node_of.pop(task_id, "")
+                node = self.node_of.get(task_id, "")
                 if task_id in self.fleet.running():
                     self.fleet.remove(task_id)
-                del self.ends_at[task_id]
-                events.append(SimEvent(kind="finished", node=node, task_id=task_id, at=now()))
+                self._forget(task_id)
+                events.append(SimEvent(kind="finished", node=node, task_id=task_id, detail="completed", at=now()))
         return events
 
+    @staticmethod
+    def _event(ev: FleetEvent, kind: str) -> SimEvent:
+        return SimEvent(kind=kind, node=ev.node, gpu=ev.gpu, task_id=ev.task_id,  # type: ignore[arg-type]
+                        detail=ev.detail, at=now())
 
-def build(settings: CollectorSettings | None = None) -> ServiceHost:
-    """Wire the collector; fails with ``NoGpuSource`` when there is nothing to read."""
+
+async def _put_all(kv: KeyValue, items: list[tuple[str, bytes]]) -> None:
+    for start in range(0, len(items), KV_PUT_BATCH):
+        await asyncio.gather(*(kv.put(k, v) for k, v in items[start:start + KV_PUT_BATCH]))
+
+
+def build(settings: CollectorSettings | None = None, reader: GpuReader | None = None) -> ServiceHost:
+    """Wire the collector; fails with ``NoGpuSource`` when there is nothing to read.
+
+    ``reader`` replaces the configured source (tests pass a ``SimulatedFleet`` or an
+    ``NvmlReader`` over ``FakeNvml``).
+    """
     settings = settings or CollectorSettings()
-    reader, source = open_reader(settings)
+    if reader is None:
+        reader, source = open_reader(settings)
+    else:
+        source = reader.source
     host = ServiceHost("collector", settings)
-    hardware = SimulatedHardware(reader) if source == "sim" else None
+    hardware = SimulatedHardware(reader) if isinstance(reader, SimulatedFleet) else None
     last = {"at": time.monotonic(), "topology": 0.0}
 
     async def publish_topology(bus: Bus) -> None:
@@ -154,13 +214,18 @@ def build(settings: CollectorSettings | None = None) -> ServiceHost:
             elapsed = time.monotonic() - last["at"]
             last["at"] = time.monotonic()
             out.extend(hardware.advance(elapsed * settings.speed))
-        gpu_state = await bus.kv("gpu_state")
+        else:
+            # Real XIDs also show in each sample's xid_last/xid_count; drained here so the
+            # reader's queue stays bounded, and logged for the operator.
+            for ev in reader.events():
+                log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
+        state: list[tuple[str, bytes]] = []
         for node in reader.node_names():
             samples = reader.sample(node)
             out.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples))
             out.extend(reader.task_samples(node))
-            for s in samples:
-                await gpu_state.put(f"{node_key(node)}.{s.gpu}", encode(s))
+            state.extend((f"{node_key(node)}.{s.gpu}", encode(s)) for s in samples)
+        await _put_all(await bus.kv("gpu_state"), state)
         if time.monotonic() - last["topology"] > settings.topology_every_s:
             await publish_topology(bus)
         return out
@@ -174,7 +239,7 @@ def build(settings: CollectorSettings | None = None) -> ServiceHost:
 
 
 def main() -> None:
-    """Entry point with the one-line error the issue asks for when no GPU source exists."""
+    """Entry point: a one-line error and exit code 2 when there is no GPU source."""
     try:
         host = build()
     except NoGpuSource as exc:

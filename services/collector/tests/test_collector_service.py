@@ -1,0 +1,217 @@
+"""The collector over a real nats-server: telemetry, task samples, simulated hardware events,
+the ``gpu_state`` bucket and topology reports; and its start-up errors."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import msgspec
+import pytest
+
+from fleetpilot.contracts import (
+    GpuSample,
+    NodeTelemetry,
+    SimAck,
+    SimCommand,
+    SimEvent,
+    TaskTelemetry,
+    TopologyReport,
+    decode,
+    encode,
+)
+from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.fleet.nvml_reader import nvml_available
+from fleetpilot.fleet.simulator import SimulatedFleet
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot_services.collector.service import CollectorSettings, NoGpuSource, build, open_reader
+
+THREE_SITE = load_fleet_spec()
+NODES = {n.node for n in THREE_SITE.nodes}
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def settings(url: str, **overrides) -> CollectorSettings:
+    return CollectorSettings(source="sim", interval_s=0.2, metrics_port=-1, nats_url=url, fleet_spec="",
+                             openb_nodes="", **overrides)
+
+
+def assert_valid_sample(s: GpuSample, node: str) -> None:
+    """Every field of the resource schema within its physical range."""
+    assert s.node == node and s.uuid and s.model and s.at > 0
+    assert 0 <= s.gpu < 8
+    assert 0.0 <= s.utilization_gpu_pct <= 100.0
+    assert 0.0 <= s.utilization_memory_pct <= 100.0
+    assert s.memory_total_mb > 0 and s.memory_used_mb >= 0 and s.memory_free_mb >= 0
+    assert math.isclose(s.memory_used_mb + s.memory_free_mb, s.memory_total_mb, abs_tol=1.0)
+    assert 0 < s.temperature_c < 120
+    assert 0 < s.power_w <= s.power_limit_w
+    assert s.sm_clock_mhz > 0
+    assert s.pcie_tx_kbps >= 0 and s.pcie_rx_kbps >= 0
+    for counter in (s.ecc_corrected, s.ecc_uncorrected, s.retired_pages, s.remapped_rows, s.pcie_replays,
+                    s.xid_count):
+        assert counter >= 0
+    assert 0 < s.pcie_link_width <= s.pcie_link_width_max
+    for reading in (s.cuda_context_switches_per_sec, s.nvlink_bandwidth_utilization_ratio):
+        assert reading.value >= 0 and 0.0 <= reading.uncertainty_score <= 1.0
+    assert 0.0 <= s.nvlink_bandwidth_utilization_ratio.value <= 1.0
+    assert all(p.used_mb > 0 for p in s.processes)
+    assert s.labels.get("site") in {"site-a", "site-b", "edge"}
+
+
+class Recorder:
+    """Core subscriptions on the test's own connection, made before the collector starts."""
+
+    def __init__(self) -> None:
+        self.telemetry: dict[str, list[NodeTelemetry]] = defaultdict(list)
+        self.tasks: list[TaskTelemetry] = []
+        self.reports: list[TopologyReport] = []
+        self.sim_events: list[SimEvent] = []
+
+    async def attach(self, bus: NatsBus) -> None:
+        async def on_gpu(msg) -> None:
+            t = decode(msg.data, NodeTelemetry)
+            assert msg.subject == f"telemetry.gpu.{t.node}"
+            self.telemetry[t.node].append(t)
+
+        async def on_task(msg) -> None:
+            self.tasks.append(decode(msg.data, TaskTelemetry))
+
+        async def on_report(msg) -> None:
+            self.reports.append(decode(msg.data, TopologyReport))
+
+        async def on_sim(msg) -> None:
+            self.sim_events.append(decode(msg.data, SimEvent))
+
+        await bus.subscribe("telemetry.gpu.>", on_gpu)
+        await bus.subscribe("telemetry.task.*", on_task)
+        await bus.subscribe("topology.report.*", on_report)
+        await bus.subscribe("sim.event.*", on_sim)
+
+
+@pytest.fixture
+async def client(nats_server):
+    bus = await NatsBus.connect(nats_server.url, "collector-test")
+    await bus.ensure_topology()
+    yield bus
+    await bus.drain()
+
+
+async def test_publishes_valid_telemetry_topology_and_gpu_state(nats_server, client):
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await wait_for(lambda: {r.node.node for r in seen.reports} == NODES)
+        assert all(r.source == "sim" for r in seen.reports)
+        assert next(r for r in seen.reports if r.node.node == "a100-00").node.site == "site-a"
+
+        await wait_for(lambda: set(seen.telemetry) == NODES)
+        for node, batches in seen.telemetry.items():
+            batch = batches[-1]
+            assert batch.source == "sim"
+            assert [s.gpu for s in batch.gpus] == list(range(len(THREE_SITE.node(node).gpus)))
+            for s in batch.gpus:
+                assert_valid_sample(s, node)
+
+        ack = decode(await client.request("sim.control", encode(SimCommand(
+            verb="place", task_id="job-1", node="a100-03", gpus=[2, 3], peak_memory_mb=12_000.0,
+            duration_s=600.0, utilization_pct=70.0))), SimAck)
+        assert ack.ok, ack.detail
+        await wait_for(lambda: any(t.task_id == "job-1" for t in seen.tasks))
+        task = next(t for t in seen.tasks if t.task_id == "job-1")
+        assert task.node == "a100-03" and task.gpus == [2, 3] and len(task.pids) == 2
+        assert task.memory_used_mb > 0 and 0 < task.utilization_gpu_pct <= 70.0
+        # The task shows up on its GPUs in the next batch of that node.
+        await wait_for(lambda: any(p.task_id == "job-1" for s in seen.telemetry["a100-03"][-1].gpus
+                                   for p in s.processes))
+        busy = {s.gpu for s in seen.telemetry["a100-03"][-1].gpus if s.utilization_gpu_pct > 0}
+        assert busy == {2, 3}
+
+        refused = decode(await client.request("sim.control", encode(SimCommand(
+            verb="place", task_id="job-2", node="no-such-node", gpus=[0]))), SimAck)
+        assert not refused.ok and "no-such-node" in refused.detail
+
+        kv = await client.kv("gpu_state")
+        keys = await kv.keys()
+        assert len(keys) == THREE_SITE.gpu_count
+        entry = await kv.get("a100-03.2")
+        assert entry is not None
+        latest = msgspec.json.decode(entry.value, type=GpuSample)
+        assert latest.node == "a100-03" and latest.gpu == 2
+        assert_valid_sample(latest, "a100-03")
+    finally:
+        await host.stop()
+
+
+async def test_fatal_xid_reaches_the_bus_as_task_failed(nats_server, client):
+    seen = Recorder()
+    await seen.attach(client)
+    fleet = SimulatedFleet(THREE_SITE, seed=3)
+    host = build(settings(nats_server.url), reader=fleet)
+    await host.start()
+    try:
+        # The endpoint's subscription reaches the server asynchronously; a first telemetry
+        # batch proves the collector's connection is through.
+        await wait_for(lambda: "h100-01" in seen.telemetry)
+        for task_id, duration in (("doomed", 600.0), ("short", 0.3)):
+            ack = decode(await client.request("sim.control", encode(SimCommand(
+                verb="place", task_id=task_id, node="h100-01", gpus=[0] if task_id == "doomed" else [5],
+                peak_memory_mb=8_000.0, duration_s=duration))), SimAck)
+            assert ack.ok, ack.detail
+        fleet.inject_xid("h100-01", 0, 79)
+        await wait_for(lambda: {e.task_id for e in seen.sim_events} >= {"doomed", "short"})
+        await asyncio.sleep(0.5)  # two more ticks: nothing else may be reported for either task
+        by_task = {tid: [e.kind for e in seen.sim_events if e.task_id == tid] for tid in ("doomed", "short")}
+        assert by_task == {"doomed": ["task_failed"], "short": ["finished"]}
+        failed = next(e for e in seen.sim_events if e.task_id == "doomed")
+        assert failed.node == "h100-01" and failed.gpu == 0 and "Xid 79" in failed.detail
+        assert [e.kind for e in seen.sim_events if e.task_id is None] == ["xid"]
+        assert fleet.running() == []
+    finally:
+        await host.stop()
+
+
+def test_openb_nodes_setting_loads_the_openb_fleet(tmp_path):
+    csv = tmp_path / "nodes.csv"
+    csv.write_text("sn,cpu_milli,memory_mib,gpu,model\nob-0,64000,262144,2,V100M16\nob-1,32000,131072,0,\n")
+    reader, source = open_reader(CollectorSettings(source="auto", openb_nodes=str(csv), fleet_spec=""))
+    if source == "nvml":
+        pytest.skip("NVML present: auto prefers the real GPUs")
+    assert source == "sim" and reader.node_names() == ["ob-0", "ob-1"]
+    assert [s.model for s in reader.sample("ob-0")] == ["V100-16GB", "V100-16GB"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"source": "sim", "openb_nodes": "/nonexistent/nodes.csv"}, "cannot load the simulated fleet"),
+    ({"source": "sim", "fleet_spec": "/nonexistent/fleet.yaml"}, "cannot load the simulated fleet"),
+])
+def test_bad_fleet_configuration_is_a_one_line_error(overrides, message):
+    with pytest.raises(NoGpuSource, match=message):
+        open_reader(CollectorSettings(**{"fleet_spec": "", "openb_nodes": "", **overrides}))
+
+
+@pytest.mark.skipif(nvml_available(), reason="a real GPU is present, so the collector would start")
+def test_without_nvml_or_simulator_the_process_exits_with_one_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_COLLECTOR_")}
+    env["FLEETPILOT_COLLECTOR_SOURCE"] = "auto"
+    proc = subprocess.run([sys.executable, "-m", "fleetpilot_services.collector"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("fleetpilot-collector: no GPU found")
+    assert "FLEETPILOT_COLLECTOR_SOURCE=sim" in lines[0]
+    assert proc.stdout == ""

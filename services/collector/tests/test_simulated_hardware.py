@@ -1,0 +1,100 @@
+"""``SimulatedHardware``: every task placed through ``sim.control`` ends exactly once, with the right kind."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetpilot.contracts import SimCommand
+from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.fleet.simulator import SimulatedFleet
+from fleetpilot_services.collector.service import SimulatedHardware
+
+
+@pytest.fixture(scope="module")
+def three_site():
+    return load_fleet_spec()
+
+
+@pytest.fixture
+def hw(three_site) -> SimulatedHardware:
+    return SimulatedHardware(SimulatedFleet(three_site, seed=1, start_at=0.0))
+
+
+def place(hw: SimulatedHardware, task_id: str = "t1", node: str = "a100-00", gpus=(0,), peak_mb: float = 4000.0,
+          duration_s: float = 100.0, verb: str = "place"):
+    return hw.command(SimCommand(verb=verb, task_id=task_id, node=node, gpus=list(gpus), peak_memory_mb=peak_mb,
+                                 duration_s=duration_s))
+
+
+def kinds(events, task_id: str | None = "t1") -> list[str]:
+    return [e.kind for e in events if e.task_id == task_id]
+
+
+def test_task_finishes_once_at_its_end(hw):
+    assert place(hw).ok
+    assert kinds(hw.advance(50.0)) == []
+    ended = hw.advance(60.0)
+    assert kinds(ended) == ["finished"]
+    assert ended[0].node == "a100-00"
+    assert kinds(hw.advance(200.0)) == []
+    assert "t1" not in hw.fleet.running() and not hw.ends_at and not hw.node_of
+
+
+@pytest.mark.parametrize(("xid", "task_kinds", "still_running"), [
+    (79, ["task_failed"], False),   # fell off the bus: fatal, the task is lost
+    (48, ["task_failed"], False),   # double-bit ECC: fatal
+    (13, [], True),                 # graphics engine exception: reported, task survives
+])
+def test_xid_kills_only_on_fatal_codes(hw, xid, task_kinds, still_running):
+    assert place(hw, gpus=(0, 1)).ok
+    hw.advance(1.0)
+    hw.fleet.inject_xid("a100-00", 1, xid)
+    events = hw.advance(1.0)
+    assert kinds(events) == task_kinds
+    assert [e.kind for e in events if e.task_id is None] == ["xid"]
+    assert ("t1" in hw.fleet.running()) is still_running
+    if task_kinds:
+        failed = next(e for e in events if e.task_id == "t1")
+        assert failed.gpu == 1 and "Xid" in failed.detail
+    # A task lost to a fatal XID must not also "finish" later.
+    later = kinds(hw.advance(500.0))
+    assert later == ([] if task_kinds else ["finished"])
+
+
+def test_oom_kill_is_reported_once_and_never_finishes(hw):
+    assert place(hw, peak_mb=60_000.0, duration_s=100.0).ok  # A100-40GB: cannot fit
+    events = hw.advance(10.0)
+    assert kinds(events) == ["oom_killed"]
+    assert kinds(hw.advance(500.0)) == []
+
+
+def test_move_keeps_the_end_time_and_reports_the_new_node(hw):
+    assert place(hw, duration_s=100.0).ok
+    hw.advance(60.0)
+    assert place(hw, node="h100-00", gpus=(3,), duration_s=100.0, verb="move").ok
+    assert hw.fleet.running() == ["t1"]
+    ended = hw.advance(45.0)
+    assert kinds(ended) == ["finished"] and ended[0].node == "h100-00"
+
+
+@pytest.mark.parametrize(("node", "gpus"), [("a100-00", (8,)), ("nowhere", (0,)), ("a100-00", ()),
+                                            ("a100-00", (1, 1))])
+def test_move_to_a_bad_target_leaves_the_task_running(hw, node, gpus):
+    assert place(hw).ok
+    ack = place(hw, node=node, gpus=gpus, verb="move")
+    assert not ack.ok and ack.detail
+    assert hw.fleet.running() == ["t1"] and hw.node_of["t1"] == "a100-00"
+
+
+def test_removed_task_reports_nothing(hw):
+    assert place(hw, duration_s=10.0).ok
+    assert hw.command(SimCommand(verb="remove", task_id="t1")).ok
+    assert kinds(hw.advance(60.0)) == []
+    assert hw.command(SimCommand(verb="remove", task_id="t1")).detail == "not running"
+
+
+def test_place_is_idempotent(hw):
+    assert place(hw).ok
+    again = place(hw)
+    assert again.ok and again.detail == "already running"
+    assert hw.fleet.running() == ["t1"]
