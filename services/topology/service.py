@@ -3,32 +3,93 @@
 It consumes ``topology.report.<node>`` from collectors, keeps each node in the
 ``topology`` bucket (the source every other service reads) and publishes
 ``topology.updated`` with the changed nodes and the inter-site bandwidth estimates.
+
+The estimates come from the configured fleet's site links (``SiteNetwork`` in
+``fleetpilot.fleet.bandwidth``), computed once at start: links are configuration, not
+telemetry, so they do not change while the service runs.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from pathlib import Path
+
+import msgspec
 from pydantic_settings import SettingsConfigDict
 
-from fleetpilot.contracts import NodeTopology, TopologyReport, TopologyUpdated, encode, now
+from fleetpilot.contracts import BandwidthEstimate, NodeTopology, TopologyReport, TopologyUpdated, encode, now
+from fleetpilot.fleet.bandwidth import SiteNetwork
+from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
 
+log = logging.getLogger("fleetpilot.topology")
+
+# ``fleet_spec`` value that means "no inter-site links known" (a single-site deployment).
+NO_SPEC = "none"
 
 
 class TopologySettings(ServiceSettings):
-    """``FLEETPILOT_TOPOLOGY_*``."""
+    """``FLEETPILOT_TOPOLOGY_*``.
+
+    ``fleet_spec`` is a YAML spec or a ``topology.json``; empty means the shipped three-site
+    spec (the simulated fleet's default, so ``fleetpilot up`` needs no setting) and ``none``
+    means no site links. ``openb_nodes`` (the openb CSV) takes precedence: one site, no links.
+    """
 
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_TOPOLOGY_", extra="ignore")
 
     fleet_spec: str = ""
+    openb_nodes: str = ""
+
+
+class BadFleetConfig(ValueError):
+    """The configured fleet spec cannot be read."""
+
+
+def configured_fleet(settings: TopologySettings) -> Fleet:
+    """The fleet whose site links the estimates are computed from."""
+    try:
+        if settings.openb_nodes:
+            return load_openb_fleet(settings.openb_nodes)
+        if settings.fleet_spec.lower() == NO_SPEC:
+            return Fleet()
+        if settings.fleet_spec.endswith(".json"):
+            return read_fleet_json(settings.fleet_spec)
+        return load_fleet_spec(Path(settings.fleet_spec)) if settings.fleet_spec else load_fleet_spec()
+    except (OSError, ValueError, KeyError, LookupError, msgspec.DecodeError) as exc:
+        raise BadFleetConfig(f"cannot load the fleet spec: {exc}") from None
+
+
+def bandwidth_estimates(settings: TopologySettings) -> list[BandwidthEstimate]:
+    """Inter-site bandwidth for every site pair and multipath strategy from the fleet's links."""
+    return SiteNetwork(configured_fleet(settings).links).estimates()
 
 
 def build(settings: TopologySettings | None = None) -> ServiceHost:
-    """Wire the topology service."""
+    """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
     settings = settings or TopologySettings()
+    estimates = bandwidth_estimates(settings)
     host = ServiceHost("topology", settings)
     known: dict[str, bytes] = {}
     revision = {"n": 0}
+
+    async def load_known(bus: Bus) -> None:
+        # A restarted replica must not announce every node again: start from the bucket.
+        kv = await bus.kv("topology")
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry is None or entry.value is None:
+                continue
+            try:
+                node = msgspec.json.decode(entry.value, type=NodeTopology)
+            except msgspec.DecodeError:
+                log.warning("topology bucket key %s does not hold a node topology; it will be rewritten", key)
+                continue
+            known[node.node] = entry.value
+
+    host.on_startup(load_known)
 
     @host.on(TopologyReport, consumer="topology-reports")
     async def on_report(report: TopologyReport) -> TopologyUpdated | None:
@@ -40,19 +101,19 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         await kv.put(node_key(node.node), body)
         known[node.node] = body
         revision["n"] += 1
+        # Milliseconds since the epoch, times 1000, plus a per-process counter: increasing
+        # across restarts and unique per update within a replica (the msg id needs both).
         return TopologyUpdated(revision=int(now() * 1000) * 1000 + revision["n"] % 1000, nodes=[node.node],
-                               bandwidth=bandwidth_estimates(settings), at=now())
+                               bandwidth=estimates, at=now())
 
     return host
 
 
-def bandwidth_estimates(settings: TopologySettings) -> list:
-    """Inter-site bandwidth per multipath strategy from the configured fleet's site links."""
-    return []
-
-
 def main() -> None:
-    """Console entry point ``fleetpilot-topology``."""
-    build().main()
-
-
+    """Console entry point ``fleetpilot-topology``; a bad spec is a one-line error, exit 2."""
+    try:
+        host = build()
+    except BadFleetConfig as exc:
+        print(f"fleetpilot-topology: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    host.main()

@@ -1,0 +1,126 @@
+"""The topology service over a real nats-server: reports in, the ``topology`` bucket and
+``topology.updated`` (with bandwidth estimates) out, nothing out for an unchanged node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from fleetpilot.contracts import NodeTopology, TopologyReport, TopologyUpdated, decode
+from fleetpilot.fleet.bandwidth import SiteNetwork
+from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot_services.topology.service import BadFleetConfig, TopologySettings, bandwidth_estimates, build
+
+THREE_SITE = load_fleet_spec()
+NODES = THREE_SITE.nodes[:3] + [THREE_SITE.node("h100-00"), THREE_SITE.node("orin-00")]
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def settings(url: str, **overrides) -> TopologySettings:
+    return TopologySettings(metrics_port=-1, nats_url=url, **{"fleet_spec": "", "openb_nodes": "", **overrides})
+
+
+def report(node: NodeTopology, at: float) -> TopologyReport:
+    return TopologyReport(node=node, source="sim", at=at)
+
+
+@pytest.fixture
+async def client(nats_server):
+    bus = await NatsBus.connect(nats_server.url, "topology-test")
+    await bus.ensure_topology()
+    yield bus
+    await bus.drain()
+
+
+async def test_reports_fill_the_bucket_and_only_changes_are_announced(nats_server, client):
+    updates: list[TopologyUpdated] = []
+
+    async def on_update(msg) -> None:
+        updates.append(decode(msg.data, TopologyUpdated))
+
+    await client.subscribe("topology.updated", on_update)
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        for node in NODES:
+            await client.publish(report(node, at=1.0))
+        await wait_for(lambda: len(updates) == len(NODES))
+
+        kv = await client.kv("topology")
+        assert sorted(await kv.keys()) == sorted(n.node for n in NODES)
+        stored = await kv.get("h100-00")
+        assert stored is not None and msgspec.json.decode(stored.value, type=NodeTopology) == THREE_SITE.node("h100-00")
+
+        assert sorted(n for u in updates for n in u.nodes) == sorted(n.node for n in NODES)
+        assert len({u.revision for u in updates}) == len(updates)
+        expected = SiteNetwork(THREE_SITE.links).estimates()
+        assert expected and all(u.bandwidth == expected for u in updates)
+        a_b = {e.strategy: e.effective_gbps for e in updates[0].bandwidth if {e.a_site, e.b_site} == {"site-a", "site-b"}}
+        assert a_b["balanced"] > a_b["min_rtt"] > 0  # striping beats min-RTT over several links
+
+        # Collectors re-send every node periodically: same content, later timestamp.
+        await client.publish(report(NODES[0], at=2.0))
+        await asyncio.sleep(0.5)
+        assert len(updates) == len(NODES)
+
+        changed = msgspec.structs.replace(NODES[0], labels={**NODES[0].labels, "cordoned": "yes"})
+        await client.publish(report(changed, at=3.0))
+        await wait_for(lambda: len(updates) == len(NODES) + 1)
+        assert updates[-1].nodes == [NODES[0].node]
+        entry = await kv.get(NODES[0].node)
+        assert msgspec.json.decode(entry.value, type=NodeTopology).labels["cordoned"] == "yes"
+    finally:
+        await host.stop()
+
+    # A restarted service starts from the bucket and stays quiet for unchanged nodes.
+    again = build(settings(nats_server.url))
+    await again.start()
+    try:
+        await client.publish(report(NODES[1], at=4.0))
+        await asyncio.sleep(0.5)
+        assert len(updates) == len(NODES) + 1
+        await client.publish(report(msgspec.structs.replace(NODES[1], site="site-z"), at=5.0))
+        await wait_for(lambda: len(updates) == len(NODES) + 2)
+    finally:
+        await again.stop()
+
+
+def test_estimates_follow_the_configured_fleet(tmp_path):
+    spec = tmp_path / "two.yaml"
+    spec.write_text("sites: [{name: x}, {name: y}]\n"
+                    "links: [{a: x, b: y, rate_gbps: 40, rtt_ms: 5}, {a: x, b: y, rate_gbps: 10, rtt_ms: 20}]\n")
+    got = {e.strategy: e.effective_gbps for e in bandwidth_estimates(TopologySettings(fleet_spec=str(spec)))}
+    assert got == {"balanced": 50.0, "min_rtt": pytest.approx(40 / 0.9, abs=1e-3)}
+    assert bandwidth_estimates(TopologySettings(fleet_spec="none")) == []
+    csv = tmp_path / "nodes.csv"
+    csv.write_text("sn,cpu_milli,memory_mib,gpu,model\nob-0,64000,262144,2,V100M16\n")
+    assert bandwidth_estimates(TopologySettings(openb_nodes=str(csv))) == []  # one site: nothing to estimate
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/fleet.yaml", "/nonexistent/topology.json"])
+def test_unreadable_spec_is_a_config_error(path):
+    with pytest.raises(BadFleetConfig, match="cannot load the fleet spec"):
+        build(TopologySettings(fleet_spec=path, openb_nodes="", metrics_port=-1))
+
+
+def test_process_with_a_bad_spec_exits_with_one_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_TOPOLOGY_")}
+    env["FLEETPILOT_TOPOLOGY_FLEET_SPEC"] = "/nonexistent/fleet.yaml"
+    proc = subprocess.run([sys.executable, "-m", "fleetpilot_services.topology"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("fleetpilot-topology: cannot load the fleet spec")
