@@ -8,11 +8,28 @@ ends gives its capacity back in the ledger.
 
 Backends: ``sim`` drives the simulated fleet hosted by the collector; ``process`` runs the
 task's ``command`` as a real process with ``CUDA_VISIBLE_DEVICES`` set.
+
+GPU health, from ``telemetry.gpu.*``:
+
+- **pre-decommission** (:class:`~fleetpilot.executor.PreDecommissionHook`): a GPU too hot
+  for too long is labelled ``cordoned`` in the topology bucket (the policy stops placing
+  work there, and this executor refuses assigns to it); once drained, or when the drain
+  time is over, its remaining tasks are evicted (``task.lifecycle`` ``evicted`` plus a
+  ledger release, so the policy re-places them) and it is labelled ``decommissioned``. Of
+  several replicas only the holder of the GPU's lock in ``hook_locks`` acts.
+- **predictive maintenance** (:class:`~fleetpilot.maintenance.HealthModel`): every
+  ``health_interval_s`` each GPU's window of samples is assessed; a risk at or above the
+  threshold labels the GPU ``maintenance_pending`` (with ``maintenance_risk``), for the
+  policy's rebalancer to migrate its tasks away. The executor publishes no decision.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from pydantic_settings import SettingsConfigDict
@@ -21,19 +38,39 @@ from fleetpilot.contracts import (
     ActionExecuted,
     DecisionMade,
     Event,
+    GpuSample,
+    NodeTelemetry,
     SimEvent,
     TaskLifecycle,
     now,
 )
-from fleetpilot.executor import ProcessBackend, execute_decision
+from fleetpilot.executor import (
+    BackendError,
+    Command,
+    Cordon,
+    DecommissionRules,
+    GpuContext,
+    LifecycleHook,
+    PreDecommissionHook,
+    ProcessBackend,
+    execute_decision,
+)
 from fleetpilot.ledger import LedgerStore, without_task
 from fleetpilot.ledger.accounting import confirmed
 from fleetpilot.ledger.store import node_key
+from fleetpilot.maintenance import MAINTENANCE_THRESHOLD, HealthModel
 from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
 
 from .backends import BusSimBackend, KvExecutionJournal
+from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels
+from .hook_lock import KvHookLock
 
 log = logging.getLogger("fleetpilot.executor")
+
+# The decision handler publishes these itself, with the decision's ids and a deterministic
+# time (so a redelivery republishes the same message); the process backend's own copies
+# would be duplicates.
+_PUBLISHED_BY_HANDLER = ("started", "evicted")
 
 
 class ExecutorSettings(ServiceSettings):
@@ -44,6 +81,52 @@ class ExecutorSettings(ServiceSettings):
     backend: Literal["sim", "process"] = "sim"
     grace_s: float = 10.0
     default_duration_s: float = 120.0
+    process_log_dir: str = ""
+    decommission_threshold_c: float = 85.0
+    decommission_hot_for_s: float = 300.0
+    decommission_drain_s: float = 1800.0
+    health_interval_s: float = 60.0
+    health_window_s: float = 2 * 3600.0
+    health_sample_every_s: float = 30.0
+    health_threshold: float = MAINTENANCE_THRESHOLD
+
+
+class HealthWindows:
+    """The recent samples of every GPU, thinned to one per ``every_s`` and at most
+    ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default)."""
+
+    def __init__(self, window_s: float, every_s: float) -> None:
+        """Keep ``window_s`` of history, one sample per ``every_s``."""
+        self._window_s = window_s
+        self._every_s = every_s
+        self.windows: dict[tuple[str, int], deque[GpuSample]] = {}
+
+    def add(self, sample: GpuSample) -> None:
+        """Keep ``sample`` if enough time passed since the last one kept."""
+        window = self.windows.setdefault((sample.node, sample.gpu), deque())
+        if window and sample.at - window[-1].at < self._every_s:
+            return
+        window.append(sample)
+        while window and window[0].at < sample.at - self._window_s:
+            window.popleft()
+
+
+class _TopologyBusiness:
+    """The business context from the topology bucket (GPU model and ``role`` label) with
+    the pre-decommission hook, so that assigns to a cordoned GPU are refused."""
+
+    def __init__(self, labels: FleetLabels, hook: LifecycleHook) -> None:
+        self._labels = labels
+        self._hooks = [hook]
+
+    def gpu_context(self, node: str, gpu: int) -> GpuContext:
+        """``role`` and model as the topology bucket has them."""
+        role = self._labels.labels_of(node, gpu).get("role", "general")
+        return GpuContext(node=node, gpu=gpu, role=role, model=self._labels.model_of(node, gpu))
+
+    def hooks(self) -> Sequence[LifecycleHook]:
+        """The pre-decommission hook."""
+        return self._hooks
 
 
 def build(settings: ExecutorSettings | None = None) -> ServiceHost:
@@ -53,26 +136,50 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     parts: dict = {}
     # Who asked for what, so lifecycle events carry the decision they belong to.
     decisions: dict[str, DecisionMade] = {}
+    windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
+    model = HealthModel(threshold=settings.health_threshold)
+    rules = DecommissionRules(threshold_c=settings.decommission_threshold_c, hot_for_s=settings.decommission_hot_for_s,
+                              drain_s=settings.decommission_drain_s)
 
     async def open_parts(bus: Bus) -> None:
         parts["journal"] = KvExecutionJournal(await bus.kv("executions"))
-        parts["ledger"] = await LedgerStore.open(bus)
-        parts["backend"] = BusSimBackend(bus, settings.default_duration_s) if settings.backend == "sim" \
-            else ProcessBackend()
+        parts["ledger"] = ledger = await LedgerStore.open(bus)
+        parts["labels"] = labels = FleetLabels(await bus.kv("topology"))
+        await labels.load()
+        host.background(ledger.follow(), "ledger-view")
+        host.background(labels.follow(), "topology-labels")
+        parts["hook"] = hook = PreDecommissionHook(settings.replica, KvHookLock(await bus.kv("hook_locks")),
+                                                   rules=rules)
+        parts["business"] = _TopologyBusiness(labels, hook)
+        if settings.backend == "sim":
+            parts["backend"] = BusSimBackend(bus, settings.default_duration_s)
+        else:
+            log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
+            parts["backend"] = ProcessBackend(log_dir=log_dir)
+
+    async def stop_processes() -> None:
+        # Children lead their own sessions and would outlive us untracked; their ledger
+        # holds stay (the bus is drained by now) for the policy to reconcile.
+        backend = parts.get("backend")
+        if isinstance(backend, ProcessBackend):
+            await backend.shutdown(settings.grace_s)
 
     host.on_startup(open_parts)
+    host.on_shutdown(stop_processes)
 
     async def release(task_id: str, node: str) -> None:
         ledger: LedgerStore = parts["ledger"]
         await ledger.mutate(node_key(node), lambda cur: without_task(cur, task_id) if cur else None)
 
     def lifecycle(task_id: str, state, node: str, gpus: list[int], detail: str = "",
-                  exit_code: int | None = None) -> TaskLifecycle:
+                  exit_code: int | None = None, at: float | None = None) -> TaskLifecycle:
         d = decisions.get(task_id)
+        gpu_model = parts["labels"].model_of(node, gpus[0]) if gpus and "labels" in parts else ""
         return TaskLifecycle(task_id=task_id, state=state, node=node, gpus=gpus, detail=detail, exit_code=exit_code,
                              decision_id=d.decision_id if d else "", policy=d.policy.name if d else "",
                              shard_id=d.shard_id if d else "primary", confidence=d.confidence if d else 0.0,
-                             task_kind=d.task.kind if d and d.task else "", at=now())
+                             task_kind=d.task.kind if d and d.task else "", gpu_model=gpu_model,
+                             at=now() if at is None else at)
 
     @host.on(DecisionMade, consumer="executor-decisions")
     async def on_decision(decision: DecisionMade) -> list[Event]:
@@ -82,20 +189,25 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             backend.describe(task.task_id, float(task.gpu_memory_mb or 1000), task.labels.get("growth", "flat"),
                              task.expected_duration_s)
         result = await execute_decision(decision, backend, parts["journal"], owner=settings.replica,
-                                        grace_s=settings.grace_s)
+                                        business=parts["business"], grace_s=settings.grace_s)
         if result is None:
             raise Retry("another executor replica is carrying this decision out", 2.0)
+        # A redelivered decision gets the recorded result back: everything below is
+        # idempotent (ledger writes converge, the events carry the recorded time and so
+        # the same Nats-Msg-Id, which the stream drops as a duplicate).
         out: list[Event] = [result]
         node = decision.placement[0].node if decision.placement else ""
         if isinstance(result, ActionExecuted):
             if decision.action == "assign" and node:
                 decisions[decision.task_id] = decision
                 await parts["ledger"].mutate(node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None)
-                out.append(lifecycle(decision.task_id, "started", node, [p.gpu for p in decision.placement]))
+                out.append(lifecycle(decision.task_id, "started", node, [p.gpu for p in decision.placement if p.gpu >= 0],
+                                     at=result.executed_at))
             elif decision.action == "evict":
                 for src in {p.node for p in decision.source}:
                     await release(decision.task_id, src)
-                out.append(lifecycle(decision.task_id, "evicted", node, []))
+                out.append(lifecycle(decision.task_id, "evicted", node, [], at=result.executed_at))
+                decisions.pop(decision.task_id, None)
         elif decision.action == "assign" and node:
             await release(decision.task_id, node)
         return out
@@ -119,11 +231,82 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             return []
         out: list[Event] = []
         for change in await backend.poll():
+            if change.state in _PUBLISHED_BY_HANDLER:
+                continue
             if change.state in ("finished", "oom_killed", "failed") and change.node:
                 await release(change.task_id, change.node)
             out.append(lifecycle(change.task_id, change.state, change.node, change.gpus, change.detail,
-                                 change.exit_code))
+                                 change.exit_code, at=change.at))
+            if change.state in ("finished", "oom_killed", "failed"):
+                decisions.pop(change.task_id, None)
         return out
+
+    def tasks_on(node: str, gpu: int) -> list[str]:
+        """Tasks holding a share of one GPU in the ledger view (reserved ones included:
+        they are about to run there)."""
+        ledger = parts["ledger"].nodes.get(node_key(node))
+        return sorted({a.task_id for a in ledger.allocations if a.gpu == gpu}) if ledger else []
+
+    async def carry_out(command: Command) -> list[Event]:
+        """Do what the pre-decommission hook asks; only the lock holder gets here."""
+        labels: FleetLabels = parts["labels"]
+        if isinstance(command, Cordon):
+            await labels.set(command.node, command.gpu, {CORDONED: "true"})
+            log.warning("cordoned %s/%d: %s", command.node, command.gpu, command.reason)
+            return []
+
+        async def evict(task_id: str) -> TaskLifecycle | None:
+            try:
+                await parts["backend"].stop(task_id, settings.grace_s)
+            except BackendError as error:
+                log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
+                return None
+            await release(task_id, command.node)
+            event = lifecycle(task_id, "evicted", command.node, [command.gpu],
+                              detail=f"GPU {command.node}/{command.gpu} decommissioned: {command.reason}")
+            decisions.pop(task_id, None)
+            return event
+
+        evicted = await asyncio.gather(*(evict(t) for t in command.evict))
+        await labels.set(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
+        log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(command.evict))
+        return [e for e in evicted if e is not None]
+
+    # Every replica takes every sample (no queue group): the hook's state machine and the
+    # cordon check in ``before_assign`` need the whole stream on each replica, and the
+    # hook lock makes sure one replica acts.
+    @host.on_core("telemetry.gpu.*", NodeTelemetry)
+    async def on_telemetry(batch: NodeTelemetry) -> list[Event]:
+        if "hook" not in parts:
+            return []
+        hook: PreDecommissionHook = parts["hook"]
+        out: list[Event] = []
+        for sample in batch.gpus:
+            windows.add(sample)
+            if parts["labels"].labels_of(sample.node, sample.gpu).get(DECOMMISSIONED) == "true":
+                continue  # out of service: nothing left to do, even for a replica started since
+            for command in await hook.observe(sample, tasks_on(sample.node, sample.gpu)):
+                out.extend(await carry_out(command))
+        return out
+
+    @host.every(settings.health_interval_s)
+    async def assess_health() -> None:
+        labels: FleetLabels | None = parts.get("labels")
+        if labels is None:
+            return
+        for (node, gpu), window in list(windows.windows.items()):
+            if len(window) < 2 or labels.labels_of(node, gpu).get(MAINTENANCE_PENDING) == "true":
+                continue
+            assessment = model.assess(list(window))
+            if not assessment.maintenance_pending:
+                continue
+            # Every replica assesses the same samples; the label write is idempotent, so
+            # no lock is needed here.
+            if await labels.set(node, gpu, {MAINTENANCE_PENDING: "true",
+                                            "maintenance_risk": f"{assessment.failure_probability:.2f}"}):
+                top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
+                log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
+                            assessment.failure_probability, top)
 
     return host
 

@@ -45,13 +45,15 @@ class FeedbackSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_FEEDBACK_", extra="ignore")
 
     store_dsn: str = ""
+    store_schema: str = "fleetpilot_feedback"
 
 
 async def open_store(settings: FeedbackSettings) -> FeedbackStore:
-    """PostgreSQL for a ``postgresql://`` DSN, else SQLite (default ``<state_dir>/feedback.db``)."""
+    """PostgreSQL in ``store_schema`` for a ``postgresql://`` DSN, else SQLite (default
+    ``<state_dir>/feedback.db``; its folder is created)."""
     dsn = settings.store_dsn
     if dsn.startswith(("postgresql://", "postgres://")):
-        return await PostgresFeedbackStore.open(dsn)
+        return await PostgresFeedbackStore.open(dsn, schema=settings.store_schema)
     path = Path(dsn.removeprefix("sqlite:///") if dsn else Path(settings.state_dir) / "feedback.db")
     path.parent.mkdir(parents=True, exist_ok=True)
     return SqliteFeedbackStore(path)

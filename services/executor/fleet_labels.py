@@ -1,0 +1,112 @@
+"""GPU condition labels in the ``topology`` bucket: how the executor tells the policy that a
+GPU is cordoned, decommissioned or pending maintenance.
+
+The executor does not decide (only the policy publishes ``decision.made``), so it does not
+move work itself when a GPU goes bad: it labels the GPU in the node's topology entry
+(``NodeTopology.gpus[i].labels``), which every policy replica already reads, and the
+policy stops placing work there and migrates running tasks away.
+
+Labels are written with compare-and-set on the entry's revision. The topology service
+rewrites a node's entry when its collector reports a *changed* topology, which drops our
+labels; :meth:`FleetLabels.follow` watches the bucket and puts back the labels this replica
+set. Labels are sticky: an operator removes them when the GPU is back in service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import msgspec
+
+from fleetpilot.contracts import NodeTopology, encode
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import CasConflict, KeyValue
+
+log = logging.getLogger("fleetpilot.executor.labels")
+
+CORDONED = "cordoned"
+DECOMMISSIONED = "decommissioned"
+MAINTENANCE_PENDING = "maintenance_pending"
+
+_NODE = msgspec.json.Decoder(NodeTopology)
+
+
+class FleetLabels:
+    """A view of the ``topology`` bucket plus the GPU labels this replica keeps there."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        """Use ``kv`` (the ``topology`` bucket); call :meth:`load`, then run :meth:`follow`."""
+        self._kv = kv
+        self.nodes: dict[str, NodeTopology] = {}
+        # Labels we set, by KV key and GPU index, to put back after a topology rewrite.
+        self._wanted: dict[str, dict[int, dict[str, str]]] = {}
+
+    async def load(self) -> None:
+        """Read every node once."""
+        for key in await self._kv.keys():
+            entry = await self._kv.get(key)
+            if entry and entry.value:
+                self.nodes[key] = _NODE.decode(entry.value)
+
+    def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
+        """The labels of one GPU as last seen (empty for an unknown GPU)."""
+        topo = self.nodes.get(node_key(node))
+        info = next((g for g in topo.gpus if g.index == gpu), None) if topo else None
+        return info.labels if info else {}
+
+    def model_of(self, node: str, gpu: int) -> str:
+        """The GPU's model as the topology knows it, or ``""``."""
+        topo = self.nodes.get(node_key(node))
+        info = next((g for g in topo.gpus if g.index == gpu), None) if topo else None
+        return info.model if info else ""
+
+    async def set(self, node: str, gpu: int, labels: Mapping[str, str]) -> bool:
+        """Add ``labels`` to one GPU; ``True`` if the entry was written now. A node not in
+        the bucket yet is labelled when it appears (see :meth:`follow`)."""
+        key = node_key(node)
+        self._wanted.setdefault(key, {}).setdefault(gpu, {}).update(labels)
+        return await self._apply(key)
+
+    async def _apply(self, key: str, attempts: int = 20) -> bool:
+        wanted = self._wanted.get(key, {})
+        for attempt in range(attempts):
+            entry = await self._kv.get(key)
+            if entry is None or not entry.value:
+                return False
+            topo = _NODE.decode(entry.value)
+            gpus, changed = [], False
+            for info in topo.gpus:
+                extra = wanted.get(info.index, {})
+                if any(info.labels.get(k) != v for k, v in extra.items()):
+                    info = msgspec.structs.replace(info, labels={**info.labels, **extra})
+                    changed = True
+                gpus.append(info)
+            if not changed:
+                self.nodes[key] = topo
+                return False
+            updated = msgspec.structs.replace(topo, gpus=gpus)
+            try:
+                await self._kv.update(key, encode(updated), entry.revision)
+            except CasConflict:
+                await asyncio.sleep(0.005 * (attempt + 1))
+                continue
+            self.nodes[key] = updated
+            log.info("labelled %s: %s", key, {g: wanted[g] for g in wanted})
+            return True
+        raise CasConflict(f"topology entry {key} kept changing under us")
+
+    async def follow(self) -> None:
+        """Keep the view current and put our labels back when a rewrite dropped them (run
+        as a background task)."""
+        async for entry in self._kv.watch(">"):
+            if entry.value is None:
+                self.nodes.pop(entry.key, None)
+                continue
+            self.nodes[entry.key] = _NODE.decode(entry.value)
+            if entry.key in self._wanted:
+                try:
+                    await self._apply(entry.key)
+                except CasConflict:
+                    log.warning("could not put labels back on %s; the next change retries", entry.key)
