@@ -21,7 +21,14 @@ from .framework import (
     register,
 )
 from .state import MILLI, ClusterState, TaskRequest
-from .transformers import ModelPressure, oom_risk, role_affinity, thermal_headroom
+from .transformers import (
+    ModelPressure,
+    cpu_per_gpu_milli,
+    cpu_stranding,
+    oom_risk,
+    role_affinity,
+    thermal_headroom,
+)
 
 # ---------------------------------------------------------------------------------------
 # Shared per-decision helpers (cached on the cycle so several plugins reuse them).
@@ -219,8 +226,7 @@ class FleetpilotFragArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     pressure_weight: float = 1.0
     integer: bool = True
     demand: list[TaskShape] | None = None
-    cpu_weight: float = 0.0
-    cpu_scope: str = "cpu-only"
+    cpu_weight: float = 1.0
 
 
 @register
@@ -233,32 +239,26 @@ class FleetpilotFrag(_FragScorer):
     each free milli of it, relative to the fleet average). A task that can run anywhere is
     thus steered away from models that constrained task classes need, in proportion to how
     scarce they are; a task whose candidates all share one model sees no penalty at all. On a
-    fleet with no constrained classes every ``rho`` is 1 and the score is FGD's.
+    fleet with no constrained classes every ``rho`` is 1.
+
+    A second term, ``cpu_weight * (stranded_after - stranded_before)``, charges the GPU milli
+    a placement strands for lack of CPU (``cpu_stranding``): FGD only notices CPU once a
+    typical task no longer fits a node, so it lets CPU-hungry placements drain the CPU that
+    the node's remaining GPUs will need; the fluid estimate sees the drain before the cliff.
+    Both terms are in milli-GPU, FGD's unit, and enter its sigmoid with weight 1 by default.
     """
 
     name = "fleetpilot-frag"
     Args = FleetpilotFragArgs
 
-    def _cpu_per_milli(self) -> float:
-        gpu = [sh for sh in self.args.typical if sh.gpus > 0 and sh.gpu_milli > 0]
-        milli = sum(sh.weight * sh.gpus * sh.gpu_milli for sh in gpu)
-        return sum(sh.weight * sh.cpu_milli for sh in gpu) / milli if milli > 0 else 0.0
-
     def _stranding(self, cycle: Cycle) -> np.ndarray:
-        """Increase of GPU milli stranded for lack of CPU, per row (fluid approximation).
-
-        A node's free GPU milli ``L`` needs about ``L * c`` CPU, ``c`` the typical tasks' CPU
-        per GPU milli; what its free CPU cannot cover, ``max(0, L*c - cpu)/c``, is stranded.
-        """
-        c = self._cpu_per_milli()
-        if c <= 0:
-            return np.zeros(cycle.rows.size)
+        """Increase, per row, of the GPU milli stranded for lack of CPU (``cpu_stranding``)."""
+        if getattr(self, "_cpm", None) is None:
+            self._cpm = cpu_per_gpu_milli(self.args.typical)
         s, t, r = cycle.state, cycle.task, cycle.rows
-        total = cycle.free[r].sum(axis=1).astype(np.float64)
-        cpu = s.cpu_free[r].astype(np.float64)
-        before = np.maximum(0.0, total * c - cpu) / c
-        after = np.maximum(0.0, (total - t.total_milli) * c - (cpu - t.cpu_milli)) / c
-        return after - before
+        free = cycle.free[r].sum(axis=1)
+        cpu = s.cpu_free[r]
+        return cpu_stranding(free - t.total_milli, cpu - t.cpu_milli, self._cpm) - cpu_stranding(free, cpu, self._cpm)
 
     def _pressure(self, state: ClusterState) -> ModelPressure:
         key = tuple(state.models)
@@ -281,7 +281,7 @@ class FleetpilotFrag(_FragScorer):
             penalty = self.args.pressure_weight * t.total_milli * (node_rho - node_rho.min())
             if penalty.max(initial=0.0) > 0:
                 cycle.notes.append(f"model pressure {node_rho.min():.2f}..{node_rho.max():.2f}")
-        if self.args.cpu_weight > 0 and (self.args.cpu_scope == "all" or not uses_gpu(t)):
+        if self.args.cpu_weight > 0:
             penalty = penalty + self.args.cpu_weight * self._stranding(cycle)
         if delta.ndim == 2:
             x = delta - penalty[:, None]

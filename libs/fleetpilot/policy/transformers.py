@@ -107,6 +107,26 @@ def model_pressure(state: ClusterState, shapes: Sequence[TaskShape], free: np.nd
     return ModelPressure(shapes, state.models)(state, free)
 
 
+def cpu_per_gpu_milli(shapes: Sequence[TaskShape]) -> float:
+    """Typical CPU milli asked per GPU milli: ``sum f*cpu / sum f*gpus*milli`` over GPU shapes."""
+    gpu = [s for s in shapes if s.gpus > 0 and s.gpu_milli > 0]
+    milli = sum(s.weight * s.gpus * s.gpu_milli for s in gpu)
+    return sum(s.weight * s.cpu_milli for s in gpu) / milli if milli > 0 else 0.0
+
+
+def cpu_stranding(free_milli: np.ndarray, cpu_free: np.ndarray, cpu_per_milli: float) -> np.ndarray:
+    """GPU milli a node cannot use for lack of CPU, in a fluid approximation.
+
+    Its free GPU milli ``L`` will need about ``L * c`` CPU (``c`` = ``cpu_per_gpu_milli`` of the
+    typical tasks); the part its free CPU cannot cover, ``max(0, L*c - cpu) / c``, is stranded.
+    Smooth in both resources (no per-task cliff); 0 when ``c`` is 0.
+    """
+    if cpu_per_milli <= 0:
+        return np.zeros(np.shape(free_milli))
+    need = np.asarray(free_milli, dtype=np.float64) * cpu_per_milli
+    return np.maximum(0.0, need - np.asarray(cpu_free, dtype=np.float64)) / cpu_per_milli
+
+
 def gpus_for_whole(free_row: np.ndarray, n: int) -> list[int]:
     """The first ``n`` fully free GPU indices of a node (the device plugin's order)."""
     return [int(j) for j in np.flatnonzero(free_row >= MILLI)[:n]]

@@ -161,3 +161,31 @@ def test_fleetpilot_confidence_drops_with_oom_risk():
     safe = policy.decide(state, TaskRequest(task_id="a", gpus=1, gpu_milli=500, predicted_peak_mb=2000, peak_sigma_mb=500))
     risky = policy.decide(state, TaskRequest(task_id="b", gpus=1, gpu_milli=500, predicted_peak_mb=16000, peak_sigma_mb=2000))
     assert safe.confidence > 0.85 and risky.confidence < 0.6
+
+
+@pytest.mark.parametrize(
+    ("free", "cpu", "c", "stranded"),
+    [(8000, 96000, 8.0, 0.0),  # needs 64000 CPU, has 96000
+     (8000, 32000, 8.0, 4000.0),  # (64000 - 32000) / 8
+     (0, 0, 8.0, 0.0),
+     (2000, 0, 0.0, 0.0)],  # typical tasks ask no CPU: nothing stranded
+)
+def test_cpu_stranding_table(free, cpu, c, stranded):
+    from fleetpilot.policy.transformers import cpu_stranding
+
+    assert cpu_stranding(np.asarray([free]), np.asarray([cpu]), c)[0] == pytest.approx(stranded)
+
+
+def test_fleetpilot_keeps_cpu_for_the_gpus_that_need_it():
+    # Typical GPU tasks ask 10 CPU per GPU. "tight" has exactly the CPU its 4 GPUs need,
+    # "roomy" far more: a CPU-only task (and a whole-GPU task asking 20 CPU) should not drain
+    # "tight", although every typical task still fits both nodes afterwards (FGD sees no change).
+    state = cluster([("tight", "G2", 40000, [1000] * 4), ("roomy", "G2", 200000, [1000] * 4)])
+    state.cpu_total[:] = [40000, 200000]
+    shapes = [TaskShape(cpu_milli=10000, gpu_milli=1000, gpus=1, weight=1.0)]
+    fp = build_policy("fleetpilot", typical=shapes)
+    assert fp.decide(state, TaskRequest(task_id="c", gpus=0, gpu_milli=0, cpu_milli=8000)).placement[0].node == "roomy"
+    hungry = TaskRequest(task_id="h", gpus=1, gpu_milli=1000, cpu_milli=20000)
+    assert fp.decide(state, hungry).placement[0].node == "roomy"
+    fgd_nodes = {build_policy("fgd", seed=s, typical=shapes).decide(state, hungry).placement[0].node for s in range(6)}
+    assert fgd_nodes == {"tight", "roomy"}  # FGD: a tie, left to the random priority
