@@ -1,0 +1,147 @@
+"""The executor service over a real nats-server: each decision once, the process backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    Allocation,
+    DecisionMade,
+    NodeLedger,
+    Placement,
+    PolicyRef,
+    TaskLifecycle,
+    TaskSubmitted,
+    encode,
+    now,
+)
+from fleetpilot_services.executor.service import ExecutorSettings, build
+
+from .conftest import node_topology, wait_for
+
+
+def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> ExecutorSettings:
+    return ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path),
+                            **overrides)
+
+
+def assign(decision_id: str, task_id: str, gpu: int = 0, command: list[str] | None = None) -> DecisionMade:
+    return DecisionMade(decision_id=decision_id, task_id=task_id, action="assign",
+                        placement=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)], confidence=0.8,
+                        policy=PolicyRef(name="best-fit"), decided_at=now(),
+                        task=TaskSubmitted(task_id=task_id, kind="train", command=command))
+
+
+def evict(decision_id: str, task_id: str, gpu: int = 0) -> DecisionMade:
+    return DecisionMade(decision_id=decision_id, task_id=task_id, action="evict",
+                        source=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)], confidence=0.8,
+                        policy=PolicyRef(name="best-fit"), decided_at=now())
+
+
+def reserved(task_id: str, decision_id: str, gpu: int = 0) -> bytes:
+    return encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id=task_id, decision_id=decision_id, gpu=gpu, milli=1000, memory_mb=1000)]))
+
+
+async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        decision = assign("d1", "t1")
+        # Two publishes the stream cannot tell apart as duplicates: the consumer hands the
+        # decision to the service twice, as after a redelivery.
+        for msg_id in ("first", "second"):
+            await observer.js.publish("decision.made", encode(decision), headers={"Nats-Msg-Id": msg_id})
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+        started = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await wait_for(lambda: len(sim_fleet.commands) >= 1)
+        await asyncio.sleep(0.5)  # room for a second execution to show up
+    finally:
+        await host.stop()
+    assert [e.action_id for e in executed] == ["act-d1"]
+    assert [(s.state, s.decision_id, s.policy) for s in started] == [("started", "d1", "best-fit")]
+    assert len(sim_fleet.verbs("place")) == 1
+    assert await observer.stored("action.failed", ActionFailed) == []
+    ledger = await observer.ledger("n1")
+    assert [a.state for a in ledger.allocations] == ["confirmed"]
+
+
+def sleeper(marker: Path) -> list[str]:
+    script = ("import os, sys, time\n"
+              f"open({str(marker)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + str(os.getpid()))\n"
+              "time.sleep(30)\n")
+    return [sys.executable, "-c", script]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(observer, nats_url, tmp_path):
+    await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=4)))
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1", gpu=3))
+    marker = tmp_path / "child"
+    host = build(settings(nats_url, tmp_path, backend="process", grace_s=2.0))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1", gpu=3, command=sleeper(marker))))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+        await wait_for(lambda: marker.exists() and " " in marker.read_text())
+        visible, pid = marker.read_text().split()
+        assert alive(int(pid))
+        assert (await observer.ledger("n1")).allocations[0].state == "confirmed"
+
+        await observer.js.publish("decision.made", encode(evict("d2", "t1", gpu=3)))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
+        await wait_for(lambda: not alive(int(pid)), timeout_s=5)
+        await asyncio.sleep(1.5)  # one backend poll: its own copy of the eviction must not be republished
+        life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
+    finally:
+        await host.stop()
+    assert visible == "3"
+    assert [(e.action, e.backend, e.gpu_model) for e in executed] == [("assign", "process", "H100"),
+                                                                      ("evict", "process", "H100")]
+    assert [(s.state, s.gpus) for s in life] == [("started", [3]), ("evicted", [])]
+    assert life[0].gpu_model == "H100"
+    assert (await observer.ledger("n1")).allocations == []
+
+
+async def test_process_that_exits_is_reported_finished_and_its_hold_released(observer, nats_url, tmp_path):
+    await observer.kv_put("ledger", "n1", reserved("t2", "d5"))
+    host = build(settings(nats_url, tmp_path, backend="process"))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"])))
+        life = await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)
+    finally:
+        await host.stop()
+    assert [(s.state, s.exit_code, s.decision_id) for s in life] == [("started", None, "d5"), ("finished", 0, "d5")]
+    assert (await observer.ledger("n1")).allocations == []
+
+
+@pytest.mark.parametrize("command", [None, ["/nonexistent/binary"]])
+async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(observer, nats_url, tmp_path,
+                                                                                command):
+    await observer.kv_put("ledger", "n1", reserved("t3", "d6"))
+    host = build(settings(nats_url, tmp_path, backend="process"))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d6", "t3", command=command)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        await asyncio.sleep(0.3)
+    finally:
+        await host.stop()
+    assert [f.action_id for f in failed] == ["act-d6"]
+    assert (await observer.ledger("n1")).allocations == []

@@ -1,0 +1,143 @@
+"""GPU health in the executor service over a real nats-server: pre-decommission under two
+competing replicas, predictive-maintenance labels, labels surviving a topology rewrite."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fleetpilot.contracts import (
+    ActionFailed,
+    Allocation,
+    DecisionMade,
+    NodeLedger,
+    Placement,
+    PolicyRef,
+    TaskLifecycle,
+    TaskSubmitted,
+    encode,
+    now,
+)
+from fleetpilot.executor.decommission import lock_key
+from fleetpilot_services.executor.service import ExecutorSettings, HealthWindows, build
+
+from .conftest import gpu_sample, node_topology, publish_telemetry, wait_for
+
+
+def settings(nats_url: str, tmp_path: Path, replica: str, **overrides) -> ExecutorSettings:
+    return ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path),
+                            **overrides)
+
+
+async def gpu_labels(observer, node: str, gpu: int) -> dict[str, str]:
+    topo = await observer.topology(node)
+    return dict(topo.gpus[gpu].labels) if topo else {}
+
+
+async def wait_labels(observer, node: str, gpu: int, *names: str) -> dict[str, str]:
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        labels = await gpu_labels(observer, node, gpu)
+        if all(n in labels for n in names):
+            return labels
+        assert asyncio.get_running_loop().time() < deadline, f"labels {names} never appeared: {labels}"
+        await asyncio.sleep(0.05)
+
+
+async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_competing_executors(
+        observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id="busy", decision_id="d0", gpu=0, milli=1000, state="confirmed"),
+        Allocation(task_id="elsewhere", decision_id="d9", gpu=1, milli=1000, state="confirmed")])))
+    hosts = [build(settings(nats_url, tmp_path, replica)) for replica in ("a", "b")]
+    for host in hosts:
+        await host.start()
+    try:
+        # Sample times drive the state machine: hot at t0, cordoned 5 minutes later,
+        # decommissioned when the 30-minute drain is over with the task still there.
+        t0 = 1_000_000.0
+        for at in (t0, t0 + 100):
+            await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, at, 95.0), gpu_sample("n1", 1, at, 60.0)])
+        await asyncio.sleep(0.3)
+        assert await gpu_labels(observer, "n1", 0) == {}  # hot, not yet for long enough
+
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 300, 95.0)])
+        labels = await wait_labels(observer, "n1", 0, "cordoned")
+        assert "decommissioned" not in labels
+
+        # New work for the cordoned GPU is refused by whichever replica takes it.
+        refused = DecisionMade(decision_id="d1", task_id="new", action="assign",
+                               placement=[Placement(node="n1", gpu=0, milli=500)], confidence=0.9,
+                               policy=PolicyRef(name="best-fit"), decided_at=now(),
+                               task=TaskSubmitted(task_id="new"))
+        await observer.js.publish("decision.made", encode(refused))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        assert "cordoned" in failed[0].error and not failed[0].retryable
+
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 300 + 1800, 95.0)])
+        labels = await wait_labels(observer, "n1", 0, "decommissioned")
+        evicted = await observer.wait_stored("task.lifecycle.*", TaskLifecycle, 1)
+        # Late samples change nothing: the GPU is out of service.
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 4000, 95.0)])
+        await asyncio.sleep(0.5)
+        evicted = await observer.stored("task.lifecycle.*", TaskLifecycle)
+        done_marker = await observer.kv_get("hook_locks", lock_key("n1", 0) + ".done")
+        ledger = await observer.ledger("n1")
+    finally:
+        for host in hosts:
+            await host.stop()
+    assert labels["cordoned"] == labels["decommissioned"] == "true"
+    assert await gpu_labels(observer, "n1", 1) == {}
+    assert [(e.task_id, e.state, e.gpus) for e in evicted] == [("busy", "evicted", [0])]
+    assert "decommissioned" in evicted[0].detail
+    assert [c.task_id for c in sim_fleet.verbs("remove")] == ["busy"]
+    assert done_marker is not None and done_marker.startswith(b'{"owner":')
+    assert [a.task_id for a in ledger.allocations] == ["elsewhere"]
+
+
+async def test_gpu_with_decaying_hardware_is_labelled_maintenance_pending(observer, nats_url, tmp_path):
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    host = build(settings(nats_url, tmp_path, "a", health_interval_s=0.1))
+    await host.start()
+    try:
+        t0 = 1_000_000.0
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0), gpu_sample("n1", 1, t0)])
+        # GPU 0: two double-bit ECC errors (XID 48) in a minute; GPU 1 stays quiet.
+        await publish_telemetry(observer, "n1", [
+            gpu_sample("n1", 0, t0 + 60, ecc_uncorrected=2, xid_count=2, xid_last=48),
+            gpu_sample("n1", 1, t0 + 60)])
+        labels = await wait_labels(observer, "n1", 0, "maintenance_pending")
+        await asyncio.sleep(0.3)  # a few more assessments: the quiet GPU must stay unlabelled
+        quiet = await gpu_labels(observer, "n1", 1)
+    finally:
+        await host.stop()
+    assert labels["maintenance_pending"] == "true"
+    assert float(labels["maintenance_risk"]) >= 0.85
+    assert "cordoned" not in labels
+    assert quiet == {}
+
+
+async def test_labels_are_put_back_when_the_topology_service_rewrites_the_node(observer, nats_url, tmp_path):
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    host = build(settings(nats_url, tmp_path, "a", decommission_hot_for_s=0))
+    await host.start()
+    try:
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 1, 1_000_000.0, 95.0)])
+        await wait_labels(observer, "n1", 1, "cordoned")
+        # A collector reported a changed node; the topology service writes it without labels.
+        await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=3)))
+        labels = await wait_labels(observer, "n1", 1, "cordoned")
+        topo = await observer.topology("n1")
+    finally:
+        await host.stop()
+    assert labels["cordoned"] == "true"
+    assert len(topo.gpus) == 3  # the rewrite itself is kept
+
+
+def test_health_windows_keep_one_sample_per_interval_within_the_window():
+    windows = HealthWindows(window_s=300, every_s=30)
+    for at in range(0, 601, 10):
+        windows.add(gpu_sample("n1", 0, float(at)))
+    kept = [s.at for s in windows.windows[("n1", 0)]]
+    assert kept == [float(t) for t in range(300, 601, 30)]
