@@ -1,0 +1,161 @@
+"""The feedback service over a real nats-server, on SQLite and on PostgreSQL: one record
+per action (redeliveries stored and announced once), statistics that match the records."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import nats
+import pytest
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    FeedbackRecorded,
+    FeedbackStats,
+    PolicyRef,
+    StatsQuery,
+    TaskLifecycle,
+    decode,
+    encode,
+)
+from fleetpilot.feedback import PostgresFeedbackStore
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot_services.feedback.service import FeedbackSettings, build, open_store
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_dsn(request) -> str:
+    """``""`` (SQLite, the default) or the test PostgreSQL's DSN. A plain fixture: the shared
+    ``pg_dsn`` probe runs its own event loop."""
+    return "" if request.param == "sqlite" else request.getfixturevalue("pg_dsn")
+
+
+@pytest.fixture
+async def feedback_settings(store_dsn, nats_url, tmp_path):
+    """Settings for SQLite in the test's state dir, or PostgreSQL in a schema of its own."""
+    base = dict(nats_url=nats_url, metrics_port=-1, state_dir=str(tmp_path / "state"))
+    if not store_dsn:
+        yield FeedbackSettings(**base)
+        return
+    dsn = store_dsn
+    settings = FeedbackSettings(**base, store_dsn=dsn, store_schema=f"fp_svc_{uuid.uuid4().hex[:12]}")
+    yield settings
+    store = await PostgresFeedbackStore.open(dsn, schema=settings.store_schema)
+    await store.drop_schema()
+    await store.close()
+
+
+@pytest.fixture
+async def client(nats_url):
+    bus = await NatsBus.connect(nats_url, "test-setup")
+    await bus.ensure_topology()
+    await bus.drain()
+    nc = await nats.connect(nats_url)
+    yield nc
+    await nc.close()
+
+
+def executed(decision_id: str, action: str, policy: str, task_kind: str = "train") -> ActionExecuted:
+    return ActionExecuted(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=f"t-{decision_id}",
+                          action=action, backend="sim", latency_ms=12.0, policy=PolicyRef(name=policy),
+                          confidence=0.7, task_kind=task_kind, gpu_model="H100", executed_at=1.0)
+
+
+def failed(decision_id: str, policy: str) -> ActionFailed:
+    return ActionFailed(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=f"t-{decision_id}",
+                        action="assign", backend="sim", error="backend down", policy=PolicyRef(name=policy),
+                        confidence=0.6, task_kind="train", gpu_model="H100", failed_at=1.0)
+
+
+def ended(decision_id: str, state: str, policy: str, task_kind: str = "train") -> TaskLifecycle:
+    return TaskLifecycle(task_id=f"t-{decision_id}", state=state, decision_id=decision_id, policy=policy,
+                         confidence=0.7, task_kind=task_kind, gpu_model="H100", node="n1", gpus=[0], at=2.0)
+
+
+async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, client):
+    js = client.jetstream()
+    announced: list[FeedbackRecorded] = []
+
+    async def on_feedback(msg) -> None:
+        announced.append(decode(msg.data, FeedbackRecorded))
+
+    # A core subscription sees every publish, duplicates included: the stream's
+    # de-duplication cannot hide a second announcement from it.
+    await client.subscribe("feedback.recorded", cb=on_feedback)
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        # d1 fails, and the failure is delivered twice (different Nats-Msg-Id: a redelivery).
+        for msg_id in ("one", "two"):
+            await js.publish("action.failed", encode(failed("d1", "fgd")), headers={"Nats-Msg-Id": msg_id})
+        await js.publish("action.executed", encode(executed("d2", "migrate", "best-fit")))
+        await js.publish("action.executed", encode(executed("d3", "assign", "best-fit")))
+        await js.publish("task.lifecycle.t-d3", encode(ended("d3", "started", "best-fit")))
+        await js.publish("task.lifecycle.t-d3", encode(ended("d3", "finished", "best-fit")))
+        await js.publish("action.executed", encode(executed("d4", "assign", "best-fit", task_kind="infer")))
+        await js.publish("task.lifecycle.t-d4", encode(ended("d4", "oom_killed", "best-fit", task_kind="infer")))
+        # d3's end is delivered again later; it was judged already.
+        await js.publish("task.lifecycle.t-d3", encode(ended("d3", "finished", "best-fit")),
+                         headers={"Nats-Msg-Id": "again"})
+        await wait_for(lambda: len(announced) >= 4)
+        await asyncio.sleep(0.5)  # room for a duplicate announcement to arrive
+        reply = await client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
+        by_kind = await client.request("feedback.stats", encode(StatsQuery(by=["policy", "task_kind"])), timeout=5)
+    finally:
+        await host.stop()
+
+    outcomes = sorted((f.action_id, f.outcome) for f in announced)
+    assert outcomes == [("act-d1", "failure"), ("act-d2", "success"), ("act-d3", "success"), ("act-d4", "oom")]
+    store = await open_store(feedback_settings)
+    try:
+        stored = [r async for r in store.raw()]
+    finally:
+        await store.close()
+    assert sorted((r.action_id, r.outcome) for r in stored) == outcomes
+
+    groups = {g.key["policy"]: g for g in decode(reply.data, FeedbackStats).groups}
+    assert {p: (g.count, g.successes) for p, g in groups.items()} == {"best-fit@1": (3, 2), "fgd@1": (1, 0)}
+    assert groups["best-fit@1"].success_rate == pytest.approx(2 / 3)
+    kinds = {(g.key["policy"], g.key["task_kind"]): g.count for g in decode(by_kind.data, FeedbackStats).groups}
+    assert kinds == {("best-fit@1", "train"): 2, ("best-fit@1", "infer"): 1, ("fgd@1", "train"): 1}
+
+
+async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_comes_first(feedback_settings, client):
+    js = client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        await js.publish("task.lifecycle.t-d7", encode(ended("d7", "failed", "fgd")))
+        await js.publish("action.executed", encode(executed("d7", "assign", "fgd")))
+        store_has = await _wait_records(feedback_settings, 1)
+    finally:
+        await host.stop()
+    [record] = store_has
+    assert (record.action_id, record.outcome, record.policy.name) == ("act-d7", "failure", "fgd")
+    # The executor's latency was not known yet when the end was judged: marked untrustworthy.
+    assert record.latency_ms.uncertainty_score == 1.0
+
+
+async def _wait_records(settings: FeedbackSettings, count: int) -> list[FeedbackRecorded]:
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        store = await open_store(settings)
+        try:
+            records = [r async for r in store.raw()]
+        finally:
+            await store.close()
+        if len(records) >= count:
+            return records
+        assert asyncio.get_running_loop().time() < deadline, f"only {len(records)} records stored"
+        await asyncio.sleep(0.1)
