@@ -7,7 +7,6 @@ import time
 from collections.abc import Mapping, Sequence
 
 import msgspec
-
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -49,17 +48,33 @@ class BusSimBackend:
             raise BackendError(ack.detail)
         return (time.perf_counter() - began) * 1000.0
 
-    async def start(self, task_id: str, placement: Sequence[Placement], command: Sequence[str],
-                    env: Mapping[str, str]) -> TaskHandle:
+    async def start(
+        self, task_id: str, placement: Sequence[Placement], command: Sequence[str], env: Mapping[str, str]
+    ) -> TaskHandle:
         """Place the task on its GPUs; CPU-only tasks run without touching the GPUs."""
         peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
         gpus = [p.gpu for p in placement if p.gpu >= 0]
         latency = 0.0
         if gpus:
-            latency = await self._send(SimCommand(verb="place", task_id=task_id, node=placement[0].node, gpus=gpus,
-                                                  peak_memory_mb=peak, pattern=pattern, duration_s=duration))
-        return TaskHandle(task_id=task_id, backend=self.name, node=placement[0].node if placement else "",
-                          gpus=gpus, started_at=time.time(), latency_ms=latency)
+            latency = await self._send(
+                SimCommand(
+                    verb="place",
+                    task_id=task_id,
+                    node=placement[0].node,
+                    gpus=gpus,
+                    peak_memory_mb=peak,
+                    pattern=pattern,
+                    duration_s=duration,
+                )
+            )
+        return TaskHandle(
+            task_id=task_id,
+            backend=self.name,
+            node=placement[0].node if placement else "",
+            gpus=gpus,
+            started_at=time.time(),
+            latency_ms=latency,
+        )
 
     async def stop(self, task_id: str, grace_s: float) -> None:
         """Remove the task from the simulated fleet."""
@@ -69,10 +84,25 @@ class BusSimBackend:
         """Move the task (its memory curve restarts on the target, as after a checkpoint)."""
         peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
         gpus = [p.gpu for p in target if p.gpu >= 0]
-        latency = await self._send(SimCommand(verb="move", task_id=task_id, node=target[0].node, gpus=gpus,
-                                              peak_memory_mb=peak, pattern=pattern, duration_s=duration))
-        return TaskHandle(task_id=task_id, backend=self.name, node=target[0].node, gpus=gpus,
-                          started_at=time.time(), latency_ms=latency)
+        latency = await self._send(
+            SimCommand(
+                verb="move",
+                task_id=task_id,
+                node=target[0].node,
+                gpus=gpus,
+                peak_memory_mb=peak,
+                pattern=pattern,
+                duration_s=duration,
+            )
+        )
+        return TaskHandle(
+            task_id=task_id,
+            backend=self.name,
+            node=target[0].node,
+            gpus=gpus,
+            started_at=time.time(),
+            latency_ms=latency,
+        )
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
         """A resize changes only the ledger's view of the share in simulation."""

@@ -19,7 +19,6 @@ import logging
 from collections.abc import Mapping
 
 import msgspec
-
 from fleetpilot.contracts import NodeTopology, encode
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import CasConflict, KeyValue

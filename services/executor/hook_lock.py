@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 
 import msgspec
-
 from fleetpilot.executor import Clock
 from fleetpilot.runtime import CasConflict, KeyValue
 

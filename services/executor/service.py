@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import (
     ActionExecuted,
     DecisionMade,
@@ -60,6 +58,7 @@ from fleetpilot.ledger.accounting import confirmed
 from fleetpilot.ledger.store import node_key
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD, HealthModel
 from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
+from pydantic_settings import SettingsConfigDict
 
 from .backends import BusSimBackend, KvExecutionJournal
 from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels
@@ -138,8 +137,11 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     decisions: dict[str, DecisionMade] = {}
     windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
     model = HealthModel(threshold=settings.health_threshold)
-    rules = DecommissionRules(threshold_c=settings.decommission_threshold_c, hot_for_s=settings.decommission_hot_for_s,
-                              drain_s=settings.decommission_drain_s)
+    rules = DecommissionRules(
+        threshold_c=settings.decommission_threshold_c,
+        hot_for_s=settings.decommission_hot_for_s,
+        drain_s=settings.decommission_drain_s,
+    )
 
     async def open_parts(bus: Bus) -> None:
         parts["journal"] = KvExecutionJournal(await bus.kv("executions"))
@@ -148,8 +150,9 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         await labels.load()
         host.background(ledger.follow(), "ledger-view")
         host.background(labels.follow(), "topology-labels")
-        parts["hook"] = hook = PreDecommissionHook(settings.replica, KvHookLock(await bus.kv("hook_locks")),
-                                                   rules=rules)
+        parts["hook"] = hook = PreDecommissionHook(
+            settings.replica, KvHookLock(await bus.kv("hook_locks")), rules=rules
+        )
         parts["business"] = _TopologyBusiness(labels, hook)
         if settings.backend == "sim":
             parts["backend"] = BusSimBackend(bus, settings.default_duration_s)
@@ -171,25 +174,52 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         ledger: LedgerStore = parts["ledger"]
         await ledger.mutate(node_key(node), lambda cur: without_task(cur, task_id) if cur else None)
 
-    def lifecycle(task_id: str, state, node: str, gpus: list[int], detail: str = "",
-                  exit_code: int | None = None, at: float | None = None) -> TaskLifecycle:
+    def lifecycle(
+        task_id: str,
+        state,
+        node: str,
+        gpus: list[int],
+        detail: str = "",
+        exit_code: int | None = None,
+        at: float | None = None,
+    ) -> TaskLifecycle:
         d = decisions.get(task_id)
         gpu_model = parts["labels"].model_of(node, gpus[0]) if gpus and "labels" in parts else ""
-        return TaskLifecycle(task_id=task_id, state=state, node=node, gpus=gpus, detail=detail, exit_code=exit_code,
-                             decision_id=d.decision_id if d else "", policy=d.policy.name if d else "",
-                             shard_id=d.shard_id if d else "primary", confidence=d.confidence if d else 0.0,
-                             task_kind=d.task.kind if d and d.task else "", gpu_model=gpu_model,
-                             at=now() if at is None else at)
+        return TaskLifecycle(
+            task_id=task_id,
+            state=state,
+            node=node,
+            gpus=gpus,
+            detail=detail,
+            exit_code=exit_code,
+            decision_id=d.decision_id if d else "",
+            policy=d.policy.name if d else "",
+            shard_id=d.shard_id if d else "primary",
+            confidence=d.confidence if d else 0.0,
+            task_kind=d.task.kind if d and d.task else "",
+            gpu_model=gpu_model,
+            at=now() if at is None else at,
+        )
 
     @host.on(DecisionMade, consumer="executor-decisions")
     async def on_decision(decision: DecisionMade) -> list[Event]:
         backend = parts["backend"]
         if isinstance(backend, BusSimBackend) and decision.task is not None:
             task = decision.task
-            backend.describe(task.task_id, float(task.gpu_memory_mb or 1000), task.labels.get("growth", "flat"),
-                             task.expected_duration_s)
-        result = await execute_decision(decision, backend, parts["journal"], owner=settings.replica,
-                                        business=parts["business"], grace_s=settings.grace_s)
+            backend.describe(
+                task.task_id,
+                float(task.gpu_memory_mb or 1000),
+                task.labels.get("growth", "flat"),
+                task.expected_duration_s,
+            )
+        result = await execute_decision(
+            decision,
+            backend,
+            parts["journal"],
+            owner=settings.replica,
+            business=parts["business"],
+            grace_s=settings.grace_s,
+        )
         if result is None:
             raise Retry("another executor replica is carrying this decision out", 2.0)
         # A redelivered decision gets the recorded result back: everything below is
@@ -200,9 +230,18 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         if isinstance(result, ActionExecuted):
             if decision.action == "assign" and node:
                 decisions[decision.task_id] = decision
-                await parts["ledger"].mutate(node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None)
-                out.append(lifecycle(decision.task_id, "started", node, [p.gpu for p in decision.placement if p.gpu >= 0],
-                                     at=result.executed_at))
+                await parts["ledger"].mutate(
+                    node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None
+                )
+                out.append(
+                    lifecycle(
+                        decision.task_id,
+                        "started",
+                        node,
+                        [p.gpu for p in decision.placement if p.gpu >= 0],
+                        at=result.executed_at,
+                    )
+                )
             elif decision.action == "evict":
                 for src in {p.node for p in decision.source}:
                     await release(decision.task_id, src)
@@ -219,8 +258,16 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         if event.node:
             await release(event.task_id, event.node)
         state = "finished" if event.kind == "finished" else "oom_killed"
-        out = [lifecycle(event.task_id, state, event.node, [event.gpu] if event.gpu >= 0 else [], event.detail,
-                         0 if state == "finished" else 137)]
+        out = [
+            lifecycle(
+                event.task_id,
+                state,
+                event.node,
+                [event.gpu] if event.gpu >= 0 else [],
+                event.detail,
+                0 if state == "finished" else 137,
+            )
+        ]
         decisions.pop(event.task_id, None)
         return out
 
@@ -235,8 +282,17 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 continue
             if change.state in ("finished", "oom_killed", "failed") and change.node:
                 await release(change.task_id, change.node)
-            out.append(lifecycle(change.task_id, change.state, change.node, change.gpus, change.detail,
-                                 change.exit_code, at=change.at))
+            out.append(
+                lifecycle(
+                    change.task_id,
+                    change.state,
+                    change.node,
+                    change.gpus,
+                    change.detail,
+                    change.exit_code,
+                    at=change.at,
+                )
+            )
             if change.state in ("finished", "oom_killed", "failed"):
                 decisions.pop(change.task_id, None)
         return out
@@ -262,8 +318,13 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
                 return None
             await release(task_id, command.node)
-            event = lifecycle(task_id, "evicted", command.node, [command.gpu],
-                              detail=f"GPU {command.node}/{command.gpu} decommissioned: {command.reason}")
+            event = lifecycle(
+                task_id,
+                "evicted",
+                command.node,
+                [command.gpu],
+                detail=f"GPU {command.node}/{command.gpu} decommissioned: {command.reason}",
+            )
             decisions.pop(task_id, None)
             return event
 
@@ -302,11 +363,19 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 continue
             # Every replica assesses the same samples; the label write is idempotent, so
             # no lock is needed here.
-            if await labels.set(node, gpu, {MAINTENANCE_PENDING: "true",
-                                            "maintenance_risk": f"{assessment.failure_probability:.2f}"}):
+            if await labels.set(
+                node,
+                gpu,
+                {MAINTENANCE_PENDING: "true", "maintenance_risk": f"{assessment.failure_probability:.2f}"},
+            ):
                 top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
-                log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
-                            assessment.failure_probability, top)
+                log.warning(
+                    "maintenance pending on %s/%d: risk %.2f, mostly %s",
+                    node,
+                    gpu,
+                    assessment.failure_probability,
+                    top,
+                )
 
     return host
 

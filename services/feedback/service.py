@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -33,6 +31,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.feedback import FeedbackStore, PostgresFeedbackStore, SqliteFeedbackStore
 from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
+from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
 
@@ -87,13 +86,22 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             assign_latency[action.decision_id] = action.latency_ms
             return None
         failed = isinstance(action, ActionFailed)
-        return await record(FeedbackRecorded(
-            action_id=action.action_id, decision_id=action.decision_id, task_id=action.task_id,
-            outcome="failure" if failed else "success",
-            latency_ms=Measured(value=action.latency_ms, uncertainty_score=0.05),
-            unexpected_side_effect=[], policy=action.policy, shard_id=action.shard_id,
-            confidence=action.confidence, task_kind=action.task_kind, gpu_model=action.gpu_model,
-            recorded_at=now()))
+        return await record(
+            FeedbackRecorded(
+                action_id=action.action_id,
+                decision_id=action.decision_id,
+                task_id=action.task_id,
+                outcome="failure" if failed else "success",
+                latency_ms=Measured(value=action.latency_ms, uncertainty_score=0.05),
+                unexpected_side_effect=[],
+                policy=action.policy,
+                shard_id=action.shard_id,
+                confidence=action.confidence,
+                task_kind=action.task_kind,
+                gpu_model=action.gpu_model,
+                recorded_at=now(),
+            )
+        )
 
     @host.on(TaskLifecycle, consumer="feedback-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> FeedbackRecorded | None:
@@ -102,23 +110,47 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             return None
         latency = assign_latency.pop(life.decision_id, None)
         side_effects = ["oom_neighbour"] if life.state == "oom_killed" and "neighbour" in life.detail else []
-        return await record(FeedbackRecorded(
-            action_id=f"act-{life.decision_id}", decision_id=life.decision_id, task_id=life.task_id,
-            outcome=outcome,  # type: ignore[arg-type]
-            # Unknown latency (the executor replica restarted) is recorded as untrustworthy.
-            latency_ms=Measured(value=latency or 0.0, uncertainty_score=0.05 if latency is not None else 1.0),
-            unexpected_side_effect=side_effects, policy=PolicyRef(name=life.policy or "unknown"),
-            shard_id=life.shard_id, confidence=life.confidence, task_kind=life.task_kind,
-            gpu_model=life.gpu_model, recorded_at=now()))
+        return await record(
+            FeedbackRecorded(
+                action_id=f"act-{life.decision_id}",
+                decision_id=life.decision_id,
+                task_id=life.task_id,
+                outcome=outcome,  # type: ignore[arg-type]
+                # Unknown latency (the executor replica restarted) is recorded as untrustworthy.
+                latency_ms=Measured(
+                    value=latency or 0.0, uncertainty_score=0.05 if latency is not None else 1.0
+                ),
+                unexpected_side_effect=side_effects,
+                policy=PolicyRef(name=life.policy or "unknown"),
+                shard_id=life.shard_id,
+                confidence=life.confidence,
+                task_kind=life.task_kind,
+                gpu_model=life.gpu_model,
+                recorded_at=now(),
+            )
+        )
 
     @host.endpoint("stats", "feedback.stats", StatsQuery)
     async def stats(query: StatsQuery) -> FeedbackStats:
         groups = await parts["store"].aggregates(by=tuple(query.by))
-        return FeedbackStats(groups=[StatsGroup(
-            key=g.key, count=g.count, successes=g.successes, success_rate=g.success_rate,
-            weighted_success_rate=g.weighted_success_rate, p95_latency_ms=g.p95_latency_ms,
-            mean_resource_saving_mb=g.mean_resource_saving_mb, expected_successes=g.expected_successes,
-            calibration_gap=g.calibration_gap, brier_score=g.brier_score) for g in groups], at=now())
+        return FeedbackStats(
+            groups=[
+                StatsGroup(
+                    key=g.key,
+                    count=g.count,
+                    successes=g.successes,
+                    success_rate=g.success_rate,
+                    weighted_success_rate=g.weighted_success_rate,
+                    p95_latency_ms=g.p95_latency_ms,
+                    mean_resource_saving_mb=g.mean_resource_saving_mb,
+                    expected_successes=g.expected_successes,
+                    calibration_gap=g.calibration_gap,
+                    brier_score=g.brier_score,
+                )
+                for g in groups
+            ],
+            at=now(),
+        )
 
     return host
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -28,26 +27,45 @@ from .conftest import node_topology, wait_for
 
 
 def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> ExecutorSettings:
-    return ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path),
-                            **overrides)
+    return ExecutorSettings(
+        nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path), **overrides
+    )
 
 
 def assign(decision_id: str, task_id: str, gpu: int = 0, command: list[str] | None = None) -> DecisionMade:
-    return DecisionMade(decision_id=decision_id, task_id=task_id, action="assign",
-                        placement=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)], confidence=0.8,
-                        policy=PolicyRef(name="best-fit"), decided_at=now(),
-                        task=TaskSubmitted(task_id=task_id, kind="train", command=command))
+    return DecisionMade(
+        decision_id=decision_id,
+        task_id=task_id,
+        action="assign",
+        placement=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)],
+        confidence=0.8,
+        policy=PolicyRef(name="best-fit"),
+        decided_at=now(),
+        task=TaskSubmitted(task_id=task_id, kind="train", command=command),
+    )
 
 
 def evict(decision_id: str, task_id: str, gpu: int = 0) -> DecisionMade:
-    return DecisionMade(decision_id=decision_id, task_id=task_id, action="evict",
-                        source=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)], confidence=0.8,
-                        policy=PolicyRef(name="best-fit"), decided_at=now())
+    return DecisionMade(
+        decision_id=decision_id,
+        task_id=task_id,
+        action="evict",
+        source=[Placement(node="n1", gpu=gpu, milli=1000, memory_mb=1000)],
+        confidence=0.8,
+        policy=PolicyRef(name="best-fit"),
+        decided_at=now(),
+    )
 
 
 def reserved(task_id: str, decision_id: str, gpu: int = 0) -> bytes:
-    return encode(NodeLedger(node="n1", allocations=[
-        Allocation(task_id=task_id, decision_id=decision_id, gpu=gpu, milli=1000, memory_mb=1000)]))
+    return encode(
+        NodeLedger(
+            node="n1",
+            allocations=[
+                Allocation(task_id=task_id, decision_id=decision_id, gpu=gpu, milli=1000, memory_mb=1000)
+            ],
+        )
+    )
 
 
 async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, nats_url, tmp_path):
@@ -75,9 +93,11 @@ async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, 
 
 
 def sleeper(marker: Path) -> list[str]:
-    script = ("import os, sys, time\n"
-              f"open({str(marker)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + str(os.getpid()))\n"
-              "time.sleep(30)\n")
+    script = (
+        "import os, sys, time\n"
+        f"open({str(marker)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + str(os.getpid()))\n"
+        "time.sleep(30)\n"
+    )
     return [sys.executable, "-c", script]
 
 
@@ -111,8 +131,10 @@ async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(observ
     finally:
         await host.stop()
     assert visible == "3"
-    assert [(e.action, e.backend, e.gpu_model) for e in executed] == [("assign", "process", "H100"),
-                                                                      ("evict", "process", "H100")]
+    assert [(e.action, e.backend, e.gpu_model) for e in executed] == [
+        ("assign", "process", "H100"),
+        ("evict", "process", "H100"),
+    ]
     assert [(s.state, s.gpus) for s in life] == [("started", [3]), ("evicted", [])]
     assert life[0].gpu_model == "H100"
     assert (await observer.ledger("n1")).allocations == []
@@ -123,17 +145,23 @@ async def test_process_that_exits_is_reported_finished_and_its_hold_released(obs
     host = build(settings(nats_url, tmp_path, backend="process"))
     await host.start()
     try:
-        await observer.js.publish("decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"])))
+        await observer.js.publish(
+            "decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"]))
+        )
         life = await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)
     finally:
         await host.stop()
-    assert [(s.state, s.exit_code, s.decision_id) for s in life] == [("started", None, "d5"), ("finished", 0, "d5")]
+    assert [(s.state, s.exit_code, s.decision_id) for s in life] == [
+        ("started", None, "d5"),
+        ("finished", 0, "d5"),
+    ]
     assert (await observer.ledger("n1")).allocations == []
 
 
 @pytest.mark.parametrize("command", [None, ["/nonexistent/binary"]])
-async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(observer, nats_url, tmp_path,
-                                                                                command):
+async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(
+    observer, nats_url, tmp_path, command
+):
     await observer.kv_put("ledger", "n1", reserved("t3", "d6"))
     host = build(settings(nats_url, tmp_path, backend="process"))
     await host.start()

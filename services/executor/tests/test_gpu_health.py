@@ -21,12 +21,13 @@ from fleetpilot.contracts import (
 from fleetpilot.executor.decommission import lock_key
 from fleetpilot_services.executor.service import ExecutorSettings, HealthWindows, build
 
-from .conftest import gpu_sample, node_topology, publish_telemetry, wait_for
+from .conftest import gpu_sample, node_topology, publish_telemetry
 
 
 def settings(nats_url: str, tmp_path: Path, replica: str, **overrides) -> ExecutorSettings:
-    return ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path),
-                            **overrides)
+    return ExecutorSettings(
+        nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path), **overrides
+    )
 
 
 async def gpu_labels(observer, node: str, gpu: int) -> dict[str, str]:
@@ -45,11 +46,22 @@ async def wait_labels(observer, node: str, gpu: int, *names: str) -> dict[str, s
 
 
 async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_competing_executors(
-        observer, sim_fleet, nats_url, tmp_path):
+    observer, sim_fleet, nats_url, tmp_path
+):
     await observer.kv_put("topology", "n1", encode(node_topology("n1")))
-    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
-        Allocation(task_id="busy", decision_id="d0", gpu=0, milli=1000, state="confirmed"),
-        Allocation(task_id="elsewhere", decision_id="d9", gpu=1, milli=1000, state="confirmed")])))
+    await observer.kv_put(
+        "ledger",
+        "n1",
+        encode(
+            NodeLedger(
+                node="n1",
+                allocations=[
+                    Allocation(task_id="busy", decision_id="d0", gpu=0, milli=1000, state="confirmed"),
+                    Allocation(task_id="elsewhere", decision_id="d9", gpu=1, milli=1000, state="confirmed"),
+                ],
+            )
+        ),
+    )
     hosts = [build(settings(nats_url, tmp_path, replica)) for replica in ("a", "b")]
     for host in hosts:
         await host.start()
@@ -58,7 +70,9 @@ async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_compet
         # decommissioned when the 30-minute drain is over with the task still there.
         t0 = 1_000_000.0
         for at in (t0, t0 + 100):
-            await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, at, 95.0), gpu_sample("n1", 1, at, 60.0)])
+            await publish_telemetry(
+                observer, "n1", [gpu_sample("n1", 0, at, 95.0), gpu_sample("n1", 1, at, 60.0)]
+            )
         await asyncio.sleep(0.3)
         assert await gpu_labels(observer, "n1", 0) == {}  # hot, not yet for long enough
 
@@ -67,10 +81,16 @@ async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_compet
         assert "decommissioned" not in labels
 
         # New work for the cordoned GPU is refused by whichever replica takes it.
-        refused = DecisionMade(decision_id="d1", task_id="new", action="assign",
-                               placement=[Placement(node="n1", gpu=0, milli=500)], confidence=0.9,
-                               policy=PolicyRef(name="best-fit"), decided_at=now(),
-                               task=TaskSubmitted(task_id="new"))
+        refused = DecisionMade(
+            decision_id="d1",
+            task_id="new",
+            action="assign",
+            placement=[Placement(node="n1", gpu=0, milli=500)],
+            confidence=0.9,
+            policy=PolicyRef(name="best-fit"),
+            decided_at=now(),
+            task=TaskSubmitted(task_id="new"),
+        )
         await observer.js.publish("decision.made", encode(refused))
         failed = await observer.wait_stored("action.failed", ActionFailed, 1)
         assert "cordoned" in failed[0].error and not failed[0].retryable
@@ -104,9 +124,14 @@ async def test_gpu_with_decaying_hardware_is_labelled_maintenance_pending(observ
         t0 = 1_000_000.0
         await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0), gpu_sample("n1", 1, t0)])
         # GPU 0: two double-bit ECC errors (XID 48) in a minute; GPU 1 stays quiet.
-        await publish_telemetry(observer, "n1", [
-            gpu_sample("n1", 0, t0 + 60, ecc_uncorrected=2, xid_count=2, xid_last=48),
-            gpu_sample("n1", 1, t0 + 60)])
+        await publish_telemetry(
+            observer,
+            "n1",
+            [
+                gpu_sample("n1", 0, t0 + 60, ecc_uncorrected=2, xid_count=2, xid_last=48),
+                gpu_sample("n1", 1, t0 + 60),
+            ],
+        )
         labels = await wait_labels(observer, "n1", 0, "maintenance_pending")
         await asyncio.sleep(0.3)  # a few more assessments: the quiet GPU must stay unlabelled
         quiet = await gpu_labels(observer, "n1", 1)

@@ -6,7 +6,6 @@ import asyncio
 
 import nats
 import pytest
-
 from fleetpilot.executor import HookLock
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot_services.executor.hook_lock import KvHookLock
@@ -41,7 +40,9 @@ async def test_is_a_hook_lock_and_the_bucket_expires_locks_after_35_minutes(bus,
 async def test_of_many_racing_replicas_exactly_one_takes_the_lock(bus):
     kv = await bus.kv("hook_locks")
     locks = [KvHookLock(kv) for _ in range(8)]
-    won = await asyncio.gather(*(lock.acquire("decommission.n1.0", f"r{i}", 60) for i, lock in enumerate(locks)))
+    won = await asyncio.gather(
+        *(lock.acquire("decommission.n1.0", f"r{i}", 60) for i, lock in enumerate(locks))
+    )
     assert sum(won) == 1
     winner = f"r{won.index(True)}"
     assert await locks[0].holder("decommission.n1.0") == winner

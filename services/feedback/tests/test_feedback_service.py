@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import nats
 import pytest
-
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -67,20 +66,50 @@ async def client(nats_url):
 
 
 def executed(decision_id: str, action: str, policy: str, task_kind: str = "train") -> ActionExecuted:
-    return ActionExecuted(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=f"t-{decision_id}",
-                          action=action, backend="sim", latency_ms=12.0, policy=PolicyRef(name=policy),
-                          confidence=0.7, task_kind=task_kind, gpu_model="H100", executed_at=1.0)
+    return ActionExecuted(
+        action_id=f"act-{decision_id}",
+        decision_id=decision_id,
+        task_id=f"t-{decision_id}",
+        action=action,
+        backend="sim",
+        latency_ms=12.0,
+        policy=PolicyRef(name=policy),
+        confidence=0.7,
+        task_kind=task_kind,
+        gpu_model="H100",
+        executed_at=1.0,
+    )
 
 
 def failed(decision_id: str, policy: str) -> ActionFailed:
-    return ActionFailed(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=f"t-{decision_id}",
-                        action="assign", backend="sim", error="backend down", policy=PolicyRef(name=policy),
-                        confidence=0.6, task_kind="train", gpu_model="H100", failed_at=1.0)
+    return ActionFailed(
+        action_id=f"act-{decision_id}",
+        decision_id=decision_id,
+        task_id=f"t-{decision_id}",
+        action="assign",
+        backend="sim",
+        error="backend down",
+        policy=PolicyRef(name=policy),
+        confidence=0.6,
+        task_kind="train",
+        gpu_model="H100",
+        failed_at=1.0,
+    )
 
 
 def ended(decision_id: str, state: str, policy: str, task_kind: str = "train") -> TaskLifecycle:
-    return TaskLifecycle(task_id=f"t-{decision_id}", state=state, decision_id=decision_id, policy=policy,
-                         confidence=0.7, task_kind=task_kind, gpu_model="H100", node="n1", gpus=[0], at=2.0)
+    return TaskLifecycle(
+        task_id=f"t-{decision_id}",
+        state=state,
+        decision_id=decision_id,
+        policy=policy,
+        confidence=0.7,
+        task_kind=task_kind,
+        gpu_model="H100",
+        node="n1",
+        gpus=[0],
+        at=2.0,
+    )
 
 
 async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, client):
@@ -104,19 +133,31 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
         await js.publish("task.lifecycle.t-d3", encode(ended("d3", "started", "best-fit")))
         await js.publish("task.lifecycle.t-d3", encode(ended("d3", "finished", "best-fit")))
         await js.publish("action.executed", encode(executed("d4", "assign", "best-fit", task_kind="infer")))
-        await js.publish("task.lifecycle.t-d4", encode(ended("d4", "oom_killed", "best-fit", task_kind="infer")))
+        await js.publish(
+            "task.lifecycle.t-d4", encode(ended("d4", "oom_killed", "best-fit", task_kind="infer"))
+        )
         # d3's end is delivered again later; it was judged already.
-        await js.publish("task.lifecycle.t-d3", encode(ended("d3", "finished", "best-fit")),
-                         headers={"Nats-Msg-Id": "again"})
+        await js.publish(
+            "task.lifecycle.t-d3",
+            encode(ended("d3", "finished", "best-fit")),
+            headers={"Nats-Msg-Id": "again"},
+        )
         await wait_for(lambda: len(announced) >= 4)
         await asyncio.sleep(0.5)  # room for a duplicate announcement to arrive
         reply = await client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
-        by_kind = await client.request("feedback.stats", encode(StatsQuery(by=["policy", "task_kind"])), timeout=5)
+        by_kind = await client.request(
+            "feedback.stats", encode(StatsQuery(by=["policy", "task_kind"])), timeout=5
+        )
     finally:
         await host.stop()
 
     outcomes = sorted((f.action_id, f.outcome) for f in announced)
-    assert outcomes == [("act-d1", "failure"), ("act-d2", "success"), ("act-d3", "success"), ("act-d4", "oom")]
+    assert outcomes == [
+        ("act-d1", "failure"),
+        ("act-d2", "success"),
+        ("act-d3", "success"),
+        ("act-d4", "oom"),
+    ]
     store = await open_store(feedback_settings)
     try:
         stored = [r async for r in store.raw()]
@@ -127,11 +168,15 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
     groups = {g.key["policy"]: g for g in decode(reply.data, FeedbackStats).groups}
     assert {p: (g.count, g.successes) for p, g in groups.items()} == {"best-fit@1": (3, 2), "fgd@1": (1, 0)}
     assert groups["best-fit@1"].success_rate == pytest.approx(2 / 3)
-    kinds = {(g.key["policy"], g.key["task_kind"]): g.count for g in decode(by_kind.data, FeedbackStats).groups}
+    kinds = {
+        (g.key["policy"], g.key["task_kind"]): g.count for g in decode(by_kind.data, FeedbackStats).groups
+    }
     assert kinds == {("best-fit@1", "train"): 2, ("best-fit@1", "infer"): 1, ("fgd@1", "train"): 1}
 
 
-async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_comes_first(feedback_settings, client):
+async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_comes_first(
+    feedback_settings, client
+):
     js = client.jetstream()
     host = build(feedback_settings)
     await host.start()
