@@ -109,11 +109,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(observer, nats_url, tmp_path):
+async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(
+    observer, nats_url, tmp_path, monkeypatch
+):
+    # Chosen the way a deployment chooses it.
+    monkeypatch.setenv("FLEETPILOT_EXECUTOR_BACKEND", "process")
     await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=4)))
     await observer.kv_put("ledger", "n1", reserved("t1", "d1", gpu=3))
     marker = tmp_path / "child"
-    host = build(settings(nats_url, tmp_path, backend="process", grace_s=2.0))
+    host = build(settings(nats_url, tmp_path, grace_s=2.0))
     await host.start()
     try:
         await observer.js.publish("decision.made", encode(assign("d1", "t1", gpu=3, command=sleeper(marker))))
