@@ -61,7 +61,7 @@ class Fleet:
         while True:
             try:
                 batch = await sub.fetch(256, timeout=idle_s)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either
                 break
             out.extend(batch)
         await sub.unsubscribe()

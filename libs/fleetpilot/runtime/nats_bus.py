@@ -198,7 +198,7 @@ class NatsBus(Bus):
             try:
                 msgs = await sub.fetch(self._fetch_batch, timeout=1.0)
                 failures = 0
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when idle
                 continue
             except asyncio.CancelledError:
                 raise
