@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import (
     NodeTelemetry,
     SimAck,
@@ -36,6 +34,7 @@ from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings
 from fleetpilot.workload import MemoryGrowth
+from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.collector")
 

@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 
 import msgspec
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import BandwidthEstimate, NodeTopology, TopologyReport, TopologyUpdated, encode, now
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
+from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.topology")
 

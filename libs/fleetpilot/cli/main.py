@@ -15,6 +15,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("fleetpilot.cli.submit", "submit a task and print its decision"),
     "watch": ("fleetpilot.cli.watch", "follow decision.made (or other subjects)"),
     "token": ("fleetpilot.cli.token", "mint a bearer token with the local key"),
+    "topology": ("fleetpilot.cli.topology_cmd", "parse saved `nvidia-smi topo -m` output, print the graph as JSON"),
+    "fleet": ("fleetpilot.cli.fleet_cmd", "show the fleet from a spec, and live GPU readings when it runs"),
+    "fingerprint": ("fleetpilot.cli.fingerprint_cmd", "fingerprint a task's memory series (CSV) as JSON"),
 }
 
 

@@ -12,7 +12,6 @@ from collections import defaultdict
 
 import msgspec
 import pytest
-
 from fleetpilot.contracts import (
     GpuSample,
     NodeTelemetry,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fleetpilot.contracts import SimCommand
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.fleet.simulator import SimulatedFleet

@@ -10,7 +10,6 @@ import sys
 
 import msgspec
 import pytest
-
 from fleetpilot.contracts import NodeTopology, TopologyReport, TopologyUpdated, decode
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec

@@ -1,0 +1,39 @@
+"""``fleetpilot fingerprint SERIES.csv --at 0.25``: fingerprint a memory series as JSON.
+
+The CSV holds ``t,memory_mb`` rows of one task (see ``fleetpilot.fingerprint.series_csv``).
+Only the first ``--at`` fraction of the series is shown to the fingerprinter, as if the task
+had been running that long; the rest is the ground truth the prediction is scored against.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fleetpilot.fingerprint.series_csv import fingerprint_csv
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot fingerprint``."""
+    parser.add_argument("series", help="CSV of one task's memory over time")
+    parser.add_argument("--at", type=float, default=0.25,
+                        help="fraction of the series the fingerprinter sees, in (0, 1] (default 0.25)")
+
+
+def main(args, out=None) -> int:
+    """Fingerprint and print the result as indented JSON."""
+    out = out or sys.stdout
+    if not 0.0 < args.at <= 1.0:
+        raise ValueError(f"--at must be in (0, 1], got {args.at:g}")
+    path = Path(args.series)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory")
+    try:
+        result = fingerprint_csv(path, at=args.at)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    print(json.dumps(result, indent=2, default=float), file=out)
+    return 0

@@ -1,0 +1,269 @@
+"""``fleetpilot fleet``: what the fleet is made of and, when it runs, what every GPU is doing.
+
+Without a reachable NATS server it prints the fleet of a spec (``--spec`` YAML, ``--openb``
+node list, or the shipped three-site fleet): sites, nodes, GPUs per model, inter-site links
+and the bandwidth estimates of ``fleet.bandwidth.SiteNetwork``.
+
+With a running fleet (``--nats-url`` or ``FLEETPILOT_NATS_URL``) it also reads the
+``topology`` bucket (the nodes the collectors reported), the latest ``topology.updated``
+(the topology service's bandwidth estimates) and the ``gpu_state`` bucket (the latest
+sample of every GPU), and prints one line per GPU. It only reads: no bucket or stream is
+created by looking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fleetpilot.contracts import BandwidthEstimate, GpuSample, NodeTopology, TopologyUpdated, decode
+from fleetpilot.fleet.bandwidth import SiteNetwork
+from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
+
+CONNECT_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 10.0
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot fleet``."""
+    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
+                        help="a running fleet's NATS (default: $FLEETPILOT_NATS_URL; none: the spec only)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--spec", help="fleet spec YAML (default: the shipped three-site fleet)")
+    source.add_argument("--openb", metavar="NODES.csv", help="openb node list CSV")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+@dataclass
+class LiveFleet:
+    """What a running fleet's buckets and streams hold."""
+
+    url: str
+    nodes: list[NodeTopology] = field(default_factory=list)
+    samples: list[GpuSample] = field(default_factory=list)
+    bandwidth: list[BandwidthEstimate] | None = None
+
+
+def load_spec(args) -> tuple[Fleet, str]:
+    """The fleet named by the flags and a word on where it came from."""
+    try:
+        if args.openb:
+            return load_openb_fleet(args.openb), f"openb node list {args.openb}"
+        if args.spec:
+            if Path(args.spec).is_dir():
+                raise ValueError("is a directory")
+            return load_fleet_spec(args.spec), f"spec {args.spec}"
+    except FileNotFoundError:
+        raise ValueError(f"{args.openb or args.spec}: no such file") from None
+    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, LookupError, ValueError,
+            msgspec.ValidationError) as exc:
+        # A malformed spec surfaces as any of these from the YAML/CSV builders.
+        text = str(exc).strip("'\"") or type(exc).__name__
+        raise ValueError(f"{args.openb or args.spec}: not a valid fleet: {text}") from None
+    except Exception as exc:  # yaml.YAMLError and friends: still one line, never a traceback
+        raise ValueError(f"{args.openb or args.spec}: not a valid fleet: {str(exc).splitlines()[0]}") from None
+    return load_fleet_spec(), "shipped three-site spec"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+async def _read_bucket(js, bucket: str, kind: type) -> list:
+    """Every live value of a bucket decoded as ``kind``; a missing bucket is empty."""
+    import nats.js.errors
+
+    try:
+        kv = await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return []
+    watcher = await kv.watch(">", ignore_deletes=True)
+    out = []
+    try:
+        while True:
+            entry = await watcher.updates(timeout=READ_TIMEOUT_S)
+            if entry is None:  # end of the current values
+                break
+            if entry.value:
+                try:
+                    out.append(msgspec.json.decode(entry.value, type=kind))
+                except msgspec.DecodeError:
+                    continue  # a foreign or older value: not ours to show
+    finally:
+        await watcher.stop()
+    return out
+
+
+async def _last_bandwidth(js) -> list[BandwidthEstimate] | None:
+    import nats.js.errors
+
+    try:
+        msg = await js.get_last_msg("TOPOLOGY", "topology.updated")
+    except nats.js.errors.NotFoundError:
+        return None
+    try:
+        return list(decode(msg.data, TopologyUpdated).bandwidth)
+    except msgspec.DecodeError:
+        return None
+
+
+async def read_live(url: str) -> LiveFleet:
+    """Read the running fleet's state; ``ConnectionError`` when no server answers."""
+    import nats
+    import nats.errors
+
+    errors: list[BaseException] = []
+
+    async def on_error(exc: BaseException) -> None:
+        # nats-py prints a traceback per failed attempt unless given a callback.
+        errors.append(exc)
+
+    try:
+        nc = await asyncio.wait_for(nats.connect(servers=[url], name="fleetpilot-fleet", connect_timeout=CONNECT_TIMEOUT_S,
+                                                 # nats-py retries a refused first connect forever with 0
+                                                 # attempts; 1 attempt and no wait fails at once.
+                                                 max_reconnect_attempts=1, reconnect_time_wait=0,
+                                                 error_cb=on_error),
+                                    timeout=CONNECT_TIMEOUT_S * 2)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        cause = errors[-1] if errors else exc
+        raise ConnectionError(f"cannot connect to NATS at {url}: {_first_line(cause)}") from None
+    try:
+        js = nc.jetstream()
+        live = LiveFleet(url=url)
+        live.nodes = await _read_bucket(js, "topology", NodeTopology)
+        live.samples = await _read_bucket(js, "gpu_state", GpuSample)
+        live.bandwidth = await _last_bandwidth(js)
+        return live
+    finally:
+        await nc.close()
+
+
+def summarise(fleet: Fleet, source: str, live: LiveFleet | None) -> dict[str, Any]:
+    """The fleet as plain data: sites, nodes, GPUs per model, links, bandwidth estimates.
+
+    With live data, the reported nodes replace the spec's and the topology service's
+    estimates replace the ones computed from the spec's links.
+    """
+    nodes = fleet.nodes
+    if live is not None and live.nodes:
+        nodes = sorted(live.nodes, key=lambda n: n.node)
+        source = f"topology bucket at {live.url}"
+    known = {s.name: s for s in fleet.sites}
+    sites = list(fleet.sites) + [Site(name=s) for s in sorted({n.site for n in nodes} - set(known))]
+    bandwidth = SiteNetwork(fleet.links).estimates()
+    bandwidth_source = "computed from the spec's links"
+    if live is not None and live.bandwidth is not None:
+        bandwidth, bandwidth_source = live.bandwidth, "latest topology.updated"
+    return {
+        "fleet": fleet.name,
+        "source": source,
+        "sites": [
+            {"name": s.name, "kind": s.kind, "region": s.region,
+             "nodes": sum(1 for n in nodes if n.site == s.name),
+             "gpus": sum(len(n.gpus) for n in nodes if n.site == s.name),
+             "gpu_models": dict(sorted(Counter(g.model for n in nodes if n.site == s.name for g in n.gpus).items()))}
+            for s in sites
+        ],
+        "nodes": [{"node": n.node, "site": n.site, "gpus": len(n.gpus),
+                   "gpu_models": sorted({g.model for g in n.gpus})} for n in nodes],
+        "gpu_models": dict(sorted(Counter(g.model for n in nodes for g in n.gpus).items())),
+        "links": [msgspec.to_builtins(link) for link in fleet.links],
+        "bandwidth_source": bandwidth_source,
+        "bandwidth": [msgspec.to_builtins(b) for b in bandwidth],
+    }
+
+
+def gpu_rows(samples: list[GpuSample]) -> list[dict[str, Any]]:
+    """One compact record per GPU, ordered by node and index."""
+    return [
+        {"node": s.node, "gpu": s.gpu, "model": s.model, "util_pct": s.utilization_gpu_pct,
+         "mem_used_mb": s.memory_used_mb, "mem_total_mb": s.memory_total_mb, "temp_c": s.temperature_c,
+         "power_w": s.power_w, "ctx_switches_per_s": s.cuda_context_switches_per_sec.value, "at": s.at}
+        for s in sorted(samples, key=lambda s: (s.node, s.gpu))
+    ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _node_range(names: list[str]) -> str:
+    if not names:
+        return "no nodes"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out) -> None:
+    """Tables for people: the fleet, then (when live) one line per GPU."""
+    total_nodes = sum(s["nodes"] for s in summary["sites"])
+    total_gpus = sum(s["gpus"] for s in summary["sites"])
+    print(f"fleet {summary['fleet']} ({summary['source']}): {_count(len(summary['sites']), 'site')}, "
+          f"{_count(total_nodes, 'node')}, {_count(total_gpus, 'GPU')}", file=out)
+    for s in summary["sites"]:
+        models = ", ".join(f"{count}x {model}" for model, count in s["gpu_models"].items()) or "no GPUs"
+        where = ", ".join(x for x in (s["kind"], s["region"]) if x)
+        names = [n["node"] for n in summary["nodes"] if n["site"] == s["name"]]
+        print(f"  {s['name']} ({where}): {_count(s['nodes'], 'node')} [{_node_range(names)}], "
+              f"{_count(s['gpus'], 'GPU')}: {models}",
+              file=out)
+    if summary["links"]:
+        print("inter-site links:", file=out)
+        for link in summary["links"]:
+            name = f" {link['name']}" if link["name"] else ""
+            print(f"  {link['a']} <-> {link['b']}{name}: {link['rate_gbps']:g} Gbit/s, {link['rtt_ms']:g} ms RTT",
+                  file=out)
+    if summary["bandwidth"]:
+        print(f"bandwidth estimates, Gbit/s ({summary['bandwidth_source']}):", file=out)
+        pairs: dict[tuple[str, str], dict[str, dict]] = {}
+        for b in summary["bandwidth"]:
+            pairs.setdefault((b["a_site"], b["b_site"]), {})[b["strategy"]] = b
+        for (a, b), by in pairs.items():
+            cells = "  ".join(f"{k} {v['effective_gbps']:8.1f} (uncertainty {v['uncertainty_score']:.1f})"
+                              for k, v in sorted(by.items()))
+            print(f"  {a} <-> {b}: {cells}", file=out)
+    if rows is None:
+        return
+    if not rows:
+        print("live: no GPU samples in the gpu_state bucket (is the collector running?)", file=out)
+        return
+    print(f"live: {len(rows)} GPUs", file=out)
+    width = max(len("NODE"), *(len(r["node"]) for r in rows))
+    model_w = max(len("MODEL"), *(len(r["model"]) for r in rows))
+    print(f"{'NODE':<{width}} {'GPU':>3} {'MODEL':<{model_w}} {'UTIL%':>6} {'MEM USED/TOTAL MiB':>19} "
+          f"{'TEMP C':>6} {'POWER W':>7} {'CTXSW/S':>8}", file=out)
+    for r in rows:
+        mem = f"{r['mem_used_mb']:.0f}/{r['mem_total_mb']:.0f}"
+        print(f"{r['node']:<{width}} {r['gpu']:>3} {r['model']:<{model_w}} {r['util_pct']:>6.1f} {mem:>19} "
+              f"{r['temp_c']:>6.1f} {r['power_w']:>7.1f} {r['ctx_switches_per_s']:>8.1f}", file=out)
+
+
+def main(args, out=None) -> int:
+    """Print the fleet; live readings too when a fleet answers at the NATS URL."""
+    out = out or sys.stdout
+    fleet, source = load_spec(args)
+    live: LiveFleet | None = None
+    if args.nats_url:
+        try:
+            live = asyncio.run(read_live(args.nats_url))
+        except ConnectionError as exc:
+            # No fleet running is the normal case on a laptop: the spec is still worth showing.
+            print(f"fleetpilot fleet: {exc}; showing the spec only", file=sys.stderr)
+    summary = summarise(fleet, source, live)
+    rows = gpu_rows(live.samples) if live is not None else None
+    if args.json:
+        doc: dict[str, Any] = {"fleet": summary}
+        if live is not None:
+            doc["live"] = {"nats_url": live.url, "gpus": rows}
+        print(json.dumps(doc, indent=2), file=out)
+    else:
+        render_text(summary, rows, out)
+    return 0

@@ -1,0 +1,247 @@
+"""``fleetpilot topology``, ``fleetpilot fleet`` and ``fleetpilot fingerprint`` through
+``fleetpilot.cli.main.main``: their output, and one line on stderr with exit 2 for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from fleetpilot.cli.main import main
+from fleetpilot.contracts import GpuSample, TopologyUpdated, encode
+from fleetpilot.fleet.bandwidth import SiteNetwork
+from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.fleet.simulator import SimulatedFleet
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.workload import MemoryGrowth
+
+TOPO = Path(__file__).resolve().parents[2] / "fleet" / "data" / "topo"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture(autouse=True)
+def no_fleet_running(monkeypatch):
+    # `--nats-url` defaults to the environment; a developer's running fleet must not leak in.
+    monkeypatch.delenv("FLEETPILOT_NATS_URL", raising=False)
+
+
+# -- fleetpilot topology ------------------------------------------------------------------
+
+def test_topology_prints_the_graph_of_a_dual_socket_server(capsys):
+    code, out, err = run(capsys, "topology", str(TOPO / "dual_socket_pcie.txt"), "--node", "gpu-7")
+    assert code == 0 and err == ""
+    graph = json.loads(out)
+    assert graph["node"] == "gpu-7" and graph["cpu_sockets"] == 2
+    assert [(g["index"], g["numa_node"], g["cpu_affinity"]) for g in graph["gpus"]] == [
+        (0, 0, "0-19,40-59"), (1, 0, "0-19,40-59"), (2, 1, "20-39,60-79"), (3, 1, "20-39,60-79")]
+    links = {(link["a"], link["b"]): (link["kind"], link["cost"]) for link in graph["links"]}
+    assert links[("GPU0", "GPU1")] == ("PIX", 2.0)
+    assert links[("GPU0", "GPU2")] == ("SYS", 8.0)
+    assert links[("GPU2", "GPU3")] == ("PHB", 4.0)
+    assert [(n["name"], n["numa_node"]) for n in graph["nics"]] == [("mlx5_0", 0), ("mlx5_1", 1)]
+    assert len(graph["gpu_cost_matrix"]) == 4
+
+
+def test_topology_of_nvlink_machine_has_nvlink_links(capsys):
+    code, out, _ = run(capsys, "topology", str(TOPO / "dgx_a100.txt"), "--compact")
+    assert code == 0 and len(out.strip().splitlines()) == 1
+    graph = json.loads(out)
+    gpu_pairs = [link for link in graph["links"] if link["a"].startswith("GPU") and link["b"].startswith("GPU")]
+    assert gpu_pairs and all(link["kind"] == "NV" and link["nvlinks"] == 12 for link in gpu_pairs)
+
+
+def test_topology_corrects_phb_across_numa_nodes(capsys):
+    code, out, _ = run(capsys, "topology", str(TOPO / "cloud_vm_phb.txt"))
+    assert code == 0
+    assert any(link["numa_corrected"] and link["reported"] == "PHB" and link["kind"] == "SYS"
+               for link in json.loads(out)["links"])
+
+
+@pytest.mark.parametrize(("content", "fragments"), [
+    ("", ("line 1", "empty")),
+    ("this is not a matrix\n", ("line 1", "GPU0")),
+    ("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tZZ\t0-7\t0\nGPU1\tZZ\t X \t0-7\t0\n", ("line 2",)),
+    (b"\xff\xfe\x00garbage", ("not a text file",)),
+])
+def test_topology_bad_input_is_one_line_naming_the_line(capsys, tmp_path, content, fragments):
+    path = tmp_path / "topo.txt"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert_one_line_error(*run(capsys, "topology", str(path)), "fleetpilot topology", str(path), *fragments)
+
+
+def test_topology_missing_file_is_one_line(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "topology", str(tmp_path / "absent.txt")), "absent.txt")
+
+
+# -- fleetpilot fingerprint ---------------------------------------------------------------
+
+def series_csv(tmp_path: Path) -> Path:
+    # A linear leak: 1 GiB growing by 64 MiB every 10 s for 1000 s.
+    rows = ["timestamp_s,used_bytes"] + [f"{t},{(1024 + 6.4 * t) * 2**20:.0f}" for t in range(0, 1001, 10)]
+    path = tmp_path / "series.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_fingerprint_prints_json_with_the_prediction(capsys, tmp_path):
+    code, out, err = run(capsys, "fingerprint", str(series_csv(tmp_path)), "--at", "0.25")
+    assert code == 0 and err == ""
+    result = json.loads(out)
+    assert result["at"] == 0.25 and result["samples_total"] == 101 and result["samples_used"] == 26
+    assert result["actual_peak_mb"] == pytest.approx(1024 + 6400, rel=1e-6)
+    assert result["peak_so_far_mb"] == pytest.approx(1024 + 1600, rel=1e-6)
+    # Seeing a quarter of a linear growth, the prediction must beat "peak so far".
+    assert abs(result["error_mb"]) < abs(result["baseline_error_mb"])
+
+
+@pytest.mark.parametrize(("content", "args", "fragments"), [
+    ("0,100\n5,200\nten,300\n", (), ("line 3",)),
+    ("0,100\n5,-1\n", (), ("line 2",)),
+    ("", (), ("no samples",)),
+    ("0,100\n5,200\n", ("--at", "1.5"), ("--at",)),
+])
+def test_fingerprint_bad_input_is_one_line(capsys, tmp_path, content, args, fragments):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    assert_one_line_error(*run(capsys, "fingerprint", str(path), *args), "fleetpilot fingerprint", *fragments)
+
+
+def test_fingerprint_missing_file_is_one_line(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "fingerprint", str(tmp_path / "nope.csv")), "nope.csv")
+
+
+# -- fleetpilot fleet ---------------------------------------------------------------------
+
+def test_fleet_from_the_shipped_spec(capsys):
+    code, out, err = run(capsys, "fleet")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == "fleet three-site (shipped three-site spec): 3 sites, 28 nodes, 112 GPUs"
+    assert "site-a (datacenter, eu-west): 8 nodes [a100-00 .. a100-07], 64 GPUs: 64x A100-40GB" in out
+    assert "site-a <-> site-b a-b-dark-fibre: 100 Gbit/s, 9 ms RTT" in out
+    assert "live:" not in out
+
+
+def test_fleet_json_has_sites_models_links_and_estimates(capsys):
+    code, out, _ = run(capsys, "fleet", "--json")
+    doc = json.loads(out)
+    assert code == 0 and "live" not in doc
+    fleet = load_fleet_spec()
+    summary = doc["fleet"]
+    assert {s["name"]: s["gpus"] for s in summary["sites"]} == {"site-a": 64, "site-b": 32, "edge": 16}
+    assert summary["gpu_models"] == {"A100-40GB": 64, "H100": 32, "Jetson-Orin": 16}
+    assert len(summary["nodes"]) == len(fleet.nodes) and len(summary["links"]) == len(fleet.links)
+    expected = {(e.a_site, e.b_site, e.strategy): e.effective_gbps for e in SiteNetwork(fleet.links).estimates()}
+    assert {(b["a_site"], b["b_site"], b["strategy"]): b["effective_gbps"] for b in summary["bandwidth"]} == expected
+
+
+def test_fleet_from_an_openb_node_list(capsys, tmp_path):
+    csv = tmp_path / "nodes.csv"
+    csv.write_text("sn,cpu_milli,memory_mib,gpu,model\nob-0,64000,262144,2,V100M16\nob-1,96000,393216,8,T4\n"
+                   "ob-2,32000,131072,0,\n")
+    code, out, _ = run(capsys, "fleet", "--openb", str(csv), "--json")
+    summary = json.loads(out)["fleet"]
+    assert code == 0 and summary["fleet"] == "openb"
+    assert summary["gpu_models"] == {"T4": 8, "V100-16GB": 2}
+    assert summary["sites"][0]["nodes"] == 3 and summary["bandwidth"] == []
+
+
+@pytest.mark.parametrize(("flag", "content", "fragments"), [
+    ("--spec", "sites: [{name: x}]\nlinks: [{a: x, b: nowhere, rate_gbps: 1, rtt_ms: 1}]\n", ("unknown site",)),
+    ("--spec", "sites: [{name: x, groups: [{prefix: n, shape: {gpu_model: NoSuchGPU, gpus: 1}}]}]\n", ("NoSuchGPU",)),
+    ("--spec", "sites: [\n  - {name: x\n", ("not a valid fleet",)),
+    ("--openb", "sn,cpu_milli\nob-0,abc\n", ("not a valid fleet",)),
+])
+def test_fleet_bad_spec_is_one_line(capsys, tmp_path, flag, content, fragments):
+    path = tmp_path / "fleet.in"
+    path.write_text(content)
+    assert_one_line_error(*run(capsys, "fleet", flag, str(path)), "fleetpilot fleet", str(path), *fragments)
+
+
+def test_fleet_missing_spec_is_one_line(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "fleet", "--spec", str(tmp_path / "none.yaml")), "none.yaml")
+
+
+def test_fleet_with_unreachable_nats_falls_back_to_the_spec(capsys, monkeypatch):
+    from fleetpilot.runtime.embedded import free_port
+
+    monkeypatch.setenv("FLEETPILOT_NATS_URL", f"nats://127.0.0.1:{free_port()}")
+    code, out, err = run(capsys, "fleet")
+    assert code == 0 and out.startswith("fleet three-site")
+    assert len(err.strip().splitlines()) == 1 and "cannot connect to NATS" in err and "spec only" in err
+
+
+async def _populate(url: str) -> list[GpuSample]:
+    """What a collector and the topology service leave behind, written directly."""
+    fleet = load_fleet_spec()
+    sim = SimulatedFleet(fleet, seed=5)
+    sim.place("job", "a100-01", [0, 1], MemoryGrowth(pattern="flat", base_mb=9000, peak_mb=9000, duration_s=999),
+              util=65.0)
+    sim.place("peer", "a100-01", [1], MemoryGrowth(pattern="flat", base_mb=2000, peak_mb=2000, duration_s=999),
+              util=20.0)
+    sim.advance(5.0)
+    nodes = [fleet.node("a100-01"), fleet.node("orin-03")]
+    samples = [s for n in nodes for s in sim.sample(n.node)]
+    bus = await NatsBus.connect(url, "cli-test")
+    await bus.ensure_topology()
+    topology, state = await bus.kv("topology"), await bus.kv("gpu_state")
+    for n in nodes:
+        await topology.put(node_key(n.node), encode(n))
+    for s in samples:
+        await state.put(f"{node_key(s.node)}.{s.gpu}", encode(s))
+    live_estimate = SiteNetwork(fleet.links, used_gbps={"a-b-dark-fibre": 60.0}).estimates()
+    await bus.publish(TopologyUpdated(revision=1, nodes=["a100-01"], bandwidth=live_estimate, at=1.0))
+    await bus.drain()
+    return samples
+
+
+def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
+    samples = asyncio.run(_populate(nats_url))
+    code, out, err = run(capsys, "fleet", "--nats-url", nats_url, "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["fleet"]["source"] == f"topology bucket at {nats_url}"
+    assert [n["node"] for n in doc["fleet"]["nodes"]] == ["a100-01", "orin-03"]
+    assert doc["fleet"]["bandwidth_source"] == "latest topology.updated"
+    a_b = next(b for b in doc["fleet"]["bandwidth"] if b["strategy"] == "balanced" and b["b_site"] == "site-b"
+               and b["a_site"] == "site-a")
+    assert a_b["effective_gbps"] == pytest.approx(240.0 - 60.0)
+    rows = doc["live"]["gpus"]
+    assert [(r["node"], r["gpu"]) for r in rows] == sorted((s.node, s.gpu) for s in samples)
+    shared = next(r for r in rows if r["node"] == "a100-01" and r["gpu"] == 1)
+    truth = next(s for s in samples if s.node == "a100-01" and s.gpu == 1)
+    assert shared["util_pct"] == truth.utilization_gpu_pct == 85.0
+    assert shared["mem_used_mb"] == truth.memory_used_mb and shared["mem_total_mb"] == 40960.0
+    assert shared["ctx_switches_per_s"] == truth.cuda_context_switches_per_sec.value > 0
+
+    code, text, _ = run(capsys, "fleet", "--nats-url", nats_url)
+    assert code == 0
+    header = next(line for line in text.splitlines() if line.startswith("NODE"))
+    assert header.split() == ["NODE", "GPU", "MODEL", "UTIL%", "MEM", "USED/TOTAL", "MiB", "TEMP", "C", "POWER",
+                              "W", "CTXSW/S"]
+    line = next(line for line in text.splitlines() if line.startswith("a100-01") and line.split()[1] == "1")
+    assert line.split()[2:5] == ["A100-40GB", "85.0", f"{truth.memory_used_mb:.0f}/40960"]
+    assert "live: 9 GPUs" in text
+
+
+def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):
+    code, out, err = run(capsys, "fleet", "--nats-url", nats_url)
+    assert code == 0 and err == ""
+    assert out.startswith("fleet three-site (shipped three-site spec)")
+    assert "live: no GPU samples in the gpu_state bucket" in out
+
