@@ -3,24 +3,62 @@
 Every ``task.submitted`` must carry ``Authorization: Bearer <jwt>``; the tenant comes from
 the verified token, never from the payload. A submission without a valid token gets
 ``task.rejected`` (code ``unauthenticated``) and nothing else happens. A valid one is
-negotiated against the live fleet: admitted as asked (``task.admitted``), answered with a
-counter-offer (``sla.offer.<task>``), or rejected with the reason.
+negotiated (``fleetpilot.sla.negotiate``) against a snapshot of the live fleet (topology
+and ledger buckets, agreed contracts, inter-site bandwidth, the GPU catalogue):
+
+- admitted -> ``task.admitted`` with the agreed contract, stored in the ``contracts`` bucket;
+- counter-offer -> ``sla.offer.<task>``, stored with the submission as an open offer so any
+  replica can answer the reply; the client answers on ``sla.reply.<task>``: accepting an
+  option -> ``task.admitted`` under that option's terms, declining -> ``task.rejected``
+  (``offer_declined``), silence past the validity -> ``task.rejected`` (``offer_expired``);
+- rejected -> ``task.rejected`` with the negotiator's code and reason.
+
+The policy places by ``task.gpu_models`` only, so the agreed model is written into the
+admitted task (``task.gpu_models = [agreed model]``): that is how the contract reaches the
+placement without the policy reading contracts.
+
+``sla.negotiate`` answers the same question interactively (request: a ``task.submitted``
+body with the Authorization header; reply: ``sla.offer``, ``task.admitted`` or
+``task.rejected``) without publishing or storing anything: a quote.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import msgspec
+from fleetpilot.auth import AuthError, Claims, TokenVerifier, load_jwks
+from fleetpilot.contracts import (
+    Event,
+    Fingerprint,
+    SlaOffer,
+    SlaReply,
+    TaskAdmitted,
+    TaskRejected,
+    TaskSubmitted,
+    TopologyUpdated,
+)
+from fleetpilot.fingerprint.signature import SignatureStats, predict, task_signature
+from fleetpilot.ledger import FleetView as TopologyView
+from fleetpilot.ledger import LedgerStore
+from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings
+from fleetpilot.sla import Admit, CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
 from prometheus_client import Counter
 from pydantic_settings import SettingsConfigDict
 
-from fleetpilot.auth import AuthError, TokenVerifier, load_jwks
-from fleetpilot.contracts import Contract, Event, TaskAdmitted, TaskRejected, TaskSubmitted, now
-from fleetpilot.runtime import Delivery, ServiceHost, ServiceSettings
+from .snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
+from .store import ContractStore, OfferRecord
 
 log = logging.getLogger("fleetpilot.sla")
+
+_STATS = msgspec.json.Decoder(SignatureStats)
+
+Clock = Callable[[], float]
 
 
 class SlaSettings(ServiceSettings):
@@ -33,6 +71,16 @@ class SlaSettings(ServiceSettings):
     issuer: str = "fleetpilot-local"
     algorithms: list[str] = ["EdDSA", "ES256", "RS256"]
     offer_validity_s: float = 30.0
+    max_options: int = 4
+    expiry_interval_s: float = 0.5
+    reserve_fraction: float = 0.1
+    local_bandwidth_gbps: float = 5.0
+    default_bandwidth_gbps: float = 1.0
+    bandwidth_strategy: Literal["min_rtt", "balanced"] = "min_rtt"
+    reference_p95_ms: float = 50.0
+    default_price_per_gpu_hour: float = 1.0
+    negotiate_subject: str = "sla.negotiate"
+    require_reply_token: bool = True
 
 
 def bearer_token(headers: dict[str, str]) -> str | None:
@@ -43,57 +91,300 @@ def bearer_token(headers: dict[str, str]) -> str | None:
     return None
 
 
-def load_verifier(settings: SlaSettings) -> TokenVerifier:
-    """The token verifier over the published key set (``<state_dir>/jwks.json`` by default)."""
-    path = Path(settings.jwks_path or Path(settings.state_dir) / "jwks.json")
+def jwks_path_of(settings: SlaSettings) -> Path:
+    """Where the verifier's key set is: ``jwks_path`` or ``<state_dir>/jwks.json``."""
+    return Path(settings.jwks_path or Path(settings.state_dir) / "jwks.json")
+
+
+def load_verifier(settings: SlaSettings, clock: Clock = time.time) -> TokenVerifier:
+    """The token verifier over the published key set."""
+    path = jwks_path_of(settings)
     if not path.exists():
         raise FileNotFoundError(f"no JWKS at {path}: run `fleetpilot token --init` or set FLEETPILOT_SLA_JWKS_PATH")
     return TokenVerifier(load_jwks(path), audience=settings.audience, issuer=settings.issuer,
-                         algorithms=settings.algorithms)
+                         algorithms=settings.algorithms, clock=clock)
 
 
-def build(settings: SlaSettings | None = None) -> ServiceHost:
-    """Wire the negotiator."""
+class Gate:
+    """Authentication at the edge: bearer token -> verified claims, refusals counted.
+
+    The key set is re-read when the JWKS file changes (keys rotate weekly), so a rotation
+    needs no restart; a retired key is refused by the verifier even from a stale file.
+    """
+
+    def __init__(self, settings: SlaSettings, clock: Clock, refused: Counter) -> None:
+        self._path = jwks_path_of(settings)
+        self._verifier = load_verifier(settings, clock)
+        self._seen = self._stamp()
+        self._refused = refused
+
+    def _stamp(self) -> tuple[int, int]:
+        stat = self._path.stat()
+        return stat.st_mtime_ns, stat.st_size
+
+    def _refresh(self) -> None:
+        stamp = self._stamp()
+        if stamp != self._seen:
+            self._verifier.update_jwks(load_jwks(self._path))
+            self._seen = stamp
+
+    def claims(self, headers: dict[str, str]) -> Claims:
+        """The verified claims of the request's bearer token; ``AuthError`` (counted) otherwise."""
+        try:
+            token = bearer_token(headers)
+            if token is None:
+                raise AuthError("malformed", "no bearer token in the Authorization header")
+            self._refresh()
+            return self._verifier.verify(token)
+        except AuthError as exc:
+            self._refused.labels(exc.reason).inc()
+            raise
+
+
+def _rejected(task_id: str, tenant: str, code, reason: str, at: float) -> TaskRejected:
+    return TaskRejected(task_id=task_id, tenant=tenant, code=code, reason=reason, rejected_at=at)
+
+
+def _model_bound(task: TaskSubmitted) -> bool:
+    """Whether the ask depends on which GPU model runs it (then the agreed model is pinned)."""
+    sla = task.sla
+    return bool(task.gpu_models) or any(bound is not None for bound in (
+        sla.max_queue_s, sla.warmup_ms, sla.p95_latency_ms, sla.deadline, sla.cost_ceiling_per_hour))
+
+
+def admission(task: TaskSubmitted, admit: Admit, at: float) -> TaskAdmitted:
+    """The ``task.admitted`` of an :class:`Admit`, shaped so the policy honours the contract.
+
+    When the ask depends on the GPU model (any bound, or a list of models) the task is
+    pinned to the model the contract was estimated on, because the policy places by
+    ``task.gpu_models``. An unbounded ask keeps its own (possibly empty) list: any GPU
+    satisfies it, and pinning would only stop the policy from packing.
+    """
+    contract = admit.contract
+    if _model_bound(task) and contract.gpu_models:
+        task = msgspec.structs.replace(task, gpu_models=list(contract.gpu_models))
+    else:
+        contract = msgspec.structs.replace(contract, gpu_models=list(task.gpu_models))
+    return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=at)
+
+
+def settle_reply(record: OfferRecord, reply: SlaReply, at: float) -> TaskAdmitted | TaskRejected:
+    """The outcome of the client's reply to an open offer (mirrors ``OfferBook.reply``).
+
+    Accepting admits under the option's terms (``contract_for``) with the task pinned to the
+    option's GPU model; declining rejects with ``offer_declined``; a reply after
+    ``valid_until`` gets ``offer_expired``. An option the offer does not list raises
+    ``Reject`` (dead letter) and leaves the offer open for a correct answer.
+    """
+    offer, task = record.offer, record.task
+    if at > offer.valid_until:
+        return _rejected(task.task_id, task.tenant, "offer_expired", "the offer expired before the answer came", at)
+    if not reply.accept:
+        return _rejected(task.task_id, task.tenant, "offer_declined", "the client declined every option", at)
+    option = next((o for o in offer.options if o.option_id == reply.option_id), None)
+    if option is None:
+        raise Reject(f"offer {offer.offer_id} has no option {reply.option_id!r}")
+    contract = contract_for(task, option, offer.offer_id)
+    if option.gpu_model:
+        task = msgspec.structs.replace(task, gpu_models=[option.gpu_model])
+    return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=at)
+
+
+class Negotiator:
+    """One replica's live inputs (fleet, ledger, contracts, bandwidth) and the decisions on them."""
+
+    def __init__(self, bus: Bus, settings: SlaSettings, clock: Clock, topology: TopologyView,
+                 ledger: LedgerStore, store: ContractStore) -> None:
+        self.bus, self.settings, self.clock = bus, settings, clock
+        self.topology, self.ledger, self.store = topology, ledger, store
+        self.bandwidth: dict[tuple[str, str], float] = {}
+        self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction,
+                                   local_bandwidth_gbps=settings.local_bandwidth_gbps,
+                                   default_bandwidth_gbps=settings.default_bandwidth_gbps,
+                                   reference_p95_ms=settings.reference_p95_ms,
+                                   default_price_per_gpu_hour=settings.default_price_per_gpu_hour)
+        self.policy = NegotiationPolicy(offer_ttl_s=settings.offer_validity_s, max_options=settings.max_options)
+
+    async def fingerprint(self, task: TaskSubmitted) -> Fingerprint | None:
+        """What past runs of the same signature predict (memory peak, warm-up), if known."""
+        try:
+            entry = await (await self.bus.kv("fingerprints")).get(task_signature(task))
+            return predict(_STATS.decode(entry.value)) if entry and entry.value else None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Negotiate without it rather than refuse: the fingerprint only sharpens estimates.
+            log.warning("unreadable fingerprint for %s: %s", task.task_id, exc)
+            return None
+
+    async def decide(self, task: TaskSubmitted) -> Event:
+        """Negotiate ``task`` (tenant already verified); the event that answers it, unstored."""
+        now = self.clock()
+        fleet_models = {g.model for node in self.topology.nodes.values() for g in node.gpus}
+        if task.gpu_models:
+            task = msgspec.structs.replace(task, gpu_models=as_named_by_fleet(task.gpu_models, fleet_models))
+        view = fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
+                          now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs)
+        decision = negotiate(task, view, now=now, fingerprint=await self.fingerprint(task), policy=self.policy)
+        if isinstance(decision, Admit):
+            return admission(task, decision, now)
+        if isinstance(decision, CounterOffer):
+            offer = OfferBook(clock=self.clock).open(task, decision, tenant=task.tenant)
+            # The book numbers offers per instance; a unique id keeps a late reply to an
+            # earlier offer for the same task id from landing on a newer one.
+            return msgspec.structs.replace(offer, offer_id=f"{task.task_id}/{uuid.uuid4().hex[:12]}")
+        return _rejected(task.task_id, task.tenant, decision.code, decision.reason, now)
+
+    async def submitted(self, task: TaskSubmitted, redelivered: bool) -> Event:
+        """Answer a verified submission: reuse a stored answer for the same task, else negotiate."""
+        stored = await self.store.admission(task.task_id)
+        if stored is not None:
+            _same_tenant(stored.tenant, task)
+            return stored  # a redelivery or a resubmission: same admission, same msg id
+        existing = await self.store.offer(task.task_id)
+        if existing is not None:
+            record, revision = existing
+            _same_tenant(record.task.tenant, task)
+            if record.state == "open":
+                return record.offer
+            if redelivered and record.outcome is not None:
+                return record.outcome
+        answer = await self.decide(task)
+        if isinstance(answer, TaskAdmitted):
+            await self.store.record_admission(answer)
+        elif isinstance(answer, SlaOffer):
+            record = await self.store.open_offer(OfferRecord(offer=answer, task=task),
+                                                 replacing=existing[1] if existing is not None else None)
+            answer = record.offer if record.state == "open" else record.outcome  # type: ignore[assignment]
+        return answer
+
+    async def replied(self, reply: SlaReply, tenant: str | None) -> TaskAdmitted | TaskRejected:
+        """Close the offer ``reply`` answers, once across replicas (CAS on the offer's revision)."""
+        for _ in range(5):
+            found = await self.store.offer(reply.task_id)
+            if found is None or found[0].offer.offer_id != reply.offer_id:
+                raise Reject(f"no offer {reply.offer_id!r} for task {reply.task_id!r}")
+            record, revision = found
+            if tenant is not None and tenant != record.task.tenant:
+                raise Reject(f"tenant {tenant!r} may not answer an offer made to {record.task.tenant!r}")
+            if record.state != "open" and record.outcome is not None:
+                outcome = record.outcome  # a redelivered or repeated reply: the same answer again
+            else:
+                outcome = settle_reply(record, reply, self.clock())
+                state = ("accepted" if isinstance(outcome, TaskAdmitted) else
+                         "expired" if outcome.code == "offer_expired" else "declined")
+                try:
+                    await self.store.close_offer(msgspec.structs.replace(record, state=state, outcome=outcome),
+                                                 revision)
+                except CasConflict:
+                    continue  # another replica closed it (or it expired): read its answer
+            if isinstance(outcome, TaskAdmitted):
+                await self.store.record_admission(outcome)
+            return outcome
+        raise Retry("offer kept changing", 0.2)
+
+    async def expire(self) -> list[TaskRejected]:
+        """Close every open offer past its validity with ``offer_expired``; the rejections to publish."""
+        now = self.clock()
+        out = []
+        for task_id, seen in list(self.store.open_offers.items()):
+            if now <= seen.offer.valid_until:
+                continue
+            found = await self.store.offer(task_id)
+            if found is None or found[0].state != "open":
+                self.store.open_offers.pop(task_id, None)
+                continue
+            record, revision = found
+            task = record.task
+            outcome = _rejected(task.task_id, task.tenant, "offer_expired", "no answer before the offer expired", now)
+            try:
+                await self.store.close_offer(msgspec.structs.replace(record, state="expired", outcome=outcome),
+                                             revision)
+            except CasConflict:
+                continue  # answered or expired by another replica meanwhile
+            out.append(outcome)
+        return out
+
+
+def _same_tenant(owner: str, task: TaskSubmitted) -> None:
+    # Task ids are global: another tenant re-using one must not see or steer the owner's
+    # contract. Dead-lettered rather than rejected, since a task.rejected for that id would
+    # tell the owner its own task was refused.
+    if owner != task.tenant:
+        raise Reject(f"task id {task.task_id!r} belongs to another tenant")
+
+
+def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> ServiceHost:
+    """Wire the negotiator. ``clock`` (seconds) drives token checks, estimates and offer
+    validity; tests inject one to move through key rotation."""
     settings = settings or SlaSettings()
     host = ServiceHost("sla", settings)
-    verifier = load_verifier(settings)
-    jwks_path = Path(settings.jwks_path or Path(settings.state_dir) / "jwks.json")
-    jwks_seen = {"mtime": jwks_path.stat().st_mtime}
-    rejected = Counter("fleetpilot_sla_unauthenticated_total", "Submissions rejected for their token",
-                       ["reason"], registry=host.metrics.registry)
+    refused = Counter("fleetpilot_sla_unauthenticated_total", "Submissions and replies rejected for their token",
+                      ["reason"], registry=host.metrics.registry)
+    gate = Gate(settings, clock, refused)
+    holder: dict[str, Negotiator] = {}
 
-    def refresh_keys() -> None:
-        # Keys rotate weekly: pick up a rewritten key set without a restart.
-        mtime = jwks_path.stat().st_mtime
-        if mtime != jwks_seen["mtime"]:
-            verifier.update_jwks(load_jwks(jwks_path))
-            jwks_seen["mtime"] = mtime
+    async def open_state(bus: Bus) -> None:
+        topology = await TopologyView.open(bus)
+        ledger = await LedgerStore.open(bus)
+        store = await ContractStore.open(bus)
+        holder["n"] = Negotiator(bus, settings, clock, topology, ledger, store)
+        host.background(topology.follow(), "topology-watch")
+        host.background(ledger.follow(), "ledger-watch")
+        host.background(store.follow(), "contracts-watch")
+
+    host.on_startup(open_state)
+
+    def verified(task: TaskSubmitted, delivery: Delivery) -> TaskSubmitted | TaskRejected:
+        try:
+            claims = gate.claims(delivery.headers)
+        except AuthError as exc:
+            log.warning("rejected %s: %s", task.task_id, exc)
+            return _rejected(task.task_id, "", "unauthenticated", str(exc), clock())
+        return msgspec.structs.replace(task, tenant=claims.tenant)
+
+    def fleet_known(task: TaskSubmitted) -> bool:
+        return task.gpus == 0 or bool(holder["n"].topology.nodes)
 
     @host.on(TaskSubmitted, consumer="sla-submitted")
     async def on_submitted(task: TaskSubmitted, delivery: Delivery) -> Event:
-        token = bearer_token(delivery.headers)
-        try:
-            if token is None:
-                raise AuthError("malformed", "no bearer token in the Authorization header")
-            refresh_keys()
-            claims = verifier.verify(token)
-        except AuthError as exc:
-            rejected.labels(exc.reason).inc()
-            log.warning("rejected %s: %s", task.task_id, exc)
-            return TaskRejected(task_id=task.task_id, code="unauthenticated", reason=str(exc), rejected_at=now())
-        task = msgspec.structs.replace(task, tenant=claims.tenant)
-        return admit_as_asked(task)
+        checked = verified(task, delivery)
+        if isinstance(checked, TaskRejected):
+            return checked
+        if not fleet_known(checked):
+            raise Retry("no fleet topology known yet", 1.0)
+        return await holder["n"].submitted(checked, redelivered=delivery.deliveries > 1)
+
+    @host.on(SlaReply, consumer="sla-replies")
+    async def on_reply(reply: SlaReply, delivery: Delivery) -> Event:
+        tenant = None
+        if settings.require_reply_token:
+            try:
+                tenant = gate.claims(delivery.headers).tenant
+            except AuthError as exc:
+                # Dead-lettered, not rejected: a bad reply must not close someone's offer.
+                raise Reject(f"reply to {reply.offer_id}: {exc}") from exc
+        return await holder["n"].replied(reply, tenant)
+
+    @host.every(settings.expiry_interval_s)
+    async def expire_offers() -> list[TaskRejected]:
+        negotiator = holder.get("n")
+        return await negotiator.expire() if negotiator is not None else []
+
+    @host.on_core("topology.updated", TopologyUpdated)
+    async def on_topology(update: TopologyUpdated) -> None:
+        table = bandwidth_table(update.bandwidth, settings.bandwidth_strategy)
+        if table and "n" in holder:
+            holder["n"].bandwidth = table
+
+    @host.endpoint("negotiate", settings.negotiate_subject, TaskSubmitted)
+    async def quote(task: TaskSubmitted, delivery: Delivery) -> Event:
+        checked = verified(task, delivery)
+        if isinstance(checked, TaskRejected):
+            return checked
+        if not fleet_known(checked):
+            return _rejected(task.task_id, checked.tenant, "infeasible", "no fleet topology known yet", clock())
+        return await holder["n"].decide(checked)
 
     return host
-
-
-def admit_as_asked(task: TaskSubmitted) -> TaskAdmitted:
-    """Admit with the contract the submitter asked for."""
-    sla = task.sla
-    contract = Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, warmup_ms=sla.warmup_ms,
-                        p95_latency_ms=sla.p95_latency_ms, deadline=sla.deadline,
-                        cost_ceiling_per_hour=sla.cost_ceiling_per_hour, gpu_models=list(task.gpu_models))
-    return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=now())
 
 
 def main() -> None:

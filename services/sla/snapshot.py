@@ -1,0 +1,162 @@
+"""The negotiator's picture of the live fleet, assembled from what the buckets say.
+
+:func:`fleet_view` turns the topology bucket (nodes: GPU model, site, memory), the ledger
+bucket (who holds which GPU share since when) and the agreed contracts (each holder's tier
+and expected duration) into the :class:`fleetpilot.sla.FleetView` that ``negotiate()``
+reads. It is pure, so a test can hand it plain records and check every number.
+
+Per pool (one GPU model at one site):
+
+- ``free_gpus``: GPUs nobody holds any share of; ``free_milli``: the largest spare share on
+  a GPU that is already shared (what a fractional request can still get without a free GPU).
+- ``preemptible_gpus``: busy GPUs whose every holder runs under a ``best_effort`` contract.
+  A holder without a known contract counts as guaranteed: never offer to preempt work we
+  cannot prove is preemptible.
+- ``reserved_gpus``: a headroom of ``reserve_fraction`` of the pool's GPUs (rounded up, at
+  most the free ones) kept for guaranteed tiers; ``best_effort`` requests never see it.
+- ``completions``: when busy GPUs free up, from each holder's reservation time plus the
+  ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
+  GPU with any holder of unknown duration never appears (no promise we cannot back).
+- price and relative compute come from the GPU catalogue (relative to an A100-40GB, the
+  device of ``reference_p95_ms``); an uncatalogued model gets ``default_price_per_gpu_hour``
+  and relative compute 1.0.
+
+Bandwidths: ``topology.updated`` carries inter-site estimates in Gbit/s per multipath
+strategy; the negotiator wants GB/s per (data site, site) pair, in both directions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from fleetpilot.contracts import BandwidthEstimate, NodeLedger, NodeTopology, TaskAdmitted
+from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
+from fleetpilot.sla import FleetView, GpuPool
+
+
+@dataclass(frozen=True)
+class SnapshotKnobs:
+    """Settings of :func:`fleet_view` (the service fills them from ``FLEETPILOT_SLA_*``)."""
+
+    reserve_fraction: float = 0.1
+    local_bandwidth_gbps: float = 5.0
+    default_bandwidth_gbps: float = 1.0
+    reference_p95_ms: float = 50.0
+    default_price_per_gpu_hour: float = 1.0
+
+
+def _catalogue_terms(model: str, knobs: SnapshotKnobs) -> tuple[float, float, int]:
+    """Price per GPU-hour, compute relative to an A100-40GB, and catalogue memory of ``model``."""
+    try:
+        entry = gpu_model(model)
+    except UnknownGpuModel:
+        return knobs.default_price_per_gpu_hour, 1.0, 0
+    return entry.price_usd_per_hour, entry.compute_ratio, entry.memory_mb
+
+
+@dataclass
+class _PoolTally:
+    memory_mb: int = 0
+    total: int = 0
+    free: int = 0
+    free_milli: int = 0
+    preemptible: int = 0
+    frees_at: list[float] = field(default_factory=list)
+
+
+def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
+               admitted: Mapping[str, TaskAdmitted], *, now: float,
+               bandwidth_gbps: Mapping[tuple[str, str], float] | None = None,
+               knobs: SnapshotKnobs | None = None) -> FleetView:
+    """The fleet as the negotiator sees it at ``now`` (see the module docstring).
+
+    ``admitted`` maps task ids to their agreed admission (tier and expected duration of
+    the holders); ``bandwidth_gbps`` is in GB/s, e.g. from :func:`bandwidth_table`.
+    """
+    knobs = knobs or SnapshotKnobs()
+    holds = {ledger.node: ledger.allocations for ledger in ledgers}
+    tallies: dict[tuple[str, str], _PoolTally] = defaultdict(_PoolTally)
+    for node in nodes:
+        per_gpu: dict[int, list] = defaultdict(list)
+        for alloc in holds.get(node.node, ()):
+            if alloc.gpu >= 0:
+                per_gpu[alloc.gpu].append(alloc)
+        for gpu in node.gpus:
+            tally = tallies[(node.site, gpu.model)]
+            _, _, catalogue_mb = _catalogue_terms(gpu.model, knobs)
+            memory = gpu.memory_mb or catalogue_mb
+            # A pool promises what its smallest GPU holds.
+            tally.memory_mb = memory if tally.total == 0 else min(tally.memory_mb, memory)
+            tally.total += 1
+            holders = per_gpu.get(gpu.index, [])
+            if not holders:
+                tally.free += 1
+                continue
+            spare = 1000 - sum(a.milli for a in holders)
+            if spare > 0:
+                tally.free_milli = max(tally.free_milli, spare)
+            contracts = [admitted.get(a.task_id) for a in holders]
+            if all(c is not None and c.contract.tier == "best_effort" for c in contracts):
+                tally.preemptible += 1
+            ends = [a.at + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
+                    if c is not None and c.task.expected_duration_s is not None and a.at > 0]
+            if len(ends) == len(holders):
+                tally.frees_at.append(max(ends))
+    pools = []
+    for (site, model), tally in sorted(tallies.items()):
+        price, compute, _ = _catalogue_terms(model, knobs)
+        reserved = min(tally.free, math.ceil(tally.total * knobs.reserve_fraction)) if knobs.reserve_fraction > 0 else 0
+        completions: dict[float, int] = defaultdict(int)
+        for end in tally.frees_at:
+            completions[round(max(end - now, 0.0), 3)] += 1
+        pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
+                             price_per_gpu_hour=price, free_gpus=tally.free, free_milli=tally.free_milli,
+                             reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
+                             completions=tuple(sorted(completions.items())), relative_compute=compute))
+    return FleetView(pools=tuple(pools), bandwidth_gbps=dict(bandwidth_gbps or {}),
+                     local_bandwidth_gbps=knobs.local_bandwidth_gbps,
+                     default_bandwidth_gbps=knobs.default_bandwidth_gbps,
+                     reference_p95_ms=knobs.reference_p95_ms)
+
+
+def bandwidth_table(estimates: Iterable[BandwidthEstimate], strategy: str = "min_rtt") -> dict[tuple[str, str], float]:
+    """GB/s per (from site, to site), both directions, from ``topology.updated`` estimates.
+
+    Only the estimates of ``strategy`` are used: ``min_rtt`` is what most multipath stacks
+    actually achieve, so promises made on it hold. A zero estimate (no path between the
+    sites) is left out: the negotiator divides by the bandwidth, and the configured default
+    is the honest fallback for a pair nobody measured.
+    """
+    table: dict[tuple[str, str], float] = {}
+    for est in estimates:
+        if est.strategy != strategy or est.effective_gbps <= 0:
+            continue
+        gbytes = est.effective_gbps / 8.0  # the estimates are in Gbit/s
+        table[(est.a_site, est.b_site)] = gbytes
+        table[(est.b_site, est.a_site)] = gbytes
+    return table
+
+
+def _catalogue_name(model: str) -> str | None:
+    try:
+        return gpu_model(model).name
+    except UnknownGpuModel:
+        return None
+
+
+def as_named_by_fleet(asked: Iterable[str], fleet_models: Iterable[str]) -> list[str]:
+    """The asked GPU models plus the fleet's own spellings of the same catalogue models.
+
+    Users write ``A100`` where nodes report ``A100-40GB``; the negotiator and the policy
+    compare names exactly, so the asked list is widened to every fleet spelling of the same
+    catalogue entry (the asked names stay first, an uncatalogued name matches only itself).
+    """
+    out = list(asked)
+    wanted = {name for name in (_catalogue_name(m) for m in out) if name is not None}
+    for model in sorted(set(fleet_models)):
+        if model not in out and _catalogue_name(model) in wanted:
+            out.append(model)
+    return out

@@ -1,0 +1,160 @@
+"""The ``contracts`` bucket: agreed contracts and open offers, shared by every sla replica.
+
+Two kinds of keys, one per task (``node_key(task_id)`` makes any task id a legal key):
+
+- ``contract.<task>``: the ``TaskAdmitted`` that was published, contract included. Other
+  services may read it; the negotiator reads it back for the tier and expected duration of
+  the work holding GPUs, and to answer a redelivered submission with the same admission.
+- ``offer.<task>``: an :class:`OfferRecord`, the counter-offer with the submission it is
+  about, and once closed the outcome that was published. Any replica (or this one after a
+  restart) can therefore answer the client's reply or expire the offer; the close is a
+  compare-and-set on the key's revision, so exactly one of them decides.
+
+The store also keeps an in-memory view of both (watched), which the negotiator reads to
+build its fleet snapshot and the expiry job to find offers past their validity.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import msgspec
+from fleetpilot.contracts import SlaOffer, TaskAdmitted, TaskRejected, TaskSubmitted, encode
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import Bus, CasConflict, KeyValue
+
+log = logging.getLogger("fleetpilot.sla.store")
+
+OfferState = Literal["open", "accepted", "declined", "expired"]
+
+CONTRACT_PREFIX = "contract."
+OFFER_PREFIX = "offer."
+
+
+class OfferRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One counter-offer as stored: what was offered, for which submission, and how it ended.
+
+    ``task`` carries the tenant taken from the submitter's token. ``outcome`` is set when the
+    offer closes and is what a redelivered reply gets again.
+    """
+
+    offer: SlaOffer
+    task: TaskSubmitted
+    state: OfferState = "open"
+    outcome: TaskAdmitted | TaskRejected | None = None
+
+
+_ADMITTED = msgspec.json.Decoder(TaskAdmitted)
+_OFFER = msgspec.json.Decoder(OfferRecord)
+
+
+def contract_key(task_id: str) -> str:
+    """The key of a task's agreed contract."""
+    return CONTRACT_PREFIX + node_key(task_id)
+
+
+def offer_key(task_id: str) -> str:
+    """The key of a task's counter-offer."""
+    return OFFER_PREFIX + node_key(task_id)
+
+
+class ContractStore:
+    """Reads and CAS writes on the ``contracts`` bucket, plus a watched in-memory view."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+        self.admitted: dict[str, TaskAdmitted] = {}
+        self.open_offers: dict[str, OfferRecord] = {}
+
+    @classmethod
+    async def open(cls, bus: Bus) -> ContractStore:
+        """Load every stored contract and open offer."""
+        store = cls(await bus.kv("contracts"))
+        for key in await store._kv.keys():
+            entry = await store._kv.get(key)
+            if entry is not None:
+                store._apply(key, entry.value)
+        return store
+
+    async def follow(self) -> None:
+        """Keep the view current with what every replica writes (run as a background task)."""
+        async for entry in self._kv.watch(">"):
+            self._apply(entry.key, entry.value)
+
+    def _apply(self, key: str, value: bytes | None) -> None:
+        try:
+            if key.startswith(CONTRACT_PREFIX):
+                if value is None:
+                    self._drop_contract(key)
+                else:
+                    adm = _ADMITTED.decode(value)
+                    self.admitted[adm.task.task_id] = adm
+            elif key.startswith(OFFER_PREFIX):
+                if value is None:
+                    self._drop_offer(key)
+                    return
+                record = _OFFER.decode(value)
+                if record.state == "open":
+                    self.open_offers[record.task.task_id] = record
+                else:
+                    self.open_offers.pop(record.task.task_id, None)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # One bad record must not blind the negotiator to the rest of the bucket.
+            log.warning("contracts bucket: ignoring unreadable %s: %s", key, exc)
+
+    def _drop_contract(self, key: str) -> None:
+        for task_id in [t for t in self.admitted if contract_key(t) == key]:
+            del self.admitted[task_id]
+
+    def _drop_offer(self, key: str) -> None:
+        for task_id in [t for t in self.open_offers if offer_key(t) == key]:
+            del self.open_offers[task_id]
+
+    async def admission(self, task_id: str) -> TaskAdmitted | None:
+        """The stored admission of ``task_id`` (read from the bucket, not the view)."""
+        entry = await self._kv.get(contract_key(task_id))
+        if entry is None or entry.value is None:
+            return None
+        adm = _ADMITTED.decode(entry.value)
+        return adm if adm.task.task_id == task_id else None
+
+    async def record_admission(self, adm: TaskAdmitted) -> None:
+        """Store the agreed contract (idempotent: the same admission may be written twice)."""
+        await self._kv.put(contract_key(adm.task.task_id), encode(adm))
+        self.admitted[adm.task.task_id] = adm
+
+    async def offer(self, task_id: str) -> tuple[OfferRecord, int] | None:
+        """The task's offer record and its revision, read from the bucket."""
+        entry = await self._kv.get(offer_key(task_id))
+        if entry is None or entry.value is None:
+            return None
+        record = _OFFER.decode(entry.value)
+        if record.task.task_id != task_id:
+            return None  # another task id that maps onto the same key
+        return record, entry.revision
+
+    async def open_offer(self, record: OfferRecord, replacing: int | None = None) -> OfferRecord:
+        """Store a new open offer; the stored one wins when another writer got there first.
+
+        ``replacing`` is the revision of a closed offer for the same task (a resubmission
+        after a decline or expiry); without it the key must not exist.
+        """
+        key = offer_key(record.task.task_id)
+        try:
+            if replacing is None:
+                await self._kv.create(key, encode(record))
+            else:
+                await self._kv.update(key, encode(record), replacing)
+        except CasConflict:
+            current = await self.offer(record.task.task_id)
+            if current is None:
+                raise
+            return current[0]
+        self.open_offers[record.task.task_id] = record
+        return record
+
+    async def close_offer(self, record: OfferRecord, revision: int) -> None:
+        """Write the closed ``record`` if the offer is still at ``revision``; else ``CasConflict``."""
+        await self._kv.update(offer_key(record.task.task_id), encode(record), revision)
+        self.open_offers.pop(record.task.task_id, None)
