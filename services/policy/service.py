@@ -27,8 +27,11 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.ledger import FleetView, LedgerStore, with_allocations
-from fleetpilot.ledger.first_fit import first_fit, fits_on
+from fleetpilot.ledger.first_fit import fits_on
 from fleetpilot.ledger.store import node_key
+from fleetpilot.policy import ClusterState, TaskRequest, build_policy
+from fleetpilot.policy.fallback import BreakerConfig, CircuitBreaker, FallbackScheduler, GuardedPolicy
+from fleetpilot.policy.shaping import Router, RouteRule
 from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, ServiceSettings
 
 log = logging.getLogger("fleetpilot.policy")
@@ -42,6 +45,10 @@ class PolicySettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_POLICY_", extra="ignore")
 
     pending_retry_s: float = 1.0
+    profile: str = "fleetpilot"
+    # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
+    shaping_rules: list[dict] = []
+    seed: int = 0
 
 
 def decision_id_for(task_id: str, action: str) -> str:
@@ -61,16 +68,24 @@ def allocations_for(adm: TaskAdmitted, decision_id: str, placement: list[Placeme
 class PolicyState:
     """The replica's live view (fleet + ledger) and its reserve-then-publish step."""
 
-    def __init__(self, fleet: FleetView, ledger: LedgerStore) -> None:
+    def __init__(self, fleet: FleetView, ledger: LedgerStore, settings: PolicySettings) -> None:
         self.fleet = fleet
         self.ledger = ledger
-        self.policy = PolicyRef(name="first-fit", version="1")
+        self.policy = PolicyRef(name=settings.profile, version="1")
+        names = {settings.profile} | {rule["policy"] for rule in settings.shaping_rules}
+        # Each named policy sits behind its own breaker, with the history-based fallback behind it.
+        self.guarded = {name: GuardedPolicy(build_policy(name, seed=settings.seed).decide, FallbackScheduler(),
+                                            CircuitBreaker(BreakerConfig()))
+                        for name in names}
+        self.router = Router([RouteRule(**rule) for rule in settings.shaping_rules], default=settings.profile)
 
     def assign_decision(self, adm: TaskAdmitted, placement: list[Placement], confidence: float,
-                        reason: str) -> DecisionMade:
+                        reason: str, policy: PolicyRef | None = None, shard_id: str = "primary",
+                        fallback: bool = False) -> DecisionMade:
         """The ``assign`` decision of a reserved placement."""
         return DecisionMade(decision_id=decision_id_for(adm.task.task_id, "assign"), task_id=adm.task.task_id,
-                            action="assign", placement=placement, confidence=confidence, policy=self.policy,
+                            action="assign", placement=placement, confidence=confidence,
+                            policy=policy or self.policy, shard_id=shard_id, fallback=fallback,
                             reason=reason, decided_at=now(), task=adm.task, contract=adm.contract)
 
     def existing(self, adm: TaskAdmitted) -> DecisionMade | None:
@@ -85,10 +100,14 @@ class PolicyState:
     async def place(self, adm: TaskAdmitted) -> DecisionMade | None:
         """Choose, reserve with CAS (re-choosing on conflict), and return the decision."""
         task = adm.task
+        name, shard_id = self.router.route(task)
         for _ in range(10):
-            placement = first_fit(self.fleet.nodes, self.ledger.nodes, task)
-            if placement is None:
+            state = ClusterState.from_topology(
+                self.fleet.nodes.values(), {n: ledger.allocations for n, ledger in self.ledger.nodes.items()})
+            choice = self.guarded[name].decide(state, TaskRequest.from_submitted(task))
+            if choice.action != "assign" or not choice.placement:
                 return None
+            placement = choice.placements(memory_mb=task.gpu_memory_mb)
             node = placement[0].node
             decision_id = decision_id_for(task.task_id, "assign")
 
@@ -104,7 +123,9 @@ class PolicyState:
                 continue
             if written is None:
                 continue  # someone took the space between our view and the write: choose again
-            return self.assign_decision(adm, placement, 0.8, f"first node where it fits: {node}")
+            return self.assign_decision(adm, placement, choice.confidence, choice.reason,
+                                        PolicyRef(name=choice.policy or name, version="1"), shard_id,
+                                        choice.fallback)
         raise Retry("ledger contention", 0.2)
 
 
@@ -121,7 +142,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def open_state(bus: Bus) -> None:
         fleet = await FleetView.open(bus)
         ledger = await LedgerStore.open(bus)
-        holder["state"] = PolicyState(fleet, ledger)
+        holder["state"] = PolicyState(fleet, ledger, settings)
         host.background(fleet.follow(), "fleet-watch")
         host.background(ledger.follow(), "ledger-watch")
 
