@@ -55,6 +55,11 @@ class CollectorSettings(ServiceSettings):
     speed: float = 1.0
     topology_every_s: float = 30.0
     seed: int = 0
+    # NVML only: the name and site this node reports under, and where the host's /proc and
+    # /sys are mounted (a container sees the host's at e.g. /host).
+    node_name: str = ""
+    site: str = "default"
+    host_root: str = "/"
 
 
 class NoGpuSource(RuntimeError):
@@ -71,7 +76,7 @@ def open_reader(settings: CollectorSettings) -> tuple[GpuReader, str]:
         from fleetpilot.fleet.nvml_reader import NvmlReader, nvml_available
 
         if nvml_available():
-            return NvmlReader(), "nvml"
+            return NvmlReader(node=settings.node_name or None, site=settings.site, root=settings.host_root), "nvml"
         if settings.source == "nvml":
             raise NoGpuSource("NVML is not available on this machine (no NVIDIA driver)")
     if settings.source == "sim" or settings.fleet_spec or settings.openb_nodes:

@@ -42,8 +42,8 @@ async def wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 
 def settings(url: str, **overrides) -> CollectorSettings:
-    return CollectorSettings(source="sim", interval_s=0.2, metrics_port=-1, nats_url=url, fleet_spec="",
-                             openb_nodes="", **overrides)
+    return CollectorSettings(**{"source": "sim", "interval_s": 0.2, "metrics_port": -1, "nats_url": url,
+                                "fleet_spec": "", "openb_nodes": "", **overrides})
 
 
 def assert_valid_sample(s: GpuSample, node: str) -> None:
@@ -214,3 +214,36 @@ def test_without_nvml_or_simulator_the_process_exits_with_one_line():
     assert lines[0].startswith("fleetpilot-collector: no GPU found")
     assert "FLEETPILOT_COLLECTOR_SOURCE=sim" in lines[0]
     assert proc.stdout == ""
+
+
+async def test_nvml_source_publishes_the_same_schema(nats_server, client):
+    """On a GPU node: NVML readings (a FakeNvml here) go out like simulated ones, XIDs drained."""
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    gpus = [FakeGpu(uuid=f"GPU-{i}", pci_bus_id=f"00000000:0{i}:00.0", memory_used=(i + 1) * 2**30, util_gpu=40 * i,
+                    compute_procs=[(4242, 2**30)] if i == 0 else []) for i in range(2)]
+    fake = FakeNvml(gpus)
+    reader = NvmlReader(fake, node="gpu-node-1", site="site-a", root="/nonexistent-root")
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url, source="nvml"), reader=reader)
+    await host.start()
+    try:
+        await wait_for(lambda: "gpu-node-1" in seen.telemetry and seen.reports)
+        assert seen.reports[0].source == "nvml" and seen.reports[0].node.site == "site-a"
+        batch = seen.telemetry["gpu-node-1"][-1]
+        assert batch.source == "nvml" and [s.uuid for s in batch.gpus] == ["GPU-0", "GPU-1"]
+        for s in batch.gpus:
+            assert s.labels["site"] == "site-a"
+        assert [s.utilization_gpu_pct for s in batch.gpus] == [0.0, 40.0]
+        assert batch.gpus[0].memory_used_mb == 1024.0 and batch.gpus[0].processes[0].pid == 4242
+        fake.push_xid(1, 79)
+        await wait_for(lambda: seen.telemetry["gpu-node-1"][-1].gpus[1].xid_last == 79)
+        assert not reader.events()  # the collector drained the queue
+        assert seen.sim_events == []  # real hardware events are not simulator events
+        # No simulator, so no sim.control endpoint.
+        with pytest.raises(TimeoutError):
+            await client.request("sim.control", encode(SimCommand(verb="remove", task_id="x")), timeout_s=0.5)
+    finally:
+        await host.stop()
