@@ -1,0 +1,154 @@
+"""What the negotiator publishes for each answer, on the in-memory bus and as pure functions.
+
+The JetStream behaviour (durable consumers, de-duplication, a restart) is tested against a
+real nats-server in ``test_sla_service.py``; here only the routing: which event, which
+subject, which contract, and how the admitted task is shaped for the policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.auth import KeyRing, mint_token, save_jwks
+from fleetpilot.contracts import (
+    BandwidthEstimate,
+    Contract,
+    GpuInfo,
+    NodeTopology,
+    OfferOption,
+    SlaOffer,
+    SlaReply,
+    SlaRequest,
+    TaskAdmitted,
+    TaskRejected,
+    TaskSubmitted,
+    TopologyUpdated,
+    decode,
+    encode,
+)
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import InMemoryBus, Reject
+from fleetpilot.sla import Admit
+from fleetpilot_services.sla.service import SlaSettings, admission, build, settle_reply
+from fleetpilot_services.sla.store import OfferRecord
+
+T0 = 1_000.0
+TASK = TaskSubmitted(task_id="t1", tenant="acme", gpus=1, gpu_models=["H100"],
+                     sla=SlaRequest(max_queue_s=5, warmup_ms=100))
+OFFER = SlaOffer(offer_id="t1/x", task_id="t1", tenant="acme", asked=TASK.sla, valid_until=T0 + 30, at=T0,
+                 options=[OfferOption(option_id="o1", gpu_model="A100-40GB", site="a", warmup_ms=50,
+                                      expected_queue_s=0, why="other model"),
+                          OfferOption(option_id="o2", gpu_model="H100", site="b", warmup_ms=50,
+                                      expected_queue_s=120, not_before=T0 + 120, why="wait")])
+RECORD = OfferRecord(offer=OFFER, task=TASK)
+
+
+def reply(accept: bool, option: str | None = None) -> SlaReply:
+    return SlaReply(offer_id="t1/x", task_id="t1", accept=accept, option_id=option)
+
+
+def test_accepting_another_model_pins_the_task_to_it():
+    out = settle_reply(RECORD, reply(True, "o1"), T0 + 1)
+    assert isinstance(out, TaskAdmitted)
+    assert out.task.gpu_models == ["A100-40GB"] and out.contract.gpu_models == ["A100-40GB"]
+    assert out.contract.offer_id == "t1/x" and out.contract.site == "a" and out.tenant == "acme"
+
+
+def test_accepting_the_wait_keeps_the_model_and_sets_not_before():
+    out = settle_reply(RECORD, reply(True, "o2"), T0 + 1)
+    assert isinstance(out, TaskAdmitted)
+    assert out.task.gpu_models == ["H100"]
+    assert out.contract.not_before == T0 + 120 and out.contract.max_queue_s == 120
+
+
+@pytest.mark.parametrize(("answer", "at", "code"), [
+    (reply(False), T0 + 1, "offer_declined"),
+    (reply(True, "o1"), T0 + 31, "offer_expired"),
+    (reply(False), T0 + 31, "offer_expired"),
+])
+def test_declined_or_late_answers_reject(answer, at, code):
+    out = settle_reply(RECORD, answer, at)
+    assert isinstance(out, TaskRejected) and out.code == code and out.task_id == "t1"
+
+
+def test_an_option_the_offer_does_not_list_is_dead_lettered():
+    with pytest.raises(Reject):
+        settle_reply(RECORD, reply(True, "o9"), T0 + 1)
+
+
+@pytest.mark.parametrize(("task", "pinned"), [
+    (TASK, ["H100-SXM"]),                                            # bounded: pinned to the estimate
+    (TaskSubmitted(task_id="t2", gpus=1, gpu_models=["H100"]), ["H100-SXM"]),  # a model list: pinned
+    (TaskSubmitted(task_id="t3", gpus=1), []),                       # anything goes: the policy may pack
+])
+def test_admission_pins_the_model_only_when_the_ask_depends_on_it(task, pinned):
+    adm = admission(task, Admit(Contract(gpu_models=["H100-SXM"], site="b")), T0)
+    assert adm.task.gpu_models == pinned and adm.contract.gpu_models == pinned
+    assert adm.contract.site == "b"
+
+
+# -- the service on the in-memory bus --------------------------------------------------
+
+@pytest.fixture
+async def service(tmp_path):
+    ring = KeyRing()
+    ring.signing_key()  # the ring creates its first key lazily: publish it
+    save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    topology = await bus.kv("topology")
+    await topology.put(node_key("n1"), encode(NodeTopology(node="n1", site="a", gpus=[
+        GpuInfo(index=0, model="A100-40GB", memory_mb=40_960)])))
+    host = build(SlaSettings(nats_url="unused", metrics_port=-1, jwks_path=str(tmp_path / "jwks.json"),
+                             issuer="iss", offer_validity_s=30))
+    await host.start(bus)
+    token = mint_token(ring, tenant="acme", audience="fleetpilot", issuer="iss", ttl_s=600)
+    yield bus, {"Authorization": f"Bearer {token}"}
+    await host.stop()
+
+
+def published(bus: InMemoryBus, stream: str) -> list:
+    return [(subject, decode(data, TaskAdmitted, TaskRejected, SlaOffer, SlaReply, TaskSubmitted))
+            for subject, data in bus.stored(stream)]
+
+
+async def test_routes_admit_offer_accept_and_unauthenticated(service):
+    bus, auth = service
+    fits = TaskSubmitted(task_id="fits", gpus=1)
+    too_big = TaskSubmitted(task_id="two", gpus=1, sla=SlaRequest(max_queue_s=0, warmup_ms=1), size_gb=1.0)
+    await bus.publish(fits, headers=auth)
+    await bus.publish(too_big, headers=auth)
+    await bus.publish(TaskSubmitted(task_id="anon", gpus=1))
+    await bus.settle()
+    tasks = {(s, getattr(e, "task_id", None) or e.task.task_id): e for s, e in published(bus, "TASKS")
+             if s != "task.submitted"}
+    assert set(tasks) == {("task.admitted", "fits"), ("task.rejected", "anon")}, tasks
+    assert tasks[("task.rejected", "anon")].code == "unauthenticated"
+    ((subject, offer),) = published(bus, "SLA")
+    assert subject == "sla.offer.two" and isinstance(offer, SlaOffer) and offer.tenant == "acme"
+
+    await bus.publish(SlaReply(offer_id=offer.offer_id, task_id="two", accept=True,
+                               option_id=offer.options[0].option_id), headers=auth)
+    await bus.settle()
+    adm = [e for s, e in published(bus, "TASKS") if s == "task.admitted" and e.task.task_id == "two"]
+    assert len(adm) == 1 and adm[0].contract.offer_id == offer.offer_id
+    assert adm[0].contract.warmup_ms == pytest.approx(offer.options[0].warmup_ms)
+
+
+async def test_quotes_use_the_bandwidth_of_the_latest_topology_update(service):
+    bus, auth = service
+    far = TaskSubmitted(task_id="far", gpus=1, size_gb=2.0, labels={"data_site": "b"},
+                        sla=SlaRequest(warmup_ms=1))
+
+    async def quoted_warmup() -> float:
+        answer = decode(await bus.request("sla.negotiate", encode(far), headers=auth), SlaOffer, TaskAdmitted,
+                        TaskRejected)
+        assert isinstance(answer, SlaOffer)
+        return answer.options[0].warmup_ms
+
+    assert await quoted_warmup() == pytest.approx(2000.0)  # the default 1 GB/s across sites
+    await bus.publish(TopologyUpdated(revision=1, nodes=[], at=T0, bandwidth=[
+        BandwidthEstimate(a_site="a", b_site="b", strategy="min_rtt", effective_gbps=16.0),
+        BandwidthEstimate(a_site="a", b_site="b", strategy="balanced", effective_gbps=64.0)]))
+    await bus.settle()
+    assert await quoted_warmup() == pytest.approx(1000.0)  # 16 Gbit/s = 2 GB/s, min_rtt
+    assert bus.stored("SLA") == []  # a quote is never published

@@ -1,0 +1,89 @@
+"""The negotiator's fleet snapshot from plain topology, ledger and contract records."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.contracts import (
+    Allocation,
+    BandwidthEstimate,
+    Contract,
+    GpuInfo,
+    NodeLedger,
+    NodeTopology,
+    TaskAdmitted,
+    TaskSubmitted,
+)
+from fleetpilot_services.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
+
+NOW = 10_000.0
+
+
+def admitted(task_id: str, tier: str, duration: float | None) -> TaskAdmitted:
+    task = TaskSubmitted(task_id=task_id, expected_duration_s=duration)
+    return TaskAdmitted(task=task, contract=Contract(tier=tier), tenant="t", admitted_at=0.0)  # type: ignore[arg-type]
+
+
+def hold(task_id: str, gpu: int, milli: int = 1000, at: float = NOW - 40) -> Allocation:
+    return Allocation(task_id=task_id, decision_id=f"{task_id}.assign", gpu=gpu, milli=milli, at=at)
+
+
+NODE = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960)
+                                               for i in range(5)])
+LEDGER = NodeLedger(node="n1", allocations=[
+    hold("be", 1),                                  # best_effort, ends in 60 s
+    hold("std", 2, milli=500),                      # standard, duration unknown: shared, never frees
+    hold("ghost", 3),                               # no contract known: not preemptible, no completion
+    hold("be", 4, milli=400), hold("be2", 4, milli=600, at=NOW - 10),  # frees when the later ends
+])
+CONTRACTS = {"be": admitted("be", "best_effort", 100.0), "be2": admitted("be2", "best_effort", 200.0),
+             "std": admitted("std", "standard", None)}
+
+
+def test_pool_counts_free_shared_preemptible_and_completions():
+    (pool,) = fleet_view([NODE], [LEDGER], CONTRACTS, now=NOW).pools
+    assert (pool.site, pool.gpu_model, pool.memory_mb_per_gpu) == ("s1", "A100-40GB", 40_960)
+    assert pool.free_gpus == 1
+    assert pool.free_milli == 500
+    assert pool.preemptible_gpus == 2  # GPU 1 and GPU 4: every holder is best_effort
+    assert pool.completions == ((60.0, 1), (190.0, 1))
+    assert pool.reserved_gpus == 1  # ceil(5 * 0.1), at most the one free GPU
+    assert pool.price_per_gpu_hour == pytest.approx(3.67) and pool.relative_compute == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("fraction", "reserved"), [(0.0, 0), (0.1, 1), (1.0, 1)])
+def test_reserve_is_a_share_of_the_pool_capped_by_the_free_gpus(fraction, reserved):
+    (pool,) = fleet_view([NODE], [LEDGER], CONTRACTS, now=NOW, knobs=SnapshotKnobs(reserve_fraction=fraction)).pools
+    assert pool.reserved_gpus == reserved
+
+
+def test_pools_split_by_site_and_model_and_unknown_models_get_defaults():
+    other = NodeTopology(node="n2", site="s2", gpus=[GpuInfo(index=0, model="H100"),
+                                                     GpuInfo(index=1, model="Mystery-9", memory_mb=12_000)])
+    view = fleet_view([NODE, other], [], {}, now=NOW, knobs=SnapshotKnobs(default_price_per_gpu_hour=0.5))
+    pools = {(p.site, p.gpu_model): p for p in view.pools}
+    assert set(pools) == {("s1", "A100-40GB"), ("s2", "H100"), ("s2", "Mystery-9")}
+    h100 = pools[("s2", "H100")]
+    assert h100.memory_mb_per_gpu == 81_559  # from the catalogue when the node does not say
+    assert h100.relative_compute == pytest.approx(989 / 312)
+    mystery = pools[("s2", "Mystery-9")]
+    assert (mystery.price_per_gpu_hour, mystery.relative_compute, mystery.memory_mb_per_gpu) == (0.5, 1.0, 12_000)
+    assert pools[("s1", "A100-40GB")].free_gpus == 5  # no ledger: everything free
+
+
+def test_bandwidth_table_is_gbytes_both_ways_for_one_strategy():
+    estimates = [BandwidthEstimate(a_site="a", b_site="b", strategy="min_rtt", effective_gbps=80.0),
+                 BandwidthEstimate(a_site="a", b_site="b", strategy="balanced", effective_gbps=240.0),
+                 BandwidthEstimate(a_site="a", b_site="c", strategy="min_rtt", effective_gbps=0.0)]
+    assert bandwidth_table(estimates) == {("a", "b"): 10.0, ("b", "a"): 10.0}
+    assert bandwidth_table(estimates, "balanced") == {("a", "b"): 30.0, ("b", "a"): 30.0}
+
+
+@pytest.mark.parametrize(("asked", "fleet", "expected"), [
+    (["A100"], ["A100-40GB", "A100-80GB", "H100"], ["A100", "A100-40GB"]),
+    (["H100-SXM"], ["H100"], ["H100-SXM", "H100"]),
+    (["H100"], ["H100"], ["H100"]),
+    (["Mystery-9"], ["Mystery-9", "H100"], ["Mystery-9"]),
+    ([], ["H100"], []),
+])
+def test_asked_models_are_widened_to_the_fleets_spelling(asked, fleet, expected):
+    assert as_named_by_fleet(asked, fleet) == expected
