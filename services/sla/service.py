@@ -74,6 +74,7 @@ class SlaSettings(ServiceSettings):
     max_options: int = 4
     expiry_interval_s: float = 0.5
     reserve_fraction: float = 0.1
+    in_flight_s: float = 30.0
     local_bandwidth_gbps: float = 5.0
     default_bandwidth_gbps: float = 1.0
     bandwidth_strategy: Literal["min_rtt", "balanced"] = "min_rtt"
@@ -123,10 +124,15 @@ class Gate:
         return stat.st_mtime_ns, stat.st_size
 
     def _refresh(self) -> None:
-        stamp = self._stamp()
-        if stamp != self._seen:
-            self._verifier.update_jwks(load_jwks(self._path))
-            self._seen = stamp
+        try:
+            stamp = self._stamp()
+            if stamp != self._seen:
+                self._verifier.update_jwks(load_jwks(self._path))
+                self._seen = stamp
+        except (OSError, ValueError) as exc:
+            # A key set being rewritten (or briefly missing) must not stop admissions: keep
+            # verifying with the keys we have and pick the new set up on a later request.
+            log.warning("JWKS at %s unreadable, keeping the current keys: %s", self._path, exc)
 
     def claims(self, headers: dict[str, str]) -> Claims:
         """The verified claims of the request's bearer token; ``AuthError`` (counted) otherwise."""
@@ -198,7 +204,7 @@ class Negotiator:
         self.bus, self.settings, self.clock = bus, settings, clock
         self.topology, self.ledger, self.store = topology, ledger, store
         self.bandwidth: dict[tuple[str, str], float] = {}
-        self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction,
+        self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction, in_flight_s=settings.in_flight_s,
                                    local_bandwidth_gbps=settings.local_bandwidth_gbps,
                                    default_bandwidth_gbps=settings.default_bandwidth_gbps,
                                    reference_p95_ms=settings.reference_p95_ms,

@@ -14,6 +14,9 @@ Per pool (one GPU model at one site):
   cannot prove is preemptible.
 - ``reserved_gpus``: a headroom of ``reserve_fraction`` of the pool's GPUs (rounded up, at
   most the free ones) kept for guaranteed tiers; ``best_effort`` requests never see it.
+- in flight: a task admitted less than ``in_flight_s`` ago on a pinned model and site that
+  holds nothing in the ledger yet is on its way to the policy; its GPUs are taken off that
+  pool's free ones, so a burst of submissions is not all promised the same free GPUs.
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
   GPU with any holder of unknown duration never appears (no promise we cannot back).
@@ -42,6 +45,7 @@ class SnapshotKnobs:
     """Settings of :func:`fleet_view` (the service fills them from ``FLEETPILOT_SLA_*``)."""
 
     reserve_fraction: float = 0.1
+    in_flight_s: float = 30.0
     local_bandwidth_gbps: float = 5.0
     default_bandwidth_gbps: float = 1.0
     reference_p95_ms: float = 50.0
@@ -105,6 +109,15 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                     if c is not None and c.task.expected_duration_s is not None and a.at > 0]
             if len(ends) == len(holders):
                 tally.frees_at.append(max(ends))
+    holding = {a.task_id for allocations in holds.values() for a in allocations}
+    for adm in admitted.values():
+        contract = adm.contract
+        if (now - adm.admitted_at > knobs.in_flight_s or adm.task.task_id in holding
+                or contract.site is None or len(contract.gpu_models) != 1):
+            continue
+        tally = tallies.get((contract.site, contract.gpu_models[0]))
+        if tally is not None:
+            tally.free = max(tally.free - adm.task.gpus, 0)
     pools = []
     for (site, model), tally in sorted(tallies.items()):
         price, compute, _ = _catalogue_terms(model, knobs)

@@ -87,3 +87,21 @@ def test_bandwidth_table_is_gbytes_both_ways_for_one_strategy():
 ])
 def test_asked_models_are_widened_to_the_fleets_spelling(asked, fleet, expected):
     assert as_named_by_fleet(asked, fleet) == expected
+
+
+def test_recent_admissions_without_holds_take_their_pinned_gpus():
+    def recent(task_id: str, gpus: int, site: str | None, age_s: float) -> TaskAdmitted:
+        task = TaskSubmitted(task_id=task_id, gpus=gpus, gpu_models=["A100-40GB"])
+        return TaskAdmitted(task=task, contract=Contract(gpu_models=["A100-40GB"], site=site), tenant="t",
+                            admitted_at=NOW - age_s)
+
+    free = NodeTopology(node="n3", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(4)])
+    admissions = {
+        "new": recent("new", 2, "s1", 5),        # on its way to the policy: counts
+        "old": recent("old", 1, "s1", 300),      # long ago: placed, queued or done, not in flight
+        "else": recent("else", 1, "s9", 5),      # another site
+        "held": recent("held", 1, "s1", 5),      # already in the ledger: counted there
+    }
+    ledger = NodeLedger(node="n3", allocations=[hold("held", 3)])
+    (pool,) = fleet_view([free], [ledger], admissions, now=NOW, knobs=SnapshotKnobs(in_flight_s=30)).pools
+    assert pool.free_gpus == 1  # 4 GPUs, one held, two in flight
