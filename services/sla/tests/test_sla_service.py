@@ -148,8 +148,8 @@ class Rig:
                                                           {"reason": reason}) or 0.0
 
     async def __aexit__(self, *exc) -> None:
-        for host in reversed(self.hosts):
-            await host.stop()
+        # Each stop waits out a pending pull (about a second): stop the hosts together.
+        await asyncio.gather(*(host.stop() for host in self.hosts))
         await self.bus.drain()
 
 
