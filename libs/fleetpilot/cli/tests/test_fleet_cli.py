@@ -89,6 +89,14 @@ def test_topology_missing_file_is_one_line(capsys, tmp_path):
     assert_one_line_error(*run(capsys, "topology", str(tmp_path / "absent.txt")), "absent.txt")
 
 
+
+def test_topology_reads_standard_input(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO((TOPO / "hgx_h100.txt").read_text()))
+    code, out, _ = run(capsys, "topology", "-")
+    assert code == 0 and len(json.loads(out)["gpus"]) == 8
+
 # -- fleetpilot fingerprint ---------------------------------------------------------------
 
 def series_csv(tmp_path: Path) -> Path:
@@ -171,6 +179,17 @@ def test_fleet_bad_spec_is_one_line(capsys, tmp_path, flag, content, fragments):
     path = tmp_path / "fleet.in"
     path.write_text(content)
     assert_one_line_error(*run(capsys, "fleet", flag, str(path)), "fleetpilot fleet", str(path), *fragments)
+
+
+def test_fleet_spec_and_openb_together_is_a_usage_error(capsys):
+    assert_one_line_error(*_exit_code(capsys, "fleet", "--spec", "a.yaml", "--openb", "b.csv"), "not allowed")
+
+
+def _exit_code(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
 
 
 def test_fleet_missing_spec_is_one_line(capsys, tmp_path):
