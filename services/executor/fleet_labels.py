@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
-from fleetpilot.contracts import NodeTopology, encode
+from fleetpilot.contracts import DecisionMade, NodeTopology, TaskLifecycle, encode
+from fleetpilot.executor import ALLOW, HookVerdict
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import CasConflict, KeyValue
 
@@ -109,3 +110,31 @@ class FleetLabels:
                     await self._apply(entry.key)
                 except CasConflict:
                     log.warning("could not put labels back on %s; the next change retries", entry.key)
+
+
+class LabelGate:
+    """A :class:`fleetpilot.executor.LifecycleHook` that refuses assigns and migrations to
+    GPUs labelled ``cordoned`` or ``decommissioned``: the labels outlive any replica, so a
+    replica started after the cordon refuses them too (its own hook state starts empty)."""
+
+    def __init__(self, labels: FleetLabels) -> None:
+        """Read labels from ``labels``."""
+        self._labels = labels
+
+    async def before_assign(self, decision: DecisionMade) -> HookVerdict:
+        """Refuse a placement on a labelled GPU."""
+        for p in decision.placement:
+            if p.gpu < 0:
+                continue
+            labels = self._labels.labels_of(p.node, p.gpu)
+            for label in (DECOMMISSIONED, CORDONED):
+                if labels.get(label) == "true":
+                    return HookVerdict(allow=False, reason=f"{p.node}/{p.gpu} is labelled {label}")
+        return ALLOW
+
+    async def after_finish(self, event: TaskLifecycle) -> None:
+        """Nothing to do."""
+
+    async def pre_decommission(self, node: str, gpu: int, running_tasks: Sequence[str]) -> HookVerdict:
+        """Not this gate's business."""
+        return ALLOW

@@ -61,7 +61,7 @@ from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
 from .backends import BusSimBackend, KvExecutionJournal
-from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels
+from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
 
 log = logging.getLogger("fleetpilot.executor")
@@ -112,11 +112,12 @@ class HealthWindows:
 
 class _TopologyBusiness:
     """The business context from the topology bucket (GPU model and ``role`` label) with
-    the pre-decommission hook, so that assigns to a cordoned GPU are refused."""
+    the pre-decommission hook and the label gate, so that assigns to a cordoned GPU are
+    refused (by this replica's hook state, and by the labels for a replica started since)."""
 
     def __init__(self, labels: FleetLabels, hook: LifecycleHook) -> None:
         self._labels = labels
-        self._hooks = [hook]
+        self._hooks = [hook, LabelGate(labels)]
 
     def gpu_context(self, node: str, gpu: int) -> GpuContext:
         """``role`` and model as the topology bucket has them."""
@@ -124,7 +125,7 @@ class _TopologyBusiness:
         return GpuContext(node=node, gpu=gpu, role=role, model=self._labels.model_of(node, gpu))
 
     def hooks(self) -> Sequence[LifecycleHook]:
-        """The pre-decommission hook."""
+        """The pre-decommission hook, then the label gate."""
         return self._hooks
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 from fleetpilot.contracts import (
+    ActionExecuted,
     ActionFailed,
     Allocation,
     DecisionMade,
@@ -158,6 +160,42 @@ async def test_labels_are_put_back_when_the_topology_service_rewrites_the_node(o
         await host.stop()
     assert labels["cordoned"] == "true"
     assert len(topo.gpus) == 3  # the rewrite itself is kept
+
+
+async def test_a_replica_started_after_the_cordon_refuses_work_for_the_labelled_gpu(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    topo = node_topology("n1")
+    labelled = msgspec.structs.replace(topo.gpus[0], labels={"cordoned": "true"})
+    await observer.kv_put(
+        "topology", "n1", encode(msgspec.structs.replace(topo, gpus=[labelled, topo.gpus[1]]))
+    )
+    host = build(settings(nats_url, tmp_path, "fresh"))
+    await host.start()
+    try:
+        for decision_id, gpu in (("d1", 0), ("d2", 1)):
+            await observer.js.publish("decision.made", encode(assign_to(decision_id, gpu)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+    finally:
+        await host.stop()
+    assert [(f.decision_id, f.retryable) for f in failed] == [("d1", False)]
+    assert "cordoned" in failed[0].error
+    assert [e.decision_id for e in executed] == ["d2"]
+    assert [c.gpus for c in sim_fleet.verbs("place")] == [[1]]
+
+
+def assign_to(decision_id: str, gpu: int) -> DecisionMade:
+    return DecisionMade(
+        decision_id=decision_id,
+        task_id=f"t-{decision_id}",
+        action="assign",
+        placement=[Placement(node="n1", gpu=gpu, milli=500)],
+        confidence=0.9,
+        policy=PolicyRef(name="best-fit"),
+        decided_at=now(),
+        task=TaskSubmitted(task_id=f"t-{decision_id}"),
+    )
 
 
 def test_health_windows_keep_one_sample_per_interval_within_the_window():
