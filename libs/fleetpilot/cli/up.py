@@ -71,6 +71,7 @@ class ServiceProcesses:
                f"FLEETPILOT_{name.upper()}_METRICS_PORT": str(base + SERVICES.index(name) if base else 0)}
         if self.args.fleet:
             env["FLEETPILOT_COLLECTOR_FLEET_SPEC"] = self.args.fleet
+            env["FLEETPILOT_TOPOLOGY_FLEET_SPEC"] = self.args.fleet
         return env
 
     def start(self, name: str) -> None:

@@ -234,6 +234,8 @@ class NatsBus(Bus):
             await req.respond(await handler(req.data, dict(req.headers or {})))
 
         await self._micro.add_endpoint(EndpointConfig(name=name, subject=subject, handler=on_request))
+        # Make the subscription known to the server before the caller advertises readiness.
+        await self._nc.flush()
 
     async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
                       headers: dict[str, str] | None = None) -> bytes:
