@@ -246,7 +246,10 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             elif decision.action == "evict":
                 for src in {p.node for p in decision.source}:
                     await release(decision.task_id, src)
-                out.append(lifecycle(decision.task_id, "evicted", node, [], at=result.executed_at))
+                # An evict names where the task was in ``source``; its placement is empty.
+                src_node = decision.source[0].node if decision.source else node
+                src_gpus = sorted({p.gpu for p in decision.source if p.gpu >= 0})
+                out.append(lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
                 decisions.pop(decision.task_id, None)
         elif decision.action == "assign" and node:
             await release(decision.task_id, node)

@@ -92,6 +92,34 @@ async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, 
     assert [a.state for a in ledger.allocations] == ["confirmed"]
 
 
+async def test_two_replicas_given_the_same_decision_start_it_once(observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    hosts = [build(settings(nats_url, tmp_path, replica)) for replica in ("a", "b")]
+    for host in hosts:
+        await host.start()
+    try:
+        # Several copies in flight at once, shared by two replicas: whichever loses the
+        # claim in the ``executions`` bucket waits for a redelivery and republishes the
+        # recorded result.
+        decision = encode(assign("d1", "t1"))
+        await asyncio.gather(
+            *(
+                observer.js.publish("decision.made", decision, headers={"Nats-Msg-Id": f"copy-{i}"})
+                for i in range(6)
+            )
+        )
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+        await asyncio.sleep(2.5)  # past the 2 s retry of a replica that lost the claim
+        executed = await observer.stored("action.executed", ActionExecuted)
+        started = await observer.stored("task.lifecycle.t1", TaskLifecycle)
+    finally:
+        for host in hosts:
+            await host.stop()
+    assert [e.action_id for e in executed] == ["act-d1"]
+    assert [s.state for s in started] == ["started"]
+    assert len(sim_fleet.verbs("place")) == 1
+
+
 def sleeper(marker: Path) -> list[str]:
     script = (
         "import os, sys, time\n"
@@ -139,7 +167,7 @@ async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(
         ("assign", "process", "H100"),
         ("evict", "process", "H100"),
     ]
-    assert [(s.state, s.gpus) for s in life] == [("started", [3]), ("evicted", [])]
+    assert [(s.state, s.gpus) for s in life] == [("started", [3]), ("evicted", [3])]
     assert life[0].gpu_model == "H100"
     assert (await observer.ledger("n1")).allocations == []
 
