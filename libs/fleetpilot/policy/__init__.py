@@ -11,6 +11,14 @@ computes its confidence, traffic shaping, the fallback breaker and replay.
 """
 
 from .builtin import BUILTIN_POLICIES, build_policy, builtin_profile
+from .fallback import (
+    BreakerConfig,
+    CircuitBreaker,
+    FallbackScheduler,
+    GuardedPolicy,
+    PolicyUnavailable,
+    SuccessStat,
+)
 from .fragmentation import FragTable, TaskShape, fgd_score, typical_tasks
 from .framework import (
     REGISTRY,
@@ -23,10 +31,26 @@ from .framework import (
     ProfileConfig,
     register,
 )
+from .replay import DiffReport, Snapshot, record, replay
+from .shaping import ConditionSyntaxError, Router, RouteRule, parse_condition
 from .state import MILLI, ClusterState, ClusterStateRecord, TaskRequest
 
 __all__ = [
     "BUILTIN_POLICIES",
+    "BreakerConfig",
+    "CircuitBreaker",
+    "ConditionSyntaxError",
+    "DiffReport",
+    "FallbackScheduler",
+    "GuardedPolicy",
+    "PolicyUnavailable",
+    "RouteRule",
+    "Router",
+    "Snapshot",
+    "SuccessStat",
+    "parse_condition",
+    "record",
+    "replay",
     "MILLI",
     "REGISTRY",
     "ClusterState",

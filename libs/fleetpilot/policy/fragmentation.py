@@ -97,7 +97,7 @@ class FragTable:
         self.table = table
         self._k = np.arange(max(k_n, 1))
 
-    def node_terms(self, free: np.ndarray, cpu_free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def node_terms(self, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node: ``L`` (N,), ``S`` (N, K) and GPU counts at/above each threshold (N, K)."""
         thr = self.thresholds
         below = free[:, :, None] < thr[None, None, :]
@@ -122,7 +122,7 @@ class FragTable:
         cpu, model = state.cpu_free, state.node_model
         if rows is not None:
             f, cpu, model = f[rows], cpu[rows], model[rows]
-        total, s, cnt = self.node_terms(f, cpu)
+        total, s, cnt = self.node_terms(f)
         return self.frag_from_terms(model, cpu, total, s, cnt)
 
     def placement_deltas(self, state: ClusterState, task: TaskRequest, rows: np.ndarray,
@@ -135,7 +135,7 @@ class FragTable:
         """
         f = (state.usable_free() if free is None else free)[rows]
         cpu, model = state.cpu_free[rows], state.node_model[rows]
-        total, s, cnt = self.node_terms(f, cpu)
+        total, s, cnt = self.node_terms(f)
         before = self.frag_from_terms(model, cpu, total, s, cnt)
         cpu_after = cpu - task.cpu_milli
         thr = self.thresholds
