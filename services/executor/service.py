@@ -342,9 +342,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     # hook lock makes sure one replica acts.
     @host.on_core("telemetry.gpu.*", NodeTelemetry)
     async def on_telemetry(batch: NodeTelemetry) -> list[Event]:
-        if "hook" not in parts:
-            return []
-        hook: PreDecommissionHook = parts["hook"]
+        hook: PreDecommissionHook = parts["hook"]  # start-up hooks run before any subscription
         out: list[Event] = []
         for sample in batch.gpus:
             windows.add(sample)
