@@ -129,6 +129,10 @@ class _TopologyBusiness:
         return self._hooks
 
 
+# Simulated hardware endings -> (lifecycle state, exit code as a process would report it).
+_SIM_ENDINGS = {"finished": ("finished", 0), "oom_killed": ("oom_killed", 137), "task_failed": ("failed", 1)}
+
+
 def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     """Wire the executor."""
     settings = settings or ExecutorSettings()
@@ -257,21 +261,16 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
 
     @host.on_core("sim.event.*", SimEvent, queue="executor")
     async def on_sim_event(event: SimEvent) -> list[Event]:
-        if event.task_id is None or event.kind not in ("finished", "oom_killed"):
+        # The simulated hardware ended a task: it finished, ran out of memory, or its GPU hit
+        # a fatal XID. Either way its capacity goes back to the ledger.
+        ending = _SIM_ENDINGS.get(event.kind)
+        if event.task_id is None or ending is None:
             return []
+        state, exit_code = ending
         if event.node:
             await release(event.task_id, event.node)
-        state = "finished" if event.kind == "finished" else "oom_killed"
-        out = [
-            lifecycle(
-                event.task_id,
-                state,
-                event.node,
-                [event.gpu] if event.gpu >= 0 else [],
-                event.detail,
-                0 if state == "finished" else 137,
-            )
-        ]
+        out = [lifecycle(event.task_id, state, event.node, [event.gpu] if event.gpu >= 0 else [],
+                         event.detail, exit_code)]
         decisions.pop(event.task_id, None)
         return out
 
