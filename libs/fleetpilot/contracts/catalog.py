@@ -155,6 +155,8 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("policy-admitted", "TASKS", "task.admitted", ack_wait_s=10),
         ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),
+        # The latest fingerprint per task feeds admission OOM risk and OOM-driven migration.
+        ConsumerSpec("policy-fingerprints", "TASKS", "task.fingerprinted"),
         ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
         ConsumerSpec("feedback-executed", "ACTIONS", "action.>"),
         ConsumerSpec("feedback-lifecycle", "TASKS", "task.lifecycle.>"),
