@@ -19,16 +19,24 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import msgspec
-from fleetpilot.contracts import DecisionMade, NodeTopology, TaskLifecycle, encode
+from fleetpilot.contracts import (
+    GPU_LABEL_CORDONED,
+    GPU_LABEL_DECOMMISSIONED,
+    GPU_LABEL_MAINTENANCE_PENDING,
+    DecisionMade,
+    NodeTopology,
+    TaskLifecycle,
+    encode,
+)
 from fleetpilot.executor import ALLOW, HookVerdict
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import CasConflict, KeyValue
 
 log = logging.getLogger("fleetpilot.executor.labels")
 
-CORDONED = "cordoned"
-DECOMMISSIONED = "decommissioned"
-MAINTENANCE_PENDING = "maintenance_pending"
+CORDONED = GPU_LABEL_CORDONED
+DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
+MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 
 _NODE = msgspec.json.Decoder(NodeTopology)
 

@@ -16,11 +16,19 @@ import sys
 from pathlib import Path
 
 import msgspec
-from fleetpilot.contracts import BandwidthEstimate, NodeTopology, TopologyReport, TopologyUpdated, encode, now
+from fleetpilot.contracts import (
+    OPERATIONAL_GPU_LABELS,
+    BandwidthEstimate,
+    NodeTopology,
+    TopologyReport,
+    TopologyUpdated,
+    encode,
+    now,
+)
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.topology")
@@ -66,6 +74,46 @@ def bandwidth_estimates(settings: TopologySettings) -> list[BandwidthEstimate]:
     return SiteNetwork(configured_fleet(settings).links).estimates()
 
 
+def without_operational_labels(node: NodeTopology) -> NodeTopology:
+    """The node as hardware reports it: GPU labels set by operations removed."""
+    gpus = [msgspec.structs.replace(g, labels={k: v for k, v in g.labels.items() if k not in OPERATIONAL_GPU_LABELS})
+            for g in node.gpus]
+    return msgspec.structs.replace(node, gpus=gpus)
+
+
+def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None) -> NodeTopology:
+    """``reported`` carrying over the operational labels (cordoned, maintenance...) of ``stored``."""
+    if stored is None:
+        return reported
+    kept = {g.index: {k: v for k, v in g.labels.items() if k in OPERATIONAL_GPU_LABELS} for g in stored.gpus}
+    gpus = [msgspec.structs.replace(g, labels={**g.labels, **kept.get(g.index, {})}) for g in reported.gpus]
+    return msgspec.structs.replace(reported, gpus=gpus)
+
+
+async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> None:
+    """Write a reported node with compare-and-set so that a label the executor sets at the
+    same moment is neither lost nor overwritten."""
+    key = node_key(node.node)
+    for _ in range(attempts):
+        entry = await kv.get(key)
+        stored = None
+        if entry is not None and entry.value is not None:
+            try:
+                stored = msgspec.json.decode(entry.value, type=NodeTopology)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                stored = None
+        body = encode(with_operational_labels(node, stored))
+        try:
+            if entry is None:
+                await kv.create(key, body)
+            else:
+                await kv.update(key, body, entry.revision)
+            return
+        except CasConflict:
+            continue
+    raise CasConflict(f"topology of {node.node} kept changing")
+
+
 def build(settings: TopologySettings | None = None) -> ServiceHost:
     """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
     settings = settings or TopologySettings()
@@ -86,7 +134,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             except msgspec.DecodeError:
                 log.warning("topology bucket key %s does not hold a node topology; it will be rewritten", key)
                 continue
-            known[node.node] = entry.value
+            known[node.node] = encode(without_operational_labels(node))
 
     host.on_startup(load_known)
 
@@ -97,7 +145,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         if known.get(node.node) == body:
             return None  # unchanged: collectors re-send periodically for late joiners
         kv = await host.bus.kv("topology")  # type: ignore[union-attr]
-        await kv.put(node_key(node.node), body)
+        await write_keeping_operational_labels(kv, node)
         known[node.node] = body
         revision["n"] += 1
         # Milliseconds since the epoch, times 1000, plus a per-process counter: increasing

@@ -41,6 +41,11 @@ from .task import (
 )
 from .telemetry import GpuSample, NodeTelemetry, ProcessMemory, Reading, TaskTelemetry
 from .topology import (
+    GPU_LABEL_CORDONED,
+    GPU_LABEL_DECOMMISSIONED,
+    GPU_LABEL_MAINTENANCE_PENDING,
+    GPU_LABEL_MAINTENANCE_RISK,
+    OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
     GpuInfo,
     Link,

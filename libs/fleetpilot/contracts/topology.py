@@ -92,3 +92,14 @@ class TopologyUpdated(Event, frozen=True, kw_only=True, tag="topology.updated.v1
     nodes: list[str]
     bandwidth: list[BandwidthEstimate] = msgspec.field(default_factory=list)
     at: float
+
+
+# GPU labels that operations set on the topology (the executor's health hooks) rather than
+# the hardware reports: collectors never send them, the topology service keeps them when a
+# node is re-reported, and policies read them to keep work off the GPU.
+GPU_LABEL_CORDONED = "cordoned"
+GPU_LABEL_DECOMMISSIONED = "decommissioned"
+GPU_LABEL_MAINTENANCE_PENDING = "maintenance_pending"
+GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
+OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
+                                    GPU_LABEL_MAINTENANCE_RISK})

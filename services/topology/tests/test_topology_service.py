@@ -123,3 +123,40 @@ def test_process_with_a_bad_spec_exits_with_one_line():
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("fleetpilot-topology: cannot load the fleet spec")
+
+
+async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
+    from fleetpilot.contracts import GPU_LABEL_CORDONED, now
+    from fleetpilot.ledger.store import node_key
+
+    host = build(TopologySettings(nats_url=nats_server.url, metrics_port=-1))
+    await host.start()
+    bus = await NatsBus.connect(nats_server.url, "labels-test")
+    try:
+        node = load_fleet_spec().nodes[0]
+        kv = await bus.kv("topology")
+        await bus.publish(TopologyReport(node=node, source="sim", at=now()))
+        for _ in range(100):
+            if await kv.get(node_key(node.node)):
+                break
+            await asyncio.sleep(0.05)
+        entry = await kv.get(node_key(node.node))
+        stored = msgspec.json.decode(entry.value, type=NodeTopology)
+        gpus = list(stored.gpus)
+        gpus[1] = msgspec.structs.replace(gpus[1], labels={**gpus[1].labels, GPU_LABEL_CORDONED: "true"})
+        await kv.update(node_key(node.node), msgspec.json.encode(msgspec.structs.replace(stored, gpus=gpus)),
+                        entry.revision)
+        # The hardware changes (a driver upgrade), so the node is re-reported and rewritten.
+        upgraded = msgspec.structs.replace(node, labels={**node.labels, "driver_version": "999.1"})
+        await bus.publish(TopologyReport(node=upgraded, source="sim", at=now() + 1))
+        for _ in range(100):
+            current = msgspec.json.decode((await kv.get(node_key(node.node))).value, type=NodeTopology)
+            if current.labels.get("driver_version") == "999.1":
+                break
+            await asyncio.sleep(0.05)
+        assert current.labels.get("driver_version") == "999.1"
+        assert current.gpus[1].labels.get(GPU_LABEL_CORDONED) == "true"
+        assert GPU_LABEL_CORDONED not in current.gpus[0].labels
+    finally:
+        await bus.drain()
+        await host.stop()
