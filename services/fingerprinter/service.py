@@ -11,12 +11,11 @@
 from __future__ import annotations
 
 import msgspec
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
 from fleetpilot.fingerprint import OnlineFingerprinter
 from fleetpilot.fingerprint.signature import SignatureStats, merge, predict, task_signature
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
+from pydantic_settings import SettingsConfigDict
 
 _STATS = msgspec.json.Decoder(SignatureStats)
 

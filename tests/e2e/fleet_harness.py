@@ -10,7 +10,6 @@ from pathlib import Path
 import nats
 import nats.errors
 import nats.js.api
-
 from fleetpilot.cli.local import local_keyring, local_token
 from fleetpilot.cli.up import SERVICES, ServiceProcesses
 from fleetpilot.contracts import TaskSubmitted, encode

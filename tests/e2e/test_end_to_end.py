@@ -8,7 +8,6 @@ import time
 from collections import Counter
 
 import pytest
-
 from fleetpilot.contracts import ActionExecuted, DeadLetter, DecisionMade, TaskSubmitted, decode
 
 from .fleet_harness import Fleet

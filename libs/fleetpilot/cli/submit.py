@@ -19,7 +19,16 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from fleetpilot.contracts import DecisionMade, SlaOffer, SlaReply, SlaRequest, TaskRejected, TaskSubmitted, decode, encode
+from fleetpilot.contracts import (
+    DecisionMade,
+    SlaOffer,
+    SlaReply,
+    SlaRequest,
+    TaskRejected,
+    TaskSubmitted,
+    decode,
+    encode,
+)
 from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
 

@@ -25,7 +25,6 @@ from fleetpilot.contracts import (
     FeedbackRecorded,
     SlaOffer,
     TaskRejected,
-    TaskSubmitted,
     decode,
     encode,
     now,

@@ -8,7 +8,7 @@ runtime turns into a dead letter.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, Union
 
 import msgspec
@@ -27,7 +27,7 @@ class _NoEvent(Event, frozen=True, kw_only=True, tag="_"):
     """Never sent: makes a single type a union, so that msgspec requires the ``type`` tag."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def decoder_for(*event_types: type[Event]) -> msgspec.json.Decoder:
     """A cached decoder for a tagged union of the given event types (the tag is required)."""
     members = event_types if len(event_types) > 1 else (*event_types, _NoEvent)

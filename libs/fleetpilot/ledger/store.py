@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, decode, encode
-from fleetpilot.runtime import Bus, CasConflict, KeyValue
-
 import msgspec
+
+from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, encode
+from fleetpilot.runtime import Bus, CasConflict, KeyValue
 
 _LEDGER = msgspec.json.Decoder(NodeLedger)
 _NODE = msgspec.json.Decoder(NodeTopology)
@@ -112,4 +112,4 @@ def node_key(node: str) -> str:
     return "".join(c if c.isalnum() or c in "-_=/." else "_" for c in node)
 
 
-__all__ = ["FleetView", "LedgerStore", "node_key", "decode"]
+__all__ = ["FleetView", "LedgerStore", "node_key"]

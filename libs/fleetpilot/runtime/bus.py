@@ -11,7 +11,6 @@ import abc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-
 from fleetpilot.contracts import ConsumerSpec, Event
 
 

@@ -15,7 +15,16 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fleetpilot.contracts import BUCKETS, STREAMS, ConsumerSpec, Event, encode, msg_id_for, route_for, subject_for
+from fleetpilot.contracts import (
+    BUCKETS,
+    STREAMS,
+    ConsumerSpec,
+    Event,
+    encode,
+    msg_id_for,
+    route_for,
+    subject_for,
+)
 
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, subject_matches
 

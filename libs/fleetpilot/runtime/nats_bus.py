@@ -23,7 +23,16 @@ from nats.js import api
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
-from fleetpilot.contracts import BUCKETS, STREAMS, ConsumerSpec, Event, encode, msg_id_for, route_for, subject_for
+from fleetpilot.contracts import (
+    BUCKETS,
+    STREAMS,
+    ConsumerSpec,
+    Event,
+    encode,
+    msg_id_for,
+    route_for,
+    subject_for,
+)
 
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
 

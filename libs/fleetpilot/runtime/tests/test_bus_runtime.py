@@ -6,21 +6,18 @@ import asyncio
 
 import msgspec
 import pytest
-
 from fleetpilot.contracts import (
     CONSUMERS,
     DeadLetter,
-    PolicyRef,
     TaskAdmitted,
     TaskSubmitted,
     decode,
     encode,
 )
 from fleetpilot.contracts import Contract as TaskContract
-from fleetpilot.runtime import CasConflict, Delivery, InMemoryBus, Reject, Retry, ServiceSettings, ServiceHost
+from fleetpilot.runtime import CasConflict, Delivery, InMemoryBus, Reject, Retry, ServiceHost, ServiceSettings
 from fleetpilot.runtime.bus import subject_matches
 from fleetpilot.runtime.nats_bus import NatsBus
-
 
 
 @pytest.fixture(params=["memory", "nats"])
