@@ -1,46 +1,95 @@
 """The policy service.
 
 For each ``task.admitted`` (a durable consumer shared by every replica) it decides a
-placement over the live fleet and ledger, reserves it in the ledger with compare-and-set
-and only then publishes ``decision.made``, so a published ``assign`` is final even with
-several replicas. A task that fits nowhere gets a ``queue`` decision and waits in the
-``pending`` bucket; it is retried whenever capacity may have freed.
+placement with the policy engine over the live fleet and ledger, reserves it in the ledger
+with compare-and-set and only then publishes ``decision.made``, so a published ``assign`` is
+final even with several replicas. A task that fits nowhere gets a ``queue`` decision and
+waits in the ``pending`` bucket; it is retried whenever capacity may have freed.
 
-Decision ids are derived from the task (``<task>.assign``), and a redelivered task that
-already holds capacity gets the same decision again: a policy killed between reserving and
-acknowledging loses nothing and doubles nothing.
+Around that core (see ``README.md``):
+
+* the policies come from the ``config`` bucket (``policies.<hostname>``, else
+  ``policies.default``, else the settings), watched and swapped live (``policy_set``);
+* policy modules in ``FLEETPILOT_POLICY_PLUGIN_DIR`` are hot-reloaded (``plugin_dir``);
+* every policy sits behind a circuit breaker with a fallback scheduler rebuilt from the
+  feedback service's success rates per (task kind, GPU model);
+* GPU labels in the topology keep new work off cordoned, decommissioned and
+  maintenance-pending GPUs, and a periodic rebalancer migrates tasks off GPUs that are going
+  away or where their fingerprint predicts an OOM (``rebalance``);
+* every Nth decision input is recorded for ``fleetpilot replay``.
+
+Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``), and a
+redelivered task that already holds capacity gets the same decision again: a policy killed
+between reserving and acknowledging loses nothing and doubles nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+from collections import OrderedDict
+from pathlib import Path
 
 import msgspec
-from pydantic_settings import SettingsConfigDict
-
 from fleetpilot.contracts import (
     Allocation,
     DecisionMade,
+    FeedbackStats,
+    Fingerprint,
+    NodeLedger,
+    NodeTopology,
     Placement,
     PolicyRef,
+    StatsQuery,
     TaskAdmitted,
+    TaskFingerprinted,
+    TaskSubmitted,
+    decode,
+    encode,
     now,
 )
-from fleetpilot.ledger import FleetView, LedgerStore, with_allocations
-from fleetpilot.ledger.first_fit import fits_on
+from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
-from fleetpilot.policy import ClusterState, TaskRequest, build_policy
-from fleetpilot.policy.fallback import BreakerConfig, CircuitBreaker, FallbackScheduler, GuardedPolicy
-from fleetpilot.policy.shaping import Router, RouteRule
+from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
+from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, ServiceSettings
+from prometheus_client import Counter, Gauge, Histogram
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from .plugin_dir import PluginDirectory
+from .policy_set import (
+    CONFIG_PREFIX,
+    DEFAULT_CONFIG_KEY,
+    ActivePolicies,
+    PolicyConfig,
+    PolicySet,
+    config_key,
+    parse_config,
+    success_table,
+)
+from .rebalance import (
+    CORDONED,
+    DECOMMISSIONED,
+    MAINTENANCE_PENDING,
+    Running,
+    gpu_conditions,
+    is_set,
+    migrate_decision_id,
+    move_reason,
+    running_tasks,
+)
 
 log = logging.getLogger("fleetpilot.policy")
 
 _ADMITTED = msgspec.json.Decoder(TaskAdmitted)
+_TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 
 
 class PolicySettings(ServiceSettings):
-    """``FLEETPILOT_POLICY_*``."""
+    """``FLEETPILOT_POLICY_*``. The policy fields are the defaults used while the ``config``
+    bucket has neither ``policies.<hostname>`` nor ``policies.default``."""
 
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_POLICY_", extra="ignore")
 
@@ -48,7 +97,22 @@ class PolicySettings(ServiceSettings):
     profile: str = "fleetpilot"
     # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
     shaping_rules: list[dict] = []
+    breaker: dict = Field(default_factory=dict, description="BreakerConfig fields as JSON")
     seed: int = 0
+    hostname: str = Field(default_factory=socket.gethostname, description="Selects policies.<hostname>")
+    plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
+    plugin_poll_s: float = 0.5
+    stats_refresh_s: float = 30.0
+    stats_timeout_s: float = 2.0
+    rebalance_s: float = 30.0
+    oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
+    max_migrations_per_round: int = 10
+    record_every: int = Field(default=0, description="Record every Nth decision input for replay (0 = off)")
+
+    def policy_config(self) -> PolicyConfig:
+        """The settings as a configuration document."""
+        return msgspec.convert({"profile": self.profile, "shaping": self.shaping_rules, "breaker": self.breaker,
+                                "seed": self.seed}, PolicyConfig)
 
 
 def decision_id_for(task_id: str, action: str) -> str:
@@ -56,121 +120,396 @@ def decision_id_for(task_id: str, action: str) -> str:
     return f"{task_id}.{action}"
 
 
-def allocations_for(adm: TaskAdmitted, decision_id: str, placement: list[Placement]) -> list[Allocation]:
+def allocations_for(task: TaskSubmitted, decision_id: str, placement: list[Placement]) -> list[Allocation]:
     """The ledger holds of a placement; CPU and host memory are charged once."""
-    task = adm.task
     return [Allocation(task_id=task.task_id, decision_id=decision_id, gpu=p.gpu, milli=p.milli,
                        memory_mb=p.memory_mb, cpu_milli=task.cpu_milli if i == 0 else 0,
                        host_memory_mb=task.memory_mb if i == 0 else 0, at=now())
             for i, p in enumerate(placement)]
 
 
-class PolicyState:
-    """The replica's live view (fleet + ledger) and its reserve-then-publish step."""
+def placement_fits(topo: NodeTopology, ledger: NodeLedger | None, placement: list[Placement],
+                   cpu_milli: int, memory_mb: int) -> bool:
+    """Whether exactly these GPU shares (not just some GPU of the node) are free on the
+    ledger we are about to overwrite, and no GPU has been taken out of service meanwhile."""
+    free = free_capacity(topo, ledger)
+    if free.cpu_milli < cpu_milli or free.memory_mb < memory_mb:
+        return False
+    labels = {g.index: g.labels for g in topo.gpus}
+    for p in placement:
+        if p.gpu < 0:
+            continue
+        if p.gpu >= len(free.gpu_milli) or free.gpu_milli[p.gpu] < p.milli or free.gpu_memory_mb[p.gpu] < p.memory_mb:
+            return False
+        lab = labels.get(p.gpu, {})
+        if any(is_set(lab, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
+            return False
+    return True
 
-    def __init__(self, fleet: FleetView, ledger: LedgerStore, settings: PolicySettings) -> None:
+
+class PolicyMetrics:
+    """The service's own series, in the host's registry next to the handler metrics."""
+
+    def __init__(self, registry) -> None:
+        self.reload = Histogram("fleetpilot_policy_reload_seconds", "Time to rebuild and swap the policies",
+                                ["kind"], registry=registry,
+                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        self.last_reload = Gauge("fleetpilot_policy_last_reload_seconds", "Duration of the last swap", ["kind"],
+                                 registry=registry)
+        self.generation = Gauge("fleetpilot_policy_generation", "Generation of the policies serving now",
+                                registry=registry)
+        self.decisions = Counter("fleetpilot_policy_decisions_total", "Decisions published",
+                                 ["action", "policy", "shard", "fallback"], registry=registry)
+        self.config_errors = Counter("fleetpilot_policy_config_errors_total", "Config documents refused",
+                                     registry=registry)
+
+    def swapped(self, kind: str, seconds: float, generation: int) -> None:
+        """Record one swap."""
+        self.reload.labels(kind).observe(seconds)
+        self.last_reload.labels(kind).set(seconds)
+        self.generation.set(generation)
+
+    def decided(self, d: DecisionMade) -> DecisionMade:
+        """Count a decision on its way out."""
+        self.decisions.labels(d.action, d.policy.name, d.shard_id, str(d.fallback).lower()).inc()
+        return d
+
+
+class PolicyState:
+    """The replica's live view (fleet + ledger + fingerprints), its policies, and the
+    choose-reserve-publish steps."""
+
+    def __init__(self, fleet: FleetView, ledger: LedgerStore, settings: PolicySettings, active: ActivePolicies,
+                 metrics: PolicyMetrics) -> None:
         self.fleet = fleet
         self.ledger = ledger
-        self.policy = PolicyRef(name=settings.profile, version="1")
-        names = {settings.profile} | {rule["policy"] for rule in settings.shaping_rules}
-        # Each named policy sits behind its own breaker, with the history-based fallback behind it.
-        self.guarded = {name: GuardedPolicy(build_policy(name, seed=settings.seed).decide, FallbackScheduler(),
-                                            CircuitBreaker(BreakerConfig()))
-                        for name in names}
-        self.router = Router([RouteRule(**rule) for rule in settings.shaping_rules], default=settings.profile)
+        self.settings = settings
+        self.active = active
+        self.metrics = metrics
+        # Latest fingerprint per task; bounded so a long-lived replica does not grow forever.
+        self.fingerprints: OrderedDict[str, Fingerprint] = OrderedDict()
+        # Tasks this replica decided, so a migration keeps the task's own GPU model constraints.
+        self.tasks: OrderedDict[str, TaskSubmitted] = OrderedDict()
+        self.decided_inputs = 0
+        self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
 
-    def assign_decision(self, adm: TaskAdmitted, placement: list[Placement], confidence: float,
-                        reason: str, policy: PolicyRef | None = None, shard_id: str = "primary",
-                        fallback: bool = False) -> DecisionMade:
+    # ---- views --------------------------------------------------------------------------
+    def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
+        """Keep ``value`` as the newest entry of a bounded cache."""
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > limit:
+            cache.popitem(last=False)
+
+    def snapshot(self) -> ClusterState:
+        """The fleet as the policies see it: topology, ledger holds, GPU condition labels."""
+        nodes = list(self.fleet.nodes.values())
+        unhealthy, maintenance = gpu_conditions(nodes)
+        state = ClusterState.from_topology(
+            nodes, {ledger.node: ledger.allocations for ledger in self.ledger.nodes.values()}, unhealthy=unhealthy)
+        # ``from_topology``'s ``maintenance`` takes whole nodes; a label is per GPU, so only
+        # that GPU stops taking work.
+        for node, gpu in maintenance:
+            try:
+                state.gpu_maintenance[state.node_index(node), gpu] = True
+            except (KeyError, IndexError):
+                continue
+        return state
+
+    def request(self, task: TaskSubmitted) -> TaskRequest:
+        """The task as the policies see it, with its fingerprint when one has arrived."""
+        return TaskRequest.from_submitted(task, self.fingerprints.get(task.task_id))
+
+    def record_input(self, state: ClusterState, req: TaskRequest) -> None:
+        """Append every ``record_every``-th decision input to the replay file."""
+        every = self.settings.record_every
+        if every <= 0:
+            return
+        self.decided_inputs += 1
+        if self.decided_inputs % every:
+            return
+        try:
+            self.record_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.record_path.open("ab") as fh:
+                fh.write(msgspec.json.encode(record(state, req)) + b"\n")
+        except OSError as exc:  # recording is best effort: never lose a decision over it
+            log.warning("cannot record a state for replay: %s", exc)
+
+    # ---- decisions ----------------------------------------------------------------------
+    def assign_decision(self, adm: TaskAdmitted, placement: list[Placement], confidence: float, reason: str,
+                        policy: PolicyRef, shard_id: str = "primary", fallback: bool = False) -> DecisionMade:
         """The ``assign`` decision of a reserved placement."""
         return DecisionMade(decision_id=decision_id_for(adm.task.task_id, "assign"), task_id=adm.task.task_id,
-                            action="assign", placement=placement, confidence=confidence,
-                            policy=policy or self.policy, shard_id=shard_id, fallback=fallback,
-                            reason=reason, decided_at=now(), task=adm.task, contract=adm.contract)
+                            action="assign", placement=placement, confidence=confidence, policy=policy,
+                            shard_id=shard_id, fallback=fallback, reason=reason, decided_at=now(), task=adm.task,
+                            contract=adm.contract)
 
     def existing(self, adm: TaskAdmitted) -> DecisionMade | None:
         """The decision already reserved for this task, if a previous delivery got that far."""
         held = self.ledger.holds_of(adm.task.task_id)
         if held is None:
             return None
-        node, allocs = held
+        _, allocs = held
+        node = self.ledger.nodes[held[0]].node
         placement = [Placement(node=node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb) for a in allocs]
-        return self.assign_decision(adm, placement, 0.9, "re-issued: capacity already reserved")
+        return self.assign_decision(adm, placement, 0.9, "re-issued: capacity already reserved",
+                                    PolicyRef(name=self.active.current.default))
 
-    async def place(self, adm: TaskAdmitted) -> DecisionMade | None:
-        """Choose, reserve with CAS (re-choosing on conflict), and return the decision."""
+    def policy_ref(self, policies: PolicySet, name: str, choice: PolicyDecision) -> PolicyRef:
+        """Who decided: the routed policy and its version, or the fallback scheduler."""
+        if choice.fallback:
+            return PolicyRef(name="fallback", version=str(policies.generation))
+        return PolicyRef(name=name, version=policies.versions.get(name, "1"))
+
+    async def place(self, adm: TaskAdmitted) -> tuple[DecisionMade | None, str, str]:
+        """Choose, reserve with CAS (re-choosing on conflict); the decision (``None`` when
+        nothing fits) and the policy name and shard the task was routed to."""
         task = adm.task
-        name, shard_id = self.router.route(task)
-        for _ in range(10):
-            state = ClusterState.from_topology(
-                self.fleet.nodes.values(), {n: ledger.allocations for n, ledger in self.ledger.nodes.items()})
-            choice = self.guarded[name].decide(state, TaskRequest.from_submitted(task))
+        self.remember(self.tasks, task.task_id, task)
+        for attempt in range(10):
+            policies = self.active.current  # one set for the whole decision, swaps fall between
+            name, shard_id = policies.route(task)
+            state = self.snapshot()
+            req = self.request(task)
+            choice = policies.guarded[name].decide(state, req)
+            if attempt == 0:
+                self.record_input(state, req)
             if choice.action != "assign" or not choice.placement:
-                return None
+                return None, name, shard_id
             placement = choice.placements(memory_mb=task.gpu_memory_mb)
             node = placement[0].node
             decision_id = decision_id_for(task.task_id, "assign")
+            topo = self.fleet.nodes.get(node_key(node))
+            if topo is None:
+                continue
 
-            def reserve(current, placement=placement, node=node):
+            def reserve(current: NodeLedger | None, placement=placement, node=node, topo=topo) -> NodeLedger | None:
                 # Re-check on the ledger we are about to overwrite: the view may be stale.
-                if fits_on(self.fleet.nodes[node], current, task) is None and not _holds(current, task.task_id):
+                if current is not None and any(a.task_id == task.task_id for a in current.allocations):
+                    return None  # another delivery of this task reserved meanwhile
+                if not placement_fits(topo, current, placement, task.cpu_milli, task.memory_mb):
                     return None
-                return with_allocations(current, node, allocations_for(adm, decision_id, placement))
+                return with_allocations(current, node, allocations_for(task, decision_id, placement))
 
             try:
                 written = await self.ledger.mutate(node_key(node), reserve)
             except CasConflict:
                 continue
             if written is None:
+                again = self.existing(adm)
+                if again is not None:
+                    return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
-            return self.assign_decision(adm, placement, choice.confidence, choice.reason,
-                                        PolicyRef(name=choice.policy or name, version="1"), shard_id,
-                                        choice.fallback)
+            return (self.assign_decision(adm, placement, choice.confidence, choice.reason,
+                                         self.policy_ref(policies, name, choice), shard_id, choice.fallback),
+                    name, shard_id)
         raise Retry("ledger contention", 0.2)
 
+    async def migrations(self) -> list[DecisionMade]:
+        """One rebalancing round: ``migrate`` decisions for tasks that should move
+        (``rebalance``), each target reserved with CAS before the decision is returned."""
+        out: list[DecisionMade] = []
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            if len(out) >= self.settings.max_migrations_per_round:
+                break
+            topo = self.fleet.nodes.get(node_key(running.node))
+            ledger = self.ledger.nodes.get(node_key(running.node))
+            if topo is None or ledger is None or not running.gpus:
+                continue
+            fp = self.fingerprints.get(running.task_id)
+            reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
+            if reason is None:
+                continue
+            decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
+            if decision is not None:
+                out.append(decision)
+        return out
 
-def _holds(ledger, task_id: str) -> bool:
-    return bool(ledger and any(a.task_id == task_id for a in ledger.allocations))
+    async def migrate(self, running: Running, source_topo: NodeTopology, fp: Fingerprint | None,
+                      p_stay_fails: float, why: str) -> DecisionMade | None:
+        """Choose a target for one task with the default policy, reserve it, decide."""
+        policies = self.active.current
+        first = running.allocations[0]
+        gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+        known = self.tasks.get(running.task_id)
+        model = next((g.model for g in source_topo.gpus if g.index == running.gpus[0]), "")
+        req = TaskRequest(
+            task_id=running.task_id,
+            kind=known.kind if known else "batch",
+            gpus=len(gpu_allocs),
+            gpu_milli=gpu_allocs[0].milli,
+            gpu_memory_mb=gpu_allocs[0].memory_mb,
+            cpu_milli=sum(a.cpu_milli for a in running.allocations),
+            memory_mb=sum(a.host_memory_mb for a in running.allocations),
+            # A task decided elsewhere may have had model constraints we cannot see: stay on
+            # its current model then rather than break them.
+            gpu_models=tuple(known.gpu_models) if known else ((model,) if model else ()),
+            predicted_peak_mb=fp.predicted_peak_mb if fp else 0.0,
+            peak_sigma_mb=max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29 if fp else 0.0,
+        )
+        state = self.snapshot()
+        row = state.node_index(running.node)
+        state.gpu_maintenance[row, running.gpus] = True  # never "move" onto where it is
+        choice = policies.guarded[policies.default].decide(state, req)
+        if choice.action != "assign" or not choice.placement:
+            log.info("no target to migrate %s to (%s)", running.task_id, why)
+            return None
+        target = choice.placements(memory_mb=req.gpu_memory_mb)
+        gpus = [p.gpu for p in choice.placement if p.gpu >= 0]
+        risk_target = float(oom_risk(state, req)[choice.node_row, gpus].max()) if gpus and fp else 0.0
+        if fp is not None and risk_target >= p_stay_fails:
+            return None  # the move would not make an OOM less likely
+        decision_id = migrate_decision_id(running)
+        node = target[0].node
+        topo = self.fleet.nodes.get(node_key(node))
+        if topo is None:
+            return None
+        holds = [Allocation(task_id=running.task_id, decision_id=decision_id, gpu=p.gpu, milli=p.milli,
+                            memory_mb=p.memory_mb, cpu_milli=req.cpu_milli if i == 0 else 0,
+                            host_memory_mb=req.memory_mb if i == 0 else 0, at=now())
+                 for i, p in enumerate(target)]
+
+        def reserve(current: NodeLedger | None) -> NodeLedger | None:
+            if current is not None and any(a.decision_id == decision_id for a in current.allocations):
+                return None  # another replica reserved this very move
+            if not placement_fits(topo, current, target, req.cpu_milli, req.memory_mb):
+                return None
+            # Both holds stay until the executor has moved the task and releases the source.
+            return NodeLedger(node=node, allocations=[*(current.allocations if current else []), *holds])
+
+        try:
+            written = await self.ledger.mutate(node_key(node), reserve)
+        except CasConflict:
+            return None  # next round
+        if written is None:
+            return None
+        source = [Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+                  for a in running.allocations]
+        return DecisionMade(
+            decision_id=decision_id, task_id=running.task_id, action="migrate", placement=target, source=source,
+            confidence=float(p_stay_fails * choice.confidence), policy=self.policy_ref(policies, policies.default,
+                                                                                   choice),
+            fallback=choice.fallback, reason=f"{why}; target: {choice.reason}", decided_at=now(), task=known,
+        )
 
 
 def build(settings: PolicySettings | None = None) -> ServiceHost:
     """Wire the policy service."""
     settings = settings or PolicySettings()
     host = ServiceHost("policy", settings)
-    holder: dict[str, PolicyState] = {}
+    metrics = PolicyMetrics(host.metrics.registry)
+    holder: dict[str, object] = {}
+    host_key = config_key(settings.hostname)
+    plugins = PluginDirectory(Path(settings.plugin_dir)) if settings.plugin_dir else None
+
+    def state() -> PolicyState:
+        return holder["state"]  # type: ignore[return-value]
+
+    def effective(docs: dict[str, bytes]) -> tuple[PolicyConfig, str]:
+        for key in (host_key, DEFAULT_CONFIG_KEY):
+            if key in docs:
+                return parse_config(docs[key]), key
+        return settings.policy_config(), "settings"
 
     async def open_state(bus: Bus) -> None:
         fleet = await FleetView.open(bus)
         ledger = await LedgerStore.open(bus)
-        holder["state"] = PolicyState(fleet, ledger, settings)
+        config_kv = await bus.kv("config")
+        docs = {}
+        for key in (host_key, DEFAULT_CONFIG_KEY):
+            entry = await config_kv.get(key)
+            if entry and entry.value:
+                docs[key] = entry.value
+        try:
+            config, source = effective(docs)
+        except ValueError as exc:
+            metrics.config_errors.inc()
+            log.error("%s; starting from the settings", exc)
+            config, source = settings.policy_config(), "settings"
+        if plugins is not None:
+            plugins.poll()
+        active = ActivePolicies(config, source, plugins.profiles() if plugins else {})
+        active.on_swap = lambda kind, s: metrics.swapped(kind, s, active.current.generation)
+        metrics.generation.set(active.current.generation)
+        holder["state"] = PolicyState(fleet, ledger, settings, active, metrics)
         host.background(fleet.follow(), "fleet-watch")
         host.background(ledger.follow(), "ledger-watch")
+        host.background(watch_config(bus, docs), "config-watch")
+        if plugins is not None:
+            host.background(watch_plugins(), "plugin-watch")
+        await refresh_stats(bus)
+
+    async def watch_config(bus: Bus, docs: dict[str, bytes]) -> None:
+        kv = await bus.kv("config")
+        async for entry in kv.watch(CONFIG_PREFIX + ">"):
+            if entry.key not in (host_key, DEFAULT_CONFIG_KEY):
+                continue
+            if entry.value is None:
+                if docs.pop(entry.key, None) is None:
+                    continue
+            elif docs.get(entry.key) == entry.value:
+                continue  # the watch replays what we read at start-up
+            else:
+                docs[entry.key] = entry.value
+            try:
+                config, source = effective(docs)
+            except ValueError as exc:
+                metrics.config_errors.inc()
+                log.error("%s (key %s); the previous policies keep serving", exc, entry.key)
+                continue
+            if not state().active.apply_config(config, f"{source} rev {entry.revision}" if source != "settings"
+                                               else source):
+                metrics.config_errors.inc()
+
+    async def watch_plugins() -> None:
+        assert plugins is not None
+        while True:
+            await asyncio.sleep(settings.plugin_poll_s)
+            # Import and compile run on the event loop between two decisions: the swap is
+            # atomic without a lock, and a decision is delayed by at most one reload.
+            if plugins.poll():
+                state().active.apply_plugins(plugins.profiles())
+
+    async def refresh_stats(bus: Bus) -> None:
+        query = StatsQuery(by=["task_kind", "gpu_model"])
+        try:
+            raw = await bus.request("feedback.stats", encode(query), timeout_s=settings.stats_timeout_s)
+            stats = decode(raw, FeedbackStats)
+        except (TimeoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.info("feedback statistics unavailable (%s); the fallback keeps its last table", exc)
+            return
+        state().active.apply_stats(success_table(stats.groups))
 
     host.on_startup(open_state)
 
+    @host.on(TaskFingerprinted, consumer="policy-fingerprints")
+    async def on_fingerprint(event: TaskFingerprinted) -> None:
+        state().remember(state().fingerprints, event.task_id, event.fingerprint)
+
     @host.on(TaskAdmitted, consumer="policy-admitted")
     async def on_admitted(adm: TaskAdmitted) -> DecisionMade:
-        state = holder["state"]
-        again = state.existing(adm)
+        ps = state()
+        again = ps.existing(adm)
         if again is not None:
             return again
-        if not state.fleet.nodes:
+        if not ps.fleet.nodes:
             raise Retry("no fleet topology known yet", 1.0)
-        decision = await state.place(adm)
+        decision, name, shard_id = await ps.place(adm)
         if decision is not None:
-            return decision
+            return metrics.decided(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         await pending.put(node_key(adm.task.task_id), msgspec.json.encode(adm))
-        return DecisionMade(decision_id=decision_id_for(adm.task.task_id, "queue"), task_id=adm.task.task_id,
-                            action="queue", confidence=0.5, policy=state.policy,
-                            reason="no node has room now; queued until capacity frees", decided_at=now(),
-                            task=adm.task, contract=adm.contract)
+        return metrics.decided(DecisionMade(
+            decision_id=decision_id_for(adm.task.task_id, "queue"), task_id=adm.task.task_id, action="queue",
+            confidence=0.5, policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
+            shard_id=shard_id, reason="no node has room now; queued until capacity frees", decided_at=now(),
+            task=adm.task, contract=adm.contract))
 
     @host.every(settings.pending_retry_s)
     async def retry_pending() -> list[DecisionMade]:
-        state = holder.get("state")
-        if state is None:
+        if "state" not in holder:
             return []
+        ps = state()
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         waiting = []
         for key in await pending.keys():
@@ -178,21 +517,34 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             if entry and entry.value and entry.value != b"claimed":
                 waiting.append((_ADMITTED.decode(entry.value), entry))
         # VIP first, then the longest waiting.
-        tier_rank = {"vip": 0, "standard": 1, "best_effort": 2}
-        waiting.sort(key=lambda p: (tier_rank[p[0].contract.tier], p[0].admitted_at))
+        waiting.sort(key=lambda p: (_TIER_RANK[p[0].contract.tier], p[0].admitted_at))
         out = []
         for adm, entry in waiting:
             try:
                 await pending.update(entry.key, b"claimed", entry.revision)  # one replica takes it
             except CasConflict:
                 continue
-            decision = await state.place(adm)
+            try:
+                decision, _, _ = await ps.place(adm)
+            except Retry:
+                decision = None
             if decision is None:
                 await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
                 continue
             await pending.delete(entry.key)
-            out.append(decision)
+            out.append(metrics.decided(decision))
         return out
+
+    @host.every(settings.stats_refresh_s)
+    async def refresh_fallback() -> None:
+        if "state" in holder:
+            await refresh_stats(host.bus)  # type: ignore[arg-type]
+
+    @host.every(settings.rebalance_s)
+    async def rebalance() -> list[DecisionMade]:
+        if "state" not in holder:
+            return []
+        return [metrics.decided(d) for d in await state().migrations()]
 
     return host
 

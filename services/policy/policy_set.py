@@ -1,0 +1,211 @@
+"""The policies a replica decides with, compiled from config, and the atomic swap between them.
+
+Three inputs change at run time: the configuration document (the ``config`` bucket, key
+``policies.<hostname>`` falling back to ``policies.default``, else the service settings),
+the profiles of the hot-reloaded plugin modules, and the historical success table that the
+fallback scheduler is built from. ``ActivePolicies`` keeps the latest good value of each,
+compiles a complete, immutable ``PolicySet`` when one of them changes, and only then
+replaces ``current``. A handler takes ``current`` once per decision, so a swap always falls
+between two decisions, and an input that does not compile leaves the previous set serving.
+
+Circuit breakers outlive the swaps (they are keyed by policy name and breaker config): a
+fixed module does not reset a breaker that opened on the broken one, so traffic goes back
+to the primary through the breaker's half-open probe after its cooldown, as designed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fleetpilot.policy import (
+    BreakerConfig,
+    CircuitBreaker,
+    FallbackScheduler,
+    GuardedPolicy,
+    Policy,
+    ProfileConfig,
+    Router,
+    RouteRule,
+    SuccessStat,
+    build_policy,
+    builtin_profile,
+)
+from fleetpilot.policy.builtin import BUILTIN_POLICIES
+
+log = logging.getLogger("fleetpilot.policy.config")
+
+CONFIG_PREFIX = "policies."
+DEFAULT_CONFIG_KEY = CONFIG_PREFIX + "default"
+
+
+def config_key(hostname: str) -> str:
+    """The ``config`` bucket key of a host: the issue's ``policies/<hostname>``.
+
+    The path separator becomes a dot so that every host key is a subject token under
+    ``policies.`` and one watch on ``policies.>`` sees the host's key and the default;
+    characters a KV key cannot hold become ``_`` (a dotted hostname keeps its dots).
+    """
+    safe = "".join(c if c.isalnum() or c in "-_=." else "_" for c in hostname).strip(".") or "_"
+    return CONFIG_PREFIX + safe
+
+
+class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One configuration document (JSON in the ``config`` bucket).
+
+    ``profile`` is the default policy: a built-in or plugin profile name, or a profile dict
+    (``ProfileConfig`` form). ``shaping`` routes a share of matching tasks to other named
+    policies; ``profiles`` defines named profiles those rules may use (``fleetpilot-v2``);
+    ``breaker`` sets the circuit breaker of every policy; ``seed`` breaks score ties.
+    Unknown fields are refused so that a typo is reported instead of silently ignored.
+    """
+
+    profile: str | dict[str, Any] = "fleetpilot"
+    shaping: list[RouteRule] = msgspec.field(default_factory=list)
+    profiles: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
+    seed: int = 0
+
+
+def parse_config(data: bytes) -> PolicyConfig:
+    """Decode and validate a configuration document; ``ValueError`` with the reason."""
+    try:
+        return msgspec.json.decode(data, type=PolicyConfig)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"invalid policy config: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PluginProfile:
+    """A profile exported by a hot-reloaded module, with the module content's version."""
+
+    profile: ProfileConfig
+    version: str
+    module: str
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    """Everything one decision needs, compiled and immutable: never edited, only replaced."""
+
+    default: str
+    guarded: Mapping[str, GuardedPolicy]
+    policies: Mapping[str, Policy]
+    versions: Mapping[str, str]
+    router: Router
+    source: str
+    generation: int
+
+    def route(self, task: Any) -> tuple[str, str]:
+        """The policy name and shard id for a task (deterministic by task id)."""
+        return self.router.route(task)
+
+
+@dataclass
+class ActivePolicies:
+    """The latest good inputs, the compiled ``current`` set and the swap (module docstring).
+
+    ``on_swap(kind, seconds)`` is told how long each successful rebuild took (metrics).
+    """
+
+    config: PolicyConfig
+    source: str = "settings"
+    plugins: Mapping[str, PluginProfile] = field(default_factory=dict)
+    stats: Sequence[SuccessStat] = ()
+    on_swap: Callable[[str, float], None] | None = None
+    current: PolicySet = field(init=False)
+    _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
+    _generation: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = self._compile(self.config, self.source, self.plugins, self.stats)
+
+    def apply_config(self, config: PolicyConfig, source: str) -> bool:
+        """Swap in a new configuration; ``False`` (previous set kept) if it does not compile."""
+        return self._swap("config", config, source, self.plugins, self.stats)
+
+    def apply_plugins(self, plugins: Mapping[str, PluginProfile]) -> bool:
+        """Swap in the plugin directory's current profiles."""
+        return self._swap("module", self.config, self.source, dict(plugins), self.stats)
+
+    def apply_stats(self, stats: Sequence[SuccessStat]) -> bool:
+        """Rebuild the fallback scheduler from a new success table."""
+        return self._swap("stats", self.config, self.source, self.plugins, list(stats))
+
+    def _swap(self, kind: str, config: PolicyConfig, source: str, plugins: Mapping[str, PluginProfile],
+              stats: Sequence[SuccessStat]) -> bool:
+        start = time.perf_counter()
+        try:
+            compiled = self._compile(config, source, plugins, stats)
+        except Exception as exc:  # noqa: BLE001 - any bad input keeps the previous set serving
+            log.error("policy %s change not applied (%s); still serving generation %d from %s",
+                      kind, exc, self.current.generation, self.current.source)
+            return False
+        self.config, self.source, self.plugins, self.stats = config, source, plugins, stats
+        self.current = compiled
+        elapsed = time.perf_counter() - start
+        if self.on_swap is not None:
+            self.on_swap(kind, elapsed)
+        log.info("policies swapped after a %s change in %.1f ms: default %s, %d rule(s), generation %d (%s)",
+                 kind, elapsed * 1e3, compiled.default, len(config.shaping), compiled.generation, source)
+        return True
+
+    def _profile(self, name: str, config: PolicyConfig, plugins: Mapping[str, PluginProfile]) -> tuple[ProfileConfig, str]:
+        # Config-defined profiles first (the operator's explicit word), then plugin modules,
+        # then the built-ins: a module may shadow a built-in name to replace it live.
+        if name in config.profiles:
+            prof = msgspec.convert({"name": name, **config.profiles[name]}, ProfileConfig)
+            return prof, prof.version
+        if name in plugins:
+            return plugins[name].profile, plugins[name].version
+        if name in BUILTIN_POLICIES:
+            prof = builtin_profile(name, seed=config.seed)
+            return prof, prof.version
+        known = sorted({*config.profiles, *plugins, *BUILTIN_POLICIES})
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(known)})")
+
+    def _compile(self, config: PolicyConfig, source: str, plugins: Mapping[str, PluginProfile],
+                 stats: Sequence[SuccessStat]) -> PolicySet:
+        profiles: dict[str, tuple[ProfileConfig, str]] = {}
+        if isinstance(config.profile, dict):
+            try:
+                inline = msgspec.convert(config.profile, ProfileConfig)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"invalid profile: {exc}") from None
+            default = inline.name
+            profiles[default] = (inline, inline.version)
+        else:
+            default = config.profile
+        for name in {default, *(rule.policy for rule in config.shaping)}:
+            if name not in profiles:
+                profiles[name] = self._profile(name, config, plugins)
+        router = Router(config.shaping, default=default)  # validates conditions and weights
+        fallback = FallbackScheduler(stats)
+        policies = {name: build_policy(prof) for name, (prof, _) in profiles.items()}
+        guarded = {}
+        for name, policy in policies.items():
+            breaker = self._breakers.setdefault((name, config.breaker), CircuitBreaker(config.breaker))
+            guarded[name] = GuardedPolicy(policy.decide, fallback, breaker)
+        self._generation += 1
+        return PolicySet(default=default, guarded=guarded, policies=policies,
+                         versions={name: version for name, (_, version) in profiles.items()},
+                         router=router, source=source, generation=self._generation)
+
+
+def success_table(groups: Sequence[Any]) -> list[SuccessStat]:
+    """Feedback statistics grouped by (task_kind, gpu_model) as the fallback's success table.
+
+    ``groups`` are ``contracts.feedback.StatsGroup`` records; a group without both keys
+    (feedback from before the executor recorded them) says nothing about a pair and is skipped.
+    """
+    out = []
+    for g in groups:
+        kind, model = g.key.get("task_kind", ""), g.key.get("gpu_model", "")
+        if kind and model:
+            out.append(SuccessStat(task_kind=kind, gpu_model=model, successes=int(g.successes),
+                                   failures=max(0, int(g.count) - int(g.successes))))
+    return out

@@ -1,0 +1,159 @@
+"""Which running tasks should move, and how sure we are that moving them pays off.
+
+Pure functions over the ledger, the topology labels and the fingerprints; the service
+chooses the target with the active policy and reserves it with compare-and-set.
+
+A task is worth migrating when staying put is likely to end badly:
+
+* one of its GPUs is labelled ``decommissioned`` (it goes away: probability 1) or
+  ``maintenance_pending`` (probability = the label ``maintenance_risk`` the executor wrote
+  with it, else ``MAINTENANCE_DEFAULT_RISK``);
+* its fingerprint predicts an OOM where it is: ``P(peak > memory it can have on its GPU)``,
+  the peak modelled as normal(predicted, spread) like the library's ``oom_risk``, at least
+  ``oom_threshold``.
+
+**Confidence of a ``migrate``** (the issue's goal: latency improves by more than 15% and no
+OOM follows) is ``P(staying fails) × confidence of the target placement``. We have no model
+that predicts a latency gain on a healthy GPU, so we never propose a move for latency alone;
+when staying ends in an OOM kill or an eviction, the task's completion time grows far more
+than 15% (it restarts), so a move improves it with the probability that staying would have
+failed. The target's confidence is the active policy's own estimate that the placement
+succeeds without OOM (for ``fleetpilot``: success prior × (1 − P(OOM on the target)) × ...).
+Feedback on migrations will show how well this is calibrated; nothing here is fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, NodeTopology
+
+CORDONED = "cordoned"
+DECOMMISSIONED = "decommissioned"
+MAINTENANCE_PENDING = "maintenance_pending"
+MAINTENANCE_RISK = "maintenance_risk"
+MAINTENANCE_DEFAULT_RISK = 0.9
+"""P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
+
+_MIGRATE_ID = re.compile(r"\.migrate\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class Running:
+    """One task's holds on one node, as the ledger has them."""
+
+    task_id: str
+    node: str
+    allocations: tuple[Allocation, ...]
+
+    @property
+    def gpus(self) -> list[int]:
+        """The GPU indices it holds."""
+        return sorted({a.gpu for a in self.allocations if a.gpu >= 0})
+
+
+@dataclass(frozen=True)
+class MoveReason:
+    """Why a task should move and the probability that staying put fails."""
+
+    p_stay_fails: float
+    why: str
+
+
+def is_set(labels: Mapping[str, str], label: str) -> bool:
+    """Labels are strings; only ``"true"`` counts (an operator clears one with ``"false"``)."""
+    return labels.get(label, "").lower() == "true"
+
+
+def gpu_conditions(nodes: Iterable[NodeTopology]) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(unhealthy, maintenance) GPU lists from the topology labels.
+
+    ``cordoned`` and ``decommissioned`` GPUs are unhealthy: no new work. A
+    ``maintenance_pending`` GPU takes no new work either, and its tasks are moved away.
+    """
+    unhealthy, maintenance = [], []
+    for topo in nodes:
+        for gpu in topo.gpus:
+            if is_set(gpu.labels, CORDONED) or is_set(gpu.labels, DECOMMISSIONED):
+                unhealthy.append((topo.node, gpu.index))
+            if is_set(gpu.labels, MAINTENANCE_PENDING):
+                maintenance.append((topo.node, gpu.index))
+    return unhealthy, maintenance
+
+
+def running_tasks(ledgers: Iterable[NodeLedger]) -> list[Running]:
+    """Tasks that run settled on one node: every hold confirmed by the executor.
+
+    A task with holds on two nodes, or two decisions on one, is mid-migration; a task with
+    reserved holds has not started. Neither is moved again until the executor settles it.
+    """
+    by_task: dict[str, list[tuple[str, Allocation]]] = {}
+    for ledger in ledgers:
+        for a in ledger.allocations:
+            by_task.setdefault(a.task_id, []).append((ledger.node, a))
+    out = []
+    for task_id, holds in sorted(by_task.items()):
+        nodes = {n for n, _ in holds}
+        decisions = {a.decision_id for _, a in holds}
+        if len(nodes) == 1 and len(decisions) == 1 and all(a.state == "confirmed" for _, a in holds):
+            out.append(Running(task_id=task_id, node=holds[0][0], allocations=tuple(a for _, a in holds)))
+    return out
+
+
+def normal_tail(peak_mb: float, sigma_mb: float, available_mb: float) -> float:
+    """``P(X > available)`` for X ~ normal(peak, sigma)."""
+    sigma = max(sigma_mb, 1.0)
+    return 0.5 * math.erfc((available_mb - peak_mb) / (sigma * math.sqrt(2.0)))
+
+
+def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint) -> float:
+    """P(the task's peak exceeds the memory it can have on its GPUs), worst GPU.
+
+    What it can have is the GPU's memory minus what the other tasks on it hold.
+    """
+    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29  # 90% interval -> sigma
+    memory = {g.index: g.memory_mb for g in topo.gpus}
+    worst = 0.0
+    for gpu in task.gpus:
+        others = sum(a.memory_mb for a in ledger.allocations if a.gpu == gpu and a.task_id != task.task_id)
+        available = memory.get(gpu, 0) - others
+        if available > 0:
+            worst = max(worst, normal_tail(fp.predicted_peak_mb, sigma, available))
+    return worst
+
+
+def move_reason(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
+                oom_threshold: float) -> MoveReason | None:
+    """Why ``task`` should move, or ``None`` when staying is fine (module docstring)."""
+    stays_ok, why = 1.0, []
+    labels = {g.index: g.labels for g in topo.gpus}
+    for gpu in task.gpus:
+        lab = labels.get(gpu, {})
+        if is_set(lab, DECOMMISSIONED):
+            stays_ok, why = 0.0, [*why, f"GPU {gpu} decommissioned"]
+        elif is_set(lab, MAINTENANCE_PENDING):
+            try:
+                risk = float(lab.get(MAINTENANCE_RISK, MAINTENANCE_DEFAULT_RISK))
+            except ValueError:
+                risk = MAINTENANCE_DEFAULT_RISK
+            stays_ok *= 1.0 - min(max(risk, 0.0), 1.0)
+            why.append(f"GPU {gpu} pending maintenance (risk {risk:.2f})")
+    if fp is not None and fp.predicted_peak_mb > 0:
+        risk = oom_risk_in_place(task, topo, ledger, fp)
+        if risk >= oom_threshold:
+            stays_ok *= 1.0 - risk
+            why.append(f"predicted OOM in place ({risk:.2f}: peak {fp.predicted_peak_mb:.0f} MB)")
+    if not why:
+        return None
+    return MoveReason(p_stay_fails=1.0 - stays_ok, why="; ".join(why))
+
+
+def migrate_decision_id(task: Running) -> str:
+    """``<task>.migrate.<n>``: n counts this task's migrations, read from its current hold's
+    decision id, so every replica derives the same id for the same move."""
+    current = task.allocations[0].decision_id
+    m = _MIGRATE_ID.search(current)
+    return f"{task.task_id}.migrate.{int(m.group(1)) + 1 if m else 1}"
