@@ -39,7 +39,14 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             if len(models) >= settings.max_tracked_tasks:
                 models.pop(next(iter(models)))  # forget the oldest rather than grow without bound
             models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration)
-        return models[task_id]
+        model = models[task_id]
+        # Telemetry (core NATS) can overtake the submission (JetStream): fill in what the
+        # submission tells as soon as it arrives, so later refits know the task's life.
+        if signature and not model.signature:
+            model.signature = signature
+        if duration is not None and model.expected_duration_s is None:
+            model.expected_duration_s = duration
+        return model
 
     @host.on(TaskSubmitted, consumer="fingerprinter-submitted")
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
@@ -66,7 +73,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         if life.state not in ("finished", "oom_killed", "failed", "evicted"):
             return
         model = models.pop(life.task_id, None)
-        final = model.refit() if model is not None and model.samples >= 3 else None
+        final = None
+        if model is not None and model.samples >= 3:
+            model.refit()  # on every sample of the whole life, published or not
+            final = model.current
         if final is None or not model.signature:  # type: ignore[union-attr]
             return
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]

@@ -1,0 +1,83 @@
+"""The fingerprinter over a real nats-server: observed fingerprints from task telemetry,
+the signature remembered when a task ends, and predicted at once for the next submission."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+
+from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
+from fleetpilot.fingerprint.signature import SignatureStats, task_signature
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.workload import MemoryGrowth
+from fleetpilot_services.fingerprinter.service import FingerprinterSettings, build
+
+
+async def wait_for(predicate, timeout_s: float = 20.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def task(task_id: str) -> TaskSubmitted:
+    return TaskSubmitted(task_id=task_id, kind="finetune", image="clip:1", command=["python", "train.py"],
+                         labels={"model": "clip-vit-l"}, gpu_memory_mb=40_000, expected_duration_s=1_000,
+                         submitted_at=now())
+
+
+async def test_observed_then_remembered_then_predicted(nats_server):
+    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1))
+    await host.start()
+    bus = await NatsBus.connect(nats_server.url, "test")
+    seen: list[TaskFingerprinted] = []
+
+    async def on_fp(msg) -> None:
+        seen.append(decode(msg.data, TaskFingerprinted))
+
+    await bus.subscribe("task.fingerprinted", on_fp)
+    try:
+        first = task("clip-1")
+        await bus.publish(first)
+        await asyncio.sleep(0.5)  # the task is placed before its processes report memory
+        # A stepwise-growing fine-tune, sampled every 10 s for its whole life.
+        growth = MemoryGrowth(pattern="steps", base_mb=8_000, peak_mb=32_000, duration_s=1_000, n_steps=4)
+        start = now()
+        for t in np.arange(0, 1_000, 10.0):
+            used = float(growth.memory_at(t))
+            await bus.publish(TaskTelemetry(task_id="clip-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=used, utilization_gpu_pct=80.0))
+        # Early predictions are rough; the refined ones must converge on the true peak.
+        def close_to_truth():
+            return [f.fingerprint for f in seen if f.task_id == "clip-1" and f.source == "observed"
+                    and f.fingerprint.pattern == "steps" and abs(f.fingerprint.predicted_peak_mb - 32_000) < 3_200]
+
+        latest = (await wait_for(close_to_truth))[-1]
+        assert latest.peak_low_mb <= 32_000 <= latest.peak_high_mb
+
+        await bus.publish(TaskLifecycle(task_id="clip-1", state="finished", at=now()))
+        kv = await bus.kv("fingerprints")
+        signature = task_signature(first)
+        entry = None
+        for _ in range(200):
+            entry = await kv.get(signature)
+            if entry is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert entry is not None, "the signature was not remembered"
+        assert msgspec.json.decode(entry.value, type=SignatureStats).count == 1
+
+        await bus.publish(task("clip-2"))  # same kind, image, command and model
+        predicted = await wait_for(lambda: [f for f in seen if f.task_id == "clip-2"])
+        assert predicted[0].source == "signature"
+        assert predicted[0].fingerprint.pattern == "steps"
+        assert abs(predicted[0].fingerprint.predicted_peak_mb - latest.predicted_peak_mb) < 0.15 * 32_000
+    finally:
+        await bus.drain()
+        await host.stop()
