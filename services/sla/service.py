@@ -39,6 +39,7 @@ from fleetpilot.contracts import (
     SlaOffer,
     SlaReply,
     TaskAdmitted,
+    TaskLifecycle,
     TaskRejected,
     TaskSubmitted,
     TopologyUpdated,
@@ -369,6 +370,13 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
                 # Dead-lettered, not rejected: a bad reply must not close someone's offer.
                 raise Reject(f"reply to {reply.offer_id}: {exc}") from exc
         return await holder["n"].replied(reply, tenant)
+
+    @host.on(TaskLifecycle, consumer="sla-lifecycle")
+    async def on_lifecycle(life: TaskLifecycle) -> None:
+        # A contract lives as long as its task: the bucket and every negotiation's scan of
+        # it would otherwise grow for ever.
+        if life.state in ("finished", "oom_killed", "failed"):
+            await holder["n"].store.forget(life.task_id)
 
     @host.every(settings.expiry_interval_s)
     async def expire_offers() -> list[TaskRejected]:

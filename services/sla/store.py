@@ -119,6 +119,13 @@ class ContractStore:
         adm = _ADMITTED.decode(entry.value)
         return adm if adm.task.task_id == task_id else None
 
+    async def forget(self, task_id: str) -> None:
+        """Drop the contract and any offer of a task that has ended."""
+        await self._kv.delete(contract_key(task_id))
+        await self._kv.delete(offer_key(task_id))
+        self.admitted.pop(task_id, None)
+        self.open_offers.pop(task_id, None)
+
     async def record_admission(self, adm: TaskAdmitted) -> None:
         """Store the agreed contract (idempotent: the same admission may be written twice)."""
         await self._kv.put(contract_key(adm.task.task_id), encode(adm))

@@ -152,6 +152,7 @@ CONSUMERS: dict[str, ConsumerSpec] = {
     for spec in (
         ConsumerSpec("sla-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("sla-replies", "SLA", "sla.reply.*"),
+        ConsumerSpec("sla-lifecycle", "TASKS", "task.lifecycle.>"),
         ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("policy-admitted", "TASKS", "task.admitted", ack_wait_s=10),
         ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),

@@ -152,3 +152,20 @@ async def test_quotes_use_the_bandwidth_of_the_latest_topology_update(service):
     await bus.settle()
     assert await quoted_warmup() == pytest.approx(1000.0)  # 16 Gbit/s = 2 GB/s, min_rtt
     assert bus.stored("SLA") == []  # a quote is never published
+
+
+async def test_a_finished_task_s_contract_is_forgotten():
+    from fleetpilot.contracts import Contract, TaskAdmitted, TaskSubmitted
+    from fleetpilot.runtime import InMemoryBus
+    from fleetpilot_services.sla.store import ContractStore, contract_key
+
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    store = await ContractStore.open(bus)
+    task = TaskSubmitted(task_id="done-1", submitted_at=1.0)
+    await store.record_admission(TaskAdmitted(task=task, contract=Contract(), tenant="t", admitted_at=1.0))
+    kv = await bus.kv("contracts")
+    assert await kv.get(contract_key("done-1")) is not None
+    await store.forget("done-1")
+    assert await kv.get(contract_key("done-1")) is None
+    assert "done-1" not in store.admitted
