@@ -186,6 +186,16 @@ def run_trace(nodes: Sequence[NodeRow], tasks: Sequence[TaskRequest], policy: Po
                        seconds=seconds, placements=records)
 
 
+def run_openb(nodes_csv: Path | str, pods_csv: Path | str, policy: Policy | str, seed: int, *,
+              keep_placements: bool = False) -> OpenbResult:
+    """One seed of the protocol from the CSV files (the only function here besides ``main``
+    that reads files); the trace is named after the pod file (``default``, ``gpuspec20``)."""
+    nodes = parse_nodes(_read_csv(Path(nodes_csv)))
+    tasks = parse_pods(_read_csv(Path(pods_csv)))
+    trace = Path(pods_csv).stem.replace("openb_pod_list_", "")
+    return run_trace(nodes, tasks, policy, seed, trace=trace, keep_placements=keep_placements)
+
+
 def make_variant(tasks: Sequence[TaskRequest], variant: str, seed: int) -> list[TaskRequest]:
     """A synthetic held-out variant of a trace, generated with ``seed`` from the original.
 

@@ -18,6 +18,7 @@ from fleetpilot.bench.openb import (
     parse_nodes,
     parse_pods,
     parse_seeds,
+    run_openb,
     run_trace,
 )
 from fleetpilot.policy import TaskRequest
@@ -156,3 +157,10 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv, message):
     with pytest.raises(SystemExit) as err:
         main(base + argv)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_run_openb_reads_the_files(tmp_path):
+    nodes, pods = write_tiny(tmp_path)
+    r = run_openb(nodes, pods, "fgd", seed=3, keep_placements=True)
+    assert r.trace == "tiny" and r.policy == "fgd" and set(r.points) == {90, 100, 110, 130}
+    assert r.placements and r.arrived_pct[-1] >= 130.0
