@@ -128,17 +128,18 @@ class ActivePolicies:
         """Swap in a new configuration; ``False`` (previous set kept) if it does not compile."""
         return self._swap("config", config, source, self.plugins, self.stats)
 
-    def apply_plugins(self, plugins: Mapping[str, PluginProfile]) -> bool:
-        """Swap in the plugin directory's current profiles."""
-        return self._swap("module", self.config, self.source, dict(plugins), self.stats)
+    def apply_plugins(self, plugins: Mapping[str, PluginProfile], started: float | None = None) -> bool:
+        """Swap in the plugin directory's current profiles; ``started`` (``perf_counter``)
+        is when the reload began, so that the measured time includes the module import."""
+        return self._swap("module", self.config, self.source, dict(plugins), self.stats, started)
 
     def apply_stats(self, stats: Sequence[SuccessStat]) -> bool:
         """Rebuild the fallback scheduler from a new success table."""
         return self._swap("stats", self.config, self.source, self.plugins, list(stats))
 
     def _swap(self, kind: str, config: PolicyConfig, source: str, plugins: Mapping[str, PluginProfile],
-              stats: Sequence[SuccessStat]) -> bool:
-        start = time.perf_counter()
+              stats: Sequence[SuccessStat], started: float | None = None) -> bool:
+        start = time.perf_counter() if started is None else started
         try:
             compiled = self._compile(config, source, plugins, stats)
         except Exception as exc:  # noqa: BLE001 - any bad input keeps the previous set serving

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -467,8 +468,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             await asyncio.sleep(settings.plugin_poll_s)
             # Import and compile run on the event loop between two decisions: the swap is
             # atomic without a lock, and a decision is delayed by at most one reload.
+            started = time.perf_counter()
             if plugins.poll():
-                state().active.apply_plugins(plugins.profiles())
+                state().active.apply_plugins(plugins.profiles(), started)
 
     async def refresh_stats(bus: Bus) -> None:
         query = StatsQuery(by=["task_kind", "gpu_model"])
