@@ -18,6 +18,7 @@ from .catalog import (
     msg_id_for,
     route_for,
     subject_for,
+    subject_matches,
 )
 from .codec import decode, decoder_for, encode
 from .deadletter import DeadLetter
@@ -133,4 +134,5 @@ __all__ = [
     "now",
     "route_for",
     "subject_for",
+    "subject_matches",
 ]

@@ -181,6 +181,17 @@ BUCKETS: tuple[BucketSpec, ...] = (
 DLQ_PREFIX = "dlq."
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` is one token, ``>`` one or more trailing tokens."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 def dlq_subject(subject: str) -> str:
     """The dead-letter subject for a message that arrived on ``subject``."""
     return DLQ_PREFIX + subject

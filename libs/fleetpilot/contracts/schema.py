@@ -27,7 +27,7 @@ import yaml
 
 from . import ALL_EVENTS
 from .base import Event
-from .catalog import BUCKETS, CONSUMERS, DLQ_PREFIX, ROUTES, STREAMS, Route, StreamSpec
+from .catalog import BUCKETS, CONSUMERS, DLQ_PREFIX, ROUTES, STREAMS, Route, StreamSpec, subject_matches
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ASYNCAPI_VERSION = "3.0.0"
@@ -105,17 +105,6 @@ def _concrete(template: str) -> str:
     for path in _placeholders(template):
         template = template.replace("{" + path + "}", "_")
     return template
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """Whether a NATS subject ``pattern`` (with ``*`` and ``>``) matches ``subject``."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 def _stream_for(route: Route) -> StreamSpec | None:

@@ -11,7 +11,7 @@ import abc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from fleetpilot.contracts import ConsumerSpec, Event
+from fleetpilot.contracts import ConsumerSpec, Event, subject_matches
 
 
 @dataclass(frozen=True)
@@ -152,15 +152,4 @@ class Bus(abc.ABC):
     def connected(self) -> bool:
         """Whether the transport is currently usable (drives ``/healthz``)."""
 
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard matching: ``*`` is one token, ``>`` one or more trailing tokens."""
-    p_tokens, s_tokens = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p_tokens):
-        if token == ">":
-            return len(s_tokens) > i
-        if i >= len(s_tokens) or (token != "*" and token != s_tokens[i]):
-            return False
-    return len(p_tokens) == len(s_tokens)
-
-
+__all__ = ["Bus", "CasConflict", "Delivery", "Inbound", "KeyValue", "KvEntry", "Reject", "Retry", "subject_matches"]
