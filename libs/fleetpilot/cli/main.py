@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topology": ("fleetpilot.cli.topology_cmd", "parse saved `nvidia-smi topo -m` output, print the graph as JSON"),
     "fleet": ("fleetpilot.cli.fleet_cmd", "show the fleet from a spec, and live GPU readings when it runs"),
     "fingerprint": ("fleetpilot.cli.fingerprint_cmd", "fingerprint a task's memory series (CSV) as JSON"),
+    "replay": ("fleetpilot.cli.replay_cmd", "replay recorded decision inputs through two policies, print the diff"),
+    "bench": ("fleetpilot.cli.bench_cmd", "run a benchmark suite (openb, fleet) with its own arguments"),
 }
 
 

@@ -1,0 +1,32 @@
+"""``fleetpilot bench SUITE [ARGS...]``: run a benchmark suite with its own arguments.
+
+``openb`` is the FGD-paper allocation benchmark (``fleetpilot.bench.openb``, see
+``fleetpilot bench openb --help``); ``fleet`` is the fleet benchmark
+(``fleetpilot.bench.fleet``) where this build has it. Everything after the suite name is
+handed to the suite's ``main(argv)`` untouched, so each suite documents its own flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilot.bench.fleet"}
+
+
+def add_arguments(parser) -> None:
+    """The suite name, then the suite's own arguments."""
+    parser.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
+    parser.add_argument("suite_args", nargs=argparse.REMAINDER, help="arguments of the suite (see its --help)")
+
+
+def main(args) -> int:
+    """Import the suite and run its ``main`` with the remaining arguments."""
+    module_name = SUITES[args.suite]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # the suite exists but something it needs is missing: show the real cause
+        raise ValueError(f"the {args.suite} suite is not available in this build ({module_name} is missing)") from None
+    return int(module.main(list(args.suite_args)) or 0)

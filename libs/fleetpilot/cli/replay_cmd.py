@@ -1,0 +1,175 @@
+"""``fleetpilot replay --states FILE --policy A --against B``: judge a policy change offline.
+
+``FILE`` is the JSONL the policy service records (``FLEETPILOT_POLICY_RECORD_EVERY``: one
+``fleetpilot.policy.Snapshot`` — the fleet state and the task — per line). Every snapshot is
+decided by A and by B; the report says how many decisions differ and how (another action,
+another node, other GPUs on the same node) and what the differences do to fragmentation
+(FGD's measure over the typical tasks of the file, in milli-GPU; lower is better) and to the
+predicted OOM risk of the chosen GPUs. ``--json`` prints the same as one JSON document.
+
+A and B are built-in policies or profiles exported by the policy modules of
+``--plugin-dir`` (the service's hot-reload directory); ``--against-plugin-dir`` loads B's
+modules from another directory, to compare two versions of one policy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fleetpilot.policy import (
+    BUILTIN_POLICIES,
+    DiffReport,
+    Policy,
+    ProfileConfig,
+    Snapshot,
+    build_policy,
+    builtin_profile,
+    replay,
+    typical_tasks,
+)
+from fleetpilot.policy.fragmentation import TaskShape
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot replay``."""
+    parser.add_argument("--states", required=True, help="JSONL of recorded snapshots (the policy service's record)")
+    parser.add_argument("--policy", required=True, help="policy A: a built-in or a --plugin-dir profile")
+    parser.add_argument("--against", required=True, help="policy B, compared with A")
+    parser.add_argument("--plugin-dir", help="directory of policy modules (PROFILES / profile())")
+    parser.add_argument("--against-plugin-dir", help="B's modules, when comparing two versions of one policy")
+    parser.add_argument("--seed", type=int, default=0, help="tie-breaking seed of the built-in policies (default 0)")
+    parser.add_argument("--show", type=int, default=10, help="differing decisions to list in the text report")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def read_snapshots(path: Path) -> list[Snapshot]:
+    """Every snapshot in a JSONL file; a bad line is a ``ValueError`` naming it."""
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory")
+    out = []
+    decoder = msgspec.json.Decoder(Snapshot)
+    with path.open("rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(decoder.decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ValueError(f"{path}:{number}: not a recorded snapshot ({exc})") from None
+    if not out:
+        raise ValueError(f"{path}: no snapshots")
+    return out
+
+
+def module_profiles(directory: Path) -> dict[str, ProfileConfig]:
+    """Profiles exported by the ``*.py`` modules of a directory (the service's format)."""
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory")
+    out: dict[str, ProfileConfig] = {}
+    for file in sorted(directory.glob("*.py")):
+        name = f"fleetpilot_replay_plugin_{abs(hash(str(file.resolve())))}_{file.stem}"
+        spec = importlib.util.spec_from_file_location(name, file)
+        if spec is None or spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - report which module is broken, in one line
+            raise ValueError(f"{file}: cannot load ({type(exc).__name__}: {exc})") from None
+        exported: list[Any] = [{**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
+                               for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()]
+        if callable(getattr(module, "profile", None)):
+            made = module.profile()
+            exported += list(made) if isinstance(made, list | tuple) else [made]
+        for prof in exported:
+            config = prof if isinstance(prof, ProfileConfig) else msgspec.convert(prof, ProfileConfig)
+            out[config.name] = config
+    return out
+
+
+def resolve(name: str, plugins: dict[str, ProfileConfig], seed: int, typical: list[TaskShape]) -> Policy:
+    """A policy by name: a module profile first (it may shadow a built-in), then a built-in."""
+    if name in plugins:
+        return build_policy(plugins[name])
+    if name in BUILTIN_POLICIES:
+        return build_policy(builtin_profile(name, seed=seed, typical=typical))
+    known = ", ".join(sorted({*BUILTIN_POLICIES, *plugins}))
+    raise ValueError(f"unknown policy {name!r} (known: {known})")
+
+
+def _where(d) -> str:
+    if d.action != "assign":
+        return d.action
+    gpus = [p.gpu for p in d.placement if p.gpu >= 0]
+    return f"{d.placement[0].node} GPUs {gpus}" if gpus else f"{d.placement[0].node} (CPU only)"
+
+
+def summary(report: DiffReport, a: str, b: str) -> dict[str, Any]:
+    """The report as plain data (what ``--json`` prints)."""
+    actions_a = Counter(i.a.action for i in report.items)
+    actions_b = Counter(i.b.action for i in report.items)
+    return {
+        "policy": a,
+        "against": b,
+        "total": report.total,
+        "differing": report.differing,
+        "by_kind": report.by_kind,
+        "actions": {a: dict(actions_a), b: dict(actions_b)} if a != b else {a: dict(actions_a)},
+        "mean_frag_delta": report.mean_frag_delta,
+        "mean_oom_delta": report.mean_oom_delta,
+        "differences": [
+            {"task_id": i.task_id, "kind": i.kind, "a": _where(i.a), "b": _where(i.b),
+             "frag_delta": i.frag_b - i.frag_a, "oom_delta": i.oom_b - i.oom_a}
+            for i in report.items if i.kind != "same"
+        ],
+    }
+
+
+def format_report(data: dict[str, Any], show: int) -> str:
+    """The human-readable report."""
+    total, diff = data["total"], data["differing"]
+    kinds = data["by_kind"]
+    lines = [
+        f"replayed {total} snapshot(s): {diff} decision(s) differ ({100.0 * diff / total:.1f}%) "
+        f"between {data['policy']} (A) and {data['against']} (B)",
+        f"  how: {kinds.get('action', 0)} another action, {kinds.get('node', 0)} another node, "
+        f"{kinds.get('gpus', 0)} other GPUs on the same node, {kinds.get('same', 0)} the same",
+        f"  fragmentation after the decision, B - A: {data['mean_frag_delta']:+.2f} on average "
+        "(milli-GPU; negative = B fragments less)",
+        f"  predicted OOM risk of the chosen GPUs, B - A: {data['mean_oom_delta']:+.4f} on average",
+        "  actions: " + "; ".join(f"{p}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+                                  for p, c in data["actions"].items()),
+    ]
+    for d in data["differences"][:max(show, 0)]:
+        lines.append(f"  {d['task_id']}: A {d['a']} | B {d['b']} ({d['kind']}; frag {d['frag_delta']:+.1f}, "
+                     f"OOM {d['oom_delta']:+.3f})")
+    if len(data["differences"]) > show > 0:
+        lines.append(f"  ... {len(data['differences']) - show} more (--show N, or --json)")
+    return "\n".join(lines)
+
+
+def main(args, out=None) -> int:
+    """Replay the file through both policies and print the diff."""
+    out = out or sys.stdout
+    snapshots = read_snapshots(Path(args.states))
+    typical = typical_tasks([s.task for s in snapshots])
+    plugins_a = module_profiles(Path(args.plugin_dir)) if args.plugin_dir else {}
+    plugins_b = module_profiles(Path(args.against_plugin_dir)) if args.against_plugin_dir else plugins_a
+    policy_a = resolve(args.policy, plugins_a, args.seed, typical)
+    policy_b = resolve(args.against, plugins_b, args.seed, typical)
+    report = replay(snapshots, policy_a.decide, policy_b.decide, typical=typical)
+    label_b = args.against if (args.against != args.policy or plugins_b is plugins_a) else f"{args.against} (B's modules)"
+    data = summary(report, args.policy, label_b)
+    if args.json:
+        print(json.dumps(data, indent=2), file=out)
+    else:
+        print(format_report(data, args.show), file=out)
+    return 0
