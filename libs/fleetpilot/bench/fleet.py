@@ -1,0 +1,867 @@
+"""The fleet benchmark: Fleetpilot's full loop against the Kubernetes default scheduler.
+
+One workload (``fleet_workload``), one simulated fleet, one virtual clock, played twice:
+
+**k8s-default** — the default scheduler with the NVIDIA device plugin: whole GPUs only (a
+task asking for a share still holds a whole GPU), LeastAllocated node scoring, first free
+device indices, no notion of GPU memory. Pending pods are retried every cycle in queue order
+(FIFO by the time the pod was created: every task has the same priority) with backfill: a
+pod that does not fit does not block the ones behind it. A pod killed by an OOM or by a
+failed GPU is recreated by its Job controller (a new pod at the back of the queue, from
+scratch) up to the Job's ``backoffLimit`` of 6; the device plugin takes a GPU that fell off
+the bus out of service. No preemption (no PriorityClasses are set).
+
+**fleetpilot** — the full loop:
+
+- SLA negotiation (``sla.negotiate``) at submission against the fleet as it is: admitted,
+  or counter-offered (the submitter is modelled as accepting the first option), or
+  rejected; the queue is ordered by tier (vip first), then FIFO, with backfill;
+- fingerprints: a task whose signature (``fingerprint.task_signature``) is known gets the
+  ``SignatureMemory`` prediction at submission; tasks of unknown or little-known signatures
+  are fingerprinted online (``OnlineFingerprinter``) from the simulator's per-task memory
+  samples, and their end-of-life fingerprint is remembered;
+- the ``fleetpilot`` policy with GPU sharing (fractional GPUs) and OOM-risk awareness: the
+  ledger holds per GPU the memory each task is predicted to reach (the ask when nothing
+  is known), and the request carries the predicted peak and its spread;
+- rebalancing: when the memory predicted on a GPU exceeds it, the task that outgrew its
+  plan is migrated to a GPU where its predicted peak fits, before the OOM, if the policy
+  finds one; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
+  which the task makes no progress, and it restarts its memory curve over its remaining
+  time (the same true peak);
+- maintenance: a ``HealthModel`` watches GPUs that report any hardware signal; at 0.85 a GPU
+  is marked ``maintenance_pending`` (no new work, out of the utilisation denominator) and
+  its tasks migrate away.
+
+Both runs see the same injected faults: GPUs that degrade and then fall off the bus (XID
+79), and one that fails without warning.
+
+Figures (printed side by side with the ratio Fleetpilot / baseline, and ``--json``):
+utilisation = ``sum(memory used) / sum(memory total)`` over GPUs not failed nor in
+maintenance, averaged over the ticks of the arrival window; mean and p95 queue time (all
+time a task spent waiting, over its restarts; a task still waiting at the end counts its
+wait so far); OOM events; tasks that missed their asked SLA (max queue time or deadline;
+counter-offers do not relax the measure; rejected and failed tasks count); fleet cost
+(catalogue price of every GPU over the run) per useful GPU-hour (the GPU share times the
+run time of completed work, plus the progress of tasks still running at the end; killed
+runs and migration pauses are not useful); interventions: OOM restarts, jobs that hit the
+backoff limit, tasks stuck in the queue over an hour, tasks lost to a failed GPU.
+
+Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
+--plot-dir out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
+
+from fleetpilot.contracts import Fingerprint, TaskSubmitted
+from fleetpilot.contracts.task import SlaRequest
+from fleetpilot.fingerprint import OnlineFingerprinter, SignatureMemory, task_signature
+from fleetpilot.fleet.catalogue import gpu_model
+from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
+from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
+from fleetpilot.maintenance import HealthModel
+from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
+from fleetpilot.policy.state import MILLI
+from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
+from fleetpilot.workload.growth import MemoryGrowth
+
+from .fleet_workload import BenchTask, Workload, generate_workload, load_trace
+
+OPENB_DIR = Path("/work/shared/data/openb")
+TRACE_FILE = OPENB_DIR / "openb_pod_list_default.csv"
+NODES_FILE = OPENB_DIR / "openb_node_list_gpu_node.csv"
+MODES: tuple[str, ...] = ("k8s-default", "fleetpilot")
+TICK_S = 60.0
+"""Scheduling cycle and telemetry period of the virtual clock."""
+HEALTH_EVERY = 2
+"""Health samples are taken every this many ticks (2 minutes), as the collector does."""
+HEALTH_WINDOW = 30
+"""Samples in a health window (one hour)."""
+BACKOFF_LIMIT = 6
+"""Restarts a Job allows before it fails (Kubernetes' default ``backoffLimit``)."""
+STUCK_S = 3600.0
+"""A task waiting longer than this is a stuck queue: someone would have stepped in."""
+MIGRATION_BASE_S = 30.0
+MIGRATION_S_PER_GB = 2.0
+CONFIDENT_COUNT = 4
+"""A signature seen this many times is trusted; its tasks are no longer fingerprinted online."""
+TRUST_SAMPLES = 10
+TRUST_CONFIDENCE = 0.5
+"""An online fingerprint drives reservations and moves from this many samples and pattern confidence."""
+TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
+ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
+TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
+"""Targets as ratios Fleetpilot / baseline: at least +75%, at most -80%, at most -90%."""
+
+
+# ---- one job across its attempts ---------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    task: BenchTask
+    submitted: TaskSubmitted
+    signature: str
+    seq: int
+    state: str = "new"  # new, pending, running, done, failed, rejected
+    queued_since: float = 0.0
+    queue_s: float = 0.0
+    attempts: int = 0
+    ooms: int = 0
+    migrations: int = 0
+    row: int = -1
+    gpus: list[int] = field(default_factory=list)
+    milli: int = 0
+    reserved_mb: int = 0
+    planned_mb: int = 0
+    seg_start: float = 0.0
+    seg_pause: float = 0.0
+    progress_s: float = 0.0
+    finished_at: float | None = None
+    counter_offered: bool = False
+    fingerprinter: OnlineFingerprinter | None = None
+    prediction: Fingerprint | None = None
+    resume: tuple[MemoryGrowth, float] | None = None
+
+    def useful_until(self, now: float) -> float:
+        """Seconds of the task's own run done by ``now`` (pauses excluded)."""
+        if self.state == "done":
+            return self.task.duration_s
+        if self.state != "running":
+            return self.progress_s
+        return min(self.task.duration_s, self.progress_s + max(0.0, now - self.seg_start - self.seg_pause))
+
+
+@dataclass
+class RunResult:
+    """What one mode measured (figures, time series, counters)."""
+
+    mode: str
+    figures: dict[str, float]
+    breakdown: dict[str, float]
+    times_h: list[float]
+    utilisation: list[float]
+    queue_length: list[int]
+    wall_s: float
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+class FleetRun:
+    """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
+
+    def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+        self.fleet, self.workload, self.mode, self.seed = fleet, workload, mode, seed
+        self.smart = mode == "fleetpilot"
+        # The simulator's noise stream is seeded from the workload seed in both runs.
+        self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
+        gpu_nodes = [n for n in fleet.nodes if n.gpus]
+        self.state = ClusterState.from_topology(gpu_nodes)
+        self.offset = np.zeros(len(gpu_nodes), dtype=np.int64)
+        sim_offset, k = {}, 0
+        for n in fleet.nodes:
+            sim_offset[n.node] = k
+            k += len(n.gpus)
+        self.offset = np.array([sim_offset[n.node] for n in gpu_nodes], dtype=np.int64)
+        self.node_site = [n.site for n in gpu_nodes]
+        self.node_model = [n.gpus[0].model for n in gpu_nodes]
+        self.excluded = np.zeros(self.sim.gpu.count, dtype=bool)
+        self.price_per_h = float(sum(gpu_model(g.model).price_usd_per_hour for n in gpu_nodes for g in n.gpus))
+        self.jobs = [self._job(t, i) for i, t in enumerate(workload.tasks)]
+        self.by_id = {j.task.task_id: j for j in self.jobs}
+        self.pending: list[_Job] = []
+        self.on_gpu: dict[tuple[int, int], set[str]] = {}
+        self.memory = SignatureMemory()
+        self.health = HealthModel()
+        self.windows: dict[int, deque] = {}
+        self.pending_maintenance: dict[int, float] = {}
+        self.failed_gpus: dict[int, float] = {}
+        self.oom_floor: dict[str, float] = {}
+        memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
+        self.largest = {t.gpu_models: max((memory_of.get(m, 0.0) for m in t.gpu_models or memory_of), default=0.0)
+                        for t in workload.tasks}
+        self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
+                       "migrations_oom": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
+                       "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0}
+        self.policy = self._policy([])
+        self._typical_at = 0
+        self._view: tuple[float, FleetView] | None = None
+
+    # -- construction --------------------------------------------------------------------
+
+    def _job(self, t: BenchTask, seq: int) -> _Job:
+        sub = TaskSubmitted(
+            task_id=t.task_id, tenant="bench", kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,  # type: ignore[arg-type]
+            gpu_memory_mb=int(t.request_mb), gpu_models=list(t.gpu_models), cpu_milli=t.cpu_milli,
+            memory_mb=t.memory_mb, sla=SlaRequest(tier=t.tier, max_queue_s=t.max_queue_s, deadline=t.deadline_s),  # type: ignore[arg-type]
+            labels={"model": t.program, "role": ROLE_OF_KIND[t.kind]}, image=f"registry.local/{t.program}:1",
+            command=["python", "-m", t.program], expected_duration_s=t.declared_duration_s, submitted_at=t.arrival_s)
+        return _Job(task=t, submitted=sub, signature=task_signature(sub), seq=seq)
+
+    def _policy(self, seen: Sequence[TaskRequest]) -> Policy:
+        if not self.smart:
+            return build_policy("k8s-default", seed=self.seed)
+        return build_policy("fleetpilot", seed=self.seed, typical=typical_tasks(seen) if seen else None)
+
+    def _refresh_typical(self, arrived: int) -> None:
+        # FGD's typical tasks come from the tasks seen so far; recompiled as their number doubles.
+        if not self.smart or arrived < max(32, 2 * self._typical_at):
+            return
+        self._typical_at = arrived
+        self.policy = self._policy([self._request(j) for j in self.jobs[:arrived]])
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _request(self, job: _Job) -> TaskRequest:
+        t = job.task
+        if not self.smart:
+            return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
+                               memory_mb=t.memory_mb, gpu_models=t.gpu_models)
+        peak = sigma = 0.0
+        if job.prediction is not None:
+            peak = float(job.prediction.predicted_peak_mb)
+            sigma = max(0.0, float(job.prediction.peak_high_mb - job.prediction.peak_low_mb) / 3.29)
+        return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
+                           gpu_memory_mb=self._reservation(job), cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
+                           gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
+                           predicted_peak_mb=peak, peak_sigma_mb=sigma)
+
+    def _reservation(self, job: _Job) -> int:
+        """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
+        CUDA context when nothing is predicted), at least the signature's OOM floor."""
+        floor = self.oom_floor.get(job.signature, 0.0)
+        p = job.prediction
+        want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
+        # Nothing can hold more than the largest GPU the task accepts: a prediction above it
+        # is treated as "needs a whole one of those" rather than as unplaceable.
+        return int(min(max(want, floor), self.largest[job.task.gpu_models]))
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        """Play the whole workload; returns the figures."""
+        start = time.perf_counter()
+        w = self.workload
+        arrivals = deque(self.jobs)
+        faults = sorted(w.faults, key=lambda f: f.onset_s)
+        degrading_started: set[int] = set()
+        failed_done: set[int] = set()
+        times, utils, queue = [], [], []
+        tick = 0
+        now = 0.0
+        while now < w.horizon_s:
+            tick += 1
+            self.sim.advance(TICK_S)
+            now = self.sim.now_s
+            self._events(now)
+            for k, f in enumerate(faults):
+                if f.kind == "degrading" and k not in degrading_started and f.onset_s <= now:
+                    degrading_started.add(k)
+                    # Counters start rising at onset and accelerate until the GPU falls off the bus.
+                    self.sim.degrade(f.node, f.gpu, "ecc_corrected", rate_per_h=5.0, accel_per_h2=100.0)
+                    self.sim.degrade(f.node, f.gpu, "remapped_rows", rate_per_h=0.2, accel_per_h2=2.0)
+                    self.sim.degrade(f.node, f.gpu, "pcie_replays", rate_per_h=5.0, accel_per_h2=50.0)
+                if k not in failed_done and f.fails_s <= now:
+                    failed_done.add(k)
+                    self.sim.inject_xid(f.node, f.gpu, 79)
+                    self._events(now)
+            if self.smart:
+                self._observe_tasks(now)
+                if tick % HEALTH_EVERY == 0:
+                    self._watch_health(now)
+            arrived = 0
+            while arrivals and arrivals[0].task.arrival_s <= now:
+                job = arrivals.popleft()
+                self._submit(job, now)
+                arrived += 1
+            if arrived:
+                self._refresh_typical(len(self.jobs) - len(arrivals))
+            self._schedule(now)
+            times.append(now / 3600.0)
+            utils.append(self._utilisation())
+            queue.append(len(self.pending))
+        return self._result(now, times, utils, queue, time.perf_counter() - start)
+
+    def _utilisation(self) -> float:
+        g = self.sim.gpu
+        keep = ~self.excluded
+        total = float(g.memory_total_mb[keep].sum())
+        return float(g.memory_used_mb[keep].sum()) / total if total > 0 else 0.0
+
+    # -- submission and queue ----------------------------------------------------------------
+
+    def _submit(self, job: _Job, now: float) -> None:
+        if self.smart:
+            job.prediction = self.memory.predict(job.signature)
+            decision = negotiate(job.submitted, self._fleet_view(now), now=now, fingerprint=job.prediction)
+            if isinstance(decision, Admit):
+                self.counts["admitted"] += 1
+            elif isinstance(decision, CounterOffer):
+                # The submitter accepts the first option; the SLA is still measured as asked.
+                self.counts["counter_offers"] += 1
+                job.counter_offered = True
+            else:
+                self.counts["rejected"] += 1
+                job.state = "rejected"
+                return
+        self._enqueue(job, now)
+
+    def _enqueue(self, job: _Job, now: float) -> None:
+        job.state = "pending"
+        job.queued_since = now
+        self.pending.append(job)
+
+    def _key(self, job: _Job) -> tuple[float, ...]:
+        if self.smart:
+            # Fleetpilot's own queue keeps a restarted or checkpointed task in its original place.
+            return (TIER_RANK[job.task.tier], job.task.arrival_s, job.seq)
+        return (job.queued_since, job.seq)
+
+    def _schedule(self, now: float) -> None:
+        if not self.pending:
+            return
+        self.pending.sort(key=self._key)
+        failed: list[tuple[int, int, int, int, int, frozenset[str]]] = []
+        keep: list[_Job] = []
+        for job in self.pending:
+            req = self._request(job)
+            shape = _shape(req, whole=not self.smart)
+            if any(_dominates(shape, f) for f in failed):
+                keep.append(job)
+                continue
+            self.counts["decisions"] += 1
+            decision = self.policy.decide(self.state, req)
+            if decision.action != "assign":
+                failed.append(shape)
+                keep.append(job)
+                continue
+            gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
+            self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
+        self.pending = keep
+
+    # -- running tasks -----------------------------------------------------------------------
+
+    def _start(self, job: _Job, row: int, gpus: list[int], milli: int, now: float, *,
+               growth: MemoryGrowth | None = None, pause: float = 0.0) -> None:
+        t = job.task
+        reserve = self._reservation(job) if self.smart else 0
+        self.state.allocate(row, gpus, milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_memory_mb=reserve)
+        if job.state == "pending" and job.resume is not None:
+            job.queue_s += now - job.queued_since
+            growth, pause = job.resume
+            job.resume = None
+        elif job.state == "pending":
+            job.queue_s += now - job.queued_since
+            job.attempts += 1
+            job.progress_s = 0.0
+            if self.smart:
+                watch = self.memory.stats(job.signature)
+                if watch is None or watch.count < CONFIDENT_COUNT:
+                    job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
+                                                            started_at=now, refit_growth=0.5, prior=job.prediction)
+        job.state = "running"
+        job.row, job.gpus, job.milli, job.reserved_mb = row, list(gpus), milli, reserve
+        job.planned_mb = reserve if job.planned_mb == 0 else job.planned_mb
+        job.seg_start, job.seg_pause = now, pause
+        node = self.state.node_names[row]
+        self.sim.place(t.task_id, node, gpus, growth or t.growth, util=t.util)
+        for g in gpus:
+            self.on_gpu.setdefault((row, g), set()).add(t.task_id)
+
+    def _stop(self, job: _Job) -> None:
+        t = job.task
+        self.state.release(job.row, job.gpus, job.milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
+                           gpu_memory_mb=job.reserved_mb)
+        for g in job.gpus:
+            self.on_gpu.get((job.row, g), set()).discard(t.task_id)
+
+    def _events(self, now: float) -> None:
+        for ev in self.sim.events():
+            if ev.kind == "xid" and int(ev.value) == 79:
+                row = self.state.node_index(ev.node)
+                gi = int(self.offset[row]) + ev.gpu
+                self.failed_gpus[gi] = now
+                self.excluded[gi] = True
+                # The device plugin's health check takes a GPU that fell off the bus out of service.
+                _mark_gpu(self.state, row, ev.gpu, healthy=False)
+                continue
+            job = self.by_id.get(ev.task_id or "")
+            if job is None or job.state != "running":
+                continue
+            if ev.kind == "finished":
+                self._stop(job)
+                job.state, job.finished_at = "done", now
+                self._remember(job, now)
+            elif ev.kind in ("oom", "task_failed"):
+                self._stop(job)
+                job.progress_s = 0.0
+                if ev.kind == "oom":
+                    self.counts["oom_events"] += 1
+                    job.ooms += 1
+                    self._learn_from_oom(job, ev.value)
+                else:
+                    self.counts["gpu_failure_kills"] += 1
+                if job.attempts > BACKOFF_LIMIT:
+                    job.state = "failed"
+                    self.counts["backoff_failed"] += 1
+                    continue
+                if ev.kind == "oom":
+                    self.counts["oom_restarts"] += 1
+                if self.smart:
+                    job.prediction = self.memory.predict(job.signature) or job.prediction
+                job.fingerprinter = None
+                self._enqueue(job, now)
+
+    # -- Fleetpilot: fingerprints, rebalancing, maintenance -----------------------------------
+
+    def _remember(self, job: _Job, now: float) -> None:
+        """Fold a completed run's fingerprint into the signature memory. The run is over, so
+        its length is known: the fit is told the real duration instead of the declared one
+        (no extrapolation past the end). Killed runs are not remembered: their series stops
+        before the peak (an OOM teaches a floor instead, ``_learn_from_oom``)."""
+        fp = job.fingerprinter
+        if fp is None or fp.samples < 6:
+            return
+        fp.expected_duration_s = max(now - job.seg_start - job.seg_pause, 1.0)
+        fp.refit()
+        if fp.current is not None and fp.current.samples > 0:
+            self.memory.observe(fp.current)
+
+    def _learn_from_oom(self, job: _Job, held_mb: float) -> None:
+        """A task killed while alone on its GPUs needed more than the GPU: a floor for its
+        signature, known even when the run was too short to fingerprint."""
+        if not self.smart:
+            return
+        alone = all(self.on_gpu.get((job.row, g), set()) <= {job.task.task_id} for g in job.gpus)
+        if alone:
+            total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
+            floor = max(total, held_mb + CONTEXT_MB) * 1.05
+            self.oom_floor[job.signature] = max(self.oom_floor.get(job.signature, 0.0), floor)
+
+    def _observe_tasks(self, now: float) -> None:
+        watched_nodes = {self.state.node_names[j.row] for j in self.jobs
+                         if j.state == "running" and j.fingerprinter is not None}
+        changed: set[str] = set()
+        for node in watched_nodes:
+            for s in self.sim.task_samples(node):
+                job = self.by_id.get(s.task_id)
+                if job is None or job.fingerprinter is None or job.state != "running":
+                    continue
+                online = job.fingerprinter
+                fresh = online.add(s.at, s.memory_used_mb / max(len(s.gpus), 1))
+                current = online.current
+                # A handful of samples in a warm-up reads as a steep line: act on the online
+                # fingerprint only once it has TRUST_SAMPLES samples and a clear pattern.
+                if (current is None or current.samples < TRUST_SAMPLES
+                        or current.pattern_confidence < TRUST_CONFIDENCE):
+                    continue
+                if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
+                    job.prediction = current
+                    changed.add(job.task.task_id)
+        for task_id in changed:
+            self._reserve_again(self.by_id[task_id])
+        for task_id in changed:
+            job = self.by_id[task_id]
+            if job.state == "running" and self._overcommitted(job):
+                self._rebalance(job, now)
+
+    def _reserve_again(self, job: _Job) -> None:
+        """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged)."""
+        new = self._reservation(job)
+        if new == job.reserved_mb:
+            return
+        idx = np.asarray(job.gpus)
+        self.state.gpu_mem_free[job.row, idx] += job.reserved_mb - new
+        self.state.version[job.row] += 1
+        job.reserved_mb = new
+
+    def _overcommitted(self, job: _Job) -> bool:
+        """True when the memory predicted on one of the job's GPUs exceeds the GPU."""
+        return bool(np.any(self.state.gpu_mem_free[job.row, np.asarray(job.gpus)] < 0))
+
+    def _rebalance(self, job: _Job, now: float) -> None:
+        # Move whoever on the GPU outgrew its plan the most: that is the allocation that fails.
+        tenants = {tid for g in job.gpus for tid in self.on_gpu.get((job.row, g), set())}
+        victims = sorted((self.by_id[t] for t in tenants), key=lambda j: -(j.reserved_mb - j.planned_mb))
+        for victim in victims[:1]:
+            if not self._migrate(victim, now, reason="oom"):
+                self._checkpoint(victim, now)
+
+    def _migrate(self, job: _Job, now: float, *, reason: str) -> bool:
+        """Move a running job to wherever the policy places it now; False if nowhere else."""
+        t = job.task
+        self._stop(job)
+        decision = self.policy.decide(self.state, self._request(job))
+        gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
+        if decision.action != "assign" or (decision.node_row == job.row and sorted(gpus) == sorted(job.gpus)):
+            self.state.allocate(job.row, job.gpus, job.milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
+                                gpu_memory_mb=job.reserved_mb)
+            for g in job.gpus:
+                self.on_gpu.setdefault((job.row, g), set()).add(t.task_id)
+            self.counts["migrations_no_target"] += 1
+            return False
+        growth, pause = self._resumed(job, now)
+        self.sim.remove(t.task_id)
+        job.migrations += 1
+        self.counts["migrations_" + reason] += 1
+        self._start(job, decision.node_row, gpus, decision.placement[0].milli, now, growth=growth, pause=pause)
+        return True
+
+    def _resumed(self, job: _Job, now: float) -> tuple[MemoryGrowth, float]:
+        """The memory curve and pause of a task restored from a checkpoint taken now.
+
+        Restored, the task replays its memory curve over what is left of its run: the same
+        true peak, so a move never makes a task look smaller. The pause is the checkpoint
+        and restore time (``MIGRATION_BASE_S`` plus ``MIGRATION_S_PER_GB`` per GB held).
+        """
+        t = job.task
+        held_gb = float(t.growth.memory_at(now - job.seg_start)) / 1024.0
+        pause = MIGRATION_BASE_S + MIGRATION_S_PER_GB * held_gb
+        job.progress_s = job.useful_until(now)
+        remaining = max(t.duration_s - job.progress_s, 1.0)
+        g = t.growth
+        growth = MemoryGrowth(pattern=g.pattern, base_mb=g.base_mb, peak_mb=g.peak_mb, duration_s=remaining + pause,
+                              warmup_s=min(g.warmup_s, remaining), n_steps=g.n_steps, period_s=g.period_s,
+                              noise_mb=g.noise_mb)
+        return growth, pause
+
+    def _checkpoint(self, job: _Job, now: float) -> None:
+        """No GPU can take the task's predicted peak now: checkpoint it and queue it again
+        (progress kept) rather than let it run into the OOM that would lose everything."""
+        self._stop(job)
+        job.resume = self._resumed(job, now)
+        self.sim.remove(job.task.task_id)
+        job.fingerprinter = None
+        self.counts["checkpointed"] += 1
+        self._enqueue(job, now)
+
+    def _watch_health(self, now: float) -> None:
+        g = self.sim.gpu
+        signal = ((g.ecc_corrected > 0) | (g.remapped_rows > 0) | (g.retired_pages > 0) | (g.pcie_replays > 0)
+                  | (g.xid_count > 0) | (g.pcie_link_width < g.pcie_link_width_max) | (g.temperature_c > 85.0))
+        suspects = [int(i) for i in np.flatnonzero(signal & ~self.excluded)]
+        for gi in suspects:
+            # A GPU with no hardware signal scores the model's bias alone: only suspects are sampled.
+            row = int(np.searchsorted(self.offset, gi, side="right") - 1)
+            local = gi - int(self.offset[row])
+            sample = self.sim.sample(self.state.node_names[row])[local]
+            window = self.windows.setdefault(gi, deque(maxlen=HEALTH_WINDOW))
+            window.append(sample)
+            if len(window) < 3:
+                continue
+            a = self.health.assess(list(window))
+            if a.maintenance_pending and gi not in self.pending_maintenance:
+                self.pending_maintenance[gi] = now
+                self.excluded[gi] = True
+                _mark_gpu(self.state, row, local, maintenance=True)
+                for task_id in sorted(self.on_gpu.get((row, local), set())):
+                    job = self.by_id[task_id]
+                    if not self._migrate(job, now, reason="maintenance"):
+                        self._checkpoint(job, now)
+
+    def _fleet_view(self, now: float) -> FleetView:
+        """The SLA negotiator's snapshot: free GPUs, spare shares, completions per (site, model)."""
+        if self._view is not None and self._view[0] == now:
+            return self._view[1]
+        s = self.state
+        free = s.usable_free()
+        pools: dict[tuple[str, str], dict] = {}
+        for row in range(s.n_nodes):
+            key = (self.node_site[row], self.node_model[row])
+            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": []})
+            f = free[row][s.gpu_exists[row]]
+            p["free"] += int((f >= MILLI).sum())
+            part = f[(f > 0) & (f < MILLI)]
+            if part.size:
+                p["milli"] = max(p["milli"], int(part.max()))
+        for j in self.jobs:
+            if j.state == "running" and j.milli >= MILLI:
+                left = max(j.seg_start + j.task.declared_duration_s - j.progress_s - now, 0.0)
+                pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].append((left, len(j.gpus)))
+        out = []
+        for (site, model), p in pools.items():
+            m = gpu_model(model)
+            out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
+                               price_per_gpu_hour=m.price_usd_per_hour, free_gpus=p["free"], free_milli=p["milli"],
+                               completions=tuple(sorted(p["completions"])[:256]),
+                               relative_compute=m.compute_ratio))
+        view = FleetView(pools=tuple(out))
+        self._view = (now, view)
+        return view
+
+    # -- figures ------------------------------------------------------------------------------
+
+    def _result(self, now: float, times: list[float], utils: list[float], queue: list[int], wall: float) -> RunResult:
+        w = self.workload
+        waits = []
+        missed = stuck = never = 0
+        useful_h = 0.0
+        for j in self.jobs:
+            wait = j.queue_s + (now - j.queued_since if j.state == "pending" else 0.0)
+            waits.append(wait)
+            if j.state == "pending" and j.attempts == 0:
+                never += 1
+            stuck += wait > STUCK_S
+            late = j.task.deadline_s is not None and (
+                (j.finished_at is not None and j.finished_at > j.task.deadline_s)
+                or (j.finished_at is None and now > j.task.deadline_s))
+            missed += j.state in ("failed", "rejected") or wait > j.task.max_queue_s or late
+            useful_h += j.task.gpu_work * j.useful_until(now) / 3600.0
+        waits_a = np.asarray(waits)
+        in_window = np.asarray(times) <= w.span_s / 3600.0
+        util = np.asarray(utils)
+        cost = self.price_per_h * now / 3600.0
+        c = self.counts
+        interventions = c["oom_restarts"] + c["backoff_failed"] + stuck + c["gpu_failure_kills"]
+        figures = {
+            "utilisation": float(util[in_window].mean()) if in_window.any() else 0.0,
+            "mean_queue_s": float(waits_a.mean()),
+            "p95_queue_s": float(np.percentile(waits_a, 95)),
+            "oom_events": float(c["oom_events"]),
+            "sla_missed": float(missed),
+            "cost_per_useful_gpu_hour": cost / useful_h if useful_h > 0 else math.inf,
+            "interventions": float(interventions),
+        }
+        seen, lead = self._maintenance_leads()
+        breakdown = {
+            "utilisation_whole_run": float(util.mean()) if util.size else 0.0,
+            "useful_gpu_hours": useful_h,
+            "fleet_cost_usd": cost,
+            "completed": float(sum(j.state == "done" for j in self.jobs)),
+            "never_started": float(never),
+            "stuck_over_1h": float(stuck),
+            "max_queue_length": float(max(queue, default=0)),
+            "failures_seen_coming": float(seen),
+            "failures": float(len(self.failed_gpus)),
+            "median_warning_h": lead,
+            **{k: float(v) for k, v in c.items()},
+        }
+        return RunResult(mode=self.mode, figures=figures, breakdown=breakdown, times_h=times, utilisation=utils,
+                         queue_length=queue, wall_s=wall)
+
+    def _maintenance_leads(self) -> tuple[int, float]:
+        """Failed GPUs flagged ``maintenance_pending`` before they failed, and the median warning (h)."""
+        leads = [(self.failed_gpus[gi] - at) / 3600.0 for gi, at in self.pending_maintenance.items()
+                 if gi in self.failed_gpus and at < self.failed_gpus[gi]]
+        return len(leads), float(np.median(leads)) if leads else 0.0
+
+
+def _mark_gpu(state: ClusterState, row: int, gpu: int, *, healthy: bool | None = None,
+              maintenance: bool | None = None) -> None:
+    """Set a GPU's health flags in the policy's state (and bump the node's version so derived
+    caches notice). ``ClusterState`` only exposes these flags at construction."""
+    if healthy is not None:
+        state.gpu_healthy[row, gpu] = healthy
+    if maintenance is not None:
+        state.gpu_maintenance[row, gpu] = maintenance
+    state.version[row] += 1
+
+
+def _shape(req: TaskRequest, *, whole: bool) -> tuple[int, int, int, int, int, frozenset[str]]:
+    """What a request needs, for the monotone feasibility test of ``_dominates``."""
+    milli = MILLI if (whole or not req.shares_gpu) else req.gpu_milli
+    return (req.gpus, milli, req.gpu_memory_mb, req.cpu_milli, req.memory_mb, frozenset(req.gpu_models))
+
+
+def _dominates(shape: tuple, failed: tuple) -> bool:
+    """True when ``shape`` needs at least what a request that found no node in this cycle
+    needed (and accepts no model it did not): it cannot fit either, so it is not retried
+    until the next cycle, as kube-scheduler parks unschedulable pods until something frees."""
+    models, failed_models = shape[5], failed[5]
+    if failed_models and (not models or not models <= failed_models):
+        return False
+    return all(a >= b for a, b in zip(shape[:5], failed[:5], strict=True))
+
+
+# ---- comparison, report, plots ------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Both runs on one workload."""
+
+    fleet: str
+    seed: int
+    workload: str
+    baseline: RunResult
+    fleetpilot: RunResult
+
+    def ratios(self) -> dict[str, float]:
+        """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
+        out = {}
+        for k, b in self.baseline.figures.items():
+            f = self.fleetpilot.figures[k]
+            out[k] = f / b if b else (1.0 if f == 0 else math.inf)
+        return out
+
+    def targets(self) -> dict[str, bool]:
+        """Whether each target (``TARGETS``) is met."""
+        r = self.ratios()
+        return {"utilisation": r["utilisation"] >= TARGETS["utilisation"],
+                "mean_queue_s": r["mean_queue_s"] <= TARGETS["mean_queue_s"],
+                "oom_events": r["oom_events"] <= TARGETS["oom_events"]}
+
+    def to_json(self) -> dict:
+        """Everything the report shows, as plain data."""
+        return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload,
+                "baseline": {"policy": "k8s-default", **self.baseline.figures, "details": self.baseline.breakdown,
+                             "wall_s": self.baseline.wall_s},
+                "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
+                               "wall_s": self.fleetpilot.wall_s},
+                "ratio": self.ratios(), "targets": {"wanted": TARGETS, "met": self.targets()}}
+
+
+_LABELS = {
+    "utilisation": ("GPU memory utilisation (arrival window)", lambda v: f"{v:.1%}"),
+    "mean_queue_s": ("mean queue time", lambda v: f"{v / 60:.1f} min"),
+    "p95_queue_s": ("p95 queue time", lambda v: f"{v / 60:.1f} min"),
+    "oom_events": ("OOM events", lambda v: f"{v:.0f}"),
+    "sla_missed": ("tasks that missed their SLA", lambda v: f"{v:.0f}"),
+    "cost_per_useful_gpu_hour": ("cost per useful GPU-hour", lambda v: f"${v:.2f}"),
+    "interventions": ("interventions", lambda v: f"{v:.0f}"),
+}
+
+
+def report(c: Comparison) -> str:
+    """The side-by-side table with ratios and the target verdicts."""
+    r = c.ratios()
+    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}", f"workload: {c.workload}",
+             f"{'figure':<40} {'k8s-default':>14} {'fleetpilot':>14} {'ratio':>8}"]
+    for k, (label, fmt) in _LABELS.items():
+        lines.append(f"{label:<40} {fmt(c.baseline.figures[k]):>14} {fmt(c.fleetpilot.figures[k]):>14} {r[k]:>8.2f}")
+    b, f = c.baseline.breakdown, c.fleetpilot.breakdown
+    lines.append(f"interventions: k8s-default {b['oom_restarts']:.0f} OOM restarts, {b['stuck_over_1h']:.0f} stuck > 1 h, "
+                 f"{b['gpu_failure_kills']:.0f} lost to failed GPUs, {b['backoff_failed']:.0f} hit the backoff limit; "
+                 f"fleetpilot {f['oom_restarts']:.0f}, {f['stuck_over_1h']:.0f}, {f['gpu_failure_kills']:.0f}, "
+                 f"{f['backoff_failed']:.0f}")
+    lines.append(f"fleetpilot loop: {f['admitted']:.0f} admitted, {f['counter_offers']:.0f} counter-offers, "
+                 f"{f['rejected']:.0f} rejected; {f['migrations_oom']:.0f} migrations before an OOM, "
+                 f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
+                 f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued); "
+                 f"failures seen coming "
+                 f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h)")
+    lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
+                 f"{b['never_started']:.0f} / {f['never_started']:.0f}; max queue length {b['max_queue_length']:.0f} / "
+                 f"{f['max_queue_length']:.0f}")
+    verdict = c.targets()
+    lines.append("targets vs k8s-default: " + ", ".join(
+        f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
+    lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _target_text(name: str, ratio: float) -> str:
+    change = (ratio - 1.0) * 100
+    want = {"utilisation": ">= +75%", "mean_queue_s": "<= -80%", "oom_events": "<= -90%"}[name]
+    return f"{change:+.0f}%, want {want}"
+
+
+def plot(c: Comparison, out_dir: Path) -> list[Path]:
+    """PNG plots of utilisation and queue length over time, both runs on each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for what, ylabel in (("utilisation", "GPU memory utilisation"), ("queue_length", "tasks waiting")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for run in (c.baseline, c.fleetpilot):
+            ax.plot(run.times_h, getattr(run, what), label=run.mode, linewidth=1.2)
+        ax.axvline(c.fleetpilot.times_h[-1] / 1.5, color="grey", linestyle=":", linewidth=1, label="arrivals end")
+        ax.set_xlabel("virtual time (h)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{c.fleet}, seed {c.seed}: {ylabel}")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"fleet-{c.fleet}-seed{c.seed}-{what.replace('_', '-')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- entry points -------------------------------------------------------------------------
+
+DEFAULT_TASKS = {"three-site": 1500, "openb": 9000}
+DEFAULT_HOURS = {"three-site": 8.0, "openb": 4.0}
+
+
+def load_bench_fleet(name: str, nodes_csv: Path = NODES_FILE) -> Fleet:
+    """The three-site fleet or the openb fleet."""
+    if name == "three-site":
+        return load_fleet_spec()
+    return load_openb_fleet(nodes_csv)
+
+
+def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> Comparison:
+    """Play ``workload`` with both schedulers on fresh copies of the fleet."""
+    base = FleetRun(fleet, workload, "k8s-default", seed).run()
+    ours = FleetRun(fleet, workload, "fleetpilot", seed).run()
+    return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"fleet bench: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m fleetpilot.bench.fleet", description=__doc__.split("\n\n")[0])
+    p.add_argument("--fleet", choices=("three-site", "openb"), default="three-site")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--tasks", type=int, default=None, help="tasks in the workload (default: 1500 three-site, 9000 openb)")
+    p.add_argument("--hours", type=float, default=None, help="arrival window in virtual hours (default 8 / 4)")
+    p.add_argument("--load", type=float, default=1.3, help="whole-GPU load over the arrival window")
+    p.add_argument("--arrivals", choices=("trace", "generated"), default="trace")
+    p.add_argument("--trace", type=Path, default=TRACE_FILE, help="openb pod list (arrivals and durations)")
+    p.add_argument("--nodes", type=Path, default=NODES_FILE, help="openb node list (for --fleet openb)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; bad arguments raise ``SystemExit`` with one line."""
+    args = _parser().parse_args(argv)
+    tasks = args.tasks if args.tasks is not None else DEFAULT_TASKS[args.fleet]
+    hours = args.hours if args.hours is not None else DEFAULT_HOURS[args.fleet]
+    if tasks < 1 or hours <= 0 or args.load <= 0:
+        raise SystemExit("fleet bench: --tasks, --hours and --load must be positive")
+    for path, needed in ((args.trace, args.arrivals == "trace"), (args.nodes, args.fleet == "openb")):
+        if needed and not path.is_file():
+            raise SystemExit(f"fleet bench: no such file {path}")
+    fleet = load_bench_fleet(args.fleet, args.nodes)
+    trace = load_trace(args.trace) if args.arrivals == "trace" else None
+    workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
+                                 trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None)
+    result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed)
+    print(report(result))
+    if args.plot_dir is not None:
+        for path in plot(result, args.plot_dir):
+            print(f"plot: {path}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=2, default=float))
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
