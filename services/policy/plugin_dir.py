@@ -114,8 +114,14 @@ class PluginDirectory:
                 REGISTRY[point].clear()
                 REGISTRY[point].update(plugins)
             self.failed[name] = (stat, digest)
-            log.error("policy module %s (%s) failed to load: %s: %s; %s", name, digest, type(exc).__name__, exc,
-                      "the previous version keeps serving" if old else "it serves nothing")
+            log.error(
+                "policy module %s (%s) failed to load: %s: %s; %s",
+                name,
+                digest,
+                type(exc).__name__,
+                exc,
+                "the previous version keeps serving" if old else "it serves nothing",
+            )
             return False
         self.failed.pop(name, None)
         self.loaded[name] = _Loaded(stat, digest, profiles)
@@ -143,8 +149,10 @@ class PluginDirectory:
             else:
                 sys.modules.pop(module_name, None)
             raise
-        return {p.name: PluginProfile(profile=p, version=f"{p.version}+{digest}", module=file.name)
-                for p in profiles}
+        return {
+            p.name: PluginProfile(profile=p, version=f"{p.version}+{digest}", module=file.name)
+            for p in profiles
+        }
 
 
 def _as_profile(value: Any, name: str | None = None) -> ProfileConfig:

@@ -137,25 +137,46 @@ class ActivePolicies:
         """Rebuild the fallback scheduler from a new success table."""
         return self._swap("stats", self.config, self.source, self.plugins, list(stats))
 
-    def _swap(self, kind: str, config: PolicyConfig, source: str, plugins: Mapping[str, PluginProfile],
-              stats: Sequence[SuccessStat], started: float | None = None) -> bool:
+    def _swap(
+        self,
+        kind: str,
+        config: PolicyConfig,
+        source: str,
+        plugins: Mapping[str, PluginProfile],
+        stats: Sequence[SuccessStat],
+        started: float | None = None,
+    ) -> bool:
         start = time.perf_counter() if started is None else started
         try:
             compiled = self._compile(config, source, plugins, stats)
         except Exception as exc:  # noqa: BLE001 - any bad input keeps the previous set serving
-            log.error("policy %s change not applied (%s); still serving generation %d from %s",
-                      kind, exc, self.current.generation, self.current.source)
+            log.error(
+                "policy %s change not applied (%s); still serving generation %d from %s",
+                kind,
+                exc,
+                self.current.generation,
+                self.current.source,
+            )
             return False
         self.config, self.source, self.plugins, self.stats = config, source, plugins, stats
         self.current = compiled
         elapsed = time.perf_counter() - start
         if self.on_swap is not None:
             self.on_swap(kind, elapsed)
-        log.info("policies swapped after a %s change in %.1f ms: default %s, %d rule(s), generation %d (%s)",
-                 kind, elapsed * 1e3, compiled.default, len(config.shaping), compiled.generation, source)
+        log.info(
+            "policies swapped after a %s change in %.1f ms: default %s, %d rule(s), generation %d (%s)",
+            kind,
+            elapsed * 1e3,
+            compiled.default,
+            len(config.shaping),
+            compiled.generation,
+            source,
+        )
         return True
 
-    def _profile(self, name: str, config: PolicyConfig, plugins: Mapping[str, PluginProfile]) -> tuple[ProfileConfig, str]:
+    def _profile(
+        self, name: str, config: PolicyConfig, plugins: Mapping[str, PluginProfile]
+    ) -> tuple[ProfileConfig, str]:
         # Config-defined profiles first (the operator's explicit word), then plugin modules,
         # then the built-ins: a module may shadow a built-in name to replace it live.
         if name in config.profiles:
@@ -169,8 +190,13 @@ class ActivePolicies:
         known = sorted({*config.profiles, *plugins, *BUILTIN_POLICIES})
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(known)})")
 
-    def _compile(self, config: PolicyConfig, source: str, plugins: Mapping[str, PluginProfile],
-                 stats: Sequence[SuccessStat]) -> PolicySet:
+    def _compile(
+        self,
+        config: PolicyConfig,
+        source: str,
+        plugins: Mapping[str, PluginProfile],
+        stats: Sequence[SuccessStat],
+    ) -> PolicySet:
         profiles: dict[str, tuple[ProfileConfig, str]] = {}
         if isinstance(config.profile, dict):
             try:
@@ -192,9 +218,15 @@ class ActivePolicies:
             breaker = self._breakers.setdefault((name, config.breaker), CircuitBreaker(config.breaker))
             guarded[name] = GuardedPolicy(policy.decide, fallback, breaker)
         self._generation += 1
-        return PolicySet(default=default, guarded=guarded, policies=policies,
-                         versions={name: version for name, (_, version) in profiles.items()},
-                         router=router, source=source, generation=self._generation)
+        return PolicySet(
+            default=default,
+            guarded=guarded,
+            policies=policies,
+            versions={name: version for name, (_, version) in profiles.items()},
+            router=router,
+            source=source,
+            generation=self._generation,
+        )
 
 
 def success_table(groups: Sequence[Any]) -> list[SuccessStat]:
@@ -207,6 +239,12 @@ def success_table(groups: Sequence[Any]) -> list[SuccessStat]:
     for g in groups:
         kind, model = g.key.get("task_kind", ""), g.key.get("gpu_model", "")
         if kind and model:
-            out.append(SuccessStat(task_kind=kind, gpu_model=model, successes=int(g.successes),
-                                   failures=max(0, int(g.count) - int(g.successes))))
+            out.append(
+                SuccessStat(
+                    task_kind=kind,
+                    gpu_model=model,
+                    successes=int(g.successes),
+                    failures=max(0, int(g.count) - int(g.successes)),
+                )
+            )
     return out

@@ -125,8 +125,9 @@ def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp:
     return worst
 
 
-def move_reason(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
-                oom_threshold: float) -> MoveReason | None:
+def move_reason(
+    task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None, oom_threshold: float
+) -> MoveReason | None:
     """Why ``task`` should move, or ``None`` when staying is fine (module docstring)."""
     stays_ok, why = 1.0, []
     labels = {g.index: g.labels for g in topo.gpus}

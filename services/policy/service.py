@@ -112,8 +112,15 @@ class PolicySettings(ServiceSettings):
 
     def policy_config(self) -> PolicyConfig:
         """The settings as a configuration document."""
-        return msgspec.convert({"profile": self.profile, "shaping": self.shaping_rules, "breaker": self.breaker,
-                                "seed": self.seed}, PolicyConfig)
+        return msgspec.convert(
+            {
+                "profile": self.profile,
+                "shaping": self.shaping_rules,
+                "breaker": self.breaker,
+                "seed": self.seed,
+            },
+            PolicyConfig,
+        )
 
 
 def decision_id_for(task_id: str, action: str) -> str:
@@ -123,14 +130,24 @@ def decision_id_for(task_id: str, action: str) -> str:
 
 def allocations_for(task: TaskSubmitted, decision_id: str, placement: list[Placement]) -> list[Allocation]:
     """The ledger holds of a placement; CPU and host memory are charged once."""
-    return [Allocation(task_id=task.task_id, decision_id=decision_id, gpu=p.gpu, milli=p.milli,
-                       memory_mb=p.memory_mb, cpu_milli=task.cpu_milli if i == 0 else 0,
-                       host_memory_mb=task.memory_mb if i == 0 else 0, at=now())
-            for i, p in enumerate(placement)]
+    return [
+        Allocation(
+            task_id=task.task_id,
+            decision_id=decision_id,
+            gpu=p.gpu,
+            milli=p.milli,
+            memory_mb=p.memory_mb,
+            cpu_milli=task.cpu_milli if i == 0 else 0,
+            host_memory_mb=task.memory_mb if i == 0 else 0,
+            at=now(),
+        )
+        for i, p in enumerate(placement)
+    ]
 
 
-def placement_fits(topo: NodeTopology, ledger: NodeLedger | None, placement: list[Placement],
-                   cpu_milli: int, memory_mb: int) -> bool:
+def placement_fits(
+    topo: NodeTopology, ledger: NodeLedger | None, placement: list[Placement], cpu_milli: int, memory_mb: int
+) -> bool:
     """Whether exactly these GPU shares (not just some GPU of the node) are free on the
     ledger we are about to overwrite, and no GPU has been taken out of service meanwhile."""
     free = free_capacity(topo, ledger)
@@ -140,7 +157,11 @@ def placement_fits(topo: NodeTopology, ledger: NodeLedger | None, placement: lis
     for p in placement:
         if p.gpu < 0:
             continue
-        if p.gpu >= len(free.gpu_milli) or free.gpu_milli[p.gpu] < p.milli or free.gpu_memory_mb[p.gpu] < p.memory_mb:
+        if (
+            p.gpu >= len(free.gpu_milli)
+            or free.gpu_milli[p.gpu] < p.milli
+            or free.gpu_memory_mb[p.gpu] < p.memory_mb
+        ):
             return False
         lab = labels.get(p.gpu, {})
         if any(is_set(lab, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
@@ -152,17 +173,28 @@ class PolicyMetrics:
     """The service's own series, in the host's registry next to the handler metrics."""
 
     def __init__(self, registry) -> None:
-        self.reload = Histogram("fleetpilot_policy_reload_seconds", "Time to rebuild and swap the policies",
-                                ["kind"], registry=registry,
-                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.last_reload = Gauge("fleetpilot_policy_last_reload_seconds", "Duration of the last swap", ["kind"],
-                                 registry=registry)
-        self.generation = Gauge("fleetpilot_policy_generation", "Generation of the policies serving now",
-                                registry=registry)
-        self.decisions = Counter("fleetpilot_policy_decisions_total", "Decisions published",
-                                 ["action", "policy", "shard", "fallback"], registry=registry)
-        self.config_errors = Counter("fleetpilot_policy_config_errors_total", "Config documents refused",
-                                     registry=registry)
+        self.reload = Histogram(
+            "fleetpilot_policy_reload_seconds",
+            "Time to rebuild and swap the policies",
+            ["kind"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+        )
+        self.last_reload = Gauge(
+            "fleetpilot_policy_last_reload_seconds", "Duration of the last swap", ["kind"], registry=registry
+        )
+        self.generation = Gauge(
+            "fleetpilot_policy_generation", "Generation of the policies serving now", registry=registry
+        )
+        self.decisions = Counter(
+            "fleetpilot_policy_decisions_total",
+            "Decisions published",
+            ["action", "policy", "shard", "fallback"],
+            registry=registry,
+        )
+        self.config_errors = Counter(
+            "fleetpilot_policy_config_errors_total", "Config documents refused", registry=registry
+        )
 
     def swapped(self, kind: str, seconds: float, generation: int) -> None:
         """Record one swap."""
@@ -180,8 +212,14 @@ class PolicyState:
     """The replica's live view (fleet + ledger + fingerprints), its policies, and the
     choose-reserve-publish steps."""
 
-    def __init__(self, fleet: FleetView, ledger: LedgerStore, settings: PolicySettings, active: ActivePolicies,
-                 metrics: PolicyMetrics) -> None:
+    def __init__(
+        self,
+        fleet: FleetView,
+        ledger: LedgerStore,
+        settings: PolicySettings,
+        active: ActivePolicies,
+        metrics: PolicyMetrics,
+    ) -> None:
         self.fleet = fleet
         self.ledger = ledger
         self.settings = settings
@@ -207,7 +245,10 @@ class PolicyState:
         nodes = list(self.fleet.nodes.values())
         unhealthy, maintenance = gpu_conditions(nodes)
         state = ClusterState.from_topology(
-            nodes, {ledger.node: ledger.allocations for ledger in self.ledger.nodes.values()}, unhealthy=unhealthy)
+            nodes,
+            {ledger.node: ledger.allocations for ledger in self.ledger.nodes.values()},
+            unhealthy=unhealthy,
+        )
         # ``from_topology``'s ``maintenance`` takes whole nodes; a label is per GPU, so only
         # that GPU stops taking work.
         for node, gpu in maintenance:
@@ -237,13 +278,31 @@ class PolicyState:
             log.warning("cannot record a state for replay: %s", exc)
 
     # ---- decisions ----------------------------------------------------------------------
-    def assign_decision(self, adm: TaskAdmitted, placement: list[Placement], confidence: float, reason: str,
-                        policy: PolicyRef, shard_id: str = "primary", fallback: bool = False) -> DecisionMade:
+    def assign_decision(
+        self,
+        adm: TaskAdmitted,
+        placement: list[Placement],
+        confidence: float,
+        reason: str,
+        policy: PolicyRef,
+        shard_id: str = "primary",
+        fallback: bool = False,
+    ) -> DecisionMade:
         """The ``assign`` decision of a reserved placement."""
-        return DecisionMade(decision_id=decision_id_for(adm.task.task_id, "assign"), task_id=adm.task.task_id,
-                            action="assign", placement=placement, confidence=confidence, policy=policy,
-                            shard_id=shard_id, fallback=fallback, reason=reason, decided_at=now(), task=adm.task,
-                            contract=adm.contract)
+        return DecisionMade(
+            decision_id=decision_id_for(adm.task.task_id, "assign"),
+            task_id=adm.task.task_id,
+            action="assign",
+            placement=placement,
+            confidence=confidence,
+            policy=policy,
+            shard_id=shard_id,
+            fallback=fallback,
+            reason=reason,
+            decided_at=now(),
+            task=adm.task,
+            contract=adm.contract,
+        )
 
     def existing(self, adm: TaskAdmitted) -> DecisionMade | None:
         """The decision already reserved for this task, if a previous delivery got that far."""
@@ -253,8 +312,13 @@ class PolicyState:
         _, allocs = held
         node = self.ledger.nodes[held[0]].node
         placement = [Placement(node=node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb) for a in allocs]
-        return self.assign_decision(adm, placement, 0.9, "re-issued: capacity already reserved",
-                                    PolicyRef(name=self.active.current.default))
+        return self.assign_decision(
+            adm,
+            placement,
+            0.9,
+            "re-issued: capacity already reserved",
+            PolicyRef(name=self.active.current.default),
+        )
 
     def policy_ref(self, policies: PolicySet, name: str, choice: PolicyDecision) -> PolicyRef:
         """Who decided: the routed policy and its version, or the fallback scheduler."""
@@ -267,6 +331,7 @@ class PolicyState:
         nothing fits) and the policy name and shard the task was routed to."""
         task = adm.task
         self.remember(self.tasks, task.task_id, task)
+        decision_id = decision_id_for(task.task_id, "assign")
         for attempt in range(10):
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)
@@ -279,12 +344,13 @@ class PolicyState:
                 return None, name, shard_id
             placement = choice.placements(memory_mb=task.gpu_memory_mb)
             node = placement[0].node
-            decision_id = decision_id_for(task.task_id, "assign")
             topo = self.fleet.nodes.get(node_key(node))
             if topo is None:
                 continue
 
-            def reserve(current: NodeLedger | None, placement=placement, node=node, topo=topo) -> NodeLedger | None:
+            def reserve(
+                current: NodeLedger | None, placement=placement, node=node, topo=topo
+            ) -> NodeLedger | None:
                 # Re-check on the ledger we are about to overwrite: the view may be stale.
                 if current is not None and any(a.task_id == task.task_id for a in current.allocations):
                     return None  # another delivery of this task reserved meanwhile
@@ -301,9 +367,19 @@ class PolicyState:
                 if again is not None:
                     return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
-            return (self.assign_decision(adm, placement, choice.confidence, choice.reason,
-                                         self.policy_ref(policies, name, choice), shard_id, choice.fallback),
-                    name, shard_id)
+            return (
+                self.assign_decision(
+                    adm,
+                    placement,
+                    choice.confidence,
+                    choice.reason,
+                    self.policy_ref(policies, name, choice),
+                    shard_id,
+                    choice.fallback,
+                ),
+                name,
+                shard_id,
+            )
         raise Retry("ledger contention", 0.2)
 
     async def migrations(self) -> list[DecisionMade]:
@@ -326,11 +402,16 @@ class PolicyState:
                 out.append(decision)
         return out
 
-    async def migrate(self, running: Running, source_topo: NodeTopology, fp: Fingerprint | None,
-                      p_stay_fails: float, why: str) -> DecisionMade | None:
+    async def migrate(
+        self,
+        running: Running,
+        source_topo: NodeTopology,
+        fp: Fingerprint | None,
+        p_stay_fails: float,
+        why: str,
+    ) -> DecisionMade | None:
         """Choose a target for one task with the default policy, reserve it, decide."""
         policies = self.active.current
-        first = running.allocations[0]
         gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
         known = self.tasks.get(running.task_id)
         model = next((g.model for g in source_topo.gpus if g.index == running.gpus[0]), "")
@@ -365,10 +446,19 @@ class PolicyState:
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
             return None
-        holds = [Allocation(task_id=running.task_id, decision_id=decision_id, gpu=p.gpu, milli=p.milli,
-                            memory_mb=p.memory_mb, cpu_milli=req.cpu_milli if i == 0 else 0,
-                            host_memory_mb=req.memory_mb if i == 0 else 0, at=now())
-                 for i, p in enumerate(target)]
+        holds = [
+            Allocation(
+                task_id=running.task_id,
+                decision_id=decision_id,
+                gpu=p.gpu,
+                milli=p.milli,
+                memory_mb=p.memory_mb,
+                cpu_milli=req.cpu_milli if i == 0 else 0,
+                host_memory_mb=req.memory_mb if i == 0 else 0,
+                at=now(),
+            )
+            for i, p in enumerate(target)
+        ]
 
         def reserve(current: NodeLedger | None) -> NodeLedger | None:
             if current is not None and any(a.decision_id == decision_id for a in current.allocations):
@@ -384,13 +474,22 @@ class PolicyState:
             return None  # next round
         if written is None:
             return None
-        source = [Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
-                  for a in running.allocations]
+        source = [
+            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+            for a in running.allocations
+        ]
         return DecisionMade(
-            decision_id=decision_id, task_id=running.task_id, action="migrate", placement=target, source=source,
-            confidence=float(p_stay_fails * choice.confidence), policy=self.policy_ref(policies, policies.default,
-                                                                                   choice),
-            fallback=choice.fallback, reason=f"{why}; target: {choice.reason}", decided_at=now(), task=known,
+            decision_id=decision_id,
+            task_id=running.task_id,
+            action="migrate",
+            placement=target,
+            source=source,
+            confidence=float(p_stay_fails * choice.confidence),
+            policy=self.policy_ref(policies, policies.default, choice),
+            fallback=choice.fallback,
+            reason=f"{why}; target: {choice.reason}",
+            decided_at=now(),
+            task=known,
         )
 
 
@@ -458,8 +557,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 metrics.config_errors.inc()
                 log.error("%s (key %s); the previous policies keep serving", exc, entry.key)
                 continue
-            if not state().active.apply_config(config, f"{source} rev {entry.revision}" if source != "settings"
-                                               else source):
+            if not state().active.apply_config(
+                config, f"{source} rev {entry.revision}" if source != "settings" else source
+            ):
                 metrics.config_errors.inc()
 
     async def watch_plugins() -> None:
@@ -501,11 +601,20 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             return metrics.decided(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         await pending.put(node_key(adm.task.task_id), msgspec.json.encode(adm))
-        return metrics.decided(DecisionMade(
-            decision_id=decision_id_for(adm.task.task_id, "queue"), task_id=adm.task.task_id, action="queue",
-            confidence=0.5, policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
-            shard_id=shard_id, reason="no node has room now; queued until capacity frees", decided_at=now(),
-            task=adm.task, contract=adm.contract))
+        return metrics.decided(
+            DecisionMade(
+                decision_id=decision_id_for(adm.task.task_id, "queue"),
+                task_id=adm.task.task_id,
+                action="queue",
+                confidence=0.5,
+                policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
+                shard_id=shard_id,
+                reason="no node has room now; queued until capacity frees",
+                decided_at=now(),
+                task=adm.task,
+                contract=adm.contract,
+            )
+        )
 
     @host.every(settings.pending_retry_s)
     async def retry_pending() -> list[DecisionMade]:

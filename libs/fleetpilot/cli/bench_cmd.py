@@ -17,7 +17,9 @@ SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilo
 def add_arguments(parser) -> None:
     """The suite name, then the suite's own arguments."""
     parser.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
-    parser.add_argument("suite_args", nargs=argparse.REMAINDER, help="arguments of the suite (see its --help)")
+    parser.add_argument(
+        "suite_args", nargs=argparse.REMAINDER, help="arguments of the suite (see its --help)"
+    )
 
 
 def main(args) -> int:
@@ -28,5 +30,7 @@ def main(args) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise  # the suite exists but something it needs is missing: show the real cause
-        raise ValueError(f"the {args.suite} suite is not available in this build ({module_name} is missing)") from None
+        raise ValueError(
+            f"the {args.suite} suite is not available in this build ({module_name} is missing)"
+        ) from None
     return int(module.main(list(args.suite_args)) or 0)

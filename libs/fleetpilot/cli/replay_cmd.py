@@ -39,12 +39,16 @@ from fleetpilot.policy.fragmentation import TaskShape
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot replay``."""
-    parser.add_argument("--states", required=True, help="JSONL of recorded snapshots (the policy service's record)")
+    parser.add_argument(
+        "--states", required=True, help="JSONL of recorded snapshots (the policy service's record)"
+    )
     parser.add_argument("--policy", required=True, help="policy A: a built-in or a --plugin-dir profile")
     parser.add_argument("--against", required=True, help="policy B, compared with A")
     parser.add_argument("--plugin-dir", help="directory of policy modules (PROFILES / profile())")
     parser.add_argument("--against-plugin-dir", help="B's modules, when comparing two versions of one policy")
-    parser.add_argument("--seed", type=int, default=0, help="tie-breaking seed of the built-in policies (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
+    )
     parser.add_argument("--show", type=int, default=10, help="differing decisions to list in the text report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -84,8 +88,10 @@ def module_profiles(directory: Path) -> dict[str, ProfileConfig]:
             spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - report which module is broken, in one line
             raise ValueError(f"{file}: cannot load ({type(exc).__name__}: {exc})") from None
-        exported: list[Any] = [{**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
-                               for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()]
+        exported: list[Any] = [
+            {**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
+            for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()
+        ]
         if callable(getattr(module, "profile", None)):
             made = module.profile()
             exported += list(made) if isinstance(made, list | tuple) else [made]
@@ -126,9 +132,16 @@ def summary(report: DiffReport, a: str, b: str) -> dict[str, Any]:
         "mean_frag_delta": report.mean_frag_delta,
         "mean_oom_delta": report.mean_oom_delta,
         "differences": [
-            {"task_id": i.task_id, "kind": i.kind, "a": _where(i.a), "b": _where(i.b),
-             "frag_delta": i.frag_b - i.frag_a, "oom_delta": i.oom_b - i.oom_a}
-            for i in report.items if i.kind != "same"
+            {
+                "task_id": i.task_id,
+                "kind": i.kind,
+                "a": _where(i.a),
+                "b": _where(i.b),
+                "frag_delta": i.frag_b - i.frag_a,
+                "oom_delta": i.oom_b - i.oom_a,
+            }
+            for i in report.items
+            if i.kind != "same"
         ],
     }
 
@@ -145,12 +158,16 @@ def format_report(data: dict[str, Any], show: int) -> str:
         f"  fragmentation after the decision, B - A: {data['mean_frag_delta']:+.2f} on average "
         "(milli-GPU; negative = B fragments less)",
         f"  predicted OOM risk of the chosen GPUs, B - A: {data['mean_oom_delta']:+.4f} on average",
-        "  actions: " + "; ".join(f"{p}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
-                                  for p, c in data["actions"].items()),
+        "  actions: "
+        + "; ".join(
+            f"{p}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for p, c in data["actions"].items()
+        ),
     ]
-    for d in data["differences"][:max(show, 0)]:
-        lines.append(f"  {d['task_id']}: A {d['a']} | B {d['b']} ({d['kind']}; frag {d['frag_delta']:+.1f}, "
-                     f"OOM {d['oom_delta']:+.3f})")
+    for d in data["differences"][: max(show, 0)]:
+        lines.append(
+            f"  {d['task_id']}: A {d['a']} | B {d['b']} ({d['kind']}; frag {d['frag_delta']:+.1f}, "
+            f"OOM {d['oom_delta']:+.3f})"
+        )
     if len(data["differences"]) > show > 0:
         lines.append(f"  ... {len(data['differences']) - show} more (--show N, or --json)")
     return "\n".join(lines)
@@ -166,7 +183,11 @@ def main(args, out=None) -> int:
     policy_a = resolve(args.policy, plugins_a, args.seed, typical)
     policy_b = resolve(args.against, plugins_b, args.seed, typical)
     report = replay(snapshots, policy_a.decide, policy_b.decide, typical=typical)
-    label_b = args.against if (args.against != args.policy or plugins_b is plugins_a) else f"{args.against} (B's modules)"
+    label_b = (
+        args.against
+        if (args.against != args.policy or plugins_b is plugins_a)
+        else f"{args.against} (B's modules)"
+    )
     data = summary(report, args.policy, label_b)
     if args.json:
         print(json.dumps(data, indent=2), file=out)

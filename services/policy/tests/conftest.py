@@ -38,28 +38,61 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what:
 
 def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> PolicySettings:
     """Test settings: no metrics port, slow periodic jobs unless a test speeds one up."""
-    base = dict(nats_url=nats_url, metrics_port=-1, replica=replica, state_dir=str(tmp_path), hostname="test-host",
-                rebalance_s=3600.0, stats_refresh_s=3600.0, stats_timeout_s=0.2, plugin_poll_s=0.1,
-                breaker={"time_budget_s": 2.0})
+    base = dict(
+        nats_url=nats_url,
+        metrics_port=-1,
+        replica=replica,
+        state_dir=str(tmp_path),
+        hostname="test-host",
+        rebalance_s=3600.0,
+        stats_refresh_s=3600.0,
+        stats_timeout_s=0.2,
+        plugin_poll_s=0.1,
+        breaker={"time_budget_s": 2.0},
+    )
     base.update(overrides)
     return PolicySettings(**base)
 
 
-def admitted(task_id: str, kind: str = "train", size_gb: float = 1.0, gpu_milli: int = 100, gpus: int = 1,
-             gpu_memory_mb: int = 0, **fields) -> TaskAdmitted:
+def admitted(
+    task_id: str,
+    kind: str = "train",
+    size_gb: float = 1.0,
+    gpu_milli: int = 100,
+    gpus: int = 1,
+    gpu_memory_mb: int = 0,
+    **fields,
+) -> TaskAdmitted:
     """A task the SLA service let in."""
-    task = TaskSubmitted(task_id=task_id, kind=kind, size_gb=size_gb, gpus=gpus, gpu_milli=gpu_milli,
-                         gpu_memory_mb=gpu_memory_mb, **fields)
+    task = TaskSubmitted(
+        task_id=task_id,
+        kind=kind,
+        size_gb=size_gb,
+        gpus=gpus,
+        gpu_milli=gpu_milli,
+        gpu_memory_mb=gpu_memory_mb,
+        **fields,
+    )
     return TaskAdmitted(task=task, contract=Contract(), tenant="t", admitted_at=now())
 
 
-def node(name: str, gpus: int = 2, model: str = "H100", memory_mb: int = 81920,
-         labels: dict[int, dict[str, str]] | None = None) -> NodeTopology:
+def node(
+    name: str,
+    gpus: int = 2,
+    model: str = "H100",
+    memory_mb: int = 81920,
+    labels: dict[int, dict[str, str]] | None = None,
+) -> NodeTopology:
     """A node as the topology service stores it."""
     labels = labels or {}
-    return NodeTopology(node=name, cpu_milli=64000, memory_mb=512000,
-                        gpus=[GpuInfo(index=i, model=model, memory_mb=memory_mb, labels=labels.get(i, {}))
-                              for i in range(gpus)])
+    return NodeTopology(
+        node=name,
+        cpu_milli=64000,
+        memory_mb=512000,
+        gpus=[
+            GpuInfo(index=i, model=model, memory_mb=memory_mb, labels=labels.get(i, {})) for i in range(gpus)
+        ],
+    )
 
 
 class Observer:
@@ -74,6 +107,7 @@ class Observer:
     async def follow_decisions(self) -> None:
         """Collect what the DECISIONS stream stores (duplicates by Nats-Msg-Id are dropped
         there, so a decision published twice shows up once, as a consumer would see it)."""
+
         async def on_msg(msg) -> None:
             self.decisions.append(decode(msg.data, DecisionMade))
 
@@ -91,7 +125,9 @@ class Observer:
 
     async def admit(self, adm: TaskAdmitted) -> None:
         """Publish a ``task.admitted`` as the SLA service does."""
-        await self.js.publish("task.admitted", encode(adm), headers={"Nats-Msg-Id": f"admit:{adm.task.task_id}"})
+        await self.js.publish(
+            "task.admitted", encode(adm), headers={"Nats-Msg-Id": f"admit:{adm.task.task_id}"}
+        )
 
     async def ledgers(self) -> dict[str, NodeLedger]:
         """Every node's ledger."""

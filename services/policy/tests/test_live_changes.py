@@ -41,16 +41,29 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
     write_module(plugin_dir, "flaky.py", FLAKY.format(broken=True, version="1"))
-    await observer.put_fleet([node("a100-0", model="A100-40GB", memory_mb=40960), node("a100-1", model="A100-40GB"),
-                              node("h100-0"), node("h100-1")])
+    await observer.put_fleet(
+        [
+            node("a100-0", model="A100-40GB", memory_mb=40960),
+            node("a100-1", model="A100-40GB"),
+            node("h100-0"),
+            node("h100-1"),
+        ]
+    )
     queries = []
 
     async def stats(msg) -> None:  # the feedback service's endpoint: train jobs fail on A100s
         queries.append(decode(msg.data, StatsQuery))
-        groups = [StatsGroup(key={"task_kind": "train", "gpu_model": "A100-40GB"}, count=100, successes=5,
-                             success_rate=0.05),
-                  StatsGroup(key={"task_kind": "train", "gpu_model": "H100"}, count=100, successes=95,
-                             success_rate=0.95)]
+        groups = [
+            StatsGroup(
+                key={"task_kind": "train", "gpu_model": "A100-40GB"},
+                count=100,
+                successes=5,
+                success_rate=0.05,
+            ),
+            StatsGroup(
+                key={"task_kind": "train", "gpu_model": "H100"}, count=100, successes=95, success_rate=0.95
+            ),
+        ]
         await msg.respond(encode(FeedbackStats(groups=groups, at=now())))
 
     await observer.nc.subscribe("feedback.stats", cb=stats)
@@ -64,12 +77,16 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         await wait_for(lambda: len(observer.decisions) >= len(broken), what="decisions while broken")
         generation = sample(host, "fleetpilot_policy_generation")
         write_module(plugin_dir, "flaky.py", FLAKY.format(broken=False, version="2"))
-        await wait_for(lambda: sample(host, "fleetpilot_policy_generation") != generation, what="module reloaded")
+        await wait_for(
+            lambda: sample(host, "fleetpilot_policy_generation") != generation, what="module reloaded"
+        )
         # Fixed, but the breaker is still open: the next tasks still go to the fallback.
         early = [admitted(f"e{i}", gpu_milli=100) for i in range(3)]
         for adm in early:
             await observer.admit(adm)
-        await wait_for(lambda: len(observer.decisions) >= len(broken) + len(early), what="decisions before cooldown")
+        await wait_for(
+            lambda: len(observer.decisions) >= len(broken) + len(early), what="decisions before cooldown"
+        )
         await asyncio.sleep(2.0)  # past the cooldown: the half-open probe reaches the fixed primary
         late = [admitted(f"l{i}", gpu_milli=100) for i in range(4)]
         for adm in late:
@@ -127,8 +144,13 @@ async def test_config_change_and_module_reload_lose_no_decision(observer, nats_u
         await observer.kv_put("config", "policies.test-host", b'{"profile": "no-such-policy"}')
 
     try:
-        await asyncio.gather(feed(), change(40, set_default), change(90, set_host), change(130, bad_then_new_module),
-                             change(190, bad_config))
+        await asyncio.gather(
+            feed(),
+            change(40, set_default),
+            change(90, set_host),
+            change(130, bad_then_new_module),
+            change(190, bad_config),
+        )
         await wait_for(lambda: len(observer.decisions) >= len(tasks), 20.0, "every task decided")
         await asyncio.sleep(0.3)
         errors = sample(host, "fleetpilot_policy_config_errors_total")
@@ -138,8 +160,10 @@ async def test_config_change_and_module_reload_lose_no_decision(observer, nats_u
     assert set(decided) == {a.task.task_id for a in tasks}
     assert all(len(ds) == 1 and ds[0].action == "assign" for ds in decided.values())
     # Decisions in the order the tasks arrived: the policies change in the order applied.
-    seen = [(decided[a.task.task_id][0].policy.name, decided[a.task.task_id][0].policy.version.split("+")[0])
-            for a in tasks]
+    seen = [
+        (decided[a.task.task_id][0].policy.name, decided[a.task.task_id][0].policy.version.split("+")[0])
+        for a in tasks
+    ]
     order = [seen[0]]
     for s in seen[1:]:
         if s != order[-1]:

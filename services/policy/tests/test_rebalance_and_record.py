@@ -16,28 +16,61 @@ from .conftest import admitted, node, settings, wait_for
 
 
 def hold(task_id: str, gpu: int, milli: int = 1000, memory_mb: int = 1000, decision: str = "") -> Allocation:
-    return Allocation(task_id=task_id, decision_id=decision or f"{task_id}.assign", gpu=gpu, milli=milli,
-                      memory_mb=memory_mb, state="confirmed", at=now())
+    return Allocation(
+        task_id=task_id,
+        decision_id=decision or f"{task_id}.assign",
+        gpu=gpu,
+        milli=milli,
+        memory_mb=memory_mb,
+        state="confirmed",
+        at=now(),
+    )
 
 
 def fingerprint(peak_mb: float) -> Fingerprint:
-    return Fingerprint(signature="s", pattern="linear", pattern_confidence=0.9, growth_rate_mb_per_s=10.0,
-                       predicted_peak_mb=peak_mb, peak_low_mb=peak_mb - 500, peak_high_mb=peak_mb + 500)
+    return Fingerprint(
+        signature="s",
+        pattern="linear",
+        pattern_confidence=0.9,
+        growth_rate_mb_per_s=10.0,
+        predicted_peak_mb=peak_mb,
+        peak_low_mb=peak_mb - 500,
+        peak_high_mb=peak_mb + 500,
+    )
 
 
-async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_oom(observer, nats_url, tmp_path):
-    nodes = [node("h0", labels={0: {"maintenance_pending": "true", "maintenance_risk": "0.80"},
-                                1: {"cordoned": "true"}}),
-             node("h1"),
-             node("h2"),
-             node("a0", model="A100-40GB", memory_mb=40960)]
+async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_oom(
+    observer, nats_url, tmp_path
+):
+    nodes = [
+        node(
+            "h0",
+            labels={0: {"maintenance_pending": "true", "maintenance_risk": "0.80"}, 1: {"cordoned": "true"}},
+        ),
+        node("h1"),
+        node("h2"),
+        node("a0", model="A100-40GB", memory_mb=40960),
+    ]
     await observer.put_fleet(nodes)
     await observer.kv_put("ledger", "h0", encode(NodeLedger(node="h0", allocations=[hold("m1", 0)])))
     # o1 shares a0's GPU 0 with a 30 GB neighbour; its fingerprint says it will peak at 20 GB.
-    await observer.kv_put("ledger", "a0", encode(NodeLedger(node="a0", allocations=[
-        hold("o1", 0, milli=300, memory_mb=5000), hold("big", 0, milli=500, memory_mb=30000)])))
-    await observer.js.publish("task.fingerprinted", encode(TaskFingerprinted(
-        task_id="o1", fingerprint=fingerprint(20000), source="observed", at=now())))
+    await observer.kv_put(
+        "ledger",
+        "a0",
+        encode(
+            NodeLedger(
+                node="a0",
+                allocations=[
+                    hold("o1", 0, milli=300, memory_mb=5000),
+                    hold("big", 0, milli=500, memory_mb=30000),
+                ],
+            )
+        ),
+    )
+    await observer.js.publish(
+        "task.fingerprinted",
+        encode(TaskFingerprinted(task_id="o1", fingerprint=fingerprint(20000), source="observed", at=now())),
+    )
     host = build(settings(nats_url, tmp_path, profile="bestfit", rebalance_s=0.3, record_every=2))
     await host.start()
     try:
@@ -45,8 +78,13 @@ async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_
         fresh = [admitted(f"new{i}", gpu_milli=500, gpu_models=["H100"]) for i in range(4)]
         for adm in fresh:
             await observer.admit(adm)
-        await wait_for(lambda: sum(d.action == "migrate" for d in observer.decisions) >= 2
-                       and sum(d.action == "assign" for d in observer.decisions) >= 4, what="migrations")
+        await wait_for(
+            lambda: (
+                sum(d.action == "migrate" for d in observer.decisions) >= 2
+                and sum(d.action == "assign" for d in observer.decisions) >= 4
+            ),
+            what="migrations",
+        )
         await asyncio.sleep(1.0)  # three more rounds: a task mid-migration is not moved again
         ledgers = await observer.ledgers()
     finally:
@@ -69,7 +107,10 @@ async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_
     # Reserved before published; the source stays held until the executor moves the task.
     target = {a.decision_id for a in ledgers[m1.placement[0].node].allocations if a.task_id == "m1"}
     assert target == {"m1.migrate.1"}
-    assert {a.decision_id for a in ledgers["a0"].allocations if a.task_id == "o1"} == {"o1.assign", "o1.migrate.1"}
+    assert {a.decision_id for a in ledgers["a0"].allocations if a.task_id == "o1"} == {
+        "o1.assign",
+        "o1.migrate.1",
+    }
     # Every 2nd decision input is on file, replayable.
     lines = (tmp_path / "policy-states-a.jsonl").read_bytes().splitlines()
     assert len(lines) == 2

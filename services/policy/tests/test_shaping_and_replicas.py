@@ -28,7 +28,9 @@ async def test_shaping_sends_five_percent_of_matching_tasks_to_the_candidate(obs
     try:
         for adm in matching + other:
             await observer.admit(adm)
-        await wait_for(lambda: len(observer.by_task()) >= len(matching) + len(other), 25.0, "every task decided")
+        await wait_for(
+            lambda: len(observer.by_task()) >= len(matching) + len(other), 25.0, "every task decided"
+        )
     finally:
         await host.stop()
     decided = observer.by_task()

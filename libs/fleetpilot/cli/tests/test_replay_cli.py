@@ -7,15 +7,20 @@ import sys
 
 import msgspec
 import pytest
-
 from fleetpilot.cli.main import main
 from fleetpilot.policy import ClusterState, TaskRequest, record
 
 
 def recorded(tmp_path, n: int = 12):
     """A JSONL record as the policy service writes it: a half-used fleet, small tasks."""
-    state = ClusterState.build(names=[f"n{i}" for i in range(6)], cpu_milli=[64000] * 6, memory_mb=[256000] * 6,
-                               gpus=[4] * 6, models=["A100"] * 3 + ["H100"] * 3, gpu_memory_mb=[40960] * 6)
+    state = ClusterState.build(
+        names=[f"n{i}" for i in range(6)],
+        cpu_milli=[64000] * 6,
+        memory_mb=[256000] * 6,
+        gpus=[4] * 6,
+        models=["A100"] * 3 + ["H100"] * 3,
+        gpu_memory_mb=[40960] * 6,
+    )
     state.allocate(0, [0, 1], 1000)
     state.allocate(2, [3], 600)
     state.allocate(4, [1], 300)
@@ -29,7 +34,10 @@ def recorded(tmp_path, n: int = 12):
 
 def test_replay_reports_differences_and_effects_as_json(tmp_path, capsys):
     path = recorded(tmp_path)
-    assert main(["replay", "--states", str(path), "--policy", "bestfit", "--against", "k8s-default", "--json"]) == 0
+    assert (
+        main(["replay", "--states", str(path), "--policy", "bestfit", "--against", "k8s-default", "--json"])
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["total"] == 12 and data["policy"] == "bestfit" and data["against"] == "k8s-default"
     # bestfit shares GPUs, the device plugin takes whole ones: every fractional task differs.
@@ -55,17 +63,36 @@ def test_replay_compares_two_versions_of_a_module_policy(tmp_path, capsys):
     body = 'PROFILES = {{"mine": {{"filters": [{{"name": "node-resources"}}], "scores": [{{"name": "{s}"}}]}}}}\n'
     (v1 / "mine.py").write_text(body.format(s="packing"))
     (v2 / "mine.py").write_text(body.format(s="least-allocated"))
-    assert main(["replay", "--states", str(path), "--policy", "mine", "--against", "mine", "--plugin-dir", str(v1),
-                 "--against-plugin-dir", str(v2)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--states",
+                str(path),
+                "--policy",
+                "mine",
+                "--against",
+                "mine",
+                "--plugin-dir",
+                str(v1),
+                "--against-plugin-dir",
+                str(v2),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "between mine (A) and mine (B's modules)" in out
     assert "0 decision(s) differ" not in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--policy", "nope", "--against", "fgd"], "unknown policy 'nope'"),
-    (["--policy", "fgd", "--against", "fgd", "--plugin-dir", "/no/such/dir"], "not a directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "nope", "--against", "fgd"], "unknown policy 'nope'"),
+        (["--policy", "fgd", "--against", "fgd", "--plugin-dir", "/no/such/dir"], "not a directory"),
+    ],
+)
 def test_replay_errors_are_one_line(tmp_path, capsys, argv, message):
     path = recorded(tmp_path, 2)
     assert main(["replay", "--states", str(path), *argv]) == 2
@@ -98,8 +125,18 @@ def test_bench_forwards_everything_after_the_suite(monkeypatch):
 def test_bench_openb_reaches_the_real_suite(tmp_path):
     # The real module parses the forwarded flags: its own one-line error proves it got them.
     with pytest.raises(SystemExit, match="unknown policy 'nope'"):
-        main(["bench", "openb", "--nodes", str(tmp_path / "n.csv"), "--pods", str(tmp_path / "p.csv"),
-              "--policy", "nope"])
+        main(
+            [
+                "bench",
+                "openb",
+                "--nodes",
+                str(tmp_path / "n.csv"),
+                "--pods",
+                str(tmp_path / "p.csv"),
+                "--policy",
+                "nope",
+            ]
+        )
 
 
 def test_bench_fleet_without_the_module_is_a_one_line_error(monkeypatch, capsys):
