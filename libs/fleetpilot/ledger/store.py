@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import ClassVar, Self
 
 import msgspec
 
@@ -15,7 +16,46 @@ _LEDGER = msgspec.json.Decoder(NodeLedger)
 _NODE = msgspec.json.Decoder(NodeTopology)
 
 
-class LedgerStore:
+class BucketMirror:
+    """A bucket kept in memory: loaded at open, then followed by a watcher.
+
+    ``nodes`` maps each KV key to its decoded record; ``version`` counts the changes seen
+    and ``changed`` is set on each, so a waiting service can wake up.
+    """
+
+    bucket: ClassVar[str]
+    decoder: ClassVar[msgspec.json.Decoder]
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+        self.nodes: dict = {}
+        self.version = 0
+        self.changed = asyncio.Event()
+
+    @classmethod
+    async def open(cls, bus: Bus) -> Self:
+        """Load every key of the bucket."""
+        mirror = cls(await bus.kv(cls.bucket))
+        for key in await mirror._kv.keys():
+            entry = await mirror._kv.get(key)
+            mirror._apply(key, entry.value if entry else None)
+        return mirror
+
+    def _apply(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.nodes.pop(key, None)
+        else:
+            self.nodes[key] = self.decoder.decode(value)
+        self.version += 1
+        self.changed.set()
+
+    async def follow(self) -> None:
+        """Keep the view current (run as a background task)."""
+        async for entry in self._kv.watch(">"):
+            self._apply(entry.key, entry.value)
+
+
+class LedgerStore(BucketMirror):
     """A live view of the ``ledger`` bucket plus CAS writes.
 
     Writers never trust the view: ``mutate`` reads the key's current revision, applies a
@@ -23,29 +63,9 @@ class LedgerStore:
     deciding; the CAS is for committing.
     """
 
-    def __init__(self, kv: KeyValue) -> None:
-        self._kv = kv
-        self.nodes: dict[str, NodeLedger] = {}
-        self.changed = asyncio.Event()
-
-    @classmethod
-    async def open(cls, bus: Bus) -> LedgerStore:
-        """Load every node's ledger."""
-        store = cls(await bus.kv("ledger"))
-        for key in await store._kv.keys():
-            entry = await store._kv.get(key)
-            if entry and entry.value:
-                store.nodes[key] = _LEDGER.decode(entry.value)
-        return store
-
-    async def follow(self) -> None:
-        """Keep the view current (run as a background task)."""
-        async for entry in self._kv.watch(">"):
-            if entry.value is None:
-                self.nodes.pop(entry.key, None)
-            else:
-                self.nodes[entry.key] = _LEDGER.decode(entry.value)
-            self.changed.set()
+    bucket = "ledger"
+    decoder = _LEDGER
+    nodes: dict[str, NodeLedger]
 
     def holds_of(self, task_id: str) -> tuple[str, list[Allocation]] | None:
         """Where ``task_id`` holds capacity, if anywhere (for idempotent re-decisions)."""
@@ -78,33 +98,12 @@ class LedgerStore:
         raise CasConflict(f"ledger of {node} kept changing under us")
 
 
-class FleetView:
+class FleetView(BucketMirror):
     """A live view of the ``topology`` bucket: every node the fleet has reported."""
 
-    def __init__(self, kv: KeyValue) -> None:
-        self._kv = kv
-        self.nodes: dict[str, NodeTopology] = {}
-        self.version = 0
-
-    @classmethod
-    async def open(cls, bus: Bus) -> FleetView:
-        """Load every known node."""
-        view = cls(await bus.kv("topology"))
-        for key in await view._kv.keys():
-            entry = await view._kv.get(key)
-            if entry and entry.value:
-                view.nodes[key] = _NODE.decode(entry.value)
-        view.version += 1
-        return view
-
-    async def follow(self) -> None:
-        """Keep the view current (run as a background task)."""
-        async for entry in self._kv.watch(">"):
-            if entry.value is None:
-                self.nodes.pop(entry.key, None)
-            else:
-                self.nodes[entry.key] = _NODE.decode(entry.value)
-            self.version += 1
+    bucket = "topology"
+    decoder = _NODE
+    nodes: dict[str, NodeTopology]
 
 
 def node_key(node: str) -> str:
