@@ -1,0 +1,174 @@
+"""The fleet benchmark on tiny fleets and hand-made workloads (the full runs live in ``make bench``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fleetpilot.bench import fleet as bench
+from fleetpilot.bench.fleet import BACKOFF_LIMIT, FleetRun, compare, main, sharing_bound
+from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
+from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
+from fleetpilot.workload.growth import MemoryGrowth
+
+
+def tiny_fleet(gpus: int = 1, nodes: int = 1, model: str = "A100-40GB") -> Fleet:
+    """``nodes`` nodes of ``gpus`` GPUs each, plenty of CPU and memory."""
+    shape = {"gpu_model": model, "gpus": gpus, "cpu_milli": 64000, "memory_mb": 262144}
+    return build_fleet({"name": "tiny", "sites": [{"name": "s", "groups": [{"prefix": "n", "count": nodes, "shape": shape}]}]})
+
+
+def task(i: int, *, pattern: str = "flat", peak: float = 8000.0, request: float | None = None, duration: float = 600.0,
+         gpus: int = 1, milli: int = 1000, arrival: float = 0.0, tier: str = "standard",
+         program: str | None = None) -> BenchTask:
+    """A task with a noiseless curve (so the simulator's OOM timing is exact)."""
+    growth = MemoryGrowth(pattern=pattern, base_mb=peak * 0.5, peak_mb=peak, duration_s=duration,  # type: ignore[arg-type]
+                          warmup_s=30.0)
+    return BenchTask(task_id=f"t{i}", program=program or f"p-{pattern}", kind="finetune", gpus=gpus, gpu_milli=milli,
+                     request_mb=request if request is not None else peak, cpu_milli=1000, memory_mb=1024,
+                     gpu_models=("A100-40GB",), growth=growth, util=50.0, arrival_s=arrival, tier=tier,
+                     max_queue_s=300.0, deadline_s=None, declared_duration_s=duration)
+
+
+def workload(*tasks: BenchTask, hours: float = 1.0, faults: tuple[FaultPlan, ...] = ()) -> Workload:
+    """Tasks played over ``hours`` (arrival window = run length)."""
+    return Workload(tasks=tuple(tasks), faults=faults, span_s=hours * 3600.0, horizon_s=hours * 3600.0, load=1.0,
+                    source="test", programs=len({t.program for t in tasks}))
+
+
+def test_baseline_counts_an_oom_for_a_leaking_task_and_restarts_it() -> None:
+    # 45 GB at the end of a 10-minute leak on a 40 GB GPU: every attempt dies, up to the backoff limit.
+    leaking = task(0, pattern="leak", peak=45_000.0, request=30_000.0)
+    result = FleetRun(tiny_fleet(), workload(leaking, hours=3.0), "k8s-default", seed=1).run()
+    assert result.figures["oom_events"] == BACKOFF_LIMIT + 1
+    assert result.breakdown["oom_restarts"] == BACKOFF_LIMIT
+    assert result.breakdown["backoff_failed"] == 1
+    assert result.figures["interventions"] >= BACKOFF_LIMIT + 1
+    assert result.figures["sla_missed"] == 1
+
+
+def test_a_task_that_fits_its_gpu_never_ooms() -> None:
+    result = FleetRun(tiny_fleet(), workload(task(0, pattern="linear", peak=30_000.0)), "k8s-default", seed=1).run()
+    assert result.figures["oom_events"] == 0
+    assert result.breakdown["completed"] == 1
+
+
+def test_queue_times_follow_the_clock() -> None:
+    # One GPU, two whole-GPU tasks of 600 s arriving at 0: the first starts at the first
+    # cycle (60 s), the second when the first ends (60 + 600 s).
+    run = FleetRun(tiny_fleet(), workload(task(0), task(1)), "k8s-default", seed=1)
+    result = run.run()
+    waits = sorted(j.queue_s for j in run.jobs)
+    assert waits == [60.0, 660.0]
+    assert result.figures["mean_queue_s"] == pytest.approx(360.0)
+    assert result.figures["p95_queue_s"] == pytest.approx(60.0 + 0.95 * 600.0)
+    assert max(result.queue_length) == 1
+
+
+def test_a_task_that_never_starts_counts_its_wait_until_the_end() -> None:
+    # Two whole GPUs asked on a one-GPU fleet: it waits for the whole hour.
+    run = FleetRun(tiny_fleet(), workload(task(0, gpus=2)), "k8s-default", seed=1)
+    result = run.run()
+    assert result.figures["mean_queue_s"] == pytest.approx(3600.0)
+    assert result.breakdown["never_started"] == 1
+
+
+def test_shares_hold_a_whole_gpu_in_the_baseline_and_a_fraction_in_fleetpilot() -> None:
+    pair = workload(task(0, milli=500, peak=6000.0), task(1, milli=500, peak=6000.0))
+    base = FleetRun(tiny_fleet(), pair, "k8s-default", seed=1).run()
+    ours = FleetRun(tiny_fleet(), pair, "fleetpilot", seed=1).run()
+    assert base.figures["mean_queue_s"] == pytest.approx(360.0)
+    assert ours.figures["mean_queue_s"] == pytest.approx(60.0)
+    # Over the whole hour both did the same work; while both tasks ran together the GPU held twice the memory.
+    assert ours.figures["utilisation"] == pytest.approx(base.figures["utilisation"], rel=0.05)
+    assert max(ours.utilisation) > 1.8 * max(base.utilisation)
+
+
+def test_fleetpilot_does_not_restart_an_oom_on_the_same_small_gpu() -> None:
+    # A 40 GB and an 80 GB node; the task's ask fits the A100 but its leak does not. The
+    # baseline keeps landing it wherever LeastAllocated says; Fleetpilot learns a floor from
+    # the first OOM and restarts it on the H100.
+    spec = {"name": "two", "sites": [{"name": "s", "groups": [
+        {"prefix": "a", "count": 1, "shape": {"gpu_model": "A100-40GB", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
+        {"prefix": "h", "count": 1, "shape": {"gpu_model": "H100", "gpus": 1, "cpu_milli": 32000, "memory_mb": 131072}},
+    ]}]}
+    leaking = task(0, pattern="leak", peak=50_000.0, request=30_000.0)
+    leaking = BenchTask(**{**leaking.__dict__, "gpu_models": ("A100-40GB", "H100")})
+    ours = FleetRun(build_fleet(spec), workload(leaking, hours=2.0), "fleetpilot", seed=1).run()
+    assert ours.figures["oom_events"] <= 1
+    assert ours.breakdown["completed"] == 1
+
+
+def test_both_runs_play_the_identical_workload(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = generate_workload(tiny_fleet(gpus=4, nodes=2), seed=3, n_tasks=30, span_s=1800.0, n_faults=0)
+    seen: list[tuple[str, tuple[BenchTask, ...]]] = []
+    original = FleetRun.run
+
+    def spy(self: FleetRun) -> bench.RunResult:
+        seen.append((self.mode, tuple(j.task for j in self.jobs)))
+        return original(self)
+
+    monkeypatch.setattr(FleetRun, "run", spy)
+    result = compare(tiny_fleet(gpus=4, nodes=2), w, fleet_name="tiny", seed=3)
+    assert [mode for mode, _ in seen] == ["k8s-default", "fleetpilot"]
+    assert seen[0][1] == seen[1][1] == w.tasks
+    assert result.baseline.times_h == result.fleetpilot.times_h
+
+
+def test_the_workload_is_a_function_of_the_seed() -> None:
+    fleet = load_fleet_spec()
+    a = generate_workload(fleet, seed=5, n_tasks=200, span_s=3600.0)
+    b = generate_workload(fleet, seed=5, n_tasks=200, span_s=3600.0)
+    c = generate_workload(fleet, seed=6, n_tasks=200, span_s=3600.0)
+    assert a == b
+    assert a.tasks != c.tasks
+    # The whole-GPU load is what was asked (durations are scaled to it, then clipped).
+    gpu_seconds = sum(t.gpus * t.duration_s for t in a.tasks)
+    assert gpu_seconds / (fleet.gpu_count * a.span_s) == pytest.approx(1.3, rel=0.05)
+    # Growing patterns often end above the ask; every peak fits some acceptable GPU.
+    growing = [t for t in a.tasks if t.growth.pattern in ("linear", "steps", "leak")]
+    assert sum(t.growth.peak_mb > t.request_mb for t in growing) > len(growing) / 2
+    assert {f.kind for f in a.faults} == {"degrading", "sudden"}
+
+
+def test_sharing_bound() -> None:
+    # Half the whole-GPU time is quarter shares: at most 1 / (1 - 0.5 * 0.75) = 1.6x.
+    w = workload(task(0, milli=250), task(1))
+    assert sharing_bound(w) == pytest.approx(1.6)
+
+
+def test_a_failed_gpu_loses_the_baselines_tasks_and_fleetpilot_moves_them_first() -> None:
+    fault = FaultPlan(node="n00", gpu=0, kind="degrading", onset_s=600.0, fails_s=600.0 + 2.5 * 3600)
+    long_task = task(0, duration=4 * 3600.0, peak=8000.0)
+    w = workload(long_task, hours=4.5, faults=(fault,))
+    base = FleetRun(tiny_fleet(gpus=2), w, "k8s-default", seed=1).run()
+    ours = FleetRun(tiny_fleet(gpus=2), w, "fleetpilot", seed=1).run()
+    assert base.breakdown["gpu_failure_kills"] == 1
+    assert ours.breakdown["failures_seen_coming"] == 1
+    assert ours.breakdown["migrations_maintenance"] == 1
+    assert ours.breakdown["gpu_failure_kills"] == 0
+
+
+def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fleet.json"
+    assert main(["--fleet", "three-site", "--seed", "3", "--tasks", "40", "--hours", "0.5", "--arrivals", "generated",
+                 "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
+    data = json.loads(out.read_text())
+    assert data["seed"] == 3 and data["fleet"] == "three-site"
+    for key in ("utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
+                "interventions"):
+        assert key in data["baseline"] and key in data["fleetpilot"] and key in data["ratio"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "fleet-three-site-seed3-queue-length.png", "fleet-three-site-seed3-utilisation.png"]
+    printed = capsys.readouterr().out
+    assert "seed 3" in printed and "ratio" in printed
+
+
+@pytest.mark.parametrize("argv", [["--fleet", "moon"], ["--tasks", "0"], ["--seed", "x"],
+                                  ["--trace", "/nonexistent.csv"]])
+def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    message = str(err.value)
+    assert message.startswith("fleet bench:") and "\n" not in message
