@@ -27,18 +27,13 @@ from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.fleet.nvml_reader import nvml_available
 from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.collector.service import CollectorSettings, NoGpuSource, build, open_reader
 
 THREE_SITE = load_fleet_spec()
 NODES = {n.node for n in THREE_SITE.nodes}
 
 
-async def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def settings(url: str, **overrides) -> CollectorSettings:

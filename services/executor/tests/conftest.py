@@ -4,7 +4,6 @@ stores, a stand-in for the simulated fleet, and the fleet's KV entries."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import msgspec
 import nats
@@ -20,15 +19,6 @@ from fleetpilot.contracts import (
     decode,
     encode,
 )
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test when it does not in time."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 class Observer:

@@ -21,9 +21,10 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.executor.service import ExecutorSettings, build
 
-from .conftest import node_topology, wait_for
+from .conftest import node_topology
 
 
 def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> ExecutorSettings:

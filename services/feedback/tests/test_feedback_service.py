@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
 
 import nats
 import pytest
@@ -22,15 +21,8 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.feedback import PostgresFeedbackStore
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.feedback.service import FeedbackSettings, build, open_store
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -7,23 +7,12 @@ import asyncio
 
 import msgspec
 import numpy as np
-
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
 from fleetpilot.fingerprint.signature import SignatureStats, task_signature
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot.workload import MemoryGrowth
 from fleetpilot_services.fingerprinter.service import FingerprinterSettings, build
-
-
-async def wait_for(predicate, timeout_s: float = 20.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def task(task_id: str) -> TaskSubmitted:

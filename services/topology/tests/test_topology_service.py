@@ -14,18 +14,13 @@ from fleetpilot.contracts import NodeTopology, TopologyReport, TopologyUpdated, 
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.topology.service import BadFleetConfig, TopologySettings, bandwidth_estimates, build
 
 THREE_SITE = load_fleet_spec()
 NODES = THREE_SITE.nodes[:3] + [THREE_SITE.node("h100-00"), THREE_SITE.node("orin-00")]
 
 
-async def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def settings(url: str, **overrides) -> TopologySettings:

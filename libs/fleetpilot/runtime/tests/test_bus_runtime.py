@@ -18,6 +18,7 @@ from fleetpilot.contracts import Contract as TaskContract
 from fleetpilot.runtime import CasConflict, Delivery, InMemoryBus, Reject, Retry, ServiceHost, ServiceSettings
 from fleetpilot.runtime.bus import subject_matches
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually as wait_for
 
 
 @pytest.fixture(params=["memory", "nats"])
@@ -32,12 +33,6 @@ async def bus(request):
     await bus.drain()
 
 
-async def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def settings() -> ServiceSettings:

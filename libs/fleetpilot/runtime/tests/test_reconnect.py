@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.runtime import ServiceHost, ServiceSettings
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
-
-
-async def wait_for(predicate, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
+from fleetpilot.runtime.testing import eventually as wait_for
 
 
 async def test_consumer_survives_a_server_restart(tmp_path):
