@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from fleetpilot.contracts import (
+    NicPortRate,
     NodeTelemetry,
     SimAck,
     SimCommand,
@@ -29,6 +30,8 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.fleet.bandwidth import port_rates
+from fleetpilot.fleet.nvml_reader import read_ib_ports
 from fleetpilot.fleet.reader import FleetEvent, GpuReader
 from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
@@ -201,6 +204,15 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     host = ServiceHost("collector", settings)
     hardware = SimulatedHardware(reader) if isinstance(reader, SimulatedFleet) else None
     last = {"at": time.monotonic(), "topology": 0.0}
+    # InfiniBand/RoCE counters of this host (real nodes only): rates come from deltas.
+    ports = {"before": read_ib_ports(settings.host_root) if hardware is None else [], "at": time.monotonic()}
+
+    def nic_rates() -> list[NicPortRate]:
+        after, at = read_ib_ports(settings.host_root), time.monotonic()
+        rates = port_rates(ports["before"], after, at - ports["at"])
+        ports.update(before=after, at=at)
+        return [NicPortRate(device=r.device, port=r.port, tx_gbps=r.tx_gbps, rx_gbps=r.rx_gbps,
+                            utilisation=r.utilisation, uncertainty_score=r.uncertainty_score) for r in rates]
 
     async def publish_topology(bus: Bus) -> None:
         for node in reader.node_names():
@@ -224,9 +236,11 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             for ev in reader.events():
                 log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
         state: list[tuple[str, bytes]] = []
+        # An NVML reader reads one node, this host, so its ports belong to that node.
+        nics = nic_rates() if hardware is None else []
         for node in reader.node_names():
             samples = reader.sample(node)
-            out.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples))
+            out.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples, nic_ports=nics))
             out.extend(reader.task_samples(node))
             state.extend((f"{node_key(node)}.{s.gpu}", encode(s)) for s in samples)
         await _put_all(await bus.kv("gpu_state"), state)

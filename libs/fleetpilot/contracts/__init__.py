@@ -40,7 +40,7 @@ from .task import (
     TaskRejected,
     TaskSubmitted,
 )
-from .telemetry import GpuSample, NodeTelemetry, ProcessMemory, Reading, TaskTelemetry
+from .telemetry import GpuSample, NicPortRate, NodeTelemetry, ProcessMemory, Reading, TaskTelemetry
 from .topology import (
     GPU_LABEL_CORDONED,
     GPU_LABEL_DECOMMISSIONED,
@@ -92,6 +92,7 @@ __all__ = [
     "Measured",
     "NicInfo",
     "NicPort",
+    "NicPortRate",
     "NodeLedger",
     "NodeTelemetry",
     "NodeTopology",

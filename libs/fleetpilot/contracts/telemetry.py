@@ -63,13 +63,27 @@ class GpuSample(Record, frozen=True, kw_only=True):
     labels: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class NicPortRate(Record, frozen=True, kw_only=True):
+    """Throughput of one InfiniBand/RoCE port over the last interval, from its sysfs counter
+    deltas (``port_xmit_data``/``port_rcv_data``, 4-byte words); ``uncertainty_score`` is 1
+    for the first interval or after a counter reset."""
+
+    device: str
+    port: int
+    tx_gbps: float
+    rx_gbps: float
+    utilisation: float
+    uncertainty_score: float
+
+
 class NodeTelemetry(Event, frozen=True, kw_only=True, tag="telemetry.gpu.v1"):
-    """A batch of GPU samples from one node, taken together."""
+    """A batch of GPU samples from one node, taken together, with its network ports."""
 
     node: str
     at: float
     source: Literal["nvml", "sim"]
     gpus: list[GpuSample]
+    nic_ports: list[NicPortRate] = msgspec.field(default_factory=list)
 
 
 class TaskTelemetry(Event, frozen=True, kw_only=True, tag="telemetry.task.v1"):

@@ -242,3 +242,45 @@ async def test_nvml_source_publishes_the_same_schema(nats_server, client):
             await client.request("sim.control", encode(SimCommand(verb="remove", task_id="x")), timeout_s=0.5)
     finally:
         await host.stop()
+
+
+async def test_infiniband_port_rates_come_from_counter_deltas(nats_server, client, tmp_path):
+    """On a real node the batch carries each IB/RoCE port's throughput from sysfs deltas."""
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True)
+    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("InfiniBand\n")
+    words = {"n": 0}
+
+    def tick_counters() -> None:
+        # 1.25e9 words = 5 GB more each time: tens of Gb/s over the 0.2 s interval.
+        words["n"] += 1_250_000_000
+        (port / "counters/port_xmit_data").write_text(str(words["n"]))
+        (port / "counters/port_rcv_data").write_text(str(words["n"] // 2))
+
+    tick_counters()
+    reader = NvmlReader(FakeNvml([FakeGpu(uuid="GPU-0", pci_bus_id="00000000:01:00.0")]), node="ib-node",
+                        root=str(tmp_path))
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url, source="nvml", host_root=str(tmp_path)), reader=reader)
+    await host.start()
+    try:
+        for _ in range(3):
+            tick_counters()
+            await asyncio.sleep(0.25)
+
+        def measured():
+            return [p for b in seen.telemetry.get("ib-node", []) for p in b.nic_ports
+                    if p.uncertainty_score < 1.0 and p.tx_gbps > 0]
+
+        rates = await wait_for(measured)
+        assert rates[0].device == "mlx5_0" and rates[0].port == 1
+        assert rates[0].rx_gbps == pytest.approx(rates[0].tx_gbps / 2, rel=0.01)
+        assert 0 < rates[0].utilisation
+    finally:
+        await host.stop()
