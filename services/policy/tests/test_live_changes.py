@@ -67,7 +67,7 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         await msg.respond(encode(FeedbackStats(groups=groups, at=now())))
 
     await observer.nc.subscribe("feedback.stats", cb=stats)
-    breaker = {"failure_threshold": 2, "cooldown_s": 2.0, "time_budget_s": 2.0}
+    breaker = {"failure_threshold": 2, "cooldown_s": 3.0, "time_budget_s": 2.0}
     host = build(settings(nats_url, tmp_path, profile="flaky", breaker=breaker, plugin_dir=str(plugin_dir)))
     await host.start()
     try:
@@ -87,7 +87,7 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         await wait_for(
             lambda: len(observer.decisions) >= len(broken) + len(early), what="decisions before cooldown"
         )
-        await asyncio.sleep(2.0)  # past the cooldown: the half-open probe reaches the fixed primary
+        await asyncio.sleep(3.0)  # past the cooldown: the half-open probe reaches the fixed primary
         late = [admitted(f"l{i}", gpu_milli=100) for i in range(4)]
         for adm in late:
             await observer.admit(adm)
