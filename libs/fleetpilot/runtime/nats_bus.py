@@ -123,13 +123,17 @@ class NatsBus(Bus):
         self._loops: list[asyncio.Task] = []
         self._micro: Service | None = None
         self._kv_cache: dict[str, NatsKeyValue] = {}
+        self._closing = asyncio.Event()
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0) -> NatsBus:
         """Connect with unlimited reconnects, so a restarted server is picked up again."""
 
+        closing = asyncio.Event()
+
         async def on_disconnect() -> None:
-            log.warning("%s: disconnected from NATS", name)
+            if not closing.is_set():  # our own drain is not news
+                log.warning("%s: disconnected from NATS", name)
 
         async def on_reconnect() -> None:
             log.warning("%s: reconnected to NATS", name)
@@ -146,7 +150,9 @@ class NatsBus(Bus):
                 reconnected_cb=on_reconnect, error_cb=on_error), timeout=connect_timeout_s * 2)
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
             raise ConnectionError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
-        return cls(nc, name)
+        bus = cls(nc, name)
+        bus._closing = closing
+        return bus
 
     @property
     def connected(self) -> bool:
@@ -265,6 +271,7 @@ class NatsBus(Bus):
 
     async def drain(self) -> None:
         self._stopping.set()
+        self._closing.set()
         if self._loops:
             await asyncio.wait(self._loops, timeout=10)
         if self._micro is not None:

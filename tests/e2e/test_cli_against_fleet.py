@@ -1,0 +1,86 @@
+"""The user's commands against a running fleet: submit (assign, counter-offer accepted or
+declined), watch, and one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .fleet_harness import Fleet
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    f = Fleet(tmp_path)
+    try:
+        await f.start()
+        yield f
+    finally:
+        await f.close()
+
+
+async def fleetpilot(fleet: Fleet, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run the real command line in its own process, as a user would."""
+    cmd = [sys.executable, "-m", "fleetpilot.cli.main", *args]
+    if args[0] in ("submit", "watch"):
+        cmd += ["--nats-url", fleet.server.url]
+    if args[0] == "submit":
+        cmd += ["--state-dir", str(fleet.state)]
+    return await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=timeout_s,
+                                   stdin=subprocess.DEVNULL)
+
+
+def decision_in(stdout: str) -> dict:
+    start = stdout.index("{")
+    return json.JSONDecoder().raw_decode(stdout[start:])[0]
+
+
+async def test_submit_prints_the_assignment(fleet):
+    done = await fleetpilot(fleet, "submit", "--task-id", "cli-1", "--kind", "infer", "--gpu-milli", "250",
+                            "--gpu-memory-mb", "4000")
+    assert done.returncode == 0, done.stderr
+    decision = decision_in(done.stdout)
+    assert decision["task_id"] == "cli-1" and decision["action"] == "assign"
+    assert decision["placement"][0]["milli"] == 250 and 0 <= decision["confidence"] <= 1
+    assert done.stderr == ""
+
+
+async def test_counter_offer_accepted_then_declined(fleet):
+    impossible = ["--kind", "infer", "--gpu-milli", "500", "--gpu-memory-mb", "4000", "--warmup-ms", "5",
+                  "--size-gb", "40"]
+    accepted = await fleetpilot(fleet, "submit", "--task-id", "cli-offer-1", *impossible, "--accept-offer")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "counter-offer for cli-offer-1" in accepted.stdout and "accepting option 1" in accepted.stdout
+    assert decision_in(accepted.stdout[accepted.stdout.index("accepting"):])["action"] == "assign"
+
+    declined = await fleetpilot(fleet, "submit", "--task-id", "cli-offer-2", *impossible, "--decline-offer")
+    assert declined.returncode == 1
+    assert "rejected (offer_declined)" in declined.stdout
+
+
+async def test_watch_follows_decisions(fleet):
+    watcher = asyncio.create_task(fleetpilot(fleet, "watch", "decision.made", "--count", "1"))
+    await asyncio.sleep(2)  # the watcher subscribes before the task is decided
+    await fleetpilot(fleet, "submit", "--task-id", "cli-watched", "--gpu-milli", "250", "--kind", "infer")
+    watched = await watcher
+    assert watched.returncode == 0, watched.stderr
+    line = json.loads(watched.stdout.splitlines()[0])
+    assert line["subject"] == "decision.made" and line["data"]["task_id"] == "cli-watched"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["submit", "--gpus", "two"], "invalid int value"),
+    (["submit", "--gpu-milli", "4000"], "gpu_milli within 1..1000"),
+    (["submit", "--file", "/no/such/task.yaml"], "no such file"),
+    (["watch", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS"),
+])
+def test_bad_input_is_one_line_without_traceback(args, message):
+    done = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", *args], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
