@@ -247,6 +247,17 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                         at=result.executed_at,
                     )
                 )
+            elif decision.action == "migrate" and node:
+                # The policy reserved the target; the task has left its source: the holds
+                # on the source nodes go, the target's become confirmed.
+                for src in {p.node for p in decision.source} - {node}:
+                    await release(decision.task_id, src)
+                await parts["ledger"].mutate(
+                    node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None
+                )
+                decisions[decision.task_id] = decision
+                out.append(lifecycle(decision.task_id, "migrated", node,
+                                     [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
             elif decision.action == "evict":
                 for src in {p.node for p in decision.source}:
                     await release(decision.task_id, src)
@@ -256,6 +267,9 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 out.append(lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
                 decisions.pop(decision.task_id, None)
         elif decision.action == "assign" and node:
+            await release(decision.task_id, node)
+        elif decision.action == "migrate" and node and node not in {p.node for p in decision.source}:
+            # The move failed: the task still runs at its source; give the target back.
             await release(decision.task_id, node)
         return out
 

@@ -206,3 +206,25 @@ async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(
         await host.stop()
     assert [f.action_id for f in failed] == ["act-d6"]
     assert (await observer.ledger("n1")).allocations == []
+
+
+async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    await observer.kv_put("ledger", "n2", encode(NodeLedger(node="n2", allocations=[
+        Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
+                            placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
+                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                            task=TaskSubmitted(task_id="t1", kind="train"))
+        await observer.js.publish("decision.made", encode(move), headers={"Nats-Msg-Id": "move-1"})
+        moved = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await wait_for(lambda: len(sim_fleet.verbs("move")) == 1)
+    finally:
+        await host.stop()
+    assert [(m.state, m.node, m.gpus) for m in moved] == [("migrated", "n2", [1])]
+    assert (await observer.ledger("n1")).allocations == []
+    assert [(a.task_id, a.state) for a in (await observer.ledger("n2")).allocations] == [("t1", "confirmed")]
