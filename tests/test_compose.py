@@ -60,7 +60,8 @@ def _depends(service: dict[str, Any]) -> dict[str, str]:
 
 
 def test_all_services_and_infrastructure_are_declared(compose):
-    assert set(compose["services"]) == set(SERVICE_PORTS) | {"nats", "postgres"}
+    # `keys` is the one-shot that creates the token issuer's key set for the SLA service.
+    assert set(compose["services"]) == set(SERVICE_PORTS) | {"nats", "postgres", "keys"}
 
 
 def test_nats_runs_jetstream_with_a_data_dir_and_healthcheck(compose):
@@ -135,3 +136,12 @@ def test_compose_config_validates():
     assert set(SERVICE_PORTS) | {"nats", "postgres"} <= set(resolved["services"])
     assert resolved["services"]["policy"]["deploy"]["replicas"] == 2
     assert _env(resolved["services"]["feedback"])["FLEETPILOT_FEEDBACK_STORE_DSN"] == FEEDBACK_DSN
+
+
+def test_sla_waits_for_the_key_set_it_verifies_tokens_with():
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    sla, keys = compose["services"]["sla"], compose["services"]["keys"]
+    assert sla["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    assert sla["environment"]["FLEETPILOT_SLA_JWKS_PATH"].startswith("/keys/")
+    assert "keys:/keys:ro" in sla["volumes"] and "keys:/keys" in keys["volumes"]
+    assert compose["services"]["collector"]["environment"]["FLEETPILOT_COLLECTOR_SOURCE"] == "sim"
