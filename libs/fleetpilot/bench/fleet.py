@@ -98,7 +98,7 @@ MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
 """A signature seen this many times is trusted; its tasks are no longer fingerprinted online."""
 TRUST_SAMPLES = 10
-TRUST_CONFIDENCE = 0.5
+TRUST_CONFIDENCE = 0.6
 """An online fingerprint drives reservations and moves from this many samples and pattern confidence."""
 TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
@@ -457,7 +457,7 @@ class FleetRun:
     def _observe_tasks(self, now: float) -> None:
         watched_nodes = {self.state.node_names[j.row] for j in self.jobs
                          if j.state == "running" and j.fingerprinter is not None}
-        changed: set[str] = set()
+        changed: dict[str, float] = {}
         for node in watched_nodes:
             for s in self.sim.task_samples(node):
                 job = self.by_id.get(s.task_id)
@@ -473,12 +473,12 @@ class FleetRun:
                     continue
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
                     job.prediction = current
-                    changed.add(job.task.task_id)
+                    changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
         for task_id in changed:
             self._reserve_again(self.by_id[task_id])
-        for task_id in changed:
+        for task_id, held in changed.items():
             job = self.by_id[task_id]
-            if job.state == "running" and self._overcommitted(job):
+            if job.state == "running" and self._heading_for_oom(job, held):
                 self._rebalance(job, now)
 
     def _reserve_again(self, job: _Job) -> None:
@@ -491,9 +491,20 @@ class FleetRun:
         self.state.version[job.row] += 1
         job.reserved_mb = new
 
-    def _overcommitted(self, job: _Job) -> bool:
-        """True when the memory predicted on one of the job's GPUs exceeds the GPU."""
-        return bool(np.any(self.state.gpu_mem_free[job.row, np.asarray(job.gpus)] < 0))
+    def _heading_for_oom(self, job: _Job, held_mb: float) -> bool:
+        """True when what the job's GPUs hold now (as NVML reports it) plus the growth still
+        ahead of the job (its predicted peak minus what it holds) exceeds one of them.
+
+        Neighbours are taken at their current use: a growing neighbour is judged when its
+        own fingerprint moves, and one placed with a known signature was placed by its
+        predicted peak. Summing every tenant's peak instead would move tasks whose peaks
+        never coincide."""
+        if job.prediction is None:
+            return False
+        ahead = max(job.prediction.predicted_peak_mb * 1.02 - held_mb, 0.0)
+        glob = self.offset[job.row] + np.asarray(job.gpus)
+        g = self.sim.gpu
+        return bool(np.any(g.memory_used_mb[glob] + ahead > g.memory_total_mb[glob]))
 
     def _rebalance(self, job: _Job, now: float) -> None:
         # Move whoever on the GPU outgrew its plan the most: that is the allocation that fails.
@@ -518,6 +529,8 @@ class FleetRun:
             return False
         growth, pause = self._resumed(job, now)
         self.sim.remove(t.task_id)
+        # The restored task replays its curve: a series spanning the move would mislead the fit.
+        job.fingerprinter = None
         job.migrations += 1
         self.counts["migrations_" + reason] += 1
         self._start(job, decision.node_row, gpus, decision.placement[0].milli, now, growth=growth, pause=pause)
@@ -804,15 +817,29 @@ def plot(c: Comparison, out_dir: Path) -> list[Path]:
 
 # ---- entry points -------------------------------------------------------------------------
 
-DEFAULT_TASKS = {"three-site": 1500, "openb": 9000}
-DEFAULT_HOURS = {"three-site": 8.0, "openb": 4.0}
+DEFAULT_TASKS = {"three-site": 1500, "openb": 5000}
+DEFAULT_HOURS = {"three-site": 8.0, "openb": 3.0}
+DEFAULT_FRACTION = {"three-site": 1.0, "openb": 0.25}
+"""openb has 6,212 GPUs: a load that queues needs tens of thousands of tasks there, more than
+a few minutes of Python decisions allow, so by default a quarter of its nodes (every model in
+proportion) is simulated; ``--fleet-fraction 1`` runs the whole fleet."""
 
 
-def load_bench_fleet(name: str, nodes_csv: Path = NODES_FILE) -> Fleet:
-    """The three-site fleet or the openb fleet."""
+def load_bench_fleet(name: str, nodes_csv: Path = NODES_FILE, *, fraction: float = 1.0, seed: int = 0) -> Fleet:
+    """The three-site fleet, or the openb fleet (``fraction`` < 1: a seeded sample of its
+    nodes, the same share of every GPU model, so the mix of models is kept)."""
     if name == "three-site":
         return load_fleet_spec()
-    return load_openb_fleet(nodes_csv)
+    fleet = load_openb_fleet(nodes_csv)
+    if fraction >= 1.0:
+        return fleet
+    rng = np.random.default_rng(seed)
+    by_model: dict[str, list[int]] = {}
+    for i, n in enumerate(fleet.nodes):
+        by_model.setdefault(n.gpus[0].model if n.gpus else "", []).append(i)
+    keep = sorted(int(i) for rows in by_model.values()
+                  for i in rng.choice(rows, size=max(1, round(fraction * len(rows))), replace=False))
+    return Fleet(name=fleet.name, sites=fleet.sites, nodes=[fleet.nodes[i] for i in keep], links=fleet.links)
 
 
 def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> Comparison:
@@ -850,6 +877,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, default=None, help="tasks in the workload (default: 1500 three-site, 9000 openb)")
     p.add_argument("--hours", type=float, default=None, help="arrival window in virtual hours (default 8 / 4)")
     p.add_argument("--load", type=float, default=1.3, help="whole-GPU load over the arrival window")
+    p.add_argument("--fleet-fraction", type=float, default=None,
+                   help="share of the openb nodes simulated, every model in proportion (default 0.25)")
     p.add_argument("--arrivals", choices=("trace", "generated"), default="trace")
     p.add_argument("--trace", type=Path, default=TRACE_FILE, help="openb pod list (arrivals and durations)")
     p.add_argument("--nodes", type=Path, default=NODES_FILE, help="openb node list (for --fleet openb)")
@@ -863,15 +892,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     tasks = args.tasks if args.tasks is not None else DEFAULT_TASKS[args.fleet]
     hours = args.hours if args.hours is not None else DEFAULT_HOURS[args.fleet]
-    if tasks < 1 or hours <= 0 or args.load <= 0:
-        raise SystemExit("fleet bench: --tasks, --hours and --load must be positive")
+    fraction = args.fleet_fraction if args.fleet_fraction is not None else DEFAULT_FRACTION[args.fleet]
+    if tasks < 1 or hours <= 0 or args.load <= 0 or not 0 < fraction <= 1:
+        raise SystemExit("fleet bench: --tasks, --hours and --load must be positive, --fleet-fraction in (0, 1]")
     for path, needed in ((args.trace, args.arrivals == "trace"), (args.nodes, args.fleet == "openb")):
         if needed and not path.is_file():
             raise SystemExit(f"fleet bench: no such file {path}")
-    fleet = load_bench_fleet(args.fleet, args.nodes)
+    fleet = load_bench_fleet(args.fleet, args.nodes, fraction=fraction, seed=args.seed)
     trace = load_trace(args.trace) if args.arrivals == "trace" else None
-    workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
-                                 trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None)
+    try:
+        workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
+                                     trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None)
+    except ValueError as exc:
+        raise SystemExit(f"fleet bench: {exc}") from None
+    name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"
+    print(f"fleet {name}: {len([n for n in fleet.nodes if n.gpus])} nodes, {fleet.gpu_count} GPUs; seed {args.seed}",
+          flush=True)
     result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed)
     print(report(result))
     if args.plot_dir is not None:

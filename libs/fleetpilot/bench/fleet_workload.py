@@ -130,7 +130,7 @@ class FaultPlan:
 class Workload:
     """Everything both runs play: tasks by arrival, faults, the windows, how it was built."""
 
-    tasks: tuple[BenchTask, ...]
+    tasks: tuple[BenchTask, ...]  # by arrival
     faults: tuple[FaultPlan, ...]
     span_s: float
     horizon_s: float
@@ -193,7 +193,10 @@ def _acceptable(models: dict[str, float], kind: str, need_mb: float, spec: tuple
 def make_programs(fleet: Fleet, rng: np.random.Generator, count: int) -> list[Program]:
     """``count`` programs fitted to what the fleet offers (every program fits some model)."""
     models = fleet_models(fleet)
-    big = max(mem for m, mem in models.items() if m not in EDGE_MODELS)
+    # Asks are sized on the fleet's typical training GPU (the median over its GPUs), as
+    # teams size jobs for the GPUs they usually get; growth then pushes some past it.
+    typical = float(np.median([float(g.memory_mb or gpu_model(g.model).memory_mb) for n in fleet.nodes
+                               for g in n.gpus if g.model not in EDGE_MODELS]))
     programs = []
     for i in range(count):
         kind = KINDS[int(rng.choice(len(KINDS), p=KIND_SHARE))]
@@ -201,20 +204,20 @@ def make_programs(fleet: Fleet, rng: np.random.Generator, count: int) -> list[Pr
         pattern = names[int(rng.choice(len(names), p=probs))]
         if kind == "train":
             gpus, milli = int(rng.choice([1, 2, 4, 8], p=[0.4, 0.3, 0.2, 0.1])), 1000
-            request = rng.uniform(0.3, 0.85) * big * 0.5
+            request = rng.uniform(0.3, 0.85) * typical
             util = rng.uniform(85, 100)
         elif kind == "finetune":
             gpus = int(rng.choice([1, 2], p=[0.8, 0.2]))
             milli = 1000 if gpus > 1 or rng.random() < 0.7 else 500
-            request = rng.uniform(0.15, 0.45) * big if milli == 1000 else rng.uniform(4_000, 10_000)
+            request = rng.uniform(0.3, 0.9) * typical if milli == 1000 else rng.uniform(4_000, 10_000)
             util = rng.uniform(60, 95)
         elif kind == "infer":
             gpus, milli = 1, int(rng.choice([250, 500, 1000], p=[0.45, 0.35, 0.2]))
-            request = rng.uniform(1_500, 6_000) * milli / 250 if milli < 1000 else rng.uniform(8_000, 20_000)
+            request = rng.uniform(1_500, 6_000) * milli / 250 if milli < 1000 else rng.uniform(0.2, 0.5) * typical
             util = milli / 10 * rng.uniform(0.5, 0.9)
         else:
             gpus, milli = 1, int(rng.choice([250, 500, 1000], p=[0.4, 0.4, 0.2]))
-            request = rng.uniform(1_000, 4_000) * milli / 250 if milli < 1000 else rng.uniform(6_000, 16_000)
+            request = rng.uniform(1_000, 4_000) * milli / 250 if milli < 1000 else rng.uniform(0.15, 0.4) * typical
             util = milli / 10 * rng.uniform(0.6, 0.95)
         ratio = rng.uniform(0.95, 1.8) if pattern in GROWING else rng.uniform(0.6, 1.0)
         accept = _acceptable(models, kind, request + CONTEXT_MB)
@@ -253,7 +256,9 @@ def _fit_pod(p: Program, pod: TracePod, models: dict[str, float]) -> Program:
     """The program with the pod's shape, CPU, memory and GPU-model constraint."""
     gpus = pod.gpus
     milli = 1000 if gpus > 1 else pod.gpu_milli
-    request = p.request_mb * (milli / p.gpu_milli if milli < 1000 and p.gpu_milli < 1000 else 1.0)
+    # Memory is the program's (its model and batch), whatever compute share the pod asks:
+    # one signature, one footprint.
+    request = p.request_mb
     accept = _acceptable(models, p.kind, request + CONTEXT_MB, pod.gpu_spec)
     if not accept:  # the pod's models are too small for the program: shrink the ask to them
         accept = tuple(sorted(pod.gpu_spec if pod.gpu_spec else models))
@@ -310,10 +315,14 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float = 1.
     whole = np.array([_whole_gpus(p) for p in chosen], dtype=float)
     target = load * _capacity(fleet) * span_s
     scale = target / max(float((whole * raw).sum()), 1.0)
-    for _ in range(8):
-        durations = np.clip(raw * scale, MIN_DURATION_S, span_s / 2)
+    for _ in range(30):
+        durations = np.clip(raw * scale, MIN_DURATION_S, span_s)
         scale *= target / max(float((whole * durations).sum()), 1.0)
-    durations = np.clip(raw * scale, MIN_DURATION_S, span_s / 2)
+    durations = np.clip(raw * scale, MIN_DURATION_S, span_s)
+    reached = float((whole * durations).sum()) / (_capacity(fleet) * span_s)
+    if reached < 0.98 * load:
+        raise ValueError(f"{n_tasks} tasks cannot make a whole-GPU load of {load:.2f} on {_capacity(fleet)} GPUs "
+                         f"over {span_s / 3600:.1f} h (at most {reached:.2f}): use more tasks or a smaller fleet")
     order = np.argsort(arrivals, kind="stable")
     tasks = []
     for k, i in enumerate(order):
