@@ -109,3 +109,21 @@ async def test_policy_killed_mid_burst_loses_no_task(fleet):
 
     got = await wait_until(all_decided, 90, "a decision for every task")
     assert {got[t] for t in ids} == {1}, "a redelivered task was decided twice"
+
+
+async def test_sigterm_drains_and_exits_cleanly_mid_burst(fleet):
+    ids = [f"term-{i:04d}" for i in range(80)]
+    for i in range(80):
+        await fleet.submit(small_task(i, "term"))
+    sla = fleet.procs.procs["sla"]
+    sla.send_signal(signal.SIGTERM)
+    # In-flight handlers finish, fetched-but-unstarted messages go back to the stream.
+    assert await asyncio.to_thread(sla.wait, 20) == 0
+    fleet.restart("sla")
+
+    async def all_decided():
+        got = await decisions_by_task(fleet)
+        return set(ids) <= set(got) and got
+
+    got = await wait_until(all_decided, 90, "a decision for every task")
+    assert {got[t] for t in ids} == {1}
