@@ -77,7 +77,7 @@ from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
 
-from .fleet_workload import BenchTask, Workload, generate_workload, load_trace
+from .fleet_workload import PACKED_LOAD, BenchTask, Workload, generate_workload, load_trace, sharing_bound
 
 OPENB_DIR = Path("/work/shared/data/openb")
 TRACE_FILE = OPENB_DIR / "openb_pod_list_default.csv"
@@ -847,22 +847,14 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> 
     base = FleetRun(fleet, workload, "k8s-default", seed).run()
     ours = FleetRun(fleet, workload, "fleetpilot", seed).run()
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
-                      span_h=workload.span_s / 3600.0, sharing_bound=sharing_bound(workload))
+                      span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload))
 
 
-def sharing_bound(workload: Workload) -> float:
-    """The utilisation ratio packing alone can reach when both schedulers are saturated.
-
-    Under the device plugin a share holds a whole GPU; packed, it holds its fraction. With
-    ``f`` the shares' part of the whole-GPU time and ``s`` their mean fraction (weighted by
-    time), the same GPUs hold ``1 / (1 - f (1 - s))`` times the work: the most the memory
-    utilisation ratio can gain from sharing, whatever the policy.
-    """
-    whole = sum(t.gpus * t.duration_s for t in workload.tasks)
-    shares = [t for t in workload.tasks if t.shares_gpu]
-    f = sum(t.duration_s for t in shares) / whole if whole else 0.0
-    s = (sum(t.gpu_milli / 1000.0 * t.duration_s for t in shares) / sum(t.duration_s for t in shares)) if shares else 1.0
-    return 1.0 / (1.0 - f * (1.0 - s))
+def workload_sharing_bound(workload: Workload) -> float:
+    """``fleet_workload.sharing_bound`` of a workload's tasks."""
+    t = workload.tasks
+    return sharing_bound(np.array([x.gpus for x in t]), np.array([x.gpu_milli for x in t]),
+                         np.array([x.duration_s for x in t]))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -876,7 +868,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--tasks", type=int, default=None, help="tasks in the workload (default: 1500 three-site, 9000 openb)")
     p.add_argument("--hours", type=float, default=None, help="arrival window in virtual hours (default 8 / 4)")
-    p.add_argument("--load", type=float, default=1.3, help="whole-GPU load over the arrival window")
+    p.add_argument("--load", type=float, default=None,
+                   help=f"whole-GPU load over the arrival window (default {PACKED_LOAD} x the workload's sharing bound)")
     p.add_argument("--fleet-fraction", type=float, default=None,
                    help="share of the openb nodes simulated, every model in proportion (default 0.25)")
     p.add_argument("--arrivals", choices=("trace", "generated"), default="trace")
@@ -893,7 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = args.tasks if args.tasks is not None else DEFAULT_TASKS[args.fleet]
     hours = args.hours if args.hours is not None else DEFAULT_HOURS[args.fleet]
     fraction = args.fleet_fraction if args.fleet_fraction is not None else DEFAULT_FRACTION[args.fleet]
-    if tasks < 1 or hours <= 0 or args.load <= 0 or not 0 < fraction <= 1:
+    if tasks < 1 or hours <= 0 or (args.load is not None and args.load <= 0) or not 0 < fraction <= 1:
         raise SystemExit("fleet bench: --tasks, --hours and --load must be positive, --fleet-fraction in (0, 1]")
     for path, needed in ((args.trace, args.arrivals == "trace"), (args.nodes, args.fleet == "openb")):
         if needed and not path.is_file():

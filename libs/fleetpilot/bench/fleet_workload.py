@@ -277,17 +277,40 @@ def _capacity(fleet: Fleet) -> int:
     return sum(len(n.gpus) for n in fleet.nodes)
 
 
-def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float = 1.3, span_s: float = 8 * 3600.0,
+PACKED_LOAD = 0.95
+"""Default load: the fleet is sized for its work as if it were packed, at 95% (see ``generate_workload``)."""
+
+
+def sharing_bound(gpus: np.ndarray, milli: np.ndarray, durations: np.ndarray) -> float:
+    """How many times more work the same GPUs hold when shares are packed instead of each
+    holding a whole GPU: ``1 / (1 - f (1 - s))``, with ``f`` the shares' part of the whole-GPU
+    time and ``s`` their mean fraction weighted by time. It bounds the utilisation ratio that
+    sharing can buy when both schedulers are saturated, whatever the policy."""
+    gpus, milli, durations = (np.asarray(x, dtype=float) for x in (gpus, milli, durations))
+    whole = float((gpus * durations).sum())
+    share = (gpus == 1) & (milli < 1000)
+    if whole <= 0 or not share.any():
+        return 1.0
+    f = float(durations[share].sum()) / whole
+    s = float((milli[share] / 1000.0 * durations[share]).sum() / durations[share].sum())
+    return 1.0 / (1.0 - f * (1.0 - s))
+
+
+def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
                       drain: float = 0.5, trace: list[TracePod] | None = None, use_trace_shapes: bool = False,
                       n_programs: int = 48, n_faults: int = 4) -> Workload:
     """A seeded workload for ``fleet`` (see the module docstring).
 
-    ``load`` is the whole-GPU load over the arrival window ``span_s``; the run lasts
+    ``load`` is the whole-GPU load over the arrival window ``span_s``. By default it is
+    ``PACKED_LOAD`` times ``sharing_bound`` of the tasks: a fleet bought for its work as if
+    every share were packed, at 95% of its GPUs. Under the device plugin that demand exceeds
+    the fleet (the baseline queues); a scheduler that packs perfectly would just keep up. The
+    rule depends on the tasks' shapes only, never on a result. The run lasts
     ``span_s * (1 + drain)``. With ``trace``, arrival times and relative durations come from
     a seeded sample of its pods; ``use_trace_shapes`` also takes their GPU shapes, CPU,
     memory and model constraints (for the fleet the trace was recorded on).
     """
-    if n_tasks <= 0 or load <= 0 or span_s <= 0:
+    if n_tasks <= 0 or (load is not None and load <= 0) or span_s <= 0:
         raise ValueError("n_tasks, load and span_s must be positive")
     rng = np.random.default_rng(seed)
     models = fleet_models(fleet)
@@ -313,12 +336,19 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float = 1.
     # One duration scale so that the whole-GPU load is `load`; clipping changes the sum, so
     # the scale is refined a few times (a fixed point, independent of any result).
     whole = np.array([_whole_gpus(p) for p in chosen], dtype=float)
-    target = load * _capacity(fleet) * span_s
-    scale = target / max(float((whole * raw).sum()), 1.0)
-    for _ in range(30):
-        durations = np.clip(raw * scale, MIN_DURATION_S, span_s)
-        scale *= target / max(float((whole * durations).sum()), 1.0)
-    durations = np.clip(raw * scale, MIN_DURATION_S, span_s)
+
+    def scaled(to_load: float) -> np.ndarray:
+        target = to_load * _capacity(fleet) * span_s
+        scale = target / max(float((whole * raw).sum()), 1.0)
+        for _ in range(30):
+            durations = np.clip(raw * scale, MIN_DURATION_S, span_s)
+            scale *= target / max(float((whole * durations).sum()), 1.0)
+        return np.clip(raw * scale, MIN_DURATION_S, span_s)
+
+    if load is None:
+        milli = np.array([p.gpu_milli for p in chosen], dtype=float)
+        load = PACKED_LOAD * sharing_bound(whole, milli, scaled(1.0))
+    durations = scaled(load)
     reached = float((whole * durations).sum()) / (_capacity(fleet) * span_s)
     if reached < 0.98 * load:
         raise ValueError(f"{n_tasks} tasks cannot make a whole-GPU load of {load:.2f} on {_capacity(fleet)} GPUs "

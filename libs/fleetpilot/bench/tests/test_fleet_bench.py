@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from fleetpilot.bench import fleet as bench
-from fleetpilot.bench.fleet import BACKOFF_LIMIT, FleetRun, compare, main, sharing_bound
+from fleetpilot.bench.fleet import BACKOFF_LIMIT, FleetRun, compare, main, workload_sharing_bound
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.workload.growth import MemoryGrowth
@@ -118,9 +118,9 @@ def test_both_runs_play_the_identical_workload(monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_workload_is_a_function_of_the_seed() -> None:
     fleet = load_fleet_spec()
-    a = generate_workload(fleet, seed=5, n_tasks=200, span_s=3600.0)
-    b = generate_workload(fleet, seed=5, n_tasks=200, span_s=3600.0)
-    c = generate_workload(fleet, seed=6, n_tasks=200, span_s=3600.0)
+    a = generate_workload(fleet, seed=5, n_tasks=200, load=1.3, span_s=3600.0)
+    b = generate_workload(fleet, seed=5, n_tasks=200, load=1.3, span_s=3600.0)
+    c = generate_workload(fleet, seed=6, n_tasks=200, load=1.3, span_s=3600.0)
     assert a == b
     assert a.tasks != c.tasks
     # The whole-GPU load is what was asked (durations are scaled to it, then clipped).
@@ -132,10 +132,20 @@ def test_the_workload_is_a_function_of_the_seed() -> None:
     assert {f.kind for f in a.faults} == {"degrading", "sudden"}
 
 
+def test_the_default_load_is_the_packed_demand_at_95_percent() -> None:
+    fleet = load_fleet_spec()
+    w = generate_workload(fleet, seed=5, n_tasks=300, span_s=3600.0)
+    bound = workload_sharing_bound(w)
+    assert bound > 1.0
+    assert w.load == pytest.approx(0.95 * bound, rel=0.02)
+    with pytest.raises(ValueError, match="cannot make a whole-GPU load"):
+        generate_workload(fleet, seed=5, n_tasks=3, load=1.3, span_s=3600.0)
+
+
 def test_sharing_bound() -> None:
     # Half the whole-GPU time is quarter shares: at most 1 / (1 - 0.5 * 0.75) = 1.6x.
     w = workload(task(0, milli=250), task(1))
-    assert sharing_bound(w) == pytest.approx(1.6)
+    assert workload_sharing_bound(w) == pytest.approx(1.6)
 
 
 def test_a_failed_gpu_loses_the_baselines_tasks_and_fleetpilot_moves_them_first() -> None:
@@ -152,7 +162,7 @@ def test_a_failed_gpu_loses_the_baselines_tasks_and_fleetpilot_moves_them_first(
 
 def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fleet.json"
-    assert main(["--fleet", "three-site", "--seed", "3", "--tasks", "40", "--hours", "0.5", "--arrivals", "generated",
+    assert main(["--fleet", "three-site", "--seed", "3", "--tasks", "150", "--hours", "0.5", "--arrivals", "generated",
                  "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
     data = json.loads(out.read_text())
     assert data["seed"] == 3 and data["fleet"] == "three-site"
