@@ -134,6 +134,7 @@ class _Job:
     fingerprinter: OnlineFingerprinter | None = None
     prediction: Fingerprint | None = None
     resume: tuple[MemoryGrowth, float] | None = None
+    curve: MemoryGrowth | None = None
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -192,9 +193,11 @@ class FleetRun:
         self.pending_maintenance: dict[int, float] = {}
         self.failed_gpus: dict[int, float] = {}
         self.oom_floor: dict[str, float] = {}
-        memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
-        self.largest = {t.gpu_models: max((memory_of.get(m, 0.0) for m in t.gpu_models or memory_of), default=0.0)
-                        for t in workload.tasks}
+        self.killed_runs: list[tuple[float, float, MemoryGrowth, int]] = []
+        self.denominators: list[float] = []
+        self.memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
+        self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
+                                          default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
                        "migrations_oom": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0}
@@ -236,9 +239,13 @@ class FleetRun:
         if job.prediction is not None:
             peak = float(job.prediction.predicted_peak_mb)
             sigma = max(0.0, float(job.prediction.peak_high_mb - job.prediction.peak_low_mb) / 3.29)
+        reserve = self._reservation(job)
+        # The models that can hold the predicted peak are the task's real constraint; stated as
+        # such, the policy's model-demand pressure keeps flexible tasks off the big GPUs.
+        models = tuple(m for m in t.gpu_models if self.memory_of.get(m, 0.0) >= reserve) or t.gpu_models
         return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
-                           gpu_memory_mb=self._reservation(job), cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
-                           gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
+                           gpu_memory_mb=reserve, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
+                           gpu_models=models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
                            predicted_peak_mb=peak, peak_sigma_mb=sigma)
 
     def _reservation(self, job: _Job) -> int:
@@ -301,6 +308,7 @@ class FleetRun:
         g = self.sim.gpu
         keep = ~self.excluded
         total = float(g.memory_total_mb[keep].sum())
+        self.denominators.append(total)
         return float(g.memory_used_mb[keep].sum()) / total if total > 0 else 0.0
 
     # -- submission and queue ----------------------------------------------------------------
@@ -380,7 +388,8 @@ class FleetRun:
         job.planned_mb = reserve if job.planned_mb == 0 else job.planned_mb
         job.seg_start, job.seg_pause = now, pause
         node = self.state.node_names[row]
-        self.sim.place(t.task_id, node, gpus, growth or t.growth, util=t.util)
+        job.curve = growth or t.growth
+        self.sim.place(t.task_id, node, gpus, job.curve, util=t.util)
         for g in gpus:
             self.on_gpu.setdefault((row, g), set()).add(t.task_id)
 
@@ -410,6 +419,7 @@ class FleetRun:
                 self._remember(job, now)
             elif ev.kind in ("oom", "task_failed"):
                 self._stop(job)
+                self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
                 job.progress_s = 0.0
                 if ev.kind == "oom":
                     self.counts["oom_events"] += 1
@@ -642,8 +652,11 @@ class FleetRun:
         cost = self.price_per_h * now / 3600.0
         c = self.counts
         interventions = c["oom_restarts"] + c["backoff_failed"] + stuck + c["gpu_failure_kills"]
+        utilisation = float(util[in_window].mean()) if in_window.any() else 0.0
+        killed = self._killed_share(np.asarray(times) * 3600.0, in_window)
         figures = {
-            "utilisation": float(util[in_window].mean()) if in_window.any() else 0.0,
+            "utilisation": utilisation,
+            "useful_utilisation": utilisation - killed,
             "mean_queue_s": float(waits_a.mean()),
             "p95_queue_s": float(np.percentile(waits_a, 95)),
             "oom_events": float(c["oom_events"]),
@@ -654,6 +667,7 @@ class FleetRun:
         seen, lead = self._maintenance_leads()
         breakdown = {
             "utilisation_whole_run": float(util.mean()) if util.size else 0.0,
+            "utilisation_of_killed_runs": killed,
             "useful_gpu_hours": useful_h,
             "fleet_cost_usd": cost,
             "completed": float(sum(j.state == "done" for j in self.jobs)),
@@ -667,6 +681,20 @@ class FleetRun:
         }
         return RunResult(mode=self.mode, figures=figures, breakdown=breakdown, times_h=times, utilisation=utils,
                          queue_length=queue, wall_s=wall)
+
+    def _killed_share(self, times_s: np.ndarray, in_window: np.ndarray) -> float:
+        """The part of the window's utilisation held by runs that were later killed (OOM or a
+        failed GPU): memory used, but by work thrown away."""
+        denominators = np.asarray(self.denominators)[in_window]
+        if denominators.size == 0:
+            return 0.0
+        ticks = times_s[in_window]
+        held = 0.0
+        for start, end, curve, gpus in self.killed_runs:
+            alive = ticks[(ticks > start) & (ticks <= end)]
+            if alive.size:
+                held += gpus * float((curve.memory_at(alive - start) + CONTEXT_MB).sum())
+        return held / float(denominators.sum())
 
     def _maintenance_leads(self) -> tuple[int, float]:
         """Failed GPUs flagged ``maintenance_pending`` before they failed, and the median warning (h)."""
@@ -745,6 +773,7 @@ class Comparison:
 
 _LABELS = {
     "utilisation": ("GPU memory utilisation (arrival window)", lambda v: f"{v:.1%}"),
+    "useful_utilisation": ("  of it by runs not killed later", lambda v: f"{v:.1%}"),
     "mean_queue_s": ("mean queue time", lambda v: f"{v / 60:.1f} min"),
     "p95_queue_s": ("p95 queue time", lambda v: f"{v / 60:.1f} min"),
     "oom_events": ("OOM events", lambda v: f"{v:.0f}"),

@@ -166,7 +166,7 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
     data = json.loads(out.read_text())
     assert data["seed"] == 3 and data["fleet"] == "three-site"
-    for key in ("utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
+    for key in ("utilisation", "useful_utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
                 "interventions"):
         assert key in data["baseline"] and key in data["fleetpilot"] and key in data["ratio"]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
