@@ -100,6 +100,8 @@ CONFIDENT_COUNT = 4
 TRUST_SAMPLES = 10
 TRUST_CONFIDENCE = 0.6
 """An online fingerprint drives reservations and moves from this many samples and pattern confidence."""
+BRIDGE_LOOKAHEAD_S = 4 * 60.0
+"""How far a bridged task's recent growth is carried forward: a few cycles plus a move."""
 TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
 TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
@@ -135,6 +137,8 @@ class _Job:
     prediction: Fingerprint | None = None
     resume: tuple[MemoryGrowth, float] | None = None
     curve: MemoryGrowth | None = None
+    bridged: bool = False
+    history: deque | None = None
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -199,7 +203,7 @@ class FleetRun:
         self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
                                           default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
-                       "migrations_oom": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
+                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0}
         self.policy = self._policy([])
         self._typical_at = 0
@@ -230,8 +234,13 @@ class FleetRun:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _request(self, job: _Job) -> TaskRequest:
+    def _request(self, job: _Job, *, bridge: bool = False) -> TaskRequest:
         t = job.task
+        if bridge:
+            # Start on what it asked for; the peak is handled by a move before it arrives.
+            return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
+                               gpu_memory_mb=int(t.request_mb + CONTEXT_MB), cpu_milli=t.cpu_milli,
+                               memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind])
         if not self.smart:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
                                memory_mb=t.memory_mb, gpu_models=t.gpu_models)
@@ -247,6 +256,13 @@ class FleetRun:
                            gpu_memory_mb=reserve, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_models=models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
                            predicted_peak_mb=peak, peak_sigma_mb=sigma)
+
+    def _hold(self, job: _Job, row: int, gpus: list[int]) -> int:
+        """The reservation, but never more than the GPUs a bridged task sits on."""
+        reserve = self._reservation(job)
+        if job.bridged:
+            reserve = min(reserve, int(self.state.gpu_mem_total[row, np.asarray(gpus)].min()))
+        return reserve
 
     def _reservation(self, job: _Job) -> int:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
@@ -348,27 +364,40 @@ class FleetRun:
         failed: list[tuple[int, int, int, int, int, frozenset[str]]] = []
         keep: list[_Job] = []
         for job in self.pending:
-            req = self._request(job)
-            shape = _shape(req, whole=not self.smart)
-            if any(_dominates(shape, f) for f in failed):
+            requests = [self._request(job)]
+            if self._bridgeable(job):
+                requests.append(self._request(job, bridge=True))
+            for k, req in enumerate(requests):
+                shape = _shape(req, whole=not self.smart)
+                if any(_dominates(shape, f) for f in failed):
+                    continue
+                self.counts["decisions"] += 1
+                decision = self.policy.decide(self.state, req)
+                if decision.action != "assign":
+                    failed.append(shape)
+                    continue
+                gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
+                job.bridged = k == 1
+                self.counts["bridged"] += job.bridged
+                self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
+                break
+            else:
                 keep.append(job)
-                continue
-            self.counts["decisions"] += 1
-            decision = self.policy.decide(self.state, req)
-            if decision.action != "assign":
-                failed.append(shape)
-                keep.append(job)
-                continue
-            gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
-            self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
         self.pending = keep
+
+    def _bridgeable(self, job: _Job) -> bool:
+        """A single-GPU task predicted to grow smoothly (linear, leak) past every GPU free for
+        it now may start on a GPU that holds its ask, and be moved (or checkpointed) when its
+        measured growth is about to outrun that GPU: most of a leak's life is spent low."""
+        p = job.prediction
+        return self.smart and job.task.gpus == 1 and p is not None and p.pattern in ("linear", "leak")
 
     # -- running tasks -----------------------------------------------------------------------
 
     def _start(self, job: _Job, row: int, gpus: list[int], milli: int, now: float, *,
                growth: MemoryGrowth | None = None, pause: float = 0.0) -> None:
         t = job.task
-        reserve = self._reservation(job) if self.smart else 0
+        reserve = self._hold(job, row, gpus) if self.smart else 0
         self.state.allocate(row, gpus, milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_memory_mb=reserve)
         if job.state == "pending" and job.resume is not None:
             job.queue_s += now - job.queued_since
@@ -380,9 +409,14 @@ class FleetRun:
             job.progress_s = 0.0
             if self.smart:
                 watch = self.memory.stats(job.signature)
-                if watch is None or watch.count < CONFIDENT_COUNT:
+                if watch is None or watch.count < CONFIDENT_COUNT or job.bridged:
                     job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
                                                             started_at=now, refit_growth=0.5, prior=job.prediction)
+        if job.bridged:
+            job.history = deque(maxlen=3)
+            if job.fingerprinter is None:
+                job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
+                                                        started_at=now, refit_growth=0.5, prior=job.prediction)
         job.state = "running"
         job.row, job.gpus, job.milli, job.reserved_mb = row, list(gpus), milli, reserve
         job.planned_mb = reserve if job.planned_mb == 0 else job.planned_mb
@@ -468,13 +502,20 @@ class FleetRun:
         watched_nodes = {self.state.node_names[j.row] for j in self.jobs
                          if j.state == "running" and j.fingerprinter is not None}
         changed: dict[str, float] = {}
+        bridging: list[_Job] = []
         for node in watched_nodes:
             for s in self.sim.task_samples(node):
                 job = self.by_id.get(s.task_id)
                 if job is None or job.fingerprinter is None or job.state != "running":
                     continue
                 online = job.fingerprinter
-                fresh = online.add(s.at, s.memory_used_mb / max(len(s.gpus), 1))
+                held = s.memory_used_mb / max(len(s.gpus), 1)
+                fresh = online.add(s.at, held)
+                if job.bridged and job.history is not None:
+                    job.history.append((s.at, held))
+                    if self._outgrowing(job):
+                        bridging.append(job)
+                        continue
                 current = online.current
                 # A handful of samples in a warm-up reads as a steep line: act on the online
                 # fingerprint only once it has TRUST_SAMPLES samples and a clear pattern.
@@ -484,16 +525,31 @@ class FleetRun:
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
                     job.prediction = current
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
+        for job in bridging:
+            if job.state == "running" and not self._migrate(job, now, reason="bridge"):
+                self._checkpoint(job, now)
         for task_id in changed:
             self._reserve_again(self.by_id[task_id])
         for task_id, held in changed.items():
             job = self.by_id[task_id]
-            if job.state == "running" and self._heading_for_oom(job, held):
+            if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
                 self._rebalance(job, now)
+
+    def _outgrowing(self, job: _Job) -> bool:
+        """A bridged task whose recent growth, carried on for ``BRIDGE_LOOKAHEAD_S``, would
+        overflow its GPU (what the GPU holds now, as NVML reports it, plus that growth)."""
+        h = job.history
+        if h is None or len(h) < 2:
+            return False
+        (t0, m0), (t1, m1) = h[0], h[-1]
+        slope = max((m1 - m0) / max(t1 - t0, 1e-9), 0.0)
+        glob = self.offset[job.row] + np.asarray(job.gpus)
+        g = self.sim.gpu
+        return bool(np.any(g.memory_used_mb[glob] + slope * BRIDGE_LOOKAHEAD_S > 0.98 * g.memory_total_mb[glob]))
 
     def _reserve_again(self, job: _Job) -> None:
         """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged)."""
-        new = self._reservation(job)
+        new = self._hold(job, job.row, job.gpus)
         if new == job.reserved_mb:
             return
         idx = np.asarray(job.gpus)
@@ -538,6 +594,8 @@ class FleetRun:
             self.counts["migrations_no_target"] += 1
             return False
         growth, pause = self._resumed(job, now)
+        job.bridged = False
+        job.history = None
         self.sim.remove(t.task_id)
         # The restored task replays its curve: a series spanning the move would mislead the fit.
         job.fingerprinter = None
@@ -569,6 +627,8 @@ class FleetRun:
         (progress kept) rather than let it run into the OOM that would lose everything."""
         self._stop(job)
         job.resume = self._resumed(job, now)
+        job.bridged = False
+        job.history = None
         self.sim.remove(job.task.task_id)
         job.fingerprinter = None
         self.counts["checkpointed"] += 1
@@ -798,6 +858,7 @@ def report(c: Comparison) -> str:
                  f"{f['backoff_failed']:.0f}")
     lines.append(f"fleetpilot loop: {f['admitted']:.0f} admitted, {f['counter_offers']:.0f} counter-offers, "
                  f"{f['rejected']:.0f} rejected; {f['migrations_oom']:.0f} migrations before an OOM, "
+                 f"{f['bridged']:.0f} started on a smaller GPU and {f['migrations_bridge']:.0f} moved up in time, "
                  f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
                  f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued); "
                  f"failures seen coming "
