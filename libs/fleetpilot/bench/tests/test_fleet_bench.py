@@ -9,6 +9,7 @@ import pytest
 from fleetpilot.bench import fleet as bench
 from fleetpilot.bench.fleet import BACKOFF_LIMIT, FleetRun, compare, main, workload_sharing_bound
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
+from fleetpilot.contracts import Fingerprint
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -182,3 +183,27 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
         main(argv)
     message = str(err.value)
     assert message.startswith("fleet bench:") and "\n" not in message
+
+
+def test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows() -> None:
+    # The H100 is busy for 20 minutes; the leak (50 GB at the end, 40 GB reached at 77% of
+    # its 40 minutes) starts on the A100 and moves to the H100 once that is free, before the OOM.
+    spec = {"name": "two", "sites": [{"name": "s", "groups": [
+        {"prefix": "a", "count": 1, "shape": {"gpu_model": "A100-40GB", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
+        {"prefix": "h", "count": 1, "shape": {"gpu_model": "H100", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
+    ]}]}
+    busy = BenchTask(**{**task(0, duration=1200.0).__dict__, "gpu_models": ("H100",)})
+    leak = BenchTask(**{**task(1, pattern="leak", peak=50_000.0, request=30_000.0, duration=2400.0).__dict__,
+                        "gpu_models": ("A100-40GB", "H100")})
+    run = FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "fleetpilot", seed=1)
+    run.memory.observe(Fingerprint(signature=run.jobs[1].signature, pattern="leak", pattern_confidence=1.0,
+                                   growth_rate_mb_per_s=10.0, predicted_peak_mb=50_300.0, peak_low_mb=50_000.0,
+                                   peak_high_mb=50_600.0, samples=40))
+    result = run.run()
+    assert result.breakdown["bridged"] == 1
+    assert result.breakdown["migrations_bridge"] == 1
+    assert result.figures["oom_events"] == 0
+    assert result.breakdown["completed"] == 2
+    # The same task on the baseline: it lands on the A100 (the H100 is busy) and dies there.
+    base = FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "k8s-default", seed=1).run()
+    assert base.figures["oom_events"] >= 1
