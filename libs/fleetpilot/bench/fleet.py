@@ -22,12 +22,18 @@ the bus out of service. No preemption (no PriorityClasses are set).
   samples, and their end-of-life fingerprint is remembered;
 - the ``fleetpilot`` policy with GPU sharing (fractional GPUs) and OOM-risk awareness: the
   ledger holds per GPU the memory each task is predicted to reach (the ask when nothing
-  is known), and the request carries the predicted peak and its spread;
+  is known; after an OOM on a GPU it had alone, more than that GPU), and the request
+  carries the predicted peak, its spread, and as GPU models those that can hold the peak
+  (so the policy's model-demand pressure keeps flexible work off the big GPUs);
 - rebalancing: when the memory predicted on a GPU exceeds it, the task that outgrew its
   plan is migrated to a GPU where its predicted peak fits, before the OOM, if the policy
   finds one; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
   which the task makes no progress, and it restarts its memory curve over its remaining
-  time (the same true peak);
+  time (the same true peak); with no target it is checkpointed and queued again (progress
+  kept) instead of being left to die;
+- bridging: a single-GPU task predicted to grow smoothly (linear, leak) past every GPU free
+  for it may start on a GPU that holds its ask; when its measured growth, carried four
+  minutes ahead, would overflow that GPU it is moved up (or checkpointed) first;
 - maintenance: a ``HealthModel`` watches GPUs that report any hardware signal; at 0.85 a GPU
   is marked ``maintenance_pending`` (no new work, out of the utilisation denominator) and
   its tasks migrate away.
@@ -37,7 +43,8 @@ Both runs see the same injected faults: GPUs that degrade and then fall off the 
 
 Figures (printed side by side with the ratio Fleetpilot / baseline, and ``--json``):
 utilisation = ``sum(memory used) / sum(memory total)`` over GPUs not failed nor in
-maintenance, averaged over the ticks of the arrival window; mean and p95 queue time (all
+maintenance, averaged over the ticks of the arrival window (and the part of it not held by
+runs that were killed later: memory a doomed run holds is used, but not usefully); mean and p95 queue time (all
 time a task spent waiting, over its restarts; a task still waiting at the end counts its
 wait so far); OOM events; tasks that missed their asked SLA (max queue time or deadline;
 counter-offers do not relax the measure; rejected and failed tasks count); fleet cost
