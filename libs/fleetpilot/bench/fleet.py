@@ -120,6 +120,8 @@ TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
 
 @dataclass
 class _Job:
+    """One task through its submissions, runs, moves and restarts (what the loop tracks)."""
+
     task: BenchTask
     submitted: TaskSubmitted
     signature: str
@@ -128,7 +130,6 @@ class _Job:
     queued_since: float = 0.0
     queue_s: float = 0.0
     attempts: int = 0
-    ooms: int = 0
     migrations: int = 0
     row: int = -1
     gpus: list[int] = field(default_factory=list)
@@ -184,7 +185,7 @@ class FleetRun:
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
         gpu_nodes = [n for n in fleet.nodes if n.gpus]
         self.state = ClusterState.from_topology(gpu_nodes)
-        self.offset = np.zeros(len(gpu_nodes), dtype=np.int64)
+        # Row of the policy's state -> first GPU of that node in the simulator's arrays.
         sim_offset, k = {}, 0
         for n in fleet.nodes:
             sim_offset[n.node] = k
@@ -464,7 +465,6 @@ class FleetRun:
                 job.progress_s = 0.0
                 if ev.kind == "oom":
                     self.counts["oom_events"] += 1
-                    job.ooms += 1
                     self._learn_from_oom(job, ev.value)
                 else:
                     self.counts["gpu_failure_kills"] += 1
