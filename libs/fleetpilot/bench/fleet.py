@@ -31,7 +31,7 @@ the bus out of service. No preemption (no PriorityClasses are set).
   which the task makes no progress, and it restarts its memory curve over its remaining
   time (the same true peak); with no target it is checkpointed and queued again (progress
   kept) instead of being left to die;
-- bridging: a single-GPU task predicted to grow smoothly (linear, leak) past every GPU free
+- bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first;
 - maintenance: a ``HealthModel`` watches GPUs that report any hardware signal; at 0.85 a GPU
@@ -394,11 +394,11 @@ class FleetRun:
         self.pending = keep
 
     def _bridgeable(self, job: _Job) -> bool:
-        """A single-GPU task predicted to grow smoothly (linear, leak) past every GPU free for
-        it now may start on a GPU that holds its ask, and be moved (or checkpointed) when its
-        measured growth is about to outrun that GPU: most of a leak's life is spent low."""
+        """A task predicted to grow smoothly (linear, leak) past every GPU free for it now may
+        start on GPUs that hold its ask, and be moved (or checkpointed) when its measured growth
+        is about to outrun them: most of a leak's life is spent low."""
         p = job.prediction
-        return self.smart and job.task.gpus == 1 and p is not None and p.pattern in ("linear", "leak")
+        return self.smart and p is not None and p.pattern in ("linear", "leak")
 
     # -- running tasks -----------------------------------------------------------------------
 
