@@ -87,7 +87,7 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
             memory_mb=task.memory_mb,
             gpu_models=tuple(task.gpu_models),
             tier=task.sla.tier,
-            role=task.labels.get("role", ""),
+            role=task.labels.get("business_role") or task.labels.get("role", ""),
             predicted_peak_mb=peak,
             peak_sigma_mb=sigma,
             labels=dict(task.labels),
@@ -287,7 +287,8 @@ class ClusterState:
                 state.gpu_mem_total[i, j] = state.gpu_mem_free[i, j] = gpu.memory_mb
                 if gpu.numa_node is not None:
                     state.gpu_numa[i, j] = gpu.numa_node
-                role = gpu.labels.get("role", "")
+                # The fleet labels GPUs with ``business_role``; ``role`` is the short form.
+                role = gpu.labels.get("business_role") or gpu.labels.get("role", "")
                 if role:
                     if role not in roles:
                         roles.append(role)
