@@ -34,7 +34,10 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.policy_latency
 	$(BIN)/python -m fleetpilot.bench.fingerprint_eval
 	$(BIN)/python -m fleetpilot.maintenance.eval
-	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --plot out/openb.png --json out/openb.json
+	mkdir -p out
+	$(BIN)/python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet-three-site.json --plot-dir out/
+	$(BIN)/python -m fleetpilot.bench.fleet --fleet openb --seed 7 --json out/fleet-openb.json --plot-dir out/
+	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --jobs 2 --plot out/openb.png --json out/openb.json
 
 contracts: $(STAMP) ## Regenerate proto/ (JSON Schema + AsyncAPI) from the code
 	$(BIN)/python -m fleetpilot.contracts.schema --write
