@@ -75,7 +75,6 @@ class SlaSettings(ServiceSettings):
     max_options: int = 4
     expiry_interval_s: float = 0.5
     reserve_fraction: float = 0.1
-    in_flight_s: float = 30.0
     local_bandwidth_gbps: float = 5.0
     default_bandwidth_gbps: float = 1.0
     bandwidth_strategy: Literal["min_rtt", "balanced"] = "min_rtt"
@@ -205,7 +204,7 @@ class Negotiator:
         self.bus, self.settings, self.clock = bus, settings, clock
         self.topology, self.ledger, self.store = topology, ledger, store
         self.bandwidth: dict[tuple[str, str], float] = {}
-        self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction, in_flight_s=settings.in_flight_s,
+        self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction,
                                    local_bandwidth_gbps=settings.local_bandwidth_gbps,
                                    default_bandwidth_gbps=settings.default_bandwidth_gbps,
                                    reference_p95_ms=settings.reference_p95_ms,

@@ -14,9 +14,11 @@ Per pool (one GPU model at one site):
   cannot prove is preemptible.
 - ``reserved_gpus``: a headroom of ``reserve_fraction`` of the pool's GPUs (rounded up, at
   most the free ones) kept for guaranteed tiers; ``best_effort`` requests never see it.
-- in flight: a task admitted less than ``in_flight_s`` ago on a pinned model and site that
-  holds nothing in the ledger yet is on its way to the policy; its GPUs are taken off that
-  pool's free ones, so a burst of submissions is not all promised the same free GPUs.
+- waiting: a task admitted on a pinned model and site that holds nothing in the ledger is
+  either on its way to the policy or queued there; either way it is ahead of a new request.
+  Its GPUs come off that pool's free ones first, then off the earliest completions, so a
+  burst of submissions is not all promised the same GPUs and a queue shows as a wait.
+  (A contract is forgotten when its task ends, so nothing finished counts.)
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
   GPU with any holder of unknown duration never appears (no promise we cannot back).
@@ -45,7 +47,6 @@ class SnapshotKnobs:
     """Settings of :func:`fleet_view` (the service fills them from ``FLEETPILOT_SLA_*``)."""
 
     reserve_fraction: float = 0.1
-    in_flight_s: float = 30.0
     local_bandwidth_gbps: float = 5.0
     default_bandwidth_gbps: float = 1.0
     reference_p95_ms: float = 50.0
@@ -110,20 +111,25 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
             if len(ends) == len(holders):
                 tally.frees_at.append(max(ends))
     holding = {a.task_id for allocations in holds.values() for a in allocations}
+    waiting: dict[tuple[str, str], int] = defaultdict(int)
     for adm in admitted.values():
         contract = adm.contract
-        if (now - adm.admitted_at > knobs.in_flight_s or adm.task.task_id in holding
-                or contract.site is None or len(contract.gpu_models) != 1):
+        if adm.task.task_id in holding or contract.site is None or len(contract.gpu_models) != 1:
             continue
-        tally = tallies.get((contract.site, contract.gpu_models[0]))
-        if tally is not None:
-            tally.free = max(tally.free - adm.task.gpus, 0)
+        waiting[(contract.site, contract.gpu_models[0])] += max(adm.task.gpus, 1)
     pools = []
     for (site, model), tally in sorted(tallies.items()):
         price, compute, _ = _catalogue_terms(model, knobs)
         reserved = min(tally.free, math.ceil(tally.total * knobs.reserve_fraction)) if knobs.reserve_fraction > 0 else 0
+        ahead = waiting.get((site, model), 0)
+        taken = min(ahead, tally.free)
+        tally.free -= taken
+        ahead -= taken
         completions: dict[float, int] = defaultdict(int)
-        for end in tally.frees_at:
+        for end in sorted(tally.frees_at):
+            if ahead > 0:  # this GPU goes to a task already waiting
+                ahead -= 1
+                continue
             completions[round(max(end - now, 0.0), 3)] += 1
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
                              price_per_gpu_hour=price, free_gpus=tally.free, free_milli=tally.free_milli,

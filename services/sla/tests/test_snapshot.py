@@ -89,19 +89,32 @@ def test_asked_models_are_widened_to_the_fleets_spelling(asked, fleet, expected)
     assert as_named_by_fleet(asked, fleet) == expected
 
 
-def test_recent_admissions_without_holds_take_their_pinned_gpus():
-    def recent(task_id: str, gpus: int, site: str | None, age_s: float) -> TaskAdmitted:
-        task = TaskSubmitted(task_id=task_id, gpus=gpus, gpu_models=["A100-40GB"])
-        return TaskAdmitted(task=task, contract=Contract(gpu_models=["A100-40GB"], site=site), tenant="t",
-                            admitted_at=NOW - age_s)
+def admitted_on(task_id: str, gpus: int, site: str | None, duration_s: float | None = None) -> TaskAdmitted:
+    task = TaskSubmitted(task_id=task_id, gpus=gpus, gpu_models=["A100-40GB"], expected_duration_s=duration_s)
+    return TaskAdmitted(task=task, contract=Contract(gpu_models=["A100-40GB"], site=site), tenant="t",
+                        admitted_at=NOW - 5)
 
-    free = NodeTopology(node="n3", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(4)])
+
+def test_admissions_without_holds_take_their_pinned_gpus():
+    free = NodeTopology(node="n3", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(5)])
     admissions = {
-        "new": recent("new", 2, "s1", 5),        # on its way to the policy: counts
-        "old": recent("old", 1, "s1", 300),      # long ago: placed, queued or done, not in flight
-        "else": recent("else", 1, "s9", 5),      # another site
-        "held": recent("held", 1, "s1", 5),      # already in the ledger: counted there
+        "new": admitted_on("new", 2, "s1"),      # on its way to the policy, or queued: ahead of us
+        "else": admitted_on("else", 1, "s9"),    # another site
+        "held": admitted_on("held", 1, "s1"),    # already in the ledger: counted there
     }
     ledger = NodeLedger(node="n3", allocations=[hold("held", 3)])
-    (pool,) = fleet_view([free], [ledger], admissions, now=NOW, knobs=SnapshotKnobs(in_flight_s=30)).pools
-    assert pool.free_gpus == 1  # 4 GPUs, one held, two in flight
+    (pool,) = fleet_view([free], [ledger], admissions, now=NOW).pools
+    assert pool.free_gpus == 2  # 5 GPUs, one held, two waiting
+
+
+def test_a_queue_longer_than_the_free_gpus_takes_the_earliest_completions():
+    busy = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(3)])
+    admissions = {f"run{i}": admitted_on(f"run{i}", 1, "s1", duration_s=600 * (i + 1)) for i in range(3)}
+    admissions |= {f"wait{i}": admitted_on(f"wait{i}", 1, "s1") for i in range(2)}
+    ledger = NodeLedger(node="n1", allocations=[
+        Allocation(task_id=f"run{i}", decision_id="d", gpu=i, milli=1000, at=NOW) for i in range(3)])
+    (pool,) = fleet_view([busy], [ledger], admissions, now=NOW).pools
+    # Two tasks wait for this pool: the GPUs freeing at 600 s and 1200 s are theirs; a new
+    # request's first chance is the one freeing at 1800 s.
+    assert pool.free_gpus == 0
+    assert pool.completions == ((1800.0, 1),)
