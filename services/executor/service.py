@@ -32,11 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 from fleetpilot.contracts import (
     ActionExecuted,
     DecisionMade,
     Event,
     GpuSample,
+    NodeLedger,
     NodeTelemetry,
     SimEvent,
     TaskLifecycle,
@@ -127,6 +129,29 @@ class _TopologyBusiness:
     def hooks(self) -> Sequence[LifecycleHook]:
         """The pre-decommission hook, then the label gate."""
         return self._hooks
+
+
+def resized(ledger: NodeLedger, decision: DecisionMade) -> NodeLedger | None:
+    """The ledger after an executed ``resize``: the policy reserved the extra memory as a
+    second hold under the resize's decision id; it is folded into the task's hold on each GPU,
+    which takes the decision's new ``memory_mb`` and is confirmed. ``None`` when there is
+    nothing to change (a redelivered resize, or the task has gone)."""
+    sizes = {p.gpu: p.memory_mb for p in decision.placement if p.gpu >= 0}
+    kept = []
+    for a in ledger.allocations:
+        if a.task_id == decision.task_id and a.decision_id == decision.decision_id:
+            continue  # the reserved extra, now part of the hold
+        if a.task_id == decision.task_id and a.gpu in sizes:
+            a = msgspec.structs.replace(a, memory_mb=sizes[a.gpu], state="confirmed")
+        kept.append(a)
+    return None if kept == ledger.allocations else NodeLedger(node=ledger.node, allocations=kept)
+
+
+def without_decision(ledger: NodeLedger, decision_id: str) -> NodeLedger | None:
+    """The ledger without the holds reserved under ``decision_id`` (a failed resize gives its
+    extra memory back); ``None`` when it holds none."""
+    kept = [a for a in ledger.allocations if a.decision_id != decision_id]
+    return None if len(kept) == len(ledger.allocations) else NodeLedger(node=ledger.node, allocations=kept)
 
 
 # Simulated hardware endings -> (lifecycle state, exit code as a process would report it).
@@ -266,11 +291,21 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 src_gpus = sorted({p.gpu for p in decision.source if p.gpu >= 0})
                 out.append(lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
                 decisions.pop(decision.task_id, None)
+            elif decision.action == "resize" and node:
+                # The policy reserved the extra memory; the task's hold takes the new size.
+                await parts["ledger"].mutate(
+                    node_key(node), lambda cur: resized(cur, decision) if cur else None
+                )
         elif decision.action == "assign" and node:
             await release(decision.task_id, node)
         elif decision.action == "migrate" and node and node not in {p.node for p in decision.source}:
             # The move failed: the task still runs at its source; give the target back.
             await release(decision.task_id, node)
+        elif decision.action == "resize" and node:
+            # The task keeps its old share: give the reserved extra back.
+            await parts["ledger"].mutate(
+                node_key(node), lambda cur: without_decision(cur, decision.decision_id) if cur else None
+            )
         return out
 
     @host.on_core("sim.event.*", SimEvent, queue="executor")

@@ -20,6 +20,14 @@ than 15% (it restarts), so a move improves it with the probability that staying 
 failed. The target's confidence is the active policy's own estimate that the placement
 succeeds without OOM (for ``fleetpilot``: success prior × (1 − P(OOM on the target)) × ...).
 Feedback on migrations will show how well this is calibrated; nothing here is fitted.
+
+**Resize before migrate.** A task whose fingerprint predicts a peak above the GPU memory it
+holds (``P(peak > hold) ≥ threshold``) but whose GPUs are not going away gets a ``resize``
+when every one of its GPUs has the difference free in the ledger: the hold grows to
+``target = max(peak, peak_high) + margin`` (the fingerprint's 90% upper bound plus a
+margin). That costs a ledger write instead of a restart elsewhere, so it is preferred; only
+without that room does the OOM rule above move the task. **Confidence of a ``resize``**
+(goal: no OOM follows) is ``P(peak ≤ target)`` under the same normal model.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, NodeTopology
+from fleetpilot.ledger import free_capacity
 
 CORDONED = "cordoned"
 DECOMMISSIONED = "decommissioned"
@@ -39,6 +48,7 @@ MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
 
 _MIGRATE_ID = re.compile(r"\.migrate\.(\d+)$")
+_GENERATION = re.compile(r"\.assign\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -152,9 +162,89 @@ def move_reason(
     return MoveReason(p_stay_fails=1.0 - stays_ok, why="; ".join(why))
 
 
+def generation(task_id: str, decision_id: str) -> int:
+    """Which placement of the task a hold belongs to: ``<task>.assign`` (and what derives
+    from it) is 1, ``<task>.assign.<g>`` (a re-placement after an eviction) is g."""
+    rest = decision_id[len(task_id) :] if decision_id.startswith(task_id) else decision_id
+    m = _GENERATION.match(rest)
+    return int(m.group(1)) if m else 1
+
+
+def lineage(task_id: str, decision_id: str) -> str:
+    """The prefix of the ids derived from a hold: the task id for its first placement,
+    ``<task>.assign.<g>`` for a later one, so that a later generation never repeats an id
+    the executor's journal already holds."""
+    g = generation(task_id, decision_id)
+    return task_id if g == 1 else f"{task_id}.assign.{g}"
+
+
 def migrate_decision_id(task: Running) -> str:
     """``<task>.migrate.<n>``: n counts this task's migrations, read from its current hold's
-    decision id, so every replica derives the same id for the same move."""
+    decision id, so every replica derives the same id for the same move (after an eviction
+    and re-placement: ``<task>.assign.<g>.migrate.<n>``)."""
     current = task.allocations[0].decision_id
     m = _MIGRATE_ID.search(current)
-    return f"{task.task_id}.migrate.{int(m.group(1)) + 1 if m else 1}"
+    return f"{lineage(task.task_id, current)}.migrate.{int(m.group(1)) + 1 if m else 1}"
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """Grow a task's hold on each of its GPUs to ``memory_mb`` (``extra`` more per GPU)."""
+
+    memory_mb: int
+    extra: dict[int, int]
+    p_over_hold: float
+    confidence: float
+    why: str
+
+
+def gpus_going_away(task: Running, topo: NodeTopology) -> bool:
+    """Whether any of the task's GPUs is cordoned, decommissioned or pending maintenance."""
+    labels = {g.index: g.labels for g in topo.gpus}
+    return any(
+        is_set(labels.get(gpu, {}), label)
+        for gpu in task.gpus
+        for label in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)
+    )
+
+
+def resize_plan(
+    task: Running,
+    topo: NodeTopology,
+    ledger: NodeLedger,
+    fp: Fingerprint | None,
+    threshold: float,
+    margin_mb: float,
+) -> ResizePlan | None:
+    """A resize when the fingerprint's peak is above the hold and every GPU of the task has
+    room for the difference plus ``margin_mb`` (module docstring); ``None`` otherwise."""
+    if fp is None or fp.predicted_peak_mb <= 0 or not task.gpus or gpus_going_away(task, topo):
+        return None
+    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29
+    holds = {a.gpu: a.memory_mb for a in task.allocations if a.gpu >= 0}
+    p_over = max(normal_tail(fp.predicted_peak_mb, sigma, mb) for mb in holds.values())
+    if p_over < threshold:
+        return None
+    target = int(math.ceil(max(fp.predicted_peak_mb, fp.peak_high_mb) + margin_mb))
+    extra = {gpu: target - mb for gpu, mb in holds.items() if target > mb}
+    if not extra:
+        return None
+    free = free_capacity(topo, ledger).gpu_memory_mb
+    if any(gpu >= len(free) or free[gpu] < more for gpu, more in extra.items()):
+        return None
+    return ResizePlan(
+        memory_mb=target,
+        extra=extra,
+        p_over_hold=p_over,
+        confidence=1.0 - normal_tail(fp.predicted_peak_mb, sigma, target),
+        why=(
+            f"predicted peak {fp.predicted_peak_mb:.0f} MB (90% up to {fp.peak_high_mb:.0f} MB) above the "
+            f"{min(holds.values())} MB held (P {p_over:.2f}); the GPU has room: hold grows to {target} MB"
+        ),
+    )
+
+
+def resize_decision_id(task: Running, memory_mb: int) -> str:
+    """``<task>.resize.<memory_mb>``: a hold only ever grows within one generation (a move
+    keeps its size), so the new size names the resize uniquely and every replica agrees."""
+    return f"{lineage(task.task_id, task.allocations[0].decision_id)}.resize.{memory_mb}"

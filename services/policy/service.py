@@ -14,11 +14,17 @@ Around that core (see ``README.md``):
 * every policy sits behind a circuit breaker with a fallback scheduler rebuilt from the
   feedback service's success rates per (task kind, GPU model);
 * GPU labels in the topology keep new work off cordoned, decommissioned and
-  maintenance-pending GPUs, and a periodic rebalancer migrates tasks off GPUs that are going
-  away or where their fingerprint predicts an OOM (``rebalance``);
+  maintenance-pending GPUs, and a periodic rebalancer grows the hold of a task whose
+  fingerprint predicts a peak above it when its GPU has room (``resize``), else migrates
+  tasks off GPUs that are going away or where their fingerprint predicts an OOM
+  (``rebalance``);
+* a ``vip`` task waiting in ``pending`` preempts the cheapest set of ``best_effort`` tasks on
+  one node that makes it fit (``evict``); the evicted tasks wait in ``pending`` for a new
+  placement (``preempt``);
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
-Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``), and a
+Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
+``<task>.resize.<mb>``, ``<task>.evict.<g>``, ``<task>.assign.<g>``), and a
 redelivered task that already holds capacity gets the same decision again: a policy killed
 between reserving and acknowledging loses nothing and doubles nothing.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections import OrderedDict
@@ -45,6 +52,7 @@ from fleetpilot.contracts import (
     StatsQuery,
     TaskAdmitted,
     TaskFingerprinted,
+    TaskLifecycle,
     TaskSubmitted,
     decode,
     encode,
@@ -59,6 +67,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from .admissions import Admissions
 from .plugin_dir import PluginDirectory
 from .policy_set import (
     CONFIG_PREFIX,
@@ -70,21 +79,35 @@ from .policy_set import (
     parse_config,
     success_table,
 )
+from .preempt import (
+    Preemption,
+    Requeue,
+    Victim,
+    decode_pending,
+    encode_pending,
+    evict_confidence,
+    evict_decision_id,
+    eviction_cost,
+    preemptions,
+    reassign_decision_id,
+)
 from .rebalance import (
     CORDONED,
     DECOMMISSIONED,
     MAINTENANCE_PENDING,
+    ResizePlan,
     Running,
     gpu_conditions,
     is_set,
     migrate_decision_id,
     move_reason,
+    resize_decision_id,
+    resize_plan,
     running_tasks,
 )
 
 log = logging.getLogger("fleetpilot.policy")
 
-_ADMITTED = msgspec.json.Decoder(TaskAdmitted)
 _TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 
 
@@ -108,6 +131,12 @@ class PolicySettings(ServiceSettings):
     rebalance_s: float = 30.0
     oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = 10
+    resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
+    preempt_restart_s: float = Field(default=60.0, description="Work an evicted task loses on top of its age")
+    evict_success: float = Field(default=0.97, description="P(one eviction is carried out), for confidence")
+    evict_timeout_s: float = Field(
+        default=60.0, description="An eviction not carried out by then is given up"
+    )
     record_every: int = Field(default=0, description="Record every Nth decision input for replay (0 = off)")
 
     def policy_config(self) -> PolicyConfig:
@@ -229,6 +258,10 @@ class PolicyState:
         self.fingerprints: OrderedDict[str, Fingerprint] = OrderedDict()
         # Tasks this replica decided, so a migration keeps the task's own GPU model constraints.
         self.tasks: OrderedDict[str, TaskSubmitted] = OrderedDict()
+        # Contracts (tiers) of the running tasks: set at start-up, before any decision.
+        self.admissions: Admissions | None = None
+        # Resizes this replica proposed: one that failed is not proposed again under its id.
+        self.resizes: OrderedDict[str, float] = OrderedDict()
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
 
@@ -240,13 +273,17 @@ class PolicyState:
         while len(cache) > limit:
             cache.popitem(last=False)
 
-    def snapshot(self) -> ClusterState:
-        """The fleet as the policies see it: topology, ledger holds, GPU condition labels."""
+    def snapshot(self, without: frozenset[str] = frozenset()) -> ClusterState:
+        """The fleet as the policies see it: topology, ledger holds, GPU condition labels;
+        ``without`` drops those tasks' holds (the fleet after evicting them)."""
         nodes = list(self.fleet.nodes.values())
         unhealthy, maintenance = gpu_conditions(nodes)
         state = ClusterState.from_topology(
             nodes,
-            {ledger.node: ledger.allocations for ledger in self.ledger.nodes.values()},
+            {
+                ledger.node: [a for a in ledger.allocations if a.task_id not in without]
+                for ledger in self.ledger.nodes.values()
+            },
             unhealthy=unhealthy,
         )
         # ``from_topology``'s ``maintenance`` takes whole nodes; a label is per GPU, so only
@@ -287,10 +324,12 @@ class PolicyState:
         policy: PolicyRef,
         shard_id: str = "primary",
         fallback: bool = False,
+        decision_id: str | None = None,
     ) -> DecisionMade:
-        """The ``assign`` decision of a reserved placement."""
+        """The ``assign`` decision of a reserved placement (``<task>.assign`` unless this is
+        the re-placement of an evicted task)."""
         return DecisionMade(
-            decision_id=decision_id_for(adm.task.task_id, "assign"),
+            decision_id=decision_id or decision_id_for(adm.task.task_id, "assign"),
             task_id=adm.task.task_id,
             action="assign",
             placement=placement,
@@ -304,7 +343,7 @@ class PolicyState:
             contract=adm.contract,
         )
 
-    def existing(self, adm: TaskAdmitted) -> DecisionMade | None:
+    def existing(self, adm: TaskAdmitted, decision_id: str | None = None) -> DecisionMade | None:
         """The decision already reserved for this task, if a previous delivery got that far."""
         held = self.ledger.holds_of(adm.task.task_id)
         if held is None:
@@ -318,6 +357,7 @@ class PolicyState:
             0.9,
             "re-issued: capacity already reserved",
             PolicyRef(name=self.active.current.default),
+            decision_id=decision_id,
         )
 
     def policy_ref(self, policies: PolicySet, name: str, choice: PolicyDecision) -> PolicyRef:
@@ -326,12 +366,17 @@ class PolicyState:
             return PolicyRef(name="fallback", version=str(policies.generation))
         return PolicyRef(name=name, version=policies.versions.get(name, "1"))
 
-    async def place(self, adm: TaskAdmitted) -> tuple[DecisionMade | None, str, str]:
+    async def place(
+        self, adm: TaskAdmitted, decision_id: str | None = None
+    ) -> tuple[DecisionMade | None, str, str]:
         """Choose, reserve with CAS (re-choosing on conflict); the decision (``None`` when
-        nothing fits) and the policy name and shard the task was routed to."""
+        nothing fits) and the policy name and shard the task was routed to. ``decision_id``
+        names a re-placement (``<task>.assign.<g>``)."""
         task = adm.task
         self.remember(self.tasks, task.task_id, task)
-        decision_id = decision_id_for(task.task_id, "assign")
+        if self.admissions is not None:
+            self.admissions.placed(adm)
+        decision_id = decision_id or decision_id_for(task.task_id, "assign")
         for attempt in range(10):
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)
@@ -363,7 +408,7 @@ class PolicyState:
             except CasConflict:
                 continue
             if written is None:
-                again = self.existing(adm)
+                again = self.existing(adm, decision_id)
                 if again is not None:
                     return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
@@ -376,15 +421,18 @@ class PolicyState:
                     self.policy_ref(policies, name, choice),
                     shard_id,
                     choice.fallback,
+                    decision_id,
                 ),
                 name,
                 shard_id,
             )
         raise Retry("ledger contention", 0.2)
 
-    async def migrations(self) -> list[DecisionMade]:
-        """One rebalancing round: ``migrate`` decisions for tasks that should move
-        (``rebalance``), each target reserved with CAS before the decision is returned."""
+    async def rebalance_round(self) -> list[DecisionMade]:
+        """One rebalancing round (``rebalance``): a ``resize`` for a task whose predicted
+        peak is above its hold where its GPU has room, else ``migrate`` for a task that should
+        move; the extra memory or the target is reserved with CAS before the decision is
+        returned. At most ``max_migrations_per_round`` decisions."""
         out: list[DecisionMade] = []
         for running in running_tasks(list(self.ledger.nodes.values())):
             if len(out) >= self.settings.max_migrations_per_round:
@@ -394,12 +442,160 @@ class PolicyState:
             if topo is None or ledger is None or not running.gpus:
                 continue
             fp = self.fingerprints.get(running.task_id)
+            plan = resize_plan(
+                running, topo, ledger, fp, self.settings.oom_migrate_risk, self.settings.resize_margin_mb
+            )
+            if plan is not None and resize_decision_id(running, plan.memory_mb) not in self.resizes:
+                resized = await self.resize(running, topo, plan)
+                if resized is not None:
+                    out.append(resized)
+                continue  # cheaper than a move; a lost race is tried again next round
             reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
             if reason is None:
                 continue
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
             if decision is not None:
                 out.append(decision)
+        return out
+
+    async def resize(self, running: Running, topo: NodeTopology, plan: ResizePlan) -> DecisionMade | None:
+        """Reserve the extra GPU memory of a resize with CAS (a second hold under the resize's
+        decision id, which the executor folds into the task's hold once done), then decide."""
+        decision_id = resize_decision_id(running, plan.memory_mb)
+        held = {a.gpu: a for a in running.allocations if a.gpu >= 0}
+        extra = [
+            Allocation(
+                task_id=running.task_id,
+                decision_id=decision_id,
+                gpu=gpu,
+                milli=0,
+                memory_mb=more,
+                at=now(),
+            )
+            for gpu, more in sorted(plan.extra.items())
+        ]
+
+        def reserve(current: NodeLedger | None) -> NodeLedger | None:
+            if current is None or any(a.decision_id == decision_id for a in current.allocations):
+                return None  # gone, or another replica reserved this very resize
+            mine = {a.gpu: a for a in current.allocations if a.task_id == running.task_id}
+            if set(mine) != set(held) or any(mine[g] != held[g] for g in held):
+                return None  # the task changed since our view: next round decides again
+            free = free_capacity(topo, current)
+            if any(free.gpu_memory_mb[a.gpu] < a.memory_mb for a in extra):
+                return None
+            labels = {g.index: g.labels for g in topo.gpus}
+            if any(
+                is_set(labels.get(a.gpu, {}), x)
+                for a in extra
+                for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)
+            ):
+                return None
+            return NodeLedger(node=current.node, allocations=[*current.allocations, *extra])
+
+        try:
+            written = await self.ledger.mutate(node_key(running.node), reserve)
+        except CasConflict:
+            return None
+        if written is None:
+            return None
+        self.remember(self.resizes, decision_id, now(), limit=10_000)
+        source = [
+            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+            for a in running.allocations
+            if a.gpu >= 0
+        ]
+        adm = self.admissions.of(running.task_id) if self.admissions else None
+        return DecisionMade(
+            decision_id=decision_id,
+            task_id=running.task_id,
+            action="resize",
+            placement=[msgspec.structs.replace(p, memory_mb=plan.memory_mb) for p in source],
+            source=source,
+            confidence=float(plan.confidence),
+            policy=PolicyRef(name="resize"),
+            reason=plan.why,
+            decided_at=now(),
+            task=self.tasks.get(running.task_id) or (adm.task if adm else None),
+            contract=adm.contract if adm else None,
+        )
+
+    # ---- preemption -------------------------------------------------------------------------
+    def victims(self, exclude: set[str]) -> list[Victim]:
+        """Running tasks that a vip may preempt: tier known to be ``best_effort``."""
+        assert self.admissions is not None
+        at = now()
+        out = []
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            if running.task_id in exclude:
+                continue
+            adm = self.admissions.of(running.task_id)
+            if adm is None or adm.contract.tier != "best_effort":
+                continue
+            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s)))
+        return out
+
+    def preemption_for(self, adm: TaskAdmitted) -> tuple[Preemption, PolicyDecision] | None:
+        """The cheapest preemption after which the routed policy places the vip task."""
+        policies = self.active.current
+        name, _ = policies.route(adm.task)
+        req = self.request(adm.task)
+        plans = preemptions(adm.task, self.fleet.nodes, self.ledger.nodes, self.victims({adm.task.task_id}))
+        for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
+            state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
+            choice = policies.guarded[name].decide(state, req)
+            if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
+                return plan, choice
+        return None
+
+    async def preempt(self, adm: TaskAdmitted, pending) -> list[DecisionMade]:
+        """``evict`` decisions for the cheapest preemption that lets the vip task fit, after
+        the victims' ``pending`` entries are written (each with its re-placement id)."""
+        found = self.preemption_for(adm)
+        if found is None:
+            return []
+        plan, choice = found
+        confidence = evict_confidence(len(plan.victims), self.settings.evict_success)
+        out = []
+        for v in plan.victims:
+            evict_id = evict_decision_id(v.running)
+            note = Requeue(
+                decision_id=reassign_decision_id(v.running),
+                evict_id=evict_id,
+                for_task=adm.task.task_id,
+                at=now(),
+            )
+            # Queued before the decision goes out: the entry waits until the executor has
+            # released the victim's holds, so it can never be placed twice.
+            await pending.put(node_key(v.task_id), encode_pending(v.admitted, note))
+            out.append(
+                DecisionMade(
+                    decision_id=evict_id,
+                    task_id=v.task_id,
+                    action="evict",
+                    source=[
+                        Placement(node=v.running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+                        for a in v.running.allocations
+                    ],
+                    confidence=confidence,
+                    policy=PolicyRef(name="preempt"),
+                    reason=(
+                        f"preempted for vip task {adm.task.task_id}, which fits nowhere now; evicting "
+                        f"{', '.join(x.task_id for x in plan.victims)} on {plan.node} lets it fit "
+                        f"({choice.reason})"
+                    ),
+                    decided_at=now(),
+                    task=v.admitted.task,
+                    contract=v.admitted.contract,
+                )
+            )
+        log.info(
+            "vip %s preempts %s on %s (cost %.0f)",
+            adm.task.task_id,
+            [v.task_id for v in plan.victims],
+            plan.node,
+            plan.cost,
+        )
         return out
 
     async def migrate(
@@ -414,13 +610,19 @@ class PolicyState:
         policies = self.active.current
         gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
         known = self.tasks.get(running.task_id)
+        memory_mb = gpu_allocs[0].memory_mb
+        if fp is not None and fp.predicted_peak_mb > 0:
+            # Moved for its peak or not, the target holds what the fingerprint predicts (as a
+            # resize would), so the move is not followed by a resize or an OOM.
+            peak = max(fp.predicted_peak_mb, fp.peak_high_mb) + self.settings.resize_margin_mb
+            memory_mb = max(memory_mb, int(math.ceil(peak)))
         model = next((g.model for g in source_topo.gpus if g.index == running.gpus[0]), "")
         req = TaskRequest(
             task_id=running.task_id,
             kind=known.kind if known else "batch",
             gpus=len(gpu_allocs),
             gpu_milli=gpu_allocs[0].milli,
-            gpu_memory_mb=gpu_allocs[0].memory_mb,
+            gpu_memory_mb=memory_mb,
             cpu_milli=sum(a.cpu_milli for a in running.allocations),
             memory_mb=sum(a.host_memory_mb for a in running.allocations),
             # A task decided elsewhere may have had model constraints we cannot see: stay on
@@ -531,9 +733,11 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         active = ActivePolicies(config, source, plugins.profiles() if plugins else {})
         active.on_swap = lambda kind, s: metrics.swapped(kind, s, active.current.generation)
         metrics.generation.set(active.current.generation)
-        holder["state"] = PolicyState(fleet, ledger, settings, active, metrics)
+        holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
+        ps.admissions = admissions = await Admissions.open(bus)
         host.background(fleet.follow(), "fleet-watch")
         host.background(ledger.follow(), "ledger-watch")
+        host.background(admissions.follow(), "contracts-watch")
         host.background(watch_config(bus, docs), "config-watch")
         if plugins is not None:
             host.background(watch_plugins(), "plugin-watch")
@@ -623,28 +827,71 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         ps = state()
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         waiting = []
+        evicting: set[str] = set()  # vip tasks whose preemption is still being carried out
         for key in await pending.keys():
             entry = await pending.get(key)
-            if entry and entry.value and entry.value != b"claimed":
-                waiting.append((_ADMITTED.decode(entry.value), entry))
+            if not entry or not entry.value or entry.value == b"claimed":
+                continue
+            adm, requeue = decode_pending(entry.value)
+            if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
+                if now() - requeue.at > settings.evict_timeout_s:
+                    # The eviction failed or never went out: the task still runs. Forget the
+                    # entry (the vip may preempt again) rather than hold the queue up.
+                    log.warning(
+                        "eviction %s not carried out in time; %s keeps running",
+                        requeue.evict_id,
+                        adm.task.task_id,
+                    )
+                    await pending.delete(entry.key)
+                    continue
+                # Evicted, but the executor has not released its holds yet: placing it now
+                # would book it twice (and the release would take the new holds too).
+                evicting.add(requeue.for_task)
+                continue
+            waiting.append((adm, requeue, entry))
         # VIP first, then the longest waiting.
-        waiting.sort(key=lambda p: (_TIER_RANK[p[0].contract.tier], p[0].admitted_at))
-        out = []
-        for adm, entry in waiting:
+        waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1), p[0].admitted_at))
+        out: list[DecisionMade] = []
+        for adm, requeue, entry in waiting:
+            if evicting and adm.contract.tier != "vip":
+                # Space is being freed for a vip: nothing else may take it half-freed (an
+                # evicted task would otherwise come straight back where it was).
+                continue
             try:
                 await pending.update(entry.key, b"claimed", entry.revision)  # one replica takes it
             except CasConflict:
                 continue
             try:
-                decision, _, _ = await ps.place(adm)
+                decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
             except Retry:
                 decision = None
             if decision is None:
                 await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
+                # A vip that fits nowhere may preempt best_effort work (``preempt``), once
+                # per round and not while its last preemption is still under way.
+                if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
+                    evictions = await ps.preempt(adm, pending)
+                    if evictions:
+                        evicting.add(adm.task.task_id)
+                        out.extend(metrics.decided(d) for d in evictions)
                 continue
             await pending.delete(entry.key)
             out.append(metrics.decided(decision))
         return out
+
+    @host.on(TaskLifecycle, consumer="policy-lifecycle")
+    async def on_lifecycle(life: TaskLifecycle) -> None:
+        # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
+        # instead (the eviction failed or never went out), it must not be started again.
+        if life.state not in ("finished", "oom_killed", "failed") or "state" not in holder:
+            return
+        pending = await host.bus.kv("pending")  # type: ignore[union-attr]
+        entry = await pending.get(node_key(life.task_id))
+        if entry is None or not entry.value or entry.value == b"claimed":
+            return
+        _, requeue = decode_pending(entry.value)
+        if requeue is not None:
+            await pending.delete(entry.key)
 
     @host.every(settings.stats_refresh_s)
     async def refresh_fallback() -> None:
@@ -655,7 +902,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def rebalance() -> list[DecisionMade]:
         if "state" not in holder:
             return []
-        return [metrics.decided(d) for d in await state().migrations()]
+        return [metrics.decided(d) for d in await state().rebalance_round()]
 
     return host
 

@@ -1,0 +1,241 @@
+"""VIP preemption: which running ``best_effort`` tasks to evict so that a waiting ``vip`` task
+fits, the ids of those evictions, and the pending entries that bring the evicted tasks back.
+
+Pure functions over the topology, the ledger and the tiers; the service confirms the chosen
+node with the routed policy, writes the pending entries and publishes the ``evict``
+decisions.
+
+**Who may preempt.** A task whose contract tier is ``vip`` and that waits in ``pending``
+(it fits nowhere now). The SLA negotiator writes ``may_preempt`` into ``contract.notes`` when
+the admission itself counted on preemption; we do not require that note: a ``vip`` admitted
+on free capacity that someone else took before the policy placed it is just as entitled.
+``standard`` and ``best_effort`` waiters never cause an eviction.
+
+**Who may be evicted.** Only tasks whose tier is known to be ``best_effort`` (from the
+``contracts`` bucket, else from the admissions this replica placed) and that run settled on
+one node (every hold confirmed, one decision: see ``rebalance.running_tasks``). A task whose
+tier is unknown is never evicted.
+
+**Cheapest set.** On each node, the set of victims whose removal lets the vip task fit
+(``fits``: CPU, host memory, and ``gpus`` healthy GPUs of an accepted model with the milli
+and GPU memory it asks) with the least lost work. A victim's cost is
+``Σ milli/1000 × (age_s + restart_s)`` over its GPU holds: a best_effort task is assumed not
+to checkpoint, so evicting it throws away what it has run so far plus a restart. Up to
+``EXACT_LIMIT`` victims on a node every subset is tried (the optimum; a superset always
+costs more, so no victim is superfluous); beyond that, a greedy choice by cost per freed
+milli, then every victim that is not needed dropped again. The cheapest node wins.
+
+**Ids.** A task's *generation* g counts its placements: ``<task>.assign`` is g = 1, the
+re-placement after an eviction is ``<task>.assign.<g>``. The eviction of generation g is
+``<task>.evict.<g>`` and its re-placement ``<task>.assign.<g+1>``, so a redelivered or
+re-derived eviction has the same id on every replica, and the executor (whose journal keys
+on the decision id) never mistakes the new assign for the old one.
+
+**Confidence of an evict** = the probability that the vip task is then placed: each of the
+``k`` evictions must be carried out (``EVICT_SUCCESS`` = 0.97 each, an assumption until the
+feedback on evictions calibrates it) and the policy has already confirmed that the vip task
+fits the freed node, so ``0.97^k``. It does not count the chance that a new admission takes
+the freed space in the ``pending_retry_s`` before the vip retries (then it preempts again).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, TaskAdmitted, TaskSubmitted
+
+from .rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, Running, generation, is_set
+
+EXACT_LIMIT = 12
+"""Up to this many best_effort tasks on a node, every subset of them is tried."""
+EVICT_SUCCESS = 0.97
+"""P(one eviction is carried out), until feedback on evictions says otherwise."""
+RESTART_S = 60.0
+"""Work an evicted task loses on top of its age: its start-up again."""
+
+
+def evict_decision_id(task: Running) -> str:
+    """``<task>.evict.<g>``: every replica derives the same id for the same eviction."""
+    return f"{task.task_id}.evict.{generation(task.task_id, task.allocations[0].decision_id)}"
+
+
+def reassign_decision_id(task: Running) -> str:
+    """``<task>.assign.<g+1>``: the id of the evicted task's next placement."""
+    return f"{task.task_id}.assign.{generation(task.task_id, task.allocations[0].decision_id) + 1}"
+
+
+@dataclass(frozen=True)
+class Victim:
+    """A running best_effort task that could be evicted, and what that costs."""
+
+    running: Running
+    admitted: TaskAdmitted
+    cost: float
+
+    @property
+    def task_id(self) -> str:
+        """The victim's task id."""
+        return self.running.task_id
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """The victims on one node whose eviction lets the vip task fit there."""
+
+    node: str
+    victims: tuple[Victim, ...]
+
+    @property
+    def cost(self) -> float:
+        """The work thrown away."""
+        return sum(v.cost for v in self.victims)
+
+
+def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S) -> float:
+    """``Σ milli/1000 × (age + restart_s)`` over the task's GPU holds (module docstring)."""
+    return (
+        sum(a.milli / 1000.0 * (max(0.0, at - a.at) + restart_s) for a in task.allocations if a.gpu >= 0)
+        or restart_s / 1000.0
+    )
+
+
+def fits(task: TaskSubmitted, topo: NodeTopology, allocations: Iterable[Allocation]) -> bool:
+    """Whether ``task`` fits ``topo`` beside ``allocations`` the way the policies' resource
+    filter sees it: CPU and host memory, then ``gpus`` healthy GPUs of an accepted model, each
+    with the milli (all of it unless the task shares one GPU) and GPU memory it asks."""
+    milli = {g.index: 1000 for g in topo.gpus}
+    memory = {g.index: g.memory_mb for g in topo.gpus}
+    cpu, host = topo.cpu_milli, topo.memory_mb
+    for a in allocations:
+        if a.gpu in milli:
+            milli[a.gpu] -= a.milli
+            memory[a.gpu] -= a.memory_mb
+        cpu -= a.cpu_milli
+        host -= a.host_memory_mb
+    if cpu < task.cpu_milli or host < task.memory_mb:
+        return False
+    if task.gpus <= 0 or task.gpu_milli <= 0:
+        return True
+    need = task.gpu_milli if task.gpus == 1 and task.gpu_milli < 1000 else 1000
+    models = set(task.gpu_models)
+    usable = 0
+    for g in topo.gpus:
+        if models and g.model not in models:
+            continue
+        if any(is_set(g.labels, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
+            continue
+        if milli[g.index] >= need and (task.gpu_memory_mb <= 0 or memory[g.index] >= task.gpu_memory_mb):
+            usable += 1
+    return usable >= task.gpus
+
+
+def cheapest_on_node(
+    task: TaskSubmitted, topo: NodeTopology, ledger: NodeLedger, victims: list[Victim]
+) -> Preemption | None:
+    """The cheapest set of ``victims`` (all on this node) whose eviction lets ``task`` fit."""
+    if not victims:
+        return None
+    all_allocs = list(ledger.allocations)
+
+    def fits_without(chosen: Iterable[Victim]) -> bool:
+        gone = {v.task_id for v in chosen}
+        return fits(task, topo, (a for a in all_allocs if a.task_id not in gone))
+
+    if not fits_without(victims):
+        return None  # even evicting every best_effort task here is not enough
+    ordered = sorted(victims, key=lambda v: (v.cost, v.task_id))
+    if len(ordered) <= EXACT_LIMIT:
+        best: tuple[Victim, ...] | None = None
+        best_cost = float("inf")
+        for size in range(1, len(ordered) + 1):
+            for combo in itertools.combinations(ordered, size):
+                cost = sum(v.cost for v in combo)
+                if cost < best_cost and fits_without(combo):
+                    best, best_cost = combo, cost
+        return Preemption(topo.node, best) if best else None
+    freed = {v.task_id: sum(a.milli for a in v.running.allocations if a.gpu >= 0) or 1 for v in ordered}
+    chosen: list[Victim] = []
+    for v in sorted(ordered, key=lambda v: (v.cost / freed[v.task_id], v.task_id)):
+        chosen.append(v)
+        if fits_without(chosen):
+            break
+    for v in sorted(chosen, key=lambda v: (-v.cost, v.task_id)):
+        rest = [c for c in chosen if c is not v]
+        if rest and fits_without(rest):
+            chosen = rest
+    return Preemption(topo.node, tuple(sorted(chosen, key=lambda v: v.task_id)))
+
+
+def preemptions(
+    task: TaskSubmitted,
+    nodes: Mapping[str, NodeTopology],
+    ledgers: Mapping[str, NodeLedger],
+    victims: Iterable[Victim],
+) -> list[Preemption]:
+    """Per node, the cheapest preemption that lets ``task`` fit; cheapest first.
+
+    ``nodes`` and ``ledgers`` are keyed alike (the KV keys); a victim belongs to the node its
+    ``Running`` names.
+    """
+    by_node: dict[str, list[Victim]] = {}
+    for v in victims:
+        by_node.setdefault(v.running.node, []).append(v)
+    topo_by_name = {t.node: (k, t) for k, t in nodes.items()}
+    out = []
+    for name, vs in by_node.items():
+        if name not in topo_by_name:
+            continue
+        key, topo = topo_by_name[name]
+        ledger = ledgers.get(key)
+        if ledger is None:
+            continue
+        plan = cheapest_on_node(task, topo, ledger, vs)
+        if plan is not None:
+            out.append(plan)
+    return sorted(out, key=lambda p: (p.cost, len(p.victims), p.node))
+
+
+def evict_confidence(victims: int, success: float = EVICT_SUCCESS) -> float:
+    """P(the vip task is placed after ``victims`` evictions) (module docstring)."""
+    return success**victims
+
+
+# ---- pending entries ------------------------------------------------------------------------
+
+
+class Requeue(msgspec.Struct, frozen=True, kw_only=True):
+    """Why an entry is in ``pending`` although it ran: evicted for ``for_task`` by
+    ``evict_id`` (decided at ``at``); it is placed again as ``decision_id`` once its holds
+    are released."""
+
+    decision_id: str
+    evict_id: str
+    for_task: str
+    at: float = 0.0
+
+
+class _Envelope(msgspec.Struct):
+    requeue: Requeue | None = None
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+_ADMITTED = msgspec.json.Decoder(TaskAdmitted)
+
+
+def encode_pending(adm: TaskAdmitted, requeue: Requeue | None = None) -> bytes:
+    """A ``pending`` value: the ``TaskAdmitted`` itself, plus a ``requeue`` field for an
+    evicted task (readers that only know ``TaskAdmitted`` ignore it)."""
+    raw = msgspec.json.encode(adm)
+    if requeue is None:
+        return raw
+    doc = msgspec.json.decode(raw)
+    doc["requeue"] = msgspec.to_builtins(requeue)
+    return msgspec.json.encode(doc)
+
+
+def decode_pending(raw: bytes) -> tuple[TaskAdmitted, Requeue | None]:
+    """The admission in a ``pending`` value and its ``requeue`` note, if any."""
+    return _ADMITTED.decode(raw), _ENVELOPE.decode(raw).requeue

@@ -1,0 +1,212 @@
+"""The pure parts of preemption and resizing over plain tables: which best_effort tasks a vip
+needs evicted, the ids of evictions, re-placements, migrations and resizes, and when a
+predicted peak becomes a resize."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.contracts import Allocation, Contract, Fingerprint, NodeLedger, TaskAdmitted, TaskSubmitted
+from fleetpilot_services.policy.preempt import (
+    EXACT_LIMIT,
+    Requeue,
+    Victim,
+    cheapest_on_node,
+    decode_pending,
+    encode_pending,
+    evict_confidence,
+    evict_decision_id,
+    eviction_cost,
+    fits,
+    preemptions,
+    reassign_decision_id,
+)
+from fleetpilot_services.policy.rebalance import (
+    Running,
+    generation,
+    migrate_decision_id,
+    resize_decision_id,
+    resize_plan,
+)
+
+from .conftest import node
+
+
+def hold(
+    task: str, gpu: int, milli: int, memory_mb: int = 1000, decision: str = "", at: float = 0.0
+) -> Allocation:
+    return Allocation(
+        task_id=task,
+        decision_id=decision or f"{task}.assign",
+        gpu=gpu,
+        milli=milli,
+        memory_mb=memory_mb,
+        state="confirmed",
+        at=at,
+    )
+
+
+def victim(name: str, ledger: NodeLedger, cost: float) -> Victim:
+    allocs = tuple(a for a in ledger.allocations if a.task_id == name)
+    adm = TaskAdmitted(
+        task=TaskSubmitted(task_id=name, kind="train"),
+        contract=Contract(tier="best_effort"),
+        tenant="t",
+        admitted_at=0,
+    )
+    return Victim(Running(name, ledger.node, allocs), adm, cost)
+
+
+def vip(gpus: int = 1, milli: int = 1000, memory_mb: int = 0, models: tuple[str, ...] = ()) -> TaskSubmitted:
+    return TaskSubmitted(
+        task_id="v",
+        kind="train",
+        gpus=gpus,
+        gpu_milli=milli,
+        gpu_memory_mb=memory_mb,
+        gpu_models=list(models),
+    )
+
+
+# (vip request, holds on a 2-GPU H100 node as (task, gpu, milli), evictable costs, expected victims)
+CASES = [
+    # One whole GPU: the cheaper GPU's tasks, together, not the single expensive one.
+    (vip(), [("a", 0, 600), ("b", 0, 400), ("c", 1, 1000)], {"a": 5, "b": 5, "c": 100}, ["a", "b"]),
+    # A share of 500: evicting one of the two is enough; the cheaper one.
+    (vip(milli=500), [("a", 0, 500), ("b", 0, 500), ("c", 1, 1000)], {"a": 9, "b": 3, "c": 1}, ["c"]),
+    (vip(milli=500), [("a", 0, 500), ("b", 0, 500), ("c", 1, 1000)], {"a": 9, "b": 3, "c": 50}, ["b"]),
+    # A standard task (not evictable) shares GPU 0: only GPU 1 can be freed.
+    (vip(), [("std", 0, 100), ("a", 0, 100), ("c", 1, 1000)], {"a": 1, "c": 80}, ["c"]),
+    # Two whole GPUs: everything evictable goes.
+    (vip(gpus=2), [("a", 0, 1000), ("b", 1, 300)], {"a": 1, "b": 1}, ["a", "b"]),
+    # Two whole GPUs beside a standard task: impossible here.
+    (vip(gpus=2), [("std", 0, 100), ("b", 1, 300)], {"b": 1}, None),
+    # The wrong model: nothing helps.
+    (vip(models=("A100",)), [("a", 0, 1000)], {"a": 1}, None),
+]
+
+
+@pytest.mark.parametrize(("task", "table", "costs", "expected"), CASES)
+def test_the_cheapest_set_of_best_effort_tasks_that_makes_room(task, table, costs, expected):
+    ledger = NodeLedger(node="n", allocations=[hold(t, g, m) for t, g, m in table])
+    victims = [victim(name, ledger, cost) for name, cost in costs.items()]
+    plan = cheapest_on_node(task, node("n"), ledger, victims)
+    if expected is None:
+        assert plan is None
+    else:
+        assert plan is not None and sorted(v.task_id for v in plan.victims) == expected
+
+
+def test_fit_respects_labels_memory_and_host_resources():
+    topo = node("n", labels={1: {"maintenance_pending": "true"}})
+    free_gpu0_only = [hold("x", 0, 0, memory_mb=0)]
+    assert fits(vip(), topo, free_gpu0_only)
+    assert not fits(vip(gpus=2), topo, [])  # GPU 1 is pending maintenance
+    assert not fits(vip(memory_mb=90000), topo, [])  # more than an H100 has
+    busy = [hold("x", 0, 200, memory_mb=80000)]
+    assert not fits(vip(milli=500, memory_mb=4000), node("n", gpus=1), busy)
+    assert fits(vip(milli=500, memory_mb=1000), node("n", gpus=1), busy)
+    hungry = TaskSubmitted(task_id="v", kind="train", cpu_milli=999_999)
+    assert not fits(hungry, topo, [])
+
+
+def test_many_victims_take_the_greedy_path_and_keep_no_superfluous_one():
+    # 16 small tasks on GPU 0, each 60 milli; a 500-milli share needs 9 of them (40 free).
+    table = [hold(f"t{i:02d}", 0, 60) for i in range(16)]
+    ledger = NodeLedger(node="n", allocations=table)
+    victims = [victim(a.task_id, ledger, cost=1 + i) for i, a in enumerate(table)]
+    assert len(victims) > EXACT_LIMIT
+    plan = cheapest_on_node(vip(milli=500), node("n", gpus=1), ledger, victims)
+    assert plan is not None
+    assert [v.task_id for v in plan.victims] == [f"t{i:02d}" for i in range(8)]  # 40 + 8 x 60 = 520
+
+
+def test_the_cheapest_node_wins():
+    ledgers = {
+        "n0": NodeLedger(node="n0", allocations=[hold("a", 0, 1000), hold("b", 1, 1000)]),
+        "n1": NodeLedger(node="n1", allocations=[hold("c", 0, 1000), hold("d", 1, 1000)]),
+    }
+    nodes = {"n0": node("n0"), "n1": node("n1")}
+    costs = {"a": 10, "b": 10, "c": 30, "d": 2}
+    victims = [victim(t, ledgers[n], costs[t]) for n in ledgers for t in ("a", "b", "c", "d") if t in costs]
+    victims = [v for v in victims if v.running.allocations]
+    plans = preemptions(vip(), nodes, ledgers, victims)
+    assert [(p.node, [v.task_id for v in p.victims]) for p in plans] == [("n1", ["d"]), ("n0", ["a"])]
+
+
+def test_eviction_cost_is_lost_work_plus_a_restart():
+    task = Running("t", "n", (hold("t", 0, 500, at=100.0), hold("t", 1, 1000, at=100.0)))
+    assert eviction_cost(task, at=160.0, restart_s=60.0) == pytest.approx(0.5 * 120 + 1.0 * 120)
+    assert evict_confidence(2, 0.97) == pytest.approx(0.9409)
+
+
+@pytest.mark.parametrize(
+    ("decision_id", "gen", "evict", "reassign", "migrate", "resize"),
+    [
+        ("t.assign", 1, "t.evict.1", "t.assign.2", "t.migrate.1", "t.resize.2048"),
+        ("t.migrate.3", 1, "t.evict.1", "t.assign.2", "t.migrate.4", "t.resize.2048"),
+        ("t.assign.2", 2, "t.evict.2", "t.assign.3", "t.assign.2.migrate.1", "t.assign.2.resize.2048"),
+        (
+            "t.assign.2.migrate.1",
+            2,
+            "t.evict.2",
+            "t.assign.3",
+            "t.assign.2.migrate.2",
+            "t.assign.2.resize.2048",
+        ),
+    ],
+)
+def test_ids_never_repeat_across_evictions(decision_id, gen, evict, reassign, migrate, resize):
+    task = Running("t", "n", (hold("t", 0, 1000, decision=decision_id),))
+    assert generation("t", decision_id) == gen
+    assert evict_decision_id(task) == evict
+    assert reassign_decision_id(task) == reassign
+    assert migrate_decision_id(task) == migrate
+    assert resize_decision_id(task, 2048) == resize
+
+
+def test_pending_entries_carry_the_requeue_note_and_stay_readable_as_admissions():
+    adm = TaskAdmitted(
+        task=TaskSubmitted(task_id="t", kind="train"),
+        contract=Contract(tier="best_effort"),
+        tenant="x",
+        admitted_at=1,
+    )
+    note = Requeue(decision_id="t.assign.2", evict_id="t.evict.1", for_task="v")
+    assert decode_pending(encode_pending(adm)) == (adm, None)
+    assert decode_pending(encode_pending(adm, note)) == (adm, note)
+
+
+def fingerprint(peak_mb: float, spread_mb: float = 500) -> Fingerprint:
+    return Fingerprint(
+        signature="s",
+        pattern="linear",
+        pattern_confidence=0.9,
+        growth_rate_mb_per_s=1.0,
+        predicted_peak_mb=peak_mb,
+        peak_low_mb=peak_mb - spread_mb,
+        peak_high_mb=peak_mb + spread_mb,
+    )
+
+
+# (task hold MB, neighbour MB on the 40 GB GPU, peak MB, labels of GPU 0, expected new size or None)
+RESIZES = [
+    (5000, 10000, 20000, {}, 21012),  # room: 25960 free for 16012 more
+    (5000, 30000, 20000, {}, None),  # 5960 free: migrate instead
+    (21012, 10000, 20000, {}, None),  # the hold already covers the peak
+    (5000, 10000, 20000, {"maintenance_pending": "true"}, None),  # the GPU goes away: migrate
+    (5000, 0, 4000, {}, None),  # peak below the hold
+]
+
+
+@pytest.mark.parametrize(("held", "neighbour", "peak", "labels", "expected"), RESIZES)
+def test_a_peak_above_the_hold_becomes_a_resize_only_with_room(held, neighbour, peak, labels, expected):
+    topo = node("a", gpus=1, model="A100-40GB", memory_mb=40960, labels={0: labels})
+    mine = hold("t", 0, 300, memory_mb=held)
+    ledger = NodeLedger(node="a", allocations=[mine, hold("nb", 0, 300, memory_mb=neighbour)])
+    plan = resize_plan(Running("t", "a", (mine,)), topo, ledger, fingerprint(peak), 0.5, 512)
+    if expected is None:
+        assert plan is None
+    else:
+        assert plan is not None and plan.memory_mb == expected
+        assert plan.extra == {0: expected - held}
+        assert 0.99 < plan.confidence <= 1.0
