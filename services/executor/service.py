@@ -56,7 +56,7 @@ from fleetpilot.executor import (
     execute_decision,
 )
 from fleetpilot.ledger import LedgerStore, without_task
-from fleetpilot.ledger.accounting import confirmed
+from fleetpilot.ledger.accounting import confirmed, moved_here
 from fleetpilot.ledger.store import node_key
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD, HealthModel
 from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
@@ -278,7 +278,8 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 for src in {p.node for p in decision.source} - {node}:
                     await release(decision.task_id, src)
                 await parts["ledger"].mutate(
-                    node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None
+                    node_key(node),
+                    lambda cur: moved_here(cur, decision.task_id, decision.decision_id) if cur else None,
                 )
                 decisions[decision.task_id] = decision
                 out.append(lifecycle(decision.task_id, "migrated", node,

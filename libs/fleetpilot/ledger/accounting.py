@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology
 
 
@@ -46,7 +48,14 @@ def without_task(ledger: NodeLedger, task_id: str) -> NodeLedger:
 
 def confirmed(ledger: NodeLedger, task_id: str) -> NodeLedger:
     """A new ledger where ``task_id``'s holds are marked confirmed by the executor."""
-    import msgspec
-
     return NodeLedger(node=ledger.node, allocations=[
         msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a for a in ledger.allocations])
+
+
+def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger:
+    """A new ledger after ``task_id`` moved onto this node by ``decision_id``: the holds that
+    decision reserved become confirmed and the task's older holds here (a move within the
+    node) are gone."""
+    return NodeLedger(node=ledger.node, allocations=[
+        msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a
+        for a in ledger.allocations if a.task_id != task_id or a.decision_id == decision_id])

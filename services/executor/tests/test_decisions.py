@@ -228,3 +228,24 @@ async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fl
     assert [(m.state, m.node, m.gpus) for m in moved] == [("migrated", "n2", [1])]
     assert (await observer.ledger("n1")).allocations == []
     assert [(a.task_id, a.state) for a in (await observer.ledger("n2")).allocations] == [("t1", "confirmed")]
+
+
+async def test_a_migration_within_a_node_keeps_only_the_new_hold(observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id="t1", decision_id="t1.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed"),
+        Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000),
+        Allocation(task_id="other", decision_id="other.assign", gpu=0, milli=0, memory_mb=0)])))
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
+                            placement=[Placement(node="n1", gpu=1, milli=1000, memory_mb=1000)],
+                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                            task=TaskSubmitted(task_id="t1", kind="train"))
+        await observer.js.publish("decision.made", encode(move), headers={"Nats-Msg-Id": "move-2"})
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+    finally:
+        await host.stop()
+    holds = [(a.task_id, a.gpu, a.state) for a in (await observer.ledger("n1")).allocations]
+    assert holds == [("t1", 1, "confirmed"), ("other", 0, "reserved")]
