@@ -14,6 +14,7 @@ from fleetpilot.cli.local import local_keyring, local_token
 from fleetpilot.cli.up import SERVICES, ServiceProcesses
 from fleetpilot.contracts import TaskSubmitted, encode
 from fleetpilot.runtime.embedded import EmbeddedNats
+from fleetpilot.runtime.nats_bus import bucket_subject_keys
 
 
 class Fleet:
@@ -36,10 +37,9 @@ class Fleet:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                kv = await js.key_value("topology")
-                if len(await kv.keys()) > 0:
+                if await bucket_subject_keys(js, "topology"):
                     return
-            except Exception:  # noqa: BLE001 - bucket not created yet, or empty
+            except Exception:  # noqa: BLE001 - bucket not created yet
                 pass
             assert not self.procs.dead(), f"services died: {self.procs.dead()} (logs in {self.state / 'logs'})"
             await asyncio.sleep(0.3)

@@ -60,11 +60,26 @@ class _NatsInbound(Inbound):
             await self._msg.term()
 
 
+async def bucket_subject_keys(js, bucket: str) -> list[str]:
+    """Every key a KV bucket has a subject for (deleted ones included), in one request.
+
+    nats-py's ``keys()`` waits for an end-of-initial-values marker that a write racing with
+    the listing can leave unsent, hanging the caller; the stream's per-subject state does
+    not depend on that race.
+    """
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    subjects = (info.state.subjects if info.state else None) or {}
+    return sorted(subject[len(prefix):] for subject in subjects)
+
+
 class NatsKeyValue(KeyValue):
     """A NATS KV bucket behind the ``KeyValue`` interface."""
 
-    def __init__(self, kv) -> None:
+    def __init__(self, kv, js, bucket: str) -> None:
         self._kv = kv
+        self._js = js
+        self._bucket = bucket
 
     async def get(self, key: str) -> KvEntry | None:
         try:
@@ -93,10 +108,11 @@ class NatsKeyValue(KeyValue):
             await self._kv.delete(key)
 
     async def keys(self) -> list[str]:
-        try:
-            return await self._kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+        live = []
+        for key in await bucket_subject_keys(self._js, self._bucket):
+            if await self.get(key) is not None:  # a deleted key keeps its subject
+                live.append(key)
+        return live
 
     async def watch(self, pattern: str = ">") -> AsyncIterator[KvEntry]:
         watcher = await self._kv.watch(pattern)
@@ -263,10 +279,10 @@ class NatsBus(Bus):
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv_cache:
             try:
-                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket))
+                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket), self._js, bucket)
             except nats.js.errors.BucketNotFoundError:
                 await self.ensure_topology()
-                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket))
+                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket), self._js, bucket)
         return self._kv_cache[bucket]
 
     async def drain(self) -> None:

@@ -24,6 +24,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime.nats_bus import bucket_subject_keys
 from fleetpilot_services.policy.service import PolicySettings
 
 
@@ -129,16 +130,28 @@ class Observer:
             "task.admitted", encode(adm), headers={"Nats-Msg-Id": f"admit:{adm.task.task_id}"}
         )
 
+    async def live_keys(self, bucket: str) -> list[str]:
+        """The keys of ``bucket`` that hold a value now."""
+        kv = await self.js.key_value(bucket)
+        live = []
+        for key in await bucket_subject_keys(self.js, bucket):
+            try:
+                await kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue
+            live.append(key)
+        return live
+
     async def ledgers(self) -> dict[str, NodeLedger]:
         """Every node's ledger."""
         kv = await self.js.key_value("ledger")
         out = {}
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
-        for key in keys:
-            entry = await kv.get(key)
+        # Not kv.keys(): nats-py's listing can hang while replicas are still writing.
+        for key in await bucket_subject_keys(self.js, "ledger"):
+            try:
+                entry = await kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue
             if entry.value:
                 out[key] = msgspec.json.decode(entry.value, type=NodeLedger)
         return out

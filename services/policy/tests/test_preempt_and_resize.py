@@ -130,8 +130,7 @@ async def test_a_vip_waiter_preempts_exactly_the_cheapest_best_effort_tasks_and_
         )
         await asyncio.sleep(0.6)  # more rounds: nothing else is evicted
         ledgers = await observer.ledgers()
-        pending = await observer.js.key_value("pending")
-        waiting = sorted(await pending.keys())
+        waiting = sorted(await observer.live_keys("pending"))
     finally:
         await execu.stop()
         await policy.stop()
