@@ -2,7 +2,7 @@
 bucket (written by the sla service: the published ``TaskAdmitted``, contract included),
 watched into memory. The policy only reads them: to know which running tasks are
 ``best_effort`` (and may be preempted for a vip) and to queue an evicted task again with its
-own admission.
+own admission (one the policy preempted, or one the executor evicted from a decommissioned GPU).
 
 The key layout (``contract.`` + the task id made KV-safe like ``node_key``) is the sla
 service's; services do not import each other, so it is restated here.
@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import msgspec
 from fleetpilot.contracts import TaskAdmitted
+from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, KeyValue
 
 log = logging.getLogger("fleetpilot.policy.admissions")
@@ -72,6 +73,19 @@ class Admissions:
     def of(self, task_id: str) -> TaskAdmitted | None:
         """The task's admission: the stored contract first, else the one this replica saw."""
         return self.stored.get(task_id) or self.seen.get(task_id)
+
+    async def fetch(self, task_id: str) -> TaskAdmitted | None:
+        """``of``, else a fresh read of ``contract.<task>`` (the watch may not have delivered it
+        yet); ``None`` when neither the bucket nor this replica knows the task."""
+        known = self.of(task_id)
+        if known is not None:
+            return known
+        key = CONTRACT_PREFIX + node_key(task_id)
+        entry = await self._kv.get(key)
+        if entry is None or not entry.value:
+            return None
+        self._apply(key, entry.value)
+        return self.stored.get(task_id)
 
     def tier(self, task_id: str) -> str | None:
         """The task's contract tier, ``None`` when unknown (then it is never preempted)."""

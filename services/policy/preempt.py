@@ -67,6 +67,12 @@ def reassign_decision_id(task: Running) -> str:
     return f"{task.task_id}.assign.{generation(task.task_id, task.allocations[0].decision_id) + 1}"
 
 
+def assign_id(task_id: str, generation: int) -> str:
+    """The assign of a task's ``generation``-th placement: ``<task>.assign`` for the first,
+    ``<task>.assign.<g>`` after that."""
+    return f"{task_id}.assign" if generation <= 1 else f"{task_id}.assign.{generation}"
+
+
 @dataclass(frozen=True)
 class Victim:
     """A running best_effort task that could be evicted, and what that costs."""
@@ -209,12 +215,14 @@ def evict_confidence(victims: int, success: float = EVICT_SUCCESS) -> float:
 class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     """Why an entry is in ``pending`` although it ran: evicted for ``for_task`` by
     ``evict_id`` (decided at ``at``); it is placed again as ``decision_id`` once its holds
-    are released."""
+    are released. A task the executor evicted on its own (a decommissioned GPU) has no evict
+    id and no vip: ``evict_id`` and ``for_task`` are empty, ``reason`` says why."""
 
     decision_id: str
-    evict_id: str
-    for_task: str
+    evict_id: str = ""
+    for_task: str = ""
     at: float = 0.0
+    reason: str = ""
 
 
 class _Envelope(msgspec.Struct):

@@ -20,7 +20,8 @@ Around that core (see ``README.md``):
   (``rebalance``);
 * a ``vip`` task waiting in ``pending`` preempts the cheapest set of ``best_effort`` tasks on
   one node that makes it fit (``evict``); the evicted tasks wait in ``pending`` for a new
-  placement (``preempt``);
+  placement (``preempt``); a task the executor evicts on its own (a decommissioned GPU) is
+  queued the same way, once, under its next ``<task>.assign.<g>`` (``requeue_evicted``);
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
@@ -62,7 +63,7 @@ from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_alloca
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.transformers import oom_risk
-from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, Retry, ServiceHost, ServiceSettings
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -83,6 +84,7 @@ from .preempt import (
     Preemption,
     Requeue,
     Victim,
+    assign_id,
     decode_pending,
     encode_pending,
     evict_confidence,
@@ -97,6 +99,7 @@ from .rebalance import (
     MAINTENANCE_PENDING,
     ResizePlan,
     Running,
+    generation,
     gpu_conditions,
     is_set,
     migrate_decision_id,
@@ -520,6 +523,86 @@ class PolicyState:
             contract=adm.contract if adm else None,
         )
 
+    # ---- tasks the executor evicted on its own ----------------------------------------------
+    async def requeue_evicted(
+        self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue, executions: KeyValue
+    ) -> Requeue | None:
+        """Queue a task the executor evicted without a decision of ours (its GPU was
+        decommissioned) for a new placement: its admission goes to ``pending`` with a
+        ``requeue`` note naming ``<task>.assign.<g+1>``, created only if the task has no entry
+        (create-only: a redelivered event, or another replica, finds it and stops). The note,
+        or ``None`` when there is nothing to do:
+
+        * the task already has an entry (the policy's own eviction, an earlier delivery of
+          this event, a replica placing it right now);
+        * it holds capacity somewhere (already placed again, or moving: a fresh read of the
+          ledger, since the view may lag the executor's release);
+        * the event is stale: the executor took the task's next assign after the eviction;
+        * its admission is unknown (no ``contract.<task>``, not placed by this replica).
+        """
+        task_id = life.task_id
+        key = node_key(task_id)
+        entry = await pending.get(key)
+        if entry is not None and entry.value:
+            return None
+        for node in await ledger.keys():
+            held = await ledger.get(node)
+            if held is None or not held.value:
+                continue
+            if any(
+                a.task_id == task_id for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
+            ):
+                log.info("%s was evicted but holds capacity on %s: not queued again", task_id, node)
+                return None
+
+        async def taken_at(decision_id: str) -> float | None:
+            """When the executor took ``decision_id`` (its journal entry: the claim, the
+            result), ``None`` when it never did; 0 when the entry carries no time."""
+            found = await executions.get(node_key(decision_id))
+            if found is None or not found.value:
+                return None
+            try:
+                doc = msgspec.json.decode(found.value)
+            except msgspec.DecodeError:
+                return 0.0
+            times = [doc.get(f) for f in ("executed_at", "failed_at", "at")] if isinstance(doc, dict) else []
+            return next((float(t) for t in times if isinstance(t, int | float)), 0.0)
+
+        # g is the placement the executor ended. The event names its decision when the
+        # evicting replica carried that placement out itself (else g starts at 1); the
+        # executor's journal then says which later ``<task>.assign.<g>`` it has already taken
+        # (a re-used id would be dropped by the stream's duplicate window and the journal).
+        # One it took after this eviction means the eviction has been dealt with already (a
+        # late redelivery, the task placed again since, perhaps finished): nothing to do.
+        g = generation(task_id, life.decision_id) if life.decision_id else 1
+        for _ in range(1000):
+            taken = await taken_at(assign_id(task_id, g + 1))
+            if taken is None:
+                break
+            if taken >= life.at:
+                log.info("stale eviction of %s: placed again as %s since", task_id, assign_id(task_id, g + 1))
+                return None
+            g += 1
+        adm = await self.admissions.fetch(task_id) if self.admissions is not None else None
+        if adm is None:
+            log.warning(
+                "%s was evicted (%s) but its admission is unknown: not queued again", task_id, life.detail
+            )
+            return None
+        note = Requeue(
+            decision_id=assign_id(task_id, g + 1),
+            at=now(),
+            reason=life.detail or f"evicted by the executor from {life.node} {life.gpus}",
+        )
+        try:
+            await pending.create(key, encode_pending(adm, note))
+        except CasConflict:
+            return None  # queued meanwhile: by another delivery, a replica, or a preemption
+        log.warning(
+            "%s evicted by the executor (%s): queued again as %s", task_id, note.reason, note.decision_id
+        )
+        return note
+
     # ---- preemption -------------------------------------------------------------------------
     def victims(self, exclude: set[str]) -> list[Victim]:
         """Running tasks that a vip may preempt: tier known to be ``best_effort``."""
@@ -839,14 +922,16 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     # entry (the vip may preempt again) rather than hold the queue up.
                     log.warning(
                         "eviction %s not carried out in time; %s keeps running",
-                        requeue.evict_id,
+                        requeue.evict_id or "by the executor",
                         adm.task.task_id,
                     )
                     await pending.delete(entry.key)
                     continue
-                # Evicted, but the executor has not released its holds yet: placing it now
-                # would book it twice (and the release would take the new holds too).
-                evicting.add(requeue.for_task)
+                # Evicted, but the executor has not released its holds yet (or our view has
+                # not seen the release): placing it now would book it twice (and the release
+                # would take the new holds too). Only a preemption holds the queue for its vip.
+                if requeue.for_task:
+                    evicting.add(requeue.for_task)
                 continue
             waiting.append((adm, requeue, entry))
         # VIP first, then the longest waiting.
@@ -881,11 +966,21 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
 
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
-        # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
-        # instead (the eviction failed or never went out), it must not be started again.
-        if life.state not in ("finished", "oom_killed", "failed") or "state" not in holder:
+        if "state" not in holder:
+            raise Retry("policy state not open yet", 1.0)
+        bus = host.bus
+        assert bus is not None
+        pending = await bus.kv("pending")
+        if life.state == "evicted":
+            # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our
+            # own evictions already wait in ``pending`` with their requeue note.
+            await state().requeue_evicted(life, pending, await bus.kv("ledger"), await bus.kv("executions"))
             return
-        pending = await host.bus.kv("pending")  # type: ignore[union-attr]
+        # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
+        # instead (the eviction failed or never went out), it must not be started again. An
+        # OOM kill is the task's outcome: it is not retried.
+        if life.state not in ("finished", "oom_killed", "failed"):
+            return
         entry = await pending.get(node_key(life.task_id))
         if entry is None or not entry.value or entry.value == b"claimed":
             return

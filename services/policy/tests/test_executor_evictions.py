@@ -1,0 +1,231 @@
+"""Tasks the executor evicts on its own (its GPU was decommissioned) are queued again by the
+policy and placed elsewhere under the next ``<task>.assign.<g>``, exactly once however often
+the ``evicted`` event is delivered; an OOM-killed task is not retried. Real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from fleetpilot.contracts import (
+    ActionExecuted,
+    Allocation,
+    GpuSample,
+    NodeLedger,
+    NodeTelemetry,
+    PolicyRef,
+    SimAck,
+    SimEvent,
+    TaskLifecycle,
+    encode,
+    now,
+)
+from fleetpilot.runtime.testing import eventually as wait_for_async
+from fleetpilot_services.executor.service import ExecutorSettings
+from fleetpilot_services.executor.service import build as build_executor
+from fleetpilot_services.policy.service import build
+
+from .conftest import admitted, node, settings, wait_for
+
+
+def hot_sample(node_name: str, gpu: int, at: float, temperature_c: float) -> GpuSample:
+    return GpuSample(
+        node=node_name,
+        gpu=gpu,
+        uuid=f"GPU-{node_name}-{gpu}",
+        model="H100",
+        at=at,
+        utilization_gpu_pct=50.0,
+        utilization_memory_pct=40.0,
+        memory_total_mb=81920,
+        memory_used_mb=20000,
+        memory_free_mb=61920,
+        temperature_c=temperature_c,
+        power_w=400,
+        power_limit_w=700,
+        sm_clock_mhz=1900,
+        pcie_tx_kbps=0,
+        pcie_rx_kbps=0,
+    )
+
+
+def executed(decision_id: str, at: float) -> ActionExecuted:
+    """The executor's journal entry of a decision it carried out at ``at``."""
+    return ActionExecuted(
+        action_id=f"executed:{decision_id}",
+        decision_id=decision_id,
+        task_id=decision_id.split(".")[0],
+        action="assign",
+        backend="sim",
+        latency_ms=1.0,
+        policy=PolicyRef(name="bestfit"),
+        executed_at=at,
+    )
+
+
+async def publish_lifecycle(observer, life: TaskLifecycle, copy: int) -> None:
+    """Publish ``life`` as the executor does; each ``copy`` gets its own message id, so the
+    stream keeps it and the policy's consumer gets it again, as after a redelivery."""
+    await observer.js.publish(
+        f"task.lifecycle.{life.task_id}",
+        encode(life),
+        headers={"Nats-Msg-Id": f"life:{life.task_id}:{life.state}:{life.at}:{copy}"},
+    )
+
+
+async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=2)])
+    adm = admitted("t1", gpu_milli=600, gpu_memory_mb=1000, gpu_models=["H100"])
+    await observer.kv_put("contracts", "contract.t1", encode(adm))
+
+    async def answer(msg) -> None:  # the collector's simulated fleet
+        await msg.respond(encode(SimAck(ok=True)))
+
+    sim = await observer.nc.subscribe("sim.control", cb=answer)
+    events: list[TaskLifecycle] = []
+
+    async def on_life(msg) -> None:
+        events.append(msgspec.json.decode(msg.data, type=TaskLifecycle))
+
+    lives = await observer.nc.subscribe("task.lifecycle.t1", cb=on_life)
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    execu = build_executor(
+        ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x", state_dir=str(tmp_path / "ex"))
+    )
+    await policy.start()
+    await execu.start()
+    try:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t1 started")
+        first = next(d for d in observer.decisions if d.task_id == "t1")
+        hot = first.placement[0].gpu
+
+        # The GPU runs hot: cordoned after 5 minutes, decommissioned (t1 evicted) when the
+        # 30-minute drain is over with t1 still on it. Sample times drive the hook.
+        t0 = 1_000_000.0
+        for at in (t0, t0 + 300, t0 + 2100):
+            batch = NodeTelemetry(node="n0", at=at, source="sim", gpus=[hot_sample("n0", hot, at, 95.0)])
+            await observer.nc.publish("telemetry.gpu.n0", encode(batch))
+            await observer.nc.flush()
+            await asyncio.sleep(0.2)
+        await wait_for(lambda: any(e.state == "evicted" for e in events), what="t1 evicted")
+        evicted = next(e for e in events if e.state == "evicted")
+        await wait_for(
+            lambda: any(d.decision_id == "t1.assign.2" for d in observer.decisions), what="t1 placed again"
+        )
+
+        async def confirmed_again() -> bool:
+            holds = [a for ledger in (await observer.ledgers()).values() for a in ledger.allocations]
+            return [(a.task_id, a.decision_id, a.state) for a in holds] == [
+                ("t1", "t1.assign.2", "confirmed")
+            ]
+
+        await wait_for_async(confirmed_again, what="the executor started t1 again")
+        # The same eviction delivered again while t1 runs again, and once more after it has
+        # finished (no hold left, but the journal knows t1.assign.2): nothing changes.
+        await publish_lifecycle(observer, evicted, 1)
+        await asyncio.sleep(0.6)
+        await observer.nc.publish(
+            "sim.event.n0",
+            encode(SimEvent(kind="finished", node="n0", gpu=1 - hot, task_id="t1", at=now())),
+        )
+
+        async def released() -> bool:
+            return not any(ledger.allocations for ledger in (await observer.ledgers()).values())
+
+        await wait_for_async(released, what="t1 finished")
+        await publish_lifecycle(observer, evicted, 2)
+        await asyncio.sleep(1.0)  # five retry rounds
+        pending = await observer.js.key_value("pending")
+        try:
+            waiting = await pending.keys()
+        except Exception:  # NoKeysError: nothing waits
+            waiting = []
+        ledgers = await observer.ledgers()
+    finally:
+        await execu.stop()
+        await policy.stop()
+        await lives.unsubscribe()
+        await sim.unsubscribe()
+    assert "decommissioned" in evicted.detail and evicted.gpus == [hot]
+    again = [d for d in observer.decisions if d.task_id == "t1"]
+    assert [(d.decision_id, d.action) for d in again] == [("t1.assign", "assign"), ("t1.assign.2", "assign")]
+    assert [(p.node, p.gpu) for p in again[1].placement] == [("n0", 1 - hot)]
+    assert again[1].contract == adm.contract and again[1].task == adm.task
+    assert not any(ledger.allocations for ledger in ledgers.values())
+    assert waiting == []
+    assert [e.state for e in events if e.state != "evicted"] == ["started", "started", "finished"]
+
+
+async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_oom_is_not_retried(
+    observer, nats_url, tmp_path
+):
+    """Neither replica placed t2 or t5: their admissions come from ``contract.<task>``. The
+    executor's journal shows both ran as ``<task>.assign.2`` before the eviction, which names
+    no decision for t2 (the evicting replica did not carry its placement out) and an older
+    one for t5 (that replica's memory of it); both come back as ``<task>.assign.3``."""
+    dead = {"cordoned": "true", "decommissioned": "true"}
+    await observer.put_fleet([node("n0", gpus=3, labels={0: dead})])
+    for task_id in ("t2", "t3", "t4", "t5"):
+        adm = admitted(task_id, gpu_milli=500, gpu_models=["H100"])
+        await observer.kv_put("contracts", f"contract.{task_id}", encode(adm))
+    for t in ("t2", "t5"):
+        for decision_id, at in ((f"{t}.assign", now() - 600), (f"{t}.assign.2", now() - 60)):
+            await observer.kv_put("executions", decision_id, encode(executed(decision_id, at)))
+    # t4 still holds capacity: it was evicted, but it has been placed again already.
+    await observer.kv_put(
+        "ledger",
+        "n0",
+        encode(
+            NodeLedger(
+                node="n0",
+                allocations=[
+                    Allocation(task_id="t4", decision_id="t4.assign.2", gpu=1, milli=500, state="confirmed")
+                ],
+            )
+        ),
+    )
+    hosts = [
+        build(settings(nats_url, tmp_path, replica=r, profile="bestfit", pending_retry_s=0.2)) for r in "ab"
+    ]
+    for host in hosts:
+        await host.start()
+    try:
+        at = now()
+        evicted = {
+            t: TaskLifecycle(
+                task_id=t, state="evicted", node="n0", gpus=[0], detail="GPU n0/0 decommissioned: 95 C", at=at
+            )
+            for t in ("t2", "t4", "t5")
+        }
+        evicted["t5"] = msgspec.structs.replace(evicted["t5"], decision_id="t5.assign")
+        oom = TaskLifecycle(task_id="t3", state="oom_killed", node="n0", gpus=[0], exit_code=137, at=at)
+        await asyncio.gather(
+            *(publish_lifecycle(observer, evicted["t2"], copy) for copy in range(4)),
+            publish_lifecycle(observer, evicted["t4"], 0),
+            publish_lifecycle(observer, evicted["t5"], 0),
+            publish_lifecycle(observer, evicted["t5"], 1),
+            publish_lifecycle(observer, oom, 0),
+        )
+        await wait_for(
+            lambda: {"t2.assign.3", "t5.assign.3"} <= {d.decision_id for d in observer.decisions},
+            what="t2 and t5 placed again",
+        )
+        await publish_lifecycle(observer, evicted["t2"], 9)  # after the placement
+        await publish_lifecycle(observer, evicted["t5"], 9)
+        await asyncio.sleep(1.0)
+        pending = await observer.js.key_value("pending")
+        try:
+            waiting = await pending.keys()
+        except Exception:
+            waiting = []
+    finally:
+        for host in hosts:
+            await host.stop()
+    assert sorted((d.decision_id, d.action) for d in observer.decisions) == [
+        ("t2.assign.3", "assign"),
+        ("t5.assign.3", "assign"),
+    ]
+    placed = [(p.node, p.gpu, p.milli) for d in observer.decisions for p in d.placement]
+    assert len(placed) == 2 and all(gpu in (1, 2) and milli == 500 for _, gpu, milli in placed)  # not GPU 0
+    assert waiting == []
