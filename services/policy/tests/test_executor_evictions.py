@@ -136,11 +136,7 @@ async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observe
         await wait_for_async(released, what="t1 finished")
         await publish_lifecycle(observer, evicted, 2)
         await asyncio.sleep(1.0)  # five retry rounds
-        pending = await observer.js.key_value("pending")
-        try:
-            waiting = await pending.keys()
-        except Exception:  # NoKeysError: nothing waits
-            waiting = []
+        waiting = await observer.live_keys("pending")
         ledgers = await observer.ledgers()
     finally:
         await execu.stop()
@@ -214,11 +210,7 @@ async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_oom
         await publish_lifecycle(observer, evicted["t2"], 9)  # after the placement
         await publish_lifecycle(observer, evicted["t5"], 9)
         await asyncio.sleep(1.0)
-        pending = await observer.js.key_value("pending")
-        try:
-            waiting = await pending.keys()
-        except Exception:
-            waiting = []
+        waiting = await observer.live_keys("pending")
     finally:
         for host in hosts:
             await host.stop()
