@@ -115,6 +115,11 @@ async def test_sigterm_drains_and_exits_cleanly_mid_burst(fleet):
     ids = [f"term-{i:04d}" for i in range(80)]
     for i in range(80):
         await fleet.submit(small_task(i, "term"))
+
+    async def admitting():
+        return await fleet.stream("TASKS", "task.admitted", idle_s=0.2)
+
+    await wait_until(admitting, 30, "the negotiator at work")  # mid-burst, not mid-start-up
     sla = fleet.procs.procs["sla"]
     sla.send_signal(signal.SIGTERM)
     # In-flight handlers finish, fetched-but-unstarted messages go back to the stream.

@@ -14,7 +14,6 @@ stops taking work, lets in-flight handlers finish and drains the connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -79,6 +78,7 @@ class ServiceHost:
         self._tasks: list[asyncio.Task] = []
         self._ops: OpsServer | None = None
         self._stopped = asyncio.Event()
+        self._stopping = False
 
     # -- registration -------------------------------------------------------------------
     def on(self, *event_types: type[Event], consumer: str) -> Callable[[TypedHandler], TypedHandler]:
@@ -125,7 +125,7 @@ class ServiceHost:
 
     def background(self, coro: Awaitable[None], name: str) -> None:
         """Keep a long-running coroutine (a KV watcher, say) alive until the service stops."""
-        self._tasks.append(asyncio.ensure_future(self._guard(coro, name)))
+        self._tasks.append(asyncio.create_task(self._guard(coro, name), name=name))
 
     async def _guard(self, coro: Awaitable[None], name: str) -> None:
         try:
@@ -158,7 +158,7 @@ class ServiceHost:
         for ep in self._endpoints:
             await bus.serve(self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler))
         for periodic in self._periodic:
-            self._tasks.append(asyncio.ensure_future(self._run_periodic(periodic)))
+            self._tasks.append(asyncio.create_task(self._run_periodic(periodic), name=getattr(periodic.job, "__name__", "periodic")))
         if self.settings.metrics_port >= 0:
             self._ops = OpsServer(self.metrics.registry, self.health)
             port = await self._ops.start(self.settings.metrics_host, self.settings.metrics_port)
@@ -166,7 +166,7 @@ class ServiceHost:
         log.info("%s: started (replica %s)", self.name, self.settings.replica)
 
     async def _run_periodic(self, periodic: _Periodic) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(periodic.interval_s)
             try:
                 for event in as_events(await periodic.job()):  # type: ignore[arg-type]
@@ -182,30 +182,48 @@ class ServiceHost:
         self.metrics.connected.labels(self.name).set(1 if connected else 0)
         return {"ok": connected, "service": self.name, "replica": self.settings.replica}
 
-    async def stop(self) -> None:
-        """Stop periodic jobs, drain the bus (in-flight handlers finish), run shutdown hooks."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    async def stop(self, step_timeout_s: float = 15.0) -> None:
+        """Stop periodic jobs, drain the bus (in-flight handlers finish), run shutdown hooks.
+
+        Every step is bounded: a service that cannot stop is worse than one that stops
+        with a step cut short, and the step that overran is logged.
+        """
+        self._stopping = True
+        stuck = set(self._tasks)
+        deadline = asyncio.get_running_loop().time() + step_timeout_s
+        # Python 3.11's asyncio.wait_for (used throughout nats-py) can swallow a
+        # cancellation that races with its result, so cancel again until the task ends.
+        while stuck and asyncio.get_running_loop().time() < deadline:
+            for task in stuck:
+                task.cancel()
+            _, stuck = await asyncio.wait(stuck, timeout=0.5)
+        for task in stuck:
+            log.error("%s: task %s ignored cancellation at shutdown", self.name, task.get_name())
         if self.bus is not None:
-            await self.bus.drain()
+            await self._bounded(self.bus.drain(), "bus drain", step_timeout_s)
         for hook in self._shutdown:
-            with contextlib.suppress(Exception):
-                await hook()
+            await self._bounded(hook(), f"shutdown hook {getattr(hook, '__name__', hook)}", step_timeout_s)
         if self._ops is not None:
             await self._ops.stop()
         self._stopped.set()
         log.info("%s: stopped", self.name)
 
+    async def _bounded(self, step: Awaitable[object], what: str, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(step, timeout_s)
+        except TimeoutError:
+            log.error("%s: %s did not finish in %.0fs", self.name, what, timeout_s)
+        except Exception:
+            log.exception("%s: %s failed", self.name, what)
+
     async def run_forever(self) -> None:
         """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
-        await self.start()
+        # Handlers first: a SIGTERM that arrives while connecting still means "drain and exit 0".
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        await self.start()
         await stop.wait()
         log.info("%s: signal received, draining", self.name)
         await self.stop()
