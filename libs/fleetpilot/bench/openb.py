@@ -42,7 +42,7 @@ REPORT_POINTS: tuple[int, ...] = (90, 100, 110, 130)
 TRACES: dict[str, str] = {"default": "openb_pod_list_default.csv", "gpuspec20": "openb_pod_list_gpuspec20.csv"}
 NODES_FILE = "openb_node_list_gpu_node.csv"
 PAPER_FILE = "paper_alloc.csv"
-VARIANTS: tuple[str, ...] = ("spec-tight", "spec-loose", "multigpu", "gpushare")
+VARIANTS: tuple[str, ...] = ("spec-tight", "spec-loose", "multigpu", "gpushare", "multigpu-heavy", "cpu-heavy")
 """Synthetic held-out trace variants ``make_variant`` can build."""
 
 
@@ -148,8 +148,12 @@ class OpenbResult:
 
 def policy_for(name: str, seed: int, tasks: Sequence[TaskRequest]) -> Policy:
     """A built-in policy for a run: ties broken by ``seed``; fgd / fleetpilot get the typical
-    tasks of the trace they are given (what the policy has seen)."""
+    tasks of the trace they are given (what the policy has seen); fleetpilot also gets every
+    shape seen as the demand its pressure term prices capacity with."""
     typical = typical_tasks(tasks) if name in ("fgd", "fleetpilot") else None
+    if name == "fleetpilot":
+        return build_policy(name, seed=seed, typical=typical, no_fit_action="reject",
+                            demand=typical_tasks(tasks, coverage=1.0))
     return build_policy(name, seed=seed, typical=typical, no_fit_action="reject")
 
 
@@ -205,7 +209,10 @@ def make_variant(tasks: Sequence[TaskRequest], variant: str, seed: int) -> list[
     * ``spec-loose``: half of the constrained tasks lose their constraint;
     * ``multigpu``: 20% of whole single-GPU tasks ask for 2, 4 or 8 GPUs instead;
     * ``gpushare``: 30% of whole single-GPU tasks become sharing tasks, with milli drawn from
-      the trace's sharing tasks.
+      the trace's sharing tasks;
+    * ``multigpu-heavy``: 40% of whole single-GPU tasks ask for 2, 4 or 8 GPUs (more of them
+      8) with CPU and memory scaled by the GPU count (capped at the trace's largest task);
+    * ``cpu-heavy``: every GPU task asks 1.5x its CPU (capped at the trace's largest ask).
     """
     rng = np.random.default_rng(seed)
     out = list(tasks)
@@ -238,6 +245,18 @@ def make_variant(tasks: Sequence[TaskRequest], variant: str, seed: int) -> list[
         shares = [t.gpu_milli for t in out if t.shares_gpu] or [500]
         for i in rng.choice(whole, size=(len(whole) * 3) // 10, replace=False):
             replace(int(i), gpu_milli=int(shares[int(rng.integers(len(shares)))]))
+    elif variant == "multigpu-heavy":
+        whole = [i for i in gpu_idx if out[i].gpus == 1 and out[i].gpu_milli == MILLI]
+        cpu_cap = max((t.cpu_milli for t in out), default=0)
+        mem_cap = max((t.memory_mb for t in out), default=0)
+        for i in rng.choice(whole, size=(len(whole) * 2) // 5, replace=False):
+            n = int(rng.choice([2, 4, 8], p=[0.4, 0.3, 0.3]))
+            t = out[int(i)]
+            replace(int(i), gpus=n, cpu_milli=min(t.cpu_milli * n, cpu_cap), memory_mb=min(t.memory_mb * n, mem_cap))
+    elif variant == "cpu-heavy":
+        cpu_cap = max((t.cpu_milli for t in out), default=0)
+        for i in gpu_idx:
+            replace(i, cpu_milli=min((out[i].cpu_milli * 3) // 2, cpu_cap))
     else:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
     return out

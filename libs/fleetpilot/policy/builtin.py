@@ -27,12 +27,16 @@ def _typical_args(typical: Sequence[TaskShape] | None) -> list[dict[str, Any]]:
 
 
 def builtin_profile(name: str, *, seed: int = 0, typical: Sequence[TaskShape] | None = None,
-                    no_fit_action: str = "queue", pressure_weight: float = 1.0) -> ProfileConfig:
+                    no_fit_action: str = "queue", pressure_weight: float = 1.0,
+                    demand: Sequence[TaskShape] | None = None) -> ProfileConfig:
     """The profile of a built-in policy.
 
     ``seed`` draws the node priority that breaks score ties; ``typical`` is the typical-task
     distribution for fgd / fleetpilot (derive it from the tasks seen, e.g.
-    ``fragmentation.typical_tasks``).
+    ``fragmentation.typical_tasks``); ``demand`` is the full shape distribution fleetpilot's
+    demand pressure prices capacity with (e.g. ``typical_tasks(seen, coverage=1.0)``: rare
+    multi-GPU classes matter for the capacity they need even when they are few; default:
+    ``typical``).
     """
     select = PluginSpec(name="priority", args={"seed": seed})
     common: dict[str, Any] = {"select": select, "no_fit_action": no_fit_action}
@@ -56,7 +60,9 @@ def builtin_profile(name: str, *, seed: int = 0, typical: Sequence[TaskShape] | 
                              scores=[PluginSpec(name="fgd", args={"typical": _typical_args(typical)})],
                              devices=PluginSpec(name="scored"), **common)
     if name == "fleetpilot":
-        frag = {"typical": _typical_args(typical), "pressure_weight": pressure_weight}
+        frag: dict[str, Any] = {"typical": _typical_args(typical), "pressure_weight": pressure_weight}
+        if demand is not None:
+            frag["demand"] = _typical_args(demand)
         return ProfileConfig(
             name=name,
             filters=list(_FEASIBLE),

@@ -22,7 +22,7 @@ from .framework import (
 )
 from .state import MILLI, ClusterState, TaskRequest
 from .transformers import (
-    ModelPressure,
+    DemandPressure,
     cpu_per_gpu_milli,
     cpu_stranding,
     oom_risk,
@@ -217,10 +217,11 @@ class Fgd(_FragScorer):
 
 
 class FleetpilotFragArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Typical tasks, the weight of model-demand pressure, whether to keep FGD's integer
+    """Typical tasks, the weight of the demand pressure, whether to keep FGD's integer
     quantisation (measured better than continuous scores on openb: the seeded tie-break
-    spreads equally good placements), and optionally the demand distribution the pressure is
-    computed from (default: the typical tasks)."""
+    spreads equally good placements), optionally the demand distribution the pressure is
+    computed from (default: the typical tasks; better: every shape seen, since rare
+    multi-GPU classes matter by the capacity they need), and the CPU-stranding weight."""
 
     typical: list[TaskShape] = msgspec.field(default_factory=list)
     pressure_weight: float = 1.0
@@ -231,21 +232,25 @@ class FleetpilotFragArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 @register
 class FleetpilotFrag(_FragScorer):
-    """Model-demand-aware fragmentation.
+    """Demand-aware fragmentation.
 
-    Score = ``frag_before - frag_after - pressure_weight * request * (rho_g - min rho)``
-    where ``rho_g`` is the demand pressure of the node's GPU model (``ModelPressure``: how
-    much of the typical demand that can *only* use a set of models containing ``g`` falls on
-    each free milli of it, relative to the fleet average). A task that can run anywhere is
-    thus steered away from models that constrained task classes need, in proportion to how
-    scarce they are; a task whose candidates all share one model sees no penalty at all. On a
-    fleet with no constrained classes every ``rho`` is 1.
+    Score = ``frag_before - frag_after - pressure_weight * (cost - min cost) - cpu_weight *
+    (stranded_after - stranded_before)`` inside FGD's sigmoid, all in milli-GPU.
 
-    A second term, ``cpu_weight * (stranded_after - stranded_before)``, charges the GPU milli
-    a placement strands for lack of CPU (``cpu_stranding``): FGD only notices CPU once a
-    typical task no longer fits a node, so it lets CPU-hungry placements drain the CPU that
-    the node's remaining GPUs will need; the fluid estimate sees the drain before the cliff.
-    Both terms are in milli-GPU, FGD's unit, and enter its sigmoid with weight 1 by default.
+    ``cost`` is the demand pressure (``DemandPressure``) of the capacity the placement takes
+    away: every task class (from ``demand``, default the typical tasks) prices the capacity
+    it can use at its demand per usable milli, relative to the fleet average. The request
+    consumed on a node that constrained classes need costs more than on one nobody needs
+    exclusively (a class is constrained by GPU model, and by the node CPU and GPU count it
+    needs); leaving a node with fewer free GPUs (or less CPU) than a multi-GPU class needs
+    costs that class's usable capacity there, dearer as such nodes get scarce. A task that
+    can run anywhere is thus steered away from capacity only some classes can use; when
+    every candidate costs the same (no constrained or multi-GPU demand) the term vanishes.
+
+    The second term charges the GPU milli a placement strands for lack of CPU
+    (``cpu_stranding``): FGD only notices CPU once a typical task no longer fits a node, so
+    it lets CPU-hungry placements drain the CPU that the node's remaining GPUs will need; the
+    fluid estimate sees the drain before the cliff. Both terms enter with weight 1.
     """
 
     name = "fleetpilot-frag"
@@ -260,12 +265,12 @@ class FleetpilotFrag(_FragScorer):
         cpu = s.cpu_free[r]
         return cpu_stranding(free - t.total_milli, cpu - t.cpu_milli, self._cpm) - cpu_stranding(free, cpu, self._cpm)
 
-    def _pressure(self, state: ClusterState) -> ModelPressure:
+    def _pressure(self, state: ClusterState) -> DemandPressure:
         key = tuple(state.models)
         if getattr(self, "_pkey", None) != key:
             self._pkey = key
-            self._pm = ModelPressure(self.args.demand if self.args.demand is not None else self.args.typical,
-                                     state.models)
+            self._pm = DemandPressure(self.args.demand if self.args.demand is not None else self.args.typical,
+                                      state.models)
         return self._pm
 
     def score(self, cycle: Cycle) -> np.ndarray:
@@ -275,16 +280,25 @@ class FleetpilotFrag(_FragScorer):
             return np.full(r.size, 100.0)
         delta = self._deltas(cycle)
         penalty = np.zeros(r.size)
-        if uses_gpu(t) and self.args.pressure_weight > 0:
-            rho = self._pressure(s)(s, cycle.free)
-            node_rho = rho[np.maximum(s.node_model[r], 0)]
-            penalty = self.args.pressure_weight * t.total_milli * (node_rho - node_rho.min())
-            if penalty.max(initial=0.0) > 0:
-                cycle.notes.append(f"model pressure {node_rho.min():.2f}..{node_rho.max():.2f}")
         if self.args.cpu_weight > 0:
             penalty = penalty + self.args.cpu_weight * self._stranding(cycle)
         if delta.ndim == 2:
-            x = delta - penalty[:, None]
+            penalty = penalty[:, None] + np.zeros(delta.shape)
+        if self.args.pressure_weight > 0:
+            free_r = cycle.free[r]
+            if t.shares_gpu:
+                taken = (free_r >= MILLI).astype(np.int64)
+            else:
+                taken = np.full(r.size, t.gpus if uses_gpu(t) else 0, dtype=np.int64)
+            cost = self._pressure(s).costs(s, cycle.free, r, t.total_milli, t.cpu_milli, taken)
+            valid = np.isfinite(delta)
+            if valid.any():
+                cost = cost - cost[valid].min()
+                if cost[valid].max(initial=0.0) > 0:
+                    cycle.notes.append(f"demand pressure up to {cost[valid].max():.0f} milli")
+            penalty = penalty + self.args.pressure_weight * cost
+        if delta.ndim == 2:
+            x = delta - penalty
             valid = np.isfinite(x)
             per_gpu = fgd_score(np.where(valid, x, 0.0)) if self.args.integer else np.where(valid, x, 0.0)
             per_gpu = np.where(valid, per_gpu, -np.inf)

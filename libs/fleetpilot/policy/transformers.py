@@ -162,3 +162,129 @@ class ModelPressure:
         load = share @ self.accept
         rho = load / (demand_total / total_free)
         return np.where(cap > 0, rho, rho.max(initial=1.0))
+
+
+class DemandPressure:
+    """Scarcity of the capacity each placement would take away, generalising ``ModelPressure``
+    from GPU-model constraints to every constraint a task class has.
+
+    A class ``t`` (frequency ``f``, ``n`` GPUs of ``r`` milli, CPU ``c``, models ``A``) brings
+    demand ``d_t = f n r`` and can only use capacity ``U_t`` that it fits: a node of an
+    accepted model with at least ``c`` CPU and ``n`` GPUs in total, and for a multi-GPU class
+    (``n >= 2``, whole GPUs) only the fully free GPUs of nodes that still have ``n`` of them
+    and ``c`` free CPU (that is what it needs *now*). Each free milli of capacity usable by
+    ``t`` carries the price ``s_t = d_t / U_t`` (demand per usable milli), relative to the
+    fleet average ``sum d / free``; a placement's cost is ``sum_t s_t * (usable_t lost) /
+    avg`` in milli-GPU, FGD's unit:
+
+    * single-GPU and sharing classes lose the request itself on every node they accept (the
+      capacity consumed): with no constraint anywhere this is the same on every node and
+      vanishes once the minimum over the candidates is subtracted, and it grows smoothly
+      with the share of constrained demand (the old model pressure is the case ``c = 0``);
+    * a multi-GPU class loses the node's whole usable capacity when the placement leaves it
+      fewer than ``n`` free GPUs (or not enough CPU): breaking the last idle nodes that an
+      8-GPU class can use costs ``8000 * s_t / avg``, which rises as those nodes get scarce
+      relative to the remaining demand. It vanishes as such classes vanish from the demand.
+
+    Node "types" (model, total CPU, GPU count) make the static part a small matrix; the
+    dynamic multi-GPU part costs ``O(nodes × multi-GPU classes)`` per decision.
+    """
+
+    def __init__(self, shapes: Sequence[TaskShape], models: Sequence[str]) -> None:
+        gpu_shapes = [s for s in shapes if s.gpus > 0 and s.gpu_milli > 0]
+        self.shapes = gpu_shapes
+        self.models = list(models)
+        self.demand_total = float(sum(s.weight * s.gpus * s.gpu_milli for s in gpu_shapes))
+        self._key: object = None
+
+    def _compile(self, state: ClusterState) -> None:
+        # Node totals never change in place: the arrays' identity (and a checksum, against a
+        # recycled id) tells a new fleet layout from the same one.
+        quick = (state.n_nodes, id(state.cpu_total), id(state.node_model), id(state.gpu_exists),
+                 int(state.cpu_total.sum()), int(state.node_model.sum()))
+        if quick == getattr(self, "_quick", None):
+            return
+        self._quick = quick
+        n_gpu = state.gpu_exists.sum(axis=1)
+        key = (state.n_nodes, tuple(state.models), state.node_model.tobytes(), state.cpu_total.tobytes(),
+               n_gpu.tobytes())
+        if key == self._key:
+            return
+        self._key = key
+        types, type_of = np.unique(np.stack([state.node_model.astype(np.int64), state.cpu_total.astype(np.int64),
+                                             n_gpu.astype(np.int64)], axis=1), axis=0, return_inverse=True)
+        self.type_of = type_of.reshape(-1)
+        self.n_types = len(types)
+        t_model, t_cpu, t_gpus = types[:, 0], types[:, 1], types[:, 2]
+        single: dict[bytes, float] = {}
+        single_rows: dict[bytes, np.ndarray] = {}
+        multi: dict[tuple[int, int, bytes], float] = {}
+        multi_rows: dict[tuple[int, int, bytes], np.ndarray] = {}
+        for s in self.shapes:
+            ok_model = np.asarray([m >= 0 and ((not s.models) or state.models[m] in s.models) for m in t_model])
+            acc = ok_model & (t_cpu >= s.cpu_milli) & (t_gpus >= s.gpus)
+            d = s.weight * s.gpus * s.gpu_milli
+            if s.gpus >= 2:
+                k = (s.gpus, s.cpu_milli, acc.tobytes())
+                multi[k] = multi.get(k, 0.0) + d
+                multi_rows[k] = acc
+            else:
+                k2 = acc.tobytes()
+                single[k2] = single.get(k2, 0.0) + d
+                single_rows[k2] = acc
+        self.single_demand = np.asarray(list(single.values()), dtype=np.float64)
+        self.single_accept = np.asarray([single_rows[k] for k in single], dtype=np.float64).reshape(-1, self.n_types)
+        keys = list(multi)
+        self.multi_demand = np.asarray([multi[k] for k in keys], dtype=np.float64)
+        self.multi_gpus = np.asarray([k[0] for k in keys], dtype=np.int64)
+        self.multi_cpu = np.asarray([k[1] for k in keys], dtype=np.int64)
+        # (classes, nodes): static acceptance per node
+        self.multi_accept = np.asarray([multi_rows[k][self.type_of] for k in keys], dtype=bool).reshape(-1, state.n_nodes)
+
+    def costs(self, state: ClusterState, free: np.ndarray, rows: np.ndarray, request: int, cpu: int,
+              whole_taken: np.ndarray) -> np.ndarray:
+        """Cost in milli-GPU of a placement on each of ``rows``; ``whole_taken`` (broadcastable
+        to ``(R, ...)``) says how many fully free GPUs it takes there (a sharing task: 1 on a
+        free GPU, 0 on a used one). Returns an array of ``whole_taken``'s shape."""
+        self._compile(state)
+        total_free = float(free.sum())
+        if self.demand_total <= 0 or total_free <= 0:
+            return np.zeros(np.shape(whole_taken))
+        avg = self.demand_total / total_free
+        node_free = free.sum(axis=1).astype(np.float64)
+        cap_type = np.bincount(self.type_of, weights=node_free, minlength=self.n_types)
+        cap = self.single_accept @ cap_type
+        price = np.divide(self.single_demand, cap, out=np.zeros_like(cap), where=cap > 0)
+        per_type = price @ self.single_accept          # (types,)
+        cost = per_type[self.type_of[rows]] * float(request)
+        cost = np.broadcast_to(cost.reshape((-1,) + (1,) * (np.ndim(whole_taken) - 1)), np.shape(whole_taken))
+        if self.multi_demand.size:
+            full = (free >= MILLI).sum(axis=1)
+            cpu_free = state.cpu_free
+            # (classes, nodes): usable whole-GPU milli per multi-GPU class now
+            ok = self.multi_accept & (full[None, :] >= self.multi_gpus[:, None]) & (cpu_free[None, :] >= self.multi_cpu[:, None])
+            usable = np.where(ok, full[None, :] * float(MILLI), 0.0)
+            cap_m = usable.sum(axis=1)
+            price_m = np.divide(self.multi_demand, cap_m, out=np.zeros_like(cap_m), where=cap_m > 0)
+            live = price_m > 0
+            if live.any():
+                price_m = price_m[live]
+                acc = self.multi_accept[live][:, rows]                      # (C, R)
+                need_g, need_c = self.multi_gpus[live][:, None], self.multi_cpu[live][:, None]
+                before = usable[live][:, rows]
+                r_full = full[rows][None, :]
+                cpu_ok = (cpu_free[rows] - cpu)[None, :] >= need_c
+
+                def lost_with(k: int) -> np.ndarray:
+                    after_full = r_full - k
+                    after = np.where(acc & cpu_ok & (after_full >= need_g), after_full * float(MILLI), 0.0)
+                    return price_m @ (before - after)                        # (R,)
+
+                wt = np.asarray(whole_taken)
+                if wt.ndim == 1 and wt.size and (wt == wt[0]).all():
+                    cost = cost + lost_with(int(wt[0]))
+                else:  # a sharing task: 1 where it would break a fully free GPU, else 0
+                    l0 = lost_with(0).reshape((-1,) + (1,) * (wt.ndim - 1))
+                    l1 = lost_with(1).reshape((-1,) + (1,) * (wt.ndim - 1))
+                    cost = cost + np.where(wt > 0, l1, l0)
+        return cost / avg

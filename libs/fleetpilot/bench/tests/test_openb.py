@@ -18,6 +18,7 @@ from fleetpilot.bench.openb import (
     parse_nodes,
     parse_pods,
     parse_seeds,
+    policy_for,
     run_openb,
     run_trace,
 )
@@ -102,8 +103,24 @@ def test_variants_are_seeded_and_change_what_they_say():
     assert sum(bool(t.gpu_models) for t in loose) < sum(bool(t.gpu_models) for t in base)
     assert sum(t.gpus > 1 for t in make_variant(base, "multigpu", 7)) > sum(t.gpus > 1 for t in base)
     assert sum(t.shares_gpu for t in make_variant(base, "gpushare", 7)) > sum(t.shares_gpu for t in base)
+    heavy = make_variant(base, "multigpu-heavy", 7)
+    assert sum(t.gpus > 1 for t in heavy) > sum(t.gpus > 1 for t in make_variant(base, "multigpu", 7))
+    assert max(t.cpu_milli for t in heavy) <= max(t.cpu_milli for t in base)  # never beyond the trace's largest ask
+    cpu = make_variant(base, "cpu-heavy", 7)
+    assert sum(t.cpu_milli for t in cpu if t.gpus) > sum(t.cpu_milli for t in base if t.gpus)
+    assert [t.cpu_milli for t in cpu if not t.gpus] == [t.cpu_milli for t in base if not t.gpus]
     with pytest.raises(ValueError):
         make_variant(base, "nope", 7)
+
+
+def test_fleetpilot_prices_every_shape_seen_fgd_only_the_typical_ones():
+    # 20 sharing tasks and one 8-GPU task: the 8-GPU shape is under FGD's 95% cut, but it is
+    # in the demand fleetpilot's pressure prices capacity with.
+    tasks = [PODS[0]] * 20 + [TaskRequest(task_id="e", gpus=8, gpu_milli=1000, cpu_milli=64000)]
+    fp = policy_for("fleetpilot", 0, tasks).scores[0][0].args
+    assert [s.gpus for s in fp.typical] == [1]
+    assert sorted(s.gpus for s in fp.demand) == [1, 8]
+    assert not hasattr(policy_for("fgd", 0, tasks).scores[0][0].args, "demand")
 
 
 def test_paper_means_and_seed_parsing():

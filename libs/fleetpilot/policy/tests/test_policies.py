@@ -189,3 +189,61 @@ def test_fleetpilot_keeps_cpu_for_the_gpus_that_need_it():
     assert fp.decide(state, hungry).placement[0].node == "roomy"
     fgd_nodes = {build_policy("fgd", seed=s, typical=shapes).decide(state, hungry).placement[0].node for s in range(6)}
     assert fgd_nodes == {"tight", "roomy"}  # FGD: a tie, left to the random priority
+
+
+def _two_idle_eights() -> ClusterState:
+    # "big" is the only node with the CPU an 8-GPU, 120-core class needs; "std" has less.
+    state = ClusterState.build(names=["big", "std"], cpu_milli=[128000, 96000], memory_mb=[512000, 512000],
+                               gpus=[8, 8], models=["G3", "G2"])
+    return state
+
+
+SHARES_ONLY = [TaskShape(cpu_milli=4000, gpu_milli=500, gpus=1, weight=1.0)]
+WITH_EIGHTS = [TaskShape(cpu_milli=4000, gpu_milli=500, gpus=1, weight=0.95),
+               TaskShape(cpu_milli=120000, gpu_milli=1000, gpus=8, weight=0.05)]
+
+
+def test_demand_pressure_keeps_the_only_host_of_a_multi_gpu_class_whole():
+    state = _two_idle_eights()
+    hungry = TaskRequest(task_id="s", gpus=1, gpu_milli=500, cpu_milli=12000)
+    # Without the 8-GPU class in the demand, CPU stranding prefers the CPU-rich node.
+    fp = build_policy("fleetpilot", typical=SHARES_ONLY)
+    assert fp.decide(state, hungry).placement[0].node == "big"
+    # With it, breaking "big" would leave the 8-GPU class no host at all: it goes to "std".
+    fp = build_policy("fleetpilot", typical=SHARES_ONLY, demand=WITH_EIGHTS)
+    assert fp.decide(state, hungry).placement[0].node == "std"
+    # A CPU-only task that would leave "big" short of 120 cores is kept off it as well.
+    cpu_task = TaskRequest(task_id="c", gpus=0, gpu_milli=0, cpu_milli=16000)
+    assert fp.decide(state, cpu_task).placement[0].node == "std"
+    # ... and the 8-GPU task itself still goes where it fits: nothing is held back.
+    eight = TaskRequest(task_id="e", gpus=8, gpu_milli=1000, cpu_milli=120000)
+    assert fp.decide(state, eight).placement[0].node == "big"
+
+
+def test_demand_pressure_is_flat_without_constraints_or_multi_gpu_classes():
+    from fleetpilot.policy.transformers import DemandPressure
+
+    state = cluster([("a", "G2", 32000, [1000] * 8), ("b", "T4", 32000, [1000, 500]), ("c", "G2", 8000, [300] * 4)])
+    rows = np.arange(3)
+    cost = DemandPressure(SHARES_ONLY, state.models).costs(state, state.usable_free(), rows, 500, 4000,
+                                                            np.zeros(3, dtype=np.int64))
+    assert cost.tolist() == pytest.approx([cost[0]] * 3)  # same everywhere: no node is scarcer
+    # One class constrained to T4: consuming T4 costs more than consuming G2, in proportion.
+    shapes = [TaskShape(cpu_milli=0, gpu_milli=500, gpus=1, weight=0.5),
+              TaskShape(cpu_milli=0, gpu_milli=500, gpus=1, models=("T4",), weight=0.5)]
+    cost = DemandPressure(shapes, state.models).costs(state, state.usable_free(), rows, 500, 0,
+                                                       np.zeros(3, dtype=np.int64))
+    assert cost[1] > cost[0] == pytest.approx(cost[2])
+
+
+def test_demand_pressure_prices_breaking_idle_nodes_by_their_scarcity():
+    from fleetpilot.policy.transformers import DemandPressure
+
+    eights = [TaskShape(cpu_milli=1000, gpu_milli=1000, gpus=8, weight=0.1),
+              TaskShape(cpu_milli=1000, gpu_milli=500, gpus=1, weight=0.9)]
+    many = cluster([(f"n{i}", "G2", 32000, [1000] * 8) for i in range(10)])
+    few = cluster([(f"n{i}", "G2", 32000, [1000] * 8 if i < 2 else [1000] * 7 + [0]) for i in range(10)])
+    taken = np.ones(1, dtype=np.int64)
+    cost_many = DemandPressure(eights, many.models).costs(many, many.usable_free(), np.arange(1), 500, 1000, taken)
+    cost_few = DemandPressure(eights, few.models).costs(few, few.usable_free(), np.arange(1), 500, 1000, taken)
+    assert cost_few[0] > 3 * cost_many[0] > 0  # the last idle nodes are dearer
