@@ -26,6 +26,23 @@ class Migration(msgspec.Struct, frozen=True, kw_only=True):
     statements: tuple[str, ...]
 
 
+# The columns of ``feedback_raw`` that a record writes, in insert order (both backends).
+RAW_COLUMNS = (
+    "action_id",
+    "policy",
+    "shard_id",
+    "task_kind",
+    "gpu_model",
+    "success",
+    "weight_units",
+    "latency_us",
+    "saving_milli_mb",
+    "confidence_units",
+    "side_effects",
+    "recorded_at",
+    "payload",
+)
+
 MIGRATIONS_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_migrations ("
     " version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"

@@ -38,26 +38,12 @@ from .aggregates import (
     validate_by,
 )
 from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending
+from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 from .retry import backoff_delay, is_retryable
 
 T = TypeVar("T")
 
 _KEYS = "policy, shard_id, task_kind, gpu_model"
-_RAW_COLUMNS = (
-    "action_id",
-    "policy",
-    "shard_id",
-    "task_kind",
-    "gpu_model",
-    "success",
-    "weight_units",
-    "latency_us",
-    "saving_milli_mb",
-    "confidence_units",
-    "side_effects",
-    "recorded_at",
-    "payload",
-)
 _N_RAW = len(_RAW_COLUMNS)
 _CONFIDENCE_ARG = _RAW_COLUMNS.index("confidence_units") + 1
 _SUCCESS_ARG = _RAW_COLUMNS.index("success") + 1

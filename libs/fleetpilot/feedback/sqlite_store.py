@@ -33,24 +33,10 @@ from .aggregates import (
     validate_by,
 )
 from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending
+from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 
 T = TypeVar("T")
 
-_RAW_COLUMNS = (
-    "action_id",
-    "policy",
-    "shard_id",
-    "task_kind",
-    "gpu_model",
-    "success",
-    "weight_units",
-    "latency_us",
-    "saving_milli_mb",
-    "confidence_units",
-    "side_effects",
-    "recorded_at",
-    "payload",
-)
 _INSERT_RAW = (
     f"INSERT OR IGNORE INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
     f" VALUES ({', '.join('?' for _ in _RAW_COLUMNS)})"
