@@ -36,6 +36,8 @@ from fleetpilot.policy import (
     builtin_profile,
 )
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
+from fleetpilot.policy.fragmentation import TaskShape, typical_tasks
+from fleetpilot.policy.state import TaskRequest
 
 log = logging.getLogger("fleetpilot.policy.config")
 
@@ -116,6 +118,9 @@ class ActivePolicies:
     source: str = "settings"
     plugins: Mapping[str, PluginProfile] = field(default_factory=dict)
     stats: Sequence[SuccessStat] = ()
+    # The task shapes this replica has seen: FGD's typical tasks and fleetpilot's demand.
+    typical: Sequence[TaskShape] = ()
+    demand: Sequence[TaskShape] = ()
     on_swap: Callable[[str, float], None] | None = None
     current: PolicySet = field(init=False)
     _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
@@ -136,6 +141,20 @@ class ActivePolicies:
     def apply_stats(self, stats: Sequence[SuccessStat]) -> bool:
         """Rebuild the fallback scheduler from a new success table."""
         return self._swap("stats", self.config, self.source, self.plugins, list(stats))
+
+    def apply_workload(self, tasks: Sequence[TaskRequest]) -> bool:
+        """Rebuild the built-in profiles on the task shapes seen: FGD's typical tasks (95%
+        coverage) and every class for fleetpilot's demand pressure. ``False`` when the
+        shapes did not change (nothing to rebuild) or the rebuild failed."""
+        typical, demand = typical_tasks(tasks, coverage=0.95), typical_tasks(tasks, coverage=1.0)
+        if list(typical) == list(self.typical) and list(demand) == list(self.demand):
+            return False
+        previous = (self.typical, self.demand)
+        self.typical, self.demand = typical, demand
+        if not self._swap("workload", self.config, self.source, self.plugins, self.stats):
+            self.typical, self.demand = previous
+            return False
+        return True
 
     def _swap(
         self,
@@ -185,7 +204,8 @@ class ActivePolicies:
         if name in plugins:
             return plugins[name].profile, plugins[name].version
         if name in BUILTIN_POLICIES:
-            prof = builtin_profile(name, seed=config.seed)
+            prof = builtin_profile(name, seed=config.seed, typical=list(self.typical) or None,
+                                   demand=list(self.demand) or None)
             return prof, prof.version
         known = sorted({*config.profiles, *plugins, *BUILTIN_POLICIES})
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(known)})")

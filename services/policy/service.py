@@ -37,7 +37,7 @@ import logging
 import math
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import msgspec
@@ -132,6 +132,10 @@ class PolicySettings(ServiceSettings):
     stats_refresh_s: float = 30.0
     stats_timeout_s: float = 2.0
     rebalance_s: float = 30.0
+    # How often the built-in profiles are rebuilt on the task shapes seen (FGD's typical
+    # tasks, fleetpilot's demand), and how many recent admissions count.
+    workload_refresh_s: float = 60.0
+    workload_window: int = 5000
     oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = 10
     resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
@@ -875,9 +879,17 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def on_fingerprint(event: TaskFingerprinted) -> None:
         state().remember(state().fingerprints, event.task_id, event.fingerprint)
 
+    seen: deque[TaskRequest] = deque(maxlen=settings.workload_window)
+
+    @host.every(settings.workload_refresh_s)
+    async def refresh_workload() -> None:
+        if "state" in holder and seen:
+            state().active.apply_workload(list(seen))
+
     @host.on(TaskAdmitted, consumer="policy-admitted")
     async def on_admitted(adm: TaskAdmitted) -> DecisionMade:
         ps = state()
+        seen.append(TaskRequest.from_submitted(adm.task))
         again = ps.existing(adm)
         if again is not None:
             return again
