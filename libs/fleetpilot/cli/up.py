@@ -18,12 +18,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
+
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
     DecisionMade,
     FeedbackRecorded,
     SlaOffer,
+    SlaReply,
     TaskRejected,
     decode,
     encode,
@@ -174,14 +177,30 @@ class Report:
         return "\n".join(lines)
 
 
-async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report: Report) -> None:
-    """Publish the demo workload with a bearer token per tenant."""
-    tokens = {t: local_token(state, t) for t in ("acme", "globex", "initech")}
-    import msgspec
+DEMO_TENANTS = ("acme", "globex", "initech")
 
+
+async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report: Report) -> None:
+    """Publish the demo workload with a bearer token per tenant, and play the users: a
+    counter-offer for a demo task is answered by accepting its first option."""
+    tokens = {t: local_token(state, t) for t in DEMO_TENANTS}
+    owner: dict[str, str] = {}
+
+    async def accept_offer(msg) -> None:
+        offer = decode(msg.data, SlaOffer)
+        tenant = owner.get(offer.task_id)
+        if tenant is None or not offer.options:
+            return
+        reply = SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=True,
+                         option_id=offer.options[0].option_id)
+        await bus.publish(reply, headers={"Authorization": f"Bearer {tokens[tenant]}"})
+        report.line(f"accepted option {reply.option_id} for {offer.task_id}")
+
+    await bus._nc.subscribe("sla.offer.*", cb=accept_offer)
     for i, task in enumerate(demo_tasks(count, prefix=f"demo{int(time.time()) % 100000}")):
-        tenant = ("acme", "globex", "initech")[i % 3]
+        tenant = DEMO_TENANTS[i % len(DEMO_TENANTS)]
         task = msgspec.structs.replace(task, submitted_at=now())
+        owner[task.task_id] = tenant
         report.submitted_at[task.task_id] = task.submitted_at
         await bus.publish_raw("task.submitted", encode(task),
                               headers={"Authorization": f"Bearer {tokens[tenant]}",

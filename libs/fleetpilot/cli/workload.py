@@ -28,9 +28,12 @@ def demo_tasks(count: int, seed: int = 7, prefix: str = "demo") -> list[TaskSubm
     for i, pick in enumerate(picks):
         kind, gpus, milli, mem, pattern, duration, _ = _SHAPES[int(pick)]
         tier = ("vip", "standard", "best_effort")[int(rng.integers(3))]
+        # One inference task in ten asks for a warm-up no GPU can give while loading its
+        # weights: the negotiator answers with a counter-offer.
+        warmup_ms = 50.0 if kind == "infer" and i % 10 == 0 else None
         tasks.append(TaskSubmitted(
             task_id=f"{prefix}-{i:04d}", kind=kind, gpus=gpus, gpu_milli=milli, gpu_memory_mb=mem,
             cpu_milli=4000 * gpus, memory_mb=16_384 * gpus, size_gb=float(rng.uniform(1, 40)),
-            sla=SlaRequest(tier=tier), labels={"growth": pattern}, expected_duration_s=float(duration),
+            sla=SlaRequest(tier=tier, warmup_ms=warmup_ms), labels={"growth": pattern}, expected_duration_s=float(duration),
             submitted_at=0.0))
     return tasks
