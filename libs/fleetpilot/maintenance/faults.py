@@ -70,33 +70,39 @@ def _poisson(rng: random.Random, mean: float) -> int:
         k += 1
 
 
-def _sample(
-    node: str, gpu: int, uuid: str, at: float, temp: float, width: int, c: _Counters, tasks: list[str]
-) -> GpuSample:
-    return GpuSample(
-        node=node,
-        gpu=gpu,
-        uuid=uuid,
+def gpu_reading(node: str, gpu: int, at: float, *, temperature_c: float = 60.0, **fields) -> GpuSample:
+    """A plausible reading of a busy, healthy A100 at ``at``; ``fields`` override any field
+    (ECC, XID, remap counters, link width...). The fault histories are built from it, and
+    tests of the health hooks use it for hand-made windows."""
+    base = dict(
+        uuid=f"GPU-{node}-{gpu}",
         model="A100",
-        at=at,
         utilization_gpu_pct=80.0,
         utilization_memory_pct=50.0,
         memory_total_mb=81920.0,
         memory_used_mb=40960.0,
         memory_free_mb=40960.0,
-        temperature_c=temp,
         power_w=300.0,
         power_limit_w=400.0,
         sm_clock_mhz=1410.0,
         pcie_tx_kbps=0.0,
         pcie_rx_kbps=0.0,
+        pcie_link_width_max=16,
+    )
+    return GpuSample(node=node, gpu=gpu, at=at, temperature_c=temperature_c, **{**base, **fields})
+
+
+def _sample(
+    node: str, gpu: int, uuid: str, at: float, temp: float, width: int, c: _Counters, tasks: list[str]
+) -> GpuSample:
+    return gpu_reading(
+        node, gpu, at, temperature_c=temp, uuid=uuid,
         ecc_corrected=c.ecc_corrected,
         ecc_uncorrected=c.ecc_uncorrected,
         retired_pages=c.retired_pages,
         remapped_rows=c.remapped_rows,
         pcie_replays=c.pcie_replays,
         pcie_link_width=width,
-        pcie_link_width_max=16,
         xid_last=c.xid_last,
         xid_count=c.xid_count,
         processes=[ProcessMemory(pid=1000 + i, used_mb=20480.0, task_id=t) for i, t in enumerate(tasks)],

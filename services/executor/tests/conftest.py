@@ -19,6 +19,7 @@ from fleetpilot.contracts import (
     decode,
     encode,
 )
+from fleetpilot.maintenance.faults import gpu_reading
 
 
 class Observer:
@@ -123,25 +124,7 @@ def node_topology(node: str, gpus: int = 2, model: str = "H100") -> NodeTopology
 
 def gpu_sample(node: str, gpu: int, at: float, temperature_c: float = 60.0, **counters: int) -> GpuSample:
     """One GPU reading; ``counters`` set the ECC / XID / remap fields."""
-    return GpuSample(
-        node=node,
-        gpu=gpu,
-        uuid=f"GPU-{node}-{gpu}",
-        model="H100",
-        at=at,
-        utilization_gpu_pct=50.0,
-        utilization_memory_pct=40.0,
-        memory_total_mb=81920,
-        memory_used_mb=20000,
-        memory_free_mb=61920,
-        temperature_c=temperature_c,
-        power_w=400,
-        power_limit_w=700,
-        sm_clock_mhz=1900,
-        pcie_tx_kbps=0,
-        pcie_rx_kbps=0,
-        **counters,
-    )
+    return gpu_reading(node, gpu, at, temperature_c=temperature_c, **counters)
 
 
 async def publish_telemetry(observer: Observer, node: str, samples: list[GpuSample]) -> None:

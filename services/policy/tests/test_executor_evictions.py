@@ -20,6 +20,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.maintenance.faults import gpu_reading
 from fleetpilot.runtime.testing import eventually as wait_for_async
 from fleetpilot_services.executor.service import ExecutorSettings
 from fleetpilot_services.executor.service import build as build_executor
@@ -29,24 +30,7 @@ from .conftest import admitted, node, settings, wait_for
 
 
 def hot_sample(node_name: str, gpu: int, at: float, temperature_c: float) -> GpuSample:
-    return GpuSample(
-        node=node_name,
-        gpu=gpu,
-        uuid=f"GPU-{node_name}-{gpu}",
-        model="H100",
-        at=at,
-        utilization_gpu_pct=50.0,
-        utilization_memory_pct=40.0,
-        memory_total_mb=81920,
-        memory_used_mb=20000,
-        memory_free_mb=61920,
-        temperature_c=temperature_c,
-        power_w=400,
-        power_limit_w=700,
-        sm_clock_mhz=1900,
-        pcie_tx_kbps=0,
-        pcie_rx_kbps=0,
-    )
+    return gpu_reading(node_name, gpu, at, temperature_c=temperature_c)
 
 
 def executed(decision_id: str, at: float) -> ActionExecuted:

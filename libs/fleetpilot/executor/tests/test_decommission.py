@@ -18,6 +18,7 @@ from fleetpilot.executor import (
     check_pre_decommission,
     step,
 )
+from fleetpilot.maintenance.faults import gpu_reading
 
 RULES = DecommissionRules()
 
@@ -33,24 +34,7 @@ class FakeClock:
 
 
 def sample(at: float, temp: float, node: str = "n1", gpu: int = 0) -> GpuSample:
-    return GpuSample(
-        node=node,
-        gpu=gpu,
-        uuid=f"GPU-{node}-{gpu}",
-        model="A100",
-        at=at,
-        utilization_gpu_pct=90,
-        utilization_memory_pct=50,
-        memory_total_mb=80000,
-        memory_used_mb=40000,
-        memory_free_mb=40000,
-        temperature_c=temp,
-        power_w=300,
-        power_limit_w=400,
-        sm_clock_mhz=1400,
-        pcie_tx_kbps=0,
-        pcie_rx_kbps=0,
-    )
+    return gpu_reading(node, gpu, at, temperature_c=temp)
 
 
 @pytest.mark.parametrize(
