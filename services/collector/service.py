@@ -211,8 +211,7 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         after, at = read_ib_ports(settings.host_root), time.monotonic()
         rates = port_rates(ports["before"], after, at - ports["at"])
         ports.update(before=after, at=at)
-        return [NicPortRate(device=r.device, port=r.port, tx_gbps=r.tx_gbps, rx_gbps=r.rx_gbps,
-                            utilisation=r.utilisation, uncertainty_score=r.uncertainty_score) for r in rates]
+        return rates
 
     async def publish_topology(bus: Bus) -> None:
         for node in reader.node_names():

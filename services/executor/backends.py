@@ -52,29 +52,7 @@ class BusSimBackend:
         self, task_id: str, placement: Sequence[Placement], command: Sequence[str], env: Mapping[str, str]
     ) -> TaskHandle:
         """Place the task on its GPUs; CPU-only tasks run without touching the GPUs."""
-        peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
-        gpus = [p.gpu for p in placement if p.gpu >= 0]
-        latency = 0.0
-        if gpus:
-            latency = await self._send(
-                SimCommand(
-                    verb="place",
-                    task_id=task_id,
-                    node=placement[0].node,
-                    gpus=gpus,
-                    peak_memory_mb=peak,
-                    pattern=pattern,
-                    duration_s=duration,
-                )
-            )
-        return TaskHandle(
-            task_id=task_id,
-            backend=self.name,
-            node=placement[0].node if placement else "",
-            gpus=gpus,
-            started_at=time.time(),
-            latency_ms=latency,
-        )
+        return await self._put("place", task_id, placement)
 
     async def stop(self, task_id: str, grace_s: float) -> None:
         """Remove the task from the simulated fleet."""
@@ -82,27 +60,17 @@ class BusSimBackend:
 
     async def migrate(self, task_id: str, target: Sequence[Placement]) -> TaskHandle:
         """Move the task (its memory curve restarts on the target, as after a checkpoint)."""
+        return await self._put("move", task_id, target)
+
+    async def _put(self, verb: str, task_id: str, placement: Sequence[Placement]) -> TaskHandle:
         peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
-        gpus = [p.gpu for p in target if p.gpu >= 0]
-        latency = await self._send(
-            SimCommand(
-                verb="move",
-                task_id=task_id,
-                node=target[0].node,
-                gpus=gpus,
-                peak_memory_mb=peak,
-                pattern=pattern,
-                duration_s=duration,
-            )
-        )
-        return TaskHandle(
-            task_id=task_id,
-            backend=self.name,
-            node=target[0].node,
-            gpus=gpus,
-            started_at=time.time(),
-            latency_ms=latency,
-        )
+        gpus = [p.gpu for p in placement if p.gpu >= 0]
+        latency = 0.0
+        if gpus:
+            latency = await self._send(SimCommand(verb=verb, task_id=task_id, node=placement[0].node, gpus=gpus,
+                                                  peak_memory_mb=peak, pattern=pattern, duration_s=duration))
+        return TaskHandle(task_id=task_id, backend=self.name, node=placement[0].node if placement else "",
+                          gpus=gpus, started_at=time.time(), latency_ms=latency)
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
         """A resize changes only the ledger's view of the share in simulation."""

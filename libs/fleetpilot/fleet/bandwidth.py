@@ -29,6 +29,7 @@ from typing import Literal
 
 import msgspec
 
+from fleetpilot.contracts.telemetry import NicPortRate
 from fleetpilot.contracts.topology import BandwidthEstimate
 
 from .inventory import SiteLink
@@ -53,15 +54,8 @@ class IbPort(msgspec.Struct, frozen=True, kw_only=True):
     rcv_bytes: int
 
 
-class PortRate(msgspec.Struct, frozen=True, kw_only=True):
-    """Measured rates of one port over an interval; ``uncertainty_score`` 1 when unknown."""
-
-    device: str
-    port: int
-    tx_gbps: float
-    rx_gbps: float
-    utilisation: float
-    uncertainty_score: float
+# A port's measured rates are published as they are computed: the wire record is the type.
+PortRate = NicPortRate
 
 
 def port_rates(before: list[IbPort], after: list[IbPort], dt_s: float) -> list[PortRate]:
