@@ -17,6 +17,10 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from fleetpilot.contracts import FeedbackRecorded, encode
+
+from .aggregates import FeedbackRow
+
 
 class Migration(msgspec.Struct, frozen=True, kw_only=True):
     """One schema step: a version number, a name and the SQL statements it runs."""
@@ -42,6 +46,15 @@ RAW_COLUMNS = (
     "recorded_at",
     "payload",
 )
+
+
+
+def raw_values(row: FeedbackRow, event: FeedbackRecorded) -> tuple:
+    """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order."""
+    return (row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.success,
+            row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units, row.side_effects,
+            event.recorded_at, encode(event).decode())
+
 
 MIGRATIONS_TABLE = (
     "CREATE TABLE IF NOT EXISTS schema_migrations ("

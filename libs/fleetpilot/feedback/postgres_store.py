@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from fleetpilot.contracts import FeedbackRecorded, decode, encode
+from fleetpilot.contracts import FeedbackRecorded, decode
 
 from .aggregates import (
     KEY_FIELDS,
@@ -37,7 +37,7 @@ from .aggregates import (
     totals_of,
     validate_by,
 )
-from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending
+from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending, raw_values
 from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 from .retry import backoff_delay, is_retryable
 
@@ -163,19 +163,7 @@ class PostgresFeedbackStore:
         row = row_from_event(event)
         totals = totals_of(row)
         args: tuple[Any, ...] = (
-            row.action_id,
-            row.policy,
-            row.shard_id,
-            row.task_kind,
-            row.gpu_model,
-            row.success,
-            row.weight_units,
-            row.latency_us,
-            row.saving_milli_mb,
-            row.confidence_units,
-            row.side_effects,
-            event.recorded_at,
-            encode(event).decode(),
+            *raw_values(row, event),
             *(getattr(totals, f) for f in TOTALS_FIELDS),
             row.calibration_bin,
         )

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from fleetpilot.contracts import FeedbackRecorded, decode, encode
+from fleetpilot.contracts import FeedbackRecorded, decode
 
 from .aggregates import (
     KEY_FIELDS,
@@ -32,7 +32,7 @@ from .aggregates import (
     totals_of,
     validate_by,
 )
-from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending
+from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending, raw_values
 from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 
 T = TypeVar("T")
@@ -103,28 +103,13 @@ class SqliteFeedbackStore:
         """Store one outcome once; ``False`` for an ``action_id`` already stored."""
         row = row_from_event(event)
         totals = totals_of(row)
-        payload = encode(event).decode()
 
         def write() -> bool:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 cursor = self._db.execute(
                     _INSERT_RAW,
-                    (
-                        row.action_id,
-                        row.policy,
-                        row.shard_id,
-                        row.task_kind,
-                        row.gpu_model,
-                        row.success,
-                        row.weight_units,
-                        row.latency_us,
-                        row.saving_milli_mb,
-                        row.confidence_units,
-                        row.side_effects,
-                        event.recorded_at,
-                        payload,
-                    ),
+                    raw_values(row, event),
                 )
                 inserted = cursor.rowcount == 1
                 if inserted:
