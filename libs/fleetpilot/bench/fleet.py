@@ -506,8 +506,10 @@ class FleetRun:
             self.oom_floor[job.signature] = max(self.oom_floor.get(job.signature, 0.0), floor)
 
     def _observe_tasks(self, now: float) -> None:
-        watched_nodes = {self.state.node_names[j.row] for j in self.jobs
-                         if j.state == "running" and j.fingerprinter is not None}
+        # Sorted: the order samples are read in decides the order of moves, and a run must
+        # not depend on Python's string hashing.
+        watched_nodes = sorted({self.state.node_names[j.row] for j in self.jobs
+                                if j.state == "running" and j.fingerprinter is not None})
         changed: dict[str, float] = {}
         bridging: list[_Job] = []
         for node in watched_nodes:
@@ -582,7 +584,7 @@ class FleetRun:
     def _rebalance(self, job: _Job, now: float) -> None:
         # Move whoever on the GPU outgrew its plan the most: that is the allocation that fails.
         tenants = {tid for g in job.gpus for tid in self.on_gpu.get((job.row, g), set())}
-        victims = sorted((self.by_id[t] for t in tenants), key=lambda j: -(j.reserved_mb - j.planned_mb))
+        victims = sorted((self.by_id[t] for t in tenants), key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
             if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +210,17 @@ def test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows() -
     # The same task on the baseline: it lands on the A100 (the H100 is busy) and dies there.
     base = FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "k8s-default", seed=1).run()
     assert base.figures["oom_events"] >= 1
+
+
+def test_a_run_is_a_function_of_its_seed_not_of_string_hashing(tmp_path: Path) -> None:
+    # Python salts str hashes per process: a set of task ids or node names iterated while
+    # deciding moves made two processes with the same seed disagree (this run did, before).
+    figures = []
+    for salt in ("0", "1"):
+        out = tmp_path / f"run-{salt}.json"
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        subprocess.run([sys.executable, "-m", "fleetpilot.bench.fleet", "--fleet", "three-site", "--seed", "11",
+                        "--json", str(out)], env=env, check=True, capture_output=True, timeout=300)
+        data = json.loads(out.read_text())
+        figures.append({mode: {k: v for k, v in data[mode].items() if k != "wall_s"} for mode in ("baseline", "fleetpilot")})
+    assert figures[0] == figures[1]
