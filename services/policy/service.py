@@ -62,6 +62,7 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
+from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, Retry, ServiceHost, ServiceSettings
 from prometheus_client import Counter, Gauge, Histogram
@@ -271,6 +272,9 @@ class PolicyState:
         self.resizes: OrderedDict[str, float] = OrderedDict()
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
+        # EASY backfill: GPUs kept for the first blocked whole-GPU task of the last queue
+        # round; a task expected to outlast their release is placed as if they were taken.
+        self.reservation: Reservation | None = None
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
@@ -389,7 +393,11 @@ class PolicyState:
             name, shard_id = policies.route(task)
             state = self.snapshot()
             req = self.request(task)
-            choice = policies.guarded[name].decide(state, req)
+            held = self.reservation
+            if held is not None and not held.delayed_by(task.task_id, task.expected_duration_s, now()):
+                held = None
+            with hidden(state, held):
+                choice = policies.guarded[name].decide(state, req)
             if attempt == 0:
                 self.record_input(state, req)
             if choice.action != "assign" or not choice.placement:
@@ -434,6 +442,33 @@ class PolicyState:
                 shard_id,
             )
         raise Retry("ledger contention", 0.2)
+
+    def reservation_for(self, adm: TaskAdmitted) -> Reservation | None:
+        """Where and when a blocked whole-GPU task can start earliest (``backfill.reserve``),
+        judged by the durations the running tasks declared: a hold whose task declared none,
+        or that this replica cannot name, is taken never to end."""
+        state = self.snapshot()
+        return reserve(state, self.request(adm.task), gpu_free_at(state, self.running_ends(state), now()))
+
+    def running_ends(self, state: ClusterState) -> list[tuple[int, list[int], float]]:
+        """``(row, gpus, expected end)`` of every GPU hold in the ledger."""
+        out: list[tuple[int, list[int], float]] = []
+        for ledger in self.ledger.nodes.values():
+            try:
+                row = state.node_index(ledger.node)
+            except KeyError:
+                continue
+            holds: dict[str, list[Allocation]] = {}
+            for a in ledger.allocations:
+                if a.gpu >= 0:
+                    holds.setdefault(a.task_id, []).append(a)
+            for task_id, allocs in holds.items():
+                adm = self.admissions.of(task_id) if self.admissions is not None else None
+                task = adm.task if adm is not None else self.tasks.get(task_id)
+                declared = task.expected_duration_s if task is not None else None
+                start = min(a.at for a in allocs)
+                out.append((row, [a.gpu for a in allocs], start + declared if declared else math.inf))
+        return out
 
     async def rebalance_round(self) -> list[DecisionMade]:
         """One rebalancing round (``rebalance``): a ``resize`` for a task whose predicted
@@ -949,6 +984,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # VIP first, then the longest waiting.
         waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1), p[0].admitted_at))
         out: list[DecisionMade] = []
+        # The round recomputes the reservation: the first blocked whole-GPU task gets it, and
+        # the tasks behind it (and new arrivals until the next round) backfill around it.
+        ps.reservation = None
         for adm, requeue, entry in waiting:
             if evicting and adm.contract.tier != "vip":
                 # Space is being freed for a vip: nothing else may take it half-freed (an
@@ -964,6 +1002,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 decision = None
             if decision is None:
                 await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
+                if ps.reservation is None:
+                    ps.reservation = ps.reservation_for(adm)
                 # A vip that fits nowhere may preempt best_effort work (``preempt``), once
                 # per round and not while its last preemption is still under way.
                 if adm.contract.tier == "vip" and adm.task.task_id not in evicting:

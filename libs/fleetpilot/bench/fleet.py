@@ -15,7 +15,10 @@ the bus out of service. No preemption (no PriorityClasses are set).
 
 - SLA negotiation (``sla.negotiate``) at submission against the fleet as it is: admitted,
   or counter-offered (the submitter is modelled as accepting the first option), or
-  rejected; the queue is ordered by tier (vip first), then FIFO, with backfill;
+  rejected; the queue is ordered by tier (vip first), then FIFO, with backfill around a
+  reservation (EASY, ``policy.backfill``, as the policy service does): the first blocked
+  whole-GPU task gets the GPUs that free earliest by the running tasks' declared
+  durations, and tasks expected to outlast that start may not use them;
 - fingerprints: a task whose signature (``fingerprint.task_signature``) is known gets the
   ``SignatureMemory`` prediction at submission; tasks of unknown or little-known signatures
   are fingerprinted online (``OnlineFingerprinter``) from the simulator's per-task memory
@@ -80,6 +83,7 @@ from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
+from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -212,7 +216,7 @@ class FleetRun:
                                           default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
                        "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
-                       "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0}
+                       "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
         self.policy = self._policy([])
         self._typical_at = 0
         self._view: tuple[float, FleetView] | None = None
@@ -369,20 +373,33 @@ class FleetRun:
         if not self.pending:
             return
         self.pending.sort(key=self._key)
-        failed: list[tuple[int, int, int, int, int, frozenset[str]]] = []
+        # (shape, decided with the reservation hidden) of the requests that found no node.
+        failed: list[tuple[tuple[int, int, int, int, int, frozenset[str]], bool]] = []
         keep: list[_Job] = []
+        reservation: Reservation | None = None
+        free_at: np.ndarray | None = None
         for job in self.pending:
             requests = [self._request(job)]
             if self._bridgeable(job):
                 requests.append(self._request(job, bridge=True))
+            # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
+            # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
+            hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
             for k, req in enumerate(requests):
                 shape = _shape(req, whole=not self.smart)
-                if any(_dominates(shape, f) for f in failed):
+                # A failure with the reservation hidden says nothing about a task that may use it.
+                if any(_dominates(shape, f) for f, masked in failed if hide or not masked):
                     continue
                 self.counts["decisions"] += 1
-                decision = self.policy.decide(self.state, req)
+                with hidden(self.state, reservation if hide else None):
+                    decision = self.policy.decide(self.state, req)
                 if decision.action != "assign":
-                    failed.append(shape)
+                    failed.append((shape, hide))
+                    if self.smart and reservation is None and k == 0:
+                        if free_at is None:
+                            free_at = gpu_free_at(self.state, self._running_ends(), now)
+                        reservation = reserve(self.state, req, free_at)
+                        self.counts["reservations"] += reservation is not None
                     continue
                 gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
                 job.bridged = k == 1
@@ -392,6 +409,15 @@ class FleetRun:
             else:
                 keep.append(job)
         self.pending = keep
+
+    def _remaining(self, job: _Job) -> float:
+        """What is left of the run the user declared (a checkpointed task keeps its progress)."""
+        return max(job.task.declared_duration_s - job.progress_s, 0.0)
+
+    def _running_ends(self) -> list[tuple[int, list[int], float]]:
+        """``(row, gpus, expected end)`` of every running task, by its declared duration."""
+        return [(j.row, j.gpus, j.seg_start + j.seg_pause + self._remaining(j)) for j in self.jobs
+                if j.state == "running"]
 
     def _bridgeable(self, job: _Job) -> bool:
         """A task predicted to grow smoothly (linear, leak) past every GPU free for it now may

@@ -1,0 +1,129 @@
+"""Backfill with a reservation (EASY backfilling) for the queue in front of a policy.
+
+A queue that lets any task start as soon as it fits ("backfill") keeps a fleet busy but
+starves wide tasks: a 4-GPU task needs four GPUs of one node free at the same time, and while
+it waits, every narrower task that arrives takes whichever GPU frees first. EASY backfilling
+(Lifka, 1995; what Slurm's backfill scheduler does) gives the first blocked task in queue
+order a *reservation*: the node and GPUs where it can start earliest, judged by the expected
+end of what runs there, and the time it can start (the shadow time). Other tasks still start
+anywhere, except on the reserved GPUs unless they are expected to end before the shadow
+time. So backfill never delays the reserved task, and the reservation never idles a GPU
+that a task short enough could use meanwhile.
+
+Expected ends come from the durations users declare (``expected_duration_s``): estimates,
+so a reservation is not kept but recomputed every scheduling cycle from what runs then.
+Only whole-GPU requests are given one: a share fits into a partly used GPU, which "entirely
+free at" does not describe. The reservation holds GPUs, not the node's CPU or memory; if
+backfilled work drains those, the next cycle reserves elsewhere.
+
+Usage (one scheduling cycle)::
+
+    free_at = gpu_free_at(state, running_ends, now)
+    reservation = None
+    for task in queue:                      # priority order
+        hide = reservation is not None and reservation.delayed_by(task_id, task_duration, now)
+        with hidden(state, reservation if hide else None):
+            decision = policy.decide(state, request)
+        if decision.action != "assign" and reservation is None:
+            reservation = reserve(state, request, free_at)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from .state import MILLI, ClusterState, TaskRequest
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """GPUs ``gpus`` of ``node`` kept for ``task_id``, expected free at ``start_s``. The node
+    is named, not indexed, so a reservation stays valid on a later snapshot of the fleet."""
+
+    task_id: str
+    node: str
+    gpus: tuple[int, ...]
+    start_s: float
+
+    def delayed_by(self, task_id: str, expected_duration_s: float | None, now: float) -> bool:
+        """True when a task starting ``now`` may not use the reserved GPUs: it is not the
+        task the reservation is for and is expected to outlast the start (a task that
+        declares no duration is assumed to)."""
+        if task_id == self.task_id:
+            return False
+        return expected_duration_s is None or now + expected_duration_s > self.start_s
+
+
+def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], float]], now: float) -> np.ndarray:
+    """``(nodes, max_gpus)`` time at which each GPU slot is expected to be entirely free.
+
+    ``ends`` lists what runs: ``(node_row, gpus, expected_end_s)`` per task. An idle GPU is
+    free ``now``; a busy one when its last tenant is expected to end (never before ``now``:
+    a task past its declared duration ends "any moment"); a missing, unhealthy or
+    maintenance slot never (``inf``).
+    """
+    free_at = np.full(state.gpu_free.shape, float(now))
+    for row, gpus, end in ends:
+        for g in gpus:
+            free_at[row, g] = max(free_at[row, g], float(end))
+    usable = state.gpu_exists & state.gpu_healthy & ~state.gpu_maintenance
+    return np.where(usable, free_at, np.inf)
+
+
+def reserve(state: ClusterState, request: TaskRequest, free_at: np.ndarray) -> Reservation | None:
+    """Where and when a blocked whole-GPU request can start earliest, or ``None``.
+
+    Candidate nodes are those it could run on once empty: an accepted model, enough GPUs,
+    GPU memory, CPU and memory in total. On each, the start is the ``gpus``-th earliest
+    GPU release; the earliest node wins (the lowest row on a tie, so the choice is
+    reproducible), and the reservation is for its ``gpus`` earliest-free GPUs.
+    """
+    n = request.gpus
+    if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus:
+        return None
+    ok = (state.cpu_total >= request.cpu_milli) & (state.mem_total >= request.memory_mb)
+    if request.gpu_models:
+        wanted = [state.model_index(m) for m in request.gpu_models]
+        ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
+    roomy = state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb)
+    times = np.where(roomy, free_at, np.inf)
+    nth = np.sort(times, axis=1)[:, n - 1]
+    nth = np.where(ok, nth, np.inf)
+    row = int(np.argmin(nth))
+    if not np.isfinite(nth[row]):
+        return None
+    gpus = np.argsort(times[row], kind="stable")[:n]
+    return Reservation(task_id=request.task_id, node=state.node_names[row],
+                       gpus=tuple(sorted(int(g) for g in gpus)), start_s=float(nth[row]))
+
+
+@contextmanager
+def hidden(state: ClusterState, reservation: Reservation | None) -> Iterator[ClusterState]:
+    """Within the block, the reserved GPUs look out of service to any policy deciding on
+    ``state`` (marked as in maintenance); the flags are restored on exit. The node's version
+    is bumped both ways so derived-feature caches never serve the masked view afterwards.
+    A reservation on a node the snapshot does not have hides nothing."""
+    row = _row_of(state, reservation.node) if reservation is not None else None
+    if reservation is None or row is None:
+        yield state
+        return
+    idx = np.asarray(reservation.gpus, dtype=np.int64)
+    before = state.gpu_maintenance[row, idx].copy()
+    state.gpu_maintenance[row, idx] = True
+    state.version[row] += 1
+    try:
+        yield state
+    finally:
+        state.gpu_maintenance[row, idx] = before
+        state.version[row] += 1
+
+
+def _row_of(state: ClusterState, node: str) -> int | None:
+    try:
+        return state.node_index(node)
+    except KeyError:
+        return None

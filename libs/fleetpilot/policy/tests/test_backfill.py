@@ -1,0 +1,92 @@
+"""EASY backfill over plain tables: when GPUs free, which node a blocked task reserves, and
+what a policy sees while the reservation is hidden."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from fleetpilot.policy import ClusterState, TaskRequest, build_policy
+from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+
+
+def fleet() -> ClusterState:
+    """n0: 4 x A100 (40 GB), n1: 4 x H100 (80 GB), n2: 2 x H100 with little CPU."""
+    return ClusterState.build(names=["n0", "n1", "n2"], cpu_milli=[64000, 64000, 4000], memory_mb=[512000] * 3,
+                              gpus=[4, 4, 2], models=["A100-40GB", "H100", "H100"],
+                              gpu_memory_mb=[40960, 81920, 81920])
+
+
+# Running tasks: (row, gpus, expected end). now = 100.
+RUNNING = [(0, [0, 1], 500.0), (0, [2], 300.0), (1, [0], 200.0), (1, [1, 2], 900.0), (2, [0], 50.0)]
+
+
+def test_free_at_is_the_last_tenants_end_never_before_now_and_never_for_a_missing_or_failed_gpu() -> None:
+    state = fleet()
+    state.gpu_healthy[0, 3] = False
+    free_at = gpu_free_at(state, RUNNING + [(0, [2], 400.0)], now=100.0)
+    expected = np.array([[500, 500, 400, math.inf], [200, 900, 900, 100], [100, 100, math.inf, math.inf]])
+    assert np.array_equal(free_at, expected)
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected"),
+    [
+        # Two GPUs: n0 at 500 (GPU 3 is idle, GPU 2 frees at 300 -> 300), n1 at 200, n2 at 100
+        # (c's estimate is past: "any moment"). n2 is earliest.
+        (TaskRequest(task_id="w", gpus=2), Reservation(task_id="w", node="n2", gpus=(0, 1), start_s=100.0)),
+        # Too much CPU for n2: n1's GPUs 0 and 3 at 200 beat n0's 2 and 3 at 300.
+        (TaskRequest(task_id="w", gpus=2, cpu_milli=8000), Reservation(task_id="w", node="n1", gpus=(0, 3), start_s=200.0)),
+        # A100 only: n0, GPUs 3 (idle) and 2 (300); four of them only once all end (500).
+        (TaskRequest(task_id="w", gpus=2, gpu_models=("A100-40GB",)), Reservation(task_id="w", node="n0", gpus=(2, 3), start_s=300.0)),
+        (TaskRequest(task_id="w", gpus=4, gpu_models=("A100-40GB",)), Reservation(task_id="w", node="n0", gpus=(0, 1, 2, 3), start_s=500.0)),
+        # 60 GB per GPU: only the H100s hold it.
+        (TaskRequest(task_id="w", gpus=3, gpu_memory_mb=60000), Reservation(task_id="w", node="n1", gpus=(0, 1, 3), start_s=900.0)),
+    ],
+)
+def test_reserve_takes_the_earliest_start_among_the_nodes_the_task_could_use(request_: TaskRequest,
+                                                                            expected: Reservation) -> None:
+    state = fleet()
+    assert reserve(state, request_, gpu_free_at(state, RUNNING, now=100.0)) == expected
+
+
+@pytest.mark.parametrize("request_", [TaskRequest(task_id="s", gpus=1, gpu_milli=500),  # a share
+                                      TaskRequest(task_id="w", gpus=8),  # wider than any node
+                                      TaskRequest(task_id="w", gpus=1, gpu_models=("T4",))])  # no such model
+def test_no_reservation_for_a_share_or_a_task_no_node_can_ever_hold(request_: TaskRequest) -> None:
+    state = fleet()
+    assert reserve(state, request_, gpu_free_at(state, RUNNING, now=100.0)) is None
+
+
+def test_no_reservation_when_every_candidate_gpu_is_held_by_a_task_that_never_ends() -> None:
+    state = fleet()
+    forever = [(r, list(range(4)), math.inf) for r in range(3)]
+    assert reserve(state, TaskRequest(task_id="w", gpus=1), gpu_free_at(state, forever, now=0.0)) is None
+
+
+@pytest.mark.parametrize(("task_id", "duration", "now", "delayed"),
+                         [("x", 50.0, 100.0, False), ("x", 150.0, 100.0, True), ("x", None, 100.0, True),
+                          ("w", 10_000.0, 100.0, False)])
+def test_only_a_task_that_outlasts_the_start_is_kept_off(task_id: str, duration: float | None, now: float,
+                                                         delayed: bool) -> None:
+    held = Reservation(task_id="w", node="n1", gpus=(0,), start_s=200.0)
+    assert held.delayed_by(task_id, duration, now) is delayed
+
+
+def test_a_policy_does_not_see_hidden_gpus_and_the_state_is_restored_after() -> None:
+    state = fleet()
+    for row, gpus, _ in RUNNING:
+        state.allocate(row, gpus, 1000)
+    policy = build_policy("bestfit", seed=0)
+    task = TaskRequest(task_id="x", gpus=1, gpu_models=("H100",))
+    before = policy.decide(state, task)
+    assert (before.node_row, before.placement[0].gpu) == (2, 1)  # the tightest H100 node
+    version = state.version.copy()
+    with hidden(state, Reservation(task_id="w", node="n2", gpus=(1,), start_s=1e9)):
+        decision = policy.decide(state, task)
+    assert (decision.node_row, decision.placement[0].gpu) == (1, 3)
+    assert not state.gpu_maintenance.any()
+    assert state.version[2] == version[2] + 2 and state.version[1] == version[1]
+    with hidden(state, Reservation(task_id="w", node="gone", gpus=(0,), start_s=0.0)):
+        assert not state.gpu_maintenance.any()
