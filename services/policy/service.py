@@ -301,7 +301,7 @@ class PolicyState:
         # that GPU stops taking work.
         for node, gpu in maintenance:
             try:
-                state.gpu_maintenance[state.node_index(node), gpu] = True
+                state.set_condition(state.node_index(node), [gpu], maintenance=True)
             except (KeyError, IndexError):
                 continue
         return state
@@ -755,7 +755,7 @@ class PolicyState:
         )
         state = self.snapshot()
         row = state.node_index(running.node)
-        state.gpu_maintenance[row, running.gpus] = True  # never "move" onto where it is
+        state.set_condition(row, running.gpus, maintenance=True)  # never "move" onto where it is
         choice = policies.guarded[policies.default].decide(state, req)
         if choice.action != "assign" or not choice.placement:
             log.info("no target to migrate %s to (%s)", running.task_id, why)

@@ -476,7 +476,7 @@ class FleetRun:
                 self.failed_gpus[gi] = now
                 self.excluded[gi] = True
                 # The device plugin's health check takes a GPU that fell off the bus out of service.
-                _mark_gpu(self.state, row, ev.gpu, healthy=False)
+                self.state.set_condition(row, [ev.gpu], healthy=False)
                 continue
             job = self.by_id.get(ev.task_id or "")
             if job is None or job.state != "running":
@@ -687,7 +687,7 @@ class FleetRun:
             if a.maintenance_pending and gi not in self.pending_maintenance:
                 self.pending_maintenance[gi] = now
                 self.excluded[gi] = True
-                _mark_gpu(self.state, row, local, maintenance=True)
+                self.state.set_condition(row, [local], maintenance=True)
                 for task_id in sorted(self.on_gpu.get((row, local), set())):
                     job = self.by_id[task_id]
                     if not self._migrate(job, now, reason="maintenance"):
@@ -796,17 +796,6 @@ class FleetRun:
         leads = [(self.failed_gpus[gi] - at) / 3600.0 for gi, at in self.pending_maintenance.items()
                  if gi in self.failed_gpus and at < self.failed_gpus[gi]]
         return len(leads), float(np.median(leads)) if leads else 0.0
-
-
-def _mark_gpu(state: ClusterState, row: int, gpu: int, *, healthy: bool | None = None,
-              maintenance: bool | None = None) -> None:
-    """Set a GPU's health flags in the policy's state (and bump the node's version so derived
-    caches notice). ``ClusterState`` only exposes these flags at construction."""
-    if healthy is not None:
-        state.gpu_healthy[row, gpu] = healthy
-    if maintenance is not None:
-        state.gpu_maintenance[row, gpu] = maintenance
-    state.version[row] += 1
 
 
 def _shape(req: TaskRequest, *, whole: bool) -> tuple[int, int, int, int, int, frozenset[str]]:

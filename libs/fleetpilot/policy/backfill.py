@@ -111,15 +111,12 @@ def hidden(state: ClusterState, reservation: Reservation | None) -> Iterator[Clu
     if reservation is None or row is None:
         yield state
         return
-    idx = np.asarray(reservation.gpus, dtype=np.int64)
-    before = state.gpu_maintenance[row, idx].copy()
-    state.gpu_maintenance[row, idx] = True
-    state.version[row] += 1
+    before = state.gpu_maintenance[row, list(reservation.gpus)].copy()
+    state.set_condition(row, reservation.gpus, maintenance=True)
     try:
         yield state
     finally:
-        state.gpu_maintenance[row, idx] = before
-        state.version[row] += 1
+        state.set_condition(row, reservation.gpus, maintenance=before)
 
 
 def _row_of(state: ClusterState, node: str) -> int | None:

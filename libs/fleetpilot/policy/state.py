@@ -352,6 +352,18 @@ class ClusterState:
             self.gpu_mem_free[node, idx] -= gpu_memory_mb
         self.version[node] += 1
 
+    def set_condition(self, node: int, gpus: Sequence[int], *, healthy: bool | np.ndarray | None = None,
+                      maintenance: bool | np.ndarray | None = None) -> None:
+        """Set the health and maintenance flags of GPUs ``gpus`` of row ``node`` (a flag left
+        ``None`` is unchanged; an array gives one value per GPU) and bump the node's version,
+        so that derived-feature caches notice."""
+        idx = np.asarray(list(gpus), dtype=np.int64)
+        if healthy is not None:
+            self.gpu_healthy[node, idx] = healthy
+        if maintenance is not None:
+            self.gpu_maintenance[node, idx] = maintenance
+        self.version[node] += 1
+
     def release(self, node: int, gpus: Sequence[int], milli: int, *, cpu_milli: int = 0,
                 memory_mb: int = 0, gpu_memory_mb: int = 0) -> None:
         """Undo an ``allocate`` with the same arguments (capped at capacity)."""

@@ -79,3 +79,16 @@ def test_task_request_from_submitted_uses_fingerprint_spread():
     r = TaskRequest.from_submitted(task, fp)
     assert r.shares_gpu and r.gpu_models == ("A100",) and r.role == "training"
     assert r.predicted_peak_mb == 10000 and r.peak_sigma_mb == pytest.approx(1000.0)
+
+
+def test_set_condition_flags_gpus_and_bumps_only_that_nodes_version() -> None:
+    state = ClusterState.build(names=["a", "b"], cpu_milli=[8000, 8000], memory_mb=[1000, 1000], gpus=[4, 4],
+                               models=["T4", "T4"])
+    state.set_condition(1, [0, 2], healthy=False)
+    state.set_condition(1, [3], maintenance=True)
+    assert state.gpu_healthy[1].tolist() == [False, True, False, True] and state.gpu_healthy[0].all()
+    assert state.gpu_maintenance[1].tolist() == [False, False, False, True] and not state.gpu_maintenance[0].any()
+    assert state.version.tolist() == [0, 2]
+    assert state.usable_free()[1].tolist() == [0, 1000, 0, 0]
+    state.set_condition(1, [0, 3], healthy=np.array([True, True]), maintenance=np.array([False, False]))
+    assert state.usable_free()[1].tolist() == [1000, 1000, 0, 1000]
