@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from fleetpilot.policy import (
@@ -15,7 +17,9 @@ from fleetpilot.policy import (
 )
 from fleetpilot.policy.transformers import (
     ModelPressure,
+    erfc,
     memory_fragmentation,
+    normal_cdf,
     numa_distance,
     oom_risk,
     role_affinity,
@@ -151,6 +155,18 @@ def test_transformers_are_smooth_and_bounded():
     state.gpu_role[0, 0] = 1
     assert role_affinity(state, TaskRequest(task_id="r", role="serving"))[0, :2].tolist() == [1.0, 0.5]
     assert role_affinity(state, TaskRequest(task_id="r"))[0, :2].tolist() == [0.5, 1.0]
+
+
+def test_erfc_and_normal_cdf_match_math_erf():
+    xs = np.concatenate([np.linspace(-12.0, 12.0, 24001), [0.0, -0.0, 1e-12, -1e-12, 40.0, -40.0, 1e200, -1e200]])
+    ref_erfc = np.array([math.erfc(x) for x in xs])
+    assert np.abs(erfc(xs) - ref_erfc).max() < 1e-7
+    pos = (xs >= 0) & (ref_erfc > 0)
+    assert (np.abs(erfc(xs[pos]) - ref_erfc[pos]) / ref_erfc[pos]).max() < 1.2e-7   # relative in the tail
+    ref_cdf = np.array([0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) for x in xs])
+    assert np.abs(normal_cdf(xs) - ref_cdf).max() < 1e-7
+    assert normal_cdf(np.array([-np.inf, np.inf])).tolist() == [0.0, 1.0] and np.isnan(normal_cdf(np.nan))
+    assert normal_cdf(np.zeros((3, 4))).shape == (3, 4) and normal_cdf(0.0) == pytest.approx(0.5, abs=1e-7)
 
 
 def test_fleetpilot_confidence_drops_with_oom_risk():
