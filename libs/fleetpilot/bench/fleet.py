@@ -54,7 +54,10 @@ counter-offers do not relax the measure; rejected and failed tasks count); fleet
 (catalogue price of every GPU over the run) per useful GPU-hour (the GPU share times the
 run time of completed work, plus the progress of tasks still running at the end; killed
 runs and migration pauses are not useful); interventions: OOM restarts, jobs that hit the
-backoff limit, tasks stuck in the queue over an hour, tasks lost to a failed GPU.
+backoff limit, tasks stuck in the queue over an hour, tasks lost to a failed GPU. Also
+printed: how honest each policy's confidence was (the mean confidence of the decisions that
+first started tasks, against the share of those that met their goal, i.e. ran to completion
+without being killed; and the Brier score).
 
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
 --plot-dir out/``.
@@ -145,6 +148,7 @@ class _Job:
     progress_s: float = 0.0
     finished_at: float | None = None
     counter_offered: bool = False
+    confidence: float | None = None  # of the decision that first started it
     fingerprinter: OnlineFingerprinter | None = None
     prediction: Fingerprint | None = None
     resume: tuple[MemoryGrowth, float] | None = None
@@ -402,6 +406,8 @@ class FleetRun:
                         self.counts["reservations"] += reservation is not None
                     continue
                 gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
+                if job.confidence is None:
+                    job.confidence = decision.confidence
                 job.bridged = k == 1
                 self.counts["bridged"] += job.bridged
                 self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
@@ -760,6 +766,7 @@ class FleetRun:
             "interventions": float(interventions),
         }
         seen, lead = self._maintenance_leads()
+        predicted, observed, brier, judged = self._calibration()
         breakdown = {
             "utilisation_whole_run": float(util.mean()) if util.size else 0.0,
             "utilisation_of_killed_runs": killed,
@@ -772,10 +779,26 @@ class FleetRun:
             "failures_seen_coming": float(seen),
             "failures": float(len(self.failed_gpus)),
             "median_warning_h": lead,
+            "confidence_predicted": predicted,
+            "confidence_observed": observed,
+            "confidence_brier": brier,
+            "confidence_judged": float(judged),
             **{k: float(v) for k, v in c.items()},
         }
         return RunResult(mode=self.mode, figures=figures, breakdown=breakdown, times_h=times, utilisation=utils,
                          queue_length=queue, wall_s=wall)
+
+    def _calibration(self) -> tuple[float, float, float, int]:
+        """How honest the confidence of first placements was: its mean, the share of those
+        placements that met their goal (the task ran to completion without being killed),
+        the Brier score, and how many were judged (a task still running at the end is not)."""
+        pairs = [(j.confidence, j.state == "done" and j.attempts == 1) for j in self.jobs
+                 if j.confidence is not None and (j.state in ("done", "failed") or j.attempts > 1)]
+        if not pairs:
+            return 0.0, 0.0, 0.0, 0
+        conf = np.array([p for p, _ in pairs])
+        met = np.array([float(ok) for _, ok in pairs])
+        return float(conf.mean()), float(met.mean()), float(((conf - met) ** 2).mean()), len(pairs)
 
     def _killed_share(self, times_s: np.ndarray, in_window: np.ndarray) -> float:
         """The part of the window's utilisation held by runs that were later killed (OOM or a
@@ -890,6 +913,10 @@ def report(c: Comparison) -> str:
     lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
                  f"{b['never_started']:.0f} / {f['never_started']:.0f}; max queue length {b['max_queue_length']:.0f} / "
                  f"{f['max_queue_length']:.0f}")
+    lines.append(f"confidence of first placements (predicted vs met, Brier): k8s-default "
+                 f"{b['confidence_predicted']:.3f} vs {b['confidence_observed']:.3f} ({b['confidence_brier']:.3f}), "
+                 f"fleetpilot {f['confidence_predicted']:.3f} vs {f['confidence_observed']:.3f} "
+                 f"({f['confidence_brier']:.3f})")
     verdict = c.targets()
     lines.append("targets vs k8s-default: " + ", ".join(
         f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))

@@ -58,6 +58,19 @@ def test_a_task_that_fits_its_gpu_never_ooms() -> None:
     assert result.breakdown["completed"] == 1
 
 
+def test_the_confidence_of_first_placements_is_judged_against_how_they_ended() -> None:
+    # Two placements judged: the leak (killed by its OOM: not met) and the fitting task
+    # (completed: met); the third task is still running when the run ends: not judged.
+    tasks = (task(0, pattern="leak", peak=45_000.0, request=30_000.0), task(1, pattern="flat", peak=8_000.0),
+             task(2, pattern="flat", peak=8_000.0, duration=10 * 3600.0))
+    result = FleetRun(tiny_fleet(gpus=3), workload(*tasks, hours=1.0), "k8s-default", seed=1).run()
+    b = result.breakdown
+    assert b["confidence_judged"] == 2
+    assert b["confidence_observed"] == 0.5
+    assert b["confidence_predicted"] == pytest.approx(0.9)  # the prior: k8s-default knows no memory
+    assert b["confidence_brier"] == pytest.approx((0.9**2 + 0.1**2) / 2)
+
+
 def test_queue_times_follow_the_clock() -> None:
     # One GPU, two whole-GPU tasks of 600 s arriving at 0: the first starts at the first
     # cycle (60 s), the second when the first ends (60 + 600 s).
