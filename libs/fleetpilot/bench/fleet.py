@@ -239,7 +239,12 @@ class FleetRun:
     def _policy(self, seen: Sequence[TaskRequest]) -> Policy:
         if not self.smart:
             return build_policy("k8s-default", seed=self.seed)
-        return build_policy("fleetpilot", seed=self.seed, typical=typical_tasks(seen) if seen else None)
+        if not seen:
+            return build_policy("fleetpilot", seed=self.seed)
+        # As the policy service does: FGD's typical tasks at 95% coverage, and every shape
+        # seen as the demand the pressure term prices capacity with.
+        return build_policy("fleetpilot", seed=self.seed, typical=typical_tasks(seen),
+                            demand=typical_tasks(seen, coverage=1.0))
 
     def _refresh_typical(self, arrived: int) -> None:
         # FGD's typical tasks come from the tasks seen so far; recompiled as their number doubles.
