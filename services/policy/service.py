@@ -63,6 +63,7 @@ from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_alloca
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, Retry, ServiceHost, ServiceSettings
 from prometheus_client import Counter, Gauge, Histogram
@@ -163,6 +164,20 @@ class PolicySettings(ServiceSettings):
 def decision_id_for(task_id: str, action: str) -> str:
     """Deterministic decision id: every replica and every redelivery agrees on it."""
     return f"{task_id}.{action}"
+
+
+def totals_by_policy(groups: list) -> dict[str, tuple[float, float]]:
+    """Feedback groups keyed by ``policy`` (``name@version``) summed per policy name: the sum
+    of published confidences and the successes (what ``ConfidenceCalibration`` learns from;
+    a profile rebuilt under a new version is still the same policy)."""
+    out: dict[str, tuple[float, float]] = {}
+    for g in groups:
+        name = g.key.get("policy", "").rsplit("@", 1)[0]
+        if not name or name == "fallback":
+            continue
+        expected, met = out.get(name, (0.0, 0.0))
+        out[name] = (expected + g.expected_successes, met + g.successes)
+    return out
 
 
 def allocations_for(task: TaskSubmitted, decision_id: str, placement: list[Placement]) -> list[Allocation]:
@@ -275,6 +290,8 @@ class PolicyState:
         # EASY backfill: GPUs kept for the first blocked whole-GPU task of the last queue
         # round; a task expected to outlast their release is placed as if they were taken.
         self.reservation: Reservation | None = None
+        # Per policy, the correction of its confidence learnt from the feedback totals.
+        self.calibration = ConfidenceCalibration()
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
@@ -427,11 +444,13 @@ class PolicyState:
                 if again is not None:
                     return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
+            # The fallback's confidence is already its historical success rate.
+            confidence = choice.confidence if choice.fallback else self.calibration.apply(name, choice.confidence)
             return (
                 self.assign_decision(
                     adm,
                     placement,
-                    choice.confidence,
+                    confidence,
                     choice.reason,
                     self.policy_ref(policies, name, choice),
                     shard_id,
@@ -899,14 +918,21 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 state().active.apply_plugins(plugins.profiles(), started)
 
     async def refresh_stats(bus: Bus) -> None:
-        query = StatsQuery(by=["task_kind", "gpu_model"])
         try:
-            raw = await bus.request("feedback.stats", encode(query), timeout_s=settings.stats_timeout_s)
-            stats = decode(raw, FeedbackStats)
+            by_kind, by_policy = [
+                decode(
+                    await bus.request("feedback.stats", encode(StatsQuery(by=by)), timeout_s=settings.stats_timeout_s),
+                    FeedbackStats,
+                )
+                for by in (["task_kind", "gpu_model"], ["policy"])
+            ]
         except (TimeoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.info("feedback statistics unavailable (%s); the fallback keeps its last table", exc)
+            log.info("feedback statistics unavailable (%s); the fallback and confidences keep their last state", exc)
             return
-        state().active.apply_stats(success_table(stats.groups))
+        state().active.apply_stats(success_table(by_kind.groups))
+        for name, (expected, met) in totals_by_policy(by_policy.groups).items():
+            factor = state().calibration.update(name, expected, met)
+            log.debug("confidence of %s corrected by %.3f (feedback: %.1f expected, %.0f met)", name, factor, expected, met)
 
     host.on_startup(open_state)
 

@@ -37,6 +37,9 @@ the bus out of service. No preemption (no PriorityClasses are set).
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first;
+- calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
+  the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
+  as the policy service corrects it from the feedback store's totals;
 - maintenance: a ``HealthModel`` watches GPUs that report any hardware signal; at 0.85 a GPU
   is marked ``maintenance_pending`` (no new work, out of the utilisation denominator) and
   its tasks migrate away.
@@ -87,6 +90,7 @@ from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
 from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -101,6 +105,8 @@ TICK_S = 60.0
 """Scheduling cycle and telemetry period of the virtual clock."""
 HEALTH_EVERY = 2
 """Health samples are taken every this many ticks (2 minutes), as the collector does."""
+FEEDBACK_EVERY = 10
+"""The feedback totals that correct fleetpilot's confidence are read every this many ticks."""
 HEALTH_WINDOW = 30
 """Samples in a health window (one hour)."""
 BACKOFF_LIMIT = 6
@@ -222,6 +228,9 @@ class FleetRun:
                        "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
         self.policy = self._policy([])
+        # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
+        # policy service does from the feedback store's totals (``policy.calibration``).
+        self.calibration = ConfidenceCalibration()
         self._typical_at = 0
         self._view: tuple[float, FleetView] | None = None
 
@@ -328,6 +337,9 @@ class FleetRun:
                 self._observe_tasks(now)
                 if tick % HEALTH_EVERY == 0:
                     self._watch_health(now)
+                if tick % FEEDBACK_EVERY == 0:
+                    _, _, _, judged, expected, met = self._judged()
+                    self.calibration.update(self.mode, expected, met)
             arrived = 0
             while arrivals and arrivals[0].task.arrival_s <= now:
                 job = arrivals.popleft()
@@ -412,7 +424,8 @@ class FleetRun:
                     continue
                 gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
                 if job.confidence is None:
-                    job.confidence = decision.confidence
+                    job.confidence = (self.calibration.apply(self.mode, decision.confidence) if self.smart
+                                      else decision.confidence)
                 job.bridged = k == 1
                 self.counts["bridged"] += job.bridged
                 self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
@@ -771,7 +784,7 @@ class FleetRun:
             "interventions": float(interventions),
         }
         seen, lead = self._maintenance_leads()
-        predicted, observed, brier, judged = self._calibration()
+        predicted, observed, brier, judged, _, _ = self._judged()
         breakdown = {
             "utilisation_whole_run": float(util.mean()) if util.size else 0.0,
             "utilisation_of_killed_runs": killed,
@@ -793,17 +806,19 @@ class FleetRun:
         return RunResult(mode=self.mode, figures=figures, breakdown=breakdown, times_h=times, utilisation=utils,
                          queue_length=queue, wall_s=wall)
 
-    def _calibration(self) -> tuple[float, float, float, int]:
-        """How honest the confidence of first placements was: its mean, the share of those
-        placements that met their goal (the task ran to completion without being killed),
-        the Brier score, and how many were judged (a task still running at the end is not)."""
+    def _judged(self) -> tuple[float, float, float, int, float, float]:
+        """How honest the confidence of first placements was so far: its mean, the share of
+        those placements that met their goal (the task ran to completion without being
+        killed), the Brier score, how many were judged (a task still running is not), and
+        the two totals the feedback store would hold (sum of confidences, goals met)."""
         pairs = [(j.confidence, j.state == "done" and j.attempts == 1) for j in self.jobs
                  if j.confidence is not None and (j.state in ("done", "failed") or j.attempts > 1)]
         if not pairs:
-            return 0.0, 0.0, 0.0, 0
+            return 0.0, 0.0, 0.0, 0, 0.0, 0.0
         conf = np.array([p for p, _ in pairs])
         met = np.array([float(ok) for _, ok in pairs])
-        return float(conf.mean()), float(met.mean()), float(((conf - met) ** 2).mean()), len(pairs)
+        return (float(conf.mean()), float(met.mean()), float(((conf - met) ** 2).mean()), len(pairs),
+                float(conf.sum()), float(met.sum()))
 
     def _killed_share(self, times_s: np.ndarray, in_window: np.ndarray) -> float:
         """The part of the window's utilisation held by runs that were later killed (OOM or a

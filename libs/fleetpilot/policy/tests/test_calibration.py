@@ -1,0 +1,59 @@
+"""Calibration of confidences from feedback totals: the factor, shrinkage, no wind-up."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.policy.calibration import ConfidenceCalibration
+
+
+def test_nothing_known_means_no_correction_and_confidences_stay_in_0_1() -> None:
+    cal = ConfidenceCalibration()
+    assert cal.factor("fgd") == 1.0
+    assert cal.apply("fgd", 0.8) == 0.8
+    cal.update("fgd", expected_successes=50.0, successes=100.0)  # far more successes than predicted
+    assert cal.apply("fgd", 0.99) == 1.0 and cal.apply("fgd", -0.1) == 0.0
+
+
+@pytest.mark.parametrize(("expected", "met", "factor"), [(90.0, 99.0, 149 / 140), (95.0, 60.0, 110 / 145),
+                                                         (0.0, 0.0, 1.0)])
+def test_the_factor_is_the_observed_over_the_predicted_shrunk_by_the_prior(expected: float, met: float,
+                                                                           factor: float) -> None:
+    cal = ConfidenceCalibration(prior_decisions=50.0)
+    assert cal.update("p", expected, met) == pytest.approx(factor)
+    assert cal.factor("other") == 1.0
+
+
+def test_the_same_totals_read_again_change_nothing() -> None:
+    cal = ConfidenceCalibration()
+    first = cal.update("p", 90.0, 99.0)
+    for _ in range(10):
+        assert cal.update("p", 90.0, 99.0) == pytest.approx(first)
+
+
+def test_published_confidences_are_not_corrected_twice_and_the_loop_converges() -> None:
+    # The policy says 0.9; 99% of its placements succeed. Each round publishes 100 corrected
+    # confidences and the feedback totals grow by what was published and what succeeded.
+    cal = ConfidenceCalibration()
+    expected = met = 0.0
+    for _ in range(60):
+        expected += 100 * cal.apply("p", 0.9)
+        met += 99.0
+        cal.update("p", expected, met)
+    assert cal.apply("p", 0.9) == pytest.approx(0.99, abs=0.002)
+
+
+def test_an_overconfident_policy_is_scaled_down() -> None:
+    cal = ConfidenceCalibration()
+    expected = met = 0.0
+    for _ in range(60):
+        expected += 100 * cal.apply("p", 0.95)
+        met += 60.0
+        cal.update("p", expected, met)
+    assert cal.apply("p", 0.95) == pytest.approx(0.60, abs=0.01)
+
+
+def test_totals_that_go_down_restart_the_count() -> None:
+    cal = ConfidenceCalibration(prior_decisions=50.0)
+    cal.update("p", 90.0, 99.0)
+    assert cal.update("p", 10.0, 5.0) == 1.0  # a new, empty store: nothing learnt from it yet
+    assert cal.update("p", 100.0, 95.0) == pytest.approx((90 + 50) / (90 + 50))
