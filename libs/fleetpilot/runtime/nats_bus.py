@@ -256,6 +256,9 @@ class NatsBus(Bus):
             await handler(_NatsInbound(msg, durable=False))
 
         await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        # Core messages are not kept: until the server has the subscription, what is published
+        # is lost. Flush so that a started service hears everything published after start().
+        await self._nc.flush()
 
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
         if self._micro is None:
