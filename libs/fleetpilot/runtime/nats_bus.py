@@ -130,11 +130,10 @@ class NatsKeyValue(KeyValue):
 class NatsBus(Bus):
     """A connection to NATS used by one service process."""
 
-    def __init__(self, nc: Client, name: str, fetch_batch: int = 16) -> None:
+    def __init__(self, nc: Client, name: str) -> None:
         self._nc = nc
         self._js = nc.jetstream()
         self._name = name
-        self._fetch_batch = fetch_batch
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._micro: Service | None = None
@@ -227,7 +226,12 @@ class NatsBus(Bus):
         failures = 0
         while not self._stopping.is_set():
             try:
-                msgs = await sub.fetch(self._fetch_batch, timeout=1.0)
+                # One at a time: nats-py's fetch of a batch returns when the batch is full or
+                # the timeout is over, so a quiet stream delayed each message by up to the
+                # timeout (about 0.5 s per hop, 0.7 s from submission to decision in `up`).
+                # Fetching one returns the moment it arrives; a round trip per message is
+                # cheap next to what a handler does with it.
+                msgs = await sub.fetch(1, timeout=1.0)
                 failures = 0
             except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when idle
                 continue
