@@ -287,6 +287,10 @@ class PolicyState:
         self.resizes: OrderedDict[str, float] = OrderedDict()
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
+        # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
+        self._view: ClusterState | None = None
+        self._view_topology = self._view_ledger = -1
+        self._view_rows: dict[str, int] = {}
         # EASY backfill: GPUs kept for the first blocked whole-GPU task of the last queue
         # round; a task expected to outlast their release is placed as if they were taken.
         self.reservation: Reservation | None = None
@@ -303,7 +307,29 @@ class PolicyState:
 
     def snapshot(self, without: frozenset[str] = frozenset()) -> ClusterState:
         """The fleet as the policies see it: topology, ledger holds, GPU condition labels;
-        ``without`` drops those tasks' holds (the fleet after evicting them)."""
+        ``without`` drops those tasks' holds (the fleet after evicting them).
+
+        Building it from the records costs ~30 ms on a 1,200-node fleet, thirty times a
+        decision, so the view is kept: rebuilt when the topology changes, and otherwise
+        brought up to date row by row for the ledger keys changed since (``set_holds``).
+        Each caller gets its own copy, free to mask or allocate on."""
+        if without:
+            return self.build_snapshot(without)
+        if self._view is None or self._view_topology != self.fleet.version:
+            self._view_topology, self._view_ledger = self.fleet.version, self.ledger.version
+            self._view = self.build_snapshot()
+            self._view_rows = {node_key(name): row for row, name in enumerate(self._view.node_names)}
+        elif self._view_ledger != self.ledger.version:
+            for key, at in self.ledger.changed_at.items():
+                row = self._view_rows.get(key)
+                if at > self._view_ledger and row is not None:
+                    ledger = self.ledger.nodes.get(key)
+                    self._view.set_holds(row, ledger.allocations if ledger is not None else ())
+            self._view_ledger = self.ledger.version
+        return self._view.copy()
+
+    def build_snapshot(self, without: frozenset[str] = frozenset()) -> ClusterState:
+        """``snapshot`` built from the records, every node."""
         nodes = list(self.fleet.nodes.values())
         unhealthy, maintenance = gpu_conditions(nodes)
         state = ClusterState.from_topology(

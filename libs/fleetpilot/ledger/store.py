@@ -20,7 +20,9 @@ class BucketMirror:
     """A bucket kept in memory: loaded at open, then followed by a watcher.
 
     ``nodes`` maps each KV key to its decoded record; ``version`` counts the changes seen
-    and ``changed`` is set on each, so a waiting service can wake up.
+    and ``changed`` is set on each, so a waiting service can wake up. ``changed_at`` maps
+    each key (deleted ones too) to the ``version`` of its last change, so that a view derived
+    from the mirror can redo only the keys changed since it last looked.
     """
 
     bucket: ClassVar[str]
@@ -30,6 +32,7 @@ class BucketMirror:
         self._kv = kv
         self.nodes: dict = {}
         self.version = 0
+        self.changed_at: dict[str, int] = {}
         self.changed = asyncio.Event()
 
     @classmethod
@@ -47,6 +50,7 @@ class BucketMirror:
         else:
             self.nodes[key] = self.decoder.decode(value)
         self.version += 1
+        self.changed_at[key] = self.version
         self.changed.set()
 
     async def follow(self) -> None:

@@ -313,17 +313,26 @@ class ClusterState:
             if node in state._index:
                 state.gpu_maintenance[state._index[node], :] = True
         for node, holds in (allocations or {}).items():
-            if node not in state._index:
-                continue
-            i = state._index[node]
-            for hold in holds:
-                state.cpu_free[i] -= int(getattr(hold, "cpu_milli", 0))
-                state.mem_free[i] -= int(getattr(hold, "host_memory_mb", 0))
-                gpu = int(getattr(hold, "gpu", -1))
-                if gpu >= 0:
-                    state.gpu_free[i, gpu] -= int(getattr(hold, "milli", 0))
-                    state.gpu_mem_free[i, gpu] -= int(getattr(hold, "memory_mb", 0))
+            if node in state._index:
+                state.set_holds(state._index[node], holds)
         return state
+
+    def set_holds(self, node: int, holds: Iterable[Any]) -> None:
+        """Make row ``node``'s free capacity its totals minus ``holds`` (the node's whole
+        ledger, ``Allocation``-like as in ``from_topology``), whatever it held before; bumps
+        the node's version. A live view applies a changed ledger key with it, row by row."""
+        self.cpu_free[node] = self.cpu_total[node]
+        self.mem_free[node] = self.mem_total[node]
+        self.gpu_free[node] = np.where(self.gpu_exists[node], MILLI, 0)
+        self.gpu_mem_free[node] = self.gpu_mem_total[node]
+        for hold in holds:
+            self.cpu_free[node] -= int(getattr(hold, "cpu_milli", 0))
+            self.mem_free[node] -= int(getattr(hold, "host_memory_mb", 0))
+            gpu = int(getattr(hold, "gpu", -1))
+            if gpu >= 0:
+                self.gpu_free[node, gpu] -= int(getattr(hold, "milli", 0))
+                self.gpu_mem_free[node, gpu] -= int(getattr(hold, "memory_mb", 0))
+        self.version[node] += 1
 
     def copy(self) -> ClusterState:
         """A deep copy (arrays copied)."""

@@ -1,0 +1,58 @@
+"""The policy's kept snapshot: brought up to date row by row from the ledger keys that
+changed, rebuilt when the topology changes, always equal to a build from the records."""
+
+from __future__ import annotations
+
+import numpy as np
+from fleetpilot.contracts import Allocation, NodeLedger, encode
+from fleetpilot.ledger.store import FleetView, LedgerStore
+from fleetpilot.policy import ClusterState
+from fleetpilot_services.policy.policy_set import ActivePolicies, PolicyConfig
+from fleetpilot_services.policy.service import PolicyMetrics, PolicyState
+from prometheus_client import CollectorRegistry
+
+from .conftest import node, settings
+
+
+def policy_state(tmp_path) -> PolicyState:
+    """A replica's state over in-memory mirrors (fed with ``_apply`` as their watch would)."""
+    return PolicyState(FleetView(None), LedgerStore(None), settings("nats://unused", tmp_path),  # type: ignore[arg-type]
+                       ActivePolicies(PolicyConfig(profile="bestfit")), PolicyMetrics(CollectorRegistry()))
+
+
+def hold(task: str, gpu: int, milli: int, cpu: int = 0) -> Allocation:
+    return Allocation(task_id=task, decision_id=f"{task}.assign", gpu=gpu, milli=milli, memory_mb=1000, cpu_milli=cpu)
+
+
+def same(a: ClusterState, b: ClusterState) -> bool:
+    arrays = ("cpu_free", "mem_free", "gpu_free", "gpu_mem_free", "gpu_healthy", "gpu_maintenance", "gpu_exists")
+    return a.node_names == b.node_names and all(np.array_equal(getattr(a, n), getattr(b, n)) for n in arrays)
+
+
+def test_the_kept_snapshot_follows_ledger_and_topology_changes(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    for name in ("n0", "n1", "n2"):
+        ps.fleet._apply(name, encode(node(name)))
+    ps.ledger._apply("n0", encode(NodeLedger(node="n0", allocations=[hold("a", 0, 500, cpu=4000)])))
+    first = ps.snapshot()
+    assert same(first, ps.build_snapshot()) and first.gpu_free[0].tolist() == [500, 1000]
+    first.allocate(1, [0], 1000)  # a caller's copy: the kept view is not touched
+    steps = [
+        ("n1", NodeLedger(node="n1", allocations=[hold("b", 1, 1000), hold("c", 0, 250)])),
+        ("n0", None),  # a node's ledger key deleted: all free again
+        ("ghost", NodeLedger(node="ghost", allocations=[hold("d", 0, 1000)])),  # not in the topology
+        ("n2", NodeLedger(node="n2", allocations=[hold("e", 0, 100), hold("f", 0, 100)])),
+    ]
+    for key, ledger in steps:
+        ps.ledger._apply(key, encode(ledger) if ledger is not None else None)
+        assert same(ps.snapshot(), ps.build_snapshot())
+    assert ps.snapshot().gpu_free.tolist() == [[1000, 1000], [750, 0], [800, 1000]]
+    # A topology change (a label, a new node) rebuilds the view.
+    labelled = node("n2", labels={1: {"cordoned": "true"}})
+    ps.fleet._apply("n2", encode(labelled))
+    ps.fleet._apply("n3", encode(node("n3")))
+    view = ps.snapshot()
+    assert same(view, ps.build_snapshot())
+    assert view.node_names == ["n0", "n1", "n2", "n3"] and not view.gpu_healthy[2, 1]
+    assert same(ps.snapshot(without=frozenset({"b"})), ps.build_snapshot(frozenset({"b"})))
+    assert ps.snapshot(without=frozenset({"b"})).gpu_free[1].tolist() == [750, 1000]
