@@ -20,6 +20,7 @@ models ``G1``..``G3`` are undisclosed by Alibaba; their figures are plausible gu
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Literal
@@ -164,10 +165,13 @@ for _model in CATALOGUE:
         _INDEX.setdefault(_normalise(_alias), _model)
 
 
+@functools.lru_cache(maxsize=1024)
 def gpu_model(name: str) -> GpuModel:
     """The catalogue entry for ``name`` or one of its aliases (case and separators ignored).
 
     Raises ``UnknownGpuModel`` (a ``LookupError``) naming the known models otherwise.
+    Cached: services look a model up per GPU on every fleet snapshot, and the entries are
+    immutable (an unknown name is not cached: it raises).
     """
     found = _INDEX.get(_normalise(name))
     if found is None:
