@@ -84,6 +84,7 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     knobs = knobs or SnapshotKnobs()
     holds = {ledger.node: ledger.allocations for ledger in ledgers}
     tallies: dict[tuple[str, str], _PoolTally] = defaultdict(_PoolTally)
+    memory_of: dict[str, int] = {}  # catalogue memory per model, looked up once per call
     for node in nodes:
         per_gpu: dict[int, list] = defaultdict(list)
         for alloc in holds.get(node.node, ()):
@@ -91,8 +92,9 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                 per_gpu[alloc.gpu].append(alloc)
         for gpu in node.gpus:
             tally = tallies[(node.site, gpu.model)]
-            _, _, catalogue_mb = _catalogue_terms(gpu.model, knobs)
-            memory = gpu.memory_mb or catalogue_mb
+            if gpu.model not in memory_of:
+                memory_of[gpu.model] = _catalogue_terms(gpu.model, knobs)[2]
+            memory = gpu.memory_mb or memory_of[gpu.model]
             # A pool promises what its smallest GPU holds.
             tally.memory_mb = memory if tally.total == 0 else min(tally.memory_mb, memory)
             tally.total += 1
