@@ -78,27 +78,30 @@ def _first_line(exc: BaseException) -> str:
 
 
 async def _read_bucket(js, bucket: str, kind: type) -> list:
-    """Every live value of a bucket decoded as ``kind``; a missing bucket is empty."""
+    """Every live value of a bucket decoded as ``kind``; a missing bucket is empty.
+
+    Keys come from the stream's per-subject state (``bucket_subject_keys``), not from a
+    watch: nats-py's initial-values marker can go missing when a write races the listing.
+    """
     import nats.js.errors
+
+    from fleetpilot.runtime.nats_bus import bucket_subject_keys
 
     try:
         kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         return []
-    watcher = await kv.watch(">", ignore_deletes=True)
     out = []
-    try:
-        while True:
-            entry = await watcher.updates(timeout=READ_TIMEOUT_S)
-            if entry is None:  # end of the current values
-                break
-            if entry.value:
-                try:
-                    out.append(msgspec.json.decode(entry.value, type=kind))
-                except msgspec.DecodeError:
-                    continue  # a foreign or older value: not ours to show
-    finally:
-        await watcher.stop()
+    for key in await asyncio.wait_for(bucket_subject_keys(js, bucket), READ_TIMEOUT_S):
+        try:
+            entry = await asyncio.wait_for(kv.get(key), READ_TIMEOUT_S)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            continue  # deleted since the listing
+        if entry.value:
+            try:
+                out.append(msgspec.json.decode(entry.value, type=kind))
+            except msgspec.DecodeError:
+                continue  # a foreign or older value: not ours to show
     return out
 
 
