@@ -42,6 +42,7 @@ from fleetpilot.contracts import (
     NodeTelemetry,
     SimEvent,
     TaskLifecycle,
+    gpu_rules,
     now,
 )
 from fleetpilot.executor import (
@@ -122,9 +123,11 @@ class _TopologyBusiness:
         self._hooks = [hook, LabelGate(labels)]
 
     def gpu_context(self, node: str, gpu: int) -> GpuContext:
-        """``role`` and model as the topology bucket has them."""
-        role = self._labels.labels_of(node, gpu).get("role", "general")
-        return GpuContext(node=node, gpu=gpu, role=role, model=self._labels.model_of(node, gpu))
+        """Role, driver and allowed kinds (``contracts.gpu_rules`` of the GPU's labels) and
+        model as the topology bucket has them: the rules the policies placed by."""
+        rules = gpu_rules(self._labels.labels_of(node, gpu))
+        return GpuContext(node=node, gpu=gpu, role=rules.role, driver_pin=rules.driver or None,
+                          task_kinds=list(rules.task_kinds), model=self._labels.model_of(node, gpu))
 
     def hooks(self) -> Sequence[LifecycleHook]:
         """The pre-decommission hook, then the label gate."""

@@ -45,7 +45,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
-from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, TaskAdmitted, TaskSubmitted
+from fleetpilot.contracts import (
+    TASK_LABEL_DRIVER,
+    Allocation,
+    NodeLedger,
+    NodeTopology,
+    TaskAdmitted,
+    TaskSubmitted,
+    gpu_rules,
+)
 
 from .rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, Running, generation, is_set
 
@@ -133,6 +141,8 @@ def fits(task: TaskSubmitted, topo: NodeTopology, allocations: Iterable[Allocati
             continue
         if any(is_set(g.labels, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
             continue
+        if gpu_rules(g.labels).refusal(task.kind, task.labels.get(TASK_LABEL_DRIVER)) is not None:
+            continue  # evicting work here would free a GPU the task may not use
         if milli[g.index] >= need and (task.gpu_memory_mb <= 0 or memory[g.index] >= task.gpu_memory_mb):
             usable += 1
     return usable >= task.gpus

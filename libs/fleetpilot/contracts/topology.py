@@ -101,5 +101,47 @@ GPU_LABEL_CORDONED = "cordoned"
 GPU_LABEL_DECOMMISSIONED = "decommissioned"
 GPU_LABEL_MAINTENANCE_PENDING = "maintenance_pending"
 GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
+# Business labels: what a GPU is for, set in the fleet spec or by an operator. ``role`` is the
+# short form of ``business_role`` (an operator's override); ``reserved`` takes no new work.
+# ``driver_pin``: the driver the GPU is held at (else the ``driver_version`` it reports);
+# ``task_kinds``: the comma-separated kinds it may take (absent: all). A task's ``driver``
+# label names the driver it needs: a version, or a prefix of one ("550" for "550.54.15").
+GPU_LABEL_BUSINESS_ROLE = "business_role"
+GPU_LABEL_ROLE = "role"
+GPU_LABEL_DRIVER_PIN = "driver_pin"
+GPU_LABEL_DRIVER_VERSION = "driver_version"
+GPU_LABEL_TASK_KINDS = "task_kinds"
+TASK_LABEL_DRIVER = "driver"
+ROLE_RESERVED = "reserved"
 OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
-                                    GPU_LABEL_MAINTENANCE_RISK})
+                                    GPU_LABEL_MAINTENANCE_RISK, GPU_LABEL_ROLE, GPU_LABEL_DRIVER_PIN,
+                                    GPU_LABEL_TASK_KINDS})
+
+
+class GpuRules(msgspec.Struct, frozen=True, kw_only=True):
+    """The business rules a GPU's labels carry (``gpu_rules``), checked the same way by the
+    policies (which never propose a placement they break) and by the executor (which
+    refuses one)."""
+
+    role: str = "general"
+    driver: str = ""
+    task_kinds: tuple[str, ...] = ()
+
+    def refusal(self, kind: str, driver: str | None) -> str | None:
+        """Why a task of ``kind`` that needs ``driver`` (``None``/empty: any) may not start
+        here, or ``None`` when it may."""
+        if self.role == ROLE_RESERVED:
+            return "reserved"
+        if driver and self.driver and not (self.driver == driver or self.driver.startswith(driver + ".")):
+            return f"on driver {self.driver}, the task needs {driver}"
+        if self.task_kinds and kind not in self.task_kinds:
+            return f"takes {', '.join(self.task_kinds)}, not {kind}"
+        return None
+
+
+def gpu_rules(labels: dict[str, str]) -> GpuRules:
+    """The rules of a GPU from its topology labels (see the label names above)."""
+    kinds = tuple(sorted(k.strip() for k in labels.get(GPU_LABEL_TASK_KINDS, "").split(",") if k.strip()))
+    return GpuRules(role=labels.get(GPU_LABEL_ROLE) or labels.get(GPU_LABEL_BUSINESS_ROLE) or "general",
+                    driver=labels.get(GPU_LABEL_DRIVER_PIN) or labels.get(GPU_LABEL_DRIVER_VERSION) or "",
+                    task_kinds=kinds)

@@ -15,7 +15,14 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from fleetpilot.contracts import DecisionMade, Record, TaskLifecycle
+from fleetpilot.contracts import (
+    ROLE_RESERVED,
+    TASK_LABEL_DRIVER,
+    DecisionMade,
+    GpuRules,
+    Record,
+    TaskLifecycle,
+)
 
 
 class GpuContext(Record, frozen=True, kw_only=True):
@@ -23,8 +30,9 @@ class GpuContext(Record, frozen=True, kw_only=True):
 
     ``role``: ``general`` takes anything, ``reserved`` takes nothing new (kept for a team or
     an incident), any other value (``training``, ``inference``...) is informative.
-    ``driver_pin``: tasks labelled ``driver=<version>`` must match it. ``task_kinds``: the
-    kinds allowed here (empty: all).
+    ``driver_pin``: tasks labelled ``driver=<version>`` must match it (the version or a
+    prefix of it). ``task_kinds``: the kinds allowed here (empty: all). The same rules as
+    ``contracts.GpuRules``, which the policies apply from the topology labels.
     """
 
     node: str
@@ -93,22 +101,18 @@ class StaticBusinessContext:
 
 
 def rule_verdict(context: GpuContext, decision: DecisionMade) -> HookVerdict:
-    """Whether a GPU's role, driver pin and allowed kinds admit the decision's task (pure)."""
-    where = f"{context.node}/{context.gpu}"
-    if context.role == "reserved":
-        return HookVerdict(allow=False, reason=f"{where} is reserved")
+    """Whether a GPU's role, driver pin and allowed kinds admit the decision's task (pure;
+    ``GpuRules.refusal`` decides, as in the policies)."""
+    rules = GpuRules(role=context.role, driver=context.driver_pin or "", task_kinds=tuple(context.task_kinds))
     task = decision.task
     if task is None:
+        # Nothing known of the task: only the role can say no.
+        refusal = rules.refusal("", None) if rules.role == ROLE_RESERVED else None
+    else:
+        refusal = rules.refusal(task.kind, task.labels.get(TASK_LABEL_DRIVER))
+    if refusal is None:
         return ALLOW
-    wanted_driver = task.labels.get("driver")
-    if context.driver_pin and wanted_driver and wanted_driver != context.driver_pin:
-        return HookVerdict(
-            allow=False,
-            reason=f"{where} is pinned to driver {context.driver_pin}, task wants {wanted_driver}",
-        )
-    if context.task_kinds and task.kind not in context.task_kinds:
-        return HookVerdict(allow=False, reason=f"{where} takes {context.task_kinds}, not {task.kind}")
-    return ALLOW
+    return HookVerdict(allow=False, reason=f"{context.node}/{context.gpu}: {refusal}")
 
 
 async def check_before_assign(provider: BusinessContextProvider, decision: DecisionMade) -> HookVerdict:

@@ -230,7 +230,8 @@ class Policy:
 
     def decide(self, state: ClusterState, task: TaskRequest) -> PolicyDecision:
         """Place one task on the state; never mutates ``state``."""
-        cycle = Cycle(state=state, task=task, free=state.usable_free())
+        # Business rules are hard: a GPU the task may not use is, for this task, not there.
+        cycle = Cycle(state=state, task=task, free=np.where(state.allowed(task), state.usable_free(), 0))
         mask = np.ones(state.n_nodes, dtype=bool)
         for f in self.filters:
             mask &= f.filter(cycle)

@@ -23,7 +23,7 @@ import numpy as np
 
 from fleetpilot.contracts.fingerprint import Fingerprint
 from fleetpilot.contracts.task import TaskSubmitted
-from fleetpilot.contracts.topology import NodeTopology
+from fleetpilot.contracts.topology import TASK_LABEL_DRIVER, GpuRules, NodeTopology, gpu_rules
 
 MILLI = 1000
 """Milli-GPU of one whole GPU."""
@@ -102,6 +102,7 @@ class ClusterStateRecord(msgspec.Struct, kw_only=True):
     sites: list[str]
     roles: list[str]
     arrays: dict[str, Any]
+    rule_sets: list[GpuRules] = msgspec.field(default_factory=lambda: [GpuRules()])
 
 
 # Per-node and per-GPU arrays, with their dtypes; the order is the serialisation order.
@@ -125,6 +126,7 @@ _GPU_ARRAYS: dict[str, Any] = {
     "gpu_role": np.int32,
     "gpu_numa": np.int32,
     "gpu_nvlink_util": np.float32,
+    "gpu_rule": np.int32,
 }
 
 
@@ -133,7 +135,9 @@ class ClusterState:
     """A vectorised snapshot of the fleet (see the module docstring for the layout).
 
     ``gpu_link`` is ``(N, G, G)`` link costs between GPUs of a node (``LINK_COST``).
-    ``gpu_role`` indexes ``roles`` (0 = no role). Mutated only through ``allocate`` /
+    ``gpu_role`` indexes ``roles`` (0 = no role); ``gpu_rule`` indexes ``rule_sets``, the
+    distinct business rules of the GPUs' labels (0 = none: any task), which ``allowed``
+    turns into the GPUs a task may use. Mutated only through ``allocate`` /
     ``release``; everything else treats it as read-only.
     """
 
@@ -159,10 +163,14 @@ class ClusterState:
     gpu_numa: np.ndarray
     gpu_nvlink_util: np.ndarray
     gpu_link: np.ndarray
+    gpu_rule: np.ndarray | None = None
+    rule_sets: list[GpuRules] = field(default_factory=lambda: [GpuRules()])
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.node_names)}
+        if self.gpu_rule is None:  # no business rules known: every GPU has the default set
+            self.gpu_rule = np.zeros(self.gpu_free.shape, dtype=np.int32)
 
     # ---- shape -----------------------------------------------------------------------
     @property
@@ -189,6 +197,13 @@ class ClusterState:
     def usable_free(self) -> np.ndarray:
         """Free milli per GPU slot that a new task may use: healthy, not in maintenance."""
         return np.where(self.gpu_healthy & ~self.gpu_maintenance, self.gpu_free, 0)
+
+    def allowed(self, task: TaskRequest) -> np.ndarray:
+        """``(N, G)``: the GPUs whose business rules let ``task`` start (a reserved GPU, a
+        driver other than the task's ``driver`` label, a kind the GPU does not take: no)."""
+        driver = task.labels.get(TASK_LABEL_DRIVER)
+        ok = np.array([r.refusal(task.kind, driver) is None for r in self.rule_sets])
+        return ok[self.gpu_rule]
 
     def gpu_count(self) -> np.ndarray:
         """GPUs per node."""
@@ -279,11 +294,13 @@ class ClusterState:
         # Mixed-model nodes are rare; the node's model is its first GPU's, per-GPU models
         # would need a per-slot model array that no policy uses yet.
         roles: list[str] = [""]
+        rule_index: dict[GpuRules, int] = {GpuRules(): 0}
         for i, t in enumerate(topo):
             for gpu in t.gpus:
                 j = gpu.index
                 if j >= state.max_gpus:
                     continue
+                state.gpu_rule[i, j] = rule_index.setdefault(gpu_rules(gpu.labels), len(rule_index))  # type: ignore[index]
                 state.gpu_mem_total[i, j] = state.gpu_mem_free[i, j] = gpu.memory_mb
                 if gpu.numa_node is not None:
                     state.gpu_numa[i, j] = gpu.numa_node
@@ -303,6 +320,7 @@ class ClusterState:
                             cost = LINK_COST.get(link.kind, UNKNOWN_LINK_COST)
                             state.gpu_link[i, a, b] = state.gpu_link[i, b, a] = cost
         state.roles = roles
+        state.rule_sets = list(rule_index)
         for (node, j), temp in (temperatures or {}).items():
             if node in state._index:
                 state.gpu_temp_c[state._index[node], j] = temp
@@ -339,7 +357,7 @@ class ClusterState:
         kwargs = {name: getattr(self, name).copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
         return ClusterState(
             node_names=list(self.node_names), models=list(self.models), sites=list(self.sites),
-            roles=list(self.roles), **kwargs,
+            roles=list(self.roles), rule_sets=list(self.rule_sets), **kwargs,
         )
 
     # ---- incremental updates ---------------------------------------------------------
@@ -390,21 +408,24 @@ class ClusterState:
         """The JSON-able record (``msgspec.json.encode`` it)."""
         arrays = {name: getattr(self, name).tolist() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
         return ClusterStateRecord(node_names=list(self.node_names), models=list(self.models),
-                                  sites=list(self.sites), roles=list(self.roles), arrays=arrays)
+                                  sites=list(self.sites), roles=list(self.roles), arrays=arrays,
+                                  rule_sets=list(self.rule_sets))
 
     @classmethod
     def from_record(cls, record: ClusterStateRecord) -> ClusterState:
-        """Rebuild a state from ``to_record`` output."""
+        """Rebuild a state from ``to_record`` output (one recorded before business rules
+        existed reads as a fleet without any)."""
         dtypes = {**_NODE_ARRAYS, **_GPU_ARRAYS, "gpu_link": np.int8}
-        kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()}
+        kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()
+                  if name in record.arrays or name != "gpu_rule"}
         return cls(node_names=list(record.node_names), models=list(record.models),
-                   sites=list(record.sites), roles=list(record.roles), **kwargs)
+                   sites=list(record.sites), roles=list(record.roles), rule_sets=list(record.rule_sets), **kwargs)
 
     def to_npz_bytes(self) -> bytes:
         """Compact binary snapshot (numpy ``.npz`` in memory; names stored as JSON)."""
         buf = io.BytesIO()
         names = msgspec.json.encode({"node_names": self.node_names, "models": self.models,
-                                     "sites": self.sites, "roles": self.roles})
+                                     "sites": self.sites, "roles": self.roles, "rule_sets": self.rule_sets})
         arrays = {name: getattr(self, name) for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
         np.savez_compressed(buf, _names=np.frombuffer(names, dtype=np.uint8), **arrays)
         return buf.getvalue()
@@ -414,6 +435,7 @@ class ClusterState:
         """Rebuild a state from ``to_npz_bytes`` output."""
         with np.load(io.BytesIO(data)) as z:
             names = msgspec.json.decode(z["_names"].tobytes())
-            kwargs = {name: z[name].copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")}
+            kwargs = {name: z[name].copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link") if name in z}
+        rules = msgspec.convert(names.get("rule_sets", [{}]), list[GpuRules])
         return cls(node_names=names["node_names"], models=names["models"], sites=names["sites"],
-                   roles=names["roles"], **kwargs)
+                   roles=names["roles"], rule_sets=rules, **kwargs)

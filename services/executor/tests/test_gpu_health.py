@@ -204,3 +204,27 @@ def test_health_windows_keep_one_sample_per_interval_within_the_window():
         windows.add(gpu_sample("n1", 0, float(at)))
     kept = [s.at for s in windows.windows[("n1", 0)]]
     assert kept == [float(t) for t in range(300, 601, 30)]
+
+
+async def test_business_labels_on_the_topology_are_enforced(observer, sim_fleet, nats_url, tmp_path):
+    topo = node_topology("n1")
+    pinned = msgspec.structs.replace(topo.gpus[0], labels={"driver_pin": "535", "driver_version": "535.104.05"})
+    reserved = msgspec.structs.replace(topo.gpus[1], labels={"business_role": "reserved"})
+    await observer.kv_put("topology", "n1", encode(msgspec.structs.replace(topo, gpus=[pinned, reserved])))
+    host = build(settings(nats_url, tmp_path, "a"))
+    await host.start()
+    try:
+        for decision_id, gpu, driver in (("d1", 0, "550"), ("d2", 1, None), ("d3", 0, "535")):
+            d = assign_to(decision_id, gpu)
+            labels = {"driver": driver} if driver else {}
+            d = msgspec.structs.replace(d, task=msgspec.structs.replace(d.task, labels=labels))
+            await observer.js.publish("decision.made", encode(d))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 2)
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+    finally:
+        await host.stop()
+    reasons = {f.decision_id: f.error for f in failed}
+    assert sorted(reasons) == ["d1", "d2"] and not any(f.retryable for f in failed)
+    assert "535" in reasons["d1"] and "550" in reasons["d1"] and "reserved" in reasons["d2"]
+    assert [e.decision_id for e in executed] == ["d3"]
+    assert [c.gpus for c in sim_fleet.verbs("place")] == [[0]]

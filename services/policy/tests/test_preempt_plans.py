@@ -4,6 +4,7 @@ predicted peak becomes a resize."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from fleetpilot.contracts import Allocation, Contract, Fingerprint, NodeLedger, TaskAdmitted, TaskSubmitted
 from fleetpilot_services.policy.preempt import (
@@ -107,6 +108,13 @@ def test_fit_respects_labels_memory_and_host_resources():
     assert fits(vip(milli=500, memory_mb=1000), node("n", gpus=1), busy)
     hungry = TaskSubmitted(task_id="v", kind="train", cpu_milli=999_999)
     assert not fits(hungry, topo, [])
+    # Business rules: a reserved GPU, another driver, a kind the GPU does not take.
+    ruled = node("n", gpus=3, labels={0: {"role": "reserved"}, 1: {"driver_pin": "535"},
+                                      2: {"task_kinds": "infer"}})
+    assert fits(vip(), ruled, []) and not fits(vip(gpus=2), ruled, [])  # only GPU 1 takes a train task
+    needs = {v: msgspec.structs.replace(vip(), labels={"driver": v}) for v in ("535", "550")}
+    assert fits(needs["535"], ruled, []) and not fits(needs["550"], ruled, [])
+    assert fits(msgspec.structs.replace(needs["550"], kind="infer"), ruled, [])  # GPU 2: no driver known
 
 
 def test_many_victims_take_the_greedy_path_and_keep_no_superfluous_one():

@@ -71,6 +71,8 @@ async def test_two_replicas_racing_execute_once() -> None:
         (GpuContext(node="n1", gpu=0, role="reserved"), "train", {}, False),
         (GpuContext(node="n1", gpu=0, driver_pin="535"), "train", {"driver": "550"}, False),
         (GpuContext(node="n1", gpu=0, driver_pin="535"), "train", {"driver": "535"}, True),
+        (GpuContext(node="n1", gpu=0, driver_pin="535.104.05"), "train", {"driver": "535"}, True),
+        (GpuContext(node="n1", gpu=0, driver_pin="5350.1"), "train", {"driver": "535"}, False),
         (GpuContext(node="n1", gpu=0, task_kinds=["infer"]), "train", {}, False),
         (GpuContext(node="n1", gpu=0, task_kinds=["infer"]), "infer", {}, True),
     ],

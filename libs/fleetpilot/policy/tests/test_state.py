@@ -92,3 +92,39 @@ def test_set_condition_flags_gpus_and_bumps_only_that_nodes_version() -> None:
     assert state.usable_free()[1].tolist() == [0, 1000, 0, 0]
     state.set_condition(1, [0, 3], healthy=np.array([True, True]), maintenance=np.array([False, False]))
     assert state.usable_free()[1].tolist() == [1000, 1000, 0, 1000]
+
+
+def ruled_fleet() -> ClusterState:
+    """n1: GPU 0 reserved, GPU 1 reports driver 550.54.15; n2: GPU 0 pinned to 535 and for
+    inference only, GPU 1 nothing said."""
+    gpu = lambda i, **labels: GpuInfo(index=i, model="A100", memory_mb=40000, labels=labels)  # noqa: E731
+    nodes = [NodeTopology(node="n1", cpu_milli=16000, memory_mb=64000,
+                          gpus=[gpu(0, business_role="train", role="reserved"), gpu(1, driver_version="550.54.15")]),
+             NodeTopology(node="n2", cpu_milli=16000, memory_mb=64000,
+                          gpus=[gpu(0, driver_pin="535", driver_version="550.54.15", task_kinds="infer, encode"),
+                                gpu(1)])]
+    return ClusterState.from_topology(nodes)
+
+
+@pytest.mark.parametrize(("kind", "labels", "allowed"), [
+    ("train", {}, [[False, True], [False, True]]),
+    ("infer", {}, [[False, True], [True, True]]),
+    ("infer", {"driver": "535"}, [[False, False], [True, True]]),  # the pin beats the reported version
+    ("train", {"driver": "550"}, [[False, True], [False, True]]),  # a prefix of 550.54.15
+    ("train", {"driver": "550.54.14"}, [[False, False], [False, True]]),
+])
+def test_business_rules_from_labels_decide_which_gpus_a_task_may_use(kind, labels, allowed) -> None:
+    s = ruled_fleet()
+    assert s.allowed(TaskRequest(task_id="t", kind=kind, labels=labels)).tolist() == allowed
+
+
+def test_business_rules_survive_every_round_trip_and_old_records_read_as_none() -> None:
+    s = ruled_fleet()
+    rec = msgspec.json.decode(msgspec.json.encode(s.to_record()), type=ClusterStateRecord)
+    task = TaskRequest(task_id="t", kind="infer", labels={"driver": "535"})
+    for back in (ClusterState.from_record(rec), ClusterState.from_npz_bytes(s.to_npz_bytes()), s.copy()):
+        assert back.rule_sets == s.rule_sets and back.allowed(task).tolist() == s.allowed(task).tolist()
+    old = msgspec.structs.replace(rec, arrays={k: v for k, v in rec.arrays.items() if k != "gpu_rule"})
+    old_json = msgspec.json.encode(old).replace(b',"rule_sets"', b',"ignored"')
+    back = ClusterState.from_record(msgspec.json.decode(old_json, type=ClusterStateRecord))
+    assert back.allowed(task).all()
