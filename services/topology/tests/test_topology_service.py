@@ -139,6 +139,9 @@ async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
         stored = msgspec.json.decode(entry.value, type=NodeTopology)
         gpus = list(stored.gpus)
         gpus[1] = msgspec.structs.replace(gpus[1], labels={**gpus[1].labels, GPU_LABEL_CORDONED: "true"})
+        # An operator pins GPU 0's driver and keeps it for inference: business labels.
+        gpus[0] = msgspec.structs.replace(gpus[0], labels={**gpus[0].labels, "driver_pin": "535",
+                                                           "task_kinds": "infer"})
         await kv.update(node_key(node.node), msgspec.json.encode(msgspec.structs.replace(stored, gpus=gpus)),
                         entry.revision)
         # The hardware changes (a driver upgrade), so the node is re-reported and rewritten.
@@ -152,6 +155,7 @@ async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
         assert current.labels.get("driver_version") == "999.1"
         assert current.gpus[1].labels.get(GPU_LABEL_CORDONED) == "true"
         assert GPU_LABEL_CORDONED not in current.gpus[0].labels
+        assert (current.gpus[0].labels["driver_pin"], current.gpus[0].labels["task_kinds"]) == ("535", "infer")
     finally:
         await bus.drain()
         await host.stop()
