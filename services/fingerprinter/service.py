@@ -5,7 +5,9 @@
 - ``telemetry.task.<task>``: feeds the task's online model and publishes
   ``task.fingerprinted`` (source ``observed``) whenever the prediction changes materially.
 - ``task.lifecycle``: when a task ends, its last fingerprint is merged into its
-  signature's statistics in the bucket (compare-and-set), for the next submission.
+  signature's statistics in the bucket (compare-and-set), for the next submission. A task
+  killed by an OOM is not: its series stops before its peak; the most it held becomes the
+  signature's floor instead (``merge_oom``), under which no prediction goes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import msgspec
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
 from fleetpilot.fingerprint import OnlineFingerprinter
-from fleetpilot.fingerprint.signature import SignatureStats, merge, predict, task_signature
+from fleetpilot.fingerprint.signature import SignatureStats, merge, merge_oom, predict, task_signature
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
@@ -73,17 +75,30 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         if life.state not in ("finished", "oom_killed", "failed", "evicted"):
             return
         model = models.pop(life.task_id, None)
-        final = None
-        if model is not None and model.samples >= 3:
+        if model is None or not model.signature:
+            return
+        if life.state == "oom_killed":
+            if model.peak_so_far_mb <= 0:
+                return
+            held = model.peak_so_far_mb
+
+            def fold(stats: SignatureStats) -> SignatureStats:
+                return merge_oom(stats, held)
+        else:
+            if model.samples < 3:
+                return
             model.refit()  # on every sample of the whole life, published or not
             final = model.current
-        if final is None or not model.signature:  # type: ignore[union-attr]
-            return
+            if final is None:
+                return
+
+            def fold(stats: SignatureStats) -> SignatureStats:
+                return merge(stats, final)
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
         for _ in range(10):
-            entry = await kv.get(model.signature)  # type: ignore[union-attr]
-            stats = _STATS.decode(entry.value) if entry and entry.value else SignatureStats(signature=model.signature)  # type: ignore[union-attr]
-            body = encode(merge(stats, final))
+            entry = await kv.get(model.signature)
+            stats = _STATS.decode(entry.value) if entry and entry.value else SignatureStats(signature=model.signature)
+            body = encode(fold(stats))
             try:
                 if entry is None:
                     await kv.create(model.signature, body)  # type: ignore[union-attr]

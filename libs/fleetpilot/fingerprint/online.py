@@ -79,6 +79,11 @@ class OnlineFingerprinter:
         """How many memory samples have been added."""
         return len(self._t)
 
+    @property
+    def peak_so_far_mb(self) -> float:
+        """The most memory any sample showed (0 before the first)."""
+        return max(self._mb, default=0.0)
+
     def add(self, at: float, used_mb: float, *, utilisation: float | None = None,
             colocated: int | None = None) -> Fingerprint | None:
         """Add one sample; returns the refitted fingerprint when it changed materially."""

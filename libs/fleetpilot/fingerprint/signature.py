@@ -51,6 +51,7 @@ class SignatureStats(msgspec.Struct, kw_only=True):
     mean_time_to_peak_s: float | None = None
     mean_burstiness: float = 0.0
     mean_sensitivity: float = 0.0
+    oom_floor_mb: float = 0.0  # the most a run held when it died of OOM: the peak is above it
 
 
 def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
@@ -81,7 +82,18 @@ def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
         mean_time_to_peak_s=ttp,
         mean_burstiness=running(stats.mean_burstiness, fp.burstiness),
         mean_sensitivity=running(stats.mean_sensitivity, fp.context_switch_sensitivity),
+        oom_floor_mb=stats.oom_floor_mb,
     )
+
+
+def merge_oom(stats: SignatureStats, held_mb: float) -> SignatureStats:
+    """``stats`` after a run was killed for want of memory while holding ``held_mb``.
+
+    The run's series stops before its peak, so its fingerprint would teach too small a
+    peak; what it does teach is a floor: the signature needs more than that. Predictions
+    never go below the floor. The input is not modified.
+    """
+    return msgspec.structs.replace(stats, oom_floor_mb=max(stats.oom_floor_mb, float(held_mb)))
 
 
 def predict(stats: SignatureStats) -> Fingerprint | None:
@@ -91,8 +103,14 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
     observations (``share * n / (n + 1)``). Peak: the running mean; the interval spans the
     observed extremes and the mean +- 2 standard deviations, whichever is wider.
     """
+    floor = stats.oom_floor_mb
     if stats.count == 0:
-        return None
+        if floor <= 0:
+            return None
+        # Only an OOM is known: it needs more than the floor, nothing more is claimed.
+        return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
+                           growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,
+                           peak_high_mb=floor, samples=0)
     total = sum(stats.votes.values()) or 1.0
     pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
     n = stats.count
@@ -103,9 +121,9 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         pattern=growth_pattern,
         pattern_confidence=round(vote / total * n / (n + 1), 4),
         growth_rate_mb_per_s=stats.mean_growth_mb_per_s,
-        predicted_peak_mb=stats.mean_peak_mb,
-        peak_low_mb=max(min(stats.min_peak_mb, stats.mean_peak_mb - 2 * sd), 0.0),
-        peak_high_mb=max(stats.max_peak_mb, stats.mean_peak_mb + 2 * sd),
+        predicted_peak_mb=max(stats.mean_peak_mb, floor),
+        peak_low_mb=max(min(stats.min_peak_mb, stats.mean_peak_mb - 2 * sd), floor, 0.0),
+        peak_high_mb=max(stats.max_peak_mb, stats.mean_peak_mb + 2 * sd, floor),
         time_to_peak_s=stats.mean_time_to_peak_s,
         warmup_s=stats.mean_warmup_s,
         burstiness=stats.mean_burstiness,
@@ -132,6 +150,12 @@ class SignatureMemory:
         old = self._stats.get(fp.signature, SignatureStats(signature=fp.signature))
         self._stats[fp.signature] = merge(old, fp)
         return self._stats[fp.signature]
+
+    def observe_oom(self, signature: str, held_mb: float) -> SignatureStats:
+        """Record that a run of ``signature`` died of OOM holding ``held_mb`` (``merge_oom``)."""
+        old = self._stats.get(signature, SignatureStats(signature=signature))
+        self._stats[signature] = merge_oom(old, held_mb)
+        return self._stats[signature]
 
     def predict(self, signature: str) -> Fingerprint | None:
         """The expected fingerprint of ``signature``, or ``None`` if it was never observed."""

@@ -70,3 +70,42 @@ async def test_observed_then_remembered_then_predicted(nats_server):
     finally:
         await bus.drain()
         await host.stop()
+
+
+async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(nats_server):
+    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1))
+    await host.start()
+    bus = await NatsBus.connect(nats_server.url, "test")
+    seen: list[TaskFingerprinted] = []
+
+    async def on_fp(msg) -> None:
+        seen.append(decode(msg.data, TaskFingerprinted))
+
+    await bus.subscribe("task.fingerprinted", on_fp)
+    try:
+        first = task("leak-1")
+        await bus.publish(first)
+        await asyncio.sleep(0.5)
+        # A leak killed at 38 GB, a third of the way through its declared life.
+        start = now()
+        for t in np.arange(0, 340, 10.0):
+            await bus.publish(TaskTelemetry(task_id="leak-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=float(8_000 + 30_000 * (t / 330.0) ** 2)))
+        await asyncio.sleep(0.3)
+        await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
+        kv = await bus.kv("fingerprints")
+        signature = task_signature(first)
+
+        async def remembered():
+            entry = await kv.get(signature)
+            return msgspec.json.decode(entry.value, type=SignatureStats) if entry is not None else None
+
+        stats = await wait_for(remembered)
+        assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
+        await bus.publish(task("leak-2"))
+        predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
+        assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
+        assert predicted.fingerprint.pattern_confidence == 0.0  # the pattern is not known
+    finally:
+        await bus.drain()
+        await host.stop()

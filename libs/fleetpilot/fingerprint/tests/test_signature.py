@@ -60,3 +60,19 @@ def test_stats_roundtrip_through_json():
 def test_observe_requires_signature():
     with pytest.raises(ValueError):
         SignatureMemory().observe(_fp("", "flat", 1.0))
+
+
+def test_an_oom_sets_a_floor_that_no_prediction_goes_under():
+    mem = SignatureMemory()
+    mem.observe_oom("sig-a", 30_000)
+    only = mem.predict("sig-a")  # nothing but the OOM is known
+    assert (only.pattern, only.pattern_confidence) == ("unknown", 0.0)
+    assert only.predicted_peak_mb == only.peak_low_mb == only.peak_high_mb == 30_000
+    mem.observe_oom("sig-a", 20_000)  # a smaller kill (a crowded GPU) lowers nothing
+    mem.observe(_fp("sig-a", "leak", 24_000))
+    fp = mem.predict("sig-a")
+    assert fp.pattern == "leak" and fp.predicted_peak_mb == fp.peak_low_mb == 30_000 and fp.peak_high_mb >= 30_000
+    mem.observe(_fp("sig-a", "leak", 40_000))
+    mem.observe(_fp("sig-a", "leak", 44_000))
+    assert mem.predict("sig-a").predicted_peak_mb == pytest.approx((24_000 + 40_000 + 44_000) / 3)
+    assert mem.stats("sig-a").count == 3 and mem.stats("sig-a").oom_floor_mb == 30_000
