@@ -25,7 +25,8 @@ the bus out of service. No preemption (no PriorityClasses are set).
   samples, and their end-of-life fingerprint is remembered;
 - the ``fleetpilot`` policy with GPU sharing (fractional GPUs) and OOM-risk awareness: the
   ledger holds per GPU the memory each task is predicted to reach (the ask when nothing
-  is known; after an OOM on a GPU it had alone, more than that GPU), and the request
+  is known; after an OOM on a GPU it had alone, more than that GPU: the signature's OOM
+  floor, ``SignatureMemory.observe_oom``, as the fingerprinter service keeps it), and the request
   carries the predicted peak, its spread, and as GPU models those that can hold the peak
   (so the policy's model-demand pressure keeps flexible work off the big GPUs);
 - rebalancing: when the memory predicted on a GPU exceeds it, the task that outgrew its
@@ -218,7 +219,6 @@ class FleetRun:
         self.windows: dict[int, deque] = {}
         self.pending_maintenance: dict[int, float] = {}
         self.failed_gpus: dict[int, float] = {}
-        self.oom_floor: dict[str, float] = {}
         self.killed_runs: list[tuple[float, float, MemoryGrowth, int]] = []
         self.denominators: list[float] = []
         self.memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
@@ -297,7 +297,8 @@ class FleetRun:
     def _reservation(self, job: _Job) -> int:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
         CUDA context when nothing is predicted), at least the signature's OOM floor."""
-        floor = self.oom_floor.get(job.signature, 0.0)
+        stats = self.memory.stats(job.signature)
+        floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
@@ -553,7 +554,7 @@ class FleetRun:
         if alone:
             total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
             floor = max(total, held_mb + CONTEXT_MB) * 1.05
-            self.oom_floor[job.signature] = max(self.oom_floor.get(job.signature, 0.0), floor)
+            self.memory.observe_oom(job.signature, floor)
 
     def _observe_tasks(self, now: float) -> None:
         # Sorted: the order samples are read in decides the order of moves, and a run must
