@@ -42,6 +42,7 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import (
+    ActionFailed,
     Allocation,
     DecisionMade,
     FeedbackStats,
@@ -612,19 +613,42 @@ class PolicyState:
         self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue, executions: KeyValue
     ) -> Requeue | None:
         """Queue a task the executor evicted without a decision of ours (its GPU was
-        decommissioned) for a new placement: its admission goes to ``pending`` with a
-        ``requeue`` note naming ``<task>.assign.<g+1>``, created only if the task has no entry
-        (create-only: a redelivered event, or another replica, finds it and stops). The note,
-        or ``None`` when there is nothing to do:
+        decommissioned) for a new placement (``requeue``)."""
+        return await self.requeue(
+            life.task_id, life.decision_id, life.at,
+            life.detail or f"evicted by the executor from {life.node} {life.gpus}", pending, ledger, executions,
+        )
+
+    async def requeue_failed(
+        self, failed: ActionFailed, pending: KeyValue, ledger: KeyValue, executions: KeyValue
+    ) -> Requeue | None:
+        """Queue again a task whose assign the executor could not carry out for a passing
+        reason (``retryable``: the backend did not answer); it released the hold. A refusal
+        that would repeat (a business rule, a cordoned GPU) is not retried."""
+        if failed.action != "assign" or not failed.retryable:
+            return None
+        return await self.requeue(
+            failed.task_id, failed.decision_id, failed.failed_at, f"assign failed: {failed.error}",
+            pending, ledger, executions,
+        )
+
+    async def requeue(
+        self, task_id: str, decision_id: str, at: float, reason: str,
+        pending: KeyValue, ledger: KeyValue, executions: KeyValue,
+    ) -> Requeue | None:
+        """Queue ``task_id``, whose placement ``decision_id`` ended at ``at``, for a new one:
+        its admission goes to ``pending`` with a ``requeue`` note naming
+        ``<task>.assign.<g+1>``, created only if the task has no entry (create-only: a
+        redelivered event, or another replica, finds it and stops). The note, or ``None``
+        when there is nothing to do:
 
         * the task already has an entry (the policy's own eviction, an earlier delivery of
           this event, a replica placing it right now);
         * it holds capacity somewhere (already placed again, or moving: a fresh read of the
           ledger, since the view may lag the executor's release);
-        * the event is stale: the executor took the task's next assign after the eviction;
+        * the event is stale: the executor took the task's next assign after it;
         * its admission is unknown (no ``contract.<task>``, not placed by this replica).
         """
-        task_id = life.task_id
         key = node_key(task_id)
         entry = await pending.get(key)
         if entry is not None and entry.value:
@@ -636,7 +660,7 @@ class PolicyState:
             if any(
                 a.task_id == task_id for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
             ):
-                log.info("%s was evicted but holds capacity on %s: not queued again", task_id, node)
+                log.info("%s (%s) holds capacity on %s: not queued again", task_id, reason, node)
                 return None
 
         async def taken_at(decision_id: str) -> float | None:
@@ -658,33 +682,25 @@ class PolicyState:
         # (a re-used id would be dropped by the stream's duplicate window and the journal).
         # One it took after this eviction means the eviction has been dealt with already (a
         # late redelivery, the task placed again since, perhaps finished): nothing to do.
-        g = generation(task_id, life.decision_id) if life.decision_id else 1
+        g = generation(task_id, decision_id) if decision_id else 1
         for _ in range(1000):
             taken = await taken_at(assign_id(task_id, g + 1))
             if taken is None:
                 break
-            if taken >= life.at:
-                log.info("stale eviction of %s: placed again as %s since", task_id, assign_id(task_id, g + 1))
+            if taken >= at:
+                log.info("stale news of %s (%s): placed again as %s since", task_id, reason, assign_id(task_id, g + 1))
                 return None
             g += 1
         adm = await self.admissions.fetch(task_id) if self.admissions is not None else None
         if adm is None:
-            log.warning(
-                "%s was evicted (%s) but its admission is unknown: not queued again", task_id, life.detail
-            )
+            log.warning("%s (%s): its admission is unknown, not queued again", task_id, reason)
             return None
-        note = Requeue(
-            decision_id=assign_id(task_id, g + 1),
-            at=now(),
-            reason=life.detail or f"evicted by the executor from {life.node} {life.gpus}",
-        )
+        note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason)
         try:
             await pending.create(key, encode_pending(adm, note))
         except CasConflict:
             return None  # queued meanwhile: by another delivery, a replica, or a preemption
-        log.warning(
-            "%s evicted by the executor (%s): queued again as %s", task_id, note.reason, note.decision_id
-        )
+        log.warning("%s (%s): queued again as %s", task_id, note.reason, note.decision_id)
         return note
 
     # ---- preemption -------------------------------------------------------------------------
@@ -1067,6 +1083,14 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             await pending.delete(entry.key)
             out.append(metrics.decided(decision))
         return out
+
+    @host.on(ActionFailed, consumer="policy-failed")
+    async def on_action_failed(failed: ActionFailed) -> None:
+        if "state" not in holder:
+            raise Retry("policy state not open yet", 1.0)
+        bus = host.bus
+        assert bus is not None
+        await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"), await bus.kv("executions"))
 
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:

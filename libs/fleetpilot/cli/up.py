@@ -147,6 +147,8 @@ class Report:
         elif subject.startswith("action."):
             a = decode(msg.data, ActionExecuted, ActionFailed)
             self.actions["executed" if isinstance(a, ActionExecuted) else "failed"] += 1
+            if isinstance(a, ActionFailed):
+                self.line(f"action failed {a.task_id}: {a.error[:90]}")
         elif subject == "feedback.recorded":
             f = decode(msg.data, FeedbackRecorded)
             self.outcomes[f.outcome] += 1

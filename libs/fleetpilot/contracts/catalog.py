@@ -156,6 +156,8 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("policy-admitted", "TASKS", "task.admitted", ack_wait_s=10),
         ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),
+        # An assign the executor could not carry out for a passing reason is placed again.
+        ConsumerSpec("policy-failed", "ACTIONS", "action.failed"),
         # The latest fingerprint per task feeds admission OOM risk and OOM-driven migration.
         ConsumerSpec("policy-fingerprints", "TASKS", "task.fingerprinted"),
         ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
