@@ -1084,20 +1084,20 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             out.append(metrics.decided(decision))
         return out
 
+    def opened() -> Bus:
+        """The bus, once the replica's state is open (a retry until then)."""
+        if "state" not in holder or host.bus is None:
+            raise Retry("policy state not open yet", 1.0)
+        return host.bus
+
     @host.on(ActionFailed, consumer="policy-failed")
     async def on_action_failed(failed: ActionFailed) -> None:
-        if "state" not in holder:
-            raise Retry("policy state not open yet", 1.0)
-        bus = host.bus
-        assert bus is not None
+        bus = opened()
         await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"), await bus.kv("executions"))
 
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
-        if "state" not in holder:
-            raise Retry("policy state not open yet", 1.0)
-        bus = host.bus
-        assert bus is not None
+        bus = opened()
         pending = await bus.kv("pending")
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our
