@@ -182,6 +182,22 @@ class Report:
 DEMO_TENANTS = ("acme", "globex", "initech")
 
 
+async def simulated_fleet_answers(bus: NatsBus, timeout_s: float) -> bool:
+    """Wait until the collector's simulator serves ``sim.control`` (its service answers a
+    NATS micro ping). A large fleet takes seconds to build; tasks decided before it answers
+    would fail their first assign (and be placed again), which is no way to start a demo."""
+    import nats.errors
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await bus._nc.request("$SRV.PING.fleetpilot-collector", b"", timeout=0.5)
+            return True
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            await asyncio.sleep(0.2)
+    return False
+
+
 async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report: Report) -> None:
     """Publish the demo workload with a bearer token per tenant, and play the users: a
     counter-offer for a demo task is answered by accepting its first option."""
@@ -234,6 +250,9 @@ async def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    if args.demo and not await simulated_fleet_answers(bus, timeout_s=60.0):
+        print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
+              file=sys.stderr)
     demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report)) if args.demo else None
     rc = 0
     try:
