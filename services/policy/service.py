@@ -167,6 +167,10 @@ def decision_id_for(task_id: str, action: str) -> str:
     return f"{task_id}.{action}"
 
 
+QUEUE_CONFIDENCE = 0.95
+"""The confidence of a ``queue`` decision before calibration."""
+
+
 def totals_by_policy(groups: list) -> dict[str, tuple[float, float]]:
     """Feedback groups keyed by ``policy`` (``name@version``) summed per policy name: the sum
     of published confidences and the successes (what ``ConfidenceCalibration`` learns from;
@@ -1008,7 +1012,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 decision_id=decision_id_for(adm.task.task_id, "queue"),
                 task_id=adm.task.task_id,
                 action="queue",
-                confidence=0.5,
+                # What a queue is judged on is its acknowledgement, as the policies' own
+                # queue decisions (0.95: the filters are exact on a fresh view); corrected
+                # like the policy's assigns, since the feedback store keeps both under its name.
+                confidence=ps.calibration.apply(name, QUEUE_CONFIDENCE),
                 policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
                 shard_id=shard_id,
                 reason="no node has room now; queued until capacity frees",
