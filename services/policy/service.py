@@ -63,7 +63,7 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
-from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, Retry, ServiceHost, ServiceSettings
@@ -1062,17 +1062,28 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # The round recomputes the reservation: the first blocked whole-GPU task gets it, and
         # the tasks behind it (and new arrivals until the next round) backfill around it.
         ps.reservation = None
+        # What found no node this round (and whether the reservation was hidden from it): a
+        # task that needs no less is not tried again until the next round. A backlog of
+        # hundreds then costs a few decisions a round, not hundreds of claims and decisions.
+        failed: list[tuple[Demand, bool]] = []
         for adm, requeue, entry in waiting:
             if evicting and adm.contract.tier != "vip":
                 # Space is being freed for a vip: nothing else may take it half-freed (an
                 # evicted task would otherwise come straight back where it was).
                 continue
+            held = ps.reservation
+            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
+            demand = Demand.of(ps.request(adm.task))
+            if adm.contract.tier != "vip" and any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                continue  # a vip still gets its turn: it may preempt
             try:
                 await pending.update(entry.key, b"claimed", entry.revision)  # one replica takes it
             except CasConflict:
                 continue
             try:
                 decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
+                if decision is None:
+                    failed.append((demand, hide))
             except Retry:
                 decision = None
             if decision is None:

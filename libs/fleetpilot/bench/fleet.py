@@ -90,7 +90,7 @@ from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
-from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
@@ -395,8 +395,8 @@ class FleetRun:
         if not self.pending:
             return
         self.pending.sort(key=self._key)
-        # (shape, decided with the reservation hidden) of the requests that found no node.
-        failed: list[tuple[tuple[int, int, int, int, int, frozenset[str]], bool]] = []
+        # (demand, decided with the reservation hidden) of the requests that found no node.
+        failed: list[tuple[Demand, bool]] = []
         keep: list[_Job] = []
         reservation: Reservation | None = None
         free_at: np.ndarray | None = None
@@ -408,15 +408,15 @@ class FleetRun:
             # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
             hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
             for k, req in enumerate(requests):
-                shape = _shape(req, whole=not self.smart)
+                demand = Demand.of(req, whole_gpus=not self.smart)
                 # A failure with the reservation hidden says nothing about a task that may use it.
-                if any(_dominates(shape, f) for f, masked in failed if hide or not masked):
+                if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
                     continue
                 self.counts["decisions"] += 1
                 with hidden(self.state, reservation if hide else None):
                     decision = self.policy.decide(self.state, req)
                 if decision.action != "assign":
-                    failed.append((shape, hide))
+                    failed.append((demand, hide))
                     if self.smart and reservation is None and k == 0:
                         if free_at is None:
                             free_at = gpu_free_at(self.state, self._running_ends(), now)
@@ -840,22 +840,6 @@ class FleetRun:
         leads = [(self.failed_gpus[gi] - at) / 3600.0 for gi, at in self.pending_maintenance.items()
                  if gi in self.failed_gpus and at < self.failed_gpus[gi]]
         return len(leads), float(np.median(leads)) if leads else 0.0
-
-
-def _shape(req: TaskRequest, *, whole: bool) -> tuple[int, int, int, int, int, frozenset[str]]:
-    """What a request needs, for the monotone feasibility test of ``_dominates``."""
-    milli = MILLI if (whole or not req.shares_gpu) else req.gpu_milli
-    return (req.gpus, milli, req.gpu_memory_mb, req.cpu_milli, req.memory_mb, frozenset(req.gpu_models))
-
-
-def _dominates(shape: tuple, failed: tuple) -> bool:
-    """True when ``shape`` needs at least what a request that found no node in this cycle
-    needed (and accepts no model it did not): it cannot fit either, so it is not retried
-    until the next cycle, as kube-scheduler parks unschedulable pods until something frees."""
-    models, failed_models = shape[5], failed[5]
-    if failed_models and (not models or not models <= failed_models):
-        return False
-    return all(a >= b for a, b in zip(shape[:5], failed[:5], strict=True))
 
 
 # ---- comparison, report, plots ------------------------------------------------------------

@@ -36,7 +36,44 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetpilot.contracts.topology import TASK_LABEL_DRIVER
+
 from .state import MILLI, ClusterState, TaskRequest
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a waiting request needs, for the monotone test a queue scan skips with: once a
+    request found no node in a round, one that needs at least as much of everything, under
+    the same business rules and without accepting any model it did not, cannot fit either
+    until something frees (as kube-scheduler parks unschedulable pods)."""
+
+    gpus: int
+    milli: int
+    gpu_memory_mb: int
+    cpu_milli: int
+    memory_mb: int
+    models: frozenset[str]
+    kind: str
+    driver: str
+
+    @classmethod
+    def of(cls, request: TaskRequest, *, whole_gpus: bool = False) -> Demand:
+        """The demand of ``request``; ``whole_gpus`` counts a share as a whole GPU (the
+        device plugin's view)."""
+        milli = MILLI if (whole_gpus or not request.shares_gpu) else request.gpu_milli
+        return cls(gpus=request.gpus, milli=milli, gpu_memory_mb=request.gpu_memory_mb, cpu_milli=request.cpu_milli,
+                   memory_mb=request.memory_mb, models=frozenset(request.gpu_models), kind=request.kind,
+                   driver=request.labels.get(TASK_LABEL_DRIVER, ""))
+
+    def cannot_fit_after(self, failed: Demand) -> bool:
+        """True when ``failed`` found no node and this needs at least as much (see above)."""
+        if (self.kind, self.driver) != (failed.kind, failed.driver):
+            return False  # business rules may open GPUs to one and not the other
+        if failed.models and (not self.models or not self.models <= failed.models):
+            return False
+        return (self.gpus >= failed.gpus and self.milli >= failed.milli and self.gpu_memory_mb >= failed.gpu_memory_mb
+                and self.cpu_milli >= failed.cpu_milli and self.memory_mb >= failed.memory_mb)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ task expected to outlast that release is kept off the reserved GPU, a short one 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgspec
 from fleetpilot.contracts import Allocation, Contract, NodeLedger, TaskAdmitted, TaskSubmitted, encode, now
@@ -57,3 +58,24 @@ async def test_a_blocked_wide_task_keeps_its_gpus_from_long_tasks_but_not_from_s
     assert [(p.node, p.gpu) for p in first["short"].placement] == [("n1", 1)]
     # Nothing but the short task was placed while the reservation stands.
     assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["short"]
+
+
+async def test_a_round_skips_waiters_that_need_no_less_than_one_that_found_no_node(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=1)])
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1, record_every=1))
+    await policy.start()
+    try:
+        await observer.admit(whole("blocker", 1, 3600))
+        await wait_for(lambda: len(observer.decisions) == 1, what="the blocker placed")
+        waiters = [f"w{i}" for i in range(8)]
+        for task_id in waiters:
+            await observer.admit(whole(task_id, 1, 600))
+        await wait_for(lambda: len(observer.decisions) == 1 + len(waiters), what="the waiters queued")
+        await asyncio.sleep(1.0)  # several retry rounds
+    finally:
+        await policy.stop()
+    tried = [json.loads(line)["task"]["task_id"] for line in (tmp_path / "policy-states-a.jsonl").read_text().splitlines()]
+    # Each round tries the oldest waiter; the others need no less, so they are not tried
+    # again after their admission.
+    assert tried.count("w0") >= 3
+    assert all(tried.count(t) == 1 for t in waiters[1:]), {t: tried.count(t) for t in waiters}

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from fleetpilot.policy import ClusterState, TaskRequest, build_policy
-from fleetpilot.policy.backfill import Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
 
 
 def fleet() -> ClusterState:
@@ -90,3 +91,29 @@ def test_a_policy_does_not_see_hidden_gpus_and_the_state_is_restored_after() -> 
     assert state.version[2] == version[2] + 2 and state.version[1] == version[1]
     with hidden(state, Reservation(task_id="w", node="gone", gpus=(0,), start_s=0.0)):
         assert not state.gpu_maintenance.any()
+
+
+BASE = TaskRequest(task_id="f", kind="train", gpus=1, gpu_milli=1000, gpu_memory_mb=8000, cpu_milli=4000,
+                   memory_mb=16000, gpu_models=("A100-40GB", "H100"))
+
+
+@pytest.mark.parametrize(("change", "skipped"), [
+    ({}, True),                                                  # the same request
+    ({"gpus": 2, "cpu_milli": 8000}, True),                      # more of everything
+    ({"gpu_models": ("H100",)}, True),                           # fewer models accepted
+    ({"gpu_models": ()}, False),                                 # any model: more places to try
+    ({"gpu_models": ("A100-40GB", "T4")}, False),                # a model the failed one did not take
+    ({"cpu_milli": 2000}, False),                                # less CPU
+    ({"gpu_milli": 500}, False),                                 # a share fits where a whole GPU does not
+    ({"kind": "infer"}, False),                                  # other kinds: other GPUs by business rules
+    ({"labels": {"driver": "535"}}, False),                      # likewise a driver
+])
+def test_a_request_needing_no_less_than_a_failed_one_is_skipped(change: dict, skipped: bool) -> None:
+    failed = Demand.of(BASE)
+    assert Demand.of(msgspec.structs.replace(BASE, task_id="t", **change)).cannot_fit_after(failed) is skipped
+
+
+def test_the_device_plugins_view_counts_a_share_as_a_whole_gpu() -> None:
+    share = msgspec.structs.replace(BASE, gpu_milli=250)
+    assert Demand.of(share).milli == 250 and Demand.of(share, whole_gpus=True).milli == 1000
+    assert Demand.of(share, whole_gpus=True).cannot_fit_after(Demand.of(BASE))
