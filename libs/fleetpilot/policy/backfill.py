@@ -1,4 +1,7 @@
-"""Backfill with a reservation (EASY backfilling) for the queue in front of a policy.
+"""The queue in front of a policy: skipping what cannot fit, and backfill with a reservation.
+
+A scan of the waiting tasks stops deciding a task that needs no less than one that already
+found no node in the same round (``Demand``): it cannot fit either until something frees.
 
 A queue that lets any task start as soon as it fits ("backfill") keeps a fleet busy but
 starves wide tasks: a 4-GPU task needs four GPUs of one node free at the same time, and while
@@ -19,13 +22,18 @@ backfilled work drains those, the next cycle reserves elsewhere.
 Usage (one scheduling cycle)::
 
     free_at = gpu_free_at(state, running_ends, now)
-    reservation = None
+    reservation, failed = None, []
     for task in queue:                      # priority order
         hide = reservation is not None and reservation.delayed_by(task_id, task_duration, now)
+        demand = Demand.of(request)
+        if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+            continue
         with hidden(state, reservation if hide else None):
             decision = policy.decide(state, request)
-        if decision.action != "assign" and reservation is None:
-            reservation = reserve(state, request, free_at)
+        if decision.action != "assign":
+            failed.append((demand, hide))
+            if reservation is None:
+                reservation = reserve(state, request, free_at)
 """
 
 from __future__ import annotations
