@@ -171,17 +171,17 @@ QUEUE_CONFIDENCE = 0.95
 """The confidence of a ``queue`` decision before calibration."""
 
 
-def totals_by_policy(groups: list) -> dict[str, tuple[float, float]]:
+def totals_by_policy(groups: list) -> dict[str, tuple[float, float, float]]:
     """Feedback groups keyed by ``policy`` (``name@version``) summed per policy name: the sum
-    of published confidences and the successes (what ``ConfidenceCalibration`` learns from;
-    a profile rebuilt under a new version is still the same policy)."""
-    out: dict[str, tuple[float, float]] = {}
+    of published confidences, the successes and the records (what ``ConfidenceCalibration``
+    learns from; a profile rebuilt under a new version is still the same policy)."""
+    out: dict[str, tuple[float, float, float]] = {}
     for g in groups:
         name = g.key.get("policy", "").rsplit("@", 1)[0]
         if not name or name == "fallback":
             continue
-        expected, met = out.get(name, (0.0, 0.0))
-        out[name] = (expected + g.expected_successes, met + g.successes)
+        expected, met, count = out.get(name, (0.0, 0.0, 0.0))
+        out[name] = (expected + g.expected_successes, met + g.successes, count + g.count)
     return out
 
 
@@ -976,8 +976,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             log.info("feedback statistics unavailable (%s); the fallback and confidences keep their last state", exc)
             return
         state().active.apply_stats(success_table(by_kind.groups))
-        for name, (expected, met) in totals_by_policy(by_policy.groups).items():
-            factor = state().calibration.update(name, expected, met)
+        for name, (expected, met, count) in totals_by_policy(by_policy.groups).items():
+            factor = state().calibration.update(name, expected, met, count)
             log.debug("confidence of %s corrected by %.3f (feedback: %.1f expected, %.0f met)", name, factor, expected, met)
 
     host.on_startup(open_state)

@@ -340,7 +340,7 @@ class FleetRun:
                     self._watch_health(now)
                 if tick % FEEDBACK_EVERY == 0:
                     _, _, _, judged, expected, met = self._judged()
-                    self.calibration.update(self.mode, expected, met)
+                    self.calibration.update(self.mode, expected, met, judged)
             arrived = 0
             while arrivals and arrivals[0].task.arrival_s <= now:
                 job = arrivals.popleft()

@@ -31,6 +31,7 @@ class _PolicyTally:
     raw: float = 0.0
     met: float = 0.0
     totals: tuple[float, float] = (0.0, 0.0)  # (expected, successes) at the last update
+    ceiling: float = 1.0
 
 
 @dataclass
@@ -47,15 +48,22 @@ class ConfidenceCalibration:
             return 1.0
         return (t.met + self.prior_decisions) / (t.raw + self.prior_decisions)
 
-    def update(self, policy: str, expected_successes: float, successes: float) -> float:
+    def update(self, policy: str, expected_successes: float, successes: float, count: float | None = None) -> float:
         """Fold in ``policy``'s feedback totals (cumulative, as the stats endpoint reports
         them, over confidences as they were published) and return the new factor. Totals
-        that went down (a store emptied or swapped) restart the count from them."""
+        that went down (a store emptied or swapped) restart the count from them.
+
+        With ``count`` (how many actions the totals cover), the correction may raise a
+        confidence only up to ``(successes + 1) / (count + 2)``, the policy's success rate by
+        Laplace's rule: after 80 successes in 80 a 0.94 may become 0.99, never 1.0. (It never
+        lowers one below what the policy said: a short record caps the raise, not the policy.)"""
+        if count is not None and count >= 0:
+            self._tallies.setdefault(policy, _PolicyTally()).ceiling = (successes + 1.0) / (count + 2.0)
         t = self._tallies.setdefault(policy, _PolicyTally())
         d_expected = expected_successes - t.totals[0]
         d_met = successes - t.totals[1]
         if d_expected < 0 or d_met < 0:
-            self._tallies[policy] = _PolicyTally(totals=(expected_successes, successes))
+            self._tallies[policy] = _PolicyTally(totals=(expected_successes, successes), ceiling=t.ceiling)
             return self.factor(policy)
         t.raw += d_expected / self.factor(policy)
         t.met += d_met
@@ -63,5 +71,8 @@ class ConfidenceCalibration:
         return self.factor(policy)
 
     def apply(self, policy: str, confidence: float) -> float:
-        """``confidence`` corrected for ``policy``, kept in 0..1."""
-        return min(1.0, max(0.0, confidence * self.factor(policy)))
+        """``confidence`` corrected for ``policy``, kept in 0..1; a raise stops at the
+        record's ceiling (``update``)."""
+        t = self._tallies.get(policy)
+        ceiling = max(t.ceiling if t is not None else 1.0, confidence)
+        return min(1.0, ceiling, max(0.0, confidence * self.factor(policy)))

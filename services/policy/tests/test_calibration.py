@@ -18,7 +18,7 @@ def group(policy: str, count: int, expected: float, successes: int) -> StatsGrou
 def test_totals_are_summed_per_policy_name_across_versions_and_the_fallback_is_left_out() -> None:
     groups = [group("bestfit@1", 10, 9.0, 10), group("bestfit@2+ab", 10, 8.0, 9), group("fgd@1", 4, 3.0, 2),
               group("fallback@7", 5, 4.0, 1), StatsGroup(key={"task_kind": "train"}, count=1, successes=1, success_rate=1.0)]
-    assert totals_by_policy(groups) == {"bestfit": (17.0, 19), "fgd": (3.0, 2)}
+    assert totals_by_policy(groups) == {"bestfit": (17.0, 19, 20), "fgd": (3.0, 2, 4)}
 
 
 async def test_an_underconfident_policy_publishes_corrected_confidences(observer, nats_url, tmp_path):
@@ -43,5 +43,6 @@ async def test_an_underconfident_policy_publishes_corrected_confidences(observer
     decision = observer.decisions[0]
     assert decision.action == "assign" and not decision.fallback
     # bestfit's own confidence here is its prior, 0.9; read three times, the same totals
-    # correct it once: 0.9 * (99 + 50) / (90 + 50).
+    # correct it once: 0.9 * (99 + 50) / (90 + 50), under the record's 100 / 102.
     assert decision.confidence == pytest.approx(0.9 * 149 / 140)
+    assert decision.confidence < 100 / 102

@@ -50,3 +50,16 @@ def test_totals_that_go_down_restart_the_count() -> None:
     cal.update("p", 90.0, 99.0)
     assert cal.update("p", 10.0, 5.0) == 1.0  # a new, empty store: nothing learnt from it yet
     assert cal.update("p", 100.0, 95.0) == pytest.approx((90 + 50) / (90 + 50))
+
+
+def test_with_counts_a_confidence_stays_under_the_policys_record() -> None:
+    cal = ConfidenceCalibration()
+    cal.update("p", expected_successes=60.0, successes=80.0, count=80.0)  # said 0.75 on average, all met
+    assert cal.apply("p", 0.94) == pytest.approx(81 / 82)  # raised, but 80 of 80 is not a certainty
+    assert cal.apply("p", 0.99) == 0.99  # a raise is capped; the policy's own word is not lowered
+    assert cal.apply("p", 0.5) == pytest.approx(0.5 * cal.factor("p"))  # under the ceiling: untouched
+    fresh = ConfidenceCalibration()
+    fresh.update("p", expected_successes=0.0, successes=0.0, count=0.0)  # no record: the policy's word
+    assert fresh.apply("p", 0.95) == 0.95
+    cal.update("p", expected_successes=95.0, successes=80.0, count=100.0)  # failures since: lowered
+    assert cal.apply("p", 0.9) < 0.9
