@@ -37,13 +37,23 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, NodeTopology
+from fleetpilot.contracts import (
+    GPU_LABEL_CORDONED,
+    GPU_LABEL_DECOMMISSIONED,
+    GPU_LABEL_MAINTENANCE_PENDING,
+    GPU_LABEL_MAINTENANCE_RISK,
+    Allocation,
+    Fingerprint,
+    NodeLedger,
+    NodeTopology,
+)
 from fleetpilot.ledger import free_capacity
 
-CORDONED = "cordoned"
-DECOMMISSIONED = "decommissioned"
-MAINTENANCE_PENDING = "maintenance_pending"
-MAINTENANCE_RISK = "maintenance_risk"
+# The operational labels, as the contracts name them.
+CORDONED = GPU_LABEL_CORDONED
+DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
+MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
+MAINTENANCE_RISK = GPU_LABEL_MAINTENANCE_RISK
 MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
 

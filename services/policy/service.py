@@ -185,8 +185,11 @@ def totals_by_policy(groups: list) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-def allocations_for(task: TaskSubmitted, decision_id: str, placement: list[Placement]) -> list[Allocation]:
-    """The ledger holds of a placement; CPU and host memory are charged once."""
+def allocations_for(
+    task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement]
+) -> list[Allocation]:
+    """The ledger holds of a placement (of a new task, or the target of a move); CPU and
+    host memory are charged once."""
     return [
         Allocation(
             task_id=task.task_id,
@@ -835,19 +838,7 @@ class PolicyState:
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
             return None
-        holds = [
-            Allocation(
-                task_id=running.task_id,
-                decision_id=decision_id,
-                gpu=p.gpu,
-                milli=p.milli,
-                memory_mb=p.memory_mb,
-                cpu_milli=req.cpu_milli if i == 0 else 0,
-                host_memory_mb=req.memory_mb if i == 0 else 0,
-                at=now(),
-            )
-            for i, p in enumerate(target)
-        ]
+        holds = allocations_for(req, decision_id, target)
 
         def reserve(current: NodeLedger | None) -> NodeLedger | None:
             if current is not None and any(a.decision_id == decision_id for a in current.allocations):
