@@ -42,6 +42,11 @@ class GpuContext(Record, frozen=True, kw_only=True):
     model: str = ""
     task_kinds: list[str] = msgspec.field(default_factory=list)
 
+    @property
+    def rules(self) -> GpuRules:
+        """The rules this context states, as the policies apply them."""
+        return GpuRules(role=self.role, driver=self.driver_pin or "", task_kinds=tuple(self.task_kinds))
+
 
 class HookVerdict(msgspec.Struct, frozen=True, kw_only=True):
     """A hook's answer: go ahead, or not and why."""
@@ -103,7 +108,7 @@ class StaticBusinessContext:
 def rule_verdict(context: GpuContext, decision: DecisionMade) -> HookVerdict:
     """Whether a GPU's role, driver pin and allowed kinds admit the decision's task (pure;
     ``GpuRules.refusal`` decides, as in the policies)."""
-    rules = GpuRules(role=context.role, driver=context.driver_pin or "", task_kinds=tuple(context.task_kinds))
+    rules = context.rules
     task = decision.task
     if task is None:
         # Nothing known of the task: only the role can say no.
