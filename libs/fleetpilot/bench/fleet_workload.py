@@ -296,6 +296,18 @@ def sharing_bound(gpus: np.ndarray, milli: np.ndarray, durations: np.ndarray) ->
     return 1.0 / (1.0 - f * (1.0 - s))
 
 
+def sm_use_bound(gpus: np.ndarray, util_pct: np.ndarray, durations: np.ndarray) -> float:
+    """How many times more work the same GPUs would hold if every task, whole or share, were
+    packed by the SM time it really uses (time-slicing with no slowdown at all), instead of
+    holding whole GPUs: whole-GPU time over ``sum(gpus * util * duration)``. No scheduler
+    that keeps tasks at full speed can do better; it bounds the utilisation ratio that any
+    co-location can buy on a saturated fleet (``sharing_bound`` is the tighter bound of
+    packing by the compute the tasks ask)."""
+    gpus, util, durations = (np.asarray(x, dtype=float) for x in (gpus, util_pct, durations))
+    used = float((gpus * np.clip(util, 0.0, 100.0) / 100.0 * durations).sum())
+    return float((gpus * durations).sum()) / used if used > 0 else 1.0
+
+
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
                       drain: float = 0.5, trace: list[TracePod] | None = None, use_trace_shapes: bool = False,
                       n_programs: int = 48, n_faults: int = 4) -> Workload:

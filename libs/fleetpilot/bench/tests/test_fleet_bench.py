@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 from fleetpilot.bench import fleet as bench
-from fleetpilot.bench.fleet import BACKOFF_LIMIT, FleetRun, compare, main, workload_sharing_bound
+from fleetpilot.bench.fleet import (
+    BACKOFF_LIMIT,
+    FleetRun,
+    compare,
+    main,
+    workload_sharing_bound,
+    workload_sm_use_bound,
+)
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.contracts import Fingerprint
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
@@ -163,6 +170,16 @@ def test_sharing_bound() -> None:
     # Half the whole-GPU time is quarter shares: at most 1 / (1 - 0.5 * 0.75) = 1.6x.
     w = workload(task(0, milli=250), task(1))
     assert workload_sharing_bound(w) == pytest.approx(1.6)
+
+
+def test_sm_use_bound() -> None:
+    # Two 1-GPU tasks of equal length at 50% SM (``task``'s util): whole-GPU time 2, used 1.
+    w = workload(task(0), task(1, milli=250))
+    assert workload_sm_use_bound(w) == pytest.approx(2.0)
+    # A 2-GPU task at 50% for twice as long weighs four times as much: (4 + 1) / (2 + 0.5).
+    w = workload(task(0, gpus=2, duration=1200.0), task(1))
+    assert workload_sm_use_bound(w) == pytest.approx(2.0)
+    assert workload_sm_use_bound(w) >= workload_sharing_bound(w)
 
 
 def test_a_failed_gpu_loses_the_baselines_tasks_and_fleetpilot_moves_them_first() -> None:
