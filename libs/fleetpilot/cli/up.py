@@ -107,6 +107,15 @@ class ServiceProcesses:
                 proc.wait()
 
 
+def _short_reason(d: DecisionMade, width: int = 60) -> str:
+    """A decision's reason cut to ``width`` characters for the live log, keeping the closing
+    ``(primary: …)`` or ``(breaker open)`` of a fallback decision: that part says why."""
+    body, why = d.reason, ""
+    if d.fallback and body.endswith(")"):
+        body, why = body[:body.rfind("(")].rstrip(), " " + body[body.rfind("("):]
+    return (body if len(body) <= width else body[:width] + "…") + why
+
+
 class Report:
     """Running totals of what went over the bus, printed live and at the end."""
 
@@ -138,12 +147,12 @@ class Report:
         if subject == "decision.made":
             d = decode(msg.data, DecisionMade)
             self.decisions[d.action] += 1
-            self.policies[d.policy.name + (" (fallback)" if d.fallback else "")] += 1
+            self.policies["fallback" if d.fallback else d.policy.name] += 1
             if d.task_id in self.submitted_at and d.action == "assign":
                 self.queue_s.append(max(0.0, d.decided_at - self.submitted_at.pop(d.task_id)))
             where = ", ".join(f"{p.node}/gpu{p.gpu}:{p.milli}m" for p in d.placement[:3])
             self.line(f"decision {d.action:<7} {d.task_id:<14} conf {d.confidence:.2f} {d.policy.name} "
-                      f"{where} {d.reason[:60]}")
+                      f"{where} {_short_reason(d)}")
         elif subject.startswith("action."):
             a = decode(msg.data, ActionExecuted, ActionFailed)
             self.actions["executed" if isinstance(a, ActionExecuted) else "failed"] += 1

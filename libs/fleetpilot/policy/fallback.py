@@ -186,8 +186,8 @@ class FallbackScheduler:
 
     def decide(self, state: ClusterState, task: TaskRequest) -> PolicyDecision:
         """A fallback decision (``fallback=True``)."""
-        d = self.policy.decide(state, task)
-        return msgspec.structs.replace(d, fallback=True, reason="fallback: " + d.reason)
+        # The profile is named "fallback": its reason already says so.
+        return msgspec.structs.replace(self.policy.decide(state, task), fallback=True)
 
 
 class GuardedPolicy:

@@ -85,6 +85,7 @@ def fleet() -> ClusterState:
 def test_fallback_prefers_historically_successful_model():
     d = FallbackScheduler(STATS).decide(fleet(), TaskRequest(task_id="x", kind="train"))
     assert d.fallback and d.placement[0].node == "a100" and d.confidence == pytest.approx(0.75)
+    assert d.reason.startswith("fallback: node a100") and d.reason.count("fallback") == 1
 
 
 def test_guarded_policy_falls_back_and_recovers():
@@ -102,6 +103,7 @@ def test_guarded_policy_falls_back_and_recovers():
     first = guarded.decide(fleet(), task)
     second = guarded.decide(fleet(), task)
     assert first.fallback and second.fallback and guarded.breaker.state == "open"
+    assert first.reason.endswith("(primary: unavailable)"), first.reason
     third = guarded.decide(fleet(), task)
     assert third.fallback and "breaker open" in third.reason and calls["n"] == 2
     clock.t += 10
