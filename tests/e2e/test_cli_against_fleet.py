@@ -79,6 +79,16 @@ async def test_watch_follows_decisions(fleet):
     (["watch", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS"),
 ])
 def test_bad_input_is_one_line_without_traceback(args, message):
+    assert_one_line_error(args, message)
+
+
+def test_submitting_where_fleetpilot_does_not_run_is_one_line(nats_url):
+    # A bare NATS server (JetStream on, no Fleetpilot streams): the publish finds no stream.
+    assert_one_line_error(["submit", "--nats-url", nats_url, "--timeout", "5"], "no Fleetpilot stream takes")
+
+
+def assert_one_line_error(args: list[str], message: str) -> None:
+    """``fleetpilot ARGS`` exits 2 with ``message`` on one stderr line and no traceback."""
     done = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", *args], capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 2

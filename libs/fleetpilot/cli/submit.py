@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import yaml
 
 from fleetpilot.contracts import (
@@ -128,8 +130,13 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
     await nc.subscribe(f"sla.offer.{task.task_id}", cb=on_msg)
     try:
         with tracing.producer_span("fleetpilot.submit") as trace_headers:
-            await bus.publish_raw("task.submitted", encode(task), headers={
-                **trace_headers, "Authorization": f"Bearer {token}", "Nats-Msg-Id": f"submit:{task.task_id}"})
+            try:
+                await bus.publish_raw("task.submitted", encode(task), headers={
+                    **trace_headers, "Authorization": f"Bearer {token}", "Nats-Msg-Id": f"submit:{task.task_id}"})
+            except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
+                # NATS is up but no stream takes the subject: Fleetpilot is not running there.
+                raise ConnectionError(f"no Fleetpilot stream takes task.submitted at {args.nats_url} "
+                                      "(start it with `fleetpilot up`, or point --nats-url at it)") from None
         print(f"submitted {task.task_id}", file=out, flush=True)
         deadline = time.monotonic() + args.timeout
         while True:
