@@ -105,6 +105,7 @@ from .fleet_workload import (
     sharing_bound,
     sm_use_bound,
 )
+from .outputs import check_writable
 
 OPENB_DIR = Path("/work/shared/data/openb")
 TRACE_FILE = OPENB_DIR / "openb_pod_list_default.csv"
@@ -1056,6 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path, needed in ((args.trace, args.arrivals == "trace"), (args.nodes, args.fleet == "openb")):
         if needed and not path.is_file():
             raise SystemExit(f"fleet bench: no such file {path}")
+    check_writable("fleet bench", files=(args.json,), dirs=(args.plot_dir,))
     fleet = load_bench_fleet(args.fleet, args.nodes, fraction=fraction, seed=args.seed)
     trace = load_trace(args.trace) if args.arrivals == "trace" else None
     try:

@@ -35,6 +35,8 @@ import numpy as np
 from fleetpilot.policy import BUILTIN_POLICIES, ClusterState, Policy, TaskRequest, build_policy, typical_tasks
 from fleetpilot.policy.state import MILLI
 
+from .outputs import check_writable
+
 INFLATION = 1.3
 """Arrived workload at the end of a run, as a multiple of the cluster's GPU capacity."""
 REPORT_POINTS: tuple[int, ...] = (90, 100, 110, 130)
@@ -377,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = parse_seeds(args.seeds)
     if args.jobs < 1:
         raise SystemExit("openb: --jobs must be at least 1")
+    check_writable("openb", files=(args.json, args.placements, args.plot))
     try:
         nodes = parse_nodes(_read_csv(nodes_path))
         traces = {name: parse_pods(_read_csv(path)) for name, path in pod_paths.items()}

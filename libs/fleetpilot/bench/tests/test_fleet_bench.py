@@ -218,6 +218,16 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
     assert message.startswith("fleet bench:") and "\n" not in message
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot-dir"])
+def test_an_unwritable_output_fails_before_the_run(tmp_path: Path, flag: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as err:
+        main(["--tasks", "150", "--hours", "0.5", "--arrivals", "generated", flag, str(tmp_path / "a-file" / "out")])
+    assert str(err.value).startswith("fleet bench: cannot write") and "\n" not in str(err.value)
+    assert capsys.readouterr().out == ""  # nothing ran
+
+
 def test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows() -> None:
     # The H100 is busy for 20 minutes; the leak (50 GB at the end, 40 GB reached at 77% of
     # its 40 minutes) starts on the A100 and moves to the H100 once that is free, before the OOM.

@@ -181,3 +181,12 @@ def test_run_openb_reads_the_files(tmp_path):
     r = run_openb(nodes, pods, "fgd", seed=3, keep_placements=True)
     assert r.trace == "tiny" and r.policy == "fgd" and set(r.points) == {90, 100, 110, 130}
     assert r.placements and r.arrived_pct[-1] >= 130.0
+
+
+@pytest.mark.parametrize("flag", ["--json", "--placements", "--plot"])
+def test_an_unwritable_output_fails_before_the_run(tmp_path, flag):
+    nodes, pods = write_tiny(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as err:
+        main(["--nodes", str(nodes), "--pods", str(pods), flag, str(tmp_path / "a-file" / "out")])
+    assert str(err.value).startswith("openb: cannot write") and "\n" not in str(err.value)
