@@ -215,6 +215,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         detail: str = "",
         exit_code: int | None = None,
         at: float | None = None,
+        replaces: DecisionMade | None = None,
     ) -> TaskLifecycle:
         d = decisions.get(task_id)
         gpu_model = parts["labels"].model_of(node, gpus[0]) if gpus and "labels" in parts else ""
@@ -231,6 +232,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             confidence=d.confidence if d else 0.0,
             task_kind=d.task.kind if d and d.task else "",
             gpu_model=gpu_model,
+            replaces_decision_id=replaces.decision_id if replaces else "",
             at=now() if at is None else at,
         )
 
@@ -284,9 +286,15 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                     node_key(node),
                     lambda cur: moved_here(cur, decision.task_id, decision.decision_id) if cur else None,
                 )
+                # The placement the task left ends here: the feedback service judges it. A
+                # redelivered migrate finds itself in ``decisions``: it left nothing new.
+                left = decisions.get(decision.task_id)
+                if left is not None and left.decision_id == decision.decision_id:
+                    left = None
                 decisions[decision.task_id] = decision
                 out.append(lifecycle(decision.task_id, "migrated", node,
-                                     [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
+                                     [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at,
+                                     replaces=left))
             elif decision.action == "evict":
                 for src in {p.node for p in decision.source}:
                     await release(decision.task_id, src)

@@ -1,11 +1,16 @@
 """The feedback service.
 
-Every action gets exactly one feedback record (keyed by ``action_id``):
+Every action gets exactly one feedback record (keyed by ``action_id``), judged by the pure
+rules of ``fleetpilot.feedback.outcomes``:
 
-- ``action.failed`` → ``failure`` at once;
-- ``action.executed`` of ``migrate``/``evict``/``resize``/``queue``/``reject`` → ``success`` at once;
-- an executed ``assign`` is judged by how the task's life ends (``task.lifecycle``):
-  ``finished`` → ``success``, ``oom_killed`` → ``oom``, ``failed`` → ``failure``.
+- ``action.failed`` → ``failure`` (``timeout`` when the error says so) at once;
+- an executed ``evict``/``resize``/``queue``/``reject`` → ``success`` at once;
+- an executed placement (``assign`` or ``migrate``) is judged when the placement ends
+  (``task.lifecycle``): ``finished`` → ``success``, ``oom_killed`` → ``oom``, ``failed`` →
+  ``failure``, ``evicted`` → ``partial``; a ``migrated`` event ends the placement it
+  replaces (``replaces_decision_id``) as ``success``: the task left it alive, and the move
+  is judged in turn by how its own placement ends. Until then the executed action waits in
+  the ``open_placements`` bucket, so every replica can judge it and a restart loses nothing.
 
 Records go to the store (SQLite by default, PostgreSQL when ``store_dsn`` is a
 ``postgresql://`` URL), then out as ``feedback.recorded``. Statistics are served on the
@@ -27,15 +32,37 @@ from fleetpilot.contracts import (
     StatsGroup,
     StatsQuery,
     TaskLifecycle,
+    decode,
+    encode,
     now,
 )
-from fleetpilot.feedback import FeedbackStore, PostgresFeedbackStore, SqliteFeedbackStore
-from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings
+from fleetpilot.executor.dispatch import action_id_for
+from fleetpilot.feedback import (
+    FeedbackStore,
+    PostgresFeedbackStore,
+    SqliteFeedbackStore,
+    ending_outcome,
+    feedback_for,
+    side_effects_of,
+)
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
 
-_OUTCOME = {"finished": "success", "oom_killed": "oom", "failed": "failure"}
+PLACEMENTS = frozenset({"assign", "migrate"})
+"""Actions judged by how their placement ends rather than at once."""
+ENDINGS = frozenset({"finished", "oom_killed", "failed", "evicted"})
+"""Lifecycle states that end a task's placement (and its life there)."""
+JUDGED = b"judged"
+"""The ``open_placements`` value left when a placement's end was judged before its action's
+result arrived: the late result is then dropped instead of waiting forever."""
+LEFT = b"left"
+"""The ``open_placements`` value left when a migration ended a placement whose result had
+not arrived yet: the late result is then judged at once, as a placement left alive."""
+EXECUTOR_LATENCY_UNCERTAINTY = 0.05
+"""How far the executor's action latency can be trusted (it times the backend call)."""
 
 
 class FeedbackSettings(ServiceSettings):
@@ -63,11 +90,10 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     settings = settings or FeedbackSettings()
     host = ServiceHost("feedback", settings)
     parts: dict = {}
-    # Latency of executed assigns, waiting for the task's end to judge them.
-    assign_latency: dict[str, float] = {}
 
     async def open_parts(bus: Bus) -> None:
         parts["store"] = await open_store(settings)
+        parts["open"] = await bus.kv("open_placements")
 
     async def close_parts() -> None:
         if "store" in parts:
@@ -80,55 +106,81 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
         stored = await parts["store"].record(event)
         return event if stored else None  # a redelivery is stored once and announced once
 
+    async def open_placement(action: ActionExecuted) -> FeedbackRecorded | None:
+        """Keep an executed placement until its end is known (or judge it, if it came first)."""
+        placements: KeyValue = parts["open"]
+        key = node_key(action.decision_id)
+        try:
+            await placements.create(key, encode(action))
+            return None
+        except CasConflict:
+            entry = await placements.get(key)
+        if entry is None or entry.value not in (JUDGED, LEFT):
+            return None  # a redelivery of a result already waiting
+        # The placement ended before its result arrived: judged already (from the lifecycle
+        # alone), or left alive by a migration and judged now.
+        out = None if entry.value == JUDGED else await record(
+            feedback_for(action, None, recorded_at=now(), latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+        await placements.delete(key)
+        return out
+
+    async def close_placement(decision_id: str, ending: TaskLifecycle | None,
+                              life: TaskLifecycle) -> FeedbackRecorded | None:
+        """Judge the placement of ``decision_id``; ``ending`` None: the task moved on alive."""
+        placements: KeyValue = parts["open"]
+        key = node_key(decision_id)
+        for _ in range(2):  # a second look when the result arrives while we mark its absence
+            entry = await placements.get(key)
+            if entry is not None and entry.value and entry.value not in (JUDGED, LEFT):
+                executed = decode(entry.value, ActionExecuted)
+                out = await record(feedback_for(executed, ending, recorded_at=now(),
+                                                latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+                await placements.delete(key)
+                return out
+            try:
+                # The result has not arrived (or is gone past the bucket's TTL): mark the end
+                # so that a late result is judged (LEFT) or dropped (JUDGED), not kept.
+                if entry is None:
+                    await placements.create(key, LEFT if ending is None else JUDGED)
+            except CasConflict:
+                continue
+            if ending is None:
+                # The lifecycle describes the new placement, not the one left: nothing to
+                # invent; the late result is judged when it comes.
+                return None
+            # Judged from the lifecycle's own fields, the latency marked as unknown.
+            return await record(
+                FeedbackRecorded(
+                    action_id=action_id_for(decision_id),
+                    decision_id=decision_id,
+                    task_id=life.task_id,
+                    outcome=ending_outcome(ending),
+                    latency_ms=Measured(value=0.0, uncertainty_score=1.0),
+                    unexpected_side_effect=side_effects_of(ending),
+                    policy=PolicyRef(name=life.policy or "unknown"),
+                    shard_id=life.shard_id,
+                    confidence=life.confidence,
+                    task_kind=life.task_kind,
+                    gpu_model=life.gpu_model,
+                    recorded_at=now(),
+                )
+            )
+        return None
+
     @host.on(ActionExecuted, ActionFailed, consumer="feedback-executed")
     async def on_action(action: ActionExecuted | ActionFailed) -> FeedbackRecorded | None:
-        if isinstance(action, ActionExecuted) and action.action == "assign":
-            assign_latency[action.decision_id] = action.latency_ms
-            return None
-        failed = isinstance(action, ActionFailed)
-        return await record(
-            FeedbackRecorded(
-                action_id=action.action_id,
-                decision_id=action.decision_id,
-                task_id=action.task_id,
-                outcome="failure" if failed else "success",
-                latency_ms=Measured(value=action.latency_ms, uncertainty_score=0.05),
-                unexpected_side_effect=[],
-                policy=action.policy,
-                shard_id=action.shard_id,
-                confidence=action.confidence,
-                task_kind=action.task_kind,
-                gpu_model=action.gpu_model,
-                recorded_at=now(),
-            )
-        )
+        if isinstance(action, ActionExecuted) and action.action in PLACEMENTS:
+            return await open_placement(action)
+        return await record(feedback_for(action, recorded_at=now(),
+                                         latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
 
     @host.on(TaskLifecycle, consumer="feedback-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> FeedbackRecorded | None:
-        outcome = _OUTCOME.get(life.state)
-        if outcome is None or not life.decision_id:
-            return None
-        latency = assign_latency.pop(life.decision_id, None)
-        side_effects = ["oom_neighbour"] if life.state == "oom_killed" and "neighbour" in life.detail else []
-        return await record(
-            FeedbackRecorded(
-                action_id=f"act-{life.decision_id}",
-                decision_id=life.decision_id,
-                task_id=life.task_id,
-                outcome=outcome,  # type: ignore[arg-type]
-                # Unknown latency (the executor replica restarted) is recorded as untrustworthy.
-                latency_ms=Measured(
-                    value=latency or 0.0, uncertainty_score=0.05 if latency is not None else 1.0
-                ),
-                unexpected_side_effect=side_effects,
-                policy=PolicyRef(name=life.policy or "unknown"),
-                shard_id=life.shard_id,
-                confidence=life.confidence,
-                task_kind=life.task_kind,
-                gpu_model=life.gpu_model,
-                recorded_at=now(),
-            )
-        )
+        if life.state == "migrated" and life.replaces_decision_id:
+            return await close_placement(life.replaces_decision_id, None, life)
+        if life.state in ENDINGS and life.decision_id:
+            return await close_placement(life.decision_id, life, life)
+        return None
 
     @host.endpoint("stats", "feedback.stats", StatsQuery)
     async def stats(query: StatsQuery) -> FeedbackStats:

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 import pytest
-from fleetpilot.contracts import ActionExecuted, DeadLetter, DecisionMade, TaskSubmitted, decode
+from fleetpilot.contracts import ActionExecuted, ActionFailed, DeadLetter, DecisionMade, TaskSubmitted, decode
 
 from .fleet_harness import Fleet
 
@@ -59,7 +59,12 @@ async def test_200_tasks_each_get_one_decision_and_one_action(fleet):
     decisions = await decisions_by_task(fleet)
     actions = Counter(decode(m.data, ActionExecuted).task_id
                       for m in await fleet.stream("ACTIONS", "action.executed"))
-    assert sorted(decisions) == ids and set(decisions.values()) == {1}
+    # On a loaded machine the simulated backend may not answer in time: that assign fails
+    # (``action.failed``) and the policy places the task again under a new decision. Any
+    # decision beyond one per task must be such a retry, never a double.
+    failed = Counter(decode(m.data, ActionFailed).task_id
+                     for m in await fleet.stream("ACTIONS", "action.failed", idle_s=0.5))
+    assert sorted(decisions) == ids and all(decisions[t] - failed[t] == 1 for t in ids), (decisions, failed)
     assert sorted(actions) == ids and set(actions.values()) == {1}
     for m in await fleet.stream("DECISIONS", "decision.made"):
         d = decode(m.data, DecisionMade)

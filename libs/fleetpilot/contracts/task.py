@@ -87,7 +87,13 @@ class TaskRejected(Event, frozen=True, kw_only=True, tag="task.rejected.v1"):
 
 
 class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
-    """A change in a running task's life as the executor saw it."""
+    """A change in a running task's life as the executor saw it.
+
+    ``decision_id`` (with its policy, shard and confidence) names the decision whose placement
+    the task runs under after the change; on ``migrated``, ``replaces_decision_id`` names the
+    placement decision the task left (empty when the executor no longer knows it), so the
+    feedback service can judge that placement as ended.
+    """
 
     task_id: str
     state: LifecycleState
@@ -101,4 +107,5 @@ class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
     confidence: float = 0.0
     gpu_model: str = ""
     task_kind: str = ""
+    replaces_decision_id: str = ""
     at: float

@@ -16,7 +16,7 @@ from .aggregates import (
     row_from_event,
 )
 from .migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
-from .outcomes import feedback_for, outcome_of
+from .outcomes import ending_outcome, feedback_for, outcome_of, side_effects_of
 from .postgres_store import PostgresFeedbackStore
 from .retry import backoff_delay, is_retryable
 from .sqlite_store import SqliteFeedbackStore
@@ -35,12 +35,14 @@ __all__ = [
     "SqliteFeedbackStore",
     "Totals",
     "backoff_delay",
-    "is_retryable",
+    "ending_outcome",
     "feedback_for",
+    "is_retryable",
     "nearest_rank",
     "open_store",
     "outcome_of",
     "pending",
     "recompute",
     "row_from_event",
+    "side_effects_of",
 ]

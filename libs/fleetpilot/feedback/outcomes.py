@@ -16,7 +16,8 @@ executed                    ``evicted``                 ``partial``
 ==========================  ==========================  ================
 
 ``started``, ``migrated`` and ``resized`` are not endings and leave the outcome as if no
-ending were known. The service decides when to record (at once, or when the task ends).
+ending were known: a placement the task left alive by a migration met its goal. The
+service decides when to record (at once, or when the placement ends).
 """
 
 from __future__ import annotations
@@ -40,14 +41,27 @@ _ENDINGS: dict[str, Outcome] = {
 }
 
 
+def ending_outcome(ending: TaskLifecycle | None) -> Outcome:
+    """The outcome of an executed action whose task ended (or moved on) with ``ending``."""
+    if ending is None:
+        return "success"
+    return _ENDINGS.get(ending.state, "success")
+
+
 def outcome_of(result: ActionExecuted | ActionFailed, ending: TaskLifecycle | None = None) -> Outcome:
     """The outcome of one action (see the module table)."""
     if isinstance(result, ActionFailed):
         error = result.error.lower()
         return "timeout" if "timeout" in error or "timed out" in error else "failure"
-    if ending is None:
-        return "success"
-    return _ENDINGS.get(ending.state, "success")
+    return ending_outcome(ending)
+
+
+def side_effects_of(ending: TaskLifecycle | None) -> list[str]:
+    """Unexpected side effects an ending reveals: an OOM kill the executor blames on a
+    neighbour's growth is ``oom_neighbour``."""
+    if ending is not None and ending.state == "oom_killed" and "neighbour" in ending.detail:
+        return ["oom_neighbour"]
+    return []
 
 
 def feedback_for(
@@ -57,10 +71,11 @@ def feedback_for(
     recorded_at: float,
     latency_uncertainty: float = 0.0,
     resource_saving_mb: float = 0.0,
-    side_effects: Sequence[str] = (),
+    side_effects: Sequence[str] | None = None,
 ) -> FeedbackRecorded:
     """The feedback record of one action; ``latency_uncertainty`` says how far the backend's
-    latency can be trusted (0 for a measured process start, more for a simulated one)."""
+    latency can be trusted (0 for a measured process start, more for a simulated one), and
+    the side effects default to those the ending reveals (``side_effects_of``)."""
     return FeedbackRecorded(
         action_id=result.action_id,
         decision_id=result.decision_id,
@@ -68,7 +83,7 @@ def feedback_for(
         outcome=outcome_of(result, ending),
         latency_ms=Measured(value=result.latency_ms, uncertainty_score=latency_uncertainty),
         resource_saving_mb=resource_saving_mb,
-        unexpected_side_effect=list(side_effects),
+        unexpected_side_effect=list(side_effects_of(ending) if side_effects is None else side_effects),
         policy=result.policy,
         shard_id=result.shard_id,
         confidence=result.confidence,

@@ -208,19 +208,28 @@ async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(
     assert (await observer.ledger("n1")).allocations == []
 
 
-async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fleet, nats_url, tmp_path):
+async def reserve_a_move_of_t1_to_n2(observer) -> None:
+    """t1 holds n1's GPU 0 (``d1``); the policy has reserved n2's GPU 1 for its move."""
     await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
     await observer.kv_put("ledger", "n2", encode(NodeLedger(node="n2", allocations=[
         Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+
+
+def move_t1_to_n2() -> DecisionMade:
+    """The migrate decision of t1 from n1's GPU 0 to n2's GPU 1."""
+    return DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
+                        placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
+                        source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
+                        policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                        task=TaskSubmitted(task_id="t1", kind="train"))
+
+
+async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fleet, nats_url, tmp_path):
+    await reserve_a_move_of_t1_to_n2(observer)
     host = build(settings(nats_url, tmp_path))
     await host.start()
     try:
-        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
-                            placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
-                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
-                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
-                            task=TaskSubmitted(task_id="t1", kind="train"))
-        await observer.js.publish("decision.made", encode(move), headers={"Nats-Msg-Id": "move-1"})
+        await observer.js.publish("decision.made", encode(move_t1_to_n2()), headers={"Nats-Msg-Id": "move-1"})
         moved = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
         await wait_for(lambda: len(sim_fleet.verbs("move")) == 1)
     finally:
@@ -228,6 +237,21 @@ async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fl
     assert [(m.state, m.node, m.gpus) for m in moved] == [("migrated", "n2", [1])]
     assert (await observer.ledger("n1")).allocations == []
     assert [(a.task_id, a.state) for a in (await observer.ledger("n2")).allocations] == [("t1", "confirmed")]
+
+
+async def test_a_migration_names_the_placement_the_task_left(observer, sim_fleet, nats_url, tmp_path):
+    await reserve_a_move_of_t1_to_n2(observer)
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1")))
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await observer.js.publish("decision.made", encode(move_t1_to_n2()), headers={"Nats-Msg-Id": "move-1"})
+        events = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
+    finally:
+        await host.stop()
+    assert [(e.state, e.decision_id, e.replaces_decision_id) for e in events] == [
+        ("started", "d1", ""), ("migrated", "t1.migrate.1", "d1")]
 
 
 async def test_a_migration_within_a_node_keeps_only_the_new_hold(observer, sim_fleet, nats_url, tmp_path):

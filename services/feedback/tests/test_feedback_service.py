@@ -89,11 +89,14 @@ def failed(decision_id: str, policy: str) -> ActionFailed:
     )
 
 
-def ended(decision_id: str, state: str, policy: str, task_kind: str = "train") -> TaskLifecycle:
+def ended(decision_id: str, state: str, policy: str, task_kind: str = "train", *, task_id: str = "",
+          replaces: str = "", detail: str = "") -> TaskLifecycle:
     return TaskLifecycle(
-        task_id=f"t-{decision_id}",
+        task_id=task_id or f"t-{decision_id}",
         state=state,
         decision_id=decision_id,
+        replaces_decision_id=replaces,
+        detail=detail,
         policy=policy,
         confidence=0.7,
         task_kind=task_kind,
@@ -120,7 +123,7 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
         # d1 fails, and the failure is delivered twice (different Nats-Msg-Id: a redelivery).
         for msg_id in ("one", "two"):
             await js.publish("action.failed", encode(failed("d1", "fgd")), headers={"Nats-Msg-Id": msg_id})
-        await js.publish("action.executed", encode(executed("d2", "migrate", "best-fit")))
+        await js.publish("action.executed", encode(executed("d2", "resize", "best-fit")))
         await js.publish("action.executed", encode(executed("d3", "assign", "best-fit")))
         await js.publish("task.lifecycle.t-d3", encode(ended("d3", "started", "best-fit")))
         await js.publish("task.lifecycle.t-d3", encode(ended("d3", "finished", "best-fit")))
@@ -174,14 +177,74 @@ async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_come
     await host.start()
     try:
         await js.publish("task.lifecycle.t-d7", encode(ended("d7", "failed", "fgd")))
+        store_has = await _wait_records(feedback_settings, 1)  # judged before the result exists
         await js.publish("action.executed", encode(executed("d7", "assign", "fgd")))
-        store_has = await _wait_records(feedback_settings, 1)
+        # The late result finds the end judged: it does not wait for an end that came already.
+        async def nothing_open() -> bool:
+            return await _open_placements(feedback_settings) == []
+
+        await wait_for(nothing_open, what="the late result to be dropped")
     finally:
         await host.stop()
     [record] = store_has
     assert (record.action_id, record.outcome, record.policy.name) == ("act-d7", "failure", "fgd")
     # The executor's latency was not known yet when the end was judged: marked untrustworthy.
     assert record.latency_ms.uncertainty_score == 1.0
+
+
+async def test_a_placement_is_judged_when_it_ends_and_a_migration_ends_the_one_it_left(
+    feedback_settings, client
+):
+    js = client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        # t-a: placed by a1, moved by m1 (alive: a1 met its goal), then OOM-killed under m1.
+        await js.publish("action.executed", encode(executed("a1", "assign", "fleetpilot")))
+        await js.publish("task.lifecycle.t-a1", encode(ended("a1", "started", "fleetpilot")))
+        await js.publish("action.executed", encode(executed("m1", "migrate", "fleetpilot")))
+        await js.publish("task.lifecycle.t-a1", encode(ended("m1", "migrated", "fleetpilot", task_id="t-a1",
+                                                             replaces="a1")))
+        await _wait_open(feedback_settings, "m1")  # the move's result is in before its end
+        await js.publish("task.lifecycle.t-a1", encode(ended("m1", "oom_killed", "fleetpilot", task_id="t-a1",
+                                                             detail="a neighbour grew")))
+        # t-e: placed by e1, then evicted (preempted): the placement did not run its course.
+        await js.publish("action.executed", encode(executed("e1", "assign", "fleetpilot")))
+        await _wait_open(feedback_settings, "e1")
+        await js.publish("task.lifecycle.t-e1", encode(ended("e1", "evicted", "fleetpilot")))
+        # t-x: the move away from x1 is seen before x1's own result: x1 is judged when it comes.
+        await js.publish("task.lifecycle.t-x1", encode(ended("x2", "migrated", "fleetpilot", task_id="t-x1",
+                                                             replaces="x1")))
+        await _wait_open(feedback_settings, "x1")
+        await js.publish("action.executed", encode(executed("x1", "assign", "fleetpilot")))
+        records = await _wait_records(feedback_settings, 4)
+        # Nothing of the three waits any more: every placement was judged.
+        placements = await _open_placements(feedback_settings)
+    finally:
+        await host.stop()
+    judged = {r.action_id: (r.outcome, r.unexpected_side_effect, r.latency_ms.uncertainty_score) for r in records}
+    assert judged == {
+        "act-a1": ("success", [], 0.05),
+        "act-m1": ("oom", ["oom_neighbour"], 0.05),
+        "act-e1": ("partial", [], 0.05),
+        "act-x1": ("success", [], 0.05),
+    }
+    assert placements == []
+
+
+async def _wait_open(settings: FeedbackSettings, decision_id: str) -> None:
+    async def is_open() -> bool:
+        return decision_id in await _open_placements(settings)
+
+    await wait_for(is_open, what=f"{decision_id} in open_placements")
+
+
+async def _open_placements(settings: FeedbackSettings) -> list[str]:
+    bus = await NatsBus.connect(settings.nats_url, "test-open-placements")
+    try:
+        return [k for k in await (await bus.kv("open_placements")).keys()]
+    finally:
+        await bus.drain()
 
 
 async def _wait_records(settings: FeedbackSettings, count: int) -> list[FeedbackRecorded]:
