@@ -171,17 +171,27 @@ QUEUE_CONFIDENCE = 0.95
 """The confidence of a ``queue`` decision before calibration."""
 
 
-def totals_by_policy(groups: list) -> dict[str, tuple[float, float, float]]:
-    """Feedback groups keyed by ``policy`` (``name@version``) summed per policy name: the sum
-    of published confidences, the successes and the records (what ``ConfidenceCalibration``
-    learns from; a profile rebuilt under a new version is still the same policy)."""
+def calibration_key(policy: str, action: str) -> str:
+    """The ``ConfidenceCalibration`` key of a policy's decisions of one action: each action
+    has its own goal (an assign runs its course, a move is followed by no OOM...), so each is
+    corrected by its own record."""
+    return f"{policy}:{action}"
+
+
+def totals_by_policy_action(groups: list) -> dict[str, tuple[float, float, float]]:
+    """Feedback groups keyed by ``policy`` (``name@version``) and ``action``, summed per
+    policy name and action (``calibration_key``): the sum of published confidences, the
+    successes and the records (what ``ConfidenceCalibration`` learns from; a profile rebuilt
+    under a new version is still the same policy). Records of unknown action are left out."""
     out: dict[str, tuple[float, float, float]] = {}
     for g in groups:
         name = g.key.get("policy", "").rsplit("@", 1)[0]
-        if not name or name == "fallback":
+        action = g.key.get("action", "")
+        if not name or name == "fallback" or not action:
             continue
-        expected, met, count = out.get(name, (0.0, 0.0, 0.0))
-        out[name] = (expected + g.expected_successes, met + g.successes, count + g.count)
+        key = calibration_key(name, action)
+        expected, met, count = out.get(key, (0.0, 0.0, 0.0))
+        out[key] = (expected + g.expected_successes, met + g.successes, count + g.count)
     return out
 
 
@@ -479,7 +489,8 @@ class PolicyState:
                     return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
             # The fallback's confidence is already its historical success rate.
-            confidence = choice.confidence if choice.fallback else self.calibration.apply(name, choice.confidence)
+            confidence = (choice.confidence if choice.fallback
+                          else self.calibration.apply(calibration_key(name, "assign"), choice.confidence))
             return (
                 self.assign_decision(
                     adm,
@@ -858,14 +869,17 @@ class PolicyState:
             Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
             for a in running.allocations
         ]
+        ref = self.policy_ref(policies, policies.default, choice)
+        confidence = float(p_stay_fails * choice.confidence)
         return DecisionMade(
             decision_id=decision_id,
             task_id=running.task_id,
             action="migrate",
             placement=target,
             source=source,
-            confidence=float(p_stay_fails * choice.confidence),
-            policy=self.policy_ref(policies, policies.default, choice),
+            confidence=(confidence if choice.fallback
+                        else self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)),
+            policy=ref,
             fallback=choice.fallback,
             reason=f"{why}; target: {choice.reason}",
             decided_at=now(),
@@ -961,15 +975,15 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     await bus.request("feedback.stats", encode(StatsQuery(by=by)), timeout_s=settings.stats_timeout_s),
                     FeedbackStats,
                 )
-                for by in (["task_kind", "gpu_model"], ["policy"])
+                for by in (["task_kind", "gpu_model"], ["policy", "action"])
             ]
         except (TimeoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.info("feedback statistics unavailable (%s); the fallback and confidences keep their last state", exc)
             return
         state().active.apply_stats(success_table(by_kind.groups))
-        for name, (expected, met, count) in totals_by_policy(by_policy.groups).items():
-            factor = state().calibration.update(name, expected, met, count)
-            log.debug("confidence of %s corrected by %.3f (feedback: %.1f expected, %.0f met)", name, factor, expected, met)
+        for key, (expected, met, count) in totals_by_policy_action(by_policy.groups).items():
+            factor = state().calibration.update(key, expected, met, count)
+            log.debug("confidence of %s corrected by %.3f (feedback: %.1f expected, %.0f met)", key, factor, expected, met)
 
     host.on_startup(open_state)
 
@@ -1004,9 +1018,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 task_id=adm.task.task_id,
                 action="queue",
                 # What a queue is judged on is its acknowledgement, as the policies' own
-                # queue decisions (0.95: the filters are exact on a fresh view); corrected
-                # like the policy's assigns, since the feedback store keeps both under its name.
-                confidence=ps.calibration.apply(name, QUEUE_CONFIDENCE),
+                # queue decisions (0.95: the filters are exact on a fresh view); corrected by
+                # the record of the policy's queue decisions.
+                confidence=ps.calibration.apply(calibration_key(name, "queue"), QUEUE_CONFIDENCE),
                 policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
                 shard_id=shard_id,
                 reason="no node has room now; queued until capacity frees",

@@ -34,11 +34,15 @@ class FeedbackRecorded(Event, frozen=True, kw_only=True, tag="feedback.recorded.
     confidence: float = 0.0
     task_kind: str = ""
     gpu_model: str = ""
+    action: str = ""
+    """The decision's action (``assign``, ``migrate``...): each has its own goal, so its own
+    calibration; empty when the record was judged without the action's result."""
     recorded_at: float
 
 
 class StatsQuery(Event, frozen=True, kw_only=True, tag="feedback.stats_query.v1"):
-    """A request for feedback statistics grouped by some of policy, shard_id, task_kind, gpu_model."""
+    """A request for feedback statistics grouped by some of policy, shard_id, task_kind,
+    gpu_model and action."""
 
     by: list[str] = msgspec.field(default_factory=lambda: ["policy", "shard_id", "task_kind", "gpu_model"])
 

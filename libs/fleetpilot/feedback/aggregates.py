@@ -35,13 +35,13 @@ import msgspec
 
 from fleetpilot.contracts import FeedbackRecorded
 
-KeyField = Literal["policy", "shard_id", "task_kind", "gpu_model"]
-KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_model")
+KeyField = Literal["policy", "shard_id", "task_kind", "gpu_model", "action"]
+KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_model", "action")
 UNIT = 10_000
 CALIBRATION_BINS = 10
 P95 = 0.95
 
-BaseKey = tuple[str, str, str, str]
+BaseKey = tuple[str, str, str, str, str]
 
 
 class FeedbackRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +52,7 @@ class FeedbackRow(msgspec.Struct, frozen=True, kw_only=True):
     shard_id: str
     task_kind: str
     gpu_model: str
+    action: str = ""
     success: int
     weight_units: int
     latency_us: int
@@ -61,8 +62,8 @@ class FeedbackRow(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def key(self) -> BaseKey:
-        """The full aggregation key (policy, shard_id, task_kind, gpu_model)."""
-        return (self.policy, self.shard_id, self.task_kind, self.gpu_model)
+        """The full aggregation key (policy, shard_id, task_kind, gpu_model, action)."""
+        return (self.policy, self.shard_id, self.task_kind, self.gpu_model, self.action)
 
     @property
     def calibration_bin(self) -> int:
@@ -94,6 +95,7 @@ def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
         shard_id=event.shard_id,
         task_kind=event.task_kind,
         gpu_model=event.gpu_model,
+        action=event.action,
         success=1 if event.outcome == "success" else 0,
         weight_units=round((1.0 - _clip01(event.latency_ms.uncertainty_score)) * UNIT),
         latency_us=max(round(latency_ms * 1000.0), 0),

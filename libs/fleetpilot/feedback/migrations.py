@@ -37,6 +37,7 @@ RAW_COLUMNS = (
     "shard_id",
     "task_kind",
     "gpu_model",
+    "action",
     "success",
     "weight_units",
     "latency_us",
@@ -51,7 +52,7 @@ RAW_COLUMNS = (
 
 def raw_values(row: FeedbackRow, event: FeedbackRecorded) -> tuple:
     """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order."""
-    return (row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.success,
+    return (row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.action, row.success,
             row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units, row.side_effects,
             event.recorded_at, encode(event).decode())
 
@@ -66,22 +67,14 @@ _KEY_COLUMNS = (
 )
 
 
+# The aggregate sums as the migrations create them: frozen, since a released migration never
+# changes (``aggregates.Totals`` may grow, with a migration of its own).
+_SUM_FIELDS = ("count", "successes", "weight_units", "weighted_success_units", "latency_us", "weighted_latency",
+               "saving_milli_mb", "confidence_units", "brier_units2", "side_effects")
+
+
 def _tables(sum_type: str, payload_type: str, id_type: str) -> tuple[str, ...]:
-    sums = ", ".join(
-        f"{name} {sum_type} NOT NULL DEFAULT 0"
-        for name in (
-            "count",
-            "successes",
-            "weight_units",
-            "weighted_success_units",
-            "latency_us",
-            "weighted_latency",
-            "saving_milli_mb",
-            "confidence_units",
-            "brier_units2",
-            "side_effects",
-        )
-    )
+    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in _SUM_FIELDS)
     return (
         "CREATE TABLE feedback_raw ("
         f" action_id {id_type} PRIMARY KEY, " + _KEY_COLUMNS + ","
@@ -103,9 +96,39 @@ _KEY_INDEX = (
     " (policy, shard_id, task_kind, gpu_model, latency_us)",
 )
 
+def _add_action_key(sum_type: str) -> tuple[str, ...]:
+    """Version 3: ``action`` joins the key of every table. Existing rows keep their sums under
+    the action ``""`` (unknown): nothing recorded before is reattributed or lost. SQLite
+    cannot change a primary key in place, so the keyed tables are copied into new ones."""
+    old_keys = "policy, shard_id, task_kind, gpu_model"
+    keys = old_keys + ", action"
+    key_columns = _KEY_COLUMNS + ", action TEXT NOT NULL"
+    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in _SUM_FIELDS)
+    sum_names = ", ".join(_SUM_FIELDS)
+    bin_sums = f"count {sum_type} NOT NULL DEFAULT 0, confidence_units {sum_type} NOT NULL DEFAULT 0," \
+               f" successes {sum_type} NOT NULL DEFAULT 0"
+    return (
+        "ALTER TABLE feedback_raw ADD COLUMN action TEXT NOT NULL DEFAULT ''",
+        f"CREATE TABLE feedback_aggregate_v3 ({key_columns}, {sums}, PRIMARY KEY ({keys}))",
+        f"INSERT INTO feedback_aggregate_v3 ({keys}, {sum_names})"
+        f" SELECT {old_keys}, '', {sum_names} FROM feedback_aggregate",
+        "DROP TABLE feedback_aggregate",
+        "ALTER TABLE feedback_aggregate_v3 RENAME TO feedback_aggregate",
+        f"CREATE TABLE feedback_calibration_v3 ({key_columns}, bin INTEGER NOT NULL, {bin_sums},"
+        f" PRIMARY KEY ({keys}, bin))",
+        f"INSERT INTO feedback_calibration_v3 ({keys}, bin, count, confidence_units, successes)"
+        f" SELECT {old_keys}, '', bin, count, confidence_units, successes FROM feedback_calibration",
+        "DROP TABLE feedback_calibration",
+        "ALTER TABLE feedback_calibration_v3 RENAME TO feedback_calibration",
+        "DROP INDEX IF EXISTS feedback_raw_key",
+        f"CREATE INDEX feedback_raw_key ON feedback_raw ({keys}, latency_us)",
+    )
+
+
 SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT", "TEXT")),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
+    Migration(version=3, name="action joins the key", statements=_add_action_key("BIGINT")),
 )
 
 POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
@@ -113,6 +136,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
         version=1, name="raw and aggregate tables", statements=_tables("NUMERIC", "TEXT", 'TEXT COLLATE "C"')
     ),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
+    Migration(version=3, name="action joins the key", statements=_add_action_key("NUMERIC")),
 )
 
 

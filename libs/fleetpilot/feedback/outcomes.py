@@ -89,5 +89,6 @@ def feedback_for(
         confidence=result.confidence,
         task_kind=result.task_kind,
         gpu_model=result.gpu_model,
+        action=result.action,
         recorded_at=recorded_at,
     )

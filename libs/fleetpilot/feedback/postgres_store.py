@@ -43,7 +43,8 @@ from .retry import backoff_delay, is_retryable
 
 T = TypeVar("T")
 
-_KEYS = "policy, shard_id, task_kind, gpu_model"
+_KEYS = ", ".join(KEY_FIELDS)
+_N_KEYS = len(KEY_FIELDS)
 _N_RAW = len(_RAW_COLUMNS)
 _CONFIDENCE_ARG = _RAW_COLUMNS.index("confidence_units") + 1
 _SUCCESS_ARG = _RAW_COLUMNS.index("success") + 1
@@ -180,15 +181,16 @@ class PostgresFeedbackStore:
         select_keys = f"{', '.join(fields)}, " if fields else ""
 
         async def body(conn: asyncpg.Connection) -> list[Aggregate]:
+            n = _N_KEYS
             base = {
-                (r[0], r[1], r[2], r[3]): Totals(**{f: int(r[f]) for f in TOTALS_FIELDS})
+                tuple(r[:n]): Totals(**{f: int(r[f]) for f in TOTALS_FIELDS})
                 for r in await conn.fetch(
                     f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate"
                 )
             }
             bins = {
-                ((r[0], r[1], r[2], r[3]), r[4]): BinTotals(
-                    count=int(r[5]), confidence_units=int(r[6]), successes=int(r[7])
+                (tuple(r[:n]), r[n]): BinTotals(
+                    count=int(r[n + 1]), confidence_units=int(r[n + 2]), successes=int(r[n + 3])
                 )
                 for r in await conn.fetch(
                     f"SELECT {_KEYS}, bin, count, confidence_units, successes FROM feedback_calibration"

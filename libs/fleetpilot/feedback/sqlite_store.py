@@ -37,20 +37,23 @@ from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 
 T = TypeVar("T")
 
+_KEYS = ", ".join(KEY_FIELDS)
+_N_KEYS = len(KEY_FIELDS)
+_KEY_MARKS = ", ".join("?" for _ in KEY_FIELDS)
 _INSERT_RAW = (
     f"INSERT OR IGNORE INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
     f" VALUES ({', '.join('?' for _ in _RAW_COLUMNS)})"
 )
 _UPSERT_AGGREGATE = (
-    f"INSERT INTO feedback_aggregate (policy, shard_id, task_kind, gpu_model, {', '.join(TOTALS_FIELDS)})"
-    f" VALUES (?, ?, ?, ?, {', '.join('?' for _ in TOTALS_FIELDS)})"
-    " ON CONFLICT (policy, shard_id, task_kind, gpu_model) DO UPDATE SET "
+    f"INSERT INTO feedback_aggregate ({_KEYS}, {', '.join(TOTALS_FIELDS)})"
+    f" VALUES ({_KEY_MARKS}, {', '.join('?' for _ in TOTALS_FIELDS)})"
+    f" ON CONFLICT ({_KEYS}) DO UPDATE SET "
     + ", ".join(f"{f} = {f} + excluded.{f}" for f in TOTALS_FIELDS)
 )
 _UPSERT_BIN = (
-    "INSERT INTO feedback_calibration (policy, shard_id, task_kind, gpu_model, bin, count,"
-    " confidence_units, successes) VALUES (?, ?, ?, ?, ?, 1, ?, ?)"
-    " ON CONFLICT (policy, shard_id, task_kind, gpu_model, bin) DO UPDATE SET"
+    f"INSERT INTO feedback_calibration ({_KEYS}, bin, count,"
+    f" confidence_units, successes) VALUES ({_KEY_MARKS}, ?, 1, ?, ?)"
+    f" ON CONFLICT ({_KEYS}, bin) DO UPDATE SET"
     " count = count + 1, confidence_units = confidence_units + excluded.confidence_units,"
     " successes = successes + excluded.successes"
 )
@@ -134,25 +137,20 @@ class SqliteFeedbackStore:
         def read() -> list[Aggregate]:
             self._db.execute("BEGIN")
             try:
+                n = _N_KEYS
                 base = {
-                    tuple(r[:4]): Totals(**dict(zip(TOTALS_FIELDS, r[4:], strict=True)))
-                    for r in self._db.execute(
-                        f"SELECT policy, shard_id, task_kind, gpu_model, {', '.join(TOTALS_FIELDS)}"
-                        " FROM feedback_aggregate"
-                    )
+                    tuple(r[:n]): Totals(**dict(zip(TOTALS_FIELDS, r[n:], strict=True)))
+                    for r in self._db.execute(f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate")
                 }
                 bins = {
-                    (tuple(r[:4]), r[4]): BinTotals(count=r[5], confidence_units=r[6], successes=r[7])
+                    (tuple(r[:n]), r[n]): BinTotals(count=r[n + 1], confidence_units=r[n + 2], successes=r[n + 3])
                     for r in self._db.execute(
-                        "SELECT policy, shard_id, task_kind, gpu_model, bin, count, confidence_units,"
-                        " successes FROM feedback_calibration"
+                        f"SELECT {_KEYS}, bin, count, confidence_units, successes FROM feedback_calibration"
                     )
                 }
                 latencies = (
-                    (tuple(r[:4]), r[4])
-                    for r in self._db.execute(
-                        "SELECT policy, shard_id, task_kind, gpu_model, latency_us FROM feedback_raw"
-                    )
+                    (tuple(r[:n]), r[n])
+                    for r in self._db.execute(f"SELECT {_KEYS}, latency_us FROM feedback_raw")
                 )
                 p95 = p95_by_group(latencies, fields)  # type: ignore[arg-type]
             finally:

@@ -14,6 +14,8 @@ POLICIES: tuple[PolicyRef, ...] = (
 SHARDS: tuple[str, ...] = ("primary", "candidate")
 TASK_KINDS: tuple[str, ...] = ("train", "infer", "finetune")
 GPU_MODELS: tuple[str, ...] = ("A100", "H100", "RTX4090")
+ACTIONS: tuple[str, ...] = ("assign", "migrate")
+"""Two actions only: keys must overlap between writers for the concurrency proof to bite."""
 OUTCOMES: tuple[Outcome, ...] = (
     "success",
     "success",
@@ -46,6 +48,7 @@ def feedback_event(action_id: str, rng: random.Random) -> FeedbackRecorded:
         confidence=confidence,
         task_kind=rng.choice(TASK_KINDS),
         gpu_model=rng.choice(GPU_MODELS),
+        action=rng.choice(ACTIONS),
         recorded_at=1_800_000_000.0 + rng.random() * 3600,
     )
 

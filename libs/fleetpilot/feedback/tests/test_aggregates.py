@@ -87,7 +87,8 @@ def test_hand_computed_aggregate() -> None:
         row_from_event(event("c", "success", latency=20, uncertainty=1.0, confidence=0.2)),
     ]
     [agg] = recompute(rows)
-    assert agg.key == {"policy": "fgd@1", "shard_id": "primary", "task_kind": "train", "gpu_model": "A100"}
+    assert agg.key == {"policy": "fgd@1", "shard_id": "primary", "task_kind": "train", "gpu_model": "A100",
+                       "action": ""}
     assert agg.count == 3 and agg.successes == 2
     assert agg.success_rate == pytest.approx(2 / 3)
     # weights 1, 0.5, 0: weighted success = 1 / 1.5
@@ -132,7 +133,7 @@ def test_bad_grouping_rejected(by: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("applied", "expected"),
-    [([], [1, 2]), ([1], [2]), ([1, 2], [])],
+    [([], [1, 2, 3]), ([1], [2, 3]), ([1, 2], [3]), ([1, 2, 3], [])],
 )
 def test_pending_migrations(applied: list[int], expected: list[int]) -> None:
     assert [m.version for m in pending(SQLITE_MIGRATIONS, applied)] == expected

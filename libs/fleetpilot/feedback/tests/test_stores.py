@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import time
 import uuid
 from pathlib import Path
 
+import asyncpg
 import msgspec
 import pytest
+from fleetpilot.contracts import encode
 from fleetpilot.feedback import (
     KEY_FIELDS,
     PostgresFeedbackStore,
@@ -15,6 +19,7 @@ from fleetpilot.feedback import (
     recompute,
     row_from_event,
 )
+from fleetpilot.feedback.aggregates import TOTALS_FIELDS, totals_of
 from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
 from fleetpilot.feedback.store import FeedbackStore, open_store
 from fleetpilot.feedback.synthetic import writer_stream
@@ -113,3 +118,99 @@ async def test_open_store_from_url_postgres(pg_dsn: str) -> None:
     assert isinstance(store, PostgresFeedbackStore)
     await store.drop_schema()
     await store.close()
+
+
+# --- upgrading a version-2 database (four-field key) to version 3 (``action`` joins it) ----
+
+_V2_KEYS = ("policy", "shard_id", "task_kind", "gpu_model")
+_V2_RAW = ("action_id", *_V2_KEYS, "success", "weight_units", "latency_us", "saving_milli_mb", "confidence_units",
+           "side_effects", "recorded_at", "payload")
+
+
+def _v2_writes(event, mark) -> list[tuple[str, tuple]]:
+    """The rows a version-2 store wrote for ``event``, as ``(sql, args)`` with ``mark(i)``
+    the backend's i-th placeholder (plain inserts: every event has its own key here)."""
+    row = row_from_event(event)
+    totals = totals_of(row)
+    keys = tuple(getattr(row, k) for k in _V2_KEYS)
+    raw = (row.action_id, *keys, row.success, row.weight_units, row.latency_us, row.saving_milli_mb,
+           row.confidence_units, row.side_effects, event.recorded_at, encode(event).decode())
+    agg = (*keys, *(getattr(totals, f) for f in TOTALS_FIELDS))
+    cal = (*keys, row.calibration_bin, 1, row.confidence_units, row.success)
+
+    def insert(table: str, columns: tuple[str, ...], args: tuple) -> tuple[str, tuple]:
+        marks = ", ".join(mark(i + 1) for i in range(len(args)))
+        return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", args
+
+    return [insert("feedback_raw", _V2_RAW, raw),
+            insert("feedback_aggregate", (*_V2_KEYS, *TOTALS_FIELDS), agg),
+            insert("feedback_calibration", (*_V2_KEYS, "bin", "count", "confidence_units", "successes"), cal)]
+
+
+def _v2_events() -> list:
+    """Distinct keys, no action (a version-2 record had none)."""
+    events = []
+    for i, e in enumerate(writer_stream(3, 40, seed=5, shared_every=0)):
+        events.append(msgspec.structs.replace(e, action="", task_kind=f"k{i}"))
+    return events
+
+
+async def _check_upgraded(store: FeedbackStore, old: list) -> None:
+    """Old sums kept under action "", new records keyed by their action, all exact."""
+    new = [msgspec.structs.replace(e, action_id=f"new-{e.action_id}", action="migrate") for e in old[:10]]
+    for e in new:
+        assert await store.record(e)
+    rows = [row_from_event(e) for e in old + new]
+    assert await store.aggregates() == recompute(rows)
+    by_action = {a.key["action"]: a.count for a in await store.aggregates(("action",))}
+    assert by_action == {"": len(old), "migrate": len(new)}
+
+
+async def test_sqlite_upgrade_keeps_version_2_data(tmp_path: Path) -> None:
+    path = tmp_path / "v2.db"
+    db = sqlite3.connect(str(path))
+    db.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+               " applied_at DOUBLE PRECISION NOT NULL)")
+    for m in SQLITE_MIGRATIONS[:2]:
+        for statement in m.statements:
+            db.execute(statement)
+        db.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, m.name, time.time()))
+    old = _v2_events()
+    for e in old:
+        for sql, args in _v2_writes(e, lambda i: "?"):
+            db.execute(sql, args)
+    db.commit()
+    db.close()
+    store = SqliteFeedbackStore(path)
+    try:
+        assert store.applied_migrations() == [1, 2, 3]
+        await _check_upgraded(store, old)
+    finally:
+        await store.close()
+
+
+async def test_postgres_upgrade_keeps_version_2_data(pg_dsn: str) -> None:
+    schema = f"fp_test_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await conn.execute(f'SET search_path TO "{schema}"')
+        await conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+                           " applied_at DOUBLE PRECISION NOT NULL)")
+        for m in POSTGRES_MIGRATIONS[:2]:
+            for statement in m.statements:
+                await conn.execute(statement)
+            await conn.execute("INSERT INTO schema_migrations VALUES ($1, $2, $3)", m.version, m.name, time.time())
+        old = _v2_events()
+        for e in old:
+            for sql, args in _v2_writes(e, lambda i: f"${i}"):
+                await conn.execute(sql, *args)
+    finally:
+        await conn.close()
+    store = await PostgresFeedbackStore.open(pg_dsn, schema=schema)
+    try:
+        assert await store.applied_migrations() == [1, 2, 3]
+        await _check_upgraded(store, old)
+    finally:
+        await store.drop_schema()
+        await store.close()
