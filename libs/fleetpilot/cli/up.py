@@ -129,6 +129,8 @@ class Report:
         self.policies: Counter = Counter()
         self.queue_s: list[float] = []
         self.submitted_at: dict[str, float] = {}
+        # (policy, action) -> [sum of confidences, actions that met their goal, actions judged]
+        self.judged: dict[tuple[str, str], list[float]] = {}
         self.started = time.monotonic()
 
     def line(self, text: str) -> None:
@@ -161,6 +163,10 @@ class Report:
         elif subject == "feedback.recorded":
             f = decode(msg.data, FeedbackRecorded)
             self.outcomes[f.outcome] += 1
+            tally = self.judged.setdefault((f.policy.name, f.action or "?"), [0.0, 0.0, 0.0])
+            tally[0] += f.confidence
+            tally[1] += f.outcome == "success"
+            tally[2] += 1
             if sum(self.outcomes.values()) % 25 == 0:
                 self.line("totals: " + self.totals())
         elif subject == "task.rejected":
@@ -184,8 +190,15 @@ class Report:
                  f"actions:   {dict(self.actions)}",
                  f"feedback:  {dict(self.outcomes)}",
                  f"rejected:  {dict(self.rejected)}   counter-offers: {self.offers}",
-                 f"submit-to-assign: mean {mean_q * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks"]
+                 f"submit-to-assign: mean {mean_q * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks",
+                 "confidence vs outcome: " + (self.calibration() or "nothing judged yet")]
         return "\n".join(lines)
+
+    def calibration(self) -> str:
+        """Per policy and action: the mean confidence published against the share of the
+        judged actions that met their goal (how honest the confidences were)."""
+        return "; ".join(f"{policy} {action} {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
+                         for (policy, action), (conf, met, n) in sorted(self.judged.items()))
 
 
 DEMO_TENANTS = ("acme", "globex", "initech")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fleetpilot.cli.up import _short_reason
-from fleetpilot.contracts import DecisionMade
-from fleetpilot.contracts.decision import PolicyRef
+from types import SimpleNamespace
+
+from fleetpilot.cli.up import Report, _short_reason
+from fleetpilot.contracts import DecisionMade, FeedbackRecorded, Measured, PolicyRef, encode
 
 
 def decision(reason: str, *, fallback: bool) -> DecisionMade:
@@ -24,3 +25,21 @@ def test_short_reasons_are_whole_and_long_ones_are_cut() -> None:
     assert _short_reason(decision("fleetpilot: node a", fallback=False), width=30) == "fleetpilot: node a"
     cut = _short_reason(decision("fleetpilot: node a100-00 score 51 of 11 feasible (x)", fallback=False), width=30)
     assert cut == "fleetpilot: node a100-00 score…"
+
+
+async def test_the_closing_report_sets_confidence_against_outcome_per_policy_and_action() -> None:
+    report = Report(quiet=True)
+
+    async def recorded(policy: str, action: str, confidence: float, outcome: str) -> None:
+        event = FeedbackRecorded(action_id=f"a{len(report.judged)}{confidence}{outcome}", outcome=outcome,
+                                 latency_ms=Measured(value=1.0, uncertainty_score=0.0), unexpected_side_effect=[],
+                                 policy=PolicyRef(name=policy), confidence=confidence, action=action,
+                                 recorded_at=0.0)
+        await report.on_message(SimpleNamespace(subject="feedback.recorded", data=encode(event)))
+
+    await recorded("fleetpilot", "assign", 0.9, "success")
+    await recorded("fleetpilot", "assign", 0.7, "oom")
+    await recorded("fleetpilot", "migrate", 0.6, "success")
+    assert report.calibration() == ("fleetpilot assign 0.80 predicted, 0.50 met (n=2); "
+                                    "fleetpilot migrate 0.60 predicted, 1.00 met (n=1)")
+    assert "confidence vs outcome: fleetpilot assign" in report.render(1.0)
