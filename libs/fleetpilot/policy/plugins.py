@@ -250,7 +250,8 @@ class FleetpilotFrag(_FragScorer):
     The second term charges the GPU milli a placement strands for lack of CPU
     (``cpu_stranding``): FGD only notices CPU once a typical task no longer fits a node, so
     it lets CPU-hungry placements drain the CPU that the node's remaining GPUs will need; the
-    fluid estimate sees the drain before the cliff. Both terms enter with weight 1.
+    fluid estimate sees the drain before the cliff. The pressure enters with weight 1; the
+    built-in profile weighs the stranding 2 (``builtin.FLEETPILOT_CPU_WEIGHT``).
     """
 
     name = "fleetpilot-frag"
