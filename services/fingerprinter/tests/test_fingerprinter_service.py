@@ -7,6 +7,7 @@ import asyncio
 
 import msgspec
 import numpy as np
+import pytest
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
 from fleetpilot.fingerprint.signature import SignatureStats, task_signature
 from fleetpilot.runtime.nats_bus import NatsBus
@@ -21,7 +22,9 @@ def task(task_id: str) -> TaskSubmitted:
                          submitted_at=now())
 
 
-async def test_observed_then_remembered_then_predicted(nats_server):
+@pytest.fixture
+async def fingerprinter(nats_server):
+    """A running fingerprinter, a bus to talk to it, and every ``task.fingerprinted`` seen."""
     host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1))
     await host.start()
     bus = await NatsBus.connect(nats_server.url, "test")
@@ -32,80 +35,68 @@ async def test_observed_then_remembered_then_predicted(nats_server):
 
     await bus.subscribe("task.fingerprinted", on_fp)
     try:
-        first = task("clip-1")
-        await bus.publish(first)
-        await asyncio.sleep(0.5)  # the task is placed before its processes report memory
-        # A stepwise-growing fine-tune, sampled every 10 s for its whole life.
-        growth = MemoryGrowth(pattern="steps", base_mb=8_000, peak_mb=32_000, duration_s=1_000, n_steps=4)
-        start = now()
-        for t in np.arange(0, 1_000, 10.0):
-            used = float(growth.memory_at(t))
-            await bus.publish(TaskTelemetry(task_id="clip-1", node="n1", gpus=[0], at=start + float(t),
-                                            memory_used_mb=used, utilization_gpu_pct=80.0))
-        # Early predictions are rough; the refined ones must converge on the true peak.
-        def close_to_truth():
-            return [f.fingerprint for f in seen if f.task_id == "clip-1" and f.source == "observed"
-                    and f.fingerprint.pattern == "steps" and abs(f.fingerprint.predicted_peak_mb - 32_000) < 3_200]
-
-        latest = (await wait_for(close_to_truth))[-1]
-        assert latest.peak_low_mb <= 32_000 <= latest.peak_high_mb
-
-        await bus.publish(TaskLifecycle(task_id="clip-1", state="finished", at=now()))
-        kv = await bus.kv("fingerprints")
-        signature = task_signature(first)
-        entry = None
-        for _ in range(200):
-            entry = await kv.get(signature)
-            if entry is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert entry is not None, "the signature was not remembered"
-        assert msgspec.json.decode(entry.value, type=SignatureStats).count == 1
-
-        await bus.publish(task("clip-2"))  # same kind, image, command and model
-        predicted = await wait_for(lambda: [f for f in seen if f.task_id == "clip-2"])
-        assert predicted[0].source == "signature"
-        assert predicted[0].fingerprint.pattern == "steps"
-        assert abs(predicted[0].fingerprint.predicted_peak_mb - latest.predicted_peak_mb) < 0.15 * 32_000
+        yield bus, seen
     finally:
         await bus.drain()
         await host.stop()
 
 
-async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(nats_server):
-    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1))
-    await host.start()
-    bus = await NatsBus.connect(nats_server.url, "test")
-    seen: list[TaskFingerprinted] = []
+async def remembered(bus: NatsBus, signature: str) -> SignatureStats:
+    """The signature's stats once the service has written them."""
+    kv = await bus.kv("fingerprints")
 
-    async def on_fp(msg) -> None:
-        seen.append(decode(msg.data, TaskFingerprinted))
+    async def stats() -> SignatureStats | None:
+        entry = await kv.get(signature)
+        return msgspec.json.decode(entry.value, type=SignatureStats) if entry is not None else None
 
-    await bus.subscribe("task.fingerprinted", on_fp)
-    try:
-        first = task("leak-1")
-        await bus.publish(first)
-        await asyncio.sleep(0.5)
-        # A leak killed at 38 GB, a third of the way through its declared life.
-        start = now()
-        for t in np.arange(0, 340, 10.0):
-            await bus.publish(TaskTelemetry(task_id="leak-1", node="n1", gpus=[0], at=start + float(t),
-                                            memory_used_mb=float(8_000 + 30_000 * (t / 330.0) ** 2)))
-        await asyncio.sleep(0.3)
-        await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
-        kv = await bus.kv("fingerprints")
-        signature = task_signature(first)
+    return await wait_for(stats, what=f"signature {signature} remembered")
 
-        async def remembered():
-            entry = await kv.get(signature)
-            return msgspec.json.decode(entry.value, type=SignatureStats) if entry is not None else None
 
-        stats = await wait_for(remembered)
-        assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
-        await bus.publish(task("leak-2"))
-        predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
-        assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
-        assert predicted.fingerprint.pattern_confidence == 0.0  # the pattern is not known
-    finally:
-        await bus.drain()
-        await host.stop()
+async def test_observed_then_remembered_then_predicted(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("clip-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.5)  # the task is placed before its processes report memory
+    # A stepwise-growing fine-tune, sampled every 10 s for its whole life.
+    growth = MemoryGrowth(pattern="steps", base_mb=8_000, peak_mb=32_000, duration_s=1_000, n_steps=4)
+    start = now()
+    for t in np.arange(0, 1_000, 10.0):
+        used = float(growth.memory_at(t))
+        await bus.publish(TaskTelemetry(task_id="clip-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=used, utilization_gpu_pct=80.0))
+    # Early predictions are rough; the refined ones must converge on the true peak.
+    def close_to_truth():
+        return [f.fingerprint for f in seen if f.task_id == "clip-1" and f.source == "observed"
+                and f.fingerprint.pattern == "steps" and abs(f.fingerprint.predicted_peak_mb - 32_000) < 3_200]
+
+    latest = (await wait_for(close_to_truth))[-1]
+    assert latest.peak_low_mb <= 32_000 <= latest.peak_high_mb
+
+    await bus.publish(TaskLifecycle(task_id="clip-1", state="finished", at=now()))
+    assert (await remembered(bus, task_signature(first))).count == 1
+
+    await bus.publish(task("clip-2"))  # same kind, image, command and model
+    predicted = await wait_for(lambda: [f for f in seen if f.task_id == "clip-2"])
+    assert predicted[0].source == "signature"
+    assert predicted[0].fingerprint.pattern == "steps"
+    assert abs(predicted[0].fingerprint.predicted_peak_mb - latest.predicted_peak_mb) < 0.15 * 32_000
+
+
+async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("leak-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.5)
+    # A leak killed at 38 GB, a third of the way through its declared life.
+    start = now()
+    for t in np.arange(0, 340, 10.0):
+        await bus.publish(TaskTelemetry(task_id="leak-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=float(8_000 + 30_000 * (t / 330.0) ** 2)))
+    await asyncio.sleep(0.3)
+    await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
+    await bus.publish(task("leak-2"))
+    predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
+    assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
+    assert predicted.fingerprint.pattern_confidence == 0.0  # the pattern is not known
