@@ -106,6 +106,12 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
         stored = await parts["store"].record(event)
         return event if stored else None  # a redelivery is stored once and announced once
 
+    async def judge(result: ActionExecuted | ActionFailed,
+                    ending: TaskLifecycle | None = None) -> FeedbackRecorded | None:
+        """Record the outcome of an action whose result the executor reported."""
+        return await record(feedback_for(result, ending, recorded_at=now(),
+                                         latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+
     async def open_placement(action: ActionExecuted) -> FeedbackRecorded | None:
         """Keep an executed placement until its end is known (or judge it, if it came first)."""
         placements: KeyValue = parts["open"]
@@ -119,8 +125,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             return None  # a redelivery of a result already waiting
         # The placement ended before its result arrived: judged already (from the lifecycle
         # alone), or left alive by a migration and judged now.
-        out = None if entry.value == JUDGED else await record(
-            feedback_for(action, None, recorded_at=now(), latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+        out = None if entry.value == JUDGED else await judge(action)
         await placements.delete(key)
         return out
 
@@ -133,8 +138,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             entry = await placements.get(key)
             if entry is not None and entry.value and entry.value not in (JUDGED, LEFT):
                 executed = decode(entry.value, ActionExecuted)
-                out = await record(feedback_for(executed, ending, recorded_at=now(),
-                                                latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+                out = await judge(executed, ending)
                 await placements.delete(key)
                 return out
             try:
@@ -171,8 +175,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     async def on_action(action: ActionExecuted | ActionFailed) -> FeedbackRecorded | None:
         if isinstance(action, ActionExecuted) and action.action in PLACEMENTS:
             return await open_placement(action)
-        return await record(feedback_for(action, recorded_at=now(),
-                                         latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
+        return await judge(action)
 
     @host.on(TaskLifecycle, consumer="feedback-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> FeedbackRecorded | None:
