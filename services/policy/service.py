@@ -1065,8 +1065,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1), p[0].admitted_at))
         out: list[DecisionMade] = []
         # The round recomputes the reservation: the first blocked whole-GPU task gets it, and
-        # the tasks behind it (and new arrivals until the next round) backfill around it.
-        ps.reservation = None
+        # the tasks behind it (and new arrivals until the next round) backfill around it. The
+        # last one stays in force until then: arrivals decided while the round awaits must
+        # not find the reserved GPUs unguarded.
+        fresh: Reservation | None = None
         # What found no node this round (and whether the reservation was hidden from it): a
         # task that needs no less is not tried again until the next round. A backlog of
         # hundreds then costs a few decisions a round, not hundreds of claims and decisions.
@@ -1093,8 +1095,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 decision = None
             if decision is None:
                 await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
-                if ps.reservation is None:
-                    ps.reservation = ps.reservation_for(adm)
+                if fresh is None:
+                    fresh = ps.reservation = ps.reservation_for(adm)
                 # A vip that fits nowhere may preempt best_effort work (``preempt``), once
                 # per round and not while its last preemption is still under way.
                 if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
@@ -1105,6 +1107,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 continue
             await pending.delete(entry.key)
             out.append(metrics.decided(decision))
+        ps.reservation = fresh
         return out
 
     def opened() -> Bus:
