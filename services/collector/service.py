@@ -234,14 +234,23 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             # reader's queue stays bounded, and logged for the operator.
             for ev in reader.events():
                 log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
-        state: list[tuple[str, bytes]] = []
         # An NVML reader reads one node, this host, so its ports belong to that node.
         nics = nic_rates() if hardware is None else []
-        for node in reader.node_names():
-            samples = reader.sample(node)
-            out.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples, nic_ports=nics))
-            out.extend(reader.task_samples(node))
-            state.extend((f"{node_key(node)}.{s.gpu}", encode(s)) for s in samples)
+
+        def read_all() -> tuple[list, list[tuple[str, bytes]]]:
+            events: list = []
+            state: list[tuple[str, bytes]] = []
+            for node in reader.node_names():
+                samples = reader.sample(node)
+                events.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples, nic_ports=nics))
+                events.extend(reader.task_samples(node))
+                state.extend((f"{node_key(node)}.{s.gpu}", encode(s)) for s in samples)
+            return events, state
+
+        # NVML calls block (tens of ms per GPU on some drivers), so they run off the event
+        # loop; the simulator is driven from the loop (sim.control) and is read on it.
+        events, state = read_all() if hardware is not None else await asyncio.to_thread(read_all)
+        out.extend(events)
         await _put_all(await bus.kv("gpu_state"), state)
         if time.monotonic() - last["topology"] > settings.topology_every_s:
             await publish_topology(bus)

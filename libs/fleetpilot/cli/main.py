@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("fleetpilot.cli.watch", "follow decision.made (or other subjects)"),
     "token": ("fleetpilot.cli.token", "mint a bearer token with the local key"),
     "topology": ("fleetpilot.cli.topology_cmd", "parse saved `nvidia-smi topo -m` output, print the graph as JSON"),
+    "probe": ("fleetpilot.cli.probe_cmd", "read this node's GPUs through NVML, as the collector would"),
     "fleet": ("fleetpilot.cli.fleet_cmd", "show the fleet from a spec, and live GPU readings when it runs"),
     "fingerprint": ("fleetpilot.cli.fingerprint_cmd", "fingerprint a task's memory series (CSV) as JSON"),
     "replay": ("fleetpilot.cli.replay_cmd", "replay recorded decision inputs through two policies, print the diff"),

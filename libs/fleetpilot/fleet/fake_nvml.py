@@ -42,6 +42,8 @@ NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON = 90
 NVML_FI_DEV_NVLINK_LINK_COUNT = 91
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+NVML_FI_DEV_PCIE_COUNT_TX_BYTES = 197
+NVML_FI_DEV_PCIE_COUNT_RX_BYTES = 198
 NVML_TOPOLOGY_INTERNAL = 0
 NVML_TOPOLOGY_SINGLE = 10
 NVML_TOPOLOGY_MULTIPLE = 20
@@ -111,6 +113,8 @@ class FakeGpu:
     sm_clock: int = 1410
     pcie_tx_kbs: int = 0
     pcie_rx_kbs: int = 0
+    pcie_tx_bytes: int | None = None  # cumulative PCIe byte counters; None: the driver lacks them
+    pcie_rx_bytes: int | None = None
     ecc_corrected: int = 0
     ecc_uncorrected: int = 0
     retired_sbe: list[int] = field(default_factory=list)
@@ -343,6 +347,9 @@ class FakeNvml:
                     ret = NVML_ERROR_INVALID_ARGUMENT
                 else:
                     ull = (g.nvlink_tx_kib if fid == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else g.nvlink_rx_kib)[scope]
+            elif fid in (NVML_FI_DEV_PCIE_COUNT_TX_BYTES, NVML_FI_DEV_PCIE_COUNT_RX_BYTES):
+                count = g.pcie_tx_bytes if fid == NVML_FI_DEV_PCIE_COUNT_TX_BYTES else g.pcie_rx_bytes
+                ret, ull = (NVML_ERROR_NOT_SUPPORTED, 0) if count is None else (NVML_SUCCESS, count)
             else:
                 ret = NVML_ERROR_NOT_SUPPORTED
             out.append(SimpleNamespace(fieldId=fid, scopeId=scope, nvmlReturn=ret,

@@ -138,6 +138,7 @@ class NvmlReader:
         self._xid_last = [0] * len(self._handles)
         self._xid_count = [0] * len(self._handles)
         self._nvlink_prev: dict[int, tuple[float, float, float]] = {}
+        self._pcie_prev: dict[int, tuple[float, float, float]] = {}
         self._proc_util_ts = [0] * len(self._handles)
         self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
         self._event_set = self._register_xid_events()
@@ -268,6 +269,26 @@ class NvmlReader:
         return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
                        uncertainty_score=0.1 if head[1].nvmlReturn == 0 else 0.3)
 
+    def _pcie_kbps(self, index: int, handle: Any, now: float, missing: list[str]) -> tuple[float, float]:
+        # nvmlDeviceGetPcieThroughput samples the bus for 20 ms per call (21 ms measured on
+        # an H200, two calls per GPU per reading). Where the driver has the cumulative byte
+        # counters, the rate is their delta since the last reading instead: microseconds to
+        # read, and the average over the whole period rather than a 20 ms glimpse.
+        nvml = self._nvml
+        ids = [getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None), getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)]
+        counts = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids) if None not in ids else None
+        if counts is not None and all(c.nvmlReturn == 0 for c in counts):
+            tx, rx = float(counts[0].value.ullVal), float(counts[1].value.ullVal)
+            prev = self._pcie_prev.get(index)
+            self._pcie_prev[index] = (now, tx, rx)
+            if prev is not None and now > prev[0] and tx >= prev[1] and rx >= prev[2]:
+                dt = now - prev[0]
+                return (tx - prev[1]) / dt / 1024.0, (rx - prev[2]) / dt / 1024.0
+        # The first reading, a counter that wrapped, or no counters: the 20 ms sampling call.
+        return tuple(float(self._try(nvml.nvmlDeviceGetPcieThroughput, handle, counter, default=0, missing=missing,
+                                     field="pcie_throughput"))
+                     for counter in (nvml.NVML_PCIE_UTIL_TX_BYTES, nvml.NVML_PCIE_UTIL_RX_BYTES))  # type: ignore[return-value]
+
     def sample(self, node: str) -> list[GpuSample]:
         """One reading of every local GPU; unsupported fields default and are labelled."""
         self._check_node(node)
@@ -294,6 +315,7 @@ class NvmlReader:
                                         nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
             remap = call(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0), field="remapped_rows")
             processes = self._processes(handle, missing)
+            pcie_tx, pcie_rx = self._pcie_kbps(index, handle, now, missing)
             total_mb = mem.total / MB if mem is not None else 0.0
             used_mb = mem.used / MB if mem is not None else 0.0
             out.append(GpuSample(
@@ -312,10 +334,7 @@ class NvmlReader:
                                          field="power_limit")) / 1000.0,
                 sm_clock_mhz=float(call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM, default=0,
                                         field="sm_clock")),
-                pcie_tx_kbps=float(call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES,
-                                        default=0, field="pcie_throughput")),
-                pcie_rx_kbps=float(call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES,
-                                        default=0, field="pcie_throughput")),
+                pcie_tx_kbps=pcie_tx, pcie_rx_kbps=pcie_rx,
                 ecc_corrected=int(corrected), ecc_uncorrected=int(uncorrected),
                 retired_pages=retired, remapped_rows=int(remap[0]) + int(remap[1]),
                 pcie_replays=int(call(nvml.nvmlDeviceGetPcieReplayCounter, handle, default=0, field="pcie_replays")),

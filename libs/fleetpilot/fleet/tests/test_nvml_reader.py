@@ -266,3 +266,30 @@ def test_nvml_reader_over_a_simulated_node_reads_what_the_simulator_reads() -> N
         assert [(p.pid, p.task_id) for p in mine.processes] == [(p.pid, p.task_id) for p in theirs.processes]
     (task,) = reader.task_samples("a100-00")
     assert task.memory_used_mb == pytest.approx(sim.task_samples("a100-00")[0].memory_used_mb, abs=0.2)
+
+
+def test_pcie_rate_comes_from_the_byte_counters_where_the_driver_has_them() -> None:
+    gpu = FakeGpu(pcie_tx_kbs=500, pcie_rx_kbs=700, pcie_tx_bytes=10_000_000, pcie_rx_bytes=0)
+    reader, _, clock = make_reader([gpu])
+    first = reader.sample("n1")[0]
+    assert (first.pcie_tx_kbps, first.pcie_rx_kbps) == (500, 700)  # no delta yet: the 20 ms sampling call
+    gpu.unsupported.add("nvmlDeviceGetPcieThroughput")  # from now on it must not be needed
+    gpu.pcie_tx_bytes += 2 * 1024 * 1000
+    gpu.pcie_rx_bytes += 4 * 1024 * 1000
+    clock.t += 2.0
+    second = reader.sample("n1")[0]
+    assert (second.pcie_tx_kbps, second.pcie_rx_kbps) == (1000.0, 2000.0)
+    assert "nvml_unsupported" not in second.labels
+    gpu.unsupported.discard("nvmlDeviceGetPcieThroughput")
+    gpu.pcie_tx_bytes = 5  # the counter wrapped: that reading falls back to the sampling call
+    clock.t += 1.0
+    assert reader.sample("n1")[0].pcie_tx_kbps == 500
+
+
+def test_without_byte_counters_every_reading_uses_the_sampling_call() -> None:
+    gpu = FakeGpu(pcie_tx_kbs=500, pcie_rx_kbs=700)
+    reader, _, clock = make_reader([gpu])
+    for _ in range(3):
+        s = reader.sample("n1")[0]
+        assert (s.pcie_tx_kbps, s.pcie_rx_kbps) == (500, 700)
+        clock.t += 1.0
