@@ -18,7 +18,12 @@ How it works (see README.md in this folder):
 
 A series that has held one level since its first sample has shown no growth yet. Flat
 tasks ramp while they load, so such a series is read as the first level of a step
-schedule, with low confidence, and its peak comes from :class:`LevelPrior`.
+schedule, with low confidence, and its peak comes from :class:`LevelPrior` — unless the
+series reaches the task's known end of life (no further sample would fit before it, as
+when a finished run is fingerprinted with its real duration): then the level was its
+peak, and the pattern is flat. Likewise the peak of a growing series that reaches its end
+is the most it held plus the growth of the final gap, not the fitted curve carried to
+the end.
 """
 
 from __future__ import annotations
@@ -206,8 +211,13 @@ def _teeth_candidate(fit: ToothFit, sigma: float, now: float) -> _Candidate:
     return _Candidate("sawtooth", "sawtooth", 0.0, peak, low, high, fit.slope, next_drop - now, 0.0)
 
 
-def _level_candidate(fit: LevelFit, n: int, sigma: float, prior: LevelPrior) -> _Candidate:
-    return _Candidate("level", "steps", _score(fit.rss, fit.n_params, n, sigma), fit.level * prior.ratio,
+def _level_candidate(fit: LevelFit, n: int, sigma: float, prior: LevelPrior, *, lived: bool = False) -> _Candidate:
+    score = _score(fit.rss, fit.n_params, n, sigma)
+    if lived:
+        # The whole known life at one level: nothing is left to step up to.
+        return _Candidate("held", "flat", score, fit.level, fit.level - 2 * sigma, fit.level + 2 * sigma,
+                          0.0, None, 0.0)
+    return _Candidate("level", "steps", score, fit.level * prior.ratio,
                       max(fit.level * prior.low_ratio, fit.level - 2 * sigma),
                       fit.level * prior.high_ratio, 0.0, None, 0.0)
 
@@ -238,6 +248,10 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     sigma = noise_sd(y)
     end, far = _horizon(now, expected_duration_s)
     known_end = expected_duration_s is not None and expected_duration_s > 0
+    # The series reaches the known end of life when no further sample would fit before it
+    # (a finished run fingerprinted with its real duration): a level held so far is final.
+    interval = float(np.median(np.diff(t))) if n >= 2 else 0.0
+    lived = known_end and end - now <= interval
     if not known_end:
         notes.append("no expected duration: horizon is twice the task's age, interval reaches 4x its age")
 
@@ -245,7 +259,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     if n < MIN_SAMPLES:
         notes.append(f"only {n} samples: too few for a shape, reporting the level")
         fit = fit_level(t, y)
-        level = _level_candidate(fit, n, sigma, prior)
+        level = _level_candidate(fit, n, sigma, prior, lived=lived)
         # Too few samples to trust even "no growth yet": the peak may be the level itself.
         candidates.append(replace(level, key="unknown", pattern="unknown", low=fit.level - 2 * sigma))
     else:
@@ -258,7 +272,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
             # estimate is robust but noisy, and a 15% error in sigma doubles a small gap.
             fitted = min(f.rss / max(n - f.n_params, 1) for f in fits)
             sigma = max(math.sqrt(fitted), 5e-4 * float(np.median(np.abs(y))) + 1e-6)
-            candidates.extend(_shape_candidates(fits, n, sigma, now, end, far, known_end, prior))
+            candidates.extend(_shape_candidates(fits, n, sigma, now, end, far, known_end, prior, lived))
     weights = _weights(candidates)
     best = candidates[int(np.argmax([weights[i] for i in range(len(candidates))]))]
     confidence = weights[candidates.index(best)]
@@ -269,6 +283,14 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     if best.key == "level":
         confidence = min(confidence, _FIRST_LEVEL_CONFIDENCE)
         notes.append("one level since the first sample: read as a step schedule's first level; peak from prior")
+    elif best.key == "held":
+        notes.append("one level for the whole known life: flat at that level")
+    if lived and best.key in ("linear", "leak", "steps"):
+        # A finished run peaked at the most it held plus the growth of the unobserved final
+        # gap, not where a fitted curve carried to the end lands: a line through a staircase,
+        # say, ends half a step above the last level the run ever held.
+        reached = float(y.max()) + max(best.growth, 0.0) * (end - now)
+        best = replace(best, peak=min(best.peak, reached))
     # The noiseless peak cannot be below what the task already holds.
     floor = _held_level(y, sigma)
     peak = max(best.peak, floor)
@@ -355,11 +377,11 @@ def _shape_fits(t: np.ndarray, y: np.ndarray, sigma: float) -> list[_Fit]:
 
 
 def _shape_candidates(fits: list[_Fit], n: int, sigma: float, now: float, end: float, far: float,
-                      known_end: bool, prior: LevelPrior) -> list[_Candidate]:
+                      known_end: bool, prior: LevelPrior, lived: bool) -> list[_Candidate]:
     out: list[_Candidate] = []
     for fit in fits:
         if isinstance(fit, LevelFit):
-            out.append(_level_candidate(fit, n, sigma, prior))
+            out.append(_level_candidate(fit, n, sigma, prior, lived=lived))
         elif isinstance(fit, LineFit):
             out.append(_line_candidate(fit, n, sigma, now, end, far))
         elif isinstance(fit, QuadFit):

@@ -86,6 +86,35 @@ def test_first_level_uses_prior_with_low_confidence():
     assert a.fingerprint.predicted_peak_mb > 1.5 * y.mean()
 
 
+def test_a_level_held_to_the_known_end_of_life_is_the_peak():
+    # A finished run of a flat task, sampled every 60 s after its warm-up: 6,500 MB from the
+    # first sample to the last, one interval before the end. Nothing is left to step up to.
+    t = np.arange(60.0, 421.0, 60.0)
+    y = np.array([6573.1, 6492.2, 6568.1, 6535.1, 6517.2, 6505.3, 6530.0])
+    ended = analyse_series(t, y, expected_duration_s=480.0)
+    assert ended.fingerprint.pattern == "flat"
+    assert ended.fingerprint.predicted_peak_mb == pytest.approx(y.mean(), rel=0.01)
+    assert ended.fingerprint.peak_low_mb < y.mean() < ended.fingerprint.peak_high_mb < 1.02 * y.mean()
+    assert any("whole known life" in n for n in ended.notes)
+    # The same samples with most of the life still ahead: the first level of a step schedule.
+    running = analyse_series(t, y, expected_duration_s=1800.0)
+    assert running.fingerprint.pattern == "steps"
+    assert running.fingerprint.predicted_peak_mb > 1.5 * y.mean()
+
+
+def test_a_finished_run_peaks_at_what_it_held_not_at_a_fitted_line_carried_on():
+    # Four steps of 2,000 MB every 90 s, sampled every 60 s to the end of a 360 s run: a line
+    # through the staircase ends above the last level; the run never held more than 9,000 MB.
+    t = np.arange(60.0, 361.0, 60.0)
+    y = np.array([3000.0, 5000.0, 5000.0, 7000.0, 9000.0, 9000.0]) + np.array([4.0, -3.0, 2.0, -1.0, 3.0, -2.0])
+    ended = analyse_series(t, y, expected_duration_s=362.0)
+    assert ended.fingerprint.predicted_peak_mb == pytest.approx(9000.0, rel=0.01)
+    # A steady line to its end is still carried over the last, unobserved gap.
+    ramp = 1000.0 + 20.0 * t
+    line = analyse_series(t, ramp, expected_duration_s=400.0)
+    assert line.fingerprint.predicted_peak_mb == pytest.approx(1000.0 + 20.0 * 400.0, rel=0.01)
+
+
 def test_few_samples_still_answer():
     a = analyse_series([0.0, 5.0, 10.0], [1000.0, 1001.0, 999.0])
     assert a.fingerprint.samples == 3 and a.fingerprint.pattern == "unknown"
