@@ -2,7 +2,8 @@
 
 The real run is on a GPU node (README: "Running on real GPUs"). Here the check must read
 the fake GPU through the real collector process and bus, and report the CUDA steps as
-FAIL lines and exit 1, not crash or pass.
+FAIL lines and exit 1, not crash or pass, while the whole loop (``fleetpilot up`` on NVML
+and the process backend) still places, runs and judges its task.
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ def test_without_cuda_the_node_check_fails_its_cuda_steps_and_says_so(tmp_path: 
     assert lines[1].startswith("PASS collector: 1 topology report(s)")
     verdicts = {line.split()[1].rstrip(":"): line.split()[0] for line in lines if line.startswith(("PASS", "FAIL"))}
     assert verdicts == {"nvml": "PASS", "collector": "PASS", "attribution": "FAIL", "fingerprint": "FAIL",
-                        "pcie": "FAIL", "evict": "FAIL", "oom": "FAIL"}
+                        "pcie": "FAIL", "evict": "FAIL", "oom": "FAIL", "fleet": "FAIL"}
     assert lines[-1].startswith("some checks FAILED")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["checks"]["oom"]["lifecycle"][-1]["state"] == "failed"  # not mistaken for an OOM
     assert report["collector_exit_code"] == 0
+    # The whole loop still ran: placed on the fake GPU, started, failed, judged a failure.
+    fleet = report["checks"]["fleet"]
+    assert [e["action"] for e in fleet["events"]["decision.made.v1"]] == ["assign"]
+    assert [e["state"] for e in fleet["events"]["task.lifecycle.v1"]] == ["started", "failed"]
+    assert [e["outcome"] for e in fleet["events"]["feedback.recorded.v1"]] == ["failure"]

@@ -21,6 +21,11 @@ It checks, each as one PASS/FAIL line, on the real hardware:
    rate is that copy rate.
 6. ``evict``: SIGTERM with grace ends the task as ``evicted`` and its memory is released.
 7. ``oom``: a CUDA out-of-memory ends a task as ``oom_killed``.
+8. ``fleet``: the whole fleet of services (``fleetpilot up`` with the collector on NVML and
+   the executor on the process backend) takes a CUDA task submitted with ``fleetpilot
+   submit``: a decision places it on this node's GPU, the executor runs it there, it
+   finishes, the fingerprinter publishes its fingerprint and the feedback service records
+   the placement's outcome.
 
 Everything read is written to ``OUT/report.json``; the exit code is 1 when a check fails.
 """
@@ -31,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,6 +296,86 @@ async def run_checks(args: argparse.Namespace, checks: Checks) -> dict[str, Any]
         server.stop()
 
 
+FLEET_TASK = "gpu-check-fleet"
+
+
+async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any]:
+    """Step 8: ``fleetpilot up`` on this node, one real task through the whole loop."""
+    out: Path = args.out
+    scratch = Path(tempfile.mkdtemp(prefix="fleetpilot-gpu-fleet-"))
+    env = {**os.environ, "FLEETPILOT_COLLECTOR_SOURCE": "nvml", "FLEETPILOT_EXECUTOR_BACKEND": "process"}
+    up = subprocess.Popen([sys.executable, "-m", "fleetpilot.cli.main", "up", "--duration", "300",
+                           "--state-dir", str(scratch)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    url = ""
+    began = time.monotonic()
+    while not url and time.monotonic() - began < 30 and up.poll() is None:
+        line = await asyncio.to_thread(up.stdout.readline)  # type: ignore[union-attr]
+        lines.append(line)
+        if "NATS at " in line:
+            url = line.split("NATS at ", 1)[1].split(",", 1)[0].strip()
+    reader = asyncio.create_task(asyncio.to_thread(lambda: lines.extend(up.stdout)))  # type: ignore[arg-type]
+    seen: dict[str, list[dict[str, Any]]] = {}
+    report: dict[str, Any] = {}
+    try:
+        if not url:
+            checks.record("fleet", False, "fleetpilot up did not start: " + "".join(lines[-5:]).strip())
+            return report
+        nc = await nats.connect(url)
+
+        async def keep(msg: Any) -> None:
+            try:
+                event = msgspec.json.decode(msg.data)
+            except msgspec.DecodeError:
+                return
+            if isinstance(event, dict) and event.get("task_id") == FLEET_TASK:
+                seen.setdefault(str(event.get("type", msg.subject)), []).append(event)
+
+        for subject in ("decision.made", "action.>", "task.lifecycle.>", "task.fingerprinted", "feedback.recorded"):
+            await nc.subscribe(subject, cb=keep)
+        task = {"task_id": FLEET_TASK, "kind": "train", "gpus": 1, "gpu_milli": 1000, "gpu_memory_mb": 10_000,
+                "expected_duration_s": 30, "sla": {"tier": "standard", "max_queue_s": 120},
+                "command": [sys.executable, str(TASK_SCRIPT), "--grow-gb", "8", "--step-s", "1", "--hold-s", "10"]}
+        (scratch / "task.json").write_text(json.dumps(task))
+        submit = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "fleetpilot.cli.main", "submit", "-f", str(scratch / "task.json"),
+                             "--nats-url", url, "--state-dir", str(scratch), "--timeout", "90", "--accept-offer"],
+            capture_output=True, text=True, env=env, timeout=120)
+
+        def states() -> list[str]:
+            return [e.get("state", "") for e in seen.get("task.lifecycle.v1", [])]
+
+        await wait_for(lambda: "finished" in states() and seen.get("feedback.recorded.v1")
+                       and seen.get("task.fingerprinted.v1") or {"failed", "oom_killed"} & set(states()),
+                       timeout_s=150)
+        decisions = seen.get("decision.made.v1", [])
+        placed = [p for d in decisions if d.get("action") == "assign" for p in d.get("placement", [])]
+        fps = seen.get("task.fingerprinted.v1", [])
+        feedback = seen.get("feedback.recorded.v1", [])
+        fp = fps[-1].get("fingerprint", {}) if fps else {}
+        ok = (submit.returncode == 0 and bool(placed) and "finished" in states() and bool(fps)
+              and any(f.get("outcome") == "success" for f in feedback))
+        where = ", ".join(f"{p.get('node')}/gpu{p.get('gpu')}" for p in placed) or "nowhere"
+        checks.record("fleet", ok,
+                      f"submit exit {submit.returncode}; decision {[d.get('action') for d in decisions]} on {where}; "
+                      f"lifecycle {states()}; fingerprint {fp.get('pattern', '-')} peak "
+                      f"{fp.get('predicted_peak_mb', 0):.0f} MB; feedback {[f.get('outcome') for f in feedback]}",
+                      events={k: v for k, v in seen.items()}, submit_stdout=submit.stdout[-2000:],
+                      submit_stderr=submit.stderr[-2000:])
+        await nc.drain()
+        return report
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                await asyncio.to_thread(up.wait, 60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+        await asyncio.wait_for(reader, timeout=10)
+        (out / "fleet-up.log").write_text("".join(lines))
+
+
 def main() -> int:
     """Parse, run every check, write the report; exit 1 when a check fails."""
     parser = argparse.ArgumentParser(description="Acceptance check of one GPU node for Fleetpilot.")
@@ -304,6 +390,7 @@ def main() -> int:
     try:
         report["nvml"] = check_nvml(checks)
         report.update(asyncio.run(run_checks(args, checks)))
+        report.update(asyncio.run(check_fleet(args, checks)))
     except Exception as exc:  # noqa: BLE001 - a broken node is a FAIL line and a report, not a traceback
         checks.record("run", False, f"{type(exc).__name__}: {exc}")
     report["checks"] = checks.results
