@@ -10,6 +10,7 @@ prints a closing report.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from fleetpilot.contracts import (
     SlaOffer,
     SlaReply,
     TaskRejected,
+    TaskSubmitted,
     decode,
     encode,
     now,
@@ -146,7 +148,14 @@ class Report:
     async def on_message(self, msg) -> None:
         """Account for one message seen on the bus."""
         subject = msg.subject
-        if subject == "decision.made":
+        if subject == "task.submitted":
+            # Any submitter's task, not only the demo's: its wait until assigned is reported.
+            try:
+                t = decode(msg.data, TaskSubmitted)
+            except msgspec.DecodeError:
+                return  # the SLA service dead-letters it; the report only counts
+            self.submitted_at.setdefault(t.task_id, t.submitted_at)
+        elif subject == "decision.made":
             d = decode(msg.data, DecisionMade)
             self.decisions[d.action] += 1
             self.policies["fallback" if d.fallback else d.policy.name] += 1
@@ -182,7 +191,7 @@ class Report:
         """The closing report."""
         q = sorted(self.queue_s)
         mean_q = sum(q) / len(q) if q else 0.0
-        p95_q = q[int(0.95 * (len(q) - 1))] if q else 0.0
+        p95_q = q[max(math.ceil(0.95 * len(q)) - 1, 0)] if q else 0.0  # nearest rank
         lines = ["", "=== Fleetpilot closing report ===",
                  f"ran for {elapsed_s:.1f}s",
                  f"decisions: {sum(self.decisions.values())}  {dict(self.decisions)}",
@@ -190,7 +199,8 @@ class Report:
                  f"actions:   {dict(self.actions)}",
                  f"feedback:  {dict(self.outcomes)}",
                  f"rejected:  {dict(self.rejected)}   counter-offers: {self.offers}",
-                 f"submit-to-assign: mean {mean_q * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks",
+                 (f"submit-to-assign: mean {mean_q * 1000:.0f} ms, median {q[len(q) // 2] * 1000:.0f} ms, "
+                  f"p95 {p95_q * 1000:.0f} ms over {len(q)} tasks" if q else "submit-to-assign: no task assigned"),
                  "confidence vs outcome: " + (self.calibration() or "nothing judged yet")]
         return "\n".join(lines)
 
@@ -264,7 +274,7 @@ async def run(args) -> int:
     services = ServiceProcesses(state, url, args)
     services.start_all()
     report = Report(args.quiet)
-    for subject in ("decision.made", "action.>", "feedback.recorded", "task.rejected", "sla.offer.*"):
+    for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.rejected", "sla.offer.*"):
         await bus._nc.subscribe(subject, cb=report.on_message)
     print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
     stop = asyncio.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from fleetpilot.cli.up import Report, _short_reason
-from fleetpilot.contracts import DecisionMade, FeedbackRecorded, Measured, PolicyRef, encode
+from fleetpilot.contracts import DecisionMade, FeedbackRecorded, Measured, PolicyRef, TaskSubmitted, encode
 
 
 def decision(reason: str, *, fallback: bool) -> DecisionMade:
@@ -43,3 +43,17 @@ async def test_the_closing_report_sets_confidence_against_outcome_per_policy_and
     assert report.calibration() == ("fleetpilot assign 0.80 predicted, 0.50 met (n=2); "
                                     "fleetpilot migrate 0.60 predicted, 1.00 met (n=1)")
     assert "confidence vs outcome: fleetpilot assign" in report.render(1.0)
+
+
+async def test_any_submitters_task_counts_towards_submit_to_assign() -> None:
+    report = Report(quiet=True)
+    assert "submit-to-assign: no task assigned" in report.render(1.0)
+    for i, (submitted, decided) in enumerate([(10.0, 10.2), (20.0, 20.1), (30.0, 33.0)]):
+        task = TaskSubmitted(task_id=f"t{i}", tenant="acme", kind="train", gpus=1, gpu_milli=1000,
+                             submitted_at=submitted)
+        await report.on_message(SimpleNamespace(subject="task.submitted", data=encode(task)))
+        made = DecisionMade(decision_id=f"d{i}", task_id=f"t{i}", action="assign", confidence=0.9,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=decided)
+        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
+    await report.on_message(SimpleNamespace(subject="task.submitted", data=b"{not json"))
+    assert "submit-to-assign: mean 1100 ms, median 200 ms, p95 3000 ms over 3 tasks" in report.render(1.0)
