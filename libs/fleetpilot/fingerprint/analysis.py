@@ -288,8 +288,11 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     if lived and best.key in ("linear", "leak", "steps"):
         # A finished run peaked at the most it held plus the growth of the unobserved final
         # gap, not where a fitted curve carried to the end lands: a line through a staircase,
-        # say, ends half a step above the last level the run ever held.
-        reached = float(y.max()) + max(best.growth, 0.0) * (end - now)
+        # say, ends half a step above the last level the run ever held. The gap gets the
+        # growth the run last showed, if slower than the fit's: a staircase that reached its
+        # last level is not climbing any more.
+        last = (y[-1] - y[-2]) / (t[-1] - t[-2]) if n >= 2 and t[-1] > t[-2] else best.growth
+        reached = float(y.max()) + max(min(best.growth, float(last)), 0.0) * (end - now)
         best = replace(best, peak=min(best.peak, reached))
     # The noiseless peak cannot be below what the task already holds.
     floor = _held_level(y, sigma)
