@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 
@@ -94,3 +95,33 @@ def assert_one_line_error(args: list[str], message: str) -> None:
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_submit_and_watch_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None:
+    """The README's flow: `fleetpilot up` in one terminal, `fleetpilot submit` in another from
+    the same directory, no URL given: up's embedded server takes a free port and says where."""
+    import os  # noqa: PLC0415 - only this test needs the environment
+    import time  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEETPILOT_NATS_URL", "FLEETPILOT_STATE_DIR")}
+    up = subprocess.Popen([sys.executable, "-m", "fleetpilot.cli.main", "up", "--duration", "120", "--quiet"],
+                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    announced = tmp_path / ".fleetpilot" / "nats.url"
+    try:
+        deadline = time.monotonic() + 30
+        while not announced.exists() and time.monotonic() < deadline and up.poll() is None:
+            time.sleep(0.2)
+        assert announced.read_text().startswith("nats://127.0.0.1:")
+        submit = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", "submit", "--kind", "infer",
+                                 "--gpu-milli", "250", "--gpu-memory-mb", "8000", "--timeout", "40"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        assert decision_in(submit.stdout)["action"] in ("assign", "queue")
+        up.send_signal(signal.SIGINT)  # Ctrl-C: up stops its services and prints its report
+        out, _ = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, out
+    assert "over 1 tasks" in out or "no task assigned" in out
+    assert not announced.exists()  # a stopped fleet leaves no stale pointer behind

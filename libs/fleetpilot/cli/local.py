@@ -9,11 +9,28 @@ from fleetpilot.auth import KeyRing, mint_token, save_jwks
 
 AUDIENCE = "fleetpilot"
 ISSUER = "fleetpilot-local"
+NATS_URL_FILE = "nats.url"
+"""Where a running ``fleetpilot up`` leaves its bus's URL in the state directory."""
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 def state_dir(explicit: str | None = None) -> Path:
     """``--state-dir``, else ``FLEETPILOT_STATE_DIR``, else ``./.fleetpilot``."""
     return Path(explicit or os.environ.get("FLEETPILOT_STATE_DIR") or ".fleetpilot").resolve()
+
+
+def local_nats_url(explicit_state: str | None = None) -> str:
+    """The bus the CLI talks to: ``FLEETPILOT_NATS_URL``, else the one a running ``fleetpilot
+    up`` announced in the state directory (its embedded server takes a free port), else
+    NATS's default port on this machine."""
+    env = os.environ.get("FLEETPILOT_NATS_URL")
+    if env:
+        return env
+    try:
+        announced = (state_dir(explicit_state) / NATS_URL_FILE).read_text().strip()
+    except OSError:
+        announced = ""
+    return announced or DEFAULT_NATS_URL
 
 
 def local_keyring(state: Path) -> KeyRing:

@@ -34,7 +34,7 @@ from fleetpilot.contracts import (
 from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
 
-from .local import local_token, state_dir
+from .local import local_nats_url, local_token, state_dir
 
 
 class UsageError(ValueError):
@@ -63,7 +63,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--accept-offer", action="store_true", help="accept the first counter-option without asking")
     parser.add_argument("--decline-offer", action="store_true", help="decline any counter-offer without asking")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the decision")
-    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-url", default=None,
+                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
     parser.add_argument("--token", default=os.environ.get("FLEETPILOT_TOKEN"), help="bearer JWT (default: local key)")
     parser.add_argument("--state-dir", default=None)
 
@@ -118,6 +119,7 @@ def build_task(args) -> TaskSubmitted:
 async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
     """Publish and wait for the outcome; returns the exit code (0 assigned/queued, 1 rejected)."""
     token = args.token or local_token(state_dir(args.state_dir), args.tenant)
+    args.nats_url = args.nats_url or local_nats_url(args.state_dir)
     bus = await NatsBus.connect(args.nats_url, "fleetpilot-submit", connect_timeout_s=2)
     answers: asyncio.Queue = asyncio.Queue()
 

@@ -37,7 +37,7 @@ from fleetpilot.contracts import (
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
-from .local import local_keyring, local_token, state_dir
+from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
 from .workload import demo_tasks
 
 SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback")
@@ -269,6 +269,9 @@ async def run(args) -> int:
         server = EmbeddedNats(state / "nats").start()
         url = server.url
     print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
+    # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
+    announced = state / NATS_URL_FILE
+    announced.write_text(url + "\n")
     bus = await NatsBus.connect(url, "fleetpilot-up")
     await bus.ensure_topology()
     services = ServiceProcesses(state, url, args)
@@ -308,6 +311,8 @@ async def run(args) -> int:
         await bus.drain()
         if server is not None:
             server.stop()
+        if announced.exists() and announced.read_text().strip() == url:
+            announced.unlink()
     print(report.render(time.monotonic() - started))
     return rc
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 
@@ -12,17 +11,20 @@ import msgspec
 
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from .local import local_nats_url
+
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot watch``."""
     parser.add_argument("subjects", nargs="*", default=["decision.made"], help="subjects (wildcards allowed)")
     parser.add_argument("--count", type=int, default=0, help="exit after this many messages")
-    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-url", default=None,
+                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
 
 
 async def watch(args, out=sys.stdout) -> int:
     """Print each message as one JSON line with its subject."""
-    bus = await NatsBus.connect(args.nats_url, "fleetpilot-watch", connect_timeout_s=2)
+    bus = await NatsBus.connect(args.nats_url or local_nats_url(), "fleetpilot-watch", connect_timeout_s=2)
     done = asyncio.Event()
     seen = 0
 
