@@ -213,6 +213,17 @@ class DemandPressure:
       8-GPU class can use costs ``8000 * s_t / avg``, which rises as those nodes get scarce
       relative to the remaining demand. It vanishes as such classes vanish from the demand.
 
+    The two parts are relative to different averages, each in the unit its prices use. A
+    single-GPU price counts every free milli of the nodes a class accepts, fragments
+    included, so it is compared with ``sum d / free``. A multi-GPU price counts only the
+    whole GPUs the class can take now, so it is compared with the demand per *usable* free
+    milli, ``sum d / usable_free``, where ``usable_free`` is the free milli minus FGD's
+    fragmentation summed over the fleet (what a typical task could still use; the caller
+    passes it, ``free.sum()`` when it does not). Against the raw average, a multi-GPU price
+    climbs as fragments pile up that no task can use: near a full fleet breaking an idle
+    node looks dearer than stranding its GPUs. Scaled this way, the multi-GPU cost is
+    ``usable_free / free`` times the raw one; the two are equal on an unfragmented fleet.
+
     Node "types" (model, total CPU, GPU count) make the static part a small matrix; the
     dynamic multi-GPU part costs ``O(nodes × multi-GPU classes)`` per decision.
     """
@@ -269,15 +280,19 @@ class DemandPressure:
         self.multi_accept = np.asarray([multi_rows[k][self.type_of] for k in keys], dtype=bool).reshape(-1, state.n_nodes)
 
     def costs(self, state: ClusterState, free: np.ndarray, rows: np.ndarray, request: int, cpu: int,
-              whole_taken: np.ndarray) -> np.ndarray:
+              whole_taken: np.ndarray, usable_free: float | None = None) -> np.ndarray:
         """Cost in milli-GPU of a placement on each of ``rows``; ``whole_taken`` (broadcastable
         to ``(R, ...)``) says how many fully free GPUs it takes there (a sharing task: 1 on a
-        free GPU, 0 on a used one). Returns an array of ``whole_taken``'s shape."""
+        free GPU, 0 on a used one); ``usable_free``: the fleet's free milli less its FGD
+        fragmentation (default ``free.sum()``), which the multi-GPU part is priced against.
+        Returns an array of ``whole_taken``'s shape."""
         self._compile(state)
         total_free = float(free.sum())
         if self.demand_total <= 0 or total_free <= 0:
             return np.zeros(np.shape(whole_taken))
         avg = self.demand_total / total_free
+        # usable / free in 0..1: the multi-GPU part over the average per usable milli.
+        usable_share = 1.0 if usable_free is None else min(max(float(usable_free), 0.0) / total_free, 1.0)
         node_free = free.sum(axis=1).astype(np.float64)
         cap_type = np.bincount(self.type_of, weights=node_free, minlength=self.n_types)
         cap = self.single_accept @ cap_type
@@ -309,9 +324,9 @@ class DemandPressure:
 
                 wt = np.asarray(whole_taken)
                 if wt.ndim == 1 and wt.size and (wt == wt[0]).all():
-                    cost = cost + lost_with(int(wt[0]))
+                    cost = cost + usable_share * lost_with(int(wt[0]))
                 else:  # a sharing task: 1 where it would break a fully free GPU, else 0
                     l0 = lost_with(0).reshape((-1,) + (1,) * (wt.ndim - 1))
                     l1 = lost_with(1).reshape((-1,) + (1,) * (wt.ndim - 1))
-                    cost = cost + np.where(wt > 0, l1, l0)
+                    cost = cost + usable_share * np.where(wt > 0, l1, l0)
         return cost / avg

@@ -263,3 +263,35 @@ def test_demand_pressure_prices_breaking_idle_nodes_by_their_scarcity():
     cost_many = DemandPressure(eights, many.models).costs(many, many.usable_free(), np.arange(1), 500, 1000, taken)
     cost_few = DemandPressure(eights, few.models).costs(few, few.usable_free(), np.arange(1), 500, 1000, taken)
     assert cost_few[0] > 3 * cost_many[0] > 0  # the last idle nodes are dearer
+
+
+def test_demand_pressure_prices_multi_gpu_capacity_against_usable_free():
+    from fleetpilot.policy.framework import Cycle
+    from fleetpilot.policy.plugins import FleetpilotFrag
+    from fleetpilot.policy.transformers import DemandPressure
+
+    # Demand: an 8-GPU class d8 = 0.1*8*1000 = 800 and a sharing class d1 = 0.9*500 = 450.
+    shapes = [TaskShape(cpu_milli=1000, gpu_milli=1000, gpus=8, weight=0.1),
+              TaskShape(cpu_milli=1000, gpu_milli=500, gpus=1, weight=0.9)]
+    # "a": an idle 8-GPU node; "b": four GPUs with 300 free each, a fragment for both classes.
+    state = cluster([("a", "G2", 32000, [1000] * 8), ("b", "G2", 32000, [300] * 4)])
+    free = state.usable_free()                       # F = 8000 + 1200 = 9200
+    rows, taken = np.arange(2), np.ones(2, dtype=np.int64)
+    pm = DemandPressure(shapes, state.models)
+    # The sharing class pays the same 500 milli on both nodes; breaking "a" also loses the
+    # 8-GPU class its 8000 usable milli at price 800/8000 = 0.1. Against the raw average
+    # 1250/9200 that is 800 * 9200/1250 = 5888 milli more on "a" than on "b" ...
+    raw = pm.costs(state, free, rows, 500, 1000, taken)
+    assert raw[0] - raw[1] == pytest.approx(5888.0)
+    # ... against the average per usable milli, with FGD's fragmentation 0 on "a" and 1200
+    # on "b" (no typical task fits a 300-milli GPU: all of it is a fragment), U = 8000:
+    # 0.1 / (1250/8000) * 8000 = 5120. The single-GPU part is unchanged.
+    usable = pm.costs(state, free, rows, 500, 1000, taken, usable_free=8000.0)
+    assert usable[0] - usable[1] == pytest.approx(5120.0)
+    assert usable[1] == pytest.approx(raw[1]) == pytest.approx(450 / 9200 * 500 / (1250 / 9200))
+    # The plugin computes U from FGD's fragmentation, incrementally after the first pass.
+    plugin = FleetpilotFrag(FleetpilotFrag.Args(typical=shapes))
+    assert plugin._usable_free(Cycle(state=state, task=SHARE, free=free)) == pytest.approx(8000.0)
+    state.allocate(0, [0], 1000, cpu_milli=1000, memory_mb=0)   # "a" keeps 7 free GPUs: 0 fit the 8s
+    # frag(a) = 0.1 * 7000 (the 8-GPU class no longer fits) = 700; U = 8200 - 700 - 1200 = 6300.
+    assert plugin._usable_free(Cycle(state=state, task=SHARE, free=state.usable_free())) == pytest.approx(6300.0)
