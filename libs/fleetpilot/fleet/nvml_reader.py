@@ -137,8 +137,8 @@ class NvmlReader:
         self._events: list[FleetEvent] = []
         self._xid_last = [0] * len(self._handles)
         self._xid_count = [0] * len(self._handles)
-        self._nvlink_prev: dict[int, tuple[float, float, float]] = {}
-        self._pcie_prev: dict[int, tuple[float, float, float]] = {}
+        # Last (time, tx, rx) of each cumulative counter pair, per (counter, GPU).
+        self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
         self._proc_util_ts = [0] * len(self._handles)
         self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
         self._event_set = self._register_xid_events()
@@ -240,6 +240,15 @@ class NvmlReader:
             return Reading(value=SWITCH_RATE_PER_PEER * max(processes - 1, 0) * busy, uncertainty_score=0.8)
         return Reading(value=0.0, uncertainty_score=1.0)
 
+    def _deltas(self, counter: str, index: int, now: float, tx: float, rx: float) -> tuple[float, float, float] | None:
+        """``(tx delta, rx delta, seconds)`` of a cumulative counter pair since the last read
+        of it on this GPU; ``None`` on the first read (or a clock that did not advance)."""
+        prev = self._counters.get((counter, index))
+        self._counters[(counter, index)] = (now, tx, rx)
+        if prev is None or now <= prev[0]:
+            return None
+        return tx - prev[1], rx - prev[2], now - prev[0]
+
     def _nvlink_ratio(self, index: int, handle: Any, now: float) -> Reading:
         # Cumulative TX/RX data counters (KiB) per link through nvmlDeviceGetFieldValues; the
         # ratio is the busier direction's rate over active links x common link speed.
@@ -259,12 +268,11 @@ class NvmlReader:
             return Reading(value=0.0, uncertainty_score=1.0)
         tx = float(sum(v.value.ullVal for v in values[0::2]))
         rx = float(sum(v.value.ullVal for v in values[1::2]))
-        prev = self._nvlink_prev.get(index)
-        self._nvlink_prev[index] = (now, tx, rx)
-        if prev is None or now <= prev[0]:
+        deltas = self._deltas("nvlink", index, now, tx, rx)
+        if deltas is None:
             return Reading(value=0.0, uncertainty_score=1.0)  # first read: no rate yet
-        dt = now - prev[0]
-        kib_per_s = max(tx - prev[1], rx - prev[2], 0.0) / dt
+        d_tx, d_rx, dt = deltas
+        kib_per_s = max(d_tx, d_rx, 0.0) / dt
         peak_kib_per_s = links * speed_mbps * 1e6 / 1024
         return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
                        uncertainty_score=0.1 if head[1].nvmlReturn == 0 else 0.3)
@@ -278,12 +286,10 @@ class NvmlReader:
         ids = [getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None), getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)]
         counts = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids) if None not in ids else None
         if counts is not None and all(c.nvmlReturn == 0 for c in counts):
-            tx, rx = float(counts[0].value.ullVal), float(counts[1].value.ullVal)
-            prev = self._pcie_prev.get(index)
-            self._pcie_prev[index] = (now, tx, rx)
-            if prev is not None and now > prev[0] and tx >= prev[1] and rx >= prev[2]:
-                dt = now - prev[0]
-                return (tx - prev[1]) / dt / 1024.0, (rx - prev[2]) / dt / 1024.0
+            deltas = self._deltas("pcie", index, now, float(counts[0].value.ullVal), float(counts[1].value.ullVal))
+            if deltas is not None and deltas[0] >= 0 and deltas[1] >= 0:
+                d_tx, d_rx, dt = deltas
+                return d_tx / dt / 1024.0, d_rx / dt / 1024.0
         # The first reading, a counter that wrapped, or no counters: the 20 ms sampling call.
         return tuple(float(self._try(nvml.nvmlDeviceGetPcieThroughput, handle, counter, default=0, missing=missing,
                                      field="pcie_throughput"))
