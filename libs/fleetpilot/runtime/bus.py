@@ -133,7 +133,11 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
                       headers: dict[str, str] | None = None) -> bytes:
-        """Send a request and wait for one reply; raises ``TimeoutError``."""
+        """Send a request and wait for one reply.
+
+        Raises ``TimeoutError`` when nobody serves ``subject`` or no reply comes in time, and
+        ``RuntimeError`` naming the error when the serving handler raised.
+        """
 
     @abc.abstractmethod
     async def kv(self, bucket: str) -> KeyValue:

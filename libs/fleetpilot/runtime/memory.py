@@ -229,7 +229,12 @@ class InMemoryBus(Bus):
                       headers: dict[str, str] | None = None) -> bytes:
         for pattern, handler in self._endpoints.items():
             if subject_matches(pattern, subject):
-                return await asyncio.wait_for(handler(data, dict(headers or {})), timeout_s)
+                try:
+                    return await asyncio.wait_for(handler(data, dict(headers or {})), timeout_s)
+                except TimeoutError:
+                    raise TimeoutError(f"no reply on {subject} within {timeout_s:g} s") from None
+                except Exception as exc:  # as nats.micro answers a handler that raised
+                    raise RuntimeError(f"{subject} failed (500): {exc!r}") from exc
         raise TimeoutError(f"no responder on {subject}")
 
     async def kv(self, bucket: str) -> KeyValue:

@@ -279,8 +279,16 @@ class NatsBus(Bus):
                       headers: dict[str, str] | None = None) -> bytes:
         try:
             msg = await self._nc.request(subject, data, timeout=timeout_s, headers=headers)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            raise TimeoutError(f"no reply on {subject}") from exc
+        except nats.errors.NoRespondersError as exc:
+            raise TimeoutError(f"no responder on {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise TimeoutError(f"no reply on {subject} within {timeout_s:g} s") from exc
+        # A handler that raised is answered by nats.micro with an empty body and these
+        # headers: say so instead of handing the caller an empty reply to decode.
+        error = (msg.headers or {}).get("Nats-Service-Error")
+        if error is not None:
+            code = (msg.headers or {}).get("Nats-Service-Error-Code", "?")
+            raise RuntimeError(f"{subject} failed ({code}): {error}")
         return msg.data
 
     async def kv(self, bucket: str) -> KeyValue:

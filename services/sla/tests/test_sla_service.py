@@ -197,11 +197,11 @@ async def test_negotiate_endpoint_quotes_without_publishing(rig):
     await fill_h100(rig, free_in_s=120)
     await rig.start_sla()
     headers = {"Authorization": f"Bearer {rig.token()}"}
-    reply = await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), headers=headers, timeout_s=5)
+    reply = await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), headers=headers, timeout_s=15)
     offer = decode(reply, SlaOffer, TaskAdmitted, TaskRejected)
     assert isinstance(offer, SlaOffer) and offer.tenant == "acme"
     assert {o.gpu_model for o in offer.options} == {"A100-40GB", "H100"}
-    bad = decode(await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), timeout_s=5),
+    bad = decode(await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), timeout_s=15),
                  SlaOffer, TaskAdmitted, TaskRejected)
     assert isinstance(bad, TaskRejected) and bad.code == "unauthenticated"
     await asyncio.sleep(0.5)

@@ -215,3 +215,18 @@ async def test_request_reply_endpoint(bus):
     assert reply.tenant == "answered"
     bad = msgspec.json.decode(await bus.request("test.echo", b"garbage"))
     assert "invalid request" in bad["error"]
+
+
+async def test_request_says_whether_nobody_answered_or_the_handler_failed(bus):
+    host = ServiceHost("sla", settings())
+
+    @host.endpoint("broken", "test.broken", TaskSubmitted)
+    async def broken(task: TaskSubmitted) -> TaskSubmitted:
+        raise ValueError(f"cannot quote {task.task_id}")
+
+    await host.start(bus)
+    with pytest.raises(RuntimeError, match="test.broken failed.*cannot quote q"):
+        await bus.request("test.broken", encode(submitted("q")), timeout_s=5)
+    with pytest.raises(TimeoutError, match="no responder on test.nobody"):
+        await bus.request("test.nobody", encode(submitted("q")), timeout_s=5)
+    await host.stop()
