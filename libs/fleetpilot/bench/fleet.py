@@ -15,10 +15,16 @@ the bus out of service. No preemption (no PriorityClasses are set).
 
 - SLA negotiation (``sla.negotiate``) at submission against the fleet as it is: admitted,
   or counter-offered (the submitter is modelled as accepting the first option), or
-  rejected; the queue is ordered by tier (vip first), then FIFO, with backfill around a
-  reservation (EASY, ``policy.backfill``, as the policy service does): the first blocked
-  whole-GPU task gets the GPUs that free earliest by the running tasks' declared
-  durations, and tasks expected to outlast that start may not use them;
+  rejected; the queue is ordered by tier (vip first), then by expected completion
+  (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
+  around a reservation (EASY, ``policy.backfill``, as the policy service does): the
+  whole-GPU task first by tier and arrival among those that found no place gets the GPUs
+  that free earliest by the running tasks' declared durations, and tasks expected to
+  outlast that start may not use them (nor may a migration put a task there);
+- clearing: when that start is further away than the tenants of some node cost to move
+  (``backfill.clearing``: checkpoint pauses times GPUs against the wait times the GPUs it
+  needs), they are migrated where the policy places them and the task starts there once
+  their checkpoints are taken;
 - fingerprints: a task whose signature (``fingerprint.task_signature``) is known gets the
   ``SignatureMemory`` prediction at submission; tasks of unknown or little-known signatures
   are fingerprinted online (``OnlineFingerprinter``) from the simulator's per-task memory
@@ -90,7 +96,17 @@ from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
-from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import (
+    Demand,
+    Move,
+    Reservation,
+    Tenant,
+    clearing,
+    completion_order,
+    gpu_free_at,
+    hidden,
+    reserve,
+)
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
@@ -234,7 +250,7 @@ class FleetRun:
         self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
                                           default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
-                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "checkpointed": 0,
+                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
         self.policy = self._policy([])
         # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
@@ -242,6 +258,8 @@ class FleetRun:
         self.calibration = ConfidenceCalibration()
         self._typical_at = 0
         self._view: tuple[float, FleetView] | None = None
+        self.reservation: Reservation | None = None
+        self.blocked: set[str] = set()
 
     # -- construction --------------------------------------------------------------------
 
@@ -396,8 +414,11 @@ class FleetRun:
 
     def _key(self, job: _Job) -> tuple[float, ...]:
         if self.smart:
-            # Fleetpilot's own queue keeps a restarted or checkpointed task in its original place.
-            return (TIER_RANK[job.task.tier], job.task.arrival_s, job.seq)
+            # Within a tier, the earliest expected completion on an idle fleet first (arrival
+            # plus the run still to do, ``backfill.completion_order``): short work does not
+            # queue behind long work, and nothing starves (a later arrival overtakes a task
+            # only while it is expected to end before that task would).
+            return (TIER_RANK[job.task.tier], completion_order(job.task.arrival_s, self._remaining(job)), job.seq)
         return (job.queued_since, job.seq)
 
     def _schedule(self, now: float) -> None:
@@ -407,8 +428,13 @@ class FleetRun:
         # (demand, decided with the reservation hidden) of the requests that found no node.
         failed: list[tuple[Demand, bool]] = []
         keep: list[_Job] = []
-        reservation: Reservation | None = None
         free_at: np.ndarray | None = None
+        reservation: Reservation | None = None
+        head = self._longest_blocked()
+        if head is not None:
+            free_at = gpu_free_at(self.state, self._running_ends(), now)
+            reservation = reserve(self.state, self._request(head), free_at)
+        self.blocked = set()
         for job in self.pending:
             requests = [self._request(job)]
             if self._bridgeable(job):
@@ -420,12 +446,14 @@ class FleetRun:
                 demand = Demand.of(req, whole_gpus=not self.smart)
                 # A failure with the reservation hidden says nothing about a task that may use it.
                 if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                    self._note_blocked(job, k)
                     continue
                 self.counts["decisions"] += 1
                 with hidden(self.state, reservation if hide else None):
                     decision = self.policy.decide(self.state, req)
                 if decision.action != "assign":
                     failed.append((demand, hide))
+                    self._note_blocked(job, k)
                     if self.smart and reservation is None and k == 0:
                         if free_at is None:
                             free_at = gpu_free_at(self.state, self._running_ends(), now)
@@ -443,6 +471,51 @@ class FleetRun:
             else:
                 keep.append(job)
         self.pending = keep
+        self.reservation = reservation
+        if reservation is not None and reservation.start_s > now:
+            self._clear_for(self.by_id[reservation.task_id], reservation, now)
+
+    def _note_blocked(self, job: _Job, k: int) -> None:
+        if self.smart and k == 0 and job.task.gpu_milli >= 1000:
+            self.blocked.add(job.task.task_id)
+
+    def _longest_blocked(self) -> _Job | None:
+        """The reservation's owner: of the whole-GPU tasks that found no place last cycle, the
+        first by tier and arrival (the queue is ordered by expected completion, but a wide
+        task that is always overtaken must still be first in line for the GPUs it waits on)."""
+        blocked = [j for j in self.pending if j.task.task_id in self.blocked]
+        return min(blocked, key=lambda j: (TIER_RANK[j.task.tier], j.task.arrival_s, j.seq)) if blocked else None
+
+    def _clear_for(self, job: _Job, reservation: Reservation, now: float) -> None:
+        """Migrate the tenants of a node so that the reserved task starts now, when that costs
+        less than its wait (``backfill.clearing``); the task starts once the checkpoints are
+        taken (their longest pause, counted as its queue time)."""
+        if job.state != "pending":
+            return
+        tenants = {}
+        for j in self.jobs:
+            if j.state == "running" and not j.bridged:
+                pause = self._pause(j, now)
+                tenants[j.task.task_id] = Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
+                                                 gpu_memory_mb=j.reserved_mb, cost=pause * len(j.gpus) * j.milli / 1000)
+        req = self._request(job)
+        plan = clearing(self.state, req, list(tenants.values()), self.policy.decide,
+                        worth=(reservation.start_s - now) * req.gpus)
+        if plan is None:
+            return
+        wait = 0.0
+        for move in plan.moves:
+            mover = self.by_id[move.task_id]
+            wait = max(wait, self._pause(mover, now))
+            self._migrate(mover, now, reason="clearing", target=move)
+        self.counts["clearings"] += 1
+        job.queue_s += wait
+        self.pending.remove(job)
+        self.blocked.discard(job.task.task_id)
+        if job.confidence is None:
+            decision = self.policy.decide(self.state, req)
+            job.confidence = self.calibration.apply(self.mode, decision.confidence) if decision.action == "assign" else 0.5
+        self._start(job, plan.row, list(plan.gpus), MILLI, now, pause=wait)
 
     def _remaining(self, job: _Job) -> float:
         """What is left of the run the user declared (a checkpointed task keeps its progress)."""
@@ -649,13 +722,22 @@ class FleetRun:
             if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now)
 
-    def _migrate(self, job: _Job, now: float, *, reason: str) -> bool:
-        """Move a running job to wherever the policy places it now; False if nowhere else."""
+    def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None) -> bool:
+        """Move a running job to ``target``, else to wherever the policy places it now (never
+        onto GPUs reserved for a task it would delay); False if nowhere else."""
         t = job.task
         self._stop(job)
-        decision = self.policy.decide(self.state, self._request(job))
-        gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
-        if decision.action != "assign" or (decision.node_row == job.row and sorted(gpus) == sorted(job.gpus)):
+        if target is not None:
+            row, gpus, milli, found = target.row, list(target.gpus), target.milli, True
+        else:
+            held = self.reservation
+            ends_in = max(job.seg_start + job.seg_pause + self._remaining(job) - now, 0.0)
+            with hidden(self.state, held if held is not None and held.delayed_by(t.task_id, ends_in, now) else None):
+                decision = self.policy.decide(self.state, self._request(job))
+            row, gpus = decision.node_row, [p.gpu for p in decision.placement if p.gpu >= 0]
+            found = decision.action == "assign" and bool(decision.placement)
+            milli = decision.placement[0].milli if found else 0
+        if not found or (row == job.row and sorted(gpus) == sorted(job.gpus)):
             self.state.allocate(job.row, job.gpus, job.milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                                 gpu_memory_mb=job.reserved_mb)
             for g in job.gpus:
@@ -670,8 +752,12 @@ class FleetRun:
         job.fingerprinter = None
         job.migrations += 1
         self.counts["migrations_" + reason] += 1
-        self._start(job, decision.node_row, gpus, decision.placement[0].milli, now, growth=growth, pause=pause)
+        self._start(job, row, gpus, milli, now, growth=growth, pause=pause)
         return True
+
+    def _pause(self, job: _Job, now: float) -> float:
+        """Seconds a checkpoint and restore of ``job`` would take now (``_resumed``)."""
+        return MIGRATION_BASE_S + MIGRATION_S_PER_GB * float(job.task.growth.memory_at(now - job.seg_start)) / 1024.0
 
     def _resumed(self, job: _Job, now: float) -> tuple[MemoryGrowth, float]:
         """The memory curve and pause of a task restored from a checkpoint taken now.
@@ -681,8 +767,7 @@ class FleetRun:
         and restore time (``MIGRATION_BASE_S`` plus ``MIGRATION_S_PER_GB`` per GB held).
         """
         t = job.task
-        held_gb = float(t.growth.memory_at(now - job.seg_start)) / 1024.0
-        pause = MIGRATION_BASE_S + MIGRATION_S_PER_GB * held_gb
+        pause = self._pause(job, now)
         job.progress_s = job.useful_until(now)
         remaining = max(t.duration_s - job.progress_s, 1.0)
         g = t.growth
@@ -924,6 +1009,7 @@ def report(c: Comparison) -> str:
                  f"{f['rejected']:.0f} rejected; {f['migrations_oom']:.0f} migrations before an OOM, "
                  f"{f['bridged']:.0f} started on a smaller GPU and {f['migrations_bridge']:.0f} moved up in time, "
                  f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
+                 f"{f['clearings']:.0f} nodes cleared for a wide task ({f['migrations_clearing']:.0f} moves), "
                  f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued); "
                  f"failures seen coming "
                  f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h)")

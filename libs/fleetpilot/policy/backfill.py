@@ -38,7 +38,7 @@ Usage (one scheduling cycle)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -46,6 +46,7 @@ import numpy as np
 
 from fleetpilot.contracts.topology import TASK_LABEL_DRIVER
 
+from .framework import PolicyDecision
 from .state import MILLI, ClusterState, TaskRequest
 
 
@@ -101,6 +102,24 @@ class Reservation:
         if task_id == self.task_id:
             return False
         return expected_duration_s is None or now + expected_duration_s > self.start_s
+
+
+def completion_order(arrival_s: float, remaining_s: float | None) -> float:
+    """Queue key within a tier: when the task would end had it started on arrival (arrival
+    plus the run still to do, as declared; a task that declares nothing is taken as long as
+    a day, ``UNDECLARED_S``).
+
+    Ordering by it puts short work before long work that arrived about the same time (what
+    shortest-job-first does for the mean wait) without starving anything: a later arrival
+    overtakes a waiting task only if it is expected to end before that task would have, so
+    every task is overtaken by finitely many. A wide task that keeps being overtaken is
+    still first in line for the reservation (``reserve``), which is given by arrival.
+    """
+    return arrival_s + (UNDECLARED_S if remaining_s is None else max(remaining_s, 0.0))
+
+
+UNDECLARED_S = 24 * 3600.0
+"""The run time ``completion_order`` assumes for a task that declares none."""
 
 
 def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], float]], now: float) -> np.ndarray:
@@ -169,3 +188,136 @@ def _row_of(state: ClusterState, node: str) -> int | None:
         return state.node_index(node)
     except KeyError:
         return None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A running task that a clearing may move: where it holds what, the request it would be
+    placed with now, and what moving it costs (``cost`` in GPU-seconds: its checkpoint and
+    restore pause times the GPUs it holds, as a share)."""
+
+    request: TaskRequest
+    row: int
+    gpus: tuple[int, ...]
+    milli: int
+    gpu_memory_mb: int
+    cost: float
+
+    def _hold(self) -> dict[str, int]:
+        return {"cpu_milli": self.request.cpu_milli, "memory_mb": self.request.memory_mb,
+                "gpu_memory_mb": self.gpu_memory_mb}
+
+
+@dataclass(frozen=True)
+class Move:
+    """One tenant's new place in a clearing."""
+
+    task_id: str
+    row: int
+    gpus: tuple[int, ...]
+    milli: int
+
+
+@dataclass(frozen=True)
+class Clearing:
+    """Moves that empty ``gpus`` of node ``row`` for a blocked whole-GPU request, and their
+    total cost (GPU-seconds)."""
+
+    row: int
+    gpus: tuple[int, ...]
+    moves: tuple[Move, ...]
+    cost: float
+
+
+Decide = Callable[[ClusterState, TaskRequest], PolicyDecision]
+
+
+def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant], decide: Decide, *,
+             worth: float, tries: int = 3) -> Clearing | None:
+    """The cheapest set of migrations that lets a blocked whole-GPU ``request`` start now, if
+    it costs less than ``worth`` (GPU-seconds: the wait it saves times the GPUs it needs).
+
+    EASY backfill only waits for GPUs to free; when the tasks that hold every node a wide
+    task can use will run for hours, that wait is hours of the wide task (and of the GPUs
+    kept idle for it), while most of those tenants could run elsewhere at the price of a
+    checkpoint. For every node the request could use once empty, the ``gpus`` GPUs cheapest
+    to empty are picked (then more tenants of the node, cheapest first, if its CPU or memory
+    is still short); the ``tries`` cheapest nodes under ``worth`` are tried in order: their
+    tenants are placed by ``decide`` (the active policy) elsewhere, the node's GPUs hidden,
+    largest tenant first. The first node whose tenants all find a place wins. ``state`` is
+    left as it was; the caller carries out the moves and places the request.
+    """
+    n = request.gpus
+    if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus or not tenants:
+        return None
+    ok = (state.cpu_total >= request.cpu_milli) & (state.mem_total >= request.memory_mb)
+    if request.gpu_models:
+        wanted = [state.model_index(m) for m in request.gpu_models]
+        ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
+    usable = (state.gpu_exists & state.gpu_healthy & ~state.gpu_maintenance
+              & (state.gpu_mem_total >= request.gpu_memory_mb))
+    on_row: dict[int, list[Tenant]] = {}
+    for t in tenants:
+        on_row.setdefault(t.row, []).append(t)
+    plans: list[tuple[float, int, tuple[int, ...], list[Tenant]]] = []
+    for row in np.flatnonzero(ok & (usable.sum(axis=1) >= n)):
+        row = int(row)
+        here = on_row.get(row, [])
+        gpu_cost = np.zeros(state.max_gpus)
+        for t in here:
+            gpu_cost[list(t.gpus)] += t.cost
+        # A GPU held by something that is not a tenant (not movable) cannot be emptied.
+        held = np.zeros(state.max_gpus, dtype=np.int64)
+        for t in here:
+            held[list(t.gpus)] += t.milli
+        emptyable = usable[row] & (state.gpu_free[row] + held >= MILLI)
+        if emptyable.sum() < n:
+            continue
+        order = [int(g) for g in np.argsort(np.where(emptyable, gpu_cost, np.inf), kind="stable")[:n]]
+        moving = [t for t in here if set(t.gpus) & set(order)]
+        rest = sorted((t for t in here if t not in moving), key=lambda t: t.cost)
+        cpu = state.cpu_free[row] + sum(t.request.cpu_milli for t in moving)
+        mem = state.mem_free[row] + sum(t.request.memory_mb for t in moving)
+        while (cpu < request.cpu_milli or mem < request.memory_mb) and rest:
+            t = rest.pop(0)
+            moving.append(t)
+            cpu += t.request.cpu_milli
+            mem += t.request.memory_mb
+        if cpu < request.cpu_milli or mem < request.memory_mb or not moving:
+            continue
+        cost = sum(t.cost for t in moving)
+        if cost < worth:
+            plans.append((cost, row, tuple(sorted(order)), moving))
+    plans.sort(key=lambda p: (p[0], p[1]))
+    for cost, row, gpus, moving in plans[:tries]:
+        moves = _evacuate(state, row, gpus, moving, decide)
+        if moves is not None:
+            return Clearing(row=row, gpus=gpus, moves=tuple(moves), cost=cost)
+    return None
+
+
+def _evacuate(state: ClusterState, row: int, gpus: tuple[int, ...], moving: list[Tenant],
+              decide: Decide) -> list[Move] | None:
+    """Place ``moving`` elsewhere with ``row``'s ``gpus`` hidden; the moves, or ``None`` if
+    one finds no place. ``state`` is restored either way."""
+    for t in moving:
+        state.release(t.row, t.gpus, t.milli, **t._hold())
+    before = state.gpu_maintenance[row, list(gpus)].copy()
+    state.set_condition(row, gpus, maintenance=True)
+    placed: list[tuple[Tenant, Move]] = []
+    try:
+        for t in sorted(moving, key=lambda t: (-t.request.gpus * t.milli, t.request.task_id)):
+            d = decide(state, t.request)
+            if d.action != "assign" or not d.placement:
+                return None
+            move = Move(task_id=t.request.task_id, row=d.node_row,
+                        gpus=tuple(p.gpu for p in d.placement if p.gpu >= 0), milli=d.placement[0].milli)
+            state.allocate(move.row, move.gpus, move.milli, **t._hold())
+            placed.append((t, move))
+        return [m for _, m in placed]
+    finally:
+        for t, m in placed:
+            state.release(m.row, m.gpus, m.milli, **t._hold())
+        state.set_condition(row, gpus, maintenance=before)
+        for t in moving:
+            state.allocate(t.row, t.gpus, t.milli, **t._hold())

@@ -9,7 +9,17 @@ import msgspec
 import numpy as np
 import pytest
 from fleetpilot.policy import ClusterState, TaskRequest, build_policy
-from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import (
+    UNDECLARED_S,
+    Demand,
+    Reservation,
+    Tenant,
+    clearing,
+    completion_order,
+    gpu_free_at,
+    hidden,
+    reserve,
+)
 
 
 def fleet() -> ClusterState:
@@ -117,3 +127,73 @@ def test_the_device_plugins_view_counts_a_share_as_a_whole_gpu() -> None:
     share = msgspec.structs.replace(BASE, gpu_milli=250)
     assert Demand.of(share).milli == 250 and Demand.of(share, whole_gpus=True).milli == 1000
     assert Demand.of(share, whole_gpus=True).cannot_fit_after(Demand.of(BASE))
+
+
+# ---- completion order ----------------------------------------------------------------------
+
+def test_completion_order_puts_short_work_first_but_never_lets_later_long_work_overtake() -> None:
+    long_early = completion_order(0.0, 3600.0)
+    short_later = completion_order(600.0, 300.0)
+    long_later = completion_order(600.0, 3600.0)
+    assert short_later < long_early < long_later
+    # A task arriving after the long one would have ended cannot overtake it, however short.
+    assert completion_order(3601.0, 0.0) > long_early
+    assert completion_order(0.0, None) == UNDECLARED_S
+
+
+# ---- clearing a node for a blocked wide task ------------------------------------------------
+
+def two_nodes() -> ClusterState:
+    """n0 and n1: 4 x H100 each, 64 CPUs; n2: 4 x T4 (16 GB)."""
+    return ClusterState.build(names=["n0", "n1", "n2"], cpu_milli=[64000] * 3, memory_mb=[512000] * 3,
+                              gpus=[4, 4, 4], models=["H100", "H100", "T4"], gpu_memory_mb=[81920, 81920, 16384])
+
+
+def tenant(state: ClusterState, task_id: str, row: int, gpus: tuple[int, ...], *, cost: float, memory_mb: int = 8000,
+           models: tuple[str, ...] = ()) -> Tenant:
+    """Hold one running task in ``state`` and describe it as a tenant."""
+    req = TaskRequest(task_id=task_id, gpus=len(gpus), gpu_memory_mb=memory_mb, cpu_milli=1000, gpu_models=models)
+    state.allocate(row, gpus, 1000, cpu_milli=1000, gpu_memory_mb=memory_mb)
+    return Tenant(request=req, row=row, gpus=gpus, milli=1000, gpu_memory_mb=memory_mb, cost=cost)
+
+
+def held(state: ClusterState) -> tuple[np.ndarray, ...]:
+    """Everything a clearing touches."""
+    return state.gpu_free.copy(), state.cpu_free.copy(), state.gpu_mem_free.copy(), state.gpu_maintenance.copy()
+
+
+def test_clearing_moves_the_cheapest_tenants_off_one_node_and_leaves_the_state_as_it_was() -> None:
+    state = two_nodes()
+    # n0: two small tasks that fit on a T4; n1: one that needs an H100 (40 GB), cheap but stuck.
+    tenants = [tenant(state, "a", 0, (0,), cost=60.0), tenant(state, "b", 0, (1,), cost=90.0),
+               tenant(state, "c", 1, (0,), cost=10.0, memory_mb=40000, models=("H100",)),
+               tenant(state, "d", 1, (1,), cost=10.0, memory_mb=40000, models=("H100",)),
+               tenant(state, "e", 1, (2,), cost=10.0, memory_mb=40000, models=("H100",))]
+    wide = TaskRequest(task_id="w", gpus=4, gpu_memory_mb=30000, gpu_models=("H100",))
+    before = held(state)
+    plan = clearing(state, wide, tenants, build_policy("bestfit").decide, worth=1000.0)
+    assert plan is not None
+    # n1 is cheaper to empty (30) but its tenants can only go to n0's two free H100s: three
+    # do not fit. n0's two go where bestfit puts them: anywhere but n0.
+    assert (plan.row, plan.gpus, plan.cost) == (0, (0, 1, 2, 3), 150.0)
+    assert {m.task_id for m in plan.moves} == {"a", "b"} and all(m.row != 0 for m in plan.moves)
+    assert all(np.array_equal(x, y) for x, y in zip(held(state), before, strict=True))
+
+
+def test_no_clearing_when_it_costs_more_than_the_wait_it_saves_or_nothing_can_move() -> None:
+    state = two_nodes()
+    tenants = [tenant(state, "a", 0, (0,), cost=60.0), tenant(state, "b", 1, (0,), cost=90.0)]
+    wide = TaskRequest(task_id="w", gpus=4, gpu_models=("H100",))
+    assert clearing(state, wide, tenants, build_policy("bestfit").decide, worth=50.0) is None
+    assert clearing(state, wide, tenants, build_policy("bestfit").decide, worth=70.0).moves[0].task_id == "a"
+    # Every GPU full of tasks that need an H100: nowhere to move them.
+    full = two_nodes()
+    stuck = [tenant(full, f"t{r}{g}", r, (g,), cost=1.0, memory_mb=40000, models=("H100",))
+             for r in (0, 1) for g in range(4)]
+    assert clearing(full, wide, stuck, build_policy("bestfit").decide, worth=1e9) is None
+    # Something that is not a tenant (not movable) holds a GPU of each node.
+    pinned = two_nodes()
+    pinned.allocate(0, [0], 1000)
+    pinned.allocate(1, [3], 1000)
+    assert clearing(pinned, wide, [tenant(pinned, "a", 0, (1,), cost=1.0)], build_policy("bestfit").decide,
+                    worth=1e9) is None
