@@ -492,22 +492,16 @@ class FleetRun:
         taken (their longest pause, counted as its queue time)."""
         if job.state != "pending":
             return
-        tenants = {}
-        for j in self.jobs:
-            if j.state == "running" and not j.bridged:
-                pause = self._pause(j, now)
-                tenants[j.task.task_id] = Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
-                                                 gpu_memory_mb=j.reserved_mb, cost=pause * len(j.gpus) * j.milli / 1000)
+        tenants = {j.task.task_id: Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
+                                          gpu_memory_mb=j.reserved_mb, pause_s=self._pause(j, now))
+                   for j in self.jobs if j.state == "running" and not j.bridged}
         req = self._request(job)
-        plan = clearing(self.state, req, list(tenants.values()), self.policy.decide,
-                        worth=(reservation.start_s - now) * req.gpus)
+        plan = clearing(self.state, req, list(tenants.values()), self.policy.decide, wait_s=reservation.start_s - now)
         if plan is None:
             return
-        wait = 0.0
+        wait = max(tenants[m.task_id].pause_s for m in plan.moves)
         for move in plan.moves:
-            mover = self.by_id[move.task_id]
-            wait = max(wait, self._pause(mover, now))
-            self._migrate(mover, now, reason="clearing", target=move)
+            self._migrate(self.by_id[move.task_id], now, reason="clearing", target=move)
         self.counts["clearings"] += 1
         job.queue_s += wait
         self.pending.remove(job)

@@ -193,15 +193,19 @@ def _row_of(state: ClusterState, node: str) -> int | None:
 @dataclass(frozen=True)
 class Tenant:
     """A running task that a clearing may move: where it holds what, the request it would be
-    placed with now, and what moving it costs (``cost`` in GPU-seconds: its checkpoint and
-    restore pause times the GPUs it holds, as a share)."""
+    placed with now, and how long its checkpoint and restore would pause it."""
 
     request: TaskRequest
     row: int
     gpus: tuple[int, ...]
     milli: int
     gpu_memory_mb: int
-    cost: float
+    pause_s: float
+
+    @property
+    def cost(self) -> float:
+        """GPU-seconds a move loses: the pause times the GPUs it holds, as a share."""
+        return self.pause_s * len(self.gpus) * self.milli / MILLI
 
     def _hold(self) -> dict[str, int]:
         return {"cpu_milli": self.request.cpu_milli, "memory_mb": self.request.memory_mb,
@@ -233,16 +237,18 @@ Decide = Callable[[ClusterState, TaskRequest], PolicyDecision]
 
 
 def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant], decide: Decide, *,
-             worth: float, tries: int = 3) -> Clearing | None:
-    """The cheapest set of migrations that lets a blocked whole-GPU ``request`` start now, if
-    it costs less than ``worth`` (GPU-seconds: the wait it saves times the GPUs it needs).
+             wait_s: float, tries: int = 3) -> Clearing | None:
+    """The cheapest set of migrations that lets a blocked whole-GPU ``request`` start as soon
+    as the moved tenants are checkpointed, if they lose less than it gains: the tenants' cost
+    (GPU-seconds) against the wait it is spared (``wait_s``, until its reservation starts,
+    less the longest of their pauses, which it still waits) times the GPUs it needs.
 
     EASY backfill only waits for GPUs to free; when the tasks that hold every node a wide
     task can use will run for hours, that wait is hours of the wide task (and of the GPUs
     kept idle for it), while most of those tenants could run elsewhere at the price of a
     checkpoint. For every node the request could use once empty, the ``gpus`` GPUs cheapest
     to empty are picked (then more tenants of the node, cheapest first, if its CPU or memory
-    is still short); the ``tries`` cheapest nodes under ``worth`` are tried in order: their
+    is still short); the ``tries`` cheapest nodes that pay off are tried in order: their
     tenants are placed by ``decide`` (the active policy) elsewhere, the node's GPUs hidden,
     largest tenant first. The first node whose tenants all find a place wins. ``state`` is
     left as it was; the caller carries out the moves and places the request.
@@ -286,7 +292,7 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
         if cpu < request.cpu_milli or mem < request.memory_mb or not moving:
             continue
         cost = sum(t.cost for t in moving)
-        if cost < worth:
+        if cost < (wait_s - max(t.pause_s for t in moving)) * n:
             plans.append((cost, row, tuple(sorted(order)), moving))
     plans.sort(key=lambda p: (p[0], p[1]))
     for cost, row, gpus, moving in plans[:tries]:

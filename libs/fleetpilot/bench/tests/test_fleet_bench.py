@@ -264,3 +264,33 @@ def test_a_run_is_a_function_of_its_seed_not_of_string_hashing(tmp_path: Path) -
         data = json.loads(out.read_text())
         figures.append({mode: {k: v for k, v in data[mode].items() if k != "wall_s"} for mode in ("baseline", "fleetpilot")})
     assert figures[0] == figures[1]
+
+
+def test_fleetpilot_queues_short_work_before_long_work_and_the_baseline_first_come_first_served() -> None:
+    # One GPU busy for 600 s; then a 2-hour task (arrived first) and a 5-minute one wait.
+    tasks = (task(0, duration=600.0), task(1, duration=7200.0, arrival=10.0), task(2, duration=300.0, arrival=20.0))
+    for mode, first in (("k8s-default", "t1"), ("fleetpilot", "t2")):
+        run = FleetRun(tiny_fleet(), workload(*tasks, hours=3.0), mode, seed=1)
+        run.run()
+        started = sorted((j.task.task_id for j in run.jobs[1:]), key=lambda t: run.by_id[t].queue_s)
+        assert started[0] == first, mode
+
+
+def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere() -> None:
+    # Three 4-GPU nodes, two long single-GPU tasks on each: a 4-GPU task would wait ten
+    # hours for a node to empty; moving two tenants costs a checkpoint each.
+    singles = [task(i, duration=10 * 3600.0) for i in range(6)]
+    wide = task(6, gpus=4, duration=1800.0, arrival=60.0)
+    run = FleetRun(tiny_fleet(gpus=4, nodes=3), workload(*singles, wide, hours=12.0), "fleetpilot", seed=1)
+    for i, job in enumerate(run.jobs[:6]):
+        job.state = "pending"
+        run._start(job, i // 2, [i % 2], 1000, 0.0)
+    job = run.by_id["t6"]
+    run._enqueue(job, 60.0)
+    # No node has four free GPUs: the reservation is ten hours away, clearing one is cheaper.
+    run._schedule(60.0)
+    assert job.state == "running" and run.counts["clearings"] == 1 and run.counts["migrations_clearing"] == 2
+    tenants = {t for g in range(4) for t in run.on_gpu.get((job.row, g), set())}
+    assert tenants == {"t6"}
+    # It waits for the longest checkpoint of the moved tasks (8 GB: 30 s + 2 s per GB).
+    assert bench.MIGRATION_BASE_S <= job.queue_s <= bench.MIGRATION_BASE_S + 60.0

@@ -151,10 +151,11 @@ def two_nodes() -> ClusterState:
 
 def tenant(state: ClusterState, task_id: str, row: int, gpus: tuple[int, ...], *, cost: float, memory_mb: int = 8000,
            models: tuple[str, ...] = ()) -> Tenant:
-    """Hold one running task in ``state`` and describe it as a tenant."""
+    """Hold one running task in ``state`` and describe it as a tenant (whole GPUs: its cost
+    is its pause)."""
     req = TaskRequest(task_id=task_id, gpus=len(gpus), gpu_memory_mb=memory_mb, cpu_milli=1000, gpu_models=models)
     state.allocate(row, gpus, 1000, cpu_milli=1000, gpu_memory_mb=memory_mb)
-    return Tenant(request=req, row=row, gpus=gpus, milli=1000, gpu_memory_mb=memory_mb, cost=cost)
+    return Tenant(request=req, row=row, gpus=gpus, milli=1000, gpu_memory_mb=memory_mb, pause_s=cost / len(gpus))
 
 
 def held(state: ClusterState) -> tuple[np.ndarray, ...]:
@@ -171,7 +172,7 @@ def test_clearing_moves_the_cheapest_tenants_off_one_node_and_leaves_the_state_a
                tenant(state, "e", 1, (2,), cost=10.0, memory_mb=40000, models=("H100",))]
     wide = TaskRequest(task_id="w", gpus=4, gpu_memory_mb=30000, gpu_models=("H100",))
     before = held(state)
-    plan = clearing(state, wide, tenants, build_policy("bestfit").decide, worth=1000.0)
+    plan = clearing(state, wide, tenants, build_policy("bestfit").decide, wait_s=1000.0)
     assert plan is not None
     # n1 is cheaper to empty (30) but its tenants can only go to n0's two free H100s: three
     # do not fit. n0's two go where bestfit puts them: anywhere but n0.
@@ -184,16 +185,18 @@ def test_no_clearing_when_it_costs_more_than_the_wait_it_saves_or_nothing_can_mo
     state = two_nodes()
     tenants = [tenant(state, "a", 0, (0,), cost=60.0), tenant(state, "b", 1, (0,), cost=90.0)]
     wide = TaskRequest(task_id="w", gpus=4, gpu_models=("H100",))
-    assert clearing(state, wide, tenants, build_policy("bestfit").decide, worth=50.0) is None
-    assert clearing(state, wide, tenants, build_policy("bestfit").decide, worth=70.0).moves[0].task_id == "a"
+    # Emptying n0 costs a's 60 s on one GPU; the wide task still waits those 60 s: it gains
+    # (wait - 60) x 4 GPU-seconds, more than 60 only for a wait over 75 s.
+    assert clearing(state, wide, tenants, build_policy("bestfit").decide, wait_s=75.0) is None
+    assert clearing(state, wide, tenants, build_policy("bestfit").decide, wait_s=76.0).moves[0].task_id == "a"
     # Every GPU full of tasks that need an H100: nowhere to move them.
     full = two_nodes()
     stuck = [tenant(full, f"t{r}{g}", r, (g,), cost=1.0, memory_mb=40000, models=("H100",))
              for r in (0, 1) for g in range(4)]
-    assert clearing(full, wide, stuck, build_policy("bestfit").decide, worth=1e9) is None
+    assert clearing(full, wide, stuck, build_policy("bestfit").decide, wait_s=1e9) is None
     # Something that is not a tenant (not movable) holds a GPU of each node.
     pinned = two_nodes()
     pinned.allocate(0, [0], 1000)
     pinned.allocate(1, [3], 1000)
     assert clearing(pinned, wide, [tenant(pinned, "a", 0, (1,), cost=1.0)], build_policy("bestfit").decide,
-                    worth=1e9) is None
+                    wait_s=1e9) is None
