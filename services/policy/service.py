@@ -18,6 +18,10 @@ Around that core (see ``README.md``):
   fingerprint predicts a peak above it when its GPU has room (``resize``), else migrates
   tasks off GPUs that are going away or where their fingerprint predicts an OOM
   (``rebalance``);
+* the queue is ordered by tier, then by expected completion, with backfill around a
+  reservation for the longest-blocked wide task (``backfill``); no placement or migration
+  that would delay it uses the reserved GPUs, and when moving the tenants of a node costs
+  less than its wait, the rebalancer migrates them away (``clear_for_reservation``);
 * a ``vip`` task waiting in ``pending`` preempts the cheapest set of ``best_effort`` tasks on
   one node that makes it fit (``evict``); the evicted tasks wait in ``pending`` for a new
   placement (``preempt``); a task the executor evicts on its own (a decommissioned GPU) is
@@ -63,8 +67,18 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
-from fleetpilot.policy.backfill import Demand, Reservation, gpu_free_at, hidden, reserve
+from fleetpilot.policy.backfill import (
+    Demand,
+    Reservation,
+    Tenant,
+    clearing,
+    completion_order,
+    gpu_free_at,
+    hidden,
+    reserve,
+)
 from fleetpilot.policy.calibration import ConfidenceCalibration
+from fleetpilot.policy.state import MILLI
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, Retry, ServiceHost, ServiceSettings
 from prometheus_client import Counter, Gauge, Histogram
@@ -142,6 +156,10 @@ class PolicySettings(ServiceSettings):
     oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = 10
     resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
+    # What moving a running task costs (checkpoint and restore): the pause a clearing prices
+    # its moves with, and how soon a task being moved releases the GPUs it leaves.
+    checkpoint_base_s: float = Field(default=30.0, description="Pause of a checkpoint and restore, fixed part")
+    checkpoint_s_per_gb: float = Field(default=2.0, description="Pause of a checkpoint and restore per GB held")
     preempt_restart_s: float = Field(default=60.0, description="Work an evicted task loses on top of its age")
     evict_success: float = Field(default=0.97, description="P(one eviction is carried out), for confidence")
     evict_timeout_s: float = Field(
@@ -515,30 +533,75 @@ class PolicyState:
         return reserve(state, self.request(adm.task), gpu_free_at(state, self.running_ends(state), now()))
 
     def running_ends(self, state: ClusterState) -> list[tuple[int, list[int], float]]:
-        """``(row, gpus, expected end)`` of every GPU hold in the ledger."""
+        """``(row, gpus, expected end)`` of every GPU hold in the ledger.
+
+        A hold ends when its task is expected to (its first hold's time plus the duration it
+        declared), except the hold a task is being migrated off: the executor releases it
+        once the task is restored on the target, a checkpoint pause after the move was
+        decided. So the GPUs a clearing empties are reserved for the task it cleared them
+        for as soon as the moves are decided, and nothing that would delay it takes them
+        when they free."""
+        moving = self.moves_in_flight()
         out: list[tuple[int, list[int], float]] = []
         for ledger in self.ledger.nodes.values():
             try:
                 row = state.node_index(ledger.node)
             except KeyError:
                 continue
-            holds: dict[str, list[Allocation]] = {}
+            holds: dict[tuple[str, bool], list[Allocation]] = {}
             for a in ledger.allocations:
                 if a.gpu >= 0:
-                    holds.setdefault(a.task_id, []).append(a)
-            for task_id, allocs in holds.items():
-                adm = self.admissions.of(task_id) if self.admissions is not None else None
-                task = adm.task if adm is not None else self.tasks.get(task_id)
-                declared = task.expected_duration_s if task is not None else None
-                start = min(a.at for a in allocs)
-                out.append((row, [a.gpu for a in allocs], start + declared if declared else math.inf))
+                    move = moving.get(a.task_id)
+                    leaving = move is not None and a.decision_id != move[0]
+                    holds.setdefault((a.task_id, leaving), []).append(a)
+            for (task_id, leaving), allocs in holds.items():
+                if leaving:
+                    end = moving[task_id][1] + self.checkpoint_pause_s(max(a.memory_mb for a in allocs))
+                else:
+                    declared = self.declared_s(task_id)
+                    end = min(a.at for a in allocs) + declared if declared else math.inf
+                out.append((row, [a.gpu for a in allocs], end))
         return out
+
+    def moves_in_flight(self) -> dict[str, tuple[str, float]]:
+        """Tasks being migrated: task id -> (the move's decision id, when its target was
+        reserved). The target hold stays ``reserved`` until the executor has moved the task."""
+        out: dict[str, tuple[str, float]] = {}
+        for ledger in self.ledger.nodes.values():
+            for a in ledger.allocations:
+                own = a.decision_id[len(a.task_id):] if a.decision_id.startswith(a.task_id) else ""
+                if a.state == "reserved" and ".migrate." in own:
+                    out[a.task_id] = (a.decision_id, a.at)
+        return out
+
+    def declared_s(self, task_id: str) -> float | None:
+        """The run time the task declared (``expected_duration_s``), ``None`` when the task
+        is unknown to this replica or declared none."""
+        adm = self.admissions.of(task_id) if self.admissions is not None else None
+        task = adm.task if adm is not None else self.tasks.get(task_id)
+        return task.expected_duration_s if task is not None and task.expected_duration_s else None
+
+    def remaining_s(self, running: Running) -> float | None:
+        """What is left of the run a running task declared: its duration less the time
+        since its first hold (``None`` when unknown, taken as long by ``delayed_by``)."""
+        declared = self.declared_s(running.task_id)
+        if declared is None:
+            return None
+        return max(declared - (now() - min(a.at for a in running.allocations)), 0.0)
+
+    def checkpoint_pause_s(self, memory_mb: float) -> float:
+        """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
+        checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
+        holds sets the pause, not the sum over the task's GPUs."""
+        return self.settings.checkpoint_base_s + self.settings.checkpoint_s_per_gb * memory_mb / 1024.0
 
     async def rebalance_round(self) -> list[DecisionMade]:
         """One rebalancing round (``rebalance``): a ``resize`` for a task whose predicted
         peak is above its hold where its GPU has room, else ``migrate`` for a task that should
-        move; the extra memory or the target is reserved with CAS before the decision is
-        returned. At most ``max_migrations_per_round`` decisions."""
+        move; then, with what is left of the round's budget, the moves that clear a node for
+        the task the reservation is for (``clear_for_reservation``). The extra memory or the
+        target is reserved with CAS before the decision is returned. At most
+        ``max_migrations_per_round`` decisions."""
         out: list[DecisionMade] = []
         for running in running_tasks(list(self.ledger.nodes.values())):
             if len(out) >= self.settings.max_migrations_per_round:
@@ -562,6 +625,78 @@ class PolicyState:
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
             if decision is not None:
                 out.append(decision)
+        budget = self.settings.max_migrations_per_round - len(out)
+        if budget > 0:
+            out.extend(await self.clear_for_reservation(budget, {d.task_id for d in out}))
+        return out
+
+    async def clear_for_reservation(self, budget: int, moved: set[str]) -> list[DecisionMade]:
+        """``migrate`` decisions that empty a node for the task the reservation is for, when
+        moving the node's tenants costs less than its wait (``backfill.clearing``); none when
+        the plan needs more than ``budget`` moves. ``moved`` already have a decision.
+
+        EASY backfill only waits for GPUs to free; when every node a wide task can use is
+        held for hours, that is hours of its wait and of the GPUs kept idle for it, while the
+        tenants of one node could run elsewhere at the price of a checkpoint. A tenant costs
+        its checkpoint pause (``checkpoint_pause_s`` of its hold) times the GPUs it holds, as
+        a share; the waiting task gains the wait it is spared (to the reservation's start,
+        less the longest of those pauses) times the GPUs it needs. The targets are the
+        default policy's, with the cleared GPUs hidden.
+
+        The waiting task is not placed here: once the executor has moved the tenants and
+        released their holds, the next queue round places it. Until then the reservation
+        follows the cleared GPUs (``running_ends``: a hold being moved off ends after the
+        pause), so nothing that would delay the task takes them. A move lost to a race
+        stops the clearing (the rest would not make room); the next round plans again.
+        """
+        held = self.reservation
+        if held is None or held.start_s <= now() or self.admissions is None:
+            return []
+        adm = self.admissions.of(held.task_id)
+        if adm is None or self.ledger.holds_of(held.task_id) is not None:
+            return []  # unknown, or no longer waiting: placed since the reservation was made
+        state = self.snapshot()
+        tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            topo = self.fleet.nodes.get(node_key(running.node))
+            gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+            if running.task_id in moved or topo is None or not gpu_allocs:
+                continue
+            try:
+                row = state.node_index(running.node)
+            except KeyError:
+                continue
+            memory_mb = max(a.memory_mb for a in gpu_allocs)
+            tenant = Tenant(
+                request=self.move_request(running, topo, self.fingerprints.get(running.task_id)),
+                row=row,
+                gpus=tuple(running.gpus),
+                milli=gpu_allocs[0].milli,
+                gpu_memory_mb=memory_mb,
+                pause_s=self.checkpoint_pause_s(memory_mb),
+            )
+            tenants[running.task_id] = (tenant, running, topo)
+        policies = self.active.current
+        wait_s = held.start_s - now()
+        plan = clearing(state, self.request(adm.task), [t for t, _, _ in tenants.values()],
+                        policies.guarded[policies.default].decide, wait_s=wait_s)
+        if plan is None or len(plan.moves) > budget:
+            return []
+        why = (f"clearing {state.node_names[plan.row]} for {held.task_id} (GPUs {list(plan.gpus)}), which would "
+               f"wait {wait_s:.0f} s: moving {len(plan.moves)} tasks costs {plan.cost:.0f} GPU-s")
+        log.info("%s", why)
+        out: list[DecisionMade] = []
+        for move in plan.moves:
+            tenant, running, topo = tenants[move.task_id]
+            target = [
+                Placement(node=state.node_names[move.row], gpu=g, milli=move.milli,
+                          memory_mb=tenant.request.gpu_memory_mb)
+                for g in move.gpus
+            ]
+            decision = await self.migrate(running, topo, self.fingerprints.get(move.task_id), 0.0, why, target)
+            if decision is None:
+                break
+            out.append(decision)
         return out
 
     async def resize(self, running: Running, topo: NodeTopology, plan: ResizePlan) -> DecisionMade | None:
@@ -799,16 +934,9 @@ class PolicyState:
         )
         return out
 
-    async def migrate(
-        self,
-        running: Running,
-        source_topo: NodeTopology,
-        fp: Fingerprint | None,
-        p_stay_fails: float,
-        why: str,
-    ) -> DecisionMade | None:
-        """Choose a target for one task with the default policy, reserve it, decide."""
-        policies = self.active.current
+    def move_request(self, running: Running, source_topo: NodeTopology, fp: Fingerprint | None) -> TaskRequest:
+        """A running task as the policies see it when it moves: the shape it holds, with the
+        GPU memory its fingerprint predicts when more."""
         gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
         known = self.tasks.get(running.task_id)
         memory_mb = gpu_allocs[0].memory_mb
@@ -818,7 +946,7 @@ class PolicyState:
             peak = max(fp.predicted_peak_mb, fp.peak_high_mb) + self.settings.resize_margin_mb
             memory_mb = max(memory_mb, int(math.ceil(peak)))
         model = next((g.model for g in source_topo.gpus if g.index == running.gpus[0]), "")
-        req = TaskRequest(
+        return TaskRequest(
             task_id=running.task_id,
             kind=known.kind if known else "batch",
             gpus=len(gpu_allocs),
@@ -832,18 +960,56 @@ class PolicyState:
             predicted_peak_mb=fp.predicted_peak_mb if fp else 0.0,
             peak_sigma_mb=max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29 if fp else 0.0,
         )
-        state = self.snapshot()
-        row = state.node_index(running.node)
-        state.set_condition(row, running.gpus, maintenance=True)  # never "move" onto where it is
-        choice = policies.guarded[policies.default].decide(state, req)
-        if choice.action != "assign" or not choice.placement:
-            log.info("no target to migrate %s to (%s)", running.task_id, why)
-            return None
-        target = choice.placements(memory_mb=req.gpu_memory_mb)
-        gpus = [p.gpu for p in choice.placement if p.gpu >= 0]
-        risk_target = float(oom_risk(state, req)[choice.node_row, gpus].max()) if gpus and fp else 0.0
-        if fp is not None and risk_target >= p_stay_fails:
-            return None  # the move would not make an OOM less likely
+
+    async def migrate(
+        self,
+        running: Running,
+        source_topo: NodeTopology,
+        fp: Fingerprint | None,
+        p_stay_fails: float,
+        why: str,
+        target: list[Placement] | None = None,
+    ) -> DecisionMade | None:
+        """Choose a target for one task with the default policy (or take ``target``, a
+        clearing's), reserve it, decide.
+
+        The policy never chooses GPUs reserved for a waiting task that the move would delay
+        (the task is expected to run past the reservation's start, or declared no duration):
+        a move is a placement like any other, and backfill keeps those GPUs for the wide task.
+
+        **Confidence of a clearing move** (``target`` given) is 0.0, under the ``clearing``
+        policy name. A migrate's goal is that the moved task's latency improves by more than
+        15% and no OOM follows; a clearing moves a task that was fine where it was, for
+        another task's sake, and it only loses its checkpoint pause: the goal is not met,
+        whatever the target. Published under its own name, these records never raise the
+        calibration of the default policy's own moves (which feedback judges by their OOMs).
+        """
+        policies = self.active.current
+        known = self.tasks.get(running.task_id)
+        req = self.move_request(running, source_topo, fp)
+        if target is None:
+            state = self.snapshot()
+            state.set_condition(state.node_index(running.node), running.gpus, maintenance=True)  # not where it is
+            kept = self.reservation
+            if kept is not None and not kept.delayed_by(running.task_id, self.remaining_s(running), now()):
+                kept = None
+            with hidden(state, kept):
+                choice = policies.guarded[policies.default].decide(state, req)
+            if choice.action != "assign" or not choice.placement:
+                log.info("no target to migrate %s to (%s)", running.task_id, why)
+                return None
+            target = choice.placements(memory_mb=req.gpu_memory_mb)
+            gpus = [p.gpu for p in choice.placement if p.gpu >= 0]
+            risk_target = float(oom_risk(state, req)[choice.node_row, gpus].max()) if gpus and fp else 0.0
+            if fp is not None and risk_target >= p_stay_fails:
+                return None  # the move would not make an OOM less likely
+            ref = self.policy_ref(policies, policies.default, choice)
+            confidence = float(p_stay_fails * choice.confidence)
+            if not choice.fallback:
+                confidence = self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)
+            fallback, why = choice.fallback, f"{why}; target: {choice.reason}"
+        else:
+            ref, confidence, fallback = PolicyRef(name="clearing"), 0.0, False
         decision_id = migrate_decision_id(running)
         node = target[0].node
         topo = self.fleet.nodes.get(node_key(node))
@@ -869,19 +1035,16 @@ class PolicyState:
             Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
             for a in running.allocations
         ]
-        ref = self.policy_ref(policies, policies.default, choice)
-        confidence = float(p_stay_fails * choice.confidence)
         return DecisionMade(
             decision_id=decision_id,
             task_id=running.task_id,
             action="migrate",
             placement=target,
             source=source,
-            confidence=(confidence if choice.fallback
-                        else self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)),
+            confidence=confidence,
             policy=ref,
-            fallback=choice.fallback,
-            reason=f"{why}; target: {choice.reason}",
+            fallback=fallback,
+            reason=why,
             decided_at=now(),
             task=known,
         )
@@ -1061,18 +1224,21 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     evicting.add(requeue.for_task)
                 continue
             waiting.append((adm, requeue, entry))
-        # VIP first, then the longest waiting.
-        waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1), p[0].admitted_at))
+        # VIP first; within a tier, the earliest expected completion had the task started on
+        # arrival (``backfill.completion_order``: admission plus the declared run): short work
+        # does not queue behind long work that came about the same time, and nothing starves
+        # (a later arrival overtakes a task only if it is expected to end before it would).
+        waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1),
+                                    completion_order(p[0].admitted_at, p[0].task.expected_duration_s),
+                                    p[0].admitted_at))
         out: list[DecisionMade] = []
-        # The round recomputes the reservation: the first blocked whole-GPU task gets it, and
-        # the tasks behind it (and new arrivals until the next round) backfill around it. The
-        # last one stays in force until then: arrivals decided while the round awaits must
-        # not find the reserved GPUs unguarded.
-        fresh: Reservation | None = None
         # What found no node this round (and whether the reservation was hidden from it): a
         # task that needs no less is not tried again until the next round. A backlog of
         # hundreds then costs a few decisions a round, not hundreds of claims and decisions.
         failed: list[tuple[Demand, bool]] = []
+        # The tasks that found no place this round, skipped ones included: the reservation's
+        # owner is chosen among them once the round is over.
+        blocked: list[TaskAdmitted] = []
         for adm, requeue, entry in waiting:
             if evicting and adm.contract.tier != "vip":
                 # Space is being freed for a vip: nothing else may take it half-freed (an
@@ -1082,6 +1248,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
             demand = Demand.of(ps.request(adm.task))
             if adm.contract.tier != "vip" and any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                blocked.append(adm)
                 continue  # a vip still gets its turn: it may preempt
             try:
                 await pending.update(entry.key, b"claimed", entry.revision)  # one replica takes it
@@ -1091,12 +1258,11 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
                 if decision is None:
                     failed.append((demand, hide))
+                    blocked.append(adm)
             except Retry:
                 decision = None
             if decision is None:
                 await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
-                if fresh is None:
-                    fresh = ps.reservation = ps.reservation_for(adm)
                 # A vip that fits nowhere may preempt best_effort work (``preempt``), once
                 # per round and not while its last preemption is still under way.
                 if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
@@ -1107,7 +1273,15 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 continue
             await pending.delete(entry.key)
             out.append(metrics.decided(decision))
-        ps.reservation = fresh
+        # The reservation goes to the whole-GPU task first by tier and admission among those
+        # that found no place: the queue is ordered by expected completion, and a wide task
+        # that is always overtaken must still be first in line for the GPUs it waits on.
+        # Only the whole round says who that is, so this round (and the arrivals decided
+        # while it awaits, which must not find the reserved GPUs unguarded) ran against the
+        # last round's reservation, at most ``pending_retry_s`` old.
+        wide = [a for a in blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
+        owner = min(wide, key=lambda a: (_TIER_RANK.get(a.contract.tier, 1), a.admitted_at), default=None)
+        ps.reservation = ps.reservation_for(owner) if owner is not None else None
         return out
 
     def opened() -> Bus:

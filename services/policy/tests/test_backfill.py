@@ -1,6 +1,8 @@
 """EASY backfill in the policy service over a real nats-server: a blocked 2-GPU task gets a
 reservation on the node whose GPUs free first (by the running tasks' declared durations); a
-task expected to outlast that release is kept off the reserved GPU, a short one uses it."""
+task expected to outlast that release is kept off the reserved GPU, a short one uses it, and
+so is a migration. Waiters of one tier are decided by expected completion; a rebalance round
+clears a node for a blocked 4-GPU task when its tenants cost less to move than its wait."""
 
 from __future__ import annotations
 
@@ -14,16 +16,27 @@ from fleetpilot_services.policy.service import build
 from .conftest import admitted, node, settings, wait_for
 
 
-def running(task_id: str, gpu: int, started_s_ago: float, declared_s: float) -> tuple[Allocation, TaskAdmitted]:
-    """A confirmed whole-GPU hold and the contract of the task that holds it."""
-    hold = Allocation(task_id=task_id, decision_id=f"{task_id}.assign", gpu=gpu, milli=1000, memory_mb=1000,
-                      state="confirmed", at=now() - started_s_ago)
-    task = TaskSubmitted(task_id=task_id, kind="train", gpu_milli=1000, expected_duration_s=declared_s)
-    return hold, TaskAdmitted(task=task, contract=Contract(), tenant="t", admitted_at=now() - started_s_ago)
+def tenant(task_id: str, gpus: list[int], started_s_ago: float, declared_s: float, milli: int = 1000,
+           memory_mb: int = 1000) -> tuple[list[Allocation], TaskAdmitted]:
+    """Confirmed holds of ``milli`` and ``memory_mb`` on each of ``gpus``, and the contract of
+    the task that holds them."""
+    at = now() - started_s_ago
+    holds = [Allocation(task_id=task_id, decision_id=f"{task_id}.assign", gpu=g, milli=milli, memory_mb=memory_mb,
+                        state="confirmed", at=at) for g in gpus]
+    task = TaskSubmitted(task_id=task_id, kind="train", gpus=len(gpus), gpu_milli=milli, expected_duration_s=declared_s)
+    return holds, TaskAdmitted(task=task, contract=Contract(), tenant="t", admitted_at=at)
 
 
-def whole(task_id: str, gpus: int, declared_s: float | None) -> TaskAdmitted:
-    adm = admitted(task_id, gpus=gpus, gpu_milli=1000)
+async def seed(observer, tenants: dict[str, list[tuple[list[Allocation], TaskAdmitted]]]) -> None:
+    """Each node's ledger and the contracts of the tasks that hold capacity there."""
+    for name, pairs in tenants.items():
+        await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=[h for hs, _ in pairs for h in hs])))
+        for _, adm in pairs:
+            await observer.kv_put("contracts", f"contract.{adm.task.task_id}", encode(adm))
+
+
+def whole(task_id: str, gpus: int, declared_s: float | None, gpu_milli: int = 1000, **fields) -> TaskAdmitted:
+    adm = admitted(task_id, gpus=gpus, gpu_milli=gpu_milli, **fields)
     return msgspec.structs.replace(adm, task=msgspec.structs.replace(adm.task, expected_duration_s=declared_s))
 
 
@@ -33,11 +46,8 @@ async def test_a_blocked_wide_task_keeps_its_gpus_from_long_tasks_but_not_from_s
     await observer.put_fleet([node("n0"), node("n1")])
     # n0 frees in ~20 min (b); n1's GPU 0 in ~1 min (c) and its GPU 1 is idle: the 2-GPU
     # task's earliest start is on n1, in about a minute.
-    holds = {"n0": [running("a", 0, 100, 400), running("b", 1, 100, 1300)], "n1": [running("c", 0, 540, 600)]}
-    for name, pairs in holds.items():
-        await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=[h for h, _ in pairs])))
-        for _, adm in pairs:
-            await observer.kv_put("contracts", f"contract.{adm.task.task_id}", encode(adm))
+    await seed(observer, {"n0": [tenant("a", [0], 100, 400), tenant("b", [1], 100, 1300)],
+                          "n1": [tenant("c", [0], 540, 600)]})
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
     await policy.start()
     try:
@@ -79,3 +89,100 @@ async def test_a_round_skips_waiters_that_need_no_less_than_one_that_found_no_no
     # again after their admission.
     assert tried.count("w0") >= 3
     assert all(tried.count(t) == 1 for t in waiters[1:]), {t: tried.count(t) for t in waiters}
+
+
+async def test_waiters_of_one_tier_are_decided_by_expected_completion(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=1)])
+    # A share held by a task the replica cannot name: it never ends, so no reservation (and
+    # shares get none anyway); the two waiters differ only in arrival and declared run.
+    blocker = Allocation(task_id="blocker", decision_id="blocker.assign", gpu=0, milli=600, memory_mb=1000,
+                         state="confirmed", at=now())
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[blocker])))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1))
+    await policy.start()
+    try:
+        await observer.admit(whole("long", 1, 7200, gpu_milli=600))
+        await wait_for(lambda: len(observer.decisions) == 1, what="the long task queued")
+        await observer.admit(whole("short", 1, 60, gpu_milli=600))  # later, but ends far sooner
+        await wait_for(lambda: len(observer.decisions) == 2, what="the short task queued")
+        await asyncio.sleep(0.3)
+        await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0")))  # room for one of them
+        await wait_for(lambda: any(d.action == "assign" for d in observer.decisions), what="an assign")
+        await asyncio.sleep(0.5)  # more rounds: the other one still does not fit
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.decisions[:2]] == ["queue", "queue"]
+    assert [(d.task_id, d.placement[0].gpu) for d in observer.decisions if d.action == "assign"] == [("short", 0)]
+
+
+async def test_a_migration_does_not_land_on_gpus_reserved_for_a_waiting_task(observer, nats_url, tmp_path):
+    # The 2-GPU task reserves n0 (its GPU 1 is idle, GPU 0 frees in ~20 s); n2's GPUs are
+    # too small for it. m must leave h0's GPU 0 and runs for another hour: bestfit would pack
+    # it onto n0's idle GPU, the reserved one, and must take n2 instead.
+    fleet = [node("n0"), node("h0"), node("n2", gpus=4, memory_mb=40960)]
+    await observer.put_fleet(fleet)
+    await seed(observer, {"n0": [tenant("c", [0], 580, 600, memory_mb=30000)],
+                          "h0": [tenant("m", [0], 100, 3600), tenant("b", [1], 100, 7200)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1, rebalance_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(whole("wide", 2, 3600, gpu_memory_mb=60000))
+        await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
+        await asyncio.sleep(0.5)  # retry rounds: the reservation is made
+        # Only now does m have to move, so the rebalancer runs with the reservation in force.
+        await observer.put_fleet([node("h0", labels={0: {"maintenance_pending": "true"}})])
+        await wait_for(lambda: any(d.action == "migrate" for d in observer.decisions), what="m migrated")
+        await asyncio.sleep(0.5)
+    finally:
+        await policy.stop()
+    moves = [d for d in observer.decisions if d.action == "migrate"]
+    assert [d.task_id for d in moves] == ["m"]
+    assert [(p.node, p.gpu) for p in moves[0].source] == [("h0", 0)]
+    assert moves[0].placement[0].node == "n2", moves[0].placement
+    assert not any(d.action == "assign" for d in observer.decisions)  # wide still waits for n0
+
+
+async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer, nats_url, tmp_path):
+    # n0 is held by four small shares that will run two more hours, n1 by one 4-GPU task
+    # with 80 minutes to go, so the 4-GPU task waits 80 minutes for n1 (its reservation).
+    # Moving the shares to n2 (two GPUs, too small for it) costs four checkpoints of 2 GB:
+    # ~10 GPU-s each, against 80 minutes of four GPUs. n1's task would cost ~430 GPU-s.
+    fleet = [node("n0", gpus=4), node("n1", gpus=4), node("n2", gpus=2, memory_mb=40960)]
+    await observer.put_fleet(fleet)
+    small = [f"s{i}" for i in range(4)]
+    await seed(observer, {"n0": [tenant(s, [i], 100, 7200, milli=300, memory_mb=2000) for i, s in enumerate(small)],
+                          "n1": [tenant("big", [0, 1, 2, 3], 100, 5000, memory_mb=40000)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1, rebalance_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(whole("wide", 4, 3600, gpu_memory_mb=60000))
+        await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
+        # Ends before wide would had it started on arrival: first in the queue, yet wide,
+        # admitted first, owns the reservation; filler would take a GPU of n0 as soon as one
+        # frees, were it not reserved for wide.
+        await observer.admit(whole("filler", 1, 1800, gpu_memory_mb=60000))
+        await wait_for(lambda: sum(d.action == "migrate" for d in observer.decisions) == 4, what="the clearing")
+        await asyncio.sleep(0.5)  # more rounds: no second clearing, nothing placed yet
+        moves = [d for d in observer.decisions if d.action == "migrate"]
+        assert not any(d.action == "assign" for d in observer.decisions)
+        # The executor moves the shares: their targets confirmed, n0's holds released.
+        ledgers = await observer.ledgers()
+        moved = [msgspec.structs.replace(a, state="confirmed") for a in ledgers["n2"].allocations]
+        await observer.kv_put("ledger", "n2", encode(NodeLedger(node="n2", allocations=moved)))
+        await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0")))
+        await wait_for(lambda: any(d.action == "assign" for d in observer.decisions), what="wide placed")
+        await asyncio.sleep(0.5)
+    finally:
+        await policy.stop()
+    assert sorted(d.task_id for d in moves) == small
+    for d in moves:
+        assert [p.node for p in d.source] == ["n0"]
+        assert {p.node for p in d.placement} == {"n2"}, d.placement
+        assert d.reason.startswith("clearing n0 for wide"), d.reason
+        assert d.policy.name == "clearing" and d.confidence == 0.0
+    assert {(a.task_id, a.decision_id) for a in ledgers["n2"].allocations} == {(s, f"{s}.migrate.1") for s in small}
+    assert len([d for d in observer.decisions if d.action == "migrate"]) == 4
+    # The queue round places wide on the cleared node; filler, first in the queue, is kept
+    # off it, as the reservation followed the clearing.
+    assert [(d.task_id, sorted((p.node, p.gpu) for p in d.placement)) for d in observer.decisions
+            if d.action == "assign"] == [("wide", [("n0", g) for g in range(4)])]
