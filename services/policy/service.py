@@ -657,10 +657,16 @@ class PolicyState:
             return []  # unknown, or no longer waiting: placed since the reservation was made
         state = self.snapshot()
         tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
+        rank = _TIER_RANK.get(adm.contract.tier, 1)
         for running in running_tasks(list(self.ledger.nodes.values())):
             topo = self.fleet.nodes.get(node_key(running.node))
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
             if running.task_id in moved or topo is None or not gpu_allocs:
+                continue
+            # Work of a higher tier is never paused for a lower one (an unknown tier counts
+            # as standard, as in the queue).
+            known = self.admissions.of(running.task_id)
+            if _TIER_RANK.get(known.contract.tier if known else "standard", 1) < rank:
                 continue
             try:
                 row = state.node_index(running.node)

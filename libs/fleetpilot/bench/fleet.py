@@ -492,9 +492,11 @@ class FleetRun:
         taken (their longest pause, counted as its queue time)."""
         if job.state != "pending":
             return
+        # Work of a higher tier is never paused for a lower one.
+        rank = TIER_RANK[job.task.tier]
         tenants = {j.task.task_id: Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
                                           gpu_memory_mb=j.reserved_mb, pause_s=self._pause(j, now))
-                   for j in self.jobs if j.state == "running" and not j.bridged}
+                   for j in self.jobs if j.state == "running" and not j.bridged and TIER_RANK[j.task.tier] >= rank}
         req = self._request(job)
         plan = clearing(self.state, req, list(tenants.values()), self.policy.decide, wait_s=reservation.start_s - now)
         if plan is None:

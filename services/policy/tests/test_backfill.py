@@ -186,3 +186,24 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
     # off it, as the reservation followed the clearing.
     assert [(d.task_id, sorted((p.node, p.gpu) for p in d.placement)) for d in observer.decisions
             if d.action == "assign"] == [("wide", [("n0", g) for g in range(4)])]
+
+
+async def test_a_clearing_never_moves_higher_tier_work_for_a_waiting_task(observer, nats_url, tmp_path):
+    # The scene of the test above, with the shares on n0 running for vip tenants: pausing
+    # them would pay off in GPU-seconds, but a standard task never displaces vip work.
+    fleet = [node("n0", gpus=4), node("n1", gpus=4), node("n2", gpus=2, memory_mb=40960)]
+    await observer.put_fleet(fleet)
+    vip = []
+    for i in range(4):
+        holds, adm = tenant(f"s{i}", [i], 100, 7200, milli=300, memory_mb=2000)
+        vip.append((holds, msgspec.structs.replace(adm, contract=Contract(tier="vip"))))
+    await seed(observer, {"n0": vip, "n1": [tenant("big", [0, 1, 2, 3], 100, 5000, memory_mb=40000)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1, rebalance_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(whole("wide", 4, 3600, gpu_memory_mb=60000))
+        await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
+        await asyncio.sleep(1.5)  # several rebalance rounds
+    finally:
+        await policy.stop()
+    assert not any(d.action == "migrate" for d in observer.decisions)

@@ -294,3 +294,15 @@ def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere
     assert tenants == {"t6"}
     # It waits for the longest checkpoint of the moved tasks (8 GB: 30 s + 2 s per GB).
     assert bench.MIGRATION_BASE_S <= job.queue_s <= bench.MIGRATION_BASE_S + 60.0
+
+
+def test_fleetpilot_never_pauses_higher_tier_work_to_clear_a_node() -> None:
+    singles = [task(i, duration=10 * 3600.0, tier="vip") for i in range(6)]
+    wide = task(6, gpus=4, duration=1800.0, arrival=60.0, tier="standard")
+    run = FleetRun(tiny_fleet(gpus=4, nodes=3), workload(*singles, wide, hours=12.0), "fleetpilot", seed=1)
+    for i, job in enumerate(run.jobs[:6]):
+        job.state = "pending"
+        run._start(job, i // 2, [i % 2], 1000, 0.0)
+    run._enqueue(run.by_id["t6"], 60.0)
+    run._schedule(60.0)
+    assert run.by_id["t6"].state == "pending" and run.counts["clearings"] == 0
