@@ -589,6 +589,18 @@ class PolicyState:
             return None
         return max(declared - (now() - min(a.at for a in running.allocations)), 0.0)
 
+    def may_pause(self, running: Running, pause_s: float) -> bool:
+        """Whether a clearing may pause ``running`` for ``pause_s``: not when the pause would
+        make it miss the deadline its contract carries (its expected end, by the duration it
+        declared, plus the pause; an unknown end with a deadline counts as too late). A
+        queue-time SLA is not touched by a pause, whatever the tier."""
+        adm = self.admissions.of(running.task_id) if self.admissions is not None else None
+        deadline = adm.contract.deadline if adm is not None else None
+        if deadline is None:
+            return True
+        remaining = self.remaining_s(running)
+        return remaining is not None and now() + remaining + pause_s <= deadline
+
     def checkpoint_pause_s(self, memory_mb: float) -> float:
         """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
         checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
@@ -657,22 +669,18 @@ class PolicyState:
             return []  # unknown, or no longer waiting: placed since the reservation was made
         state = self.snapshot()
         tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
-        rank = _TIER_RANK.get(adm.contract.tier, 1)
         for running in running_tasks(list(self.ledger.nodes.values())):
             topo = self.fleet.nodes.get(node_key(running.node))
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
             if running.task_id in moved or topo is None or not gpu_allocs:
-                continue
-            # Work of a higher tier is never paused for a lower one (an unknown tier counts
-            # as standard, as in the queue).
-            known = self.admissions.of(running.task_id)
-            if _TIER_RANK.get(known.contract.tier if known else "standard", 1) < rank:
                 continue
             try:
                 row = state.node_index(running.node)
             except KeyError:
                 continue
             memory_mb = max(a.memory_mb for a in gpu_allocs)
+            if not self.may_pause(running, self.checkpoint_pause_s(memory_mb)):
+                continue
             tenant = Tenant(
                 request=self.move_request(running, topo, self.fingerprints.get(running.task_id)),
                 row=row,

@@ -475,6 +475,16 @@ class FleetRun:
         if reservation is not None and reservation.start_s > now:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
 
+    def _may_pause(self, job: _Job, now: float) -> bool:
+        """A running task may be paused for a checkpoint unless the pause would make it miss
+        the deadline it asked for (its expected end, by its declared duration, plus the pause);
+        a queue-time SLA is not touched by a pause, whatever the tier."""
+        deadline = job.task.deadline_s
+        if deadline is None:
+            return True
+        ends = job.seg_start + job.seg_pause + self._remaining(job)
+        return max(ends, now) + self._pause(job, now) <= deadline
+
     def _note_blocked(self, job: _Job, k: int) -> None:
         if self.smart and k == 0 and job.task.gpu_milli >= 1000:
             self.blocked.add(job.task.task_id)
@@ -492,11 +502,9 @@ class FleetRun:
         taken (their longest pause, counted as its queue time)."""
         if job.state != "pending":
             return
-        # Work of a higher tier is never paused for a lower one.
-        rank = TIER_RANK[job.task.tier]
         tenants = {j.task.task_id: Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
                                           gpu_memory_mb=j.reserved_mb, pause_s=self._pause(j, now))
-                   for j in self.jobs if j.state == "running" and not j.bridged and TIER_RANK[j.task.tier] >= rank}
+                   for j in self.jobs if j.state == "running" and not j.bridged and self._may_pause(j, now)}
         req = self._request(job)
         plan = clearing(self.state, req, list(tenants.values()), self.policy.decide, wait_s=reservation.start_s - now)
         if plan is None:

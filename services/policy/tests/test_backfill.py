@@ -188,16 +188,17 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
             if d.action == "assign"] == [("wide", [("n0", g) for g in range(4)])]
 
 
-async def test_a_clearing_never_moves_higher_tier_work_for_a_waiting_task(observer, nats_url, tmp_path):
-    # The scene of the test above, with the shares on n0 running for vip tenants: pausing
-    # them would pay off in GPU-seconds, but a standard task never displaces vip work.
+async def test_a_clearing_never_pauses_a_task_past_its_deadline(observer, nats_url, tmp_path):
+    # The scene of the test above, but the shares on n0 must end within 10 s of their
+    # declared end: pausing them would pay off in GPU-seconds and make them late.
     fleet = [node("n0", gpus=4), node("n1", gpus=4), node("n2", gpus=2, memory_mb=40960)]
     await observer.put_fleet(fleet)
-    vip = []
+    tight = []
     for i in range(4):
         holds, adm = tenant(f"s{i}", [i], 100, 7200, milli=300, memory_mb=2000)
-        vip.append((holds, msgspec.structs.replace(adm, contract=Contract(tier="vip"))))
-    await seed(observer, {"n0": vip, "n1": [tenant("big", [0, 1, 2, 3], 100, 5000, memory_mb=40000)]})
+        deadline = now() - 100 + 7200 + 10
+        tight.append((holds, msgspec.structs.replace(adm, contract=Contract(deadline=deadline))))
+    await seed(observer, {"n0": tight, "n1": [tenant("big", [0, 1, 2, 3], 100, 5000, memory_mb=40000)]})
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1, rebalance_s=0.2))
     await policy.start()
     try:

@@ -296,9 +296,12 @@ def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere
     assert bench.MIGRATION_BASE_S <= job.queue_s <= bench.MIGRATION_BASE_S + 60.0
 
 
-def test_fleetpilot_never_pauses_higher_tier_work_to_clear_a_node() -> None:
-    singles = [task(i, duration=10 * 3600.0, tier="vip") for i in range(6)]
-    wide = task(6, gpus=4, duration=1800.0, arrival=60.0, tier="standard")
+def test_fleetpilot_never_clears_a_node_by_pausing_a_task_past_its_deadline() -> None:
+    # The scene of the test above, but the singles must end within 10 s of their declared
+    # end: a checkpoint pause would make them late.
+    singles = [task(i, duration=10 * 3600.0) for i in range(6)]
+    singles = [BenchTask(**{**t.__dict__, "deadline_s": 10 * 3600.0 + 10.0}) for t in singles]
+    wide = task(6, gpus=4, duration=1800.0, arrival=60.0)
     run = FleetRun(tiny_fleet(gpus=4, nodes=3), workload(*singles, wide, hours=12.0), "fleetpilot", seed=1)
     for i, job in enumerate(run.jobs[:6]):
         job.state = "pending"
