@@ -76,6 +76,7 @@ from fleetpilot.policy.backfill import (
     gpu_free_at,
     hidden,
     reserve,
+    wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.state import MILLI
@@ -668,6 +669,9 @@ class PolicyState:
         if adm is None or self.ledger.holds_of(held.task_id) is not None:
             return []  # unknown, or no longer waiting: placed since the reservation was made
         state = self.snapshot()
+        request = self.request(adm.task)
+        # Only tasks on nodes the waiting task could use can be in its way.
+        hosts = wide_hosts(state, request)
         tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
         for running in running_tasks(list(self.ledger.nodes.values())):
             topo = self.fleet.nodes.get(node_key(running.node))
@@ -677,6 +681,8 @@ class PolicyState:
             try:
                 row = state.node_index(running.node)
             except KeyError:
+                continue
+            if not hosts[row]:
                 continue
             memory_mb = max(a.memory_mb for a in gpu_allocs)
             if not self.may_pause(running, self.checkpoint_pause_s(memory_mb)):
@@ -692,7 +698,7 @@ class PolicyState:
             tenants[running.task_id] = (tenant, running, topo)
         policies = self.active.current
         wait_s = held.start_s - now()
-        plan = clearing(state, self.request(adm.task), [t for t, _, _ in tenants.values()],
+        plan = clearing(state, request, [t for t, _, _ in tenants.values()],
                         policies.guarded[policies.default].decide, wait_s=wait_s)
         if plan is None or len(plan.moves) > budget:
             return []

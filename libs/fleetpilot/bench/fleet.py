@@ -106,6 +106,7 @@ from fleetpilot.policy.backfill import (
     gpu_free_at,
     hidden,
     reserve,
+    wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.state import MILLI
@@ -480,10 +481,7 @@ class FleetRun:
         the deadline it asked for (its expected end, by its declared duration, plus the pause);
         a queue-time SLA is not touched by a pause, whatever the tier."""
         deadline = job.task.deadline_s
-        if deadline is None:
-            return True
-        ends = job.seg_start + job.seg_pause + self._remaining(job)
-        return max(ends, now) + self._pause(job, now) <= deadline
+        return deadline is None or max(self._expected_end(job), now) + self._pause(job, now) <= deadline
 
     def _note_blocked(self, job: _Job, k: int) -> None:
         if self.smart and k == 0 and job.task.gpu_milli >= 1000:
@@ -502,10 +500,14 @@ class FleetRun:
         taken (their longest pause, counted as its queue time)."""
         if job.state != "pending":
             return
+        req = self._request(job)
+        # Only tasks on nodes the request could use can be in the way: the others are not
+        # described (thousands of them, every cycle).
+        hosts = wide_hosts(self.state, req)
         tenants = {j.task.task_id: Tenant(request=self._request(j), row=j.row, gpus=tuple(j.gpus), milli=j.milli,
                                           gpu_memory_mb=j.reserved_mb, pause_s=self._pause(j, now))
-                   for j in self.jobs if j.state == "running" and not j.bridged and self._may_pause(j, now)}
-        req = self._request(job)
+                   for j in self.jobs
+                   if j.state == "running" and hosts[j.row] and not j.bridged and self._may_pause(j, now)}
         plan = clearing(self.state, req, list(tenants.values()), self.policy.decide, wait_s=reservation.start_s - now)
         if plan is None:
             return
@@ -527,8 +529,11 @@ class FleetRun:
 
     def _running_ends(self) -> list[tuple[int, list[int], float]]:
         """``(row, gpus, expected end)`` of every running task, by its declared duration."""
-        return [(j.row, j.gpus, j.seg_start + j.seg_pause + self._remaining(j)) for j in self.jobs
-                if j.state == "running"]
+        return [(j.row, j.gpus, self._expected_end(j)) for j in self.jobs if j.state == "running"]
+
+    def _expected_end(self, job: _Job) -> float:
+        """When a running task is expected to end, by the duration it declared."""
+        return job.seg_start + job.seg_pause + self._remaining(job)
 
     def _bridgeable(self, job: _Job) -> bool:
         """A task predicted to grow smoothly (linear, leak) past every GPU free for it now may
@@ -735,7 +740,7 @@ class FleetRun:
             row, gpus, milli, found = target.row, list(target.gpus), target.milli, True
         else:
             held = self.reservation
-            ends_in = max(job.seg_start + job.seg_pause + self._remaining(job) - now, 0.0)
+            ends_in = max(self._expected_end(job) - now, 0.0)
             with hidden(self.state, held if held is not None and held.delayed_by(t.task_id, ends_in, now) else None):
                 decision = self.policy.decide(self.state, self._request(job))
             row, gpus = decision.node_row, [p.gpu for p in decision.placement if p.gpu >= 0]

@@ -138,6 +138,22 @@ def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], fl
     return np.where(usable, free_at, np.inf)
 
 
+def wide_hosts(state: ClusterState, request: TaskRequest) -> np.ndarray:
+    """Per node, whether a whole-GPU ``request`` could run there once the node is empty: an
+    accepted model, enough CPU and memory in total, and ``gpus`` GPUs that exist and hold
+    its GPU memory. All false for a share or a task wider than any node (``reserve`` and
+    ``clearing`` only serve whole-GPU requests)."""
+    n = request.gpus
+    if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus:
+        return np.zeros(state.n_nodes, dtype=bool)
+    ok = (state.cpu_total >= request.cpu_milli) & (state.mem_total >= request.memory_mb)
+    if request.gpu_models:
+        wanted = [state.model_index(m) for m in request.gpu_models]
+        ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
+    roomy = state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb)
+    return ok & (roomy.sum(axis=1) >= n)
+
+
 def reserve(state: ClusterState, request: TaskRequest, free_at: np.ndarray) -> Reservation | None:
     """Where and when a blocked whole-GPU request can start earliest, or ``None``.
 
@@ -146,17 +162,12 @@ def reserve(state: ClusterState, request: TaskRequest, free_at: np.ndarray) -> R
     GPU release; the earliest node wins (the lowest row on a tie, so the choice is
     reproducible), and the reservation is for its ``gpus`` earliest-free GPUs.
     """
-    n = request.gpus
-    if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus:
+    ok = wide_hosts(state, request)
+    if not ok.any():
         return None
-    ok = (state.cpu_total >= request.cpu_milli) & (state.mem_total >= request.memory_mb)
-    if request.gpu_models:
-        wanted = [state.model_index(m) for m in request.gpu_models]
-        ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
-    roomy = state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb)
-    times = np.where(roomy, free_at, np.inf)
-    nth = np.sort(times, axis=1)[:, n - 1]
-    nth = np.where(ok, nth, np.inf)
+    n = request.gpus
+    times = np.where(state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb), free_at, np.inf)
+    nth = np.where(ok, np.sort(times, axis=1)[:, n - 1], np.inf)
     row = int(np.argmin(nth))
     if not np.isfinite(nth[row]):
         return None
@@ -251,30 +262,24 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
     is still short); the ``tries`` cheapest nodes that pay off are tried in order: their
     tenants are placed by ``decide`` (the active policy) elsewhere, the node's GPUs hidden,
     largest tenant first. The first node whose tenants all find a place wins. ``state`` is
-    left as it was; the caller carries out the moves and places the request.
+    left as it was; the caller carries out the moves and places the request. Only tenants
+    on ``wide_hosts`` nodes can be moved: a caller may pass just those.
     """
     n = request.gpus
-    if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus or not tenants:
-        return None
-    ok = (state.cpu_total >= request.cpu_milli) & (state.mem_total >= request.memory_mb)
-    if request.gpu_models:
-        wanted = [state.model_index(m) for m in request.gpu_models]
-        ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
     usable = (state.gpu_exists & state.gpu_healthy & ~state.gpu_maintenance
               & (state.gpu_mem_total >= request.gpu_memory_mb))
     on_row: dict[int, list[Tenant]] = {}
     for t in tenants:
         on_row.setdefault(t.row, []).append(t)
     plans: list[tuple[float, int, tuple[int, ...], list[Tenant]]] = []
-    for row in np.flatnonzero(ok & (usable.sum(axis=1) >= n)):
+    for row in np.flatnonzero(wide_hosts(state, request) & (usable.sum(axis=1) >= n)):
         row = int(row)
         here = on_row.get(row, [])
-        gpu_cost = np.zeros(state.max_gpus)
-        for t in here:
-            gpu_cost[list(t.gpus)] += t.cost
         # A GPU held by something that is not a tenant (not movable) cannot be emptied.
+        gpu_cost = np.zeros(state.max_gpus)
         held = np.zeros(state.max_gpus, dtype=np.int64)
         for t in here:
+            gpu_cost[list(t.gpus)] += t.cost
             held[list(t.gpus)] += t.milli
         emptyable = usable[row] & (state.gpu_free[row] + held >= MILLI)
         if emptyable.sum() < n:
