@@ -132,6 +132,15 @@ log = logging.getLogger("fleetpilot.policy")
 _TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 
 
+def queue_key(adm: TaskAdmitted) -> tuple[int, float, float]:
+    """Where a waiting task stands in the queue: vip first; within a tier, the earliest
+    expected completion had it started on admission (``backfill.completion_order``), so short
+    work does not queue behind long work that came about the same time, and nothing starves
+    (a later arrival overtakes a task only if it is expected to end before it would)."""
+    return (_TIER_RANK.get(adm.contract.tier, 1), completion_order(adm.admitted_at, adm.task.expected_duration_s),
+            adm.admitted_at)
+
+
 class PolicySettings(ServiceSettings):
     """``FLEETPILOT_POLICY_*``. The policy fields are the defaults used while the ``config``
     bucket has neither ``policies.<hostname>`` nor ``policies.default``."""
@@ -1244,13 +1253,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     evicting.add(requeue.for_task)
                 continue
             waiting.append((adm, requeue, entry))
-        # VIP first; within a tier, the earliest expected completion had the task started on
-        # arrival (``backfill.completion_order``: admission plus the declared run): short work
-        # does not queue behind long work that came about the same time, and nothing starves
-        # (a later arrival overtakes a task only if it is expected to end before it would).
-        waiting.sort(key=lambda p: (_TIER_RANK.get(p[0].contract.tier, 1),
-                                    completion_order(p[0].admitted_at, p[0].task.expected_duration_s),
-                                    p[0].admitted_at))
+        waiting.sort(key=lambda p: queue_key(p[0]))
         out: list[DecisionMade] = []
         # What found no node this round (and whether the reservation was hidden from it): a
         # task that needs no less is not tried again until the next round. A backlog of
@@ -1293,14 +1296,13 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 continue
             await pending.delete(entry.key)
             out.append(metrics.decided(decision))
-        # The reservation goes to the whole-GPU task first by tier and admission among those
-        # that found no place: the queue is ordered by expected completion, and a wide task
-        # that is always overtaken must still be first in line for the GPUs it waits on.
-        # Only the whole round says who that is, so this round (and the arrivals decided
-        # while it awaits, which must not find the reserved GPUs unguarded) ran against the
-        # last round's reservation, at most ``pending_retry_s`` old.
+        # The reservation goes to the whole-GPU task first in the queue's order among those
+        # that found no place (expected completion bounds how long anything is overtaken,
+        # wide tasks included). Only the whole round says who that is, so this round (and
+        # the arrivals decided while it awaits, which must not find the reserved GPUs
+        # unguarded) ran against the last round's reservation, at most ``pending_retry_s`` old.
         wide = [a for a in blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        owner = min(wide, key=lambda a: (_TIER_RANK.get(a.contract.tier, 1), a.admitted_at), default=None)
+        owner = min(wide, key=queue_key, default=None)
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
         return out
 

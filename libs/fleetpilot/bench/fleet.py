@@ -1,6 +1,11 @@
 """The fleet benchmark: Fleetpilot's full loop against the Kubernetes default scheduler.
 
-One workload (``fleet_workload``), one simulated fleet, one virtual clock, played twice:
+One workload (``fleet_workload``), one simulated fleet, one virtual clock, played twice.
+In both runs a task is decided at the instant it arrives, as kube-scheduler schedules a pod
+when it is created and the policy service places a task on ``task.admitted``; a task that
+finds no room then waits in the queue, which is retried every cycle (``TICK_S``, a minute;
+kube-scheduler retries on cluster events and the policy service every second, so the cycle
+errs on the slow side for both).
 
 **k8s-default** — the default scheduler with the NVIDIA device plugin: whole GPUs only (a
 task asking for a share still holds a whole GPU), LeastAllocated node scoring, first free
@@ -18,9 +23,9 @@ the bus out of service. No preemption (no PriorityClasses are set).
   rejected; the queue is ordered by tier (vip first), then by expected completion
   (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
   around a reservation (EASY, ``policy.backfill``, as the policy service does): the
-  whole-GPU task first by tier and arrival among those that found no place gets the GPUs
-  that free earliest by the running tasks' declared durations, and tasks expected to
-  outlast that start may not use them (nor may a migration put a task there);
+  whole-GPU task first in that order among those that found no place gets the GPUs that
+  free earliest by the running tasks' declared durations, and tasks expected to outlast
+  that start may not use them (nor may a migration put a task there);
 - clearing: when that start is further away than the tenants of some node cost to move
   (``backfill.clearing``: checkpoint pauses times GPUs against the wait times the GPUs it
   needs), they are migrated where the policy places them and the task starts there once
@@ -81,7 +86,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -258,7 +263,7 @@ class FleetRun:
         # policy service does from the feedback store's totals (``policy.calibration``).
         self.calibration = ConfidenceCalibration()
         self._typical_at = 0
-        self._view: tuple[float, FleetView] | None = None
+        self._view: FleetView | None = None
         self.reservation: Reservation | None = None
         self.blocked: set[str] = set()
 
@@ -348,7 +353,16 @@ class FleetRun:
         now = 0.0
         while now < w.horizon_s:
             tick += 1
-            self.sim.advance(TICK_S)
+            cycle_at = tick * TICK_S
+            # Arrivals are decided at the instant they arrive, as kube-scheduler does when a pod
+            # is created and the policy service on ``task.admitted``: the fleet is moved to
+            # that instant first. What finds no room then waits for the next cycle.
+            while arrivals and arrivals[0].task.arrival_s <= cycle_at:
+                job = arrivals.popleft()
+                if job.task.arrival_s > self.sim.now_s:
+                    self.sim.advance(job.task.arrival_s - self.sim.now_s)
+                self._arrive(job, self.sim.now_s, len(self.jobs) - len(arrivals))
+            self.sim.advance(max(0.0, cycle_at - self.sim.now_s))
             now = self.sim.now_s
             self._events(now)
             for k, f in enumerate(faults):
@@ -369,14 +383,8 @@ class FleetRun:
                 if tick % FEEDBACK_EVERY == 0:
                     _, _, _, judged, expected, met = self._judged()
                     self.calibration.update(self.mode, expected, met, judged)
-            arrived = 0
-            while arrivals and arrivals[0].task.arrival_s <= now:
-                job = arrivals.popleft()
-                self._submit(job, now)
-                arrived += 1
-            if arrived:
-                self._refresh_typical(len(self.jobs) - len(arrivals))
             self._schedule(now)
+            self._view = None  # the negotiator's snapshot is refreshed once a cycle
             times.append(now / 3600.0)
             utils.append(self._utilisation())
             queue.append(len(self.pending))
@@ -390,6 +398,16 @@ class FleetRun:
         return float(g.memory_used_mb[keep].sum()) / total if total > 0 else 0.0
 
     # -- submission and queue ----------------------------------------------------------------
+
+    def _arrive(self, job: _Job, now: float, arrived: int) -> None:
+        """A task arrives: it is negotiated, then tried at once against the fleet as it is
+        (and the last cycle's reservation); ``arrived`` counts the arrivals so far."""
+        self._submit(job, now)
+        if job.state != "pending":
+            return
+        self._refresh_typical(arrived)
+        if self._try_start(job, now, self.reservation, []):
+            self.pending.pop()  # ``_submit`` has just put it last
 
     def _submit(self, job: _Job, now: float) -> None:
         if self.smart:
@@ -405,8 +423,7 @@ class FleetRun:
                 self.counts["rejected"] += 1
                 job.state = "rejected"
                 return
-        # Waiting starts at the arrival, not at the cycle that noticed it.
-        self._enqueue(job, min(now, job.task.arrival_s))
+        self._enqueue(job, now)
 
     def _enqueue(self, job: _Job, now: float) -> None:
         job.state = "pending"
@@ -431,50 +448,66 @@ class FleetRun:
         keep: list[_Job] = []
         free_at: np.ndarray | None = None
         reservation: Reservation | None = None
-        head = self._longest_blocked()
+        head = self._first_blocked()
         if head is not None:
             free_at = gpu_free_at(self.state, self._running_ends(), now)
             reservation = reserve(self.state, self._request(head), free_at)
         self.blocked = set()
+
+        def hold_for(refused: TaskRequest) -> None:
+            # With no reservation yet this cycle, the first task the policy refuses gets one.
+            nonlocal free_at, reservation
+            if not self.smart or reservation is not None:
+                return
+            if free_at is None:
+                free_at = gpu_free_at(self.state, self._running_ends(), now)
+            reservation = reserve(self.state, refused, free_at)
+            self.counts["reservations"] += reservation is not None
+
         for job in self.pending:
-            requests = [self._request(job)]
-            if self._bridgeable(job):
-                requests.append(self._request(job, bridge=True))
-            # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
-            # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
-            hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
-            for k, req in enumerate(requests):
-                demand = Demand.of(req, whole_gpus=not self.smart)
-                # A failure with the reservation hidden says nothing about a task that may use it.
-                if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
-                    self._note_blocked(job, k)
-                    continue
-                self.counts["decisions"] += 1
-                with hidden(self.state, reservation if hide else None):
-                    decision = self.policy.decide(self.state, req)
-                if decision.action != "assign":
-                    failed.append((demand, hide))
-                    self._note_blocked(job, k)
-                    if self.smart and reservation is None and k == 0:
-                        if free_at is None:
-                            free_at = gpu_free_at(self.state, self._running_ends(), now)
-                        reservation = reserve(self.state, req, free_at)
-                        self.counts["reservations"] += reservation is not None
-                    continue
-                gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
-                if job.confidence is None:
-                    job.confidence = (self.calibration.apply(self.mode, decision.confidence) if self.smart
-                                      else decision.confidence)
-                job.bridged = k == 1
-                self.counts["bridged"] += job.bridged
-                self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
-                break
-            else:
+            if not self._try_start(job, now, reservation, failed, on_refused=hold_for):
                 keep.append(job)
         self.pending = keep
         self.reservation = reservation
         if reservation is not None and reservation.start_s > now:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
+
+    def _try_start(self, job: _Job, now: float, reservation: Reservation | None, failed: list[tuple[Demand, bool]],
+                   *, on_refused: Callable[[TaskRequest], None] | None = None) -> bool:
+        """Try to start a waiting task now: its plain request, then (a smooth grower) its
+        bridge; whether it started. ``failed`` gathers what found no node, so that a task
+        needing no less is not decided again this cycle; ``on_refused`` is told the plain
+        request when the policy itself finds it no node (before the bridge is tried)."""
+        requests = [self._request(job)]
+        if self._bridgeable(job):
+            requests.append(self._request(job, bridge=True))
+        # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
+        # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
+        hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
+        for k, req in enumerate(requests):
+            demand = Demand.of(req, whole_gpus=not self.smart)
+            # A failure with the reservation hidden says nothing about a task that may use it.
+            if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                self._note_blocked(job, k)
+                continue
+            self.counts["decisions"] += 1
+            with hidden(self.state, reservation if hide else None):
+                decision = self.policy.decide(self.state, req)
+            if decision.action != "assign":
+                failed.append((demand, hide))
+                self._note_blocked(job, k)
+                if k == 0 and on_refused is not None:
+                    on_refused(req)
+                continue
+            gpus = [p.gpu for p in decision.placement if p.gpu >= 0]
+            if job.confidence is None:
+                job.confidence = (self.calibration.apply(self.mode, decision.confidence) if self.smart
+                                  else decision.confidence)
+            job.bridged = k == 1
+            self.counts["bridged"] += job.bridged
+            self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
+            return True
+        return False
 
     def _may_pause(self, job: _Job, now: float) -> bool:
         """A running task may be paused for a checkpoint unless the pause would make it miss
@@ -487,12 +520,12 @@ class FleetRun:
         if self.smart and k == 0 and job.task.gpu_milli >= 1000:
             self.blocked.add(job.task.task_id)
 
-    def _longest_blocked(self) -> _Job | None:
-        """The reservation's owner: of the whole-GPU tasks that found no place last cycle, the
-        first by tier and arrival (the queue is ordered by expected completion, but a wide
-        task that is always overtaken must still be first in line for the GPUs it waits on)."""
+    def _first_blocked(self) -> _Job | None:
+        """The reservation's owner: of the whole-GPU tasks that found no place since the last
+        cycle, the first in the queue's order. Expected completion bounds how long anything
+        is overtaken, the wide and the long included (``backfill.completion_order``)."""
         blocked = [j for j in self.pending if j.task.task_id in self.blocked]
-        return min(blocked, key=lambda j: (TIER_RANK[j.task.tier], j.task.arrival_s, j.seq)) if blocked else None
+        return min(blocked, key=self._key) if blocked else None
 
     def _clear_for(self, job: _Job, reservation: Reservation, now: float) -> None:
         """Migrate the tenants of a node so that the reserved task starts now, when that costs
@@ -822,9 +855,11 @@ class FleetRun:
                         self._checkpoint(job, now)
 
     def _fleet_view(self, now: float) -> FleetView:
-        """The SLA negotiator's snapshot: free GPUs, spare shares, completions per (site, model)."""
-        if self._view is not None and self._view[0] == now:
-            return self._view[1]
+        """The SLA negotiator's snapshot: free GPUs, spare shares, completions per (site, model),
+        as the first arrival after a cycle finds the fleet; the arrivals until the next cycle
+        share it (the negotiator reads a snapshot that the collectors refresh, not the ledger)."""
+        if self._view is not None:
+            return self._view
         s = self.state
         free = s.usable_free()
         pools: dict[tuple[str, str], dict] = {}
@@ -847,9 +882,8 @@ class FleetRun:
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=p["free"], free_milli=p["milli"],
                                completions=tuple(sorted(p["completions"])[:256]),
                                relative_compute=m.compute_ratio))
-        view = FleetView(pools=tuple(out))
-        self._view = (now, view)
-        return view
+        self._view = FleetView(pools=tuple(out))
+        return self._view
 
     # -- figures ------------------------------------------------------------------------------
 
@@ -1127,8 +1161,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m fleetpilot.bench.fleet", description=__doc__.split("\n\n")[0])
     p.add_argument("--fleet", choices=("three-site", "openb"), default="three-site")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--tasks", type=int, default=None, help="tasks in the workload (default: 1500 three-site, 9000 openb)")
-    p.add_argument("--hours", type=float, default=None, help="arrival window in virtual hours (default 8 / 4)")
+    p.add_argument("--tasks", type=int, default=None, help=f"tasks in the workload (default: {DEFAULT_TASKS['three-site']} three-site, {DEFAULT_TASKS['openb']} openb)")
+    p.add_argument("--hours", type=float, default=None, help=f"arrival window in virtual hours (default {DEFAULT_HOURS['three-site']:g} / {DEFAULT_HOURS['openb']:g})")
     p.add_argument("--load", type=float, default=None,
                    help=f"whole-GPU load over the arrival window (default {PACKED_LOAD} x the workload's sharing bound)")
     p.add_argument("--fleet-fraction", type=float, default=None,

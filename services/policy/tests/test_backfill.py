@@ -1,7 +1,8 @@
 """EASY backfill in the policy service over a real nats-server: a blocked 2-GPU task gets a
 reservation on the node whose GPUs free first (by the running tasks' declared durations); a
 task expected to outlast that release is kept off the reserved GPU, a short one uses it, and
-so is a migration. Waiters of one tier are decided by expected completion; a rebalance round
+so is a migration. Waiters of one tier are decided by expected completion, and the first of
+them that found no place owns the reservation; a rebalance round
 clears a node for a blocked 4-GPU task when its tenants cost less to move than its wait."""
 
 from __future__ import annotations
@@ -115,6 +116,31 @@ async def test_waiters_of_one_tier_are_decided_by_expected_completion(observer, 
     assert [(d.task_id, d.placement[0].gpu) for d in observer.decisions if d.action == "assign"] == [("short", 0)]
 
 
+async def test_the_reservation_goes_to_the_first_waiter_in_the_queue_not_the_first_admitted(
+    observer, nats_url, tmp_path
+):
+    # One GPU, held by c for about another minute. long (two hours) is admitted before short
+    # (five minutes); short is first in the queue, so it owns the reservation and gets the
+    # GPU when c is gone. Owned by long, it would have kept short off the GPU.
+    await observer.put_fleet([node("n0", gpus=1)])
+    await seed(observer, {"n0": [tenant("c", [0], 540, 600)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1))
+    await policy.start()
+    try:
+        await observer.admit(whole("long", 1, 7200))
+        await wait_for(lambda: len(observer.decisions) == 1, what="long queued")
+        await observer.admit(whole("short", 1, 300))
+        await wait_for(lambda: len(observer.decisions) == 2, what="short queued")
+        await asyncio.sleep(0.4)  # retry rounds: the reservation is made
+        await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0")))  # c is gone
+        await wait_for(lambda: any(d.action == "assign" for d in observer.decisions), what="an assign")
+        await asyncio.sleep(0.4)  # more rounds: the GPU is taken
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.decisions[:2]] == ["queue", "queue"]
+    assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["short"]
+
+
 async def test_a_migration_does_not_land_on_gpus_reserved_for_a_waiting_task(observer, nats_url, tmp_path):
     # The 2-GPU task reserves n0 (its GPU 1 is idle, GPU 0 frees in ~20 s); n2's GPUs are
     # too small for it. m must leave h0's GPU 0 and runs for another hour: bestfit would pack
@@ -157,10 +183,10 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
     try:
         await observer.admit(whole("wide", 4, 3600, gpu_memory_mb=60000))
         await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
-        # Ends before wide would had it started on arrival: first in the queue, yet wide,
-        # admitted first, owns the reservation; filler would take a GPU of n0 as soon as one
-        # frees, were it not reserved for wide.
-        await observer.admit(whole("filler", 1, 1800, gpu_memory_mb=60000))
+        # Admitted after wide and expected to end after it: wide is first in the queue and
+        # owns the reservation; filler would take a GPU of n0 as soon as one frees, were it
+        # not reserved for wide.
+        await observer.admit(whole("filler", 1, 7200, gpu_memory_mb=60000))
         await wait_for(lambda: sum(d.action == "migrate" for d in observer.decisions) == 4, what="the clearing")
         await asyncio.sleep(0.5)  # more rounds: no second clearing, nothing placed yet
         moves = [d for d in observer.decisions if d.action == "migrate"]
@@ -182,8 +208,8 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
         assert d.policy.name == "clearing" and d.confidence == 0.0
     assert {(a.task_id, a.decision_id) for a in ledgers["n2"].allocations} == {(s, f"{s}.migrate.1") for s in small}
     assert len([d for d in observer.decisions if d.action == "migrate"]) == 4
-    # The queue round places wide on the cleared node; filler, first in the queue, is kept
-    # off it, as the reservation followed the clearing.
+    # The queue round places wide on the cleared node; filler, which would outlast the
+    # reservation's start, is kept off it, as the reservation followed the clearing.
     assert [(d.task_id, sorted((p.node, p.gpu) for p in d.placement)) for d in observer.decisions
             if d.action == "assign"] == [("wide", [("n0", g) for g in range(4)])]
 

@@ -79,15 +79,27 @@ def test_the_confidence_of_first_placements_is_judged_against_how_they_ended() -
 
 
 def test_queue_times_follow_the_clock() -> None:
-    # One GPU, two whole-GPU tasks of 600 s arriving at 0: the first starts at the first
-    # cycle (60 s), the second when the first ends (60 + 600 s).
+    # One GPU, two whole-GPU tasks of 600 s arriving at 0: the first starts as it arrives,
+    # the second at the cycle that sees the first end (600 s).
     run = FleetRun(tiny_fleet(), workload(task(0), task(1)), "k8s-default", seed=1)
     result = run.run()
     waits = sorted(j.queue_s for j in run.jobs)
-    assert waits == [60.0, 660.0]
-    assert result.figures["mean_queue_s"] == pytest.approx(360.0)
-    assert result.figures["p95_queue_s"] == pytest.approx(60.0 + 0.95 * 600.0)
+    assert waits == [0.0, 600.0]
+    assert result.figures["mean_queue_s"] == pytest.approx(300.0)
+    assert result.figures["p95_queue_s"] == pytest.approx(0.95 * 600.0)
     assert max(result.queue_length) == 1
+
+
+@pytest.mark.parametrize("mode", ["k8s-default", "fleetpilot"])
+def test_a_task_is_decided_the_instant_it_arrives_and_waits_for_a_cycle_only_when_nothing_fits(mode: str) -> None:
+    # One GPU; a task arriving between two cycles (at 30 s) starts then, not at the next
+    # cycle; one arriving at 45 s finds the GPU taken and starts at the first cycle after
+    # the first task's end (630 s -> the cycle at 660 s).
+    run = FleetRun(tiny_fleet(), workload(task(0, arrival=30.0), task(1, arrival=45.0)), mode, seed=1)
+    run.run()
+    first, second = run.jobs
+    assert first.queue_s == 0.0 and first.finished_at == pytest.approx(660.0)
+    assert second.queue_s == pytest.approx(660.0 - 45.0)
 
 
 def test_a_task_that_never_starts_counts_its_wait_until_the_end() -> None:
@@ -102,8 +114,9 @@ def test_shares_hold_a_whole_gpu_in_the_baseline_and_a_fraction_in_fleetpilot() 
     pair = workload(task(0, milli=500, peak=6000.0), task(1, milli=500, peak=6000.0))
     base = FleetRun(tiny_fleet(), pair, "k8s-default", seed=1).run()
     ours = FleetRun(tiny_fleet(), pair, "fleetpilot", seed=1).run()
-    assert base.figures["mean_queue_s"] == pytest.approx(360.0)
-    assert ours.figures["mean_queue_s"] == pytest.approx(60.0)
+    # The baseline's second task waits for the whole GPU the first holds; both shares start at once.
+    assert base.figures["mean_queue_s"] == pytest.approx(300.0)
+    assert ours.figures["mean_queue_s"] == 0.0
     # Over the whole hour both did the same work; while both tasks ran together the GPU held twice the memory.
     assert ours.figures["utilisation"] == pytest.approx(base.figures["utilisation"], rel=0.05)
     assert max(ours.utilisation) > 1.8 * max(base.utilisation)
