@@ -351,18 +351,10 @@ class FleetRun:
         times, utils, queue = [], [], []
         tick = 0
         now = 0.0
+        self._arrivals_until(arrivals, TICK_S)
         while now < w.horizon_s:
             tick += 1
-            cycle_at = tick * TICK_S
-            # Arrivals are decided at the instant they arrive, as kube-scheduler does when a pod
-            # is created and the policy service on ``task.admitted``: the fleet is moved to
-            # that instant first. What finds no room then waits for the next cycle.
-            while arrivals and arrivals[0].task.arrival_s <= cycle_at:
-                job = arrivals.popleft()
-                if job.task.arrival_s > self.sim.now_s:
-                    self.sim.advance(job.task.arrival_s - self.sim.now_s)
-                self._arrive(job, self.sim.now_s, len(self.jobs) - len(arrivals))
-            self.sim.advance(max(0.0, cycle_at - self.sim.now_s))
+            self.sim.advance(TICK_S)
             now = self.sim.now_s
             self._events(now)
             for k, f in enumerate(faults):
@@ -388,6 +380,7 @@ class FleetRun:
             times.append(now / 3600.0)
             utils.append(self._utilisation())
             queue.append(len(self.pending))
+            self._arrivals_until(arrivals, now + TICK_S)
         return self._result(now, times, utils, queue, time.perf_counter() - start)
 
     def _utilisation(self) -> float:
@@ -399,15 +392,23 @@ class FleetRun:
 
     # -- submission and queue ----------------------------------------------------------------
 
-    def _arrive(self, job: _Job, now: float, arrived: int) -> None:
-        """A task arrives: it is negotiated, then tried at once against the fleet as it is
-        (and the last cycle's reservation); ``arrived`` counts the arrivals so far."""
-        self._submit(job, now)
-        if job.state != "pending":
-            return
-        self._refresh_typical(arrived)
-        if self._try_start(job, now, self.reservation, []):
-            self.pending.pop()  # ``_submit`` has just put it last
+    def _arrivals_until(self, arrivals: deque[_Job], until: float) -> None:
+        """Decide the tasks that arrive before ``until`` (the next cycle), each at its own
+        instant, as kube-scheduler does when a pod is created and the policy service on
+        ``task.admitted``: negotiated, then tried against the fleet as the last cycle left it
+        (completions are seen at cycles) and that cycle's reservation. A task that starts
+        starts at its arrival; one that finds no room waits for the next cycle. The
+        simulator still steps a minute at a time (its sampling, and so its OOM statistics,
+        are those of the cycle): a task started within a step is placed to start later."""
+        while arrivals and arrivals[0].task.arrival_s < until:
+            job = arrivals.popleft()
+            at = max(job.task.arrival_s, self.sim.now_s)
+            self._submit(job, at)
+            if job.state != "pending":
+                continue
+            self._refresh_typical(len(self.jobs) - len(arrivals))
+            if self._try_start(job, at, self.reservation, []):
+                self.pending.pop()  # ``_submit`` has just put it last
 
     def _submit(self, job: _Job, now: float) -> None:
         if self.smart:
@@ -606,7 +607,7 @@ class FleetRun:
         job.seg_start, job.seg_pause = now, pause
         node = self.state.node_names[row]
         job.curve = growth or t.growth
-        self.sim.place(t.task_id, node, gpus, job.curve, util=t.util)
+        self.sim.place(t.task_id, node, gpus, job.curve, util=t.util, start_s=max(now, self.sim.now_s))
         for g in gpus:
             self.on_gpu.setdefault((row, g), set()).add(t.task_id)
 

@@ -215,6 +215,8 @@ class SimulatedFleet:
         at = self.start_at + self.now_s
         procs: dict[int, list[ProcessMemory]] = {}
         for task in self._on_node[node].values():
+            if task.start_s > self.now_s:
+                continue  # placed to start later: no process yet
             per_gpu = float(self._task_mem[self._task_index[task.task_id]]) + CONTEXT_MB
             for local, pid in zip(task.gpus, task.pids, strict=True):
                 procs.setdefault(local, []).append(ProcessMemory(pid=pid, used_mb=round(per_gpu, 1), task_id=task.task_id))
@@ -256,6 +258,8 @@ class SimulatedFleet:
         at = self.start_at + self.now_s
         out = []
         for task in self._on_node[node].values():
+            if task.start_s > self.now_s:
+                continue  # placed to start later: no process yet
             per_gpu = float(self._task_mem[self._task_index[task.task_id]]) + CONTEXT_MB
             demand = self._demand[[base + k for k in task.gpus]]
             got = task.util * np.minimum(1.0, 100.0 / np.maximum(demand, 1e-9))
@@ -267,8 +271,12 @@ class SimulatedFleet:
     # -- tasks -----------------------------------------------------------------------
 
     def place(self, task_id: str, node: str, gpus: list[int], growth: MemoryGrowth, util: float = 80.0, *,
-              mem_util: float | None = None, comm_gbps: float | None = None, pcie_gbps: float = 0.5) -> None:
-        """Start ``task_id`` on ``gpus`` of ``node`` now; its memory follows ``growth`` on each GPU.
+              mem_util: float | None = None, comm_gbps: float | None = None, pcie_gbps: float = 0.5,
+              start_s: float | None = None) -> None:
+        """Start ``task_id`` on ``gpus`` of ``node`` now (or at ``start_s``, not before now:
+        until then it holds and uses nothing); its memory follows ``growth`` on each GPU.
+        A later start lets a caller that steps the fleet a minute at a time start a task at
+        the instant it was decided within the coming step.
 
         ``util`` is the SM utilisation (%) it demands per GPU; ``comm_gbps`` the GPU-to-GPU
         traffic per GPU (default: a quarter of the NVLink peak scaled by ``util`` for
@@ -278,6 +286,8 @@ class SimulatedFleet:
         """
         if task_id in self._tasks:
             raise ValueError(f"task {task_id!r} is already placed")
+        if start_s is not None and start_s < self.now_s:
+            raise ValueError(f"task {task_id!r} cannot start at {start_s}, before now ({self.now_s})")
         topo = self._topology[node]
         if not gpus or len(set(gpus)) != len(gpus) or any(not 0 <= k < len(topo.gpus) for k in gpus):
             raise ValueError(f"bad GPU list {gpus!r} for node {node!r} with {len(topo.gpus)} GPUs")
@@ -290,7 +300,7 @@ class SimulatedFleet:
         task = self._tasks[task_id] = _Task(
             task_id=task_id, node=node, gpus=list(gpus), global_gpus=glob, growth=growth, util=float(util),
             mem_util=float(mem_util if mem_util is not None else util * 0.5), comm_gbps=float(comm_gbps),
-            pcie_gbps=float(pcie_gbps), start_s=self.now_s, seq=self._seq,
+            pcie_gbps=float(pcie_gbps), start_s=self.now_s if start_s is None else float(start_s), seq=self._seq,
             pids=[PID_BASE + self._seq * 8 + j for j in range(len(gpus))],
         )
         self._on_node[node][task_id] = task
@@ -433,8 +443,11 @@ class SimulatedFleet:
             noisy = self._t_noise > 0
             if noisy.any():
                 mem[noisy] = np.maximum(mem[noisy] + self._rng.normal(0.0, 1.0, int(noisy.sum())) * self._t_noise[noisy], 0.0)
+            started = age >= 0.0  # a task placed to start later holds nothing yet
+            mem[~started] = 0.0
             self._task_mem = mem
-            share_mem = mem[self._s_task] + CONTEXT_MB
+            live = started[self._s_task]
+            share_mem = (mem[self._s_task] + CONTEXT_MB) * live
             used = np.bincount(self._s_gpu, share_mem, minlength=n)
             over = np.flatnonzero(used > g.memory_total_mb)
             if over.size == 0:
@@ -453,16 +466,16 @@ class SimulatedFleet:
         self._prev_share_mem = share_mem
 
         g.memory_used_mb = used
-        demand = np.bincount(self._s_gpu, self._t_util[self._s_task], minlength=n)
+        demand = np.bincount(self._s_gpu, self._t_util[self._s_task] * live, minlength=n)
         self._demand = demand
         g.utilization_gpu = np.minimum(demand, 100.0)
-        g.utilization_memory = np.minimum(np.bincount(self._s_gpu, self._t_mem_util[self._s_task], minlength=n), 100.0)
-        g.processes = np.bincount(self._s_gpu, minlength=n)
+        g.utilization_memory = np.minimum(np.bincount(self._s_gpu, self._t_mem_util[self._s_task] * live, minlength=n), 100.0)
+        g.processes = np.bincount(self._s_gpu[live], minlength=n)
         busy = g.utilization_gpu / 100.0
         g.ctx_switches_per_s = SWITCH_RATE_PER_PEER * np.maximum(g.processes - 1, 0) * busy
 
-        comm = np.bincount(self._s_gpu, (self._t_comm[self._s_task] * self._s_multi), minlength=n)
-        host = np.bincount(self._s_gpu, self._t_pcie[self._s_task], minlength=n)
+        comm = np.bincount(self._s_gpu, (self._t_comm[self._s_task] * (self._s_multi & live)), minlength=n)
+        host = np.bincount(self._s_gpu, self._t_pcie[self._s_task] * live, minlength=n)
         g.nvlink_gbps = np.where(g.has_nvlink, np.minimum(comm, g.nvlink_peak_gbps), 0.0)
         pcie_peak = g.pcie_peak_gbps * g.pcie_link_width / np.maximum(g.pcie_link_width_max, 1)
         pcie = host + np.where(g.has_nvlink, 0.0, comm)

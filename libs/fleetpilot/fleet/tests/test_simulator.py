@@ -62,6 +62,24 @@ def test_gpu_memory_follows_each_growth_pattern(sim: SimulatedFleet, pattern: st
     assert [(e.kind, e.task_id) for e in sim.events()] == [("finished", "t")]
 
 
+def test_a_task_placed_to_start_later_holds_nothing_until_then(sim: SimulatedFleet) -> None:
+    growth = CURVES["linear"]
+    start = sim.now_s + 30.0
+    sim.place("later", "h100-00", [1], growth, util=60, start_s=start)
+    (gpu,) = [s for s in sim.sample("h100-00") if s.gpu == 1]
+    assert gpu.memory_used_mb == 0.0 and gpu.processes == [] and gpu.utilization_gpu_pct == 0.0
+    sim.advance(60.0)  # 30 s into its run
+    (gpu,) = [s for s in sim.sample("h100-00") if s.gpu == 1]
+    assert gpu.memory_used_mb == pytest.approx(float(growth.memory_at(30.0)) + CONTEXT_MB, abs=0.1)
+    assert [p.task_id for p in gpu.processes] == ["later"] and gpu.utilization_gpu_pct == pytest.approx(60.0)
+    sim.advance(start + growth.duration_s - sim.now_s - 1.0)
+    assert sim.running() == ["later"]
+    sim.advance(1.0)
+    assert sim.running() == []
+    with pytest.raises(ValueError, match="before now"):
+        sim.place("past", "h100-00", [1], growth, start_s=sim.now_s - 1.0)
+
+
 def test_task_samples_sum_memory_over_the_task_gpus(sim: SimulatedFleet) -> None:
     growth = MemoryGrowth(pattern="linear", base_mb=1_000, peak_mb=11_000, duration_s=100)
     sim.place("dp", "a100-01", [0, 1, 2], growth, util=50)
