@@ -26,6 +26,10 @@ Around that core (see ``README.md``):
   one node that makes it fit (``evict``); the evicted tasks wait in ``pending`` for a new
   placement (``preempt``); a task the executor evicts on its own (a decommissioned GPU) is
   queued the same way, once, under its next ``<task>.assign.<g>`` (``requeue_evicted``);
+* a task with a fingerprint waits for GPUs that hold its predicted peak (plus 5%, as the
+  ledger then holds); one whose fingerprint predicts smooth growth (``linear``, ``leak``)
+  past every GPU free now may instead start on GPUs that hold its ask (a *bridge*), and the
+  rebalancer moves it up to a GPU that holds its peak once one has room;
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
@@ -198,6 +202,14 @@ def decision_id_for(task_id: str, action: str) -> str:
 QUEUE_CONFIDENCE = 0.95
 """The confidence of a ``queue`` decision before calibration."""
 
+PEAK_HEADROOM = 1.05
+"""A task with a fingerprint asks for (and the ledger holds) its predicted peak times this,
+as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
+
+BRIDGE_PATTERNS = frozenset({"linear", "leak"})
+"""Growth patterns a task may be bridged for: memory that rises smoothly gives the rebalancer
+rounds to move the task up before the peak; a step or a burst may come before the next one."""
+
 
 def calibration_key(policy: str, action: str) -> str:
     """The ``ConfidenceCalibration`` key of a policy's decisions of one action: each action
@@ -342,6 +354,9 @@ class PolicyState:
         self.reservation: Reservation | None = None
         # Per policy, the correction of its confidence learnt from the feedback totals.
         self.calibration = ConfidenceCalibration()
+        # ``largest_gpu_mb`` per model set, valid for one topology version.
+        self._largest: dict[tuple[str, ...], int] = {}
+        self._largest_at = -1
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
@@ -396,8 +411,67 @@ class PolicyState:
         return state
 
     def request(self, task: TaskSubmitted) -> TaskRequest:
-        """The task as the policies see it, with its fingerprint when one has arrived."""
-        return TaskRequest.from_submitted(task, self.fingerprints.get(task.task_id))
+        """The task as the policies see it, with its fingerprint when one has arrived.
+
+        With a predicted peak, the GPU memory asked is the peak times ``PEAK_HEADROOM``
+        (never less than the task's own ask), so the task waits for GPUs that hold it, and
+        its models are those whose GPUs can (the model-demand pressure then keeps flexible
+        work off the big GPUs). Nothing holds more than the largest GPU of a model the task
+        accepts: a prediction above it needs a whole one of those rather than no GPU ever.
+        """
+        fp = self.fingerprints.get(task.task_id)
+        req = TaskRequest.from_submitted(task, fp)
+        if fp is None or fp.predicted_peak_mb <= 0 or req.gpus <= 0 or req.gpu_milli <= 0:
+            return req
+        want = int(math.ceil(fp.predicted_peak_mb * PEAK_HEADROOM))
+        largest = self.largest_gpu_mb(req.gpu_models)
+        memory_mb = max(min(want, largest) if largest > 0 else want, req.gpu_memory_mb)
+        models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
+        return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
+
+    def bridge_request(self, task: TaskSubmitted, plain: TaskRequest) -> TaskRequest | None:
+        """The request a task may start on when ``plain`` (its peak) finds no node: the task
+        as submitted, its ask and no predicted peak, for a fingerprint that predicts smooth
+        growth (``BRIDGE_PATTERNS``) beyond the ask; ``None`` for any other task.
+
+        A task that asks no GPU memory is not bridged: nothing says what it needs at the start,
+        so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
+        service receives carries none (the fingerprinter folds the signature's floor into the
+        predicted peak), and the ask is what the submitter says the task starts with.
+        """
+        fp = self.fingerprints.get(task.task_id)
+        if fp is None or fp.pattern not in BRIDGE_PATTERNS or task.gpu_memory_mb <= 0:
+            return None
+        if task.gpus <= 0 or task.gpu_milli <= 0 or task.gpu_memory_mb >= plain.gpu_memory_mb:
+            return None
+        return TaskRequest.from_submitted(task)
+
+    def requests(self, task: TaskSubmitted) -> list[TaskRequest]:
+        """What ``place`` tries for the task, in order: its request, then its bridge if any."""
+        plain = self.request(task)
+        bridge = self.bridge_request(task, plain)
+        return [plain] if bridge is None else [plain, bridge]
+
+    def largest_gpu_mb(self, models: tuple[str, ...]) -> int:
+        """The memory of the largest GPU in the fleet of one of ``models`` (any model when
+        empty); 0 when the fleet has none."""
+        if self._largest_at != self.fleet.version:
+            self._largest, self._largest_at = {}, self.fleet.version
+        if models not in self._largest:
+            gpus = (g for topo in self.fleet.nodes.values() for g in topo.gpus)
+            self._largest[models] = max((g.memory_mb for g in gpus if not models or g.model in models), default=0)
+        return self._largest[models]
+
+    def bridge_hold_mb(self, state: ClusterState, choice: PolicyDecision, plain: TaskRequest, ask_mb: int) -> int:
+        """GPU memory a bridged task holds on each chosen GPU: what the least free of them has
+        free, up to what its plain request wanted, never less than its ask. It grows there
+        until it is moved up, so nothing else may be placed into that room meanwhile (the
+        fleet benchmark holds the same)."""
+        gpus = [p.gpu for p in choice.placement if p.gpu >= 0]
+        if not gpus:
+            return ask_mb
+        free = int(state.gpu_mem_free[state.node_index(choice.placement[0].node), gpus].min())
+        return max(ask_mb, min(plain.gpu_memory_mb, free))
 
     def record_input(self, state: ClusterState, req: TaskRequest) -> None:
         """Append every ``record_every``-th decision input to the replay file."""
@@ -481,17 +555,26 @@ class PolicyState:
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)
             state = self.snapshot()
-            req = self.request(task)
             held = self.reservation
             if held is not None and not held.delayed_by(task.task_id, task.expected_duration_s, now()):
                 held = None
-            with hidden(state, held):
-                choice = policies.guarded[name].decide(state, req)
-            if attempt == 0:
-                self.record_input(state, req)
-            if choice.action != "assign" or not choice.placement:
+            # The request with the predicted peak first; a smooth grower that finds no GPU for
+            # its peak may then start on its ask (a bridge), under the same policy and rules.
+            requests = self.requests(task)
+            fp = self.fingerprints.get(task.task_id)  # the one the requests were built from
+            for req in requests:
+                with hidden(state, held):
+                    choice = policies.guarded[name].decide(state, req)
+                if attempt == 0:
+                    self.record_input(state, req)
+                if choice.action == "assign" and choice.placement:
+                    break
+            else:
                 return None, name, shard_id
-            placement = choice.placements(memory_mb=task.gpu_memory_mb)
+            plain = requests[0]
+            bridged = req is not plain
+            memory_mb = self.bridge_hold_mb(state, choice, plain, req.gpu_memory_mb) if bridged else req.gpu_memory_mb
+            placement = choice.placements(memory_mb=memory_mb)
             node = placement[0].node
             topo = self.fleet.nodes.get(node_key(node))
             if topo is None:
@@ -519,12 +602,19 @@ class PolicyState:
             # The fallback's confidence is already its historical success rate.
             confidence = (choice.confidence if choice.fallback
                           else self.calibration.apply(calibration_key(name, "assign"), choice.confidence))
+            reason = choice.reason
+            if bridged and fp is not None:
+                reason = (
+                    f"bridge: starts on its ask of {req.gpu_memory_mb} MB (holds {memory_mb} MB); its fingerprint "
+                    f"predicts {fp.pattern} growth to {fp.predicted_peak_mb:.0f} MB, which no free GPU holds now; "
+                    f"moved up before it gets there; {choice.reason}"
+                )
             return (
                 self.assign_decision(
                     adm,
                     placement,
                     confidence,
-                    choice.reason,
+                    reason,
                     self.policy_ref(policies, name, choice),
                     shard_id,
                     choice.fallback,
@@ -1269,8 +1359,11 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 continue
             held = ps.reservation
             hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
-            demand = Demand.of(ps.request(adm.task))
-            if adm.contract.tier != "vip" and any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+            # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
+            demands = [Demand.of(r) for r in ps.requests(adm.task)]
+            if adm.contract.tier != "vip" and all(
+                any(d.cannot_fit_after(f) for f, masked in failed if hide or not masked) for d in demands
+            ):
                 blocked.append(adm)
                 continue  # a vip still gets its turn: it may preempt
             try:
@@ -1280,7 +1373,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             try:
                 decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
                 if decision is None:
-                    failed.append((demand, hide))
+                    failed.extend((d, hide) for d in demands)
                     blocked.append(adm)
             except Retry:
                 decision = None
