@@ -259,11 +259,14 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
     kept idle for it), while most of those tenants could run elsewhere at the price of a
     checkpoint. For every node the request could use once empty, the ``gpus`` GPUs cheapest
     to empty are picked (then more tenants of the node, cheapest first, if its CPU or memory
-    is still short); the ``tries`` cheapest nodes that pay off are tried in order: their
+    is still short); the ``tries`` cheapest plans that pay off are tried in order: their
     tenants are placed by ``decide`` (the active policy) elsewhere, the node's GPUs hidden,
-    largest tenant first. The first node whose tenants all find a place wins. ``state`` is
-    left as it was; the caller carries out the moves and places the request. Only tenants
-    on ``wide_hosts`` nodes can be moved: a caller may pass just those.
+    largest tenant first. The first plan whose tenants all find a place wins. A one-GPU
+    request gains nothing from where its GPU is, so every GPU that can be emptied is a plan
+    of its own, and every plan that pays off is tried (one or two decisions each): the
+    cheapest GPU of a node often holds a task that fits nowhere else. ``state`` is left as
+    it was; the caller carries out the moves and places the request. Only tenants on
+    ``wide_hosts`` nodes can be moved: a caller may pass just those.
     """
     n = request.gpus
     usable = (state.gpu_exists & state.gpu_healthy & ~state.gpu_maintenance
@@ -282,29 +285,42 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
             gpu_cost[list(t.gpus)] += t.cost
             held[list(t.gpus)] += t.milli
         emptyable = usable[row] & (state.gpu_free[row] + held >= MILLI)
-        if emptyable.sum() < n:
+        k = int(emptyable.sum())
+        if k < n:
             continue
-        order = [int(g) for g in np.argsort(np.where(emptyable, gpu_cost, np.inf), kind="stable")[:n]]
-        moving = [t for t in here if set(t.gpus) & set(order)]
-        rest = sorted((t for t in here if t not in moving), key=lambda t: t.cost)
-        cpu = state.cpu_free[row] + sum(t.request.cpu_milli for t in moving)
-        mem = state.mem_free[row] + sum(t.request.memory_mb for t in moving)
-        while (cpu < request.cpu_milli or mem < request.memory_mb) and rest:
-            t = rest.pop(0)
-            moving.append(t)
-            cpu += t.request.cpu_milli
-            mem += t.request.memory_mb
-        if cpu < request.cpu_milli or mem < request.memory_mb or not moving:
-            continue
-        cost = sum(t.cost for t in moving)
-        if cost < (wait_s - max(t.pause_s for t in moving)) * n:
-            plans.append((cost, row, tuple(sorted(order)), moving))
+        ranked = [int(g) for g in np.argsort(np.where(emptyable, gpu_cost, np.inf), kind="stable")[:k]]
+        for gpus in ([ranked[:n]] if n > 1 else [[g] for g in ranked]):
+            plan = _plan(state, request, row, gpus, here, wait_s)
+            if plan is not None:
+                plans.append(plan)
     plans.sort(key=lambda p: (p[0], p[1]))
-    for cost, row, gpus, moving in plans[:tries]:
+    for cost, row, gpus, moving in plans[:tries] if n > 1 else plans:
         moves = _evacuate(state, row, gpus, moving, decide)
         if moves is not None:
             return Clearing(row=row, gpus=gpus, moves=tuple(moves), cost=cost)
     return None
+
+
+def _plan(state: ClusterState, request: TaskRequest, row: int, gpus: list[int], here: list[Tenant],
+          wait_s: float) -> tuple[float, int, tuple[int, ...], list[Tenant]] | None:
+    """``(cost, row, gpus, tenants to move)`` for emptying ``gpus`` of ``row`` (and, while
+    its CPU or memory is short for the request, more of its tenants, cheapest first), or
+    ``None`` when that is not enough or costs more than the request's wait saves."""
+    moving = [t for t in here if set(t.gpus) & set(gpus)]
+    rest = sorted((t for t in here if t not in moving), key=lambda t: t.cost)
+    cpu = state.cpu_free[row] + sum(t.request.cpu_milli for t in moving)
+    mem = state.mem_free[row] + sum(t.request.memory_mb for t in moving)
+    while (cpu < request.cpu_milli or mem < request.memory_mb) and rest:
+        t = rest.pop(0)
+        moving.append(t)
+        cpu += t.request.cpu_milli
+        mem += t.request.memory_mb
+    if cpu < request.cpu_milli or mem < request.memory_mb or not moving:
+        return None
+    cost = sum(t.cost for t in moving)
+    if cost >= (wait_s - max(t.pause_s for t in moving)) * request.gpus:
+        return None
+    return cost, row, tuple(sorted(gpus)), moving
 
 
 def _evacuate(state: ClusterState, row: int, gpus: tuple[int, ...], moving: list[Tenant],

@@ -200,3 +200,20 @@ def test_no_clearing_when_it_costs_more_than_the_wait_it_saves_or_nothing_can_mo
     pinned.allocate(1, [3], 1000)
     assert clearing(pinned, wide, [tenant(pinned, "a", 0, (1,), cost=1.0)], build_policy("bestfit").decide,
                     wait_s=1e9) is None
+
+
+def test_a_one_gpu_clearing_moves_a_costlier_tenant_when_the_cheapest_fits_nowhere_else() -> None:
+    # Every H100 is held. On each H100 node the cheapest GPU holds a task that needs an H100
+    # (nowhere else to go); another holds a task that fits a T4. A one-GPU task that needs
+    # an H100 is cleared a GPU by moving the latter, though it costs more.
+    state = two_nodes()
+    tenants = [tenant(state, f"h{r}{g}", r, (g,), cost=10.0 + g, memory_mb=40000, models=("H100",))
+               for r in (0, 1) for g in range(3)]
+    tenants += [tenant(state, "small0", 0, (3,), cost=50.0), tenant(state, "small1", 1, (3,), cost=60.0)]
+    one = TaskRequest(task_id="one", gpus=1, gpu_memory_mb=40000, gpu_models=("H100",))
+    before = held(state)
+    plan = clearing(state, one, tenants, build_policy("bestfit").decide, wait_s=1000.0)
+    assert plan is not None
+    assert (plan.row, plan.gpus, plan.cost) == (0, (3,), 50.0)
+    assert [(m.task_id, m.row) for m in plan.moves] == [("small0", 2)]
+    assert all(np.array_equal(x, y) for x, y in zip(held(state), before, strict=True))
