@@ -48,7 +48,8 @@ the bus out of service. No preemption (no PriorityClasses are set).
   kept) instead of being left to die;
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
-  minutes ahead, would overflow that GPU it is moved up (or checkpointed) first;
+  minutes ahead, would overflow that GPU it is moved up (or checkpointed) first (the policy
+  service bridges the same way, and moves up earlier: on the predicted risk);
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
