@@ -547,8 +547,9 @@ class FleetRun:
         if plan is None:
             return
         wait = max(tenants[m.task_id].pause_s for m in plan.moves)
-        for move in plan.moves:
-            self._migrate(self.by_id[move.task_id], now, reason="clearing", target=move)
+        moved = [self._migrate(self.by_id[move.task_id], now, reason="clearing", target=move) for move in plan.moves]
+        if not all(moved):
+            return  # a move that did not happen leaves the node short: the task waits on
         self.counts["clearings"] += 1
         job.queue_s += wait
         self.pending.remove(job)

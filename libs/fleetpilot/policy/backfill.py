@@ -295,7 +295,7 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
                 plans.append(plan)
     plans.sort(key=lambda p: (p[0], p[1]))
     for cost, row, gpus, moving in plans[:tries] if n > 1 else plans:
-        moves = _evacuate(state, row, gpus, moving, decide)
+        moves = _evacuate(state, request, row, gpus, moving, decide)
         if moves is not None:
             return Clearing(row=row, gpus=gpus, moves=tuple(moves), cost=cost)
     return None
@@ -323,10 +323,12 @@ def _plan(state: ClusterState, request: TaskRequest, row: int, gpus: list[int], 
     return cost, row, tuple(sorted(gpus)), moving
 
 
-def _evacuate(state: ClusterState, row: int, gpus: tuple[int, ...], moving: list[Tenant],
+def _evacuate(state: ClusterState, request: TaskRequest, row: int, gpus: tuple[int, ...], moving: list[Tenant],
               decide: Decide) -> list[Move] | None:
     """Place ``moving`` elsewhere with ``row``'s ``gpus`` hidden; the moves, or ``None`` if
-    one finds no place. ``state`` is restored either way."""
+    one finds no place or the request's CPU and memory are still short on ``row`` after them
+    (a tenant moved for its CPU may land on another GPU of the same node). ``state`` is
+    restored either way."""
     for t in moving:
         state.release(t.row, t.gpus, t.milli, **t._hold())
     before = state.gpu_maintenance[row, list(gpus)].copy()
@@ -341,6 +343,8 @@ def _evacuate(state: ClusterState, row: int, gpus: tuple[int, ...], moving: list
                         gpus=tuple(p.gpu for p in d.placement if p.gpu >= 0), milli=d.placement[0].milli)
             state.allocate(move.row, move.gpus, move.milli, **t._hold())
             placed.append((t, move))
+        if state.cpu_free[row] < request.cpu_milli or state.mem_free[row] < request.memory_mb:
+            return None
         return [m for _, m in placed]
     finally:
         for t, m in placed:

@@ -217,3 +217,21 @@ def test_a_one_gpu_clearing_moves_a_costlier_tenant_when_the_cheapest_fits_nowhe
     assert (plan.row, plan.gpus, plan.cost) == (0, (3,), 50.0)
     assert [(m.task_id, m.row) for m in plan.moves] == [("small0", 2)]
     assert all(np.array_equal(x, y) for x, y in zip(held(state), before, strict=True))
+
+
+def test_a_clearing_is_refused_when_a_tenant_moved_for_its_cpu_lands_back_on_the_node() -> None:
+    # n0 has free H100s but 4 free CPUs; its tenants hold 30 CPUs each and can only go back
+    # to n0 (n1 is full of tasks that need 5 CPUs, more than n0 has free). Moving one of them
+    # "for its CPU" puts it on another GPU of n0: the node is no roomier, so no clearing.
+    state = ClusterState.build(names=["n0", "n1"], cpu_milli=[64000, 64000], memory_mb=[512000] * 2, gpus=[4, 4],
+                               models=["H100", "H100"], gpu_memory_mb=[81920, 81920])
+
+    def hold(task_id: str, row: int, gpu: int, cpu: int, pause: float) -> Tenant:
+        req = TaskRequest(task_id=task_id, gpus=1, gpu_memory_mb=8000, cpu_milli=cpu)
+        state.allocate(row, (gpu,), 1000, cpu_milli=cpu, gpu_memory_mb=8000)
+        return Tenant(request=req, row=row, gpus=(gpu,), milli=1000, gpu_memory_mb=8000, pause_s=pause)
+
+    tenants = [hold("a", 0, 0, 30000, 10.0), hold("b", 0, 1, 30000, 20.0)]
+    tenants += [hold(f"x{g}", 1, g, 5000, 1.0) for g in range(4)]
+    one = TaskRequest(task_id="one", gpus=1, gpu_memory_mb=8000, cpu_milli=10000)
+    assert clearing(state, one, tenants, build_policy("bestfit").decide, wait_s=1e6) is None
