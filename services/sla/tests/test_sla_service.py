@@ -118,7 +118,9 @@ class Rig:
         topology = await self.bus.kv("topology")
         for n in FLEET:
             await topology.put(node_key(n.node), encode(n))
-        for subject in ("task.>", "sla.>", "decision.made"):
+        # Not "sla.>": a listener on sla.negotiate would turn a missing endpoint's "no
+        # responders" into a silent timeout, and hide which of the two a failure was.
+        for subject in ("task.>", "sla.offer.>", "decision.made"):
             await self.bus._nc.subscribe(subject, cb=self.recorder.on_msg)
         return self
 
