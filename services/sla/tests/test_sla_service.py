@@ -145,6 +145,16 @@ class Rig:
     async def reply(self, reply: SlaReply, token: str) -> None:
         await self.bus.publish(reply, headers={"Authorization": f"Bearer {token}"})
 
+    async def quote(self, task: TaskSubmitted, headers: dict[str, str] | None = None) -> bytes:
+        """Ask ``sla.negotiate``; a timeout says what the service's endpoint saw (requests,
+        errors), so a failure tells a lost request from a handler that never answered."""
+        try:
+            return await self.bus.request("sla.negotiate", encode(task), headers=headers, timeout_s=15)
+        except TimeoutError as exc:
+            micro = self.sla.bus._micro  # type: ignore[union-attr]
+            seen = [(e.name, e.num_requests, e.num_errors, e.last_error) for e in micro.stats().endpoints]
+            raise AssertionError(f"{exc}; endpoints (name, requests, errors, last error): {seen}") from exc
+
     def refused(self, reason: str) -> float:
         return self.sla.metrics.registry.get_sample_value("fleetpilot_sla_unauthenticated_total",
                                                           {"reason": reason}) or 0.0
@@ -199,12 +209,11 @@ async def test_negotiate_endpoint_quotes_without_publishing(rig):
     await fill_h100(rig, free_in_s=120)
     await rig.start_sla()
     headers = {"Authorization": f"Bearer {rig.token()}"}
-    reply = await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), headers=headers, timeout_s=15)
+    reply = await rig.quote(h100_only("t-quote"), headers)
     offer = decode(reply, SlaOffer, TaskAdmitted, TaskRejected)
     assert isinstance(offer, SlaOffer) and offer.tenant == "acme"
     assert {o.gpu_model for o in offer.options} == {"A100-40GB", "H100"}
-    bad = decode(await rig.bus.request("sla.negotiate", encode(h100_only("t-quote")), timeout_s=15),
-                 SlaOffer, TaskAdmitted, TaskRejected)
+    bad = decode(await rig.quote(h100_only("t-quote")), SlaOffer, TaskAdmitted, TaskRejected)
     assert isinstance(bad, TaskRejected) and bad.code == "unauthenticated"
     await asyncio.sleep(0.5)
     assert rig.recorder.about("t-quote") == []
