@@ -346,9 +346,11 @@ async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any
         def states() -> list[str]:
             return [e.get("state", "") for e in seen.get("task.lifecycle.v1", [])]
 
-        await wait_for(lambda: "finished" in states() and seen.get("feedback.recorded.v1")
-                       and seen.get("task.fingerprinted.v1") or {"failed", "oom_killed"} & set(states()),
-                       timeout_s=150)
+        # Until the task is judged: a finished one fingerprinted too, a failed one just judged
+        # (its feedback follows the lifecycle event; reading on at once would race it).
+        await wait_for(lambda: seen.get("feedback.recorded.v1") and (
+            "finished" in states() and seen.get("task.fingerprinted.v1") or {"failed", "oom_killed"} & set(states())),
+            timeout_s=150)
         decisions = seen.get("decision.made.v1", [])
         placed = [p for d in decisions if d.get("action") == "assign" for p in d.get("placement", [])]
         fps = seen.get("task.fingerprinted.v1", [])
