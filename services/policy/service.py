@@ -76,9 +76,9 @@ from fleetpilot.policy.backfill import (
     Reservation,
     Tenant,
     clearing,
-    completion_order,
     gpu_free_at,
     hidden,
+    queue_key,
     reserve,
     wide_hosts,
 )
@@ -133,16 +133,11 @@ from .rebalance import (
 
 log = logging.getLogger("fleetpilot.policy")
 
-_TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
-
-
-def queue_key(adm: TaskAdmitted) -> tuple[int, float, float]:
-    """Where a waiting task stands in the queue: vip first; within a tier, the earliest
-    expected completion had it started on admission (``backfill.completion_order``), so short
-    work does not queue behind long work that came about the same time, and nothing starves
-    (a later arrival overtakes a task only if it is expected to end before it would)."""
-    return (_TIER_RANK.get(adm.contract.tier, 1), completion_order(adm.admitted_at, adm.task.expected_duration_s),
-            adm.admitted_at)
+def queue_position(adm: TaskAdmitted) -> tuple[int, float, float]:
+    """Where a waiting task stands: ``backfill.queue_key`` (vip first; within a tier, the
+    earliest expected completion had it started on admission, so short work does not queue
+    behind long work that came about the same time and nothing starves), then admission."""
+    return (*queue_key(adm.contract.tier, adm.admitted_at, adm.task.expected_duration_s), adm.admitted_at)
 
 
 class PolicySettings(ServiceSettings):
@@ -784,7 +779,8 @@ class PolicyState:
             if not hosts[row]:
                 continue
             memory_mb = max(a.memory_mb for a in gpu_allocs)
-            if not self.may_pause(running, self.checkpoint_pause_s(memory_mb)):
+            pause_s = self.checkpoint_pause_s(memory_mb)
+            if not self.may_pause(running, pause_s):
                 continue
             tenant = Tenant(
                 request=self.move_request(running, topo, self.fingerprints.get(running.task_id)),
@@ -792,7 +788,7 @@ class PolicyState:
                 gpus=tuple(running.gpus),
                 milli=gpu_allocs[0].milli,
                 gpu_memory_mb=memory_mb,
-                pause_s=self.checkpoint_pause_s(memory_mb),
+                pause_s=pause_s,
             )
             tenants[running.task_id] = (tenant, running, topo)
         policies = self.active.current
@@ -1343,7 +1339,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     evicting.add(requeue.for_task)
                 continue
             waiting.append((adm, requeue, entry))
-        waiting.sort(key=lambda p: queue_key(p[0]))
+        waiting.sort(key=lambda p: queue_position(p[0]))
         out: list[DecisionMade] = []
         # What found no node this round (and whether the reservation was hidden from it): a
         # task that needs no less is not tried again until the next round. A backlog of
@@ -1395,7 +1391,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # the arrivals decided while it awaits, which must not find the reserved GPUs
         # unguarded) ran against the last round's reservation, at most ``pending_retry_s`` old.
         wide = [a for a in blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        owner = min(wide, key=queue_key, default=None)
+        owner = min(wide, key=queue_position, default=None)
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
         return out
 

@@ -108,9 +108,9 @@ from fleetpilot.policy.backfill import (
     Reservation,
     Tenant,
     clearing,
-    completion_order,
     gpu_free_at,
     hidden,
+    queue_key,
     reserve,
     wide_hosts,
 )
@@ -155,7 +155,6 @@ TRUST_CONFIDENCE = 0.6
 """An online fingerprint drives reservations and moves from this many samples and pattern confidence."""
 BRIDGE_LOOKAHEAD_S = 4 * 60.0
 """How far a bridged task's recent growth is carried forward: a few cycles plus a move."""
-TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
 TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
 """Targets as ratios Fleetpilot / baseline: at least +75%, at most -80%, at most -90%."""
@@ -438,7 +437,7 @@ class FleetRun:
             # plus the run still to do, ``backfill.completion_order``): short work does not
             # queue behind long work, and nothing starves (a later arrival overtakes a task
             # only while it is expected to end before that task would).
-            return (TIER_RANK[job.task.tier], completion_order(job.task.arrival_s, self._remaining(job)), job.seq)
+            return (*queue_key(job.task.tier, job.task.arrival_s, self._remaining(job)), job.seq)
         return (job.queued_since, job.seq)
 
     def _schedule(self, now: float) -> None:

@@ -112,14 +112,23 @@ def completion_order(arrival_s: float, remaining_s: float | None) -> float:
     Ordering by it puts short work before long work that arrived about the same time (what
     shortest-job-first does for the mean wait) without starving anything: a later arrival
     overtakes a waiting task only if it is expected to end before that task would have, so
-    every task is overtaken by finitely many. A wide task that keeps being overtaken is
-    still first in line for the reservation (``reserve``), which is given by arrival.
+    every task is overtaken by finitely many, a wide task included.
     """
     return arrival_s + (UNDECLARED_S if remaining_s is None else max(remaining_s, 0.0))
 
 
 UNDECLARED_S = 24 * 3600.0
 """The run time ``completion_order`` assumes for a task that declares none."""
+
+TIER_RANK = {"vip": 0, "standard": 1, "best_effort": 2}
+"""Queue order of the SLA tiers; a tier not named here ranks as ``standard``."""
+
+
+def queue_key(tier: str, arrival_s: float, remaining_s: float | None) -> tuple[int, float]:
+    """Where a waiting task stands in the queue: its tier (``TIER_RANK``, vip first), then
+    ``completion_order``. The first blocked whole-GPU task in this order owns the
+    reservation (``reserve``)."""
+    return TIER_RANK.get(tier, 1), completion_order(arrival_s, remaining_s)
 
 
 def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], float]], now: float) -> np.ndarray:
