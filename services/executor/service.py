@@ -152,7 +152,7 @@ def resized(ledger: NodeLedger, decision: DecisionMade) -> NodeLedger | None:
 
 def without_decision(ledger: NodeLedger, decision_id: str) -> NodeLedger | None:
     """The ledger without the holds reserved under ``decision_id`` (a failed resize gives its
-    extra memory back); ``None`` when it holds none."""
+    extra memory back, a failed move its target); ``None`` when it holds none."""
     kept = [a for a in ledger.allocations if a.decision_id != decision_id]
     return None if len(kept) == len(ledger.allocations) else NodeLedger(node=ledger.node, allocations=kept)
 
@@ -310,9 +310,13 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 )
         elif decision.action == "assign" and node:
             await release(decision.task_id, node)
-        elif decision.action == "migrate" and node and node not in {p.node for p in decision.source}:
-            # The move failed: the task still runs at its source; give the target back.
-            await release(decision.task_id, node)
+        elif decision.action == "migrate" and node:
+            # The move failed: the task still runs at its source; give the target back. Only
+            # the holds reserved under the move go: on a move within a node the source hold
+            # is on the same ledger and stays.
+            await parts["ledger"].mutate(
+                node_key(node), lambda cur: without_decision(cur, decision.decision_id) if cur else None
+            )
         elif decision.action == "resize" and node:
             # The task keeps its old share: give the reserved extra back.
             await parts["ledger"].mutate(

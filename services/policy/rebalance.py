@@ -188,13 +188,15 @@ def lineage(task_id: str, decision_id: str) -> str:
     return task_id if g == 1 else f"{task_id}.assign.{g}"
 
 
-def migrate_decision_id(task: Running) -> str:
+def migrate_decision_id(task: Running, tried: int = 0) -> str:
     """``<task>.migrate.<n>``: n counts this task's migrations, read from its current hold's
     decision id, so every replica derives the same id for the same move (after an eviction
-    and re-placement: ``<task>.assign.<g>.migrate.<n>``)."""
+    and re-placement: ``<task>.assign.<g>.migrate.<n>``). ``tried`` skips that many ids the
+    executor has already taken from this hold: moves that failed, whose ids the stream's
+    duplicate window and the executor's journal would drop."""
     current = task.allocations[0].decision_id
     m = _MIGRATE_ID.search(current)
-    return f"{lineage(task.task_id, current)}.migrate.{int(m.group(1)) + 1 if m else 1}"
+    return f"{lineage(task.task_id, current)}.migrate.{(int(m.group(1)) + 1 if m else 1) + tried}"
 
 
 @dataclass(frozen=True)

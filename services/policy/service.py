@@ -338,6 +338,8 @@ class PolicyState:
         self.admissions: Admissions | None = None
         # Resizes this replica proposed: one that failed is not proposed again under its id.
         self.resizes: OrderedDict[str, float] = OrderedDict()
+        # The executor's journal (``executions``): which decision ids it has already taken.
+        self.executions: KeyValue | None = None
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
@@ -352,6 +354,15 @@ class PolicyState:
         # ``largest_gpu_mb`` per model set, valid for one topology version.
         self._largest: dict[tuple[str, ...], int] = {}
         self._largest_at = -1
+
+    async def journaled(self, decision_id: str) -> bool:
+        """Whether the executor has taken ``decision_id`` (claimed it, or recorded its result).
+        A re-proposal under such an id would be dropped by the stream's duplicate window or
+        the journal, and its fresh reservation would then be held until the task ends."""
+        if self.executions is None:
+            return False
+        found = await self.executions.get(node_key(decision_id))
+        return found is not None and bool(found.value)
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
@@ -721,7 +732,10 @@ class PolicyState:
             plan = resize_plan(
                 running, topo, ledger, fp, self.settings.oom_migrate_risk, self.settings.resize_margin_mb
             )
-            if plan is not None and resize_decision_id(running, plan.memory_mb) not in self.resizes:
+            resize_id = resize_decision_id(running, plan.memory_mb) if plan is not None else ""
+            # A resize under an id already proposed (by this replica) or taken (by the
+            # executor, which failed it: a done resize changes the hold) is not tried again.
+            if plan is not None and resize_id not in self.resizes and not await self.journaled(resize_id):
                 resized = await self.resize(running, topo, plan)
                 if resized is not None:
                     out.append(resized)
@@ -1125,7 +1139,10 @@ class PolicyState:
             fallback, why = choice.fallback, f"{why}; target: {choice.reason}"
         else:
             ref, confidence, fallback = PolicyRef(name="clearing"), 0.0, False
-        decision_id = migrate_decision_id(running)
+        tried = 0
+        while await self.journaled(migrate_decision_id(running, tried)):
+            tried += 1  # that move failed (a done one would have changed the hold): a new id
+        decision_id = migrate_decision_id(running, tried)
         node = target[0].node
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
@@ -1205,6 +1222,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         metrics.generation.set(active.current.generation)
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)
+        ps.executions = await bus.kv("executions")
         host.background(fleet.follow(), "fleet-watch")
         host.background(ledger.follow(), "ledger-watch")
         host.background(admissions.follow(), "contracts-watch")

@@ -215,10 +215,10 @@ async def reserve_a_move_of_t1_to_n2(observer) -> None:
         Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
 
 
-def move_t1_to_n2() -> DecisionMade:
-    """The migrate decision of t1 from n1's GPU 0 to n2's GPU 1."""
+def move_t1(to: str = "n2") -> DecisionMade:
+    """The migrate decision of t1 from n1's GPU 0 to GPU 1 of node ``to``."""
     return DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
-                        placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
+                        placement=[Placement(node=to, gpu=1, milli=1000, memory_mb=1000)],
                         source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
                         policy=PolicyRef(name="fleetpilot"), decided_at=now(),
                         task=TaskSubmitted(task_id="t1", kind="train"))
@@ -229,7 +229,7 @@ async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fl
     host = build(settings(nats_url, tmp_path))
     await host.start()
     try:
-        await observer.js.publish("decision.made", encode(move_t1_to_n2()), headers={"Nats-Msg-Id": "move-1"})
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1"})
         moved = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
         await wait_for(lambda: len(sim_fleet.verbs("move")) == 1)
     finally:
@@ -246,7 +246,7 @@ async def test_a_migration_names_the_placement_the_task_left(observer, sim_fleet
     try:
         await observer.js.publish("decision.made", encode(assign("d1", "t1")))
         await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
-        await observer.js.publish("decision.made", encode(move_t1_to_n2()), headers={"Nats-Msg-Id": "move-1"})
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1"})
         events = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
     finally:
         await host.stop()
@@ -262,14 +262,35 @@ async def test_a_migration_within_a_node_keeps_only_the_new_hold(observer, sim_f
     host = build(settings(nats_url, tmp_path))
     await host.start()
     try:
-        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
-                            placement=[Placement(node="n1", gpu=1, milli=1000, memory_mb=1000)],
-                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
-                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
-                            task=TaskSubmitted(task_id="t1", kind="train"))
-        await observer.js.publish("decision.made", encode(move), headers={"Nats-Msg-Id": "move-2"})
+        await observer.js.publish("decision.made", encode(move_t1(to="n1")), headers={"Nats-Msg-Id": "move-2"})
         await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
     finally:
         await host.stop()
     holds = [(a.task_id, a.gpu, a.state) for a in (await observer.ledger("n1")).allocations]
     assert holds == [("t1", 1, "confirmed"), ("other", 0, "reserved")]
+
+
+async def test_a_failed_migration_within_a_node_gives_the_target_back_and_keeps_the_source(
+    observer, nats_url, tmp_path
+):
+    # The process backend runs nothing called t1: its move fails, and t1 (as far as the
+    # ledger knows) still runs on GPU 0. The hold reserved on GPU 1 must not outlive the move.
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id="t1", decision_id="t1.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed"),
+        Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+    host = build(settings(nats_url, tmp_path, backend="process"))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(move_t1(to="n1")))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+
+        async def target_given_back():
+            ledger = await observer.ledger("n1")
+            return ledger if ledger and len(ledger.allocations) == 1 else None
+
+        ledger = await wait_for(target_given_back)
+    finally:
+        await host.stop()
+    assert [f.action for f in failed] == ["migrate"]
+    assert [(a.task_id, a.decision_id, a.gpu, a.state) for a in ledger.allocations] == [
+        ("t1", "t1.assign", 0, "confirmed")]

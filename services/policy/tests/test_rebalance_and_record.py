@@ -7,7 +7,16 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, TaskFingerprinted, encode, now
+from fleetpilot.contracts import (
+    ActionFailed,
+    Allocation,
+    Fingerprint,
+    NodeLedger,
+    PolicyRef,
+    TaskFingerprinted,
+    encode,
+    now,
+)
 from fleetpilot.policy import Snapshot
 from fleetpilot_services.policy.rebalance import Running, migrate_decision_id, move_reason
 from fleetpilot_services.policy.service import build
@@ -131,3 +140,41 @@ def test_move_reasons_and_migration_ids():
     assert gone is not None and gone.p_stay_fails == 1.0 and "decommissioned" in gone.why
     assert migrate_decision_id(stay) == "t.migrate.1"
     assert migrate_decision_id(leave) == "u.migrate.3"
+    assert migrate_decision_id(leave, tried=2) == "u.migrate.5"  # .3 and .4 failed
+
+
+async def test_a_move_or_resize_the_executor_failed_is_not_proposed_again_under_its_id(
+    observer, nats_url, tmp_path
+):
+    # Both tasks hold 5 GB and will peak at 20 GB. r1 has room beside it (a resize), m1 has
+    # not (a move to a0's GPU 1). The executor's journal says it failed the resize r1 would
+    # get and m1's first move: re-proposed under those ids, the stream would drop them as
+    # duplicates and their fresh reservations would be held until the tasks end.
+    a100 = dict(model="A100-40GB", memory_mb=40960)
+    await observer.put_fleet([node("a0", gpus=2, **a100), node("a1", gpus=1, **a100)])
+    await observer.kv_put("ledger", "a0", encode(NodeLedger(node="a0", allocations=[
+        hold("r1", 0, milli=300, memory_mb=5000), hold("small", 0, milli=700, memory_mb=10000)])))
+    await observer.kv_put("ledger", "a1", encode(NodeLedger(node="a1", allocations=[
+        hold("m1", 0, milli=300, memory_mb=5000), hold("big", 0, milli=500, memory_mb=30000)])))
+    for decision_id, action in (("r1.resize.21012", "resize"), ("m1.migrate.1", "migrate")):
+        failed = ActionFailed(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=decision_id[:2],
+                              action=action, backend="process", error="checkpoint failed",
+                              policy=PolicyRef(name="fleetpilot"), failed_at=now())
+        await observer.kv_put("executions", decision_id, encode(failed))
+    for task_id in ("r1", "m1"):
+        await observer.js.publish("task.fingerprinted", encode(TaskFingerprinted(
+            task_id=task_id, fingerprint=fingerprint(20000), source="observed", at=now())))
+    host = build(settings(nats_url, tmp_path, profile="bestfit", rebalance_s=0.3))
+    await host.start()
+    try:
+        await wait_for(lambda: any(d.action == "migrate" for d in observer.decisions), what="the move")
+        await asyncio.sleep(1.0)  # three more rounds
+        ledgers = await observer.ledgers()
+    finally:
+        await host.stop()
+    by_task = observer.by_task()
+    assert [d.decision_id for d in by_task["m1"]] == ["m1.migrate.2"]
+    assert [(p.node, p.gpu) for p in by_task["m1"][0].placement] == [("a0", 1)]
+    assert {a.decision_id for a in ledgers["a0"].allocations if a.task_id == "m1"} == {"m1.migrate.2"}
+    # r1 stays where it is: the same resize already failed, and in place it does not OOM.
+    assert "r1" not in by_task
