@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetpilot.contracts import (
@@ -56,6 +56,9 @@ MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 MAINTENANCE_RISK = GPU_LABEL_MAINTENANCE_RISK
 MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
+OVERFLOW_FILL = 0.98
+"""A task's growth overflows its GPU when it would fill more than this share of its room:
+the CUDA allocator fails before the last megabyte."""
 
 _MIGRATE_ID = re.compile(r"\.migrate\.(\d+)$")
 _GENERATION = re.compile(r"\.assign\.(\d+)(?:\.|$)")
@@ -260,3 +263,29 @@ def resize_decision_id(task: Running, memory_mb: int) -> str:
     """``<task>.resize.<memory_mb>``: a hold only ever grows within one generation (a move
     keeps its size), so the new size names the resize uniquely and every replica agrees."""
     return f"{lineage(task.task_id, task.allocations[0].decision_id)}.resize.{memory_mb}"
+
+
+def growth_overflow(
+    task: Running, topo: NodeTopology, ledger: NodeLedger, samples: Sequence[tuple[float, float]], lookahead_s: float
+) -> str | None:
+    """Why ``task`` must be checkpointed now, or ``None``: its measured growth (the slope
+    from the first to the last of ``samples``, ``(time, MB used over all its GPUs)``), carried
+    ``lookahead_s`` ahead, would fill more than ``OVERFLOW_FILL`` of what it can have on one of
+    its GPUs (the GPU's memory minus what the other tasks there hold). Fewer than two samples
+    say nothing."""
+    if len(samples) < 2 or not task.gpus:
+        return None
+    (t0, m0), (t1, m1) = samples[0], samples[-1]
+    if t1 <= t0:
+        return None
+    n = len(task.gpus)
+    slope = max((m1 - m0) / (t1 - t0), 0.0) / n
+    ahead = m1 / n + slope * lookahead_s
+    memory = {g.index: g.memory_mb for g in topo.gpus}
+    for gpu in task.gpus:
+        others = sum(a.memory_mb for a in ledger.allocations if a.gpu == gpu and a.task_id != task.task_id)
+        room = memory.get(gpu, 0) - others
+        if ahead > OVERFLOW_FILL * room:
+            return (f"its memory grows {slope * 60:.0f} MB/min per GPU ({m1 / n:.0f} MB now): within "
+                    f"{lookahead_s:.0f} s it would pass the {room} MB it can have on GPU {gpu}")
+    return None

@@ -29,7 +29,9 @@ Around that core (see ``README.md``):
 * a task with a fingerprint waits for GPUs that hold its predicted peak (plus 5%, as the
   ledger then holds); one whose fingerprint predicts smooth growth (``linear``, ``leak``)
   past every GPU free now may instead start on GPUs that hold its ask (a *bridge*), and the
-  rebalancer moves it up to a GPU that holds its peak once one has room;
+  rebalancer moves it up to a GPU that holds its peak once one has room; a task that should
+  move but has nowhere to go, and whose measured growth (``telemetry.task``) would overflow its
+  GPU soon, is checkpointed (``evict``) and queued again rather than left to the OOM kill;
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
@@ -64,6 +66,7 @@ from fleetpilot.contracts import (
     TaskFingerprinted,
     TaskLifecycle,
     TaskSubmitted,
+    TaskTelemetry,
     decode,
     encode,
     now,
@@ -119,10 +122,12 @@ from .rebalance import (
     CORDONED,
     DECOMMISSIONED,
     MAINTENANCE_PENDING,
+    MoveReason,
     ResizePlan,
     Running,
     generation,
     gpu_conditions,
+    growth_overflow,
     is_set,
     migrate_decision_id,
     move_reason,
@@ -173,6 +178,11 @@ class PolicySettings(ServiceSettings):
     evict_success: float = Field(default=0.97, description="P(one eviction is carried out), for confidence")
     evict_timeout_s: float = Field(
         default=60.0, description="An eviction not carried out by then is given up"
+    )
+    growth_lookahead_s: float = Field(
+        default=240.0,
+        description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
+        "GPU within it, with nowhere to move, is checkpointed and queued again",
     )
     record_every: int = Field(default=0, description="Record every Nth decision input for replay (0 = off)")
 
@@ -340,6 +350,11 @@ class PolicyState:
         self.resizes: OrderedDict[str, float] = OrderedDict()
         # The executor's journal (``executions``): which decision ids it has already taken.
         self.executions: KeyValue | None = None
+        # The queue of tasks waiting for a placement (``pending``).
+        self.pending: KeyValue | None = None
+        # Per running task, its memory samples (``telemetry.task``) over the last
+        # ``growth_lookahead_s``: (time, MB over all its GPUs). Dropped when it stops or moves.
+        self.usage: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
@@ -354,6 +369,18 @@ class PolicyState:
         # ``largest_gpu_mb`` per model set, valid for one topology version.
         self._largest: dict[tuple[str, ...], int] = {}
         self._largest_at = -1
+
+    def observe(self, sample: TaskTelemetry) -> None:
+        """Keep a task's memory sample, and only those of the last ``growth_lookahead_s``."""
+        kept = self.usage.get(sample.task_id)
+        if kept is None:
+            kept = deque()
+        if kept and sample.at <= kept[-1][0]:
+            return  # a late or repeated sample
+        kept.append((sample.at, sample.memory_used_mb))
+        while kept[0][0] < sample.at - self.settings.growth_lookahead_s:
+            kept.popleft()
+        self.remember(self.usage, sample.task_id, kept, limit=50_000)
 
     async def journaled(self, decision_id: str) -> bool:
         """Whether the executor has taken ``decision_id`` (claimed it, or recorded its result).
@@ -744,6 +771,8 @@ class PolicyState:
             if reason is None:
                 continue
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
+            if decision is None and fp is not None:
+                decision = await self.checkpoint(running, topo, ledger, reason)
             if decision is not None:
                 out.append(decision)
         budget = self.settings.max_migrations_per_round - len(out)
@@ -827,6 +856,46 @@ class PolicyState:
                 break
             out.append(decision)
         return out
+
+    async def checkpoint(
+        self, running: Running, topo: NodeTopology, ledger: NodeLedger, reason: MoveReason
+    ) -> DecisionMade | None:
+        """An ``evict`` for a task that should move, has nowhere to go, and whose measured
+        growth would overflow its GPU within ``growth_lookahead_s`` (``growth_overflow``):
+        stopped now (the executor's SIGTERM, on which a trainer checkpoints) and queued again
+        under its next ``<task>.assign.<g>``, it loses a restart; left alone, it would lose
+        its run to the OOM kill. Its ``pending`` entry is written first, as a preemption's."""
+        why = growth_overflow(running, topo, ledger, self.usage.get(running.task_id, ()),
+                              self.settings.growth_lookahead_s)
+        if why is None or self.pending is None:
+            return None
+        adm = self.admissions.of(running.task_id) if self.admissions else None
+        if adm is None:
+            log.warning("%s will outgrow its GPU with nowhere to go, but its admission is unknown: not "
+                        "checkpointed (%s)", running.task_id, why)
+            return None
+        evict_id = evict_decision_id(running)
+        if await self.journaled(evict_id):
+            return None  # that eviction was tried: its outcome decides
+        note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
+                       reason=f"checkpointed: {why}")
+        try:
+            await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
+        except CasConflict:
+            return None  # another replica (or an earlier round) queued it already
+        return DecisionMade(
+            decision_id=evict_id,
+            task_id=running.task_id,
+            action="evict",
+            source=[Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+                    for a in running.allocations],
+            confidence=float(reason.p_stay_fails * self.settings.evict_success),
+            policy=PolicyRef(name="checkpoint"),
+            reason=f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}",
+            decided_at=now(),
+            task=adm.task,
+            contract=adm.contract,
+        )
 
     async def resize(self, running: Running, topo: NodeTopology, plan: ResizePlan) -> DecisionMade | None:
         """Reserve the extra GPU memory of a resize with CAS (a second hold under the resize's
@@ -1223,6 +1292,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)
         ps.executions = await bus.kv("executions")
+        ps.pending = await bus.kv("pending")
         host.background(fleet.follow(), "fleet-watch")
         host.background(ledger.follow(), "ledger-watch")
         host.background(admissions.follow(), "contracts-watch")
@@ -1424,9 +1494,18 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         bus = opened()
         await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"), await bus.kv("executions"))
 
+    @host.on_core("telemetry.task.*", TaskTelemetry)
+    async def on_task_sample(sample: TaskTelemetry) -> None:
+        # Every replica sees every sample (no queue group): each may be the one to act.
+        if "state" in holder:
+            state().observe(sample)
+
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
         bus = opened()
+        if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
+            # Stopped, or restored elsewhere from a checkpoint: its growth starts over.
+            state().usage.pop(life.task_id, None)
         pending = await bus.kv("pending")
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our

@@ -2,14 +2,26 @@
 smooth growth (``leak``) past every free GPU starts on a GPU that holds its ask, where a
 ``flat`` task of the same peak waits; a queued grower is bridged by the retry round even
 behind a flat task that found no node; once a GPU that holds its peak has room, the
-rebalance round migrates the bridged task up to it."""
+rebalance round migrates the bridged task up to it; one whose measured growth would overflow
+its GPU while none holds its peak is checkpointed (evicted) and queued again, and placed
+again once one does."""
 
 from __future__ import annotations
 
 import asyncio
 
 import msgspec
-from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, TaskFingerprinted, encode, now
+from fleetpilot.contracts import (
+    Allocation,
+    Fingerprint,
+    NodeLedger,
+    TaskFingerprinted,
+    TaskTelemetry,
+    encode,
+    now,
+    subject_for,
+)
+from fleetpilot_services.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
@@ -146,3 +158,57 @@ async def test_a_bridged_task_is_migrated_up_once_a_gpu_holds_its_peak(observer,
     assert [(p.node, p.gpu, p.memory_mb) for p in move.placement] == [("big", 0, 61012)]
     assert "predicted OOM in place" in move.reason
     assert [(a.decision_id, a.memory_mb) for a in ledgers["big"].allocations] == [("grow.migrate.1", 61012)]
+
+
+async def sample(observer, task_id: str, node_name: str, at: float, used_mb: float) -> None:
+    """A memory sample of a task, as the collector publishes it."""
+    event = TaskTelemetry(task_id=task_id, node=node_name, gpus=[0], at=at, memory_used_mb=used_mb)
+    await observer.nc.publish(subject_for(event), encode(event))
+
+
+async def test_a_bridged_task_about_to_overflow_with_nowhere_to_go_is_checkpointed_and_queued_again(
+    observer, nats_url, tmp_path
+):
+    await observer.put_fleet([node("big", gpus=2), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
+    both = [blocker("held"), msgspec.structs.replace(blocker("held"), gpu=1)]
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=both)))
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"fast": fingerprint("leak"), "slow": fingerprint("leak")})
+        await observer.admit(task("fast"))
+        await observer.admit(task("slow"))
+        await wait_for(lambda: len(observer.decisions) == 2, timeout_s=3.0, what="both bridged")
+        ledgers = await observer.ledgers()
+        for name in ("small0", "small1"):  # the executor starts both
+            held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers[name].allocations]
+            await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=held)))
+        where = {d.task_id: d.placement[0].node for d in observer.decisions}
+        # fast grows 8 GB a minute from 30 GB: its 40 GB A100 overflows within the lookahead.
+        # slow grows 100 MB a minute: in four minutes it is still far from its GPU's end.
+        t = now()
+        for at, fast_mb, slow_mb in ((t - 60, 22_000, 22_000), (t - 30, 26_000, 22_050), (t, 30_000, 22_100)):
+            await sample(observer, "fast", where["fast"], at, fast_mb)
+            await sample(observer, "slow", where["slow"], at, slow_mb)
+        await wait_for(lambda: len(observer.by_task()["fast"]) == 2, timeout_s=3.0, what="fast checkpointed")
+        await asyncio.sleep(0.7)  # more rounds: one eviction, and slow stays
+        entry = await (await observer.js.key_value("pending")).get("fast")
+        slow_meanwhile = [d.action for d in observer.by_task()["slow"]]
+        # The executor stops fast and releases its hold; the H100s free: fast is placed again
+        # (and slow, bridged, moves up to the other).
+        await observer.kv_put("ledger", where["fast"], encode(NodeLedger(node=where["fast"], allocations=[])))
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await wait_for(lambda: len(observer.by_task()["fast"]) == 3, timeout_s=3.0, what="fast placed again")
+    finally:
+        await policy.stop()
+    by_task = observer.by_task()
+    assert slow_meanwhile == ["assign"]
+    _, evict, again = by_task["fast"]
+    assert (evict.action, evict.decision_id, evict.policy.name) == ("evict", "fast.evict.1", "checkpoint")
+    assert [(p.node, p.gpu) for p in evict.source] == [(where["fast"], 0)]
+    assert "within 240 s it would pass" in evict.reason, evict.reason
+    assert 0.5 < evict.confidence < 1.0
+    _, requeue = decode_pending(entry.value)
+    assert requeue is not None and (requeue.decision_id, requeue.evict_id) == ("fast.assign.2", "fast.evict.1")
+    assert (again.action, again.decision_id) == ("assign", "fast.assign.2")
+    assert [p.node for p in again.placement] == ["big"]  # a GPU that holds its peak

@@ -18,7 +18,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.policy import Snapshot
-from fleetpilot_services.policy.rebalance import Running, migrate_decision_id, move_reason
+from fleetpilot_services.policy.rebalance import Running, growth_overflow, migrate_decision_id, move_reason
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
@@ -178,3 +178,20 @@ async def test_a_move_or_resize_the_executor_failed_is_not_proposed_again_under_
     assert {a.decision_id for a in ledgers["a0"].allocations if a.task_id == "m1"} == {"m1.migrate.2"}
     # r1 stays where it is: the same resize already failed, and in place it does not OOM.
     assert "r1" not in by_task
+
+
+def test_growth_overflow_carries_the_measured_slope_per_gpu_against_the_room_left_by_neighbours():
+    topo = node("x", gpus=2, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=20000), hold("t", 1, memory_mb=20000),
+                                               hold("n", 1, milli=0, memory_mb=10000)])
+    two = Running("t", "x", tuple(ledger.allocations[:2]))
+    # 20 GB over two GPUs, +2 GB a minute over both: +4 GB per GPU in four minutes -> 14 GB.
+    slow = [(0.0, 18000.0), (60.0, 20000.0)]
+    assert growth_overflow(two, topo, ledger, slow, 240.0) is None
+    # +12 GB a minute over both: 10 + 24 GB per GPU in four minutes, within GPU 0's 40,960 MB
+    # but past the 30,960 MB that GPU 1's neighbour leaves.
+    fast = [(0.0, 8000.0), (60.0, 20000.0)]
+    why = growth_overflow(two, topo, ledger, fast, 240.0)
+    assert why is not None and "30960 MB it can have on GPU 1" in why
+    assert growth_overflow(two, topo, ledger, fast[-1:], 240.0) is None  # one sample: no slope
+    assert growth_overflow(two, topo, ledger, [(0.0, 5e4), (60.0, 2e4)], 240.0) is None  # shrinking
