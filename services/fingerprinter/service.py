@@ -2,7 +2,7 @@
 
 - ``task.submitted``: computes the task's signature; when the ``fingerprints`` bucket knows
   it, publishes a predicted ``task.fingerprinted`` (source ``signature``) at once.
-- ``telemetry.task.<task>``: feeds the task's online model and publishes
+- ``telemetry.task.<task>``: feeds the task's online model (memory per GPU) and publishes
   ``task.fingerprinted`` (source ``observed``) whenever the prediction changes materially.
 - ``task.lifecycle``: when a task ends, its last fingerprint is merged into its
   signature's statistics in the bucket (compare-and-set), for the next submission. A task
@@ -64,8 +64,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     @host.on_core("telemetry.task.*", TaskTelemetry, queue="fingerprinter")
     async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
-        fp = model_for(sample.task_id).add(sample.at, sample.memory_used_mb,
-                                           utilisation=sample.utilization_gpu_pct)
+        # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
+        # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
+        per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
+        fp = model_for(sample.task_id).add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
         if fp is None:
             return None
         return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())

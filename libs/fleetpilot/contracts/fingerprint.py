@@ -10,7 +10,8 @@ GrowthPattern = Literal["flat", "linear", "steps", "sawtooth", "leak", "unknown"
 
 
 class Fingerprint(Record, frozen=True, kw_only=True):
-    """A task's behaviour, predicted from its memory series (or from its signature)."""
+    """A task's behaviour, predicted from its memory series (or from its signature). Memory
+    figures are per GPU: what each of a multi-GPU task's GPUs holds, as requests and holds are."""
 
     signature: str
     pattern: GrowthPattern

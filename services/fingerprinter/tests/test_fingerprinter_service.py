@@ -4,6 +4,7 @@ the signature remembered when a task ends, and predicted at once for the next su
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import numpy as np
@@ -52,6 +53,18 @@ async def remembered(bus: NatsBus, signature: str) -> SignatureStats:
     return await wait_for(stats, what=f"signature {signature} remembered")
 
 
+async def run_for(bus: NatsBus, submitted: TaskSubmitted, seconds: float, used_mb, gpus: list[int] | None = None):
+    """Submit a task, then publish a sample of ``used_mb(t)`` (summed over ``gpus``) every
+    10 s of its first ``seconds``, and give the service the time to take them."""
+    await bus.publish(submitted)
+    await asyncio.sleep(0.5)  # the task is placed before its processes report memory
+    start = now()
+    for t in np.arange(0, seconds, 10.0):
+        await bus.publish(TaskTelemetry(task_id=submitted.task_id, node="n1", gpus=gpus or [0], at=start + float(t),
+                                        memory_used_mb=float(used_mb(float(t)))))
+    await asyncio.sleep(0.5)
+
+
 async def test_observed_then_remembered_then_predicted(fingerprinter):
     bus, seen = fingerprinter
     first = task("clip-1")
@@ -85,14 +98,8 @@ async def test_observed_then_remembered_then_predicted(fingerprinter):
 async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerprinter):
     bus, seen = fingerprinter
     first = task("leak-1")
-    await bus.publish(first)
-    await asyncio.sleep(0.5)
     # A leak killed at 38 GB, a third of the way through its declared life.
-    start = now()
-    for t in np.arange(0, 340, 10.0):
-        await bus.publish(TaskTelemetry(task_id="leak-1", node="n1", gpus=[0], at=start + float(t),
-                                        memory_used_mb=float(8_000 + 30_000 * (t / 330.0) ** 2)))
-    await asyncio.sleep(0.3)
+    await run_for(bus, first, 340, lambda t: 8_000 + 30_000 * (t / 330.0) ** 2)
     await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
@@ -100,3 +107,17 @@ async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerpr
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
     assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
     assert predicted.fingerprint.pattern_confidence == 0.0  # the pattern is not known
+
+
+async def test_a_multi_gpu_task_is_fingerprinted_per_gpu(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("wide-1")
+    # Two GPUs holding 16 GB each for the task's whole life: the samples sum them (32 GB), as
+    # NVML's per-process figures summed over the task's GPUs do.
+    await run_for(bus, first, 1_000, lambda t: 2 * (16_000.0 + 50.0 * math.sin(t)), gpus=[0, 1])
+    await bus.publish(TaskLifecycle(task_id="wide-1", state="finished", at=now()))
+    await remembered(bus, task_signature(first))
+    await bus.publish(task("wide-2"))
+    predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "wide-2"]))[0]
+    assert predicted.fingerprint.pattern == "flat"
+    assert abs(predicted.fingerprint.predicted_peak_mb - 16_000) < 1_600  # per GPU, not the 32 GB sum
