@@ -121,3 +121,21 @@ async def test_a_multi_gpu_task_is_fingerprinted_per_gpu(fingerprinter):
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "wide-2"]))[0]
     assert predicted.fingerprint.pattern == "flat"
     assert abs(predicted.fingerprint.predicted_peak_mb - 16_000) < 1_600  # per GPU, not the 32 GB sum
+
+
+async def test_a_migrated_task_s_series_starts_again(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("moved-1")
+    await run_for(bus, first, 400, lambda t: 8_000 + 30.0 * t)
+    before = [f.fingerprint for f in seen if f.task_id == "moved-1"]
+    assert before and before[-1].samples >= 30
+    published = len(seen)
+    await bus.publish(TaskLifecycle(task_id="moved-1", state="migrated", at=now()))
+    await asyncio.sleep(0.3)
+    # Restored on its new GPU, it grows from its start again.
+    start = now() + 400
+    for t in np.arange(0, 100, 10.0):
+        await bus.publish(TaskTelemetry(task_id="moved-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=8_000 + 30.0 * float(t)))
+    after = await wait_for(lambda: [f.fingerprint for f in seen[published:] if f.task_id == "moved-1"])
+    assert after[-1].samples <= 10  # the ten samples since the move, not the forty before it too
