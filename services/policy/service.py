@@ -179,6 +179,11 @@ class PolicySettings(ServiceSettings):
     evict_timeout_s: float = Field(
         default=60.0, description="An eviction not carried out by then is given up"
     )
+    refused_replacements: int = Field(
+        default=2,
+        description="How many times a task whose assign the executor refused (a business rule, a GPU "
+        "cordoned meanwhile) is placed again before it is given up",
+    )
     growth_lookahead_s: float = Field(
         default=240.0,
         description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
@@ -973,13 +978,22 @@ class PolicyState:
     async def requeue_failed(
         self, failed: ActionFailed, pending: KeyValue, ledger: KeyValue, executions: KeyValue
     ) -> Requeue | None:
-        """Queue again a task whose assign the executor could not carry out for a passing
-        reason (``retryable``: the backend did not answer); it released the hold. A refusal
-        that would repeat (a business rule, a cordoned GPU) is not retried."""
-        if failed.action != "assign" or not failed.retryable:
+        """Queue again a task whose assign the executor could not carry out; it released the
+        hold. A passing failure (``retryable``: the backend did not answer) is retried every
+        time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
+        retried ``refused_replacements`` times: the policy applies the same rules from the
+        topology's labels, so a placement made after the labels changed avoids that GPU; a
+        refusal that repeats beyond that comes from a rule the labels do not carry, and
+        placing again would only be refused again."""
+        if failed.action != "assign":
             return None
+        if not failed.retryable and generation(failed.task_id, failed.decision_id) > self.settings.refused_replacements:
+            log.warning("%s: assign %s refused again (%s): not placed again", failed.task_id, failed.decision_id,
+                        failed.error)
+            return None
+        what = "failed" if failed.retryable else "refused"
         return await self.requeue(
-            failed.task_id, failed.decision_id, failed.failed_at, f"assign failed: {failed.error}",
+            failed.task_id, failed.decision_id, failed.failed_at, f"assign {what}: {failed.error}",
             pending, ledger, executions,
         )
 

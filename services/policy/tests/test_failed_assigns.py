@@ -1,6 +1,7 @@
 """An assign the executor could not carry out for a passing reason (the backend did not
-answer) is placed again under the task's next assign id; a refusal that would repeat is
-not. Over a real nats-server, the executor played by the test."""
+answer) is placed again under the task's next assign id; so is a refused one (a business
+rule, a GPU reserved since the decision), twice, and not a third time. Over a real
+nats-server, the executor played by the test."""
 
 from __future__ import annotations
 
@@ -12,14 +13,22 @@ from fleetpilot_services.policy.service import build
 from .conftest import admitted, node, settings, wait_for
 
 
-def failure(task_id: str, retryable: bool) -> ActionFailed:
-    return ActionFailed(action_id=f"act-{task_id}.assign", decision_id=f"{task_id}.assign", task_id=task_id,
+def failure(decision_id: str, retryable: bool) -> ActionFailed:
+    task_id = decision_id.split(".")[0]
+    return ActionFailed(action_id=f"act-{decision_id}", decision_id=decision_id, task_id=task_id,
                         action="assign", backend="sim", error="simulated fleet did not answer" if retryable
                         else "business rule: n0/0: reserved", retryable=retryable,
                         policy=PolicyRef(name="bestfit"), failed_at=now())
 
 
-async def test_a_retryable_assign_failure_is_placed_again_and_a_refusal_is_not(observer, nats_url, tmp_path):
+async def fail(observer, decision_id: str, retryable: bool) -> None:
+    """The executor fails ``decision_id``: it releases the hold, then reports it."""
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[
+        a for a in (await observer.ledgers())["n0"].allocations if a.decision_id != decision_id])))
+    await observer.js.publish("action.failed", encode(failure(decision_id, retryable)))
+
+
+async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer, nats_url, tmp_path):
     await observer.put_fleet([node("n0")])
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
     await policy.start()
@@ -27,17 +36,23 @@ async def test_a_retryable_assign_failure_is_placed_again_and_a_refusal_is_not(o
         for task_id in ("t", "u"):
             await observer.admit(admitted(task_id, gpu_milli=500))
         await wait_for(lambda: len(observer.decisions) == 2, what="first placements")
-        # The executor failed both and released their holds, then reported it.
-        await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[])))
-        for task_id, retryable in (("t", True), ("u", False)):
-            await observer.js.publish("action.failed", encode(failure(task_id, retryable)))
-        await wait_for(lambda: any(d.decision_id == "t.assign.2" for d in observer.decisions), what="t again")
+
+        async def placed(*ids: str) -> None:
+            await wait_for(lambda: set(ids) <= {d.decision_id for d in observer.decisions}, what=f"{ids}")
+
+        # t fails for a passing reason; u is refused by a business rule, again and again.
+        await fail(observer, "t.assign", retryable=True)
+        await fail(observer, "u.assign", retryable=False)
+        await placed("t.assign.2", "u.assign.2")
+        await fail(observer, "u.assign.2", retryable=False)
+        await placed("u.assign.3")
+        await fail(observer, "u.assign.3", retryable=False)
         await asyncio.sleep(0.6)  # retry rounds: nothing else comes
         ledger = (await observer.ledgers())["n0"]
     finally:
         await policy.stop()
     ids = [d.decision_id for d in observer.decisions]
-    assert sorted(ids) == ["t.assign", "t.assign.2", "u.assign"]
+    assert sorted(ids) == ["t.assign", "t.assign.2", "u.assign", "u.assign.2", "u.assign.3"]
     again = next(d for d in observer.decisions if d.decision_id == "t.assign.2")
     assert again.action == "assign" and again.placement[0].node == "n0"
     assert [(a.task_id, a.decision_id) for a in ledger.allocations] == [("t", "t.assign.2")]
