@@ -128,11 +128,9 @@ from .fleet_workload import (
     sharing_bound,
     sm_use_bound,
 )
+from .openb import NODES_FILE, TRACES, find_data_dir
 from .outputs import check_writable
 
-OPENB_DIR = Path("/work/shared/data/openb")
-TRACE_FILE = OPENB_DIR / "openb_pod_list_default.csv"
-NODES_FILE = OPENB_DIR / "openb_node_list_gpu_node.csv"
 MODES: tuple[str, ...] = ("k8s-default", "fleetpilot")
 TICK_S = 60.0
 """Scheduling cycle and telemetry period of the virtual clock."""
@@ -1114,11 +1112,14 @@ a few minutes of Python decisions allow, so by default a quarter of its nodes (e
 proportion) is simulated; ``--fleet-fraction 1`` runs the whole fleet."""
 
 
-def load_bench_fleet(name: str, nodes_csv: Path = NODES_FILE, *, fraction: float = 1.0, seed: int = 0) -> Fleet:
-    """The three-site fleet, or the openb fleet (``fraction`` < 1: a seeded sample of its
-    nodes, the same share of every GPU model, so the mix of models is kept)."""
+def load_bench_fleet(name: str, nodes_csv: Path | None = None, *, fraction: float = 1.0, seed: int = 0) -> Fleet:
+    """The three-site fleet, or the openb fleet from ``nodes_csv`` (``fraction`` < 1: a
+    seeded sample of its nodes, the same share of every GPU model, so the mix of models is
+    kept)."""
     if name == "three-site":
         return load_fleet_spec()
+    if nodes_csv is None:
+        raise ValueError("the openb fleet needs its node list")
     fleet = load_openb_fleet(nodes_csv)
     if fraction >= 1.0:
         return fleet
@@ -1170,8 +1171,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet-fraction", type=float, default=None,
                    help="share of the openb nodes simulated, every model in proportion (default 0.25)")
     p.add_argument("--arrivals", choices=("trace", "generated"), default="trace")
-    p.add_argument("--trace", type=Path, default=TRACE_FILE, help="openb pod list (arrivals and durations)")
-    p.add_argument("--nodes", type=Path, default=NODES_FILE, help="openb node list (for --fleet openb)")
+    found = "the openb data found as the other benchmarks find it ($FLEETPILOT_DATA, else shared/data/openb above)"
+    p.add_argument("--trace", type=Path, default=None, help=f"openb pod list: arrivals and durations (default: {found})")
+    p.add_argument("--nodes", type=Path, default=None, help=f"openb node list, for --fleet openb (default: {found})")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     return p
@@ -1185,12 +1187,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     fraction = args.fleet_fraction if args.fleet_fraction is not None else DEFAULT_FRACTION[args.fleet]
     if tasks < 1 or hours <= 0 or (args.load is not None and args.load <= 0) or not 0 < fraction <= 1:
         raise SystemExit("fleet bench: --tasks, --hours and --load must be positive, --fleet-fraction in (0, 1]")
-    for path, needed in ((args.trace, args.arrivals == "trace"), (args.nodes, args.fleet == "openb")):
+    data = find_data_dir() if args.trace is None or args.nodes is None else None
+    trace_csv = args.trace or (data / TRACES["default"] if data else None)
+    nodes_csv = args.nodes or (data / NODES_FILE if data else None)
+    for path, needed in ((trace_csv, args.arrivals == "trace"), (nodes_csv, args.fleet == "openb")):
+        if needed and path is None:
+            raise SystemExit("fleet bench: no shared/data/openb found (set FLEETPILOT_DATA, or pass --trace and --nodes)")
         if needed and not path.is_file():
             raise SystemExit(f"fleet bench: no such file {path}")
     check_writable("fleet bench", files=(args.json,), dirs=(args.plot_dir,))
-    fleet = load_bench_fleet(args.fleet, args.nodes, fraction=fraction, seed=args.seed)
-    trace = load_trace(args.trace) if args.arrivals == "trace" else None
+    fleet = load_bench_fleet(args.fleet, nodes_csv, fraction=fraction, seed=args.seed)
+    trace = load_trace(trace_csv) if args.arrivals == "trace" else None
     try:
         workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
                                      trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None)

@@ -27,7 +27,7 @@ from fleetpilot.fleet.inventory import Fleet, build_fleet, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, THERMAL_RISE_C, THERMAL_TAU_S, SimulatedFleet
 from fleetpilot.workload.growth import MemoryGrowth, random_growth
 
-DEFAULT_CSV = Path("/work/shared/data/openb/openb_node_list_gpu_node.csv")
+from .openb import NODES_FILE, find_data_dir
 
 
 @dataclass
@@ -110,13 +110,19 @@ def measure(fleet: Fleet, ticks: int = 20, baseline_ticks: int = 2, seed: int = 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the benchmark and print the figure; returns the measurements."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="openb node list")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="openb node list (default: found as the other benchmarks find the openb data)")
     parser.add_argument("--ticks", type=int, default=20)
     parser.add_argument("--baseline-ticks", type=int, default=2)
     args = parser.parse_args(argv)
-    fleet = load_openb_fleet(args.csv) if args.csv.exists() else _synthetic_fleet()
+    data = find_data_dir() if args.csv is None else None
+    csv = args.csv or (data / NODES_FILE if data else None)
+    if csv is not None and csv.exists():
+        fleet, name = load_openb_fleet(csv), "openb fleet"
+    else:
+        fleet, name = _synthetic_fleet(), "synthetic fleet of openb's size (no openb node list found)"
     result = measure(fleet, ticks=args.ticks, baseline_ticks=args.baseline_ticks)
-    print(f"sim tick openb fleet: {result['sim_ms']:.2f} ms per virtual second "
+    print(f"sim tick {name}: {result['sim_ms']:.2f} ms per virtual second "
           f"(baseline python loop: {result['baseline_ms']:.1f} ms, ratio {result['ratio']:.0f}x) "
           f"[{int(result['gpus'])} GPUs, {int(result['tasks'])} tasks]")
     return result

@@ -231,6 +231,17 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
     assert message.startswith("fleet bench:") and "\n" not in message
 
 
+def test_without_the_openb_data_the_trace_runs_say_where_it_is_looked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no shared/data/openb above it
+    monkeypatch.delenv("FLEETPILOT_DATA", raising=False)
+    for argv in (["--fleet", "openb", "--arrivals", "generated"], ["--fleet", "three-site"]):
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert str(err.value) == ("fleet bench: no shared/data/openb found (set FLEETPILOT_DATA, or pass --trace "
+                                  "and --nodes)")
+
+
 @pytest.mark.parametrize("flag", ["--json", "--plot-dir"])
 def test_an_unwritable_output_fails_before_the_run(tmp_path: Path, flag: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
