@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from fleetpilot.bench.openb import NODES_FILE, find_data_dir
 from fleetpilot.fleet.catalogue import UnknownGpuModel
 from fleetpilot.fleet.inventory import (
     build_fleet,
@@ -19,7 +19,9 @@ from fleetpilot.fleet.inventory import (
 from fleetpilot.fleet.node_shapes import NodeShape, build_node, gpu_uuid
 from fleetpilot.fleet.topology import colocation_domains
 
-OPENB = Path(os.environ.get("FLEETPILOT_OPENB_DIR", "/work/shared/data/openb")) / "openb_node_list_gpu_node.csv"
+# Found as the benchmarks find it: $FLEETPILOT_DATA, else shared/data/openb above this file.
+_DATA = find_data_dir(Path(__file__).parent)
+OPENB = (_DATA / NODES_FILE) if _DATA else Path("shared/data/openb") / NODES_FILE
 
 
 def test_three_site_spec_builds_the_agreed_fleet() -> None:
