@@ -45,15 +45,30 @@ async def decisions_by_task(fleet: Fleet) -> Counter:
     return Counter(decode(m.data, DecisionMade).task_id for m in msgs)
 
 
-async def decided_more_than_once(fleet: Fleet, got: Counter) -> dict[str, list[tuple[str, str, str]]]:
-    """What was decided for each task with more than one decision (id, action, reason): a
-    failure says which kind of second decision it was."""
-    doubled: dict[str, list[tuple[str, str, str]]] = {t: [] for t, n in got.items() if n > 1}
+async def failed_assigns(fleet: Fleet) -> Counter:
+    """Assigns the executor failed, per task: on a loaded machine the simulated backend may not
+    answer in time, and the policy then places the task again under its next assign id."""
+    return Counter(decode(m.data, ActionFailed).task_id
+                   for m in await fleet.stream("ACTIONS", "action.failed", idle_s=0.5))
+
+
+async def decided_once_each(fleet: Fleet, ids: list[str], timeout_s: float = 90) -> None:
+    """Wait for a decision for every task of ``ids``, then check that none has more than one
+    beyond the re-placements of its failed assigns; a failure names the extra decisions."""
+
+    async def all_decided():
+        got, failed = await decisions_by_task(fleet), await failed_assigns(fleet)
+        return all(got[t] - failed[t] >= 1 for t in ids)
+
+    await wait_until(all_decided, timeout_s, "a decision for every task")
+    await asyncio.sleep(1)  # anything doubled would show up by now
+    got, failed = await decisions_by_task(fleet), await failed_assigns(fleet)
+    doubled: dict[str, list[tuple[str, str, str]]] = {t: [] for t in ids if got[t] - failed[t] != 1}
     for m in await fleet.stream("DECISIONS", "decision.made"):
         d = decode(m.data, DecisionMade)
         if d.task_id in doubled:
             doubled[d.task_id].append((d.decision_id, d.action, d.reason[:160]))
-    return doubled
+    assert not doubled, f"decided more than once (id, action, reason): {doubled}"
 
 
 async def test_200_tasks_each_get_one_decision_and_one_action(fleet):
@@ -118,13 +133,7 @@ async def test_policy_killed_mid_burst_loses_no_task(fleet):
         await fleet.submit(small_task(i, "kill"))
     await asyncio.sleep(1)
     fleet.restart("policy")
-
-    async def all_decided():
-        got = await decisions_by_task(fleet)
-        return set(ids) <= set(got) and got
-
-    got = await wait_until(all_decided, 90, "a decision for every task")
-    assert {got[t] for t in ids} == {1}, await decided_more_than_once(fleet, got)
+    await decided_once_each(fleet, ids)  # a redelivered task is not decided twice
 
 
 async def test_sigterm_drains_and_exits_cleanly_mid_burst(fleet):
@@ -141,10 +150,4 @@ async def test_sigterm_drains_and_exits_cleanly_mid_burst(fleet):
     # In-flight handlers finish, fetched-but-unstarted messages go back to the stream.
     assert await asyncio.to_thread(sla.wait, 20) == 0
     fleet.restart("sla")
-
-    async def all_decided():
-        got = await decisions_by_task(fleet)
-        return set(ids) <= set(got) and got
-
-    got = await wait_until(all_decided, 90, "a decision for every task")
-    assert {got[t] for t in ids} == {1}, await decided_more_than_once(fleet, got)
+    await decided_once_each(fleet, ids)
