@@ -4,8 +4,8 @@
   it, publishes a predicted ``task.fingerprinted`` (source ``signature``) at once.
 - ``telemetry.task.<task>``: feeds the task's online model (memory per GPU) and publishes
   ``task.fingerprinted`` (source ``observed``) whenever the prediction changes materially.
-- ``task.lifecycle``: a migrated task's series starts again (restored, it grows from its
-  start again); when a task ends, its last fingerprint is merged into its
+- ``task.lifecycle``: a migrated or evicted task's series starts again (it grows from its
+  start again where it runs next); when a task ends, its last fingerprint is merged into its
   signature's statistics in the bucket (compare-and-set), for the next submission. A task
   killed by an OOM is not: its series stops before its peak; the most it held becomes the
   signature's floor instead (``merge_oom``), under which no prediction goes.
@@ -75,14 +75,16 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
-        if life.state == "migrated":
-            # Restored from its checkpoint, the task grows from its start again: a series
-            # spanning the move would read the drop as a sawtooth or a shrinking peak.
+        if life.state in ("migrated", "evicted"):
+            # Moved, or stopped to be placed again (preempted, checkpointed, its GPU gone):
+            # the task grows from its start again where it runs next, and its life is not
+            # over, so nothing is learnt yet. A series spanning the gap would read the drop
+            # as a sawtooth; merged now, a partial series would teach a guess as a peak.
             old = models.get(life.task_id)
             if old is not None:
                 models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s)
             return
-        if life.state not in ("finished", "oom_killed", "failed", "evicted"):
+        if life.state not in ("finished", "oom_killed", "failed"):
             return
         model = models.pop(life.task_id, None)
         if model is None or not model.signature:

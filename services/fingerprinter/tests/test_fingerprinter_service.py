@@ -139,3 +139,23 @@ async def test_a_migrated_task_s_series_starts_again(fingerprinter):
                                         memory_used_mb=8_000 + 30.0 * float(t)))
     after = await wait_for(lambda: [f.fingerprint for f in seen[published:] if f.task_id == "moved-1"])
     assert after[-1].samples <= 10  # the ten samples since the move, not the forty before it too
+
+
+async def test_an_evicted_task_teaches_nothing_until_its_run_again_ends(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("evicted-1")
+    # 10 GB for the first 300 s of its 1,000 s: a level that may still step up.
+    await run_for(bus, first, 300, lambda t: 10_000.0 + 20.0 * math.sin(t))
+    await bus.publish(TaskLifecycle(task_id="evicted-1", state="evicted", at=now()))
+    await asyncio.sleep(0.3)
+    # Placed again, it runs its whole life at 10 GB and finishes.
+    start = now() + 300
+    for t in np.arange(0, 1_000, 10.0):
+        await bus.publish(TaskTelemetry(task_id="evicted-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=10_000.0 + 20.0 * math.sin(float(t))))
+    await asyncio.sleep(0.5)
+    await bus.publish(TaskLifecycle(task_id="evicted-1", state="finished", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    # One run, the whole one: not the partial run's guess (a first level read as a step
+    # schedule's, about twice as high), and not two runs.
+    assert stats.count == 1 and abs(stats.mean_peak_mb - 10_000) < 1_000, stats
