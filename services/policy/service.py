@@ -65,6 +65,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskFingerprinted,
     TaskLifecycle,
+    TaskRejected,
     TaskSubmitted,
     TaskTelemetry,
     decode,
@@ -981,20 +982,33 @@ class PolicyState:
         """Queue again a task whose assign the executor could not carry out; it released the
         hold. A passing failure (``retryable``: the backend did not answer) is retried every
         time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
-        retried ``refused_replacements`` times: the policy applies the same rules from the
-        topology's labels, so a placement made after the labels changed avoids that GPU; a
-        refusal that repeats beyond that comes from a rule the labels do not carry, and
-        placing again would only be refused again."""
-        if failed.action != "assign":
-            return None
-        if not failed.retryable and generation(failed.task_id, failed.decision_id) > self.settings.refused_replacements:
-            log.warning("%s: assign %s refused again (%s): not placed again", failed.task_id, failed.decision_id,
-                        failed.error)
+        retried ``refused_replacements`` times (``given_up`` says when no more)."""
+        if failed.action != "assign" or self.given_up(failed) is not None:
             return None
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
             failed.task_id, failed.decision_id, failed.failed_at, f"assign {what}: {failed.error}",
             pending, ledger, executions,
+        )
+
+    def given_up(self, failed: ActionFailed) -> TaskRejected | None:
+        """The ``task.rejected`` that tells the submitter a task will not run: its assign was
+        refused again after ``refused_replacements`` placements. The policy applies the same
+        rules as the executor, from the topology's labels, so a placement made after the
+        labels changed avoids the refusing GPU; a refusal that repeats beyond that comes from a
+        rule the labels do not carry, and placing again would only be refused again."""
+        if failed.action != "assign" or failed.retryable:
+            return None
+        if generation(failed.task_id, failed.decision_id) <= self.settings.refused_replacements:
+            return None
+        adm = self.admissions.of(failed.task_id) if self.admissions else None
+        return TaskRejected(
+            task_id=failed.task_id,
+            tenant=adm.tenant if adm else "",
+            code="infeasible",
+            reason=f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
+            f"{failed.decision_id}: {failed.error}",
+            rejected_at=failed.failed_at,
         )
 
     async def requeue(
@@ -1504,9 +1518,14 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         return host.bus
 
     @host.on(ActionFailed, consumer="policy-failed")
-    async def on_action_failed(failed: ActionFailed) -> None:
+    async def on_action_failed(failed: ActionFailed) -> TaskRejected | None:
         bus = opened()
+        given_up = state().given_up(failed)
+        if given_up is not None:
+            log.warning("%s will not run: %s", failed.task_id, given_up.reason)
+            return given_up
         await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"), await bus.kv("executions"))
+        return None
 
     @host.on_core("telemetry.task.*", TaskTelemetry)
     async def on_task_sample(sample: TaskTelemetry) -> None:

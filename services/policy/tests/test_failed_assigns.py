@@ -1,13 +1,13 @@
 """An assign the executor could not carry out for a passing reason (the backend did not
 answer) is placed again under the task's next assign id; so is a refused one (a business
-rule, a GPU reserved since the decision), twice, and not a third time. Over a real
-nats-server, the executor played by the test."""
+rule, a GPU reserved since the decision), twice, and not a third time: then the submitter gets
+``task.rejected``. Over a real nats-server, the executor played by the test."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fleetpilot.contracts import ActionFailed, NodeLedger, PolicyRef, encode, now
+from fleetpilot.contracts import ActionFailed, NodeLedger, PolicyRef, TaskRejected, decode, encode, now
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
@@ -30,6 +30,12 @@ async def fail(observer, decision_id: str, retryable: bool) -> None:
 
 async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer, nats_url, tmp_path):
     await observer.put_fleet([node("n0")])
+    rejected: list[TaskRejected] = []
+
+    async def on_rejected(msg) -> None:
+        rejected.append(decode(msg.data, TaskRejected))
+
+    await observer.nc.subscribe("task.rejected", cb=on_rejected)
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
     await policy.start()
     try:
@@ -47,6 +53,7 @@ async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer,
         await fail(observer, "u.assign.2", retryable=False)
         await placed("u.assign.3")
         await fail(observer, "u.assign.3", retryable=False)
+        await wait_for(lambda: rejected, what="u given up")
         await asyncio.sleep(0.6)  # retry rounds: nothing else comes
         ledger = (await observer.ledgers())["n0"]
     finally:
@@ -56,3 +63,6 @@ async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer,
     again = next(d for d in observer.decisions if d.decision_id == "t.assign.2")
     assert again.action == "assign" and again.placement[0].node == "n0"
     assert [(a.task_id, a.decision_id) for a in ledger.allocations] == [("t", "t.assign.2")]
+    # The submitter is told that u will not run, and why.
+    assert [(r.task_id, r.code) for r in rejected] == [("u", "infeasible")]
+    assert "refused by the executor 3 times" in rejected[0].reason and "reserved" in rejected[0].reason
