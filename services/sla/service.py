@@ -377,6 +377,17 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         if life.state in ("finished", "oom_killed", "failed"):
             await holder["n"].store.forget(life.task_id)
 
+    @host.on(TaskRejected, consumer="sla-rejected")
+    async def on_rejected(rejected: TaskRejected) -> None:
+        # A task given up after its admission (the policy's rejection of a task the executor
+        # refused again and again) ends here, as one that finished: its contract goes. Only
+        # for the tenant that holds it: our own rejection of a bad resubmission of the same
+        # task id (another tenant, no token) must not end a running task's contract.
+        store = holder["n"].store
+        adm = await store.admission(rejected.task_id)
+        if adm is not None and adm.tenant == rejected.tenant:
+            await store.forget(rejected.task_id)
+
     @host.every(settings.expiry_interval_s)
     async def expire_offers() -> list[TaskRejected]:
         negotiator = holder.get("n")

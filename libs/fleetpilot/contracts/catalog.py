@@ -153,6 +153,9 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("sla-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("sla-replies", "SLA", "sla.reply.*"),
         ConsumerSpec("sla-lifecycle", "TASKS", "task.lifecycle.>"),
+        # A task given up after admission (the policy: refused by the executor again and
+        # again) ends there: its contract goes, as when it ends.
+        ConsumerSpec("sla-rejected", "TASKS", "task.rejected"),
         ConsumerSpec("fingerprinter-submitted", "TASKS", "task.submitted"),
         ConsumerSpec("policy-admitted", "TASKS", "task.admitted", ack_wait_s=10),
         ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),

@@ -34,6 +34,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually
 from fleetpilot_services.policy.service import PolicySettings
 from fleetpilot_services.policy.service import build as build_policy
 from fleetpilot_services.sla.service import SlaSettings, build
@@ -403,3 +404,23 @@ async def test_redelivered_or_repeated_submission_gets_the_same_admission(rig):
     # the stored admission, not a fresh negotiation with a new admitted_at.
     admitted = [e for s, e in rig.recorder.about("t-twice") if s == "task.admitted"]
     assert len(admitted) == 2 and admitted[1] == first
+
+
+async def test_a_task_given_up_after_admission_loses_its_contract_and_only_for_its_tenant(rig):
+    await rig.start_sla()
+    for task_id in ("t-kept", "t-gone"):
+        await rig.submit(TaskSubmitted(task_id=task_id, gpus=1), rig.token("acme"))
+        await rig.recorder.wait("task.admitted", task_id)
+    contracts = await rig.bus.kv("contracts")
+    # The policy gives t-gone up (the executor refused it again and again); a rejection of
+    # t-kept names another tenant, as ours of a stranger's resubmission of its id would.
+    for task_id, tenant in (("t-kept", "mallory"), ("t-gone", "acme")):
+        await rig.bus.publish(TaskRejected(task_id=task_id, tenant=tenant, code="infeasible",
+                                           reason="refused by the executor 3 times", rejected_at=time.time()))
+
+    async def gone() -> bool:
+        return await contracts.get(contract_key("t-gone")) is None
+
+    await eventually(gone, what="t-gone's contract forgotten")
+    await asyncio.sleep(0.3)
+    assert await contracts.get(contract_key("t-kept")) is not None
