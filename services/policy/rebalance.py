@@ -132,20 +132,21 @@ def normal_tail(peak_mb: float, sigma_mb: float, available_mb: float) -> float:
     return 0.5 * math.erfc((available_mb - peak_mb) / (sigma * math.sqrt(2.0)))
 
 
-def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint) -> float:
-    """P(the task's peak exceeds the memory it can have on its GPUs), worst GPU.
-
-    What it can have is the GPU's memory minus what the other tasks on it hold.
-    """
-    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29  # 90% interval -> sigma
+def room_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger) -> dict[int, int]:
+    """Per GPU of the task, the memory it can have there: the GPU's memory minus what the
+    other tasks on it hold."""
     memory = {g.index: g.memory_mb for g in topo.gpus}
-    worst = 0.0
-    for gpu in task.gpus:
-        others = sum(a.memory_mb for a in ledger.allocations if a.gpu == gpu and a.task_id != task.task_id)
-        available = memory.get(gpu, 0) - others
-        if available > 0:
-            worst = max(worst, normal_tail(fp.predicted_peak_mb, sigma, available))
-    return worst
+    return {gpu: memory.get(gpu, 0) - sum(a.memory_mb for a in ledger.allocations
+                                          if a.gpu == gpu and a.task_id != task.task_id)
+            for gpu in task.gpus}
+
+
+def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint) -> float:
+    """P(the task's peak exceeds the memory it can have on its GPUs, ``room_in_place``),
+    worst GPU."""
+    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29  # 90% interval -> sigma
+    rooms = [room for room in room_in_place(task, topo, ledger).values() if room > 0]
+    return max((normal_tail(fp.predicted_peak_mb, sigma, room) for room in rooms), default=0.0)
 
 
 def move_reason(
@@ -271,8 +272,7 @@ def growth_overflow(
     """Why ``task`` must be checkpointed now, or ``None``: its measured growth (the slope
     from the first to the last of ``samples``, ``(time, MB used over all its GPUs)``), carried
     ``lookahead_s`` ahead, would fill more than ``OVERFLOW_FILL`` of what it can have on one of
-    its GPUs (the GPU's memory minus what the other tasks there hold). Fewer than two samples
-    say nothing."""
+    its GPUs (``room_in_place``). Fewer than two samples say nothing."""
     if len(samples) < 2 or not task.gpus:
         return None
     (t0, m0), (t1, m1) = samples[0], samples[-1]
@@ -281,10 +281,7 @@ def growth_overflow(
     n = len(task.gpus)
     slope = max((m1 - m0) / (t1 - t0), 0.0) / n
     ahead = m1 / n + slope * lookahead_s
-    memory = {g.index: g.memory_mb for g in topo.gpus}
-    for gpu in task.gpus:
-        others = sum(a.memory_mb for a in ledger.allocations if a.gpu == gpu and a.task_id != task.task_id)
-        room = memory.get(gpu, 0) - others
+    for gpu, room in room_in_place(task, topo, ledger).items():
         if ahead > OVERFLOW_FILL * room:
             return (f"its memory grows {slope * 60:.0f} MB/min per GPU ({m1 / n:.0f} MB now): within "
                     f"{lookahead_s:.0f} s it would pass the {room} MB it can have on GPU {gpu}")

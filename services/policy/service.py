@@ -388,14 +388,26 @@ class PolicyState:
             kept.popleft()
         self.remember(self.usage, sample.task_id, kept, limit=50_000)
 
+    async def taken_at(self, decision_id: str) -> float | None:
+        """When the executor took ``decision_id`` (its journal entry in ``executions``: the
+        claim, the result), ``None`` when it never did; 0 when the entry carries no time."""
+        if self.executions is None:
+            return None
+        found = await self.executions.get(node_key(decision_id))
+        if found is None or not found.value:
+            return None
+        try:
+            doc = msgspec.json.decode(found.value)
+        except msgspec.DecodeError:
+            return 0.0
+        times = [doc.get(f) for f in ("executed_at", "failed_at", "at")] if isinstance(doc, dict) else []
+        return next((float(t) for t in times if isinstance(t, int | float)), 0.0)
+
     async def journaled(self, decision_id: str) -> bool:
         """Whether the executor has taken ``decision_id`` (claimed it, or recorded its result).
         A re-proposal under such an id would be dropped by the stream's duplicate window or
         the journal, and its fresh reservation would then be held until the task ends."""
-        if self.executions is None:
-            return False
-        found = await self.executions.get(node_key(decision_id))
-        return found is not None and bool(found.value)
+        return await self.taken_at(decision_id) is not None
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
@@ -967,17 +979,17 @@ class PolicyState:
 
     # ---- tasks the executor evicted on its own ----------------------------------------------
     async def requeue_evicted(
-        self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue, executions: KeyValue
+        self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue
     ) -> Requeue | None:
         """Queue a task the executor evicted without a decision of ours (its GPU was
         decommissioned) for a new placement (``requeue``)."""
         return await self.requeue(
             life.task_id, life.decision_id, life.at,
-            life.detail or f"evicted by the executor from {life.node} {life.gpus}", pending, ledger, executions,
+            life.detail or f"evicted by the executor from {life.node} {life.gpus}", pending, ledger,
         )
 
     async def requeue_failed(
-        self, failed: ActionFailed, pending: KeyValue, ledger: KeyValue, executions: KeyValue
+        self, failed: ActionFailed, pending: KeyValue, ledger: KeyValue
     ) -> Requeue | None:
         """Queue again a task whose assign the executor could not carry out; it released the
         hold. A passing failure (``retryable``: the backend did not answer) is retried every
@@ -988,7 +1000,7 @@ class PolicyState:
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
             failed.task_id, failed.decision_id, failed.failed_at, f"assign {what}: {failed.error}",
-            pending, ledger, executions,
+            pending, ledger,
         )
 
     def given_up(self, failed: ActionFailed) -> TaskRejected | None:
@@ -1013,7 +1025,7 @@ class PolicyState:
 
     async def requeue(
         self, task_id: str, decision_id: str, at: float, reason: str,
-        pending: KeyValue, ledger: KeyValue, executions: KeyValue,
+        pending: KeyValue, ledger: KeyValue,
     ) -> Requeue | None:
         """Queue ``task_id``, whose placement ``decision_id`` ended at ``at``, for a new one:
         its admission goes to ``pending`` with a ``requeue`` note naming
@@ -1042,19 +1054,6 @@ class PolicyState:
                 log.info("%s (%s) holds capacity on %s: not queued again", task_id, reason, node)
                 return None
 
-        async def taken_at(decision_id: str) -> float | None:
-            """When the executor took ``decision_id`` (its journal entry: the claim, the
-            result), ``None`` when it never did; 0 when the entry carries no time."""
-            found = await executions.get(node_key(decision_id))
-            if found is None or not found.value:
-                return None
-            try:
-                doc = msgspec.json.decode(found.value)
-            except msgspec.DecodeError:
-                return 0.0
-            times = [doc.get(f) for f in ("executed_at", "failed_at", "at")] if isinstance(doc, dict) else []
-            return next((float(t) for t in times if isinstance(t, int | float)), 0.0)
-
         # g is the placement the executor ended. The event names its decision when the
         # evicting replica carried that placement out itself (else g starts at 1); the
         # executor's journal then says which later ``<task>.assign.<g>`` it has already taken
@@ -1063,7 +1062,7 @@ class PolicyState:
         # late redelivery, the task placed again since, perhaps finished): nothing to do.
         g = generation(task_id, decision_id) if decision_id else 1
         for _ in range(1000):
-            taken = await taken_at(assign_id(task_id, g + 1))
+            taken = await self.taken_at(assign_id(task_id, g + 1))
             if taken is None:
                 break
             if taken >= at:
@@ -1524,7 +1523,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if given_up is not None:
             log.warning("%s will not run: %s", failed.task_id, given_up.reason)
             return given_up
-        await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"), await bus.kv("executions"))
+        await state().requeue_failed(failed, await bus.kv("pending"), await bus.kv("ledger"))
         return None
 
     @host.on_core("telemetry.task.*", TaskTelemetry)
@@ -1543,7 +1542,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our
             # own evictions already wait in ``pending`` with their requeue note.
-            await state().requeue_evicted(life, pending, await bus.kv("ledger"), await bus.kv("executions"))
+            await state().requeue_evicted(life, pending, await bus.kv("ledger"))
             return
         # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
         # instead (the eviction failed or never went out), it must not be started again. An
