@@ -25,7 +25,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime.nats_bus import bucket_subject_keys
-from fleetpilot_services.policy.service import PolicySettings
+from fleetpilot_services.policy.settings import PolicySettings
 
 
 async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:

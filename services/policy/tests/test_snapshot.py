@@ -7,8 +7,9 @@ import numpy as np
 from fleetpilot.contracts import Allocation, NodeLedger, encode
 from fleetpilot.ledger.store import FleetView, LedgerStore
 from fleetpilot.policy import ClusterState
+from fleetpilot_services.policy.metrics import PolicyMetrics
 from fleetpilot_services.policy.policy_set import ActivePolicies, PolicyConfig
-from fleetpilot_services.policy.service import PolicyMetrics, PolicyState
+from fleetpilot_services.policy.service import PolicyState
 from prometheus_client import CollectorRegistry
 
 from .conftest import node, settings

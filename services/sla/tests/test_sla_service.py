@@ -35,8 +35,8 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
-from fleetpilot_services.policy.service import PolicySettings
 from fleetpilot_services.policy.service import build as build_policy
+from fleetpilot_services.policy.settings import PolicySettings
 from fleetpilot_services.sla.service import SlaSettings, build
 from fleetpilot_services.sla.store import contract_key
 

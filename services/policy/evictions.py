@@ -1,0 +1,234 @@
+"""Tasks that stop and wait to be placed again.
+
+* A ``vip`` task that fits nowhere preempts the cheapest set of ``best_effort`` tasks on one
+  node (``preempt.preemptions``, confirmed with the routed policy): their ``pending`` entries
+  are written first, each with its re-placement id, then the ``evict`` decisions go out.
+* A task the executor evicted without a decision of ours (a decommissioned GPU) and a task
+  whose assign the executor failed or refused are queued again under their next
+  ``<task>.assign.<g>`` (``requeue``); a task refused more than ``refused_replacements`` times
+  is given up (``given_up``: ``task.rejected``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from fleetpilot.contracts import (
+    ActionFailed,
+    DecisionMade,
+    NodeLedger,
+    Placement,
+    PolicyRef,
+    TaskAdmitted,
+    TaskLifecycle,
+    TaskRejected,
+    now,
+)
+from fleetpilot.ledger.store import node_key
+from fleetpilot.policy import PolicyDecision
+from fleetpilot.runtime import CasConflict, KeyValue
+
+from .preempt import (
+    Preemption,
+    Requeue,
+    Victim,
+    assign_id,
+    encode_pending,
+    evict_confidence,
+    evict_decision_id,
+    eviction_cost,
+    preemptions,
+    reassign_decision_id,
+)
+from .rebalance import generation, running_tasks
+from .replica import ReplicaState
+
+log = logging.getLogger("fleetpilot.policy")
+
+
+class Evictions(ReplicaState):
+    """Tasks stopped to be placed again: the victims of a vip's preemption, a task the
+    executor evicted on its own, an assign it failed or refused."""
+
+    # ---- tasks the executor evicted on its own ----------------------------------------------
+    async def requeue_evicted(
+        self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue
+    ) -> Requeue | None:
+        """Queue a task the executor evicted without a decision of ours (its GPU was
+        decommissioned) for a new placement (``requeue``)."""
+        return await self.requeue(
+            life.task_id, life.decision_id, life.at,
+            life.detail or f"evicted by the executor from {life.node} {life.gpus}", pending, ledger,
+        )
+
+    async def requeue_failed(
+        self, failed: ActionFailed, pending: KeyValue, ledger: KeyValue
+    ) -> Requeue | None:
+        """Queue again a task whose assign the executor could not carry out; it released the
+        hold. A passing failure (``retryable``: the backend did not answer) is retried every
+        time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
+        retried ``refused_replacements`` times (``given_up`` says when no more)."""
+        if failed.action != "assign" or self.given_up(failed) is not None:
+            return None
+        what = "failed" if failed.retryable else "refused"
+        return await self.requeue(
+            failed.task_id, failed.decision_id, failed.failed_at, f"assign {what}: {failed.error}",
+            pending, ledger,
+        )
+
+    def given_up(self, failed: ActionFailed) -> TaskRejected | None:
+        """The ``task.rejected`` that tells the submitter a task will not run: its assign was
+        refused again after ``refused_replacements`` placements. The policy applies the same
+        rules as the executor, from the topology's labels, so a placement made after the
+        labels changed avoids the refusing GPU; a refusal that repeats beyond that comes from a
+        rule the labels do not carry, and placing again would only be refused again."""
+        if failed.action != "assign" or failed.retryable:
+            return None
+        if generation(failed.task_id, failed.decision_id) <= self.settings.refused_replacements:
+            return None
+        adm = self.admissions.of(failed.task_id) if self.admissions else None
+        return TaskRejected(
+            task_id=failed.task_id,
+            tenant=adm.tenant if adm else "",
+            code="infeasible",
+            reason=f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
+            f"{failed.decision_id}: {failed.error}",
+            rejected_at=failed.failed_at,
+        )
+
+    async def requeue(
+        self, task_id: str, decision_id: str, at: float, reason: str,
+        pending: KeyValue, ledger: KeyValue,
+    ) -> Requeue | None:
+        """Queue ``task_id``, whose placement ``decision_id`` ended at ``at``, for a new one:
+        its admission goes to ``pending`` with a ``requeue`` note naming
+        ``<task>.assign.<g+1>``, created only if the task has no entry (create-only: a
+        redelivered event, or another replica, finds it and stops). The note, or ``None``
+        when there is nothing to do:
+
+        * the task already has an entry (the policy's own eviction, an earlier delivery of
+          this event, a replica placing it right now);
+        * it holds capacity somewhere (already placed again, or moving: a fresh read of the
+          ledger, since the view may lag the executor's release);
+        * the event is stale: the executor took the task's next assign after it;
+        * its admission is unknown (no ``contract.<task>``, not placed by this replica).
+        """
+        key = node_key(task_id)
+        entry = await pending.get(key)
+        if entry is not None and entry.value:
+            return None
+        for node in await ledger.keys():
+            held = await ledger.get(node)
+            if held is None or not held.value:
+                continue
+            if any(
+                a.task_id == task_id for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
+            ):
+                log.info("%s (%s) holds capacity on %s: not queued again", task_id, reason, node)
+                return None
+
+        # g is the placement the executor ended. The event names its decision when the
+        # evicting replica carried that placement out itself (else g starts at 1); the
+        # executor's journal then says which later ``<task>.assign.<g>`` it has already taken
+        # (a re-used id would be dropped by the stream's duplicate window and the journal).
+        # One it took after this eviction means the eviction has been dealt with already (a
+        # late redelivery, the task placed again since, perhaps finished): nothing to do.
+        g = generation(task_id, decision_id) if decision_id else 1
+        for _ in range(1000):
+            taken = await self.taken_at(assign_id(task_id, g + 1))
+            if taken is None:
+                break
+            if taken >= at:
+                log.info("stale news of %s (%s): placed again as %s since", task_id, reason, assign_id(task_id, g + 1))
+                return None
+            g += 1
+        adm = await self.admissions.fetch(task_id) if self.admissions is not None else None
+        if adm is None:
+            log.warning("%s (%s): its admission is unknown, not queued again", task_id, reason)
+            return None
+        note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason)
+        try:
+            await pending.create(key, encode_pending(adm, note))
+        except CasConflict:
+            return None  # queued meanwhile: by another delivery, a replica, or a preemption
+        log.warning("%s (%s): queued again as %s", task_id, note.reason, note.decision_id)
+        return note
+
+    # ---- preemption -------------------------------------------------------------------------
+    def victims(self, exclude: set[str]) -> list[Victim]:
+        """Running tasks that a vip may preempt: tier known to be ``best_effort``."""
+        assert self.admissions is not None
+        at = now()
+        out = []
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            if running.task_id in exclude:
+                continue
+            adm = self.admissions.of(running.task_id)
+            if adm is None or adm.contract.tier != "best_effort":
+                continue
+            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s)))
+        return out
+
+    def preemption_for(self, adm: TaskAdmitted) -> tuple[Preemption, PolicyDecision] | None:
+        """The cheapest preemption after which the routed policy places the vip task."""
+        policies = self.active.current
+        name, _ = policies.route(adm.task)
+        req = self.request(adm.task)
+        plans = preemptions(adm.task, self.fleet.nodes, self.ledger.nodes, self.victims({adm.task.task_id}))
+        for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
+            state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
+            choice = policies.guarded[name].decide(state, req)
+            if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
+                return plan, choice
+        return None
+
+    async def preempt(self, adm: TaskAdmitted, pending) -> list[DecisionMade]:
+        """``evict`` decisions for the cheapest preemption that lets the vip task fit, after
+        the victims' ``pending`` entries are written (each with its re-placement id)."""
+        found = self.preemption_for(adm)
+        if found is None:
+            return []
+        plan, choice = found
+        confidence = evict_confidence(len(plan.victims), self.settings.evict_success)
+        out = []
+        for v in plan.victims:
+            evict_id = evict_decision_id(v.running)
+            note = Requeue(
+                decision_id=reassign_decision_id(v.running),
+                evict_id=evict_id,
+                for_task=adm.task.task_id,
+                at=now(),
+            )
+            # Queued before the decision goes out: the entry waits until the executor has
+            # released the victim's holds, so it can never be placed twice.
+            await pending.put(node_key(v.task_id), encode_pending(v.admitted, note))
+            out.append(
+                DecisionMade(
+                    decision_id=evict_id,
+                    task_id=v.task_id,
+                    action="evict",
+                    source=[
+                        Placement(node=v.running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+                        for a in v.running.allocations
+                    ],
+                    confidence=confidence,
+                    policy=PolicyRef(name="preempt"),
+                    reason=(
+                        f"preempted for vip task {adm.task.task_id}, which fits nowhere now; evicting "
+                        f"{', '.join(x.task_id for x in plan.victims)} on {plan.node} lets it fit "
+                        f"({choice.reason})"
+                    ),
+                    decided_at=now(),
+                    task=v.admitted.task,
+                    contract=v.admitted.contract,
+                )
+            )
+        log.info(
+            "vip %s preempts %s on %s (cost %.0f)",
+            adm.task.task_id,
+            [v.task_id for v in plan.victims],
+            plan.node,
+            plan.cost,
+        )
+        return out

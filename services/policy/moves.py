@@ -1,0 +1,483 @@
+"""Running tasks the policy acts on, every ``rebalance_s`` (``Moves.rebalance_round``).
+
+* ``resize``: the hold of a task whose fingerprint predicts a peak above it grows, where its
+  GPUs have room (``rebalance.resize_plan``);
+* ``migrate``: a task whose GPU is going away, or whose fingerprint predicts an OOM in place,
+  moves to a target the default policy chooses (``rebalance.move_reason``);
+* ``checkpoint``: a task that should move but has nowhere to go, whose measured growth would
+  overflow its GPU within ``growth_lookahead_s``, is evicted and queued again;
+* clearing: when moving the tenants of a node costs less than the wait of the task the
+  backfill reservation is for, they are migrated away (``backfill.clearing``).
+
+Every target or extra share is reserved in the ledger with compare-and-set before the
+decision is returned. The reservation itself (``reservation_for``) is judged by when the
+running tasks are expected to end (``running_ends``), which is why it lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import msgspec
+from fleetpilot.contracts import (
+    Allocation,
+    DecisionMade,
+    Fingerprint,
+    NodeLedger,
+    NodeTopology,
+    Placement,
+    PolicyRef,
+    TaskAdmitted,
+    now,
+)
+from fleetpilot.ledger import free_capacity
+from fleetpilot.ledger.store import node_key
+from fleetpilot.policy import ClusterState, TaskRequest
+from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
+from fleetpilot.policy.transformers import oom_risk
+from fleetpilot.runtime import CasConflict
+
+from .preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
+from .rebalance import (
+    CORDONED,
+    DECOMMISSIONED,
+    MAINTENANCE_PENDING,
+    MoveReason,
+    ResizePlan,
+    Running,
+    growth_overflow,
+    is_set,
+    migrate_decision_id,
+    move_reason,
+    resize_decision_id,
+    resize_plan,
+    running_tasks,
+)
+from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
+
+log = logging.getLogger("fleetpilot.policy")
+
+
+class Moves(ReplicaState):
+    """What the rebalancer does to running tasks: resize, migrate, checkpoint, and clear a
+    node for the task the backfill reservation is for."""
+
+    def reservation_for(self, adm: TaskAdmitted) -> Reservation | None:
+        """Where and when a blocked whole-GPU task can start earliest (``backfill.reserve``),
+        judged by the durations the running tasks declared: a hold whose task declared none,
+        or that this replica cannot name, is taken never to end."""
+        state = self.snapshot()
+        return reserve(state, self.request(adm.task), gpu_free_at(state, self.running_ends(state), now()))
+
+    def running_ends(self, state: ClusterState) -> list[tuple[int, list[int], float]]:
+        """``(row, gpus, expected end)`` of every GPU hold in the ledger.
+
+        A hold ends when its task is expected to (its first hold's time plus the duration it
+        declared), except the hold a task is being migrated off: the executor releases it
+        once the task is restored on the target, a checkpoint pause after the move was
+        decided. So the GPUs a clearing empties are reserved for the task it cleared them
+        for as soon as the moves are decided, and nothing that would delay it takes them
+        when they free."""
+        moving = self.moves_in_flight()
+        out: list[tuple[int, list[int], float]] = []
+        for ledger in self.ledger.nodes.values():
+            try:
+                row = state.node_index(ledger.node)
+            except KeyError:
+                continue
+            holds: dict[tuple[str, bool], list[Allocation]] = {}
+            for a in ledger.allocations:
+                if a.gpu >= 0:
+                    move = moving.get(a.task_id)
+                    leaving = move is not None and a.decision_id != move[0]
+                    holds.setdefault((a.task_id, leaving), []).append(a)
+            for (task_id, leaving), allocs in holds.items():
+                if leaving:
+                    end = moving[task_id][1] + self.checkpoint_pause_s(max(a.memory_mb for a in allocs))
+                else:
+                    declared = self.declared_s(task_id)
+                    end = min(a.at for a in allocs) + declared if declared else math.inf
+                out.append((row, [a.gpu for a in allocs], end))
+        return out
+
+    def moves_in_flight(self) -> dict[str, tuple[str, float]]:
+        """Tasks being migrated: task id -> (the move's decision id, when its target was
+        reserved). The target hold stays ``reserved`` until the executor has moved the task."""
+        out: dict[str, tuple[str, float]] = {}
+        for ledger in self.ledger.nodes.values():
+            for a in ledger.allocations:
+                own = a.decision_id[len(a.task_id):] if a.decision_id.startswith(a.task_id) else ""
+                if a.state == "reserved" and ".migrate." in own:
+                    out[a.task_id] = (a.decision_id, a.at)
+        return out
+
+    def declared_s(self, task_id: str) -> float | None:
+        """The run time the task declared (``expected_duration_s``), ``None`` when the task
+        is unknown to this replica or declared none."""
+        adm = self.admissions.of(task_id) if self.admissions is not None else None
+        task = adm.task if adm is not None else self.tasks.get(task_id)
+        return task.expected_duration_s if task is not None and task.expected_duration_s else None
+
+    def remaining_s(self, running: Running) -> float | None:
+        """What is left of the run a running task declared: its duration less the time
+        since its first hold (``None`` when unknown, taken as long by ``delayed_by``)."""
+        declared = self.declared_s(running.task_id)
+        if declared is None:
+            return None
+        return max(declared - (now() - min(a.at for a in running.allocations)), 0.0)
+
+    def may_pause(self, running: Running, pause_s: float) -> bool:
+        """Whether a clearing may pause ``running`` for ``pause_s``: not when the pause would
+        make it miss the deadline its contract carries (its expected end, by the duration it
+        declared, plus the pause; an unknown end with a deadline counts as too late). A
+        queue-time SLA is not touched by a pause, whatever the tier."""
+        adm = self.admissions.of(running.task_id) if self.admissions is not None else None
+        deadline = adm.contract.deadline if adm is not None else None
+        if deadline is None:
+            return True
+        remaining = self.remaining_s(running)
+        return remaining is not None and now() + remaining + pause_s <= deadline
+
+    def checkpoint_pause_s(self, memory_mb: float) -> float:
+        """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
+        checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
+        holds sets the pause, not the sum over the task's GPUs."""
+        return self.settings.checkpoint_base_s + self.settings.checkpoint_s_per_gb * memory_mb / 1024.0
+
+    async def rebalance_round(self) -> list[DecisionMade]:
+        """One rebalancing round (``rebalance``): a ``resize`` for a task whose predicted
+        peak is above its hold where its GPU has room, else ``migrate`` for a task that should
+        move; then, with what is left of the round's budget, the moves that clear a node for
+        the task the reservation is for (``clear_for_reservation``). The extra memory or the
+        target is reserved with CAS before the decision is returned. At most
+        ``max_migrations_per_round`` decisions."""
+        out: list[DecisionMade] = []
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            if len(out) >= self.settings.max_migrations_per_round:
+                break
+            topo = self.fleet.nodes.get(node_key(running.node))
+            ledger = self.ledger.nodes.get(node_key(running.node))
+            if topo is None or ledger is None or not running.gpus:
+                continue
+            fp = self.fingerprints.get(running.task_id)
+            plan = resize_plan(
+                running, topo, ledger, fp, self.settings.oom_migrate_risk, self.settings.resize_margin_mb
+            )
+            resize_id = resize_decision_id(running, plan.memory_mb) if plan is not None else ""
+            # A resize under an id already proposed (by this replica) or taken (by the
+            # executor, which failed it: a done resize changes the hold) is not tried again.
+            if plan is not None and resize_id not in self.resizes and not await self.journaled(resize_id):
+                resized = await self.resize(running, topo, plan)
+                if resized is not None:
+                    out.append(resized)
+                continue  # cheaper than a move; a lost race is tried again next round
+            reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
+            if reason is None:
+                continue
+            decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
+            if decision is None and fp is not None:
+                decision = await self.checkpoint(running, topo, ledger, reason)
+            if decision is not None:
+                out.append(decision)
+        budget = self.settings.max_migrations_per_round - len(out)
+        if budget > 0:
+            out.extend(await self.clear_for_reservation(budget, {d.task_id for d in out}))
+        return out
+
+    async def clear_for_reservation(self, budget: int, moved: set[str]) -> list[DecisionMade]:
+        """``migrate`` decisions that empty a node for the task the reservation is for, when
+        moving the node's tenants costs less than its wait (``backfill.clearing``); none when
+        the plan needs more than ``budget`` moves. ``moved`` already have a decision.
+
+        EASY backfill only waits for GPUs to free; when every node a wide task can use is
+        held for hours, that is hours of its wait and of the GPUs kept idle for it, while the
+        tenants of one node could run elsewhere at the price of a checkpoint. A tenant costs
+        its checkpoint pause (``checkpoint_pause_s`` of its hold) times the GPUs it holds, as
+        a share; the waiting task gains the wait it is spared (to the reservation's start,
+        less the longest of those pauses) times the GPUs it needs. The targets are the
+        default policy's, with the cleared GPUs hidden.
+
+        The waiting task is not placed here: once the executor has moved the tenants and
+        released their holds, the next queue round places it. Until then the reservation
+        follows the cleared GPUs (``running_ends``: a hold being moved off ends after the
+        pause), so nothing that would delay the task takes them. A move lost to a race
+        stops the clearing (the rest would not make room); the next round plans again.
+        """
+        held = self.reservation
+        if held is None or held.start_s <= now() or self.admissions is None:
+            return []
+        adm = self.admissions.of(held.task_id)
+        if adm is None or self.ledger.holds_of(held.task_id) is not None:
+            return []  # unknown, or no longer waiting: placed since the reservation was made
+        state = self.snapshot()
+        request = self.request(adm.task)
+        # Only tasks on nodes the waiting task could use can be in its way.
+        hosts = wide_hosts(state, request)
+        tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
+        for running in running_tasks(list(self.ledger.nodes.values())):
+            topo = self.fleet.nodes.get(node_key(running.node))
+            gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+            if running.task_id in moved or topo is None or not gpu_allocs:
+                continue
+            try:
+                row = state.node_index(running.node)
+            except KeyError:
+                continue
+            if not hosts[row]:
+                continue
+            memory_mb = max(a.memory_mb for a in gpu_allocs)
+            pause_s = self.checkpoint_pause_s(memory_mb)
+            if not self.may_pause(running, pause_s):
+                continue
+            tenant = Tenant(
+                request=self.move_request(running, topo, self.fingerprints.get(running.task_id)),
+                row=row,
+                gpus=tuple(running.gpus),
+                milli=gpu_allocs[0].milli,
+                gpu_memory_mb=memory_mb,
+                pause_s=pause_s,
+            )
+            tenants[running.task_id] = (tenant, running, topo)
+        policies = self.active.current
+        wait_s = held.start_s - now()
+        plan = clearing(state, request, [t for t, _, _ in tenants.values()],
+                        policies.guarded[policies.default].decide, wait_s=wait_s)
+        if plan is None or len(plan.moves) > budget:
+            return []
+        why = (f"clearing {state.node_names[plan.row]} for {held.task_id} (GPUs {list(plan.gpus)}), which would "
+               f"wait {wait_s:.0f} s: moving {len(plan.moves)} tasks costs {plan.cost:.0f} GPU-s")
+        log.info("%s", why)
+        out: list[DecisionMade] = []
+        for move in plan.moves:
+            tenant, running, topo = tenants[move.task_id]
+            target = [
+                Placement(node=state.node_names[move.row], gpu=g, milli=move.milli,
+                          memory_mb=tenant.request.gpu_memory_mb)
+                for g in move.gpus
+            ]
+            decision = await self.migrate(running, topo, self.fingerprints.get(move.task_id), 0.0, why, target)
+            if decision is None:
+                break
+            out.append(decision)
+        return out
+
+    async def checkpoint(
+        self, running: Running, topo: NodeTopology, ledger: NodeLedger, reason: MoveReason
+    ) -> DecisionMade | None:
+        """An ``evict`` for a task that should move, has nowhere to go, and whose measured
+        growth would overflow its GPU within ``growth_lookahead_s`` (``growth_overflow``):
+        stopped now (the executor's SIGTERM, on which a trainer checkpoints) and queued again
+        under its next ``<task>.assign.<g>``, it loses a restart; left alone, it would lose
+        its run to the OOM kill. Its ``pending`` entry is written first, as a preemption's."""
+        why = growth_overflow(running, topo, ledger, self.usage.get(running.task_id, ()),
+                              self.settings.growth_lookahead_s)
+        if why is None or self.pending is None:
+            return None
+        adm = self.admissions.of(running.task_id) if self.admissions else None
+        if adm is None:
+            log.warning("%s will outgrow its GPU with nowhere to go, but its admission is unknown: not "
+                        "checkpointed (%s)", running.task_id, why)
+            return None
+        evict_id = evict_decision_id(running)
+        if await self.journaled(evict_id):
+            return None  # that eviction was tried: its outcome decides
+        note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
+                       reason=f"checkpointed: {why}")
+        try:
+            await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
+        except CasConflict:
+            return None  # another replica (or an earlier round) queued it already
+        return DecisionMade(
+            decision_id=evict_id,
+            task_id=running.task_id,
+            action="evict",
+            source=[Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+                    for a in running.allocations],
+            confidence=float(reason.p_stay_fails * self.settings.evict_success),
+            policy=PolicyRef(name="checkpoint"),
+            reason=f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}",
+            decided_at=now(),
+            task=adm.task,
+            contract=adm.contract,
+        )
+
+    async def resize(self, running: Running, topo: NodeTopology, plan: ResizePlan) -> DecisionMade | None:
+        """Reserve the extra GPU memory of a resize with CAS (a second hold under the resize's
+        decision id, which the executor folds into the task's hold once done), then decide."""
+        decision_id = resize_decision_id(running, plan.memory_mb)
+        held = {a.gpu: a for a in running.allocations if a.gpu >= 0}
+        extra = [
+            Allocation(
+                task_id=running.task_id,
+                decision_id=decision_id,
+                gpu=gpu,
+                milli=0,
+                memory_mb=more,
+                at=now(),
+            )
+            for gpu, more in sorted(plan.extra.items())
+        ]
+
+        def reserve(current: NodeLedger | None) -> NodeLedger | None:
+            if current is None or any(a.decision_id == decision_id for a in current.allocations):
+                return None  # gone, or another replica reserved this very resize
+            mine = {a.gpu: a for a in current.allocations if a.task_id == running.task_id}
+            if set(mine) != set(held) or any(mine[g] != held[g] for g in held):
+                return None  # the task changed since our view: next round decides again
+            free = free_capacity(topo, current)
+            if any(free.gpu_memory_mb[a.gpu] < a.memory_mb for a in extra):
+                return None
+            labels = {g.index: g.labels for g in topo.gpus}
+            if any(
+                is_set(labels.get(a.gpu, {}), x)
+                for a in extra
+                for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)
+            ):
+                return None
+            return NodeLedger(node=current.node, allocations=[*current.allocations, *extra])
+
+        try:
+            written = await self.ledger.mutate(node_key(running.node), reserve)
+        except CasConflict:
+            return None
+        if written is None:
+            return None
+        self.remember(self.resizes, decision_id, now(), limit=10_000)
+        source = [
+            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+            for a in running.allocations
+            if a.gpu >= 0
+        ]
+        adm = self.admissions.of(running.task_id) if self.admissions else None
+        return DecisionMade(
+            decision_id=decision_id,
+            task_id=running.task_id,
+            action="resize",
+            placement=[msgspec.structs.replace(p, memory_mb=plan.memory_mb) for p in source],
+            source=source,
+            confidence=float(plan.confidence),
+            policy=PolicyRef(name="resize"),
+            reason=plan.why,
+            decided_at=now(),
+            task=self.tasks.get(running.task_id) or (adm.task if adm else None),
+            contract=adm.contract if adm else None,
+        )
+
+    def move_request(self, running: Running, source_topo: NodeTopology, fp: Fingerprint | None) -> TaskRequest:
+        """A running task as the policies see it when it moves: the shape it holds, with the
+        GPU memory its fingerprint predicts when more."""
+        gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+        known = self.tasks.get(running.task_id)
+        memory_mb = gpu_allocs[0].memory_mb
+        if fp is not None and fp.predicted_peak_mb > 0:
+            # Moved for its peak or not, the target holds what the fingerprint predicts (as a
+            # resize would), so the move is not followed by a resize or an OOM.
+            peak = max(fp.predicted_peak_mb, fp.peak_high_mb) + self.settings.resize_margin_mb
+            memory_mb = max(memory_mb, int(math.ceil(peak)))
+        model = next((g.model for g in source_topo.gpus if g.index == running.gpus[0]), "")
+        return TaskRequest(
+            task_id=running.task_id,
+            kind=known.kind if known else "batch",
+            gpus=len(gpu_allocs),
+            gpu_milli=gpu_allocs[0].milli,
+            gpu_memory_mb=memory_mb,
+            cpu_milli=sum(a.cpu_milli for a in running.allocations),
+            memory_mb=sum(a.host_memory_mb for a in running.allocations),
+            # A task decided elsewhere may have had model constraints we cannot see: stay on
+            # its current model then rather than break them.
+            gpu_models=tuple(known.gpu_models) if known else ((model,) if model else ()),
+            predicted_peak_mb=fp.predicted_peak_mb if fp else 0.0,
+            peak_sigma_mb=max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29 if fp else 0.0,
+        )
+
+    async def migrate(
+        self,
+        running: Running,
+        source_topo: NodeTopology,
+        fp: Fingerprint | None,
+        p_stay_fails: float,
+        why: str,
+        target: list[Placement] | None = None,
+    ) -> DecisionMade | None:
+        """Choose a target for one task with the default policy (or take ``target``, a
+        clearing's), reserve it, decide.
+
+        The policy never chooses GPUs reserved for a waiting task that the move would delay
+        (the task is expected to run past the reservation's start, or declared no duration):
+        a move is a placement like any other, and backfill keeps those GPUs for the wide task.
+
+        **Confidence of a clearing move** (``target`` given) is 0.0, under the ``clearing``
+        policy name. A migrate's goal is that the moved task's latency improves by more than
+        15% and no OOM follows; a clearing moves a task that was fine where it was, for
+        another task's sake, and it only loses its checkpoint pause: the goal is not met,
+        whatever the target. Published under its own name, these records never raise the
+        calibration of the default policy's own moves (which feedback judges by their OOMs).
+        """
+        policies = self.active.current
+        known = self.tasks.get(running.task_id)
+        req = self.move_request(running, source_topo, fp)
+        if target is None:
+            state = self.snapshot()
+            state.set_condition(state.node_index(running.node), running.gpus, maintenance=True)  # not where it is
+            kept = self.reservation
+            if kept is not None and not kept.delayed_by(running.task_id, self.remaining_s(running), now()):
+                kept = None
+            with hidden(state, kept):
+                choice = policies.guarded[policies.default].decide(state, req)
+            if choice.action != "assign" or not choice.placement:
+                log.info("no target to migrate %s to (%s)", running.task_id, why)
+                return None
+            target = choice.placements(memory_mb=req.gpu_memory_mb)
+            gpus = [p.gpu for p in choice.placement if p.gpu >= 0]
+            risk_target = float(oom_risk(state, req)[choice.node_row, gpus].max()) if gpus and fp else 0.0
+            if fp is not None and risk_target >= p_stay_fails:
+                return None  # the move would not make an OOM less likely
+            ref = self.policy_ref(policies, policies.default, choice)
+            confidence = float(p_stay_fails * choice.confidence)
+            if not choice.fallback:
+                confidence = self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)
+            fallback, why = choice.fallback, f"{why}; target: {choice.reason}"
+        else:
+            ref, confidence, fallback = PolicyRef(name="clearing"), 0.0, False
+        tried = 0
+        while await self.journaled(migrate_decision_id(running, tried)):
+            tried += 1  # that move failed (a done one would have changed the hold): a new id
+        decision_id = migrate_decision_id(running, tried)
+        node = target[0].node
+        topo = self.fleet.nodes.get(node_key(node))
+        if topo is None:
+            return None
+        holds = allocations_for(req, decision_id, target)
+
+        def reserve(current: NodeLedger | None) -> NodeLedger | None:
+            if current is not None and any(a.decision_id == decision_id for a in current.allocations):
+                return None  # another replica reserved this very move
+            if not placement_fits(topo, current, target, req.cpu_milli, req.memory_mb):
+                return None
+            # Both holds stay until the executor has moved the task and releases the source.
+            return NodeLedger(node=node, allocations=[*(current.allocations if current else []), *holds])
+
+        try:
+            written = await self.ledger.mutate(node_key(node), reserve)
+        except CasConflict:
+            return None  # next round
+        if written is None:
+            return None
+        source = [
+            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
+            for a in running.allocations
+        ]
+        return DecisionMade(
+            decision_id=decision_id,
+            task_id=running.task_id,
+            action="migrate",
+            placement=target,
+            source=source,
+            confidence=confidence,
+            policy=ref,
+            fallback=fallback,
+            reason=why,
+            decided_at=now(),
+            task=known,
+        )

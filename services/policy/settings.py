@@ -1,0 +1,71 @@
+"""The policy service's settings (``FLEETPILOT_POLICY_*``)."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+from fleetpilot.runtime import ServiceSettings
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from .policy_set import PolicyConfig
+
+
+class PolicySettings(ServiceSettings):
+    """``FLEETPILOT_POLICY_*``. The policy fields are the defaults used while the ``config``
+    bucket has neither ``policies.<hostname>`` nor ``policies.default``."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETPILOT_POLICY_", extra="ignore")
+
+    pending_retry_s: float = 1.0
+    profile: str = "fleetpilot"
+    # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
+    shaping_rules: list[dict] = []
+    breaker: dict = Field(default_factory=dict, description="BreakerConfig fields as JSON")
+    seed: int = 0
+    hostname: str = Field(default_factory=socket.gethostname, description="Selects policies.<hostname>")
+    plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
+    plugin_poll_s: float = 0.5
+    stats_refresh_s: float = 30.0
+    stats_timeout_s: float = 2.0
+    rebalance_s: float = 30.0
+    # How often the built-in profiles are rebuilt on the task shapes seen (FGD's typical
+    # tasks, fleetpilot's demand), and how many recent admissions count.
+    workload_refresh_s: float = 60.0
+    workload_window: int = 5000
+    oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
+    max_migrations_per_round: int = 10
+    resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
+    # What moving a running task costs (checkpoint and restore): the pause a clearing prices
+    # its moves with, and how soon a task being moved releases the GPUs it leaves.
+    checkpoint_base_s: float = Field(default=30.0, description="Pause of a checkpoint and restore, fixed part")
+    checkpoint_s_per_gb: float = Field(default=2.0, description="Pause of a checkpoint and restore per GB held")
+    preempt_restart_s: float = Field(default=60.0, description="Work an evicted task loses on top of its age")
+    evict_success: float = Field(default=0.97, description="P(one eviction is carried out), for confidence")
+    evict_timeout_s: float = Field(
+        default=60.0, description="An eviction not carried out by then is given up"
+    )
+    refused_replacements: int = Field(
+        default=2,
+        description="How many times a task whose assign the executor refused (a business rule, a GPU "
+        "cordoned meanwhile) is placed again before it is given up",
+    )
+    growth_lookahead_s: float = Field(
+        default=240.0,
+        description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
+        "GPU within it, with nowhere to move, is checkpointed and queued again",
+    )
+    record_every: int = Field(default=0, description="Record every Nth decision input for replay (0 = off)")
+
+    def policy_config(self) -> PolicyConfig:
+        """The settings as a configuration document."""
+        return msgspec.convert(
+            {
+                "profile": self.profile,
+                "shaping": self.shaping_rules,
+                "breaker": self.breaker,
+                "seed": self.seed,
+            },
+            PolicyConfig,
+        )
