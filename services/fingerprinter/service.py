@@ -13,14 +13,39 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
-from fleetpilot.fingerprint import OnlineFingerprinter
-from fleetpilot.fingerprint.signature import SignatureStats, merge, merge_oom, predict, task_signature
+from fleetpilot.fingerprint import (
+    OnlineFingerprinter,
+    SignatureStats,
+    load_stats,
+    merge,
+    predict,
+    task_signature,
+)
+from fleetpilot.fingerprint.signature import merge_oom
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
-_STATS = msgspec.json.Decoder(SignatureStats)
+log = logging.getLogger("fleetpilot.fingerprinter")
+
+
+def stored_stats(signature: str, raw: bytes | None) -> SignatureStats | None:
+    """The statistics stored for ``signature``, ``None`` when there are none it can use:
+    none yet, some in the units of before 2026-11-30 (``load_stats``), or a value that is
+    not statistics at all (logged; the next run's end writes over it)."""
+    if not raw:
+        return None
+    try:
+        stats = load_stats(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("unreadable statistics for %s (%s): ignored, replaced when a run ends", signature, exc)
+        return None
+    if stats is None:
+        log.info("statistics for %s predate per-GPU memory: ignored, replaced when a run ends", signature)
+    return stats
 
 
 class FingerprinterSettings(ServiceSettings):
@@ -56,9 +81,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         signature = task_signature(task)
         model_for(task.task_id, signature, task.expected_duration_s)
         entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
-        if entry is None or entry.value is None:
-            return None
-        predicted = predict(_STATS.decode(entry.value))
+        stats = stored_stats(signature, entry.value if entry is not None else None)
+        predicted = predict(stats) if stats is not None else None
         if predicted is None:
             return None
         return TaskFingerprinted(task_id=task.task_id, fingerprint=predicted, source="signature", at=now())
@@ -109,7 +133,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
         for _ in range(10):
             entry = await kv.get(model.signature)
-            stats = _STATS.decode(entry.value) if entry and entry.value else SignatureStats(signature=model.signature)
+            # Statistics in old units, or unreadable, are started afresh (``stored_stats``).
+            stats = stored_stats(model.signature, entry.value if entry else None) or SignatureStats(
+                signature=model.signature
+            )
             body = encode(fold(stats))
             try:
                 if entry is None:

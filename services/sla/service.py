@@ -44,7 +44,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     TopologyUpdated,
 )
-from fleetpilot.fingerprint.signature import SignatureStats, predict, task_signature
+from fleetpilot.fingerprint.signature import load_stats, predict, task_signature
 from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings
@@ -57,7 +57,6 @@ from .store import ContractStore, OfferRecord
 
 log = logging.getLogger("fleetpilot.sla")
 
-_STATS = msgspec.json.Decoder(SignatureStats)
 
 Clock = Callable[[], float]
 
@@ -215,7 +214,9 @@ class Negotiator:
         """What past runs of the same signature predict (memory peak, warm-up), if known."""
         try:
             entry = await (await self.bus.kv("fingerprints")).get(task_signature(task))
-            return predict(_STATS.decode(entry.value)) if entry and entry.value else None
+            # ``None`` too for statistics in the units of before per-GPU memory.
+            stats = load_stats(entry.value) if entry and entry.value else None
+            return predict(stats) if stats is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # Negotiate without it rather than refuse: the fingerprint only sharpens estimates.
             log.warning("unreadable fingerprint for %s: %s", task.task_id, exc)

@@ -16,7 +16,15 @@ from .analysis import (
 )
 from .online import OnlineFingerprinter, changed_materially
 from .series_csv import fingerprint_csv, parse_series_csv
-from .signature import MODEL_LABEL, SignatureMemory, SignatureStats, merge, predict, task_signature
+from .signature import (
+    MODEL_LABEL,
+    SignatureMemory,
+    SignatureStats,
+    load_stats,
+    merge,
+    predict,
+    task_signature,
+)
 
 __all__ = [
     "LevelPrior",
@@ -31,6 +39,7 @@ __all__ = [
     "context_switch_sensitivity",
     "fingerprint_csv",
     "fingerprint_series",
+    "load_stats",
     "merge",
     "parse_series_csv",
     "predict",

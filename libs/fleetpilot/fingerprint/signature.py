@@ -36,8 +36,12 @@ def task_signature(task: TaskSubmitted) -> str:
     return "sig-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-class SignatureStats(msgspec.Struct, kw_only=True):
-    """Running statistics of the fingerprints of one signature (serialisable for a KV bucket)."""
+class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_gpu"):
+    """Running statistics of the fingerprints of one signature (serialisable for a KV bucket).
+
+    Memory is per GPU, as every request, hold and GPU a fingerprint is compared with; every
+    encoding says so (``"memory": "per_gpu"``), and ``load_stats`` reads nothing else.
+    """
 
     signature: str
     count: int = 0
@@ -52,6 +56,23 @@ class SignatureStats(msgspec.Struct, kw_only=True):
     mean_burstiness: float = 0.0
     mean_sensitivity: float = 0.0
     oom_floor_mb: float = 0.0  # the most a run held when it died of OOM: the peak is above it
+
+
+def load_stats(raw: bytes) -> SignatureStats | None:
+    """The statistics stored as ``raw``, or ``None`` when they are not in today's units.
+
+    Statistics written before fingerprints were per GPU (2026-11-30) summed the memory of a
+    task's GPUs: a known 4-GPU signature looked four times too big. They carry no
+    ``"memory": "per_gpu"`` and are not read: the signature predicts nothing until a run of it
+    ends, and the writer then starts its statistics afresh. Raises ``msgspec.DecodeError`` or
+    ``ValidationError`` for what is not statistics at all.
+    """
+    doc = msgspec.json.decode(raw)
+    if not isinstance(doc, dict) or "signature" not in doc:
+        raise msgspec.ValidationError("not signature statistics")
+    if doc.get("memory") != "per_gpu":
+        return None
+    return msgspec.convert(doc, SignatureStats)
 
 
 def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:

@@ -159,3 +159,29 @@ async def test_an_evicted_task_teaches_nothing_until_its_run_again_ends(fingerpr
     # One run, the whole one: not the partial run's guess (a first level read as a step
     # schedule's, about twice as high), and not two runs.
     assert stats.count == 1 and abs(stats.mean_peak_mb - 10_000) < 1_000, stats
+
+
+async def test_statistics_in_the_units_of_before_per_gpu_memory_are_replaced_not_used(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("old-1")
+    signature = task_signature(first)
+    # What the fingerprinter wrote for a 4-GPU signature before memory was per GPU: the sum
+    # of four 16 GB GPUs, and no "memory" field.
+    legacy = msgspec.to_builtins(SignatureStats(signature=signature, count=5, votes={"flat": 4.5},
+                                                mean_peak_mb=64_000, min_peak_mb=63_000, max_peak_mb=65_000))
+    del legacy["memory"]
+    kv = await bus.kv("fingerprints")
+    await kv.put(signature, msgspec.json.encode(legacy))
+    await run_for(bus, first, 1_000, lambda t: 4 * (16_000.0 + 50.0 * math.sin(t)), gpus=[0, 1, 2, 3])
+    assert not [f for f in seen if f.task_id == "old-1" and f.source == "signature"]  # nothing from old units
+    await bus.publish(TaskLifecycle(task_id="old-1", state="finished", at=now()))
+
+    async def replaced() -> SignatureStats | None:
+        stats = await remembered(bus, signature)
+        return stats if stats.count == 1 else None  # started afresh: the five old runs are gone
+
+    stats = await wait_for(replaced, what="statistics started afresh")
+    assert abs(stats.mean_peak_mb - 16_000) < 1_600
+    await bus.publish(task("old-2"))
+    predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "old-2"]))[0]
+    assert predicted.source == "signature" and abs(predicted.fingerprint.predicted_peak_mb - 16_000) < 1_600

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from fleetpilot.contracts import Fingerprint, TaskSubmitted
-from fleetpilot.fingerprint import SignatureMemory, SignatureStats, task_signature
+from fleetpilot.fingerprint import SignatureMemory, SignatureStats, load_stats, task_signature
 
 BASE = dict(task_id="t1", kind="finetune", image="reg/clip:1", command=["python", "ft.py"],
             labels={"model": "clip-vit-l"})
@@ -55,6 +55,21 @@ def test_stats_roundtrip_through_json():
     raw = msgspec.json.encode(mem.stats("sig-a"))
     again = SignatureMemory({"sig-a": msgspec.json.decode(raw, type=SignatureStats)})
     assert again.predict("sig-a") == mem.predict("sig-a")
+
+
+def test_stats_in_the_units_of_before_per_gpu_memory_are_not_read():
+    mem = SignatureMemory()
+    mem.observe(_fp("sig-a", "flat", 8_000))
+    raw = msgspec.json.encode(mem.stats("sig-a"))
+    assert msgspec.json.decode(raw)["memory"] == "per_gpu"
+    assert load_stats(raw) == mem.stats("sig-a")
+    # As written before 2026-11-30: the same fields, memory summed over the task's GPUs.
+    legacy = msgspec.json.decode(raw)
+    del legacy["memory"]
+    assert load_stats(msgspec.json.encode(legacy)) is None
+    for garbage in (b"[1, 2]", b'{"count": 3}', b"not json"):
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            load_stats(garbage)
 
 
 def test_observe_requires_signature():
