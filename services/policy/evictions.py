@@ -171,16 +171,24 @@ class Evictions(ReplicaState):
         return out
 
     def preemption_for(self, adm: TaskAdmitted) -> tuple[Preemption, PolicyDecision] | None:
-        """The cheapest preemption after which the routed policy places the vip task."""
+        """The cheapest preemption after which the routed policy places the vip task.
+
+        Tried for what ``place`` asks, in its order: the predicted peak first, then a smooth
+        grower's ask (its bridge). The victims are chosen for that same memory: chosen for
+        the ask alone, they would free too little for a peak the policy then looks for, and
+        the vip would never preempt."""
         policies = self.active.current
         name, _ = policies.route(adm.task)
-        req = self.request(adm.task)
-        plans = preemptions(adm.task, self.fleet.nodes, self.ledger.nodes, self.victims({adm.task.task_id}))
-        for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
-            state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
-            choice = policies.guarded[name].decide(state, req)
-            if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
-                return plan, choice
+        victims = self.victims({adm.task.task_id})
+        for req in self.requests(adm.task):
+            wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
+                                             gpu_models=list(req.gpu_models))
+            plans = preemptions(wanted, self.fleet.nodes, self.ledger.nodes, victims)
+            for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
+                state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
+                choice = policies.guarded[name].decide(state, req)
+                if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
+                    return plan, choice
         return None
 
     async def preempt(self, adm: TaskAdmitted, pending) -> list[DecisionMade]:

@@ -14,10 +14,12 @@ import pytest
 from fleetpilot.contracts import (
     Contract,
     DecisionMade,
+    Fingerprint,
     GpuInfo,
     NodeLedger,
     NodeTopology,
     TaskAdmitted,
+    TaskFingerprinted,
     TaskSubmitted,
     decode,
     encode,
@@ -189,3 +191,21 @@ def write_module(directory: Path, name: str, source: str) -> None:
         st = target.stat()
         os.utime(tmp, ns=(st.st_atime_ns, max(st.st_mtime_ns + 1_000_000, tmp.stat().st_mtime_ns)))
     os.replace(tmp, target)
+
+
+async def fingerprinted(observer, fps: dict[str, Fingerprint]) -> None:
+    """Publish the tasks' fingerprints and wait until the policy has taken them, so that an
+    admission published next is decided with them."""
+    last = 0
+    for task_id, fp in fps.items():
+        ack = await observer.js.publish(
+            "task.fingerprinted",
+            encode(TaskFingerprinted(task_id=task_id, fingerprint=fp, source="signature", at=now())),
+        )
+        last = ack.seq
+    for _ in range(250):
+        info = await observer.js.consumer_info("TASKS", "policy-fingerprints")
+        if info.ack_floor.stream_seq >= last:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the policy did not take the fingerprints")

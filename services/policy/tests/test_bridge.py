@@ -15,7 +15,6 @@ from fleetpilot.contracts import (
     Allocation,
     Fingerprint,
     NodeLedger,
-    TaskFingerprinted,
     TaskTelemetry,
     encode,
     now,
@@ -24,7 +23,7 @@ from fleetpilot.contracts import (
 from fleetpilot_services.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
-from .conftest import admitted, node, settings, wait_for
+from .conftest import admitted, fingerprinted, node, settings, wait_for
 
 PEAK_MB = 60_000
 ASK_MB = 20_000
@@ -47,24 +46,6 @@ def blocker(task_id: str) -> Allocation:
     """A confirmed hold of a whole GPU and all its memory."""
     return Allocation(task_id=task_id, decision_id=f"{task_id}.assign", gpu=0, milli=1000, memory_mb=81920,
                       state="confirmed", at=now())
-
-
-async def fingerprinted(observer, fps: dict[str, Fingerprint]) -> None:
-    """Publish the tasks' fingerprints and wait until the policy has taken them, so that an
-    admission published next is decided with them."""
-    last = 0
-    for task_id, fp in fps.items():
-        ack = await observer.js.publish(
-            "task.fingerprinted",
-            encode(TaskFingerprinted(task_id=task_id, fingerprint=fp, source="signature", at=now())),
-        )
-        last = ack.seq
-    for _ in range(250):
-        info = await observer.js.consumer_info("TASKS", "policy-fingerprints")
-        if info.ack_floor.stream_seq >= last:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the policy did not take the fingerprints")
 
 
 def task(task_id: str):

@@ -7,6 +7,7 @@ new memory), without room a ``migrate``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 from fleetpilot.contracts import (
@@ -28,7 +29,7 @@ from fleetpilot_services.executor.service import build as build_executor
 from fleetpilot_services.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
-from .conftest import admitted, node, settings, wait_for
+from .conftest import admitted, fingerprinted, node, settings, wait_for
 
 
 def running(task_id: str, gpu: int, milli: int, age_s: float, memory_mb: int = 1000) -> Allocation:
@@ -67,6 +68,23 @@ def executor(nats_url: str, tmp_path) -> object:
     )
 
 
+@contextlib.asynccontextmanager
+async def policy_and_executor(observer, nats_url: str, tmp_path, **overrides):
+    """The policy (``bestfit``, with ``overrides``) and an executor running, and the
+    simulated fleet answered, for the duration of the block."""
+    sim = await serve_sim_fleet(observer)
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", **overrides))
+    execu = executor(nats_url, tmp_path)
+    await policy.start()
+    await execu.start()
+    try:
+        yield
+    finally:
+        await execu.stop()
+        await policy.stop()
+        await sim.unsubscribe()
+
+
 def tiered(task_id: str, tier: str, **fields) -> TaskAdmitted:
     adm = admitted(task_id, **fields)
     return msgspec.structs.replace(adm, contract=Contract(tier=tier))
@@ -94,12 +112,7 @@ async def test_a_vip_waiter_preempts_exactly_the_cheapest_best_effort_tasks_and_
         await observer.kv_put(
             "contracts", f"contract.{task_id}", encode(contract_of(task_id, tier, milli, 1000))
         )
-    sim = await serve_sim_fleet(observer)
-    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
-    execu = executor(nats_url, tmp_path)
-    await policy.start()
-    await execu.start()
-    try:
+    async with policy_and_executor(observer, nats_url, tmp_path, pending_retry_s=0.2):
         # Waiters that are not vip never preempt, however long they wait.
         await observer.admit(tiered("bewait", "best_effort", gpu_milli=1000, gpu_models=["H100"]))
         # stdwait needs two whole GPUs: evicting be2 would give it n0 once std1 is done.
@@ -131,10 +144,6 @@ async def test_a_vip_waiter_preempts_exactly_the_cheapest_best_effort_tasks_and_
         await asyncio.sleep(0.6)  # more rounds: nothing else is evicted
         ledgers = await observer.ledgers()
         waiting = sorted(await observer.live_keys("pending"))
-    finally:
-        await execu.stop()
-        await policy.stop()
-        await sim.unsubscribe()
     evictions = [d for d in observer.decisions if d.action == "evict"]
     assert sorted(d.decision_id for d in evictions) == ["be3.evict.1", "be4.evict.1"]
     for d in evictions:
@@ -153,6 +162,28 @@ async def test_a_vip_waiter_preempts_exactly_the_cheapest_best_effort_tasks_and_
     assert waiting == ["bewait", "stdwait"]
     assert len(evictions) == 2
     assert {d.task_id for d in observer.decisions if d.action == "assign"} == {"vip1", "be3", "be4"}
+
+
+async def test_a_fingerprinted_vip_preempts_for_its_predicted_peak_not_its_ask(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=1)])
+    # The GPU has 400 milli and 20 GB free. Evicting be_small (young, 10 GB) is the cheapest
+    # way to room for the vip's ask (500 milli, 10 GB), but not for the 40 GB its fingerprint
+    # predicts (42 GB held): only evicting be_big (50 GB, older) makes room for that.
+    allocs = [running("be_small", 0, 300, age_s=1, memory_mb=10_000),
+              running("be_big", 0, 300, age_s=100, memory_mb=51_920)]
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=allocs)))
+    for task_id in ("be_small", "be_big"):
+        await observer.kv_put("contracts", f"contract.{task_id}",
+                              encode(contract_of(task_id, "best_effort", 300, 1000)))
+    async with policy_and_executor(observer, nats_url, tmp_path, pending_retry_s=0.2):
+        flat = msgspec.structs.replace(fingerprint(40_000), pattern="flat")  # no bridge on its ask
+        await fingerprinted(observer, {"vip1": flat})
+        await observer.admit(tiered("vip1", "vip", gpu_milli=500, gpu_memory_mb=10_000, gpu_models=["H100"]))
+        await wait_for(lambda: any(d.task_id == "vip1" and d.action == "assign" for d in observer.decisions),
+                       what="the vip task placed after the eviction")
+    assert [d.decision_id for d in observer.decisions if d.action == "evict"] == ["be_big.evict.1"]
+    vip = next(d for d in observer.decisions if d.task_id == "vip1" and d.action == "assign")
+    assert [(p.node, p.gpu, p.milli, p.memory_mb) for p in vip.placement] == [("n0", 0, 500, 42_000)]
 
 
 async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_for_their_release(
@@ -238,12 +269,7 @@ async def test_a_predicted_oom_with_room_is_resized_and_without_room_migrated(ob
                 )
             ),
         )
-    sim = await serve_sim_fleet(observer)
-    policy = build(settings(nats_url, tmp_path, profile="bestfit", rebalance_s=0.3))
-    execu = executor(nats_url, tmp_path)
-    await policy.start()
-    await execu.start()
-    try:
+    async with policy_and_executor(observer, nats_url, tmp_path, rebalance_s=0.3):
 
         async def settled() -> bool:
             ledgers = await observer.ledgers()
@@ -260,10 +286,6 @@ async def test_a_predicted_oom_with_room_is_resized_and_without_room_migrated(ob
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # three more rounds: nothing is resized or moved again
         ledgers = await observer.ledgers()
-    finally:
-        await execu.stop()
-        await policy.stop()
-        await sim.unsubscribe()
     by_task = observer.by_task()
     assert [d.action for d in by_task["r1"]] == ["resize"]
     assert [d.action for d in by_task["m1"]] == ["migrate"]
