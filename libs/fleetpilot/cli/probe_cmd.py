@@ -13,7 +13,6 @@ Without a driver it prints one line and exits 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -24,33 +23,15 @@ import msgspec
 from fleetpilot.contracts import GpuSample, NodeTopology, TaskTelemetry
 from fleetpilot.fleet.nvml_reader import NvmlReader
 
+from .arguments import non_negative_float, positive_int
+
 MB_PER_GB = 1024.0
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot probe``."""
-    parser.add_argument("--samples", type=_positive_int, default=1, help="readings of every GPU (default 1)")
-    parser.add_argument("--interval", type=_non_negative_float, default=1.0,
+    parser.add_argument("--samples", type=positive_int, default=1, help="readings of every GPU (default 1)")
+    parser.add_argument("--interval", type=non_negative_float, default=1.0,
                         help="seconds between readings (default 1)")
     parser.add_argument("--node", default=None, help="node name to report under (default: the host name)")
     parser.add_argument("--site", default="default", help="site label (default: default)")

@@ -36,6 +36,8 @@ from fleetpilot.policy import (
 )
 from fleetpilot.policy.fragmentation import TaskShape
 
+from .arguments import non_negative_int
+
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot replay``."""
@@ -49,7 +51,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
     )
-    parser.add_argument("--show", type=int, default=10, help="differing decisions to list in the text report")
+    parser.add_argument("--show", type=non_negative_int, default=10, help="differing decisions to list in the text report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

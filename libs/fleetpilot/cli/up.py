@@ -37,6 +37,7 @@ from fleetpilot.contracts import (
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from .arguments import non_negative_int, port_base, positive_float
 from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
 from .workload import demo_tasks
 
@@ -46,15 +47,15 @@ METRICS_PORTS = {name: 9101 + i for i, name in enumerate(SERVICES)}
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot up``."""
-    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    parser.add_argument("--demo", type=int, default=0, metavar="N", help="submit N demo tasks")
-    parser.add_argument("--rate", type=float, default=20.0, help="demo submissions per second")
+    parser.add_argument("--duration", type=positive_float, default=None, help="stop after this many seconds")
+    parser.add_argument("--demo", type=non_negative_int, default=0, metavar="N", help="submit N demo tasks")
+    parser.add_argument("--rate", type=positive_float, default=20.0, help="demo submissions per second")
     parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
                         help="use this NATS instead of starting one")
     parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
-    parser.add_argument("--speed", type=float, default=10.0, help="virtual seconds per real second in the sim")
+    parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
     parser.add_argument("--fleet", default="", help="fleet spec YAML for the simulator (three-site by default)")
-    parser.add_argument("--metrics-port-base", type=int, default=9101,
+    parser.add_argument("--metrics-port-base", type=port_base, default=9101,
                         help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+from fleetpilot.cli.main import main as cli_main
 from fleetpilot.cli.up import Report, _short_reason
 from fleetpilot.contracts import DecisionMade, FeedbackRecorded, Measured, PolicyRef, TaskSubmitted, encode
 
@@ -57,3 +59,19 @@ async def test_any_submitters_task_counts_towards_submit_to_assign() -> None:
         await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
     await report.on_message(SimpleNamespace(subject="task.submitted", data=b"{not json"))
     assert "submit-to-assign: mean 1100 ms, median 200 ms, p95 3000 ms over 3 tasks" in report.render(1.0)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--demo", "-5"], "argument --demo: must be 0 or more, got -5"),
+    (["--rate", "0"], "argument --rate: must be more than 0, got 0"),
+    (["--duration", "nan"], "argument --duration: not a finite number"),
+    (["--speed", "-1"], "argument --speed: must be more than 0"),
+    (["--metrics-port-base", "70000"], "argument --metrics-port-base: must be 0 (free ports) or a port"),
+])
+def test_bad_numbers_are_refused_in_one_line_before_anything_starts(argv, fragment, capsys) -> None:
+    # Before, a negative --demo or a zero --rate started the whole fleet and reported nothing.
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["up", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err

@@ -1,0 +1,59 @@
+"""Argument types for the CLI's numeric flags: a value out of range is refused by the parser
+with a one-line message naming the flag (``argument --rate: must be more than 0, got 0``),
+before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def _number(parse: Callable[[str], float], what: str, text: str) -> float:
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1."""
+    value = int(_number(int, "a whole number", text))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number of at least 0."""
+    value = int(_number(int, "a whole number", text))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0."""
+    value = _number(float, "a number", text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of at least 0."""
+    value = _number(float, "a number", text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def port_base(text: str) -> int:
+    """A first TCP port: 0 (pick free ones) or 1..65535."""
+    value = int(_number(int, "a whole number", text))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 (free ports) or a port 1..65535, got {value}")
+    return value
