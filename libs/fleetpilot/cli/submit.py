@@ -33,6 +33,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.sla import task_problem
 
 from .local import local_nats_url, local_token, state_dir
 
@@ -111,8 +112,9 @@ def build_task(args) -> TaskSubmitted:
         msgspec.convert(sla, SlaRequest)
     except msgspec.ValidationError as exc:
         raise UsageError(f"invalid task: {exc}") from None
-    if task.gpus < 0 or not 1 <= task.gpu_milli <= 1000:
-        raise UsageError("invalid task: gpus must be >= 0 and gpu_milli within 1..1000")
+    problem = task_problem(task)  # what the SLA service would reject it for, said before publishing
+    if problem is not None:
+        raise UsageError(f"invalid task: {problem}")
     return task
 
 

@@ -17,6 +17,7 @@ from .negotiate import (
     Reject,
     admit_contract,
     negotiate,
+    task_problem,
 )
 from .offers import OfferBook, contract_for
 
@@ -35,4 +36,5 @@ __all__ = [
     "admit_contract",
     "contract_for",
     "negotiate",
+    "task_problem",
 ]

@@ -232,15 +232,29 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float) -> Contract:
                     site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e))
 
 
-def _invalid(task: TaskSubmitted) -> str | None:
+def task_problem(task: TaskSubmitted) -> str | None:
+    """What makes ``task`` impossible to negotiate as submitted, in one line; ``None`` when
+    nothing does. The CLI asks the same before it publishes."""
     if task.gpus < 0:
         return "gpus must be >= 0"
     if not 1 <= task.gpu_milli <= 1000:
         return "gpu_milli must be in 1..1000"
     if task.gpus != 1 and task.gpu_milli < 1000:
         return "only a single-GPU task may share a GPU (gpu_milli < 1000)"
-    if task.gpu_memory_mb < 0 or task.size_gb < 0:
+    if task.gpu_memory_mb < 0 or task.size_gb < 0 or task.cpu_milli < 0 or task.memory_mb < 0:
         return "sizes must be >= 0"
+    if not math.isfinite(task.size_gb):
+        return "size_gb must be a finite number"
+    if task.expected_duration_s is not None and not (math.isfinite(task.expected_duration_s)
+                                                     and task.expected_duration_s > 0):
+        return f"expected_duration_s must be a finite number above 0, got {task.expected_duration_s}"
+    sla = task.sla
+    for name in ("max_queue_s", "warmup_ms", "p95_latency_ms", "cost_ceiling_per_hour"):
+        bound = getattr(sla, name)
+        if bound is not None and not (math.isfinite(bound) and bound >= 0):
+            return f"sla.{name} must be a finite number >= 0, got {bound}"
+    if sla.deadline is not None and not math.isfinite(sla.deadline):
+        return f"sla.deadline must be a finite time, got {sla.deadline}"
     return None
 
 
@@ -248,7 +262,7 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
               policy: NegotiationPolicy | None = None) -> Decision:
     """Decide on ``task`` against ``fleet`` at time ``now``; see the module docstring."""
     policy = policy or NegotiationPolicy()
-    problem = _invalid(task)
+    problem = task_problem(task)
     if problem is not None:
         return Reject("invalid", problem, task.task_id)
     sla = task.sla
