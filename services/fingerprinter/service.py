@@ -66,7 +66,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         if task_id not in models:
             if len(models) >= settings.max_tracked_tasks:
                 models.pop(next(iter(models)))  # forget the oldest rather than grow without bound
-            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration)
+            # Only trusted fingerprints go out: an early guess (a warm-up read as a steep line,
+            # a level read as a step schedule's first) would override a signature's prediction.
+            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration, only_trusted=True)
         model = models[task_id]
         # Telemetry (core NATS) can overtake the submission (JetStream): fill in what the
         # submission tells as soon as it arrives, so later refits know the task's life.
@@ -106,7 +108,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # as a sawtooth; merged now, a partial series would teach a guess as a peak.
             old = models.get(life.task_id)
             if old is not None:
-                models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s)
+                models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
+                                                           only_trusted=True)
             return
         if life.state not in ("finished", "oom_killed", "failed"):
             return
@@ -123,8 +126,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         else:
             if model.samples < 3:
                 return
-            model.refit()  # on every sample of the whole life, published or not
-            final = model.current
+            # On every sample of the whole life, published or not, and with its real length:
+            # a level held to the end is the run's peak, not a step schedule's first level.
+            final = model.finish()
             if final is None:
                 return
 

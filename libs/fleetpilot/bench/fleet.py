@@ -96,7 +96,13 @@ import numpy as np
 
 from fleetpilot.contracts import Fingerprint, TaskSubmitted
 from fleetpilot.contracts.task import SlaRequest
-from fleetpilot.fingerprint import OnlineFingerprinter, SignatureMemory, task_signature
+from fleetpilot.fingerprint import (
+    TRUST_SAMPLES,
+    OnlineFingerprinter,
+    SignatureMemory,
+    task_signature,
+    trusted,
+)
 from fleetpilot.fleet.catalogue import gpu_model
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
@@ -148,9 +154,6 @@ MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
 """A signature seen this many times is trusted; its tasks are no longer fingerprinted online."""
-TRUST_SAMPLES = 10
-TRUST_CONFIDENCE = 0.6
-"""An online fingerprint drives reservations and moves from this many samples and pattern confidence."""
 BRIDGE_LOOKAHEAD_S = 4 * 60.0
 """How far a bridged task's recent growth is carried forward: a few cycles plus a move."""
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
@@ -702,9 +705,8 @@ class FleetRun:
                         continue
                 current = online.current
                 # A handful of samples in a warm-up reads as a steep line: act on the online
-                # fingerprint only once it has TRUST_SAMPLES samples and a clear pattern.
-                if (current is None or current.samples < TRUST_SAMPLES
-                        or current.pattern_confidence < TRUST_CONFIDENCE):
+                # fingerprint only once it is ``trusted`` (samples and a clear pattern).
+                if current is None or not trusted(current):
                     continue
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
                     job.prediction = current

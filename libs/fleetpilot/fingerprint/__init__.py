@@ -14,7 +14,7 @@ from .analysis import (
     context_switch_sensitivity,
     fingerprint_series,
 )
-from .online import OnlineFingerprinter, changed_materially
+from .online import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, changed_materially, trusted
 from .series_csv import fingerprint_csv, parse_series_csv
 from .signature import (
     MODEL_LABEL,
@@ -33,6 +33,8 @@ __all__ = [
     "SeriesAnalysis",
     "SignatureMemory",
     "SignatureStats",
+    "TRUST_CONFIDENCE",
+    "TRUST_SAMPLES",
     "analyse_series",
     "burstiness",
     "changed_materially",
@@ -44,4 +46,5 @@ __all__ = [
     "parse_series_csv",
     "predict",
     "task_signature",
+    "trusted",
 ]

@@ -21,7 +21,8 @@ tasks ramp while they load, so such a series is read as the first level of a ste
 schedule, with low confidence, and its peak comes from :class:`LevelPrior` — unless the
 series reaches the task's known end of life (no further sample would fit before it, as
 when a finished run is fingerprinted with its real duration): then the level was its
-peak, and the pattern is flat. Likewise the peak of a growing series that reaches its end
+peak, and the pattern is flat; so it is when the run is known to have ended (``ended``,
+whatever it declared). Likewise the peak of a growing series that reaches its end
 is the most it held plus the growth of the final gap, not the fitted curve carried to
 the end.
 """
@@ -226,8 +227,11 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
                    signature: str = "", expected_duration_s: float | None = None,
                    utilisation: np.ndarray | list[float] | None = None,
                    colocated: np.ndarray | list[float] | None = None,
-                   prior: LevelPrior | None = None) -> SeriesAnalysis:
+                   prior: LevelPrior | None = None, ended: bool = False) -> SeriesAnalysis:
     """Fingerprint a memory series (``t_s``: seconds since the task started, ``used_mb``: MB).
+
+    ``ended``: the run is over, so a level held from the first sample to the last is its
+    peak (flat), not the first level of a step schedule that may still step up.
 
     ``expected_duration_s`` is the task's whole life when known; the peak is then the
     fitted shape at end of life. ``utilisation`` (0..1 or percent, one per sample or any
@@ -252,6 +256,8 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     # (a finished run fingerprinted with its real duration): a level held so far is final.
     interval = float(np.median(np.diff(t))) if n >= 2 else 0.0
     lived = known_end and end - now <= interval
+    # A level to the last sample of a run that ended, or to the end of its known life, was final.
+    held = lived or ended
     if not known_end:
         notes.append("no expected duration: horizon is twice the task's age, interval reaches 4x its age")
 
@@ -259,7 +265,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     if n < MIN_SAMPLES:
         notes.append(f"only {n} samples: too few for a shape, reporting the level")
         fit = fit_level(t, y)
-        level = _level_candidate(fit, n, sigma, prior, lived=lived)
+        level = _level_candidate(fit, n, sigma, prior, lived=held)
         # Too few samples to trust even "no growth yet": the peak may be the level itself.
         candidates.append(replace(level, key="unknown", pattern="unknown", low=fit.level - 2 * sigma))
     else:
@@ -272,7 +278,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
             # estimate is robust but noisy, and a 15% error in sigma doubles a small gap.
             fitted = min(f.rss / max(n - f.n_params, 1) for f in fits)
             sigma = max(math.sqrt(fitted), 5e-4 * float(np.median(np.abs(y))) + 1e-6)
-            candidates.extend(_shape_candidates(fits, n, sigma, now, end, far, known_end, prior, lived))
+            candidates.extend(_shape_candidates(fits, n, sigma, now, end, far, known_end, prior, held))
     weights = _weights(candidates)
     best = candidates[int(np.argmax([weights[i] for i in range(len(candidates))]))]
     confidence = weights[candidates.index(best)]
@@ -380,11 +386,11 @@ def _shape_fits(t: np.ndarray, y: np.ndarray, sigma: float) -> list[_Fit]:
 
 
 def _shape_candidates(fits: list[_Fit], n: int, sigma: float, now: float, end: float, far: float,
-                      known_end: bool, prior: LevelPrior, lived: bool) -> list[_Candidate]:
+                      known_end: bool, prior: LevelPrior, held: bool) -> list[_Candidate]:
     out: list[_Candidate] = []
     for fit in fits:
         if isinstance(fit, LevelFit):
-            out.append(_level_candidate(fit, n, sigma, prior, lived=lived))
+            out.append(_level_candidate(fit, n, sigma, prior, lived=held))
         elif isinstance(fit, LineFit):
             out.append(_line_candidate(fit, n, sigma, now, end, far))
         elif isinstance(fit, QuadFit):

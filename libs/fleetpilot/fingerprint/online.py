@@ -13,6 +13,18 @@ from .analysis import MIN_SAMPLES, LevelPrior, SeriesAnalysis, analyse_series
 PEAK_TOLERANCE = 0.10
 WIDTH_TOLERANCE = 0.25
 
+# A fingerprint worth acting on has this many samples and this pattern confidence: a
+# handful of samples in a warm-up reads as a steep line, and a level that has not stepped
+# yet as the first level of a step schedule (twice as high, ``LevelPrior``). The fleet
+# benchmark acts on nothing less, and the fingerprinter service publishes nothing less.
+TRUST_SAMPLES = 10
+TRUST_CONFIDENCE = 0.6
+
+
+def trusted(fp: Fingerprint) -> bool:
+    """Whether an observed fingerprint is worth acting on (``TRUST_SAMPLES``, ``TRUST_CONFIDENCE``)."""
+    return fp.samples >= TRUST_SAMPLES and fp.pattern_confidence >= TRUST_CONFIDENCE
+
 
 def changed_materially(old: Fingerprint | None, new: Fingerprint, *,
                        peak_tolerance: float = PEAK_TOLERANCE,
@@ -47,9 +59,13 @@ class OnlineFingerprinter:
     def __init__(self, signature: str = "", *, expected_duration_s: float | None = None,
                  started_at: float | None = None, min_samples: int = MIN_SAMPLES,
                  refit_growth: float = 0.10, prior: Fingerprint | None = None,
-                 level_prior: LevelPrior | None = None) -> None:
-        """``started_at`` is the task's start on the samples' clock (default: first sample)."""
+                 level_prior: LevelPrior | None = None, only_trusted: bool = False) -> None:
+        """``started_at`` is the task's start on the samples' clock (default: first sample).
+        With ``only_trusted``, ``add`` and ``refit`` return only fingerprints that are
+        ``trusted``, and one is news against the last they returned (a guess that was never
+        returned does not hide the trusted fingerprint that follows it)."""
         self.signature = signature
+        self.only_trusted = only_trusted
         self.expected_duration_s = expected_duration_s
         self._start = started_at
         self._min = max(min_samples, 2)
@@ -63,6 +79,7 @@ class OnlineFingerprinter:
         self._published: Fingerprint | None = None
         self._current: Fingerprint | None = prior
         self._analysis: SeriesAnalysis | None = None
+        self._ended = False  # ``finish`` was called: the series is the run's whole life
 
     @property
     def current(self) -> Fingerprint | None:
@@ -108,10 +125,24 @@ class OnlineFingerprinter:
         self._analysis = analyse_series(
             self._t, self._mb, signature=self.signature, expected_duration_s=self.expected_duration_s,
             utilisation=self._util or None, colocated=coloc if use_coloc else None,
-            prior=self._level_prior)
+            prior=self._level_prior, ended=self._ended)
         self._fitted_at = len(self._t)
         self._current = self._analysis.fingerprint
+        if self.only_trusted and not trusted(self._current):
+            return None
         if changed_materially(self._published, self._current):
             self._published = self._current
             return self._current
         return None
+
+    def finish(self) -> Fingerprint | None:
+        """The fingerprint of a run that has ended, refit on all its samples: a level it
+        held from its first sample to its last is its peak (flat), not the first level of a
+        step schedule, which the same series reads as while the run may still step up.
+        Growth is still carried to the declared end (the gap after the last sample).
+        ``None`` before any sample."""
+        if not self._t:
+            return None
+        self._ended = True
+        self.refit()
+        return self._current

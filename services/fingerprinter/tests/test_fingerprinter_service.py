@@ -185,3 +185,18 @@ async def test_statistics_in_the_units_of_before_per_gpu_memory_are_replaced_not
     await bus.publish(task("old-2"))
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "old-2"]))[0]
     assert predicted.source == "signature" and abs(predicted.fingerprint.predicted_peak_mb - 16_000) < 1_600
+
+
+async def test_a_short_flat_run_is_remembered_at_its_level_and_no_guess_goes_out(fingerprinter):
+    bus, seen = fingerprinter
+    # An inference task declared at 90 s that loaded before its first sample: eight samples
+    # at 9.3 GB. Mid-life that reads as a step schedule's first level (twice as high).
+    first = msgspec.structs.replace(task("serve-1"), kind="infer", expected_duration_s=90.0)
+    await run_for(bus, first, 80, lambda t: 9_300.0 + 30.0 * math.sin(t))
+    await bus.publish(TaskLifecycle(task_id="serve-1", state="finished", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    assert abs(stats.mean_peak_mb - 9_300) < 500, stats  # its level, not the ~18.5 GB guess
+    assert not [f for f in seen if f.task_id == "serve-1"]  # the untrusted guess never went out
+    await bus.publish(msgspec.structs.replace(first, task_id="serve-2"))
+    predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "serve-2"]))[0]
+    assert predicted.source == "signature" and abs(predicted.fingerprint.predicted_peak_mb - 9_300) < 500

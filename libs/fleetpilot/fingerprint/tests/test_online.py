@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fleetpilot.contracts import Fingerprint
-from fleetpilot.fingerprint import OnlineFingerprinter, changed_materially
+from fleetpilot.fingerprint import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, changed_materially
 from fleetpilot.workload.growth import MemoryGrowth
 
 
@@ -59,3 +59,48 @@ def test_online_uses_its_own_clock_origin():
         online.add(1_700_000_000.0 + 10.0 * k, 1000.0 + 10.0 * k)
     assert online.current is not None and online.current.pattern == "linear"
     assert online.current.growth_rate_mb_per_s == pytest.approx(1.0, rel=1e-6)
+
+
+def _flat_short_run(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A 90 s task that finished loading before its first sample: ``n`` samples 10 s apart
+    at 9.3 GB, as the demo's inference tasks look to the fingerprinter."""
+    rng = np.random.default_rng(seed)
+    return np.arange(n) * 10.0, 9_300.0 + rng.normal(0.0, 30.0, n)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_level_held_to_the_end_is_the_peak_not_a_step_schedule_s_first_level(seed):
+    t, y = _flat_short_run(seed, 8)
+    online = OnlineFingerprinter("s", expected_duration_s=90.0)
+    for a, b in zip(t, y, strict=True):
+        online.add(float(a), float(b))
+    # Mid-life, with the declared 90 s ahead, the level reads as a step schedule's first.
+    assert online.current.predicted_peak_mb > 1.5 * 9_300
+    final = online.finish()
+    assert abs(final.predicted_peak_mb - 9_300) < 300
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_only_trusted_fingerprints_are_returned_and_an_unreturned_guess_hides_nothing(seed):
+    # A leak sampled every 10 s: the first fits, from six samples on, are guesses.
+    g = MemoryGrowth(pattern="leak", base_mb=4_000.0, peak_mb=30_000.0, duration_s=600.0, noise_mb=40.0)
+    t = np.arange(0.0, 400.0, 10.0)
+    y = g.memory_at(t, np.random.default_rng(seed))
+    plain = OnlineFingerprinter("s", expected_duration_s=600.0)
+    first = next(fp for a, b in zip(t, y, strict=True) if (fp := plain.add(float(a), float(b))) is not None)
+    assert first.samples < TRUST_SAMPLES
+    online = OnlineFingerprinter("s", expected_duration_s=600.0, only_trusted=True)
+    returned = [fp for a, b in zip(t, y, strict=True) if (fp := online.add(float(a), float(b))) is not None]
+    assert returned, "a trusted fingerprint came and was returned"
+    assert all(fp.samples >= TRUST_SAMPLES and fp.pattern_confidence >= TRUST_CONFIDENCE for fp in returned)
+    assert returned[-1].predicted_peak_mb == pytest.approx(online.current.predicted_peak_mb, rel=0.10)
+
+
+def test_a_guess_that_was_never_returned_does_not_hide_the_same_trusted_fingerprint():
+    # A clean line: its fit at six samples already predicts what it predicts at ten, but
+    # only at ten is it trusted. That first trusted fit is news: the guess was never returned.
+    t = np.arange(0.0, 300.0, 10.0)
+    y = 8_000.0 + 30.0 * t + np.random.default_rng(4).normal(0.0, 20.0, t.size)
+    online = OnlineFingerprinter("s", expected_duration_s=600.0, only_trusted=True)
+    returned = [fp for a, b in zip(t, y, strict=True) if (fp := online.add(float(a), float(b))) is not None]
+    assert returned and returned[0].samples == TRUST_SAMPLES and returned[0].pattern == "linear"
