@@ -75,7 +75,9 @@ async def test_watch_follows_decisions(fleet):
 
 @pytest.mark.parametrize("args,message", [
     (["submit", "--gpus", "two"], "invalid int value"),
-    (["submit", "--gpu-milli", "4000"], "gpu_milli within 1..1000"),
+    (["submit", "--gpu-milli", "4000"], "gpu_milli must be in 1..1000"),
+    (["submit", "--max-queue-s", "-5"], "sla.max_queue_s must be a finite number >= 0"),
+    (["up", "--demo", "-5"], "argument --demo: must be 0 or more"),
     (["submit", "--file", "/no/such/task.yaml"], "no such file"),
     (["watch", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS"),
 ])
