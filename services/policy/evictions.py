@@ -27,9 +27,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import PolicyDecision
-from fleetpilot.runtime import CasConflict, KeyValue
-
-from .preempt import (
+from fleetpilot.policy.preempt import (
     Preemption,
     Requeue,
     Victim,
@@ -41,7 +39,9 @@ from .preempt import (
     preemptions,
     reassign_decision_id,
 )
-from .rebalance import generation, running_tasks
+from fleetpilot.policy.rebalance import generation, running_tasks
+from fleetpilot.runtime import CasConflict, KeyValue
+
 from .replica import ReplicaState
 
 log = logging.getLogger("fleetpilot.policy")

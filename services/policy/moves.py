@@ -35,11 +35,8 @@ from fleetpilot.ledger import free_capacity
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
-from fleetpilot.policy.transformers import oom_risk
-from fleetpilot.runtime import CasConflict
-
-from .preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
-from .rebalance import (
+from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
+from fleetpilot.policy.rebalance import (
     CORDONED,
     DECOMMISSIONED,
     MAINTENANCE_PENDING,
@@ -54,6 +51,9 @@ from .rebalance import (
     resize_plan,
     running_tasks,
 )
+from fleetpilot.policy.transformers import oom_risk
+from fleetpilot.runtime import CasConflict
+
 from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
 
 log = logging.getLogger("fleetpilot.policy")

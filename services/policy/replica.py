@@ -34,12 +34,12 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
+from fleetpilot.policy.rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, gpu_conditions, is_set
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
 from .metrics import PolicyMetrics
 from .policy_set import ActivePolicies, PolicySet
-from .rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, gpu_conditions, is_set
 from .settings import PolicySettings
 
 log = logging.getLogger("fleetpilot.policy")

@@ -72,6 +72,7 @@ from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.backfill import Demand, queue_key
+from fleetpilot.policy.preempt import decode_pending
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost
 
@@ -89,7 +90,6 @@ from .policy_set import (
     parse_config,
     success_table,
 )
-from .preempt import decode_pending
 from .replica import QUEUE_CONFIDENCE, calibration_key, decision_id_for
 from .settings import PolicySettings
 

@@ -20,7 +20,7 @@ from fleetpilot.contracts import (
     now,
     subject_for,
 )
-from fleetpilot_services.policy.preempt import decode_pending
+from fleetpilot.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, fingerprinted, node, settings, wait_for

@@ -23,10 +23,10 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.policy.preempt import decode_pending
 from fleetpilot.runtime.testing import eventually as wait_for_async
 from fleetpilot_services.executor.service import ExecutorSettings
 from fleetpilot_services.executor.service import build as build_executor
-from fleetpilot_services.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, fingerprinted, node, settings, wait_for

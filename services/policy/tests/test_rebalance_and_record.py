@@ -18,7 +18,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.policy import Snapshot
-from fleetpilot_services.policy.rebalance import Running, growth_overflow, migrate_decision_id, move_reason
+from fleetpilot.policy.rebalance import Running, growth_overflow, migrate_decision_id, move_reason
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for

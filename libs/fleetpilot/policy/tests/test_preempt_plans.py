@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from fleetpilot.contracts import Allocation, Contract, Fingerprint, NodeLedger, TaskAdmitted, TaskSubmitted
-from fleetpilot_services.policy.preempt import (
+from fleetpilot.contracts import (
+    Allocation,
+    Contract,
+    Fingerprint,
+    GpuInfo,
+    NodeLedger,
+    NodeTopology,
+    TaskAdmitted,
+    TaskSubmitted,
+)
+from fleetpilot.policy.preempt import (
     EXACT_LIMIT,
     Requeue,
     Victim,
@@ -21,7 +30,7 @@ from fleetpilot_services.policy.preempt import (
     preemptions,
     reassign_decision_id,
 )
-from fleetpilot_services.policy.rebalance import (
+from fleetpilot.policy.rebalance import (
     Running,
     generation,
     migrate_decision_id,
@@ -29,7 +38,13 @@ from fleetpilot_services.policy.rebalance import (
     resize_plan,
 )
 
-from .conftest import node
+
+def node(name: str, gpus: int = 2, model: str = "H100", memory_mb: int = 81920,
+         labels: dict[int, dict[str, str]] | None = None) -> NodeTopology:
+    """A node of ``gpus`` GPUs of one model, ``labels`` per GPU index."""
+    return NodeTopology(node=name, cpu_milli=64000, memory_mb=512000,
+                        gpus=[GpuInfo(index=i, model=model, memory_mb=memory_mb, labels=(labels or {}).get(i, {}))
+                              for i in range(gpus)])
 
 
 def hold(

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
+
 from fleetpilot.contracts import (
     TASK_LABEL_DRIVER,
     Allocation,
