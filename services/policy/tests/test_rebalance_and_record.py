@@ -18,7 +18,6 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.policy import Snapshot
-from fleetpilot.policy.rebalance import Running, growth_overflow, migrate_decision_id, move_reason
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
@@ -127,22 +126,6 @@ async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_
     assert {s.task.task_id for s in snaps} <= {a.task.task_id for a in fresh}
 
 
-def test_move_reasons_and_migration_ids():
-    topo = node("x", labels={1: {"decommissioned": "true"}})
-    ledger = NodeLedger(node="x", allocations=[hold("t", 0), hold("u", 1, decision="u.migrate.2")])
-    stay = Running("t", "x", (ledger.allocations[0],))
-    leave = Running("u", "x", (ledger.allocations[1],))
-    assert move_reason(stay, topo, ledger, None, 0.5) is None
-    assert move_reason(stay, topo, ledger, fingerprint(1000), 0.5) is None  # fits easily
-    oom = move_reason(stay, topo, ledger, fingerprint(90000), 0.5)
-    assert oom is not None and oom.p_stay_fails > 0.99
-    gone = move_reason(leave, topo, ledger, None, 0.5)
-    assert gone is not None and gone.p_stay_fails == 1.0 and "decommissioned" in gone.why
-    assert migrate_decision_id(stay) == "t.migrate.1"
-    assert migrate_decision_id(leave) == "u.migrate.3"
-    assert migrate_decision_id(leave, tried=2) == "u.migrate.5"  # .3 and .4 failed
-
-
 async def test_a_move_or_resize_the_executor_failed_is_not_proposed_again_under_its_id(
     observer, nats_url, tmp_path
 ):
@@ -178,20 +161,3 @@ async def test_a_move_or_resize_the_executor_failed_is_not_proposed_again_under_
     assert {a.decision_id for a in ledgers["a0"].allocations if a.task_id == "m1"} == {"m1.migrate.2"}
     # r1 stays where it is: the same resize already failed, and in place it does not OOM.
     assert "r1" not in by_task
-
-
-def test_growth_overflow_carries_the_measured_slope_per_gpu_against_the_room_left_by_neighbours():
-    topo = node("x", gpus=2, model="A100-40GB", memory_mb=40960)
-    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=20000), hold("t", 1, memory_mb=20000),
-                                               hold("n", 1, milli=0, memory_mb=10000)])
-    two = Running("t", "x", tuple(ledger.allocations[:2]))
-    # 20 GB over two GPUs, +2 GB a minute over both: +4 GB per GPU in four minutes -> 14 GB.
-    slow = [(0.0, 18000.0), (60.0, 20000.0)]
-    assert growth_overflow(two, topo, ledger, slow, 240.0) is None
-    # +12 GB a minute over both: 10 + 24 GB per GPU in four minutes, within GPU 0's 40,960 MB
-    # but past the 30,960 MB that GPU 1's neighbour leaves.
-    fast = [(0.0, 8000.0), (60.0, 20000.0)]
-    why = growth_overflow(two, topo, ledger, fast, 240.0)
-    assert why is not None and "30960 MB it can have on GPU 1" in why
-    assert growth_overflow(two, topo, ledger, fast[-1:], 240.0) is None  # one sample: no slope
-    assert growth_overflow(two, topo, ledger, [(0.0, 5e4), (60.0, 2e4)], 240.0) is None  # shrinking

@@ -1,6 +1,7 @@
-"""The pure parts of preemption and resizing over plain tables: which best_effort tasks a vip
-needs evicted, the ids of evictions, re-placements, migrations and resizes, and when a
-predicted peak becomes a resize."""
+"""The pure parts of preemption and rebalancing over plain tables: which best_effort tasks a
+vip needs evicted, the ids of evictions, re-placements, migrations and resizes, when a
+predicted peak becomes a resize, why a running task should move, and when its measured
+growth would overflow its GPU."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from fleetpilot.policy.preempt import (
 from fleetpilot.policy.rebalance import (
     Running,
     generation,
+    growth_overflow,
     migrate_decision_id,
+    move_reason,
     resize_decision_id,
     resize_plan,
 )
@@ -48,7 +51,7 @@ def node(name: str, gpus: int = 2, model: str = "H100", memory_mb: int = 81920,
 
 
 def hold(
-    task: str, gpu: int, milli: int, memory_mb: int = 1000, decision: str = "", at: float = 0.0
+    task: str, gpu: int, milli: int = 1000, memory_mb: int = 1000, decision: str = "", at: float = 0.0
 ) -> Allocation:
     return Allocation(
         task_id=task,
@@ -233,3 +236,36 @@ def test_a_peak_above_the_hold_becomes_a_resize_only_with_room(held, neighbour, 
         assert plan is not None and plan.memory_mb == expected
         assert plan.extra == {0: expected - held}
         assert 0.99 < plan.confidence <= 1.0
+
+
+def test_move_reasons_and_migration_ids():
+    topo = node("x", labels={1: {"decommissioned": "true"}})
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0), hold("u", 1, decision="u.migrate.2")])
+    stay = Running("t", "x", (ledger.allocations[0],))
+    leave = Running("u", "x", (ledger.allocations[1],))
+    assert move_reason(stay, topo, ledger, None, 0.5) is None
+    assert move_reason(stay, topo, ledger, fingerprint(1000), 0.5) is None  # fits easily
+    oom = move_reason(stay, topo, ledger, fingerprint(90000), 0.5)
+    assert oom is not None and oom.p_stay_fails > 0.99
+    gone = move_reason(leave, topo, ledger, None, 0.5)
+    assert gone is not None and gone.p_stay_fails == 1.0 and "decommissioned" in gone.why
+    assert migrate_decision_id(stay) == "t.migrate.1"
+    assert migrate_decision_id(leave) == "u.migrate.3"
+    assert migrate_decision_id(leave, tried=2) == "u.migrate.5"  # .3 and .4 failed
+
+
+def test_growth_overflow_carries_the_measured_slope_per_gpu_against_the_room_left_by_neighbours():
+    topo = node("x", gpus=2, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=20000), hold("t", 1, memory_mb=20000),
+                                               hold("n", 1, milli=0, memory_mb=10000)])
+    two = Running("t", "x", tuple(ledger.allocations[:2]))
+    # 20 GB over two GPUs, +2 GB a minute over both: +4 GB per GPU in four minutes -> 14 GB.
+    slow = [(0.0, 18000.0), (60.0, 20000.0)]
+    assert growth_overflow(two, topo, ledger, slow, 240.0) is None
+    # +12 GB a minute over both: 10 + 24 GB per GPU in four minutes, within GPU 0's 40,960 MB
+    # but past the 30,960 MB that GPU 1's neighbour leaves.
+    fast = [(0.0, 8000.0), (60.0, 20000.0)]
+    why = growth_overflow(two, topo, ledger, fast, 240.0)
+    assert why is not None and "30960 MB it can have on GPU 1" in why
+    assert growth_overflow(two, topo, ledger, fast[-1:], 240.0) is None  # one sample: no slope
+    assert growth_overflow(two, topo, ledger, [(0.0, 5e4), (60.0, 2e4)], 240.0) is None  # shrinking
