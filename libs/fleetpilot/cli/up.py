@@ -110,6 +110,14 @@ class ServiceProcesses:
                 proc.wait()
 
 
+def _where(d: DecisionMade, shown: int = 3) -> str:
+    """Where a decision puts the task, on one line: the first ``shown`` GPU shares, and how
+    many more (an 8-GPU task must not read as a 3-GPU one)."""
+    where = ", ".join(f"{p.node}/gpu{p.gpu}:{p.milli}m" for p in d.placement[:shown])
+    more = len(d.placement) - shown
+    return f"{where} (+{more} more)" if more > 0 else where
+
+
 def _short_reason(d: DecisionMade, width: int = 60) -> str:
     """A decision's reason cut to ``width`` characters for the live log, keeping the closing
     ``(primary: …)`` or ``(breaker open)`` of a fallback decision: that part says why."""
@@ -162,7 +170,7 @@ class Report:
             self.policies["fallback" if d.fallback else d.policy.name] += 1
             if d.task_id in self.submitted_at and d.action == "assign":
                 self.queue_s.append(max(0.0, d.decided_at - self.submitted_at.pop(d.task_id)))
-            where = ", ".join(f"{p.node}/gpu{p.gpu}:{p.milli}m" for p in d.placement[:3])
+            where = _where(d)
             self.line(f"decision {d.action:<7} {d.task_id:<14} conf {d.confidence:.2f} {d.policy.name} "
                       f"{where} {_short_reason(d)}")
         elif subject.startswith("action."):

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from fleetpilot.cli.main import main as cli_main
-from fleetpilot.cli.up import Report, _short_reason
-from fleetpilot.contracts import DecisionMade, FeedbackRecorded, Measured, PolicyRef, TaskSubmitted, encode
+from fleetpilot.cli.up import Report, _short_reason, _where
+from fleetpilot.contracts import (
+    DecisionMade,
+    FeedbackRecorded,
+    Measured,
+    Placement,
+    PolicyRef,
+    TaskSubmitted,
+    encode,
+)
 
 
 def decision(reason: str, *, fallback: bool) -> DecisionMade:
@@ -75,3 +84,11 @@ def test_bad_numbers_are_refused_in_one_line_before_anything_starts(argv, fragme
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err
+
+
+def test_a_wide_placement_says_how_many_gpus_it_does_not_show() -> None:
+    wide = msgspec.structs.replace(decision("x", fallback=False), placement=[
+        Placement(node="h100-01", gpu=g, milli=1000, memory_mb=70_000) for g in range(8)])
+    assert _where(wide) == ("h100-01/gpu0:1000m, h100-01/gpu1:1000m, h100-01/gpu2:1000m (+5 more)")
+    narrow = msgspec.structs.replace(wide, placement=wide.placement[:2])
+    assert _where(narrow) == "h100-01/gpu0:1000m, h100-01/gpu1:1000m"
