@@ -49,10 +49,10 @@ from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings
 from fleetpilot.sla import Admit, CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
+from fleetpilot.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
 from prometheus_client import Counter
 from pydantic_settings import SettingsConfigDict
 
-from .snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
 from .store import ContractStore, OfferRecord
 
 log = logging.getLogger("fleetpilot.sla")

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 from fleetpilot.contracts import BandwidthEstimate, NodeLedger, NodeTopology, TaskAdmitted
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
-from fleetpilot.sla import FleetView, GpuPool
+
+from .fleet import FleetView, GpuPool
 
 
 @dataclass(frozen=True)

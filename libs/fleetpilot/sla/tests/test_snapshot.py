@@ -13,7 +13,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
 )
-from fleetpilot_services.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
+from fleetpilot.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
 
 NOW = 10_000.0
 
