@@ -13,7 +13,7 @@ How it works (see README.md in this folder):
    for the predicted peak. Without a duration the horizon is twice the task's age (a task
    that has run ``t`` seconds is, without other knowledge, as likely as not to run ``t``
    more), the interval's upper end reaches four times its age and its lower end is what the
-   task holds now. Shapes that are nearly as
+   task holds now; a run known to have ended (``ended``) ended at its last sample. Shapes that are nearly as
    likely as the winner widen the interval to cover their own predictions.
 
 A series that has held one level since its first sample has shown no growth yet. Flat
@@ -256,10 +256,16 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     # (a finished run fingerprinted with its real duration): a level held so far is final.
     interval = float(np.median(np.diff(t))) if n >= 2 else 0.0
     lived = known_end and end - now <= interval
+    if ended and not known_end:
+        # A run that ended without a declared life ended at its last sample (within one
+        # interval): nothing is carried past it, not to twice its age.
+        end = far = now
+        lived = True
+        notes.append("ended without an expected duration: its life ended at the last sample")
+    elif not known_end:
+        notes.append("no expected duration: horizon is twice the task's age, interval reaches 4x its age")
     # A level to the last sample of a run that ended, or to the end of its known life, was final.
     held = lived or ended
-    if not known_end:
-        notes.append("no expected duration: horizon is twice the task's age, interval reaches 4x its age")
 
     candidates: list[_Candidate] = []
     if n < MIN_SAMPLES:

@@ -104,3 +104,17 @@ def test_a_guess_that_was_never_returned_does_not_hide_the_same_trusted_fingerpr
     online = OnlineFingerprinter("s", expected_duration_s=600.0, only_trusted=True)
     returned = [fp for a, b in zip(t, y, strict=True) if (fp := online.add(float(a), float(b))) is not None]
     assert returned and returned[0].samples == TRUST_SAMPLES and returned[0].pattern == "linear"
+
+
+def test_a_run_that_ended_without_a_declared_life_is_not_carried_past_its_last_sample():
+    # 8 GB growing 30 MB/s for 300 s, no duration declared: while it runs the horizon is
+    # twice its age (about 17 GB at 600 s); once it has ended, its peak is what it reached.
+    t = np.arange(0.0, 300.0, 10.0)
+    y = 8_000.0 + 30.0 * t + np.random.default_rng(6).normal(0.0, 20.0, t.size)
+    online = OnlineFingerprinter("s")
+    for a, b in zip(t, y, strict=True):
+        online.add(float(a), float(b))
+    online.refit()
+    assert online.current.predicted_peak_mb > 15_000
+    final = online.finish()
+    assert final.pattern == "linear" and abs(final.predicted_peak_mb - (8_000 + 30.0 * 290)) < 300
