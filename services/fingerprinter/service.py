@@ -126,9 +126,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         else:
             if model.samples < 3:
                 return
-            # On every sample of the whole life, published or not, and with its real length:
-            # a level held to the end is the run's peak, not a step schedule's first level.
-            final = model.finish()
+            # On every sample of the whole life, published or not, and to its real end: a level
+            # held to the end is the run's peak, and growth is not carried past the end.
+            final = model.finish(ended_at=life.at)
             if final is None:
                 return
 

@@ -135,14 +135,21 @@ class OnlineFingerprinter:
             return self._current
         return None
 
-    def finish(self) -> Fingerprint | None:
+    def finish(self, ended_at: float | None = None) -> Fingerprint | None:
         """The fingerprint of a run that has ended, refit on all its samples: a level it
         held from its first sample to its last is its peak (flat), not the first level of a
         step schedule, which the same series reads as while the run may still step up.
-        Growth is still carried to the declared end (the gap after the last sample).
-        ``None`` before any sample."""
+
+        ``ended_at`` is when the run ended, on the samples' clock: growth is carried to it
+        instead of the declared end, so a run that stopped early is not extrapolated to the
+        end it declared (and one that overran is carried to its real end). An ``ended_at``
+        before the last sample is a clock that disagrees (a simulator running ahead of the
+        wall clock) and is not used: the last samples may still be on their way, so growth
+        is carried to the declared end, as without ``ended_at``. ``None`` before any sample."""
         if not self._t:
             return None
+        if ended_at is not None and self._start is not None and ended_at - self._start >= self._t[-1]:
+            self.expected_duration_s = max(ended_at - self._start, 1e-6)
         self._ended = True
         self.refit()
         return self._current

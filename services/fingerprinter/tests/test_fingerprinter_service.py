@@ -200,3 +200,20 @@ async def test_a_short_flat_run_is_remembered_at_its_level_and_no_guess_goes_out
     await bus.publish(msgspec.structs.replace(first, task_id="serve-2"))
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "serve-2"]))[0]
     assert predicted.source == "signature" and abs(predicted.fingerprint.predicted_peak_mb - 9_300) < 500
+
+
+async def test_a_run_that_ends_before_its_declared_end_is_remembered_at_what_it_reached(fingerprinter):
+    bus, seen = fingerprinter
+    # Declared an hour; it grew 30 MB/s for 300 s and ended now (samples and the lifecycle on
+    # one clock, as on a real node). Carried to the declared hour, its line would reach 116 GB.
+    first = msgspec.structs.replace(task("early-1"), expected_duration_s=3_600.0)
+    await bus.publish(first)
+    await asyncio.sleep(0.5)
+    start = now() - 305.0
+    for t in np.arange(0, 300, 10.0):
+        await bus.publish(TaskTelemetry(task_id="early-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=8_000.0 + 30.0 * float(t) + 20.0 * math.sin(t)))
+    await asyncio.sleep(0.5)
+    await bus.publish(TaskLifecycle(task_id="early-1", state="finished", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    assert abs(stats.mean_peak_mb - (8_000 + 30.0 * 305)) < 500, stats

@@ -118,3 +118,22 @@ def test_a_run_that_ended_without_a_declared_life_is_not_carried_past_its_last_s
     assert online.current.predicted_peak_mb > 15_000
     final = online.finish()
     assert final.pattern == "linear" and abs(final.predicted_peak_mb - (8_000 + 30.0 * 290)) < 300
+
+
+def test_a_run_that_ended_before_its_declared_end_is_carried_to_its_real_end():
+    # Declared an hour, ran 300 s growing 30 MB/s: carried to the declared hour its line
+    # would reach about 116 GB; it ended at 305 s, having reached about 16.7 GB.
+    t = np.arange(0.0, 300.0, 10.0)
+    y = 8_000.0 + 30.0 * t + np.random.default_rng(8).normal(0.0, 20.0, t.size)
+
+    def run() -> OnlineFingerprinter:
+        online = OnlineFingerprinter("s", expected_duration_s=3_600.0, started_at=1_000.0)
+        for a, b in zip(t, y, strict=True):
+            online.add(1_000.0 + float(a), float(b))
+        return online
+
+    assert run().finish().predicted_peak_mb > 100_000  # without its end: the declared hour
+    assert abs(run().finish(ended_at=1_305.0).predicted_peak_mb - (8_000 + 30.0 * 305)) < 300
+    # A clock that says the run ended before its last sample is not used (its last samples
+    # may still be on their way): carried to the declared end, as without one.
+    assert run().finish(ended_at=1_100.0).predicted_peak_mb > 100_000
