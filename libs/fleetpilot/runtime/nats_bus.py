@@ -261,8 +261,8 @@ class NatsBus(Bus):
 
         await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
         # Core messages are not kept: until the server has the subscription, what is published
-        # is lost. Flush so that a started service hears everything published after start().
-        await self._nc.flush()
+        # is lost. A started service hears everything published after start().
+        await self._subscriptions_known()
 
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
         if self._micro is None:
@@ -272,7 +272,19 @@ class NatsBus(Bus):
             await req.respond(await handler(req.data, dict(req.headers or {})))
 
         await self._micro.add_endpoint(EndpointConfig(name=name, subject=subject, handler=on_request))
-        # Make the subscription known to the server before the caller advertises readiness.
+        # Known to the server before the caller advertises readiness: a request sent after
+        # start() must not get "no responders".
+        await self._subscriptions_known()
+
+    async def _subscriptions_known(self) -> None:
+        """Return once the server has every subscription this connection made so far.
+
+        nats-py queues a SUB for its flusher task but writes ``flush()``'s PING straight to
+        the socket, so the PONG can come back before the SUB has even been sent: a request
+        from another connection then got "no responders" (8 in 300 in a loop here; the SLA
+        service's test saw it under load). Writing the queue out first (the client's own
+        flush of pending commands, waited for) puts the SUB ahead of the PING."""
+        await self._nc._flush_pending(force_flush=True)  # nats-py has no public way to wait for its queue
         await self._nc.flush()
 
     async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,

@@ -230,3 +230,21 @@ async def test_request_says_whether_nobody_answered_or_the_handler_failed(bus):
     with pytest.raises(TimeoutError, match="no responder on test.nobody"):
         await bus.request("test.nobody", encode(submitted("q")), timeout_s=5)
     await host.stop()
+
+
+async def test_an_endpoint_answers_a_request_sent_the_moment_it_is_served(nats_server):
+    # nats-py's flush could return before the server had the endpoint's subscription: about
+    # one request in forty sent right after serve() got "no responders".
+    serving = await NatsBus.connect(nats_server.url, "serving")
+    asking = await NatsBus.connect(nats_server.url, "asking")
+
+    async def echo(data: bytes, headers: dict[str, str]) -> bytes:
+        return data
+
+    try:
+        for i in range(300):
+            await serving.serve("race", f"e{i}", f"race.{i}", echo)
+            assert await asking.request(f"race.{i}", b"ping", timeout_s=5) == b"ping"
+    finally:
+        await asking.drain()
+        await serving.drain()
