@@ -22,10 +22,10 @@ from fleetpilot.fingerprint import (
     SignatureStats,
     load_stats,
     merge,
+    merge_oom,
     predict,
     task_signature,
 )
-from fleetpilot.fingerprint.signature import merge_oom
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
@@ -126,8 +126,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         else:
             if model.samples < 3:
                 return
-            # On every sample of the whole life, published or not, and to its real end: a level
-            # held to the end is the run's peak, and growth is not carried past the end.
+            # On every sample of the whole life, published or not, and to its real end when the
+            # event's time says it: a level held to the end is the run's peak (``finish``).
             final = model.finish(ended_at=life.at)
             if final is None:
                 return

@@ -43,6 +43,7 @@ __all__ = [
     "fingerprint_series",
     "load_stats",
     "merge",
+    "merge_oom",
     "parse_series_csv",
     "predict",
     "task_signature",
