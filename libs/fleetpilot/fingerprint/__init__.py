@@ -22,6 +22,7 @@ from .signature import (
     SignatureStats,
     load_stats,
     merge,
+    merge_oom,
     predict,
     task_signature,
 )
