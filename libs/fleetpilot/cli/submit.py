@@ -128,10 +128,9 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
     async def on_msg(msg) -> None:
         await answers.put(msg)
 
-    nc = bus._nc
-    await nc.subscribe("decision.made", cb=on_msg)
-    await nc.subscribe("task.rejected", cb=on_msg)
-    await nc.subscribe(f"sla.offer.{task.task_id}", cb=on_msg)
+    # Known to the server before the task goes out, so no answer can come before we listen.
+    for subject in ("decision.made", "task.rejected", f"sla.offer.{task.task_id}"):
+        await bus.subscribe(subject, on_msg)
     try:
         with tracing.producer_span("fleetpilot.submit") as trace_headers:
             try:

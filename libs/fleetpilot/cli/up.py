@@ -227,14 +227,12 @@ async def simulated_fleet_answers(bus: NatsBus, timeout_s: float) -> bool:
     """Wait until the collector's simulator serves ``sim.control`` (its service answers a
     NATS micro ping). A large fleet takes seconds to build; tasks decided before it answers
     would fail their first assign (and be placed again), which is no way to start a demo."""
-    import nats.errors
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            await bus._nc.request("$SRV.PING.fleetpilot-collector", b"", timeout=0.5)
+            await bus.request("$SRV.PING.fleetpilot-collector", b"", timeout_s=0.5)
             return True
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        except TimeoutError:  # no responder yet, or no answer in time
             await asyncio.sleep(0.2)
     return False
 
@@ -255,7 +253,7 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
         await bus.publish(reply, headers={"Authorization": f"Bearer {tokens[tenant]}"})
         report.line(f"accepted option {reply.option_id} for {offer.task_id}")
 
-    await bus._nc.subscribe("sla.offer.*", cb=accept_offer)
+    await bus.subscribe("sla.offer.*", accept_offer)
     for i, task in enumerate(demo_tasks(count, prefix=f"demo{int(time.time()) % 100000}")):
         tenant = DEMO_TENANTS[i % len(DEMO_TENANTS)]
         task = msgspec.structs.replace(task, submitted_at=now())
@@ -287,7 +285,7 @@ async def run(args) -> int:
     services.start_all()
     report = Report(args.quiet)
     for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.rejected", "sla.offer.*"):
-        await bus._nc.subscribe(subject, cb=report.on_message)
+        await bus.subscribe(subject, report.on_message)
     print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

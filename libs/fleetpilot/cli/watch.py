@@ -40,7 +40,7 @@ async def watch(args, out=sys.stdout) -> int:
             done.set()
 
     for subject in args.subjects:
-        await bus._nc.subscribe(subject, cb=on_msg)
+        await bus.subscribe(subject, on_msg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
