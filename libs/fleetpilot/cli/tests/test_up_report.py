@@ -56,18 +56,26 @@ async def test_the_closing_report_sets_confidence_against_outcome_per_policy_and
     assert "confidence vs outcome: fleetpilot assign" in report.render(1.0)
 
 
-async def test_any_submitters_task_counts_towards_submit_to_assign() -> None:
+async def test_any_submitters_task_counts_towards_submit_to_assign_at_once_or_after_a_queue() -> None:
     report = Report(quiet=True)
-    assert "submit-to-assign: no task assigned" in report.render(1.0)
-    for i, (submitted, decided) in enumerate([(10.0, 10.2), (20.0, 20.1), (30.0, 33.0)]):
+    assert "submit-to-assign, placed at once: no task" in report.render(1.0)
+
+    async def decide(task_id: str, action: str, at: float) -> None:
+        made = DecisionMade(decision_id=f"{task_id}.{action}", task_id=task_id, action=action, confidence=0.9,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=at)
+        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
+
+    for i, (submitted, decided) in enumerate([(10.0, 10.2), (20.0, 20.1), (30.0, 33.0), (40.0, 100.0)]):
         task = TaskSubmitted(task_id=f"t{i}", tenant="acme", kind="train", gpus=1, gpu_milli=1000,
                              submitted_at=submitted)
         await report.on_message(SimpleNamespace(subject="task.submitted", data=encode(task)))
-        made = DecisionMade(decision_id=f"d{i}", task_id=f"t{i}", action="assign", confidence=0.9,
-                            policy=PolicyRef(name="fleetpilot"), decided_at=decided)
-        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
+        if i == 3:  # queued first, placed a minute later
+            await decide(f"t{i}", "queue", submitted + 0.1)
+        await decide(f"t{i}", "assign", decided)
     await report.on_message(SimpleNamespace(subject="task.submitted", data=b"{not json"))
-    assert "submit-to-assign: mean 1100 ms, median 200 ms, p95 3000 ms over 3 tasks" in report.render(1.0)
+    rendered = report.render(1.0)
+    assert "submit-to-assign, placed at once: mean 1100 ms, median 200 ms, p95 3000 ms over 3 tasks" in rendered
+    assert "submit-to-assign, after a queue: mean 60.0 s, longest 60.0 s over 1 tasks (0 still queued)" in rendered
 
 
 @pytest.mark.parametrize("argv, fragment", [
