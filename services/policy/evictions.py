@@ -18,7 +18,6 @@ from fleetpilot.contracts import (
     ActionFailed,
     DecisionMade,
     NodeLedger,
-    Placement,
     PolicyRef,
     TaskAdmitted,
     TaskLifecycle,
@@ -216,10 +215,7 @@ class Evictions(ReplicaState):
                     decision_id=evict_id,
                     task_id=v.task_id,
                     action="evict",
-                    source=[
-                        Placement(node=v.running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
-                        for a in v.running.allocations
-                    ],
+                    source=v.running.placements(),
                     confidence=confidence,
                     policy=PolicyRef(name="preempt"),
                     reason=(

@@ -292,8 +292,7 @@ class Moves(ReplicaState):
             decision_id=evict_id,
             task_id=running.task_id,
             action="evict",
-            source=[Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
-                    for a in running.allocations],
+            source=running.placements(),
             confidence=float(reason.p_stay_fails * self.settings.evict_success),
             policy=PolicyRef(name="checkpoint"),
             reason=f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}",
@@ -344,11 +343,7 @@ class Moves(ReplicaState):
         if written is None:
             return None
         self.remember(self.resizes, decision_id, now(), limit=10_000)
-        source = [
-            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
-            for a in running.allocations
-            if a.gpu >= 0
-        ]
+        source = [p for p in running.placements() if p.gpu >= 0]
         adm = self.admissions.of(running.task_id) if self.admissions else None
         return DecisionMade(
             decision_id=decision_id,
@@ -464,16 +459,12 @@ class Moves(ReplicaState):
             return None  # next round
         if written is None:
             return None
-        source = [
-            Placement(node=running.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb)
-            for a in running.allocations
-        ]
         return DecisionMade(
             decision_id=decision_id,
             task_id=running.task_id,
             action="migrate",
             placement=target,
-            source=source,
+            source=running.placements(),
             confidence=confidence,
             policy=ref,
             fallback=fallback,

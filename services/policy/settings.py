@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import msgspec
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.runtime import ServiceSettings
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -52,7 +53,7 @@ class PolicySettings(ServiceSettings):
         "cordoned meanwhile) is placed again before it is given up",
     )
     growth_lookahead_s: float = Field(
-        default=240.0,
+        default=GROWTH_LOOKAHEAD_S,
         description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
         "GPU within it, with nowhere to move, is checkpointed and queued again",
     )

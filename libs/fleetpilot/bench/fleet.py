@@ -121,6 +121,7 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -154,8 +155,6 @@ MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
 """A signature seen this many times is trusted; its tasks are no longer fingerprinted online."""
-BRIDGE_LOOKAHEAD_S = 4 * 60.0
-"""How far a bridged task's recent growth is carried forward: a few cycles plus a move."""
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
 TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
 """Targets as ratios Fleetpilot / baseline: at least +75%, at most -80%, at most -90%."""
@@ -722,7 +721,7 @@ class FleetRun:
                 self._rebalance(job, now)
 
     def _outgrowing(self, job: _Job) -> bool:
-        """A bridged task whose recent growth, carried on for ``BRIDGE_LOOKAHEAD_S``, would
+        """A bridged task whose recent growth, carried on for ``GROWTH_LOOKAHEAD_S``, would
         overflow its GPU (what the GPU holds now, as NVML reports it, plus that growth)."""
         h = job.history
         if h is None or len(h) < 2:
@@ -731,7 +730,8 @@ class FleetRun:
         slope = max((m1 - m0) / max(t1 - t0, 1e-9), 0.0)
         glob = self.offset[job.row] + np.asarray(job.gpus)
         g = self.sim.gpu
-        return bool(np.any(g.memory_used_mb[glob] + slope * BRIDGE_LOOKAHEAD_S > 0.98 * g.memory_total_mb[glob]))
+        return bool(np.any(g.memory_used_mb[glob] + slope * GROWTH_LOOKAHEAD_S
+                           > OVERFLOW_FILL * g.memory_total_mb[glob]))
 
     def _reserve_again(self, job: _Job) -> None:
         """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged)."""

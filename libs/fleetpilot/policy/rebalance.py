@@ -46,6 +46,7 @@ from fleetpilot.contracts import (
     Fingerprint,
     NodeLedger,
     NodeTopology,
+    Placement,
 )
 from fleetpilot.ledger import free_capacity
 
@@ -59,6 +60,9 @@ MAINTENANCE_DEFAULT_RISK = 0.9
 OVERFLOW_FILL = 0.98
 """A task's growth overflows its GPU when it would fill more than this share of its room:
 the CUDA allocator fails before the last megabyte."""
+GROWTH_LOOKAHEAD_S = 240.0
+"""How far measured growth is carried ahead to judge an overflow: long enough to checkpoint
+or move a task before it gets there (the policy service's default, the fleet benchmark's)."""
 
 _MIGRATE_ID = re.compile(r"\.migrate\.(\d+)$")
 _GENERATION = re.compile(r"\.assign\.(\d+)(?:\.|$)")
@@ -76,6 +80,11 @@ class Running:
     def gpus(self) -> list[int]:
         """The GPU indices it holds."""
         return sorted({a.gpu for a in self.allocations if a.gpu >= 0})
+
+    def placements(self) -> list[Placement]:
+        """Its holds as a decision's placements: the ``source`` of a move, an eviction or a
+        resize."""
+        return [Placement(node=self.node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb) for a in self.allocations]
 
 
 @dataclass(frozen=True)
