@@ -204,12 +204,18 @@ class Moves(ReplicaState):
         pause), so nothing that would delay the task takes them. A move lost to a race
         stops the clearing (the rest would not make room); the next round plans again.
         """
-        held = self.reservation
-        if held is None or held.start_s <= now() or self.admissions is None:
+        owner = self.reservation
+        if owner is None or self.admissions is None:
             return []
-        adm = self.admissions.of(held.task_id)
-        if adm is None or self.ledger.holds_of(held.task_id) is not None:
+        adm = self.admissions.of(owner.task_id)
+        if adm is None or self.ledger.holds_of(owner.task_id) is not None:
             return []  # unknown, or no longer waiting: placed since the reservation was made
+        # The queue round's reservation may be a round old: judged again on this view, a
+        # task that can start now is left to the queue round (a clearing would move tenants
+        # onto the very GPUs that freed for it), and the wait weighed is the one of now.
+        held = self.reservation_for(adm)
+        if held is None or held.start_s <= now():
+            return []
         state = self.snapshot()
         request = self.request(adm.task)
         # Only tasks on nodes the waiting task could use can be in its way.

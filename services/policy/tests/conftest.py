@@ -25,9 +25,13 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.ledger.store import node_key
+from fleetpilot.ledger.store import FleetView, LedgerStore, node_key
 from fleetpilot.runtime.nats_bus import bucket_subject_keys
+from fleetpilot_services.policy.metrics import PolicyMetrics
+from fleetpilot_services.policy.policy_set import ActivePolicies, PolicyConfig
+from fleetpilot_services.policy.service import PolicyState
 from fleetpilot_services.policy.settings import PolicySettings
+from prometheus_client import CollectorRegistry
 
 
 async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -55,6 +59,13 @@ def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> 
     )
     base.update(overrides)
     return PolicySettings(**base)
+
+
+def policy_state(tmp_path: Path) -> PolicyState:
+    """A replica's state over in-memory mirrors, no bus (feed them with ``_apply`` as their
+    watch would)."""
+    return PolicyState(FleetView(None), LedgerStore(None), settings("nats://unused", tmp_path),  # type: ignore[arg-type]
+                       ActivePolicies(PolicyConfig(profile="bestfit")), PolicyMetrics(CollectorRegistry()))
 
 
 def admitted(

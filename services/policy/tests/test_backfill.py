@@ -11,10 +11,13 @@ import asyncio
 import json
 
 import msgspec
+import pytest
 from fleetpilot.contracts import Allocation, Contract, NodeLedger, TaskAdmitted, TaskSubmitted, encode, now
+from fleetpilot.policy.backfill import Reservation
+from fleetpilot_services.policy.admissions import Admissions
 from fleetpilot_services.policy.service import build
 
-from .conftest import admitted, node, settings, wait_for
+from .conftest import admitted, node, policy_state, settings, wait_for
 
 
 def tenant(task_id: str, gpus: list[int], started_s_ago: float, declared_s: float, milli: int = 1000,
@@ -212,6 +215,41 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
     # reservation's start, is kept off it, as the reservation followed the clearing.
     assert [(d.task_id, sorted((p.node, p.gpu) for p in d.placement)) for d in observer.decisions
             if d.action == "assign"] == [("wide", [("n0", g) for g in range(4)])]
+
+
+@pytest.mark.parametrize("shares_on_n0", [True, False], ids=["n0-held", "n0-freed-since"])
+async def test_a_clearing_weighs_the_wait_on_the_view_it_plans_on(tmp_path, shares_on_n0):
+    # The scene of the test above, in memory. The queue round reserved n1 for the wide task
+    # (a wait of 4,900 s) while n0 was held by four shares. With n0 still held, the clearing
+    # moves the shares. Had n0 freed since (its shares ended, or moved and were released),
+    # the wide task could start there now: the next queue round places it, and a clearing
+    # planned against the old wait would move n1's tenant onto n0, the GPUs freed for it.
+    ps = policy_state(tmp_path)
+    for topo in (node("n0", gpus=4), node("n1", gpus=4), node("n2", gpus=2, memory_mb=40960)):
+        ps.fleet._apply(topo.node, encode(topo))
+    ps.admissions = Admissions(None)  # type: ignore[arg-type]
+    scene = {"n1": [tenant("big", [0, 1, 2, 3], 100, 5000, memory_mb=40000)]}
+    if shares_on_n0:
+        scene["n0"] = [tenant(f"s{i}", [i], 100, 7200, milli=300, memory_mb=2000) for i in range(4)]
+    for name, pairs in scene.items():
+        ps.ledger._apply(name, encode(NodeLedger(node=name, allocations=[h for hs, _ in pairs for h in hs])))
+        for _, adm in pairs:
+            ps.admissions._apply(f"contract.{adm.task.task_id}", encode(adm))
+    wide = whole("wide", 4, 3600, gpu_memory_mb=60000)
+    ps.admissions._apply("contract.wide", encode(wide))
+    ps.reservation = Reservation(task_id="wide", node="n1", gpus=(0, 1, 2, 3), start_s=now() + 4900)
+    planned: list[tuple[str, str]] = []
+
+    async def migrate(running, topo, fp, p_stay_fails, why, target=None):
+        planned.append((running.task_id, why))
+        return None  # taken by a race: the clearing stops there
+
+    ps.migrate = migrate  # type: ignore[method-assign]
+    assert await ps.clear_for_reservation(budget=8, moved=set()) == []
+    if shares_on_n0:
+        assert [t for t, _ in planned] == ["s0"] and planned[0][1].startswith("clearing n0 for wide"), planned
+    else:
+        assert planned == []
 
 
 async def test_a_clearing_never_pauses_a_task_past_its_deadline(observer, nats_url, tmp_path):

@@ -5,20 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 from fleetpilot.contracts import Allocation, NodeLedger, encode
-from fleetpilot.ledger.store import FleetView, LedgerStore
 from fleetpilot.policy import ClusterState
-from fleetpilot_services.policy.metrics import PolicyMetrics
-from fleetpilot_services.policy.policy_set import ActivePolicies, PolicyConfig
-from fleetpilot_services.policy.service import PolicyState
-from prometheus_client import CollectorRegistry
 
-from .conftest import node, settings
-
-
-def policy_state(tmp_path) -> PolicyState:
-    """A replica's state over in-memory mirrors (fed with ``_apply`` as their watch would)."""
-    return PolicyState(FleetView(None), LedgerStore(None), settings("nats://unused", tmp_path),  # type: ignore[arg-type]
-                       ActivePolicies(PolicyConfig(profile="bestfit")), PolicyMetrics(CollectorRegistry()))
+from .conftest import node, policy_state
 
 
 def hold(task: str, gpu: int, milli: int, cpu: int = 0) -> Allocation:
