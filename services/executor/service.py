@@ -34,6 +34,7 @@ from typing import Literal
 
 import msgspec
 from fleetpilot.contracts import (
+    BUCKETS,
     ActionExecuted,
     DecisionMade,
     Event,
@@ -54,6 +55,7 @@ from fleetpilot.executor import (
     LifecycleHook,
     PreDecommissionHook,
     ProcessBackend,
+    carried_out_on,
     execute_decision,
 )
 from fleetpilot.ledger import LedgerStore, without_task
@@ -69,6 +71,11 @@ from .hook_lock import KvHookLock
 
 log = logging.getLogger("fleetpilot.executor")
 
+# How far back a node's own decisions consumer starts when it is first made (a node that
+# joins, or comes back after its consumer was removed): within the journal's time-to-live,
+# so a decision carried out before is found there and not run again.
+DECISION_REPLAY_S = next(b.ttl_s for b in BUCKETS if b.name == "executions") - 3600.0
+
 # The decision handler publishes these itself, with the decision's ids and a deterministic
 # time (so a redelivery republishes the same message); the process backend's own copies
 # would be duplicates.
@@ -81,6 +88,9 @@ class ExecutorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_EXECUTOR_", extra="ignore")
 
     backend: Literal["sim", "process"] = "sim"
+    # The node this replica carries decisions out on (a DaemonSet's NODE_NAME); empty for
+    # every node, as the simulated fleet's executor, or the process backend on one machine.
+    node: str = ""
     grace_s: float = 10.0
     default_duration_s: float = 120.0
     process_log_dir: str = ""
@@ -191,7 +201,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             parts["backend"] = BusSimBackend(bus, settings.default_duration_s)
         else:
             log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
-            parts["backend"] = ProcessBackend(log_dir=log_dir)
+            parts["backend"] = ProcessBackend(node=settings.node, log_dir=log_dir)
 
     async def stop_processes() -> None:
         # Children lead their own sessions and would outlive us untracked; their ledger
@@ -236,8 +246,14 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             at=now() if at is None else at,
         )
 
-    @host.on(DecisionMade, consumer="executor-decisions")
+    # One node's replicas read every decision on a consumer of their own and keep those for
+    # their node: on a consumer shared by all nodes, a decision for one node would be
+    # carried out by whichever took it, with the process backend on the wrong machine.
+    @host.on(DecisionMade, consumer="executor-decisions", instance=settings.node,
+             instance_start_s_ago=DECISION_REPLAY_S)
     async def on_decision(decision: DecisionMade) -> list[Event]:
+        if settings.node and not carried_out_on(decision, settings.node):
+            return []
         backend = parts["backend"]
         if isinstance(backend, BusSimBackend) and decision.task is not None:
             task = decision.task
@@ -404,7 +420,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     # Every replica takes every sample (no queue group): the hook's state machine and the
     # cordon check in ``before_assign`` need the whole stream on each replica, and the
     # hook lock makes sure one replica acts.
-    @host.on_core("telemetry.gpu.*", NodeTelemetry)
+    @host.on_core(f"telemetry.gpu.{settings.node or '*'}", NodeTelemetry)
     async def on_telemetry(batch: NodeTelemetry) -> list[Event]:
         hook: PreDecommissionHook = parts["hook"]  # start-up hooks run before any subscription
         out: list[Event] = []

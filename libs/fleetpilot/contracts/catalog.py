@@ -7,7 +7,8 @@ de-duplication id with ``msg_id_for``: handlers only ever return events.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 from .action import ActionExecuted, ActionFailed
 from .base import Event
@@ -114,7 +115,10 @@ class StreamSpec:
 
 @dataclass(frozen=True)
 class ConsumerSpec:
-    """A durable pull consumer shared by every replica of one service."""
+    """A durable pull consumer shared by every replica of one service.
+
+    ``start_s_ago`` is where a consumer starts when the server first makes it: ``None`` at
+    the stream's first message, else that many seconds back (see ``for_instance``)."""
 
     durable: str
     stream: str
@@ -123,6 +127,18 @@ class ConsumerSpec:
     max_deliver: int = 5
     max_ack_pending: int = 1000
     backoff_s: tuple[float, ...] = field(default=(0.5, 2, 5, 10))
+    start_s_ago: float | None = None
+
+    def for_instance(self, instance: str, start_s_ago: float) -> ConsumerSpec:
+        """This consumer for one instance of a service (the executor of one node), not
+        shared with the other instances: its own durable, ``<durable>-<instance>`` (with
+        characters a durable name cannot hold as ``_``), that gets every message.
+
+        An instance may join long after the stream began (a node added to the fleet, or
+        back after its consumer was removed), so it starts ``start_s_ago`` back rather than
+        at the stream's first message, which may be days of other instances' history."""
+        return replace(self, durable=f"{self.durable}-{re.sub(r'[^A-Za-z0-9_-]', '_', instance)}",
+                       start_s_ago=start_s_ago)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from .decommission import (
     PreDecommissionHook,
     step,
 )
-from .dispatch import action_id_for, execute_decision
+from .dispatch import action_id_for, carried_out_on, execute_decision
 from .journal import ActionResult, ExecutionJournal, InMemoryExecutionJournal
 from .locks import Clock, HookLock, InMemoryHookLock
 from .process import ProcessBackend, classify_exit
@@ -61,6 +61,7 @@ __all__ = [
     "StaticBusinessContext",
     "TaskHandle",
     "action_id_for",
+    "carried_out_on",
     "check_before_assign",
     "check_pre_decommission",
     "classify_exit",

@@ -25,6 +25,19 @@ def action_id_for(decision_id: str) -> str:
     return f"act-{decision_id}"
 
 
+def carried_out_on(decision: DecisionMade, node: str) -> bool:
+    """Whether the executor of ``node`` carries ``decision`` out: an assign, a resize or a
+    move whose placement is on ``node`` (a move between nodes belongs to its target, where
+    the task is to run), an eviction from it. A decision that names no node (``queue``,
+    ``reject``) is for every node's executor: the first to claim it in the journal
+    acknowledges it, as among the replicas of one executor."""
+    if decision.action == "evict":
+        return any(p.node == node for p in decision.source)
+    if decision.action in ("assign", "migrate", "resize"):
+        return any(p.node == node for p in decision.placement)
+    return not decision.placement and not decision.source
+
+
 def _gpu_model(decision: DecisionMade, business: BusinessContextProvider | None) -> str:
     if business is None:
         return ""

@@ -237,6 +237,11 @@ class ProcessBackend:
             raise BackendError(f"task {task_id} is already running")
         if not command:
             raise BackendError(f"task {task_id} has no command")
+        where = node_of(placement)
+        if self.node and where and where != self.node:
+            # A decision for another node reached this one: running it here would put the
+            # task on this machine's GPUs of the same numbers.
+            raise BackendError(f"task {task_id} is placed on {where}, and this backend runs on {self.node}")
         task = _Task(task_id, list(placement), list(command), dict(env))
         handle = await self._spawn(task, restore=False)
         self._emit(task, "started", detail=f"pid {handle.pid}")
@@ -261,11 +266,19 @@ class ProcessBackend:
             await self._terminate(task, grace_s, "evicted")
 
     async def migrate(self, task_id: str, target: Sequence[Placement], grace_s: float = 5.0) -> TaskHandle:
-        """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``."""
+        """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``.
+
+        Within the node only: the new process starts on this machine, so a target on
+        another node is refused with the task left running where it is (a restart here
+        with the other node's GPU indices would run it on the wrong GPUs)."""
         task = self._tasks.get(task_id)
         if task is None or task.proc is None or task.watcher is None:
-            raise BackendError(f"task {task_id} is not running here")
+            raise BackendError(f"task {task_id} is not running here (the process backend moves a task "
+                               f"within its node only)")
         source = list(task.placement)
+        if node_of(target) != node_of(source):
+            raise BackendError(f"task {task_id} runs on {node_of(source)}: the process backend moves a task "
+                               f"within its node only, not to {node_of(target)}")
         task.stop_reason = "migrated"
         try:
             os.kill(task.proc.pid, self._checkpoint_signal)

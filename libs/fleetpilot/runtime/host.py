@@ -20,7 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from fleetpilot.contracts import CONSUMERS, Event
+from fleetpilot.contracts import CONSUMERS, ConsumerSpec, Event
 
 from . import logs, tracing
 from .bus import Bus
@@ -34,7 +34,7 @@ log = logging.getLogger("fleetpilot.host")
 
 @dataclass
 class _Durable:
-    consumer: str
+    consumer: ConsumerSpec
     event_types: tuple[type[Event], ...]
     handler: TypedHandler
 
@@ -81,13 +81,19 @@ class ServiceHost:
         self._stopping = False
 
     # -- registration -------------------------------------------------------------------
-    def on(self, *event_types: type[Event], consumer: str) -> Callable[[TypedHandler], TypedHandler]:
-        """Handle events from a catalogued durable consumer (shared by all replicas)."""
+    def on(self, *event_types: type[Event], consumer: str, instance: str = "", instance_start_s_ago: float = 0.0
+           ) -> Callable[[TypedHandler], TypedHandler]:
+        """Handle events from a catalogued durable consumer, shared by all replicas; with
+        ``instance``, this replica's own copy of it (``ConsumerSpec.for_instance``), which
+        gets every message and, when first made, starts ``instance_start_s_ago`` back."""
         if consumer not in CONSUMERS:
             raise LookupError(f"consumer {consumer!r} is not declared in the catalog")
+        spec = CONSUMERS[consumer]
+        if instance:
+            spec = spec.for_instance(instance, instance_start_s_ago)
 
         def register(handler: TypedHandler) -> TypedHandler:
-            self._durables.append(_Durable(consumer, event_types, handler))
+            self._durables.append(_Durable(spec, event_types, handler))
             return handler
         return register
 
@@ -148,8 +154,8 @@ class ServiceHost:
         for hook in self._startup:
             await hook(bus)
         for durable in self._durables:
-            spec = CONSUMERS[durable.consumer]
-            dispatcher = Dispatcher(bus, self.name, durable.consumer, durable.event_types, durable.handler,
+            spec = durable.consumer
+            dispatcher = Dispatcher(bus, self.name, spec.durable, durable.event_types, durable.handler,
                                     self.metrics, max_deliver=spec.max_deliver)
             await bus.consume(spec, dispatcher)
         for core in self._cores:

@@ -208,6 +208,7 @@ class InMemoryBus(Bus):
         consumer = self._consumers.get(spec.durable)
         if consumer is None:
             consumer = self._consumers[spec.durable] = _MemoryConsumer(spec)
+            # Stored messages keep no time here: ``start_s_ago`` starts at the first too.
             for stored in self._streams.get(spec.stream, []):
                 if subject_matches(spec.filter_subject, stored.subject):
                     consumer.offer(stored)

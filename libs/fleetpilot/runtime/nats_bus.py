@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import nats
 import nats.errors
@@ -204,9 +206,14 @@ class NatsBus(Bus):
             await self._nc.publish(subject, data, headers=headers or None)
 
     async def _bind(self, spec: ConsumerSpec):
+        if spec.start_s_ago is None:
+            start: dict = {"deliver_policy": api.DeliverPolicy.ALL}
+        else:
+            start = {"deliver_policy": api.DeliverPolicy.BY_START_TIME,
+                     "opt_start_time": datetime.fromtimestamp(time.time() - spec.start_s_ago, tz=UTC)}
         config = api.ConsumerConfig(
             durable_name=spec.durable, filter_subject=spec.filter_subject,
-            ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.EXPLICIT, **start,
             ack_wait=spec.ack_wait_s, max_ack_pending=spec.max_ack_pending,
             # Redelivery limits are enforced by the dispatcher so that the last failure
             # is dead-lettered rather than silently dropped by the server.

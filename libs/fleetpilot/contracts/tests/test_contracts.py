@@ -14,6 +14,7 @@ import msgspec.inspect as mi
 import pytest
 from fleetpilot.contracts import (
     ALL_EVENTS,
+    CONSUMERS,
     ROUTES,
     DeadLetter,
     DecisionMade,
@@ -268,3 +269,12 @@ def test_same_event_gives_same_msg_id_so_retries_dedupe():
     assert a == b and msg_id_for(a) == msg_id_for(b)
     other = msgspec.structs.replace(a, decision_id="other")
     assert msg_id_for(other) != msg_id_for(a)
+
+
+def test_a_consumer_for_one_instance_has_a_durable_name_of_its_own() -> None:
+    shared = CONSUMERS["executor-decisions"]
+    mine = shared.for_instance("ip-10-0-3-7.ec2.internal/gpu pool*>", start_s_ago=600)
+    # Dots, slashes, spaces and wildcards cannot be in a durable's name.
+    assert mine.durable == "executor-decisions-ip-10-0-3-7_ec2_internal_gpu_pool__"
+    assert (mine.stream, mine.filter_subject, mine.start_s_ago) == (shared.stream, shared.filter_subject, 600)
+    assert shared.start_s_ago is None  # the shared one still starts at the stream's first message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
@@ -19,6 +20,7 @@ from fleetpilot.executor import (
     SimBackend,
     StaticBusinessContext,
     action_id_for,
+    carried_out_on,
     execute_decision,
 )
 
@@ -117,3 +119,26 @@ async def test_backend_bug_is_recorded_not_left_claimed() -> None:
     result = await execute_decision(decision(), Broken(), journal, owner="e1")
     assert isinstance(result, ActionFailed) and result.retryable and "KeyError" in result.error
     assert await execute_decision(decision(), Broken(), journal, owner="e2") == result
+
+
+def on(node: str, gpu: int = 0) -> Placement:
+    return Placement(node=node, gpu=gpu, milli=1000, memory_mb=8000)
+
+
+@pytest.mark.parametrize(
+    ("action", "placement", "source", "nodes"),
+    [
+        ("assign", [on("n1"), on("n1", 1)], [], {"n1"}),
+        ("resize", [on("n2")], [], {"n2"}),
+        ("evict", [], [on("n2")], {"n2"}),
+        # A move belongs to the node it goes to, not to the one it leaves.
+        ("migrate", [on("n1", 3)], [on("n2")], {"n1"}),
+        ("migrate", [on("n2", 1)], [on("n2")], {"n2"}),
+        # Naming no node: for every node's executor (the journal lets one acknowledge it).
+        ("queue", [], [], {"n1", "n2", "n3"}),
+        ("reject", [], [], {"n1", "n2", "n3"}),
+    ],
+)
+def test_a_decision_is_carried_out_by_the_executor_of_its_node(action, placement, source, nodes) -> None:
+    d = msgspec.structs.replace(decision(action, placement=placement), source=source)
+    assert {n for n in ("n1", "n2", "n3") if carried_out_on(d, n)} == nodes

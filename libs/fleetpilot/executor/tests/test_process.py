@@ -126,13 +126,13 @@ async def test_migrate_checkpoints_and_restarts_on_target(tmp_path: Path) -> Non
     backend = ProcessBackend(checkpoint_s=5)
     first = await backend.start("m", GPU0, py(code), {})
     await wait_for_file(ready)
-    target = [Placement(node="n2", gpu=5, milli=1000)]
+    target = [Placement(node="n1", gpu=5, milli=1000)]
     second = await backend.migrate("m", target)
-    assert second.pid != first.pid and second.node == "n2" and second.gpus == [5]
+    assert second.pid != first.pid and second.node == "n1" and second.gpus == [5]
     assert (await wait_for_file(restored)).strip() == "step=42 gpus=5"
     events = [e for e in await backend.poll() if e.task_id == "m"]
     assert [e.state for e in events] == ["started", "migrated"]  # the old exit is not a "finished"
-    assert events[-1].node == "n2" and events[-1].gpus == [5]
+    assert events[-1].node == "n1" and events[-1].gpus == [5]
     assert backend.running() == ["m"]
     await backend.stop("m", grace_s=2)
     assert (await wait_for_state(backend, "m"))[-1].state == "evicted"
@@ -194,3 +194,24 @@ async def test_migration_whose_restart_fails_reports_the_task_lost(tmp_path: Pat
         await backend.migrate("gone", [Placement(node="n1", gpu=1, milli=1000)], grace_s=1)
     assert [e.state for e in await backend.poll()] == ["started", "failed"]
     assert backend.running() == []
+
+
+async def test_a_move_to_another_node_is_refused_and_the_task_runs_on(tmp_path: Path) -> None:
+    # The process restarts on this machine: to "move" it to n2 would run it here, on this
+    # node's GPU 5, under the other node's name.
+    backend = ProcessBackend(checkpoint_s=0.1)
+    first = await backend.start("m", GPU0, py("import time; time.sleep(60)"), {})
+    with pytest.raises(BackendError, match="within its node only, not to n2"):
+        await backend.migrate("m", [Placement(node="n2", gpu=5, milli=1000)], grace_s=1)
+    assert backend.running() == ["m"] and [e.state for e in await backend.poll()] == ["started"]
+    assert [s.pid for s in backend.samples()] == [first.pid]
+    await backend.stop("m", grace_s=1)
+
+
+async def test_a_backend_of_one_node_refuses_a_task_placed_on_another() -> None:
+    backend = ProcessBackend(node="n1")
+    with pytest.raises(BackendError, match="placed on n2, and this backend runs on n1"):
+        await backend.start("elsewhere", [Placement(node="n2", gpu=0, milli=1000)], py("pass"), {})
+    assert backend.running() == []
+    await backend.start("here", GPU0, py("pass"), {})
+    assert [e.state for e in await wait_for_state(backend, "here")] == ["started", "finished"]

@@ -1,0 +1,120 @@
+"""Executors scoped to their node (``FLEETPILOT_EXECUTOR_NODE``, one per GPU node as the
+DaemonSet runs them) over a real nats-server: each carries out the decisions for its own
+node, with the process backend on its own machine; a decision that names no node is
+acknowledged once; a node's executor started late carries out what was decided for it
+meanwhile; a move to another node is refused by the target and the task runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    Allocation,
+    DecisionMade,
+    NodeLedger,
+    Placement,
+    PolicyRef,
+    TaskLifecycle,
+    TaskSubmitted,
+    encode,
+    now,
+)
+from fleetpilot.runtime.testing import eventually as wait_for
+from fleetpilot_services.executor.service import build
+
+from .conftest import node_topology
+from .test_decisions import settings
+
+NODES = ("n1", "n2")
+
+
+def run(decision_id: str, task_id: str, node: str, gpu: int, seconds: float = 0.0) -> DecisionMade:
+    """An assign of a task that prints its GPUs, then sleeps ``seconds``."""
+    code = f"import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep({seconds})"
+    return DecisionMade(decision_id=decision_id, task_id=task_id, action="assign",
+                        placement=[Placement(node=node, gpu=gpu, milli=1000, memory_mb=1000)],
+                        confidence=0.8, policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                        task=TaskSubmitted(task_id=task_id, kind="train", command=[sys.executable, "-c", code]))
+
+
+def holds(node: str, *tasks: tuple[str, str, int]) -> bytes:
+    """The ledger of ``node`` with a reserved hold per ``(task, decision, gpu)``."""
+    return encode(NodeLedger(node=node, allocations=[
+        Allocation(task_id=t, decision_id=d, gpu=g, milli=1000, memory_mb=1000) for t, d, g in tasks]))
+
+
+async def test_each_node_s_executor_carries_out_the_decisions_for_its_node(observer, nats_url, tmp_path):
+    tasks = {"n1": [("a0", "a0.assign", 0), ("a1", "a1.assign", 1), ("a2", "a2.assign", 2)],
+             "n2": [("b0", "b0.assign", 0), ("b1", "b1.assign", 1), ("b2", "b2.assign", 2)]}
+    for node in NODES:
+        await observer.kv_put("topology", node, encode(node_topology(node, gpus=4)))
+        await observer.kv_put("ledger", node, holds(node, *tasks[node]))
+    logs = {node: tmp_path / f"out-{node}" for node in NODES}
+    # n2's executor starts after its first decision was made: it carries it out on start.
+    await observer.js.publish("decision.made", encode(run("b0.assign", "b0", "n2", 0)))
+    hosts = {node: build(settings(nats_url, tmp_path / node, replica=f"executor-{node}", backend="process",
+                                  node=node, process_log_dir=str(logs[node])))
+             for node in NODES}
+    await hosts["n1"].start()
+    try:
+        await asyncio.sleep(0.3)
+        await hosts["n2"].start()
+        for t, d, g in tasks["n1"] + tasks["n2"][1:]:
+            await observer.js.publish("decision.made", encode(run(d, t, "n1" if t[0] == "a" else "n2", g)))
+        queued = DecisionMade(decision_id="q.queue", task_id="q", action="queue", confidence=0.9,
+                              policy=PolicyRef(name="fleetpilot"), decided_at=now())
+        await observer.js.publish("decision.made", encode(queued))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 7)
+        for node in NODES:
+            for t, _, _ in tasks[node]:
+                await wait_for(lambda n=node, t=t: (logs[n] / f"{t}.out").exists()
+                               and (logs[n] / f"{t}.out").read_text().strip() != "")
+        failed = await observer.stored("action.failed", ActionFailed)
+    finally:
+        for host in hosts.values():
+            await host.stop()
+    assert failed == []
+    assert sorted(e.action_id for e in executed) == sorted(
+        [f"act-{d}" for node in NODES for _, d, _ in tasks[node]] + ["act-q.queue"])
+    for node in NODES:
+        ran = sorted(p.stem for p in logs[node].glob("*.out"))
+        assert ran == [t for t, _, _ in tasks[node]], (node, ran)
+        for t, _, g in tasks[node]:
+            assert (logs[node] / f"{t}.out").read_text().strip() == str(g)
+
+
+async def test_a_move_to_another_node_is_refused_there_and_the_task_runs_on(observer, nats_url, tmp_path):
+    for node in NODES:
+        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
+    await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+    hosts = {node: build(settings(nats_url, tmp_path / node, replica=f"executor-{node}", backend="process",
+                                  node=node, process_log_dir=str(tmp_path / f"out-{node}")))
+             for node in NODES}
+    for host in hosts.values():
+        await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(run("t1.assign", "t1", "n1", 0, seconds=30)))
+        await observer.wait_stored("action.executed", ActionExecuted, 1)
+        await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
+        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
+                            placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
+                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                            task=TaskSubmitted(task_id="t1", kind="train"))
+        await observer.js.publish("decision.made", encode(move))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        await asyncio.sleep(0.5)
+        life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
+        n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
+    finally:
+        for host in hosts.values():
+            await host.stop()
+    assert [f.action_id for f in failed] == ["act-t1.migrate.1"]
+    assert "within its node only" in failed[0].error, failed[0].error
+    # Still running on n1 (no lifecycle but its start), its hold kept; n2's reservation given back.
+    assert [s.state for s in life] == ["started"]
+    assert [(a.task_id, a.state) for a in n1.allocations] == [("t1", "confirmed")]
+    assert n2.allocations == []
