@@ -1,5 +1,5 @@
 """Backends the executor service adds to the library's: the simulated fleet over the bus,
-and the KV-backed execution journal."""
+the take-over of a task from another node's executor, and the KV-backed execution journal."""
 
 from __future__ import annotations
 
@@ -10,18 +10,53 @@ import msgspec
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
+    HandedOver,
+    HandOver,
     Placement,
     SimAck,
     SimCommand,
     TaskLifecycle,
     decode,
     encode,
+    subject_for,
 )
 from fleetpilot.executor import BackendError, TaskHandle
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue
 
 _RESULT = msgspec.json.Decoder(ActionExecuted | ActionFailed)
+
+
+class BusTakeOver:
+    """``take_over`` for a node's process backend: asks the executor of the node a task runs
+    on (``executor.handover.<node>``) to checkpoint and stop it, for it to restart here.
+
+    An answer lost on the way is asked for again (the source answers a repeat the same);
+    no answer at all (no executor there, or it is stuck) is a retryable failure, and the
+    task stays at its source."""
+
+    def __init__(self, bus: Bus, checkpoint_s: float = 1.0, attempts: int = 3) -> None:
+        self._bus = bus
+        self._checkpoint_s = checkpoint_s
+        self._attempts = attempts
+
+    async def __call__(self, node: str, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
+        """The command and environment of ``task_id``, once stopped on ``node``."""
+        request = HandOver(task_id=task_id, node=node, grace_s=grace_s)
+        # The source signals, waits for the checkpoint, then stops with grace.
+        timeout_s = self._checkpoint_s + grace_s + 10.0
+        last = ""
+        for _ in range(self._attempts):
+            try:
+                raw = await self._bus.request(subject_for(request), encode(request), timeout_s=timeout_s)
+            except TimeoutError as exc:
+                last = str(exc)
+                continue
+            answer = decode(raw, HandedOver)
+            if not answer.ok:
+                raise BackendError(f"{node} did not hand {task_id} over: {answer.error}")
+            return answer.command, answer.env
+        raise BackendError(f"{node} did not hand {task_id} over: {last}", retryable=True)
 
 
 class BusSimBackend:
@@ -58,7 +93,9 @@ class BusSimBackend:
         """Remove the task from the simulated fleet."""
         await self._send(SimCommand(verb="remove", task_id=task_id))
 
-    async def migrate(self, task_id: str, target: Sequence[Placement]) -> TaskHandle:
+    async def migrate(
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
+    ) -> TaskHandle:
         """Move the task (its memory curve restarts on the target, as after a checkpoint)."""
         return await self._put("move", task_id, target)
 

@@ -39,6 +39,8 @@ from fleetpilot.contracts import (
     DecisionMade,
     Event,
     GpuSample,
+    HandedOver,
+    HandOver,
     NodeLedger,
     NodeTelemetry,
     SimEvent,
@@ -65,7 +67,7 @@ from fleetpilot.maintenance import MAINTENANCE_THRESHOLD, HealthModel
 from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
-from .backends import BusSimBackend, KvExecutionJournal
+from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal
 from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
 
@@ -79,7 +81,7 @@ DECISION_REPLAY_S = next(b.ttl_s for b in BUCKETS if b.name == "executions") - 3
 # The decision handler publishes these itself, with the decision's ids and a deterministic
 # time (so a redelivery republishes the same message); the process backend's own copies
 # would be duplicates.
-_PUBLISHED_BY_HANDLER = ("started", "evicted")
+_PUBLISHED_BY_HANDLER = ("started", "evicted", "migrated")
 
 
 class ExecutorSettings(ServiceSettings):
@@ -201,7 +203,9 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             parts["backend"] = BusSimBackend(bus, settings.default_duration_s)
         else:
             log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
-            parts["backend"] = ProcessBackend(node=settings.node, log_dir=log_dir)
+            # A node's backend takes over the tasks that move to it from other nodes.
+            take_over = BusTakeOver(bus) if settings.node else None
+            parts["backend"] = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over)
 
     async def stop_processes() -> None:
         # Children lead their own sessions and would outlive us untracked; their ledger
@@ -339,6 +343,23 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
                 node_key(node), lambda cur: without_decision(cur, decision.decision_id) if cur else None
             )
         return out
+
+    if settings.node:
+        @host.endpoint("handover", f"executor.handover.{settings.node}", HandOver)
+        async def on_hand_over(request: HandOver) -> HandedOver:
+            # Another node's executor carries out a move of one of this node's tasks to
+            # it: the task is checkpointed and stopped here, and restarts there.
+            backend = parts["backend"]
+            if not isinstance(backend, ProcessBackend):
+                return HandedOver(task_id=request.task_id, ok=False,
+                                  error=f"the {settings.backend} backend hands no task over")
+            try:
+                command, env = await backend.hand_over(request.task_id, request.grace_s)
+            except BackendError as error:
+                return HandedOver(task_id=request.task_id, ok=False, error=str(error))
+            decisions.pop(request.task_id, None)
+            log.info("handed %s over for its move from %s", request.task_id, settings.node)
+            return HandedOver(task_id=request.task_id, ok=True, command=command, env=env)
 
     @host.on_core("sim.event.*", SimEvent, queue="executor")
     async def on_sim_event(event: SimEvent) -> list[Event]:

@@ -25,6 +25,7 @@ from .deadletter import DeadLetter
 from .decision import ActionKind, DecisionMade, Placement, PolicyRef
 from .feedback import FeedbackRecorded, FeedbackStats, Measured, Outcome, StatsGroup, StatsQuery
 from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
+from .handover import HandedOver, HandOver
 from .ledger import Allocation, NodeLedger
 from .sim import SimAck, SimCommand, SimEvent
 from .sla import OfferOption, SlaOffer, SlaReply
@@ -125,6 +126,8 @@ __all__ = [
     "RejectCode",
     "Route",
     "STREAMS",
+    "HandOver",
+    "HandedOver",
     "SimAck",
     "SimCommand",
     "SimEvent",

@@ -16,6 +16,7 @@ from .deadletter import DeadLetter
 from .decision import DecisionMade
 from .feedback import FeedbackRecorded, FeedbackStats, StatsQuery
 from .fingerprint import TaskFingerprinted
+from .handover import HandedOver, HandOver
 from .sim import SimAck, SimCommand, SimEvent
 from .sla import SlaOffer, SlaReply
 from .task import TaskAdmitted, TaskLifecycle, TaskRejected, TaskSubmitted
@@ -60,6 +61,9 @@ ROUTES: tuple[Route, ...] = (
           reply=SimAck),
     Route(SimEvent, "sim.event.{node}", None, "The simulated hardware finished or killed a task, or failed.",
           durable=False),
+    Route(HandOver, "executor.handover.{node}", None,
+          "Request: the executor of the node a task moves to asks the one it runs on to checkpoint and stop it.",
+          durable=False, reply=HandedOver),
 )
 
 _ROUTE_BY_TYPE: dict[type, Route] = {route.event: route for route in ROUTES}

@@ -257,9 +257,11 @@ def _channel(route: Route) -> dict[str, Any]:
             "title": tag,
             "description": route.description
             + (
-                " Published on core NATS (at-most-once); the stream only serves late joiners."
-                if not route.durable
-                else " Durable on JetStream (at-least-once)."
+                " Durable on JetStream (at-least-once)."
+                if route.durable
+                else " Published on core NATS (at-most-once); the stream only serves late joiners."
+                if stream is not None
+                else " Published on core NATS (at-most-once); no stream keeps it."
             ),
             "parameters": parameters or None,
             "messages": {n: {"$ref": f"#/components/messages/{n}"}

@@ -63,8 +63,11 @@ class ExecutorBackend(Protocol):
         """Ask the task to stop, force it after ``grace_s`` seconds (an eviction)."""
         ...
 
-    async def migrate(self, task_id: str, target: Sequence[Placement]) -> TaskHandle:
-        """Checkpoint, stop and restart the task on ``target``."""
+    async def migrate(
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
+    ) -> TaskHandle:
+        """Checkpoint, stop and restart the task on ``target``; ``source`` is where it runs
+        now (a backend of one node takes a task over from another node there)."""
         ...
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:

@@ -6,7 +6,10 @@
 - **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
   its state (it may exit by itself), then stop with grace and start again on the target
   with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
-  (the signal's default action) and simply restarts from scratch.
+  (the signal's default action) and simply restarts from scratch. Between nodes, the
+  target's backend asks the source's (``take_over``, over the bus in the executor service)
+  to do the first half (``hand_over``) and starts the task itself; its checkpoint must be
+  where the target can read it (shared storage).
 - **Resize**: the new share is recorded and used at the next start; with
   ``limit_address_space`` the memory cap is changed live with ``prlimit``.
 - **OOM**: reported as ``oom_killed`` when the process dies by SIGKILL that we did not send
@@ -27,8 +30,8 @@ import resource
 import signal
 import sys
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
@@ -45,6 +48,12 @@ OOM_MARKERS: tuple[str, ...] = (
     "cudaErrorMemoryAllocation",
 )
 STDERR_TAIL_BYTES = 16_384
+# How long a backend answers a repeated hand-over of a task with what it handed over.
+HANDED_OVER_KEPT_S = 900.0
+
+TakeOver = Callable[[str, str, float], Awaitable[tuple[list[str], dict[str, str]]]]
+"""``take_over(source_node, task_id, grace_s)``: have the task stopped on its node, after its
+checkpoint signal, and return its command and environment; raises ``BackendError``."""
 _RLIMIT_LAUNCHER = (
     "import os, resource, sys\n"
     "limit, (_, hard) = int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_AS)\n"
@@ -137,9 +146,13 @@ class ProcessBackend:
         inherit_env: bool = True,
         log_dir: Path | None = None,
         clock: Clock = time.time,
+        take_over: TakeOver | None = None,
     ) -> None:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
+        self._fetch = take_over
+        # Tasks handed over to another node: (when, command, env), to answer a repeat.
+        self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str]]] = OrderedDict()
         self._limit_as = limit_address_space
         self._headroom_mb = headroom_mb
         self._checkpoint_signal = checkpoint_signal
@@ -265,27 +278,30 @@ class ProcessBackend:
         if task is not None:
             await self._terminate(task, grace_s, "evicted")
 
-    async def migrate(self, task_id: str, target: Sequence[Placement], grace_s: float = 5.0) -> TaskHandle:
+    async def migrate(
+        self,
+        task_id: str,
+        target: Sequence[Placement],
+        *,
+        source: Sequence[Placement] = (),
+        grace_s: float = 5.0,
+    ) -> TaskHandle:
         """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``.
 
-        Within the node only: the new process starts on this machine, so a target on
-        another node is refused with the task left running where it is (a restart here
-        with the other node's GPU indices would run it on the wrong GPUs)."""
+        The new process starts on this machine. A task running here moves within the node
+        only: a target on another node is refused with the task left running (a restart
+        here under the other node's GPU numbers would run it on the wrong GPUs). A task
+        that runs on another node (``source``) is taken over from there, when this backend
+        was given ``take_over``: the source's backend checkpoints and stops it
+        (``hand_over``), and it restarts here from that checkpoint."""
         task = self._tasks.get(task_id)
         if task is None or task.proc is None or task.watcher is None:
-            raise BackendError(f"task {task_id} is not running here (the process backend moves a task "
-                               f"within its node only)")
-        source = list(task.placement)
-        if node_of(target) != node_of(source):
-            raise BackendError(f"task {task_id} runs on {node_of(source)}: the process backend moves a task "
+            return await self._take_over(task_id, target, source, grace_s)
+        origin = list(task.placement)
+        if node_of(target) != node_of(origin):
+            raise BackendError(f"task {task_id} runs on {node_of(origin)}: the process backend moves a task "
                                f"within its node only, not to {node_of(target)}")
-        task.stop_reason = "migrated"
-        try:
-            os.kill(task.proc.pid, self._checkpoint_signal)
-            await asyncio.wait_for(asyncio.shield(task.watcher), timeout=self._checkpoint_s)
-        except (ProcessLookupError, TimeoutError):
-            pass  # gone already, or still saving: the stop below finishes it
-        await self._terminate(task, grace_s, "migrated")
+        await self._checkpoint_and_stop(task, grace_s)
         task.placement = list(target)
         try:
             handle = await self._spawn(task, restore=True)
@@ -295,9 +311,62 @@ class ProcessBackend:
             self._emit(task, "failed", detail=f"migration restart failed: {error}")
             raise
         self._emit(
-            task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}"
+            task, "migrated", detail=f"from {_describe(origin)} to {_describe(target)}, pid {handle.pid}"
         )
         return handle
+
+    async def _checkpoint_and_stop(self, task: _Task, grace_s: float) -> None:
+        """The checkpoint signal, ``checkpoint_s`` to save (the task may exit by itself),
+        then a stop with grace; the exit is the move's, not the end of the task."""
+        assert task.proc is not None and task.watcher is not None
+        task.stop_reason = "migrated"
+        try:
+            os.kill(task.proc.pid, self._checkpoint_signal)
+            await asyncio.wait_for(asyncio.shield(task.watcher), timeout=self._checkpoint_s)
+        except (ProcessLookupError, TimeoutError):
+            pass  # gone already, or still saving: the stop below finishes it
+        await self._terminate(task, grace_s, "migrated")
+
+    async def _take_over(
+        self, task_id: str, target: Sequence[Placement], source: Sequence[Placement], grace_s: float
+    ) -> TaskHandle:
+        """Restart here a task that ran on ``source``'s node, stopped there by its backend."""
+        origin, where = node_of(source), node_of(target)
+        if self._fetch is None or not origin or origin == where:
+            raise BackendError(f"task {task_id} is not running here (the process backend moves a task "
+                               f"within its node only)")
+        if self.node and where != self.node:
+            raise BackendError(f"task {task_id} moves to {where}, and this backend runs on {self.node}")
+        command, env = await self._fetch(origin, task_id, grace_s)
+        task = _Task(task_id, list(target), list(command), dict(env))
+        try:
+            handle = await self._spawn(task, restore=True)
+        except BackendError as error:
+            # Stopped at the source and not started here: the task is lost, and what it
+            # held at the source goes with it (the event names the source).
+            self._tasks.pop(task_id, None)
+            self._emit(_Task(task_id, list(source), task.command, task.env), "failed",
+                       detail=f"migration restart on {where} failed: {error}")
+            raise
+        self._emit(task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}")
+        return handle
+
+    async def hand_over(self, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
+        """Checkpoint and stop a task that moves to another node, and give what restarts it
+        there: its command and environment. Its life goes on there, so nothing is reported
+        here. Asked again (an answer lost on the way), it gives the same."""
+        handed = self._handed.get(task_id)
+        if handed is not None and self._clock() - handed[0] <= HANDED_OVER_KEPT_S:
+            return list(handed[1]), dict(handed[2])
+        task = self._tasks.get(task_id)
+        if task is None or task.proc is None or task.watcher is None:
+            raise BackendError(f"task {task_id} is not running on {self.node or 'this node'}")
+        await self._checkpoint_and_stop(task, grace_s)
+        self._tasks.pop(task_id, None)
+        self._handed[task_id] = (self._clock(), list(task.command), dict(task.env))
+        while len(self._handed) > 10_000:
+            self._handed.popitem(last=False)
+        return list(task.command), dict(task.env)
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
         """Record the new share (used at the next start); cap memory live when enabled."""

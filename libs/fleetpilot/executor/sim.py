@@ -158,7 +158,9 @@ class SimBackend:
         await self._take("stop", task_id)
         self._emit(task, "evicted", detail=f"grace {grace_s:g}s")
 
-    async def migrate(self, task_id: str, target: Sequence[Placement]) -> TaskHandle:
+    async def migrate(
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
+    ) -> TaskHandle:
         """Move the task to ``target`` and report ``migrated``."""
         task = self._running(task_id)
         if self._adapter is not None:

@@ -2,13 +2,14 @@
 DaemonSet runs them) over a real nats-server: each carries out the decisions for its own
 node, with the process backend on its own machine; a decision that names no node is
 acknowledged once; a node's executor started late carries out what was decided for it
-meanwhile; a move to another node is refused by the target and the task runs on."""
+meanwhile; a task moves between nodes through a hand-over from its node's executor."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
+import msgspec
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -86,35 +87,82 @@ async def test_each_node_s_executor_carries_out_the_decisions_for_its_node(obser
             assert (logs[node] / f"{t}.out").read_text().strip() == str(g)
 
 
-async def test_a_move_to_another_node_is_refused_there_and_the_task_runs_on(observer, nats_url, tmp_path):
-    for node in NODES:
-        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
-    await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+def move(task_id: str, to: str, gpu: int, source: str = "n1") -> DecisionMade:
+    """The migrate decision of ``task_id`` from GPU 0 of ``source`` to ``to``'s GPU ``gpu``."""
+    return DecisionMade(decision_id=f"{task_id}.migrate.1", task_id=task_id, action="migrate",
+                        placement=[Placement(node=to, gpu=gpu, milli=1000, memory_mb=1000)],
+                        source=[Placement(node=source, gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
+                        policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                        task=TaskSubmitted(task_id=task_id, kind="train"))
+
+
+def checkpointing(tmp_path) -> list[str]:
+    """A task that saves ``step=42`` on SIGUSR1 and, restored, writes it and its GPUs."""
+    ckpt, restored = tmp_path / "ckpt", tmp_path / "restored"
+    code = ("import os, signal, sys, time, pathlib\n"
+            f"ckpt, restored = pathlib.Path({str(ckpt)!r}), pathlib.Path({str(restored)!r})\n"
+            "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
+            "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'])\n"
+            "def save(*_):\n"
+            "    ckpt.write_text('step=42'); sys.exit(0)\n"
+            "signal.signal(signal.SIGUSR1, save)\n"
+            "time.sleep(60)\n")
+    return [sys.executable, "-c", code]
+
+
+async def node_executors(nats_url, tmp_path) -> dict:
+    """Started executors of n1 and n2 (process backend, one per node)."""
     hosts = {node: build(settings(nats_url, tmp_path / node, replica=f"executor-{node}", backend="process",
                                   node=node, process_log_dir=str(tmp_path / f"out-{node}")))
              for node in NODES}
     for host in hosts.values():
         await host.start()
+    return hosts
+
+
+async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_url, tmp_path):
+    for node in NODES:
+        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
+    await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+    hosts = await node_executors(nats_url, tmp_path)
     try:
-        await observer.js.publish("decision.made", encode(run("t1.assign", "t1", "n1", 0, seconds=30)))
-        await observer.wait_stored("action.executed", ActionExecuted, 1)
+        started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
+            task_id="t1", kind="train", command=checkpointing(tmp_path)))
+        await observer.js.publish("decision.made", encode(started))
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
         await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
-        move = DecisionMade(decision_id="t1.migrate.1", task_id="t1", action="migrate",
-                            placement=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)],
-                            source=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
-                            policy=PolicyRef(name="fleetpilot"), decided_at=now(),
-                            task=TaskSubmitted(task_id="t1", kind="train"))
-        await observer.js.publish("decision.made", encode(move))
-        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
-        await asyncio.sleep(0.5)
+        await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
+        await wait_for(lambda: (tmp_path / "restored").exists() and (tmp_path / "restored").read_text() != "")
+        await asyncio.sleep(1.5)  # a backend poll: its own copy of the move must not be republished
         life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
         n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
     finally:
         for host in hosts.values():
             await host.stop()
-    assert [f.action_id for f in failed] == ["act-t1.migrate.1"]
-    assert "within its node only" in failed[0].error, failed[0].error
-    # Still running on n1 (no lifecycle but its start), its hold kept; n2's reservation given back.
-    assert [s.state for s in life] == ["started"]
-    assert [(a.task_id, a.state) for a in n1.allocations] == [("t1", "confirmed")]
+    assert [e.action_id for e in executed] == ["act-t1.assign", "act-t1.migrate.1"]
+    assert (tmp_path / "restored").read_text() == "step=42 gpus=1"
+    assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("migrated", "n2", [1])]
+    assert n1.allocations == []
+    assert [(a.task_id, a.state, a.gpu) for a in n2.allocations] == [("t1", "confirmed", 1)]
+
+
+async def test_a_move_of_a_task_its_node_does_not_run_fails_and_gives_the_target_back(
+    observer, nats_url, tmp_path
+):
+    for node in NODES:
+        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
+    await observer.kv_put("ledger", "n2", holds("n2", ("t9", "t9.migrate.1", 1)))
+    hosts = await node_executors(nats_url, tmp_path)
+    try:
+        await observer.js.publish("decision.made", encode(move("t9", "n2", 1)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        await asyncio.sleep(0.3)
+        n2 = await observer.ledger("n2")
+    finally:
+        for host in hosts.values():
+            await host.stop()
+    assert [f.action_id for f in failed] == ["act-t9.migrate.1"]
+    assert "n1 did not hand t9 over: task t9 is not running on n1" in failed[0].error, failed[0].error
+    assert not failed[0].retryable
     assert n2.allocations == []

@@ -112,19 +112,8 @@ async def test_process_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) ->
 
 async def test_migrate_checkpoints_and_restarts_on_target(tmp_path: Path) -> None:
     ready, checkpoint, restored = tmp_path / "ready", tmp_path / "ckpt", tmp_path / "restored"
-    code = (
-        "import os, signal, sys, time, pathlib\n"
-        f"ready, ckpt, restored = pathlib.Path({str(ready)!r}), pathlib.Path({str(checkpoint)!r}), pathlib.Path({str(restored)!r})\n"
-        "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
-        "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
-        "def save(*_):\n"
-        "    ckpt.write_text('step=42\\n'); sys.exit(0)\n"
-        "signal.signal(signal.SIGUSR1, save)\n"
-        "ready.write_text('ok\\n')\n"
-        "time.sleep(60)\n"
-    )
     backend = ProcessBackend(checkpoint_s=5)
-    first = await backend.start("m", GPU0, py(code), {})
+    first = await backend.start("m", GPU0, checkpointing(ready, checkpoint, restored), {})
     await wait_for_file(ready)
     target = [Placement(node="n1", gpu=5, milli=1000)]
     second = await backend.migrate("m", target)
@@ -215,3 +204,72 @@ async def test_a_backend_of_one_node_refuses_a_task_placed_on_another() -> None:
     assert backend.running() == []
     await backend.start("here", GPU0, py("pass"), {})
     assert [e.state for e in await wait_for_state(backend, "here")] == ["started", "finished"]
+
+
+def checkpointing(ready: Path, checkpoint: Path, restored: Path) -> list[str]:
+    """A task that saves ``step=42`` on SIGUSR1 and, restored, writes what it read and its GPUs."""
+    return py(
+        "import os, signal, sys, time, pathlib\n"
+        f"ready, ckpt, restored = pathlib.Path({str(ready)!r}), pathlib.Path({str(checkpoint)!r}), pathlib.Path({str(restored)!r})\n"
+        "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
+        "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
+        "def save(*_):\n"
+        "    ckpt.write_text('step=42\\n'); sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, save)\n"
+        "ready.write_text('ok\\n')\n"
+        "time.sleep(60)\n"
+    )
+
+
+def two_nodes() -> dict[str, ProcessBackend]:
+    """The backends of n1 and n2, each taking tasks over from the other directly (the
+    executor service does it over the bus)."""
+    backends: dict[str, ProcessBackend] = {}
+
+    async def take_over(node: str, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
+        return await backends[node].hand_over(task_id, grace_s)
+
+    for node in ("n1", "n2"):
+        backends[node] = ProcessBackend(node=node, checkpoint_s=5, take_over=take_over)
+    return backends
+
+
+async def test_a_task_moves_between_nodes_from_its_checkpoint(tmp_path: Path) -> None:
+    ready, checkpoint, restored = tmp_path / "ready", tmp_path / "ckpt", tmp_path / "restored"
+    nodes = two_nodes()
+    first = await nodes["n1"].start("m", GPU0, checkpointing(ready, checkpoint, restored), {"STEP_EVERY": "9"})
+    await wait_for_file(ready)
+    target = [Placement(node="n2", gpu=1, milli=1000)]
+    second = await nodes["n2"].migrate("m", target, source=GPU0, grace_s=2)
+    assert second.pid != first.pid and (second.node, second.gpus) == ("n2", [1])
+    assert (await wait_for_file(restored)).strip() == "step=42 gpus=1"
+    # The source's process is gone and reports nothing more (no "finished", no "evicted").
+    assert nodes["n1"].running() == [] and [e.state for e in await nodes["n1"].poll()] == ["started"]
+    moved = await nodes["n2"].poll()
+    assert [(e.state, e.node, e.gpus) for e in moved] == [("migrated", "n2", [1])]
+    # A hand-over asked again (its answer lost on the way) gives the same command and env.
+    command, env = await nodes["n1"].hand_over("m", grace_s=1)
+    assert command == checkpointing(ready, checkpoint, restored) and env == {"STEP_EVERY": "9"}
+    await nodes["n2"].stop("m", grace_s=2)
+    assert (await wait_for_state(nodes["n2"], "m"))[-1].state == "evicted"
+
+
+async def test_a_take_over_of_a_task_not_running_at_its_source_starts_nothing() -> None:
+    nodes = two_nodes()
+    with pytest.raises(BackendError, match="not running on n1"):
+        await nodes["n2"].migrate("ghost", [Placement(node="n2", gpu=0, milli=1000)], source=GPU0)
+    assert nodes["n2"].running() == [] and await nodes["n2"].poll() == []
+
+
+async def test_a_take_over_whose_restart_fails_reports_the_task_lost_at_its_source(tmp_path: Path) -> None:
+    script = tmp_path / "job"
+    script.write_text(f"#!{PY}\nimport time\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    nodes = two_nodes()
+    await nodes["n1"].start("gone", GPU0, [str(script)], {})
+    script.unlink()  # not on the target's disk
+    with pytest.raises(BackendError, match="cannot start gone"):
+        await nodes["n2"].migrate("gone", [Placement(node="n2", gpu=0, milli=1000)], source=GPU0, grace_s=1)
+    # Its end is reported where it held capacity, so that the source's hold is released.
+    assert [(e.state, e.node) for e in await nodes["n2"].poll()] == [("failed", "n1")]
+    assert nodes["n1"].running() == [] and nodes["n2"].running() == []
