@@ -207,14 +207,38 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             take_over = BusTakeOver(bus) if settings.node else None
             parts["backend"] = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over)
 
+    async def give_up_tasks() -> list[Event]:
+        # The tasks run by this executor end with it: children lead their own sessions and
+        # would outlive it untracked, and in a container they die with it anyway. Each is
+        # stopped with grace, its holds released and ``evicted`` published while the bus is
+        # still up, so the policy places it again (the process restarts with its
+        # ``command``; a task that checkpoints on SIGTERM resumes from there).
+        backend = parts.get("backend")
+        if not isinstance(backend, ProcessBackend):
+            return []
+        out = await poll_backend()  # what happened before the stop, told as usual
+        await backend.shutdown(settings.grace_s)
+        for change in await backend.poll():
+            if change.state in ("started", "migrated"):
+                continue  # their decisions' handlers have published these
+            if change.node:
+                await release(change.task_id, change.node)
+            detail = change.detail
+            if change.state == "evicted":
+                detail = f"the executor on {settings.node or settings.replica} stopped; {detail}".rstrip("; ")
+            out.append(lifecycle(change.task_id, change.state, change.node, change.gpus, detail,
+                                 change.exit_code, at=change.at))
+            decisions.pop(change.task_id, None)
+        return out
+
     async def stop_processes() -> None:
-        # Children lead their own sessions and would outlive us untracked; their ledger
-        # holds stay (the bus is drained by now) for the policy to reconcile.
+        # A start that raced the stop: nothing is left to publish it on.
         backend = parts.get("backend")
         if isinstance(backend, ProcessBackend):
             await backend.shutdown(settings.grace_s)
 
     host.on_startup(open_parts)
+    host.on_stopping(give_up_tasks)
     host.on_shutdown(stop_processes)
 
     async def release(task_id: str, node: str) -> None:

@@ -151,6 +151,7 @@ class ProcessBackend:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
         self._fetch = take_over
+        self._closed = False
         # Tasks handed over to another node: (when, command, env), to answer a repeat.
         self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str]]] = OrderedDict()
         self._limit_as = limit_address_space
@@ -246,6 +247,7 @@ class ProcessBackend:
         self, task_id: str, placement: Sequence[Placement], command: Sequence[str], env: Mapping[str, str]
     ) -> TaskHandle:
         """Start ``command`` as a process of its own session; raises if the task runs."""
+        self._refuse_when_closed(task_id)
         if task_id in self._tasks:
             raise BackendError(f"task {task_id} is already running")
         if not command:
@@ -331,6 +333,7 @@ class ProcessBackend:
         self, task_id: str, target: Sequence[Placement], source: Sequence[Placement], grace_s: float
     ) -> TaskHandle:
         """Restart here a task that ran on ``source``'s node, stopped there by its backend."""
+        self._refuse_when_closed(task_id)
         origin, where = node_of(source), node_of(target)
         if self._fetch is None or not origin or origin == where:
             raise BackendError(f"task {task_id} is not running here (the process backend moves a task "
@@ -409,8 +412,19 @@ class ProcessBackend:
                 )
         return out
 
+    def close(self) -> None:
+        """Take no new task from now on (the executor is stopping): a start or a take-over
+        fails as retryable, for the task to be placed elsewhere."""
+        self._closed = True
+
+    def _refuse_when_closed(self, task_id: str) -> None:
+        if self._closed:
+            raise BackendError(f"task {task_id} not started: the executor of {self.node or 'this node'} is "
+                               f"stopping", retryable=True)
+
     async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Evict every running task (used when the executor itself stops)."""
+        """Close, and evict every running task (the executor itself stops)."""
+        self.close()
         await asyncio.gather(*(self.stop(task_id, grace_s) for task_id in list(self._tasks)))
 
 

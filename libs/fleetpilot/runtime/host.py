@@ -75,6 +75,7 @@ class ServiceHost:
         self._periodic: list[_Periodic] = []
         self._startup: list[Callable[[Bus], Awaitable[None]]] = []
         self._shutdown: list[Callable[[], Awaitable[None]]] = []
+        self._stopping_hooks: list[Callable[[], Awaitable[object]]] = []
         self._tasks: list[asyncio.Task] = []
         self._ops: OpsServer | None = None
         self._stopped = asyncio.Event()
@@ -122,6 +123,12 @@ class ServiceHost:
     def on_startup(self, hook: Callable[[Bus], Awaitable[None]]) -> Callable[[Bus], Awaitable[None]]:
         """Run ``hook(bus)`` once the bus is ready, before any handler is bound."""
         self._startup.append(hook)
+        return hook
+
+    def on_stopping(self, hook: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+        """Run ``hook()`` when the service stops, after its periodic jobs and before the bus
+        drains; the events it returns are published (its last word: what it gives up)."""
+        self._stopping_hooks.append(hook)
         return hook
 
     def on_shutdown(self, hook: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
@@ -189,7 +196,8 @@ class ServiceHost:
         return {"ok": connected, "service": self.name, "replica": self.settings.replica}
 
     async def stop(self, step_timeout_s: float = 15.0) -> None:
-        """Stop periodic jobs, drain the bus (in-flight handlers finish), run shutdown hooks.
+        """Stop periodic jobs, run the stopping hooks, drain the bus (in-flight handlers
+        finish), run shutdown hooks.
 
         Every step is bounded: a service that cannot stop is worse than one that stops
         with a step cut short, and the step that overran is logged.
@@ -205,6 +213,9 @@ class ServiceHost:
             _, stuck = await asyncio.wait(stuck, timeout=0.5)
         for task in stuck:
             log.error("%s: task %s ignored cancellation at shutdown", self.name, task.get_name())
+        for hook in self._stopping_hooks:
+            await self._bounded(self._publish_from(hook), f"stopping hook {getattr(hook, '__name__', hook)}",
+                                step_timeout_s)
         if self.bus is not None:
             await self._bounded(self.bus.drain(), "bus drain", step_timeout_s)
         for hook in self._shutdown:
@@ -213,6 +224,11 @@ class ServiceHost:
             await self._ops.stop()
         self._stopped.set()
         log.info("%s: stopped", self.name)
+
+    async def _publish_from(self, hook: Callable[[], Awaitable[object]]) -> None:
+        for event in as_events(await hook()):  # type: ignore[arg-type]
+            if self.bus is not None:
+                await self.bus.publish(event)
 
     async def _bounded(self, step: Awaitable[object], what: str, timeout_s: float) -> None:
         try:

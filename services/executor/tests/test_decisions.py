@@ -294,3 +294,30 @@ async def test_a_failed_migration_within_a_node_gives_the_target_back_and_keeps_
     assert [f.action for f in failed] == ["migrate"]
     assert [(a.task_id, a.decision_id, a.gpu, a.state) for a in ledger.allocations] == [
         ("t1", "t1.assign", 0, "confirmed")]
+
+
+async def test_a_stopping_executor_gives_its_tasks_back_to_be_placed_again(observer, nats_url, tmp_path):
+    # A rolling update of the executor, say: its processes end with it. The policy hears
+    # of each (evicted, its hold released) and places it again; before, the hold stayed
+    # and nothing was said, so the task was lost and its GPU share leaked.
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1", gpu=1))
+    marker = tmp_path / "child"
+    host = build(settings(nats_url, tmp_path, backend="process", grace_s=2.0, node="n1"))
+    await host.start()
+    stopped = False
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1", gpu=1, command=sleeper(marker))))
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await wait_for(lambda: marker.exists() and " " in marker.read_text())
+        pid = int(marker.read_text().split()[1])
+        await host.stop()
+        stopped = True
+    finally:
+        if not stopped:
+            await host.stop()
+    life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
+    assert [(s.state, s.node, s.gpus, s.decision_id) for s in life] == [
+        ("started", "n1", [1], "d1"), ("evicted", "n1", [1], "d1")]
+    assert "the executor on n1 stopped" in life[1].detail, life[1].detail
+    assert (await observer.ledger("n1")).allocations == []
+    assert not alive(pid)
