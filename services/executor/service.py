@@ -30,7 +30,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 from fleetpilot.contracts import (
@@ -44,7 +44,9 @@ from fleetpilot.contracts import (
     NodeLedger,
     NodeTelemetry,
     SimEvent,
+    TaskKind,
     TaskLifecycle,
+    TaskSubmitted,
     gpu_rules,
     now,
 )
@@ -245,6 +247,28 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         ledger: LedgerStore = parts["ledger"]
         await ledger.mutate(node_key(node), lambda cur: without_task(cur, task_id) if cur else None)
 
+    async def recall(task_id: str, besides: str = "") -> None:
+        """Learn the decision that placed ``task_id`` where this replica did not carry it
+        out (another replica did, or this one before a restart): the decision id of its
+        holds in the ledger (other than ``besides``, the move being carried out), and what
+        the journal recorded for it. Call it before the holds are released; without it the
+        task's lifecycle events carried no decision, and the feedback service could not
+        judge the placement."""
+        if task_id in decisions or "ledger" not in parts:
+            return
+        held = {a.decision_id for ledger in parts["ledger"].nodes.values() for a in ledger.allocations
+                if a.task_id == task_id}
+        for decision_id in sorted(held - {besides}):
+            result = await parts["journal"].result(decision_id)
+            if isinstance(result, ActionExecuted):
+                kind = result.task_kind
+                task = TaskSubmitted(task_id=task_id, kind=kind) if kind in get_args(TaskKind) else None
+                decisions[task_id] = DecisionMade(
+                    decision_id=decision_id, task_id=task_id, action=result.action, placement=result.placement,
+                    confidence=result.confidence, policy=result.policy, shard_id=result.shard_id,
+                    decided_at=result.executed_at, task=task)
+                return
+
     def lifecycle(
         task_id: str,
         state,
@@ -306,6 +330,8 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         # the same Nats-Msg-Id, which the stream drops as a duplicate).
         out: list[Event] = [result]
         node = decision.placement[0].node if decision.placement else ""
+        if decision.action in ("migrate", "evict"):
+            await recall(decision.task_id, besides=decision.decision_id)  # the placement that ends here
         if isinstance(result, ActionExecuted):
             if decision.action == "assign" and node:
                 decisions[decision.task_id] = decision
@@ -393,6 +419,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         if event.task_id is None or ending is None:
             return []
         state, exit_code = ending
+        await recall(event.task_id)
         if event.node:
             await release(event.task_id, event.node)
         out = [lifecycle(event.task_id, state, event.node, [event.gpu] if event.gpu >= 0 else [],
@@ -409,6 +436,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         for change in await backend.poll():
             if change.state in _PUBLISHED_BY_HANDLER:
                 continue
+            await recall(change.task_id)
             if change.state in ("finished", "oom_killed", "failed") and change.node:
                 await release(change.task_id, change.node)
             out.append(
@@ -446,6 +474,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             except BackendError as error:
                 log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
                 return None
+            await recall(task_id)
             await release(task_id, command.node)
             event = lifecycle(
                 task_id,

@@ -16,6 +16,7 @@ from fleetpilot.contracts import (
     NodeLedger,
     Placement,
     PolicyRef,
+    SimEvent,
     TaskLifecycle,
     TaskSubmitted,
     encode,
@@ -239,13 +240,20 @@ async def test_a_migration_moves_the_task_s_holds_to_the_target(observer, sim_fl
     assert [(a.task_id, a.state) for a in (await observer.ledger("n2")).allocations] == [("t1", "confirmed")]
 
 
-async def test_a_migration_names_the_placement_the_task_left(observer, sim_fleet, nats_url, tmp_path):
+@pytest.mark.parametrize("replaced", [False, True], ids=["same-replica", "replica-replaced-between"])
+async def test_a_migration_names_the_placement_the_task_left(observer, sim_fleet, nats_url, tmp_path, replaced):
+    # Replaced: the replica that moves the task is not the one that placed it, and reads
+    # the placement it ends from the ledger and the journal.
     await reserve_a_move_of_t1_to_n2(observer)
     host = build(settings(nats_url, tmp_path))
     await host.start()
     try:
         await observer.js.publish("decision.made", encode(assign("d1", "t1")))
         await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        if replaced:
+            await host.stop()
+            host = build(settings(nats_url, tmp_path, "b"))
+            await host.start()
         await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1"})
         events = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
     finally:
@@ -321,3 +329,30 @@ async def test_a_stopping_executor_gives_its_tasks_back_to_be_placed_again(obser
     assert "the executor on n1 stopped" in life[1].detail, life[1].detail
     assert (await observer.ledger("n1")).allocations == []
     assert not alive(pid)
+
+
+async def test_a_replica_that_did_not_place_a_task_still_names_its_decision_when_it_ends(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # Replica a carries out the assign, then is replaced (a rolling update); replica b hears
+    # the simulated fleet say the task finished. Its "finished" must name the assign, for
+    # the feedback service to judge it: b reads it from the ledger's hold and the journal.
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    first = build(settings(nats_url, tmp_path, "a"))
+    await first.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1")))
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+    finally:
+        await first.stop()
+    second = build(settings(nats_url, tmp_path, "b"))
+    await second.start()
+    try:
+        ended = SimEvent(kind="finished", node="n1", gpu=0, task_id="t1", at=now())
+        await observer.nc.publish("sim.event.n1", encode(ended))
+        life = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
+    finally:
+        await second.stop()
+    assert [(s.state, s.decision_id, s.policy, s.confidence, s.task_kind) for s in life] == [
+        ("started", "d1", "best-fit", 0.8, "train"), ("finished", "d1", "best-fit", 0.8, "train")]
+    assert (await observer.ledger("n1")).allocations == []
