@@ -4,6 +4,10 @@ It consumes ``topology.report.<node>`` from collectors, keeps each node in the
 ``topology`` bucket (the source every other service reads) and publishes
 ``topology.updated`` with the changed nodes and the inter-site bandwidth estimates.
 
+It also tells when a node has gone silent: a node whose collector sent no report for
+``silent_after_s`` has every GPU labelled ``unreachable`` (no new work; the executor gives
+its tasks up), and the label goes when the node reports again.
+
 The estimates come from the configured fleet's site links (``SiteNetwork`` in
 ``fleetpilot.fleet.bandwidth``), computed once at start: links are configuration, not
 telemetry, so they do not change while the service runs.
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import (
+    GPU_LABEL_UNREACHABLE,
     OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
     NodeTopology,
@@ -49,6 +54,10 @@ class TopologySettings(ServiceSettings):
 
     fleet_spec: str = ""
     openb_nodes: str = ""
+    # A node whose collector sent no report for this long (it re-reports every 30 s) is
+    # labelled unreachable; it is judged every ``liveness_check_s``.
+    silent_after_s: float = 300.0
+    liveness_check_s: float = 30.0
 
 
 class BadFleetConfig(ValueError):
@@ -114,6 +123,38 @@ async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, att
     raise CasConflict(f"topology of {node.node} kept changing")
 
 
+def with_reachability(node: NodeTopology, reachable: bool) -> NodeTopology:
+    """``node`` with the ``unreachable`` label on every GPU, or on none."""
+    gpus = []
+    for gpu in node.gpus:
+        labels = {k: v for k, v in gpu.labels.items() if k != GPU_LABEL_UNREACHABLE}
+        if not reachable:
+            labels[GPU_LABEL_UNREACHABLE] = "true"
+        gpus.append(msgspec.structs.replace(gpu, labels=labels))
+    return msgspec.structs.replace(node, gpus=gpus)
+
+
+async def mark_reachability(kv: KeyValue, key: str, reachable: bool, attempts: int = 10) -> NodeTopology | None:
+    """Label (or unlabel) one node's GPUs with compare-and-set; the node when it changed."""
+    for _ in range(attempts):
+        entry = await kv.get(key)
+        if entry is None or entry.value is None:
+            return None
+        try:
+            stored = msgspec.json.decode(entry.value, type=NodeTopology)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        updated = with_reachability(stored, reachable)
+        if updated == stored:
+            return None
+        try:
+            await kv.update(key, encode(updated), entry.revision)
+            return updated
+        except CasConflict:
+            continue
+    raise CasConflict(f"topology of {key} kept changing")
+
+
 def build(settings: TopologySettings | None = None) -> ServiceHost:
     """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
     settings = settings or TopologySettings()
@@ -151,6 +192,47 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         # Milliseconds since the epoch, times 1000, plus a per-process counter: increasing
         # across restarts and unique per update within a replica (the msg id needs both).
         return TopologyUpdated(revision=int(now() * 1000) * 1000 + revision["n"] % 1000, nodes=[node.node],
+                               bandwidth=estimates, at=now())
+
+    started = {"at": now()}
+
+    async def listening_since(bus: Bus) -> None:
+        started["at"] = now()
+
+    host.on_startup(listening_since)
+
+    @host.every(settings.liveness_check_s)
+    async def judge_liveness() -> TopologyUpdated | None:
+        # A collector re-reports its node every 30 s; the stream keeps the last report per
+        # node, by the server's clock, so every replica judges alike. Only once this
+        # replica has listened for ``silent_after_s`` itself: after an outage of the whole
+        # fleet (or of the NATS cluster) every last report is old, and nobody is silent yet.
+        bus = host.bus
+        if bus is None or now() - started["at"] < settings.silent_after_s:
+            return None
+        kv = await bus.kv("topology")
+        changed: list[str] = []
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry is None or entry.value is None:
+                continue
+            try:
+                node = msgspec.json.decode(entry.value, type=NodeTopology)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            heard = await bus.last_stored_at(f"topology.report.{node.node}")
+            reachable = heard is not None and now() - heard <= settings.silent_after_s
+            if await mark_reachability(kv, key, reachable) is not None:
+                changed.append(node.node)
+                if reachable:
+                    log.warning("%s reports again: no longer unreachable", node.node)
+                else:
+                    log.warning("%s unreachable: no report from its collector for %s", node.node,
+                                f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps")
+        if not changed:
+            return None
+        revision["n"] += 1
+        return TopologyUpdated(revision=int(now() * 1000) * 1000 + revision["n"] % 1000, nodes=changed,
                                bandwidth=estimates, at=now())
 
     return host

@@ -101,6 +101,9 @@ GPU_LABEL_CORDONED = "cordoned"
 GPU_LABEL_DECOMMISSIONED = "decommissioned"
 GPU_LABEL_MAINTENANCE_PENDING = "maintenance_pending"
 GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
+# Set by the topology service on every GPU of a node whose collector has gone silent, and
+# cleared when it reports again: no new work, and its tasks are taken as lost with it.
+GPU_LABEL_UNREACHABLE = "unreachable"
 # Business labels: what a GPU is for, set in the fleet spec or by an operator. ``role`` is the
 # short form of ``business_role`` (an operator's override); ``reserved`` takes no new work.
 # ``driver_pin``: the driver the GPU is held at (else the ``driver_version`` it reports);
@@ -115,7 +118,7 @@ TASK_LABEL_DRIVER = "driver"
 ROLE_RESERVED = "reserved"
 OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
                                     GPU_LABEL_MAINTENANCE_RISK, GPU_LABEL_ROLE, GPU_LABEL_DRIVER_PIN,
-                                    GPU_LABEL_TASK_KINDS})
+                                    GPU_LABEL_TASK_KINDS, GPU_LABEL_UNREACHABLE})
 
 
 class GpuRules(msgspec.Struct, frozen=True, kw_only=True):

@@ -140,6 +140,11 @@ class Bus(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def last_stored_at(self, subject: str) -> float | None:
+        """When a stream stored its last message on ``subject`` (one literal subject), by
+        the server's clock; ``None`` when no stream keeps one."""
+
+    @abc.abstractmethod
     async def kv(self, bucket: str) -> KeyValue:
         """A catalogued KV bucket."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class _Stored:
     subject: str
     data: bytes
     headers: dict[str, str]
+    at: float = field(default_factory=time.time)
 
 
 class _MemoryInbound(Inbound):
@@ -184,6 +186,13 @@ class InMemoryBus(Bus):
                 if consumer.spec.stream == stream and subject_matches(consumer.spec.filter_subject, subject):
                     consumer.offer(stored)
         self._fan_out(stored)
+
+    async def last_stored_at(self, subject: str) -> float | None:
+        stream = self._stream_of(subject)
+        for stored in reversed(self._streams.get(stream, []) if stream else []):
+            if stored.subject == subject:
+                return stored.at
+        return None
 
     def _fan_out(self, stored: _Stored) -> None:
         groups_done: set[str] = set()

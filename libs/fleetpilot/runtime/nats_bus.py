@@ -36,7 +36,7 @@ from fleetpilot.contracts import (
     subject_for,
 )
 
-from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
+from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, subject_matches
 
 log = logging.getLogger("fleetpilot.runtime.nats")
 
@@ -309,6 +309,16 @@ class NatsBus(Bus):
             code = (msg.headers or {}).get("Nats-Service-Error-Code", "?")
             raise RuntimeError(f"{subject} failed ({code}): {error}")
         return msg.data
+
+    async def last_stored_at(self, subject: str) -> float | None:
+        stream = next((spec.name for spec in STREAMS if any(subject_matches(p, subject) for p in spec.subjects)), None)
+        if stream is None:
+            return None
+        try:
+            msg = await self._js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return msg.time.timestamp() if msg.time is not None else None
 
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv_cache:

@@ -46,3 +46,13 @@ def test_the_kept_snapshot_follows_ledger_and_topology_changes(tmp_path) -> None
     assert view.node_names == ["n0", "n1", "n2", "n3"] and not view.gpu_healthy[2, 1]
     assert same(ps.snapshot(without=frozenset({"b"})), ps.build_snapshot(frozenset({"b"})))
     assert ps.snapshot(without=frozenset({"b"})).gpu_free[1].tolist() == [750, 1000]
+
+
+def test_no_new_work_goes_to_a_gpu_of_an_unreachable_node(tmp_path) -> None:
+    # The topology service labels every GPU of a node whose collector went silent.
+    ps = policy_state(tmp_path)
+    ps.fleet._apply("n0", encode(node("n0")))
+    ps.fleet._apply("n1", encode(node("n1", labels={0: {"unreachable": "true"}, 1: {"unreachable": "true"}})))
+    view = ps.snapshot()
+    assert view.gpu_healthy.tolist() == [[True, True], [False, False]]
+    assert same(view, ps.build_snapshot())

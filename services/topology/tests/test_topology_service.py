@@ -159,3 +159,43 @@ async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
     finally:
         await bus.drain()
         await host.stop()
+
+
+async def test_a_node_whose_collector_goes_silent_is_labelled_unreachable_until_it_reports_again(
+    nats_server, client
+):
+    updates: list[TopologyUpdated] = []
+
+    async def on_update(msg) -> None:
+        updates.append(decode(msg.data, TopologyUpdated))
+
+    await client.subscribe("topology.updated", on_update)
+    quiet, chatty = NODES[0], NODES[1]
+    host = build(settings(nats_server.url, silent_after_s=1.5, liveness_check_s=0.2))
+    await host.start()
+    kv = await client.kv("topology")
+
+    async def labels(node: NodeTopology) -> list[str | None]:
+        entry = await kv.get(node.node)
+        stored = msgspec.json.decode(entry.value, type=NodeTopology) if entry and entry.value else None
+        return [g.labels.get("unreachable") for g in stored.gpus] if stored else []
+
+    try:
+        for node in (quiet, chatty):
+            await client.publish(report(node, 1.0))
+        await wait_for(lambda: len(updates) >= 2)
+        # chatty keeps reporting every 0.3 s; quiet says nothing more.
+        for i in range(10):
+            await client.publish(report(chatty, 2.0 + i))  # its own time: not a duplicate
+            await asyncio.sleep(0.3)
+        assert set(await labels(quiet)) == {"true"}
+        assert set(await labels(chatty)) == {None}
+        assert any(u.nodes == [quiet.node] for u in updates)
+        await client.publish(report(quiet, 30.0))  # back: the label goes at the next check
+        for _ in range(20):
+            if set(await labels(quiet)) == {None}:
+                break
+            await asyncio.sleep(0.1)
+        assert set(await labels(quiet)) == {None}
+    finally:
+        await host.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -248,3 +249,18 @@ async def test_an_endpoint_answers_a_request_sent_the_moment_it_is_served(nats_s
     finally:
         await asking.drain()
         await serving.drain()
+
+
+async def test_the_time_a_stream_last_stored_a_subject(bus):
+    # What the topology service tells a node's silence by: the last report its stream keeps.
+    assert await bus.last_stored_at("topology.report.n1") is None
+    before = time.time()
+    for _ in range(2):
+        await bus.publish_raw("topology.report.n1", b"{}")
+        await asyncio.sleep(0.05)
+    await bus.publish_raw("topology.report.n2", b"{}")
+    last = await bus.last_stored_at("topology.report.n1")
+    assert last is not None and before - 1.0 <= last <= time.time() + 1.0
+    assert last < await bus.last_stored_at("topology.report.n2")
+    assert await bus.last_stored_at("telemetry.task.none") is None  # a stream keeps it, but nothing came
+    assert await bus.last_stored_at("sim.control") is None  # no stream keeps it
