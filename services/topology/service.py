@@ -123,6 +123,21 @@ async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, att
     raise CasConflict(f"topology of {node.node} kept changing")
 
 
+async def stored_nodes(kv: KeyValue) -> list[NodeTopology]:
+    """Every node in the ``topology`` bucket (an unreadable entry is logged and skipped:
+    the node's next report rewrites it)."""
+    out = []
+    for key in await kv.keys():
+        entry = await kv.get(key)
+        if entry is None or entry.value is None:
+            continue
+        try:
+            out.append(msgspec.json.decode(entry.value, type=NodeTopology))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("topology bucket key %s does not hold a node topology; it will be rewritten", key)
+    return out
+
+
 def with_reachability(node: NodeTopology, reachable: bool) -> NodeTopology:
     """``node`` with the ``unreachable`` label on every GPU, or on none."""
     gpus = []
@@ -165,16 +180,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
 
     async def load_known(bus: Bus) -> None:
         # A restarted replica must not announce every node again: start from the bucket.
-        kv = await bus.kv("topology")
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry is None or entry.value is None:
-                continue
-            try:
-                node = msgspec.json.decode(entry.value, type=NodeTopology)
-            except msgspec.DecodeError:
-                log.warning("topology bucket key %s does not hold a node topology; it will be rewritten", key)
-                continue
+        for node in await stored_nodes(await bus.kv("topology")):
             known[node.node] = encode(without_operational_labels(node))
 
     host.on_startup(load_known)
@@ -212,17 +218,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             return None
         kv = await bus.kv("topology")
         changed: list[str] = []
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry is None or entry.value is None:
-                continue
-            try:
-                node = msgspec.json.decode(entry.value, type=NodeTopology)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+        for node in await stored_nodes(kv):
             heard = await bus.last_stored_at(f"topology.report.{node.node}")
             reachable = heard is not None and now() - heard <= settings.silent_after_s
-            if await mark_reachability(kv, key, reachable) is not None:
+            if await mark_reachability(kv, node_key(node.node), reachable) is not None:
                 changed.append(node.node)
                 if reachable:
                     log.warning("%s reports again: no longer unreachable", node.node)
