@@ -23,6 +23,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_CORDONED,
     GPU_LABEL_DECOMMISSIONED,
     GPU_LABEL_MAINTENANCE_PENDING,
+    GPU_LABEL_UNREACHABLE,
     DecisionMade,
     NodeTopology,
     TaskLifecycle,
@@ -37,6 +38,7 @@ log = logging.getLogger("fleetpilot.executor.labels")
 CORDONED = GPU_LABEL_CORDONED
 DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
 MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
+UNREACHABLE = GPU_LABEL_UNREACHABLE
 
 _NODE = msgspec.json.Decoder(NodeTopology)
 

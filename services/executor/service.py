@@ -70,7 +70,7 @@ from fleetpilot.runtime import Bus, Retry, ServiceHost, ServiceSettings
 from pydantic_settings import SettingsConfigDict
 
 from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal
-from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, FleetLabels, LabelGate
+from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, UNREACHABLE, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
 
 log = logging.getLogger("fleetpilot.executor")
@@ -105,6 +105,9 @@ class ExecutorSettings(ServiceSettings):
     health_window_s: float = 2 * 3600.0
     health_sample_every_s: float = 30.0
     health_threshold: float = MAINTENANCE_THRESHOLD
+    # How often the tasks of unreachable nodes are given up, and (with ``node``) this
+    # node's processes checked against the ledger.
+    silent_check_s: float = 30.0
 
 
 class HealthWindows:
@@ -197,9 +200,8 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         await labels.load()
         host.background(ledger.follow(), "ledger-view")
         host.background(labels.follow(), "topology-labels")
-        parts["hook"] = hook = PreDecommissionHook(
-            settings.replica, KvHookLock(await bus.kv("hook_locks")), rules=rules
-        )
+        parts["locks"] = locks = KvHookLock(await bus.kv("hook_locks"))
+        parts["hook"] = hook = PreDecommissionHook(settings.replica, locks, rules=rules)
         parts["business"] = _TopologyBusiness(labels, hook)
         if settings.backend == "sim":
             parts["backend"] = BusSimBackend(bus, settings.default_duration_s)
@@ -322,6 +324,10 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             owner=settings.replica,
             business=parts["business"],
             grace_s=settings.grace_s,
+            # A node's decisions wait in its consumer while it is cut off; by the time it
+            # hears again, their capacity may have been given back and the task placed
+            # elsewhere.
+            still_reserved=still_reserved if settings.node else None,
         )
         if result is None:
             raise Retry("another executor replica is carrying this decision out", 2.0)
@@ -410,6 +416,69 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
             decisions.pop(request.task_id, None)
             log.info("handed %s over for its move from %s", request.task_id, settings.node)
             return HandedOver(task_id=request.task_id, ok=True, command=command, env=env)
+
+    async def still_reserved(decision: DecisionMade) -> bool:
+        """Whether the ledger still holds what ``decision`` reserved on its node."""
+        node = decision.placement[0].node if decision.placement else ""
+        current = await parts["ledger"].read(node) if node else None
+        return current is not None and any(a.decision_id == decision.decision_id for a in current.allocations)
+
+    @host.every(settings.silent_check_s)
+    async def give_up_unreachable_nodes() -> list[Event]:
+        # The topology service labels every GPU of a node whose collector went silent: its
+        # tasks are lost with it (nobody there can checkpoint or stop them). One replica,
+        # the holder of the node's lock, releases their holds and publishes ``evicted``, and
+        # the policy places them again. A move to that node that will not happen only gives
+        # its reservation back: the task runs on where it is.
+        labels: FleetLabels | None = parts.get("labels")
+        ledger: LedgerStore | None = parts.get("ledger")
+        if labels is None or ledger is None:
+            return []
+        out: list[Event] = []
+        for key, topo in list(labels.nodes.items()):
+            held = ledger.nodes.get(key)
+            if not held or not held.allocations or not topo.gpus:
+                continue
+            if not all(g.labels.get(UNREACHABLE) == "true" for g in topo.gpus):
+                continue
+            if not await parts["locks"].acquire(f"unreachable.{key}", settings.replica, ttl_s=600.0):
+                continue
+            for task_id in sorted({a.task_id for a in held.allocations}):
+                here = [a for a in held.allocations if a.task_id == task_id]
+                runs_elsewhere = any(a.task_id == task_id and a.state == "confirmed"
+                                     for other, at in ledger.nodes.items() if other != key for a in at.allocations)
+                await recall(task_id)
+                await release(task_id, topo.node)
+                if runs_elsewhere and all(a.state != "confirmed" for a in here):
+                    log.warning("gave back %s's reservation on unreachable %s; it runs on", task_id, topo.node)
+                    continue
+                log.warning("%s taken as lost with unreachable %s", task_id, topo.node)
+                out.append(lifecycle(task_id, "evicted", topo.node, sorted({a.gpu for a in here if a.gpu >= 0}),
+                                     detail=f"node {topo.node} unreachable (its collector went silent): the task "
+                                            f"is taken as lost with it"))
+                decisions.pop(task_id, None)
+        return out
+
+    @host.every(settings.silent_check_s)
+    async def stop_tasks_given_up() -> None:
+        # The other side of the above, on a node that was only cut off: its tasks were given
+        # up and placed again elsewhere while it was silent. A process whose hold on this
+        # node is gone from the ledger runs for nobody: it is stopped, and nothing is
+        # published (its eviction was, when its hold was released).
+        backend = parts.get("backend")
+        if not settings.node or not isinstance(backend, ProcessBackend):
+            return
+        for task_id in backend.running():
+            view = parts["ledger"].nodes.get(node_key(settings.node))
+            if view is not None and any(a.task_id == task_id for a in view.allocations):
+                continue
+            current = await parts["ledger"].read(settings.node)  # the view may lag: ask the bucket
+            if current is not None and any(a.task_id == task_id for a in current.allocations):
+                continue
+            log.warning("stopping %s: its hold on %s is gone (given up while the node was silent)",
+                        task_id, settings.node)
+            await backend.stop(task_id, settings.grace_s)
+            decisions.pop(task_id, None)
 
     @host.on_core("sim.event.*", SimEvent, queue="executor")
     async def on_sim_event(event: SimEvent) -> list[Event]:

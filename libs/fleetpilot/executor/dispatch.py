@@ -10,7 +10,7 @@ context, runs the verb on the backend and records the resulting ``action.execute
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from fleetpilot.contracts import ActionExecuted, ActionFailed, DecisionMade
 
@@ -81,11 +81,15 @@ async def execute_decision(
     grace_s: float = 30.0,
     env: Mapping[str, str] | None = None,
     clock: Clock = time.time,
+    still_reserved: Callable[[DecisionMade], Awaitable[bool]] | None = None,
 ) -> ActionResult | None:
     """Execute ``decision`` once; ``None`` when another replica has claimed it and is running it.
 
     A decision already executed returns its recorded result unchanged (to be republished
-    with the same ``Nats-Msg-Id``, which the stream deduplicates).
+    with the same ``Nats-Msg-Id``, which the stream deduplicates). With ``still_reserved``,
+    an assign or a move whose reservation is no longer in the ledger is void and fails
+    without retry: its capacity was given back since it was decided (the node went silent
+    and its tasks were placed again), and carrying it out late would run the task twice.
     """
     recorded = await journal.result(decision.decision_id)
     if recorded is not None:
@@ -105,6 +109,13 @@ async def execute_decision(
         gpu_model=_gpu_model(decision, business),
     )
     result: ActionResult
+    if still_reserved is not None and decision.action in ("assign", "migrate") and not await still_reserved(decision):
+        result = ActionFailed(
+            **common, error="void: its reservation is no longer in the ledger (given back since it was decided)",
+            retryable=False, failed_at=clock()
+        )
+        await journal.record(decision.decision_id, result)
+        return result
     if business is not None and decision.action in ("assign", "migrate"):
         verdict = await check_before_assign(business, decision)
         if not verdict.allow:

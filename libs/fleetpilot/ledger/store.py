@@ -71,6 +71,11 @@ class LedgerStore(BucketMirror):
     decoder = _LEDGER
     nodes: dict[str, NodeLedger]
 
+    async def read(self, node: str) -> NodeLedger | None:
+        """The node's ledger as stored now, not as the view last saw it."""
+        entry = await self._kv.get(node_key(node))
+        return _LEDGER.decode(entry.value) if entry and entry.value else None
+
     def holds_of(self, task_id: str) -> tuple[str, list[Allocation]] | None:
         """Where ``task_id`` holds capacity, if anywhere (for idempotent re-decisions)."""
         for node, ledger in self.nodes.items():

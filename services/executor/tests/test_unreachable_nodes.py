@@ -1,0 +1,96 @@
+"""A node gone silent (the topology service labels its GPUs ``unreachable``), over a real
+nats-server: its tasks are given up once among the replicas and placed again (a move to it
+only gives its reservation back); when the node is heard again, the decisions that waited
+for it are void if their reservations were given back, and its processes that were given
+up are stopped."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    Allocation,
+    NodeLedger,
+    TaskLifecycle,
+    TaskSubmitted,
+    encode,
+)
+from fleetpilot.runtime.testing import eventually as wait_for
+from fleetpilot_services.executor.service import build
+
+from .conftest import node_topology
+from .test_decisions import alive, settings, sleeper
+from .test_node_scoped import holds, run
+
+
+def unreachable(node: str, gpus: int = 2):
+    """The node as the topology service stores it once its collector went silent."""
+    topo = node_topology(node, gpus=gpus)
+    return msgspec.structs.replace(topo, gpus=[
+        msgspec.structs.replace(g, labels={**g.labels, "unreachable": "true"}) for g in topo.gpus])
+
+
+def confirmed(task_id: str, decision_id: str, gpu: int) -> Allocation:
+    return Allocation(task_id=task_id, decision_id=decision_id, gpu=gpu, milli=1000, memory_mb=1000,
+                      state="confirmed")
+
+
+async def test_the_tasks_of_an_unreachable_node_are_given_up_once(observer, sim_fleet, nats_url, tmp_path):
+    await observer.kv_put("topology", "n1", encode(unreachable("n1")))
+    await observer.kv_put("topology", "n2", encode(node_topology("n2")))
+    # t1 ran on n1; t3 runs on n2 and was about to move to n1; t2 runs on n2.
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        confirmed("t1", "t1.assign", 0),
+        Allocation(task_id="t3", decision_id="t3.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+    await observer.kv_put("ledger", "n2", encode(NodeLedger(node="n2", allocations=[
+        confirmed("t3", "t3.assign", 0), confirmed("t2", "t2.assign", 1)])))
+    hosts = [build(settings(nats_url, tmp_path, replica, silent_check_s=0.2)) for replica in ("a", "b")]
+    for host in hosts:
+        await host.start()
+    try:
+        life = await observer.wait_stored("task.lifecycle.>", TaskLifecycle, 1)
+        await asyncio.sleep(1.0)  # several rounds of both replicas
+        life = await observer.stored("task.lifecycle.>", TaskLifecycle)
+        n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
+    finally:
+        for host in hosts:
+            await host.stop()
+    assert [(e.task_id, e.state, e.node, e.gpus) for e in life] == [("t1", "evicted", "n1", [0])]
+    assert "n1 unreachable" in life[0].detail
+    assert n1.allocations == []
+    assert [(a.task_id, a.state) for a in n2.allocations] == [("t3", "confirmed"), ("t2", "confirmed")]
+
+
+async def test_a_node_heard_again_voids_what_waited_for_it_and_stops_what_was_given_up(
+    observer, nats_url, tmp_path
+):
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    await observer.kv_put("ledger", "n1", holds("n1", ("t6", "t6.assign", 0)))
+    marker = tmp_path / "child"
+    host = build(settings(nats_url, tmp_path, backend="process", node="n1", grace_s=1.0, silent_check_s=0.2))
+    await host.start()
+    try:
+        started = msgspec.structs.replace(run("t6.assign", "t6", "n1", 0), task=TaskSubmitted(
+            task_id="t6", kind="train", command=sleeper(marker)))
+        await observer.js.publish("decision.made", encode(started))
+        await wait_for(lambda: marker.exists() and " " in marker.read_text())
+        pid = int(marker.read_text().split()[1])
+        # While n1 was silent its tasks were given up: t6's hold released, t6 placed
+        # elsewhere. An assign of t7 decided before that, never carried out, arrives now.
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1")))
+        await observer.js.publish("decision.made", encode(run("t7.assign", "t7", "n1", 1, seconds=30)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        await wait_for(lambda: not alive(pid), timeout_s=5.0)
+        await asyncio.sleep(0.5)
+        life = await observer.stored("task.lifecycle.>", TaskLifecycle)
+        executed = await observer.stored("action.executed", ActionExecuted)
+    finally:
+        await host.stop()
+    assert [(f.action_id, f.retryable) for f in failed] == [("act-t7.assign", False)]
+    assert [e.action_id for e in executed] == ["act-t6.assign"]
+    assert "void" in failed[0].error
+    # t6 was started; its stop says nothing (its eviction was told when its hold went); t7 never ran.
+    assert [(e.task_id, e.state) for e in life] == [("t6", "started")]
