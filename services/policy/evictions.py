@@ -182,7 +182,9 @@ class Evictions(ReplicaState):
         for req in self.requests(adm.task):
             wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
                                              gpu_models=list(req.gpu_models))
-            plans = preemptions(wanted, self.fleet.nodes, self.ledger.nodes, victims)
+            # A contract bound to a site frees room on that site only.
+            nodes = {k: t for k, t in self.fleet.nodes.items() if not req.site or t.site == req.site}
+            plans = preemptions(wanted, nodes, self.ledger.nodes, victims)
             for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
                 state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
                 choice = policies.guarded[name].decide(state, req)

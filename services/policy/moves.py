@@ -37,9 +37,7 @@ from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
 from fleetpilot.policy.rebalance import (
-    CORDONED,
-    DECOMMISSIONED,
-    MAINTENANCE_PENDING,
+    NO_NEW_WORK,
     MoveReason,
     ResizePlan,
     Running,
@@ -337,7 +335,7 @@ class Moves(ReplicaState):
             if any(
                 is_set(labels.get(a.gpu, {}), x)
                 for a in extra
-                for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)
+                for x in NO_NEW_WORK
             ):
                 return None
             return NodeLedger(node=current.node, allocations=[*current.allocations, *extra])
@@ -390,6 +388,7 @@ class Moves(ReplicaState):
             gpu_models=tuple(known.gpu_models) if known else ((model,) if model else ()),
             predicted_peak_mb=fp.predicted_peak_mb if fp else 0.0,
             peak_sigma_mb=max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29 if fp else 0.0,
+            site=self.contract_site(running.task_id),
         )
 
     async def migrate(

@@ -34,7 +34,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, gpu_conditions, is_set
+from fleetpilot.policy.rebalance import NO_NEW_WORK, gpu_conditions, is_set
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -109,7 +109,7 @@ def placement_fits(
         ):
             return False
         lab = labels.get(p.gpu, {})
-        if any(is_set(lab, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
+        if any(is_set(lab, x) for x in NO_NEW_WORK):
             return False
     return True
 
@@ -257,7 +257,7 @@ class ReplicaState:
         accepts: a prediction above it needs a whole one of those rather than no GPU ever.
         """
         fp = self.fingerprints.get(task.task_id)
-        req = TaskRequest.from_submitted(task, fp)
+        req = msgspec.structs.replace(TaskRequest.from_submitted(task, fp), site=self.contract_site(task.task_id))
         if fp is None or fp.predicted_peak_mb <= 0 or req.gpus <= 0 or req.gpu_milli <= 0:
             return req
         want = int(math.ceil(fp.predicted_peak_mb * PEAK_HEADROOM))
@@ -281,7 +281,12 @@ class ReplicaState:
             return None
         if task.gpus <= 0 or task.gpu_milli <= 0 or task.gpu_memory_mb >= plain.gpu_memory_mb:
             return None
-        return TaskRequest.from_submitted(task)
+        return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site)
+
+    def contract_site(self, task_id: str) -> str:
+        """The site the task's contract binds it to (an accepted counter-offer's), else ``""``."""
+        adm = self.admissions.of(task_id) if self.admissions is not None else None
+        return (adm.contract.site or "") if adm is not None else ""
 
     def requests(self, task: TaskSubmitted) -> list[TaskRequest]:
         """What ``place`` tries for the task, in order: its request, then its bridge if any."""

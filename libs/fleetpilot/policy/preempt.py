@@ -56,7 +56,7 @@ from fleetpilot.contracts import (
     gpu_rules,
 )
 
-from .rebalance import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, Running, generation, is_set
+from .rebalance import NO_NEW_WORK, Running, generation, is_set
 
 EXACT_LIMIT = 12
 """Up to this many best_effort tasks on a node, every subset of them is tried."""
@@ -140,7 +140,7 @@ def fits(task: TaskSubmitted, topo: NodeTopology, allocations: Iterable[Allocati
     for g in topo.gpus:
         if models and g.model not in models:
             continue
-        if any(is_set(g.labels, x) for x in (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING)):
+        if any(is_set(g.labels, x) for x in NO_NEW_WORK):
             continue
         if gpu_rules(g.labels).refusal(task.kind, task.labels.get(TASK_LABEL_DRIVER)) is not None:
             continue  # evicting work here would free a GPU the task may not use

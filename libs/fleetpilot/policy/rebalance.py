@@ -57,6 +57,9 @@ DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
 MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 MAINTENANCE_RISK = GPU_LABEL_MAINTENANCE_RISK
 UNREACHABLE = GPU_LABEL_UNREACHABLE
+NO_NEW_WORK = (CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, UNREACHABLE)
+"""Labels under any of which a GPU takes nothing new: no placement, move, resize or room
+made there by preemption."""
 MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
 OVERFLOW_FILL = 0.98

@@ -55,6 +55,8 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     predicted_peak_mb: float = 0.0
     peak_sigma_mb: float = 0.0
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    # The site the task's contract binds it to (an accepted counter-offer's); empty: any.
+    site: str = ""
 
     @property
     def shares_gpu(self) -> bool:
@@ -200,10 +202,14 @@ class ClusterState:
 
     def allowed(self, task: TaskRequest) -> np.ndarray:
         """``(N, G)``: the GPUs whose business rules let ``task`` start (a reserved GPU, a
-        driver other than the task's ``driver`` label, a kind the GPU does not take: no)."""
+        driver other than the task's ``driver`` label, a kind the GPU does not take: no),
+        on the site its contract names, if it names one."""
         driver = task.labels.get(TASK_LABEL_DRIVER)
-        ok = np.array([r.refusal(task.kind, driver) is None for r in self.rule_sets])
-        return ok[self.gpu_rule]
+        ok = np.array([r.refusal(task.kind, driver) is None for r in self.rule_sets])[self.gpu_rule]
+        if task.site:
+            on_site = self.node_site == (self.sites.index(task.site) if task.site in self.sites else -1)
+            ok = ok & on_site[:, None]
+        return ok
 
     def gpu_count(self) -> np.ndarray:
         """GPUs per node."""

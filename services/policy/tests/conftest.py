@@ -96,11 +96,13 @@ def node(
     model: str = "H100",
     memory_mb: int = 81920,
     labels: dict[int, dict[str, str]] | None = None,
+    site: str = "default",
 ) -> NodeTopology:
     """A node as the topology service stores it."""
     labels = labels or {}
     return NodeTopology(
         node=name,
+        site=site,
         cpu_milli=64000,
         memory_mb=512000,
         gpus=[
