@@ -284,9 +284,15 @@ class ReplicaState:
         return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site)
 
     def contract_site(self, task_id: str) -> str:
-        """The site the task's contract binds it to (an accepted counter-offer's), else ``""``."""
+        """The site the task's contract binds it to, else ``""``.
+
+        Only an accepted counter-offer binds: the client chose that option's pool, and its
+        warm-up and latency figures hold there. A task admitted as asked carries the site
+        of the estimate it was admitted on, which is no term: any site meets its ask."""
         adm = self.admissions.of(task_id) if self.admissions is not None else None
-        return (adm.contract.site or "") if adm is not None else ""
+        if adm is None or not adm.contract.offer_id:
+            return ""
+        return adm.contract.site or ""
 
     def requests(self, task: TaskSubmitted) -> list[TaskRequest]:
         """What ``place`` tries for the task, in order: its request, then its bridge if any."""

@@ -248,15 +248,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             return again
         if not ps.fleet.nodes:
             raise Retry("no fleet topology known yet", 1.0)
-        start = adm.contract.not_before
-        if start is not None and start > now():
-            # The accepted counter-offer starts the task then: it waits in the queue, and
-            # the queue rounds leave it there until its time.
-            decision, name, shard_id = None, *ps.active.current.route(adm.task)
-            reason = f"the contract starts it in {start - now():.0f} s (not before {start:.0f}); queued until then"
-        else:
-            decision, name, shard_id = await ps.place(adm)
-            reason = "no node has room now; queued until capacity frees"
+        decision, name, shard_id = await ps.place(adm)
         if decision is not None:
             return metrics.decided(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
@@ -272,7 +264,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 confidence=ps.calibration.apply(calibration_key(name, "queue"), QUEUE_CONFIDENCE),
                 policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
                 shard_id=shard_id,
-                reason=reason,
+                reason="no node has room now; queued until capacity frees",
                 decided_at=now(),
                 task=adm.task,
                 contract=adm.contract,
@@ -320,8 +312,6 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # owner is chosen among them once the round is over.
         blocked: list[TaskAdmitted] = []
         for adm, requeue, entry in waiting:
-            if adm.contract.not_before is not None and adm.contract.not_before > now():
-                continue  # its contract starts it later
             if evicting and adm.contract.tier != "vip":
                 # Space is being freed for a vip: nothing else may take it half-freed (an
                 # evicted task would otherwise come straight back where it was).
