@@ -7,8 +7,9 @@ and the bandwidth estimates of ``fleet.bandwidth.SiteNetwork``.
 With a running fleet (``--nats-url`` or ``FLEETPILOT_NATS_URL``) it also reads the
 ``topology`` bucket (the nodes the collectors reported), the latest ``topology.updated``
 (the topology service's bandwidth estimates) and the ``gpu_state`` bucket (the latest
-sample of every GPU), and prints one line per GPU. It only reads: no bucket or stream is
-created by looking.
+sample of every GPU), and prints one line per GPU with its state in service, then every GPU
+out of service (cordoned, decommissioned, pending maintenance, or on an unreachable node,
+which sends no samples). It only reads: no bucket or stream is created by looking.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from typing import Any
 
 import msgspec
 
-from fleetpilot.contracts import BandwidthEstimate, GpuSample, NodeTopology, TopologyUpdated, decode
+from fleetpilot.contracts import (
+    GPU_LABEL_CORDONED,
+    GPU_LABEL_DECOMMISSIONED,
+    GPU_LABEL_MAINTENANCE_PENDING,
+    GPU_LABEL_MAINTENANCE_RISK,
+    GPU_LABEL_UNREACHABLE,
+    BandwidthEstimate,
+    GpuSample,
+    NodeTopology,
+    TopologyUpdated,
+    decode,
+)
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
@@ -185,12 +197,36 @@ def summarise(fleet: Fleet, source: str, live: LiveFleet | None) -> dict[str, An
     }
 
 
-def gpu_rows(samples: list[GpuSample]) -> list[dict[str, Any]]:
-    """One compact record per GPU, ordered by node and index."""
+def service_state(labels: dict[str, str]) -> str:
+    """A GPU's state in service, from the labels operations put on it: ``unreachable`` (its
+    node's collector went silent), ``decommissioned``, ``cordoned``, ``maintenance (risk
+    R)``, else ``ok``. The first that holds wins, in that order."""
+    def on(label: str) -> bool:
+        return labels.get(label, "").lower() == "true"
+
+    for label in (GPU_LABEL_UNREACHABLE, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_CORDONED):
+        if on(label):
+            return label
+    if on(GPU_LABEL_MAINTENANCE_PENDING):
+        risk = labels.get(GPU_LABEL_MAINTENANCE_RISK)
+        return f"maintenance (risk {risk})" if risk else "maintenance"
+    return "ok"
+
+
+def out_of_service(nodes: list[NodeTopology]) -> list[dict[str, Any]]:
+    """Every GPU not in service, sampled or not (an unreachable node's GPUs send nothing)."""
+    return [{"node": n.node, "gpu": g.index, "model": g.model, "state": service_state(g.labels)}
+            for n in sorted(nodes, key=lambda n: n.node) for g in n.gpus if service_state(g.labels) != "ok"]
+
+
+def gpu_rows(samples: list[GpuSample], nodes: list[NodeTopology] | None = None) -> list[dict[str, Any]]:
+    """One compact record per GPU, ordered by node and index, with its state in service."""
+    labels = {(n.node, g.index): g.labels for n in nodes or [] for g in n.gpus}
     return [
         {"node": s.node, "gpu": s.gpu, "model": s.model, "util_pct": s.utilization_gpu_pct,
          "mem_used_mb": s.memory_used_mb, "mem_total_mb": s.memory_total_mb, "temp_c": s.temperature_c,
-         "power_w": s.power_w, "ctx_switches_per_s": s.cuda_context_switches_per_sec.value, "at": s.at}
+         "power_w": s.power_w, "ctx_switches_per_s": s.cuda_context_switches_per_sec.value, "at": s.at,
+         "state": service_state(labels.get((s.node, s.gpu), {}))}
         for s in sorted(samples, key=lambda s: (s.node, s.gpu))
     ]
 
@@ -205,8 +241,10 @@ def _node_range(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
 
-def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out) -> None:
-    """Tables for people: the fleet, then (when live) one line per GPU."""
+def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
+                idle: list[dict[str, Any]] | None = None) -> None:
+    """Tables for people: the fleet, then (when live) one line per GPU and the GPUs out of
+    service (``idle``)."""
     total_nodes = sum(s["nodes"] for s in summary["sites"])
     total_gpus = sum(s["gpus"] for s in summary["sites"])
     print(f"fleet {summary['fleet']} ({summary['source']}): {_count(len(summary['sites']), 'site')}, "
@@ -237,16 +275,20 @@ def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out)
         return
     if not rows:
         print("live: no GPU samples in the gpu_state bucket (is the collector running?)", file=out)
-        return
-    print(f"live: {len(rows)} GPUs", file=out)
-    width = max(len("NODE"), *(len(r["node"]) for r in rows))
-    model_w = max(len("MODEL"), *(len(r["model"]) for r in rows))
-    print(f"{'NODE':<{width}} {'GPU':>3} {'MODEL':<{model_w}} {'UTIL%':>6} {'MEM USED/TOTAL MiB':>19} "
-          f"{'TEMP C':>6} {'POWER W':>7} {'CTXSW/S':>8}", file=out)
-    for r in rows:
-        mem = f"{r['mem_used_mb']:.0f}/{r['mem_total_mb']:.0f}"
-        print(f"{r['node']:<{width}} {r['gpu']:>3} {r['model']:<{model_w}} {r['util_pct']:>6.1f} {mem:>19} "
-              f"{r['temp_c']:>6.1f} {r['power_w']:>7.1f} {r['ctx_switches_per_s']:>8.1f}", file=out)
+    else:
+        print(f"live: {len(rows)} GPUs", file=out)
+        width = max(len("NODE"), *(len(r["node"]) for r in rows))
+        model_w = max(len("MODEL"), *(len(r["model"]) for r in rows))
+        print(f"{'NODE':<{width}} {'GPU':>3} {'MODEL':<{model_w}} {'UTIL%':>6} {'MEM USED/TOTAL MiB':>19} "
+              f"{'TEMP C':>6} {'POWER W':>7} {'CTXSW/S':>8} STATE", file=out)
+        for r in rows:
+            mem = f"{r['mem_used_mb']:.0f}/{r['mem_total_mb']:.0f}"
+            print(f"{r['node']:<{width}} {r['gpu']:>3} {r['model']:<{model_w}} {r['util_pct']:>6.1f} {mem:>19} "
+                  f"{r['temp_c']:>6.1f} {r['power_w']:>7.1f} {r['ctx_switches_per_s']:>8.1f} {r['state']}", file=out)
+    if idle:
+        print(f"out of service: {_count(len(idle), 'GPU')}", file=out)
+        for g in idle:
+            print(f"  {g['node']}/{g['gpu']} ({g['model']}): {g['state']}", file=out)
 
 
 def main(args, out=None) -> int:
@@ -261,12 +303,13 @@ def main(args, out=None) -> int:
             # No fleet running is the normal case on a laptop: the spec is still worth showing.
             print(f"fleetpilot fleet: {exc}; showing the spec only", file=sys.stderr)
     summary = summarise(fleet, source, live)
-    rows = gpu_rows(live.samples) if live is not None else None
+    rows = gpu_rows(live.samples, live.nodes) if live is not None else None
+    idle = out_of_service(live.nodes) if live is not None else None
     if args.json:
         doc: dict[str, Any] = {"fleet": summary}
         if live is not None:
-            doc["live"] = {"nats_url": live.url, "gpus": rows}
+            doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle}
         print(json.dumps(doc, indent=2), file=out)
     else:
-        render_text(summary, rows, out)
+        render_text(summary, rows, out, idle)
     return 0

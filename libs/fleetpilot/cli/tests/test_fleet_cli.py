@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from fleetpilot.cli.main import main
 from fleetpilot.contracts import GpuSample, TopologyUpdated, encode
@@ -219,6 +220,16 @@ async def _populate(url: str) -> list[GpuSample]:
     bus = await NatsBus.connect(url, "cli-test")
     await bus.ensure_topology()
     topology, state = await bus.kv("topology"), await bus.kv("gpu_state")
+    # Operations' labels: a100-01's GPU 2 cordoned, GPU 3 pending maintenance; orin-04's
+    # collector went silent (unreachable, and no samples of it are left).
+    a100 = nodes[0]
+    labelled = {2: {"cordoned": "true"}, 3: {"maintenance_pending": "true", "maintenance_risk": "0.91"}}
+    nodes[0] = msgspec.structs.replace(a100, gpus=[
+        msgspec.structs.replace(g, labels={**g.labels, **labelled.get(g.index, {})}) for g in a100.gpus])
+    silent = fleet.node("orin-04")
+    silent = msgspec.structs.replace(silent, gpus=[
+        msgspec.structs.replace(g, labels={**g.labels, "unreachable": "true"}) for g in silent.gpus])
+    await topology.put(node_key(silent.node), encode(silent))
     for n in nodes:
         await topology.put(node_key(n.node), encode(n))
     for s in samples:
@@ -235,7 +246,7 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert code == 0 and err == ""
     doc = json.loads(out)
     assert doc["fleet"]["source"] == f"topology bucket at {nats_url}"
-    assert [n["node"] for n in doc["fleet"]["nodes"]] == ["a100-01", "orin-03"]
+    assert [n["node"] for n in doc["fleet"]["nodes"]] == ["a100-01", "orin-03", "orin-04"]
     assert doc["fleet"]["bandwidth_source"] == "latest topology.updated"
     a_b = next(b for b in doc["fleet"]["bandwidth"] if b["strategy"] == "balanced" and b["b_site"] == "site-b"
                and b["a_site"] == "site-a")
@@ -247,15 +258,21 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert shared["util_pct"] == truth.utilization_gpu_pct == 85.0
     assert shared["mem_used_mb"] == truth.memory_used_mb and shared["mem_total_mb"] == 40960.0
     assert shared["ctx_switches_per_s"] == truth.cuda_context_switches_per_sec.value > 0
+    assert {(r["node"], r["gpu"]): r["state"] for r in rows if r["state"] != "ok"} == {
+        ("a100-01", 2): "cordoned", ("a100-01", 3): "maintenance (risk 0.91)"}
+    assert [(g["node"], g["gpu"], g["state"]) for g in doc["live"]["out_of_service"]] == [
+        ("a100-01", 2, "cordoned"), ("a100-01", 3, "maintenance (risk 0.91)"), ("orin-04", 0, "unreachable")]
 
     code, text, _ = run(capsys, "fleet", "--nats-url", nats_url)
     assert code == 0
     header = next(line for line in text.splitlines() if line.startswith("NODE"))
     assert header.split() == ["NODE", "GPU", "MODEL", "UTIL%", "MEM", "USED/TOTAL", "MiB", "TEMP", "C", "POWER",
-                              "W", "CTXSW/S"]
+                              "W", "CTXSW/S", "STATE"]
     line = next(line for line in text.splitlines() if line.startswith("a100-01") and line.split()[1] == "1")
     assert line.split()[2:5] == ["A100-40GB", "85.0", f"{truth.memory_used_mb:.0f}/40960"]
+    assert line.split()[-1] == "ok"
     assert "live: 9 GPUs" in text
+    assert "out of service: 3 GPUs" in text and "  orin-04/0 (Jetson-Orin): unreachable" in text
 
 
 def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):
