@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology
+from fleetpilot.contracts import Allocation, DecisionMade, NodeLedger, NodeTopology
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,26 @@ def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger
     return NodeLedger(node=ledger.node, allocations=[
         msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a
         for a in ledger.allocations if a.task_id != task_id or a.decision_id == decision_id])
+
+
+def resized(ledger: NodeLedger, decision: DecisionMade) -> NodeLedger | None:
+    """The ledger after an executed ``resize``: the policy reserved the extra memory as a
+    second hold under the resize's decision id; it is folded into the task's hold on each GPU,
+    which takes the decision's new ``memory_mb`` and is confirmed. ``None`` when there is
+    nothing to change (a redelivered resize, or the task has gone)."""
+    sizes = {p.gpu: p.memory_mb for p in decision.placement if p.gpu >= 0}
+    kept = []
+    for a in ledger.allocations:
+        if a.task_id == decision.task_id and a.decision_id == decision.decision_id:
+            continue  # the reserved extra, now part of the hold
+        if a.task_id == decision.task_id and a.gpu in sizes:
+            a = msgspec.structs.replace(a, memory_mb=sizes[a.gpu], state="confirmed")
+        kept.append(a)
+    return None if kept == ledger.allocations else NodeLedger(node=ledger.node, allocations=kept)
+
+
+def without_decision(ledger: NodeLedger, decision_id: str) -> NodeLedger | None:
+    """The ledger without the holds reserved under ``decision_id`` (a failed resize gives its
+    extra memory back, a failed move its target); ``None`` when it holds none."""
+    kept = [a for a in ledger.allocations if a.decision_id != decision_id]
+    return None if len(kept) == len(ledger.allocations) else NodeLedger(node=ledger.node, allocations=kept)

@@ -1,0 +1,159 @@
+"""What the executor does for the health of GPUs and nodes, on top of ``ExecutorReplica``.
+
+- **pre-decommission** (:class:`~fleetpilot.executor.PreDecommissionHook`): a GPU too hot
+  for too long is labelled ``cordoned`` in the topology bucket (the policy stops placing
+  work there, and the executor refuses assigns to it); once drained, or when the drain time
+  is over, its remaining tasks are evicted (``task.lifecycle`` ``evicted`` plus a ledger
+  release, so the policy re-places them) and it is labelled ``decommissioned``. Of several
+  replicas only the holder of the GPU's lock in ``hook_locks`` acts.
+- **predictive maintenance** (:class:`~fleetpilot.maintenance.HealthModel`): every
+  ``health_interval_s`` each GPU's window of samples is assessed; a risk at or above the
+  threshold labels the GPU ``maintenance_pending`` (with ``maintenance_risk``), for the
+  policy's rebalancer to migrate its tasks away. The executor publishes no decision.
+- **unreachable nodes**: the tasks of a node the topology service labelled ``unreachable``
+  are given up (holds released, ``evicted`` published) by the holder of the node's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from fleetpilot.contracts import Event, GpuSample, NodeTelemetry, TaskLifecycle
+from fleetpilot.executor import BackendError, Command, Cordon
+from fleetpilot.ledger.store import node_key
+from fleetpilot.maintenance import HealthModel
+
+from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, UNREACHABLE
+from .replica import ExecutorReplica
+from .settings import ExecutorSettings
+
+log = logging.getLogger("fleetpilot.executor")
+
+
+class HealthWindows:
+    """The recent samples of every GPU, thinned to one per ``every_s`` and at most
+    ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default)."""
+
+    def __init__(self, window_s: float, every_s: float) -> None:
+        """Keep ``window_s`` of history, one sample per ``every_s``."""
+        self._window_s = window_s
+        self._every_s = every_s
+        self.windows: dict[tuple[str, int], deque[GpuSample]] = {}
+
+    def add(self, sample: GpuSample) -> None:
+        """Keep ``sample`` if enough time passed since the last one kept."""
+        window = self.windows.setdefault((sample.node, sample.gpu), deque())
+        if window and sample.at - window[-1].at < self._every_s:
+            return
+        window.append(sample)
+        while window and window[0].at < sample.at - self._window_s:
+            window.popleft()
+
+
+class GpuHealth(ExecutorReplica):
+    """The replica with the GPUs' recent samples, their health model, and what both ask."""
+
+    def __init__(self, settings: ExecutorSettings) -> None:
+        super().__init__(settings)
+        self.windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
+        self.model = HealthModel(threshold=settings.health_threshold)
+
+    def tasks_on(self, node: str, gpu: int) -> list[str]:
+        """Tasks holding a share of one GPU in the ledger view (reserved ones included:
+        they are about to run there)."""
+        ledger = self.ledger.nodes.get(node_key(node)) if self.ledger is not None else None
+        return sorted({a.task_id for a in ledger.allocations if a.gpu == gpu}) if ledger else []
+
+    async def observe(self, batch: NodeTelemetry) -> list[Event]:
+        """Keep a node's samples and run the pre-decommission hook on each GPU."""
+        assert self.hook is not None and self.labels is not None  # opened before any subscription
+        out: list[Event] = []
+        for sample in batch.gpus:
+            self.windows.add(sample)
+            if self.labels.labels_of(sample.node, sample.gpu).get(DECOMMISSIONED) == "true":
+                continue  # out of service: nothing left to do, even for a replica started since
+            for command in await self.hook.observe(sample, self.tasks_on(sample.node, sample.gpu)):
+                out.extend(await self.decommission(command))
+        return out
+
+    async def decommission(self, command: Command) -> list[Event]:
+        """Do what the pre-decommission hook asks; only the lock holder gets here."""
+        assert self.labels is not None and self.backend is not None
+        labels, backend = self.labels, self.backend
+        if isinstance(command, Cordon):
+            await labels.set(command.node, command.gpu, {CORDONED: "true"})
+            log.warning("cordoned %s/%d: %s", command.node, command.gpu, command.reason)
+            return []
+
+        async def evict(task_id: str) -> TaskLifecycle | None:
+            try:
+                await backend.stop(task_id, self.settings.grace_s)
+            except BackendError as error:
+                log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
+                return None
+            await self.recall(task_id)
+            await self.release(task_id, command.node)
+            event = self.lifecycle(task_id, "evicted", command.node, [command.gpu],
+                                   detail=f"GPU {command.node}/{command.gpu} decommissioned: {command.reason}")
+            self.decisions.pop(task_id, None)
+            return event
+
+        evicted = await asyncio.gather(*(evict(t) for t in command.evict))
+        await labels.set(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
+        log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(command.evict))
+        return [e for e in evicted if e is not None]
+
+    async def assess_health(self) -> None:
+        """Label ``maintenance_pending`` each GPU whose window the health model finds at risk."""
+        labels = self.labels
+        if labels is None:
+            return
+        for (node, gpu), window in list(self.windows.windows.items()):
+            if len(window) < 2 or labels.labels_of(node, gpu).get(MAINTENANCE_PENDING) == "true":
+                continue
+            assessment = self.model.assess(list(window))
+            if not assessment.maintenance_pending:
+                continue
+            # Every replica assesses the same samples; the label write is idempotent, so
+            # no lock is needed here.
+            risk = f"{assessment.failure_probability:.2f}"
+            if await labels.set(node, gpu, {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}):
+                top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
+                log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
+                            assessment.failure_probability, top)
+
+    async def give_up_unreachable_nodes(self) -> list[Event]:
+        """The tasks of a node whose GPUs the topology service labelled ``unreachable`` (its
+        collector went silent) are lost with it: nobody there can checkpoint or stop them.
+        One replica, the holder of the node's lock, releases their holds and publishes
+        ``evicted``, and the policy places them again. A move to that node that will not
+        happen only gives its reservation back: the task runs on where it is."""
+        labels, ledger, locks = self.labels, self.ledger, self.locks
+        if labels is None or ledger is None or locks is None:
+            return []
+        out: list[Event] = []
+        for key, topo in list(labels.nodes.items()):
+            held = ledger.nodes.get(key)
+            if not held or not held.allocations or not topo.gpus:
+                continue
+            if not all(g.labels.get(UNREACHABLE) == "true" for g in topo.gpus):
+                continue
+            if not await locks.acquire(f"unreachable.{key}", self.settings.replica, ttl_s=600.0):
+                continue
+            for task_id in sorted({a.task_id for a in held.allocations}):
+                here = [a for a in held.allocations if a.task_id == task_id]
+                runs_elsewhere = any(a.task_id == task_id and a.state == "confirmed"
+                                     for other, at in ledger.nodes.items() if other != key for a in at.allocations)
+                await self.recall(task_id)
+                await self.release(task_id, topo.node)
+                if runs_elsewhere and all(a.state != "confirmed" for a in here):
+                    log.warning("gave back %s's reservation on unreachable %s; it runs on", task_id, topo.node)
+                    continue
+                log.warning("%s taken as lost with unreachable %s", task_id, topo.node)
+                out.append(self.lifecycle(task_id, "evicted", topo.node, sorted({a.gpu for a in here if a.gpu >= 0}),
+                                          detail=f"node {topo.node} unreachable (its collector went silent): the "
+                                                 f"task is taken as lost with it"))
+                self.decisions.pop(task_id, None)
+        return out

@@ -1,0 +1,370 @@
+"""One executor replica: its parts (journal, ledger view, topology labels, locks, backend)
+and what it does with decisions and with the ends of tasks.
+
+``ExecutorReplica`` carries a decision out once and keeps the ledger in step with it
+(confirm, move, release), tells each task's life on ``task.lifecycle`` naming the decision
+that placed it, hands a task over to another node's executor, and gives its tasks back when
+it stops. ``GpuHealth`` (``health.py``) builds on it for what the GPUs' health asks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, get_args
+
+from fleetpilot.contracts import (
+    ActionExecuted,
+    DecisionMade,
+    Event,
+    HandedOver,
+    HandOver,
+    SimEvent,
+    TaskKind,
+    TaskLifecycle,
+    TaskSubmitted,
+    gpu_rules,
+    now,
+)
+from fleetpilot.executor import (
+    BackendError,
+    DecommissionRules,
+    ExecutorBackend,
+    GpuContext,
+    LifecycleHook,
+    PreDecommissionHook,
+    ProcessBackend,
+    execute_decision,
+)
+from fleetpilot.ledger import LedgerStore, without_task
+from fleetpilot.ledger.accounting import confirmed, moved_here, resized, without_decision
+from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import Bus, Retry
+
+from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal
+from .fleet_labels import FleetLabels, LabelGate
+from .hook_lock import KvHookLock
+from .settings import ExecutorSettings
+
+log = logging.getLogger("fleetpilot.executor")
+
+# The decision handler publishes these itself, with the decision's ids and a deterministic
+# time (so a redelivery republishes the same message); the process backend's own copies
+# would be duplicates.
+PUBLISHED_BY_HANDLER = ("started", "evicted", "migrated")
+
+# Simulated hardware endings -> (lifecycle state, exit code as a process would report it).
+SIM_ENDINGS = {"finished": ("finished", 0), "oom_killed": ("oom_killed", 137), "task_failed": ("failed", 1)}
+
+Background = Callable[[Coroutine[Any, Any, None], str], None]
+
+
+class TopologyBusiness:
+    """The business context from the topology bucket (GPU model and ``role`` label) with
+    the pre-decommission hook and the label gate, so that assigns to a cordoned GPU are
+    refused (by this replica's hook state, and by the labels for a replica started since)."""
+
+    def __init__(self, labels: FleetLabels, hook: LifecycleHook) -> None:
+        self._labels = labels
+        self._hooks = [hook, LabelGate(labels)]
+
+    def gpu_context(self, node: str, gpu: int) -> GpuContext:
+        """Role, driver and allowed kinds (``contracts.gpu_rules`` of the GPU's labels) and
+        model as the topology bucket has them: the rules the policies placed by."""
+        rules = gpu_rules(self._labels.labels_of(node, gpu))
+        return GpuContext(node=node, gpu=gpu, role=rules.role, driver_pin=rules.driver or None,
+                          task_kinds=list(rules.task_kinds), model=self._labels.model_of(node, gpu))
+
+    def hooks(self) -> Sequence[LifecycleHook]:
+        """The pre-decommission hook, then the label gate."""
+        return self._hooks
+
+
+class ExecutorReplica:
+    """The parts of one replica, opened at start-up (``open``), and the decisions it has
+    carried out (for the ids on later lifecycle events)."""
+
+    def __init__(self, settings: ExecutorSettings) -> None:
+        self.settings = settings
+        self.rules = DecommissionRules(
+            threshold_c=settings.decommission_threshold_c,
+            hot_for_s=settings.decommission_hot_for_s,
+            drain_s=settings.decommission_drain_s,
+        )
+        # Who asked for what, so lifecycle events carry the decision they belong to.
+        self.decisions: dict[str, DecisionMade] = {}
+        self.journal: KvExecutionJournal | None = None
+        self.ledger: LedgerStore | None = None
+        self.labels: FleetLabels | None = None
+        self.locks: KvHookLock | None = None
+        self.hook: PreDecommissionHook | None = None
+        self.business: TopologyBusiness | None = None
+        self.backend: ExecutorBackend | None = None
+
+    async def open(self, bus: Bus, background: Background) -> None:
+        """Open the journal, the ledger and topology views (followed by ``background``
+        tasks), the hook locks and the backend."""
+        settings = self.settings
+        self.journal = KvExecutionJournal(await bus.kv("executions"))
+        self.ledger = await LedgerStore.open(bus)
+        self.labels = FleetLabels(await bus.kv("topology"))
+        await self.labels.load()
+        background(self.ledger.follow(), "ledger-view")
+        background(self.labels.follow(), "topology-labels")
+        self.locks = KvHookLock(await bus.kv("hook_locks"))
+        self.hook = PreDecommissionHook(settings.replica, self.locks, rules=self.rules)
+        self.business = TopologyBusiness(self.labels, self.hook)
+        if settings.backend == "sim":
+            self.backend = BusSimBackend(bus, settings.default_duration_s)
+        else:
+            log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
+            # A node's backend takes over the tasks that move to it from other nodes.
+            take_over = BusTakeOver(bus) if settings.node else None
+            self.backend = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over)
+
+    # ---- the ledger and the lifecycle ----------------------------------------------------
+    async def release(self, task_id: str, node: str) -> None:
+        """Give back every hold of ``task_id`` on ``node``."""
+        assert self.ledger is not None
+        await self.ledger.mutate(node_key(node), lambda cur: without_task(cur, task_id) if cur else None)
+
+    async def recall(self, task_id: str, besides: str = "") -> None:
+        """Learn the decision that placed ``task_id`` where this replica did not carry it
+        out (another replica did, or this one before a restart): the decision id of its
+        holds in the ledger (other than ``besides``, the move being carried out), and what
+        the journal recorded for it. Call it before the holds are released; without it the
+        task's lifecycle events carried no decision, and the feedback service could not
+        judge the placement."""
+        if task_id in self.decisions or self.ledger is None or self.journal is None:
+            return
+        held = {a.decision_id for ledger in self.ledger.nodes.values() for a in ledger.allocations
+                if a.task_id == task_id}
+        for decision_id in sorted(held - {besides}):
+            result = await self.journal.result(decision_id)
+            if isinstance(result, ActionExecuted):
+                kind = result.task_kind
+                task = TaskSubmitted(task_id=task_id, kind=kind) if kind in get_args(TaskKind) else None
+                self.decisions[task_id] = DecisionMade(
+                    decision_id=decision_id, task_id=task_id, action=result.action, placement=result.placement,
+                    confidence=result.confidence, policy=result.policy, shard_id=result.shard_id,
+                    decided_at=result.executed_at, task=task)
+                return
+
+    def lifecycle(
+        self,
+        task_id: str,
+        state,
+        node: str,
+        gpus: list[int],
+        detail: str = "",
+        exit_code: int | None = None,
+        at: float | None = None,
+        replaces: DecisionMade | None = None,
+    ) -> TaskLifecycle:
+        """A ``task.lifecycle`` event naming the decision the task runs under (and, for a
+        move, the one it left)."""
+        d = self.decisions.get(task_id)
+        gpu_model = self.labels.model_of(node, gpus[0]) if gpus and self.labels is not None else ""
+        return TaskLifecycle(
+            task_id=task_id,
+            state=state,
+            node=node,
+            gpus=gpus,
+            detail=detail,
+            exit_code=exit_code,
+            decision_id=d.decision_id if d else "",
+            policy=d.policy.name if d else "",
+            shard_id=d.shard_id if d else "primary",
+            confidence=d.confidence if d else 0.0,
+            task_kind=d.task.kind if d and d.task else "",
+            gpu_model=gpu_model,
+            replaces_decision_id=replaces.decision_id if replaces else "",
+            at=now() if at is None else at,
+        )
+
+    async def still_reserved(self, decision: DecisionMade) -> bool:
+        """Whether the ledger (the bucket, not the view) still holds what ``decision``
+        reserved on its node."""
+        assert self.ledger is not None
+        node = decision.placement[0].node if decision.placement else ""
+        current = await self.ledger.read(node) if node else None
+        return current is not None and any(a.decision_id == decision.decision_id for a in current.allocations)
+
+    # ---- decisions -------------------------------------------------------------------------
+    async def carry_out(self, decision: DecisionMade) -> list[Event]:
+        """Carry ``decision`` out once, keep the ledger in step, and say what happened."""
+        assert self.backend is not None and self.journal is not None and self.ledger is not None
+        settings, backend, ledger = self.settings, self.backend, self.ledger
+        if isinstance(backend, BusSimBackend) and decision.task is not None:
+            task = decision.task
+            backend.describe(
+                task.task_id,
+                float(task.gpu_memory_mb or 1000),
+                task.labels.get("growth", "flat"),
+                task.expected_duration_s,
+            )
+        result = await execute_decision(
+            decision,
+            backend,
+            self.journal,
+            owner=settings.replica,
+            business=self.business,
+            grace_s=settings.grace_s,
+            # A node's decisions wait in its consumer while it is cut off; by the time it
+            # hears again, their capacity may have been given back and the task placed
+            # elsewhere.
+            still_reserved=self.still_reserved if settings.node else None,
+        )
+        if result is None:
+            raise Retry("another executor replica is carrying this decision out", 2.0)
+        # A redelivered decision gets the recorded result back: everything below is
+        # idempotent (ledger writes converge, the events carry the recorded time and so
+        # the same Nats-Msg-Id, which the stream drops as a duplicate).
+        out: list[Event] = [result]
+        node = decision.placement[0].node if decision.placement else ""
+        if decision.action in ("migrate", "evict"):
+            await self.recall(decision.task_id, besides=decision.decision_id)  # the placement that ends here
+        if isinstance(result, ActionExecuted):
+            if decision.action == "assign" and node:
+                self.decisions[decision.task_id] = decision
+                await ledger.mutate(node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None)
+                out.append(self.lifecycle(decision.task_id, "started", node,
+                                          [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
+            elif decision.action == "migrate" and node:
+                # The policy reserved the target; the task has left its source: the holds
+                # on the source nodes go, the target's become confirmed.
+                for src in {p.node for p in decision.source} - {node}:
+                    await self.release(decision.task_id, src)
+                await ledger.mutate(
+                    node_key(node),
+                    lambda cur: moved_here(cur, decision.task_id, decision.decision_id) if cur else None,
+                )
+                # The placement the task left ends here: the feedback service judges it. A
+                # redelivered migrate finds itself in ``decisions``: it left nothing new.
+                left = self.decisions.get(decision.task_id)
+                if left is not None and left.decision_id == decision.decision_id:
+                    left = None
+                self.decisions[decision.task_id] = decision
+                out.append(self.lifecycle(decision.task_id, "migrated", node,
+                                          [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at,
+                                          replaces=left))
+            elif decision.action == "evict":
+                for src in {p.node for p in decision.source}:
+                    await self.release(decision.task_id, src)
+                # An evict names where the task was in ``source``; its placement is empty.
+                src_node = decision.source[0].node if decision.source else node
+                src_gpus = sorted({p.gpu for p in decision.source if p.gpu >= 0})
+                out.append(self.lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
+                self.decisions.pop(decision.task_id, None)
+            elif decision.action == "resize" and node:
+                # The policy reserved the extra memory; the task's hold takes the new size.
+                await ledger.mutate(node_key(node), lambda cur: resized(cur, decision) if cur else None)
+        elif decision.action == "assign" and node:
+            await self.release(decision.task_id, node)
+        elif decision.action in ("migrate", "resize") and node:
+            # A failed move: the task still runs at its source; give the target back (only
+            # the holds reserved under the move: within a node the source hold stays). A
+            # failed resize: the task keeps its old share; give the reserved extra back.
+            await ledger.mutate(
+                node_key(node), lambda cur: without_decision(cur, decision.decision_id) if cur else None
+            )
+        return out
+
+    async def hand_over(self, request: HandOver) -> HandedOver:
+        """Another node's executor carries out a move of one of this node's tasks to it: the
+        task is checkpointed and stopped here, to restart there."""
+        if not isinstance(self.backend, ProcessBackend):
+            return HandedOver(task_id=request.task_id, ok=False,
+                              error=f"the {self.settings.backend} backend hands no task over")
+        try:
+            command, env = await self.backend.hand_over(request.task_id, request.grace_s)
+        except BackendError as error:
+            return HandedOver(task_id=request.task_id, ok=False, error=str(error))
+        self.decisions.pop(request.task_id, None)
+        log.info("handed %s over for its move from %s", request.task_id, self.settings.node)
+        return HandedOver(task_id=request.task_id, ok=True, command=command, env=env)
+
+    # ---- the ends of tasks -----------------------------------------------------------------
+    async def sim_ended(self, event: SimEvent) -> list[Event]:
+        """The simulated hardware ended a task: it finished, ran out of memory, or its GPU
+        hit a fatal XID. Either way its capacity goes back to the ledger."""
+        ending = SIM_ENDINGS.get(event.kind)
+        if event.task_id is None or ending is None:
+            return []
+        state, exit_code = ending
+        await self.recall(event.task_id)
+        if event.node:
+            await self.release(event.task_id, event.node)
+        out = [self.lifecycle(event.task_id, state, event.node, [event.gpu] if event.gpu >= 0 else [],
+                              event.detail, exit_code)]
+        self.decisions.pop(event.task_id, None)
+        return out
+
+    async def backend_changes(self) -> list[Event]:
+        """What the backend saw happen to its tasks since the last look; an ended task's
+        holds go back to the ledger."""
+        if self.backend is None:
+            return []
+        out: list[Event] = []
+        for change in await self.backend.poll():
+            if change.state in PUBLISHED_BY_HANDLER:
+                continue
+            await self.recall(change.task_id)
+            if change.state in ("finished", "oom_killed", "failed") and change.node:
+                await self.release(change.task_id, change.node)
+            out.append(self.lifecycle(change.task_id, change.state, change.node, change.gpus, change.detail,
+                                      change.exit_code, at=change.at))
+            if change.state in ("finished", "oom_killed", "failed"):
+                self.decisions.pop(change.task_id, None)
+        return out
+
+    async def give_up_tasks(self) -> list[Event]:
+        """When the executor stops: the tasks it runs end with it. Children lead their own
+        sessions and would outlive it untracked, and in a container they die with it anyway.
+        Each is stopped with grace, its holds released and ``evicted`` published while the
+        bus is still up, so the policy places it again (the process restarts with its
+        ``command``; a task that checkpoints on SIGTERM resumes from there)."""
+        backend = self.backend
+        if not isinstance(backend, ProcessBackend):
+            return []
+        out = await self.backend_changes()  # what happened before the stop, told as usual
+        await backend.shutdown(self.settings.grace_s)
+        for change in await backend.poll():
+            if change.state in ("started", "migrated"):
+                continue  # their decisions' handlers have published these
+            if change.node:
+                await self.release(change.task_id, change.node)
+            detail = change.detail
+            if change.state == "evicted":
+                who = self.settings.node or self.settings.replica
+                detail = f"the executor on {who} stopped; {detail}".rstrip("; ")
+            out.append(self.lifecycle(change.task_id, change.state, change.node, change.gpus, detail,
+                                      change.exit_code, at=change.at))
+            self.decisions.pop(change.task_id, None)
+        return out
+
+    async def stop_processes(self) -> None:
+        """After the bus drained: a start that raced the stop has nothing left to publish
+        on; it is stopped all the same."""
+        if isinstance(self.backend, ProcessBackend):
+            await self.backend.shutdown(self.settings.grace_s)
+
+    async def stop_tasks_given_up(self) -> None:
+        """On a node that was only cut off: its tasks were given up and placed again
+        elsewhere while it was silent. A process whose hold on this node is gone from the
+        ledger runs for nobody: it is stopped, and nothing is published (its eviction was,
+        when its hold was released)."""
+        backend, ledger, node = self.backend, self.ledger, self.settings.node
+        if not node or not isinstance(backend, ProcessBackend) or ledger is None:
+            return
+        for task_id in backend.running():
+            view = ledger.nodes.get(node_key(node))
+            if view is not None and any(a.task_id == task_id for a in view.allocations):
+                continue
+            current = await ledger.read(node)  # the view may lag: ask the bucket
+            if current is not None and any(a.task_id == task_id for a in current.allocations):
+                continue
+            log.warning("stopping %s: its hold on %s is gone (given up while the node was silent)", task_id, node)
+            await backend.stop(task_id, self.settings.grace_s)
+            self.decisions.pop(task_id, None)

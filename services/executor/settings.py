@@ -1,0 +1,39 @@
+"""The executor's settings (``FLEETPILOT_EXECUTOR_*``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fleetpilot.contracts import BUCKETS
+from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
+from fleetpilot.runtime import ServiceSettings
+from pydantic_settings import SettingsConfigDict
+
+# How far back a node's own decisions consumer starts when it is first made (a node that
+# joins, or comes back after its consumer was removed): within the journal's time-to-live,
+# so a decision carried out before is found there and not run again.
+DECISION_REPLAY_S = next(b.ttl_s for b in BUCKETS if b.name == "executions") - 3600.0
+
+
+class ExecutorSettings(ServiceSettings):
+    """``FLEETPILOT_EXECUTOR_*``."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETPILOT_EXECUTOR_", extra="ignore")
+
+    backend: Literal["sim", "process"] = "sim"
+    # The node this replica carries decisions out on (a DaemonSet's NODE_NAME); empty for
+    # every node, as the simulated fleet's executor, or the process backend on one machine.
+    node: str = ""
+    grace_s: float = 10.0
+    default_duration_s: float = 120.0
+    process_log_dir: str = ""
+    decommission_threshold_c: float = 85.0
+    decommission_hot_for_s: float = 300.0
+    decommission_drain_s: float = 1800.0
+    health_interval_s: float = 60.0
+    health_window_s: float = 2 * 3600.0
+    health_sample_every_s: float = 30.0
+    health_threshold: float = MAINTENANCE_THRESHOLD
+    # How often the tasks of unreachable nodes are given up, and (with ``node``) this
+    # node's processes checked against the ledger.
+    silent_check_s: float = 30.0
