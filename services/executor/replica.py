@@ -121,7 +121,36 @@ class ExecutorReplica:
             log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
             # A node's backend takes over the tasks that move to it from other nodes.
             take_over = BusTakeOver(bus) if settings.node else None
-            self.backend = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over)
+            registry = Path(settings.state_dir) / f"executor-processes-{settings.node or settings.replica}.json"
+            self.backend = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over,
+                                          registry=registry)
+            if settings.node:
+                await self.reclaim_left_behind(bus)
+
+    async def reclaim_left_behind(self, bus: Bus) -> None:
+        """At the start of a node's executor, before it takes any decision: what the last
+        one left behind. It died without giving its tasks back (killed, or its container
+        restarted): their processes died with it, or run on untracked and are stopped now
+        (the backend's registry), and their holds, confirmed on this node, would stay in the
+        ledger for ever. Each such task's holds are released and ``evicted`` published, so
+        the policy places it again. A reserved hold is a decision still to come and stays.
+        One executor per node, as the DaemonSet runs them: every confirmed hold on the node
+        belonged to the last one."""
+        assert isinstance(self.backend, ProcessBackend) and self.ledger is not None
+        node = self.settings.node
+        stopped = await self.backend.stop_left_behind(self.settings.grace_s)
+        held = await self.ledger.read(node)
+        allocations = held.allocations if held else []
+        for task_id in sorted({a.task_id for a in allocations if a.state == "confirmed"}):
+            gpus = sorted({a.gpu for a in allocations if a.task_id == task_id and a.gpu >= 0})
+            await self.recall(task_id)
+            await self.release(task_id, node)
+            how = "stopped now" if stopped.get(task_id) else "gone with it"
+            log.warning("%s was left behind on %s by an executor that did not stop; its process was %s",
+                        task_id, node, how)
+            await bus.publish(self.lifecycle(task_id, "evicted", node, gpus, detail=(
+                f"the executor on {node} stopped without giving the task back; its process was {how}")))
+            self.decisions.pop(task_id, None)
 
     # ---- the ledger and the lifecycle ----------------------------------------------------
     async def release(self, task_id: str, node: str) -> None:

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import signal
@@ -147,10 +148,14 @@ class ProcessBackend:
         log_dir: Path | None = None,
         clock: Clock = time.time,
         take_over: TakeOver | None = None,
+        registry: Path | None = None,
     ) -> None:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
         self._fetch = take_over
+        # Where the pids of the running tasks are kept, for a backend started after this one
+        # died without stopping them (``stop_left_behind``).
+        self._registry = registry
         self._closed = False
         # Tasks handed over to another node: (when, command, env), to answer a repeat.
         self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str]]] = OrderedDict()
@@ -220,6 +225,7 @@ class ProcessBackend:
         task.stderr = bytearray()
         task.watcher = asyncio.create_task(self._watch(task, task.proc))
         self._tasks[task.task_id] = task
+        self._save_registry()
         return TaskHandle(
             task_id=task.task_id,
             backend=self.name,
@@ -239,6 +245,7 @@ class ProcessBackend:
         if self._tasks.get(task.task_id) is task and task.proc is proc:
             if task.stop_reason != "migrated":  # the migration reports its own event
                 del self._tasks[task.task_id]
+                self._save_registry()
             state, detail = classify_exit(returncode, task.stderr.decode(errors="replace"), task.stop_reason)
             if task.stop_reason != "migrated":
                 self._emit(task, state, exit_code=returncode, detail=detail)
@@ -310,6 +317,7 @@ class ProcessBackend:
         except BackendError as error:
             # The old process is gone and the new one did not start: the task is lost.
             del self._tasks[task_id]
+            self._save_registry()
             self._emit(task, "failed", detail=f"migration restart failed: {error}")
             raise
         self._emit(
@@ -348,6 +356,7 @@ class ProcessBackend:
             # Stopped at the source and not started here: the task is lost, and what it
             # held at the source goes with it (the event names the source).
             self._tasks.pop(task_id, None)
+            self._save_registry()
             self._emit(_Task(task_id, list(source), task.command, task.env), "failed",
                        detail=f"migration restart on {where} failed: {error}")
             raise
@@ -366,6 +375,7 @@ class ProcessBackend:
             raise BackendError(f"task {task_id} is not running on {self.node or 'this node'}")
         await self._checkpoint_and_stop(task, grace_s)
         self._tasks.pop(task_id, None)
+        self._save_registry()
         self._handed[task_id] = (self._clock(), list(task.command), dict(task.env))
         while len(self._handed) > 10_000:
             self._handed.popitem(last=False)
@@ -412,6 +422,41 @@ class ProcessBackend:
                 )
         return out
 
+    def _save_registry(self) -> None:
+        if self._registry is None:
+            return
+        # With each pid its start time: a pid the kernel has given to another process since
+        # is not that task's.
+        pids = {t.task_id: [t.proc.pid, _started_at(t.proc.pid)] for t in self._tasks.values() if t.proc is not None}
+        self._registry.parent.mkdir(parents=True, exist_ok=True)
+        partial = self._registry.with_suffix(".partial")
+        partial.write_text(json.dumps(pids, sort_keys=True))
+        partial.replace(self._registry)  # a crash never leaves half a file
+
+    async def stop_left_behind(self, grace_s: float) -> dict[str, bool]:
+        """Stop the processes a backend before this one left running (it died without
+        stopping them: children lead their own sessions and outlive it), from the
+        ``registry``. Per task it had: whether its process was still there to stop."""
+        if self._registry is None or not self._registry.exists():
+            return {}
+        try:
+            left = {str(k): (int(v[0]), v[1]) for k, v in json.loads(self._registry.read_text()).items()}
+        except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
+            left = {}
+        found: dict[str, bool] = {}
+        for task_id, (pid, started) in left.items():
+            if task_id in self._tasks:
+                continue
+            found[task_id] = started is not None and _started_at(pid) == started and _group_alive(pid)
+            if found[task_id]:
+                _signal_group(pid, signal.SIGTERM)
+                deadline = time.monotonic() + max(grace_s, 0.0)
+                while _group_alive(pid) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                _signal_group(pid, signal.SIGKILL)
+        self._save_registry()
+        return found
+
     def close(self) -> None:
         """Take no new task from now on (the executor is stopping): a start or a take-over
         fails as retryable, for the task to be placed elsewhere."""
@@ -428,11 +473,34 @@ class ProcessBackend:
         await asyncio.gather(*(self.stop(task_id, grace_s) for task_id in list(self._tasks)))
 
 
+def _group_alive(pid: int) -> bool:
+    """Whether the process group ``pid`` leads still has a member (a zombie counts as
+    gone)."""
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # not the leader any more, but a member lives on
+
+
+def _started_at(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pid, sig)  # the child leads its own session, so its pgid is its pid
-    except ProcessLookupError:
-        pass
+    except (ProcessLookupError, PermissionError):
+        pass  # gone, or a process group that is not ours
 
 
 def _rss_mb(pid: int) -> float | None:

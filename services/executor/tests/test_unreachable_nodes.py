@@ -2,11 +2,16 @@
 nats-server: its tasks are given up once among the replicas and placed again (a move to it
 only gives its reservation back); when the node is heard again, the decisions that waited
 for it are void if their reservations were given back, and its processes that were given
-up are stopped."""
+up are stopped; a node's executor started after the last one was killed gives back what
+that one left behind."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import (
@@ -94,3 +99,33 @@ async def test_a_node_heard_again_voids_what_waited_for_it_and_stops_what_was_gi
     assert "void" in failed[0].error
     # t6 was started; its stop says nothing (its eviction was told when its hold went); t7 never ran.
     assert [(e.task_id, e.state) for e in life] == [("t6", "started")]
+
+
+async def test_a_node_s_executor_reclaims_what_the_last_one_left_behind(observer, nats_url, tmp_path):
+    # The last executor of n1 was killed: t1 (confirmed on GPU 0) runs on untracked, as its
+    # registry says; t0 (confirmed on GPU 2) died with it; t2's assign (reserved on GPU 1)
+    # is still to be carried out.
+    await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=4)))
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        confirmed("t1", "t1.assign", 0), confirmed("t0", "t0.assign", 2),
+        Allocation(task_id="t2", decision_id="t2.assign", gpu=1, milli=1000, memory_mb=1000)])))
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        stat = Path(f"/proc/{orphan.pid}/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19])
+        (tmp_path / "executor-processes-n1.json").write_text(json.dumps({"t1": [orphan.pid, started]}))
+        host = build(settings(nats_url, tmp_path, backend="process", node="n1", grace_s=1.0))
+        await host.start()
+        try:
+            life = await observer.wait_stored("task.lifecycle.>", TaskLifecycle, 2)
+            n1 = await observer.ledger("n1")
+        finally:
+            await host.stop()
+        assert orphan.wait(timeout=5) is not None  # stopped by the new executor
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+    assert sorted((e.task_id, e.state, e.gpus) for e in life) == [("t0", "evicted", [2]), ("t1", "evicted", [0])]
+    how = {e.task_id: e.detail for e in life}
+    assert how["t1"].endswith("its process was stopped now") and how["t0"].endswith("its process was gone with it")
+    assert [(a.task_id, a.state) for a in n1.allocations] == [("t2", "reserved")]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import sys
 import time
@@ -273,3 +275,32 @@ async def test_a_take_over_whose_restart_fails_reports_the_task_lost_at_its_sour
     # Its end is reported where it held capacity, so that the source's hold is released.
     assert [(e.state, e.node) for e in await nodes["n2"].poll()] == [("failed", "n1")]
     assert nodes["n1"].running() == [] and nodes["n2"].running() == []
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie not reaped yet counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def test_a_backend_stops_what_a_dead_one_left_behind(tmp_path: Path) -> None:
+    registry = tmp_path / "processes.json"
+    first = ProcessBackend(node="n1", registry=registry)
+    left = await first.start("left", GPU0, py("import time; time.sleep(60)"), {})
+    await first.start("done", [Placement(node="n1", gpu=1, milli=1000)], py("pass"), {})
+    await wait_for_state(first, "done")
+    assert set(json.loads(registry.read_text())) == {"left"}  # a task that ended leaves the registry
+    # The first backend dies without stopping its task; the next one on the node stops it.
+    second = ProcessBackend(node="n1", registry=registry)
+    assert await second.stop_left_behind(grace_s=1.0) == {"left": True}
+    deadline = time.monotonic() + 5
+    while not gone(left.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert gone(left.pid)
+    assert json.loads(registry.read_text()) == {}
+    # A pid the kernel has given to another process since (another start time) is left alone.
+    registry.write_text(json.dumps({"ghost": [os.getpid(), 1]}))
+    assert await second.stop_left_behind(grace_s=0.1) == {"ghost": False}
+    assert not gone(os.getpid())
