@@ -36,6 +36,7 @@ class BusTakeOver:
     task stays at its source."""
 
     def __init__(self, bus: Bus, checkpoint_s: float = 1.0, attempts: int = 3) -> None:
+        """Ask over ``bus``, allowing the source ``checkpoint_s`` to save, ``attempts`` times."""
         self._bus = bus
         self._checkpoint_s = checkpoint_s
         self._attempts = attempts

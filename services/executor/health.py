@@ -56,6 +56,7 @@ class GpuHealth(ExecutorReplica):
     """The replica with the GPUs' recent samples, their health model, and what both ask."""
 
     def __init__(self, settings: ExecutorSettings) -> None:
+        """The replica, with empty windows and the health model at the set threshold."""
         super().__init__(settings)
         self.windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
         self.model = HealthModel(threshold=settings.health_threshold)

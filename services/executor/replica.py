@@ -66,6 +66,7 @@ class TopologyBusiness:
     refused (by this replica's hook state, and by the labels for a replica started since)."""
 
     def __init__(self, labels: FleetLabels, hook: LifecycleHook) -> None:
+        """Read the rules from ``labels``; ``hook`` is the pre-decommission hook."""
         self._labels = labels
         self._hooks = [hook, LabelGate(labels)]
 
@@ -86,6 +87,7 @@ class ExecutorReplica:
     carried out (for the ids on later lifecycle events)."""
 
     def __init__(self, settings: ExecutorSettings) -> None:
+        """A replica with ``settings``; its parts come with ``open``."""
         self.settings = settings
         self.rules = DecommissionRules(
             threshold_c=settings.decommission_threshold_c,
