@@ -1,6 +1,7 @@
-"""Tasks the executor evicts on its own (its GPU was decommissioned) are queued again by the
-policy and placed elsewhere under the next ``<task>.assign.<g>``, exactly once however often
-the ``evicted`` event is delivered; an OOM-killed task is not retried. Real nats-server."""
+"""Tasks the executor evicts on its own (its GPU was decommissioned, its node went silent)
+are queued again by the policy and placed elsewhere under the next ``<task>.assign.<g>``,
+exactly once however often the ``evicted`` event is delivered; an OOM-killed task is not
+retried. Real nats-server."""
 
 from __future__ import annotations
 
@@ -205,3 +206,52 @@ async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_oom
     placed = [(p.node, p.gpu, p.milli) for d in observer.decisions for p in d.placement]
     assert len(placed) == 2 and all(gpu in (1, 2) and milli == 500 for _, gpu, milli in placed)  # not GPU 0
     assert waiting == []
+
+
+async def test_a_task_on_a_node_gone_silent_is_placed_again_elsewhere(observer, nats_url, tmp_path):
+    # The whole loop: the topology service labels the node of t1 unreachable (its collector
+    # went silent), the executor gives t1 up, and the policy places it on the other node.
+    await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
+    adm = admitted("t1", gpu_milli=1000, gpu_memory_mb=1000)
+    await observer.kv_put("contracts", "contract.t1", encode(adm))
+
+    async def answer(msg) -> None:  # the collector's simulated fleet
+        await msg.respond(encode(SimAck(ok=True)))
+
+    sim = await observer.nc.subscribe("sim.control", cb=answer)
+    events: list[TaskLifecycle] = []
+
+    async def on_life(msg) -> None:
+        events.append(msgspec.json.decode(msg.data, type=TaskLifecycle))
+
+    lives = await observer.nc.subscribe("task.lifecycle.t1", cb=on_life)
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    execu = build_executor(ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x",
+                                            state_dir=str(tmp_path / "ex"), silent_check_s=0.2))
+    await policy.start()
+    await execu.start()
+    try:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t1 started")
+        first = next(d for d in observer.decisions if d.task_id == "t1").placement[0].node
+        other = "n1" if first == "n0" else "n0"
+        await observer.put_fleet([node(first, gpus=1, labels={0: {"unreachable": "true"}})])
+        await wait_for(lambda: any(d.decision_id == "t1.assign.2" for d in observer.decisions),
+                       what="t1 placed again")
+        await wait_for(lambda: [e.state for e in events] == ["started", "evicted", "started"], what="t1 again")
+
+        async def only_the_new_hold() -> bool:
+            holds = [(n, a.decision_id, a.state) for n, ledger in (await observer.ledgers()).items()
+                     for a in ledger.allocations]
+            return holds == [(other, "t1.assign.2", "confirmed")]
+
+        await wait_for_async(only_the_new_hold, what="t1's hold on the silent node released")
+    finally:
+        await execu.stop()
+        await policy.stop()
+        await lives.unsubscribe()
+        await sim.unsubscribe()
+    evicted = events[1]
+    assert evicted.node == first and "unreachable" in evicted.detail and evicted.decision_id == "t1.assign"
+    again = next(d for d in observer.decisions if d.decision_id == "t1.assign.2")
+    assert again.placement[0].node == other
