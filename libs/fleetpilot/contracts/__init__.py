@@ -54,6 +54,7 @@ from .topology import (
     GPU_LABEL_TASK_KINDS,
     GPU_LABEL_UNREACHABLE,
     OPERATIONAL_GPU_LABELS,
+    OUT_OF_SERVICE_GPU_LABELS,
     ROLE_RESERVED,
     TASK_LABEL_DRIVER,
     BandwidthEstimate,
@@ -67,6 +68,7 @@ from .topology import (
     TopologyReport,
     TopologyUpdated,
     gpu_rules,
+    in_service,
 )
 
 ALL_EVENTS: tuple[type[Event], ...] = tuple(route.event for route in ROUTES) + tuple(
@@ -115,6 +117,7 @@ __all__ = [
     "NodeTelemetry",
     "NodeTopology",
     "OPERATIONAL_GPU_LABELS",
+    "OUT_OF_SERVICE_GPU_LABELS",
     "ROLE_RESERVED",
     "TASK_LABEL_DRIVER",
     "OfferOption",
@@ -150,6 +153,7 @@ __all__ = [
     "TopologyReport",
     "TopologyUpdated",
     "gpu_rules",
+    "in_service",
     "decode",
     "decoder_for",
     "dlq_subject",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
@@ -116,6 +117,9 @@ GPU_LABEL_DRIVER_VERSION = "driver_version"
 GPU_LABEL_TASK_KINDS = "task_kinds"
 TASK_LABEL_DRIVER = "driver"
 ROLE_RESERVED = "reserved"
+# Under any of these a GPU takes no new work: no placement, move, resize or promise of it.
+OUT_OF_SERVICE_GPU_LABELS = (GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
+                             GPU_LABEL_UNREACHABLE)
 OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
                                     GPU_LABEL_MAINTENANCE_RISK, GPU_LABEL_ROLE, GPU_LABEL_DRIVER_PIN,
                                     GPU_LABEL_TASK_KINDS, GPU_LABEL_UNREACHABLE})
@@ -148,3 +152,9 @@ def gpu_rules(labels: dict[str, str]) -> GpuRules:
     return GpuRules(role=labels.get(GPU_LABEL_ROLE) or labels.get(GPU_LABEL_BUSINESS_ROLE) or "general",
                     driver=labels.get(GPU_LABEL_DRIVER_PIN) or labels.get(GPU_LABEL_DRIVER_VERSION) or "",
                     task_kinds=kinds)
+
+
+def in_service(labels: Mapping[str, str]) -> bool:
+    """Whether a GPU with these labels takes new work: none of ``OUT_OF_SERVICE_GPU_LABELS``
+    is ``"true"`` (labels are strings; an operator clears one with ``"false"``)."""
+    return not any(labels.get(label, "").lower() == "true" for label in OUT_OF_SERVICE_GPU_LABELS)

@@ -5,7 +5,9 @@ bucket (who holds which GPU share since when) and the agreed contracts (each hol
 and expected duration) into the :class:`fleetpilot.sla.FleetView` that ``negotiate()``
 reads. It is pure, so a test can hand it plain records and check every number.
 
-Per pool (one GPU model at one site):
+Per pool (one GPU model at one site); a GPU out of service (labelled cordoned,
+decommissioned, pending maintenance or unreachable) is in the pool but is never free and
+never frees, as the policy will place nothing there:
 
 - ``free_gpus``: GPUs nobody holds any share of; ``free_milli``: the largest spare share on
   a GPU that is already shared (what a fractional request can still get without a free GPU).
@@ -37,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from fleetpilot.contracts import BandwidthEstimate, NodeLedger, NodeTopology, TaskAdmitted
+from fleetpilot.contracts import BandwidthEstimate, NodeLedger, NodeTopology, TaskAdmitted, in_service
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
 
 from .fleet import FleetView, GpuPool
@@ -99,6 +101,8 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
             # A pool promises what its smallest GPU holds.
             tally.memory_mb = memory if tally.total == 0 else min(tally.memory_mb, memory)
             tally.total += 1
+            if not in_service(gpu.labels):
+                continue  # it exists, but is neither free nor ever freeing: nothing to promise
             holders = per_gpu.get(gpu.index, [])
             if not holders:
                 tally.free += 1

@@ -118,3 +118,20 @@ def test_a_queue_longer_than_the_free_gpus_takes_the_earliest_completions():
     # request's first chance is the one freeing at 1800 s.
     assert pool.free_gpus == 0
     assert pool.completions == ((1800.0, 1),)
+
+
+def test_gpus_out_of_service_are_no_capacity_to_promise():
+    # Of five GPUs: one cordoned, one pending maintenance, one whose label was cleared
+    # ("false"); a second node gone silent (every GPU unreachable), nothing held on either.
+    labels = {0: {"cordoned": "true"}, 1: {"maintenance_pending": "true"}, 2: {"cordoned": "false"}}
+    partly = NodeTopology(node="n1", site="s1", gpus=[
+        GpuInfo(index=i, model="A100-40GB", memory_mb=40_960, labels=labels.get(i, {})) for i in range(5)])
+    silent = NodeTopology(node="n2", site="s1", gpus=[
+        GpuInfo(index=i, model="A100-40GB", memory_mb=40_960, labels={"unreachable": "true"}) for i in range(4)])
+    busy = NodeLedger(node="n1", allocations=[hold("be", 0)])  # draining off the cordoned GPU
+    view = fleet_view([partly, silent], [busy], {"be": admitted("be", "best_effort", 100.0)}, now=NOW,
+                      knobs=SnapshotKnobs(reserve_fraction=0.0))
+    (pool,) = view.pools
+    assert pool.free_gpus == 3 and pool.memory_mb_per_gpu == 40_960
+    # Its task ends, but the cordoned GPU will take nothing new: no completion, no preemption.
+    assert pool.completions == () and pool.preemptible_gpus == 0
