@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,6 +78,11 @@ class ServiceProcesses:
         if self.args.fleet:
             env["FLEETPILOT_COLLECTOR_FLEET_SPEC"] = self.args.fleet
             env["FLEETPILOT_TOPOLOGY_FLEET_SPEC"] = self.args.fleet
+        if (env["FLEETPILOT_COLLECTOR_SOURCE"] == "nvml" and env.get("FLEETPILOT_EXECUTOR_BACKEND") == "process"
+                and not env.get("FLEETPILOT_EXECUTOR_NODE")):
+            # One real node: its executor is that node's (the name its collector reports), so
+            # a restarted executor gives back what a killed one left running there.
+            env["FLEETPILOT_EXECUTOR_NODE"] = env.get("FLEETPILOT_COLLECTOR_NODE_NAME") or socket.gethostname()
         return env
 
     def start(self, name: str) -> None:

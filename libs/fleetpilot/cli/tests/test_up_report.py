@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import msgspec
 import pytest
 from fleetpilot.cli.main import main as cli_main
-from fleetpilot.cli.up import Report, _short_reason, _where
+from fleetpilot.cli.up import Report, ServiceProcesses, _short_reason, _where
 from fleetpilot.contracts import (
     DecisionMade,
     FeedbackRecorded,
@@ -100,3 +101,23 @@ def test_a_wide_placement_says_how_many_gpus_it_does_not_show() -> None:
     assert _where(wide) == ("h100-01/gpu0:1000m, h100-01/gpu1:1000m, h100-01/gpu2:1000m (+5 more)")
     narrow = msgspec.structs.replace(wide, placement=wide.placement[:2])
     assert _where(narrow) == "h100-01/gpu0:1000m, h100-01/gpu1:1000m"
+
+
+@pytest.mark.parametrize(("set_env", "node"), [
+    ({"FLEETPILOT_COLLECTOR_SOURCE": "nvml", "FLEETPILOT_EXECUTOR_BACKEND": "process"}, socket.gethostname()),
+    ({"FLEETPILOT_COLLECTOR_SOURCE": "nvml", "FLEETPILOT_EXECUTOR_BACKEND": "process",
+      "FLEETPILOT_COLLECTOR_NODE_NAME": "gpu-7"}, "gpu-7"),
+    ({"FLEETPILOT_COLLECTOR_SOURCE": "nvml", "FLEETPILOT_EXECUTOR_BACKEND": "process",
+      "FLEETPILOT_EXECUTOR_NODE": "mine"}, "mine"),
+    ({"FLEETPILOT_EXECUTOR_BACKEND": "process"}, None),  # the simulated fleet: every node
+    ({"FLEETPILOT_COLLECTOR_SOURCE": "nvml"}, None),  # the sim backend: no process runs here
+])
+def test_up_on_one_gpu_machine_gives_its_executor_the_node(monkeypatch, tmp_path, set_env, node) -> None:
+    for name in ("FLEETPILOT_COLLECTOR_SOURCE", "FLEETPILOT_EXECUTOR_BACKEND", "FLEETPILOT_COLLECTOR_NODE_NAME",
+                 "FLEETPILOT_EXECUTOR_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in set_env.items():
+        monkeypatch.setenv(name, value)
+    args = SimpleNamespace(metrics_port_base=0, speed=1.0, fleet=None)
+    env = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222", args).env_for("executor")
+    assert env.get("FLEETPILOT_EXECUTOR_NODE") == node
