@@ -140,11 +140,11 @@ def test_per_node_services_run_on_gpu_nodes_with_nvml_access(name):
         assert "nvidia.com/gpu" not in container["resources"].get(section, {})
 
 
-@pytest.mark.parametrize(("name", "variable", "field"), [
-    ("collector", "FLEETPILOT_COLLECTOR_NODE_NAME", "node_name"),
-    ("executor", "FLEETPILOT_EXECUTOR_NODE", "node"),
+@pytest.mark.parametrize(("name", "variable", "field", "named"), [
+    ("collector", "FLEETPILOT_COLLECTOR_NODE_NAME", "node_name", "gpu-node-7.ec2.internal"),  # its reader maps it
+    ("executor", "FLEETPILOT_EXECUTOR_NODE", "node", "gpu-node-7_ec2_internal"),
 ])
-def test_per_node_services_go_by_the_kubernetes_node_name(name, variable, field, monkeypatch):
+def test_per_node_services_go_by_the_kubernetes_node_name(name, variable, field, named, monkeypatch):
     # The collector names its node in every report and the topology; the executor carries
     # out the decisions for the node of that name. Both must be the Kubernetes node: a
     # pod's hostname is the pod's own name, and a different one on every restart.
@@ -154,9 +154,9 @@ def test_per_node_services_go_by_the_kubernetes_node_name(name, variable, field,
     container = _workloads()[name]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container.get("env", [])}
     assert env[variable]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    monkeypatch.setenv(variable, "gpu-node-7")  # the variable is the service's setting
+    monkeypatch.setenv(variable, "gpu-node-7.ec2.internal")  # the variable is the service's setting
     settings = {"collector": CollectorSettings, "executor": ExecutorSettings}[name]()
-    assert getattr(settings, field) == "gpu-node-7"
+    assert getattr(settings, field) == named
 
 
 def test_every_service_port_is_exposed_by_a_service_that_selects_its_pods():

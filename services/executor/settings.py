@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fleetpilot.contracts import BUCKETS
+from fleetpilot.contracts import BUCKETS, as_node_name
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
 from fleetpilot.runtime import ServiceSettings
+from pydantic import field_validator
 from pydantic_settings import SettingsConfigDict
 
 # How far back a node's own decisions consumer starts when it is first made (a node that
@@ -37,3 +38,10 @@ class ExecutorSettings(ServiceSettings):
     # How often the tasks of unreachable nodes are given up, and (with ``node``) this
     # node's processes checked against the ledger.
     silent_check_s: float = 30.0
+
+    @field_validator("node")
+    @classmethod
+    def _one_subject_token(cls, node: str) -> str:
+        # Named as the node's collector names it (``as_node_name``), whatever the platform
+        # calls it: a Kubernetes node name often has dots.
+        return as_node_name(node)

@@ -67,6 +67,7 @@ from .topology import (
     NodeTopology,
     TopologyReport,
     TopologyUpdated,
+    as_node_name,
     gpu_rules,
     in_service,
 )
@@ -152,6 +153,7 @@ __all__ = [
     "TaskTelemetry",
     "TopologyReport",
     "TopologyUpdated",
+    "as_node_name",
     "gpu_rules",
     "in_service",
     "decode",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Literal
 
@@ -158,3 +159,11 @@ def in_service(labels: Mapping[str, str]) -> bool:
     """Whether a GPU with these labels takes new work: none of ``OUT_OF_SERVICE_GPU_LABELS``
     is ``"true"`` (labels are strings; an operator clears one with ``"false"``)."""
     return not any(labels.get(label, "").lower() == "true" for label in OUT_OF_SERVICE_GPU_LABELS)
+
+
+def as_node_name(raw: str) -> str:
+    """A host's name as a node is named on the bus: one subject token (``telemetry.gpu.<node>``,
+    ``executor.handover.<node>``), so dots, spaces, ``*`` and ``>`` become ``_``. A
+    Kubernetes node is often named like ``ip-10-0-3-7.ec2.internal``: reported as is, its
+    telemetry went to subjects no ``telemetry.gpu.*`` subscriber hears."""
+    return re.sub(r"[.\s*>]", "_", raw)

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any, Literal
 
 from fleetpilot.contracts.telemetry import GpuSample, ProcessMemory, Reading, TaskTelemetry
-from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NicPort, NodeTopology
+from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NicPort, NodeTopology, as_node_name
 
 from .bandwidth import IbPort
 from .reader import FleetEvent
@@ -127,7 +127,7 @@ class NvmlReader:
         if nvml is None:
             import pynvml as nvml  # noqa: PLC0415 - the real module only when none is injected
         self._nvml = nvml
-        self.node = node or socket.gethostname()
+        self.node = as_node_name(node or socket.gethostname())  # one subject token
         self.site = site
         self.root = Path(root)
         self._clock = clock

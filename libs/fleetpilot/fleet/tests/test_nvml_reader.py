@@ -293,3 +293,11 @@ def test_without_byte_counters_every_reading_uses_the_sampling_call() -> None:
         s = reader.sample("n1")[0]
         assert (s.pcie_tx_kbps, s.pcie_rx_kbps) == (500, 700)
         clock.t += 1.0
+
+
+def test_a_node_named_with_dots_is_reported_as_one_subject_token() -> None:
+    # A Kubernetes node name such as ip-10-0-3-7.ec2.internal: its telemetry would go to
+    # telemetry.gpu.ip-10-0-3-7.ec2.internal, which no telemetry.gpu.* subscriber hears.
+    reader = NvmlReader(FakeNvml([rich_gpu(0)]), node="ip-10-0-3-7.ec2.internal", root="/nonexistent-root")
+    assert reader.node_names() == ["ip-10-0-3-7_ec2_internal"]
+    assert {s.node for s in reader.sample("ip-10-0-3-7_ec2_internal")} == {"ip-10-0-3-7_ec2_internal"}
