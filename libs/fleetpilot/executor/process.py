@@ -152,7 +152,7 @@ class ProcessBackend:
     ) -> None:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
-        self._fetch = take_over
+        self._take_over_from = take_over
         # Where the pids of the running tasks are kept, for a backend started after this one
         # died without stopping them (``stop_left_behind``).
         self._registry = registry
@@ -343,12 +343,12 @@ class ProcessBackend:
         """Restart here a task that ran on ``source``'s node, stopped there by its backend."""
         self._refuse_when_closed(task_id)
         origin, where = node_of(source), node_of(target)
-        if self._fetch is None or not origin or origin == where:
+        if self._take_over_from is None or not origin or origin == where:
             raise BackendError(f"task {task_id} is not running here (the process backend moves a task "
                                f"within its node only)")
         if self.node and where != self.node:
             raise BackendError(f"task {task_id} moves to {where}, and this backend runs on {self.node}")
-        command, env = await self._fetch(origin, task_id, grace_s)
+        command, env = await self._take_over_from(origin, task_id, grace_s)
         task = _Task(task_id, list(target), list(command), dict(env))
         try:
             handle = await self._spawn(task, restore=True)
