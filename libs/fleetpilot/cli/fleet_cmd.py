@@ -9,7 +9,8 @@ With a running fleet (``--nats-url`` or ``FLEETPILOT_NATS_URL``) it also reads t
 (the topology service's bandwidth estimates) and the ``gpu_state`` bucket (the latest
 sample of every GPU), and prints one line per GPU with its state in service, then every GPU
 out of service (cordoned, decommissioned, pending maintenance, or on an unreachable node,
-which sends no samples). It only reads: no bucket or stream is created by looking.
+which sends no samples), and the nodes whose decisions have waited over five minutes for
+their executor. It only reads: no bucket or stream is created by looking.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_UNREACHABLE,
     BandwidthEstimate,
     GpuSample,
+    NodeLedger,
     NodeTopology,
     TopologyUpdated,
     decode,
@@ -62,6 +65,7 @@ class LiveFleet:
     nodes: list[NodeTopology] = field(default_factory=list)
     samples: list[GpuSample] = field(default_factory=list)
     bandwidth: list[BandwidthEstimate] | None = None
+    ledgers: list[NodeLedger] = field(default_factory=list)
 
 
 def load_spec(args) -> tuple[Fleet, str]:
@@ -157,6 +161,7 @@ async def read_live(url: str) -> LiveFleet:
         live.nodes = await _read_bucket(js, "topology", NodeTopology)
         live.samples = await _read_bucket(js, "gpu_state", GpuSample)
         live.bandwidth = await _last_bandwidth(js)
+        live.ledgers = await _read_bucket(js, "ledger", NodeLedger)
         return live
     finally:
         await nc.close()
@@ -219,6 +224,27 @@ def out_of_service(nodes: list[NodeTopology]) -> list[dict[str, Any]]:
             for n in sorted(nodes, key=lambda n: n.node) for g in n.gpus if service_state(g.labels) != "ok"]
 
 
+STALE_RESERVATION_S = 300.0
+"""A reservation older than this has waited too long for its executor (a decision is
+carried out in well under a second)."""
+
+
+def not_carried_out(ledgers: list[NodeLedger], now: float, older_than_s: float = STALE_RESERVATION_S
+                    ) -> list[dict[str, Any]]:
+    """Per node, the decisions reserved in the ledger longer than ``older_than_s`` ago and
+    still not confirmed by an executor: the node's executor is down, or never started."""
+    out = []
+    for ledger in sorted(ledgers, key=lambda ledger: ledger.node):
+        waiting: dict[str, float] = {}
+        for a in ledger.allocations:
+            if a.state == "reserved" and a.at > 0 and now - a.at > older_than_s:
+                waiting[a.decision_id] = min(waiting.get(a.decision_id, a.at), a.at)
+        if waiting:
+            out.append({"node": ledger.node, "decisions": sorted(waiting),
+                        "oldest_s": round(now - min(waiting.values()), 1)})
+    return out
+
+
 def gpu_rows(samples: list[GpuSample], nodes: list[NodeTopology] | None = None) -> list[dict[str, Any]]:
     """One compact record per GPU, ordered by node and index, with its state in service."""
     labels = {(n.node, g.index): g.labels for n in nodes or [] for g in n.gpus}
@@ -242,9 +268,9 @@ def _node_range(names: list[str]) -> str:
 
 
 def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
-                idle: list[dict[str, Any]] | None = None) -> None:
-    """Tables for people: the fleet, then (when live) one line per GPU and the GPUs out of
-    service (``idle``)."""
+                idle: list[dict[str, Any]] | None = None, stale: list[dict[str, Any]] | None = None) -> None:
+    """Tables for people: the fleet, then (when live) one line per GPU, the GPUs out of
+    service (``idle``) and the nodes whose decisions wait for their executor (``stale``)."""
     total_nodes = sum(s["nodes"] for s in summary["sites"])
     total_gpus = sum(s["gpus"] for s in summary["sites"])
     print(f"fleet {summary['fleet']} ({summary['source']}): {_count(len(summary['sites']), 'site')}, "
@@ -289,6 +315,13 @@ def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
         print(f"out of service: {_count(len(idle), 'GPU')}", file=out)
         for g in idle:
             print(f"  {g['node']}/{g['gpu']} ({g['model']}): {g['state']}", file=out)
+    if stale:
+        print(f"not carried out (reserved over {STALE_RESERVATION_S:.0f} s ago; is the node's executor running?):",
+              file=out)
+        for n in stale:
+            shown = ", ".join(n["decisions"][:3]) + (f" (+{len(n['decisions']) - 3} more)" if len(n["decisions"]) > 3 else "")
+            print(f"  {n['node']}: {_count(len(n['decisions']), 'decision')}, oldest {n['oldest_s'] / 60:.0f} min: "
+                  f"{shown}", file=out)
 
 
 def main(args, out=None) -> int:
@@ -305,11 +338,12 @@ def main(args, out=None) -> int:
     summary = summarise(fleet, source, live)
     rows = gpu_rows(live.samples, live.nodes) if live is not None else None
     idle = out_of_service(live.nodes) if live is not None else None
+    stale = not_carried_out(live.ledgers, time.time()) if live is not None else None
     if args.json:
         doc: dict[str, Any] = {"fleet": summary}
         if live is not None:
-            doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle}
+            doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle, "not_carried_out": stale}
         print(json.dumps(doc, indent=2), file=out)
     else:
-        render_text(summary, rows, out, idle)
+        render_text(summary, rows, out, idle, stale)
     return 0

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 from fleetpilot.cli.main import main
-from fleetpilot.contracts import GpuSample, TopologyUpdated, encode
+from fleetpilot.contracts import Allocation, GpuSample, NodeLedger, TopologyUpdated, encode
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.fleet.simulator import SimulatedFleet
@@ -232,6 +233,16 @@ async def _populate(url: str) -> list[GpuSample]:
     await topology.put(node_key(silent.node), encode(silent))
     for n in nodes:
         await topology.put(node_key(n.node), encode(n))
+    # orin-03's executor is down: two assigns reserved there 20 and 7 minutes ago wait for it;
+    # a100-01 has one confirmed long ago and one reserved a second ago (on its way).
+    ledger = await bus.kv("ledger")
+    at = time.time()
+    await ledger.put("orin-03", encode(NodeLedger(node="orin-03", allocations=[
+        Allocation(task_id="x", decision_id="x.assign", gpu=0, milli=300, at=at - 1200),
+        Allocation(task_id="y", decision_id="y.assign", gpu=0, milli=300, at=at - 420)])))
+    await ledger.put("a100-01", encode(NodeLedger(node="a100-01", allocations=[
+        Allocation(task_id="z", decision_id="z.assign", gpu=4, milli=1000, at=at - 3600, state="confirmed"),
+        Allocation(task_id="w", decision_id="w.assign", gpu=5, milli=1000, at=at - 1)])))
     for s in samples:
         await state.put(f"{node_key(s.node)}.{s.gpu}", encode(s))
     live_estimate = SiteNetwork(fleet.links, used_gbps={"a-b-dark-fibre": 60.0}).estimates()
@@ -262,6 +273,9 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
         ("a100-01", 2): "cordoned", ("a100-01", 3): "maintenance (risk 0.91)"}
     assert [(g["node"], g["gpu"], g["state"]) for g in doc["live"]["out_of_service"]] == [
         ("a100-01", 2, "cordoned"), ("a100-01", 3, "maintenance (risk 0.91)"), ("orin-04", 0, "unreachable")]
+    (stale,) = doc["live"]["not_carried_out"]
+    assert stale["node"] == "orin-03" and stale["decisions"] == ["x.assign", "y.assign"]
+    assert 1190 <= stale["oldest_s"] <= 1300
 
     code, text, _ = run(capsys, "fleet", "--nats-url", nats_url)
     assert code == 0
@@ -273,6 +287,7 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert line.split()[-1] == "ok"
     assert "live: 9 GPUs" in text
     assert "out of service: 3 GPUs" in text and "  orin-04/0 (Jetson-Orin): unreachable" in text
+    assert "  orin-03: 2 decisions, oldest 20 min: x.assign, y.assign" in text
 
 
 def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):
