@@ -149,8 +149,8 @@ def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], fl
 
 def wide_hosts(state: ClusterState, request: TaskRequest) -> np.ndarray:
     """Per node, whether a whole-GPU ``request`` could run there once the node is empty: an
-    accepted model, enough CPU and memory in total, and ``gpus`` GPUs that exist and hold
-    its GPU memory. All false for a share or a task wider than any node (``reserve`` and
+    accepted model on its contract's site if it names one, enough CPU and memory in total,
+    and ``gpus`` GPUs that exist and hold its GPU memory. All false for a share or a task wider than any node (``reserve`` and
     ``clearing`` only serve whole-GPU requests)."""
     n = request.gpus
     if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus:
@@ -159,6 +159,8 @@ def wide_hosts(state: ClusterState, request: TaskRequest) -> np.ndarray:
     if request.gpu_models:
         wanted = [state.model_index(m) for m in request.gpu_models]
         ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
+    if request.site:  # bound to a site by its contract
+        ok &= state.node_site == (state.sites.index(request.site) if request.site in state.sites else -1)
     roomy = state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb)
     return ok & (roomy.sum(axis=1) >= n)
 

@@ -62,6 +62,18 @@ def test_reserve_takes_the_earliest_start_among_the_nodes_the_task_could_use(req
     assert reserve(state, request_, gpu_free_at(state, RUNNING, now=100.0)) == expected
 
 
+def test_a_task_bound_to_a_site_reserves_there_only() -> None:
+    # n2 (site b) frees first, at 100; bound to site a, the task waits for n1 at 200.
+    state = ClusterState.build(names=["n0", "n1", "n2"], cpu_milli=[64000, 64000, 4000], memory_mb=[512000] * 3,
+                               gpus=[4, 4, 2], models=["A100-40GB", "H100", "H100"], sites=["a", "a", "b"],
+                               gpu_memory_mb=[40960, 81920, 81920])
+    free_at = gpu_free_at(state, RUNNING, now=100.0)
+    assert reserve(state, TaskRequest(task_id="w", gpus=2), free_at).node == "n2"
+    assert reserve(state, TaskRequest(task_id="w", gpus=2, site="a"), free_at) == Reservation(
+        task_id="w", node="n1", gpus=(0, 3), start_s=200.0)
+    assert reserve(state, TaskRequest(task_id="w", gpus=2, site="nowhere"), free_at) is None
+
+
 @pytest.mark.parametrize("request_", [TaskRequest(task_id="s", gpus=1, gpu_milli=500),  # a share
                                       TaskRequest(task_id="w", gpus=8),  # wider than any node
                                       TaskRequest(task_id="w", gpus=1, gpu_models=("T4",))])  # no such model
