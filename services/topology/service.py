@@ -138,6 +138,19 @@ async def stored_nodes(kv: KeyValue) -> list[NodeTopology]:
     return out
 
 
+def reachable(heard: float | None, kept_since: float | None, now: float, silent_after_s: float) -> bool | None:
+    """Whether a node is reachable, from when the stream stored its last report (``heard``)
+    and how far back the stream keeps anything (``kept_since``); ``None`` when that cannot
+    be told. No report kept means silence only if the stream keeps ``silent_after_s`` of
+    history: a large fleet's reports fill the stream's byte limit, and a node's last report
+    may have been pushed out by the others' while the node reports on."""
+    if heard is not None:
+        return now - heard <= silent_after_s
+    if kept_since is not None and now - kept_since > silent_after_s:
+        return False
+    return None
+
+
 def with_reachability(node: NodeTopology, reachable: bool) -> NodeTopology:
     """``node`` with the ``unreachable`` label on every GPU, or on none."""
     gpus = []
@@ -219,11 +232,15 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         kv = await bus.kv("topology")
         changed: list[str] = []
         for node in await stored_nodes(kv):
-            heard = await bus.last_stored_at(f"topology.report.{node.node}")
-            reachable = heard is not None and now() - heard <= settings.silent_after_s
-            if await mark_reachability(kv, node_key(node.node), reachable) is not None:
+            subject = f"topology.report.{node.node}"
+            heard = await bus.last_stored_at(subject)
+            kept_since = await bus.first_stored_at(subject) if heard is None else None
+            alive = reachable(heard, kept_since, now(), settings.silent_after_s)
+            if alive is None:
+                continue  # the stream does not go back far enough to tell
+            if await mark_reachability(kv, node_key(node.node), alive) is not None:
                 changed.append(node.node)
-                if reachable:
+                if alive:
                     log.warning("%s reports again: no longer unreachable", node.node)
                 else:
                     log.warning("%s unreachable: no report from its collector for %s", node.node,

@@ -145,6 +145,12 @@ class Bus(abc.ABC):
         the server's clock; ``None`` when no stream keeps one."""
 
     @abc.abstractmethod
+    async def first_stored_at(self, subject: str) -> float | None:
+        """When the stream that keeps ``subject`` stored the oldest message it still keeps
+        (on any of its subjects): how far back ``last_stored_at`` can see. ``None`` when it
+        keeps nothing, or no stream keeps ``subject``."""
+
+    @abc.abstractmethod
     async def kv(self, bucket: str) -> KeyValue:
         """A catalogued KV bucket."""
 

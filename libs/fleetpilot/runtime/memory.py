@@ -194,6 +194,11 @@ class InMemoryBus(Bus):
                 return stored.at
         return None
 
+    async def first_stored_at(self, subject: str) -> float | None:
+        stream = self._stream_of(subject)
+        kept = self._streams.get(stream, []) if stream else []
+        return kept[0].at if kept else None
+
     def _fan_out(self, stored: _Stored) -> None:
         groups_done: set[str] = set()
         subs = [s for s in self._core if subject_matches(s[0], stored.subject)]

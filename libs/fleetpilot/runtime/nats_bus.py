@@ -310,14 +310,31 @@ class NatsBus(Bus):
             raise RuntimeError(f"{subject} failed ({code}): {error}")
         return msg.data
 
+    @staticmethod
+    def _stream_of(subject: str) -> str | None:
+        return next((spec.name for spec in STREAMS if any(subject_matches(p, subject) for p in spec.subjects)), None)
+
     async def last_stored_at(self, subject: str) -> float | None:
-        stream = next((spec.name for spec in STREAMS if any(subject_matches(p, subject) for p in spec.subjects)), None)
+        stream = self._stream_of(subject)
         if stream is None:
             return None
         try:
             msg = await self._js.get_last_msg(stream, subject)
         except nats.js.errors.NotFoundError:
             return None
+        return msg.time.timestamp() if msg.time is not None else None
+
+    async def first_stored_at(self, subject: str) -> float | None:
+        stream = self._stream_of(subject)
+        if stream is None:
+            return None
+        state = (await self._js.stream_info(stream)).state
+        if not state.messages or not state.first_seq:
+            return None
+        try:
+            msg = await self._js.get_msg(stream, seq=state.first_seq)
+        except nats.js.errors.NotFoundError:
+            return None  # discarded meanwhile: the next look sees the new first
         return msg.time.timestamp() if msg.time is not None else None
 
     async def kv(self, bucket: str) -> KeyValue:

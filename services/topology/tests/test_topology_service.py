@@ -15,7 +15,13 @@ from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
-from fleetpilot_services.topology.service import BadFleetConfig, TopologySettings, bandwidth_estimates, build
+from fleetpilot_services.topology.service import (
+    BadFleetConfig,
+    TopologySettings,
+    bandwidth_estimates,
+    build,
+    reachable,
+)
 
 THREE_SITE = load_fleet_spec()
 NODES = THREE_SITE.nodes[:3] + [THREE_SITE.node("h100-00"), THREE_SITE.node("orin-00")]
@@ -199,3 +205,14 @@ async def test_a_node_whose_collector_goes_silent_is_labelled_unreachable_until_
         assert set(await labels(quiet)) == {None}
     finally:
         await host.stop()
+
+
+@pytest.mark.parametrize(("heard", "kept_since", "expected"), [
+    (990.0, 0.0, True),     # reported 10 s ago
+    (600.0, 0.0, False),    # reported 400 s ago: silent
+    (None, 0.0, False),     # no report in the 1,000 s the stream keeps: silent
+    (None, 800.0, None),    # the stream keeps only 200 s (its byte limit): cannot tell
+    (None, None, None),     # the stream keeps nothing
+])
+def test_a_node_without_a_kept_report_is_silent_only_if_the_stream_goes_back_far_enough(heard, kept_since, expected):
+    assert reachable(heard, kept_since, now=1000.0, silent_after_s=300.0) is expected

@@ -264,3 +264,7 @@ async def test_the_time_a_stream_last_stored_a_subject(bus):
     assert last < await bus.last_stored_at("topology.report.n2")
     assert await bus.last_stored_at("telemetry.task.none") is None  # a stream keeps it, but nothing came
     assert await bus.last_stored_at("sim.control") is None  # no stream keeps it
+    # How far back the stream sees: its oldest message, whatever its subject.
+    first = await bus.first_stored_at("topology.report.n9")
+    assert first is not None and before - 1.0 <= first <= last
+    assert await bus.first_stored_at("sim.control") is None and await bus.first_stored_at("dlq.x") is None
