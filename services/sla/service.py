@@ -418,4 +418,6 @@ def main() -> None:
         host = build()
     except FileNotFoundError as exc:
         raise SystemExit(f"fleetpilot-sla: {exc}") from None
+    except ValueError as exc:  # an unreadable key set (json.JSONDecodeError is one)
+        raise SystemExit(f"fleetpilot-sla: cannot read the key set {jwks_path_of(SlaSettings())}: {exc}") from None
     host.main()

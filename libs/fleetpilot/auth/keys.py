@@ -154,8 +154,13 @@ class KeyRing:
 
 
 def save_jwks(jwks: dict[str, Any], path: str | Path) -> None:
-    """Write a public JWKS for verifiers."""
-    Path(path).write_text(json.dumps(jwks, indent=2))
+    """Write a public JWKS for verifiers, whole or not at all: a verifier that reads it
+    while it is rewritten (the SLA service starting, or reloading after a rotation) sees the
+    old set or the new one, never an empty or half-written file."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(jwks, indent=2))
+    os.replace(tmp, path)
 
 
 def load_jwks(path: str | Path) -> dict[str, Any]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import subprocess
+import sys
 import time
 
 import jwt
@@ -424,3 +427,20 @@ async def test_a_task_given_up_after_admission_loses_its_contract_and_only_for_i
     await eventually(gone, what="t-gone's contract forgotten")
     await asyncio.sleep(0.3)
     assert await contracts.get(contract_key("t-kept")) is not None
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "no JWKS at"),
+    ("", "cannot read the key set"),
+    ("{\"keys\": [", "cannot read the key set"),
+])
+def test_a_missing_or_unreadable_key_set_stops_the_service_with_one_line(tmp_path, content, fragment):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_")}
+    env["FLEETPILOT_STATE_DIR"] = str(tmp_path)
+    if content is not None:
+        (tmp_path / "jwks.json").write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "fleetpilot_services.sla"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fleetpilot-sla: ") and fragment in lines[0], proc.stderr

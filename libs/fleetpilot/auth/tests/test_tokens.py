@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 
 import jwt
 import pytest
-from fleetpilot.auth import DAY_S, WEEK_S, AuthError, KeyRing, TokenVerifier, mint_token
+from fleetpilot.auth import DAY_S, WEEK_S, AuthError, KeyRing, TokenVerifier, load_jwks, mint_token, save_jwks
 
 AUD, ISS = "fleetpilot", "https://auth.example"
 T0 = 1_800_000_000.0
@@ -181,3 +182,33 @@ def test_mint_refuses_ttl_outside_overlap(ttl):
 def test_load_refuses_garbage():
     with pytest.raises(ValueError):
         KeyRing.from_json('{"keys": 3}')
+
+
+def test_a_verifier_reading_the_key_set_while_it_is_rewritten_never_sees_half_a_file(tmp_path) -> None:
+    # `fleetpilot up` rewrites jwks.json each time it mints a demo token, while the SLA
+    # service may be reading it at start: an empty read crashed the service at random.
+    path = tmp_path / "jwks.json"
+    ring = KeyRing()
+    ring.signing_key()
+    jwks = ring.public_jwks()
+    save_jwks(jwks, path)
+    bad: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                load_jwks(path)
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                bad.append(str(exc))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(2000):
+            save_jwks(jwks, path)
+    finally:
+        done.set()
+        reader.join()
+    assert bad == []
+    assert load_jwks(path) == jwks and [p.name for p in tmp_path.iterdir()] == ["jwks.json"]
