@@ -29,6 +29,7 @@ from fleetpilot.contracts import (
     Placement,
     PolicyRef,
     TaskAdmitted,
+    in_service,
     now,
 )
 from fleetpilot.ledger import free_capacity
@@ -37,12 +38,10 @@ from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
 from fleetpilot.policy.rebalance import (
-    NO_NEW_WORK,
     MoveReason,
     ResizePlan,
     Running,
     growth_overflow,
-    is_set,
     migrate_decision_id,
     move_reason,
     resize_decision_id,
@@ -332,11 +331,7 @@ class Moves(ReplicaState):
             if any(free.gpu_memory_mb[a.gpu] < a.memory_mb for a in extra):
                 return None
             labels = {g.index: g.labels for g in topo.gpus}
-            if any(
-                is_set(labels.get(a.gpu, {}), x)
-                for a in extra
-                for x in NO_NEW_WORK
-            ):
+            if not all(in_service(labels.get(a.gpu, {})) for a in extra):
                 return None
             return NodeLedger(node=current.node, allocations=[*current.allocations, *extra])
 

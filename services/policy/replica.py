@@ -27,6 +27,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
     TaskTelemetry,
+    in_service,
     now,
 )
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
@@ -34,7 +35,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import NO_NEW_WORK, gpu_conditions, is_set
+from fleetpilot.policy.rebalance import gpu_conditions
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -109,7 +110,7 @@ def placement_fits(
         ):
             return False
         lab = labels.get(p.gpu, {})
-        if any(is_set(lab, x) for x in NO_NEW_WORK):
+        if not in_service(lab):
             return False
     return True
 

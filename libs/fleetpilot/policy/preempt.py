@@ -54,9 +54,10 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
     gpu_rules,
+    in_service,
 )
 
-from .rebalance import NO_NEW_WORK, Running, generation, is_set
+from .rebalance import Running, generation
 
 EXACT_LIMIT = 12
 """Up to this many best_effort tasks on a node, every subset of them is tried."""
@@ -140,7 +141,7 @@ def fits(task: TaskSubmitted, topo: NodeTopology, allocations: Iterable[Allocati
     for g in topo.gpus:
         if models and g.model not in models:
             continue
-        if any(is_set(g.labels, x) for x in NO_NEW_WORK):
+        if not in_service(g.labels):
             continue
         if gpu_rules(g.labels).refusal(task.kind, task.labels.get(TASK_LABEL_DRIVER)) is not None:
             continue  # evicting work here would free a GPU the task may not use

@@ -43,7 +43,6 @@ from fleetpilot.contracts import (
     GPU_LABEL_MAINTENANCE_PENDING,
     GPU_LABEL_MAINTENANCE_RISK,
     GPU_LABEL_UNREACHABLE,
-    OUT_OF_SERVICE_GPU_LABELS,
     Allocation,
     Fingerprint,
     NodeLedger,
@@ -58,9 +57,6 @@ DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
 MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 MAINTENANCE_RISK = GPU_LABEL_MAINTENANCE_RISK
 UNREACHABLE = GPU_LABEL_UNREACHABLE
-NO_NEW_WORK = OUT_OF_SERVICE_GPU_LABELS
-"""Labels under any of which a GPU takes nothing new: no placement, move, resize or room
-made there by preemption."""
 MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
 OVERFLOW_FILL = 0.98
