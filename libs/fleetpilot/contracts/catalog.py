@@ -219,6 +219,15 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(want) == len(have)
 
 
+def stream_of(subject: str) -> str | None:
+    """The name of the stream that keeps ``subject`` (a literal subject), ``None`` for a
+    subject no stream keeps."""
+    for stream in STREAMS:
+        if any(subject_matches(p, subject) for p in stream.subjects):
+            return stream.name
+    return None
+
+
 def dlq_subject(subject: str) -> str:
     """The dead-letter subject for a message that arrived on ``subject``."""
     return DLQ_PREFIX + subject

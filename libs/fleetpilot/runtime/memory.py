@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from fleetpilot.contracts import (
     BUCKETS,
-    STREAMS,
     ConsumerSpec,
     Event,
     encode,
@@ -26,6 +25,7 @@ from fleetpilot.contracts import (
     route_for,
     subject_for,
 )
+from fleetpilot.contracts.catalog import stream_of
 
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, subject_matches
 
@@ -159,12 +159,6 @@ class InMemoryBus(Bus):
         for bucket in BUCKETS:
             self._buckets.setdefault(bucket.name, MemoryKeyValue(self))
 
-    def _stream_of(self, subject: str) -> str | None:
-        for stream in STREAMS:
-            if any(subject_matches(p, subject) for p in stream.subjects):
-                return stream.name
-        return None
-
     async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
         hdrs = dict(headers or {})
         msg_id = msg_id_for(event)
@@ -176,7 +170,7 @@ class InMemoryBus(Bus):
                           durable: bool = True) -> None:
         hdrs = dict(headers or {})
         msg_id = hdrs.get("Nats-Msg-Id")
-        stream = self._stream_of(subject)
+        stream = stream_of(subject)
         stored = _Stored(subject, data, hdrs)
         if stream is not None and not (msg_id and msg_id in self._seen_ids):
             if msg_id:
@@ -188,14 +182,14 @@ class InMemoryBus(Bus):
         self._fan_out(stored)
 
     async def last_stored_at(self, subject: str) -> float | None:
-        stream = self._stream_of(subject)
+        stream = stream_of(subject)
         for stored in reversed(self._streams.get(stream, []) if stream else []):
             if stored.subject == subject:
                 return stored.at
         return None
 
     async def first_stored_at(self, subject: str) -> float | None:
-        stream = self._stream_of(subject)
+        stream = stream_of(subject)
         kept = self._streams.get(stream, []) if stream else []
         return kept[0].at if kept else None
 

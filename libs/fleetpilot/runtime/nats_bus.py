@@ -35,8 +35,9 @@ from fleetpilot.contracts import (
     route_for,
     subject_for,
 )
+from fleetpilot.contracts.catalog import stream_of
 
-from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, subject_matches
+from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
 
 log = logging.getLogger("fleetpilot.runtime.nats")
 
@@ -310,12 +311,8 @@ class NatsBus(Bus):
             raise RuntimeError(f"{subject} failed ({code}): {error}")
         return msg.data
 
-    @staticmethod
-    def _stream_of(subject: str) -> str | None:
-        return next((spec.name for spec in STREAMS if any(subject_matches(p, subject) for p in spec.subjects)), None)
-
     async def last_stored_at(self, subject: str) -> float | None:
-        stream = self._stream_of(subject)
+        stream = stream_of(subject)
         if stream is None:
             return None
         try:
@@ -325,7 +322,7 @@ class NatsBus(Bus):
         return msg.time.timestamp() if msg.time is not None else None
 
     async def first_stored_at(self, subject: str) -> float | None:
-        stream = self._stream_of(subject)
+        stream = stream_of(subject)
         if stream is None:
             return None
         state = (await self._js.stream_info(stream)).state
