@@ -6,6 +6,7 @@ retried. Real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 from fleetpilot.contracts import (
@@ -58,12 +59,13 @@ async def publish_lifecycle(observer, life: TaskLifecycle, copy: int) -> None:
     )
 
 
-async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observer, nats_url, tmp_path):
-    await observer.put_fleet([node("n0", gpus=2)])
-    adm = admitted("t1", gpu_milli=600, gpu_memory_mb=1000, gpu_models=["H100"])
-    await observer.kv_put("contracts", "contract.t1", encode(adm))
+@contextlib.asynccontextmanager
+async def loop_on_simulated_fleet(observer, nats_url, tmp_path, task_id: str, **executor_settings):
+    """The policy (bestfit, retry rounds of 0.2 s) and an executor over a stand-in for the
+    collector's simulated fleet that acknowledges every command; yields the lifecycle events
+    of ``task_id`` as they arrive."""
 
-    async def answer(msg) -> None:  # the collector's simulated fleet
+    async def answer(msg) -> None:
         await msg.respond(encode(SimAck(ok=True)))
 
     sim = await observer.nc.subscribe("sim.control", cb=answer)
@@ -72,14 +74,27 @@ async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observe
     async def on_life(msg) -> None:
         events.append(msgspec.json.decode(msg.data, type=TaskLifecycle))
 
-    lives = await observer.nc.subscribe("task.lifecycle.t1", cb=on_life)
+    lives = await observer.nc.subscribe(f"task.lifecycle.{task_id}", cb=on_life)
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
-    execu = build_executor(
-        ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x", state_dir=str(tmp_path / "ex"))
-    )
+    execu = build_executor(ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x",
+                                            state_dir=str(tmp_path / "ex"), **executor_settings))
     await policy.start()
     await execu.start()
     try:
+        yield events
+    finally:
+        await execu.stop()
+        await policy.stop()
+        await lives.unsubscribe()
+        await sim.unsubscribe()
+
+
+async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=2)])
+    adm = admitted("t1", gpu_milli=600, gpu_memory_mb=1000, gpu_models=["H100"])
+    await observer.kv_put("contracts", "contract.t1", encode(adm))
+
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t1") as events:
         await observer.admit(adm)
         await wait_for(lambda: any(e.state == "started" for e in events), what="t1 started")
         first = next(d for d in observer.decisions if d.task_id == "t1")
@@ -123,11 +138,6 @@ async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observe
         await asyncio.sleep(1.0)  # five retry rounds
         waiting = await observer.live_keys("pending")
         ledgers = await observer.ledgers()
-    finally:
-        await execu.stop()
-        await policy.stop()
-        await lives.unsubscribe()
-        await sim.unsubscribe()
     assert "decommissioned" in evicted.detail and evicted.gpus == [hot]
     again = [d for d in observer.decisions if d.task_id == "t1"]
     assert [(d.decision_id, d.action) for d in again] == [("t1.assign", "assign"), ("t1.assign.2", "assign")]
@@ -215,22 +225,7 @@ async def test_a_task_on_a_node_gone_silent_is_placed_again_elsewhere(observer, 
     adm = admitted("t1", gpu_milli=1000, gpu_memory_mb=1000)
     await observer.kv_put("contracts", "contract.t1", encode(adm))
 
-    async def answer(msg) -> None:  # the collector's simulated fleet
-        await msg.respond(encode(SimAck(ok=True)))
-
-    sim = await observer.nc.subscribe("sim.control", cb=answer)
-    events: list[TaskLifecycle] = []
-
-    async def on_life(msg) -> None:
-        events.append(msgspec.json.decode(msg.data, type=TaskLifecycle))
-
-    lives = await observer.nc.subscribe("task.lifecycle.t1", cb=on_life)
-    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
-    execu = build_executor(ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x",
-                                            state_dir=str(tmp_path / "ex"), silent_check_s=0.2))
-    await policy.start()
-    await execu.start()
-    try:
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t1", silent_check_s=0.2) as events:
         await observer.admit(adm)
         await wait_for(lambda: any(e.state == "started" for e in events), what="t1 started")
         first = next(d for d in observer.decisions if d.task_id == "t1").placement[0].node
@@ -246,11 +241,6 @@ async def test_a_task_on_a_node_gone_silent_is_placed_again_elsewhere(observer, 
             return holds == [(other, "t1.assign.2", "confirmed")]
 
         await wait_for_async(only_the_new_hold, what="t1's hold on the silent node released")
-    finally:
-        await execu.stop()
-        await policy.stop()
-        await lives.unsubscribe()
-        await sim.unsubscribe()
     evicted = events[1]
     assert evicted.node == first and "unreachable" in evicted.detail and evicted.decision_id == "t1.assign"
     again = next(d for d in observer.decisions if d.decision_id == "t1.assign.2")
