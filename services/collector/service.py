@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -35,7 +34,7 @@ from fleetpilot.fleet.nvml_reader import read_ib_ports
 from fleetpilot.fleet.reader import FleetEvent, GpuReader
 from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings, serve
 from fleetpilot.workload import MemoryGrowth
 from pydantic_settings import SettingsConfigDict
 
@@ -196,7 +195,7 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     ``reader`` replaces the configured source (tests pass a ``SimulatedFleet`` or an
     ``NvmlReader`` over ``FakeNvml``).
     """
-    settings = settings or CollectorSettings()
+    settings = settings or CollectorSettings.from_environment()
     if reader is None:
         reader, source = open_reader(settings)
     else:
@@ -266,9 +265,4 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
 
 def main() -> None:
     """Entry point: a one-line error and exit code 2 when there is no GPU source."""
-    try:
-        host = build()
-    except NoGpuSource as exc:
-        print(f"fleetpilot-collector: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    host.main()
+    serve("collector", build, NoGpuSource)

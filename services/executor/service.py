@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from fleetpilot.contracts import DecisionMade, Event, HandedOver, HandOver, NodeTelemetry, SimEvent
 from fleetpilot.executor import carried_out_on
-from fleetpilot.runtime import Bus, ServiceHost
+from fleetpilot.runtime import Bus, ServiceHost, serve
 
 from .health import GpuHealth
 from .settings import DECISION_REPLAY_S, ExecutorSettings
@@ -31,7 +31,7 @@ __all__ = ["ExecutorSettings", "build", "main"]
 
 def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     """Wire the executor."""
-    settings = settings or ExecutorSettings()
+    settings = settings or ExecutorSettings.from_environment()
     host = ServiceHost("executor", settings)
     replica = GpuHealth(settings)
 
@@ -77,4 +77,4 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
 
 def main() -> None:
     """Console entry point ``fleetpilot-executor``."""
-    build().main()
+    serve("executor", build)

@@ -46,7 +46,7 @@ from fleetpilot.feedback import (
     side_effects_of,
 )
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
@@ -87,7 +87,7 @@ async def open_store(settings: FeedbackSettings) -> FeedbackStore:
 
 def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     """Wire the feedback service."""
-    settings = settings or FeedbackSettings()
+    settings = settings or FeedbackSettings.from_environment()
     host = ServiceHost("feedback", settings)
     parts: dict = {}
 
@@ -212,4 +212,4 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
 
 def main() -> None:
     """Console entry point ``fleetpilot-feedback``."""
-    build().main()
+    serve("feedback", build)

@@ -26,7 +26,7 @@ from fleetpilot.fingerprint import (
     predict,
     task_signature,
 )
-from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings
+from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings, serve
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.fingerprinter")
@@ -58,7 +58,7 @@ class FingerprinterSettings(ServiceSettings):
 
 def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     """Wire the fingerprinter."""
-    settings = settings or FingerprinterSettings()
+    settings = settings or FingerprinterSettings.from_environment()
     host = ServiceHost("fingerprinter", settings)
     models: dict[str, OnlineFingerprinter] = {}
 
@@ -156,4 +156,4 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
 def main() -> None:
     """Console entry point ``fleetpilot-fingerprinter``."""
-    build().main()
+    serve("fingerprinter", build)

@@ -74,7 +74,7 @@ from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.backfill import Demand, queue_key
 from fleetpilot.policy.preempt import decode_pending
 from fleetpilot.policy.state import MILLI
-from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost
+from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
@@ -128,7 +128,7 @@ class PolicyState(Moves, Evictions):
 
 def build(settings: PolicySettings | None = None) -> ServiceHost:
     """Wire the policy service."""
-    settings = settings or PolicySettings()
+    settings = settings or PolicySettings.from_environment()
     host = ServiceHost("policy", settings)
     metrics = PolicyMetrics(host.metrics.registry)
     holder: dict[str, object] = {}
@@ -420,4 +420,4 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
 
 def main() -> None:
     """Console entry point ``fleetpilot-policy``."""
-    build().main()
+    serve("policy", build)

@@ -47,7 +47,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint.signature import load_stats, predict, task_signature
 from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
-from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings, serve
 from fleetpilot.sla import Admit, CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
 from fleetpilot.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
 from prometheus_client import Counter
@@ -96,12 +96,20 @@ def jwks_path_of(settings: SlaSettings) -> Path:
     return Path(settings.jwks_path or Path(settings.state_dir) / "jwks.json")
 
 
+class UnreadableKeySet(ValueError):
+    """The published key set exists but is no key set (empty, cut, not JSON)."""
+
+
 def load_verifier(settings: SlaSettings, clock: Clock = time.time) -> TokenVerifier:
     """The token verifier over the published key set."""
     path = jwks_path_of(settings)
     if not path.exists():
         raise FileNotFoundError(f"no JWKS at {path}: run `fleetpilot token --init` or set FLEETPILOT_SLA_JWKS_PATH")
-    return TokenVerifier(load_jwks(path), audience=settings.audience, issuer=settings.issuer,
+    try:
+        keys = load_jwks(path)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise UnreadableKeySet(f"cannot read the key set {path}: {exc}") from None
+    return TokenVerifier(keys, audience=settings.audience, issuer=settings.issuer,
                          algorithms=settings.algorithms, clock=clock)
 
 
@@ -322,7 +330,7 @@ def _same_tenant(owner: str, task: TaskSubmitted) -> None:
 def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> ServiceHost:
     """Wire the negotiator. ``clock`` (seconds) drives token checks, estimates and offer
     validity; tests inject one to move through key rotation."""
-    settings = settings or SlaSettings()
+    settings = settings or SlaSettings.from_environment()
     host = ServiceHost("sla", settings)
     refused = Counter("fleetpilot_sla_unauthenticated_total", "Submissions and replies rejected for their token",
                       ["reason"], registry=host.metrics.registry)
@@ -414,10 +422,4 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
 
 def main() -> None:
     """Console entry point ``fleetpilot-sla``."""
-    try:
-        host = build()
-    except FileNotFoundError as exc:
-        raise SystemExit(f"fleetpilot-sla: {exc}") from None
-    except ValueError as exc:  # an unreadable key set (json.JSONDecodeError is one)
-        raise SystemExit(f"fleetpilot-sla: cannot read the key set {jwks_path_of(SlaSettings())}: {exc}") from None
-    host.main()
+    serve("sla", build, FileNotFoundError, UnreadableKeySet)

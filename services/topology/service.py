@@ -16,7 +16,6 @@ telemetry, so they do not change while the service runs.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import msgspec
@@ -33,7 +32,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.topology")
@@ -185,7 +184,7 @@ async def mark_reachability(kv: KeyValue, key: str, reachable: bool, attempts: i
 
 def build(settings: TopologySettings | None = None) -> ServiceHost:
     """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
-    settings = settings or TopologySettings()
+    settings = settings or TopologySettings.from_environment()
     estimates = bandwidth_estimates(settings)
     host = ServiceHost("topology", settings)
     known: dict[str, bytes] = {}
@@ -256,9 +255,4 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
 
 def main() -> None:
     """Console entry point ``fleetpilot-topology``; a bad spec is a one-line error, exit 2."""
-    try:
-        host = build()
-    except BadFleetConfig as exc:
-        print(f"fleetpilot-topology: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    host.main()
+    serve("topology", build, BadFleetConfig)

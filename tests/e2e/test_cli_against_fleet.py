@@ -99,9 +99,10 @@ def assert_one_line_error(args: list[str], message: str) -> None:
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_submit_and_watch_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None:
-    """The README's flow: `fleetpilot up` in one terminal, `fleetpilot submit` in another from
-    the same directory, no URL given: up's embedded server takes a free port and says where."""
+def test_submit_and_fleet_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None:
+    """The README's flow: `fleetpilot up` in one terminal, `fleetpilot submit` and `fleetpilot
+    fleet` in another from the same directory, no URL given: up's embedded server takes a
+    free port and says where."""
     import os  # noqa: PLC0415 - only this test needs the environment
     import time  # noqa: PLC0415
 
@@ -119,6 +120,10 @@ def test_submit_and_watch_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None
                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         assert submit.returncode == 0, submit.stderr
         assert decision_in(submit.stdout)["action"] in ("assign", "queue")
+        shown = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", "fleet", "--json"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["live"]["nats_url"] == announced.read_text().strip()
         up.send_signal(signal.SIGINT)  # Ctrl-C: up stops its services and prints its report
         out, _ = up.communicate(timeout=60)
     finally:
@@ -127,3 +132,19 @@ def test_submit_and_watch_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None
     assert up.returncode == 0, out
     assert "over 1 tasks" in out or "no task assigned" in out
     assert not announced.exists()  # a stopped fleet leaves no stale pointer behind
+
+
+def test_up_names_a_service_that_stopped_at_start_and_why(tmp_path) -> None:
+    """A misspelt variable stops the executor at start; `fleetpilot up` stops the rest and
+    shows the executor's one line, so nobody has to open its log to learn what to fix."""
+    import os  # noqa: PLC0415 - only this test needs the environment
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_")}
+    env["FLEETPILOT_EXECUTOR_BAKEND"] = "process"
+    up = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", "up", "--duration", "90", "--quiet",
+                         "--metrics-port-base", "0"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=120)
+    assert up.returncode == 1, up.stderr
+    assert "fleetpilot up: service(s) exited: executor" in up.stderr
+    assert ("  executor: fleetpilot-executor: FLEETPILOT_EXECUTOR_BAKEND is not a setting "
+            "(did you mean FLEETPILOT_EXECUTOR_BACKEND?)") in up.stderr.splitlines()

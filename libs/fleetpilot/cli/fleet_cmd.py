@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -43,14 +42,18 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
+from .local import announced_nats_url
+
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot fleet``."""
-    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
-                        help="a running fleet's NATS (default: $FLEETPILOT_NATS_URL; none: the spec only)")
+    parser.add_argument("--nats-url", default=None,
+                        help="a running fleet's NATS (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` "
+                             "runs from --state-dir; none: the spec only)")
+    parser.add_argument("--state-dir", default=None, help="where a running `fleetpilot up` keeps its state")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--spec", help="fleet spec YAML (default: the shipped three-site fleet)")
     source.add_argument("--openb", metavar="NODES.csv", help="openb node list CSV")
@@ -329,9 +332,10 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     fleet, source = load_spec(args)
     live: LiveFleet | None = None
-    if args.nats_url:
+    url = args.nats_url or announced_nats_url(args.state_dir)
+    if url:
         try:
-            live = asyncio.run(read_live(args.nats_url))
+            live = asyncio.run(read_live(url))
         except ConnectionError as exc:
             # No fleet running is the normal case on a laptop: the spec is still worth showing.
             print(f"fleetpilot fleet: {exc}; showing the spec only", file=sys.stderr)

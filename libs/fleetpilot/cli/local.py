@@ -19,10 +19,10 @@ def state_dir(explicit: str | None = None) -> Path:
     return Path(explicit or os.environ.get("FLEETPILOT_STATE_DIR") or ".fleetpilot").resolve()
 
 
-def local_nats_url(explicit_state: str | None = None) -> str:
-    """The bus the CLI talks to: ``FLEETPILOT_NATS_URL``, else the one a running ``fleetpilot
-    up`` announced in the state directory (its embedded server takes a free port), else
-    NATS's default port on this machine."""
+def announced_nats_url(explicit_state: str | None = None) -> str | None:
+    """The bus of a fleet known to be running: ``FLEETPILOT_NATS_URL``, else the one a
+    running ``fleetpilot up`` announced in the state directory (its embedded server takes a
+    free port); None when neither says."""
     env = os.environ.get("FLEETPILOT_NATS_URL")
     if env:
         return env
@@ -30,7 +30,13 @@ def local_nats_url(explicit_state: str | None = None) -> str:
         announced = (state_dir(explicit_state) / NATS_URL_FILE).read_text().strip()
     except OSError:
         announced = ""
-    return announced or DEFAULT_NATS_URL
+    return announced or None
+
+
+def local_nats_url(explicit_state: str | None = None) -> str:
+    """The bus the CLI talks to: ``announced_nats_url``, else NATS's default port on this
+    machine."""
+    return announced_nats_url(explicit_state) or DEFAULT_NATS_URL
 
 
 def local_keyring(state: Path) -> KeyRing:

@@ -102,6 +102,15 @@ class ServiceProcesses:
         """Services that exited."""
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
+    def last_words(self, name: str) -> str:
+        """The last line a service wrote to its log: for one that stopped at start, the one
+        line that says why (a bad setting, no GPU source, an unreadable key set)."""
+        try:
+            lines = (self.state / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return lines[-1] if lines else "(nothing logged)"
+
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every service (they drain), then SIGKILL what is left."""
         for proc in self.procs.values():
@@ -326,6 +335,8 @@ async def run(args) -> int:
             dead = services.dead()
             if dead:
                 print(f"fleetpilot up: service(s) exited: {', '.join(dead)}; see {state / 'logs'}", file=sys.stderr)
+                for name in dead:
+                    print(f"  {name}: {services.last_words(name)}", file=sys.stderr)
                 rc = 1
                 break
             try:

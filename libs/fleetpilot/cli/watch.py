@@ -19,12 +19,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("subjects", nargs="*", default=["decision.made"], help="subjects (wildcards allowed)")
     parser.add_argument("--count", type=int, default=0, help="exit after this many messages")
     parser.add_argument("--nats-url", default=None,
-                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
+                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
+                             "--state-dir, else :4222)")
+    parser.add_argument("--state-dir", default=None, help="where a running `fleetpilot up` keeps its state")
 
 
 async def watch(args, out=sys.stdout) -> int:
     """Print each message as one JSON line with its subject."""
-    bus = await NatsBus.connect(args.nats_url or local_nats_url(), "fleetpilot-watch", connect_timeout_s=2)
+    bus = await NatsBus.connect(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-watch", connect_timeout_s=2)
     done = asyncio.Event()
     seen = 0
 

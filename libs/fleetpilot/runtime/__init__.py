@@ -2,10 +2,10 @@
 trace context, metrics and graceful shutdown handled once for every service."""
 
 from .bus import Bus, CasConflict, Delivery, KeyValue, KvEntry, Reject, Retry, subject_matches
-from .config import ServiceSettings
+from .config import BadSettings, ServiceSettings
 from .dispatch import Dispatcher
-from .host import ServiceHost
+from .host import ServiceHost, serve
 from .memory import InMemoryBus
 
-__all__ = ["Bus", "CasConflict", "Delivery", "Dispatcher", "InMemoryBus", "KeyValue", "KvEntry", "Reject",
-           "Retry", "ServiceHost", "ServiceSettings", "subject_matches"]
+__all__ = ["BadSettings", "Bus", "CasConflict", "Delivery", "Dispatcher", "InMemoryBus", "KeyValue", "KvEntry", "Reject",
+           "Retry", "ServiceHost", "ServiceSettings", "serve", "subject_matches"]

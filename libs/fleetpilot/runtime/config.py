@@ -3,19 +3,31 @@
 Each service subclasses ``ServiceSettings`` with its own prefix, e.g.
 ``FLEETPILOT_POLICY_METRICS_PORT``. ``FLEETPILOT_NATS_URL`` is shared by every service
 unless a service overrides it with its own prefixed variable.
+
+A service reads its settings with ``from_environment``, which is strict where pydantic is
+lenient: a variable under the service's prefix that names no setting is an error, not
+ignored, because ``FLEETPILOT_EXECUTOR_BAKEND=process`` would otherwise run the simulated
+backend on a real node without a word.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def _shared(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
+
+
+class BadSettings(ValueError):
+    """The environment sets a service's settings wrong; the message names each variable at
+    fault and what is wrong with it, on one line."""
 
 
 class ServiceSettings(BaseSettings):
@@ -31,3 +43,29 @@ class ServiceSettings(BaseSettings):
     otlp_endpoint: str | None = Field(default_factory=lambda: _shared("OTEL_EXPORTER_OTLP_ENDPOINT", None))
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     state_dir: str = Field(default_factory=lambda: _shared("FLEETPILOT_STATE_DIR", ".fleetpilot") or ".fleetpilot")
+
+    @classmethod
+    def from_environment(cls) -> Self:
+        """The settings the environment gives this service. Raises ``BadSettings`` naming
+        every variable under the service's prefix that is no setting (with the closest
+        setting's name) or whose value does not parse."""
+        prefix = (cls.model_config.get("env_prefix") or "").upper()
+        known = {prefix + name.upper() for name in cls.model_fields}
+        problems = [f"{var} is not a setting" + _closest(var, prefix, known)
+                    for var in sorted(v.upper() for v in os.environ)
+                    if prefix and var.startswith(prefix) and var not in known]
+        try:
+            settings = cls()
+        except ValidationError as exc:
+            problems += [f"{prefix}{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}" if e["loc"]
+                         else f"{prefix}*: {e['msg']}" for e in exc.errors()]
+        else:
+            if not problems:
+                return settings
+        raise BadSettings("; ".join(problems))
+
+
+def _closest(var: str, prefix: str, known: set[str]) -> str:
+    # Compared without the prefix every candidate shares, which would make any two names alike.
+    match = difflib.get_close_matches(var.removeprefix(prefix), [k.removeprefix(prefix) for k in known], n=1)
+    return f" (did you mean {prefix}{match[0]}?)" if match else ""

@@ -24,7 +24,7 @@ from fleetpilot.contracts import CONSUMERS, ConsumerSpec, Event
 
 from . import logs, tracing
 from .bus import Bus
-from .config import ServiceSettings
+from .config import BadSettings, ServiceSettings
 from .dispatch import Dispatcher, TypedHandler, as_events, reply_handler
 from .http import OpsServer
 from .metrics import HandlerMetrics
@@ -260,3 +260,16 @@ class ServiceHost:
             raise SystemExit(2) from None
         except KeyboardInterrupt:
             pass
+
+
+def serve(name: str, build: Callable[[], ServiceHost], *start_errors: type[Exception]) -> None:
+    """A service's console entry point: build it from the environment and run it until
+    stopped. A bad setting (``BadSettings``), or one of ``start_errors`` raised while
+    building (a missing GPU source, an unreadable fleet spec), is one line on standard
+    error and exit code 2: an operator reads what to fix, not a traceback."""
+    try:
+        host = build()
+    except (BadSettings, *start_errors) as exc:
+        print(f"fleetpilot-{name}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    host.main()

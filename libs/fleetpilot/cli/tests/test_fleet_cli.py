@@ -38,9 +38,11 @@ def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> Non
 
 
 @pytest.fixture(autouse=True)
-def no_fleet_running(monkeypatch):
-    # `--nats-url` defaults to the environment; a developer's running fleet must not leak in.
+def no_fleet_running(monkeypatch, tmp_path):
+    # `--nats-url` defaults to the environment, then to the bus a `fleetpilot up` announced
+    # in the state directory: a developer's running fleet must not leak in.
     monkeypatch.delenv("FLEETPILOT_NATS_URL", raising=False)
+    monkeypatch.setenv("FLEETPILOT_STATE_DIR", str(tmp_path / "no-fleet-here"))
 
 
 # -- fleetpilot topology ------------------------------------------------------------------
@@ -288,6 +290,16 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert "live: 9 GPUs" in text
     assert "out of service: 3 GPUs" in text and "  orin-04/0 (Jetson-Orin): unreachable" in text
     assert "  orin-03: 2 decisions, oldest 20 min: x.assign, y.assign" in text
+
+
+def test_fleet_finds_the_bus_a_running_fleetpilot_up_announced(capsys, nats_url, tmp_path):
+    asyncio.run(_populate(nats_url))
+    state = tmp_path / "up-state"
+    state.mkdir()
+    (state / "nats.url").write_text(nats_url + "\n")  # what `fleetpilot up` leaves while it runs
+    code, out, err = run(capsys, "fleet", "--state-dir", str(state))
+    assert code == 0 and err == ""
+    assert out.startswith(f"fleet three-site (topology bucket at {nats_url})") and "live: 9 GPUs" in out
 
 
 def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):

@@ -1,0 +1,68 @@
+"""``ServiceSettings.from_environment``: a service's variables are read strictly, and each
+mistake is named in one line (the variable, its value, and the setting it was likely meant for)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from fleetpilot.runtime import BadSettings, ServiceSettings
+from pydantic_settings import SettingsConfigDict
+
+
+class ExampleSettings(ServiceSettings):
+    """A service's settings as every service declares them."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETPILOT_EXAMPLE_", extra="ignore")
+
+    backend: Literal["sim", "process"] = "sim"
+    grace_s: float = 10.0
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    for name in [n for n in __import__("os").environ if n.upper().startswith("FLEETPILOT_")]:
+        monkeypatch.delenv(name)
+
+    def set_all(variables: dict[str, str]) -> None:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+
+    return set_all
+
+
+def test_variables_of_the_service_set_its_settings(environment):
+    environment({"FLEETPILOT_EXAMPLE_BACKEND": "process", "FLEETPILOT_EXAMPLE_GRACE_S": "2.5",
+                 "FLEETPILOT_EXAMPLE_METRICS_PORT": "9300"})
+    settings = ExampleSettings.from_environment()
+    assert (settings.backend, settings.grace_s, settings.metrics_port) == ("process", 2.5, 9300)
+
+
+def test_other_services_and_shared_variables_are_not_its_business(environment):
+    environment({"FLEETPILOT_OTHER_BAKEND": "x", "FLEETPILOT_NATS_URL": "nats://bus:4222", "FLEETPILOT_DATA": "/d"})
+    assert ExampleSettings.from_environment().nats_url == "nats://bus:4222"
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"FLEETPILOT_EXAMPLE_BAKEND": "process"},
+     "FLEETPILOT_EXAMPLE_BAKEND is not a setting (did you mean FLEETPILOT_EXAMPLE_BACKEND?)"),
+    ({"fleetpilot_example_grace": "3"},
+     "FLEETPILOT_EXAMPLE_GRACE is not a setting (did you mean FLEETPILOT_EXAMPLE_GRACE_S?)"),
+    ({"FLEETPILOT_EXAMPLE_WHATEVER": "1"}, "FLEETPILOT_EXAMPLE_WHATEVER is not a setting"),
+    ({"FLEETPILOT_EXAMPLE_BACKEND": "k8s"}, "FLEETPILOT_EXAMPLE_BACKEND='k8s': Input should be 'sim' or 'process'"),
+    ({"FLEETPILOT_EXAMPLE_GRACE_S": "soon"}, "FLEETPILOT_EXAMPLE_GRACE_S='soon': Input should be a valid number"),
+])
+def test_a_mistake_is_named_with_its_variable(environment, variables, message):
+    environment(variables)
+    with pytest.raises(BadSettings) as raised:
+        ExampleSettings.from_environment()
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
+
+
+def test_every_mistake_is_named_at_once(environment):
+    environment({"FLEETPILOT_EXAMPLE_BAKEND": "process", "FLEETPILOT_EXAMPLE_GRACE_S": "soon"})
+    with pytest.raises(BadSettings) as raised:
+        ExampleSettings.from_environment()
+    assert "FLEETPILOT_EXAMPLE_BAKEND is not a setting" in str(raised.value)
+    assert "FLEETPILOT_EXAMPLE_GRACE_S='soon'" in str(raised.value)
