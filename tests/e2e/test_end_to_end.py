@@ -151,3 +151,25 @@ async def test_sigterm_drains_and_exits_cleanly_mid_burst(fleet):
     assert await asyncio.to_thread(sla.wait, 20) == 0
     fleet.restart("sla")
     await decided_once_each(fleet, ids)
+
+
+async def test_nats_killed_mid_burst_loses_no_task_and_the_fleet_decides_on(fleet):
+    """The server dies without a goodbye and comes back on its store: every service
+    reconnects and its consumers resume, so every task submitted before and after is
+    decided once, and no service dies of it."""
+    ids = [f"nats-{i:04d}" for i in range(80)]
+    for i in range(40):
+        await fleet.submit(small_task(i, "nats"))
+    await asyncio.sleep(0.3)
+    fleet.server.kill()
+    await asyncio.sleep(1)
+    fleet.server.start()  # same port, same JetStream store
+    await wait_until(lambda: _connected(fleet), 30, "the test client back on the server")
+    for i in range(40, 80):
+        await fleet.submit(small_task(i, "nats"))
+    await decided_once_each(fleet, ids)
+    assert not fleet.procs.dead(), fleet.procs.dead()
+
+
+async def _connected(fleet: Fleet) -> bool:
+    return fleet.nc.is_connected

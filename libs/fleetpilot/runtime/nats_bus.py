@@ -4,7 +4,8 @@ Durable subjects are published with JetStream (``Nats-Msg-Id`` de-duplicates the
 the stream's window); telemetry goes over core NATS and is captured by a short-lived
 stream for late joiners. Each durable consumer is a pull consumer bound by name, so every
 replica of a service shares it. When the server restarts the client reconnects on its own;
-the consume loop re-creates its stream and consumer if the server lost them and re-binds.
+the consume loop re-creates its stream and consumer if the server lost them and re-binds,
+and a KV watch starts again from the bucket's current values.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
 import nats
@@ -76,13 +77,32 @@ async def bucket_subject_keys(js, bucket: str) -> list[str]:
     return sorted(subject[len(prefix):] for subject in subjects)
 
 
+class Reconnections:
+    """How many times a connection came back after losing its server. What lives in the
+    server's state rather than in the client (a KV watch's ordered consumer) may be gone
+    after one: a server that lost its store never delivers to it again."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def happened(self) -> None:
+        """The client reconnected."""
+        self.count += 1
+
+
 class NatsKeyValue(KeyValue):
     """A NATS KV bucket behind the ``KeyValue`` interface."""
 
-    def __init__(self, kv, js, bucket: str) -> None:
+    WATCH_POLL_S = 1.0
+    """How often a quiet watch looks whether the connection came back since it started."""
+
+    def __init__(self, kv, js, bucket: str, reconnections: Reconnections | None = None,
+                 recreate: Callable[[], Awaitable[None]] | None = None) -> None:
         self._kv = kv
         self._js = js
         self._bucket = bucket
+        self._reconnections = reconnections or Reconnections()
+        self._recreate = recreate
 
     async def get(self, key: str) -> KvEntry | None:
         try:
@@ -118,16 +138,57 @@ class NatsKeyValue(KeyValue):
         return live
 
     async def watch(self, pattern: str = ">") -> AsyncIterator[KvEntry]:
-        watcher = await self._kv.watch(pattern)
-        try:
-            async for entry in watcher:
-                if entry is None:  # marks the end of the initial values
-                    continue
-                deleted = entry.operation in ("DEL", "PURGE")
-                yield KvEntry(entry.key, None if deleted else entry.value, entry.revision)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
+        """The current values, then every change, across server restarts: after a reconnect
+        the watch starts again from the bucket's current values, and a key the caller holds
+        that is gone from them (a server that lost its store) comes as deleted. nats-py's own
+        watch stalls for good on a server that lost its store, and for about 20 s on one that
+        kept it, while the mirrors built on it (the policy's ledger and fleet views, its
+        configuration) looked current."""
+        held: set[str] = set()  # keys whose last word to the caller was a value
+        while True:
+            since = self._reconnections.count
+            watcher = await self._start_watch(pattern)
+            current: set[str] | None = set()  # keys among the initial values; None once they are all in
+            try:
+                while self._reconnections.count == since:
+                    try:
+                        entry = await watcher.updates(timeout=self.WATCH_POLL_S)
+                    except nats.errors.TimeoutError:
+                        continue
+                    if entry is None:  # the end of the initial values
+                        if current is not None:
+                            for key in sorted(held - current):
+                                held.discard(key)
+                                yield KvEntry(key, None, 0)
+                        current = None
+                        continue
+                    deleted = entry.operation in ("DEL", "PURGE")
+                    (held.discard if deleted else held.add)(entry.key)
+                    if current is not None and not deleted:
+                        current.add(entry.key)
+                    yield KvEntry(entry.key, None if deleted else entry.value, entry.revision)
+                log.info("kv %s: the connection came back; watching %s again from the current values",
+                         self._bucket, pattern)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+    async def _start_watch(self, pattern: str):
+        """nats-py's watcher, retried until the server serves the bucket again (it may have
+        come back without JetStream ready, or without the bucket, which is made again)."""
+        failures = 0
+        while True:
+            try:
+                return await self._kv.watch(pattern)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - no responders, timeout, stream not found
+                failures += 1
+                log.warning("kv %s: cannot watch yet (%s); retrying", self._bucket, exc)
+                await asyncio.sleep(min(0.25 * failures, 5.0))
+                if self._recreate is not None:
+                    with contextlib.suppress(Exception):
+                        await self._recreate()
 
 
 class NatsBus(Bus):
@@ -142,6 +203,7 @@ class NatsBus(Bus):
         self._micro: Service | None = None
         self._kv_cache: dict[str, NatsKeyValue] = {}
         self._closing = asyncio.Event()
+        self._reconnections = Reconnections()
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0) -> NatsBus:
@@ -153,8 +215,11 @@ class NatsBus(Bus):
             if not closing.is_set():  # our own drain is not news
                 log.warning("%s: disconnected from NATS", name)
 
+        reconnections = Reconnections()
+
         async def on_reconnect() -> None:
             log.warning("%s: reconnected to NATS", name)
+            reconnections.happened()
 
         async def on_error(exc: Exception) -> None:
             log.debug("%s: NATS error: %s", name, exc)
@@ -170,6 +235,7 @@ class NatsBus(Bus):
             raise ConnectionError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
         bus = cls(nc, name)
         bus._closing = closing
+        bus._reconnections = reconnections
         return bus
 
     @property
@@ -337,10 +403,11 @@ class NatsBus(Bus):
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv_cache:
             try:
-                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket), self._js, bucket)
+                kv = await self._js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError:
                 await self.ensure_topology()
-                self._kv_cache[bucket] = NatsKeyValue(await self._js.key_value(bucket), self._js, bucket)
+                kv = await self._js.key_value(bucket)
+            self._kv_cache[bucket] = NatsKeyValue(kv, self._js, bucket, self._reconnections, self.ensure_topology)
         return self._kv_cache[bucket]
 
     async def drain(self) -> None:
