@@ -114,7 +114,11 @@ class FleetLabels:
             if entry.value is None:
                 self.nodes.pop(entry.key, None)
                 continue
-            self.nodes[entry.key] = _NODE.decode(entry.value)
+            try:
+                self.nodes[entry.key] = _NODE.decode(entry.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("topology bucket: %s is unreadable (%s); keeping what was read before", entry.key, exc)
+                continue
             if entry.key in self._wanted:
                 try:
                     await self._apply(entry.key)

@@ -10,9 +10,9 @@ it stops. ``GpuHealth`` (``health.py``) builds on it for what the GPUs' health a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import get_args
 
 from fleetpilot.contracts import (
     ActionExecuted,
@@ -57,7 +57,7 @@ PUBLISHED_BY_HANDLER = ("started", "evicted", "migrated")
 # Simulated hardware endings -> (lifecycle state, exit code as a process would report it).
 SIM_ENDINGS = {"finished": ("finished", 0), "oom_killed": ("oom_killed", 137), "task_failed": ("failed", 1)}
 
-Background = Callable[[Coroutine[Any, Any, None], str], None]
+Background = Callable[[Callable[[], Awaitable[None]], str], None]
 
 
 class TopologyBusiness:
@@ -112,8 +112,8 @@ class ExecutorReplica:
         self.ledger = await LedgerStore.open(bus)
         self.labels = FleetLabels(await bus.kv("topology"))
         await self.labels.load()
-        background(self.ledger.follow(), "ledger-view")
-        background(self.labels.follow(), "topology-labels")
+        background(self.ledger.follow, "ledger-view")
+        background(self.labels.follow, "topology-labels")
         self.locks = KvHookLock(await bus.kv("hook_locks"))
         self.hook = PreDecommissionHook(settings.replica, self.locks, rules=self.rules)
         self.business = TopologyBusiness(self.labels, self.hook)

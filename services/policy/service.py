@@ -168,12 +168,12 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         ps.admissions = admissions = await Admissions.open(bus)
         ps.executions = await bus.kv("executions")
         ps.pending = await bus.kv("pending")
-        host.background(fleet.follow(), "fleet-watch")
-        host.background(ledger.follow(), "ledger-watch")
-        host.background(admissions.follow(), "contracts-watch")
-        host.background(watch_config(bus, docs), "config-watch")
+        host.background(fleet.follow, "fleet-watch")
+        host.background(ledger.follow, "ledger-watch")
+        host.background(admissions.follow, "contracts-watch")
+        host.background(lambda: watch_config(bus, docs), "config-watch")
         if plugins is not None:
-            host.background(watch_plugins(), "plugin-watch")
+            host.background(watch_plugins, "plugin-watch")
         await refresh_stats(bus)
 
     async def watch_config(bus: Bus, docs: dict[str, bytes]) -> None:

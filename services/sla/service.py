@@ -342,9 +342,9 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         ledger = await LedgerStore.open(bus)
         store = await ContractStore.open(bus)
         holder["n"] = Negotiator(bus, settings, clock, topology, ledger, store)
-        host.background(topology.follow(), "topology-watch")
-        host.background(ledger.follow(), "ledger-watch")
-        host.background(store.follow(), "contracts-watch")
+        host.background(topology.follow, "topology-watch")
+        host.background(ledger.follow, "ledger-watch")
+        host.background(store.follow, "contracts-watch")
 
     host.on_startup(open_state)
 

@@ -4,6 +4,7 @@ watchers, and compare-and-set writes that retry on conflict."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import ClassVar, Self
 
@@ -11,6 +12,8 @@ import msgspec
 
 from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, encode
 from fleetpilot.runtime import Bus, CasConflict, KeyValue
+
+log = logging.getLogger("fleetpilot.ledger")
 
 _LEDGER = msgspec.json.Decoder(NodeLedger)
 _NODE = msgspec.json.Decoder(NodeTopology)
@@ -48,7 +51,13 @@ class BucketMirror:
         if value is None:
             self.nodes.pop(key, None)
         else:
-            self.nodes[key] = self.decoder.decode(value)
+            try:
+                self.nodes[key] = self.decoder.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # One unreadable value (a hand edit, a writer of another version) must not
+                # stop the view following every other key; the last readable one stays.
+                log.error("%s bucket: %s is unreadable (%s); keeping what was read before", self.bucket, key, exc)
+                return
         self.version += 1
         self.changed_at[key] = self.version
         self.changed.set()

@@ -31,6 +31,11 @@ from .metrics import HandlerMetrics
 
 log = logging.getLogger("fleetpilot.host")
 
+RESTART_BACKOFF_S = 0.5
+"""The pause before a background job that ended is started again, doubled while it keeps failing..."""
+RESTART_BACKOFF_MAX_S = 30.0
+"""...up to this."""
+
 
 @dataclass
 class _Durable:
@@ -77,6 +82,8 @@ class ServiceHost:
         self._shutdown: list[Callable[[], Awaitable[None]]] = []
         self._stopping_hooks: list[Callable[[], Awaitable[object]]] = []
         self._tasks: list[asyncio.Task] = []
+        self.restarts: dict[str, int] = {}
+        """How many times each background job was started again (``/healthz`` shows it)."""
         self._ops: OpsServer | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -136,17 +143,30 @@ class ServiceHost:
         self._shutdown.append(hook)
         return hook
 
-    def background(self, coro: Awaitable[None], name: str) -> None:
-        """Keep a long-running coroutine (a KV watcher, say) alive until the service stops."""
-        self._tasks.append(asyncio.create_task(self._guard(coro, name), name=name))
+    def background(self, start: Callable[[], Awaitable[None]], name: str) -> None:
+        """Keep a long-running job (a KV watcher, say) running until the service stops:
+        ``start()`` is called again, after a pause, whenever the job ends or fails. A view
+        whose watcher died would otherwise stay as it was for the rest of the process while
+        the service went on deciding on it."""
+        self._tasks.append(asyncio.create_task(self._keep_running(start, name), name=name))
 
-    async def _guard(self, coro: Awaitable[None], name: str) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("background task %s died", name)
+    async def _keep_running(self, start: Callable[[], Awaitable[None]], name: str) -> None:
+        failures = 0
+        while not self._stopping:
+            began = asyncio.get_running_loop().time()
+            try:
+                await start()
+                log.warning("background task %s ended", name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task %s died", name)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            # A job that ran a while before it failed is not failing in a loop: back off anew.
+            failures = 1 if asyncio.get_running_loop().time() - began > RESTART_BACKOFF_MAX_S else failures + 1
+            pause = min(RESTART_BACKOFF_S * 2 ** (failures - 1), RESTART_BACKOFF_MAX_S)
+            log.info("background task %s starts again in %.1f s", name, pause)
+            await asyncio.sleep(pause)
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self, bus: Bus | None = None) -> None:
@@ -193,7 +213,8 @@ class ServiceHost:
         """The ``/healthz`` document: ok while the bus is connected."""
         connected = bool(self.bus and self.bus.connected)
         self.metrics.connected.labels(self.name).set(1 if connected else 0)
-        return {"ok": connected, "service": self.name, "replica": self.settings.replica}
+        return {"ok": connected, "service": self.name, "replica": self.settings.replica,
+                "background_restarts": dict(self.restarts)}
 
     async def stop(self, step_timeout_s: float = 15.0) -> None:
         """Stop periodic jobs, run the stopping hooks, drain the bus (in-flight handlers

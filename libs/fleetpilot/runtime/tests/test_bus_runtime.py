@@ -268,3 +268,25 @@ async def test_the_time_a_stream_last_stored_a_subject(bus):
     first = await bus.first_stored_at("topology.report.n9")
     assert first is not None and before - 1.0 <= first <= last
     assert await bus.first_stored_at("sim.control") is None and await bus.first_stored_at("dlq.x") is None
+
+
+async def test_a_background_job_that_dies_or_ends_is_started_again_and_health_counts_it(bus):
+    host = ServiceHost("policy", settings())
+    await host.start(bus)
+    runs: list[int] = []
+
+    async def follow_a_view() -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            raise RuntimeError("the watch was lost")
+        if len(runs) == 2:
+            return  # a watch that ends: the view would stop changing just the same
+        await asyncio.Event().wait()
+
+    try:
+        host.background(follow_a_view, "ledger-watch")
+        await wait_for(lambda: len(runs) == 3, timeout_s=10, what="the third start")
+        health = host.health()
+        assert health["background_restarts"] == {"ledger-watch": 2}
+    finally:
+        await host.stop()
