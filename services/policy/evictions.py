@@ -169,8 +169,11 @@ class Evictions(ReplicaState):
             out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s)))
         return out
 
-    def preemption_for(self, adm: TaskAdmitted) -> tuple[Preemption, PolicyDecision] | None:
-        """The cheapest preemption after which the routed policy places the vip task.
+    def preemption_for(self, adm: TaskAdmitted, leaving: frozenset[str] = frozenset()
+                       ) -> tuple[Preemption, PolicyDecision] | None:
+        """The cheapest preemption after which the routed policy places the vip task, among
+        tasks not ``leaving`` already (evicted for another vip, or by the executor): their
+        room is promised elsewhere, and evicting them again frees nothing.
 
         Tried for what ``place`` asks, in its order: the predicted peak first, then a smooth
         grower's ask (its bridge). The victims are chosen for that same memory: chosen for
@@ -178,7 +181,7 @@ class Evictions(ReplicaState):
         the vip would never preempt."""
         policies = self.active.current
         name, _ = policies.route(adm.task)
-        victims = self.victims({adm.task.task_id})
+        victims = self.victims({adm.task.task_id} | leaving)
         for req in self.requests(adm.task):
             wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
                                              gpu_models=list(req.gpu_models))
@@ -192,10 +195,12 @@ class Evictions(ReplicaState):
                     return plan, choice
         return None
 
-    async def preempt(self, adm: TaskAdmitted, pending) -> list[DecisionMade]:
-        """``evict`` decisions for the cheapest preemption that lets the vip task fit, after
-        the victims' ``pending`` entries are written (each with its re-placement id)."""
-        found = self.preemption_for(adm)
+    async def preempt(self, adm: TaskAdmitted, pending, leaving: frozenset[str] = frozenset()
+                      ) -> list[DecisionMade]:
+        """``evict`` decisions for the cheapest preemption that lets the vip task fit without
+        the tasks already ``leaving``, after the victims' ``pending`` entries are written
+        (each with its re-placement id)."""
+        found = self.preemption_for(adm, leaving)
         if found is None:
             return []
         plan, choice = found

@@ -279,6 +279,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         waiting = []
         evicting: set[str] = set()  # vip tasks whose preemption is still being carried out
+        leaving: set[str] = set()  # tasks evicted whose holds are not released yet: no vip may pick them again
         for key in await pending.keys():
             entry = await pending.get(key)
             if not entry or not entry.value or entry.value == b"claimed":
@@ -300,6 +301,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 # would take the new holds too). Only a preemption holds the queue for its vip.
                 if requeue.for_task:
                     evicting.add(requeue.for_task)
+                leaving.add(adm.task.task_id)
                 continue
             waiting.append((adm, requeue, entry))
         waiting.sort(key=lambda p: queue_position(p[0]))
@@ -341,9 +343,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 # A vip that fits nowhere may preempt best_effort work (``preempt``), once
                 # per round and not while its last preemption is still under way.
                 if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
-                    evictions = await ps.preempt(adm, pending)
+                    evictions = await ps.preempt(adm, pending, frozenset(leaving))
                     if evictions:
                         evicting.add(adm.task.task_id)
+                        leaving.update(d.task_id for d in evictions)
                         out.extend(metrics.decided(d) for d in evictions)
                 continue
             await pending.delete(entry.key)

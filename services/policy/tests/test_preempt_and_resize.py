@@ -13,6 +13,7 @@ import msgspec
 from fleetpilot.contracts import (
     Allocation,
     Contract,
+    DecisionMade,
     Fingerprint,
     NodeLedger,
     SimAck,
@@ -20,6 +21,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskFingerprinted,
     TaskSubmitted,
+    decode,
     encode,
     now,
 )
@@ -223,6 +225,48 @@ async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_
         "be1.evict.1",
         "vip1",
     )
+
+
+async def test_two_waiting_vips_preempt_different_tasks_and_each_eviction_goes_out_once(
+    observer, nats_url, tmp_path
+):
+    """Without an executor nothing is released. One best_effort task frees room for one vip:
+    the second vip must choose another victim, not the first's again, and a victim already
+    leaving is not evicted anew in later rounds (each re-publication was a second evict on
+    ``decision.made`` for every watcher, and overwrote which vip the room was freed for)."""
+    await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
+    await observer.kv_put(
+        "ledger", "n0", encode(NodeLedger(node="n0", allocations=[running("be1", 0, 1000, 5)]))
+    )
+    await observer.kv_put(
+        "ledger", "n1", encode(NodeLedger(node="n1", allocations=[running("be2", 0, 1000, 50)]))
+    )
+    for task_id in ("be1", "be2"):
+        await observer.kv_put(
+            "contracts", f"contract.{task_id}", encode(contract_of(task_id, "best_effort", 1000, 9))
+        )
+    published: list[str] = []  # every publication, as a core subscriber (`fleetpilot watch`) sees it
+
+    async def on_decision(msg) -> None:
+        published.append(decode(msg.data, DecisionMade).decision_id)
+
+    heard = await observer.nc.subscribe("decision.made", cb=on_decision)
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1))
+    await policy.start()
+    try:
+        await observer.admit(tiered("vip1", "vip", gpu_milli=1000))
+        await observer.admit(tiered("vip2", "vip", gpu_milli=1000))
+        await wait_for(lambda: sum(d.action == "evict" for d in observer.decisions) == 2, what="two evictions")
+        await asyncio.sleep(1.0)  # ten rounds
+        pending = await observer.js.key_value("pending")
+        freed_for = {victim: decode_pending((await pending.get(victim)).value)[1].for_task
+                     for victim in ("be1", "be2")}
+    finally:
+        await policy.stop()
+        await heard.unsubscribe()
+    assert sorted(d.decision_id for d in observer.decisions if d.action == "evict") == ["be1.evict.1", "be2.evict.1"]
+    assert sorted(freed_for.values()) == ["vip1", "vip2"]
+    assert sorted(i for i in published if ".evict." in i) == ["be1.evict.1", "be2.evict.1"]
 
 
 def fingerprint(peak_mb: float) -> Fingerprint:
