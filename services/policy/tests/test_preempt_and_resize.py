@@ -188,11 +188,8 @@ async def test_a_fingerprinted_vip_preempts_for_its_predicted_peak_not_its_ask(o
     assert [(p.node, p.gpu, p.milli, p.memory_mb) for p in vip.placement] == [("n0", 0, 500, 42_000)]
 
 
-async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_for_their_release(
-    observer, nats_url, tmp_path
-):
-    """Without an executor nothing is released: the vip preempts once, the victims' pending
-    entries carry their re-placement ids and stay unplaced, and no second round evicts more."""
+async def two_nodes_each_running_a_best_effort_task(observer) -> None:
+    """n0 runs be1 (5 s old, the cheaper victim) and n1 runs be2 (50 s old), each on its one GPU."""
     await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
     await observer.kv_put(
         "ledger", "n0", encode(NodeLedger(node="n0", allocations=[running("be1", 0, 1000, 5)]))
@@ -204,6 +201,14 @@ async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_
         await observer.kv_put(
             "contracts", f"contract.{task_id}", encode(contract_of(task_id, "best_effort", 1000, 9))
         )
+
+
+async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_for_their_release(
+    observer, nats_url, tmp_path
+):
+    """Without an executor nothing is released: the vip preempts once, the victims' pending
+    entries carry their re-placement ids and stay unplaced, and no second round evicts more."""
+    await two_nodes_each_running_a_best_effort_task(observer)
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1))
     await policy.start()
     try:
@@ -234,17 +239,7 @@ async def test_two_waiting_vips_preempt_different_tasks_and_each_eviction_goes_o
     the second vip must choose another victim, not the first's again, and a victim already
     leaving is not evicted anew in later rounds (each re-publication was a second evict on
     ``decision.made`` for every watcher, and overwrote which vip the room was freed for)."""
-    await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
-    await observer.kv_put(
-        "ledger", "n0", encode(NodeLedger(node="n0", allocations=[running("be1", 0, 1000, 5)]))
-    )
-    await observer.kv_put(
-        "ledger", "n1", encode(NodeLedger(node="n1", allocations=[running("be2", 0, 1000, 50)]))
-    )
-    for task_id in ("be1", "be2"):
-        await observer.kv_put(
-            "contracts", f"contract.{task_id}", encode(contract_of(task_id, "best_effort", 1000, 9))
-        )
+    await two_nodes_each_running_a_best_effort_task(observer)
     published: list[str] = []  # every publication, as a core subscriber (`fleetpilot watch`) sees it
 
     async def on_decision(msg) -> None:
