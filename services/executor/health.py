@@ -95,7 +95,8 @@ class GpuHealth(ExecutorReplica):
                 log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
                 return None
             await self.recall(task_id)
-            await self.release(task_id, command.node)
+            if not await self.release(task_id, command.node):
+                return None  # it ended meanwhile, and its end was told
             event = self.lifecycle(task_id, "evicted", command.node, [command.gpu],
                                    detail=f"GPU {command.node}/{command.gpu} decommissioned: {command.reason}")
             self.decisions.pop(task_id, None)

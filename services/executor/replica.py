@@ -20,6 +20,7 @@ from fleetpilot.contracts import (
     Event,
     HandedOver,
     HandOver,
+    NodeLedger,
     SimEvent,
     TaskKind,
     TaskLifecycle,
@@ -155,10 +156,19 @@ class ExecutorReplica:
             self.decisions.pop(task_id, None)
 
     # ---- the ledger and the lifecycle ----------------------------------------------------
-    async def release(self, task_id: str, node: str) -> None:
-        """Give back every hold of ``task_id`` on ``node``."""
+    async def release(self, task_id: str, node: str) -> bool:
+        """Give back every hold of ``task_id`` on ``node``; whether it held any (a task whose
+        end was told has none left: its holds went back then)."""
         assert self.ledger is not None
-        await self.ledger.mutate(node_key(node), lambda cur: without_task(cur, task_id) if cur else None)
+        held = False
+
+        def change(cur: NodeLedger | None) -> NodeLedger | None:
+            nonlocal held  # set on every attempt: a lost compare-and-set runs it again
+            held = cur is not None and any(a.task_id == task_id for a in cur.allocations)
+            return without_task(cur, task_id) if held else None
+
+        await self.ledger.mutate(node_key(node), change)
+        return held
 
     async def recall(self, task_id: str, besides: str = "") -> None:
         """Learn the decision that placed ``task_id`` where this replica did not carry it
@@ -281,12 +291,19 @@ class ExecutorReplica:
                                           [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at,
                                           replaces=left))
             elif decision.action == "evict":
-                for src in {p.node for p in decision.source}:
-                    await self.release(decision.task_id, src)
+                held = [await self.release(decision.task_id, src) for src in sorted({p.node for p in decision.source})]
                 # An evict names where the task was in ``source``; its placement is empty.
                 src_node = decision.source[0].node if decision.source else node
                 src_gpus = sorted({p.gpu for p in decision.source if p.gpu >= 0})
-                out.append(self.lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
+                if any(held):
+                    out.append(self.lifecycle(decision.task_id, "evicted", src_node, src_gpus, at=result.executed_at))
+                else:
+                    # It ended on its own before the eviction reached it, and that end was told
+                    # (its holds went back then): "evicted" now would have the policy run a
+                    # finished task again. (A redelivery finds no holds either: the first
+                    # handling told the eviction.)
+                    log.info("%s had ended before %s reached it: nothing to tell", decision.task_id,
+                             decision.decision_id)
                 self.decisions.pop(decision.task_id, None)
             elif decision.action == "resize" and node:
                 # The policy reserved the extra memory; the task's hold takes the new size.

@@ -192,6 +192,28 @@ async def test_process_that_exits_is_reported_finished_and_its_hold_released(obs
     assert (await observer.ledger("n1")).allocations == []
 
 
+async def test_an_eviction_that_reaches_a_task_already_finished_tells_no_eviction(observer, nats_url, tmp_path):
+    """A preemption races with the task's own end: the end was told (and its hold given
+    back) first. An ``evicted`` after it would have the policy queue and run the finished
+    task again; the eviction is carried out (there is nothing to stop) and says nothing more."""
+    await observer.kv_put("ledger", "n1", reserved("t2", "d5"))
+    host = build(settings(nats_url, tmp_path, backend="process"))
+    await host.start()
+    try:
+        await observer.js.publish(
+            "decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"]))
+        )
+        await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)  # started, finished
+        await observer.js.publish("decision.made", encode(evict("t2.evict.1", "t2")))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
+        await asyncio.sleep(1.5)  # one backend poll and more: room for an eviction to be told
+        life = await observer.stored("task.lifecycle.t2", TaskLifecycle)
+    finally:
+        await host.stop()
+    assert [e.decision_id for e in executed] == ["d5", "t2.evict.1"]
+    assert [s.state for s in life] == ["started", "finished"]
+
+
 @pytest.mark.parametrize("command", [None, ["/nonexistent/binary"]])
 async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(
     observer, nats_url, tmp_path, command

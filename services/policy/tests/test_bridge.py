@@ -175,10 +175,11 @@ async def test_a_bridged_task_about_to_overflow_with_nowhere_to_go_is_checkpoint
         await asyncio.sleep(0.7)  # more rounds: one eviction, and slow stays
         entry = await (await observer.js.key_value("pending")).get("fast")
         slow_meanwhile = [d.action for d in observer.by_task()["slow"]]
-        # The executor stops fast and releases its hold; the H100s free: fast is placed again
-        # (and slow, bridged, moves up to the other).
-        await observer.kv_put("ledger", where["fast"], encode(NodeLedger(node=where["fast"], allocations=[])))
+        # The H100s free, then the executor stops fast and releases its hold: fast is placed
+        # again (and slow, bridged, moves up to the other). In this order: fast waits for its
+        # release, so a round between the two writes cannot place it before the H100s free.
         await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await observer.kv_put("ledger", where["fast"], encode(NodeLedger(node=where["fast"], allocations=[])))
         await wait_for(lambda: len(observer.by_task()["fast"]) == 3, timeout_s=3.0, what="fast placed again")
     finally:
         await policy.stop()
