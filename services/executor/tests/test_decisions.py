@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -174,7 +175,10 @@ async def test_process_backend_runs_the_command_on_its_gpus_and_evicts_it(
     assert (await observer.ledger("n1")).allocations == []
 
 
-async def test_process_that_exits_is_reported_finished_and_its_hold_released(observer, nats_url, tmp_path):
+@contextlib.asynccontextmanager
+async def a_task_that_exits_at_once(observer, nats_url: str, tmp_path: Path):
+    """The process backend running t2 (``d5``), a command that exits at once; the block
+    starts once its ``started`` and ``finished`` are stored."""
     await observer.kv_put("ledger", "n1", reserved("t2", "d5"))
     host = build(settings(nats_url, tmp_path, backend="process"))
     await host.start()
@@ -182,9 +186,15 @@ async def test_process_that_exits_is_reported_finished_and_its_hold_released(obs
         await observer.js.publish(
             "decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"]))
         )
-        life = await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)
+        await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)
+        yield
     finally:
         await host.stop()
+
+
+async def test_process_that_exits_is_reported_finished_and_its_hold_released(observer, nats_url, tmp_path):
+    async with a_task_that_exits_at_once(observer, nats_url, tmp_path):
+        life = await observer.stored("task.lifecycle.t2", TaskLifecycle)
     assert [(s.state, s.exit_code, s.decision_id) for s in life] == [
         ("started", None, "d5"),
         ("finished", 0, "d5"),
@@ -196,20 +206,11 @@ async def test_an_eviction_that_reaches_a_task_already_finished_tells_no_evictio
     """A preemption races with the task's own end: the end was told (and its hold given
     back) first. An ``evicted`` after it would have the policy queue and run the finished
     task again; the eviction is carried out (there is nothing to stop) and says nothing more."""
-    await observer.kv_put("ledger", "n1", reserved("t2", "d5"))
-    host = build(settings(nats_url, tmp_path, backend="process"))
-    await host.start()
-    try:
-        await observer.js.publish(
-            "decision.made", encode(assign("d5", "t2", command=[sys.executable, "-c", "pass"]))
-        )
-        await observer.wait_stored("task.lifecycle.t2", TaskLifecycle, 2)  # started, finished
+    async with a_task_that_exits_at_once(observer, nats_url, tmp_path):
         await observer.js.publish("decision.made", encode(evict("t2.evict.1", "t2")))
         executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
         await asyncio.sleep(1.5)  # one backend poll and more: room for an eviction to be told
         life = await observer.stored("task.lifecycle.t2", TaskLifecycle)
-    finally:
-        await host.stop()
     assert [e.decision_id for e in executed] == ["d5", "t2.evict.1"]
     assert [s.state for s in life] == ["started", "finished"]
 
