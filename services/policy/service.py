@@ -240,12 +240,20 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             state().active.apply_workload(list(seen))
 
     @host.on(TaskAdmitted, consumer="policy-admitted")
-    async def on_admitted(adm: TaskAdmitted) -> DecisionMade:
+    async def on_admitted(adm: TaskAdmitted) -> DecisionMade | None:
         ps = state()
         seen.append(TaskRequest.from_submitted(adm.task))
         again = ps.existing(adm)
         if again is not None:
             return again
+        first = decision_id_for(adm.task.task_id, "assign")
+        if await ps.journaled(first):
+            # Delivered again after the executor took its assign (it runs, ran, or failed and
+            # gave the hold back): what became of the task is the action's business. A new
+            # reservation under the same id would go out as a duplicate the stream drops,
+            # held by nobody, and would keep the failure from placing the task again.
+            log.info("%s: admitted again after the executor took %s; nothing to decide", adm.task.task_id, first)
+            return None
         if not ps.fleet.nodes:
             raise Retry("no fleet topology known yet", 1.0)
         decision, name, shard_id = await ps.place(adm)

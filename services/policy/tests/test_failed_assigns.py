@@ -66,3 +66,31 @@ async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer,
     # The submitter is told that u will not run, and why.
     assert [(r.task_id, r.code) for r in rejected] == [("u", "infeasible")]
     assert "refused by the executor 3 times" in rejected[0].reason and "reserved" in rejected[0].reason
+
+
+async def test_an_admission_delivered_again_after_its_assign_failed_reserves_nothing(observer, nats_url, tmp_path):
+    """Seen with NATS killed in the middle of a burst: the policy's first handling of an
+    admission reserved and published its assign, but its acknowledgement was lost; the
+    executor took the assign, failed it and gave the hold back. The admission, delivered
+    again, must not reserve under that same id: the stream drops the re-published assign as a
+    duplicate, so nobody would carry it out, and the failure, finding the task holding
+    capacity, would not place it again. The task was stuck for good."""
+    await observer.put_fleet([node("n0")])
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        adm = admitted("t", gpu_milli=500)
+        await observer.admit(adm)
+        await wait_for(lambda: len(observer.decisions) == 1, what="t placed")
+        executions = await observer.js.key_value("executions")
+        await executions.put("t.assign", encode(failure("t.assign", retryable=True)))  # the executor's journal
+        await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[])))  # its hold back
+        await observer.js.publish("task.admitted", encode(adm), headers={"Nats-Msg-Id": "admit:t:again"})
+        await asyncio.sleep(0.5)  # the admission handled again, before the failure is heard
+        await observer.js.publish("action.failed", encode(failure("t.assign", retryable=True)))
+        await wait_for(lambda: "t.assign.2" in {d.decision_id for d in observer.decisions}, what="t placed again")
+        await asyncio.sleep(0.5)
+        ledger = (await observer.ledgers())["n0"]
+    finally:
+        await policy.stop()
+    assert [a.decision_id for a in ledger.allocations] == ["t.assign.2"]
