@@ -72,7 +72,7 @@ from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.backfill import Demand, queue_key
-from fleetpilot.policy.preempt import decode_pending
+from fleetpilot.policy.preempt import claim_of, claim_pending, decode_pending
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
 
@@ -279,6 +279,48 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             )
         )
 
+    async def place_waiting(ps, pending, waiting, evicting, leaving, out, failed, blocked) -> None:
+        """One pass over the waiting entries, in the queue's order: each claimed, placed or
+        put back (a vip may preempt); decisions go to ``out`` as they are made."""
+        for adm, requeue, entry, value in waiting:
+            if evicting and adm.contract.tier != "vip":
+                # Space is being freed for a vip: nothing else may take it half-freed (an
+                # evicted task would otherwise come straight back where it was).
+                continue
+            held = ps.reservation
+            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
+            # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
+            demands = [Demand.of(r) for r in ps.requests(adm.task)]
+            if adm.contract.tier != "vip" and all(
+                any(d.cannot_fit_after(f) for f, masked in failed if hide or not masked) for d in demands
+            ):
+                blocked.append(adm)
+                continue  # a vip still gets its turn: it may preempt
+            try:
+                await pending.update(entry.key, claim_pending(value, now()), entry.revision)  # one replica takes it
+            except CasConflict:
+                continue
+            try:
+                decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
+                if decision is None:
+                    failed.extend((d, hide) for d in demands)
+                    blocked.append(adm)
+            except Retry:
+                decision = None
+            if decision is None:
+                await pending.put(entry.key, value)
+                # A vip that fits nowhere may preempt best_effort work (``preempt``), once
+                # per round and not while its last preemption is still under way.
+                if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
+                    evictions = await ps.preempt(adm, pending, frozenset(leaving))
+                    if evictions:
+                        evicting.add(adm.task.task_id)
+                        leaving.update(d.task_id for d in evictions)
+                        out.extend(metrics.decided(d) for d in evictions)
+                continue
+            await pending.delete(entry.key)
+            out.append(metrics.decided(decision))
+
     @host.every(settings.pending_retry_s)
     async def retry_pending() -> list[DecisionMade]:
         if "state" not in holder:
@@ -290,9 +332,28 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         leaving: set[str] = set()  # tasks evicted whose holds are not released yet: no vip may pick them again
         for key in await pending.keys():
             entry = await pending.get(key)
-            if not entry or not entry.value or entry.value == b"claimed":
+            if not entry or not entry.value:
                 continue
-            adm, requeue = decode_pending(entry.value)
+            value = entry.value
+            claim = claim_of(value)
+            if claim is not None:
+                at, value = claim
+                if not value or now() - at < settings.claim_timeout_s:
+                    continue  # a replica is placing it (or a claim of old left nothing to place)
+                # Its replica died, or lost the bus, while placing it: the entry is ours.
+                log.warning("%s: claimed %.0f s ago and never decided; taken over", key, now() - at)
+            try:
+                adm, requeue = decode_pending(value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # One unreadable entry must not stop every other task from being placed.
+                log.error("pending %s is unreadable (%s); skipped", key, exc)
+                continue
+            if claim is not None and ps.ledger.holds_of(adm.task.task_id) is None and await ps.journaled(
+                    requeue.decision_id if requeue else decision_id_for(adm.task.task_id, "assign")):
+                # The dead replica's decision went out and the executor took it (and the task
+                # ended, or its failure placed it again): nothing is left to decide.
+                await pending.delete(entry.key)
+                continue
             if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
                 if now() - requeue.at > settings.evict_timeout_s:
                     # The eviction failed or never went out: the task still runs. Forget the
@@ -311,7 +372,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                     evicting.add(requeue.for_task)
                 leaving.add(adm.task.task_id)
                 continue
-            waiting.append((adm, requeue, entry))
+            waiting.append((adm, requeue, entry, value))
         waiting.sort(key=lambda p: queue_position(p[0]))
         out: list[DecisionMade] = []
         # What found no node this round (and whether the reservation was hidden from it): a
@@ -321,44 +382,13 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # The tasks that found no place this round, skipped ones included: the reservation's
         # owner is chosen among them once the round is over.
         blocked: list[TaskAdmitted] = []
-        for adm, requeue, entry in waiting:
-            if evicting and adm.contract.tier != "vip":
-                # Space is being freed for a vip: nothing else may take it half-freed (an
-                # evicted task would otherwise come straight back where it was).
-                continue
-            held = ps.reservation
-            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
-            # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
-            demands = [Demand.of(r) for r in ps.requests(adm.task)]
-            if adm.contract.tier != "vip" and all(
-                any(d.cannot_fit_after(f) for f, masked in failed if hide or not masked) for d in demands
-            ):
-                blocked.append(adm)
-                continue  # a vip still gets its turn: it may preempt
-            try:
-                await pending.update(entry.key, b"claimed", entry.revision)  # one replica takes it
-            except CasConflict:
-                continue
-            try:
-                decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
-                if decision is None:
-                    failed.extend((d, hide) for d in demands)
-                    blocked.append(adm)
-            except Retry:
-                decision = None
-            if decision is None:
-                await pending.put(entry.key, entry.value)  # type: ignore[arg-type]
-                # A vip that fits nowhere may preempt best_effort work (``preempt``), once
-                # per round and not while its last preemption is still under way.
-                if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
-                    evictions = await ps.preempt(adm, pending, frozenset(leaving))
-                    if evictions:
-                        evicting.add(adm.task.task_id)
-                        leaving.update(d.task_id for d in evictions)
-                        out.extend(metrics.decided(d) for d in evictions)
-                continue
-            await pending.delete(entry.key)
-            out.append(metrics.decided(decision))
+        try:
+            await place_waiting(ps, pending, waiting, evicting, leaving, out, failed, blocked)
+        except Exception:  # noqa: BLE001 - the bus lost mid-round
+            # What the round decided still goes out (its holds are reserved, its entries
+            # gone); an entry claimed when the round broke off is taken over after
+            # ``claim_timeout_s``.
+            log.exception("retry round cut short after %d decisions", len(out))
         # The reservation goes to the whole-GPU task first in the queue's order among those
         # that found no place (expected completion bounds how long anything is overtaken,
         # wide tasks included). Only the whole round says who that is, so this round (and
@@ -409,7 +439,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if life.state not in ("finished", "oom_killed", "failed"):
             return
         entry = await pending.get(node_key(life.task_id))
-        if entry is None or not entry.value or entry.value == b"claimed":
+        if entry is None or not entry.value or claim_of(entry.value) is not None:
             return
         _, requeue = decode_pending(entry.value)
         if requeue is not None:

@@ -20,6 +20,8 @@ class PolicySettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_POLICY_", extra="ignore")
 
     pending_retry_s: float = 1.0
+    claim_timeout_s: float = Field(default=30.0, description="A pending entry claimed longer ago than this "
+                                   "was left by a replica that died placing it: another replica takes it")
     profile: str = "fleetpilot"
     # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
     shaping_rules: list[dict] = []

@@ -259,3 +259,26 @@ def encode_pending(adm: TaskAdmitted, requeue: Requeue | None = None) -> bytes:
 def decode_pending(raw: bytes) -> tuple[TaskAdmitted, Requeue | None]:
     """The admission in a ``pending`` value and its ``requeue`` note, if any."""
     return _ADMITTED.decode(raw), _ENVELOPE.decode(raw).requeue
+
+
+CLAIM_PREFIX = b"claimed "
+
+
+def claim_pending(raw: bytes, at: float) -> bytes:
+    """The ``pending`` value of an entry a replica is placing now: the claim's time, then
+    the entry as it was, so that the entry survives a replica that dies holding it."""
+    return CLAIM_PREFIX + f"{at:.3f} ".encode() + raw
+
+
+def claim_of(raw: bytes) -> tuple[float, bytes] | None:
+    """``(when, the entry as it was)`` of a claimed ``pending`` value, ``None`` for an
+    unclaimed one. A bare ``claimed`` (written by earlier versions) has no entry left."""
+    if raw == CLAIM_PREFIX.strip():
+        return 0.0, b""
+    if not raw.startswith(CLAIM_PREFIX):
+        return None
+    at, _, entry = raw[len(CLAIM_PREFIX):].partition(b" ")
+    try:
+        return float(at), entry
+    except ValueError:
+        return 0.0, b""

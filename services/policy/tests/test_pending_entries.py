@@ -1,0 +1,50 @@
+"""What a replica finds in ``pending`` that another left behind, over a real nats-server: an
+entry claimed by a replica that died while placing it is taken over once the claim is
+``claim_timeout_s`` old (not before), and an unreadable entry stops nobody else's placement."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleetpilot.contracts import now
+from fleetpilot.policy.preempt import claim_of, claim_pending, encode_pending
+from fleetpilot_services.policy.service import build
+
+from .conftest import admitted, node, settings, wait_for
+
+
+async def test_an_entry_claimed_by_a_replica_that_died_is_taken_over_and_a_fresh_claim_is_left_alone(
+    observer, nats_url, tmp_path
+):
+    await observer.put_fleet([node("n0")])
+    pending = await observer.js.key_value("pending")
+    # Both claimed while their replica placed them; the one of a minute ago never finished.
+    await pending.put("left", claim_pending(encode_pending(admitted("left", gpu_milli=500)), now() - 60))
+    await pending.put("busy", claim_pending(encode_pending(admitted("busy", gpu_milli=500)), now() + 600))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2, claim_timeout_s=30))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.decision_id == "left.assign" for d in observer.decisions), what="left placed")
+        await asyncio.sleep(0.6)  # more rounds
+        busy = await pending.get("busy")
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert [d.decision_id for d in observer.decisions] == ["left.assign"]
+    assert claim_of(busy.value) is not None and left == ["busy"]
+    ledger = (await observer.ledgers())["n0"]
+    assert [a.task_id for a in ledger.allocations] == ["left"]
+
+
+async def test_an_unreadable_entry_does_not_hold_the_others_up(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0")])
+    pending = await observer.js.key_value("pending")
+    await pending.put("a-garbled", b"{not an admission")
+    await pending.put("t", encode_pending(admitted("t", gpu_milli=500)))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.decision_id == "t.assign" for d in observer.decisions), what="t placed")
+    finally:
+        await policy.stop()
+    assert await observer.live_keys("pending") == ["a-garbled"]
