@@ -1,6 +1,7 @@
 """What a replica finds in ``pending`` that another left behind, over a real nats-server: an
 entry claimed by a replica that died while placing it is taken over once the claim is
-``claim_timeout_s`` old (not before), and an unreadable entry stops nobody else's placement."""
+``claim_timeout_s`` old (not before), an unreadable entry stops nobody else's placement, and a
+round the bus cuts short still publishes what it decided."""
 
 from __future__ import annotations
 
@@ -48,3 +49,31 @@ async def test_an_unreadable_entry_does_not_hold_the_others_up(observer, nats_ur
     finally:
         await policy.stop()
     assert await observer.live_keys("pending") == ["a-garbled"]
+
+
+async def test_a_round_cut_short_still_publishes_what_it_decided(observer, nats_url, tmp_path, monkeypatch):
+    """The bus fails while a round places its second task: the first task's decision (its
+    hold reserved, its entry gone) still goes out, and the second's claim is taken over."""
+    from fleetpilot_services.policy.service import PolicyState
+
+    place = PolicyState.place
+
+    async def bus_lost_on_late(self, adm, decision_id=None):
+        if adm.task.task_id == "late":
+            raise RuntimeError("nats: timeout")
+        return await place(self, adm, decision_id)
+
+    monkeypatch.setattr(PolicyState, "place", bus_lost_on_late)
+    await observer.put_fleet([node("n0")])
+    pending = await observer.js.key_value("pending")
+    await pending.put("early", encode_pending(admitted("early", gpu_milli=500, expected_duration_s=60)))
+    await pending.put("late", encode_pending(admitted("late", gpu_milli=500, expected_duration_s=3600)))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.decision_id == "early.assign" for d in observer.decisions),
+                       what="early's decision published")
+        late = await pending.get("late")
+    finally:
+        await policy.stop()
+    assert claim_of(late.value) is not None  # taken over by a round after claim_timeout_s
