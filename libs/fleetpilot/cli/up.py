@@ -161,7 +161,18 @@ class Report:
         self.submitted_at: dict[str, float] = {}
         # (policy, action) -> [sum of confidences, actions that met their goal, actions judged]
         self.judged: dict[tuple[str, str], list[float]] = {}
+        # The report hears core publications, and an idempotent re-publication (a retried
+        # handler, a redelivered decision) reaches it again where the streams drop it as a
+        # duplicate: each decision and action is counted once, by its id.
+        self.seen_ids: set[str] = set()
         self.started = time.monotonic()
+
+    def first_time(self, event_id: str) -> bool:
+        """Whether ``event_id`` is heard for the first time (and remember it)."""
+        if event_id in self.seen_ids:
+            return False
+        self.seen_ids.add(event_id)
+        return True
 
     def line(self, text: str) -> None:
         """One live line."""
@@ -185,6 +196,8 @@ class Report:
             self.submitted_at.setdefault(t.task_id, t.submitted_at)
         elif subject == "decision.made":
             d = decode(msg.data, DecisionMade)
+            if not self.first_time(d.decision_id):
+                return
             self.decisions[d.action] += 1
             self.policies["fallback" if d.fallback else d.policy.name] += 1
             if d.task_id in self.submitted_at and d.action == "queue":
@@ -201,11 +214,15 @@ class Report:
                       f"{where} {_short_reason(d)}")
         elif subject.startswith("action."):
             a = decode(msg.data, ActionExecuted, ActionFailed)
+            if not self.first_time(a.action_id):
+                return
             self.actions["executed" if isinstance(a, ActionExecuted) else "failed"] += 1
             if isinstance(a, ActionFailed):
                 self.line(f"action failed {a.task_id}: {a.error[:90]}")
         elif subject == "feedback.recorded":
             f = decode(msg.data, FeedbackRecorded)
+            if not self.first_time(f"feedback:{f.action_id}"):
+                return
             self.outcomes[f.outcome] += 1
             tally = self.judged.setdefault((f.policy.name, f.action or "?"), [0.0, 0.0, 0.0])
             tally[0] += f.confidence

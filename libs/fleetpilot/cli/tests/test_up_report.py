@@ -10,6 +10,7 @@ import pytest
 from fleetpilot.cli.main import main as cli_main
 from fleetpilot.cli.up import Report, ServiceProcesses, _short_reason, _where
 from fleetpilot.contracts import (
+    ActionExecuted,
     DecisionMade,
     FeedbackRecorded,
     Measured,
@@ -55,6 +56,21 @@ async def test_the_closing_report_sets_confidence_against_outcome_per_policy_and
     assert report.calibration() == ("fleetpilot assign 0.80 predicted, 0.50 met (n=2); "
                                     "fleetpilot migrate 0.60 predicted, 1.00 met (n=1)")
     assert "confidence vs outcome: fleetpilot assign" in report.render(1.0)
+
+
+async def test_a_decision_or_action_published_again_is_counted_once() -> None:
+    """A retried handler re-publishes the same decision, which the stream drops as a
+    duplicate but the report, a core subscriber, hears again."""
+    report = Report(quiet=True)
+    evict = DecisionMade(decision_id="be1.evict.1", task_id="be1", action="evict", confidence=0.97,
+                         policy=PolicyRef(name="preempt"), reason="preempted for vip task v1", decided_at=0.0)
+    executed = ActionExecuted(action_id="act-be1.evict.1", decision_id="be1.evict.1", task_id="be1",
+                              action="evict", backend="sim", latency_ms=1.0, policy=PolicyRef(name="preempt"),
+                              executed_at=0.0)
+    for _ in range(3):
+        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(evict)))
+        await report.on_message(SimpleNamespace(subject="action.executed", data=encode(executed)))
+    assert dict(report.decisions) == {"evict": 1} and dict(report.actions) == {"executed": 1}
 
 
 async def test_any_submitters_task_counts_towards_submit_to_assign_at_once_or_after_a_queue() -> None:
