@@ -4,6 +4,7 @@ watch (what the policy's ledger, fleet and configuration views follow) keeps fol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.runtime import ServiceHost, ServiceSettings
@@ -70,17 +71,27 @@ async def test_consumer_rebinds_when_a_fresh_server_lost_its_state(tmp_path):
         fresh.stop()
 
 
-async def _watching(bus: NatsBus, seen: list[tuple[str, bytes | None]]) -> asyncio.Task:
+@contextlib.asynccontextmanager
+async def _watching_the_ledger(url: str):
+    """A bus at ``url`` watching the ``ledger`` bucket, node-a written and seen; yields the
+    (key, value) pairs the watch delivers, in order."""
+    bus = await NatsBus.connect(url, "watcher")
+    await bus.ensure_topology()
     kv = await bus.kv("ledger")
+    seen: list[tuple[str, bytes | None]] = []
 
     async def follow() -> None:
         async for entry in kv.watch(">"):
             seen.append((entry.key, entry.value))
 
     task = asyncio.create_task(follow())
-    await kv.put("node-a", b"held")
-    await wait_for(lambda: ("node-a", b"held") in seen)
-    return task
+    try:
+        await kv.put("node-a", b"held")
+        await wait_for(lambda: ("node-a", b"held") in seen)
+        yield bus, seen
+    finally:
+        task.cancel()
+        await bus.drain()
 
 
 async def _written_after_restart(url: str, key: str, value: bytes) -> None:
@@ -104,40 +115,30 @@ def _topology_made(bus: NatsBus):
 
 async def test_a_kv_watch_follows_the_bucket_across_a_server_restart(tmp_path):
     server = EmbeddedNats(tmp_path / "nats").start()
-    bus = await NatsBus.connect(server.url, "watcher")
-    await bus.ensure_topology()
-    seen: list[tuple[str, bytes | None]] = []
-    watch = await _watching(bus, seen)
     try:
-        server.kill()
-        server.start()  # same port, same store
-        await wait_for(lambda: bus.connected)
-        await _written_after_restart(server.url, "node-b", b"held")
-        # nats-py's own watch takes about 20 s to notice; ours starts again at the reconnect.
-        await wait_for(lambda: ("node-b", b"held") in seen, timeout_s=8, what="a write after the restart")
-        assert ("node-a", None) not in seen  # the store kept it: nothing to report deleted
+        async with _watching_the_ledger(server.url) as (bus, seen):
+            server.kill()
+            server.start()  # same port, same store
+            await wait_for(lambda: bus.connected)
+            await _written_after_restart(server.url, "node-b", b"held")
+            # nats-py's own watch takes about 20 s to notice; ours starts again at the reconnect.
+            await wait_for(lambda: ("node-b", b"held") in seen, timeout_s=8, what="a write after the restart")
+            assert ("node-a", None) not in seen  # the store kept it: nothing to report deleted
     finally:
-        watch.cancel()
-        await bus.drain()
         server.stop()
 
 
 async def test_a_kv_watch_on_a_server_that_lost_its_store_reports_what_went_with_it(tmp_path):
     server = EmbeddedNats(tmp_path / "nats-a").start()
-    bus = await NatsBus.connect(server.url, "watcher")
-    await bus.ensure_topology()
-    seen: list[tuple[str, bytes | None]] = []
-    watch = await _watching(bus, seen)
     fresh = None
     try:
-        server.kill()
-        fresh = EmbeddedNats(tmp_path / "nats-b", port=server.port).start()  # an empty store
-        await wait_for(lambda: bus.connected)
-        await _written_after_restart(fresh.url, "node-b", b"held")
-        await wait_for(lambda: ("node-b", b"held") in seen, timeout_s=30, what="a write on the fresh server")
-        # A view built from the watch must not keep node-a's holds: the server has none now.
-        await wait_for(lambda: ("node-a", None) in seen, timeout_s=10, what="node-a reported gone")
+        async with _watching_the_ledger(server.url) as (bus, seen):
+            server.kill()
+            fresh = EmbeddedNats(tmp_path / "nats-b", port=server.port).start()  # an empty store
+            await wait_for(lambda: bus.connected)
+            await _written_after_restart(fresh.url, "node-b", b"held")
+            await wait_for(lambda: ("node-b", b"held") in seen, timeout_s=30, what="a write on the fresh server")
+            # A view built from the watch must not keep node-a's holds: the server has none now.
+            await wait_for(lambda: ("node-a", None) in seen, timeout_s=10, what="node-a reported gone")
     finally:
-        watch.cancel()
-        await bus.drain()
         (fresh or server).stop()
