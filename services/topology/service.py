@@ -4,9 +4,11 @@ It consumes ``topology.report.<node>`` from collectors, keeps each node in the
 ``topology`` bucket (the source every other service reads) and publishes
 ``topology.updated`` with the changed nodes and the inter-site bandwidth estimates.
 
-It also tells when a node has gone silent: a node whose collector sent no report for
-``silent_after_s`` has every GPU labelled ``unreachable`` (no new work; the executor gives
-its tasks up), and the label goes when the node reports again.
+It also tells when a node has gone silent, in two steps, as Kubernetes does with a node
+that stops posting its status: a node whose collector sent no report for ``not_ready_after_s``
+has every GPU labelled ``not_ready`` (no new work goes there; its tasks are still taken as
+running), and one silent for ``silent_after_s`` is labelled ``unreachable`` instead (the
+executor gives its tasks up). The label goes when the node reports again.
 
 The estimates come from the configured fleet's site links (``SiteNetwork`` in
 ``fleetpilot.fleet.bandwidth``), computed once at start: links are configuration, not
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import (
+    GPU_LABEL_NOT_READY,
     GPU_LABEL_UNREACHABLE,
     OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
@@ -33,6 +36,7 @@ from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
+from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.topology")
@@ -53,10 +57,18 @@ class TopologySettings(ServiceSettings):
 
     fleet_spec: str = ""
     openb_nodes: str = ""
-    # A node whose collector sent no report for this long (it re-reports every 30 s) is
-    # labelled unreachable; it is judged every ``liveness_check_s``.
+    # A node whose collector sent no report for this long (it re-reports every 30 s) takes no
+    # new work (three reports missed), and then is given up; judged every ``liveness_check_s``.
+    not_ready_after_s: float = 90.0
     silent_after_s: float = 300.0
     liveness_check_s: float = 30.0
+
+    @model_validator(mode="after")
+    def _not_ready_before_lost(self) -> TopologySettings:
+        if not 0 < self.not_ready_after_s <= self.silent_after_s:
+            raise ValueError(f"not_ready_after_s ({self.not_ready_after_s:g}) must be above 0 and at most "
+                             f"silent_after_s ({self.silent_after_s:g})")
+        return self
 
 
 class BadFleetConfig(ValueError):
@@ -137,31 +149,53 @@ async def stored_nodes(kv: KeyValue) -> list[NodeTopology]:
     return out
 
 
-def reachable(heard: float | None, kept_since: float | None, now: float, silent_after_s: float) -> bool | None:
-    """Whether a node is reachable, from when the stream stored its last report (``heard``)
-    and how far back the stream keeps anything (``kept_since``); ``None`` when that cannot
-    be told. No report kept means silence only if the stream keeps ``silent_after_s`` of
-    history: a large fleet's reports fill the stream's byte limit, and a node's last report
-    may have been pushed out by the others' while the node reports on."""
+READY = "ready"
+"""A node condition: it reported within ``not_ready_after_s``."""
+NOT_READY = GPU_LABEL_NOT_READY
+UNREACHABLE = GPU_LABEL_UNREACHABLE
+NODE_CONDITION_LABELS = (NOT_READY, UNREACHABLE)
+
+
+def node_condition(heard: float | None, kept_since: float | None, now: float, not_ready_after_s: float,
+                   silent_after_s: float) -> str | None:
+    """``READY``, ``NOT_READY`` or ``UNREACHABLE``, from when the stream stored the node's last
+    report (``heard``) and how far back the stream keeps anything (``kept_since``); ``None``
+    when that cannot be told.
+
+    With no report kept, the node has been silent at least as long as the stream goes back.
+    That is no proof of readiness: a large fleet's reports fill the stream's byte limit, and
+    a node's last report may have been pushed out by the others' while the node reports on.
+    """
     if heard is not None:
-        return now - heard <= silent_after_s
-    if kept_since is not None and now - kept_since > silent_after_s:
-        return False
-    return None
+        silent_for = now - heard
+    elif kept_since is not None and now - kept_since > not_ready_after_s:
+        silent_for = now - kept_since
+    else:
+        return None
+    if silent_for > silent_after_s:
+        return UNREACHABLE
+    return NOT_READY if silent_for > not_ready_after_s else READY
 
 
-def with_reachability(node: NodeTopology, reachable: bool) -> NodeTopology:
-    """``node`` with the ``unreachable`` label on every GPU, or on none."""
+def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
+    """``node`` with its condition's label on every GPU (none when ``READY``).
+
+    ``NOT_READY`` never lifts ``unreachable``: the executor has given that node's tasks up,
+    and only a report of its own brings it back. A verdict of ``NOT_READY`` on a node already
+    given up comes from a replica that has not listened long enough to tell more.
+    """
+    if condition == NOT_READY and node.gpus and all(g.labels.get(UNREACHABLE) == "true" for g in node.gpus):
+        return node
     gpus = []
     for gpu in node.gpus:
-        labels = {k: v for k, v in gpu.labels.items() if k != GPU_LABEL_UNREACHABLE}
-        if not reachable:
-            labels[GPU_LABEL_UNREACHABLE] = "true"
+        labels = {k: v for k, v in gpu.labels.items() if k not in NODE_CONDITION_LABELS}
+        if condition != READY:
+            labels[condition] = "true"
         gpus.append(msgspec.structs.replace(gpu, labels=labels))
     return msgspec.structs.replace(node, gpus=gpus)
 
 
-async def mark_reachability(kv: KeyValue, key: str, reachable: bool, attempts: int = 10) -> NodeTopology | None:
+async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> NodeTopology | None:
     """Label (or unlabel) one node's GPUs with compare-and-set; the node when it changed."""
     for _ in range(attempts):
         entry = await kv.get(key)
@@ -171,7 +205,7 @@ async def mark_reachability(kv: KeyValue, key: str, reachable: bool, attempts: i
             stored = msgspec.json.decode(entry.value, type=NodeTopology)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        updated = with_reachability(stored, reachable)
+        updated = with_condition(stored, condition)
         if updated == stored:
             return None
         try:
@@ -222,11 +256,13 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     @host.every(settings.liveness_check_s)
     async def judge_liveness() -> TopologyUpdated | None:
         # A collector re-reports its node every 30 s; the stream keeps the last report per
-        # node, by the server's clock, so every replica judges alike. Only once this
-        # replica has listened for ``silent_after_s`` itself: after an outage of the whole
-        # fleet (or of the NATS cluster) every last report is old, and nobody is silent yet.
+        # node, by the server's clock, so every replica judges alike. A replica vouches only
+        # for a silence it listened through itself: after an outage of the whole fleet (or of
+        # the NATS cluster) every last report is old, and nobody is silent yet. So it judges
+        # nothing before ``not_ready_after_s``, and gives no node up before ``silent_after_s``.
         bus = host.bus
-        if bus is None or now() - started["at"] < settings.silent_after_s:
+        listened = now() - started["at"]
+        if bus is None or listened < settings.not_ready_after_s:
             return None
         kv = await bus.kv("topology")
         changed: list[str] = []
@@ -234,16 +270,22 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             subject = f"topology.report.{node.node}"
             heard = await bus.last_stored_at(subject)
             kept_since = await bus.first_stored_at(subject) if heard is None else None
-            alive = reachable(heard, kept_since, now(), settings.silent_after_s)
-            if alive is None:
+            condition = node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
+            if condition is None:
                 continue  # the stream does not go back far enough to tell
-            if await mark_reachability(kv, node_key(node.node), alive) is not None:
+            if condition == UNREACHABLE and listened < settings.silent_after_s:
+                condition = NOT_READY
+            if await mark_condition(kv, node_key(node.node), condition) is not None:
                 changed.append(node.node)
-                if alive:
-                    log.warning("%s reports again: no longer unreachable", node.node)
+                silence = f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps"
+                if condition == READY:
+                    log.warning("%s reports again: back in service", node.node)
+                elif condition == NOT_READY:
+                    log.warning("%s not ready: no report from its collector for %s; no new work goes there",
+                                node.node, silence)
                 else:
-                    log.warning("%s unreachable: no report from its collector for %s", node.node,
-                                f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps")
+                    log.warning("%s unreachable: no report from its collector for %s; its tasks are given up",
+                                node.node, silence)
         if not changed:
             return None
         revision["n"] += 1

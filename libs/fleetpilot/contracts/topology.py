@@ -103,8 +103,11 @@ GPU_LABEL_CORDONED = "cordoned"
 GPU_LABEL_DECOMMISSIONED = "decommissioned"
 GPU_LABEL_MAINTENANCE_PENDING = "maintenance_pending"
 GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
-# Set by the topology service on every GPU of a node whose collector has gone silent, and
-# cleared when it reports again: no new work, and its tasks are taken as lost with it.
+# Set by the topology service on every GPU of a node whose collector missed its last reports
+# (``not_ready``: no new work, its tasks still taken as running, for a collector restarting or
+# a short network cut is no lost node) and, if the silence lasts, lost (``unreachable``: its
+# tasks are taken as lost with it). Cleared when it reports again; a node has one at most.
+GPU_LABEL_NOT_READY = "not_ready"
 GPU_LABEL_UNREACHABLE = "unreachable"
 # Business labels: what a GPU is for, set in the fleet spec or by an operator. ``role`` is the
 # short form of ``business_role`` (an operator's override); ``reserved`` takes no new work.
@@ -120,10 +123,10 @@ TASK_LABEL_DRIVER = "driver"
 ROLE_RESERVED = "reserved"
 # Under any of these a GPU takes no new work: no placement, move, resize or promise of it.
 OUT_OF_SERVICE_GPU_LABELS = (GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
-                             GPU_LABEL_UNREACHABLE)
+                             GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE)
 OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
                                     GPU_LABEL_MAINTENANCE_RISK, GPU_LABEL_ROLE, GPU_LABEL_DRIVER_PIN,
-                                    GPU_LABEL_TASK_KINDS, GPU_LABEL_UNREACHABLE})
+                                    GPU_LABEL_TASK_KINDS, GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE})
 
 
 class GpuRules(msgspec.Struct, frozen=True, kw_only=True):

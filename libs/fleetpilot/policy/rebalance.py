@@ -42,6 +42,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_DECOMMISSIONED,
     GPU_LABEL_MAINTENANCE_PENDING,
     GPU_LABEL_MAINTENANCE_RISK,
+    GPU_LABEL_NOT_READY,
     GPU_LABEL_UNREACHABLE,
     Allocation,
     Fingerprint,
@@ -56,6 +57,7 @@ CORDONED = GPU_LABEL_CORDONED
 DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
 MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 MAINTENANCE_RISK = GPU_LABEL_MAINTENANCE_RISK
+NOT_READY = GPU_LABEL_NOT_READY
 UNREACHABLE = GPU_LABEL_UNREACHABLE
 MAINTENANCE_DEFAULT_RISK = 0.9
 """P(a GPU labelled maintenance_pending is taken out) when the label carries no risk."""
@@ -105,15 +107,16 @@ def is_set(labels: Mapping[str, str], label: str) -> bool:
 def gpu_conditions(nodes: Iterable[NodeTopology]) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(unhealthy, maintenance) GPU lists from the topology labels.
 
-    ``cordoned``, ``decommissioned`` and ``unreachable`` GPUs are unhealthy: no new work
-    (the tasks of an unreachable node are given up by the executor, not moved: there is
-    nobody there to checkpoint them). A ``maintenance_pending`` GPU takes no new work
-    either, and its tasks are moved away.
+    ``cordoned``, ``decommissioned``, ``not_ready`` and ``unreachable`` GPUs are unhealthy:
+    no new work, and their tasks stay (those of an unreachable node are given up by the
+    executor, not moved: there is nobody there to checkpoint them; a node not ready may be
+    back in a minute). A ``maintenance_pending`` GPU takes no new work either, and its tasks
+    are moved away.
     """
     unhealthy, maintenance = [], []
     for topo in nodes:
         for gpu in topo.gpus:
-            if any(is_set(gpu.labels, label) for label in (CORDONED, DECOMMISSIONED, UNREACHABLE)):
+            if any(is_set(gpu.labels, label) for label in (CORDONED, DECOMMISSIONED, NOT_READY, UNREACHABLE)):
                 unhealthy.append((topo.node, gpu.index))
             if is_set(gpu.labels, MAINTENANCE_PENDING):
                 maintenance.append((topo.node, gpu.index))

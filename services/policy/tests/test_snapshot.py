@@ -4,6 +4,7 @@ changed, rebuilt when the topology changes, always equal to a build from the rec
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fleetpilot.contracts import Allocation, NodeLedger, encode
 from fleetpilot.policy import ClusterState
 
@@ -48,11 +49,12 @@ def test_the_kept_snapshot_follows_ledger_and_topology_changes(tmp_path) -> None
     assert ps.snapshot(without=frozenset({"b"})).gpu_free[1].tolist() == [750, 1000]
 
 
-def test_no_new_work_goes_to_a_gpu_of_an_unreachable_node(tmp_path) -> None:
+@pytest.mark.parametrize("condition", ["not_ready", "unreachable"])
+def test_no_new_work_goes_to_a_gpu_of_a_silent_node(tmp_path, condition) -> None:
     # The topology service labels every GPU of a node whose collector went silent.
     ps = policy_state(tmp_path)
     ps.fleet._apply("n0", encode(node("n0")))
-    ps.fleet._apply("n1", encode(node("n1", labels={0: {"unreachable": "true"}, 1: {"unreachable": "true"}})))
+    ps.fleet._apply("n1", encode(node("n1", labels={0: {condition: "true"}, 1: {condition: "true"}})))
     view = ps.snapshot()
     assert view.gpu_healthy.tolist() == [[True, True], [False, False]]
     assert same(view, ps.build_snapshot())

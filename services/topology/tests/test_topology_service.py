@@ -20,7 +20,8 @@ from fleetpilot_services.topology.service import (
     TopologySettings,
     bandwidth_estimates,
     build,
-    reachable,
+    node_condition,
+    with_condition,
 )
 
 THREE_SITE = load_fleet_spec()
@@ -167,9 +168,14 @@ async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
         await host.stop()
 
 
-async def test_a_node_whose_collector_goes_silent_is_labelled_unreachable_until_it_reports_again(
-    nats_server, client
-):
+async def condition_labels(kv, node: NodeTopology) -> set[str]:
+    """The condition labels on the node's stored GPUs, each GPU's as one string."""
+    entry = await kv.get(node.node)
+    stored = msgspec.json.decode(entry.value, type=NodeTopology)
+    return {",".join(sorted(k for k in g.labels if k in ("not_ready", "unreachable"))) for g in stored.gpus}
+
+
+async def test_a_silent_node_is_first_not_ready_then_unreachable_until_it_reports_again(nats_server, client):
     updates: list[TopologyUpdated] = []
 
     async def on_update(msg) -> None:
@@ -177,42 +183,81 @@ async def test_a_node_whose_collector_goes_silent_is_labelled_unreachable_until_
 
     await client.subscribe("topology.updated", on_update)
     quiet, chatty = NODES[0], NODES[1]
-    host = build(settings(nats_server.url, silent_after_s=1.5, liveness_check_s=0.2))
+    host = build(settings(nats_server.url, not_ready_after_s=0.8, silent_after_s=2.4, liveness_check_s=0.1))
     await host.start()
     kv = await client.kv("topology")
 
-    async def labels(node: NodeTopology) -> list[str | None]:
-        entry = await kv.get(node.node)
-        stored = msgspec.json.decode(entry.value, type=NodeTopology) if entry and entry.value else None
-        return [g.labels.get("unreachable") for g in stored.gpus] if stored else []
+    async def conditions(node: NodeTopology) -> set[str]:
+        return await condition_labels(kv, node)
 
+    seen: list[set[str]] = []
     try:
         for node in (quiet, chatty):
             await client.publish(report(node, 1.0))
         await wait_for(lambda: len(updates) >= 2)
-        # chatty keeps reporting every 0.3 s; quiet says nothing more.
-        for i in range(10):
+        # chatty keeps reporting every 0.2 s; quiet says nothing more.
+        for i in range(18):
             await client.publish(report(chatty, 2.0 + i))  # its own time: not a duplicate
-            await asyncio.sleep(0.3)
-        assert set(await labels(quiet)) == {"true"}
-        assert set(await labels(chatty)) == {None}
-        assert any(u.nodes == [quiet.node] for u in updates)
+            await asyncio.sleep(0.2)
+            seen.append(await conditions(quiet))
+            assert await conditions(chatty) == {""}
+        # Ready, then not ready (no new work, tasks kept), then given up; one label at a time.
+        assert [c for i, c in enumerate(seen) if i == 0 or c != seen[i - 1]] == [{""}, {"not_ready"}, {"unreachable"}]
+        assert [u.nodes for u in updates[2:]] == [[quiet.node]] * 2  # each step announced
         await client.publish(report(quiet, 30.0))  # back: the label goes at the next check
-        for _ in range(20):
-            if set(await labels(quiet)) == {None}:
-                break
-            await asyncio.sleep(0.1)
-        assert set(await labels(quiet)) == {None}
+
+        async def back() -> bool:
+            return await conditions(quiet) == {""}
+
+        await wait_for(back, timeout_s=5, what="the label gone once the node reports again")
+    finally:
+        await host.stop()
+
+
+async def test_a_replica_that_has_not_listened_through_the_silence_gives_no_node_up(nats_server, client):
+    quiet = NODES[0]
+    await client.publish(report(quiet, 1.0))
+    await asyncio.sleep(1.0)  # quiet is silent for a second before the replica starts
+    host = build(settings(nats_server.url, not_ready_after_s=0.3, silent_after_s=1.2, liveness_check_s=0.1))
+    await host.start()
+    kv = await client.kv("topology")
+    try:
+        # At 0.7 s of listening the node has been silent 1.7 s, past ``silent_after_s``; this
+        # replica can vouch for 0.7 s only, so the node takes no new work but is not given up.
+        await asyncio.sleep(0.7)
+        assert await condition_labels(kv, quiet) == {"not_ready"}
+
+        async def given_up() -> bool:
+            return await condition_labels(kv, quiet) == {"unreachable"}
+
+        await wait_for(given_up, timeout_s=5, what="the node given up once listened through its silence")
     finally:
         await host.stop()
 
 
 @pytest.mark.parametrize(("heard", "kept_since", "expected"), [
-    (990.0, 0.0, True),     # reported 10 s ago
-    (600.0, 0.0, False),    # reported 400 s ago: silent
-    (None, 0.0, False),     # no report in the 1,000 s the stream keeps: silent
-    (None, 800.0, None),    # the stream keeps only 200 s (its byte limit): cannot tell
-    (None, None, None),     # the stream keeps nothing
+    (990.0, 0.0, "ready"),         # reported 10 s ago
+    (850.0, 0.0, "not_ready"),     # reported 150 s ago: three reports missed, not given up
+    (600.0, 0.0, "unreachable"),   # reported 400 s ago: lost
+    (None, 0.0, "unreachable"),    # no report in the 1,000 s the stream keeps: lost
+    (None, 800.0, "not_ready"),    # no report in the 200 s the stream keeps: at least not ready
+    (None, 950.0, None),           # the stream keeps only 50 s (its byte limit): cannot tell
+    (None, None, None),            # the stream keeps nothing
 ])
-def test_a_node_without_a_kept_report_is_silent_only_if_the_stream_goes_back_far_enough(heard, kept_since, expected):
-    assert reachable(heard, kept_since, now=1000.0, silent_after_s=300.0) is expected
+def test_a_node_condition_follows_its_silence_as_far_as_the_stream_tells_it(heard, kept_since, expected):
+    assert node_condition(heard, kept_since, now=1000.0, not_ready_after_s=90.0, silent_after_s=300.0) == expected
+
+
+def test_not_ready_never_lifts_unreachable_but_a_report_does():
+    node = NODES[0]
+    lost = with_condition(node, "unreachable")
+    assert {k for g in lost.gpus for k in g.labels if k in ("not_ready", "unreachable")} == {"unreachable"}
+    assert with_condition(lost, "not_ready") == lost
+    back = with_condition(lost, "ready")
+    assert not any(k in ("not_ready", "unreachable") for g in back.gpus for k in g.labels)
+    assert with_condition(with_condition(node, "not_ready"), "unreachable") == lost
+
+
+def test_not_ready_after_the_node_is_given_up_is_a_setting_error():
+    with pytest.raises(ValueError, match="at most silent_after_s"):
+        settings("nats://127.0.0.1:1", not_ready_after_s=400.0, silent_after_s=300.0)

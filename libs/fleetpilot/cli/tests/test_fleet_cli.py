@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fleetpilot.cli.fleet_cmd import service_state
 from fleetpilot.cli.main import main
 from fleetpilot.contracts import Allocation, GpuSample, NodeLedger, TopologyUpdated, encode
 from fleetpilot.fleet.bandwidth import SiteNetwork
@@ -251,6 +252,18 @@ async def _populate(url: str) -> list[GpuSample]:
     await bus.publish(TopologyUpdated(revision=1, nodes=["a100-01"], bandwidth=live_estimate, at=1.0))
     await bus.drain()
     return samples
+
+
+@pytest.mark.parametrize(("labels", "state"), [
+    ({}, "ok"),
+    ({"not_ready": "true"}, "not_ready"),
+    ({"not_ready": "true", "cordoned": "true"}, "not_ready"),  # the node's silence says more
+    ({"unreachable": "true", "cordoned": "true"}, "unreachable"),
+    ({"cordoned": "false"}, "ok"),  # an operator clears a label with "false"
+    ({"maintenance_pending": "true"}, "maintenance"),
+])
+def test_a_gpu_state_names_the_strongest_reason_it_takes_no_work(labels, state):
+    assert service_state(labels) == state
 
 
 def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
