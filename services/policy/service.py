@@ -6,9 +6,9 @@ with compare-and-set and only then publishes ``decision.made``, so a published `
 final even with several replicas. A task that fits nowhere gets a ``queue`` decision and
 waits in the ``pending`` bucket; it is retried whenever capacity may have freed.
 
-This module wires the handlers and the queue's retry round. What a replica does is
-``PolicyState``, in three parts: ``replica`` (its live view and the placement of a task),
-``moves`` (the rebalance round) and ``evictions`` (preemption, and queueing again).
+This module wires the handlers. What a replica does is ``PolicyState``, in three parts:
+``replica`` (its live view and the placement of a task), ``moves`` (the rebalance round) and
+``evictions`` (preemption, and queueing again); the queue's retry round is ``retry_round``.
 
 Around that core (see ``README.md``):
 
@@ -71,10 +71,8 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import TaskRequest
-from fleetpilot.policy.backfill import Demand, queue_key
-from fleetpilot.policy.preempt import claim_of, claim_pending, decode_pending
-from fleetpilot.policy.state import MILLI
-from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
+from fleetpilot.policy.preempt import claim_of, decode_pending
+from fleetpilot.runtime import Bus, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
@@ -91,16 +89,10 @@ from .policy_set import (
     success_table,
 )
 from .replica import QUEUE_CONFIDENCE, calibration_key, decision_id_for
+from .retry_round import RetryRound
 from .settings import PolicySettings
 
 log = logging.getLogger("fleetpilot.policy")
-
-def queue_position(adm: TaskAdmitted) -> tuple[int, float, float]:
-    """Where a waiting task stands: ``backfill.queue_key`` (vip first; within a tier, the
-    earliest expected completion had it started on admission, so short work does not queue
-    behind long work that came about the same time and nothing starves), then admission."""
-    return (*queue_key(adm.contract.tier, adm.admitted_at, adm.task.expected_duration_s), adm.admitted_at)
-
 
 
 def totals_by_policy_action(groups: list) -> dict[str, tuple[float, float, float]]:
@@ -118,7 +110,6 @@ def totals_by_policy_action(groups: list) -> dict[str, tuple[float, float, float
         expected, met, count = out.get(key, (0.0, 0.0, 0.0))
         out[key] = (expected + g.expected_successes, met + g.successes, count + g.count)
     return out
-
 
 
 class PolicyState(Moves, Evictions):
@@ -279,125 +270,26 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             )
         )
 
-    async def place_waiting(ps, pending, waiting, evicting, leaving, out, failed, blocked) -> None:
-        """One pass over the waiting entries, in the queue's order: each claimed, placed or
-        put back (a vip may preempt); decisions go to ``out`` as they are made."""
-        for adm, requeue, entry, value in waiting:
-            if evicting and adm.contract.tier != "vip":
-                # Space is being freed for a vip: nothing else may take it half-freed (an
-                # evicted task would otherwise come straight back where it was).
-                continue
-            held = ps.reservation
-            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
-            # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
-            demands = [Demand.of(r) for r in ps.requests(adm.task)]
-            if adm.contract.tier != "vip" and all(
-                any(d.cannot_fit_after(f) for f, masked in failed if hide or not masked) for d in demands
-            ):
-                blocked.append(adm)
-                continue  # a vip still gets its turn: it may preempt
-            try:
-                await pending.update(entry.key, claim_pending(value, now()), entry.revision)  # one replica takes it
-            except CasConflict:
-                continue
-            try:
-                decision, _, _ = await ps.place(adm, requeue.decision_id if requeue else None)
-                if decision is None:
-                    failed.extend((d, hide) for d in demands)
-                    blocked.append(adm)
-            except Retry:
-                decision = None
-            if decision is None:
-                await pending.put(entry.key, value)
-                # A vip that fits nowhere may preempt best_effort work (``preempt``), once
-                # per round and not while its last preemption is still under way.
-                if adm.contract.tier == "vip" and adm.task.task_id not in evicting:
-                    evictions = await ps.preempt(adm, pending, frozenset(leaving))
-                    if evictions:
-                        evicting.add(adm.task.task_id)
-                        leaving.update(d.task_id for d in evictions)
-                        out.extend(metrics.decided(d) for d in evictions)
-                continue
-            await pending.delete(entry.key)
-            out.append(metrics.decided(decision))
-
     @host.every(settings.pending_retry_s)
     async def retry_pending() -> list[DecisionMade]:
         if "state" not in holder:
             return []
         ps = state()
-        pending = await host.bus.kv("pending")  # type: ignore[union-attr]
-        waiting = []
-        evicting: set[str] = set()  # vip tasks whose preemption is still being carried out
-        leaving: set[str] = set()  # tasks evicted whose holds are not released yet: no vip may pick them again
-        for key in await pending.keys():
-            entry = await pending.get(key)
-            if not entry or not entry.value:
-                continue
-            value = entry.value
-            claim = claim_of(value)
-            if claim is not None:
-                at, value = claim
-                if not value or now() - at < settings.claim_timeout_s:
-                    continue  # a replica is placing it (or a claim of old left nothing to place)
-                # Its replica died, or lost the bus, while placing it: the entry is ours.
-                log.warning("%s: claimed %.0f s ago and never decided; taken over", key, now() - at)
-            try:
-                adm, requeue = decode_pending(value)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                # One unreadable entry must not stop every other task from being placed.
-                log.error("pending %s is unreadable (%s); skipped", key, exc)
-                continue
-            if claim is not None and ps.ledger.holds_of(adm.task.task_id) is None and await ps.journaled(
-                    requeue.decision_id if requeue else decision_id_for(adm.task.task_id, "assign")):
-                # The dead replica's decision went out and the executor took it (and the task
-                # ended, or its failure placed it again): nothing is left to decide.
-                await pending.delete(entry.key)
-                continue
-            if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
-                if now() - requeue.at > settings.evict_timeout_s:
-                    # The eviction failed or never went out: the task still runs. Forget the
-                    # entry (the vip may preempt again) rather than hold the queue up.
-                    log.warning(
-                        "eviction %s not carried out in time; %s keeps running",
-                        requeue.evict_id or "by the executor",
-                        adm.task.task_id,
-                    )
-                    await pending.delete(entry.key)
-                    continue
-                # Evicted, but the executor has not released its holds yet (or our view has
-                # not seen the release): placing it now would book it twice (and the release
-                # would take the new holds too). Only a preemption holds the queue for its vip.
-                if requeue.for_task:
-                    evicting.add(requeue.for_task)
-                leaving.add(adm.task.task_id)
-                continue
-            waiting.append((adm, requeue, entry, value))
-        waiting.sort(key=lambda p: queue_position(p[0]))
-        out: list[DecisionMade] = []
-        # What found no node this round (and whether the reservation was hidden from it): a
-        # task that needs no less is not tried again until the next round. A backlog of
-        # hundreds then costs a few decisions a round, not hundreds of claims and decisions.
-        failed: list[tuple[Demand, bool]] = []
-        # The tasks that found no place this round, skipped ones included: the reservation's
-        # owner is chosen among them once the round is over.
-        blocked: list[TaskAdmitted] = []
+        round_ = RetryRound(ps, await host.bus.kv("pending"), settings, metrics.decided)  # type: ignore[union-attr]
+        await round_.collect()
         try:
-            await place_waiting(ps, pending, waiting, evicting, leaving, out, failed, blocked)
+            await round_.place()
         except Exception:  # noqa: BLE001 - the bus lost mid-round
             # What the round decided still goes out (its holds are reserved, its entries
             # gone); an entry claimed when the round broke off is taken over after
             # ``claim_timeout_s``.
-            log.exception("retry round cut short after %d decisions", len(out))
-        # The reservation goes to the whole-GPU task first in the queue's order among those
-        # that found no place (expected completion bounds how long anything is overtaken,
-        # wide tasks included). Only the whole round says who that is, so this round (and
-        # the arrivals decided while it awaits, which must not find the reserved GPUs
-        # unguarded) ran against the last round's reservation, at most ``pending_retry_s`` old.
-        wide = [a for a in blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        owner = min(wide, key=queue_position, default=None)
+            log.exception("retry round cut short after %d decisions", len(round_.out))
+        # Only the whole round says who the reservation's owner is, so this round (and the
+        # arrivals decided while it awaits, which must not find the reserved GPUs unguarded)
+        # ran against the last round's reservation, at most ``pending_retry_s`` old.
+        owner = round_.reservation_owner()
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
-        return out
+        return round_.out
 
     def opened() -> Bus:
         """The bus, once the replica's state is open (a retry until then)."""

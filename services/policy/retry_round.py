@@ -1,0 +1,174 @@
+"""The queue's retry round: every ``pending_retry_s`` a replica walks the ``pending`` bucket
+and places, in the queue's order, what fits now.
+
+A round reads every entry (``collect``): an entry another replica claimed is left to it
+unless its claim is older than ``claim_timeout_s`` (that replica died, or lost the bus,
+while placing it); a task evicted whose holds are not released yet waits, and tells which
+vips are still freeing room. Then it places what waits (``place``): each entry is claimed
+with compare-and-set, so one replica takes it, placed or put back, and a vip that fits
+nowhere may preempt ``best_effort`` work. What the round decided goes out even when the
+bus fails half-way, for its holds are reserved and its entries gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from fleetpilot.contracts import DecisionMade, TaskAdmitted, now
+from fleetpilot.policy.backfill import Demand, queue_key
+from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending
+from fleetpilot.policy.state import MILLI
+from fleetpilot.runtime import CasConflict, KeyValue, KvEntry, Retry
+
+from .evictions import Evictions
+from .replica import decision_id_for
+from .settings import PolicySettings
+
+log = logging.getLogger("fleetpilot.policy")
+
+
+def queue_position(adm: TaskAdmitted) -> tuple[int, float, float]:
+    """Where a waiting task stands: ``backfill.queue_key`` (vip first; within a tier, the
+    earliest expected completion had it started on admission, so short work does not queue
+    behind long work that came about the same time and nothing starves), then admission."""
+    return (*queue_key(adm.contract.tier, adm.admitted_at, adm.task.expected_duration_s), adm.admitted_at)
+
+
+@dataclass
+class Waiting:
+    """A pending entry this round may place: the admission, its re-placement (an evicted or
+    failed task) and the entry as read, for the claim's compare-and-set."""
+
+    adm: TaskAdmitted
+    requeue: Requeue | None
+    entry: KvEntry
+    value: bytes
+
+
+@dataclass
+class RetryRound:
+    """One replica's pass over the ``pending`` bucket: what it found and what it decided.
+
+    ``decided`` wraps each decision as it is made (the service counts it in its metrics).
+    """
+
+    ps: Evictions
+    pending: KeyValue
+    settings: PolicySettings
+    decided: Callable[[DecisionMade], DecisionMade]
+    waiting: list[Waiting] = field(default_factory=list)
+    # Vip tasks whose preemption is still being carried out.
+    evicting: set[str] = field(default_factory=set)
+    # Tasks evicted whose holds are not released yet: no vip may pick them again.
+    leaving: set[str] = field(default_factory=set)
+    # The decisions, in the order they were made.
+    out: list[DecisionMade] = field(default_factory=list)
+    # What found no node this round (and whether the reservation was hidden from it): a task
+    # that needs no less is not tried again until the next round. A backlog of hundreds then
+    # costs a few decisions a round, not hundreds of claims and decisions.
+    failed: list[tuple[Demand, bool]] = field(default_factory=list)
+    # The tasks that found no place this round, skipped ones included: the reservation's
+    # owner is chosen among them once the round is over.
+    blocked: list[TaskAdmitted] = field(default_factory=list)
+
+    async def collect(self) -> None:
+        """Read every entry; keep those this round may place, in the queue's order."""
+        ps, pending, settings = self.ps, self.pending, self.settings
+        for key in await pending.keys():
+            entry = await pending.get(key)
+            if not entry or not entry.value:
+                continue
+            value = entry.value
+            claim = claim_of(value)
+            if claim is not None:
+                at, value = claim
+                if not value or now() - at < settings.claim_timeout_s:
+                    continue  # a replica is placing it (or a claim of old left nothing to place)
+                # Its replica died, or lost the bus, while placing it: the entry is ours.
+                log.warning("%s: claimed %.0f s ago and never decided; taken over", key, now() - at)
+            try:
+                adm, requeue = decode_pending(value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # One unreadable entry must not stop every other task from being placed.
+                log.error("pending %s is unreadable (%s); skipped", key, exc)
+                continue
+            if claim is not None and ps.ledger.holds_of(adm.task.task_id) is None and await ps.journaled(
+                    requeue.decision_id if requeue else decision_id_for(adm.task.task_id, "assign")):
+                # The dead replica's decision went out and the executor took it (and the task
+                # ended, or its failure placed it again): nothing is left to decide.
+                await pending.delete(entry.key)
+                continue
+            if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
+                if now() - requeue.at > settings.evict_timeout_s:
+                    # The eviction failed or never went out: the task still runs. Forget the
+                    # entry (the vip may preempt again) rather than hold the queue up.
+                    log.warning(
+                        "eviction %s not carried out in time; %s keeps running",
+                        requeue.evict_id or "by the executor",
+                        adm.task.task_id,
+                    )
+                    await pending.delete(entry.key)
+                    continue
+                # Evicted, but the executor has not released its holds yet (or our view has
+                # not seen the release): placing it now would book it twice (and the release
+                # would take the new holds too). Only a preemption holds the queue for its vip.
+                if requeue.for_task:
+                    self.evicting.add(requeue.for_task)
+                self.leaving.add(adm.task.task_id)
+                continue
+            self.waiting.append(Waiting(adm, requeue, entry, value))
+        self.waiting.sort(key=lambda w: queue_position(w.adm))
+
+    async def place(self) -> None:
+        """Place what waits, in the queue's order: each entry claimed, placed or put back
+        (a vip may preempt); decisions go to ``out`` as they are made."""
+        ps, pending = self.ps, self.pending
+        for w in self.waiting:
+            adm = w.adm
+            if self.evicting and adm.contract.tier != "vip":
+                # Space is being freed for a vip: nothing else may take it half-freed (an
+                # evicted task would otherwise come straight back where it was).
+                continue
+            held = ps.reservation
+            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
+            # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
+            demands = [Demand.of(r) for r in ps.requests(adm.task)]
+            if adm.contract.tier != "vip" and all(
+                any(d.cannot_fit_after(f) for f, masked in self.failed if hide or not masked) for d in demands
+            ):
+                self.blocked.append(adm)
+                continue  # a vip still gets its turn: it may preempt
+            try:
+                await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)  # one replica takes it
+            except CasConflict:
+                continue
+            try:
+                decision, _, _ = await ps.place(adm, w.requeue.decision_id if w.requeue else None)
+                if decision is None:
+                    self.failed.extend((d, hide) for d in demands)
+                    self.blocked.append(adm)
+            except Retry:
+                decision = None
+            if decision is None:
+                await pending.put(w.entry.key, w.value)
+                # A vip that fits nowhere may preempt best_effort work (``preempt``), once
+                # per round and not while its last preemption is still under way.
+                if adm.contract.tier == "vip" and adm.task.task_id not in self.evicting:
+                    evictions = await ps.preempt(adm, pending, frozenset(self.leaving))
+                    if evictions:
+                        self.evicting.add(adm.task.task_id)
+                        self.leaving.update(d.task_id for d in evictions)
+                        self.out.extend(self.decided(d) for d in evictions)
+                continue
+            await pending.delete(w.entry.key)
+            self.out.append(self.decided(decision))
+
+    def reservation_owner(self) -> TaskAdmitted | None:
+        """The task the reservation goes to: the whole-GPU task first in the queue's order
+        among those that found no place (expected completion bounds how long anything is
+        overtaken, wide tasks included)."""
+        wide = [a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
+        return min(wide, key=queue_position, default=None)
