@@ -1,7 +1,10 @@
 """The queue's retry round: every ``pending_retry_s`` a replica walks the ``pending`` bucket
 and places, in the queue's order, what fits now.
 
-A round reads every entry (``collect``): an entry another replica claimed is left to it
+A round reads every entry (``collect``) from the replica's ``PendingQueue``, the bucket kept
+in memory by a watcher: a backlog of thousands is read without a bus round trip per entry
+(about 0.2 ms each, so 0.4 s a round for 1,000 waiting tasks, and a round longer than its
+period past 3,000). An entry another replica claimed is left to it
 unless its claim is older than ``claim_timeout_s`` (that replica died, or lost the bus,
 while placing it); a task evicted whose holds are not released yet waits, and tells which
 vips are still freeing room. Then it places what waits (``place``): each entry is claimed
@@ -15,13 +18,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import msgspec
 from fleetpilot.contracts import DecisionMade, TaskAdmitted, now
 from fleetpilot.policy.backfill import Demand, queue_key
 from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending
 from fleetpilot.policy.state import MILLI
-from fleetpilot.runtime import CasConflict, KeyValue, KvEntry, Retry
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, KvEntry, Retry
 
 from .evictions import Evictions
 from .replica import decision_id_for
@@ -35,6 +39,38 @@ def queue_position(adm: TaskAdmitted) -> tuple[int, float, float]:
     earliest expected completion had it started on admission, so short work does not queue
     behind long work that came about the same time and nothing starves), then admission."""
     return (*queue_key(adm.contract.tier, adm.admitted_at, adm.task.expected_duration_s), adm.admitted_at)
+
+
+class PendingQueue:
+    """The ``pending`` bucket kept in memory: loaded at open, then followed by a watcher.
+
+    A round decides on it and commits with compare-and-set on the revision it read: an
+    entry that changed since (claimed, placed or written again elsewhere) fails its claim
+    and waits for the next round, so a view a moment behind costs a round, never a task.
+    """
+
+    def __init__(self, kv: KeyValue) -> None:
+        """Mirror ``kv`` (the ``pending`` bucket); call :meth:`follow` to keep it current."""
+        self.kv = kv
+        self.entries: dict[str, KvEntry] = {}
+
+    @classmethod
+    async def open(cls, bus: Bus) -> Self:
+        """Load every entry of the bucket."""
+        queue = cls(await bus.kv("pending"))
+        for key in await queue.kv.keys():
+            entry = await queue.kv.get(key)
+            if entry is not None and entry.value:
+                queue.entries[key] = entry
+        return queue
+
+    async def follow(self) -> None:
+        """Keep the view current (run as a background task)."""
+        async for entry in self.kv.watch(">"):
+            if entry.value is None:
+                self.entries.pop(entry.key, None)
+            else:
+                self.entries[entry.key] = entry
 
 
 @dataclass
@@ -56,7 +92,7 @@ class RetryRound:
     """
 
     ps: Evictions
-    pending: KeyValue
+    queue: PendingQueue
     settings: PolicySettings
     decided: Callable[[DecisionMade], DecisionMade]
     waiting: list[Waiting] = field(default_factory=list)
@@ -76,12 +112,11 @@ class RetryRound:
 
     async def collect(self) -> None:
         """Read every entry; keep those this round may place, in the queue's order."""
-        ps, pending, settings = self.ps, self.pending, self.settings
-        for key in await pending.keys():
-            entry = await pending.get(key)
-            if not entry or not entry.value:
-                continue
+        ps, settings = self.ps, self.settings
+        for key, entry in list(self.queue.entries.items()):
             value = entry.value
+            if not value:
+                continue
             claim = claim_of(value)
             if claim is not None:
                 at, value = claim
@@ -99,7 +134,7 @@ class RetryRound:
                     requeue.decision_id if requeue else decision_id_for(adm.task.task_id, "assign")):
                 # The dead replica's decision went out and the executor took it (and the task
                 # ended, or its failure placed it again): nothing is left to decide.
-                await pending.delete(entry.key)
+                await self._forget(entry)
                 continue
             if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
                 if now() - requeue.at > settings.evict_timeout_s:
@@ -110,7 +145,7 @@ class RetryRound:
                         requeue.evict_id or "by the executor",
                         adm.task.task_id,
                     )
-                    await pending.delete(entry.key)
+                    await self._forget(entry)
                     continue
                 # Evicted, but the executor has not released its holds yet (or our view has
                 # not seen the release): placing it now would book it twice (and the release
@@ -122,10 +157,17 @@ class RetryRound:
             self.waiting.append(Waiting(adm, requeue, entry, value))
         self.waiting.sort(key=lambda w: queue_position(w.adm))
 
+    async def _forget(self, entry: KvEntry) -> None:
+        # Only the entry as read: one written since (claimed by a replica taking it over,
+        # queued again) is no longer what this round judged.
+        current = await self.queue.kv.get(entry.key)
+        if current is not None and current.revision == entry.revision:
+            await self.queue.kv.delete(entry.key)
+
     async def place(self) -> None:
         """Place what waits, in the queue's order: each entry claimed, placed or put back
         (a vip may preempt); decisions go to ``out`` as they are made."""
-        ps, pending = self.ps, self.pending
+        ps, pending = self.ps, self.queue.kv
         for w in self.waiting:
             adm = w.adm
             if self.evicting and adm.contract.tier != "vip":

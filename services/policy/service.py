@@ -89,7 +89,7 @@ from .policy_set import (
     success_table,
 )
 from .replica import QUEUE_CONFIDENCE, calibration_key, decision_id_for
-from .retry_round import RetryRound
+from .retry_round import PendingQueue, RetryRound
 from .settings import PolicySettings
 
 log = logging.getLogger("fleetpilot.policy")
@@ -114,7 +114,10 @@ def totals_by_policy_action(groups: list) -> dict[str, tuple[float, float, float
 
 class PolicyState(Moves, Evictions):
     """Everything a replica holds and does: its view and placements (``ReplicaState``), its
-    moves of running tasks (``Moves``), its evictions and re-queueing (``Evictions``)."""
+    moves of running tasks (``Moves``), its evictions and re-queueing (``Evictions``), and
+    the queue its retry rounds read (``queue``, set when the state opens)."""
+
+    queue: PendingQueue
 
 
 def build(settings: PolicySettings | None = None) -> ServiceHost:
@@ -158,10 +161,12 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)
         ps.executions = await bus.kv("executions")
-        ps.pending = await bus.kv("pending")
+        ps.queue = queue = await PendingQueue.open(bus)
+        ps.pending = queue.kv
         host.background(fleet.follow, "fleet-watch")
         host.background(ledger.follow, "ledger-watch")
         host.background(admissions.follow, "contracts-watch")
+        host.background(queue.follow, "pending-watch")
         host.background(lambda: watch_config(bus, docs), "config-watch")
         if plugins is not None:
             host.background(watch_plugins, "plugin-watch")
@@ -275,7 +280,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if "state" not in holder:
             return []
         ps = state()
-        round_ = RetryRound(ps, await host.bus.kv("pending"), settings, metrics.decided)  # type: ignore[union-attr]
+        round_ = RetryRound(ps, ps.queue, settings, metrics.decided)
         await round_.collect()
         try:
             await round_.place()
