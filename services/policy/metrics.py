@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from fleetpilot.contracts import DecisionMade
 from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger("fleetpilot.policy")
 
 
 class PolicyMetrics:
@@ -32,12 +36,33 @@ class PolicyMetrics:
         self.config_errors = Counter(
             "fleetpilot_policy_config_errors_total", "Config documents refused", registry=registry
         )
+        self.breaker_open = Gauge(
+            "fleetpilot_policy_breaker_open",
+            "1 while the policy's circuit breaker is open or probing (its decisions go to the fallback)",
+            ["policy"],
+            registry=registry,
+        )
+        self.breaker_trips = Counter(
+            "fleetpilot_policy_breaker_trips_total", "Times the policy's breaker opened, by the outcome that opened it",
+            ["policy", "outcome"], registry=registry,
+        )
 
     def swapped(self, kind: str, seconds: float, generation: int) -> None:
         """Record one swap."""
         self.reload.labels(kind).observe(seconds)
         self.last_reload.labels(kind).set(seconds)
         self.generation.set(generation)
+
+    def breaker_changed(self, policy: str, state: str, outcome: str) -> None:
+        """Log and count a breaker that opened (its decisions now go to the fallback scheduler)
+        or closed again."""
+        self.breaker_open.labels(policy).set(0 if state == "closed" else 1)
+        if state == "open":
+            self.breaker_trips.labels(policy, outcome).inc()
+            log.warning("policy %s: breaker open after %s; the fallback scheduler decides until a probe succeeds",
+                        policy, outcome.replace("_", " "))
+        else:
+            log.warning("policy %s: breaker closed; it decides again", policy)
 
     def decided(self, d: DecisionMade) -> DecisionMade:
         """Count a decision on its way out."""

@@ -15,6 +15,7 @@ to the primary through the breaker's half-open probe after its cooldown, as desi
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,7 @@ from fleetpilot.policy import (
     builtin_profile,
 )
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
+from fleetpilot.policy.fallback import BreakerState, Outcome
 from fleetpilot.policy.fragmentation import TaskShape, typical_tasks
 from fleetpilot.policy.state import TaskRequest
 
@@ -122,12 +124,18 @@ class ActivePolicies:
     typical: Sequence[TaskShape] = ()
     demand: Sequence[TaskShape] = ()
     on_swap: Callable[[str, float], None] | None = None
+    # Told ``(policy, new state, outcome)`` when a policy's breaker opens or closes.
+    on_breaker: Callable[[str, BreakerState, Outcome], None] | None = None
     current: PolicySet = field(init=False)
     _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
     _generation: int = 0
 
     def __post_init__(self) -> None:
         self.current = self._compile(self.config, self.source, self.plugins, self.stats)
+
+    def _breaker_changed(self, name: str, state: BreakerState, outcome: Outcome) -> None:
+        if self.on_breaker is not None:
+            self.on_breaker(name, state, outcome)
 
     def apply_config(self, config: PolicyConfig, source: str) -> bool:
         """Swap in a new configuration; ``False`` (previous set kept) if it does not compile."""
@@ -235,7 +243,10 @@ class ActivePolicies:
         policies = {name: build_policy(prof) for name, (prof, _) in profiles.items()}
         guarded = {}
         for name, policy in policies.items():
-            breaker = self._breakers.setdefault((name, config.breaker), CircuitBreaker(config.breaker))
+            breaker = self._breakers.get((name, config.breaker))
+            if breaker is None:
+                breaker = self._breakers[(name, config.breaker)] = CircuitBreaker(
+                    config.breaker, on_change=functools.partial(self._breaker_changed, name))
             guarded[name] = GuardedPolicy(policy.decide, fallback, breaker)
         self._generation += 1
         return PolicySet(

@@ -157,6 +157,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             plugins.poll()
         active = ActivePolicies(config, source, plugins.profiles() if plugins else {})
         active.on_swap = lambda kind, s: metrics.swapped(kind, s, active.current.generation)
+        active.on_breaker = metrics.breaker_changed
         metrics.generation.set(active.current.generation)
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)

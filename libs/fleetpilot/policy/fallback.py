@@ -63,6 +63,10 @@ class CircuitBreaker:
 
     config: BreakerConfig = field(default_factory=BreakerConfig)
     clock: Callable[[], float] = time.monotonic
+    # Told ``(new state, the outcome that changed it)`` when an outcome opens or closes the
+    # breaker: a breaker that opens sends every decision to the fallback, which operators
+    # must hear of.
+    on_change: Callable[[BreakerState, Outcome], None] | None = None
     state: BreakerState = "closed"
     failures: int = 0
     successes: int = 0
@@ -89,7 +93,13 @@ class CircuitBreaker:
 
     def record(self, outcome: Outcome) -> BreakerState:
         """Update the machine with one outcome; returns the new state."""
-        self.last_outcome = outcome
+        before = self._step(outcome)
+        if self.state != before and self.on_change is not None:
+            self.on_change(self.state, outcome)
+        return self.state
+
+    def _step(self, outcome: Outcome) -> BreakerState:
+        before, self.last_outcome = self.state, outcome
         if outcome == "ok":
             if self.state == "half_open":
                 self.successes += 1
@@ -97,14 +107,13 @@ class CircuitBreaker:
                     self.state, self.failures = "closed", 0
             else:
                 self.failures = 0
-            return self.state
-        if self.state == "half_open":
+        elif self.state == "half_open":
             self._open()
         else:
             self.failures += 1
             if self.failures >= self.config.failure_threshold:
                 self._open()
-        return self.state
+        return before
 
     def _open(self) -> None:
         self.state, self.opened_at, self.failures, self.successes = "open", self.clock(), 0, 0

@@ -187,9 +187,15 @@ class _FragScorer(ScorePlugin):
         return self._frag
 
     def _deltas(self, cycle: Cycle) -> np.ndarray:
-        """``frag_before - frag_after`` per row, or per (row, GPU) for a sharing task."""
+        """``frag_before - frag_after`` per row, or per (row, GPU) for a sharing task, ``-inf``
+        on a GPU that cannot hold it."""
         table = self._table(cycle.state)
         delta, _ = table.placement_deltas(cycle.state, cycle.task, cycle.rows, cycle.free)
+        if delta.ndim == 2:
+            # The table knows compute only; the GPU chosen here is the GPU the task takes
+            # (``Scored``), so it must hold the task's memory too, as the filter required of
+            # some GPU of the node.
+            delta = np.where(fitting_gpus(cycle)[cycle.rows], delta, -np.inf)
         return delta
 
 

@@ -75,6 +75,7 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         for adm in broken:
             await observer.admit(adm)
         await wait_for(lambda: len(observer.decisions) >= len(broken), what="decisions while broken")
+        open_while_broken = sample(host, "fleetpilot_policy_breaker_open", policy="flaky")
         generation = sample(host, "fleetpilot_policy_generation")
         write_module(plugin_dir, "flaky.py", FLAKY.format(broken=False, version="2"))
         await wait_for(
@@ -94,6 +95,8 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         total = len(broken) + len(early) + len(late)
         await wait_for(lambda: len(observer.decisions) >= total, what="decisions after cooldown")
         reload_s = sample(host, "fleetpilot_policy_last_reload_seconds", kind="module")
+        open_once_fixed = sample(host, "fleetpilot_policy_breaker_open", policy="flaky")
+        trips = sample(host, "fleetpilot_policy_breaker_trips_total", policy="flaky", outcome="exception")
     finally:
         await host.stop()
     decided = observer.by_task()
@@ -108,6 +111,8 @@ async def test_broken_primary_falls_back_on_history_and_returns_after_cooldown(o
         assert not d.fallback and d.policy.name == "flaky" and d.policy.version.startswith("2+")
     assert queries and set(queries[0].by) == {"task_kind", "gpu_model"}
     assert reload_s is not None and 0 < reload_s < 0.5
+    # Operators see the breaker: open while the primary raised (by the exceptions), closed again.
+    assert (open_while_broken, open_once_fixed) == (1.0, 0.0) and trips is not None and trips >= 1
 
 
 async def test_config_change_and_module_reload_lose_no_decision(observer, nats_url, tmp_path):

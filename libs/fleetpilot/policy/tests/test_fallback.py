@@ -44,7 +44,8 @@ SCRIPT = [
 
 def test_breaker_transitions():
     clock = Clock()
-    b = CircuitBreaker(config=CFG, clock=clock)
+    told: list[tuple[str, str]] = []
+    b = CircuitBreaker(config=CFG, clock=clock, on_change=lambda state, outcome: told.append((state, outcome)))
     for advance, outcome, expected in SCRIPT:
         clock.t += advance
         allowed = b.allow()
@@ -52,6 +53,8 @@ def test_breaker_transitions():
             b.record(outcome)
         assert b.state == expected, (advance, outcome)
         assert allowed == (b.state != "open" or outcome is not None)
+    # Each opening and closing is told once, with the outcome that caused it.
+    assert told == [("open", "low_confidence"), ("open", "unavailable"), ("closed", "ok")]
 
 
 @pytest.mark.parametrize(

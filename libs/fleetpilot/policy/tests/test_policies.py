@@ -295,3 +295,19 @@ def test_demand_pressure_prices_multi_gpu_capacity_against_usable_free():
     state.allocate(0, [0], 1000, cpu_milli=1000, memory_mb=0)   # "a" keeps 7 free GPUs: 0 fit the 8s
     # frag(a) = 0.1 * 7000 (the 8-GPU class no longer fits) = 700; U = 8200 - 700 - 1200 = 6300.
     assert plugin._usable_free(Cycle(state=state, task=SHARE, free=state.usable_free())) == pytest.approx(6300.0)
+
+
+@pytest.mark.parametrize("policy", ["fgd", "fleetpilot", "bestfit", "packing"])
+def test_a_shared_gpu_is_chosen_only_where_the_task_memory_fits(policy):
+    # One node: GPU 0 is the exact fit by compute (250 free) but has 2 GB of memory left;
+    # GPU 1 is idle. A share asking 9 GB fits the node only on GPU 1. Found live on the
+    # openb fleet: FGD's per-GPU choice looked at compute alone, picked GPU 0 (P(OOM) = 1),
+    # and the confidence of 0 opened the breaker, so the fallback served for 30 s at a time.
+    state = cluster([("n", "T4", 30000, [250, 1000])])
+    state.gpu_mem_total[:] = np.where(state.gpu_exists, 16000, 0)
+    state.gpu_mem_free[0, :2] = [2000, 16000]
+    task = TaskRequest(task_id="m", gpus=1, gpu_milli=250, gpu_memory_mb=9000)
+    decision = build_policy(policy, typical=[TaskShape(cpu_milli=0, gpu_milli=250, gpus=1, weight=1.0)]).decide(
+        state, task)
+    assert decision.action == "assign" and [p.gpu for p in decision.placement] == [1]
+    assert decision.confidence > 0.8
