@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _number(parse: Callable[[str], float], what: str, text: str) -> float:
@@ -57,3 +58,11 @@ def port_base(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0 (free ports) or a port 1..65535, got {value}")
     return value
+
+
+def existing_file(text: str) -> str:
+    """The absolute path of a file that exists (services started elsewhere read it too)."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return str(path.resolve())

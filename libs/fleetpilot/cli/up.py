@@ -38,7 +38,7 @@ from fleetpilot.contracts import (
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
-from .arguments import non_negative_int, port_base, positive_float
+from .arguments import existing_file, non_negative_int, port_base, positive_float
 from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
 from .workload import demo_tasks
 
@@ -55,7 +55,9 @@ def add_arguments(parser) -> None:
                         help="use this NATS instead of starting one")
     parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
     parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
-    parser.add_argument("--fleet", default="", help="fleet spec YAML for the simulator (three-site by default)")
+    parser.add_argument("--fleet", type=existing_file, default="",
+                        help="the simulated fleet: a spec YAML, a topology.json, or the openb node list CSV "
+                             "(three-site by default)")
     parser.add_argument("--metrics-port-base", type=port_base, default=9101,
                         help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
@@ -76,8 +78,9 @@ class ServiceProcesses:
                "FLEETPILOT_COLLECTOR_SPEED": str(self.args.speed),
                f"FLEETPILOT_{name.upper()}_METRICS_PORT": str(base + SERVICES.index(name) if base else 0)}
         if self.args.fleet:
-            env["FLEETPILOT_COLLECTOR_FLEET_SPEC"] = self.args.fleet
-            env["FLEETPILOT_TOPOLOGY_FLEET_SPEC"] = self.args.fleet
+            # The openb node list has its own reader (one site, no links); anything else is a spec.
+            setting = "OPENB_NODES" if self.args.fleet.lower().endswith(".csv") else "FLEET_SPEC"
+            env[f"FLEETPILOT_COLLECTOR_{setting}"] = env[f"FLEETPILOT_TOPOLOGY_{setting}"] = self.args.fleet
         if (env["FLEETPILOT_COLLECTOR_SOURCE"] == "nvml" and env.get("FLEETPILOT_EXECUTOR_BACKEND") == "process"
                 and not env.get("FLEETPILOT_EXECUTOR_NODE")):
             # One real node: its executor is that node's (the name its collector reports), so

@@ -101,6 +101,7 @@ async def test_any_submitters_task_counts_towards_submit_to_assign_at_once_or_af
     (["--duration", "nan"], "argument --duration: not a finite number"),
     (["--speed", "-1"], "argument --speed: must be more than 0"),
     (["--metrics-port-base", "70000"], "argument --metrics-port-base: must be 0 (free ports) or a port"),
+    (["--fleet", "no-such-fleet.yaml"], "argument --fleet: no such file: 'no-such-fleet.yaml'"),
 ])
 def test_bad_numbers_are_refused_in_one_line_before_anything_starts(argv, fragment, capsys) -> None:
     # Before, a negative --demo or a zero --rate started the whole fleet and reported nothing.
@@ -137,3 +138,18 @@ def test_up_on_one_gpu_machine_gives_its_executor_the_node(monkeypatch, tmp_path
     args = SimpleNamespace(metrics_port_base=0, speed=1.0, fleet=None)
     env = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222", args).env_for("executor")
     assert env.get("FLEETPILOT_EXECUTOR_NODE") == node
+
+
+@pytest.mark.parametrize(("name", "setting"), [("openb_node_list_gpu_node.csv", "OPENB_NODES"),
+                                                ("fleet.yaml", "FLEET_SPEC"), ("topology.json", "FLEET_SPEC")])
+def test_up_gives_the_fleet_file_to_the_collector_and_topology_as_what_it_is(monkeypatch, tmp_path, name, setting):
+    for var in ("FLEETPILOT_COLLECTOR_OPENB_NODES", "FLEETPILOT_TOPOLOGY_OPENB_NODES",
+                "FLEETPILOT_COLLECTOR_FLEET_SPEC", "FLEETPILOT_TOPOLOGY_FLEET_SPEC"):
+        monkeypatch.delenv(var, raising=False)
+    path = str(tmp_path / name)
+    processes = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222",
+                                 SimpleNamespace(metrics_port_base=0, speed=1.0, fleet=path))
+    for service in ("collector", "topology"):
+        env = processes.env_for(service)
+        chosen = {k: v for k, v in env.items() if k.endswith(("_OPENB_NODES", "_FLEET_SPEC"))}
+        assert chosen == {f"FLEETPILOT_COLLECTOR_{setting}": path, f"FLEETPILOT_TOPOLOGY_{setting}": path}
