@@ -55,7 +55,7 @@ def add_arguments(parser) -> None:
                         help="use this NATS instead of starting one")
     parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
     parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
-    parser.add_argument("--fleet", type=existing_file, default="",
+    parser.add_argument("--fleet", type=existing_file, default=None,
                         help="the simulated fleet: a spec YAML, a topology.json, or the openb node list CSV "
                              "(three-site by default)")
     parser.add_argument("--metrics-port-base", type=port_base, default=9101,

@@ -140,6 +140,13 @@ def test_up_on_one_gpu_machine_gives_its_executor_the_node(monkeypatch, tmp_path
     assert env.get("FLEETPILOT_EXECUTOR_NODE") == node
 
 
+def test_up_without_a_fleet_file_runs_the_shipped_fleet() -> None:
+    from fleetpilot.cli.main import build_parser
+
+    # argparse passes a string default through the flag's type: "" once failed the file check.
+    assert build_parser().parse_args(["up"]).fleet is None
+
+
 @pytest.mark.parametrize(("name", "setting"), [("openb_node_list_gpu_node.csv", "OPENB_NODES"),
                                                 ("fleet.yaml", "FLEET_SPEC"), ("topology.json", "FLEET_SPEC")])
 def test_up_gives_the_fleet_file_to_the_collector_and_topology_as_what_it_is(monkeypatch, tmp_path, name, setting):
