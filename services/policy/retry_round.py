@@ -4,13 +4,13 @@ and places, in the queue's order, what fits now.
 A round reads every entry (``collect``) from the replica's ``PendingQueue``, the bucket kept
 in memory by a watcher: a backlog of thousands is read without a bus round trip per entry
 (about 0.2 ms each, so 0.4 s a round for 1,000 waiting tasks, and a round longer than its
-period past 3,000). An entry another replica claimed is left to it
-unless its claim is older than ``claim_timeout_s`` (that replica died, or lost the bus,
-while placing it); a task evicted whose holds are not released yet waits, and tells which
-vips are still freeing room. Then it places what waits (``place``): each entry is claimed
-with compare-and-set, so one replica takes it, placed or put back, and a vip that fits
-nowhere may preempt ``best_effort`` work. What the round decided goes out even when the
-bus fails half-way, for its holds are reserved and its entries gone.
+period past 3,000). An entry another replica claimed is left to it unless its claim is older
+than ``claim_timeout_s`` (that replica died, or lost the bus, while placing it); a task
+evicted whose holds are not released yet waits, and tells which vips are still freeing room.
+Then it places what waits (``place``): each entry is claimed with compare-and-set, so one
+replica takes it, placed or put back, and a vip that fits nowhere may preempt
+``best_effort`` work. What the round decided goes out even when the bus fails half-way, for
+its holds are reserved and its entries gone.
 """
 
 from __future__ import annotations
