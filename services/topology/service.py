@@ -36,6 +36,7 @@ from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
+from prometheus_client import Gauge
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -195,6 +196,14 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
     return msgspec.structs.replace(node, gpus=gpus)
 
 
+def labelled_condition(node: NodeTopology) -> str:
+    """The condition a node's GPU labels say it is in (``READY`` without either label)."""
+    for condition in (UNREACHABLE, NOT_READY):
+        if node.gpus and all(g.labels.get(condition) == "true" for g in node.gpus):
+            return condition
+    return READY
+
+
 async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> NodeTopology | None:
     """Label (or unlabel) one node's GPUs with compare-and-set; the node when it changed."""
     for _ in range(attempts):
@@ -221,6 +230,8 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     settings = settings or TopologySettings.from_environment()
     estimates = bandwidth_estimates(settings)
     host = ServiceHost("topology", settings)
+    nodes_by_condition = Gauge("fleetpilot_topology_nodes", "Nodes by condition, as the last liveness check left them",
+                               ["condition"], registry=host.metrics.registry)
     known: dict[str, bytes] = {}
     revision = {"n": 0}
 
@@ -266,15 +277,18 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             return None
         kv = await bus.kv("topology")
         changed: list[str] = []
+        counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
         for node in await stored_nodes(kv):
             subject = f"topology.report.{node.node}"
             heard = await bus.last_stored_at(subject)
             kept_since = await bus.first_stored_at(subject) if heard is None else None
             condition = node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
             if condition is None:
+                counts[labelled_condition(node)] += 1
                 continue  # the stream does not go back far enough to tell
             if condition == UNREACHABLE and listened < settings.silent_after_s:
                 condition = NOT_READY
+            counts[labelled_condition(with_condition(node, condition))] += 1
             if await mark_condition(kv, node_key(node.node), condition) is not None:
                 changed.append(node.node)
                 silence = f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps"
@@ -286,6 +300,8 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
                 else:
                     log.warning("%s unreachable: no report from its collector for %s; its tasks are given up",
                                 node.node, silence)
+        for condition, count in counts.items():
+            nodes_by_condition.labels(condition).set(count)
         if not changed:
             return None
         revision["n"] += 1

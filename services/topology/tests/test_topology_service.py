@@ -168,6 +168,12 @@ async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
         await host.stop()
 
 
+def nodes_gauge(host) -> dict[str, float | None]:
+    """``fleetpilot_topology_nodes`` by condition."""
+    return {c: host.metrics.registry.get_sample_value("fleetpilot_topology_nodes", {"condition": c})
+            for c in ("ready", "not_ready", "unreachable")}
+
+
 async def condition_labels(kv, node: NodeTopology) -> set[str]:
     """The condition labels on the node's stored GPUs, each GPU's as one string."""
     entry = await kv.get(node.node)
@@ -204,12 +210,14 @@ async def test_a_silent_node_is_first_not_ready_then_unreachable_until_it_report
         # Ready, then not ready (no new work, tasks kept), then given up; one label at a time.
         assert [c for i, c in enumerate(seen) if i == 0 or c != seen[i - 1]] == [{""}, {"not_ready"}, {"unreachable"}]
         assert [u.nodes for u in updates[2:]] == [[quiet.node]] * 2  # each step announced
+        assert nodes_gauge(host) == {"ready": 1, "not_ready": 0, "unreachable": 1}  # for alerts
         await client.publish(report(quiet, 30.0))  # back: the label goes at the next check
 
         async def back() -> bool:
             return await conditions(quiet) == {""}
 
         await wait_for(back, timeout_s=5, what="the label gone once the node reports again")
+        await wait_for(lambda: nodes_gauge(host)["ready"] == 2, timeout_s=5, what="the gauge to count it ready")
     finally:
         await host.stop()
 
