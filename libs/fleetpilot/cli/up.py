@@ -378,5 +378,10 @@ async def run(args) -> int:
 
 
 def main(args) -> int:
-    """Entry of the subcommand."""
+    """Entry of the subcommand; a demo the process backend cannot run is refused in one line."""
+    if args.demo and os.environ.get("FLEETPILOT_EXECUTOR_BACKEND", "sim") == "process":
+        # Each demo task would be refused by the executor three times, then rejected.
+        raise ValueError("--demo tasks carry no command, and the process backend "
+                         "(FLEETPILOT_EXECUTOR_BACKEND=process) runs a task's command: "
+                         "submit tasks with one (fleetpilot submit -f task.yaml)")
     return asyncio.run(run(args))

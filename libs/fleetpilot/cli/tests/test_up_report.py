@@ -160,3 +160,13 @@ def test_up_gives_the_fleet_file_to_the_collector_and_topology_as_what_it_is(mon
         env = processes.env_for(service)
         chosen = {k: v for k, v in env.items() if k.endswith(("_OPENB_NODES", "_FLEET_SPEC"))}
         assert chosen == {f"FLEETPILOT_COLLECTOR_{setting}": path, f"FLEETPILOT_TOPOLOGY_{setting}": path}
+
+
+def test_a_demo_the_process_backend_cannot_run_is_refused_in_one_line(monkeypatch, capsys, tmp_path) -> None:
+    # Before, every demo task was placed, refused by the executor three times ("has no
+    # command") and rejected: 90 failed actions for 30 tasks, and a report of failures.
+    monkeypatch.setenv("FLEETPILOT_EXECUTOR_BACKEND", "process")
+    code = cli_main(["up", "--demo", "30", "--duration", "5", "--state-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--demo tasks carry no command" in err and not (tmp_path / "nats").exists()
