@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, PermissionError, ConnectionError, TimeoutError) as exc:
-        print(f"fleetpilot {args.subcommand}: {exc}", file=sys.stderr)
+        # An OSError of a file reads "[Errno 2] No such file or directory: 'x'"; say it plainly.
+        filename = getattr(exc, "filename", None)
+        text = f"{exc.strerror.lower()}: {filename}" if filename is not None and exc.strerror else str(exc)
+        print(f"fleetpilot {args.subcommand}: {text}", file=sys.stderr)
         return 2
 
 

@@ -321,3 +321,12 @@ def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):
     assert out.startswith("fleet three-site (shipped three-site spec)")
     assert "live: no GPU samples in the gpu_state bucket" in out
 
+
+
+@pytest.mark.parametrize("command", ["fingerprint", "topology"])
+def test_a_missing_input_file_is_named_plainly(capsys, tmp_path, command):
+    missing = str(tmp_path / "nope.csv")
+    code, out, err = run(capsys, command, missing)
+    # Before: "[Errno 2] No such file or directory: '...'", Python's own wording.
+    assert_one_line_error(code, out, err, f"fleetpilot {command}: no such file or directory: {missing}")
+    assert "Errno" not in err
