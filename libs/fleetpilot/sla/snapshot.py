@@ -74,49 +74,105 @@ class _PoolTally:
     preemptible: int = 0
     frees_at: list[float] = field(default_factory=list)
 
+    def add(self, other: _PoolTally) -> None:
+        """Fold another node's tally of the same pool into this one."""
+        # A pool promises what its smallest GPU holds.
+        self.memory_mb = other.memory_mb if self.total == 0 else min(self.memory_mb, other.memory_mb)
+        self.total += other.total
+        self.free += other.free
+        self.free_milli = max(self.free_milli, other.free_milli)
+        self.preemptible += other.preemptible
+        self.frees_at.extend(other.frees_at)
+
+
+NodeTallies = dict[tuple[str, str], _PoolTally]
+
+
+def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[str, TaskAdmitted],
+                  memory_of: dict[str, int], knobs: SnapshotKnobs) -> NodeTallies:
+    """What one node adds to each of its pools (independent of the time: see ``frees_at``)."""
+    per_gpu: dict[int, list] = defaultdict(list)
+    for alloc in allocations:
+        if alloc.gpu >= 0:
+            per_gpu[alloc.gpu].append(alloc)
+    tallies: NodeTallies = defaultdict(_PoolTally)
+    for gpu in node.gpus:
+        if gpu.model not in memory_of:
+            memory_of[gpu.model] = _catalogue_terms(gpu.model, knobs)[2]
+        tally = tallies[(node.site, gpu.model)]
+        tally.add(_PoolTally(memory_mb=gpu.memory_mb or memory_of[gpu.model], total=1))
+        if not in_service(gpu.labels):
+            continue  # it exists, but is neither free nor ever freeing: nothing to promise
+        holders = per_gpu.get(gpu.index, [])
+        if not holders:
+            tally.free += 1
+            continue
+        spare = 1000 - sum(a.milli for a in holders)
+        if spare > 0:
+            tally.free_milli = max(tally.free_milli, spare)
+        contracts = [admitted.get(a.task_id) for a in holders]
+        if all(c is not None and c.contract.tier == "best_effort" for c in contracts):
+            tally.preemptible += 1
+        ends = [a.at + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
+                if c is not None and c.task.expected_duration_s is not None and a.at > 0]
+        if len(ends) == len(holders):
+            tally.frees_at.append(max(ends))
+    return tallies
+
+
+@dataclass
+class SnapshotCache:
+    """Per-node tallies of the last :func:`fleet_view`, reused while a node's topology
+    record, its ledger allocations and its holders' admissions are the very objects they
+    were built from (the services' mirrors replace a record when it changes, never edit it).
+
+    On the openb fleet (1,213 nodes, 6,212 GPUs) a view built from scratch is a Python loop
+    over every GPU for every submission; with the cache only the nodes that changed are."""
+
+    _by_node: dict[str, tuple[NodeTopology, object, tuple, NodeTallies]] = field(default_factory=dict)
+
+    def tallies(self, node: NodeTopology, allocations: Iterable, admitted: Mapping[str, TaskAdmitted],
+                memory_of: dict[str, int], knobs: SnapshotKnobs) -> NodeTallies:
+        """The node's tallies, from the cache when nothing they depend on was replaced."""
+        holders = tuple(admitted.get(a.task_id) for a in allocations)
+        kept = self._by_node.get(node.node)
+        if (kept is not None and kept[0] is node and kept[1] is allocations and len(kept[2]) == len(holders)
+                and all(x is y for x, y in zip(kept[2], holders, strict=True))):
+            return kept[3]
+        tallies = _node_tallies(node, allocations, admitted, memory_of, knobs)
+        self._by_node[node.node] = (node, allocations, holders, tallies)
+        return tallies
+
+    def keep_only(self, nodes: set[str]) -> None:
+        """Forget the nodes no longer in the fleet."""
+        for gone in set(self._by_node) - nodes:
+            del self._by_node[gone]
+
 
 def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                admitted: Mapping[str, TaskAdmitted], *, now: float,
                bandwidth_gbps: Mapping[tuple[str, str], float] | None = None,
-               knobs: SnapshotKnobs | None = None) -> FleetView:
+               knobs: SnapshotKnobs | None = None, cache: SnapshotCache | None = None) -> FleetView:
     """The fleet as the negotiator sees it at ``now`` (see the module docstring).
 
     ``admitted`` maps task ids to their agreed admission (tier and expected duration of
-    the holders); ``bandwidth_gbps`` is in GB/s, e.g. from :func:`bandwidth_table`.
+    the holders); ``bandwidth_gbps`` is in GB/s, e.g. from :func:`bandwidth_table`. With a
+    ``cache`` (kept between calls), nodes unchanged since the last call are not counted again.
     """
     knobs = knobs or SnapshotKnobs()
     holds = {ledger.node: ledger.allocations for ledger in ledgers}
     tallies: dict[tuple[str, str], _PoolTally] = defaultdict(_PoolTally)
     memory_of: dict[str, int] = {}  # catalogue memory per model, looked up once per call
+    seen: set[str] = set()
     for node in nodes:
-        per_gpu: dict[int, list] = defaultdict(list)
-        for alloc in holds.get(node.node, ()):
-            if alloc.gpu >= 0:
-                per_gpu[alloc.gpu].append(alloc)
-        for gpu in node.gpus:
-            tally = tallies[(node.site, gpu.model)]
-            if gpu.model not in memory_of:
-                memory_of[gpu.model] = _catalogue_terms(gpu.model, knobs)[2]
-            memory = gpu.memory_mb or memory_of[gpu.model]
-            # A pool promises what its smallest GPU holds.
-            tally.memory_mb = memory if tally.total == 0 else min(tally.memory_mb, memory)
-            tally.total += 1
-            if not in_service(gpu.labels):
-                continue  # it exists, but is neither free nor ever freeing: nothing to promise
-            holders = per_gpu.get(gpu.index, [])
-            if not holders:
-                tally.free += 1
-                continue
-            spare = 1000 - sum(a.milli for a in holders)
-            if spare > 0:
-                tally.free_milli = max(tally.free_milli, spare)
-            contracts = [admitted.get(a.task_id) for a in holders]
-            if all(c is not None and c.contract.tier == "best_effort" for c in contracts):
-                tally.preemptible += 1
-            ends = [a.at + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
-                    if c is not None and c.task.expected_duration_s is not None and a.at > 0]
-            if len(ends) == len(holders):
-                tally.frees_at.append(max(ends))
+        allocations = holds.get(node.node, ())
+        seen.add(node.node)
+        parts = (cache.tallies(node, allocations, admitted, memory_of, knobs) if cache is not None
+                 else _node_tallies(node, allocations, admitted, memory_of, knobs))
+        for pool, part in parts.items():
+            tallies[pool].add(part)
+    if cache is not None:
+        cache.keep_only(seen)
     holding = {a.task_id for allocations in holds.values() for a in allocations}
     waiting: dict[tuple[str, str], int] = defaultdict(int)
     for adm in admitted.values():

@@ -135,3 +135,30 @@ def test_gpus_out_of_service_are_no_capacity_to_promise():
     assert pool.free_gpus == 3 and pool.memory_mb_per_gpu == 40_960
     # Its task ends, but the cordoned GPU will take nothing new: no completion, no preemption.
     assert pool.completions == () and pool.preemptible_gpus == 0
+
+
+def test_a_cached_view_equals_one_built_afresh_through_every_kind_of_change():
+    import msgspec
+    from fleetpilot.sla.snapshot import SnapshotCache
+
+    other = NodeTopology(node="n2", site="s2", gpus=[GpuInfo(index=0, model="H100", memory_mb=81_920)])
+    nodes = {"n1": NODE, "n2": other}
+    ledgers = {"n1": LEDGER}
+    contracts = dict(CONTRACTS)
+    cache = SnapshotCache()
+    cordoned = msgspec.structs.replace(NODE, gpus=[msgspec.structs.replace(g, labels={"cordoned": "true"})
+                                                   if g.index == 0 else g for g in NODE.gpus])
+    steps = [
+        lambda: None,                                                           # nothing changed
+        lambda: ledgers.update(n2=NodeLedger(node="n2", allocations=[hold("new", 0)])),  # a hold, no contract
+        lambda: contracts.update(new=admitted("new", "best_effort", 30.0)),     # its contract arrives
+        lambda: contracts.update(be=admitted("be", "standard", 100.0)),         # a holder's contract replaced
+        lambda: nodes.update(n1=cordoned),                                      # a label on a GPU
+        lambda: ledgers.pop("n1"),                                              # every hold of n1 gone
+        lambda: nodes.pop("n2"),                                                # a node leaves
+    ]
+    for step in steps:
+        step()
+        args = (nodes.values(), ledgers.values(), contracts)
+        assert fleet_view(*args, now=NOW, cache=cache) == fleet_view(*args, now=NOW), step
+    assert fleet_view(nodes.values(), ledgers.values(), contracts, now=NOW, cache=cache).pools[0].free_gpus == 4
