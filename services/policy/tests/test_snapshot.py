@@ -58,3 +58,18 @@ def test_no_new_work_goes_to_a_gpu_of_a_silent_node(tmp_path, condition) -> None
     view = ps.snapshot()
     assert view.gpu_healthy.tolist() == [[True, True], [False, False]]
     assert same(view, ps.build_snapshot())
+
+
+def test_the_fleet_without_some_tasks_redoes_only_their_rows_and_equals_a_build(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    for name in ("n0", "n1", "n2"):
+        ps.fleet._apply(name, encode(node(name)))
+    ps.ledger._apply("n0", encode(NodeLedger(node="n0", allocations=[hold("a", 0, 500), hold("b", 0, 300)])))
+    ps.ledger._apply("n1", encode(NodeLedger(node="n1", allocations=[hold("c", 1, 1000)])))
+    kept = ps.snapshot()
+    for without in ({"a"}, {"a", "c"}, {"nobody"}, {"a", "b", "c"}):
+        view = ps.snapshot(without=frozenset(without))
+        assert same(view, ps.build_snapshot(frozenset(without))), without
+    # The kept view is not touched by a caller's ``without``.
+    assert same(ps.snapshot(), kept) and ps.snapshot().gpu_free[0].tolist() == [200, 1000]
+    assert ps.snapshot(without=frozenset({"a", "b"})).gpu_free[0].tolist() == [1000, 1000]
