@@ -38,7 +38,7 @@ from fleetpilot.policy.preempt import (
     preemptions,
     reassign_decision_id,
 )
-from fleetpilot.policy.rebalance import generation, running_tasks
+from fleetpilot.policy.rebalance import generation
 from fleetpilot.runtime import CasConflict, KeyValue
 
 from .replica import ReplicaState
@@ -160,7 +160,7 @@ class Evictions(ReplicaState):
         assert self.admissions is not None
         at = now()
         out = []
-        for running in running_tasks(list(self.ledger.nodes.values())):
+        for running in self.running():
             if running.task_id in exclude:
                 continue
             adm = self.admissions.of(running.task_id)

@@ -46,7 +46,6 @@ from fleetpilot.policy.rebalance import (
     move_reason,
     resize_decision_id,
     resize_plan,
-    running_tasks,
 )
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
@@ -150,7 +149,7 @@ class Moves(ReplicaState):
         target is reserved with CAS before the decision is returned. At most
         ``max_migrations_per_round`` decisions."""
         out: list[DecisionMade] = []
-        for running in running_tasks(list(self.ledger.nodes.values())):
+        for running in self.running():
             if len(out) >= self.settings.max_migrations_per_round:
                 break
             topo = self.fleet.nodes.get(node_key(running.node))
@@ -218,7 +217,7 @@ class Moves(ReplicaState):
         # Only tasks on nodes the waiting task could use can be in its way.
         hosts = wide_hosts(state, request)
         tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}
-        for running in running_tasks(list(self.ledger.nodes.values())):
+        for running in self.running():
             topo = self.fleet.nodes.get(node_key(running.node))
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
             if running.task_id in moved or topo is None or not gpu_allocs:

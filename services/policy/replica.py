@@ -35,7 +35,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import gpu_conditions
+from fleetpilot.policy.rebalance import Running, gpu_conditions, running_tasks
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -162,6 +162,9 @@ class ReplicaState:
         # ``largest_gpu_mb`` per model set, valid for one topology version.
         self._largest: dict[tuple[str, ...], int] = {}
         self._largest_at = -1
+        # ``running`` as of one ledger version.
+        self._running: list[Running] = []
+        self._running_at = -1
 
     def observe(self, sample: TaskTelemetry) -> None:
         """Keep a task's memory sample, and only those of the last ``growth_lookahead_s``."""
@@ -203,6 +206,15 @@ class ReplicaState:
         cache.move_to_end(key)
         while len(cache) > limit:
             cache.popitem(last=False)
+
+    def running(self) -> list[Running]:
+        """The tasks running settled on one node (``rebalance.running_tasks``), worked out
+        again only when the ledger changed: each waiting vip of a retry round, and the
+        rebalance round, ask it, and on the openb fleet with 2,400 tasks running it costs
+        8 ms."""
+        if self._running_at != self.ledger.version:
+            self._running, self._running_at = running_tasks(list(self.ledger.nodes.values())), self.ledger.version
+        return self._running
 
     def snapshot(self, without: frozenset[str] = frozenset()) -> ClusterState:
         """The fleet as the policies see it: topology, ledger holds, GPU condition labels;

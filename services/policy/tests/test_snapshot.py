@@ -3,6 +3,7 @@ changed, rebuilt when the topology changes, always equal to a build from the rec
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from fleetpilot.contracts import Allocation, NodeLedger, encode
@@ -73,3 +74,16 @@ def test_the_fleet_without_some_tasks_redoes_only_their_rows_and_equals_a_build(
     # The kept view is not touched by a caller's ``without``.
     assert same(ps.snapshot(), kept) and ps.snapshot().gpu_free[0].tolist() == [200, 1000]
     assert ps.snapshot(without=frozenset({"a", "b"})).gpu_free[0].tolist() == [1000, 1000]
+
+
+def test_the_running_tasks_are_worked_out_again_only_when_the_ledger_changed(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    confirmed = [msgspec.structs.replace(hold("a", 0, 500), state="confirmed")]
+    ps.ledger._apply("n0", encode(NodeLedger(node="n0", allocations=confirmed)))
+    first = ps.running()
+    assert [r.task_id for r in first] == ["a"] and ps.running() is first  # asked again: the same list
+    ps.ledger._apply("n1", encode(NodeLedger(node="n1", allocations=[
+        msgspec.structs.replace(hold("b", 1, 1000), state="confirmed")])))
+    assert [r.task_id for r in ps.running()] == ["a", "b"]
+    ps.ledger._apply("n0", None)
+    assert [r.task_id for r in ps.running()] == ["b"]
