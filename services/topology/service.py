@@ -178,6 +178,14 @@ def node_condition(heard: float | None, kept_since: float | None, now: float, no
     return NOT_READY if silent_for > not_ready_after_s else READY
 
 
+def labelled_condition(node: NodeTopology) -> str:
+    """The condition a node's GPU labels say it is in (``READY`` without either label)."""
+    for condition in (UNREACHABLE, NOT_READY):
+        if node.gpus and all(g.labels.get(condition) == "true" for g in node.gpus):
+            return condition
+    return READY
+
+
 def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
     """``node`` with its condition's label on every GPU (none when ``READY``).
 
@@ -185,7 +193,7 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
     and only a report of its own brings it back. A verdict of ``NOT_READY`` on a node already
     given up comes from a replica that has not listened long enough to tell more.
     """
-    if condition == NOT_READY and node.gpus and all(g.labels.get(UNREACHABLE) == "true" for g in node.gpus):
+    if condition == NOT_READY and labelled_condition(node) == UNREACHABLE:
         return node
     gpus = []
     for gpu in node.gpus:
@@ -194,14 +202,6 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
             labels[condition] = "true"
         gpus.append(msgspec.structs.replace(gpu, labels=labels))
     return msgspec.structs.replace(node, gpus=gpus)
-
-
-def labelled_condition(node: NodeTopology) -> str:
-    """The condition a node's GPU labels say it is in (``READY`` without either label)."""
-    for condition in (UNREACHABLE, NOT_READY):
-        if node.gpus and all(g.labels.get(condition) == "true" for g in node.gpus):
-            return condition
-    return READY
 
 
 async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> NodeTopology | None:

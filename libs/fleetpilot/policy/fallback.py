@@ -93,13 +93,14 @@ class CircuitBreaker:
 
     def record(self, outcome: Outcome) -> BreakerState:
         """Update the machine with one outcome; returns the new state."""
-        before = self._step(outcome)
+        before = self.state
+        self._step(outcome)
         if self.state != before and self.on_change is not None:
             self.on_change(self.state, outcome)
         return self.state
 
-    def _step(self, outcome: Outcome) -> BreakerState:
-        before, self.last_outcome = self.state, outcome
+    def _step(self, outcome: Outcome) -> None:
+        self.last_outcome = outcome
         if outcome == "ok":
             if self.state == "half_open":
                 self.successes += 1
@@ -113,7 +114,6 @@ class CircuitBreaker:
             self.failures += 1
             if self.failures >= self.config.failure_threshold:
                 self._open()
-        return before
 
     def _open(self) -> None:
         self.state, self.opened_at, self.failures, self.successes = "open", self.clock(), 0, 0
