@@ -46,6 +46,7 @@ from fleetpilot.policy.rebalance import (
     move_reason,
     resize_decision_id,
     resize_plan,
+    room_in_place,
 )
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
@@ -272,8 +273,8 @@ class Moves(ReplicaState):
         stopped now (the executor's SIGTERM, on which a trainer checkpoints) and queued again
         under its next ``<task>.assign.<g>``, it loses a restart; left alone, it would lose
         its run to the OOM kill. Its ``pending`` entry is written first, as a preemption's."""
-        why = growth_overflow(running, topo, ledger, self.usage.get(running.task_id, ()),
-                              self.settings.growth_lookahead_s)
+        samples = tuple(self.usage.get(running.task_id, ()))
+        why = growth_overflow(running, topo, ledger, samples, self.settings.growth_lookahead_s)
         if why is None or self.pending is None:
             return None
         adm = self.admissions.of(running.task_id) if self.admissions else None
@@ -284,8 +285,10 @@ class Moves(ReplicaState):
         evict_id = evict_decision_id(running)
         if await self.journaled(evict_id):
             return None  # that eviction was tried: its outcome decides
+        # Bridged again, it is given more room than it is outgrowing here.
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
-                       reason=f"checkpointed: {why}")
+                       reason=f"checkpointed: {why}",
+                       bridge_floor_mb=min(room_in_place(running, topo, ledger).values()) + 1)
         try:
             await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
         except CasConflict:

@@ -35,6 +35,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
+from fleetpilot.policy.preempt import Requeue
 from fleetpilot.policy.rebalance import Running, gpu_conditions, running_tasks
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
@@ -286,10 +287,11 @@ class ReplicaState:
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
 
-    def bridge_request(self, task: TaskSubmitted, plain: TaskRequest) -> TaskRequest | None:
+    def bridge_request(self, task: TaskSubmitted, plain: TaskRequest, floor_mb: int = 0) -> TaskRequest | None:
         """The request a task may start on when ``plain`` (its peak) finds no node: the task
-        as submitted, its ask and no predicted peak, for a fingerprint that predicts smooth
-        growth (``BRIDGE_PATTERNS``) beyond the ask; ``None`` for any other task.
+        as submitted, its ask (at least ``floor_mb``: ``Requeue.bridge_floor_mb``) and no
+        predicted peak, for a fingerprint that predicts smooth growth (``BRIDGE_PATTERNS``)
+        beyond that; ``None`` for any other task.
 
         A task that asks no GPU memory is not bridged: nothing says what it needs at the start,
         so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
@@ -299,9 +301,10 @@ class ReplicaState:
         fp = self.fingerprints.get(task.task_id)
         if fp is None or fp.pattern not in BRIDGE_PATTERNS or task.gpu_memory_mb <= 0:
             return None
-        if task.gpus <= 0 or task.gpu_milli <= 0 or task.gpu_memory_mb >= plain.gpu_memory_mb:
+        ask = max(task.gpu_memory_mb, floor_mb)
+        if task.gpus <= 0 or task.gpu_milli <= 0 or ask >= plain.gpu_memory_mb:
             return None
-        return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site)
+        return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site, gpu_memory_mb=ask)
 
     def contract_site(self, task_id: str) -> str:
         """The site the task's contract binds it to, else ``""``.
@@ -314,10 +317,13 @@ class ReplicaState:
             return ""
         return adm.contract.site or ""
 
-    def requests(self, task: TaskSubmitted) -> list[TaskRequest]:
-        """What ``place`` tries for the task, in order: its request, then its bridge if any."""
+    def requests(self, task: TaskSubmitted, requeue: Requeue | None = None) -> list[TaskRequest]:
+        """What ``place`` tries for the task, in order: its request, then its bridge if any
+        (no less than a checkpointed task's ``requeue.bridge_floor_mb``). A checkpointed task
+        needs no floor on its request: it was stopped because its fingerprint predicts more
+        than it could have there, and the request asks for that."""
         plain = self.request(task)
-        bridge = self.bridge_request(task, plain)
+        bridge = self.bridge_request(task, plain, requeue.bridge_floor_mb if requeue is not None else 0)
         return [plain] if bridge is None else [plain, bridge]
 
     def largest_gpu_mb(self, models: tuple[str, ...]) -> int:
@@ -409,11 +415,11 @@ class ReplicaState:
         return PolicyRef(name=name, version=policies.versions.get(name, "1"))
 
     async def place(
-        self, adm: TaskAdmitted, decision_id: str | None = None
+        self, adm: TaskAdmitted, decision_id: str | None = None, requeue: Requeue | None = None
     ) -> tuple[DecisionMade | None, str, str]:
         """Choose, reserve with CAS (re-choosing on conflict); the decision (``None`` when
         nothing fits) and the policy name and shard the task was routed to. ``decision_id``
-        names a re-placement (``<task>.assign.<g>``)."""
+        names a re-placement (``<task>.assign.<g>``), ``requeue`` the note it waited with."""
         task = adm.task
         self.remember(self.tasks, task.task_id, task)
         if self.admissions is not None:
@@ -428,7 +434,7 @@ class ReplicaState:
                 held = None
             # The request with the predicted peak first; a smooth grower that finds no GPU for
             # its peak may then start on its ask (a bridge), under the same policy and rules.
-            requests = self.requests(task)
+            requests = self.requests(task, requeue)
             fp = self.fingerprints.get(task.task_id)  # the one the requests were built from
             for req in requests:
                 with hidden(state, held):
@@ -473,7 +479,8 @@ class ReplicaState:
             reason = choice.reason
             if bridged and fp is not None:
                 reason = (
-                    f"bridge: starts on its ask of {req.gpu_memory_mb} MB (holds {memory_mb} MB); its fingerprint "
+                    f"bridge: starts on {'its ask of ' if req.gpu_memory_mb == task.gpu_memory_mb else ''}"
+                    f"{req.gpu_memory_mb} MB (holds {memory_mb} MB); its fingerprint "
                     f"predicts {fp.pattern} growth to {fp.predicted_peak_mb:.0f} MB, which no free GPU holds now; "
                     f"moved up before it gets there; {choice.reason}"
                 )

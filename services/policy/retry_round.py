@@ -177,7 +177,7 @@ class RetryRound:
             held = ps.reservation
             hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
             # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
-            demands = [Demand.of(r) for r in ps.requests(adm.task)]
+            demands = [Demand.of(r) for r in ps.requests(adm.task, w.requeue)]
             if adm.contract.tier != "vip" and all(
                 any(d.cannot_fit_after(f) for f, masked in self.failed if hide or not masked) for d in demands
             ):
@@ -188,7 +188,7 @@ class RetryRound:
             except CasConflict:
                 continue
             try:
-                decision, _, _ = await ps.place(adm, w.requeue.decision_id if w.requeue else None)
+                decision, _, _ = await ps.place(adm, w.requeue.decision_id if w.requeue else None, w.requeue)
                 if decision is None:
                     self.failed.extend((d, hide) for d in demands)
                     self.blocked.append(adm)

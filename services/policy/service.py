@@ -323,7 +323,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def on_lifecycle(life: TaskLifecycle) -> None:
         bus = opened()
         if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
-            # Stopped, or restored elsewhere from a checkpoint: its growth starts over.
+            # Stopped, or restored elsewhere from a checkpoint: a slope across the stop means nothing.
             state().usage.pop(life.task_id, None)
         pending = await bus.kv("pending")
         if life.state == "evicted":

@@ -43,9 +43,10 @@ the bus out of service. No preemption (no PriorityClasses are set).
 - rebalancing: when the memory predicted on a GPU exceeds it, the task that outgrew its
   plan is migrated to a GPU where its predicted peak fits, before the OOM, if the policy
   finds one; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
-  which the task makes no progress, and it restarts its memory curve over its remaining
-  time (the same true peak); with no target it is checkpointed and queued again (progress
-  kept) instead of being left to die;
+  which the task makes no progress; restored, it plays the rest of its memory curve
+  (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
+  growth starts over with the process); with no target it is checkpointed and queued again
+  (progress kept) instead of being left to die, and asks no less than it held when stopped;
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first (the policy
@@ -190,6 +191,8 @@ class _Job:
     fingerprinter: OnlineFingerprinter | None = None
     prediction: Fingerprint | None = None
     resume: tuple[MemoryGrowth, float] | None = None
+    stopped_at_mb: int = 0  # what a checkpointed run held per GPU, context included: it asks no less
+    bridge_floor_mb: int = 0  # one checkpointed for outgrowing its GPUs is bridged only onto more room
     curve: MemoryGrowth | None = None
     bridged: bool = False
     history: deque | None = None
@@ -300,9 +303,11 @@ class FleetRun:
     def _request(self, job: _Job, *, bridge: bool = False) -> TaskRequest:
         t = job.task
         if bridge:
-            # Start on what it asked for; the peak is handled by a move before it arrives.
+            # Start on what it asked for (a checkpointed run: on what it held, ``_checkpoint``);
+            # the peak is handled by a move before it arrives.
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
-                               gpu_memory_mb=int(t.request_mb + CONTEXT_MB), cpu_milli=t.cpu_milli,
+                               gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb),
+                               cpu_milli=t.cpu_milli,
                                memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind])
         if not self.smart:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
@@ -329,11 +334,13 @@ class FleetRun:
 
     def _reservation(self, job: _Job) -> int:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
-        CUDA context when nothing is predicted), at least the signature's OOM floor."""
+        CUDA context when nothing is predicted), at least the signature's OOM floor and what a
+        checkpointed run held when it was stopped."""
         stats = self.memory.stats(job.signature)
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
+        want = max(want, job.stopped_at_mb)
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
         return int(min(max(want, floor), self.largest[job.task.gpu_models]))
@@ -587,7 +594,7 @@ class FleetRun:
         if job.state == "pending" and job.resume is not None:
             job.queue_s += now - job.queued_since
             growth, pause = job.resume
-            job.resume = None
+            job.resume, job.stopped_at_mb, job.bridge_floor_mb = None, 0, 0
         elif job.state == "pending":
             job.queue_s += now - job.queued_since
             job.attempts += 1
@@ -712,7 +719,7 @@ class FleetRun:
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
         for job in bridging:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):
-                self._checkpoint(job, now)
+                self._checkpoint(job, now, outgrown=True)
         for task_id in changed:
             self._reserve_again(self.by_id[task_id])
         for task_id, held in changed.items():
@@ -764,7 +771,7 @@ class FleetRun:
         victims = sorted((self.by_id[t] for t in tenants), key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
             if not self._migrate(victim, now, reason="oom"):
-                self._checkpoint(victim, now)
+                self._checkpoint(victim, now, outgrown=True)
 
     def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None) -> bool:
         """Move a running job to ``target``, else to wherever the policy places it now (never
@@ -801,29 +808,40 @@ class FleetRun:
 
     def _pause(self, job: _Job, now: float) -> float:
         """Seconds a checkpoint and restore of ``job`` would take now (``_resumed``)."""
-        return MIGRATION_BASE_S + MIGRATION_S_PER_GB * float(job.task.growth.memory_at(now - job.seg_start)) / 1024.0
+        return MIGRATION_BASE_S + MIGRATION_S_PER_GB * self._held(job, now) / 1024.0
+
+    def _held(self, job: _Job, now: float) -> float:
+        """GPU memory per GPU a running job holds now (its CUDA context aside), as NVML reads it."""
+        return float((job.curve or job.task.growth).memory_at(now - job.seg_start))
 
     def _resumed(self, job: _Job, now: float) -> tuple[MemoryGrowth, float]:
         """The memory curve and pause of a task restored from a checkpoint taken now.
 
-        Restored, the task replays its memory curve over what is left of its run: the same
-        true peak, so a move never makes a task look smaller. The pause is the checkpoint
-        and restore time (``MIGRATION_BASE_S`` plus ``MIGRATION_S_PER_GB`` per GB held).
+        Restored, the task plays what is left of its memory curve (``MemoryGrowth.restored``):
+        a step schedule or a linear cache comes back at the level it reached, a leak or a
+        warm-up starts over; the true peak is the same, so a move never makes a task look
+        smaller. The pause is the checkpoint and restore time (``MIGRATION_BASE_S`` plus
+        ``MIGRATION_S_PER_GB`` per GB held).
         """
         t = job.task
         pause = self._pause(job, now)
         job.progress_s = job.useful_until(now)
         remaining = max(t.duration_s - job.progress_s, 1.0)
-        g = t.growth
-        growth = MemoryGrowth(pattern=g.pattern, base_mb=g.base_mb, peak_mb=g.peak_mb, duration_s=remaining + pause,
-                              warmup_s=min(g.warmup_s, remaining), n_steps=g.n_steps, period_s=g.period_s,
-                              noise_mb=g.noise_mb)
-        return growth, pause
+        return t.growth.restored(job.progress_s, remaining + pause), pause
 
-    def _checkpoint(self, job: _Job, now: float) -> None:
+    def _checkpoint(self, job: _Job, now: float, *, outgrown: bool = False) -> None:
         """No GPU can take the task's predicted peak now: checkpoint it and queue it again
-        (progress kept) rather than let it run into the OOM that would lose everything."""
+        (progress kept) rather than let it run into the OOM that would lose everything.
+
+        Restored, it may come back with what it holds now (a step schedule does): until it
+        starts again, it asks no less (``stopped_at_mb``, as NVML read it). Stopped because it
+        was outgrowing its GPUs, it is bridged again only onto GPUs with more than they have
+        (``bridge_floor_mb``): on no more room it would be stopped again at once, or, a step
+        away from the end, die of OOM."""
         self._stop(job)
+        job.stopped_at_mb = int(math.ceil(self._held(job, now) + CONTEXT_MB))
+        if outgrown:
+            job.bridge_floor_mb = int(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min()) + 1
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None

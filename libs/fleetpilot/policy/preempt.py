@@ -235,6 +235,10 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     for_task: str = ""
     at: float = 0.0
     reason: str = ""
+    bridge_floor_mb: int = 0
+    """A bridge for it asks at least this per GPU: one checkpointed because it was about to
+    outgrow the room it had would, on no more room, be stopped again at once, or (a step
+    schedule comes back from its checkpoint where it was) die of OOM at its next step."""
 
 
 class _Envelope(msgspec.Struct):

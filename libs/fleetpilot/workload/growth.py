@@ -64,6 +64,25 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
             mem = mem + rng.normal(0.0, self.noise_mb, size=np.shape(mem))
         return np.maximum(mem, 0.0)
 
+    def restored(self, progress_s: float, duration_s: float) -> MemoryGrowth:
+        """The curve of this run restored from a checkpoint taken ``progress_s`` into it, played
+        over ``duration_s`` (what is left of the run, plus the restore).
+
+        ``steps`` follow the run's progress (a batch-size or resolution schedule): restored, the
+        run comes back at the level it had reached and steps on to the same peak. The other
+        patterns follow the process (a warm-up, the caching allocator's growth, a period, a
+        leak): a new process starts them over, to the same peak.
+        """
+        base, steps = self.base_mb, self.n_steps
+        if self.pattern == "steps":
+            # The levels left, the one reached among them, spread over what is left of the run.
+            reached = min(int(progress_s / max(self.duration_s, 1e-9) * max(steps, 1)) + 1, max(steps, 1))
+            steps = max(steps, 1) - reached + 1
+            level = float(self.memory_at(progress_s))
+            base = self.peak_mb if steps == 1 else (steps * level - self.peak_mb) / (steps - 1)
+        return msgspec.structs.replace(self, base_mb=base, n_steps=steps, duration_s=duration_s,
+                                       warmup_s=min(self.warmup_s, duration_s))
+
     @property
     def true_peak_mb(self) -> float:
         """The highest memory the noiseless curve reaches over the task's life."""

@@ -192,5 +192,40 @@ async def test_a_bridged_task_about_to_overflow_with_nowhere_to_go_is_checkpoint
     assert 0.5 < evict.confidence < 1.0
     _, requeue = decode_pending(entry.value)
     assert requeue is not None and (requeue.decision_id, requeue.evict_id) == ("fast.assign.2", "fast.evict.1")
+    assert requeue.bridge_floor_mb == A100["memory_mb"] + 1  # the room it outgrew
     assert (again.action, again.decision_id) == ("assign", "fast.assign.2")
     assert [p.node for p in again.placement] == ["big"]  # a GPU that holds its peak
+
+
+async def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_no_larger_than_it_outgrew(
+    observer, nats_url, tmp_path
+):
+    # Restored from its checkpoint, a grower comes back with what it had reached (a step
+    # schedule, a cache): started again on a 40 GB A100 it would be stopped again at once.
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"fast": fingerprint("linear")})
+        await observer.admit(task("fast"))
+        await wait_for(lambda: len(observer.decisions) == 1, timeout_s=3.0, what="fast bridged")
+        first = observer.decisions[0].placement[0].node
+        ledgers = await observer.ledgers()
+        held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers[first].allocations]
+        await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=held)))
+        t = now()
+        for at, used_mb in ((t - 60, 22_000), (t - 30, 26_000), (t, 30_000)):
+            await sample(observer, "fast", first, at, used_mb)
+        await wait_for(lambda: len(observer.by_task()["fast"]) == 2, timeout_s=3.0, what="fast checkpointed")
+        # The executor stops it and releases its hold: both A100s are free, the H100 is not.
+        await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=[])))
+        await asyncio.sleep(1.0)  # several retry rounds
+        meanwhile = [d.action for d in observer.by_task()["fast"]]
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await wait_for(lambda: len(observer.by_task()["fast"]) == 3, timeout_s=3.0, what="fast placed again")
+    finally:
+        await policy.stop()
+    assert meanwhile == ["assign", "evict"]
+    again = observer.by_task()["fast"][2]
+    assert (again.action, [p.node for p in again.placement]) == ("assign", ["big"])

@@ -21,6 +21,7 @@ from fleetpilot.bench.fleet import (
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.contracts import Fingerprint
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
+from fleetpilot.fleet.simulator import CONTEXT_MB
 from fleetpilot.workload.growth import MemoryGrowth
 
 
@@ -252,20 +253,35 @@ def test_an_unwritable_output_fails_before_the_run(tmp_path: Path, flag: str,
     assert capsys.readouterr().out == ""  # nothing ran
 
 
+A100_AND_H100 = {"name": "two", "sites": [{"name": "s", "groups": [
+    {"prefix": "a", "count": 1, "shape": {"gpu_model": "A100-40GB", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
+    {"prefix": "h", "count": 1, "shape": {"gpu_model": "H100", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
+]}]}
+
+
+def grower_behind_a_busy_h100(pattern: str, peak: float, request: float, duration: float,
+                              busy_s: float) -> tuple[BenchTask, BenchTask]:
+    """A task holding the H100 for ``busy_s``, and a grower that accepts the A100 or the H100."""
+    busy = BenchTask(**{**task(0, duration=busy_s).__dict__, "gpu_models": ("H100",)})
+    grower = BenchTask(**{**task(1, pattern=pattern, peak=peak, request=request, duration=duration).__dict__,
+                          "gpu_models": ("A100-40GB", "H100")})
+    return busy, grower
+
+
+def known(run: FleetRun, pattern: str, peak: float) -> FleetRun:
+    """``run`` with the grower's signature already fingerprinted (``pattern``, ``peak``)."""
+    run.memory.observe(Fingerprint(signature=run.jobs[1].signature, pattern=pattern, pattern_confidence=1.0,
+                                   growth_rate_mb_per_s=10.0, predicted_peak_mb=peak, peak_low_mb=peak - 300.0,
+                                   peak_high_mb=peak + 300.0, samples=40))
+    return run
+
+
 def test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows() -> None:
     # The H100 is busy for 20 minutes; the leak (50 GB at the end, 40 GB reached at 77% of
     # its 40 minutes) starts on the A100 and moves to the H100 once that is free, before the OOM.
-    spec = {"name": "two", "sites": [{"name": "s", "groups": [
-        {"prefix": "a", "count": 1, "shape": {"gpu_model": "A100-40GB", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
-        {"prefix": "h", "count": 1, "shape": {"gpu_model": "H100", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}},
-    ]}]}
-    busy = BenchTask(**{**task(0, duration=1200.0).__dict__, "gpu_models": ("H100",)})
-    leak = BenchTask(**{**task(1, pattern="leak", peak=50_000.0, request=30_000.0, duration=2400.0).__dict__,
-                        "gpu_models": ("A100-40GB", "H100")})
-    run = FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "fleetpilot", seed=1)
-    run.memory.observe(Fingerprint(signature=run.jobs[1].signature, pattern="leak", pattern_confidence=1.0,
-                                   growth_rate_mb_per_s=10.0, predicted_peak_mb=50_300.0, peak_low_mb=50_000.0,
-                                   peak_high_mb=50_600.0, samples=40))
+    spec = A100_AND_H100
+    busy, leak = grower_behind_a_busy_h100("leak", 50_000.0, 30_000.0, 2400.0, busy_s=1200.0)
+    run = known(FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "fleetpilot", seed=1), "leak", 50_300.0)
     result = run.run()
     assert result.breakdown["bridged"] == 1
     assert result.breakdown["migrations_bridge"] == 1
@@ -274,6 +290,36 @@ def test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows() -
     # The same task on the baseline: it lands on the A100 (the H100 is busy) and dies there.
     base = FleetRun(build_fleet(spec), workload(busy, leak, hours=1.5), "k8s-default", seed=1).run()
     assert base.figures["oom_events"] >= 1
+
+
+def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_it_outgrew() -> None:
+    # The H100 is busy for 40 minutes. A known linear grower (30 GB rising to 60 GB) starts on
+    # the A100 and is checkpointed before it overflows it. Bridged onto the A100 again, it would
+    # outgrow it again (and a step schedule, which comes back where it was, at once): it waits.
+    busy, grower = grower_behind_a_busy_h100("linear", 60_000.0, 20_000.0, 3000.0, busy_s=2400.0)
+    run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, grower, hours=2.0), "fleetpilot", seed=1),
+                "linear", 60_000.0)
+    result = run.run()
+    assert result.breakdown["bridged"] == 1
+    assert result.breakdown["checkpointed"] == 1
+    assert result.figures["oom_events"] == 0
+    assert result.breakdown["completed"] == 2
+
+
+def test_a_checkpointed_run_asks_no_less_than_it_held_until_it_starts_again() -> None:
+    # A step schedule comes back from its checkpoint at the level it had reached (26 GB of a
+    # 14 GB ask): placed on a GPU that holds only its ask, it would die of OOM at once.
+    growth = MemoryGrowth(pattern="steps", base_mb=8_000.0, peak_mb=32_000.0, duration_s=3600.0, n_steps=4)
+    stepper = BenchTask(**{**task(0, duration=3600.0).__dict__, "growth": growth, "request_mb": 14_000.0})
+    run = FleetRun(tiny_fleet(), workload(stepper), "fleetpilot", seed=1)
+    job = run.jobs[0]
+    run._enqueue(job, 0.0)
+    run._start(job, 0, [0], 1000, 0.0)
+    run._checkpoint(job, 2000.0)  # on its third level
+    assert run._request(job).gpu_memory_mb >= 26_000 + CONTEXT_MB
+    assert run._request(job, bridge=True).gpu_memory_mb >= 26_000 + CONTEXT_MB
+    run._start(job, 0, [0], 1000, 2100.0)  # restored: its own samples speak from now on
+    assert run._request(job).gpu_memory_mb == int(14_000 + CONTEXT_MB)
 
 
 def test_a_run_is_a_function_of_its_seed_not_of_string_hashing(tmp_path: Path) -> None:
