@@ -32,6 +32,7 @@ from fleetpilot.contracts import (
     in_service,
     now,
 )
+from fleetpilot.fingerprint import task_signature
 from fleetpilot.ledger import free_capacity
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, TaskRequest
@@ -48,6 +49,7 @@ from fleetpilot.policy.rebalance import (
     resize_plan,
     room_in_place,
 )
+from fleetpilot.policy.restores import restore_tells
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
 
@@ -285,10 +287,16 @@ class Moves(ReplicaState):
         evict_id = evict_decision_id(running)
         if await self.journaled(evict_id):
             return None  # that eviction was tried: its outcome decides
-        # Bridged again, it is given more room than it is outgrowing here.
+        # Bridged again, it is given more room than it is outgrowing here, unless its
+        # signature's restores have come back low (``RestoreMemory``).
+        floor = 0 if self.restores.starts_over(task_signature(adm.task)) else (
+            min(room_in_place(running, topo, ledger).values()) + 1)
+        # Its first sample once restored will say whether its signature comes back where it was.
+        held = samples[-1][1] / len(running.gpus)
+        started = self.run_start.get(running.task_id)
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
-                       reason=f"checkpointed: {why}",
-                       bridge_floor_mb=min(room_in_place(running, topo, ledger).values()) + 1)
+                       reason=f"checkpointed: {why}", bridge_floor_mb=floor,
+                       held_mb=math.ceil(held) if started is not None and restore_tells(started, held) else 0)
         try:
             await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
         except CasConflict:

@@ -323,8 +323,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def on_lifecycle(life: TaskLifecycle) -> None:
         bus = opened()
         if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
-            # Stopped, or restored elsewhere from a checkpoint: a slope across the stop means nothing.
-            state().usage.pop(life.task_id, None)
+            state().forget_run(life.task_id)
         pending = await bus.kv("pending")
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our

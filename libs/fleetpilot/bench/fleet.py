@@ -47,6 +47,9 @@ the bus out of service. No preemption (no PriorityClasses are set).
   (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
   growth starts over with the process); with no target it is checkpointed and queued again
   (progress kept) instead of being left to die, and asks no less than it held when stopped;
+  bridged, it is bridged again only onto more room than it outgrew, unless the restores of
+  its signature have come back low (``policy.restores.RestoreMemory``, as the policy service
+  learns it);
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first (the policy
@@ -123,6 +126,7 @@ from fleetpilot.policy.backfill import (
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL
+from fleetpilot.policy.restores import RestoreMemory, restore_tells
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -193,6 +197,7 @@ class _Job:
     resume: tuple[MemoryGrowth, float] | None = None
     stopped_at_mb: int = 0  # what a checkpointed run held per GPU, context included: it asks no less
     bridge_floor_mb: int = 0  # one checkpointed for outgrowing its GPUs is bridged only onto more room
+    restored_from: float | None = None  # what a checkpointed run held, if its restore can tell (``restore_tells``)
     curve: MemoryGrowth | None = None
     bridged: bool = False
     history: deque | None = None
@@ -249,6 +254,7 @@ class FleetRun:
         self.pending: list[_Job] = []
         self.on_gpu: dict[tuple[int, int], set[str]] = {}
         self.memory = SignatureMemory()
+        self.restores = RestoreMemory()
         self.health = HealthModel()
         self.windows: dict[int, deque] = {}
         self.pending_maintenance: dict[int, float] = {}
@@ -594,7 +600,12 @@ class FleetRun:
         if job.state == "pending" and job.resume is not None:
             job.queue_s += now - job.queued_since
             growth, pause = job.resume
-            job.resume, job.stopped_at_mb, job.bridge_floor_mb = None, 0, 0
+            if job.restored_from is not None:
+                # What it holds as it is restored (a collector samples every few seconds; this
+                # loop's samples come a minute apart, long enough for a short rest to grow):
+                # did it come back where it was stopped?
+                self.restores.observe(job.signature, job.restored_from, float(growth.memory_at(0.0)))
+            job.resume, job.restored_from, job.stopped_at_mb, job.bridge_floor_mb = None, None, 0, 0
         elif job.state == "pending":
             job.queue_s += now - job.queued_since
             job.attempts += 1
@@ -692,8 +703,8 @@ class FleetRun:
     def _observe_tasks(self, now: float) -> None:
         # Sorted: the order samples are read in decides the order of moves, and a run must
         # not depend on Python's string hashing.
-        watched_nodes = sorted({self.state.node_names[j.row] for j in self.jobs
-                                if j.state == "running" and j.fingerprinter is not None})
+        watched_nodes = sorted({self.state.node_names[j.row] for j in self.jobs if j.state == "running"
+                                and j.fingerprinter is not None})
         changed: dict[str, float] = {}
         bridging: list[_Job] = []
         for node in watched_nodes:
@@ -701,8 +712,8 @@ class FleetRun:
                 job = self.by_id.get(s.task_id)
                 if job is None or job.fingerprinter is None or job.state != "running":
                     continue
-                online = job.fingerprinter
                 held = s.memory_used_mb / max(len(s.gpus), 1)
+                online = job.fingerprinter
                 fresh = online.add(s.at, held)
                 if job.bridged and job.history is not None:
                     job.history.append((s.at, held))
@@ -837,11 +848,16 @@ class FleetRun:
         starts again, it asks no less (``stopped_at_mb``, as NVML read it). Stopped because it
         was outgrowing its GPUs, it is bridged again only onto GPUs with more than they have
         (``bridge_floor_mb``): on no more room it would be stopped again at once, or, a step
-        away from the end, die of OOM."""
+        away from the end, die of OOM. A signature whose restores have come back low
+        (``RestoreMemory``), as a leak's do, needs neither."""
         self._stop(job)
-        job.stopped_at_mb = int(math.ceil(self._held(job, now) + CONTEXT_MB))
-        if outgrown:
-            job.bridge_floor_mb = int(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min()) + 1
+        held = self._held(job, now)
+        started = float((job.curve or job.task.growth).memory_at(0.0))  # what NVML showed as it started
+        job.restored_from = held if restore_tells(started, held) else None
+        if not self.restores.starts_over(job.signature):
+            job.stopped_at_mb = int(math.ceil(held + CONTEXT_MB))
+            if outgrown:
+                job.bridge_floor_mb = int(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min()) + 1
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None

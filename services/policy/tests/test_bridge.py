@@ -197,27 +197,36 @@ async def test_a_bridged_task_about_to_overflow_with_nowhere_to_go_is_checkpoint
     assert [p.node for p in again.placement] == ["big"]  # a GPU that holds its peak
 
 
+async def bridge_and_checkpoint(observer, task_id: str) -> tuple[str, float]:
+    """Admit a linear grower, let it be bridged onto an A100 (the H100 held) and confirmed
+    there, then grow it 12 GB a minute from 18 GB to 30 GB until it is checkpointed; its node
+    and the time of its last sample."""
+    before = len(observer.decisions)
+    await fingerprinted(observer, {task_id: fingerprint("linear")})
+    await observer.admit(task(task_id))
+    await wait_for(lambda: len(observer.decisions) == before + 1, timeout_s=3.0, what=f"{task_id} bridged")
+    where = observer.decisions[-1].placement[0].node
+    ledgers = await observer.ledgers()
+    held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers[where].allocations]
+    await observer.kv_put("ledger", where, encode(NodeLedger(node=where, allocations=held)))
+    t = now()
+    for at, used_mb in ((t - 60, 18_000), (t - 30, 24_000), (t, 30_000)):
+        await sample(observer, task_id, where, at, used_mb)
+    await wait_for(lambda: len(observer.by_task()[task_id]) == 2, timeout_s=3.0, what=f"{task_id} checkpointed")
+    return where, t
+
+
 async def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_no_larger_than_it_outgrew(
     observer, nats_url, tmp_path
 ):
-    # Restored from its checkpoint, a grower comes back with what it had reached (a step
-    # schedule, a cache): started again on a 40 GB A100 it would be stopped again at once.
+    # Restored from its checkpoint, a step schedule comes back with what it had reached:
+    # started again on a 40 GB A100 it would die of OOM at its next step.
     await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
     await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await fingerprinted(observer, {"fast": fingerprint("linear")})
-        await observer.admit(task("fast"))
-        await wait_for(lambda: len(observer.decisions) == 1, timeout_s=3.0, what="fast bridged")
-        first = observer.decisions[0].placement[0].node
-        ledgers = await observer.ledgers()
-        held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers[first].allocations]
-        await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=held)))
-        t = now()
-        for at, used_mb in ((t - 60, 22_000), (t - 30, 26_000), (t, 30_000)):
-            await sample(observer, "fast", first, at, used_mb)
-        await wait_for(lambda: len(observer.by_task()["fast"]) == 2, timeout_s=3.0, what="fast checkpointed")
+        first, _ = await bridge_and_checkpoint(observer, "fast")
         # The executor stops it and releases its hold: both A100s are free, the H100 is not.
         await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=[])))
         await asyncio.sleep(1.0)  # several retry rounds
@@ -229,3 +238,33 @@ async def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_no_larger_t
     assert meanwhile == ["assign", "evict"]
     again = observer.by_task()["fast"][2]
     assert (again.action, [p.node for p in again.placement]) == ("assign", ["big"])
+
+
+async def test_a_signature_that_came_back_low_from_a_checkpoint_may_be_bridged_onto_the_same_room(
+    observer, nats_url, tmp_path
+):
+    # The first run of the program is restored on the H100 and starts over there (a leak, a
+    # cache): a second run of it, checkpointed on an A100, may then start again on an A100.
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    pending = await observer.js.key_value("pending")
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        first, _ = await bridge_and_checkpoint(observer, "run1")
+        _, note = decode_pending((await pending.get("run1")).value)
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=[])))
+        await wait_for(lambda: len(observer.by_task()["run1"]) == 3, timeout_s=3.0, what="run1 restored")
+        await asyncio.sleep(0.1)
+        await sample(observer, "run1", "big", now(), 12_000)  # its first sample since: it started over
+        ledgers = await observer.ledgers()
+        held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers["big"].allocations]
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=held)))
+        await asyncio.sleep(0.3)
+        await bridge_and_checkpoint(observer, "run2")
+        _, second = decode_pending((await pending.get("run2")).value)
+    finally:
+        await policy.stop()
+    assert note is not None and (note.held_mb, note.bridge_floor_mb) == (30_000, A100["memory_mb"] + 1)
+    assert second is not None and (second.held_mb, second.bridge_floor_mb) == (30_000, 0)

@@ -306,6 +306,24 @@ def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_it_outgrew() -> N
     assert result.breakdown["completed"] == 2
 
 
+def test_a_leak_comes_back_low_from_its_checkpoint_and_may_then_be_bridged_onto_the_same_room() -> None:
+    # Checkpointed on the A100 (the H100 busy for 45 minutes), the leak is restored on the H100
+    # once it frees, and starts over there: its signature is learnt to start over.
+    busy, leak = grower_behind_a_busy_h100("leak", 50_000.0, 20_000.0, 3000.0, busy_s=2700.0)
+    run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, leak, hours=2.0), "fleetpilot", seed=1),
+                "leak", 50_000.0)
+    result = run.run()
+    assert (result.breakdown["bridged"], result.breakdown["checkpointed"]) == (1, 1)
+    assert result.figures["oom_events"] == 0
+    job = run.jobs[1]
+    assert run.restores.starts_over(job.signature)
+    # The next checkpoint of that signature leaves it free to start again on an A100.
+    run._enqueue(job, 0.0)
+    run._start(job, 0, [0], 1000, 0.0)
+    run._checkpoint(job, 1000.0, outgrown=True)
+    assert (job.bridge_floor_mb, job.stopped_at_mb) == (0, 0)
+
+
 def test_a_checkpointed_run_asks_no_less_than_it_held_until_it_starts_again() -> None:
     # A step schedule comes back from its checkpoint at the level it had reached (26 GB of a
     # 14 GB ask): placed on a GPU that holds only its ask, it would die of OOM at once.
