@@ -43,6 +43,8 @@ log = logging.getLogger("fleetpilot.collector")
 # KV puts are JetStream publishes waiting for an ack each; sent in concurrent batches so
 # the openb fleet's 6,212 GPUs fit in one sampling interval instead of 6,212 round trips.
 KV_PUT_BATCH = 512
+MAX_STOPPED_TASKS = 100_000
+"""How many removed tasks' progress the simulated hardware keeps for a later restore."""
 
 
 class CollectorSettings(ServiceSettings):
@@ -109,18 +111,32 @@ class SimulatedHardware:
 
     A task placed through ``command`` is tracked until exactly one ending event has been
     reported for it: ``finished`` at its end time, ``oom_killed`` or ``task_failed`` (a
-    fatal XID) when the simulator kills it, or nothing when the executor removed it. A move
-    keeps the original end time (the executor's clock for the task does not restart).
+    fatal XID) when the simulator kills it, or nothing when the executor removed it.
+
+    The executor stops a task with SIGTERM, on which a trainer checkpoints: a task it removed
+    and places again later, or moves, goes on from where it was (its end comes after the rest
+    of its run, a move keeps its end time) and plays the rest of its memory curve
+    (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached). A
+    task the simulator killed starts from scratch.
     """
 
     def __init__(self, fleet: SimulatedFleet) -> None:
         self.fleet = fleet
         self.ends_at: dict[str, float] = {}
         self.node_of: dict[str, str] = {}
+        # Per running task: the seconds of its run done before this placement, and when this
+        # placement started; per task the executor removed, the seconds of its run done.
+        self.run_from: dict[str, tuple[float, float]] = {}
+        self.done_s: dict[str, float] = {}
 
     def _forget(self, task_id: str) -> None:
         self.ends_at.pop(task_id, None)
         self.node_of.pop(task_id, None)
+        self.run_from.pop(task_id, None)
+
+    def _progress(self, task_id: str) -> float:
+        before, since = self.run_from.get(task_id, (0.0, self.fleet.now_s))
+        return before + self.fleet.now_s - since
 
     def _check_target(self, cmd: SimCommand) -> None:
         # Validate before a move removes the task, so a bad target leaves it running.
@@ -134,22 +150,31 @@ class SimulatedHardware:
             running = cmd.task_id in self.fleet.running()
             if cmd.verb == "remove":
                 if running:
+                    self.done_s[cmd.task_id] = self._progress(cmd.task_id)
+                    while len(self.done_s) > MAX_STOPPED_TASKS:
+                        self.done_s.pop(next(iter(self.done_s)))
                     self.fleet.remove(cmd.task_id)
                 self._forget(cmd.task_id)
                 return SimAck(ok=True, detail="" if running else "not running")
             if cmd.verb == "place" and running:
                 return SimAck(ok=True, detail="already running")
             self._check_target(cmd)
-            if cmd.verb == "move" and running:
+            moving = cmd.verb == "move" and running
+            done = self._progress(cmd.task_id) if moving else self.done_s.pop(cmd.task_id, 0.0)
+            if moving:
                 self.fleet.remove(cmd.task_id)
             peak = max(cmd.peak_memory_mb, 1.0)
             growth = MemoryGrowth(pattern=cmd.pattern if cmd.pattern != "unknown" else "flat",
                                   base_mb=peak * 0.3, peak_mb=peak, duration_s=cmd.duration_s,
                                   warmup_s=cmd.duration_s * 0.05, period_s=cmd.duration_s / 6,
                                   noise_mb=peak * 0.003)
+            rest = max(cmd.duration_s - done, 1.0)
+            if done > 0:
+                growth = growth.restored(done, self.ends_at.get(cmd.task_id, self.fleet.now_s + rest) - self.fleet.now_s)
             self.fleet.place(cmd.task_id, cmd.node, list(cmd.gpus), growth, util=cmd.utilization_pct)
-            self.ends_at.setdefault(cmd.task_id, self.fleet.now_s + cmd.duration_s)
+            self.ends_at.setdefault(cmd.task_id, self.fleet.now_s + rest)
             self.node_of[cmd.task_id] = cmd.node
+            self.run_from[cmd.task_id] = (done, self.fleet.now_s)
         except (KeyError, ValueError) as exc:
             return SimAck(ok=False, detail=str(exc).strip("'\""))
         return SimAck(ok=True)

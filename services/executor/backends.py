@@ -97,7 +97,7 @@ class BusSimBackend:
     async def migrate(
         self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
     ) -> TaskHandle:
-        """Move the task (its memory curve restarts on the target, as after a checkpoint)."""
+        """Move the task: restored on the target from its checkpoint (``SimulatedHardware``)."""
         return await self._put("move", task_id, target)
 
     async def _put(self, verb: str, task_id: str, placement: Sequence[Placement]) -> TaskHandle:

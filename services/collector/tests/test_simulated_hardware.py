@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from fleetpilot.contracts import SimCommand
 from fleetpilot.fleet.inventory import load_fleet_spec
@@ -97,3 +98,52 @@ def test_place_is_idempotent(hw):
     again = place(hw)
     assert again.ok and again.detail == "already running"
     assert hw.fleet.running() == ["t1"]
+
+
+def memory_of(hw: SimulatedHardware, node: str, task_id: str = "t1") -> float:
+    """What the task holds per GPU now, its CUDA context included."""
+    sample = next(s for s in hw.fleet.task_samples(node) if s.task_id == task_id)
+    return sample.memory_used_mb / len(sample.gpus)
+
+
+def step_task_on_its_fourth_step(hw: SimulatedHardware) -> tuple[SimCommand, float]:
+    """A 30 GB step task of 600 s placed on an A100 and run 360 s: its command, what it holds."""
+    cmd = SimCommand(verb="place", task_id="t1", node="a100-00", gpus=[0], peak_memory_mb=30_000.0,
+                     pattern="steps", duration_s=600.0)
+    assert hw.command(cmd).ok
+    hw.advance(360.0)
+    return cmd, memory_of(hw, "a100-00")
+
+
+def test_a_removed_step_task_placed_again_goes_on_from_its_checkpoint(hw):
+    # 6 steps over 600 s (a third of its peak at the start): removed on its fourth step, it
+    # comes back on that step and ends after the 240 s of its run that were left.
+    cmd, held = step_task_on_its_fourth_step(hw)
+    assert hw.command(SimCommand(verb="remove", task_id="t1")).ok
+    hw.advance(100.0)
+    assert hw.command(msgspec.structs.replace(cmd, node="h100-00", gpus=[2])).ok
+    hw.advance(1.0)
+    assert memory_of(hw, "h100-00") == pytest.approx(held, rel=0.02)
+    assert kinds(hw.advance(230.0)) == []
+    assert kinds(hw.advance(20.0)) == ["finished"]
+
+
+def test_a_task_killed_by_the_simulator_starts_again_from_scratch(hw):
+    cmd = SimCommand(verb="place", task_id="t1", node="a100-00", gpus=[0], peak_memory_mb=60_000.0,
+                     pattern="steps", duration_s=600.0)
+    assert hw.command(cmd).ok
+    assert kinds(hw.advance(400.0)) == ["oom_killed"]  # 60 GB on a 40 GB A100, on some step
+    assert hw.command(msgspec.structs.replace(cmd, node="h100-00", gpus=[2])).ok
+    hw.advance(1.0)
+    assert memory_of(hw, "h100-00") < 0.5 * 60_000.0  # back on its first step
+    assert kinds(hw.advance(590.0)) == []
+    assert kinds(hw.advance(20.0)) == ["finished"]
+
+
+def test_a_moved_step_task_keeps_its_level_and_its_end(hw):
+    cmd, held = step_task_on_its_fourth_step(hw)
+    assert hw.command(msgspec.structs.replace(cmd, verb="move", node="h100-00", gpus=[2])).ok
+    hw.advance(1.0)
+    assert memory_of(hw, "h100-00") == pytest.approx(held, rel=0.02)
+    assert kinds(hw.advance(230.0)) == []
+    assert kinds(hw.advance(20.0)) == ["finished"]  # at 600 s, as if it had not moved
