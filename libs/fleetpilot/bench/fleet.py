@@ -703,8 +703,8 @@ class FleetRun:
     def _observe_tasks(self, now: float) -> None:
         # Sorted: the order samples are read in decides the order of moves, and a run must
         # not depend on Python's string hashing.
-        watched_nodes = sorted({self.state.node_names[j.row] for j in self.jobs if j.state == "running"
-                                and j.fingerprinter is not None})
+        watched_nodes = sorted({self.state.node_names[j.row] for j in self.jobs
+                                if j.state == "running" and j.fingerprinter is not None})
         changed: dict[str, float] = {}
         bridging: list[_Job] = []
         for node in watched_nodes:
@@ -712,8 +712,8 @@ class FleetRun:
                 job = self.by_id.get(s.task_id)
                 if job is None or job.fingerprinter is None or job.state != "running":
                     continue
-                held = s.memory_used_mb / max(len(s.gpus), 1)
                 online = job.fingerprinter
+                held = s.memory_used_mb / max(len(s.gpus), 1)
                 fresh = online.add(s.at, held)
                 if job.bridged and job.history is not None:
                     job.history.append((s.at, held))
@@ -829,9 +829,9 @@ class FleetRun:
         """The memory curve and pause of a task restored from a checkpoint taken now.
 
         Restored, the task plays what is left of its memory curve (``MemoryGrowth.restored``):
-        a step schedule or a linear cache comes back at the level it reached, a leak or a
-        warm-up starts over; the true peak is the same, so a move never makes a task look
-        smaller. The pause is the checkpoint and restore time (``MIGRATION_BASE_S`` plus
+        a step schedule comes back at the level it reached, other growth starts over with the
+        process; the true peak is the same, so a move never makes a task look smaller. The
+        pause is the checkpoint and restore time (``MIGRATION_BASE_S`` plus
         ``MIGRATION_S_PER_GB`` per GB held).
         """
         t = job.task
