@@ -168,11 +168,12 @@ class SimulatedHardware:
                                   base_mb=peak * 0.3, peak_mb=peak, duration_s=cmd.duration_s,
                                   warmup_s=cmd.duration_s * 0.05, period_s=cmd.duration_s / 6,
                                   noise_mb=peak * 0.003)
-            rest = max(cmd.duration_s - done, 1.0)
+            # A move keeps its end; a task placed again has the rest of its run before it.
+            end = self.ends_at.get(cmd.task_id, self.fleet.now_s + max(cmd.duration_s - done, 1.0))
             if done > 0:
-                growth = growth.restored(done, self.ends_at.get(cmd.task_id, self.fleet.now_s + rest) - self.fleet.now_s)
+                growth = growth.restored(done, end - self.fleet.now_s)
             self.fleet.place(cmd.task_id, cmd.node, list(cmd.gpus), growth, util=cmd.utilization_pct)
-            self.ends_at.setdefault(cmd.task_id, self.fleet.now_s + rest)
+            self.ends_at[cmd.task_id] = end
             self.node_of[cmd.task_id] = cmd.node
             self.run_from[cmd.task_id] = (done, self.fleet.now_s)
         except (KeyError, ValueError) as exc:

@@ -289,8 +289,8 @@ class Moves(ReplicaState):
             return None  # that eviction was tried: its outcome decides
         # Bridged again, it is given more room than it is outgrowing here, unless its
         # signature's restores have come back low (``RestoreMemory``).
-        floor = 0 if self.restores.starts_over(task_signature(adm.task)) else (
-            min(room_in_place(running, topo, ledger).values()) + 1)
+        floor = self.restores.bridge_floor_mb(task_signature(adm.task),
+                                              min(room_in_place(running, topo, ledger).values()))
         # Its first sample once restored will say whether its signature comes back where it was.
         held = samples[-1][1] / len(running.gpus)
         started = self.run_start.get(running.task_id)

@@ -437,16 +437,16 @@ class ReplicaState:
         return PolicyRef(name=name, version=policies.versions.get(name, "1"))
 
     async def place(
-        self, adm: TaskAdmitted, decision_id: str | None = None, requeue: Requeue | None = None
+        self, adm: TaskAdmitted, requeue: Requeue | None = None
     ) -> tuple[DecisionMade | None, str, str]:
         """Choose, reserve with CAS (re-choosing on conflict); the decision (``None`` when
-        nothing fits) and the policy name and shard the task was routed to. ``decision_id``
-        names a re-placement (``<task>.assign.<g>``), ``requeue`` the note it waited with."""
+        nothing fits) and the policy name and shard the task was routed to. A re-placement
+        comes with the note it waited with, which names it (``<task>.assign.<g>``)."""
         task = adm.task
         self.remember(self.tasks, task.task_id, task)
         if self.admissions is not None:
             self.admissions.placed(adm)
-        decision_id = decision_id or decision_id_for(task.task_id, "assign")
+        decision_id = requeue.decision_id if requeue is not None else decision_id_for(task.task_id, "assign")
         for attempt in range(10):
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)

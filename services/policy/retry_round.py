@@ -188,7 +188,7 @@ class RetryRound:
             except CasConflict:
                 continue
             try:
-                decision, _, _ = await ps.place(adm, w.requeue.decision_id if w.requeue else None, w.requeue)
+                decision, _, _ = await ps.place(adm, w.requeue)
                 if decision is None:
                     self.failed.extend((d, hide) for d in demands)
                     self.blocked.append(adm)

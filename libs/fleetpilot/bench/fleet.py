@@ -856,8 +856,9 @@ class FleetRun:
         job.restored_from = held if restore_tells(started, held) else None
         if not self.restores.starts_over(job.signature):
             job.stopped_at_mb = int(math.ceil(held + CONTEXT_MB))
-            if outgrown:
-                job.bridge_floor_mb = int(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min()) + 1
+        if outgrown:
+            gpus_mb = float(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min())
+            job.bridge_floor_mb = self.restores.bridge_floor_mb(job.signature, gpus_mb)
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None

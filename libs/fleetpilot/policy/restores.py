@@ -41,6 +41,11 @@ class RestoreMemory:
         (self.kept if kept else self.reset)[signature] += 1
         return kept
 
+    def bridge_floor_mb(self, signature: str, outgrown_mb: float) -> int:
+        """What a bridge of a run of ``signature`` checkpointed for outgrowing ``outgrown_mb``
+        per GPU must ask: more than that, unless its restores come back low (then nothing)."""
+        return 0 if self.starts_over(signature) else int(outgrown_mb) + 1
+
     def starts_over(self, signature: str) -> bool:
         """Whether the restored runs of ``signature`` have mostly come back lower: such a run
         may be bridged again onto the room it outgrew. Unknown signatures do not."""

@@ -76,8 +76,9 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
         base, steps = self.base_mb, self.n_steps
         if self.pattern == "steps":
             # The levels left, the one reached among them, spread over what is left of the run.
-            reached = min(int(progress_s / max(self.duration_s, 1e-9) * max(steps, 1)) + 1, max(steps, 1))
-            steps = max(steps, 1) - reached + 1
+            n = max(steps, 1)
+            reached = min(int(progress_s / max(self.duration_s, 1e-9) * n) + 1, n)
+            steps = n - reached + 1
             level = float(self.memory_at(progress_s))
             base = self.peak_mb if steps == 1 else (steps * level - self.peak_mb) / (steps - 1)
         return msgspec.structs.replace(self, base_mb=base, n_steps=steps, duration_s=duration_s,

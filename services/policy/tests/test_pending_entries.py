@@ -59,10 +59,10 @@ async def test_a_round_cut_short_still_publishes_what_it_decided(observer, nats_
 
     place = PolicyState.place
 
-    async def bus_lost_on_late(self, adm, decision_id=None, requeue=None):
+    async def bus_lost_on_late(self, adm, requeue=None):
         if adm.task.task_id == "late":
             raise RuntimeError("nats: timeout")
-        return await place(self, adm, decision_id, requeue)
+        return await place(self, adm, requeue)
 
     monkeypatch.setattr(PolicyState, "place", bus_lost_on_late)
     await observer.put_fleet([node("n0")])
