@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilot.bench.fleet"}
 
@@ -33,4 +34,11 @@ def main(args) -> int:
         raise ValueError(
             f"the {args.suite} suite is not available in this build ({module_name} is missing)"
         ) from None
-    return int(module.main(list(args.suite_args)) or 0)
+    try:
+        return int(module.main(list(args.suite_args)) or 0)
+    except SystemExit as refused:
+        if not isinstance(refused.code, str):
+            raise
+        # A suite refuses bad input with its own one-line message; bad input exits 2.
+        print(refused.code, file=sys.stderr)
+        return 2

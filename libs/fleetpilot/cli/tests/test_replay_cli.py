@@ -122,21 +122,11 @@ def test_bench_forwards_everything_after_the_suite(monkeypatch):
     assert seen == [["--policy", "fgd", "--seeds", "42-43", "--json", "out.json"]]
 
 
-def test_bench_openb_reaches_the_real_suite(tmp_path):
+def test_bench_openb_reaches_the_real_suite(tmp_path, capsys):
     # The real module parses the forwarded flags: its own one-line error proves it got them.
-    with pytest.raises(SystemExit, match="unknown policy 'nope'"):
-        main(
-            [
-                "bench",
-                "openb",
-                "--nodes",
-                str(tmp_path / "n.csv"),
-                "--pods",
-                str(tmp_path / "p.csv"),
-                "--policy",
-                "nope",
-            ]
-        )
+    rc = main(["bench", "openb", "--nodes", str(tmp_path / "n.csv"), "--pods", str(tmp_path / "p.csv"),
+               "--policy", "nope"])
+    assert rc == 2 and "unknown policy 'nope'" in capsys.readouterr().err
 
 
 def test_bench_fleet_without_the_module_is_a_one_line_error(monkeypatch, capsys):
@@ -146,3 +136,14 @@ def test_bench_fleet_without_the_module_is_a_one_line_error(monkeypatch, capsys)
     if rc == 0:  # pragma: no cover - only if None in sys.modules stops being an import failure
         pytest.fail("bench fleet ran without its module")
     assert rc == 2 and "fleet suite is not available" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "fleet", "--seed", "x"], "fleet bench: argument --seed: invalid int value: 'x'"),
+    (["bench", "openb", "--seeds", "zz"], "openb: bad --seeds 'zz' (use e.g. 42-51 or 42,43)"),
+])
+def test_a_suite_refusing_its_arguments_exits_2_with_its_one_line(capsys, argv, message):
+    # Before, the suite's SystemExit(message) left the command with code 1.
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err == message + "\n"
