@@ -27,6 +27,11 @@ def test_without_cuda_the_node_check_fails_its_cuda_steps_and_says_so(tmp_path: 
     (tmp_path / "fake" / "pynvml.py").write_text(FAKE_PYNVML)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": ""}
+    # A log left by an earlier run into the same folder (the process backend appends):
+    # its lines must not be read as this run's.
+    stale = tmp_path / "out" / "tasks" / "gpu-check-grow.out"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"t": 0, "blocks": 16, "reserved_mb": 16384}\n')
     proc = subprocess.run([sys.executable, str(ROOT / "deploy/gpu-check/node_check.py"), "--out", str(tmp_path / "out"),
                            "--grow-gb", "2"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -41,6 +46,7 @@ def test_without_cuda_the_node_check_fails_its_cuda_steps_and_says_so(tmp_path: 
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["checks"]["oom"]["lifecycle"][-1]["state"] == "failed"  # not mistaken for an OOM
     assert report["collector_exit_code"] == 0
+    assert report["task_series"]["task_view"] == []  # the stale log's line is gone with it
     # The whole loop still ran: placed on the fake GPU, started, failed, judged a failure.
     fleet = report["checks"]["fleet"]
     assert [e["action"] for e in fleet["events"]["decision.made.v1"]] == ["assign"]

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -387,6 +388,10 @@ def main() -> int:
     parser.add_argument("--step-s", type=float, default=0.5, help="seconds between its 1 GiB steps (default 0.5)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # The process backend appends to a task's log (a task started again keeps its history),
+    # and the checks read their tasks' own lines from it: a run into the same folder must
+    # not read the last run's.
+    shutil.rmtree(args.out / "tasks", ignore_errors=True)
     checks = Checks()
     report: dict[str, Any] = {}
     try:
