@@ -4,16 +4,23 @@
   it, publishes a predicted ``task.fingerprinted`` (source ``signature``) at once.
 - ``telemetry.task.<task>``: feeds the task's online model (memory per GPU) and publishes
   ``task.fingerprinted`` (source ``observed``) whenever the prediction changes materially.
-- ``task.lifecycle``: a migrated or evicted task's series starts again (it grows from its
-  start again where it runs next); when a task ends, its last fingerprint is merged into its
+- ``task.lifecycle``: a migrated or evicted task's series starts again (it runs on as a new
+  process where it is restored); when a task ends, its last fingerprint is merged into its
   signature's statistics in the bucket (compare-and-set), for the next submission. A task
   killed by an OOM is not: its series stops before its peak; the most it held becomes the
   signature's floor instead (``merge_oom``), under which no prediction goes.
+- Restores: the first sample of a migrated or evicted task once it runs again, against what
+  it held when it stopped, says whether its signature comes back from a checkpoint where it
+  was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
+  statistics (``merge_restore``), where the policy reads it before it bridges a checkpointed
+  run again onto the room it outgrew.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
@@ -23,7 +30,9 @@ from fleetpilot.fingerprint import (
     load_stats,
     merge,
     merge_oom,
+    merge_restore,
     predict,
+    restore_tells,
     task_signature,
 )
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings, serve
@@ -61,6 +70,28 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     settings = settings or FingerprinterSettings.from_environment()
     host = ServiceHost("fingerprinter", settings)
     models: dict[str, OnlineFingerprinter] = {}
+    # Tasks stopped to run again (moved, checkpointed, preempted) whose restore can tell
+    # whether their signature comes back where it was: (signature, MB per GPU held when
+    # stopped, when), until their first sample since.
+    stopped: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+
+    async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
+        """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
+        kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
+        for _ in range(10):
+            entry = await kv.get(signature)
+            # Statistics in old units, or unreadable, are started afresh (``stored_stats``).
+            stats = stored_stats(signature, entry.value if entry else None) or SignatureStats(signature=signature)
+            body = encode(fold(stats))
+            try:
+                if entry is None:
+                    await kv.create(signature, body)  # type: ignore[union-attr]
+                else:
+                    await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
+                return
+            except CasConflict:
+                continue
+        log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 
     def model_for(task_id: str, signature: str = "", duration: float | None = None) -> OnlineFingerprinter:
         if task_id not in models:
@@ -94,6 +125,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
+        restored = stopped.get(sample.task_id)
+        if restored is not None and sample.at > restored[2]:
+            del stopped[sample.task_id]
+            signature, stopped_mb, _ = restored
+            await fold_into(signature, lambda stats: merge_restore(stats, stopped_mb, per_gpu))
         fp = model_for(sample.task_id).add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
         if fp is None:
             return None
@@ -103,16 +139,22 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def on_lifecycle(life: TaskLifecycle) -> None:
         if life.state in ("migrated", "evicted"):
             # Moved, or stopped to be placed again (preempted, checkpointed, its GPU gone):
-            # the task grows from its start again where it runs next, and its life is not
-            # over, so nothing is learnt yet. A series spanning the gap would read the drop
-            # as a sawtooth; merged now, a partial series would teach a guess as a peak.
+            # the task runs on as a new process where it is restored, and its life is not
+            # over, so no fingerprint is learnt yet. A series spanning the gap would read the
+            # drop as a sawtooth; merged now, a partial series would teach a guess as a peak.
+            # What it held when stopped waits for its first sample once restored.
             old = models.get(life.task_id)
+            if old is not None and old.signature and restore_tells(old.first_mb, old.last_mb):
+                stopped[life.task_id] = (old.signature, old.last_mb, life.at)
+                while len(stopped) > settings.max_tracked_tasks:
+                    stopped.popitem(last=False)
             if old is not None:
                 models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
                                                            only_trusted=True)
             return
         if life.state not in ("finished", "oom_killed", "failed"):
             return
+        stopped.pop(life.task_id, None)
         model = models.pop(life.task_id, None)
         if model is None or not model.signature:
             return
@@ -134,22 +176,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
             def fold(stats: SignatureStats) -> SignatureStats:
                 return merge(stats, final)
-        kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
-        for _ in range(10):
-            entry = await kv.get(model.signature)
-            # Statistics in old units, or unreadable, are started afresh (``stored_stats``).
-            stats = stored_stats(model.signature, entry.value if entry else None) or SignatureStats(
-                signature=model.signature
-            )
-            body = encode(fold(stats))
-            try:
-                if entry is None:
-                    await kv.create(model.signature, body)  # type: ignore[union-attr]
-                else:
-                    await kv.update(model.signature, body, entry.revision)  # type: ignore[union-attr]
-                return
-            except CasConflict:
-                continue
+        await fold_into(model.signature, fold)
 
     return host
 

@@ -49,7 +49,7 @@ from fleetpilot.policy.rebalance import (
     resize_plan,
     room_in_place,
 )
-from fleetpilot.policy.restores import restore_tells
+from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
 
@@ -288,15 +288,11 @@ class Moves(ReplicaState):
         if await self.journaled(evict_id):
             return None  # that eviction was tried: its outcome decides
         # Bridged again, it is given more room than it is outgrowing here, unless its
-        # signature's restores have come back low (``RestoreMemory``).
-        floor = self.restores.bridge_floor_mb(task_signature(adm.task),
-                                              min(room_in_place(running, topo, ledger).values()))
-        # Its first sample once restored will say whether its signature comes back where it was.
-        held = samples[-1][1] / len(running.gpus)
-        started = self.run_start.get(running.task_id)
+        # signature's restores have mostly started over (the fingerprinter counts them).
+        floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)),
+                                min(room_in_place(running, topo, ledger).values()))
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
-                       reason=f"checkpointed: {why}", bridge_floor_mb=floor,
-                       held_mb=math.ceil(held) if started is not None and restore_tells(started, held) else 0)
+                       reason=f"checkpointed: {why}", bridge_floor_mb=floor)
         try:
             await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
         except CasConflict:

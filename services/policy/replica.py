@@ -30,7 +30,7 @@ from fleetpilot.contracts import (
     in_service,
     now,
 )
-from fleetpilot.fingerprint import task_signature
+from fleetpilot.fingerprint import SignatureStats, load_stats
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
@@ -38,7 +38,6 @@ from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue
 from fleetpilot.policy.rebalance import Running, gpu_conditions, running_tasks
-from fleetpilot.policy.restores import RestoreMemory
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -151,13 +150,9 @@ class ReplicaState:
         # Per running task, its memory samples (``telemetry.task``) over the last
         # ``growth_lookahead_s``: (time, MB over all its GPUs). Dropped when it stops or moves.
         self.usage: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()
-        # Per running task, what its first sample since it started held per GPU.
-        self.run_start: OrderedDict[str, float] = OrderedDict()
-        # How each signature's checkpointed runs came back, from the restores this replica
-        # placed: per restored task, until its first sample, (signature, MB per GPU held when
-        # stopped, when it was placed again).
-        self.restores = RestoreMemory()
-        self.restoring: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        # The fingerprinter's statistics per signature (``fingerprints``): how a program's
+        # runs come back from a checkpoint, learnt from every restore in the fleet.
+        self.signatures: KeyValue | None = None
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
@@ -177,17 +172,10 @@ class ReplicaState:
         self._running_at = -1
 
     def observe(self, sample: TaskTelemetry) -> None:
-        """Keep a task's memory sample, and only those of the last ``growth_lookahead_s``;
-        the first sample of a restored task since its placement teaches ``restores``."""
-        restored = self.restoring.get(sample.task_id)
-        if restored is not None and sample.at > restored[2] and sample.gpus:
-            signature, stopped_mb, _ = self.restoring.pop(sample.task_id)
-            self.restores.observe(signature, stopped_mb, sample.memory_used_mb / len(sample.gpus))
+        """Keep a task's memory sample, and only those of the last ``growth_lookahead_s``."""
         kept = self.usage.get(sample.task_id)
         if kept is None:
             kept = deque()
-            if sample.gpus:
-                self.remember(self.run_start, sample.task_id, sample.memory_used_mb / len(sample.gpus), limit=50_000)
         if kept and sample.at <= kept[-1][0]:
             return  # a late or repeated sample
         kept.append((sample.at, sample.memory_used_mb))
@@ -195,11 +183,24 @@ class ReplicaState:
             kept.popleft()
         self.remember(self.usage, sample.task_id, kept, limit=50_000)
 
+    async def signature_stats(self, signature: str) -> SignatureStats | None:
+        """The fingerprinter's statistics of ``signature`` (``fingerprints``); ``None`` when it
+        has none, or none this replica can read (then nothing is known of the signature)."""
+        if self.signatures is None:
+            return None
+        entry = await self.signatures.get(signature)
+        if entry is None or not entry.value:
+            return None
+        try:
+            return load_stats(entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("unreadable statistics for %s (%s): nothing known of it", signature, exc)
+            return None
+
     def forget_run(self, task_id: str) -> None:
         """Drop a task's samples: it stopped, or was restored elsewhere from a checkpoint (a
-        slope or a start measured across the stop would mean nothing)."""
+        slope measured across the stop would mean nothing)."""
         self.usage.pop(task_id, None)
-        self.run_start.pop(task_id, None)
 
     async def taken_at(self, decision_id: str) -> float | None:
         """When the executor took ``decision_id`` (its journal entry in ``executions``: the
@@ -506,8 +507,6 @@ class ReplicaState:
                     f"predicts {fp.pattern} growth to {fp.predicted_peak_mb:.0f} MB, which no free GPU holds now; "
                     f"moved up before it gets there; {choice.reason}"
                 )
-            if requeue is not None and requeue.held_mb > 0:
-                self.remember(self.restoring, task.task_id, (task_signature(task), requeue.held_mb, now()))
             return (
                 self.assign_decision(
                     adm,

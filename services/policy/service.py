@@ -162,6 +162,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)
         ps.executions = await bus.kv("executions")
+        ps.signatures = await bus.kv("fingerprints")
         ps.queue = queue = await PendingQueue.open(bus)
         ps.pending = queue.kv
         host.background(fleet.follow, "fleet-watch")

@@ -48,8 +48,8 @@ the bus out of service. No preemption (no PriorityClasses are set).
   growth starts over with the process); with no target it is checkpointed and queued again
   (progress kept) instead of being left to die, and asks no less than it held when stopped;
   bridged, it is bridged again only onto more room than it outgrew, unless the restores of
-  its signature have come back low (``policy.restores.RestoreMemory``, as the policy service
-  learns it);
+  its signature have come back low (the signature's statistics count its restores, as the
+  fingerprinter service does; ``policy.restores.bridge_floor_mb``);
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first (the policy
@@ -104,6 +104,8 @@ from fleetpilot.fingerprint import (
     TRUST_SAMPLES,
     OnlineFingerprinter,
     SignatureMemory,
+    restore_tells,
+    restores_start_over,
     task_signature,
     trusted,
 )
@@ -126,7 +128,7 @@ from fleetpilot.policy.backfill import (
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL
-from fleetpilot.policy.restores import RestoreMemory, restore_tells
+from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -254,7 +256,6 @@ class FleetRun:
         self.pending: list[_Job] = []
         self.on_gpu: dict[tuple[int, int], set[str]] = {}
         self.memory = SignatureMemory()
-        self.restores = RestoreMemory()
         self.health = HealthModel()
         self.windows: dict[int, deque] = {}
         self.pending_maintenance: dict[int, float] = {}
@@ -604,7 +605,7 @@ class FleetRun:
                 # What it holds as it is restored (a collector samples every few seconds; this
                 # loop's samples come a minute apart, long enough for a short rest to grow):
                 # did it come back where it was stopped?
-                self.restores.observe(job.signature, job.restored_from, float(growth.memory_at(0.0)))
+                self.memory.observe_restore(job.signature, job.restored_from, float(growth.memory_at(0.0)))
             job.resume, job.restored_from, job.stopped_at_mb, job.bridge_floor_mb = None, None, 0, 0
         elif job.state == "pending":
             job.queue_s += now - job.queued_since
@@ -849,16 +850,17 @@ class FleetRun:
         was outgrowing its GPUs, it is bridged again only onto GPUs with more than they have
         (``bridge_floor_mb``): on no more room it would be stopped again at once, or, a step
         away from the end, die of OOM. A signature whose restores have come back low
-        (``RestoreMemory``), as a leak's do, needs neither."""
+        (``restores_start_over``), as a leak's do, needs neither."""
         self._stop(job)
         held = self._held(job, now)
         started = float((job.curve or job.task.growth).memory_at(0.0))  # what NVML showed as it started
         job.restored_from = held if restore_tells(started, held) else None
-        if not self.restores.starts_over(job.signature):
+        stats = self.memory.stats(job.signature)
+        if not restores_start_over(stats):
             job.stopped_at_mb = int(math.ceil(held + CONTEXT_MB))
         if outgrown:
             gpus_mb = float(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min())
-            job.bridge_floor_mb = self.restores.bridge_floor_mb(job.signature, gpus_mb)
+            job.bridge_floor_mb = bridge_floor_mb(stats, gpus_mb)
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None

@@ -2,7 +2,8 @@
 
 Offline: :func:`fingerprint_series` / :func:`analyse_series` on a whole series.
 Online: :class:`OnlineFingerprinter` with :func:`changed_materially`.
-Memory across runs: :func:`task_signature` and :class:`SignatureMemory`.
+Memory across runs: :func:`task_signature` and :class:`SignatureMemory` (peaks, patterns, OOM
+floors, and how runs come back from a checkpoint: :func:`merge_restore`).
 CLI: :func:`fingerprint_csv` behind ``fleetpilot fingerprint SERIES.csv --at 0.25``.
 """
 
@@ -18,18 +19,23 @@ from .online import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, change
 from .series_csv import fingerprint_csv, parse_series_csv
 from .signature import (
     MODEL_LABEL,
+    RESTORE_KEPT_SHARE,
     SignatureMemory,
     SignatureStats,
     load_stats,
     merge,
     merge_oom,
+    merge_restore,
     predict,
+    restore_tells,
+    restores_start_over,
     task_signature,
 )
 
 __all__ = [
     "LevelPrior",
     "MODEL_LABEL",
+    "RESTORE_KEPT_SHARE",
     "OnlineFingerprinter",
     "SeriesAnalysis",
     "SignatureMemory",
@@ -45,8 +51,11 @@ __all__ = [
     "load_stats",
     "merge",
     "merge_oom",
+    "merge_restore",
     "parse_series_csv",
     "predict",
+    "restore_tells",
+    "restores_start_over",
     "task_signature",
     "trusted",
 ]

@@ -101,6 +101,16 @@ class OnlineFingerprinter:
         """The most memory any sample showed (0 before the first)."""
         return max(self._mb, default=0.0)
 
+    @property
+    def first_mb(self) -> float:
+        """What the first sample showed (0 before it)."""
+        return self._mb[0] if self._mb else 0.0
+
+    @property
+    def last_mb(self) -> float:
+        """What the latest sample showed (0 before the first)."""
+        return self._mb[-1] if self._mb else 0.0
+
     def add(self, at: float, used_mb: float, *, utilisation: float | None = None,
             colocated: int | None = None) -> Fingerprint | None:
         """Add one sample; returns the refitted fingerprint when it changed materially."""

@@ -19,6 +19,10 @@ from fleetpilot.contracts import Fingerprint, GrowthPattern, TaskSubmitted
 # The label that names the model a task trains or serves.
 MODEL_LABEL = "model"
 
+RESTORE_KEPT_SHARE = 0.75
+"""A restored run that holds at least this share of what it held when stopped came back
+where it was; one below it started over."""
+
 
 def task_signature(task: TaskSubmitted) -> str:
     """Stable signature ``"sig-" + 16 hex digits`` of kind, image, command and model label.
@@ -56,6 +60,10 @@ class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_
     mean_burstiness: float = 0.0
     mean_sensitivity: float = 0.0
     oom_floor_mb: float = 0.0  # the most a run held when it died of OOM: the peak is above it
+    # Runs stopped and restored (a checkpoint, a move): how many came back holding what they
+    # held when stopped, and how many started over lower (``fingerprint.restores``).
+    restores_kept: int = 0
+    restores_reset: int = 0
 
 
 def load_stats(raw: bytes) -> SignatureStats | None:
@@ -104,6 +112,8 @@ def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
         mean_burstiness=running(stats.mean_burstiness, fp.burstiness),
         mean_sensitivity=running(stats.mean_sensitivity, fp.context_switch_sensitivity),
         oom_floor_mb=stats.oom_floor_mb,
+        restores_kept=stats.restores_kept,
+        restores_reset=stats.restores_reset,
     )
 
 
@@ -115,6 +125,31 @@ def merge_oom(stats: SignatureStats, held_mb: float) -> SignatureStats:
     never go below the floor. The input is not modified.
     """
     return msgspec.structs.replace(stats, oom_floor_mb=max(stats.oom_floor_mb, float(held_mb)))
+
+
+def merge_restore(stats: SignatureStats, stopped_mb: float, restored_mb: float) -> SignatureStats:
+    """``stats`` after a run that held ``stopped_mb`` per GPU when it was stopped (checkpointed,
+    moved) held ``restored_mb`` in its first sample once restored: one more restore that came
+    back where it was (at least ``RESTORE_KEPT_SHARE`` of it), or one that started over. Only
+    restores that can tell the two apart should be counted (``restore_tells``). The input is
+    not modified."""
+    if restored_mb >= RESTORE_KEPT_SHARE * stopped_mb:
+        return msgspec.structs.replace(stats, restores_kept=stats.restores_kept + 1)
+    return msgspec.structs.replace(stats, restores_reset=stats.restores_reset + 1)
+
+
+def restore_tells(started_mb: float, stopped_mb: float) -> bool:
+    """Whether the restore of a run that held ``started_mb`` per GPU in its first sample and
+    ``stopped_mb`` when stopped can tell a run that starts over from one that comes back where
+    it was: not when it was stopped before it had grown well past where it started."""
+    return RESTORE_KEPT_SHARE * stopped_mb > started_mb
+
+
+def restores_start_over(stats: SignatureStats | None) -> bool:
+    """Whether the restored runs of a signature have mostly started over lower than they were
+    stopped (a leak, the caching allocator, a cache), rather than come back where they were (a
+    step schedule of batch size or resolution). A tie, or nothing known, says they come back."""
+    return stats is not None and stats.restores_reset > stats.restores_kept
 
 
 def predict(stats: SignatureStats) -> Fingerprint | None:
@@ -176,6 +211,12 @@ class SignatureMemory:
         """Record that a run of ``signature`` died of OOM holding ``held_mb`` (``merge_oom``)."""
         old = self._stats.get(signature, SignatureStats(signature=signature))
         self._stats[signature] = merge_oom(old, held_mb)
+        return self._stats[signature]
+
+    def observe_restore(self, signature: str, stopped_mb: float, restored_mb: float) -> SignatureStats:
+        """Record one restore of a run of ``signature`` (``merge_restore``)."""
+        old = self._stats.get(signature, SignatureStats(signature=signature))
+        self._stats[signature] = merge_restore(old, stopped_mb, restored_mb)
         return self._stats[signature]
 
     def predict(self, signature: str) -> Fingerprint | None:

@@ -239,9 +239,6 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     """A bridge for it asks at least this per GPU: one checkpointed because it was about to
     outgrow the room it had would, on no more room, be stopped again at once, or (a step
     schedule comes back from its checkpoint where it was) die of OOM at its next step."""
-    held_mb: int = 0
-    """What a checkpointed task held per GPU when it was stopped: its first sample once
-    restored says whether its signature comes back where it was (``RestoreMemory``)."""
 
 
 class _Envelope(msgspec.Struct):

@@ -217,3 +217,58 @@ async def test_a_run_that_ends_before_its_declared_end_is_remembered_at_what_it_
     await bus.publish(TaskLifecycle(task_id="early-1", state="finished", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert abs(stats.mean_peak_mb - (8_000 + 30.0 * 305)) < 500, stats
+
+
+async def stop_and_restore(bus: NatsBus, task_id: str, state: str, before, after) -> None:
+    """A task's samples every 10 s, ``before(t)`` for 300 s; then it is stopped (``state``:
+    ``evicted`` or ``migrated``) and runs again, sampled at ``after(t)`` for 100 s."""
+    start = now()
+    for t in np.arange(0, 300, 10.0):
+        await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=float(before(float(t)))))
+    await asyncio.sleep(0.3)
+    await bus.publish(TaskLifecycle(task_id=task_id, state=state, at=start + 300))
+    await asyncio.sleep(0.3)
+    for t in np.arange(400, 500, 10.0):
+        await bus.publish(TaskTelemetry(task_id=task_id, node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=float(after(float(t)))))
+
+
+async def restores_seen(bus: NatsBus, signature: str, count: int) -> SignatureStats:
+    """The signature's stats once ``count`` restores of it are counted."""
+
+    async def counted() -> SignatureStats | None:
+        stats = await remembered(bus, signature)
+        return stats if stats.restores_kept + stats.restores_reset >= count else None
+
+    return await wait_for(counted, what=f"{count} restore(s) of {signature} counted")
+
+
+async def test_a_leak_restored_low_after_its_checkpoint_teaches_that_its_signature_starts_over(fingerprinter):
+    bus, _ = fingerprinter
+    first = task("leak-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    # 8 GB growing to 38 GB, checkpointed, and restored as a new process at 9 GB.
+    await stop_and_restore(bus, "leak-1", "evicted", lambda t: 8_000 + 100.0 * t, lambda t: 9_000 + 100.0 * (t - 400))
+    stats = await restores_seen(bus, task_signature(first), 1)
+    assert (stats.restores_kept, stats.restores_reset, stats.count) == (0, 1, 0)
+
+
+async def test_a_step_schedule_moved_on_its_level_comes_back_where_it_was_and_an_early_stop_tells_nothing(
+    fingerprinter,
+):
+    bus, _ = fingerprinter
+    early, steps = task("steps-1"), task("steps-2")  # one program
+    for submitted in (early, steps):
+        await bus.publish(submitted)
+    await asyncio.sleep(0.3)
+    # Stopped at 24 GB having started at 20: started over or not, it comes back near 20 GB.
+    await stop_and_restore(bus, "steps-1", "evicted", lambda t: 20_000 + 4_000 * (t >= 150), lambda t: 8_000)
+    # 8 GB, then 16, then 30 (its third level), moved, and back on 30 GB where it runs next.
+    await stop_and_restore(bus, "steps-2", "migrated", lambda t: [8_000, 16_000, 30_000][int(t // 100)],
+                           lambda t: 30_000)
+    stats = await restores_seen(bus, task_signature(steps), 1)
+    await asyncio.sleep(0.5)  # the later samples of the run restored do not count it again
+    stats = await remembered(bus, task_signature(steps))
+    assert (stats.restores_kept, stats.restores_reset) == (1, 0)

@@ -20,6 +20,7 @@ from fleetpilot.contracts import (
     now,
     subject_for,
 )
+from fleetpilot.fingerprint import SignatureStats, task_signature
 from fleetpilot.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
@@ -240,31 +241,28 @@ async def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_no_larger_t
     assert (again.action, [p.node for p in again.placement]) == ("assign", ["big"])
 
 
-async def test_a_signature_that_came_back_low_from_a_checkpoint_may_be_bridged_onto_the_same_room(
+async def test_a_signature_whose_restores_started_over_may_be_bridged_again_onto_the_same_room(
     observer, nats_url, tmp_path
 ):
-    # The first run of the program is restored on the H100 and starts over there (a leak, a
-    # cache): a second run of it, checkpointed on an A100, may then start again on an A100.
+    # The fingerprinter has counted the program's restores: they came back low (a leak, a
+    # cache). A run of it checkpointed on an A100 may then start again on an A100 (a program
+    # whose restores are not known to start over may not: the test above).
     await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
     await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    leak = task_signature(task("leak").task)
+    await observer.kv_put("fingerprints", leak, encode(SignatureStats(signature=leak, restores_kept=1,
+                                                                      restores_reset=2)))
     pending = await observer.js.key_value("pending")
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        first, _ = await bridge_and_checkpoint(observer, "run1")
-        _, note = decode_pending((await pending.get("run1")).value)
-        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
-        await observer.kv_put("ledger", first, encode(NodeLedger(node=first, allocations=[])))
-        await wait_for(lambda: len(observer.by_task()["run1"]) == 3, timeout_s=3.0, what="run1 restored")
-        await asyncio.sleep(0.1)
-        await sample(observer, "run1", "big", now(), 12_000)  # its first sample since: it started over
-        ledgers = await observer.ledgers()
-        held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers["big"].allocations]
-        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=held)))
-        await asyncio.sleep(0.3)
-        await bridge_and_checkpoint(observer, "run2")
-        _, second = decode_pending((await pending.get("run2")).value)
+        await bridge_and_checkpoint(observer, "leak")
+        _, starts_over = decode_pending((await pending.get("leak")).value)
+        await observer.kv_put("ledger", "small0", encode(NodeLedger(node="small0", allocations=[])))
+        await observer.kv_put("ledger", "small1", encode(NodeLedger(node="small1", allocations=[])))
+        await wait_for(lambda: len(observer.by_task()["leak"]) == 3, timeout_s=3.0, what="leak placed again")
     finally:
         await policy.stop()
-    assert note is not None and (note.held_mb, note.bridge_floor_mb) == (30_000, A100["memory_mb"] + 1)
-    assert second is not None and (second.held_mb, second.bridge_floor_mb) == (30_000, 0)
+    assert starts_over is not None and starts_over.bridge_floor_mb == 0
+    again = observer.by_task()["leak"][2]
+    assert again.action == "assign" and again.placement[0].node in ("small0", "small1")  # the room it outgrew

@@ -20,6 +20,7 @@ from fleetpilot.bench.fleet import (
 )
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.contracts import Fingerprint
+from fleetpilot.fingerprint import restores_start_over
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.fleet.simulator import CONTEXT_MB
 from fleetpilot.workload.growth import MemoryGrowth
@@ -316,7 +317,7 @@ def test_a_leak_comes_back_low_from_its_checkpoint_and_may_then_be_bridged_onto_
     assert (result.breakdown["bridged"], result.breakdown["checkpointed"]) == (1, 1)
     assert result.figures["oom_events"] == 0
     job = run.jobs[1]
-    assert run.restores.starts_over(job.signature)
+    assert restores_start_over(run.memory.stats(job.signature))
     # The next checkpoint of that signature leaves it free to start again on an A100.
     run._enqueue(job, 0.0)
     run._start(job, 0, [0], 1000, 0.0)
