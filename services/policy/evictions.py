@@ -146,7 +146,8 @@ class Evictions(ReplicaState):
         if adm is None:
             log.warning("%s (%s): its admission is unknown, not queued again", task_id, reason)
             return None
-        note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason)
+        note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason,
+                       bridge_floor_mb=await self.restore_floor_mb(adm.task))
         try:
             await pending.create(key, encode_pending(adm, note))
         except CasConflict:
@@ -213,6 +214,7 @@ class Evictions(ReplicaState):
                 evict_id=evict_id,
                 for_task=adm.task.task_id,
                 at=now(),
+                bridge_floor_mb=await self.restore_floor_mb(v.admitted.task),
             )
             # Queued before the decision goes out: the entry waits until the executor has
             # released the victim's holds, so it can never be placed twice.

@@ -30,7 +30,7 @@ from fleetpilot.contracts import (
     in_service,
     now,
 )
-from fleetpilot.fingerprint import SignatureStats, load_stats
+from fleetpilot.fingerprint import SignatureStats, load_stats, restores_start_over, task_signature
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
@@ -196,6 +196,16 @@ class ReplicaState:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("unreadable statistics for %s (%s): nothing known of it", signature, exc)
             return None
+
+    async def restore_floor_mb(self, task: TaskSubmitted) -> int:
+        """What a bridge of ``task``, stopped now to be placed again (preempted, evicted by the
+        executor), must ask per GPU: what its latest sample held (a step schedule comes back
+        from its checkpoint where it was, and on less room it would die of OOM at once),
+        unless its signature's restores have mostly started over; 0 when it has no sample."""
+        samples = self.usage.get(task.task_id)
+        if not samples or restores_start_over(await self.signature_stats(task_signature(task))):
+            return 0
+        return math.ceil(samples[-1][1] / max(task.gpus, 1))
 
     def forget_run(self, task_id: str) -> None:
         """Drop a task's samples: it stopped, or was restored elsewhere from a checkpoint (a

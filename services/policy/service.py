@@ -323,13 +323,15 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
         bus = opened()
-        if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
-            state().forget_run(life.task_id)
         pending = await bus.kv("pending")
         if life.state == "evicted":
-            # Evicted without a decision of ours (a decommissioned GPU): queue it again. Our
-            # own evictions already wait in ``pending`` with their requeue note.
+            # Evicted without a decision of ours (a decommissioned GPU): queue it again (its
+            # note's floor from its last sample, so before its samples go). Our own evictions
+            # already wait in ``pending`` with their requeue note.
             await state().requeue_evicted(life, pending, await bus.kv("ledger"))
+        if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
+            state().forget_run(life.task_id)
+        if life.state == "evicted":
             return
         # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
         # instead (the eviction failed or never went out), it must not be started again. An

@@ -238,7 +238,9 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     bridge_floor_mb: int = 0
     """A bridge for it asks at least this per GPU: one checkpointed because it was about to
     outgrow the room it had would, on no more room, be stopped again at once, or (a step
-    schedule comes back from its checkpoint where it was) die of OOM at its next step."""
+    schedule comes back from its checkpoint where it was) die of OOM at its next step; one
+    preempted or evicted by the executor asks what it held when stopped, on which it comes
+    back. Nothing when its signature's restores have mostly started over."""
 
 
 class _Envelope(msgspec.Struct):

@@ -19,10 +19,13 @@ from fleetpilot.contracts import (
     SimAck,
     SimEvent,
     TaskLifecycle,
+    TaskTelemetry,
     encode,
     now,
 )
+from fleetpilot.fingerprint import SignatureStats, task_signature
 from fleetpilot.maintenance.faults import gpu_reading
+from fleetpilot.policy.preempt import decode_pending
 from fleetpilot.runtime.testing import eventually as wait_for_async
 from fleetpilot_services.executor.service import ExecutorSettings
 from fleetpilot_services.executor.service import build as build_executor
@@ -245,3 +248,46 @@ async def test_a_task_on_a_node_gone_silent_is_placed_again_elsewhere(observer, 
     assert evicted.node == first and "unreachable" in evicted.detail and evicted.decision_id == "t1.assign"
     again = next(d for d in observer.decisions if d.decision_id == "t1.assign.2")
     assert again.placement[0].node == other
+
+
+async def test_a_task_evicted_by_the_executor_is_bridged_again_on_no_less_than_it_held(
+    observer, nats_url, tmp_path
+):
+    """Restored from its checkpoint, a task comes back holding what it held when stopped (a
+    step schedule does), unless its signature's restores have mostly started over (the
+    fingerprinter's count): its requeue note's floor says which. The only GPU left is
+    cordoned, so both wait in ``pending``, where the notes are read."""
+    await observer.put_fleet([node("n0", gpus=1, labels={0: {"cordoned": "true"}})])
+    steps = admitted("steps", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100"])
+    leak = admitted("leak", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100"], image="leak:1")
+    signature = task_signature(leak.task)
+    await observer.kv_put("fingerprints", signature, encode(SignatureStats(signature=signature, restores_reset=3)))
+    for adm in (steps, leak):
+        await observer.kv_put("contracts", f"contract.{adm.task.task_id}", encode(adm))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        at = now()
+        for task_id in ("steps", "leak"):
+            for k, used_mb in enumerate((18_000.0, 24_000.0, 30_000.0)):
+                sample = TaskTelemetry(task_id=task_id, node="n0", gpus=[0], at=at - 60 + 30 * k,
+                                       memory_used_mb=used_mb)
+                await observer.nc.publish(f"telemetry.task.{task_id}", encode(sample))
+        await observer.nc.flush()
+        await asyncio.sleep(0.3)
+        for task_id in ("steps", "leak"):
+            life = TaskLifecycle(task_id=task_id, state="evicted", node="n0", gpus=[0],
+                                 detail="GPU n0/0 decommissioned: 95 C", at=at)
+            await publish_lifecycle(observer, life, 0)
+        pending = await observer.js.key_value("pending")
+
+        async def both_queued():
+            if sorted(await observer.live_keys("pending")) != ["leak", "steps"]:
+                return None
+            return [await pending.get(t) for t in ("steps", "leak")]
+
+        entries = await wait_for_async(both_queued, what="both queued again")
+    finally:
+        await policy.stop()
+    floors = {t: decode_pending(e.value)[1].bridge_floor_mb for t, e in zip(("steps", "leak"), entries, strict=True)}
+    assert floors == {"steps": 30_000, "leak": 0}

@@ -21,6 +21,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskFingerprinted,
     TaskSubmitted,
+    TaskTelemetry,
     decode,
     encode,
     now,
@@ -212,6 +213,11 @@ async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.1))
     await policy.start()
     try:
+        # be1 holds 30 GB when it is stopped: restored, it comes back on that.
+        sample = TaskTelemetry(task_id="be1", node="n0", gpus=[0], at=now(), memory_used_mb=30_000.0)
+        await observer.nc.publish("telemetry.task.be1", encode(sample))
+        await observer.nc.flush()
+        await asyncio.sleep(0.2)
         await observer.admit(tiered("vip1", "vip", gpu_milli=1000))
         await wait_for(lambda: any(d.action == "evict" for d in observer.decisions), what="an eviction")
         await asyncio.sleep(1.0)  # ten rounds
@@ -230,6 +236,7 @@ async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_
         "be1.evict.1",
         "vip1",
     )
+    assert requeue.bridge_floor_mb == 30_000  # a bridge for it asks no less than it held
 
 
 async def test_two_waiting_vips_preempt_different_tasks_and_each_eviction_goes_out_once(
