@@ -93,13 +93,18 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 continue
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 
-    def model_for(task_id: str, signature: str = "", duration: float | None = None) -> OnlineFingerprinter:
+    def model_for(task_id: str, signature: str = "", duration: float | None = None, *,
+                  submitted: bool = False) -> OnlineFingerprinter:
         if task_id not in models:
             if len(models) >= settings.max_tracked_tasks:
                 models.pop(next(iter(models)))  # forget the oldest rather than grow without bound
             # Only trusted fingerprints go out: an early guess (a warm-up read as a steep line,
             # a level read as a step schedule's first) would override a signature's prediction.
-            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration, only_trusted=True)
+            # A model made on the submission sees the run from its start and may teach its
+            # envelope; one made on a sample may have come in mid-run (this service started
+            # again, or the sample overtook the submission), so its times are not the run's.
+            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration, only_trusted=True,
+                                                  from_start=submitted)
         model = models[task_id]
         # Telemetry (core NATS) can overtake the submission (JetStream): fill in what the
         # submission tells as soon as it arrives, so later refits know the task's life.
@@ -112,7 +117,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     @host.on(TaskSubmitted, consumer="fingerprinter-submitted")
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
         signature = task_signature(task)
-        model_for(task.task_id, signature, task.expected_duration_s)
+        model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
         entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
         stats = stored_stats(signature, entry.value if entry is not None else None)
         predicted = predict(stats) if stats is not None else None
@@ -150,7 +155,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     stopped.popitem(last=False)
             if old is not None:
                 models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
-                                                           only_trusted=True)
+                                                           only_trusted=True, from_start=False)
             return
         if life.state not in ("finished", "oom_killed", "failed"):
             return

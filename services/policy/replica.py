@@ -37,7 +37,7 @@ from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue
-from fleetpilot.policy.rebalance import Running, gpu_conditions, running_tasks
+from fleetpilot.policy.rebalance import Running, envelope_bridge_mb, gpu_conditions, running_tasks
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -61,8 +61,9 @@ PEAK_HEADROOM = 1.05
 as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
 
 BRIDGE_PATTERNS = frozenset({"linear", "leak"})
-"""Growth patterns a task may be bridged for: memory that rises smoothly gives the rebalancer
-rounds to move the task up before the peak; a step or a burst may come before the next one."""
+"""Growth patterns a task may be bridged for on its ask: memory that rises smoothly gives the
+rebalancer rounds to move the task up before the peak; a step or a burst may come before the
+next one, so those are bridged only by their signature's envelope (``envelope_bridge_mb``)."""
 
 
 def calibration_key(policy: str, action: str) -> str:
@@ -320,11 +321,15 @@ class ReplicaState:
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
 
-    def bridge_request(self, task: TaskSubmitted, plain: TaskRequest, floor_mb: int = 0) -> TaskRequest | None:
+    def bridge_request(self, task: TaskSubmitted, plain: TaskRequest, floor_mb: int = 0, *,
+                       from_start: bool = True) -> TaskRequest | None:
         """The request a task may start on when ``plain`` (its peak) finds no node: the task
         as submitted, its ask (at least ``floor_mb``: ``Requeue.bridge_floor_mb``) and no
         predicted peak, for a fingerprint that predicts smooth growth (``BRIDGE_PATTERNS``)
-        beyond that; ``None`` for any other task.
+        beyond that; for a run ``from_start`` (its first placement) whose signature's envelope
+        keeps it below its peak for a while (a step schedule), what the envelope says it needs
+        for that while (``envelope_bridge_mb``; ``envelope_overflow`` checkpoints it before it
+        outgrows that); ``None`` for any other task.
 
         A task that asks no GPU memory is not bridged: nothing says what it needs at the start,
         so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
@@ -332,9 +337,15 @@ class ReplicaState:
         predicted peak), and the ask is what the submitter says the task starts with.
         """
         fp = self.fingerprints.get(task.task_id)
-        if fp is None or fp.pattern not in BRIDGE_PATTERNS or task.gpu_memory_mb <= 0:
+        if fp is None or task.gpu_memory_mb <= 0:
             return None
-        ask = max(task.gpu_memory_mb, floor_mb)
+        if fp.pattern in BRIDGE_PATTERNS:
+            ask = max(task.gpu_memory_mb, floor_mb)
+        else:
+            envelope = envelope_bridge_mb(fp, task.expected_duration_s, self.settings.growth_lookahead_s)
+            if not from_start or envelope <= 0:
+                return None
+            ask = max(task.gpu_memory_mb, floor_mb, envelope)
         if task.gpus <= 0 or task.gpu_milli <= 0 or ask >= plain.gpu_memory_mb:
             return None
         return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site, gpu_memory_mb=ask)
@@ -356,7 +367,8 @@ class ReplicaState:
         needs no floor on its request: it was stopped because its fingerprint predicts more
         than it could have there, and the request asks for that."""
         plain = self.request(task)
-        bridge = self.bridge_request(task, plain, requeue.bridge_floor_mb if requeue is not None else 0)
+        bridge = self.bridge_request(task, plain, requeue.bridge_floor_mb if requeue is not None else 0,
+                                     from_start=requeue is None)
         return [plain] if bridge is None else [plain, bridge]
 
     def largest_gpu_mb(self, models: tuple[str, ...]) -> int:

@@ -68,6 +68,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.fingerprint import keep_envelope
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import TaskRequest
@@ -228,7 +229,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
 
     @host.on(TaskFingerprinted, consumer="policy-fingerprints")
     async def on_fingerprint(event: TaskFingerprinted) -> None:
-        state().remember(state().fingerprints, event.task_id, event.fingerprint)
+        # An observed fingerprint does not tell when the program grows: the envelope its
+        # signature predicted stays (``keep_envelope``).
+        fingerprints = state().fingerprints
+        state().remember(fingerprints, event.task_id, keep_envelope(event.fingerprint, fingerprints.get(event.task_id)))
 
     seen: deque[TaskRequest] = deque(maxlen=settings.workload_window)
 

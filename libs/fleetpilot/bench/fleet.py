@@ -53,7 +53,12 @@ the bus out of service. No preemption (no PriorityClasses are set).
 - bridging: a task predicted to grow smoothly (linear, leak) past every GPU free
   for it may start on a GPU that holds its ask; when its measured growth, carried four
   minutes ahead, would overflow that GPU it is moved up (or checkpointed) first (the policy
-  service bridges the same way, and moves up earlier: on the predicted risk);
+  service bridges the same way, and moves up earlier: on the predicted risk); a run from its
+  start of any other pattern whose signature's envelope (``fingerprint.envelope``, learnt
+  from the runs fingerprinted from their start) keeps it below its peak for a quarter hour
+  (a step schedule before its big step) may start on GPUs that hold what the envelope says
+  for that while, and is moved up (or checkpointed) when the envelope, read four minutes past
+  its progress, would overflow them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``);
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
@@ -96,6 +101,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+import msgspec
 import numpy as np
 
 from fleetpilot.contracts import Fingerprint, TaskSubmitted
@@ -104,6 +110,8 @@ from fleetpilot.fingerprint import (
     TRUST_SAMPLES,
     OnlineFingerprinter,
     SignatureMemory,
+    envelope_at,
+    keep_envelope,
     restore_tells,
     restores_start_over,
     task_signature,
@@ -127,7 +135,7 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL, envelope_bridge_mb
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
@@ -203,6 +211,7 @@ class _Job:
     curve: MemoryGrowth | None = None
     bridged: bool = False
     history: deque | None = None
+    from_start: bool = False  # the running segment began with the run (no restore): its envelope applies
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -276,6 +285,7 @@ class FleetRun:
         self._view: FleetView | None = None
         self.reservation: Reservation | None = None
         self.blocked: set[str] = set()
+        self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
 
     # -- construction --------------------------------------------------------------------
 
@@ -310,10 +320,12 @@ class FleetRun:
     def _request(self, job: _Job, *, bridge: bool = False) -> TaskRequest:
         t = job.task
         if bridge:
-            # Start on what it asked for (a checkpointed run: on what it held, ``_checkpoint``);
+            # Start on what it asked for (a checkpointed run: on what it held, ``_checkpoint``;
+            # a step schedule: what its envelope says it holds for a while, ``_envelope_ask``);
             # the peak is handled by a move before it arrives.
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
-                               gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb),
+                               gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb,
+                                                 self._envelope_ask(job)),
                                cpu_milli=t.cpu_milli,
                                memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind])
         if not self.smart:
@@ -520,6 +532,8 @@ class FleetRun:
                                   else decision.confidence)
             job.bridged = k == 1
             self.counts["bridged"] += job.bridged
+            if job.bridged:
+                self.bridged_ids.add(job.task.task_id)
             self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
             return True
         return False
@@ -587,9 +601,25 @@ class FleetRun:
     def _bridgeable(self, job: _Job) -> bool:
         """A task predicted to grow smoothly (linear, leak) past every GPU free for it now may
         start on GPUs that hold its ask, and be moved (or checkpointed) when its measured growth
-        is about to outrun them: most of a leak's life is spent low."""
+        is about to outrun them: most of a leak's life is spent low. A run from its start whose
+        signature's envelope stays below its peak for a while (a step schedule
+        before its big steps) may start on GPUs that hold that much, and is moved (or
+        checkpointed) before the envelope says it outgrows them (``_enveloped``)."""
         p = job.prediction
-        return self.smart and p is not None and p.pattern in ("linear", "leak")
+        if not self.smart or p is None:
+            return False
+        return p.pattern in ("linear", "leak") or self._envelope_ask(job) > 0
+
+    def _envelope_ask(self, job: _Job) -> int:
+        """What a run from its start must have per GPU to stay ``MIN_BRIDGE_STAY_S`` where it
+        starts, by its signature's envelope (``envelope_bridge_mb``), when that is less than
+        its plain request; 0 when it is not, or nothing is known of when it grows, or it grows
+        smoothly, or it is restored: the policy service knows a run's progress only from its
+        first placement (``envelope_overflow``), and the benchmark does as it does."""
+        if job.progress_s > 0 or job.resume is not None:
+            return 0
+        ask = envelope_bridge_mb(job.prediction, job.task.declared_duration_s, GROWTH_LOOKAHEAD_S)
+        return ask if ask < self._reservation(job) else 0
 
     # -- running tasks -----------------------------------------------------------------------
 
@@ -616,11 +646,13 @@ class FleetRun:
                 if watch is None or watch.count < CONFIDENT_COUNT or job.bridged:
                     job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
                                                             started_at=now, refit_growth=0.5, prior=job.prediction)
+        job.from_start = job.state == "pending" and job.progress_s == 0.0
         if job.bridged:
             job.history = deque(maxlen=3)
             if job.fingerprinter is None:
                 job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
-                                                        started_at=now, refit_growth=0.5, prior=job.prediction)
+                                                        started_at=now, refit_growth=0.5, prior=job.prediction,
+                                                        from_start=job.from_start)
         job.state = "running"
         job.row, job.gpus, job.milli, job.reserved_mb = row, list(gpus), milli, reserve
         job.planned_mb = reserve if job.planned_mb == 0 else job.planned_mb
@@ -685,10 +717,11 @@ class FleetRun:
         fp = job.fingerprinter
         if fp is None or fp.samples < 6:
             return
+        envelope = fp.envelope(job.task.declared_duration_s)
         fp.expected_duration_s = max(now - job.seg_start - job.seg_pause, 1.0)
         fp.refit()
         if fp.current is not None and fp.current.samples > 0:
-            self.memory.observe(fp.current)
+            self.memory.observe(msgspec.structs.replace(fp.current, envelope_mb=envelope))
 
     def _learn_from_oom(self, job: _Job, held_mb: float) -> None:
         """A task killed while alone on its GPUs needed more than the GPU: a floor for its
@@ -716,7 +749,7 @@ class FleetRun:
                 online = job.fingerprinter
                 held = s.memory_used_mb / max(len(s.gpus), 1)
                 fresh = online.add(s.at, held)
-                if job.bridged and job.history is not None:
+                if job.bridged and job.history is not None and not self._by_envelope(job):
                     job.history.append((s.at, held))
                     if self._outgrowing(job):
                         bridging.append(job)
@@ -727,8 +760,9 @@ class FleetRun:
                 if current is None or not trusted(current):
                     continue
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
-                    job.prediction = current
+                    job.prediction = keep_envelope(current, job.prediction)
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
+        bridging.extend(j for j in self._enveloped(now) if j not in bridging)
         for job in bridging:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):
                 self._checkpoint(job, now, outgrown=True)
@@ -738,6 +772,34 @@ class FleetRun:
             job = self.by_id[task_id]
             if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
                 self._rebalance(job, now)
+
+    def _enveloped(self, now: float) -> list[_Job]:
+        """Runs bridged by their envelope (``_envelope_ask``) that it, read
+        ``GROWTH_LOOKAHEAD_S`` ahead of their progress, says will outgrow their GPUs (what the
+        other tenants hold now, as NVML reports it, plus what the run will hold then)."""
+        out = []
+        g = self.sim.gpu
+        for task_id in sorted(self.bridged_ids):
+            job = self.by_id[task_id]
+            if job.state != "running" or not job.bridged:
+                self.bridged_ids.discard(task_id)  # moved up, stopped or ended: no longer bridged
+                continue
+            p = job.prediction
+            if p is None or not self._by_envelope(job):
+                continue
+            ahead = envelope_at(p.envelope_mb, job.useful_until(now) + GROWTH_LOOKAHEAD_S, job.task.declared_duration_s)
+            glob = self.offset[job.row] + np.asarray(job.gpus)
+            own = self._held(job, now) + CONTEXT_MB
+            if bool(np.any(g.memory_used_mb[glob] - own + ahead > OVERFLOW_FILL * g.memory_total_mb[glob])):
+                out.append(job)
+        return out
+
+    def _by_envelope(self, job: _Job) -> bool:
+        """Whether the running job's bridge is watched by its signature's envelope (a run from
+        its start of a program that does not grow smoothly) rather than by its measured rate,
+        which a step's jump would read as a steep climb."""
+        p = job.prediction
+        return job.from_start and p is not None and bool(p.envelope_mb) and p.pattern not in ("linear", "leak")
 
     def _outgrowing(self, job: _Job) -> bool:
         """A bridged task whose recent growth, carried on for ``GROWTH_LOOKAHEAD_S``, would

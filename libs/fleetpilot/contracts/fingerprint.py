@@ -25,6 +25,9 @@ class Fingerprint(Record, frozen=True, kw_only=True):
     burstiness: float = 0.0
     context_switch_sensitivity: float = 0.0
     samples: int = 0
+    envelope_mb: tuple[float, ...] = ()
+    """The most a run of the task's program held per GPU by each twentieth of the duration it
+    declared (``fingerprint.envelope``), over the whole runs seen; empty when none was."""
 
 
 class TaskFingerprinted(Event, frozen=True, kw_only=True, tag="task.fingerprinted.v1"):

@@ -15,6 +15,7 @@ from .analysis import (
     context_switch_sensitivity,
     fingerprint_series,
 )
+from .envelope import ENVELOPE_POINTS, envelope_at, keep_envelope, merge_envelopes, run_envelope
 from .online import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, changed_materially, trusted
 from .series_csv import fingerprint_csv, parse_series_csv
 from .signature import (
@@ -33,6 +34,7 @@ from .signature import (
 )
 
 __all__ = [
+    "ENVELOPE_POINTS",
     "LevelPrior",
     "MODEL_LABEL",
     "RESTORE_KEPT_SHARE",
@@ -46,15 +48,19 @@ __all__ = [
     "burstiness",
     "changed_materially",
     "context_switch_sensitivity",
+    "envelope_at",
     "fingerprint_csv",
     "fingerprint_series",
+    "keep_envelope",
     "load_stats",
     "merge",
+    "merge_envelopes",
     "merge_oom",
     "merge_restore",
     "parse_series_csv",
     "predict",
     "restore_tells",
+    "run_envelope",
     "restores_start_over",
     "task_signature",
     "trusted",

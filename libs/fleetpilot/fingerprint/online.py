@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from fleetpilot.contracts import Fingerprint
 
 from .analysis import MIN_SAMPLES, LevelPrior, SeriesAnalysis, analyse_series
+from .envelope import run_envelope
 
 # Defaults of :func:`changed_materially`: a peak that moved more than 10%, or an interval
 # that widened or narrowed by more than 25%, is news worth a ``task.fingerprinted`` event.
@@ -59,13 +61,17 @@ class OnlineFingerprinter:
     def __init__(self, signature: str = "", *, expected_duration_s: float | None = None,
                  started_at: float | None = None, min_samples: int = MIN_SAMPLES,
                  refit_growth: float = 0.10, prior: Fingerprint | None = None,
-                 level_prior: LevelPrior | None = None, only_trusted: bool = False) -> None:
+                 level_prior: LevelPrior | None = None, only_trusted: bool = False,
+                 from_start: bool = True) -> None:
         """``started_at`` is the task's start on the samples' clock (default: first sample).
+        ``from_start`` says the series begins with the run (not at a restore from a
+        checkpoint, in the middle of its life): only then does ``finish`` give an envelope.
         With ``only_trusted``, ``add`` and ``refit`` return only fingerprints that are
         ``trusted``, and one is news against the last they returned (a guess that was never
         returned does not hide the trusted fingerprint that follows it)."""
         self.signature = signature
         self.only_trusted = only_trusted
+        self.from_start = from_start
         self.expected_duration_s = expected_duration_s
         self._start = started_at
         self._min = max(min_samples, 2)
@@ -158,8 +164,16 @@ class OnlineFingerprinter:
         is carried to the declared end, as without ``ended_at``. ``None`` before any sample."""
         if not self._t:
             return None
+        declared = self.expected_duration_s
         if ended_at is not None and self._start is not None and ended_at - self._start >= self._t[-1]:
             self.expected_duration_s = max(ended_at - self._start, 1e-6)
         self._ended = True
         self.refit()
+        if self._current is not None and declared:
+            self._current = msgspec.structs.replace(self._current, envelope_mb=self.envelope(declared))
         return self._current
+
+    def envelope(self, declared_s: float) -> tuple[float, ...]:
+        """The run's memory envelope for the duration it declared (``run_envelope``); empty
+        when the series did not begin with the run (``from_start``)."""
+        return run_envelope(self._t, self._mb, declared_s) if self.from_start else ()

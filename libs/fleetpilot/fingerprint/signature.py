@@ -16,6 +16,8 @@ import msgspec
 
 from fleetpilot.contracts import Fingerprint, GrowthPattern, TaskSubmitted
 
+from .envelope import merge_envelopes
+
 # The label that names the model a task trains or serves.
 MODEL_LABEL = "model"
 
@@ -64,6 +66,8 @@ class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_
     # held when stopped, and how many started over lower (``fingerprint.restores``).
     restores_kept: int = 0
     restores_reset: int = 0
+    # The most its runs held by each twentieth of their declared duration (``envelope``).
+    envelope_mb: tuple[float, ...] = ()
 
 
 def load_stats(raw: bytes) -> SignatureStats | None:
@@ -114,6 +118,7 @@ def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
         oom_floor_mb=stats.oom_floor_mb,
         restores_kept=stats.restores_kept,
         restores_reset=stats.restores_reset,
+        envelope_mb=merge_envelopes(stats.envelope_mb, fp.envelope_mb),
     )
 
 
@@ -185,6 +190,7 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         burstiness=stats.mean_burstiness,
         context_switch_sensitivity=stats.mean_sensitivity,
         samples=0,
+        envelope_mb=stats.envelope_mb,
     )
 
 

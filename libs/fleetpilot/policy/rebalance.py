@@ -50,6 +50,7 @@ from fleetpilot.contracts import (
     NodeTopology,
     Placement,
 )
+from fleetpilot.fingerprint import envelope_at
 from fleetpilot.ledger import free_capacity
 
 # The operational labels, as the contracts name them.
@@ -67,6 +68,11 @@ the CUDA allocator fails before the last megabyte."""
 GROWTH_LOOKAHEAD_S = 240.0
 """How far measured growth is carried ahead to judge an overflow: long enough to checkpoint
 or move a task before it gets there (the policy service's default, the fleet benchmark's)."""
+MIN_BRIDGE_STAY_S = 900.0
+"""A run whose signature's envelope lets it hold less than its peak for at least this long
+(a step schedule before the step that outgrows a GPU) may start on a GPU that holds that
+much (``envelope_bridge_mb``): a quarter hour of progress is worth a checkpoint pause (30 s
++ 2 s per GB held) several times over."""
 
 _MIGRATE_ID = re.compile(r"\.migrate\.(\d+)$")
 _GENERATION = re.compile(r"\.assign\.(\d+)(?:\.|$)")
@@ -192,6 +198,14 @@ def move_reason(
     return MoveReason(p_stay_fails=1.0 - stays_ok, why="; ".join(why))
 
 
+def is_first_placement(task: Running) -> bool:
+    """Whether the task runs under its first placement, as first placed: every hold is
+    ``<task>.assign`` (not a re-placement after a stop, nor a move or a resize of one), so
+    the run began when the hold was reserved or later."""
+    first = f"{task.task_id}.assign"  # ``preempt.assign_id`` of the first generation
+    return all(a.decision_id == first for a in task.allocations)
+
+
 def generation(task_id: str, decision_id: str) -> int:
     """Which placement of the task a hold belongs to: ``<task>.assign`` (and what derives
     from it) is 1, ``<task>.assign.<g>`` (a re-placement after an eviction) is g."""
@@ -280,6 +294,36 @@ def resize_decision_id(task: Running, memory_mb: int) -> str:
     """``<task>.resize.<memory_mb>``: a hold only ever grows within one generation (a move
     keeps its size), so the new size names the resize uniquely and every replica agrees."""
     return f"{lineage(task.task_id, task.allocations[0].decision_id)}.resize.{memory_mb}"
+
+
+def envelope_bridge_mb(fp: Fingerprint | None, declared_s: float | None, lookahead_s: float) -> int:
+    """What a run from its start must have per GPU to stay ``MIN_BRIDGE_STAY_S`` (and
+    ``lookahead_s``) where it starts, by its signature's envelope (``fingerprint.envelope``):
+    for a program that does not grow smoothly (smooth growth is bridged on its measured
+    rate), whose envelope and declared duration are known; 0 otherwise."""
+    if fp is None or not fp.envelope_mb or fp.pattern in ("linear", "leak") or not declared_s:
+        return 0
+    need = envelope_at(fp.envelope_mb, MIN_BRIDGE_STAY_S + lookahead_s, declared_s)
+    return math.ceil(need / OVERFLOW_FILL)
+
+
+def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
+                      progress_s: float, declared_s: float | None, lookahead_s: float) -> str | None:
+    """Why a run bridged by its envelope (``envelope_bridge_mb``) must be checkpointed now, or
+    ``None``: what its envelope says it holds ``lookahead_s`` past ``progress_s`` into its
+    declared run would fill more than ``OVERFLOW_FILL`` of what it can have on one of its GPUs
+    (``room_in_place``). A step is a jump that no measured rate announces; the envelope of the
+    program's earlier runs does. ``progress_s`` may be overstated (the time since its hold was
+    reserved): the envelope only grows, so that errs early."""
+    if fp is None or not fp.envelope_mb or fp.pattern in ("linear", "leak") or not declared_s or not task.gpus:
+        return None
+    ahead = envelope_at(fp.envelope_mb, progress_s + lookahead_s, declared_s)
+    for gpu, room in room_in_place(task, topo, ledger).items():
+        if ahead > OVERFLOW_FILL * room:
+            return (f"its program holds up to {ahead:.0f} MB per GPU by {(progress_s + lookahead_s) / 60:.0f} min "
+                    f"into its run (the envelope of its earlier runs): more than the {room} MB it can have on "
+                    f"GPU {gpu}")
+    return None
 
 
 def growth_overflow(

@@ -86,12 +86,19 @@ async def test_observed_then_remembered_then_predicted(fingerprinter):
     assert latest.peak_low_mb <= 32_000 <= latest.peak_high_mb
 
     await bus.publish(TaskLifecycle(task_id="clip-1", state="finished", at=now()))
-    assert (await remembered(bus, task_signature(first))).count == 1
+    stats = await remembered(bus, task_signature(first))
+    assert stats.count == 1
+    # Its envelope: the first level for its first quarter, each step by its time, the peak last.
+    envelope = stats.envelope_mb
+    assert len(envelope) == 20 and list(envelope) == sorted(envelope)
+    assert abs(envelope[3] - 14_000) < 500 and abs(envelope[-1] - 32_000) < 500
+    assert abs(envelope[9] - 26_000) < 500  # by half its life: the third level, which it took at 500 s
 
     await bus.publish(task("clip-2"))  # same kind, image, command and model
     predicted = await wait_for(lambda: [f for f in seen if f.task_id == "clip-2"])
     assert predicted[0].source == "signature"
     assert predicted[0].fingerprint.pattern == "steps"
+    assert predicted[0].fingerprint.envelope_mb == envelope
     assert abs(predicted[0].fingerprint.predicted_peak_mb - latest.predicted_peak_mb) < 0.15 * 32_000
 
 
@@ -159,6 +166,7 @@ async def test_an_evicted_task_teaches_nothing_until_its_run_again_ends(fingerpr
     # One run, the whole one: not the partial run's guess (a first level read as a step
     # schedule's, about twice as high), and not two runs.
     assert stats.count == 1 and abs(stats.mean_peak_mb - 10_000) < 1_000, stats
+    assert stats.envelope_mb == ()  # its times ran from the restore, not from its start
 
 
 async def test_statistics_in_the_units_of_before_per_gpu_memory_are_replaced_not_used(fingerprinter):

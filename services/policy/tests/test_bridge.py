@@ -266,3 +266,40 @@ async def test_a_signature_whose_restores_started_over_may_be_bridged_again_onto
     assert starts_over is not None and starts_over.bridge_floor_mb == 0
     again = observer.by_task()["leak"][2]
     assert again.action == "assign" and again.placement[0].node in ("small0", "small1")  # the room it outgrew
+
+
+async def test_a_step_schedule_is_bridged_by_its_envelope_and_checkpointed_before_the_step_that_outgrows_it(
+    observer, nats_url, tmp_path
+):
+    # Its program's earlier runs held 30 GB for the first half of their 40 minutes, then
+    # 60 GB: a run may spend that half on an A100, and must leave it before the step. The
+    # same program with no envelope known waits for the H100.
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    envelope = (30_000.0,) * 10 + (PEAK_MB,) * 10
+    stepped = msgspec.structs.replace(fingerprint("steps"), envelope_mb=envelope)
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"blind": fingerprint("steps"), "steps": stepped})
+        await observer.admit(admitted("blind", gpu_milli=1000, gpu_memory_mb=ASK_MB, expected_duration_s=2400.0))
+        await wait_for(lambda: "blind" in observer.by_task(), timeout_s=3.0, what="blind decided")
+        await observer.admit(admitted("steps", gpu_milli=1000, gpu_memory_mb=ASK_MB, expected_duration_s=2400.0))
+        await wait_for(lambda: "steps" in observer.by_task(), timeout_s=3.0, what="steps decided")
+        await asyncio.sleep(0.7)  # rounds: 30 GB by the envelope over the next 19 minutes: it stays
+        stayed = [d.action for d in observer.by_task()["steps"]]
+        # The executor started it 1,000 s ago: within the lookahead the envelope steps to 60 GB.
+        ledgers = await observer.ledgers()
+        held = [msgspec.structs.replace(a, state="confirmed", at=now() - 1000.0) for a in ledgers["small0"].allocations]
+        await observer.kv_put("ledger", "small0", encode(NodeLedger(node="small0", allocations=held)))
+        await wait_for(lambda: len(observer.by_task()["steps"]) == 2, timeout_s=3.0, what="steps checkpointed")
+    finally:
+        await policy.stop()
+    by_task = observer.by_task()
+    assert [d.action for d in by_task["blind"]] == ["queue"]
+    bridged, evict = by_task["steps"]
+    assert bridged.action == "assign" and [p.node for p in bridged.placement] == ["small0"]
+    assert bridged.reason.startswith("bridge: starts on 30613 MB"), bridged.reason
+    assert stayed == ["assign"]
+    assert (evict.action, evict.policy.name) == ("evict", "checkpoint")
+    assert "60000 MB per GPU by 21 min" in evict.reason and "envelope" in evict.reason, evict.reason

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fleetpilot.bench import fleet as bench
 from fleetpilot.bench.fleet import (
@@ -20,7 +21,7 @@ from fleetpilot.bench.fleet import (
 )
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.contracts import Fingerprint
-from fleetpilot.fingerprint import restores_start_over
+from fleetpilot.fingerprint import restores_start_over, run_envelope
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.fleet.simulator import CONTEXT_MB
 from fleetpilot.workload.growth import MemoryGrowth
@@ -269,11 +270,12 @@ def grower_behind_a_busy_h100(pattern: str, peak: float, request: float, duratio
     return busy, grower
 
 
-def known(run: FleetRun, pattern: str, peak: float) -> FleetRun:
-    """``run`` with the grower's signature already fingerprinted (``pattern``, ``peak``)."""
+def known(run: FleetRun, pattern: str, peak: float, envelope: tuple[float, ...] = ()) -> FleetRun:
+    """``run`` with the grower's signature already fingerprinted (``pattern``, ``peak``, and
+    the ``envelope`` of its earlier runs)."""
     run.memory.observe(Fingerprint(signature=run.jobs[1].signature, pattern=pattern, pattern_confidence=1.0,
                                    growth_rate_mb_per_s=10.0, predicted_peak_mb=peak, peak_low_mb=peak - 300.0,
-                                   peak_high_mb=peak + 300.0, samples=40))
+                                   peak_high_mb=peak + 300.0, samples=40, envelope_mb=envelope))
     return run
 
 
@@ -398,3 +400,30 @@ def test_fleetpilot_never_clears_a_node_by_pausing_a_task_past_its_deadline() ->
     run._enqueue(run.by_id["t6"], 60.0)
     run._schedule(60.0)
     assert run.by_id["t6"].state == "pending" and run.counts["clearings"] == 0
+
+
+def test_a_known_step_schedule_starts_on_a_small_gpu_by_its_envelope_and_leaves_it_before_its_step() -> None:
+    # 31 GB, then 37.5 GB from 15 minutes, 44 GB from 30, 50 GB from 45 of its hour. The H100
+    # is busy for 40 minutes: by its envelope, the run holds 38 GB for its first half hour,
+    # which the A100 serves; it is checkpointed before the third step (no H100 yet) and
+    # finishes on the H100 from where it was stopped.
+    busy, steps = grower_behind_a_busy_h100("steps", 50_000.0, 30_000.0, 3600.0, busy_s=2400.0)
+    t = np.arange(0.0, 3600.0, 60.0)
+    envelope = run_envelope(t, steps.growth.memory_at(t) + CONTEXT_MB, 3600.0)
+
+    def play(with_envelope: bool):
+        run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, steps, hours=3.0), "fleetpilot", seed=1),
+                    "steps", 50_300.0, envelope=envelope if with_envelope else ())
+        return run, run.run()
+
+    run, result = play(with_envelope=True)
+    assert (result.breakdown["bridged"], result.breakdown["checkpointed"]) == (1, 1)
+    assert result.figures["oom_events"] == 0
+    assert result.breakdown["completed"] == 2
+    job = run.jobs[1]
+    assert 1200.0 < job.progress_s < 1800.0  # stopped before the step at 30 minutes, after its stay
+    # Without the envelope it waits for the H100, and ends later.
+    late, without = play(with_envelope=False)
+    assert without.breakdown["bridged"] == 0 and without.figures["oom_events"] == 0
+    assert job.finished_at is not None and late.jobs[1].finished_at is not None
+    assert job.finished_at < late.jobs[1].finished_at - 600.0

@@ -56,6 +56,8 @@ def _value(t: mi.Type, full: bool, token: str) -> Any:
         return t.values[-1] if full else t.values[0]
     if isinstance(t, mi.ListType):
         return [_value(t.item_type, full, token)] if full else []
+    if isinstance(t, mi.VarTupleType):
+        return (_value(t.item_type, full, token),) if full else ()
     if isinstance(t, mi.DictType):
         return {"k": _value(t.value_type, full, token)} if full else {}
     if isinstance(t, mi.UnionType):

@@ -5,6 +5,8 @@ growth would overflow its GPU."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 from fleetpilot.contracts import (
@@ -33,8 +35,11 @@ from fleetpilot.policy.preempt import (
 )
 from fleetpilot.policy.rebalance import (
     Running,
+    envelope_bridge_mb,
+    envelope_overflow,
     generation,
     growth_overflow,
+    is_first_placement,
     migrate_decision_id,
     move_reason,
     resize_decision_id,
@@ -269,3 +274,40 @@ def test_growth_overflow_carries_the_measured_slope_per_gpu_against_the_room_lef
     assert why is not None and "30960 MB it can have on GPU 1" in why
     assert growth_overflow(two, topo, ledger, fast[-1:], 240.0) is None  # one sample: no slope
     assert growth_overflow(two, topo, ledger, [(0.0, 5e4), (60.0, 2e4)], 240.0) is None  # shrinking
+
+
+def test_envelope_bridge_asks_what_the_program_holds_for_its_stay_and_only_for_a_known_unsmooth_one():
+    steps = msgspec.structs.replace(fingerprint(60_000), pattern="steps",
+                                    envelope_mb=(30_000.0,) * 10 + (60_000.0,) * 10)
+    # Stay 900 s + lookahead 240 s of a 2,400 s run: the tenth point (by 1,200 s), 30 GB.
+    assert envelope_bridge_mb(steps, 2400.0, 240.0) == math.ceil(30_000 / 0.98)
+    # A run of 1,800 s reaches the step (its half) within its stay: it needs its peak then.
+    assert envelope_bridge_mb(steps, 1800.0, 240.0) == math.ceil(60_000 / 0.98)
+    assert envelope_bridge_mb(steps, None, 240.0) == 0  # no declared duration: no schedule
+    assert envelope_bridge_mb(msgspec.structs.replace(steps, envelope_mb=()), 2400.0, 240.0) == 0
+    assert envelope_bridge_mb(msgspec.structs.replace(steps, pattern="leak"), 2400.0, 240.0) == 0
+    assert envelope_bridge_mb(None, 2400.0, 240.0) == 0
+
+
+def test_envelope_overflow_reads_the_envelope_ahead_of_the_progress_against_the_room_left_by_neighbours():
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=30000), hold("n", 0, milli=0, memory_mb=5000)])
+    run = Running("t", "x", (ledger.allocations[0],))
+    steps = msgspec.structs.replace(fingerprint(60_000), pattern="steps",
+                                    envelope_mb=(30_000.0,) * 10 + (60_000.0,) * 10)
+    assert envelope_overflow(run, topo, ledger, steps, 900.0, 2400.0, 240.0) is None  # 30 GB by 1,140 s
+    why = envelope_overflow(run, topo, ledger, steps, 1000.0, 2400.0, 240.0)  # the step by 1,240 s
+    assert why is not None and "60000 MB per GPU by 21 min" in why and "35960 MB it can have on GPU 0" in why
+    # 30 GB fits 98% of the A100 alone, not beside a 12 GB neighbour.
+    crowded = NodeLedger(node="x", allocations=[ledger.allocations[0], hold("n", 0, milli=0, memory_mb=12000)])
+    assert envelope_overflow(run, topo, crowded, steps, 0.0, 2400.0, 240.0) is not None
+    assert envelope_overflow(run, topo, ledger, msgspec.structs.replace(steps, envelope_mb=()), 1000.0, 2400.0,
+                             240.0) is None
+
+
+def test_only_a_task_under_its_first_assign_counts_its_progress_from_its_hold():
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0), hold("u", 0, decision="u.assign.2"),
+                                               hold("v", 0, decision="v.migrate.1")])
+    first, again, moved = (Running(a.task_id, "x", (a,)) for a in ledger.allocations)
+    assert is_first_placement(first)
+    assert not is_first_placement(again) and not is_first_placement(moved)
