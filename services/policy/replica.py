@@ -37,7 +37,13 @@ from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue
-from fleetpilot.policy.rebalance import Running, envelope_bridge_mb, gpu_conditions, running_tasks
+from fleetpilot.policy.rebalance import (
+    SMOOTH_GROWTH,
+    Running,
+    envelope_bridge_mb,
+    gpu_conditions,
+    running_tasks,
+)
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -60,7 +66,7 @@ PEAK_HEADROOM = 1.05
 """A task with a fingerprint asks for (and the ledger holds) its predicted peak times this,
 as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
 
-BRIDGE_PATTERNS = frozenset({"linear", "leak"})
+BRIDGE_PATTERNS = SMOOTH_GROWTH
 """Growth patterns a task may be bridged for on its ask: memory that rises smoothly gives the
 rebalancer rounds to move the task up before the peak; a step or a burst may come before the
 next one, so those are bridged only by their signature's envelope (``envelope_bridge_mb``)."""

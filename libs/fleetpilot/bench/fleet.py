@@ -135,7 +135,7 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL, envelope_bridge_mb
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL, SMOOTH_GROWTH, envelope_bridge_mb
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
@@ -608,7 +608,7 @@ class FleetRun:
         p = job.prediction
         if not self.smart or p is None:
             return False
-        return p.pattern in ("linear", "leak") or self._envelope_ask(job) > 0
+        return p.pattern in SMOOTH_GROWTH or self._envelope_ask(job) > 0
 
     def _envelope_ask(self, job: _Job) -> int:
         """What a run from its start must have per GPU to stay ``MIN_BRIDGE_STAY_S`` where it
@@ -799,7 +799,7 @@ class FleetRun:
         its start of a program that does not grow smoothly) rather than by its measured rate,
         which a step's jump would read as a steep climb."""
         p = job.prediction
-        return job.from_start and p is not None and bool(p.envelope_mb) and p.pattern not in ("linear", "leak")
+        return job.from_start and p is not None and bool(p.envelope_mb) and p.pattern not in SMOOTH_GROWTH
 
     def _outgrowing(self, job: _Job) -> bool:
         """A bridged task whose recent growth, carried on for ``GROWTH_LOOKAHEAD_S``, would

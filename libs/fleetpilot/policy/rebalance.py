@@ -68,6 +68,9 @@ the CUDA allocator fails before the last megabyte."""
 GROWTH_LOOKAHEAD_S = 240.0
 """How far measured growth is carried ahead to judge an overflow: long enough to checkpoint
 or move a task before it gets there (the policy service's default, the fleet benchmark's)."""
+SMOOTH_GROWTH = frozenset({"linear", "leak"})
+"""Patterns whose memory rises smoothly: a task bridged onto less than its peak is moved up by
+its measured rate (``growth_overflow``); any other pattern only by its envelope."""
 MIN_BRIDGE_STAY_S = 900.0
 """A run whose signature's envelope lets it hold less than its peak for at least this long
 (a step schedule before the step that outgrows a GPU) may start on a GPU that holds that
@@ -301,7 +304,7 @@ def envelope_bridge_mb(fp: Fingerprint | None, declared_s: float | None, lookahe
     ``lookahead_s``) where it starts, by its signature's envelope (``fingerprint.envelope``):
     for a program that does not grow smoothly (smooth growth is bridged on its measured
     rate), whose envelope and declared duration are known; 0 otherwise."""
-    if fp is None or not fp.envelope_mb or fp.pattern in ("linear", "leak") or not declared_s:
+    if fp is None or not fp.envelope_mb or fp.pattern in SMOOTH_GROWTH or not declared_s:
         return 0
     need = envelope_at(fp.envelope_mb, MIN_BRIDGE_STAY_S + lookahead_s, declared_s)
     return math.ceil(need / OVERFLOW_FILL)
@@ -315,7 +318,7 @@ def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp:
     (``room_in_place``). A step is a jump that no measured rate announces; the envelope of the
     program's earlier runs does. ``progress_s`` may be overstated (the time since its hold was
     reserved): the envelope only grows, so that errs early."""
-    if fp is None or not fp.envelope_mb or fp.pattern in ("linear", "leak") or not declared_s or not task.gpus:
+    if fp is None or not fp.envelope_mb or fp.pattern in SMOOTH_GROWTH or not declared_s or not task.gpus:
         return None
     ahead = envelope_at(fp.envelope_mb, progress_s + lookahead_s, declared_s)
     for gpu, room in room_in_place(task, topo, ledger).items():
