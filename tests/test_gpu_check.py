@@ -41,7 +41,7 @@ def test_without_cuda_the_node_check_fails_its_cuda_steps_and_says_so(tmp_path: 
     assert lines[1].startswith("PASS collector: 1 topology report(s)")
     verdicts = {line.split()[1].rstrip(":"): line.split()[0] for line in lines if line.startswith(("PASS", "FAIL"))}
     assert verdicts == {"nvml": "PASS", "collector": "PASS", "attribution": "FAIL", "fingerprint": "FAIL",
-                        "pcie": "FAIL", "evict": "FAIL", "oom": "FAIL", "fleet": "FAIL"}
+                        "pcie": "FAIL", "evict": "FAIL", "oom": "FAIL", "fleet": "FAIL", "envelope": "FAIL"}
     assert lines[-1].startswith("some checks FAILED")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["checks"]["oom"]["lifecycle"][-1]["state"] == "failed"  # not mistaken for an OOM
@@ -52,3 +52,4 @@ def test_without_cuda_the_node_check_fails_its_cuda_steps_and_says_so(tmp_path: 
     assert [e["action"] for e in fleet["events"]["decision.made.v1"]] == ["assign"]
     assert [e["state"] for e in fleet["events"]["task.lifecycle.v1"]] == ["started", "failed"]
     assert [e["outcome"] for e in fleet["events"]["feedback.recorded.v1"]] == ["failure"]
+    assert report["checks"]["envelope"]["envelope_mb"] == []  # a failed run teaches no envelope

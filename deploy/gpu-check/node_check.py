@@ -26,6 +26,9 @@ It checks, each as one PASS/FAIL line, on the real hardware:
    submit``: a decision places it on this node's GPU, the executor runs it there, it
    finishes, the fingerprinter publishes its fingerprint and the feedback service records
    the placement's outcome.
+9. ``envelope``: the fingerprinter has written that task's program an envelope (the most it
+   held by each twentieth of its declared duration, read off NVML): rising from its first
+   level to the 8 GiB it grew to.
 
 Everything read is written to ``OUT/report.json``; the exit code is 1 when a check fails.
 """
@@ -48,11 +51,20 @@ from typing import Any
 import msgspec
 import nats
 from fleetpilot.cli.probe_cmd import probe
-from fleetpilot.contracts import NodeTelemetry, Placement, TaskTelemetry, TopologyReport, decode
+from fleetpilot.contracts import (
+    NodeTelemetry,
+    Placement,
+    TaskSubmitted,
+    TaskTelemetry,
+    TopologyReport,
+    decode,
+)
 from fleetpilot.executor.process import ProcessBackend
+from fleetpilot.fingerprint import ENVELOPE_POINTS, load_stats, task_signature
 from fleetpilot.fingerprint.analysis import fingerprint_series
 from fleetpilot.fleet.nvml_reader import NvmlReader
 from fleetpilot.runtime.embedded import EmbeddedNats
+from nats.js.errors import KeyNotFoundError
 
 NODE = "gpu-check"
 TASK_SCRIPT = Path(__file__).with_name("growing_task.py")
@@ -298,10 +310,12 @@ async def run_checks(args: argparse.Namespace, checks: Checks) -> dict[str, Any]
 
 
 FLEET_TASK = "gpu-check-fleet"
+FLEET_GROW_GB = 8  # what the fleet task grows to, a GiB a second
 
 
 async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any]:
-    """Step 8: ``fleetpilot up`` on this node, one real task through the whole loop."""
+    """Steps 8 and 9: ``fleetpilot up`` on this node, one real task through the whole loop,
+    and the envelope its program was given."""
     out: Path = args.out
     scratch = Path(tempfile.mkdtemp(prefix="fleetpilot-gpu-fleet-"))
     env = {**os.environ, "FLEETPILOT_COLLECTOR_SOURCE": "nvml", "FLEETPILOT_EXECUTOR_BACKEND": "process"}
@@ -322,6 +336,7 @@ async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any
     try:
         if not url:
             checks.record("fleet", False, "fleetpilot up did not start: " + "".join(lines[-5:]).strip())
+            checks.record("envelope", False, "no fleet, no run")
             return report
         nc = await nats.connect(url)
 
@@ -337,7 +352,8 @@ async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any
             await nc.subscribe(subject, cb=keep)
         task = {"task_id": FLEET_TASK, "kind": "train", "gpus": 1, "gpu_milli": 1000, "gpu_memory_mb": 10_000,
                 "expected_duration_s": 30, "sla": {"tier": "standard", "max_queue_s": 120},
-                "command": [sys.executable, str(TASK_SCRIPT), "--grow-gb", "8", "--step-s", "1", "--hold-s", "10"]}
+                "command": [sys.executable, str(TASK_SCRIPT), "--grow-gb", str(FLEET_GROW_GB), "--step-s", "1",
+                            "--hold-s", "10"]}
         (scratch / "task.json").write_text(json.dumps(task))
         submit = await asyncio.to_thread(
             subprocess.run, [sys.executable, "-m", "fleetpilot.cli.main", "submit", "-f", str(scratch / "task.json"),
@@ -366,6 +382,7 @@ async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any
                       f"{fp.get('predicted_peak_mb', 0):.0f} MB; feedback {[f.get('outcome') for f in feedback]}",
                       events={k: v for k, v in seen.items()}, submit_stdout=submit.stdout[-2000:],
                       submit_stderr=submit.stderr[-2000:])
+        await check_envelope(nc, msgspec.convert(task, TaskSubmitted), checks)
         await nc.drain()
         return report
     finally:
@@ -377,6 +394,33 @@ async def check_fleet(args: argparse.Namespace, checks: Checks) -> dict[str, Any
                 up.kill()
         await asyncio.wait_for(reader, timeout=10)
         (out / "fleet-up.log").write_text("".join(lines))
+
+
+async def check_envelope(nc: Any, task: TaskSubmitted, checks: Checks) -> None:
+    """Step 9: the statistics the fingerprinter wrote for the fleet task's signature, once its
+    run has ended, carry an envelope that rises from its first level to what it grew to."""
+    kv = await nc.jetstream().key_value("fingerprints")
+    found: dict[str, Any] = {}
+
+    async def written() -> bool:
+        try:
+            entry = await kv.get(task_signature(task))
+        except KeyNotFoundError:
+            return False
+        found["stats"] = load_stats(entry.value) if entry.value else None
+        return bool(found["stats"] is not None and found["stats"].envelope_mb)
+
+    deadline = time.monotonic() + 15.0
+    while not await written() and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    envelope = list(found["stats"].envelope_mb) if found.get("stats") is not None else []
+    grown_mb = FLEET_GROW_GB * 1024.0
+    ok = (len(envelope) == ENVELOPE_POINTS and envelope == sorted(envelope) and envelope[0] < envelope[-1]
+          and grown_mb <= envelope[-1] <= grown_mb + CONTEXT_ALLOWANCE_MB)
+    shown = ", ".join(f"{mb / 1024:.1f}" for mb in envelope[::4]) if envelope else "none"
+    checks.record("envelope", ok, f"{len(envelope)} points, GB at 0/20/40/60/80% of its declared "
+                  f"{task.expected_duration_s:.0f} s: {shown}; its last {envelope[-1] if envelope else 0:.0f} MB "
+                  f"against the {grown_mb:.0f} MB it grew to", envelope_mb=envelope)
 
 
 def main() -> int:
