@@ -178,6 +178,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             final = model.finish(ended_at=life.at)
             if final is None:
                 return
+            if life.state == "failed" and final.envelope_mb:
+                # A run that failed partway held its last level to the end of its envelope:
+                # that would teach that the program never steps past where it died.
+                final = msgspec.structs.replace(final, envelope_mb=())
 
             def fold(stats: SignatureStats) -> SignatureStats:
                 return merge(stats, final)

@@ -280,3 +280,14 @@ async def test_a_step_schedule_moved_on_its_level_comes_back_where_it_was_and_an
     await asyncio.sleep(0.5)  # the later samples of the run restored do not count it again
     stats = await remembered(bus, task_signature(steps))
     assert (stats.restores_kept, stats.restores_reset) == (1, 0)
+
+
+async def test_a_run_that_failed_partway_teaches_no_envelope(fingerprinter):
+    bus, _ = fingerprinter
+    first = task("crash-1")
+    # A step schedule (8 GB, then 20 GB from 250 s of its 1,000) that crashes at 400 s: its
+    # series would read as 20 GB to the end of its life.
+    await run_for(bus, first, 400, lambda t: 8_000.0 if t < 250 else 20_000.0)
+    await bus.publish(TaskLifecycle(task_id="crash-1", state="failed", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    assert stats.count == 1 and stats.envelope_mb == ()
