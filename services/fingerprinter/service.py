@@ -27,34 +27,18 @@ from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted
 from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureStats,
-    load_stats,
     merge,
     merge_oom,
     merge_restore,
     predict,
     restore_tells,
+    stored_stats,
     task_signature,
 )
 from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings, serve
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.fingerprinter")
-
-
-def stored_stats(signature: str, raw: bytes | None) -> SignatureStats | None:
-    """The statistics stored for ``signature``, ``None`` when there are none it can use:
-    none yet, some in the units of before 2026-11-30 (``load_stats``), or a value that is
-    not statistics at all (logged; the next run's end writes over it)."""
-    if not raw:
-        return None
-    try:
-        stats = load_stats(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        log.warning("unreadable statistics for %s (%s): ignored, replaced when a run ends", signature, exc)
-        return None
-    if stats is None:
-        log.info("statistics for %s predate per-GPU memory: ignored, replaced when a run ends", signature)
-    return stats
 
 
 class FingerprinterSettings(ServiceSettings):

@@ -30,7 +30,7 @@ from fleetpilot.contracts import (
     in_service,
     now,
 )
-from fleetpilot.fingerprint import SignatureStats, load_stats, restores_start_over, task_signature
+from fleetpilot.fingerprint import SignatureStats, restores_start_over, stored_stats, task_signature
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
@@ -196,13 +196,7 @@ class ReplicaState:
         if self.signatures is None:
             return None
         entry = await self.signatures.get(signature)
-        if entry is None or not entry.value:
-            return None
-        try:
-            return load_stats(entry.value)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("unreadable statistics for %s (%s): nothing known of it", signature, exc)
-            return None
+        return stored_stats(signature, entry.value if entry is not None else None)
 
     async def restore_floor_mb(self, task: TaskSubmitted) -> int:
         """What a bridge of ``task``, stopped now to be placed again (preempted, evicted by the

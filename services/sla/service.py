@@ -44,7 +44,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     TopologyUpdated,
 )
-from fleetpilot.fingerprint.signature import load_stats, predict, task_signature
+from fleetpilot.fingerprint.signature import predict, stored_stats, task_signature
 from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings, serve
@@ -237,15 +237,12 @@ class Negotiator:
 
     async def fingerprint(self, task: TaskSubmitted) -> Fingerprint | None:
         """What past runs of the same signature predict (memory peak, warm-up), if known."""
-        try:
-            entry = await (await self.bus.kv("fingerprints")).get(task_signature(task))
-            # ``None`` too for statistics in the units of before per-GPU memory.
-            stats = load_stats(entry.value) if entry and entry.value else None
-            return predict(stats) if stats is not None else None
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            # Negotiate without it rather than refuse: the fingerprint only sharpens estimates.
-            log.warning("unreadable fingerprint for %s: %s", task.task_id, exc)
-            return None
+        signature = task_signature(task)
+        entry = await (await self.bus.kv("fingerprints")).get(signature)
+        # Unreadable or in old units is nothing known: negotiate without it rather than refuse,
+        # the fingerprint only sharpens estimates (``stored_stats``).
+        stats = stored_stats(signature, entry.value if entry is not None else None)
+        return predict(stats) if stats is not None else None
 
     async def decide(self, task: TaskSubmitted) -> Event:
         """Negotiate ``task`` (tenant already verified); the event that answers it, unstored."""

@@ -30,6 +30,7 @@ from .signature import (
     predict,
     restore_tells,
     restores_start_over,
+    stored_stats,
     task_signature,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "predict",
     "restore_tells",
     "run_envelope",
+    "stored_stats",
     "restores_start_over",
     "task_signature",
     "trusted",

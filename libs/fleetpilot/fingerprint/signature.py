@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 
 import msgspec
@@ -17,6 +18,8 @@ import msgspec
 from fleetpilot.contracts import Fingerprint, GrowthPattern, TaskSubmitted
 
 from .envelope import merge_envelopes
+
+log = logging.getLogger("fleetpilot.fingerprint")
 
 # The label that names the model a task trains or serves.
 MODEL_LABEL = "model"
@@ -85,6 +88,24 @@ def load_stats(raw: bytes) -> SignatureStats | None:
     if doc.get("memory") != "per_gpu":
         return None
     return msgspec.convert(doc, SignatureStats)
+
+
+def stored_stats(signature: str, raw: bytes | None) -> SignatureStats | None:
+    """The statistics the ``fingerprints`` bucket holds for ``signature`` as ``raw``, ``None``
+    when there are none a reader can use: none yet, some in the units of before 2026-11-30
+    (``load_stats``), or a value that is not statistics at all (logged). Every reader (the
+    fingerprinter, the SLA negotiator, the policy) treats the three as nothing known; the
+    fingerprinter writes over them when a run of the signature ends."""
+    if not raw:
+        return None
+    try:
+        stats = load_stats(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("unreadable statistics for %s (%s): nothing known of it until a run of it ends", signature, exc)
+        return None
+    if stats is None:
+        log.info("statistics for %s predate per-GPU memory: nothing known of it until a run of it ends", signature)
+    return stats
 
 
 def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
