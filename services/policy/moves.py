@@ -42,9 +42,7 @@ from fleetpilot.policy.rebalance import (
     MoveReason,
     ResizePlan,
     Running,
-    envelope_bridge_mb,
-    envelope_overflow,
-    growth_overflow,
+    bridge_overflow,
     is_first_placement,
     migrate_decision_id,
     move_reason,
@@ -273,26 +271,21 @@ class Moves(ReplicaState):
     async def checkpoint(
         self, running: Running, topo: NodeTopology, ledger: NodeLedger, reason: MoveReason
     ) -> DecisionMade | None:
-        """An ``evict`` for a task that should move, has nowhere to go, and whose measured
-        growth would overflow its GPU within ``growth_lookahead_s`` (``growth_overflow``; for
-        a run bridged by its signature's envelope, what the envelope says it will hold by
-        then, ``envelope_overflow``):
+        """An ``evict`` for a task that should move, has nowhere to go, and would overflow its
+        GPU within ``growth_lookahead_s`` by its measured growth or by its program's envelope
+        (``bridge_overflow``):
         stopped now (the executor's SIGTERM, on which a trainer checkpoints) and queued again
         under its next ``<task>.assign.<g>``, it loses a restart; left alone, it would lose
         its run to the OOM kill. Its ``pending`` entry is written first, as a preemption's."""
         samples = tuple(self.usage.get(running.task_id, ()))
         adm = self.admissions.of(running.task_id) if self.admissions else None
         fp = self.fingerprints.get(running.task_id)
-        if adm is not None and is_first_placement(running) and envelope_bridge_mb(
-                fp, adm.task.expected_duration_s, self.settings.growth_lookahead_s) > 0:
-            # Bridged by its envelope (a step schedule): a step's jump would read as a steep
-            # rate; the envelope of its program's earlier runs says when the next one comes.
-            # Its progress is at most the time since its hold was reserved.
-            progress = now() - min(a.at for a in running.allocations)
-            why = envelope_overflow(running, topo, ledger, fp, progress, adm.task.expected_duration_s,
-                                    self.settings.growth_lookahead_s)
-        else:
-            why = growth_overflow(running, topo, ledger, samples, self.settings.growth_lookahead_s)
+        # A run under its first placement has made at most the progress since its hold was
+        # reserved, which is where its program's envelope is read (``bridge_overflow``).
+        progress = now() - min(a.at for a in running.allocations) if is_first_placement(running) else None
+        why = bridge_overflow(running, topo, ledger, fp, samples, progress,
+                              adm.task.expected_duration_s if adm is not None else None,
+                              self.settings.growth_lookahead_s)
         if why is None or self.pending is None:
             return None
         if adm is None:

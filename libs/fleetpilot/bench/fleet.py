@@ -59,6 +59,9 @@ the bus out of service. No preemption (no PriorityClasses are set).
   (a step schedule before its big step) may start on GPUs that hold what the envelope says
   for that while, and is moved up (or checkpointed) when the envelope, read four minutes past
   its progress, would overflow them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``);
+  a smooth grower bridged from its start whose signature has an envelope is watched by both
+  its rate and its envelope (``rebalance.bridge_overflow``: the fingerprinter's vote can name
+  a line for a schedule of a few steps, which its rate alone lets die at its next step);
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
@@ -749,7 +752,7 @@ class FleetRun:
                 online = job.fingerprinter
                 held = s.memory_used_mb / max(len(s.gpus), 1)
                 fresh = online.add(s.at, held)
-                if job.bridged and job.history is not None and not self._by_envelope(job):
+                if job.bridged and job.history is not None and self._by_rate(job):
                     job.history.append((s.at, held))
                     if self._outgrowing(job):
                         bridging.append(job)
@@ -795,11 +798,18 @@ class FleetRun:
         return out
 
     def _by_envelope(self, job: _Job) -> bool:
-        """Whether the running job's bridge is watched by its signature's envelope (a run from
-        its start of a program that does not grow smoothly) rather than by its measured rate,
-        which a step's jump would read as a steep climb."""
+        """Whether the running job's bridge is watched by its signature's envelope: a run from
+        its start of a program with one, whatever pattern its fingerprint names (a schedule of
+        a few steps can be voted a line; ``rebalance.bridge_overflow``)."""
         p = job.prediction
-        return job.from_start and p is not None and bool(p.envelope_mb) and p.pattern not in SMOOTH_GROWTH
+        return job.from_start and p is not None and bool(p.envelope_mb)
+
+    def _by_rate(self, job: _Job) -> bool:
+        """Whether the running job's bridge is watched by its measured rate: unless its
+        envelope watches it and its fingerprint names a pattern whose jumps a rate would read
+        as a steep climb (``rebalance.bridge_overflow``)."""
+        p = job.prediction
+        return not self._by_envelope(job) or (p is not None and p.pattern in SMOOTH_GROWTH)
 
     def _outgrowing(self, job: _Job) -> bool:
         """A bridged task whose recent growth, carried on for ``GROWTH_LOOKAHEAD_S``, would

@@ -49,6 +49,13 @@ def blocker(task_id: str) -> Allocation:
                       state="confirmed", at=now())
 
 
+async def started_ago(observer, node_name: str, seconds: float) -> None:
+    """Confirm every hold on ``node_name`` as if the executor had started it ``seconds`` ago."""
+    ledgers = await observer.ledgers()
+    held = [msgspec.structs.replace(a, state="confirmed", at=now() - seconds) for a in ledgers[node_name].allocations]
+    await observer.kv_put("ledger", node_name, encode(NodeLedger(node=node_name, allocations=held)))
+
+
 def task(task_id: str):
     return admitted(task_id, gpu_milli=1000, gpu_memory_mb=ASK_MB)
 
@@ -289,9 +296,7 @@ async def test_a_step_schedule_is_bridged_by_its_envelope_and_checkpointed_befor
         await asyncio.sleep(0.7)  # rounds: 30 GB by the envelope over the next 19 minutes: it stays
         stayed = [d.action for d in observer.by_task()["steps"]]
         # The executor started it 1,000 s ago: within the lookahead the envelope steps to 60 GB.
-        ledgers = await observer.ledgers()
-        held = [msgspec.structs.replace(a, state="confirmed", at=now() - 1000.0) for a in ledgers["small0"].allocations]
-        await observer.kv_put("ledger", "small0", encode(NodeLedger(node="small0", allocations=held)))
+        await started_ago(observer, "small0", 1000.0)
         await wait_for(lambda: len(observer.by_task()["steps"]) == 2, timeout_s=3.0, what="steps checkpointed")
     finally:
         await policy.stop()
@@ -301,5 +306,28 @@ async def test_a_step_schedule_is_bridged_by_its_envelope_and_checkpointed_befor
     assert bridged.action == "assign" and [p.node for p in bridged.placement] == ["small0"]
     assert bridged.reason.startswith("bridge: starts on 30613 MB"), bridged.reason
     assert stayed == ["assign"]
+    assert (evict.action, evict.policy.name) == ("evict", "checkpoint")
+    assert "60000 MB per GPU by 21 min" in evict.reason and "envelope" in evict.reason, evict.reason
+
+
+async def test_a_step_schedule_voted_a_line_is_watched_by_its_envelope_too(observer, nats_url, tmp_path):
+    # The fingerprinter's vote named a line for a program whose runs held 30 GB for half their
+    # 40 minutes, then 60 GB. Bridged by its rate onto an A100, it sits flat between its steps:
+    # no rate announces the step, its envelope does, and it is checkpointed before it.
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    voted = msgspec.structs.replace(fingerprint("linear"), envelope_mb=(30_000.0,) * 10 + (PEAK_MB,) * 10)
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"line": voted})
+        await observer.admit(admitted("line", gpu_milli=1000, gpu_memory_mb=ASK_MB, expected_duration_s=2400.0))
+        await wait_for(lambda: "line" in observer.by_task(), timeout_s=3.0, what="line decided")
+        await started_ago(observer, "small0", 1000.0)
+        await wait_for(lambda: len(observer.by_task()["line"]) == 2, timeout_s=3.0, what="line checkpointed")
+    finally:
+        await policy.stop()
+    bridged, evict = observer.by_task()["line"]
+    assert bridged.action == "assign" and bridged.reason.startswith("bridge: starts on its ask of 20000 MB")
     assert (evict.action, evict.policy.name) == ("evict", "checkpoint")
     assert "60000 MB per GPU by 21 min" in evict.reason and "envelope" in evict.reason, evict.reason

@@ -35,6 +35,7 @@ from fleetpilot.policy.preempt import (
 )
 from fleetpilot.policy.rebalance import (
     Running,
+    bridge_overflow,
     envelope_bridge_mb,
     envelope_overflow,
     generation,
@@ -303,6 +304,28 @@ def test_envelope_overflow_reads_the_envelope_ahead_of_the_progress_against_the_
     assert envelope_overflow(run, topo, crowded, steps, 0.0, 2400.0, 240.0) is not None
     assert envelope_overflow(run, topo, ledger, msgspec.structs.replace(steps, envelope_mb=()), 1000.0, 2400.0,
                              240.0) is None
+
+
+def test_a_bridge_is_watched_by_its_envelope_whatever_pattern_was_voted_and_by_its_rate_when_smooth():
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=30000)])
+    run = Running("t", "x", (ledger.allocations[0],))
+    envelope = (30_000.0,) * 10 + (60_000.0,) * 10
+    line = msgspec.structs.replace(fingerprint(60_000), pattern="linear", envelope_mb=envelope)
+    flat_samples = ((0.0, 30_000.0), (60.0, 30_000.0))
+    steep_samples = ((0.0, 20_000.0), (60.0, 30_000.0))  # 10 GB a minute: full within the lookahead
+    # Voted a line, flat between its steps: its envelope sees the step its rate cannot.
+    why = bridge_overflow(run, topo, ledger, line, flat_samples, 1000.0, 2400.0, 240.0)
+    assert why is not None and "envelope" in why
+    # Before the step, a smooth grower is still watched by its rate.
+    assert bridge_overflow(run, topo, ledger, line, flat_samples, 0.0, 2400.0, 240.0) is None
+    assert bridge_overflow(run, topo, ledger, line, steep_samples, 0.0, 2400.0, 240.0) is not None
+    # A step schedule is not: a jump reads as a steep climb; only its envelope speaks.
+    steps = msgspec.structs.replace(line, pattern="steps")
+    assert bridge_overflow(run, topo, ledger, steps, steep_samples, 0.0, 2400.0, 240.0) is None
+    # Its progress unknown (not its first placement), a run is watched by its rate alone.
+    assert bridge_overflow(run, topo, ledger, line, flat_samples, None, 2400.0, 240.0) is None
+    assert bridge_overflow(run, topo, ledger, steps, steep_samples, None, 2400.0, 240.0) is not None
 
 
 def test_only_a_task_under_its_first_assign_counts_its_progress_from_its_hold():
