@@ -34,8 +34,10 @@ Around that core (see ``README.md``):
   ledger then holds); one whose fingerprint predicts smooth growth (``linear``, ``leak``)
   past every GPU free now may instead start on GPUs that hold its ask (a *bridge*), and the
   rebalancer moves it up to a GPU that holds its peak once one has room; a task that should
-  move but has nowhere to go, and whose measured growth (``telemetry.task``) would overflow its
-  GPU soon, is checkpointed (``evict``) and queued again rather than left to the OOM kill;
+  move but has nowhere to go, and whose measured growth (``telemetry.task``) or, for a run
+  from its start, whose program's envelope would overflow its GPU soon
+  (``rebalance.bridge_overflow``), is checkpointed (``evict``) and queued again rather than
+  left to the OOM kill;
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
