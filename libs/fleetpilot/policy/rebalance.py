@@ -345,10 +345,9 @@ def bridge_overflow(
     Both, because the fingerprinter's vote can name a line for a schedule of three to five
     steps: watched by its rate alone, such a run sat flat on a 32 GB GPU between its steps
     and died at the next one (on one benchmark workload, 327 of Fleetpilot's 444 OOM events)."""
-    by_envelope = progress_s is not None and fp is not None and bool(fp.envelope_mb) and bool(declared_s)
-    if by_envelope:
-        why = envelope_overflow(task, topo, ledger, fp, progress_s, declared_s, lookahead_s)  # type: ignore[arg-type]
-        if why is not None or fp.pattern not in SMOOTH_GROWTH:  # type: ignore[union-attr]
+    if progress_s is not None and fp is not None and fp.envelope_mb and declared_s:
+        why = envelope_overflow(task, topo, ledger, fp, progress_s, declared_s, lookahead_s)
+        if why is not None or fp.pattern not in SMOOTH_GROWTH:
             return why
     return growth_overflow(task, topo, ledger, samples, lookahead_s)
 
