@@ -53,6 +53,20 @@ async def remembered(bus: NatsBus, signature: str) -> SignatureStats:
     return await wait_for(stats, what=f"signature {signature} remembered")
 
 
+async def samples_taken(bus: NatsBus, seen: list[TaskFingerprinted], marker: str) -> None:
+    """Return once the service has taken every sample published so far: the samples of all
+    tasks reach it in order on one core subscription, so once a level series published after
+    them, under the fresh task id ``marker``, has been fingerprinted (a steady climb: read
+    with confidence), they have all been fed.
+    A terminal ``task.lifecycle`` (JetStream, its own consumer) can overtake samples still
+    queued, and would be learnt from a series cut short."""
+    start = now()
+    for t in np.arange(0, 400, 10.0):
+        await bus.publish(TaskTelemetry(task_id=marker, node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=4_000.0 + 20.0 * float(t)))
+    await wait_for(lambda: [f for f in seen if f.task_id == marker], what=f"{marker} fingerprinted")
+
+
 async def run_for(bus: NatsBus, submitted: TaskSubmitted, seconds: float, used_mb, gpus: list[int] | None = None):
     """Submit a task, then publish a sample of ``used_mb(t)`` (summed over ``gpus``) every
     10 s of its first ``seconds``, and give the service the time to take them."""
@@ -85,6 +99,7 @@ async def test_observed_then_remembered_then_predicted(fingerprinter):
     latest = (await wait_for(close_to_truth))[-1]
     assert latest.peak_low_mb <= 32_000 <= latest.peak_high_mb
 
+    await samples_taken(bus, seen, "sync-clip-1")
     await bus.publish(TaskLifecycle(task_id="clip-1", state="finished", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 1
