@@ -138,7 +138,13 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OVERFLOW_FILL, SMOOTH_GROWTH, envelope_bridge_mb
+from fleetpilot.policy.rebalance import (
+    GROWTH_LOOKAHEAD_S,
+    OVERFLOW_FILL,
+    SMOOTH_GROWTH,
+    bridge_watches,
+    envelope_bridge_mb,
+)
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
@@ -800,16 +806,12 @@ class FleetRun:
     def _by_envelope(self, job: _Job) -> bool:
         """Whether the running job's bridge is watched by its signature's envelope: a run from
         its start of a program with one, whatever pattern its fingerprint names (a schedule of
-        a few steps can be voted a line; ``rebalance.bridge_overflow``)."""
-        p = job.prediction
-        return job.from_start and p is not None and bool(p.envelope_mb)
+        a few steps can be voted a line; ``rebalance.bridge_watches``)."""
+        return bridge_watches(job.prediction, job.from_start)[0]
 
     def _by_rate(self, job: _Job) -> bool:
-        """Whether the running job's bridge is watched by its measured rate: unless its
-        envelope watches it and its fingerprint names a pattern whose jumps a rate would read
-        as a steep climb (``rebalance.bridge_overflow``)."""
-        p = job.prediction
-        return not self._by_envelope(job) or (p is not None and p.pattern in SMOOTH_GROWTH)
+        """Whether the running job's bridge is watched by its measured rate (``bridge_watches``)."""
+        return bridge_watches(job.prediction, job.from_start)[1]
 
     def _outgrowing(self, job: _Job) -> bool:
         """A bridged task whose recent growth, carried on for ``GROWTH_LOOKAHEAD_S``, would

@@ -331,23 +331,33 @@ def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp:
     return None
 
 
+def bridge_watches(fp: Fingerprint | None, progress_known: bool) -> tuple[bool, bool]:
+    """``(by its envelope, by its rate)``: what watches a bridged run. A run whose progress is
+    known (from its start) and whose signature has an envelope is watched by the envelope,
+    whatever pattern its fingerprint names; by its measured rate too only when that pattern is
+    smooth (``SMOOTH_GROWTH``: a step's jump would read as a steep climb). Any other run is
+    watched by its rate alone. The policy service (``bridge_overflow``) and the fleet
+    benchmark apply this one rule."""
+    by_envelope = progress_known and fp is not None and bool(fp.envelope_mb)
+    return by_envelope, not by_envelope or (fp is not None and fp.pattern in SMOOTH_GROWTH)
+
+
 def bridge_overflow(
     task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
     samples: Sequence[tuple[float, float]], progress_s: float | None, declared_s: float | None, lookahead_s: float,
 ) -> str | None:
     """Why a task that may be running on less than its peak (a bridge) must be checkpointed
-    now, or ``None``. A run from its start (``progress_s`` known) whose signature has an
-    envelope is watched by it (``envelope_overflow``), whatever pattern its fingerprint names;
-    by its measured rate too (``growth_overflow``) unless that pattern is one whose jumps a
-    rate would misread as a steep climb (not ``SMOOTH_GROWTH``). Any other run is watched by
-    its rate alone.
+    now, or ``None``: by its envelope (``envelope_overflow``), its measured rate
+    (``growth_overflow``) or both, as ``bridge_watches`` says for a run whose progress is known
+    (``progress_s``, from its start) or not.
 
     Both, because the fingerprinter's vote can name a line for a schedule of three to five
     steps: watched by its rate alone, such a run sat flat on a 32 GB GPU between its steps
     and died at the next one (on one benchmark workload, 327 of Fleetpilot's 444 OOM events)."""
-    if progress_s is not None and fp is not None and fp.envelope_mb and declared_s:
+    by_envelope, by_rate = bridge_watches(fp, progress_s is not None and bool(declared_s))
+    if by_envelope and progress_s is not None:
         why = envelope_overflow(task, topo, ledger, fp, progress_s, declared_s, lookahead_s)
-        if why is not None or fp.pattern not in SMOOTH_GROWTH:
+        if why is not None or not by_rate:
             return why
     return growth_overflow(task, topo, ledger, samples, lookahead_s)
 
