@@ -29,6 +29,7 @@ from fleetpilot.contracts import (
     Placement,
     PolicyRef,
     TaskAdmitted,
+    TaskSubmitted,
     in_service,
     now,
 )
@@ -39,24 +40,35 @@ from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
 from fleetpilot.policy.rebalance import (
+    MIN_BRIDGE_STAY_S,
     MoveReason,
     ResizePlan,
     Running,
     bridge_overflow,
-    is_first_placement,
+    gpus_going_away,
     migrate_decision_id,
+    models_below,
+    move_down_ask,
     move_reason,
     resize_decision_id,
     resize_plan,
     room_in_place,
+    run_began_at,
+    run_progress_s,
+    waits_for_its_envelope,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
+from fleetpilot.policy.state import MILLI
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
 
 from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
 
 log = logging.getLogger("fleetpilot.policy")
+
+MOVE_DOWN_TRIES = 8
+"""How many tenants, smallest ask first, the policy is asked to find a target for before a
+waiter is left for the next round: each is a decision over the whole fleet."""
 
 
 class Moves(ReplicaState):
@@ -97,7 +109,8 @@ class Moves(ReplicaState):
                     end = moving[task_id][1] + self.checkpoint_pause_s(max(a.memory_mb for a in allocs))
                 else:
                     declared = self.declared_s(task_id)
-                    end = min(a.at for a in allocs) + declared if declared else math.inf
+                    began = run_began_at(Running(task_id=task_id, node=ledger.node, allocations=tuple(allocs)))
+                    end = (began or min(a.at for a in allocs)) + declared if declared else math.inf
                 out.append((row, [a.gpu for a in allocs], end))
         return out
 
@@ -112,20 +125,26 @@ class Moves(ReplicaState):
                     out[a.task_id] = (a.decision_id, a.at)
         return out
 
+    def submitted(self, task_id: str) -> TaskSubmitted | None:
+        """The task as submitted, as its admission (or this replica's decision) has it."""
+        adm = self.admissions.of(task_id) if self.admissions is not None else None
+        return adm.task if adm is not None else self.tasks.get(task_id)
+
     def declared_s(self, task_id: str) -> float | None:
         """The run time the task declared (``expected_duration_s``), ``None`` when the task
         is unknown to this replica or declared none."""
-        adm = self.admissions.of(task_id) if self.admissions is not None else None
-        task = adm.task if adm is not None else self.tasks.get(task_id)
+        task = self.submitted(task_id)
         return task.expected_duration_s if task is not None and task.expected_duration_s else None
 
     def remaining_s(self, running: Running) -> float | None:
         """What is left of the run a running task declared: its duration less the time
-        since its first hold (``None`` when unknown, taken as long by ``delayed_by``)."""
+        since its run began (``run_began_at``; unknown, since its holds were reserved), ``None``
+        when it declared none (taken as long by ``delayed_by``)."""
         declared = self.declared_s(running.task_id)
         if declared is None:
             return None
-        return max(declared - (now() - min(a.at for a in running.allocations)), 0.0)
+        began = run_began_at(running) or min(a.at for a in running.allocations)
+        return max(declared - (now() - began), 0.0)
 
     def may_pause(self, running: Running, pause_s: float) -> bool:
         """Whether a clearing may pause ``running`` for ``pause_s``: not when the pause would
@@ -175,6 +194,11 @@ class Moves(ReplicaState):
             reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
             if reason is None:
                 continue
+            if not gpus_going_away(running, topo) and waits_for_its_envelope(
+                    running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
+                    run_progress_s(running, now()), self.declared_s(running.task_id),
+                    self.settings.growth_lookahead_s):
+                continue  # below its peak, but its envelope says it fits here a while yet
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
             if decision is None and fp is not None:
                 decision = await self.checkpoint(running, topo, ledger, reason)
@@ -183,6 +207,9 @@ class Moves(ReplicaState):
         budget = self.settings.max_migrations_per_round - len(out)
         if budget > 0:
             out.extend(await self.clear_for_reservation(budget, {d.task_id for d in out}))
+        budget = self.settings.max_migrations_per_round - len(out)
+        if budget > 0:
+            out.extend(await self.move_down(budget, {d.task_id for d in out}))
         return out
 
     async def clear_for_reservation(self, budget: int, moved: set[str]) -> list[DecisionMade]:
@@ -268,6 +295,107 @@ class Moves(ReplicaState):
             out.append(decision)
         return out
 
+    async def move_down(self, budget: int, moved: set[str]) -> list[DecisionMade]:
+        """``migrate`` decisions that make room for whole-GPU tasks the last queue round found
+        no place for (``blocked``): for each, in the queue's order, a tenant of a GPU of a model
+        it needs moves to a GPU of a model it does not need, where its program's envelope says
+        it fits for the next quarter hour (``rebalance.move_down_ask``, ``models_below``). At
+        most ``budget`` moves; ``moved`` already have a decision.
+
+        On a fleet where only the largest GPUs hold the peaks of some programs, those GPUs
+        are mostly held by such programs in a phase a smaller GPU would hold (a step schedule
+        before its big step, a run restored low), while tasks that need them wait for hours.
+        A tenant qualifies with a fingerprint whose envelope is known, its progress known
+        (``run_progress_s``), ``MOVE_DOWN_LEFT_S`` of its run left, a pause it may take
+        (``may_pause``) and one whole GPU the waiter could take (a model it accepts, with room
+        for its request). Of those, up to ``MOVE_DOWN_TRIES`` with the smallest ask are offered
+        to the default policy, restricted to the models below, until one finds a target; it
+        holds what the target GPU has free, up to its peak (a bridge's hold). Moved, it is
+        watched by its envelope and moved up (or checkpointed) when the envelope says it
+        outgrows that GPU (``rebalance.waits_for_its_envelope``).
+
+        The waiting task is not placed here: once the executor has moved the tenant and
+        released its GPU, the next queue round places it (or a task before it in the queue's
+        order). Until that move is done, no other tenant moves down for the same waiter on this
+        replica (``making_room``)."""
+        if not self.blocked:
+            return []
+        in_flight = self.moves_in_flight()
+        model_memory: dict[str, int] = {}
+        for topo in self.fleet.nodes.values():
+            for g in topo.gpus:
+                model_memory[g.model] = max(model_memory.get(g.model, 0), g.memory_mb)
+        policies = self.active.current
+        out: list[DecisionMade] = []
+        for adm in self.blocked:
+            if len(out) >= budget:
+                break
+            waiter = adm.task
+            if waiter.gpus != 1 or waiter.gpu_milli < MILLI or self.ledger.holds_of(waiter.task_id) is not None:
+                continue  # only a single whole GPU is made room for; or placed since the round
+            if self.making_room.get(waiter.task_id) in in_flight:
+                continue  # a tenant is already moving down for it
+            need = self.request(waiter)
+            candidates = self.move_down_candidates(need, moved | {d.task_id for d in out}, in_flight, model_memory)
+            for ask, running, topo, models in candidates[:MOVE_DOWN_TRIES]:
+                fp = self.fingerprints.get(running.task_id)
+                peak = self.move_request(running, topo, fp)
+                req = msgspec.structs.replace(peak, gpu_memory_mb=ask, gpu_models=models, predicted_peak_mb=0.0,
+                                              peak_sigma_mb=0.0)
+                state = self.snapshot()
+                kept = self.reservation
+                if kept is not None and not kept.delayed_by(running.task_id, self.remaining_s(running), now()):
+                    kept = None
+                with hidden(state, kept):
+                    choice = policies.guarded[policies.default].decide(state, req)
+                if choice.action != "assign" or not choice.placement:
+                    continue
+                target = choice.placements(memory_mb=self.bridge_hold_mb(state, choice, peak, ask))
+                why = (f"moved down for {waiter.task_id}, which waits for a GPU that holds {need.gpu_memory_mb} MB: "
+                       f"its program's envelope says it holds at most {ask} MB per GPU over the next "
+                       f"{(MIN_BRIDGE_STAY_S + self.settings.growth_lookahead_s) / 60:.0f} min, which a "
+                       f"{'/'.join(models)} GPU holds; moved up when it says it outgrows it")
+                decision = await self.migrate(running, topo, fp, 0.0, why, target, planned_by="move-down")
+                if decision is None:
+                    continue
+                log.info("%s: %s", running.task_id, why)
+                self.remember(self.making_room, waiter.task_id, running.task_id, limit=10_000)
+                out.append(decision)
+                break
+        return out
+
+    def move_down_candidates(
+        self, need: TaskRequest, moved: set[str], in_flight: dict[str, tuple[str, float]], model_memory: dict[str, int]
+    ) -> list[tuple[int, Running, NodeTopology, tuple[str, ...]]]:
+        """The tenants that may move down for a waiter asking ``need`` (``move_down``), as
+        ``(ask per GPU, task, its node, the models it may go to)``, smallest ask first."""
+        out = []
+        for running in self.running():
+            gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+            if (running.task_id in moved or running.task_id in in_flight or len(gpu_allocs) != 1
+                    or gpu_allocs[0].milli < MILLI):
+                continue
+            topo = self.fleet.nodes.get(node_key(running.node))
+            gpu = next((g for g in topo.gpus if g.index == gpu_allocs[0].gpu), None) if topo is not None else None
+            if gpu is None or (need.gpu_models and gpu.model not in need.gpu_models) or \
+                    gpu.memory_mb < need.gpu_memory_mb:
+                continue  # the waiter could not take its GPU
+            if not in_service(gpu.labels) or gpus_going_away(running, topo):
+                continue
+            known = self.submitted(running.task_id)
+            if known is None:
+                continue  # its model constraints are unknown: it stays on its model
+            ask = move_down_ask(self.fingerprints.get(running.task_id), self.declared_s(running.task_id),
+                                run_progress_s(running, now()), self.settings.growth_lookahead_s)
+            models = models_below(known.gpu_models, ask, need.gpu_models, need.gpu_memory_mb, model_memory)
+            if not models:
+                continue
+            if not self.may_pause(running, self.checkpoint_pause_s(gpu_allocs[0].memory_mb)):
+                continue
+            out.append((ask, running, topo, models))
+        out.sort(key=lambda c: (c[0], c[1].task_id))
+        return out
+
     async def checkpoint(
         self, running: Running, topo: NodeTopology, ledger: NodeLedger, reason: MoveReason
     ) -> DecisionMade | None:
@@ -280,9 +408,9 @@ class Moves(ReplicaState):
         samples = tuple(self.usage.get(running.task_id, ()))
         adm = self.admissions.of(running.task_id) if self.admissions else None
         fp = self.fingerprints.get(running.task_id)
-        # A run under its first placement has made at most the progress since its hold was
-        # reserved, which is where its program's envelope is read (``bridge_overflow``).
-        progress = now() - min(a.at for a in running.allocations) if is_first_placement(running) else None
+        # Where its program's envelope is read (``bridge_overflow``): the time since its run
+        # began, which its holds carry across moves.
+        progress = run_progress_s(running, now())
         why = bridge_overflow(running, topo, ledger, fp, samples, progress,
                               adm.task.expected_duration_s if adm is not None else None,
                               self.settings.growth_lookahead_s)
@@ -331,6 +459,7 @@ class Moves(ReplicaState):
                 milli=0,
                 memory_mb=more,
                 at=now(),
+                run_at=run_began_at(running),
             )
             for gpu, more in sorted(plan.extra.items())
         ]
@@ -408,16 +537,18 @@ class Moves(ReplicaState):
         p_stay_fails: float,
         why: str,
         target: list[Placement] | None = None,
+        planned_by: str = "clearing",
     ) -> DecisionMade | None:
-        """Choose a target for one task with the default policy (or take ``target``, a
-        clearing's), reserve it, decide.
+        """Choose a target for one task with the default policy (or take ``target``, planned
+        by a clearing or a move down: ``planned_by`` names it), reserve it, decide. The target
+        holds carry when the run began (``Allocation.run_at``).
 
         The policy never chooses GPUs reserved for a waiting task that the move would delay
         (the task is expected to run past the reservation's start, or declared no duration):
         a move is a placement like any other, and backfill keeps those GPUs for the wide task.
 
         **Confidence of a clearing move** (``target`` given) is 0.0, under the ``clearing``
-        policy name. A migrate's goal is that the moved task's latency improves by more than
+        policy name (a move down's, under ``move-down``). A migrate's goal is that the moved task's latency improves by more than
         15% and no OOM follows; a clearing moves a task that was fine where it was, for
         another task's sake, and it only loses its checkpoint pause: the goal is not met,
         whatever the target. Published under its own name, these records never raise the
@@ -448,7 +579,7 @@ class Moves(ReplicaState):
                 confidence = self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)
             fallback, why = choice.fallback, f"{why}; target: {choice.reason}"
         else:
-            ref, confidence, fallback = PolicyRef(name="clearing"), 0.0, False
+            ref, confidence, fallback = PolicyRef(name=planned_by), 0.0, False
         tried = 0
         while await self.journaled(migrate_decision_id(running, tried)):
             tried += 1  # that move failed (a done one would have changed the hold): a new id
@@ -457,7 +588,7 @@ class Moves(ReplicaState):
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
             return None
-        holds = allocations_for(req, decision_id, target)
+        holds = allocations_for(req, decision_id, target, run_began_at(running))
 
         def reserve(current: NodeLedger | None) -> NodeLedger | None:
             if current is not None and any(a.decision_id == decision_id for a in current.allocations):

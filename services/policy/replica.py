@@ -81,10 +81,11 @@ def calibration_key(policy: str, action: str) -> str:
 
 
 def allocations_for(
-    task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement]
+    task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement], run_at: float = 0.0
 ) -> list[Allocation]:
     """The ledger holds of a placement (of a new task, or the target of a move); CPU and
-    host memory are charged once."""
+    host memory are charged once. ``run_at`` is when the run they carry began
+    (``Allocation.run_at``): now for a first placement, the source's for a move."""
     return [
         Allocation(
             task_id=task.task_id,
@@ -95,6 +96,7 @@ def allocations_for(
             cpu_milli=task.cpu_milli if i == 0 else 0,
             host_memory_mb=task.memory_mb if i == 0 else 0,
             at=now(),
+            run_at=run_at,
         )
         for i, p in enumerate(placement)
     ]
@@ -169,6 +171,12 @@ class ReplicaState:
         # EASY backfill: GPUs kept for the first blocked whole-GPU task of the last queue
         # round; a task expected to outlast their release is placed as if they were taken.
         self.reservation: Reservation | None = None
+        # The tasks the last queue round found no place for, in the queue's order: the
+        # rebalancer may move a tenant down to make room for one (``Moves.move_down``).
+        self.blocked: list[TaskAdmitted] = []
+        # Waiter -> the tenant this replica moved down to make room for it: no other moves
+        # down for the same waiter while that move is in flight.
+        self.making_room: OrderedDict[str, str] = OrderedDict()
         # Per policy, the correction of its confidence learnt from the feedback totals.
         self.calibration = ConfidenceCalibration()
         # ``largest_gpu_mb`` per model set, valid for one topology version.
@@ -507,7 +515,10 @@ class ReplicaState:
                     return None  # another delivery of this task reserved meanwhile
                 if not placement_fits(topo, current, placement, task.cpu_milli, task.memory_mb):
                     return None
-                return with_allocations(current, node, allocations_for(task, decision_id, placement))
+                # A first placement starts the run; a re-placement restores one whose progress
+                # before its stop the ledger does not know.
+                run_at = now() if requeue is None else 0.0
+                return with_allocations(current, node, allocations_for(task, decision_id, placement, run_at))
 
             try:
                 written = await self.ledger.mutate(node_key(node), reserve)

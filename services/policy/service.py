@@ -302,6 +302,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # ran against the last round's reservation, at most ``pending_retry_s`` old.
         owner = round_.reservation_owner()
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
+        ps.blocked = round_.blocked
         return round_.out
 
     def opened() -> Bus:

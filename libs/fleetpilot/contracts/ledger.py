@@ -21,6 +21,11 @@ class Allocation(Record, frozen=True, kw_only=True):
     host_memory_mb: int = 0
     state: Literal["reserved", "confirmed"] = "reserved"
     at: float = 0.0
+    # When the run this hold carries began: its first placement's reservation, carried to the
+    # target of every move, so the rebalancer knows how far into its run a moved task is (where
+    # its program's envelope is read). 0 when unknown: a run restored from a checkpoint after
+    # it was queued again, whose progress before the stop the ledger does not hold.
+    run_at: float = 0.0
 
 
 class NodeLedger(Record, frozen=True, kw_only=True):

@@ -299,15 +299,73 @@ def resize_decision_id(task: Running, memory_mb: int) -> str:
     return f"{lineage(task.task_id, task.allocations[0].decision_id)}.resize.{memory_mb}"
 
 
+def envelope_stay_mb(fp: Fingerprint | None, declared_s: float | None, progress_s: float, lookahead_s: float) -> int:
+    """What a run ``progress_s`` into its declared run must have per GPU to stay where it is for
+    ``MIN_BRIDGE_STAY_S`` (and ``lookahead_s``), by its signature's envelope, whatever pattern
+    its fingerprint names; 0 when the envelope or the declared duration is unknown."""
+    if fp is None or not fp.envelope_mb or not declared_s:
+        return 0
+    need = envelope_at(fp.envelope_mb, progress_s + MIN_BRIDGE_STAY_S + lookahead_s, declared_s)
+    return math.ceil(need / OVERFLOW_FILL)
+
+
 def envelope_bridge_mb(fp: Fingerprint | None, declared_s: float | None, lookahead_s: float) -> int:
     """What a run from its start must have per GPU to stay ``MIN_BRIDGE_STAY_S`` (and
-    ``lookahead_s``) where it starts, by its signature's envelope (``fingerprint.envelope``):
-    for a program that does not grow smoothly (smooth growth is bridged on its measured
-    rate), whose envelope and declared duration are known; 0 otherwise."""
-    if fp is None or not fp.envelope_mb or fp.pattern in SMOOTH_GROWTH or not declared_s:
+    ``lookahead_s``) where it starts, by its signature's envelope (``envelope_stay_mb``): for a
+    program that does not grow smoothly (smooth growth is bridged on its measured rate), whose
+    envelope and declared duration are known; 0 otherwise."""
+    if fp is None or fp.pattern in SMOOTH_GROWTH:
         return 0
-    need = envelope_at(fp.envelope_mb, MIN_BRIDGE_STAY_S + lookahead_s, declared_s)
-    return math.ceil(need / OVERFLOW_FILL)
+    return envelope_stay_mb(fp, declared_s, 0.0, lookahead_s)
+
+
+def run_began_at(task: Running) -> float:
+    """When the run a running task carries began: its first placement's hold (reserved as the
+    run started, or just before), else what its holds carry (``Allocation.run_at``, written by
+    its moves); 0 when unknown (a run restored after it was queued again)."""
+    if is_first_placement(task):
+        return min(a.at for a in task.allocations)
+    return min((a.run_at for a in task.allocations if a.run_at > 0), default=0.0)
+
+
+def run_progress_s(task: Running, at: float) -> float | None:
+    """How far into its run a running task is at ``at`` (``run_began_at``), ``None`` when
+    unknown. Overstated by the checkpoint pauses of its moves and by a reservation made before
+    the start: the envelope only grows, so reading it there errs early."""
+    began = run_began_at(task)
+    return at - began if began > 0 else None
+
+
+MOVE_DOWN_LEFT_S = 1800.0
+"""A tenant is moved down to make room for a waiter (``move_down_ask``) only with at least
+this much of its declared run left: the move costs a checkpoint pause now and, when its
+envelope steps past the smaller GPU, a move up or a checkpoint later; a run near its end
+frees its GPU soon enough on its own."""
+
+
+def move_down_ask(fp: Fingerprint | None, declared_s: float | None, progress_s: float | None,
+                  lookahead_s: float) -> int:
+    """What a running task must have per GPU to be moved down, onto a GPU model a blocked task
+    does not need, and stay there ``MIN_BRIDGE_STAY_S`` by its envelope (``envelope_stay_mb`` at
+    its progress); 0 when it may not be: its progress, envelope or declared duration unknown,
+    or less than ``MOVE_DOWN_LEFT_S`` of its declared run left."""
+    if progress_s is None or not declared_s or declared_s - progress_s < MOVE_DOWN_LEFT_S:
+        return 0
+    return envelope_stay_mb(fp, declared_s, progress_s, lookahead_s)
+
+
+def models_below(tenant_models: Sequence[str], tenant_ask_mb: int, waiter_models: Sequence[str],
+                 waiter_ask_mb: int, model_memory: Mapping[str, int]) -> tuple[str, ...]:
+    """The GPU models a tenant may be moved down to for a waiter: those it accepts (any when it
+    names none) whose GPUs hold its ask, and that the waiter cannot take (a model it does not
+    accept, or whose GPUs do not hold its ask). ``model_memory`` is the largest GPU of each
+    model. Moving a tenant onto a GPU the waiter could have taken makes it no room."""
+    if tenant_ask_mb <= 0:
+        return ()
+    accepted = tenant_models or sorted(model_memory)
+    return tuple(m for m in accepted
+                 if model_memory.get(m, 0) >= tenant_ask_mb
+                 and ((waiter_models and m not in waiter_models) or model_memory.get(m, 0) < waiter_ask_mb))
 
 
 def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
@@ -360,6 +418,24 @@ def bridge_overflow(
         if why is not None or not by_rate:
             return why
     return growth_overflow(task, topo, ledger, samples, lookahead_s)
+
+
+def waits_for_its_envelope(
+    task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
+    samples: Sequence[tuple[float, float]], progress_s: float | None, declared_s: float | None, lookahead_s: float,
+) -> bool:
+    """Whether a run that holds less than its predicted peak (a bridge: started on less, or
+    moved down for a waiter) stays where it is although its peak would not fit there: it is
+    watched by its envelope (``bridge_watches``) and nothing watching it says it outgrows its
+    GPUs soon (``bridge_overflow``). It moves up when they say so, not as soon as some GPU holds
+    its peak: a run moved down made room for a waiter, and an eager move up would take that
+    room back, for a checkpoint pause, while the envelope still says it fits where it is."""
+    held = max((a.memory_mb for a in task.allocations if a.gpu >= 0), default=0)
+    if fp is None or held >= fp.predicted_peak_mb:
+        return False
+    if not bridge_watches(fp, progress_s is not None and bool(declared_s))[0]:
+        return False
+    return bridge_overflow(task, topo, ledger, fp, samples, progress_s, declared_s, lookahead_s) is None
 
 
 def growth_overflow(

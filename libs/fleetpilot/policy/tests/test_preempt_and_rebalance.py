@@ -42,9 +42,13 @@ from fleetpilot.policy.rebalance import (
     growth_overflow,
     is_first_placement,
     migrate_decision_id,
+    models_below,
+    move_down_ask,
     move_reason,
     resize_decision_id,
     resize_plan,
+    run_progress_s,
+    waits_for_its_envelope,
 )
 
 
@@ -334,3 +338,56 @@ def test_only_a_task_under_its_first_assign_counts_its_progress_from_its_hold():
     first, again, moved = (Running(a.task_id, "x", (a,)) for a in ledger.allocations)
     assert is_first_placement(first)
     assert not is_first_placement(again) and not is_first_placement(moved)
+
+
+def test_a_run_s_progress_is_read_from_its_first_hold_or_from_when_its_moves_say_it_began():
+    first = Running("t", "x", (hold("t", 0, at=100.0),))
+    moved = Running("t", "x", (msgspec.structs.replace(hold("t", 0, decision="t.migrate.1", at=900.0), run_at=100.0),))
+    restored = Running("t", "x", (hold("t", 0, decision="t.assign.2", at=900.0),))
+    assert run_progress_s(first, 1000.0) == 900.0
+    assert run_progress_s(moved, 1000.0) == 900.0  # from when the run began, not the move
+    assert run_progress_s(restored, 1000.0) is None  # its progress before the stop is unknown
+
+
+def test_a_tenant_moves_down_only_in_a_phase_its_envelope_holds_below_with_half_an_hour_left():
+    steps = msgspec.structs.replace(fingerprint(60_000), pattern="steps",
+                                    envelope_mb=(20_000.0,) * 10 + (60_000.0,) * 10)
+    # 5 minutes into an 80-minute run: 20 GB over the next 19 minutes.
+    assert move_down_ask(steps, 4800.0, 300.0, 240.0) == math.ceil(20_000 / 0.98)
+    # 25 minutes in, its step comes within the quarter hour and lookahead: its peak.
+    assert move_down_ask(steps, 4800.0, 1500.0, 240.0) == math.ceil(60_000 / 0.98)
+    assert move_down_ask(steps, 4800.0, 3100.0, 240.0) == 0  # 28 minutes left
+    assert move_down_ask(steps, 4800.0, None, 240.0) == 0  # progress unknown
+    assert move_down_ask(steps, None, 300.0, 240.0) == 0
+    assert move_down_ask(msgspec.structs.replace(steps, envelope_mb=()), 4800.0, 300.0, 240.0) == 0
+    # Any pattern with an envelope: a step schedule may be voted a line.
+    assert move_down_ask(msgspec.structs.replace(steps, pattern="linear"), 4800.0, 300.0, 240.0) > 0
+
+
+def test_a_tenant_moves_down_only_to_models_that_hold_it_and_that_the_waiter_cannot_take():
+    memory = {"A100-40GB": 40960, "H100": 81920, "T4": 15360}
+    # The waiter needs 63 GB: only an H100 takes it.
+    assert models_below((), 20_409, (), 63_000, memory) == ("A100-40GB",)  # a T4 is too small
+    assert models_below((), 10_000, (), 63_000, memory) == ("A100-40GB", "T4")
+    assert models_below(("H100", "T4"), 10_000, (), 63_000, memory) == ("T4",)  # what the tenant accepts
+    # A waiter of 20 GB takes an A100 too: moving a tenant there makes it no room.
+    assert models_below((), 10_000, (), 20_000, memory) == ("T4",)
+    # A waiter that accepts only H100s cannot take an A100, however small it is.
+    assert models_below((), 10_000, ("H100",), 5_000, memory) == ("A100-40GB", "T4")
+    assert models_below((), 0, (), 63_000, memory) == ()  # no ask known
+
+
+def test_a_bridged_run_watched_by_its_envelope_waits_for_it_and_any_other_moves_on_its_peak():
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=40960)])
+    run = Running("t", "x", (ledger.allocations[0],))
+    steps = msgspec.structs.replace(fingerprint(60_000), pattern="steps",
+                                    envelope_mb=(30_000.0,) * 10 + (60_000.0,) * 10)
+    assert waits_for_its_envelope(run, topo, ledger, steps, (), 300.0, 2400.0, 240.0)
+    assert not waits_for_its_envelope(run, topo, ledger, steps, (), 1000.0, 2400.0, 240.0)  # its step is near
+    assert not waits_for_its_envelope(run, topo, ledger, steps, (), None, 2400.0, 240.0)  # progress unknown
+    assert not waits_for_its_envelope(run, topo, ledger, msgspec.structs.replace(steps, envelope_mb=()), (),
+                                      300.0, 2400.0, 240.0)
+    # It holds its peak: nothing to wait for, the usual rules apply.
+    full = Running("t", "x", (hold("t", 0, memory_mb=63_000),))
+    assert not waits_for_its_envelope(full, topo, ledger, steps, (), 300.0, 2400.0, 240.0)
