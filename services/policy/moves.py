@@ -41,6 +41,7 @@ from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_a
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
 from fleetpilot.policy.rebalance import (
     MIN_BRIDGE_STAY_S,
+    MOVE_DOWN_TRIES,
     MoveReason,
     ResizePlan,
     Running,
@@ -65,10 +66,6 @@ from fleetpilot.runtime import CasConflict
 from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
 
 log = logging.getLogger("fleetpilot.policy")
-
-MOVE_DOWN_TRIES = 8
-"""How many tenants, smallest ask first, the policy is asked to find a target for before a
-waiter is left for the next round: each is a decision over the whole fleet."""
 
 
 class Moves(ReplicaState):

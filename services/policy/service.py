@@ -38,6 +38,9 @@ Around that core (see ``README.md``):
   from its start, whose program's envelope would overflow its GPU soon
   (``rebalance.bridge_overflow``), is checkpointed (``evict``) and queued again rather than
   left to the OOM kill;
+* a blocked task of one whole GPU gets room from a tenant of a GPU it could take, moved down
+  to a GPU model the waiter cannot take where its program's envelope says it fits a while
+  (``Moves.move_down``), and moved up again by that envelope;
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,

@@ -28,6 +28,13 @@ when every one of its GPUs has the difference free in the ledger: the hold grows
 margin). That costs a ledger write instead of a restart elsewhere, so it is preferred; only
 without that room does the OOM rule above move the task. **Confidence of a ``resize``**
 (goal: no OOM follows) is ``P(peak ≤ target)`` under the same normal model.
+
+**Bridges and moving down.** A run may hold less than its peak: started on less (a bridge),
+or moved down to a smaller GPU to make room for a blocked task (``move_down_ask``,
+``models_below``). Such a run is watched by its program's envelope when its progress is known
+(``run_progress_s``: its holds carry when its run began across moves) and by its measured rate
+(``bridge_watches``), and moved up or checkpointed when they say it outgrows its GPU
+(``bridge_overflow``, ``waits_for_its_envelope``).
 """
 
 from __future__ import annotations
@@ -341,6 +348,11 @@ MOVE_DOWN_LEFT_S = 1800.0
 this much of its declared run left: the move costs a checkpoint pause now and, when its
 envelope steps past the smaller GPU, a move up or a checkpoint later; a run near its end
 frees its GPU soon enough on its own."""
+
+
+MOVE_DOWN_TRIES = 8
+"""How many tenants, smallest ask first, the policy is asked to find a target for before a
+waiter is left for the next round: each is a decision over the whole fleet."""
 
 
 def move_down_ask(fp: Fingerprint | None, declared_s: float | None, progress_s: float | None,

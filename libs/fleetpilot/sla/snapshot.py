@@ -113,7 +113,8 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
         contracts = [admitted.get(a.task_id) for a in holders]
         if all(c is not None and c.contract.tier == "best_effort" for c in contracts):
             tally.preemptible += 1
-        ends = [a.at + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
+        # A moved run ends by when it began (``run_at``), not by when its hold here was taken.
+        ends = [(a.run_at or a.at) + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
                 if c is not None and c.task.expected_duration_s is not None and a.at > 0]
         if len(ends) == len(holders):
             tally.frees_at.append(max(ends))

@@ -50,6 +50,12 @@ def test_pool_counts_free_shared_preemptible_and_completions():
     assert pool.price_per_gpu_hour == pytest.approx(3.67) and pool.relative_compute == pytest.approx(1.0)
 
 
+def test_a_moved_run_frees_its_gpu_by_when_its_run_began_not_by_its_move():
+    moved = Allocation(task_id="be", decision_id="be.migrate.1", gpu=0, milli=1000, at=NOW - 10, run_at=NOW - 70)
+    (pool,) = fleet_view([NODE], [NodeLedger(node="n1", allocations=[moved])], CONTRACTS, now=NOW).pools
+    assert pool.completions == ((30.0, 1),)  # began 70 s ago, declared 100 s
+
+
 @pytest.mark.parametrize(("fraction", "reserved"), [(0.0, 0), (0.1, 1), (1.0, 1)])
 def test_reserve_is_a_share_of_the_pool_capped_by_the_free_gpus(fraction, reserved):
     (pool,) = fleet_view([NODE], [LEDGER], CONTRACTS, now=NOW, knobs=SnapshotKnobs(reserve_fraction=fraction)).pools
