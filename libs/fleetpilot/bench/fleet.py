@@ -62,6 +62,12 @@ the bus out of service. No preemption (no PriorityClasses are set).
   a smooth grower bridged from its start whose signature has an envelope is watched by both
   its rate and its envelope (``rebalance.bridge_overflow``: the fingerprinter's vote can name
   a line for a schedule of a few steps, which its rate alone lets die at its next step);
+- moving down: for each blocked task of one whole GPU, a tenant of a GPU it could take,
+  whose envelope read at its progress (kept across moves, as the policy service's holds carry
+  when a run began) says it fits a GPU model the waiter cannot take for a quarter hour, with
+  half an hour of its run left, moves there, bridged and watched by its envelope, and the
+  waiter starts after the tenant's checkpoint pause (``_move_down``, the policy service's
+  ``Moves.move_down``);
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
@@ -140,10 +146,13 @@ from fleetpilot.policy.backfill import (
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.rebalance import (
     GROWTH_LOOKAHEAD_S,
+    MOVE_DOWN_TRIES,
     OVERFLOW_FILL,
     SMOOTH_GROWTH,
     bridge_watches,
     envelope_bridge_mb,
+    models_below,
+    move_down_ask,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.state import MILLI
@@ -175,6 +184,9 @@ BACKOFF_LIMIT = 6
 """Restarts a Job allows before it fails (Kubernetes' default ``backoffLimit``)."""
 STUCK_S = 3600.0
 """A task waiting longer than this is a stuck queue: someone would have stepped in."""
+MOVES_PER_CYCLE = 20
+"""Moves down per cycle: the policy service's rebalance rounds come every 30 s with at most 10
+moves each (``max_migrations_per_round``), two to a cycle of ``TICK_S``."""
 MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
@@ -220,7 +232,8 @@ class _Job:
     curve: MemoryGrowth | None = None
     bridged: bool = False
     history: deque | None = None
-    from_start: bool = False  # the running segment began with the run (no restore): its envelope applies
+    from_start: bool = False  # its run began with its first start (no restore since): its envelope applies
+    run_at: float = 0.0  # when that run began, kept across moves (the policy service's ``Allocation.run_at``)
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -284,7 +297,7 @@ class FleetRun:
         self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
                                           default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
-                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "checkpointed": 0,
+                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
         self.policy = self._policy([])
         # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
@@ -477,6 +490,8 @@ class FleetRun:
 
     def _schedule(self, now: float) -> None:
         if not self.pending:
+            # Nothing waits: no reservation (the policy service's retry round finds no owner).
+            self.reservation, self.blocked = None, set()
             return
         self.pending.sort(key=self._key)
         # (demand, decided with the reservation hidden) of the requests that found no node.
@@ -507,13 +522,17 @@ class FleetRun:
         self.reservation = reservation
         if reservation is not None and reservation.start_s > now:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
+        if self.smart:
+            self._move_down(now, reservation)
 
     def _try_start(self, job: _Job, now: float, reservation: Reservation | None, failed: list[tuple[Demand, bool]],
-                   *, on_refused: Callable[[TaskRequest], None] | None = None) -> bool:
+                   *, on_refused: Callable[[TaskRequest], None] | None = None, pause: float = 0.0) -> bool:
         """Try to start a waiting task now: its plain request, then (a smooth grower) its
         bridge; whether it started. ``failed`` gathers what found no node, so that a task
         needing no less is not decided again this cycle; ``on_refused`` is told the plain
-        request when the policy itself finds it no node (before the bridge is tried)."""
+        request when the policy itself finds it no node (before the bridge is tried).
+        ``pause``: it runs only that much later (a tenant is being moved off its GPU), which
+        counts as queue time."""
         requests = [self._request(job)]
         if self._bridgeable(job):
             requests.append(self._request(job, bridge=True))
@@ -543,7 +562,8 @@ class FleetRun:
             self.counts["bridged"] += job.bridged
             if job.bridged:
                 self.bridged_ids.add(job.task.task_id)
-            self._start(job, decision.node_row, gpus, decision.placement[0].milli, now)
+            job.queue_s += pause
+            self._start(job, decision.node_row, gpus, decision.placement[0].milli, now, pause=pause)
             return True
         return False
 
@@ -594,6 +614,66 @@ class FleetRun:
             decision = self.policy.decide(self.state, req)
             job.confidence = self.calibration.apply(self.mode, decision.confidence) if decision.action == "assign" else 0.5
         self._start(job, plan.row, list(plan.gpus), MILLI, now, pause=wait)
+
+    def _move_down(self, now: float, reservation: Reservation | None) -> None:
+        """Moving down, as the policy service's rebalance round does (``Moves.move_down``): for
+        each blocked task of one whole GPU, in the queue's order, a tenant of a GPU it could
+        take, whose envelope read at its progress says it fits a model the waiter cannot take
+        for the next quarter hour (``rebalance.move_down_ask``, ``models_below``), moves there
+        (bridged: watched by its envelope, moved up when it says), the smallest ask of up to
+        ``MOVE_DOWN_TRIES`` that the policy finds a target for. The waiter then starts where
+        the policy places it, after the tenant's checkpoint pause (the service's next queue
+        round, once the executor has moved the tenant). At most ``MOVES_PER_CYCLE`` moves."""
+        waiters = [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
+                   and j.task.gpu_milli >= MILLI]
+        if not waiters:
+            return
+        tenants = []
+        for j in self.jobs:
+            if j.state != "running" or len(j.gpus) != 1 or j.milli < MILLI or self.excluded[self.offset[j.row] + j.gpus[0]]:
+                continue
+            ask = move_down_ask(j.prediction, j.task.declared_duration_s, now - j.run_at if j.from_start else None,
+                                GROWTH_LOOKAHEAD_S)
+            if ask > 0 and self._may_pause(j, now):
+                tenants.append((ask, j.task.task_id, j))
+        tenants.sort(key=lambda c: (c[0], c[1]))
+        moves = 0
+        for waiter in waiters:
+            if moves >= MOVES_PER_CYCLE or not tenants:
+                return
+            need = self._request(waiter)
+            tried = 0
+            for ask, task_id, tenant in list(tenants):
+                if tried >= MOVE_DOWN_TRIES:
+                    break
+                model = self.node_model[tenant.row]
+                total = float(self.state.gpu_mem_total[tenant.row, tenant.gpus[0]])
+                if (need.gpu_models and model not in need.gpu_models) or total < need.gpu_memory_mb:
+                    continue  # the waiter could not take its GPU
+                models = models_below(tenant.task.gpu_models, ask, need.gpu_models, need.gpu_memory_mb,
+                                      {m: int(mb) for m, mb in self.memory_of.items()})
+                if not models or tenant.state != "running":
+                    continue
+                tried += 1
+                req = msgspec.structs.replace(self._request(tenant), gpu_memory_mb=ask, gpu_models=models,
+                                              predicted_peak_mb=0.0, peak_sigma_mb=0.0)
+                hide = reservation is not None and reservation.delayed_by(task_id, self._remaining(tenant), now)
+                with hidden(self.state, reservation if hide else None):
+                    decision = self.policy.decide(self.state, req)
+                if decision.action != "assign" or not decision.placement:
+                    continue
+                pause = self._pause(tenant, now)
+                target = Move(task_id=task_id, row=decision.node_row,
+                              gpus=tuple(p.gpu for p in decision.placement if p.gpu >= 0),
+                              milli=decision.placement[0].milli)
+                if not self._migrate(tenant, now, reason="down", target=target, bridge=True):
+                    continue
+                moves += 1
+                tenants = [c for c in tenants if c[1] != task_id]
+                if self._try_start(waiter, now, reservation, [], pause=pause):
+                    self.pending.remove(waiter)
+                    self.blocked.discard(waiter.task.task_id)
+                break
 
     def _remaining(self, job: _Job) -> float:
         """What is left of the run the user declared (a checkpointed task keeps its progress)."""
@@ -655,7 +735,10 @@ class FleetRun:
                 if watch is None or watch.count < CONFIDENT_COUNT or job.bridged:
                     job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
                                                             started_at=now, refit_growth=0.5, prior=job.prediction)
-        job.from_start = job.state == "pending" and job.progress_s == 0.0
+        if job.state == "pending":
+            # A move keeps both: the policy service's holds carry when the run began.
+            job.from_start = job.progress_s == 0.0
+            job.run_at = now if job.from_start else 0.0
         if job.bridged:
             job.history = deque(maxlen=3)
             if job.fingerprinter is None:
@@ -796,7 +879,8 @@ class FleetRun:
             p = job.prediction
             if p is None or not self._by_envelope(job):
                 continue
-            ahead = envelope_at(p.envelope_mb, job.useful_until(now) + GROWTH_LOOKAHEAD_S, job.task.declared_duration_s)
+            # Its progress as the policy service reads it: the time since its run began.
+            ahead = envelope_at(p.envelope_mb, now - job.run_at + GROWTH_LOOKAHEAD_S, job.task.declared_duration_s)
             glob = self.offset[job.row] + np.asarray(job.gpus)
             own = self._held(job, now) + CONTEXT_MB
             if bool(np.any(g.memory_used_mb[glob] - own + ahead > OVERFLOW_FILL * g.memory_total_mb[glob])):
@@ -859,9 +943,11 @@ class FleetRun:
             if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now, outgrown=True)
 
-    def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None) -> bool:
+    def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None,
+                 bridge: bool = False) -> bool:
         """Move a running job to ``target``, else to wherever the policy places it now (never
-        onto GPUs reserved for a task it would delay); False if nowhere else."""
+        onto GPUs reserved for a task it would delay); False if nowhere else. ``bridge``: it
+        holds less than its peak there (moved down), watched as a bridge."""
         t = job.task
         self._stop(job)
         if target is not None:
@@ -882,7 +968,9 @@ class FleetRun:
             self.counts["migrations_no_target"] += 1
             return False
         growth, pause = self._resumed(job, now)
-        job.bridged = False
+        job.bridged = bridge
+        if bridge:
+            self.bridged_ids.add(t.task_id)
         job.history = None
         self.sim.remove(t.task_id)
         # The restored task replays its curve: a series spanning the move would mislead the fit.

@@ -427,3 +427,34 @@ def test_a_known_step_schedule_starts_on_a_small_gpu_by_its_envelope_and_leaves_
     assert without.breakdown["bridged"] == 0 and without.figures["oom_events"] == 0
     assert job.finished_at is not None and late.jobs[1].finished_at is not None
     assert job.finished_at < late.jobs[1].finished_at - 600.0
+
+
+def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_holds() -> None:
+    # A known step schedule (31 GB, then 37.5, 44 and 50 GB at each quarter of its hour) holds
+    # the H100 from the start. Five minutes in, a 60 GB task that only the H100 holds arrives:
+    # by its envelope the schedule fits the A100 for the next quarter hour, so it moves down,
+    # and the waiter starts once its checkpoint is taken. The waiter ends before the schedule's
+    # third step, and the schedule moves back up before it.
+    steps = BenchTask(**{**task(0, pattern="steps", peak=50_000.0, request=30_000.0, duration=3600.0).__dict__,
+                         "gpu_models": ("A100-40GB", "H100")})
+    waiter = BenchTask(**{**task(1, peak=60_000.0, duration=900.0, arrival=300.0).__dict__, "gpu_models": ("H100",)})
+    t = np.arange(0.0, 3600.0, 60.0)
+    envelope = run_envelope(t, steps.growth.memory_at(t) + CONTEXT_MB, 3600.0)
+
+    def play(with_envelope: bool) -> tuple[FleetRun, bench.RunResult]:
+        run = FleetRun(build_fleet(A100_AND_H100), workload(steps, waiter, hours=2.0), "fleetpilot", seed=1)
+        run.memory.observe(Fingerprint(signature=run.jobs[0].signature, pattern="steps", pattern_confidence=1.0,
+                                       growth_rate_mb_per_s=0.0, predicted_peak_mb=50_300.0, peak_low_mb=50_000.0,
+                                       peak_high_mb=50_600.0, samples=40,
+                                       envelope_mb=envelope if with_envelope else ()))
+        return run, run.run()
+
+    run, result = play(with_envelope=True)
+    assert result.breakdown["migrations_down"] == 1
+    assert result.breakdown["migrations_bridge"] == 1  # back up to the H100 before its step
+    assert result.figures["oom_events"] == 0 and result.breakdown["completed"] == 2
+    # The waiter waited for the schedule's checkpoint (30 s + 2 s per GB) and a cycle, not its hour.
+    assert run.jobs[1].queue_s < 240.0
+    # Without the envelope nothing says where the schedule stands: the waiter waits for its end.
+    late, _ = play(with_envelope=False)
+    assert late.counts["migrations_down"] == 0 and late.jobs[1].queue_s > 3000.0
