@@ -3,11 +3,15 @@
 * ``resize``: the hold of a task whose fingerprint predicts a peak above it grows, where its
   GPUs have room (``rebalance.resize_plan``);
 * ``migrate``: a task whose GPU is going away, or whose fingerprint predicts an OOM in place,
-  moves to a target the default policy chooses (``rebalance.move_reason``);
-* ``checkpoint``: a task that should move but has nowhere to go, whose measured growth would
-  overflow its GPU within ``growth_lookahead_s``, is evicted and queued again;
+  moves to a target the default policy chooses (``rebalance.move_reason``); one below its
+  peak that its envelope watches, only when the envelope says it outgrows its GPU
+  (``rebalance.waits_for_its_envelope``);
+* ``checkpoint``: a task that should move but has nowhere to go, whose measured growth or
+  envelope would overflow its GPU within ``growth_lookahead_s``, is evicted and queued again;
 * clearing: when moving the tenants of a node costs less than the wait of the task the
-  backfill reservation is for, they are migrated away (``backfill.clearing``).
+  backfill reservation is for, they are migrated away (``backfill.clearing``);
+* moving down: a task blocked for one whole GPU gets one from a tenant that its envelope says
+  fits a smaller model for a while (``move_down``).
 
 Every target or extra share is reserved in the ledger with compare-and-set before the
 decision is returned. The reservation itself (``reservation_for``) is judged by when the
@@ -18,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import msgspec
 from fleetpilot.contracts import (
     Allocation,
     DecisionMade,
     Fingerprint,
+    GpuInfo,
     NodeLedger,
     NodeTopology,
     Placement,
@@ -37,7 +43,16 @@ from fleetpilot.fingerprint import task_signature
 from fleetpilot.ledger import free_capacity
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, TaskRequest
-from fleetpilot.policy.backfill import Reservation, Tenant, clearing, gpu_free_at, hidden, reserve, wide_hosts
+from fleetpilot.policy.backfill import (
+    Demand,
+    Reservation,
+    Tenant,
+    clearing,
+    gpu_free_at,
+    hidden,
+    reserve,
+    wide_hosts,
+)
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
 from fleetpilot.policy.rebalance import (
     MIN_BRIDGE_STAY_S,
@@ -66,6 +81,20 @@ from fleetpilot.runtime import CasConflict
 from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
 
 log = logging.getLogger("fleetpilot.policy")
+
+
+@dataclass(frozen=True)
+class DownTenant:
+    """A running task that may move down for a waiter (``Moves.move_down``): what it asks per
+    GPU there, where it runs, the models it accepts (any when empty) and its request at its
+    peak (a move's)."""
+
+    ask: int
+    running: Running
+    topo: NodeTopology
+    gpu: GpuInfo
+    models: tuple[str, ...]
+    peak: TaskRequest
 
 
 class Moves(ReplicaState):
@@ -309,7 +338,9 @@ class Moves(ReplicaState):
         to the default policy, restricted to the models below, until one finds a target; it
         holds what the target GPU has free, up to its peak (a bridge's hold). Moved, it is
         watched by its envelope and moved up (or checkpointed) when the envelope says it
-        outgrows that GPU (``rebalance.waits_for_its_envelope``).
+        outgrows that GPU (``rebalance.waits_for_its_envelope``). A request that found no
+        target spares the round any other that needs at least as much (``Demand``): with a
+        hundred waiters for the largest GPUs, the smaller ones are full after the first few.
 
         The waiting task is not placed here: once the executor has moved the tenant and
         released its GPU, the next queue round places it (or a task before it in the queue's
@@ -318,14 +349,18 @@ class Moves(ReplicaState):
         if not self.blocked:
             return []
         in_flight = self.moves_in_flight()
+        tenants = self.move_down_tenants(moved, in_flight)
+        if not tenants:
+            return []
         model_memory: dict[str, int] = {}
         for topo in self.fleet.nodes.values():
             for g in topo.gpus:
                 model_memory[g.model] = max(model_memory.get(g.model, 0), g.memory_mb)
         policies = self.active.current
+        failed: list[tuple[Demand, bool]] = []
         out: list[DecisionMade] = []
         for adm in self.blocked:
-            if len(out) >= budget:
+            if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
             if waiter.gpus != 1 or waiter.gpu_milli < MILLI or self.ledger.holds_of(waiter.task_id) is not None:
@@ -333,39 +368,52 @@ class Moves(ReplicaState):
             if self.making_room.get(waiter.task_id) in in_flight:
                 continue  # a tenant is already moving down for it
             need = self.request(waiter)
-            candidates = self.move_down_candidates(need, moved | {d.task_id for d in out}, in_flight, model_memory)
-            for ask, running, topo, models in candidates[:MOVE_DOWN_TRIES]:
-                fp = self.fingerprints.get(running.task_id)
-                peak = self.move_request(running, topo, fp)
-                req = msgspec.structs.replace(peak, gpu_memory_mb=ask, gpu_models=models, predicted_peak_mb=0.0,
-                                              peak_sigma_mb=0.0)
-                state = self.snapshot()
+            tried = 0
+            for tenant in tenants:
+                if tried >= MOVE_DOWN_TRIES:
+                    break
+                if (need.gpu_models and tenant.gpu.model not in need.gpu_models) or \
+                        tenant.gpu.memory_mb < need.gpu_memory_mb:
+                    continue  # the waiter could not take its GPU
+                models = models_below(tenant.models, tenant.ask, need.gpu_models, need.gpu_memory_mb, model_memory)
+                if not models:
+                    continue
+                req = msgspec.structs.replace(tenant.peak, gpu_memory_mb=tenant.ask, gpu_models=models,
+                                              predicted_peak_mb=0.0, peak_sigma_mb=0.0)
                 kept = self.reservation
-                if kept is not None and not kept.delayed_by(running.task_id, self.remaining_s(running), now()):
-                    kept = None
-                with hidden(state, kept):
+                hide = kept is not None and kept.delayed_by(tenant.running.task_id,
+                                                             self.remaining_s(tenant.running), now())
+                demand = Demand.of(req)
+                if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                    continue
+                tried += 1
+                state = self.snapshot()
+                with hidden(state, kept if hide else None):
                     choice = policies.guarded[policies.default].decide(state, req)
                 if choice.action != "assign" or not choice.placement:
+                    failed.append((demand, hide))
                     continue
-                target = choice.placements(memory_mb=self.bridge_hold_mb(state, choice, peak, ask))
+                target = choice.placements(memory_mb=self.bridge_hold_mb(state, choice, tenant.peak, tenant.ask))
                 why = (f"moved down for {waiter.task_id}, which waits for a GPU that holds {need.gpu_memory_mb} MB: "
-                       f"its program's envelope says it holds at most {ask} MB per GPU over the next "
+                       f"its program's envelope says it holds at most {tenant.ask} MB per GPU over the next "
                        f"{(MIN_BRIDGE_STAY_S + self.settings.growth_lookahead_s) / 60:.0f} min, which a "
                        f"{'/'.join(models)} GPU holds; moved up when it says it outgrows it")
-                decision = await self.migrate(running, topo, fp, 0.0, why, target, planned_by="move-down")
+                decision = await self.migrate(tenant.running, tenant.topo, self.fingerprints.get(tenant.running.task_id),
+                                              0.0, why, target, planned_by="move-down")
                 if decision is None:
                     continue
-                log.info("%s: %s", running.task_id, why)
-                self.remember(self.making_room, waiter.task_id, running.task_id, limit=10_000)
+                log.info("%s: %s", tenant.running.task_id, why)
+                self.remember(self.making_room, waiter.task_id, tenant.running.task_id, limit=10_000)
                 out.append(decision)
+                tenants = [t for t in tenants if t is not tenant]
                 break
         return out
 
-    def move_down_candidates(
-        self, need: TaskRequest, moved: set[str], in_flight: dict[str, tuple[str, float]], model_memory: dict[str, int]
-    ) -> list[tuple[int, Running, NodeTopology, tuple[str, ...]]]:
-        """The tenants that may move down for a waiter asking ``need`` (``move_down``), as
-        ``(ask per GPU, task, its node, the models it may go to)``, smallest ask first."""
+    def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:
+        """The running tasks that may move down for some waiter (``move_down``), smallest ask
+        first: one whole GPU in service, a settled hold, not moving, a known admission (its
+        model constraints), an ask by its envelope (``rebalance.move_down_ask``) and a pause it
+        may take."""
         out = []
         for running in self.running():
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
@@ -374,23 +422,19 @@ class Moves(ReplicaState):
                 continue
             topo = self.fleet.nodes.get(node_key(running.node))
             gpu = next((g for g in topo.gpus if g.index == gpu_allocs[0].gpu), None) if topo is not None else None
-            if gpu is None or (need.gpu_models and gpu.model not in need.gpu_models) or \
-                    gpu.memory_mb < need.gpu_memory_mb:
-                continue  # the waiter could not take its GPU
-            if not in_service(gpu.labels) or gpus_going_away(running, topo):
+            if topo is None or gpu is None or not in_service(gpu.labels) or gpus_going_away(running, topo):
                 continue
             known = self.submitted(running.task_id)
             if known is None:
                 continue  # its model constraints are unknown: it stays on its model
-            ask = move_down_ask(self.fingerprints.get(running.task_id), self.declared_s(running.task_id),
-                                run_progress_s(running, now()), self.settings.growth_lookahead_s)
-            models = models_below(known.gpu_models, ask, need.gpu_models, need.gpu_memory_mb, model_memory)
-            if not models:
+            fp = self.fingerprints.get(running.task_id)
+            ask = move_down_ask(fp, self.declared_s(running.task_id), run_progress_s(running, now()),
+                                self.settings.growth_lookahead_s)
+            if ask <= 0 or not self.may_pause(running, self.checkpoint_pause_s(gpu_allocs[0].memory_mb)):
                 continue
-            if not self.may_pause(running, self.checkpoint_pause_s(gpu_allocs[0].memory_mb)):
-                continue
-            out.append((ask, running, topo, models))
-        out.sort(key=lambda c: (c[0], c[1].task_id))
+            out.append(DownTenant(ask=ask, running=running, topo=topo, gpu=gpu, models=tuple(known.gpu_models),
+                                  peak=self.move_request(running, topo, fp)))
+        out.sort(key=lambda t: (t.ask, t.running.task_id))
         return out
 
     async def checkpoint(

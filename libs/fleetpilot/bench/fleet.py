@@ -623,7 +623,8 @@ class FleetRun:
         (bridged: watched by its envelope, moved up when it says), the smallest ask of up to
         ``MOVE_DOWN_TRIES`` that the policy finds a target for. The waiter then starts where
         the policy places it, after the tenant's checkpoint pause (the service's next queue
-        round, once the executor has moved the tenant). At most ``MOVES_PER_CYCLE`` moves."""
+        round, once the executor has moved the tenant). At most ``MOVES_PER_CYCLE`` moves; a
+        request that found no target spares the cycle any other that needs at least as much."""
         waiters = [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
                    and j.task.gpu_milli >= MILLI]
         if not waiters:
@@ -637,6 +638,7 @@ class FleetRun:
             if ask > 0 and self._may_pause(j, now):
                 tenants.append((ask, j.task.task_id, j))
         tenants.sort(key=lambda c: (c[0], c[1]))
+        failed: list[tuple[Demand, bool]] = []  # what found no target spares any that needs as much
         moves = 0
         for waiter in waiters:
             if moves >= MOVES_PER_CYCLE or not tenants:
@@ -654,13 +656,17 @@ class FleetRun:
                                       {m: int(mb) for m, mb in self.memory_of.items()})
                 if not models or tenant.state != "running":
                     continue
-                tried += 1
                 req = msgspec.structs.replace(self._request(tenant), gpu_memory_mb=ask, gpu_models=models,
                                               predicted_peak_mb=0.0, peak_sigma_mb=0.0)
                 hide = reservation is not None and reservation.delayed_by(task_id, self._remaining(tenant), now)
+                demand = Demand.of(req)
+                if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
+                    continue
+                tried += 1
                 with hidden(self.state, reservation if hide else None):
                     decision = self.policy.decide(self.state, req)
                 if decision.action != "assign" or not decision.placement:
+                    failed.append((demand, hide))
                     continue
                 pause = self._pause(tenant, now)
                 target = Move(task_id=task_id, row=decision.node_row,

@@ -129,3 +129,32 @@ async def test_a_run_bridged_by_its_envelope_moves_up_when_its_envelope_says_not
     assert bridged.reason.startswith("bridge:") and [p.node for p in bridged.placement] == ["small0"]
     assert stayed == ["assign"]
     assert up.action == "migrate" and [p.node for p in up.placement] == ["big"], up
+
+
+async def test_two_waiters_each_get_room_from_a_tenant_of_their_own(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("big0", gpus=1), node("big1", gpus=1),
+                              node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"s0": STEPS, "s1": STEPS, "w0": FLAT, "w1": FLAT})
+        for name in ("s0", "s1"):
+            await observer.admit(admitted(name, gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=DECLARED_S))
+        await wait_for(lambda: {"s0", "s1"} <= set(observer.by_task()), timeout_s=3.0, what="tenants placed")
+        for name in ("big0", "big1"):
+            await started_ago(observer, name, 300.0)
+        for name in ("w0", "w1"):
+            await observer.admit(admitted(name, gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=3600.0))
+        moved = lambda: [d for d in observer.decisions if d.action == "migrate"]  # noqa: E731
+        await wait_for(lambda: len(moved()) == 2, timeout_s=4.0, what="both tenants moved down")
+        await asyncio.sleep(0.7)  # more rounds: no third move
+        await confirm_moves(observer)
+        await wait_for(lambda: all(len(observer.by_task()[w]) == 2 for w in ("w0", "w1")), timeout_s=3.0,
+                       what="both waiters placed")
+    finally:
+        await policy.stop()
+    downs = [d for d in observer.decisions if d.action == "migrate"]
+    assert sorted(d.task_id for d in downs) == ["s0", "s1"]
+    assert {d.placement[0].node for d in downs} == {"small0", "small1"}
+    assert all(d.policy.name == "move-down" for d in downs)
+    assert {observer.by_task()[w][1].placement[0].node for w in ("w0", "w1")} == {"big0", "big1"}
