@@ -8,7 +8,10 @@
   process where it is restored); when a task ends, its last fingerprint is merged into its
   signature's statistics in the bucket (compare-and-set), for the next submission. A task
   killed by an OOM is not: its series stops before its peak; the most it held becomes the
-  signature's floor instead (``merge_oom``), under which no prediction goes.
+  signature's floor instead (``merge_oom``), under which no prediction goes. The end is
+  learnt ``end_grace_s`` after its event: samples come on core NATS and the event on
+  JetStream (a consumer of its own), so the run's last samples can arrive after it; a sample
+  of a run already learnt, or taken after its end, is dropped.
 - Restores: the first sample of a migrated or evicted task once it runs again, against what
   it held when it stopped, says whether its signature comes back from a checkpoint where it
   was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -47,6 +51,9 @@ class FingerprinterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_FINGERPRINTER_", extra="ignore")
 
     max_tracked_tasks: int = 100_000
+    end_grace_s: float = 2.0
+    """How long after a run's terminal ``task.lifecycle`` its end is learnt: its last samples
+    (core NATS) may still be on their way when the event (JetStream) arrives."""
 
 
 def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
@@ -58,6 +65,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # whether their signature comes back where it was: (signature, MB per GPU held when
     # stopped, when), until their first sample since.
     stopped: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+    # Runs that ended, waiting ``end_grace_s`` for their last samples: task -> (the terminal
+    # event, when it arrived on this clock). Then the runs learnt: a late sample of one is
+    # dropped instead of starting a model of a run that is over.
+    ending: OrderedDict[str, tuple[TaskLifecycle, float]] = OrderedDict()
+    ended: OrderedDict[str, None] = OrderedDict()
 
     async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
         """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
@@ -114,6 +126,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
+        end = ending.get(sample.task_id)
+        if sample.task_id in ended or (end is not None and sample.at > end[0].at):
+            return None  # the run is over (a sample after its end belongs to nothing)
         restored = stopped.get(sample.task_id)
         if restored is not None and sample.at > restored[2]:
             del stopped[sample.task_id]
@@ -141,8 +156,39 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
                                                            only_trusted=True, from_start=False)
             return
+        if life.state == "started":
+            # Placed again after its run ended (a retry): the old run is learnt now, and the
+            # new one's samples are its own.
+            if life.task_id in ending:
+                await learn_end(ending.pop(life.task_id)[0])
+            ended.pop(life.task_id, None)
+            return
         if life.state not in ("finished", "oom_killed", "failed"):
             return
+        ending[life.task_id] = (life, time.monotonic())
+
+    @host.every(max(settings.end_grace_s / 2, 0.05))
+    async def learn_ended() -> None:
+        """Learn the runs whose grace has passed since their end arrived."""
+        while ending:
+            task_id, (life, arrived) = next(iter(ending.items()))
+            if time.monotonic() - arrived < settings.end_grace_s:
+                return
+            del ending[task_id]  # before the fold: a stop cutting it short must not fold it twice
+            await learn_end(life)
+
+    @host.on_stopping
+    async def learn_all_ended() -> None:
+        """A service that stops learns what has ended rather than forget it."""
+        while ending:
+            _, (life, _) = ending.popitem(last=False)
+            await learn_end(life)
+
+    async def learn_end(life: TaskLifecycle) -> None:
+        """Fold a run that ended into its signature's statistics."""
+        ended[life.task_id] = None
+        while len(ended) > settings.max_tracked_tasks:
+            ended.popitem(last=False)
         stopped.pop(life.task_id, None)
         model = models.pop(life.task_id, None)
         if model is None or not model.signature:

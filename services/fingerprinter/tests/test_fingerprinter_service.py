@@ -26,7 +26,7 @@ def task(task_id: str) -> TaskSubmitted:
 @pytest.fixture
 async def fingerprinter(nats_server):
     """A running fingerprinter, a bus to talk to it, and every ``task.fingerprinted`` seen."""
-    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1))
+    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1, end_grace_s=0.5))
     await host.start()
     bus = await NatsBus.connect(nats_server.url, "test")
     seen: list[TaskFingerprinted] = []
@@ -59,7 +59,8 @@ async def samples_taken(bus: NatsBus, seen: list[TaskFingerprinted], marker: str
     them, under the fresh task id ``marker``, has been fingerprinted (a steady climb: read
     with confidence), they have all been fed.
     A terminal ``task.lifecycle`` (JetStream, its own consumer) can overtake samples still
-    queued, and would be learnt from a series cut short."""
+    queued; the service waits ``end_grace_s`` for them, and this makes the test independent
+    of that wait."""
     start = now()
     for t in np.arange(0, 400, 10.0):
         await bus.publish(TaskTelemetry(task_id=marker, node="n1", gpus=[0], at=start + float(t),
@@ -306,3 +307,23 @@ async def test_a_run_that_failed_partway_teaches_no_envelope(fingerprinter):
     await bus.publish(TaskLifecycle(task_id="crash-1", state="failed", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 1 and stats.envelope_mb == ()
+
+
+async def test_samples_that_arrive_after_the_run_s_end_are_learnt_and_none_taken_after_it(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("late-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.5)
+    # Its end (JetStream) overtakes its samples (core NATS): all of them arrive after it. One
+    # sample is stamped after the end: the collector read a process that had exited.
+    start = now() - 1_010.0
+    await bus.publish(TaskLifecycle(task_id="late-1", state="finished", at=start + 1_000.0))
+    growth = MemoryGrowth(pattern="steps", base_mb=8_000, peak_mb=32_000, duration_s=1_000, n_steps=4)
+    for t in np.arange(0, 1_000, 10.0):
+        await bus.publish(TaskTelemetry(task_id="late-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=float(growth.memory_at(t))))
+    await bus.publish(TaskTelemetry(task_id="late-1", node="n1", gpus=[0], at=start + 1_005.0,
+                                    memory_used_mb=90_000.0))
+    stats = await remembered(bus, task_signature(first))
+    assert stats.count == 1
+    assert abs(stats.envelope_mb[-1] - 32_000) < 500 and abs(stats.mean_peak_mb - 32_000) < 500, stats
