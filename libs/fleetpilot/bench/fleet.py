@@ -631,7 +631,8 @@ class FleetRun:
             return
         tenants = []
         for j in self.jobs:
-            if j.state != "running" or len(j.gpus) != 1 or j.milli < MILLI or self.excluded[self.offset[j.row] + j.gpus[0]]:
+            if (j.state != "running" or len(j.gpus) != 1 or j.milli < MILLI
+                    or self.excluded[self.offset[j.row] + j.gpus[0]]):
                 continue
             ask = move_down_ask(j.prediction, j.task.declared_duration_s, now - j.run_at if j.from_start else None,
                                 GROWTH_LOOKAHEAD_S)
@@ -639,6 +640,7 @@ class FleetRun:
                 tenants.append((ask, j.task.task_id, j))
         tenants.sort(key=lambda c: (c[0], c[1]))
         failed: list[tuple[Demand, bool]] = []  # what found no target spares any that needs as much
+        model_memory = {m: int(mb) for m, mb in self.memory_of.items()}
         moves = 0
         for waiter in waiters:
             if moves >= MOVES_PER_CYCLE or not tenants:
@@ -652,8 +654,7 @@ class FleetRun:
                 total = float(self.state.gpu_mem_total[tenant.row, tenant.gpus[0]])
                 if (need.gpu_models and model not in need.gpu_models) or total < need.gpu_memory_mb:
                     continue  # the waiter could not take its GPU
-                models = models_below(tenant.task.gpu_models, ask, need.gpu_models, need.gpu_memory_mb,
-                                      {m: int(mb) for m, mb in self.memory_of.items()})
+                models = models_below(tenant.task.gpu_models, ask, need.gpu_models, need.gpu_memory_mb, model_memory)
                 if not models or tenant.state != "running":
                     continue
                 req = msgspec.structs.replace(self._request(tenant), gpu_memory_mb=ask, gpu_models=models,
