@@ -742,16 +742,19 @@ class FleetRun:
                 if watch is None or watch.count < CONFIDENT_COUNT or job.bridged:
                     job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
                                                             started_at=now, refit_growth=0.5, prior=job.prediction)
+        # Whether the series sampled from now begins with the run: only then may it teach the
+        # signature's envelope (after a move the fingerprinter service starts a series anew).
+        series_from_start = job.state == "pending" and job.progress_s == 0.0
         if job.state == "pending":
             # A move keeps both: the policy service's holds carry when the run began.
-            job.from_start = job.progress_s == 0.0
+            job.from_start = series_from_start
             job.run_at = now if job.from_start else 0.0
         if job.bridged:
             job.history = deque(maxlen=3)
             if job.fingerprinter is None:
                 job.fingerprinter = OnlineFingerprinter(job.signature, expected_duration_s=t.declared_duration_s,
                                                         started_at=now, refit_growth=0.5, prior=job.prediction,
-                                                        from_start=job.from_start)
+                                                        from_start=series_from_start)
         job.state = "running"
         job.row, job.gpus, job.milli, job.reserved_mb = row, list(gpus), milli, reserve
         job.planned_mb = reserve if job.planned_mb == 0 else job.planned_mb

@@ -458,3 +458,22 @@ def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_hol
     # Without the envelope nothing says where the schedule stands: the waiter waits for its end.
     late, _ = play(with_envelope=False)
     assert late.counts["migrations_down"] == 0 and late.jobs[1].queue_s > 3000.0
+
+
+def test_a_run_moved_down_keeps_its_progress_but_teaches_no_envelope_from_where_it_went() -> None:
+    # Moved at 10 minutes, the run's envelope is still read at its progress (its hold carries
+    # when it began), but the series sampled after the move does not begin with the run: were
+    # it learnt as one, every level would be taught ten minutes early.
+    steps = BenchTask(**{**task(0, pattern="steps", peak=30_000.0, duration=3600.0).__dict__,
+                         "gpu_models": ("A100-40GB", "H100")})
+    run = FleetRun(build_fleet(A100_AND_H100), workload(steps, hours=2.0), "fleetpilot", seed=1)
+    job = run.jobs[0]
+    job.state = "pending"
+    h100 = run.node_model.index("H100")
+    run._start(job, h100, [0], 1000, 0.0)
+    assert job.from_start and job.run_at == 0.0
+    a100 = run.node_model.index("A100-40GB")
+    assert run._migrate(job, 600.0, reason="down", target=bench.Move(task_id="t0", row=a100, gpus=(0,), milli=1000),
+                        bridge=True)
+    assert job.bridged and job.from_start and job.run_at == 0.0
+    assert job.fingerprinter is not None and not job.fingerprinter.from_start
