@@ -1264,6 +1264,7 @@ def report(c: Comparison) -> str:
                  f"{f['bridged']:.0f} started on a smaller GPU and {f['migrations_bridge']:.0f} moved up in time, "
                  f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
                  f"{f['clearings']:.0f} clearings for a blocked whole-GPU task ({f['migrations_clearing']:.0f} moves), "
+                 f"{f['migrations_down']:.0f} moved down to make room for one, "
                  f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued); "
                  f"failures seen coming "
                  f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h)")

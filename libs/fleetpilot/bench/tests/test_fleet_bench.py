@@ -223,6 +223,8 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
         "fleet-three-site-seed3-queue-length.png", "fleet-three-site-seed3-utilisation.png"]
     printed = capsys.readouterr().out
     assert "seed 3" in printed and "ratio" in printed
+    moved_down = data["fleetpilot"]["details"]["migrations_down"]
+    assert f"{moved_down:.0f} moved down to make room for one" in printed
 
 
 @pytest.mark.parametrize("argv", [["--fleet", "moon"], ["--tasks", "0"], ["--seed", "x"],
