@@ -4,7 +4,8 @@ round moves the tenant to a smaller GPU its program's envelope says it fits for 
 waiter takes the large GPU once the move is done, and the moved run, watched by its envelope
 from when it began (its holds carry that across the move), is checkpointed before its step.
 A run bridged by its envelope is not moved up merely because a GPU that holds its peak is
-free: only when its envelope says it outgrows where it is."""
+free: only when its envelope says it outgrows where it is. With the executor, the move is
+carried out and the waiter runs where the tenant was."""
 
 from __future__ import annotations
 
@@ -158,3 +159,36 @@ async def test_two_waiters_each_get_room_from_a_tenant_of_their_own(observer, na
     assert {d.placement[0].node for d in downs} == {"small0", "small1"}
     assert all(d.policy.name == "move-down" for d in downs)
     assert {observer.by_task()[w][1].placement[0].node for w in ("w0", "w1")} == {"big0", "big1"}
+
+
+async def test_the_executor_carries_out_a_move_down_and_the_waiter_runs_where_the_tenant_was(
+    observer, nats_url, tmp_path
+):
+    from .test_preempt_and_resize import policy_and_executor
+
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
+    async with policy_and_executor(observer, nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2):
+        await fingerprinted(observer, {"steps": STEPS, "waiter": FLAT})
+        await observer.admit(admitted("steps", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=DECLARED_S))
+
+        async def holds() -> dict[str, list[tuple[str, str]]]:
+            return {name: [(a.task_id, a.state) for a in ledger.allocations]
+                    for name, ledger in (await observer.ledgers()).items()}
+
+        for _ in range(100):  # the executor starts it
+            if (await holds()).get("big") == [("steps", "confirmed")]:
+                break
+            await asyncio.sleep(0.05)
+        began = (await observer.ledgers())["big"].allocations[0].at
+        await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=3600.0))
+        for _ in range(200):  # moved down by the executor, the waiter started where it was
+            if await holds() == {"big": [("waiter", "confirmed")], "small0": [("steps", "confirmed")]}:
+                break
+            await asyncio.sleep(0.05)
+        ledgers = await observer.ledgers()
+    assert {name: [(a.task_id, a.state) for a in ledger.allocations] for name, ledger in ledgers.items()} == {
+        "big": [("waiter", "confirmed")], "small0": [("steps", "confirmed")]}
+    [moved] = ledgers["small0"].allocations
+    assert (moved.decision_id, moved.memory_mb, moved.run_at) == ("steps.migrate.1", 40960, began)
+    assert [d.action for d in observer.by_task()["steps"]] == ["assign", "migrate"]
+    assert [d.action for d in observer.by_task()["waiter"]] == ["queue", "assign"]
