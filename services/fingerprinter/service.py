@@ -167,22 +167,24 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             return
         ending[life.task_id] = (life, time.monotonic())
 
-    @host.every(max(settings.end_grace_s / 2, 0.05))
-    async def learn_ended() -> None:
-        """Learn the runs whose grace has passed since their end arrived."""
+    async def learn_ended(grace_s: float) -> None:
+        """Learn the runs whose end arrived at least ``grace_s`` ago, oldest first."""
         while ending:
             task_id, (life, arrived) = next(iter(ending.items()))
-            if time.monotonic() - arrived < settings.end_grace_s:
+            if time.monotonic() - arrived < grace_s:
                 return
             del ending[task_id]  # before the fold: a stop cutting it short must not fold it twice
             await learn_end(life)
 
+    @host.every(max(settings.end_grace_s / 2, 0.05))
+    async def learn_runs_past_their_grace() -> None:
+        """Learn the runs whose grace has passed since their end arrived."""
+        await learn_ended(settings.end_grace_s)
+
     @host.on_stopping
     async def learn_all_ended() -> None:
         """A service that stops learns what has ended rather than forget it."""
-        while ending:
-            _, (life, _) = ending.popitem(last=False)
-            await learn_end(life)
+        await learn_ended(0.0)
 
     async def learn_end(life: TaskLifecycle) -> None:
         """Fold a run that ended into its signature's statistics."""

@@ -61,6 +61,7 @@ from fleetpilot.policy.rebalance import (
     ResizePlan,
     Running,
     bridge_overflow,
+    could_take,
     gpus_going_away,
     migrate_decision_id,
     models_below,
@@ -70,6 +71,7 @@ from fleetpilot.policy.rebalance import (
     resize_plan,
     room_in_place,
     run_began_at,
+    run_counted_from,
     run_progress_s,
     waits_for_its_envelope,
 )
@@ -135,8 +137,8 @@ class Moves(ReplicaState):
                     end = moving[task_id][1] + self.checkpoint_pause_s(max(a.memory_mb for a in allocs))
                 else:
                     declared = self.declared_s(task_id)
-                    began = run_began_at(Running(task_id=task_id, node=ledger.node, allocations=tuple(allocs)))
-                    end = (began or min(a.at for a in allocs)) + declared if declared else math.inf
+                    running = Running(task_id=task_id, node=ledger.node, allocations=tuple(allocs))
+                    end = run_counted_from(running) + declared if declared else math.inf
                 out.append((row, [a.gpu for a in allocs], end))
         return out
 
@@ -169,8 +171,7 @@ class Moves(ReplicaState):
         declared = self.declared_s(running.task_id)
         if declared is None:
             return None
-        began = run_began_at(running) or min(a.at for a in running.allocations)
-        return max(declared - (now() - began), 0.0)
+        return max(declared - (now() - run_counted_from(running)), 0.0)
 
     def may_pause(self, running: Running, pause_s: float) -> bool:
         """Whether a clearing may pause ``running`` for ``pause_s``: not when the pause would
@@ -352,10 +353,7 @@ class Moves(ReplicaState):
         tenants = self.move_down_tenants(moved, in_flight)
         if not tenants:
             return []
-        model_memory: dict[str, int] = {}
-        for topo in self.fleet.nodes.values():
-            for g in topo.gpus:
-                model_memory[g.model] = max(model_memory.get(g.model, 0), g.memory_mb)
+        model_memory = self.gpu_memory_by_model()
         policies = self.active.current
         failed: list[tuple[Demand, bool]] = []
         out: list[DecisionMade] = []
@@ -368,13 +366,15 @@ class Moves(ReplicaState):
             if self.making_room.get(waiter.task_id) in in_flight:
                 continue  # a tenant is already moving down for it
             need = self.request(waiter)
+            # One view per waiter: ``hidden`` gives back what it masks, and only a move (which
+            # ends this waiter's turn) changes the ledger.
+            state = self.snapshot()
             tried = 0
             for tenant in tenants:
                 if tried >= MOVE_DOWN_TRIES:
                     break
-                if (need.gpu_models and tenant.gpu.model not in need.gpu_models) or \
-                        tenant.gpu.memory_mb < need.gpu_memory_mb:
-                    continue  # the waiter could not take its GPU
+                if not could_take(need, tenant.gpu.model, tenant.gpu.memory_mb):
+                    continue
                 models = models_below(tenant.models, tenant.ask, need.gpu_models, need.gpu_memory_mb, model_memory)
                 if not models:
                     continue
@@ -387,7 +387,6 @@ class Moves(ReplicaState):
                 if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
                     continue
                 tried += 1
-                state = self.snapshot()
                 with hidden(state, kept if hide else None):
                     choice = policies.guarded[policies.default].decide(state, req)
                 if choice.action != "assign" or not choice.placement:

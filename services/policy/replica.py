@@ -179,8 +179,8 @@ class ReplicaState:
         self.making_room: OrderedDict[str, str] = OrderedDict()
         # Per policy, the correction of its confidence learnt from the feedback totals.
         self.calibration = ConfidenceCalibration()
-        # ``largest_gpu_mb`` per model set, valid for one topology version.
-        self._largest: dict[tuple[str, ...], int] = {}
+        # ``gpu_memory_by_model``, valid for one topology version.
+        self._largest: dict[str, int] = {}
         self._largest_at = -1
         # ``running`` as of one ledger version.
         self._running: list[Running] = []
@@ -379,15 +379,22 @@ class ReplicaState:
                                      from_start=requeue is None)
         return [plain] if bridge is None else [plain, bridge]
 
+    def gpu_memory_by_model(self) -> dict[str, int]:
+        """The memory of the largest GPU of each model in the fleet, worked out again only
+        when the topology changed."""
+        if self._largest_at != self.fleet.version:
+            largest: dict[str, int] = {}
+            for topo in self.fleet.nodes.values():
+                for g in topo.gpus:
+                    largest[g.model] = max(largest.get(g.model, 0), g.memory_mb)
+            self._largest, self._largest_at = largest, self.fleet.version
+        return self._largest
+
     def largest_gpu_mb(self, models: tuple[str, ...]) -> int:
         """The memory of the largest GPU in the fleet of one of ``models`` (any model when
         empty); 0 when the fleet has none."""
-        if self._largest_at != self.fleet.version:
-            self._largest, self._largest_at = {}, self.fleet.version
-        if models not in self._largest:
-            gpus = (g for topo in self.fleet.nodes.values() for g in topo.gpus)
-            self._largest[models] = max((g.memory_mb for g in gpus if not models or g.model in models), default=0)
-        return self._largest[models]
+        by_model = self.gpu_memory_by_model()
+        return max((mb for m, mb in by_model.items() if not models or m in models), default=0)
 
     def bridge_hold_mb(self, state: ClusterState, choice: PolicyDecision, plain: TaskRequest, ask_mb: int) -> int:
         """GPU memory a bridged task holds on each chosen GPU: what the least free of them has

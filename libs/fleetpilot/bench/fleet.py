@@ -150,6 +150,7 @@ from fleetpilot.policy.rebalance import (
     OVERFLOW_FILL,
     SMOOTH_GROWTH,
     bridge_watches,
+    could_take,
     envelope_bridge_mb,
     models_below,
     move_down_ask,
@@ -650,10 +651,9 @@ class FleetRun:
             for ask, task_id, tenant in list(tenants):
                 if tried >= MOVE_DOWN_TRIES:
                     break
-                model = self.node_model[tenant.row]
-                total = float(self.state.gpu_mem_total[tenant.row, tenant.gpus[0]])
-                if (need.gpu_models and model not in need.gpu_models) or total < need.gpu_memory_mb:
-                    continue  # the waiter could not take its GPU
+                total = int(self.state.gpu_mem_total[tenant.row, tenant.gpus[0]])
+                if not could_take(need, self.node_model[tenant.row], total):
+                    continue
                 models = models_below(tenant.task.gpu_models, ask, need.gpu_models, need.gpu_memory_mb, model_memory)
                 if not models or tenant.state != "running":
                     continue

@@ -60,6 +60,8 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import envelope_at
 from fleetpilot.ledger import free_capacity
 
+from .state import TaskRequest
+
 # The operational labels, as the contracts name them.
 CORDONED = GPU_LABEL_CORDONED
 DECOMMISSIONED = GPU_LABEL_DECOMMISSIONED
@@ -335,6 +337,12 @@ def run_began_at(task: Running) -> float:
     return min((a.run_at for a in task.allocations if a.run_at > 0), default=0.0)
 
 
+def run_counted_from(task: Running) -> float:
+    """When a running task's declared duration is counted from, to tell when it ends: when its
+    run began (``run_began_at``), else when its holds were reserved."""
+    return run_began_at(task) or min(a.at for a in task.allocations)
+
+
 def run_progress_s(task: Running, at: float) -> float | None:
     """How far into its run a running task is at ``at`` (``run_began_at``), ``None`` when
     unknown. Overstated by the checkpoint pauses of its moves and by a reservation made before
@@ -364,6 +372,12 @@ def move_down_ask(fp: Fingerprint | None, declared_s: float | None, progress_s: 
     if progress_s is None or not declared_s or declared_s - progress_s < MOVE_DOWN_LEFT_S:
         return 0
     return envelope_stay_mb(fp, declared_s, progress_s, lookahead_s)
+
+
+def could_take(need: TaskRequest, model: str, memory_mb: int) -> bool:
+    """Whether a waiter asking ``need`` could take a GPU of ``model`` with ``memory_mb`` once its
+    tenant leaves it: a model it accepts (any when it names none), room for what it asks."""
+    return (not need.gpu_models or model in need.gpu_models) and memory_mb >= need.gpu_memory_mb
 
 
 def models_below(tenant_models: Sequence[str], tenant_ask_mb: int, waiter_models: Sequence[str],

@@ -42,17 +42,24 @@ async def confirm_moves(observer) -> None:
         await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=kept)))
 
 
+async def steps_on_the_h100_and_a_waiter(observer, started_s: float) -> float:
+    """The step schedule placed (on the H100) and started ``started_s`` ago, then a 60 GB task
+    admitted that only the H100 holds; when the step schedule's run began."""
+    await fingerprinted(observer, {"steps": STEPS, "waiter": FLAT})
+    await observer.admit(admitted("steps", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=DECLARED_S))
+    await wait_for(lambda: "steps" in observer.by_task(), timeout_s=3.0, what="steps placed")
+    await started_ago(observer, "big", started_s)
+    began = (await observer.ledgers())["big"].allocations[0].at
+    await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=3600.0))
+    return began
+
+
 async def test_a_tenant_in_its_low_phase_moves_down_for_a_task_only_its_gpu_holds(observer, nats_url, tmp_path):
     await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await fingerprinted(observer, {"steps": STEPS, "waiter": FLAT})
-        await observer.admit(admitted("steps", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=DECLARED_S))
-        await wait_for(lambda: "steps" in observer.by_task(), timeout_s=3.0, what="steps placed")
-        await started_ago(observer, "big", 300.0)  # 5 minutes into its run
-        began = (await observer.ledgers())["big"].allocations[0].at
-        await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=3600.0))
+        began = await steps_on_the_h100_and_a_waiter(observer, 300.0)  # 5 minutes into its run
         await wait_for(lambda: len(observer.by_task()["steps"]) == 2, timeout_s=4.0, what="steps moved down")
         await asyncio.sleep(0.7)  # more rounds: no second move while this one is in flight
         in_flight = [d.action for d in observer.by_task()["steps"]]
@@ -94,11 +101,7 @@ async def test_a_tenant_whose_envelope_steps_within_the_quarter_hour_is_not_move
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.2, pending_retry_s=0.1))
     await policy.start()
     try:
-        await fingerprinted(observer, {"steps": STEPS, "waiter": FLAT})
-        await observer.admit(admitted("steps", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=DECLARED_S))
-        await wait_for(lambda: "steps" in observer.by_task(), timeout_s=3.0, what="steps placed")
-        await started_ago(observer, "big", 1500.0)
-        await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=3600.0))
+        await steps_on_the_h100_and_a_waiter(observer, 1500.0)
         await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
         await asyncio.sleep(1.0)  # rounds
     finally:
