@@ -62,6 +62,7 @@ from fleetpilot.policy.rebalance import (
     Running,
     bridge_overflow,
     could_take,
+    envelope_progress_s,
     gpus_going_away,
     migrate_decision_id,
     models_below,
@@ -223,7 +224,7 @@ class Moves(ReplicaState):
                 continue
             if not gpus_going_away(running, topo) and waits_for_its_envelope(
                     running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
-                    run_progress_s(running, now()), self.declared_s(running.task_id),
+                    envelope_progress_s(running, now()), self.declared_s(running.task_id),
                     self.settings.growth_lookahead_s):
                 continue  # below its peak, but its envelope says it fits here a while yet
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
@@ -332,8 +333,8 @@ class Moves(ReplicaState):
         On a fleet where only the largest GPUs hold the peaks of some programs, those GPUs
         are mostly held by such programs in a phase a smaller GPU would hold (a step schedule
         before its big step, a run restored low), while tasks that need them wait for hours.
-        A tenant qualifies with a fingerprint whose envelope is known, its progress known
-        (``run_progress_s``), ``MOVE_DOWN_LEFT_S`` of its run left, a pause it may take
+        A tenant qualifies with a fingerprint whose envelope is known and read at its progress
+        (``envelope_progress_s``: not for a run restored from a checkpoint), ``MOVE_DOWN_LEFT_S`` of its run left, a pause it may take
         (``may_pause``) and one whole GPU the waiter could take (a model it accepts, with room
         for its request). Of those, up to ``MOVE_DOWN_TRIES`` with the smallest ask are offered
         to the default policy, restricted to the models below, until one finds a target; it
@@ -427,7 +428,7 @@ class Moves(ReplicaState):
             if known is None:
                 continue  # its model constraints are unknown: it stays on its model
             fp = self.fingerprints.get(running.task_id)
-            ask = move_down_ask(fp, self.declared_s(running.task_id), run_progress_s(running, now()),
+            ask = move_down_ask(fp, self.declared_s(running.task_id), envelope_progress_s(running, now()),
                                 self.settings.growth_lookahead_s)
             if ask <= 0 or not self.may_pause(running, self.checkpoint_pause_s(gpu_allocs[0].memory_mb)):
                 continue
@@ -450,8 +451,7 @@ class Moves(ReplicaState):
         fp = self.fingerprints.get(running.task_id)
         # Where its program's envelope is read (``bridge_overflow``): the time since its run
         # began, which its holds carry across moves.
-        progress = run_progress_s(running, now())
-        why = bridge_overflow(running, topo, ledger, fp, samples, progress,
+        why = bridge_overflow(running, topo, ledger, fp, samples, envelope_progress_s(running, now()),
                               adm.task.expected_duration_s if adm is not None else None,
                               self.settings.growth_lookahead_s)
         if why is None or self.pending is None:
@@ -468,7 +468,8 @@ class Moves(ReplicaState):
         floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)),
                                 min(room_in_place(running, topo, ledger).values()))
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
-                       reason=f"checkpointed: {why}", bridge_floor_mb=floor)
+                       reason=f"checkpointed: {why}", bridge_floor_mb=floor,
+                       progress_s=run_progress_s(running, now()) or 0.0)
         try:
             await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
         except CasConflict:

@@ -522,9 +522,9 @@ class ReplicaState:
                     return None  # another delivery of this task reserved meanwhile
                 if not placement_fits(topo, current, placement, task.cpu_milli, task.memory_mb):
                     return None
-                # A first placement starts the run; a re-placement restores one whose progress
-                # before its stop the ledger does not know.
-                run_at = now() if requeue is None else 0.0
+                # A first placement starts the run; a re-placement restores one from where its
+                # checkpoint left it, unknown (0) when the checkpoint did not say.
+                run_at = now() if requeue is None else requeue.run_began_at(now())
                 return with_allocations(current, node, allocations_for(task, decision_id, placement, run_at))
 
             try:

@@ -23,8 +23,9 @@ class Allocation(Record, frozen=True, kw_only=True):
     at: float = 0.0
     # When the run this hold carries began: its first placement's reservation, carried to the
     # target of every move, so the rebalancer knows how far into its run a moved task is (where
-    # its program's envelope is read). 0 when unknown: a run restored from a checkpoint after
-    # it was queued again, whose progress before the stop the ledger does not hold.
+    # its program's envelope is read). A run restored from a checkpoint began that long before
+    # its restore (``Requeue.progress_s``). 0 when unknown: a run queued again by a stop whose
+    # progress nobody recorded.
     run_at: float = 0.0
 
 

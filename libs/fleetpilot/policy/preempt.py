@@ -241,6 +241,16 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     schedule comes back from its checkpoint where it was) die of OOM at its next step; one
     preempted or evicted by the executor asks what it held when stopped, on which it comes
     back. Nothing when its signature's restores have mostly started over."""
+    progress_s: float = 0.0
+    """How far its run had got when it was checkpointed (``rebalance.run_progress_s``), 0 when
+    unknown or when it was stopped without a checkpoint: restored, it goes on from there, so
+    its new holds say its run began that long before they were reserved
+    (``Allocation.run_at``), and its program's envelope is read where the run stands."""
+
+    def run_began_at(self, restored_at: float) -> float:
+        """When the run restored at ``restored_at`` began, as its new holds carry it
+        (``Allocation.run_at``): ``progress_s`` before; 0 when its progress is unknown."""
+        return restored_at - self.progress_s if self.progress_s > 0 else 0.0
 
 
 class _Envelope(msgspec.Struct):

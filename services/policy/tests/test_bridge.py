@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 from fleetpilot.contracts import (
     Allocation,
     Fingerprint,
@@ -310,6 +311,17 @@ async def test_a_step_schedule_is_bridged_by_its_envelope_and_checkpointed_befor
     assert "60000 MB per GPU by 21 min" in evict.reason and "envelope" in evict.reason, evict.reason
 
 
+async def started_and_checkpointed(observer, task_id: str, fp: Fingerprint) -> None:
+    """Admit a 40-minute task of ``fp`` that the policy bridges onto the A100 ``small0`` (the
+    H100 held), have the executor start it 1,000 s ago, and wait for its checkpoint: within the
+    lookahead its envelope steps past the A100."""
+    await fingerprinted(observer, {task_id: fp})
+    await observer.admit(admitted(task_id, gpu_milli=1000, gpu_memory_mb=ASK_MB, expected_duration_s=2400.0))
+    await wait_for(lambda: task_id in observer.by_task(), timeout_s=3.0, what=f"{task_id} decided")
+    await started_ago(observer, "small0", 1000.0)
+    await wait_for(lambda: len(observer.by_task()[task_id]) == 2, timeout_s=3.0, what=f"{task_id} checkpointed")
+
+
 async def test_a_step_schedule_voted_a_line_is_watched_by_its_envelope_too(observer, nats_url, tmp_path):
     # The fingerprinter's vote named a line for a program whose runs held 30 GB for half their
     # 40 minutes, then 60 GB. Bridged by its rate onto an A100, it sits flat between its steps:
@@ -320,14 +332,37 @@ async def test_a_step_schedule_voted_a_line_is_watched_by_its_envelope_too(obser
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await fingerprinted(observer, {"line": voted})
-        await observer.admit(admitted("line", gpu_milli=1000, gpu_memory_mb=ASK_MB, expected_duration_s=2400.0))
-        await wait_for(lambda: "line" in observer.by_task(), timeout_s=3.0, what="line decided")
-        await started_ago(observer, "small0", 1000.0)
-        await wait_for(lambda: len(observer.by_task()["line"]) == 2, timeout_s=3.0, what="line checkpointed")
+        await started_and_checkpointed(observer, "line", voted)
     finally:
         await policy.stop()
     bridged, evict = observer.by_task()["line"]
     assert bridged.action == "assign" and bridged.reason.startswith("bridge: starts on its ask of 20000 MB")
     assert (evict.action, evict.policy.name) == ("evict", "checkpoint")
     assert "60000 MB per GPU by 21 min" in evict.reason and "envelope" in evict.reason, evict.reason
+
+
+async def test_a_checkpointed_step_schedule_is_restored_with_its_progress_on_its_new_hold(
+    observer, nats_url, tmp_path
+):
+    # Checkpointed 1,000 s into its run before the step that outgrows its A100, the schedule
+    # comes back from its checkpoint where it stood: its restored hold says its run began
+    # 1,000 s before the restore, so its declared run is counted from there, not from anew.
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    stepped = msgspec.structs.replace(fingerprint("steps"), envelope_mb=(30_000.0,) * 10 + (PEAK_MB,) * 10)
+    pending = await observer.js.key_value("pending")
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await started_and_checkpointed(observer, "steps", stepped)
+        _, requeue = decode_pending((await pending.get("steps")).value)
+        # The executor stops it and the H100 frees: it is placed again there.
+        await observer.kv_put("ledger", "small0", encode(NodeLedger(node="small0", allocations=[])))
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await wait_for(lambda: len(observer.by_task()["steps"]) == 3, timeout_s=3.0, what="steps placed again")
+        restored = (await observer.ledgers())["big"].allocations
+    finally:
+        await policy.stop()
+    assert requeue is not None and 1000.0 <= requeue.progress_s < 1010.0
+    assert [(a.task_id, a.decision_id) for a in restored] == [("steps", "steps.assign.2")]
+    assert restored[0].run_at == pytest.approx(restored[0].at - requeue.progress_s, abs=0.5)

@@ -38,6 +38,7 @@ from fleetpilot.policy.rebalance import (
     bridge_overflow,
     envelope_bridge_mb,
     envelope_overflow,
+    envelope_progress_s,
     generation,
     growth_overflow,
     is_first_placement,
@@ -47,6 +48,7 @@ from fleetpilot.policy.rebalance import (
     move_reason,
     resize_decision_id,
     resize_plan,
+    run_counted_from,
     run_progress_s,
     waits_for_its_envelope,
 )
@@ -347,6 +349,24 @@ def test_a_run_s_progress_is_read_from_its_first_hold_or_from_when_its_moves_say
     assert run_progress_s(first, 1000.0) == 900.0
     assert run_progress_s(moved, 1000.0) == 900.0  # from when the run began, not the move
     assert run_progress_s(restored, 1000.0) is None  # its progress before the stop is unknown
+
+
+def test_a_run_restored_from_its_checkpoint_ends_by_its_progress_but_its_envelope_is_not_read():
+    # Checkpointed 600 s into its run and placed again at 900 s: its restored holds say it
+    # began at 300 s, and its declared run is counted from there, not from its restore.
+    note = Requeue(decision_id="t.assign.2", evict_id="t.evict.1", progress_s=600.0)
+    assert note.run_began_at(900.0) == 300.0
+    assert Requeue(decision_id="t.assign.2").run_began_at(900.0) == 0.0  # stopped, progress unknown
+    restored = Running("t", "x", (msgspec.structs.replace(hold("t", 0, decision="t.assign.2", at=900.0),
+                                                          run_at=note.run_began_at(900.0)),))
+    moved = Running("t", "x", (msgspec.structs.replace(hold("t", 0, decision="t.assign.2.migrate.1", at=950.0),
+                                                       run_at=300.0),))
+    for run in (restored, moved):
+        assert run_progress_s(run, 1000.0) == 700.0
+        assert run_counted_from(run) == 300.0
+        assert envelope_progress_s(run, 1000.0) is None
+    first = Running("t", "x", (hold("t", 0, at=100.0),))
+    assert envelope_progress_s(first, 1000.0) == 900.0
 
 
 def test_a_tenant_moves_down_only_in_a_phase_its_envelope_holds_below_with_half_an_hour_left():
