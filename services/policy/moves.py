@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -44,12 +45,15 @@ from fleetpilot.ledger import free_capacity
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import (
+    MAKE_WAY_PER_ROUND,
     Demand,
     Reservation,
     Tenant,
     clearing,
     gpu_free_at,
     hidden,
+    makes_way,
+    queue_key,
     reserve,
     wide_hosts,
 )
@@ -98,6 +102,20 @@ class DownTenant:
     gpu: GpuInfo
     models: tuple[str, ...]
     peak: TaskRequest
+
+
+@dataclass(frozen=True)
+class WayTenant:
+    """A running task that may be checkpointed to make way for a waiter (``Moves.make_way``):
+    its queue key as if it waited with the run it has left, that run, its checkpoint pause,
+    its admission, where it runs."""
+
+    key: tuple[int, float]
+    left_s: float
+    pause_s: float
+    adm: TaskAdmitted
+    running: Running
+    gpu: GpuInfo
 
 
 class Moves(ReplicaState):
@@ -238,6 +256,9 @@ class Moves(ReplicaState):
         budget = self.settings.max_migrations_per_round - len(out)
         if budget > 0:
             out.extend(await self.move_down(budget, {d.task_id for d in out}))
+        budget = min(self.settings.max_migrations_per_round - len(out), MAKE_WAY_PER_ROUND)
+        if budget > 0:
+            out.extend(await self.make_way(budget, {d.task_id for d in out}))
         return out
 
     async def clear_for_reservation(self, budget: int, moved: set[str]) -> list[DecisionMade]:
@@ -358,14 +379,10 @@ class Moves(ReplicaState):
         policies = self.active.current
         failed: list[tuple[Demand, bool]] = []
         out: list[DecisionMade] = []
-        for adm in self.blocked:
+        for adm in self.waiting_for_room(in_flight):
             if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
-            if waiter.gpus != 1 or waiter.gpu_milli < MILLI or self.ledger.holds_of(waiter.task_id) is not None:
-                continue  # only a single whole GPU is made room for; or placed since the round
-            if self.making_room.get(waiter.task_id) in in_flight:
-                continue  # a tenant is already moving down for it
             need = self.request(waiter)
             # One view per waiter: ``hidden`` gives back what it masks, and only a move (which
             # ends this waiter's turn) changes the ledger.
@@ -403,10 +420,114 @@ class Moves(ReplicaState):
                 if decision is None:
                     continue
                 log.info("%s: %s", tenant.running.task_id, why)
-                self.remember(self.making_room, waiter.task_id, tenant.running.task_id, limit=10_000)
+                self.remember(self.making_room, waiter.task_id, (tenant.running.task_id, now()), limit=10_000)
                 out.append(decision)
                 tenants = [t for t in tenants if t is not tenant]
                 break
+        return out
+
+    def waiting_for_room(self, in_flight: dict[str, tuple[str, float]]) -> Iterator[TaskAdmitted]:
+        """The blocked tasks a round may make room for, in the queue's order: a single whole
+        GPU each, not placed since the last retry round, no room coming for it yet (read as
+        each is reached: a round makes room for one waiter at a time)."""
+        for adm in self.blocked:
+            task = adm.task
+            if (task.gpus == 1 and task.gpu_milli >= MILLI and self.ledger.holds_of(task.task_id) is None
+                    and not self.room_coming(task.task_id, in_flight)):
+                yield adm
+
+    def room_coming(self, waiter_id: str, in_flight: dict[str, tuple[str, float]]) -> bool:
+        """Whether this replica has made room for ``waiter_id`` that is not there yet: the
+        tenant it moved down is still moving (``in_flight``), or the tenant it checkpointed
+        still holds its GPU, for at most ``evict_timeout_s``."""
+        made = self.making_room.get(waiter_id)
+        if made is None:
+            return False
+        tenant, at = made
+        if tenant in in_flight:
+            return True
+        return self.ledger.holds_of(tenant) is not None and now() - at < self.settings.evict_timeout_s
+
+    async def make_way(self, budget: int, moved: set[str]) -> list[DecisionMade]:
+        """``evict`` decisions that make way for whole-GPU tasks the last queue round found no
+        place for (``blocked``): for each, in the queue's order, of the running tasks alone on
+        a GPU it could take, the one with the most run left that ``backfill.makes_way`` says
+        should give way (the queue's order puts the waiter first, and the tenant has at least
+        ``MAKE_WAY_FACTOR`` times the waiter's run and its own pause left) is checkpointed (the
+        executor's SIGTERM, on which a trainer checkpoints) and queued again with its progress
+        (``Requeue.progress_s``). At most ``budget`` evictions; ``moved`` already have a
+        decision.
+
+        Where the largest GPUs are the bottleneck, a run that holds one for hours while tasks
+        that need it for minutes wait adds hours to each of their waits; giving way costs it
+        their runs and a checkpoint pause. The waiting task is not placed here: once the
+        executor has stopped the tenant and released its GPU, the next queue round places it
+        (the queue's order puts it before the tenant). Until then no other tenant gives way,
+        or moves down, for it on this replica (``room_coming``)."""
+        if not self.blocked or self.pending is None or self.admissions is None:
+            return []
+        in_flight = self.moves_in_flight()
+        tenants = self.way_tenants(moved, in_flight)
+        out: list[DecisionMade] = []
+        for adm in self.waiting_for_room(in_flight):
+            if len(out) >= budget or not tenants:
+                break
+            waiter = adm.task
+            need = self.request(waiter)
+            left = self.blocked_left_s(adm)
+            first = queue_key(adm.contract.tier, adm.admitted_at, left)
+            best: WayTenant | None = None
+            for tenant in tenants:
+                if (could_take(need, tenant.gpu.model, tenant.gpu.memory_mb)
+                        and (best is None or tenant.left_s > best.left_s)
+                        and makes_way(first, left, tenant.key, tenant.left_s, tenant.pause_s)):
+                    best = tenant
+            if best is None:
+                continue
+            why = (f"checkpointed to make way for {waiter.task_id}, which waits for a GPU that holds "
+                   f"{need.gpu_memory_mb} MB and declares {left:.0f} s of run: this run has {best.left_s:.0f} s left")
+            note = Requeue(decision_id=reassign_decision_id(best.running), evict_id=evict_decision_id(best.running),
+                           at=now(), reason=why,
+                           bridge_floor_mb=await self.restore_floor_mb(best.adm.task),
+                           progress_s=run_progress_s(best.running, now()) or 0.0)
+            decision = await self.stop_and_queue(best.running, best.adm, note, "make-way", self.settings.evict_success,
+                                                 why)
+            if decision is None:
+                continue
+            log.info("%s: %s", best.running.task_id, why)
+            self.remember(self.making_room, waiter.task_id, (best.running.task_id, now()), limit=10_000)
+            out.append(decision)
+            tenants = [t for t in tenants if t is not best]
+        return out
+
+    def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[WayTenant]:
+        """The running tasks that may give way to some waiter (``make_way``): one whole GPU in
+        service that no other task shares, a settled hold at or above its predicted peak (a run
+        below it is a bridge, watched to move up), not moving, a known admission with a
+        declared run, and a pause it may take."""
+        out = []
+        for running in self.running():
+            gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
+            if (running.task_id in moved or running.task_id in in_flight or len(gpu_allocs) != 1
+                    or gpu_allocs[0].milli < MILLI):
+                continue
+            hold = gpu_allocs[0]
+            topo = self.fleet.nodes.get(node_key(running.node))
+            ledger = self.ledger.nodes.get(node_key(running.node))
+            gpu = next((g for g in topo.gpus if g.index == hold.gpu), None) if topo is not None else None
+            if (topo is None or ledger is None or gpu is None or not in_service(gpu.labels)
+                    or gpus_going_away(running, topo)
+                    or any(a.gpu == hold.gpu and a.task_id != running.task_id for a in ledger.allocations)):
+                continue
+            fp = self.fingerprints.get(running.task_id)
+            adm = self.admissions.of(running.task_id) if self.admissions is not None else None
+            left = self.remaining_s(running)
+            pause = self.checkpoint_pause_s(hold.memory_mb)
+            if (adm is None or left is None or (fp is not None and hold.memory_mb < fp.predicted_peak_mb)
+                    or not self.may_pause(running, pause)):
+                continue
+            out.append(WayTenant(key=queue_key(adm.contract.tier, adm.admitted_at, left), left_s=left,
+                                 pause_s=pause, adm=adm, running=running, gpu=gpu))
         return out
 
     def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:
@@ -460,28 +581,39 @@ class Moves(ReplicaState):
             log.warning("%s will outgrow its GPU with nowhere to go, but its admission is unknown: not "
                         "checkpointed (%s)", running.task_id, why)
             return None
-        evict_id = evict_decision_id(running)
-        if await self.journaled(evict_id):
-            return None  # that eviction was tried: its outcome decides
         # Bridged again, it is given more room than it is outgrowing here, unless its
         # signature's restores have mostly started over (the fingerprinter counts them).
         floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)),
                                 min(room_in_place(running, topo, ledger).values()))
-        note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_id, at=now(),
+        note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_decision_id(running), at=now(),
                        reason=f"checkpointed: {why}", bridge_floor_mb=floor,
                        progress_s=run_progress_s(running, now()) or 0.0)
+        return await self.stop_and_queue(running, adm, note, "checkpoint",
+                                         float(reason.p_stay_fails * self.settings.evict_success),
+                                         f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}")
+
+    async def stop_and_queue(
+        self, running: Running, adm: TaskAdmitted, note: Requeue, policy: str, confidence: float, why: str
+    ) -> DecisionMade | None:
+        """The ``evict`` (``note.evict_id``, decided by ``policy`` for ``why``) that stops
+        ``running`` so that it is placed again as ``note`` says, its ``pending`` entry written
+        first (create-only), as a preemption's: ``None`` when the eviction was tried already or
+        the task is queued already."""
+        assert self.pending is not None
+        if await self.journaled(note.evict_id):
+            return None  # that eviction was tried: its outcome decides
         try:
             await self.pending.create(node_key(running.task_id), encode_pending(adm, note))
         except CasConflict:
             return None  # another replica (or an earlier round) queued it already
         return DecisionMade(
-            decision_id=evict_id,
+            decision_id=note.evict_id,
             task_id=running.task_id,
             action="evict",
             source=running.placements(),
-            confidence=float(reason.p_stay_fails * self.settings.evict_success),
-            policy=PolicyRef(name="checkpoint"),
-            reason=f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}",
+            confidence=confidence,
+            policy=PolicyRef(name=policy),
+            reason=why,
             decided_at=now(),
             task=adm.task,
             contract=adm.contract,

@@ -36,7 +36,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.preempt import Requeue
+from fleetpilot.policy.preempt import Requeue, run_left_s
 from fleetpilot.policy.rebalance import (
     SMOOTH_GROWTH,
     Running,
@@ -174,9 +174,12 @@ class ReplicaState:
         # The tasks the last queue round found no place for, in the queue's order: the
         # rebalancer may move a tenant down to make room for one (``Moves.move_down``).
         self.blocked: list[TaskAdmitted] = []
-        # Waiter -> the tenant this replica moved down to make room for it: no other moves
-        # down for the same waiter while that move is in flight.
-        self.making_room: OrderedDict[str, str] = OrderedDict()
+        # How far the runs of blocked tasks restored from a checkpoint had got
+        # (``Requeue.progress_s``): what is left of them orders the queue.
+        self.blocked_progress: dict[str, float] = {}
+        # Waiter -> the tenant this replica moved down or checkpointed to make room for it, and
+        # when: no other makes room for the same waiter while that is under way.
+        self.making_room: OrderedDict[str, tuple[str, float]] = OrderedDict()
         # Per policy, the correction of its confidence learnt from the feedback totals.
         self.calibration = ConfidenceCalibration()
         # ``gpu_memory_by_model``, valid for one topology version.
@@ -241,6 +244,11 @@ class ReplicaState:
         A re-proposal under such an id would be dropped by the stream's duplicate window or
         the journal, and its fresh reservation would then be held until the task ends."""
         return await self.taken_at(decision_id) is not None
+
+    def blocked_left_s(self, adm: TaskAdmitted) -> float | None:
+        """What is left of a blocked task's declared run: its ``expected_duration_s`` less the
+        progress its checkpoint kept (``blocked_progress``); ``None`` when it declared none."""
+        return run_left_s(adm, self.blocked_progress.get(adm.task.task_id, 0.0))
 
     # ---- views --------------------------------------------------------------------------
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:

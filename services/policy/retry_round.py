@@ -23,7 +23,7 @@ from typing import Self
 import msgspec
 from fleetpilot.contracts import DecisionMade, TaskAdmitted, now
 from fleetpilot.policy.backfill import Demand, queue_key
-from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending
+from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending, run_left_s
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, KvEntry, Retry
 
@@ -34,11 +34,12 @@ from .settings import PolicySettings
 log = logging.getLogger("fleetpilot.policy")
 
 
-def queue_position(adm: TaskAdmitted) -> tuple[int, float, float]:
+def queue_position(adm: TaskAdmitted, progress_s: float = 0.0) -> tuple[int, float, float]:
     """Where a waiting task stands: ``backfill.queue_key`` (vip first; within a tier, the
     earliest expected completion had it started on admission, so short work does not queue
-    behind long work that came about the same time and nothing starves), then admission."""
-    return (*queue_key(adm.contract.tier, adm.admitted_at, adm.task.expected_duration_s), adm.admitted_at)
+    behind long work that came about the same time and nothing starves), then admission. A
+    task restored from a checkpoint counts the run it has left (``run_left_s``)."""
+    return (*queue_key(adm.contract.tier, adm.admitted_at, run_left_s(adm, progress_s)), adm.admitted_at)
 
 
 class PendingQueue:
@@ -109,6 +110,8 @@ class RetryRound:
     # The tasks that found no place this round, skipped ones included: the reservation's
     # owner is chosen among them once the round is over.
     blocked: list[TaskAdmitted] = field(default_factory=list)
+    # How far the waiting tasks restored from a checkpoint had got (``Requeue.progress_s``).
+    progress: dict[str, float] = field(default_factory=dict)
 
     async def collect(self) -> None:
         """Read every entry; keep those this round may place, in the queue's order."""
@@ -155,7 +158,9 @@ class RetryRound:
                 self.leaving.add(adm.task.task_id)
                 continue
             self.waiting.append(Waiting(adm, requeue, entry, value))
-        self.waiting.sort(key=lambda w: queue_position(w.adm))
+            if requeue is not None and requeue.progress_s > 0:
+                self.progress[adm.task.task_id] = requeue.progress_s
+        self.waiting.sort(key=lambda w: queue_position(w.adm, self.progress.get(w.adm.task.task_id, 0.0)))
 
     async def _forget(self, entry: KvEntry) -> None:
         # Only the entry as read: one written since (claimed by a replica taking it over,
@@ -175,7 +180,8 @@ class RetryRound:
                 # evicted task would otherwise come straight back where it was).
                 continue
             held = ps.reservation
-            hide = held is not None and held.delayed_by(adm.task.task_id, adm.task.expected_duration_s, now())
+            left = run_left_s(adm, self.progress.get(adm.task.task_id, 0.0))
+            hide = held is not None and held.delayed_by(adm.task.task_id, left, now())
             # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
             demands = [Demand.of(r) for r in ps.requests(adm.task, w.requeue)]
             if adm.contract.tier != "vip" and all(
@@ -213,4 +219,4 @@ class RetryRound:
         among those that found no place (expected completion bounds how long anything is
         overtaken, wide tasks included)."""
         wide = [a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        return min(wide, key=queue_position, default=None)
+        return min(wide, key=lambda a: queue_position(a, self.progress.get(a.task.task_id, 0.0)), default=None)

@@ -40,7 +40,10 @@ Around that core (see ``README.md``):
   left to the OOM kill;
 * a blocked task of one whole GPU gets room from a tenant of a GPU it could take, moved down
   to a GPU model the waiter cannot take where its program's envelope says it fits a while
-  (``Moves.move_down``), and moved up again by that envelope;
+  (``Moves.move_down``), and moved up again by that envelope; failing that, a run alone on
+  such a GPU with at least three times the waiter's run (and its pause) left, that the queue's
+  order puts after the waiter, is checkpointed and queued again with its progress
+  (``Moves.make_way``, ``backfill.makes_way``);
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
@@ -306,6 +309,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         owner = round_.reservation_owner()
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
         ps.blocked = round_.blocked
+        ps.blocked_progress = round_.progress
         return round_.out
 
     def opened() -> Bus:

@@ -68,6 +68,12 @@ the bus out of service. No preemption (no PriorityClasses are set).
   half an hour of its run left, moves there, bridged and watched by its envelope, and the
   waiter starts after the tenant's checkpoint pause (``_move_down``, the policy service's
   ``Moves.move_down``);
+- making way: for each blocked task of one whole GPU still waiting, the running task alone on
+  a GPU it could take with the most run left is checkpointed and queued again (progress
+  kept), and the waiter starts after its pause, when the queue's order puts the waiter first
+  and the tenant has at least three times the waiter's run and its pause left
+  (``backfill.makes_way``: shortest remaining work first, made preemptive; the policy
+  service's ``Moves.make_way``);
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
@@ -132,6 +138,7 @@ from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
 from fleetpilot.policy.backfill import (
+    MAKE_WAY_PER_ROUND,
     Demand,
     Move,
     Reservation,
@@ -139,6 +146,7 @@ from fleetpilot.policy.backfill import (
     clearing,
     gpu_free_at,
     hidden,
+    makes_way,
     queue_key,
     reserve,
     wide_hosts,
@@ -298,7 +306,7 @@ class FleetRun:
         self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
                                           default=0.0) for t in workload.tasks}
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
-                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "checkpointed": 0,
+                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
         self.policy = self._policy([])
         # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
@@ -525,6 +533,7 @@ class FleetRun:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
         if self.smart:
             self._move_down(now, reservation)
+            self._make_way(now, reservation)
 
     def _try_start(self, job: _Job, now: float, reservation: Reservation | None, failed: list[tuple[Demand, bool]],
                    *, on_refused: Callable[[TaskRequest], None] | None = None, pause: float = 0.0) -> bool:
@@ -681,6 +690,47 @@ class FleetRun:
                     self.pending.remove(waiter)
                     self.blocked.discard(waiter.task.task_id)
                 break
+
+    def _make_way(self, now: float, reservation: Reservation | None) -> None:
+        """Making way, as the policy service's rebalance round does (``Moves.make_way``): for
+        each blocked task of one whole GPU still waiting, in the queue's order, of the running
+        tasks alone on a GPU it could take and that may pause, the one with the most run left
+        that ``backfill.makes_way`` says should give way is checkpointed and queued again
+        (progress kept), and the waiter starts where the policy places it after that pause. At
+        most ``MAKE_WAY_PER_ROUND`` a cycle."""
+        waiters = [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
+                   and j.task.gpu_milli >= MILLI]
+        if not waiters:
+            return
+        tenants = [j for j in self.jobs
+                   if j.state == "running" and len(j.gpus) == 1 and j.milli >= MILLI and not j.bridged
+                   and not self.excluded[self.offset[j.row] + j.gpus[0]]
+                   and self.on_gpu.get((j.row, j.gpus[0]), set()) == {j.task.task_id} and self._may_pause(j, now)]
+        made = 0
+        for waiter in sorted(waiters, key=self._key):
+            if made >= MAKE_WAY_PER_ROUND or not tenants:
+                return
+            need = self._request(waiter)
+            left = self._remaining(waiter)
+            first = queue_key(waiter.task.tier, waiter.task.arrival_s, left)
+            best, most = None, 0.0
+            for j in tenants:
+                if not could_take(need, self.node_model[j.row], int(self.state.gpu_mem_total[j.row, j.gpus[0]])):
+                    continue
+                its_left = max(self._expected_end(j) - now, 0.0)
+                if its_left > most and makes_way(first, left, queue_key(j.task.tier, j.task.arrival_s, its_left),
+                                                 its_left, self._pause(j, now)):
+                    best, most = j, its_left
+            if best is None:
+                continue
+            pause = self._pause(best, now)
+            tenants.remove(best)
+            self._checkpoint(best, now)
+            self.counts["made_way"] += 1
+            made += 1
+            if self._try_start(waiter, now, reservation, [], pause=pause):
+                self.pending.remove(waiter)
+                self.blocked.discard(waiter.task.task_id)
 
     def _remaining(self, job: _Job) -> float:
         """What is left of the run the user declared (a checkpointed task keeps its progress)."""
@@ -1265,7 +1315,9 @@ def report(c: Comparison) -> str:
                  f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
                  f"{f['clearings']:.0f} clearings for a blocked whole-GPU task ({f['migrations_clearing']:.0f} moves), "
                  f"{f['migrations_down']:.0f} moved down to make room for one, "
-                 f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued); "
+                 f"{f['made_way']:.0f} checkpointed to make way for a shorter one, "
+                 f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued "
+                 f"in all); "
                  f"failures seen coming "
                  f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h)")
     lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "

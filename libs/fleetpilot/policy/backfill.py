@@ -131,6 +131,33 @@ def queue_key(tier: str, arrival_s: float, remaining_s: float | None) -> tuple[i
     return TIER_RANK.get(tier, 1), completion_order(arrival_s, remaining_s)
 
 
+MAKE_WAY_FACTOR = 3.0
+"""A running task is checkpointed to make way for a blocked one (``makes_way``) only with at
+least this many times the waiter's run and its own checkpoint pause still to run: the waiter's
+wait falls by what the tenant has left, the tenant's grows by the waiter's run and the pause,
+and a factor well above 1 keeps the trade clearly won when declared durations are loose."""
+
+MAKE_WAY_PER_ROUND = 10
+"""At most this many tasks are checkpointed to make way in one scheduling round."""
+
+
+def makes_way(waiter: tuple[int, float], waiter_left_s: float | None, tenant: tuple[int, float],
+              tenant_left_s: float | None, pause_s: float) -> bool:
+    """Whether a running task (``tenant``: its ``queue_key`` as if it waited, with the run it
+    has left) should be checkpointed so that a blocked task of one whole GPU (``waiter``)
+    starts on its GPU now: shortest remaining work first, made preemptive.
+
+    Only when the queue's own order puts the waiter first (its key before the tenant's: a
+    higher tier, or expected to end before the tenant would) and the tenant has at least
+    ``MAKE_WAY_FACTOR`` times the waiter's run plus its own pause left. The mean wait falls by
+    the tenant's remainder less the waiter's run; nothing starves, since a task is overtaken
+    only by what is expected to end before it, as in the queue. A run that declares no
+    duration is neither preempted nor preempts: nothing says the trade is won."""
+    if waiter_left_s is None or tenant_left_s is None or waiter >= tenant:
+        return False
+    return tenant_left_s >= MAKE_WAY_FACTOR * (waiter_left_s + pause_s)
+
+
 def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], float]], now: float) -> np.ndarray:
     """``(nodes, max_gpus)`` time at which each GPU slot is expected to be entirely free.
 

@@ -253,6 +253,14 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
         return restored_at - self.progress_s if self.progress_s > 0 else 0.0
 
 
+def run_left_s(adm: TaskAdmitted, progress_s: float = 0.0) -> float | None:
+    """What is left of an admitted task's declared run (``expected_duration_s``) once
+    ``progress_s`` of it has run (a checkpoint's ``Requeue.progress_s``); ``None`` when it
+    declared none."""
+    declared = adm.task.expected_duration_s
+    return max(declared - progress_s, 0.0) if declared else None
+
+
 class _Envelope(msgspec.Struct):
     requeue: Requeue | None = None
 

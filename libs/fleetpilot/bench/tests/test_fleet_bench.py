@@ -479,3 +479,26 @@ def test_a_run_moved_down_keeps_its_progress_but_teaches_no_envelope_from_where_
                         bridge=True)
     assert job.bridged and job.from_start and job.run_at == 0.0
     assert job.fingerprinter is not None and not job.fingerprinter.from_start
+
+
+def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_checkpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Five hours of run hold the only GPU when a ten-minute task arrives: the run is
+    # checkpointed, the task runs after the pause, and the run goes on from where it stood.
+    long, short = task(0, duration=5 * 3600.0), task(1, duration=600.0, arrival=600.0)
+
+    def play() -> tuple[FleetRun, bench.RunResult]:
+        run = FleetRun(tiny_fleet(), workload(long, short, hours=8.0), "fleetpilot", seed=1)
+        return run, run.run()
+
+    run, result = play()
+    assert result.breakdown["made_way"] == 1 and result.breakdown["completed"] == 2
+    assert result.figures["oom_events"] == 0
+    first, waiter = run.jobs
+    assert waiter.queue_s < 240.0  # the checkpoint pause (30 s + 2 s per GB) and a cycle
+    assert 500.0 <= first.progress_s <= 720.0  # kept: checkpointed at about ten minutes in
+    assert first.finished_at is not None and first.finished_at < 5 * 3600.0 + 1800.0
+    # Without making way the task waits for the run's five hours.
+    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    late, without = play()
+    assert without.breakdown["made_way"] == 0 and late.jobs[1].queue_s > 4 * 3600.0

@@ -1,0 +1,74 @@
+"""Making way in the policy service over a real nats-server: a task that only the large GPU
+holds, declaring ten minutes, waits behind a run with hours left on it; the rebalance round
+checkpoints that run and queues it again with its progress, and once the executor has
+stopped it, the waiter takes the GPU while the run waits behind it. A run with too little
+left to make the trade worth it is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleetpilot.policy.preempt import decode_pending
+from fleetpilot_services.policy.service import build
+
+from .conftest import admitted, fingerprinted, node, settings, wait_for
+from .test_bridge import started_ago
+from .test_move_down import FLAT, PEAK_MB
+
+
+async def long_run_and_a_short_waiter(observer, declared_s: float, started_s: float) -> None:
+    """A run declaring ``declared_s`` placed on the only GPU and started ``started_s`` ago,
+    then a 60 GB task declaring ten minutes that only that GPU holds."""
+    await fingerprinted(observer, {"waiter": FLAT})
+    await observer.admit(admitted("long", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=declared_s))
+    await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
+    await started_ago(observer, "big", started_s)
+    await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
+
+
+async def test_a_run_with_hours_left_is_checkpointed_to_make_way_for_a_short_task(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("big", gpus=1)])
+    pending = await observer.js.key_value("pending")
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await long_run_and_a_short_waiter(observer, declared_s=36_000.0, started_s=3600.0)
+        await wait_for(lambda: len(observer.by_task()["long"]) == 2, timeout_s=4.0, what="long checkpointed")
+        await asyncio.sleep(0.7)  # more rounds: one eviction while it is under way
+        under_way = [d.action for d in observer.by_task()["long"]]
+        _, requeue = decode_pending((await pending.get("long")).value)
+        # The executor stops it and releases its hold: the waiter is placed, the run waits.
+        await observer.kv_put("ledger", "big", b'{"node":"big","allocations":[]}')
+        await wait_for(lambda: len(observer.by_task()["waiter"]) == 2, timeout_s=3.0, what="waiter placed")
+        await asyncio.sleep(0.7)
+        still_queued = await pending.get("long")
+    finally:
+        await policy.stop()
+    by_task = observer.by_task()
+    placed, evict = by_task["long"]
+    assert under_way == ["assign", "evict"]
+    assert (evict.action, evict.decision_id, evict.policy.name) == ("evict", "long.evict.1", "make-way")
+    assert "make way for waiter" in evict.reason and "declares 600 s" in evict.reason, evict.reason
+    assert requeue is not None and requeue.decision_id == "long.assign.2"
+    assert 3600.0 <= requeue.progress_s < 3610.0  # restored, it goes on from there
+    assert not requeue.for_task  # no vip: the queue is not held for the waiter
+    queued, assign = by_task["waiter"]
+    assert queued.action == "queue"
+    assert assign.action == "assign" and [p.node for p in assign.placement] == ["big"]
+    assert still_queued is not None and still_queued.value
+
+
+async def test_a_run_with_too_little_left_does_not_make_way(observer, nats_url, tmp_path):
+    # 20 minutes left: under three times the waiter's ten minutes and the checkpoint pause.
+    await observer.put_fleet([node("big", gpus=1)])
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await long_run_and_a_short_waiter(observer, declared_s=3600.0, started_s=2400.0)
+        await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
+        await asyncio.sleep(1.2)  # several rebalance rounds
+    finally:
+        await policy.stop()
+    by_task = observer.by_task()
+    assert [d.action for d in by_task["long"]] == ["assign"]
+    assert [d.action for d in by_task["waiter"]] == ["queue"]
