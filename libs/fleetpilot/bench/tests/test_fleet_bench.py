@@ -431,7 +431,8 @@ def test_a_known_step_schedule_starts_on_a_small_gpu_by_its_envelope_and_leaves_
     assert job.finished_at < late.jobs[1].finished_at - 600.0
 
 
-def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_holds() -> None:
+def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A known step schedule (31 GB, then 37.5, 44 and 50 GB at each quarter of its hour) holds
     # the H100 from the start. Five minutes in, a 60 GB task that only the H100 holds arrives:
     # by its envelope the schedule fits the A100 for the next quarter hour, so it moves down,
@@ -452,14 +453,19 @@ def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_hol
         return run, run.run()
 
     run, result = play(with_envelope=True)
-    assert result.breakdown["migrations_down"] == 1
+    assert result.breakdown["migrations_down"] == 1 and result.breakdown["made_way"] == 0
     assert result.breakdown["migrations_bridge"] == 1  # back up to the H100 before its step
     assert result.figures["oom_events"] == 0 and result.breakdown["completed"] == 2
     # The waiter waited for the schedule's checkpoint (30 s + 2 s per GB) and a cycle, not its hour.
     assert run.jobs[1].queue_s < 240.0
-    # Without the envelope nothing says where the schedule stands: the waiter waits for its end.
+    # Without the envelope nothing says where the schedule stands: it is not moved down, but
+    # checkpointed to make way (its 55 minutes left are over three times the waiter's 15 and
+    # the pause); and without making way either, the waiter waits for its end.
     late, _ = play(with_envelope=False)
-    assert late.counts["migrations_down"] == 0 and late.jobs[1].queue_s > 3000.0
+    assert late.counts["migrations_down"] == 0 and late.counts["made_way"] == 1 and late.jobs[1].queue_s < 240.0
+    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    later, _ = play(with_envelope=False)
+    assert later.counts["migrations_down"] == 0 and later.jobs[1].queue_s > 3000.0
 
 
 def test_a_run_moved_down_keeps_its_progress_but_teaches_no_envelope_from_where_it_went() -> None:
