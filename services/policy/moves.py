@@ -355,9 +355,9 @@ class Moves(ReplicaState):
         are mostly held by such programs in a phase a smaller GPU would hold (a step schedule
         before its big step, a run restored low), while tasks that need them wait for hours.
         A tenant qualifies with a fingerprint whose envelope is known and read at its progress
-        (``envelope_progress_s``: not for a run restored from a checkpoint), ``MOVE_DOWN_LEFT_S`` of its run left, a pause it may take
-        (``may_pause``) and one whole GPU the waiter could take (a model it accepts, with room
-        for its request). Of those, up to ``MOVE_DOWN_TRIES`` with the smallest ask are offered
+        (``envelope_progress_s``: not for a run restored from a checkpoint),
+        ``MOVE_DOWN_LEFT_S`` of its run left, a pause it may take (``may_pause``) and one whole
+        GPU the waiter could take (a model it accepts, with room for its request). Of those, up to ``MOVE_DOWN_TRIES`` with the smallest ask are offered
         to the default policy, restricted to the models below, until one finds a target; it
         holds what the target GPU has free, up to its peak (a bridge's hold). Moved, it is
         watched by its envelope and moved up (or checkpointed) when the envelope says it
@@ -420,7 +420,7 @@ class Moves(ReplicaState):
                 if decision is None:
                     continue
                 log.info("%s: %s", tenant.running.task_id, why)
-                self.remember(self.making_room, waiter.task_id, (tenant.running.task_id, now()), limit=10_000)
+                self.remember(self.making_room, waiter.task_id, (tenant.running.task_id, "", now()), limit=10_000)
                 out.append(decision)
                 tenants = [t for t in tenants if t is not tenant]
                 break
@@ -439,14 +439,17 @@ class Moves(ReplicaState):
     def room_coming(self, waiter_id: str, in_flight: dict[str, tuple[str, float]]) -> bool:
         """Whether this replica has made room for ``waiter_id`` that is not there yet: the
         tenant it moved down is still moving (``in_flight``), or the tenant it checkpointed
-        still holds its GPU, for at most ``evict_timeout_s``."""
+        still holds the GPU it was stopped on (the placement ``making_room`` names), for at most
+        ``evict_timeout_s``."""
         made = self.making_room.get(waiter_id)
         if made is None:
             return False
-        tenant, at = made
-        if tenant in in_flight:
-            return True
-        return self.ledger.holds_of(tenant) is not None and now() - at < self.settings.evict_timeout_s
+        tenant, stopped, at = made
+        if not stopped:
+            return tenant in in_flight
+        held = self.ledger.holds_of(tenant)
+        return (held is not None and any(a.decision_id == stopped for a in held[1])
+                and now() - at < self.settings.evict_timeout_s)
 
     async def make_way(self, budget: int, moved: set[str]) -> list[DecisionMade]:
         """``evict`` decisions that make way for whole-GPU tasks the last queue round found no
@@ -495,7 +498,9 @@ class Moves(ReplicaState):
             if decision is None:
                 continue
             log.info("%s: %s", best.running.task_id, why)
-            self.remember(self.making_room, waiter.task_id, (best.running.task_id, now()), limit=10_000)
+            self.leaving.add(best.running.task_id)
+            self.remember(self.making_room, waiter.task_id,
+                          (best.running.task_id, best.running.allocations[0].decision_id, now()), limit=10_000)
             out.append(decision)
             tenants = [t for t in tenants if t is not best]
         return out
@@ -503,13 +508,13 @@ class Moves(ReplicaState):
     def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[WayTenant]:
         """The running tasks that may give way to some waiter (``make_way``): one whole GPU in
         service that no other task shares, a settled hold at or above its predicted peak (a run
-        below it is a bridge, watched to move up), not moving, a known admission with a
-        declared run, and a pause it may take."""
+        below it is a bridge, watched to move up), not moving nor queued again already
+        (``leaving``), a known admission with a declared run, and a pause it may take."""
         out = []
         for running in self.running():
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
-            if (running.task_id in moved or running.task_id in in_flight or len(gpu_allocs) != 1
-                    or gpu_allocs[0].milli < MILLI):
+            if (running.task_id in moved or running.task_id in in_flight or running.task_id in self.leaving
+                    or len(gpu_allocs) != 1 or gpu_allocs[0].milli < MILLI):
                 continue
             hold = gpu_allocs[0]
             topo = self.fleet.nodes.get(node_key(running.node))
@@ -532,14 +537,14 @@ class Moves(ReplicaState):
 
     def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:
         """The running tasks that may move down for some waiter (``move_down``), smallest ask
-        first: one whole GPU in service, a settled hold, not moving, a known admission (its
-        model constraints), an ask by its envelope (``rebalance.move_down_ask``) and a pause it
-        may take."""
+        first: one whole GPU in service, a settled hold, not moving nor queued again already
+        (``leaving``), a known admission (its model constraints), an ask by its envelope
+        (``rebalance.move_down_ask``) and a pause it may take."""
         out = []
         for running in self.running():
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
-            if (running.task_id in moved or running.task_id in in_flight or len(gpu_allocs) != 1
-                    or gpu_allocs[0].milli < MILLI):
+            if (running.task_id in moved or running.task_id in in_flight or running.task_id in self.leaving
+                    or len(gpu_allocs) != 1 or gpu_allocs[0].milli < MILLI):
                 continue
             topo = self.fleet.nodes.get(node_key(running.node))
             gpu = next((g for g in topo.gpus if g.index == gpu_allocs[0].gpu), None) if topo is not None else None

@@ -177,9 +177,13 @@ class ReplicaState:
         # How far the runs of blocked tasks restored from a checkpoint had got
         # (``Requeue.progress_s``): what is left of them orders the queue.
         self.blocked_progress: dict[str, float] = {}
-        # Waiter -> the tenant this replica moved down or checkpointed to make room for it, and
-        # when: no other makes room for the same waiter while that is under way.
-        self.making_room: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Tasks queued again whose holds the executor has not released yet (evicted, being
+        # checkpointed), as the last queue round found them: no room is made with them again.
+        self.leaving: set[str] = set()
+        # Waiter -> the tenant this replica moved down or checkpointed to make room for it, the
+        # placement it checkpointed ("" for a move) and when: no other makes room for the same
+        # waiter while that is under way (``Moves.room_coming``).
+        self.making_room: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         # Per policy, the correction of its confidence learnt from the feedback totals.
         self.calibration = ConfidenceCalibration()
         # ``gpu_memory_by_model``, valid for one topology version.

@@ -310,6 +310,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         ps.reservation = ps.reservation_for(owner) if owner is not None else None
         ps.blocked = round_.blocked
         ps.blocked_progress = round_.progress
+        ps.leaving = round_.leaving
         return round_.out
 
     def opened() -> Bus:

@@ -72,3 +72,25 @@ async def test_a_run_with_too_little_left_does_not_make_way(observer, nats_url, 
     by_task = observer.by_task()
     assert [d.action for d in by_task["long"]] == ["assign"]
     assert [d.action for d in by_task["waiter"]] == ["queue"]
+
+
+async def test_one_run_makes_way_for_a_waiter_while_its_eviction_is_under_way(observer, nats_url, tmp_path):
+    # Two runs with hours left hold the two H100s: for one waiter, one of them is checkpointed
+    # (the one with more left), and while the executor has not stopped it, no other.
+    await observer.put_fleet([node("big", gpus=2)])
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.2, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"waiter": FLAT})
+        for task_id, declared_s in (("long", 36_000.0), ("longer", 72_000.0)):
+            await observer.admit(admitted(task_id, gpu_milli=1000, gpu_memory_mb=PEAK_MB,
+                                          expected_duration_s=declared_s))
+            await wait_for(lambda t=task_id: t in observer.by_task(), timeout_s=3.0, what=f"{task_id} placed")
+        await started_ago(observer, "big", 600.0)
+        await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
+        await wait_for(lambda: any(d.action == "evict" for d in observer.decisions), timeout_s=4.0, what="an evict")
+        await asyncio.sleep(1.0)  # several rounds
+    finally:
+        await policy.stop()
+    evicts = [d for d in observer.decisions if d.action == "evict"]
+    assert [(d.task_id, d.policy.name) for d in evicts] == [("longer", "make-way")]
