@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -369,17 +368,16 @@ class Moves(ReplicaState):
         released its GPU, the next queue round places it (or a task before it in the queue's
         order). Until that move is done, no other tenant moves down for the same waiter on this
         replica (``making_room``)."""
-        if not self.blocked:
-            return []
         in_flight = self.moves_in_flight()
-        tenants = self.move_down_tenants(moved, in_flight)
+        waiting = self.waiting_for_room(in_flight)
+        tenants = self.move_down_tenants(moved, in_flight) if waiting else []
         if not tenants:
             return []
         model_memory = self.gpu_memory_by_model()
         policies = self.active.current
         failed: list[tuple[Demand, bool]] = []
         out: list[DecisionMade] = []
-        for adm in self.waiting_for_room(in_flight):
+        for adm in waiting:
             if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
@@ -426,15 +424,16 @@ class Moves(ReplicaState):
                 break
         return out
 
-    def waiting_for_room(self, in_flight: dict[str, tuple[str, float]]) -> Iterator[TaskAdmitted]:
+    def waiting_for_room(self, in_flight: dict[str, tuple[str, float]]) -> list[TaskAdmitted]:
         """The blocked tasks a round may make room for, in the queue's order: a single whole
-        GPU each, not placed since the last retry round, no room coming for it yet (read as
-        each is reached: a round makes room for one waiter at a time)."""
-        for adm in self.blocked:
-            task = adm.task
-            if (task.gpus == 1 and task.gpu_milli >= MILLI and self.ledger.holds_of(task.task_id) is None
-                    and not self.room_coming(task.task_id, in_flight)):
-                yield adm
+        GPU each, not placed since the last retry round, no room coming for it yet. Read once
+        per round, before the tenants are described: with no such waiter, nobody is."""
+        whole = [adm for adm in self.blocked if adm.task.gpus == 1 and adm.task.gpu_milli >= MILLI]
+        if not whole:
+            return []
+        holding = {a.task_id for ledger in self.ledger.nodes.values() for a in ledger.allocations}
+        return [adm for adm in whole
+                if adm.task.task_id not in holding and not self.room_coming(adm.task.task_id, in_flight)]
 
     def room_coming(self, waiter_id: str, in_flight: dict[str, tuple[str, float]]) -> bool:
         """Whether this replica has made room for ``waiter_id`` that is not there yet: the
@@ -467,12 +466,13 @@ class Moves(ReplicaState):
         executor has stopped the tenant and released its GPU, the next queue round places it
         (the queue's order puts it before the tenant). Until then no other tenant gives way,
         or moves down, for it on this replica (``room_coming``)."""
-        if not self.blocked or self.pending is None or self.admissions is None:
+        if self.pending is None or self.admissions is None:
             return []
         in_flight = self.moves_in_flight()
-        tenants = self.way_tenants(moved, in_flight)
+        waiting = self.waiting_for_room(in_flight)
+        tenants = self.way_tenants(moved, in_flight) if waiting else []
         out: list[DecisionMade] = []
-        for adm in self.waiting_for_room(in_flight):
+        for adm in waiting:
             if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
