@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -505,12 +506,13 @@ class Moves(ReplicaState):
             tenants = [t for t in tenants if t is not best]
         return out
 
-    def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[WayTenant]:
-        """The running tasks that may give way to some waiter (``make_way``): one whole GPU in
-        service that no other task shares, a settled hold at or above its predicted peak (a run
-        below it is a bridge, watched to move up), not moving nor queued again already
-        (``leaving``), a known admission with a declared run, and a pause it may take."""
-        out = []
+    def whole_gpu_tenants(
+        self, moved: set[str], in_flight: dict[str, tuple[str, float]]
+    ) -> Iterator[tuple[Running, Allocation, NodeTopology, GpuInfo]]:
+        """The running tasks room may be made with (``move_down``, ``make_way``), with their
+        hold, node and GPU: one whole GPU in service that is not going away, a settled hold,
+        not moving, not queued again already (``leaving``), no decision this round
+        (``moved``)."""
         for running in self.running():
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
             if (running.task_id in moved or running.task_id in in_flight or running.task_id in self.leaving
@@ -518,11 +520,19 @@ class Moves(ReplicaState):
                 continue
             hold = gpu_allocs[0]
             topo = self.fleet.nodes.get(node_key(running.node))
-            ledger = self.ledger.nodes.get(node_key(running.node))
             gpu = next((g for g in topo.gpus if g.index == hold.gpu), None) if topo is not None else None
-            if (topo is None or ledger is None or gpu is None or not in_service(gpu.labels)
-                    or gpus_going_away(running, topo)
-                    or any(a.gpu == hold.gpu and a.task_id != running.task_id for a in ledger.allocations)):
+            if topo is None or gpu is None or not in_service(gpu.labels) or gpus_going_away(running, topo):
+                continue
+            yield running, hold, topo, gpu
+
+    def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[WayTenant]:
+        """The tasks that may give way to some waiter (``make_way``), of ``whole_gpu_tenants``:
+        alone on their GPU, a hold at or above its predicted peak (a run below it is a bridge,
+        watched to move up), a known admission with a declared run, and a pause it may take."""
+        out = []
+        for running, hold, _, gpu in self.whole_gpu_tenants(moved, in_flight):
+            ledger = self.ledger.nodes.get(node_key(running.node))
+            if ledger is None or any(a.gpu == hold.gpu and a.task_id != running.task_id for a in ledger.allocations):
                 continue
             fp = self.fingerprints.get(running.task_id)
             adm = self.admissions.of(running.task_id) if self.admissions is not None else None
@@ -536,27 +546,18 @@ class Moves(ReplicaState):
         return out
 
     def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:
-        """The running tasks that may move down for some waiter (``move_down``), smallest ask
-        first: one whole GPU in service, a settled hold, not moving nor queued again already
-        (``leaving``), a known admission (its model constraints), an ask by its envelope
-        (``rebalance.move_down_ask``) and a pause it may take."""
+        """The tasks that may move down for some waiter (``move_down``), of
+        ``whole_gpu_tenants``, smallest ask first: a known admission (its model constraints),
+        an ask by its envelope (``rebalance.move_down_ask``) and a pause it may take."""
         out = []
-        for running in self.running():
-            gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
-            if (running.task_id in moved or running.task_id in in_flight or running.task_id in self.leaving
-                    or len(gpu_allocs) != 1 or gpu_allocs[0].milli < MILLI):
-                continue
-            topo = self.fleet.nodes.get(node_key(running.node))
-            gpu = next((g for g in topo.gpus if g.index == gpu_allocs[0].gpu), None) if topo is not None else None
-            if topo is None or gpu is None or not in_service(gpu.labels) or gpus_going_away(running, topo):
-                continue
+        for running, hold, topo, gpu in self.whole_gpu_tenants(moved, in_flight):
             known = self.submitted(running.task_id)
             if known is None:
                 continue  # its model constraints are unknown: it stays on its model
             fp = self.fingerprints.get(running.task_id)
             ask = move_down_ask(fp, self.declared_s(running.task_id), envelope_progress_s(running, now()),
                                 self.settings.growth_lookahead_s)
-            if ask <= 0 or not self.may_pause(running, self.checkpoint_pause_s(gpu_allocs[0].memory_mb)):
+            if ask <= 0 or not self.may_pause(running, self.checkpoint_pause_s(hold.memory_mb)):
                 continue
             out.append(DownTenant(ask=ask, running=running, topo=topo, gpu=gpu, models=tuple(known.gpu_models),
                                   peak=self.move_request(running, topo, fp)))

@@ -160,7 +160,11 @@ class RetryRound:
             self.waiting.append(Waiting(adm, requeue, entry, value))
             if requeue is not None and requeue.progress_s > 0:
                 self.progress[adm.task.task_id] = requeue.progress_s
-        self.waiting.sort(key=lambda w: queue_position(w.adm, self.progress.get(w.adm.task.task_id, 0.0)))
+        self.waiting.sort(key=lambda w: self.position(w.adm))
+
+    def position(self, adm: TaskAdmitted) -> tuple[int, float, float]:
+        """Where a waiting task stands (``queue_position``), by the run it has left."""
+        return queue_position(adm, self.progress.get(adm.task.task_id, 0.0))
 
     async def _forget(self, entry: KvEntry) -> None:
         # Only the entry as read: one written since (claimed by a replica taking it over,
@@ -219,4 +223,4 @@ class RetryRound:
         among those that found no place (expected completion bounds how long anything is
         overtaken, wide tasks included)."""
         wide = [a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        return min(wide, key=lambda a: queue_position(a, self.progress.get(a.task.task_id, 0.0)), default=None)
+        return min(wide, key=self.position, default=None)

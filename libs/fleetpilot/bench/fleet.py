@@ -702,10 +702,16 @@ class FleetRun:
                    and j.task.gpu_milli >= MILLI]
         if not waiters:
             return
-        tenants = [j for j in self.jobs
-                   if j.state == "running" and len(j.gpus) == 1 and j.milli >= MILLI and not j.bridged
-                   and not self.excluded[self.offset[j.row] + j.gpus[0]]
-                   and self.on_gpu.get((j.row, j.gpus[0]), set()) == {j.task.task_id} and self._may_pause(j, now)]
+        # (task, run left, its queue key by that, checkpoint pause, GPU model, GPU memory): once
+        # a cycle, not once per waiter.
+        tenants = []
+        for j in self.jobs:
+            if (j.state == "running" and len(j.gpus) == 1 and j.milli >= MILLI and not j.bridged
+                    and not self.excluded[self.offset[j.row] + j.gpus[0]]
+                    and self.on_gpu.get((j.row, j.gpus[0]), set()) == {j.task.task_id} and self._may_pause(j, now)):
+                its_left = max(self._expected_end(j) - now, 0.0)
+                tenants.append((j, its_left, queue_key(j.task.tier, j.task.arrival_s, its_left), self._pause(j, now),
+                                self.node_model[j.row], int(self.state.gpu_mem_total[j.row, j.gpus[0]])))
         made = 0
         for waiter in sorted(waiters, key=self._key):
             if made >= MAKE_WAY_PER_ROUND or not tenants:
@@ -713,18 +719,16 @@ class FleetRun:
             need = self._request(waiter)
             left = self._remaining(waiter)
             first = queue_key(waiter.task.tier, waiter.task.arrival_s, left)
-            best, most = None, 0.0
-            for j in tenants:
-                if not could_take(need, self.node_model[j.row], int(self.state.gpu_mem_total[j.row, j.gpus[0]])):
-                    continue
-                its_left = max(self._expected_end(j) - now, 0.0)
-                if its_left > most and makes_way(first, left, queue_key(j.task.tier, j.task.arrival_s, its_left),
-                                                 its_left, self._pause(j, now)):
-                    best, most = j, its_left
-            if best is None:
+            chosen, most = None, 0.0
+            for tenant in tenants:
+                _, its_left, key, pause, model, memory_mb = tenant
+                if (its_left > most and could_take(need, model, memory_mb)
+                        and makes_way(first, left, key, its_left, pause)):
+                    chosen, most = tenant, its_left
+            if chosen is None:
                 continue
-            pause = self._pause(best, now)
-            tenants.remove(best)
+            best, pause = chosen[0], chosen[3]
+            tenants.remove(chosen)
             self._checkpoint(best, now)
             self.counts["made_way"] += 1
             made += 1

@@ -245,7 +245,8 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     """How far its run had got when it was checkpointed (``rebalance.run_progress_s``), 0 when
     unknown or when it was stopped without a checkpoint: restored, it goes on from there, so
     its new holds say its run began that long before they were reserved
-    (``Allocation.run_at``), and its program's envelope is read where the run stands."""
+    (``Allocation.run_at``) and what is left of it orders the queue and counts its end (its
+    program's envelope is not read for it: ``rebalance.envelope_progress_s``)."""
 
     def run_began_at(self, restored_at: float) -> float:
         """When the run restored at ``restored_at`` began, as its new holds carry it
