@@ -112,7 +112,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
@@ -171,8 +171,10 @@ from fleetpilot.workload.growth import MemoryGrowth
 from .fleet_workload import (
     PACKED_LOAD,
     BenchTask,
+    LargestGpuLoad,
     Workload,
     generate_workload,
+    largest_gpu_load,
     load_trace,
     sharing_bound,
     sm_use_bound,
@@ -1259,6 +1261,7 @@ class Comparison:
     span_h: float = 0.0
     sharing_bound: float = 1.0
     sm_use_bound: float = 1.0
+    largest_load: LargestGpuLoad | None = None
 
     def ratios(self) -> dict[str, float]:
         """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
@@ -1280,6 +1283,7 @@ class Comparison:
         return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload,
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
+                "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
                 "baseline": {"policy": "k8s-default", **self.baseline.figures, "details": self.baseline.breakdown,
                              "wall_s": self.baseline.wall_s},
                 "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
@@ -1305,6 +1309,7 @@ def report(c: Comparison) -> str:
     lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}", f"workload: {c.workload}",
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
+             *([c.largest_load.describe()] if c.largest_load else []),
              f"{'figure':<40} {'k8s-default':>14} {'fleetpilot':>14} {'ratio':>8}"]
     for k, (label, fmt) in _LABELS.items():
         lines.append(f"{label:<40} {fmt(c.baseline.figures[k]):>14} {fmt(c.fleetpilot.figures[k]):>14} {r[k]:>8.2f}")
@@ -1406,7 +1411,8 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> 
     ours = FleetRun(fleet, workload, "fleetpilot", seed).run()
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
-                      sm_use_bound=workload_sm_use_bound(workload))
+                      sm_use_bound=workload_sm_use_bound(workload),
+                      largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s))
 
 
 def workload_sharing_bound(workload: Workload) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,6 +307,47 @@ def sm_use_bound(gpus: np.ndarray, util_pct: np.ndarray, durations: np.ndarray) 
     gpus, util, durations = (np.asarray(x, dtype=float) for x in (gpus, util_pct, durations))
     used = float((gpus * np.clip(util, 0.0, 100.0) / 100.0 * durations).sum())
     return float((gpus * durations).sum()) / used if used > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class LargestGpuLoad:
+    """The work that only a fleet's largest GPUs can hold, against what those GPUs give."""
+
+    models: tuple[str, ...]  # the models with the most memory (several when they tie)
+    memory_mb: float
+    gpus: int
+    work_gpu_h: float  # GPU-hours of the runs no other model they accept can hold
+    load: float  # that work over the largest GPUs' hours in the arrival window
+
+    def describe(self) -> str:
+        """One line for the report."""
+        return (f"work only the largest GPUs ({', '.join(self.models)}, {self.memory_mb / 1024:.0f} GB) can hold: "
+                f"{self.work_gpu_h:.0f} GPU-h, x{self.load:.2f} what their {self.gpus} GPUs give over the arrival "
+                f"window")
+
+
+def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) -> LargestGpuLoad:
+    """How loaded a fleet's largest GPUs are by the runs that fit nothing smaller: a task whose
+    true peak (its curve's, plus the CUDA context) is above every other model it accepts needs
+    one of them for its whole run, whoever schedules it (a run may spend its low start on a
+    smaller GPU, so this is the demand, not a bound). Above 1, those runs queue by the end of
+    the arrival window however they are placed; the ground truth is read, as the other
+    workload figures do, and no scheduler sees it."""
+    models = fleet_models(fleet)
+    if not models:
+        return LargestGpuLoad(models=(), memory_mb=0.0, gpus=0, work_gpu_h=0.0, load=0.0)
+    top = max(models.values())
+    largest = tuple(sorted(m for m, mb in models.items() if mb == top))
+    count = sum(1 for n in fleet.nodes for g in n.gpus if g.model in largest)
+    work_s = 0.0
+    for t in tasks:
+        need = t.growth.peak_mb + CONTEXT_MB
+        accepted = [m for m in (t.gpu_models or tuple(models)) if m in models]
+        if any(m in largest for m in accepted) and not any(models[m] >= need for m in accepted if m not in largest):
+            work_s += t.gpus * t.duration_s
+    capacity_s = count * span_s
+    return LargestGpuLoad(models=largest, memory_mb=top, gpus=count, work_gpu_h=work_s / 3600.0,
+                          load=work_s / capacity_s if capacity_s > 0 else 0.0)
 
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,

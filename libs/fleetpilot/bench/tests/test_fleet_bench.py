@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -186,6 +187,30 @@ def test_sharing_bound() -> None:
     # Half the whole-GPU time is quarter shares: at most 1 / (1 - 0.5 * 0.75) = 1.6x.
     w = workload(task(0, milli=250), task(1))
     assert workload_sharing_bound(w) == pytest.approx(1.6)
+
+
+def test_largest_gpu_load_counts_the_runs_nothing_smaller_holds() -> None:
+    shape = {"gpus": 2, "cpu_milli": 64000, "memory_mb": 262144}
+    fleet = build_fleet({"name": "two", "sites": [{"name": "s", "groups": [
+        {"prefix": "small", "count": 1, "shape": {**shape, "gpu_model": "A100-40GB"}},
+        {"prefix": "large", "count": 1, "shape": {**shape, "gpu_model": "A100-80GB"}}]}]})
+    both = ("A100-40GB", "A100-80GB")
+
+    def accepting(t: BenchTask, models: tuple[str, ...]) -> BenchTask:
+        return dataclasses.replace(t, gpu_models=models)
+
+    tasks = [
+        accepting(task(0, peak=60_000.0, duration=3600.0), both),  # 1 GPU-h only the 80 GB can hold
+        accepting(task(1, peak=30_000.0, duration=3600.0), both),  # fits the 40 GB: not counted
+        accepting(task(2, peak=60_000.0, duration=1800.0, gpus=2), both),  # 2 GPUs x 0.5 h
+        accepting(task(3, peak=30_000.0, duration=1800.0), ("A100-80GB",)),  # accepts nothing smaller
+        accepting(task(4, peak=40_960.0 - CONTEXT_MB + 1.0, duration=3600.0), both),  # a MB over with its context
+    ]
+    load = bench.largest_gpu_load(fleet, tasks, span_s=3600.0)
+    assert load.models == ("A100-80GB",) and load.gpus == 2
+    assert load.work_gpu_h == pytest.approx(3.5)
+    assert load.load == pytest.approx(3.5 / 2.0)
+    assert "x1.75 what their 2 GPUs give" in load.describe()
 
 
 def test_sm_use_bound() -> None:
