@@ -1104,8 +1104,7 @@ class FleetRun:
         suspects = [int(i) for i in np.flatnonzero(signal & ~self.excluded)]
         for gi in suspects:
             # A GPU with no hardware signal scores the model's bias alone: only suspects are sampled.
-            row = int(np.searchsorted(self.offset, gi, side="right") - 1)
-            local = gi - int(self.offset[row])
+            row, local = self._gpu_slot(gi)
             sample = self.sim.sample(self.state.node_names[row])[local]
             window = self.windows.setdefault(gi, deque(maxlen=HEALTH_WINDOW))
             window.append(sample)
@@ -1202,6 +1201,7 @@ class FleetRun:
             "failures_seen_coming": float(seen),
             "failures": float(len(self.failed_gpus)),
             "median_warning_h": lead,
+            "false_alarms": float(self._false_alarms()),
             "confidence_predicted": predicted,
             "confidence_observed": observed,
             "confidence_brier": brier,
@@ -1244,6 +1244,19 @@ class FleetRun:
         leads = [(self.failed_gpus[gi] - at) / 3600.0 for gi, at in self.pending_maintenance.items()
                  if gi in self.failed_gpus and at < self.failed_gpus[gi]]
         return len(leads), float(np.median(leads)) if leads else 0.0
+
+    def _false_alarms(self) -> int:
+        """GPUs flagged ``maintenance_pending`` that the workload never made fail: healthy GPUs
+        taken out of service (they also leave the utilisation's denominator, so each one
+        flatters it). A GPU planned to fail after the run ends is a warning, not an alarm."""
+        planned = {(f.node, f.gpu) for f in self.workload.faults}
+        flagged = {(self.state.node_names[row], local) for row, local in map(self._gpu_slot, self.pending_maintenance)}
+        return len(flagged - planned)
+
+    def _gpu_slot(self, gi: int) -> tuple[int, int]:
+        """``(row of the policy's state, GPU index on that node)`` of the simulator's GPU ``gi``."""
+        row = int(np.searchsorted(self.offset, gi, side="right") - 1)
+        return row, gi - int(self.offset[row])
 
 
 # ---- comparison, report, plots ------------------------------------------------------------
@@ -1328,7 +1341,8 @@ def report(c: Comparison) -> str:
                  f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued "
                  f"in all); "
                  f"failures seen coming "
-                 f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h)")
+                 f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h), "
+                 f"{f['false_alarms']:.0f} false alarms")
     lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
                  f"{b['never_started']:.0f} / {f['never_started']:.0f}; max queue length {b['max_queue_length']:.0f} / "
                  f"{f['max_queue_length']:.0f}")

@@ -233,6 +233,20 @@ def test_a_failed_gpu_loses_the_baselines_tasks_and_fleetpilot_moves_them_first(
     assert ours.breakdown["failures_seen_coming"] == 1
     assert ours.breakdown["migrations_maintenance"] == 1
     assert ours.breakdown["gpu_failure_kills"] == 0
+    assert ours.breakdown["false_alarms"] == 0
+
+
+def test_a_gpu_flagged_that_never_fails_is_a_false_alarm() -> None:
+    # GPU 1 shows the same rising error counters as a dying GPU but the workload never fails it.
+    fault = FaultPlan(node="n00", gpu=0, kind="degrading", onset_s=600.0, fails_s=600.0 + 2.5 * 3600)
+    run = FleetRun(tiny_fleet(gpus=2), workload(task(0, duration=4 * 3600.0), hours=4.5, faults=(fault,)),
+                   "fleetpilot", seed=1)
+    run.sim.degrade("n00", 1, "ecc_corrected", rate_per_h=5.0, accel_per_h2=100.0)
+    run.sim.degrade("n00", 1, "remapped_rows", rate_per_h=0.2, accel_per_h2=2.0)
+    run.sim.degrade("n00", 1, "pcie_replays", rate_per_h=5.0, accel_per_h2=50.0)
+    result = run.run()
+    assert result.breakdown["failures_seen_coming"] == 1
+    assert result.breakdown["false_alarms"] == 1
 
 
 def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
