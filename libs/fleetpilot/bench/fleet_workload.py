@@ -329,10 +329,11 @@ class LargestGpuLoad:
 def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) -> LargestGpuLoad:
     """How loaded a fleet's largest GPUs are by the runs that fit nothing smaller: a task whose
     true peak (its curve's, plus the CUDA context) is above every other model it accepts needs
-    one of them for its whole run, whoever schedules it (a run may spend its low start on a
-    smaller GPU, so this is the demand, not a bound). Above 1, those runs queue by the end of
-    the arrival window however they are placed; the ground truth is read, as the other
-    workload figures do, and no scheduler sees it."""
+    one of them to reach that peak, whoever schedules it. Counted for its whole run: a run
+    may spend its low start on a smaller GPU, so this is the demand, not a bound. Well above
+    1, more of that work arrives than those GPUs can run in the window, and it queues by the
+    window's end unless most of it runs elsewhere. The ground truth is read, as the other
+    workload figures do; no scheduler sees it."""
     models = fleet_models(fleet)
     if not models:
         return LargestGpuLoad(models=(), memory_mb=0.0, gpus=0, work_gpu_h=0.0, load=0.0)
