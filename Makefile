@@ -9,10 +9,10 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test bench contracts lint clean
+.PHONY: help setup run test bench bench-fleet-sweep contracts lint clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet-three-site.json --plot-dir out/
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet openb --seed 7 --json out/fleet-openb.json --plot-dir out/
 	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --jobs 2 --plot out/openb.png --json out/openb.json
+
+bench-fleet-sweep: $(STAMP) ## The fleet benchmark on the README table's 46 workloads, summed up (about ten minutes on 2 cores)
+	$(BIN)/python -m fleetpilot.bench.fleet_sweep --out out/fleet-sweep --jobs 2
 
 contracts: $(STAMP) ## Regenerate proto/ (JSON Schema + AsyncAPI) from the code
 	$(BIN)/python -m fleetpilot.contracts.schema --write

@@ -2,7 +2,8 @@
 
 ``openb`` is the FGD-paper allocation benchmark (``fleetpilot.bench.openb``, see
 ``fleetpilot bench openb --help``); ``fleet`` is the fleet benchmark
-(``fleetpilot.bench.fleet``) where this build has it. Everything after the suite name is
+(``fleetpilot.bench.fleet``) where this build has it, and ``fleet-sweep`` that benchmark over
+many workloads (``fleetpilot.bench.fleet_sweep``). Everything after the suite name is
 handed to the suite's ``main(argv)`` untouched, so each suite documents its own flags.
 """
 
@@ -12,7 +13,8 @@ import argparse
 import importlib
 import sys
 
-SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilot.bench.fleet"}
+SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilot.bench.fleet",
+                          "fleet-sweep": "fleetpilot.bench.fleet_sweep"}
 
 
 def add_arguments(parser) -> None:

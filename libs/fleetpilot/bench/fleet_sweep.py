@@ -1,0 +1,235 @@
+"""The fleet benchmark over many workloads: the runs behind the README's table, each in its
+own process, summed up the way the table reads.
+
+``python -m fleetpilot.bench.fleet_sweep --out DIR`` (or ``fleetpilot bench fleet-sweep``)
+runs ``fleetpilot.bench.fleet`` once per fleet and seed, ``--jobs`` at a time, each writing
+``DIR/<fleet>-<seed>.json``; then it prints one row per run (the ratios Fleetpilot /
+baseline, a missed target marked ``*``) and, per fleet, how many runs meet each target, the
+geometric mean of the mean-queue ratio and Fleetpilot's OOM events in all. ``--against
+OTHER`` puts a sweep of other code beside it, row by row, for "measured against X on the
+same workloads"; ``--no-run`` only reads what ``DIR`` holds. The default seeds are the 46
+runs of the README's table (``TABLE_SEEDS``); a full sweep takes about ten minutes on two
+cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from .fleet import TARGETS
+from .outputs import check_writable
+
+FLEETS = ("three-site", "openb")
+_EARLIER = (7, 11, 42, 123, 1, 2, 3, 5, 13, 17, 19, 23, 31, 57, 77, 99, 101)
+TABLE_SEEDS: dict[str, tuple[int, ...]] = {
+    "three-site": _EARLIER,
+    "openb": (*_EARLIER, 201, 202, 203, 204, 205, 206, 301, 302, 303, 304, 305, 306),
+}
+"""The workloads of the README's table, by fleet."""
+
+
+class SweepError(RuntimeError):
+    """A run of the fleet benchmark failed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """What one run's ``--json`` says, as the table reads it."""
+
+    fleet: str
+    seed: int
+    ratio: dict[str, float]  # Fleetpilot / baseline per figure
+    met: dict[str, bool]  # per target
+    oom_events: float  # Fleetpilot's
+    largest_load: float | None  # the largest GPUs' load (``fleet_workload.largest_gpu_load``)
+
+    @classmethod
+    def read(cls, path: Path) -> SweepRun:
+        """The run ``path`` (a ``--json`` of the fleet benchmark) holds."""
+        doc = json.loads(path.read_text())
+        largest = doc.get("largest_gpu_load") or {}
+        return cls(fleet=doc["fleet"], seed=int(doc["seed"]), ratio=doc["ratio"], met=doc["targets"]["met"],
+                   oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"))
+
+
+def run_path(out: Path, fleet: str, seed: int) -> Path:
+    """Where the run of ``fleet`` and ``seed`` writes its figures."""
+    return out / f"{fleet}-{seed}.json"
+
+
+def run_one(fleet: str, seed: int, out: Path, extra: Sequence[str] = ()) -> Path:
+    """Run the fleet benchmark for ``fleet`` and ``seed`` in a process of its own (a run holds
+    a fleet and a workload in memory for a few minutes; a process gives it all back)."""
+    path = run_path(out, fleet, seed)
+    cmd = [sys.executable, "-m", "fleetpilot.bench.fleet", "--fleet", fleet, "--seed", str(seed),
+           "--json", str(path), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise SweepError(f"{fleet} seed {seed} failed (exit {done.returncode}): {last}")
+    return path
+
+
+def run_all(runs: Sequence[tuple[str, int]], out: Path, jobs: int, extra: Sequence[str] = ()) -> list[Path]:
+    """Every run, ``jobs`` at a time; each one's progress is printed as it ends. A failed run
+    does not stop the others: they all finish, then the first failure is raised."""
+    failures: list[SweepError] = []
+
+    def one(run: tuple[str, int]) -> Path | None:
+        try:
+            path = run_one(*run, out, extra)
+        except SweepError as exc:
+            failures.append(exc)
+            print(f"  {exc}", flush=True)
+            return None
+        print(f"  {run[0]} seed {run[1]}: {path}", flush=True)
+        return path
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        paths = list(pool.map(one, runs))
+    if failures:
+        raise failures[0]
+    return [p for p in paths if p is not None]
+
+
+def read_all(folder: Path) -> dict[tuple[str, int], SweepRun]:
+    """The runs a folder holds, by (fleet, seed); files that are not a run's figures are left out."""
+    found = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            run = SweepRun.read(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        found[run.fleet, run.seed] = run
+    return found
+
+
+def _change(ratio: float) -> str:
+    return f"{(ratio - 1.0) * 100:+.1f}%"
+
+
+def _cells(run: SweepRun | None) -> str:
+    if run is None:
+        return f"{'(not run)':>46}"
+    r, met = run.ratio, run.met
+    mark = {name: "" if met.get(name, True) else "*" for name in TARGETS}
+    util = f"{r['utilisation']:.2f} ({r['useful_utilisation']:.2f}){mark['utilisation']}"
+    return (f"{util:>13} {_change(r['mean_queue_s']) + mark['mean_queue_s']:>9} {_change(r['p95_queue_s']):>8} "
+            f"{_change(r['oom_events']) + mark['oom_events']:>9} {run.oom_events:>5.0f}")
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """The geometric mean of positive ``values`` (how ratios average), ``nan`` when there are none."""
+    kept = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in kept) / len(kept)) if kept else math.nan
+
+
+def fleet_totals(runs: Sequence[SweepRun]) -> str:
+    """One fleet's runs in one line: targets met, mean-queue geometric mean, OOM events."""
+    met = ", ".join(f"{name} {sum(r.met.get(name, False) for r in runs)}/{len(runs)}" for name in TARGETS)
+    queue = geometric_mean([r.ratio["mean_queue_s"] for r in runs])
+    return f"met {met}; mean-queue ratio geometric mean {queue:.4f}; Fleetpilot OOM events {sum(r.oom_events for r in runs):.0f}"
+
+
+def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int], SweepRun] | None = None) -> str:
+    """The table: a row per run (``against`` beside it when given), then each fleet's totals."""
+    keys = sorted(set(runs) | set(against or {}), key=lambda k: (FLEETS.index(k[0]) if k[0] in FLEETS else 9, k[1]))
+    head = f"{'utilisation':>13} {'mean q':>9} {'p95 q':>8} {'OOM':>9} {'OOMs':>5}"
+    lines = [f"{'fleet':<11} {'seed':>5} {'largest':>7}  {head}" + (f"  | against: {head}" if against is not None else "")]
+    for key in keys:
+        run = runs.get(key)
+        other = (against or {}).get(key)
+        load = (run or other).largest_load if (run or other) else None
+        row = f"{key[0]:<11} {key[1]:>5} {'' if load is None else f'x{load:.2f}':>7}  {_cells(run)}"
+        if against is not None:
+            row += f"  | against: {_cells(other)}"
+        lines.append(row)
+    lines.append("(ratios Fleetpilot / k8s-default, as changes, and Fleetpilot's OOM events; * a missed target; "
+                 "largest: the load of the largest GPUs by the runs only they hold)")
+    for fleet in sorted({k[0] for k in keys}, key=lambda f: FLEETS.index(f) if f in FLEETS else 9):
+        for name, source in (("", runs), ("against ", against)):
+            if source is None:
+                continue
+            mine = [r for k, r in sorted(source.items()) if k[0] == fleet]
+            if mine:
+                lines.append(f"{name}{fleet}: {fleet_totals(mine)}")
+    return "\n".join(lines)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"7,11,201-206"`` -> the seeds, in order; ``ValueError`` on anything else."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"not a seed or a range of seeds: {part.strip()!r}")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"an empty range of seeds: {part.strip()!r}")
+        seeds.extend(range(first, last + 1))
+    return tuple(seeds)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"fleet sweep: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m fleetpilot.bench.fleet_sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder of the runs' figures (<fleet>-<seed>.json)")
+    p.add_argument("--fleet", choices=FLEETS, action="append", help="a fleet to run (default: both)")
+    p.add_argument("--seeds", default=None, help="seeds, e.g. 7,11,201-206 (default: the README table's, per fleet)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
+    p.add_argument("--tasks", type=int, default=None, help="tasks per workload (default: the fleet benchmark's)")
+    p.add_argument("--hours", type=float, default=None, help="arrival window in virtual hours (default: its)")
+    p.add_argument("--arrivals", choices=("trace", "generated"), default=None,
+                   help="arrivals from the openb trace or a seeded process (default: the fleet benchmark's)")
+    p.add_argument("--against", type=Path, default=None, help="a sweep of other code to print beside this one")
+    p.add_argument("--no-run", action="store_true", help="only read what --out holds")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep and print its table; bad arguments raise ``SystemExit`` with one line."""
+    args = _parser().parse_args(argv)
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    except ValueError as exc:
+        raise SystemExit(f"fleet sweep: --seeds: {exc}") from None
+    if args.jobs < 1 or (args.tasks is not None and args.tasks < 1) or (args.hours is not None and args.hours <= 0):
+        raise SystemExit("fleet sweep: --jobs, --tasks and --hours must be positive")
+    if args.against is not None and not args.against.is_dir():
+        raise SystemExit(f"fleet sweep: no such folder {args.against}")
+    if args.no_run and not args.out.is_dir():
+        raise SystemExit(f"fleet sweep: no such folder {args.out}")
+    if not args.no_run:
+        check_writable("fleet sweep", dirs=(args.out,))
+        fleets = args.fleet or list(FLEETS)
+        runs = [(f, s) for f in fleets for s in (seeds if seeds is not None else TABLE_SEEDS[f])]
+        extra = [*(["--tasks", str(args.tasks)] if args.tasks is not None else []),
+                 *(["--hours", str(args.hours)] if args.hours is not None else []),
+                 *(["--arrivals", args.arrivals] if args.arrivals is not None else [])]
+        print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)
+        try:
+            run_all(runs, args.out, args.jobs, extra)
+        except SweepError as exc:
+            raise SystemExit(f"fleet sweep: {exc}") from None
+    found = read_all(args.out)
+    if not found:
+        raise SystemExit(f"fleet sweep: no run's figures in {args.out}")
+    print(summary(found, read_all(args.against) if args.against is not None else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The fleet benchmark over many workloads: seeds, the table it prints, real runs in processes
+of their own, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from fleetpilot.bench.fleet_sweep import TABLE_SEEDS, geometric_mean, main, parse_seeds, read_all, summary
+
+
+def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0) -> None:
+    """A run's ``--json`` as the fleet benchmark writes it, with the ratios given."""
+    ratio = {"utilisation": 1.1, "useful_utilisation": 1.3, "mean_queue_s": queue, "p95_queue_s": 0.5,
+             "oom_events": oom}
+    met = {"utilisation": False, "mean_queue_s": queue <= 0.2, "oom_events": oom <= 0.1}
+    doc = {"fleet": fleet, "seed": seed, "ratio": ratio, "targets": {"met": met},
+           "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}}
+    (folder / f"{fleet}-{seed}.json").write_text(json.dumps(doc))
+
+
+def test_seeds_are_lists_and_ranges() -> None:
+    assert parse_seeds("7,11,201-203") == (7, 11, 201, 202, 203)
+    for bad in ("x", "3-", "5-2", ""):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+    assert len(TABLE_SEEDS["three-site"]) + len(TABLE_SEEDS["openb"]) == 46
+
+
+def test_the_table_counts_targets_met_and_averages_ratios_geometrically(tmp_path: Path) -> None:
+    figures(tmp_path, "openb", 1, queue=0.1)
+    figures(tmp_path, "openb", 2, queue=0.4, oom=0.2, events=9.0)
+    (tmp_path / "notes.json").write_text("[]")  # not a run: left out
+    runs = read_all(tmp_path)
+    assert sorted(runs) == [("openb", 1), ("openb", 2)]
+    text = summary(runs)
+    assert "mean_queue_s 1/2" in text and "oom_events 1/2" in text and "utilisation 0/2" in text
+    assert f"geometric mean {math.sqrt(0.1 * 0.4):.4f}" in text and "OOM events 12" in text
+    row = next(line for line in text.splitlines() if line.startswith("openb") and " 2 " in line)
+    assert "-60.0%*" in row and "-80.0%*" in row  # the queue and OOM targets missed, marked
+    assert geometric_mean([]) != geometric_mean([])  # nan: nothing to average
+
+
+def test_a_sweep_is_printed_beside_another(tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    figures(mine, "three-site", 7, queue=0.1)
+    figures(other, "three-site", 7, queue=0.3)
+    figures(other, "three-site", 8, queue=0.3)
+    text = summary(read_all(mine), read_all(other))
+    row7 = next(line for line in text.splitlines() if line.startswith("three-site") and " 7 " in line)
+    assert row7.index("-90.0%") < row7.index("against") < row7.index("-70.0%*")
+    assert any("(not run)" in line for line in text.splitlines() if " 8 " in line)
+    assert "against three-site: met utilisation 0/2, mean_queue_s 0/2" in text
+
+
+def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    assert main(["--out", str(out), "--fleet", "three-site", "--seeds", "3-4", "--tasks", "150", "--hours", "0.5",
+                 "--arrivals", "generated", "--jobs", "2"]) == 0
+    assert sorted(p.name for p in out.glob("*.json")) == ["three-site-3.json", "three-site-4.json"]
+    text = capsys.readouterr().out
+    assert sum(line.startswith("three-site ") for line in text.splitlines()) == 2
+    assert "three-site: met utilisation" in text
+    # Read again without running: the same table.
+    assert main(["--out", str(out), "--no-run"]) == 0
+    again = capsys.readouterr().out
+    assert again.startswith("fleet ") and text.endswith(again)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--out", "x", "--seeds", "a"], "--seeds: not a seed"),
+    (["--out", "x", "--jobs", "0"], "must be positive"),
+    (["--out", "/nonexistent/folder", "--no-run"], "no such folder"),
+    (["--fleet", "moon"], "invalid choice"),
+])
+def test_bad_arguments_get_one_line(argv: list[str], says: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert isinstance(refused.value.code, str) and says in refused.value.code and "\n" not in refused.value.code
+
+
+def test_a_failed_run_is_named_in_one_line(tmp_path: Path) -> None:
+    # Three tasks cannot make the fleet's load: the benchmark refuses, and the sweep says which run.
+    with pytest.raises(SystemExit) as refused:
+        main(["--out", str(tmp_path), "--fleet", "three-site", "--seeds", "5", "--tasks", "3",
+              "--arrivals", "generated"])
+    message = str(refused.value.code)
+    assert message.startswith("fleet sweep: three-site seed 5 failed (exit 1): fleet bench:") and "\n" not in message
