@@ -627,6 +627,12 @@ class FleetRun:
             job.confidence = self.calibration.apply(self.mode, decision.confidence) if decision.action == "assign" else 0.5
         self._start(job, plan.row, list(plan.gpus), MILLI, now, pause=wait)
 
+    def _blocked_single_gpu_waiters(self) -> list[_Job]:
+        """The waiting tasks of one whole GPU that found no place since the last cycle: those
+        moving down and making way find room for."""
+        return [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
+                and j.task.gpu_milli >= MILLI]
+
     def _move_down(self, now: float, reservation: Reservation | None) -> None:
         """Moving down, as the policy service's rebalance round does (``Moves.move_down``): for
         each blocked task of one whole GPU, in the queue's order, a tenant of a GPU it could
@@ -637,8 +643,7 @@ class FleetRun:
         the policy places it, after the tenant's checkpoint pause (the service's next queue
         round, once the executor has moved the tenant). At most ``MOVES_PER_CYCLE`` moves; a
         request that found no target spares the cycle any other that needs at least as much."""
-        waiters = [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
-                   and j.task.gpu_milli >= MILLI]
+        waiters = self._blocked_single_gpu_waiters()
         if not waiters:
             return
         tenants = []
@@ -700,8 +705,7 @@ class FleetRun:
         that ``backfill.makes_way`` says should give way is checkpointed and queued again
         (progress kept), and the waiter starts where the policy places it after that pause. At
         most ``MAKE_WAY_PER_ROUND`` a cycle."""
-        waiters = [j for j in self.pending if j.task.task_id in self.blocked and j.task.gpus == 1
-                   and j.task.gpu_milli >= MILLI]
+        waiters = self._blocked_single_gpu_waiters()
         if not waiters:
             return
         # (task, run left, its queue key by that, checkpoint pause, GPU model, GPU memory): once
