@@ -8,7 +8,9 @@
   process where it is restored); when a task ends, its last fingerprint is merged into its
   signature's statistics in the bucket (compare-and-set), for the next submission. A task
   killed by an OOM is not: its series stops before its peak; the most it held becomes the
-  signature's floor instead (``merge_oom``), under which no prediction goes. The end is
+  signature's floor instead (``merge_oom``), under which no prediction goes. A completed run's
+  peak (the most any of its samples held, across its moves) joins its signature's known runs
+  (``merge_run_peak``), by which the runs' spread is told (``fit_peak``). The end is
   learnt ``end_grace_s`` after its event: samples come on core NATS and the event on
   JetStream (a consumer of its own), so the run's last samples can arrive after it; a sample
   of a run already learnt, or taken after its end, is dropped.
@@ -34,6 +36,7 @@ from fleetpilot.fingerprint import (
     merge,
     merge_oom,
     merge_restore,
+    merge_run_peak,
     predict,
     restore_tells,
     stored_stats,
@@ -70,6 +73,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # dropped instead of starting a model of a run that is over.
     ending: OrderedDict[str, tuple[TaskLifecycle, float]] = OrderedDict()
     ended: OrderedDict[str, None] = OrderedDict()
+    # Per task moved or stopped and restored, the most its series held before (its run's peak
+    # spans every series since it started).
+    peak_before: OrderedDict[str, float] = OrderedDict()
 
     async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
         """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
@@ -153,6 +159,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 while len(stopped) > settings.max_tracked_tasks:
                     stopped.popitem(last=False)
             if old is not None:
+                peak_before[life.task_id] = max(peak_before.get(life.task_id, 0.0), old.peak_so_far_mb)
+                while len(peak_before) > settings.max_tracked_tasks:
+                    peak_before.popitem(last=False)
                 models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
                                                            only_trusted=True, from_start=False)
             return
@@ -192,6 +201,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         while len(ended) > settings.max_tracked_tasks:
             ended.popitem(last=False)
         stopped.pop(life.task_id, None)
+        before = peak_before.pop(life.task_id, 0.0)
         model = models.pop(life.task_id, None)
         if model is None or not model.signature:
             return
@@ -214,9 +224,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 # A run that failed partway held its last level to the end of its envelope:
                 # that would teach that the program never steps past where it died.
                 final = msgspec.structs.replace(final, envelope_mb=())
+            # Only a completed run tells what its program needs: one that failed stopped short.
+            peak = max(model.peak_so_far_mb, before) if life.state == "finished" else 0.0
 
             def fold(stats: SignatureStats) -> SignatureStats:
-                return merge(stats, final)
+                merged = merge(stats, final)
+                return merge_run_peak(merged, peak) if peak > 0 else merged
         await fold_into(model.signature, fold)
 
     return host

@@ -330,6 +330,10 @@ class ReplicaState:
         its models are those whose GPUs can (the model-demand pressure then keeps flexible
         work off the big GPUs). Nothing holds more than the largest GPU of a model the task
         accepts: a prediction above it needs a whole one of those rather than no GPU ever.
+        Nor more than the smallest such GPU that held nearly all of its program's runs
+        (``Fingerprint.fit_peak_mb``): a program whose mean sits just under a GPU's size
+        runs there, at the small OOM risk its runs' spread tells, instead of waiting for a
+        bigger GPU that the margin on its mean would ask.
         """
         fp = self.fingerprints.get(task.task_id)
         req = msgspec.structs.replace(TaskRequest.from_submitted(task, fp), site=self.contract_site(task.task_id))
@@ -337,7 +341,9 @@ class ReplicaState:
             return req
         want = int(math.ceil(fp.predicted_peak_mb * PEAK_HEADROOM))
         largest = self.largest_gpu_mb(req.gpu_models)
-        memory_mb = max(min(want, largest) if largest > 0 else want, req.gpu_memory_mb)
+        if largest > 0:
+            want = min(want, largest, self.smallest_gpu_holding_mb(req.gpu_models, fp.fit_peak_mb) or largest)
+        memory_mb = max(want, req.gpu_memory_mb)
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
 
@@ -407,6 +413,14 @@ class ReplicaState:
         empty); 0 when the fleet has none."""
         by_model = self.gpu_memory_by_model()
         return max((mb for m, mb in by_model.items() if not models or m in models), default=0)
+
+    def smallest_gpu_holding_mb(self, models: tuple[str, ...], memory_mb: float) -> int:
+        """The memory of the smallest GPU in the fleet of one of ``models`` (any model when
+        empty) that holds ``memory_mb``; 0 when none does, or nothing is asked."""
+        if memory_mb <= 0:
+            return 0
+        by_model = self.gpu_memory_by_model()
+        return min((mb for m, mb in by_model.items() if (not models or m in models) and mb >= memory_mb), default=0)
 
     def bridge_hold_mb(self, state: ClusterState, choice: PolicyDecision, plain: TaskRequest, ask_mb: int) -> int:
         """GPU memory a bridged task holds on each chosen GPU: what the least free of them has

@@ -76,7 +76,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.fingerprint import keep_envelope
+from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import TaskRequest
@@ -237,10 +237,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
 
     @host.on(TaskFingerprinted, consumer="policy-fingerprints")
     async def on_fingerprint(event: TaskFingerprinted) -> None:
-        # An observed fingerprint does not tell when the program grows: the envelope its
-        # signature predicted stays (``keep_envelope``).
+        # An observed fingerprint does not tell when the program grows nor how far its runs
+        # spread: what its signature predicted of both stays (``keep_signature_knowledge``).
         fingerprints = state().fingerprints
-        state().remember(fingerprints, event.task_id, keep_envelope(event.fingerprint, fingerprints.get(event.task_id)))
+        state().remember(fingerprints, event.task_id, keep_signature_knowledge(event.fingerprint, fingerprints.get(event.task_id)))
 
     seen: deque[TaskRequest] = deque(maxlen=settings.workload_window)
 

@@ -126,7 +126,7 @@ from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureMemory,
     envelope_at,
-    keep_envelope,
+    keep_signature_knowledge,
     restore_tells,
     restores_start_over,
     task_signature,
@@ -245,6 +245,8 @@ class _Job:
     history: deque | None = None
     from_start: bool = False  # its run began with its first start (no restore since): its envelope applies
     run_at: float = 0.0  # when that run began, kept across moves (the policy service's ``Allocation.run_at``)
+    run_peak_mb: float = 0.0  # the most its run held per GPU before its latest move or checkpoint
+    died_alone: bool = False  # killed by an OOM alone on its GPUs: its program's spread does not cover it
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -387,15 +389,21 @@ class FleetRun:
     def _reservation(self, job: _Job) -> int:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
         CUDA context when nothing is predicted), at least the signature's OOM floor and what a
-        checkpointed run held when it was stopped."""
+        checkpointed run held when it was stopped; at most the smallest GPU the task accepts
+        that held nearly all of its program's runs (``fit_peak_mb``), as the policy service's
+        request asks, unless this run died of OOM alone: it is one of the few that go higher."""
         stats = self.memory.stats(job.signature)
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
-        want = max(want, job.stopped_at_mb)
+        want = max(max(want, job.stopped_at_mb), floor)
+        if p is not None and p.fit_peak_mb > 0 and not job.died_alone:
+            accepted = job.task.gpu_models or tuple(self.memory_of)
+            fits = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) >= p.fit_peak_mb]
+            want = min(want, max(min(fits, default=want), job.stopped_at_mb))
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
-        return int(min(max(want, floor), self.largest[job.task.gpu_models]))
+        return int(min(want, self.largest[job.task.gpu_models]))
 
     # -- main loop -------------------------------------------------------------------------
 
@@ -832,6 +840,12 @@ class FleetRun:
         for g in job.gpus:
             self.on_gpu.get((job.row, g), set()).discard(t.task_id)
 
+    def _take_off(self, job: _Job) -> None:
+        """Stop a task's process to move or checkpoint it; its run goes on where it is restored,
+        so the most it held so far stays part of its run's peak."""
+        job.run_peak_mb = max(job.run_peak_mb, self.sim.peak_held_mb(job.task.task_id))
+        self.sim.remove(job.task.task_id)
+
     def _events(self, now: float) -> None:
         for ev in self.sim.events():
             if ev.kind == "xid" and int(ev.value) == 79:
@@ -849,10 +863,14 @@ class FleetRun:
                 self._stop(job)
                 job.state, job.finished_at = "done", now
                 self._remember(job, now)
+                if self.smart:
+                    # Every completed run's peak, as the fingerprinter service folds in each run
+                    # it watched (not only the first few this loop fingerprints).
+                    self.memory.observe_run_peak(job.signature, max(job.run_peak_mb, ev.value))
             elif ev.kind in ("oom", "task_failed"):
                 self._stop(job)
                 self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
-                job.progress_s = 0.0
+                job.progress_s, job.run_peak_mb = 0.0, 0.0
                 if ev.kind == "oom":
                     self.counts["oom_events"] += 1
                     self._learn_from_oom(job, ev.value)
@@ -895,6 +913,7 @@ class FleetRun:
             total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
             floor = max(total, held_mb + CONTEXT_MB) * 1.05
             self.memory.observe_oom(job.signature, floor)
+            job.died_alone = True
 
     def _observe_tasks(self, now: float) -> None:
         # Sorted: the order samples are read in decides the order of moves, and a run must
@@ -922,7 +941,7 @@ class FleetRun:
                 if current is None or not trusted(current):
                     continue
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
-                    job.prediction = keep_envelope(current, job.prediction)
+                    job.prediction = keep_signature_knowledge(current, job.prediction)
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
         bridging.extend(j for j in self._enveloped(now) if j not in bridging)
         for job in bridging:
@@ -1042,7 +1061,7 @@ class FleetRun:
         if bridge:
             self.bridged_ids.add(t.task_id)
         job.history = None
-        self.sim.remove(t.task_id)
+        self._take_off(job)
         # The restored task replays its curve: a series spanning the move would mislead the fit.
         job.fingerprinter = None
         job.migrations += 1
@@ -1096,7 +1115,7 @@ class FleetRun:
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None
-        self.sim.remove(job.task.task_id)
+        self._take_off(job)
         job.fingerprinter = None
         self.counts["checkpointed"] += 1
         self._enqueue(job, now)

@@ -28,6 +28,11 @@ class Fingerprint(Record, frozen=True, kw_only=True):
     envelope_mb: tuple[float, ...] = ()
     """The most a run of the task's program held per GPU by each twentieth of the duration it
     declared (``fingerprint.envelope``), over the whole runs seen; empty when none was."""
+    fit_peak_mb: float = 0.0
+    """The least memory per GPU that held all but a small share (2.5%) of the program's known
+    runs, a run killed by an OOM counted as one that needed more (``fingerprint.fit_peak``);
+    0 until enough runs (20) are known. A policy may size a task's GPU by it rather than by
+    its mean peak with a margin."""
 
 
 class TaskFingerprinted(Event, frozen=True, kw_only=True, tag="task.fingerprinted.v1"):

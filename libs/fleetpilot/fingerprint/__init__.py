@@ -3,7 +3,8 @@
 Offline: :func:`fingerprint_series` / :func:`analyse_series` on a whole series.
 Online: :class:`OnlineFingerprinter` with :func:`changed_materially`.
 Memory across runs: :func:`task_signature` and :class:`SignatureMemory` (peaks, patterns, OOM
-floors, and how runs come back from a checkpoint: :func:`merge_restore`).
+floors, how far runs spread: :func:`fit_peak`, and how runs come back from a checkpoint:
+:func:`merge_restore`).
 CLI: :func:`fingerprint_csv` behind ``fleetpilot fingerprint SERIES.csv --at 0.25``.
 """
 
@@ -15,18 +16,24 @@ from .analysis import (
     context_switch_sensitivity,
     fingerprint_series,
 )
-from .envelope import ENVELOPE_POINTS, envelope_at, keep_envelope, merge_envelopes, run_envelope
+from .envelope import ENVELOPE_POINTS, envelope_at, merge_envelopes, run_envelope
 from .online import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, changed_materially, trusted
 from .series_csv import fingerprint_csv, parse_series_csv
 from .signature import (
+    FIT_MIN_RUNS,
+    FIT_MISS_SHARE,
     MODEL_LABEL,
     RESTORE_KEPT_SHARE,
+    RUN_PEAKS_KEPT,
     SignatureMemory,
     SignatureStats,
+    fit_peak,
+    keep_signature_knowledge,
     load_stats,
     merge,
     merge_oom,
     merge_restore,
+    merge_run_peak,
     predict,
     restore_tells,
     restores_start_over,
@@ -37,8 +44,11 @@ from .signature import (
 __all__ = [
     "ENVELOPE_POINTS",
     "LevelPrior",
+    "FIT_MIN_RUNS",
+    "FIT_MISS_SHARE",
     "MODEL_LABEL",
     "RESTORE_KEPT_SHARE",
+    "RUN_PEAKS_KEPT",
     "OnlineFingerprinter",
     "SeriesAnalysis",
     "SignatureMemory",
@@ -52,12 +62,14 @@ __all__ = [
     "envelope_at",
     "fingerprint_csv",
     "fingerprint_series",
-    "keep_envelope",
+    "fit_peak",
+    "keep_signature_knowledge",
     "load_stats",
     "merge",
     "merge_envelopes",
     "merge_oom",
     "merge_restore",
+    "merge_run_peak",
     "parse_series_csv",
     "predict",
     "restore_tells",

@@ -18,10 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import msgspec
-
-from fleetpilot.contracts import Fingerprint
-
 ENVELOPE_POINTS = 20
 """Points of an envelope: one per twentieth of the declared duration."""
 
@@ -54,15 +50,6 @@ def merge_envelopes(a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]
     if not a or not b:
         return tuple(a or b)
     return tuple(max(x, y) for x, y in zip(a, b, strict=True))
-
-
-def keep_envelope(new: Fingerprint, old: Fingerprint | None) -> Fingerprint:
-    """``new``, with ``old``'s envelope when it has none: a fingerprint observed on a running
-    task tells its pattern and peak, not when its program grows; the envelope its signature
-    predicted still holds."""
-    if new.envelope_mb or old is None or not old.envelope_mb:
-        return new
-    return msgspec.structs.replace(new, envelope_mb=old.envelope_mb)
 
 
 def envelope_at(envelope: Sequence[float], at_s: float, declared_s: float) -> float:

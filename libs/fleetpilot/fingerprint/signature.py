@@ -28,6 +28,16 @@ RESTORE_KEPT_SHARE = 0.75
 """A restored run that holds at least this share of what it held when stopped came back
 where it was; one below it started over."""
 
+RUN_PEAKS_KEPT = 200
+"""How many of a signature's latest runs it keeps the peak of (``run_peaks_mb``)."""
+FIT_MIN_RUNS = 20
+"""Runs a signature must have ended before its runs' spread is trusted (``fit_peak``): fewer
+say little about the few runs in a hundred that go higher."""
+FIT_MISS_SHARE = 0.025
+"""The share of a signature's known runs that a GPU sized by ``fit_peak`` may be too small
+for: the OOM risk a task takes to run on a GPU that holds nearly all of its program's runs,
+rather than wait for one that holds its mean with a margin."""
+
 
 def task_signature(task: TaskSubmitted) -> str:
     """Stable signature ``"sig-" + 16 hex digits`` of kind, image, command and model label.
@@ -71,6 +81,23 @@ class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_
     restores_reset: int = 0
     # The most its runs held by each twentieth of their declared duration (``envelope``).
     envelope_mb: tuple[float, ...] = ()
+    # Per GPU, what each of its latest ``RUN_PEAKS_KEPT`` runs needed, oldest first: the most
+    # a completed run held, or the floor a run killed by an OOM taught (``fit_peak``).
+    run_peaks_mb: tuple[float, ...] = ()
+
+
+def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Fingerprint:
+    """``new``, with what ``old`` knew from the signature's past runs and ``new`` does not: a
+    fingerprint observed on a running task tells its pattern and peak, not when its program
+    grows (the envelope) nor how far its runs spread (``fit_peak_mb``); those its signature
+    predicted still hold."""
+    if old is None:
+        return new
+    envelope = new.envelope_mb or old.envelope_mb
+    fit = new.fit_peak_mb or old.fit_peak_mb
+    if envelope == new.envelope_mb and fit == new.fit_peak_mb:
+        return new
+    return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit)
 
 
 def load_stats(raw: bytes) -> SignatureStats | None:
@@ -140,7 +167,33 @@ def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
         restores_kept=stats.restores_kept,
         restores_reset=stats.restores_reset,
         envelope_mb=merge_envelopes(stats.envelope_mb, fp.envelope_mb),
+        run_peaks_mb=stats.run_peaks_mb,
     )
+
+
+def merge_run_peak(stats: SignatureStats, peak_mb: float) -> SignatureStats:
+    """``stats`` after a run completed having held at most ``peak_mb`` per GPU: one more run
+    its spread is known by (``fit_peak``); the oldest beyond ``RUN_PEAKS_KEPT`` is dropped, so
+    a program that changed is soon judged by its new runs. The input is not modified."""
+    peaks = (*stats.run_peaks_mb, float(peak_mb))[-RUN_PEAKS_KEPT:]
+    return msgspec.structs.replace(stats, run_peaks_mb=peaks)
+
+
+def fit_peak(stats: SignatureStats) -> float:
+    """The least memory per GPU that held all but ``FIT_MISS_SHARE`` of the signature's known
+    runs (a run killed by an OOM counts at its floor, as one that needed more); 0 until
+    ``FIT_MIN_RUNS`` are known.
+
+    Unlike the predicted peak (the runs' mean), it says how many runs a GPU would have been
+    too small for: a program whose runs nearly all stay under a GPU's size may ask that GPU
+    even when its mean plus a margin is just above it.
+    """
+    peaks = sorted(stats.run_peaks_mb)
+    if len(peaks) < FIT_MIN_RUNS:
+        return 0.0
+    # The k-th smallest, k the fewest runs of which the rest are at most the share allowed.
+    k = math.ceil((1.0 - FIT_MISS_SHARE) * len(peaks) - 1e-9)
+    return peaks[max(k, 1) - 1]
 
 
 def merge_oom(stats: SignatureStats, held_mb: float) -> SignatureStats:
@@ -148,9 +201,10 @@ def merge_oom(stats: SignatureStats, held_mb: float) -> SignatureStats:
 
     The run's series stops before its peak, so its fingerprint would teach too small a
     peak; what it does teach is a floor: the signature needs more than that. Predictions
-    never go below the floor. The input is not modified.
+    never go below the floor; the run counts among the signature's runs at ``held_mb``
+    (``fit_peak``). The input is not modified.
     """
-    return msgspec.structs.replace(stats, oom_floor_mb=max(stats.oom_floor_mb, float(held_mb)))
+    return msgspec.structs.replace(merge_run_peak(stats, held_mb), oom_floor_mb=max(stats.oom_floor_mb, float(held_mb)))
 
 
 def merge_restore(stats: SignatureStats, stopped_mb: float, restored_mb: float) -> SignatureStats:
@@ -183,16 +237,17 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
 
     Pattern: the vote winner, with confidence its vote share shrunk towards 0.5 for few
     observations (``share * n / (n + 1)``). Peak: the running mean; the interval spans the
-    observed extremes and the mean +- 2 standard deviations, whichever is wider.
+    observed extremes and the mean +- 2 standard deviations, whichever is wider. The runs'
+    spread: ``fit_peak``.
     """
     floor = stats.oom_floor_mb
     if stats.count == 0:
         if floor <= 0:
             return None
-        # Only an OOM is known: it needs more than the floor, nothing more is claimed.
+        # Only OOMs are known: it needs more than the floor, nothing more is claimed.
         return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
                            growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,
-                           peak_high_mb=floor, samples=0)
+                           peak_high_mb=floor, samples=0, fit_peak_mb=fit_peak(stats))
     total = sum(stats.votes.values()) or 1.0
     pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
     n = stats.count
@@ -212,6 +267,7 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         context_switch_sensitivity=stats.mean_sensitivity,
         samples=0,
         envelope_mb=stats.envelope_mb,
+        fit_peak_mb=fit_peak(stats),
     )
 
 
@@ -233,6 +289,13 @@ class SignatureMemory:
         old = self._stats.get(fp.signature, SignatureStats(signature=fp.signature))
         self._stats[fp.signature] = merge(old, fp)
         return self._stats[fp.signature]
+
+    def observe_run_peak(self, signature: str, peak_mb: float) -> SignatureStats:
+        """Record that a run of ``signature`` completed holding at most ``peak_mb`` per GPU
+        (``merge_run_peak``)."""
+        old = self._stats.get(signature, SignatureStats(signature=signature))
+        self._stats[signature] = merge_run_peak(old, peak_mb)
+        return self._stats[signature]
 
     def observe_oom(self, signature: str, held_mb: float) -> SignatureStats:
         """Record that a run of ``signature`` died of OOM holding ``held_mb`` (``merge_oom``)."""

@@ -99,6 +99,7 @@ class _Task:
     start_s: float
     seq: int
     pids: list[int] = field(default_factory=list)
+    held_most_mb: float = 0.0  # per GPU, context aside, up to the last rebuild (``peak_held_mb``)
 
 
 @dataclass
@@ -182,6 +183,7 @@ class SimulatedFleet:
         self._degradations: list[_Degradation] = []
         self._gpu_node_names = [n.node for n in fleet.nodes for _ in n.gpus]
         self._task_list: list[_Task] = []
+        self._t_held_most = np.zeros(0)
         self._s_task = np.zeros(0, dtype=np.int64)
         self._s_gpu = np.zeros(0, dtype=np.int64)
         self._prev_share_mem = np.zeros(0)
@@ -316,6 +318,17 @@ class SimulatedFleet:
         """Ids of the tasks running now."""
         return list(self._tasks)
 
+    def peak_held_mb(self, task_id: str) -> float:
+        """The most a running task held per GPU at any step since it was placed, its CUDA
+        context included, as NVML's per-process accounting keeps it (``maxMemoryUsage``); 0
+        before it held anything. ``KeyError`` when it is not running."""
+        task = self._tasks[task_id]
+        most = task.held_most_mb
+        k = self._task_index.get(task_id)
+        if k is not None and k < len(self._t_held_most) and self._task_list[k] is task:
+            most = max(most, float(self._t_held_most[k]))
+        return most + CONTEXT_MB if most > 0 else 0.0
+
     # -- faults ----------------------------------------------------------------------
 
     def _global(self, node: str, gpu: int) -> int:
@@ -391,8 +404,13 @@ class SimulatedFleet:
         if len(self._prev_share_mem) == len(self._s_task):
             previous = {(self._task_list[int(ti)].task_id, int(gi)): float(m)
                         for ti, gi, m in zip(self._s_task, self._s_gpu, self._prev_share_mem, strict=True)}
+        # What the old list's tasks held at most, kept with them across the rebuild.
+        if len(self._t_held_most) == len(self._task_list):
+            for task, most in zip(self._task_list, self._t_held_most, strict=True):
+                task.held_most_mb = max(task.held_most_mb, float(most))
         tasks = list(self._tasks.values())
         self._task_list = tasks
+        self._t_held_most = np.array([t.held_most_mb for t in tasks], float)
         self._task_index = {t.task_id: i for i, t in enumerate(tasks)}
         gr = [t.growth for t in tasks]
         self._t_code = np.array([_PATTERN_CODE[x.pattern] for x in gr], dtype=np.int64)
@@ -432,7 +450,10 @@ class SimulatedFleet:
             self._rebuild()
         for k in np.flatnonzero(self._t_start + self._t_duration <= self.now_s):
             task = self._task_list[int(k)]
-            self._emit("finished", task.global_gpus[0], task_id=task.task_id, detail="completed")
+            # Its value: the most it held per GPU (``peak_held_mb``), as accounting reports it
+            # once the process has exited.
+            self._emit("finished", task.global_gpus[0], task_id=task.task_id, detail="completed",
+                       value=self.peak_held_mb(task.task_id))
             self.remove(task.task_id)
         while True:
             if self._dirty:
@@ -446,6 +467,7 @@ class SimulatedFleet:
             started = age >= 0.0  # a task placed to start later holds nothing yet
             mem[~started] = 0.0
             self._task_mem = mem
+            self._t_held_most = np.maximum(self._t_held_most, mem)
             live = started[self._s_task]
             share_mem = (mem[self._s_task] + CONTEXT_MB) * live
             used = np.bincount(self._s_gpu, share_mem, minlength=n)

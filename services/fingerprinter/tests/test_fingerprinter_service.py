@@ -126,6 +126,7 @@ async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerpr
     await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
+    assert stats.run_peaks_mb == (38_000,)  # one run known, that needed more than it held
     await bus.publish(task("leak-2"))
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
     assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
@@ -327,3 +328,36 @@ async def test_samples_that_arrive_after_the_run_s_end_are_learnt_and_none_taken
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 1
     assert abs(stats.envelope_mb[-1] - 32_000) < 500 and abs(stats.mean_peak_mb - 32_000) < 500, stats
+
+
+async def test_a_completed_run_s_peak_spans_its_moves_and_joins_what_its_signature_knows(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("spread-1")
+    signature = task_signature(first)
+    # 39 runs known: 38 held at most 30 GB, one 34 GB.
+    known = SignatureStats(signature=signature, count=39, votes={"flat": 30.0}, mean_peak_mb=30_100,
+                           min_peak_mb=29_000, max_peak_mb=34_000, run_peaks_mb=(30_000.0,) * 38 + (34_000.0,))
+    kv = await bus.kv("fingerprints")
+    await kv.put(signature, msgspec.json.encode(known))
+    # This run holds 31 GB until it is moved, and 20 GB where it goes, to its end.
+    await run_for(bus, first, 300, lambda t: 31_000.0)
+    await bus.publish(TaskLifecycle(task_id="spread-1", state="migrated", at=now()))
+    await asyncio.sleep(0.3)
+    start = now() + 300
+    for t in np.arange(0, 700, 10.0):
+        await bus.publish(TaskTelemetry(task_id="spread-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=20_000.0))
+    await samples_taken(bus, seen, "sync-spread-1")
+    await bus.publish(TaskLifecycle(task_id="spread-1", state="finished", at=now()))
+
+    async def forty_runs() -> SignatureStats | None:
+        entry = await kv.get(signature)
+        stats = msgspec.json.decode(entry.value, type=SignatureStats)
+        return stats if len(stats.run_peaks_mb) == 40 else None
+
+    stats = await wait_for(forty_runs, what="the run's peak remembered")
+    assert stats.run_peaks_mb[-1] == 31_000  # before its move, not the 20 GB after it
+    await bus.publish(task("spread-2"))
+    predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "spread-2"]))[0]
+    # Forty runs: all but one held at most 31 GB (the 34 GB one is within the 2.5% share).
+    assert predicted.fingerprint.fit_peak_mb == 31_000

@@ -547,3 +547,33 @@ def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_c
     monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
     late, without = play()
     assert without.breakdown["made_way"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
+
+
+def test_a_program_whose_runs_nearly_all_fit_a_gpu_runs_there_and_a_run_that_outgrew_it_does_not_again() -> None:
+    # The H100 is busy for 40 minutes. The program's mean peak, 40 GB with its context, plus 5%
+    # is more than the A100's 40,960 MB, but its 40 known runs held at most 40.6 GB.
+    def runs(peak: float, *, spread: bool = True) -> FleetRun:
+        busy = BenchTask(**{**task(0, duration=2400.0).__dict__, "gpu_models": ("H100",)})
+        mine = BenchTask(**{**task(1, peak=peak, request=20_000.0, program="ft").__dict__,
+                            "gpu_models": ("A100-40GB", "H100")})
+        run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, mine, hours=1.5), "fleetpilot", seed=1),
+                    "flat", 40_000.0)
+        for k in range(40 if spread else 1):
+            run.memory.observe_run_peak(run.jobs[1].signature, 39_400.0 + 30.0 * k)
+        return run
+
+    fits = runs(39_800.0)
+    result = fits.run()
+    assert fits.jobs[1].queue_s == 0.0  # it started on the A100 as it arrived
+    assert (result.figures["oom_events"], result.breakdown["completed"], result.breakdown["checkpointed"]) == (0, 2, 0)
+    # Without the runs known, it waits for the H100: the busy task makes way for it.
+    unknown = runs(39_800.0, spread=False)
+    result = unknown.run()
+    assert unknown.jobs[1].queue_s > 0.0 and result.breakdown["checkpointed"] == 1
+    assert result.figures["oom_events"] == 0
+    # A run of it that goes higher dies on the A100 once; then it asks by its peak again (one
+    # run above the A100 in 41 known is still within the spread's share: the spread alone
+    # would send it back to the A100).
+    outgrew = runs(41_500.0)
+    result = outgrew.run()
+    assert (result.figures["oom_events"], result.breakdown["completed"]) == (1, 2)

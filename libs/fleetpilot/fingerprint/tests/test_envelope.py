@@ -9,7 +9,7 @@ from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureMemory,
     envelope_at,
-    keep_envelope,
+    keep_signature_knowledge,
     merge_envelopes,
     run_envelope,
 )
@@ -49,13 +49,14 @@ def test_envelopes_merge_pointwise_to_the_larger_and_are_read_at_the_point_cover
     assert envelope_at((), 10.0, 100.0) == 0.0
 
 
-def test_an_observed_fingerprint_keeps_the_envelope_its_signature_predicted() -> None:
-    predicted = fingerprint(envelope_mb=(1.0, 2.0))
+def test_an_observed_fingerprint_keeps_what_its_signature_predicted() -> None:
+    predicted = fingerprint(envelope_mb=(1.0, 2.0), fit_peak_mb=31_000.0)
     observed = fingerprint(samples=12)
-    assert keep_envelope(observed, predicted).envelope_mb == (1.0, 2.0)
-    assert keep_envelope(observed, None) is observed
-    newer = fingerprint(envelope_mb=(3.0, 4.0))
-    assert keep_envelope(newer, predicted) is newer
+    kept = keep_signature_knowledge(observed, predicted)
+    assert (kept.envelope_mb, kept.fit_peak_mb, kept.samples) == ((1.0, 2.0), 31_000.0, 12)
+    assert keep_signature_knowledge(observed, None) is observed
+    newer = fingerprint(envelope_mb=(3.0, 4.0), fit_peak_mb=32_000.0)
+    assert keep_signature_knowledge(newer, predicted) is newer
 
 
 def test_only_a_run_seen_from_its_start_teaches_an_envelope_and_the_signature_keeps_the_largest() -> None:

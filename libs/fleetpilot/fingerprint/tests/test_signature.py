@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 from fleetpilot.contracts import Fingerprint, TaskSubmitted
-from fleetpilot.fingerprint import SignatureMemory, SignatureStats, load_stats, task_signature
+from fleetpilot.fingerprint import (
+    FIT_MIN_RUNS,
+    RUN_PEAKS_KEPT,
+    SignatureMemory,
+    SignatureStats,
+    fit_peak,
+    load_stats,
+    task_signature,
+)
 
 BASE = dict(task_id="t1", kind="finetune", image="reg/clip:1", command=["python", "ft.py"],
             labels={"model": "clip-vit-l"})
@@ -91,3 +99,38 @@ def test_an_oom_sets_a_floor_that_no_prediction_goes_under():
     mem.observe(_fp("sig-a", "leak", 44_000))
     assert mem.predict("sig-a").predicted_peak_mb == pytest.approx((24_000 + 40_000 + 44_000) / 3)
     assert mem.stats("sig-a").count == 3 and mem.stats("sig-a").oom_floor_mb == 30_000
+
+
+def test_the_runs_spread_says_what_held_all_but_a_few_of_them_once_enough_are_known():
+    mem = SignatureMemory()
+    mem.observe(_fp("sig-a", "steps", 31_000))
+    # A program whose runs nearly all stay under 32 GB, and one in forty goes above it.
+    for k in range(FIT_MIN_RUNS - 1):
+        mem.observe_run_peak("sig-a", 30_000 + 100 * k)
+    assert fit_peak(mem.stats("sig-a")) == 0.0 and mem.predict("sig-a").fit_peak_mb == 0.0  # too few yet
+    mem.observe_run_peak("sig-a", 34_000)
+    # Twenty runs: a 2.5% share allows half a run above it, so none: the most any held.
+    assert mem.predict("sig-a").fit_peak_mb == 34_000
+    for k in range(20):
+        mem.observe_run_peak("sig-a", 29_950 + 50 * k)
+    # Forty runs: one may be above, the other 39 held at most 31,800 MB.
+    assert mem.predict("sig-a").fit_peak_mb == 31_800
+    mem.observe_oom("sig-a", 33_600)  # killed alone on a 32 GB GPU: one more run above it
+    assert mem.predict("sig-a").fit_peak_mb == 33_600
+    assert mem.stats("sig-a").oom_floor_mb == 33_600 and len(mem.stats("sig-a").run_peaks_mb) == 41
+
+
+def test_only_the_latest_runs_are_kept_so_a_changed_program_is_judged_by_its_new_runs():
+    mem = SignatureMemory()
+    mem.observe(_fp("sig-a", "flat", 8_000))
+    for _ in range(RUN_PEAKS_KEPT):
+        mem.observe_run_peak("sig-a", 40_000)
+    for _ in range(RUN_PEAKS_KEPT - 3):
+        mem.observe_run_peak("sig-a", 8_000)
+    stats = mem.stats("sig-a")
+    assert len(stats.run_peaks_mb) == RUN_PEAKS_KEPT and stats.run_peaks_mb[:3] == (40_000,) * 3
+    assert fit_peak(stats) == 8_000  # three old runs above, in two hundred: within the share
+    mem.observe(_fp("sig-a", "flat", 8_100))  # a fingerprint folded in keeps the runs known
+    assert mem.stats("sig-a").run_peaks_mb == stats.run_peaks_mb
+    raw = msgspec.json.encode(mem.stats("sig-a"))
+    assert load_stats(raw).run_peaks_mb == stats.run_peaks_mb

@@ -289,3 +289,29 @@ def test_a_large_fleet_advances_fast() -> None:
     per_tick = (time.perf_counter() - began) / 5
     assert per_tick < 0.25, f"{per_tick * 1000:.1f} ms per virtual second"
     assert Fleet(sites=[Site(name="x")]).gpu_count == 0
+
+
+def test_a_run_s_peak_is_kept_across_other_tasks_coming_and_going_and_reported_when_it_ends(
+    sim: SimulatedFleet,
+) -> None:
+    # A sawtooth that climbs to about 25 GB by 600 s, drops, and ends near 18 GB.
+    curve = MemoryGrowth(pattern="sawtooth", base_mb=5_000, peak_mb=25_000, duration_s=1_000, period_s=600)
+    sim.place("saw", "a100-00", [0, 1], curve, util=40)
+    assert sim.peak_held_mb("saw") == 0.0  # nothing held before its first step
+    held = []
+    for k in range(99):
+        sim.advance(10)
+        held.append(float(curve.memory_at(10.0 * (k + 1))))
+        if k in (20, 65):  # others placed and removed after its top: the task list is rebuilt
+            sim.place(f"other-{k}", "a100-00", [2], CURVES["flat"], util=10)
+        if k in (30, 75):
+            sim.remove(f"other-{k - 10}")
+    most = max(held) + CONTEXT_MB
+    assert sim.peak_held_mb("saw") == pytest.approx(most, abs=300)  # the noise around its curve
+    assert sim.peak_held_mb("saw") > float(curve.memory_at(990.0)) + CONTEXT_MB + 1_000
+    before = sim.peak_held_mb("saw")
+    sim.advance(20)
+    (done,) = [e for e in sim.events() if e.kind == "finished" and e.task_id == "saw"]
+    assert done.value == before
+    with pytest.raises(KeyError):
+        sim.peak_held_mb("saw")

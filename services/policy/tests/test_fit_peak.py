@@ -1,0 +1,69 @@
+"""Sizing by the runs' spread: a program whose mean peak with its margin is just above a GPU's
+size, but whose known runs nearly all stayed under it (``Fingerprint.fit_peak_mb``), asks that
+GPU instead of waiting for a bigger one; one without enough known runs still asks its margin."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, encode, now
+from fleetpilot_services.policy.service import build
+
+from .conftest import admitted, fingerprinted, node, policy_state, settings, wait_for
+
+V100 = dict(model="V100-32GB", memory_mb=32768)
+
+
+def fingerprint(fit_peak_mb: float = 0.0) -> Fingerprint:
+    """Mean peak 31.6 GB: with the 5% margin, 33.2 GB, just above a 32 GB GPU."""
+    return Fingerprint(signature="sig-ft", pattern="steps", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
+                       predicted_peak_mb=31_600, peak_low_mb=30_000, peak_high_mb=33_000, fit_peak_mb=fit_peak_mb)
+
+
+def test_a_request_asks_the_smallest_gpu_that_held_nearly_all_of_its_program_s_runs(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    ps.fleet._apply("big", encode(node("big")))  # H100, 80 GB
+    ps.fleet._apply("small", encode(node("small", **V100)))
+    ps.fleet._apply("tiny", encode(node("tiny", model="T4", memory_mb=15360)))
+    task = admitted("ft", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100", "V100-32GB", "T4"]).task
+
+    ps.fingerprints["ft"] = fingerprint()  # too few runs known to tell their spread
+    margin = ps.request(task)
+    assert (margin.gpu_memory_mb, margin.gpu_models) == (33_180, ("H100",))
+
+    ps.fingerprints["ft"] = fingerprint(fit_peak_mb=31_900)
+    spread = ps.request(task)
+    assert (spread.gpu_memory_mb, spread.gpu_models) == (32_768, ("H100", "V100-32GB"))
+    # A task that accepts any model: the ask alone keeps it off the T4.
+    anywhere = admitted("anywhere", gpu_milli=1000, gpu_memory_mb=20_000).task
+    ps.fingerprints["anywhere"] = fingerprint(fit_peak_mb=31_900)
+    assert ps.request(anywhere).gpu_memory_mb == 32_768
+
+    ps.fingerprints["ft"] = fingerprint(fit_peak_mb=33_000)  # its runs spread above 32 GB
+    assert ps.request(task).gpu_models == ("H100",)
+    # Only the models the task accepts count: a task bound to the H100 stays there.
+    bound = admitted("bound", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100"]).task
+    ps.fingerprints["bound"] = fingerprint(fit_peak_mb=31_900)
+    assert (ps.request(bound).gpu_memory_mb, ps.request(bound).gpu_models) == (33_180, ("H100",))
+
+
+async def test_the_task_whose_runs_fit_starts_on_the_32_gb_gpu_and_the_other_waits(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("big", gpus=1), node("small", gpus=1, **V100)])
+    whole = Allocation(task_id="held", decision_id="held.assign", gpu=0, milli=1000, memory_mb=81920,
+                       state="confirmed", at=now())
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[whole])))
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"margin": fingerprint(), "spread": fingerprint(fit_peak_mb=31_900)})
+        await observer.admit(admitted("margin", gpu_milli=1000, gpu_memory_mb=20_000))
+        await observer.admit(admitted("spread", gpu_milli=1000, gpu_memory_mb=20_000))
+        await wait_for(lambda: {"margin", "spread"} <= set(observer.by_task()), timeout_s=3.0, what="both decided")
+        await asyncio.sleep(0.6)  # retry rounds: the free V100 does not hold the margin
+    finally:
+        await policy.stop()
+    by_task = observer.by_task()
+    assert [d.action for d in by_task["margin"]] == ["queue"]
+    [placed] = by_task["spread"]
+    assert placed.action == "assign"
+    assert [(p.node, p.gpu, p.memory_mb) for p in placed.placement] == [("small", 0, 32_768)]
