@@ -14,6 +14,11 @@
   learnt ``end_grace_s`` after its event: samples come on core NATS and the event on
   JetStream (a consumer of its own), so the run's last samples can arrive after it; a sample
   of a run already learnt, or taken after its end, is dropped.
+- Tasks waiting to start: a task submitted that has not run yet (no sample, no ``started``)
+  is told its signature's new prediction (``task.fingerprinted``, source ``signature``) when a
+  run of the signature ends and changes it (``prediction_changed``): a queue that waits hours
+  behind a program's first runs is placed by what they taught, not by what was known when
+  it was submitted.
 - Restores: the first sample of a migrated or evicted task once it runs again, against what
   it held when it stopped, says whether its signature comes back from a checkpoint where it
   was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
@@ -29,7 +34,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
-from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, encode, now
+from fleetpilot.contracts import (
+    Fingerprint,
+    TaskFingerprinted,
+    TaskLifecycle,
+    TaskSubmitted,
+    TaskTelemetry,
+    encode,
+    now,
+)
 from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureStats,
@@ -38,6 +51,7 @@ from fleetpilot.fingerprint import (
     merge_restore,
     merge_run_peak,
     predict,
+    prediction_changed,
     restore_tells,
     stored_stats,
     task_signature,
@@ -76,6 +90,35 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # Per task moved or stopped and restored, the most its series held before (its run's peak
     # spans every series since it started).
     peak_before: OrderedDict[str, float] = OrderedDict()
+    # Tasks submitted that have not run yet: task -> (signature, the prediction it was last
+    # given, ``None`` for none), and the tasks by signature.
+    waiting: OrderedDict[str, tuple[str, Fingerprint | None]] = OrderedDict()
+    waiting_of: dict[str, set[str]] = {}
+
+    def now_waiting(task_id: str, signature: str, given: Fingerprint | None) -> None:
+        waiting[task_id] = (signature, given)
+        waiting_of.setdefault(signature, set()).add(task_id)
+        while len(waiting) > settings.max_tracked_tasks:
+            stop_waiting(next(iter(waiting)))
+
+    def stop_waiting(task_id: str) -> None:
+        signature, _ = waiting.pop(task_id, ("", None))
+        if signature:
+            tasks = waiting_of[signature]
+            tasks.discard(task_id)
+            if not tasks:
+                del waiting_of[signature]
+
+    async def tell_waiting(signature: str, stats: SignatureStats) -> None:
+        """Publish the signature's prediction to each of its tasks waiting to start whose own
+        it changes (``prediction_changed``)."""
+        tasks = waiting_of.get(signature)
+        predicted = predict(stats) if tasks else None
+        for task_id in sorted(tasks or ()):
+            if prediction_changed(waiting[task_id][1], predicted):
+                waiting[task_id] = (signature, predicted)
+                await host.bus.publish(TaskFingerprinted(task_id=task_id, fingerprint=predicted,  # type: ignore[arg-type,union-attr]
+                                                         source="signature", at=now()))
 
     async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
         """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
@@ -84,15 +127,17 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             entry = await kv.get(signature)
             # Statistics in old units, or unreadable, are started afresh (``stored_stats``).
             stats = stored_stats(signature, entry.value if entry else None) or SignatureStats(signature=signature)
-            body = encode(fold(stats))
+            folded = fold(stats)
+            body = encode(folded)
             try:
                 if entry is None:
                     await kv.create(signature, body)  # type: ignore[union-attr]
                 else:
                     await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
-                return
             except CasConflict:
                 continue
+            await tell_waiting(signature, folded)
+            return
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 
     def model_for(task_id: str, signature: str = "", duration: float | None = None, *,
@@ -119,10 +164,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     @host.on(TaskSubmitted, consumer="fingerprinter-submitted")
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
         signature = task_signature(task)
-        model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
+        model = model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
         entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
         stats = stored_stats(signature, entry.value if entry is not None else None)
         predicted = predict(stats) if stats is not None else None
+        if model.samples == 0:
+            now_waiting(task.task_id, signature, predicted)
         if predicted is None:
             return None
         return TaskFingerprinted(task_id=task.task_id, fingerprint=predicted, source="signature", at=now())
@@ -135,6 +182,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         end = ending.get(sample.task_id)
         if sample.task_id in ended or (end is not None and sample.at > end[0].at):
             return None  # the run is over (a sample after its end belongs to nothing)
+        stop_waiting(sample.task_id)
         restored = stopped.get(sample.task_id)
         if restored is not None and sample.at > restored[2]:
             del stopped[sample.task_id]
@@ -147,6 +195,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
+        stop_waiting(life.task_id)  # it runs, or has run: its own samples tell the rest
         if life.state in ("migrated", "evicted"):
             # Moved, or stopped to be placed again (preempted, checkpointed, its GPU gone):
             # the task runs on as a new process where it is restored, and its life is not

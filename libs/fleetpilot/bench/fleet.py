@@ -127,6 +127,7 @@ from fleetpilot.fingerprint import (
     SignatureMemory,
     envelope_at,
     keep_signature_knowledge,
+    prediction_changed,
     restore_tells,
     restores_start_over,
     task_signature,
@@ -300,6 +301,7 @@ class FleetRun:
         self.pending: list[_Job] = []
         self.on_gpu: dict[tuple[int, int], set[str]] = {}
         self.memory = SignatureMemory()
+        self.learnt: set[str] = set()  # signatures whose statistics changed this cycle (``_tell_waiting``)
         self.health = HealthModel()
         self.windows: dict[int, deque] = {}
         self.pending_maintenance: dict[int, float] = {}
@@ -436,6 +438,7 @@ class FleetRun:
                     self.sim.inject_xid(f.node, f.gpu, 79)
                     self._events(now)
             if self.smart:
+                self._tell_waiting()
                 self._observe_tasks(now)
                 if tick % HEALTH_EVERY == 0:
                     self._watch_health(now)
@@ -867,6 +870,7 @@ class FleetRun:
                     # Every completed run's peak, as the fingerprinter service folds in each run
                     # it watched (not only the first few this loop fingerprints).
                     self.memory.observe_run_peak(job.signature, max(job.run_peak_mb, ev.value))
+                    self.learnt.add(job.signature)
             elif ev.kind in ("oom", "task_failed"):
                 self._stop(job)
                 self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
@@ -902,6 +906,7 @@ class FleetRun:
         fp.refit()
         if fp.current is not None and fp.current.samples > 0:
             self.memory.observe(msgspec.structs.replace(fp.current, envelope_mb=envelope))
+            self.learnt.add(job.signature)
 
     def _learn_from_oom(self, job: _Job, held_mb: float) -> None:
         """A task killed while alone on its GPUs needed more than the GPU: a floor for its
@@ -913,7 +918,22 @@ class FleetRun:
             total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
             floor = max(total, held_mb + CONTEXT_MB) * 1.05
             self.memory.observe_oom(job.signature, floor)
+            self.learnt.add(job.signature)
             job.died_alone = True
+
+    def _tell_waiting(self) -> None:
+        """Give each task still waiting for its first start its signature's new prediction,
+        when what the runs that ended this cycle taught changes it (``prediction_changed``),
+        as the fingerprinter service tells its waiting tasks."""
+        learnt, self.learnt = self.learnt, set()
+        fresh: dict[str, Fingerprint | None] = {}
+        for job in self.pending:
+            if job.attempts or job.signature not in learnt:
+                continue
+            if job.signature not in fresh:
+                fresh[job.signature] = self.memory.predict(job.signature)
+            if prediction_changed(job.prediction, fresh[job.signature]):
+                job.prediction = fresh[job.signature]
 
     def _observe_tasks(self, now: float) -> None:
         # Sorted: the order samples are read in decides the order of moves, and a run must

@@ -18,6 +18,7 @@ import msgspec
 from fleetpilot.contracts import Fingerprint, GrowthPattern, TaskSubmitted
 
 from .envelope import merge_envelopes
+from .online import changed_materially
 
 log = logging.getLogger("fleetpilot.fingerprint")
 
@@ -98,6 +99,16 @@ def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Finge
     if envelope == new.envelope_mb and fit == new.fit_peak_mb:
         return new
     return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit)
+
+
+def prediction_changed(old: Fingerprint | None, new: Fingerprint | None) -> bool:
+    """Whether ``new``, a signature's prediction once it has learnt from one more run, should
+    replace ``old``, the one a task still waiting to start was given: there is one now where
+    there was none, it changed materially (``changed_materially``), or the runs' spread says
+    something else (``fit_peak_mb``: a small move may cross a GPU's size)."""
+    if new is None:
+        return False
+    return old is None or new.fit_peak_mb != old.fit_peak_mb or changed_materially(old, new)
 
 
 def load_stats(raw: bytes) -> SignatureStats | None:

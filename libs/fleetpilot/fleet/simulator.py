@@ -99,7 +99,6 @@ class _Task:
     start_s: float
     seq: int
     pids: list[int] = field(default_factory=list)
-    held_most_mb: float = 0.0  # per GPU, context aside, up to the last rebuild (``peak_held_mb``)
 
 
 @dataclass
@@ -183,7 +182,6 @@ class SimulatedFleet:
         self._degradations: list[_Degradation] = []
         self._gpu_node_names = [n.node for n in fleet.nodes for _ in n.gpus]
         self._task_list: list[_Task] = []
-        self._t_held_most = np.zeros(0)
         self._s_task = np.zeros(0, dtype=np.int64)
         self._s_gpu = np.zeros(0, dtype=np.int64)
         self._prev_share_mem = np.zeros(0)
@@ -319,15 +317,13 @@ class SimulatedFleet:
         return list(self._tasks)
 
     def peak_held_mb(self, task_id: str) -> float:
-        """The most a running task held per GPU at any step since it was placed, its CUDA
-        context included, as NVML's per-process accounting keeps it (``maxMemoryUsage``); 0
-        before it held anything. ``KeyError`` when it is not running."""
+        """The most a running task has held per GPU since it was placed, its CUDA context
+        included, as NVML's per-process accounting keeps it (``maxMemoryUsage``): at any
+        instant, not only at this simulator's steps (``MemoryGrowth.highest_until``); 0 before
+        it started. ``KeyError`` when it is not running."""
         task = self._tasks[task_id]
-        most = task.held_most_mb
-        k = self._task_index.get(task_id)
-        if k is not None and k < len(self._t_held_most) and self._task_list[k] is task:
-            most = max(most, float(self._t_held_most[k]))
-        return most + CONTEXT_MB if most > 0 else 0.0
+        age = self.now_s - task.start_s
+        return task.growth.highest_until(age) + CONTEXT_MB if age >= 0 else 0.0
 
     # -- faults ----------------------------------------------------------------------
 
@@ -404,13 +400,8 @@ class SimulatedFleet:
         if len(self._prev_share_mem) == len(self._s_task):
             previous = {(self._task_list[int(ti)].task_id, int(gi)): float(m)
                         for ti, gi, m in zip(self._s_task, self._s_gpu, self._prev_share_mem, strict=True)}
-        # What the old list's tasks held at most, kept with them across the rebuild.
-        if len(self._t_held_most) == len(self._task_list):
-            for task, most in zip(self._task_list, self._t_held_most, strict=True):
-                task.held_most_mb = max(task.held_most_mb, float(most))
         tasks = list(self._tasks.values())
         self._task_list = tasks
-        self._t_held_most = np.array([t.held_most_mb for t in tasks], float)
         self._task_index = {t.task_id: i for i, t in enumerate(tasks)}
         gr = [t.growth for t in tasks]
         self._t_code = np.array([_PATTERN_CODE[x.pattern] for x in gr], dtype=np.int64)
@@ -467,7 +458,6 @@ class SimulatedFleet:
             started = age >= 0.0  # a task placed to start later holds nothing yet
             mem[~started] = 0.0
             self._task_mem = mem
-            self._t_held_most = np.maximum(self._t_held_most, mem)
             live = started[self._s_task]
             share_mem = (mem[self._s_task] + CONTEXT_MB) * live
             used = np.bincount(self._s_gpu, share_mem, minlength=n)

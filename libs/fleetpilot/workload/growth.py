@@ -84,6 +84,15 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, base_mb=base, n_steps=steps, duration_s=duration_s,
                                        warmup_s=min(self.warmup_s, duration_s))
 
+    def highest_until(self, t: float) -> float:
+        """The most the noiseless curve holds at any instant of its first ``t`` seconds: where
+        it is at ``t`` for the patterns that never fall, the top a ``sawtooth`` comes up to once
+        a period has passed. A process's peak as the driver keeps it (NVML's per-process
+        accounting), which no sampling between two instants misses."""
+        if self.pattern == "sawtooth" and t >= self.period_s:
+            return float(self.peak_mb)
+        return float(self.memory_at(t))
+
     @property
     def true_peak_mb(self) -> float:
         """The highest memory the noiseless curve reaches over the task's life."""

@@ -361,3 +361,28 @@ async def test_a_completed_run_s_peak_spans_its_moves_and_joins_what_its_signatu
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "spread-2"]))[0]
     # Forty runs: all but one held at most 31 GB (the 34 GB one is within the 2.5% share).
     assert predicted.fingerprint.fit_peak_mb == 31_000
+
+
+async def test_a_task_waiting_to_start_is_told_what_a_run_that_ended_taught_its_signature(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("teach-1")
+    signature = task_signature(first)
+    # 19 runs known, at 30 GB: one short of telling their spread.
+    known = SignatureStats(signature=signature, count=19, votes={"flat": 19.0}, mean_peak_mb=30_000,
+                           min_peak_mb=30_000, max_peak_mb=30_000, run_peaks_mb=(30_000.0,) * 19)
+    await (await bus.kv("fingerprints")).put(signature, msgspec.json.encode(known))
+    for waiter in ("queued-1", "placed-1"):
+        await bus.publish(task(waiter))
+    given = await wait_for(lambda: [f for f in seen if f.task_id in ("queued-1", "placed-1")] or None)
+    assert {f.fingerprint.fit_peak_mb for f in given} == {0.0}
+    await bus.publish(TaskLifecycle(task_id="placed-1", state="started", at=now()))
+    # The twentieth run ends, having held 31 GB.
+    await run_for(bus, first, 1_000, lambda t: 31_000.0)
+    await samples_taken(bus, seen, "sync-teach-1")
+    await bus.publish(TaskLifecycle(task_id="teach-1", state="finished", at=now()))
+    told = await wait_for(lambda: [f for f in seen if f.task_id == "queued-1" and f.fingerprint.fit_peak_mb > 0],
+                          what="the waiting task told its signature's spread")
+    assert told[0].source == "signature" and told[0].fingerprint.fit_peak_mb == 31_000
+    await asyncio.sleep(0.5)
+    # The task that has started is not: its own samples tell what it holds.
+    assert [f.fingerprint.fit_peak_mb for f in seen if f.task_id == "placed-1"] == [0.0]

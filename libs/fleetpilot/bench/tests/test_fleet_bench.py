@@ -577,3 +577,24 @@ def test_a_program_whose_runs_nearly_all_fit_a_gpu_runs_there_and_a_run_that_out
     outgrew = runs(41_500.0)
     result = outgrew.run()
     assert (result.figures["oom_events"], result.breakdown["completed"]) == (1, 2)
+
+
+def test_a_task_waiting_for_its_first_start_is_given_what_a_run_that_ended_meanwhile_taught() -> None:
+    # The H100 is busy for 25 minutes (too little left to make way). A run of the program that
+    # only accepts the A100 ends after 10 minutes: its program's 20th known run, whose spread
+    # now says the A100 holds them all. The same program's task that waits for the H100 (its
+    # mean peak plus 5% is more than the A100) is given that at the next cycle.
+    busy = BenchTask(**{**task(0, duration=1500.0).__dict__, "gpu_models": ("H100",)})
+    teacher = BenchTask(**{**task(1, peak=39_800.0, request=20_000.0, program="ft").__dict__,
+                           "gpu_models": ("A100-40GB",)})
+    waiter = BenchTask(**{**task(2, peak=39_800.0, request=20_000.0, program="ft", arrival=60.0).__dict__,
+                          "gpu_models": ("A100-40GB", "H100")})
+    run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, teacher, waiter, hours=1.0), "fleetpilot", seed=1),
+                "flat", 40_000.0)
+    for k in range(19):
+        run.memory.observe_run_peak(run.jobs[1].signature, 39_400.0 + 30.0 * k)
+    result = run.run()
+    job = run.jobs[2]
+    assert job.prediction is not None and job.prediction.fit_peak_mb == 39_800.0 + CONTEXT_MB
+    assert 540.0 <= job.queue_s <= 660.0  # started the cycle after the teacher ended, not at 1,500 s
+    assert (result.figures["oom_events"], result.breakdown["completed"], result.breakdown["checkpointed"]) == (0, 3, 0)

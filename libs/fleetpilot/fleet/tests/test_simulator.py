@@ -291,27 +291,27 @@ def test_a_large_fleet_advances_fast() -> None:
     assert Fleet(sites=[Site(name="x")]).gpu_count == 0
 
 
-def test_a_run_s_peak_is_kept_across_other_tasks_coming_and_going_and_reported_when_it_ends(
-    sim: SimulatedFleet,
-) -> None:
-    # A sawtooth that climbs to about 25 GB by 600 s, drops, and ends near 18 GB.
-    curve = MemoryGrowth(pattern="sawtooth", base_mb=5_000, peak_mb=25_000, duration_s=1_000, period_s=600)
-    sim.place("saw", "a100-00", [0, 1], curve, util=40)
-    assert sim.peak_held_mb("saw") == 0.0  # nothing held before its first step
-    held = []
-    for k in range(99):
-        sim.advance(10)
-        held.append(float(curve.memory_at(10.0 * (k + 1))))
-        if k in (20, 65):  # others placed and removed after its top: the task list is rebuilt
-            sim.place(f"other-{k}", "a100-00", [2], CURVES["flat"], util=10)
-        if k in (30, 75):
-            sim.remove(f"other-{k - 10}")
-    most = max(held) + CONTEXT_MB
-    assert sim.peak_held_mb("saw") == pytest.approx(most, abs=300)  # the noise around its curve
-    assert sim.peak_held_mb("saw") > float(curve.memory_at(990.0)) + CONTEXT_MB + 1_000
-    before = sim.peak_held_mb("saw")
-    sim.advance(20)
-    (done,) = [e for e in sim.events() if e.kind == "finished" and e.task_id == "saw"]
-    assert done.value == before
+def test_a_process_s_peak_is_what_it_held_at_any_instant_not_only_at_a_step(sim: SimulatedFleet) -> None:
+    # A sawtooth that climbs towards 25 GB by 600 s, drops, and ends near 18 GB; a leak whose
+    # last minute is its steepest: a step a minute apart would miss both tops.
+    saw = MemoryGrowth(pattern="sawtooth", base_mb=5_000, peak_mb=25_000, duration_s=1_000, period_s=600)
+    leak = MemoryGrowth(pattern="leak", base_mb=2_000, peak_mb=30_000, duration_s=330)
+    sim.place("saw", "a100-00", [0, 1], saw, util=40)
+    sim.place("leak", "a100-00", [2], leak, util=40)
+    assert sim.peak_held_mb("saw") == CONTEXT_MB + 5_000  # at its start
+    sim.advance(300)
+    assert sim.peak_held_mb("saw") == pytest.approx(CONTEXT_MB + 15_000)
+    assert sim.peak_held_mb("leak") == pytest.approx(CONTEXT_MB + 2_000 + 28_000 * (300 / 330) ** 2)
+    sim.advance(60)
+    (done,) = [e for e in sim.events() if e.kind == "finished"]
+    assert (done.task_id, done.value) == ("leak", pytest.approx(CONTEXT_MB + 30_000))  # at its end, 30 s ago
+    sim.advance(420)  # 780 s: past its drop at 600 s
+    assert sim.peak_held_mb("saw") == pytest.approx(CONTEXT_MB + 25_000)
+    sim.advance(240)
+    (done,) = [e for e in sim.events() if e.kind == "finished"]
+    assert (done.task_id, done.value) == ("saw", pytest.approx(CONTEXT_MB + 25_000))
     with pytest.raises(KeyError):
         sim.peak_held_mb("saw")
+    later = MemoryGrowth(pattern="flat", base_mb=1_000, peak_mb=1_000, duration_s=100)
+    sim.place("later", "a100-00", [3], later, start_s=sim.now_s + 60)
+    assert sim.peak_held_mb("later") == 0.0  # placed to start later: nothing held yet
