@@ -415,8 +415,9 @@ class ReplicaState:
         return max((mb for m, mb in by_model.items() if not models or m in models), default=0)
 
     def smallest_gpu_holding_mb(self, models: tuple[str, ...], memory_mb: float) -> int:
-        """The memory of the smallest GPU in the fleet of one of ``models`` (any model when
-        empty) that holds ``memory_mb``; 0 when none does, or nothing is asked."""
+        """Of ``models`` (any model when empty), the least memory a model's largest GPU in the
+        fleet has, among those that hold ``memory_mb`` (``gpu_memory_by_model``); 0 when none
+        does, or nothing is asked."""
         if memory_mb <= 0:
             return 0
         by_model = self.gpu_memory_by_model()

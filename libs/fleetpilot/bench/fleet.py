@@ -398,7 +398,7 @@ class FleetRun:
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
-        want = max(max(want, job.stopped_at_mb), floor)
+        want = max(want, job.stopped_at_mb, floor)
         if p is not None and p.fit_peak_mb > 0 and not job.died_alone:
             accepted = job.task.gpu_models or tuple(self.memory_of)
             fits = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) >= p.fit_peak_mb]
