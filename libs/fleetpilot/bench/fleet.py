@@ -925,6 +925,8 @@ class FleetRun:
         """Give each task still waiting for its first start its signature's new prediction,
         when what the runs that ended this cycle taught changes it (``prediction_changed``),
         as the fingerprinter service tells its waiting tasks."""
+        if not self.learnt:
+            return  # most cycles: no run ended, so no waiting task has anything new to learn
         learnt, self.learnt = self.learnt, set()
         fresh: dict[str, Fingerprint | None] = {}
         for job in self.pending:

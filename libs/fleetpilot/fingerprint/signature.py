@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 
 import msgspec
 
@@ -293,32 +294,29 @@ class SignatureMemory:
         """Start empty, or from previously exported stats."""
         self._stats: dict[str, SignatureStats] = dict(stats or {})
 
+    def _fold(self, signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> SignatureStats:
+        """Apply ``fold`` to the signature's statistics (fresh ones when it is new); return them."""
+        self._stats[signature] = fold(self._stats.get(signature, SignatureStats(signature=signature)))
+        return self._stats[signature]
+
     def observe(self, fp: Fingerprint) -> SignatureStats:
         """Fold ``fp`` into its signature's statistics and return them."""
         if not fp.signature:
             raise ValueError("fingerprint has no signature")
-        old = self._stats.get(fp.signature, SignatureStats(signature=fp.signature))
-        self._stats[fp.signature] = merge(old, fp)
-        return self._stats[fp.signature]
+        return self._fold(fp.signature, lambda old: merge(old, fp))
 
     def observe_run_peak(self, signature: str, peak_mb: float) -> SignatureStats:
         """Record that a run of ``signature`` completed holding at most ``peak_mb`` per GPU
         (``merge_run_peak``)."""
-        old = self._stats.get(signature, SignatureStats(signature=signature))
-        self._stats[signature] = merge_run_peak(old, peak_mb)
-        return self._stats[signature]
+        return self._fold(signature, lambda old: merge_run_peak(old, peak_mb))
 
     def observe_oom(self, signature: str, held_mb: float) -> SignatureStats:
         """Record that a run of ``signature`` died of OOM holding ``held_mb`` (``merge_oom``)."""
-        old = self._stats.get(signature, SignatureStats(signature=signature))
-        self._stats[signature] = merge_oom(old, held_mb)
-        return self._stats[signature]
+        return self._fold(signature, lambda old: merge_oom(old, held_mb))
 
     def observe_restore(self, signature: str, stopped_mb: float, restored_mb: float) -> SignatureStats:
         """Record one restore of a run of ``signature`` (``merge_restore``)."""
-        old = self._stats.get(signature, SignatureStats(signature=signature))
-        self._stats[signature] = merge_restore(old, stopped_mb, restored_mb)
-        return self._stats[signature]
+        return self._fold(signature, lambda old: merge_restore(old, stopped_mb, restored_mb))
 
     def predict(self, signature: str) -> Fingerprint | None:
         """The expected fingerprint of ``signature``, or ``None`` if it was never observed."""
