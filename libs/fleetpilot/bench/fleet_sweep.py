@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from .fleet import TARGETS
+from .fleet_report import TARGETS
 from .outputs import check_writable
 
 FLEETS = ("three-site", "openb")

@@ -20,6 +20,7 @@ from fleetpilot.bench.fleet import (
     workload_sharing_bound,
     workload_sm_use_bound,
 )
+from fleetpilot.bench.fleet_report import RunResult
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.contracts import Fingerprint
 from fleetpilot.fingerprint import restores_start_over, run_envelope
@@ -146,7 +147,7 @@ def test_both_runs_play_the_identical_workload(monkeypatch: pytest.MonkeyPatch) 
     seen: list[tuple[str, tuple[BenchTask, ...]]] = []
     original = FleetRun.run
 
-    def spy(self: FleetRun) -> bench.RunResult:
+    def spy(self: FleetRun) -> RunResult:
         seen.append((self.mode, tuple(j.task for j in self.jobs)))
         return original(self)
 
@@ -483,7 +484,7 @@ def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_hol
     t = np.arange(0.0, 3600.0, 60.0)
     envelope = run_envelope(t, steps.growth.memory_at(t) + CONTEXT_MB, 3600.0)
 
-    def play(with_envelope: bool) -> tuple[FleetRun, bench.RunResult]:
+    def play(with_envelope: bool) -> tuple[FleetRun, RunResult]:
         run = FleetRun(build_fleet(A100_AND_H100), workload(steps, waiter, hours=2.0), "fleetpilot", seed=1)
         run.memory.observe(Fingerprint(signature=run.jobs[0].signature, pattern="steps", pattern_confidence=1.0,
                                        growth_rate_mb_per_s=0.0, predicted_peak_mb=50_300.0, peak_low_mb=50_000.0,
@@ -532,7 +533,7 @@ def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_c
     # checkpointed, the task runs after the pause, and the run goes on from where it stood.
     long, short = task(0, duration=5 * 3600.0), task(1, duration=600.0, arrival=600.0)
 
-    def play() -> tuple[FleetRun, bench.RunResult]:
+    def play() -> tuple[FleetRun, RunResult]:
         run = FleetRun(tiny_fleet(), workload(long, short, hours=8.0), "fleetpilot", seed=1)
         return run, run.run()
 

@@ -1,0 +1,158 @@
+"""What the fleet benchmark shows: one mode's figures (``RunResult``), both modes side by
+side on one workload (``Comparison``: ratios, target verdicts, ``--json``), the printed table
+(``report``) and the PNG plots of utilisation and queue length over time (``plot``).
+
+Kept apart from the run itself (``fleet.FleetRun``) so that what is measured and how it is
+shown can be read, and changed, one without the other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .fleet_workload import LargestGpuLoad
+
+TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
+"""Targets as ratios Fleetpilot / baseline: at least +75%, at most -80%, at most -90%."""
+
+
+@dataclass
+class RunResult:
+    """What one mode measured (figures, time series, counters)."""
+
+    mode: str
+    figures: dict[str, float]
+    breakdown: dict[str, float]
+    times_h: list[float]
+    utilisation: list[float]
+    queue_length: list[int]
+    wall_s: float
+
+
+@dataclass
+class Comparison:
+    """Both runs on one workload."""
+
+    fleet: str
+    seed: int
+    workload: str
+    baseline: RunResult
+    fleetpilot: RunResult
+    span_h: float = 0.0
+    sharing_bound: float = 1.0
+    sm_use_bound: float = 1.0
+    largest_load: LargestGpuLoad | None = None
+
+    def ratios(self) -> dict[str, float]:
+        """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
+        out = {}
+        for k, b in self.baseline.figures.items():
+            f = self.fleetpilot.figures[k]
+            out[k] = f / b if b else (1.0 if f == 0 else math.inf)
+        return out
+
+    def targets(self) -> dict[str, bool]:
+        """Whether each target (``TARGETS``) is met."""
+        r = self.ratios()
+        return {"utilisation": r["utilisation"] >= TARGETS["utilisation"],
+                "mean_queue_s": r["mean_queue_s"] <= TARGETS["mean_queue_s"],
+                "oom_events": r["oom_events"] <= TARGETS["oom_events"]}
+
+    def to_json(self) -> dict:
+        """Everything the report shows, as plain data."""
+        return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload,
+                "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
+                "utilisation_bound_from_sm_use": self.sm_use_bound,
+                "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
+                "baseline": {"policy": "k8s-default", **self.baseline.figures, "details": self.baseline.breakdown,
+                             "wall_s": self.baseline.wall_s},
+                "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
+                               "wall_s": self.fleetpilot.wall_s},
+                "ratio": self.ratios(), "targets": {"wanted": TARGETS, "met": self.targets()}}
+
+
+_LABELS = {
+    "utilisation": ("GPU memory utilisation (arrival window)", lambda v: f"{v:.1%}"),
+    "useful_utilisation": ("  of it by runs not killed later", lambda v: f"{v:.1%}"),
+    "mean_queue_s": ("mean queue time", lambda v: f"{v / 60:.1f} min"),
+    "p95_queue_s": ("p95 queue time", lambda v: f"{v / 60:.1f} min"),
+    "oom_events": ("OOM events", lambda v: f"{v:.0f}"),
+    "sla_missed": ("tasks that missed their SLA", lambda v: f"{v:.0f}"),
+    "cost_per_useful_gpu_hour": ("cost per useful GPU-hour", lambda v: f"${v:.2f}"),
+    "interventions": ("interventions", lambda v: f"{v:.0f}"),
+}
+
+
+def report(c: Comparison) -> str:
+    """The side-by-side table with ratios and the target verdicts."""
+    r = c.ratios()
+    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}", f"workload: {c.workload}",
+             f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
+             f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
+             *([c.largest_load.describe()] if c.largest_load else []),
+             f"{'figure':<40} {'k8s-default':>14} {'fleetpilot':>14} {'ratio':>8}"]
+    for k, (label, fmt) in _LABELS.items():
+        lines.append(f"{label:<40} {fmt(c.baseline.figures[k]):>14} {fmt(c.fleetpilot.figures[k]):>14} {r[k]:>8.2f}")
+    b, f = c.baseline.breakdown, c.fleetpilot.breakdown
+    lines.append(f"interventions: k8s-default {b['oom_restarts']:.0f} OOM restarts, {b['stuck_over_1h']:.0f} stuck > 1 h, "
+                 f"{b['gpu_failure_kills']:.0f} lost to failed GPUs, {b['backoff_failed']:.0f} hit the backoff limit; "
+                 f"fleetpilot {f['oom_restarts']:.0f}, {f['stuck_over_1h']:.0f}, {f['gpu_failure_kills']:.0f}, "
+                 f"{f['backoff_failed']:.0f}")
+    lines.append(f"fleetpilot loop: {f['admitted']:.0f} admitted, {f['counter_offers']:.0f} counter-offers, "
+                 f"{f['rejected']:.0f} rejected; {f['migrations_oom']:.0f} migrations before an OOM, "
+                 f"{f['bridged']:.0f} started on a smaller GPU and {f['migrations_bridge']:.0f} moved up in time, "
+                 f"{f['migrations_maintenance']:.0f} off GPUs pending maintenance, "
+                 f"{f['clearings']:.0f} clearings for a blocked whole-GPU task ({f['migrations_clearing']:.0f} moves), "
+                 f"{f['migrations_down']:.0f} moved down to make room for one, "
+                 f"{f['made_way']:.0f} checkpointed to make way for a shorter one, "
+                 f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued "
+                 f"in all); "
+                 f"failures seen coming "
+                 f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h), "
+                 f"{f['false_alarms']:.0f} false alarms")
+    lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
+                 f"{b['never_started']:.0f} / {f['never_started']:.0f}; max queue length {b['max_queue_length']:.0f} / "
+                 f"{f['max_queue_length']:.0f}")
+    lines.append(f"confidence of first placements (predicted vs met, Brier): k8s-default "
+                 f"{b['confidence_predicted']:.3f} vs {b['confidence_observed']:.3f} ({b['confidence_brier']:.3f}), "
+                 f"fleetpilot {f['confidence_predicted']:.3f} vs {f['confidence_observed']:.3f} "
+                 f"({f['confidence_brier']:.3f})")
+    verdict = c.targets()
+    lines.append("targets vs k8s-default: " + ", ".join(
+        f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
+    lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _target_text(name: str, ratio: float) -> str:
+    change = (ratio - 1.0) * 100
+    want = {"utilisation": ">= +75%", "mean_queue_s": "<= -80%", "oom_events": "<= -90%"}[name]
+    return f"{change:+.0f}%, want {want}"
+
+
+def plot(c: Comparison, out_dir: Path) -> list[Path]:
+    """PNG plots of utilisation and queue length over time, both runs on each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for what, ylabel in (("utilisation", "GPU memory utilisation"), ("queue_length", "tasks waiting")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for run in (c.baseline, c.fleetpilot):
+            ax.plot(run.times_h, getattr(run, what), label=run.mode, linewidth=1.2)
+        ax.axvline(c.span_h, color="grey", linestyle=":", linewidth=1, label="arrivals end")
+        ax.set_xlabel("virtual time (h)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{c.fleet}, seed {c.seed}: {ylabel}")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"fleet-{c.fleet}-seed{c.seed}-{what.replace('_', '-')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
