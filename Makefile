@@ -40,7 +40,7 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --jobs 2 --plot out/openb.png --json out/openb.json
 
 bench-fleet-sweep: $(STAMP) ## The fleet benchmark on the README table's 46 workloads, summed up (about ten minutes on 2 cores)
-	$(BIN)/python -m fleetpilot.bench.fleet_sweep --out out/fleet-sweep --jobs 2
+	$(BIN)/python -m fleetpilot.bench.fleet_sweep --out out/fleet-sweep --jobs 2 --markdown
 
 contracts: $(STAMP) ## Regenerate proto/ (JSON Schema + AsyncAPI) from the code
 	$(BIN)/python -m fleetpilot.contracts.schema --write

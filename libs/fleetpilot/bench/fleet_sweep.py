@@ -29,12 +29,14 @@ from .fleet_report import TARGETS
 from .outputs import check_writable
 
 FLEETS = ("three-site", "openb")
-_EARLIER = (7, 11, 42, 123, 1, 2, 3, 5, 13, 17, 19, 23, 31, 57, 77, 99, 101)
-TABLE_SEEDS: dict[str, tuple[int, ...]] = {
+_EARLIER = ((7, 11, 42, 123), (1, 2, 3, 5), (13, 17, 19, 23), (31, 57, 77, 99, 101))
+TABLE_ROWS: dict[str, tuple[tuple[int, ...], ...]] = {
     "three-site": _EARLIER,
-    "openb": (*_EARLIER, 201, 202, 203, 204, 205, 206, 301, 302, 303, 304, 305, 306),
+    "openb": (*_EARLIER, (201, 202, 203, 204, 205, 206), (301, 302, 303, 304, 305, 306)),
 }
-"""The workloads of the README's table, by fleet."""
+"""The workloads of the README's table, by fleet, in the groups of seeds its rows show."""
+TABLE_SEEDS: dict[str, tuple[int, ...]] = {f: tuple(s for row in rows for s in row) for f, rows in TABLE_ROWS.items()}
+"""The same workloads, by fleet, one seed after another."""
 
 
 class SweepError(RuntimeError):
@@ -165,6 +167,53 @@ def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int]
     return "\n".join(lines)
 
 
+def cut_percent(ratio: float) -> str:
+    """A ratio as the README writes a change, in percent without the sign ``%``: whole, cut
+    toward zero so that a figure is never rounded up to a target (0.2004 is ``−79``, not
+    ``−80``), with a true minus sign."""
+    change = (ratio - 1.0) * 100.0
+    if not math.isfinite(change):
+        return "inf"
+    return f"{'−' if change < 0 else '+' if change > 0 else ''}{math.trunc(abs(change))}"
+
+
+_MARKDOWN_HEAD = ("| fleet | seed | utilisation (useful) | mean queue | p95 queue | OOM events |\n"
+                  "|---|---|---|---|---|---|")
+
+
+def markdown_table(runs: dict[tuple[str, int], SweepRun]) -> str:
+    """The README's table from a sweep: a row per group of seeds (``TABLE_ROWS``, then any other
+    seeds swept, each fleet's in one row), each cell its seeds' figures joined by ``/``.
+    Utilisation is a ratio, the rest changes cut to the whole percent (``cut_percent``); a
+    missed mean-queue or OOM target is in bold (utilisation's is stated below the table, as
+    no run meets it). A seed of a row that was not swept reads ``n/a``."""
+
+    def cells(seeds: tuple[int, ...], fleet: str) -> list[str]:
+        got = [runs.get((fleet, s)) for s in seeds]
+
+        def column(show, unit: str = "") -> str:
+            return " / ".join("n/a" if r is None else show(r) for r in got) + unit
+
+        def change(name: str):
+            return lambda r: (f"**{cut_percent(r.ratio[name])}**" if not r.met.get(name, True)
+                              else cut_percent(r.ratio[name]))
+
+        util = column(lambda r: f"{r.ratio['utilisation']:.2f}") + " (" + column(
+            lambda r: f"{r.ratio['useful_utilisation']:.2f}") + ")"
+        return [util, column(change("mean_queue_s"), "%"), column(lambda r: cut_percent(r.ratio["p95_queue_s"]), "%"),
+                column(change("oom_events"), "%")]
+
+    lines = [_MARKDOWN_HEAD]
+    fleets = sorted({f for f, _ in runs}, key=lambda f: FLEETS.index(f) if f in FLEETS else 9)
+    for fleet in fleets:
+        rows = [row for row in TABLE_ROWS.get(fleet, ()) if any((fleet, s) in runs for s in row)]
+        listed = {s for row in TABLE_ROWS.get(fleet, ()) for s in row}
+        others = tuple(sorted(s for f, s in runs if f == fleet and s not in listed))
+        for seeds in [*rows, *([others] if others else [])]:
+            lines.append(f"| {fleet} | {' / '.join(map(str, seeds))} | " + " | ".join(cells(seeds, fleet)) + " |")
+    return "\n".join(lines)
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
     """``"7,11,201-206"`` -> the seeds, in order; ``ValueError`` on anything else."""
     seeds: list[int] = []
@@ -196,6 +245,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="arrivals from the openb trace or a seeded process (default: the fleet benchmark's)")
     p.add_argument("--against", type=Path, default=None, help="a sweep of other code to print beside this one")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the README's table of these runs (changes cut to the whole percent)")
     return p
 
 
@@ -228,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not found:
         raise SystemExit(f"fleet sweep: no run's figures in {args.out}")
     print(summary(found, read_all(args.against) if args.against is not None else None))
+    if args.markdown:
+        print(markdown_table(found))
     return 0
 
 

@@ -8,7 +8,17 @@ import math
 from pathlib import Path
 
 import pytest
-from fleetpilot.bench.fleet_sweep import TABLE_SEEDS, geometric_mean, main, parse_seeds, read_all, summary
+from fleetpilot.bench.fleet_sweep import (
+    TABLE_ROWS,
+    TABLE_SEEDS,
+    cut_percent,
+    geometric_mean,
+    main,
+    markdown_table,
+    parse_seeds,
+    read_all,
+    summary,
+)
 
 
 def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0) -> None:
@@ -41,6 +51,28 @@ def test_the_table_counts_targets_met_and_averages_ratios_geometrically(tmp_path
     row = next(line for line in text.splitlines() if line.startswith("openb") and " 2 " in line)
     assert "-60.0%*" in row and "-80.0%*" in row  # the queue and OOM targets missed, marked
     assert geometric_mean([]) != geometric_mean([])  # nan: nothing to average
+
+
+def test_a_change_is_cut_toward_zero_never_rounded_up_to_a_target() -> None:
+    assert cut_percent(0.2004) == "−79"  # -79.96%: not -80, which would meet the target
+    assert cut_percent(0.2) == "−80" and cut_percent(0.995) == "−0" and cut_percent(1.0) == "0"
+    assert cut_percent(1.149) == "+14" and cut_percent(math.inf) == "inf"
+
+
+def test_the_readme_table_is_written_from_the_runs(tmp_path: Path) -> None:
+    figures(tmp_path, "openb", 7, queue=0.1, oom=0.03)
+    figures(tmp_path, "openb", 11, queue=0.2004, oom=0.11)  # both targets missed: in bold
+    figures(tmp_path, "openb", 42, queue=0.2)
+    figures(tmp_path, "openb", 999, queue=0.15)  # a seed outside the table: a row of its own
+    figures(tmp_path, "three-site", 1, queue=0.05)
+    lines = markdown_table(read_all(tmp_path)).splitlines()
+    assert lines[0].startswith("| fleet | seed |") and len(lines) == 5
+    three_site, openb, other = lines[2:]
+    assert three_site.startswith("| three-site | 1 / 2 / 3 / 5 | 1.10 / n/a / n/a / n/a (1.30 / n/a / n/a / n/a) |")
+    assert openb == ("| openb | 7 / 11 / 42 / 123 | 1.10 / 1.10 / 1.10 / n/a (1.30 / 1.30 / 1.30 / n/a) | "
+                     "−90 / **−79** / −80 / n/a% | −50 / −50 / −50 / n/a% | −97 / **−89** / −95 / n/a% |")
+    assert other.startswith("| openb | 999 | ")
+    assert TABLE_SEEDS["openb"] == tuple(s for row in TABLE_ROWS["openb"] for s in row)
 
 
 def test_a_sweep_is_printed_beside_another(tmp_path: Path) -> None:
