@@ -44,6 +44,7 @@ class Comparison:
     sharing_bound: float = 1.0
     sm_use_bound: float = 1.0
     largest_load: LargestGpuLoad | None = None
+    code: str = ""  # the digest of the code that ran (``outputs.code_digest``)
 
     def ratios(self) -> dict[str, float]:
         """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
@@ -62,7 +63,7 @@ class Comparison:
 
     def to_json(self) -> dict:
         """Everything the report shows, as plain data."""
-        return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload,
+        return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload, "code_digest": self.code,
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
                 "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
@@ -122,7 +123,8 @@ def report(c: Comparison) -> str:
     verdict = c.targets()
     lines.append("targets vs k8s-default: " + ", ".join(
         f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
-    lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s")
+    lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
+                 f"code {c.code or 'unknown'}")
     return "\n".join(lines)
 
 

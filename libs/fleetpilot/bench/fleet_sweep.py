@@ -53,6 +53,7 @@ class SweepRun:
     met: dict[str, bool]  # per target
     oom_events: float  # Fleetpilot's
     largest_load: float | None  # the largest GPUs' load (``fleet_workload.largest_gpu_load``)
+    code: str = ""  # the digest of the code that ran it (``outputs.code_digest``; empty before it was kept)
 
     @classmethod
     def read(cls, path: Path) -> SweepRun:
@@ -60,7 +61,8 @@ class SweepRun:
         doc = json.loads(path.read_text())
         largest = doc.get("largest_gpu_load") or {}
         return cls(fleet=doc["fleet"], seed=int(doc["seed"]), ratio=doc["ratio"], met=doc["targets"]["met"],
-                   oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"))
+                   oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"),
+                   code=str(doc.get("code_digest") or ""))
 
 
 def run_path(out: Path, fleet: str, seed: int) -> Path:
@@ -142,6 +144,18 @@ def fleet_totals(runs: Sequence[SweepRun]) -> str:
     return f"met {met}; mean-queue ratio geometric mean {queue:.4f}; Fleetpilot OOM events {sum(r.oom_events for r in runs):.0f}"
 
 
+def code_line(runs: Sequence[SweepRun]) -> str:
+    """Which code the runs measured: one digest, or a warning naming each digest and how many
+    runs it made (a sweep of mixed code cannot stand for any one commit)."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.code or "unknown"] = counts.get(r.code or "unknown", 0) + 1
+    if len(counts) == 1:
+        return f"code {next(iter(counts))}"
+    mix = ", ".join(f"{code} ({n} runs)" for code, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"code MIXED: {mix}"
+
+
 def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int], SweepRun] | None = None) -> str:
     """The table: a row per run (``against`` beside it when given), then each fleet's totals."""
     keys = sorted(set(runs) | set(against or {}), key=lambda k: (FLEETS.index(k[0]) if k[0] in FLEETS else 9, k[1]))
@@ -164,6 +178,9 @@ def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int]
             mine = [r for k, r in sorted(source.items()) if k[0] == fleet]
             if mine:
                 lines.append(f"{name}{fleet}: {fleet_totals(mine)}")
+    for name, source in (("", runs), ("against: ", against)):
+        if source:
+            lines.append(f"{name}{code_line(list(source.values()))}")
     return "\n".join(lines)
 
 

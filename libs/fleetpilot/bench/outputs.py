@@ -1,10 +1,30 @@
-"""Output paths of a benchmark, checked before it runs: a typo in ``--json`` must not cost
-the result of a run of several minutes."""
+"""What a benchmark writes: its output paths, checked before it runs (a typo in ``--json``
+must not cost the result of a run of several minutes), and the digest of the code it
+measured (``code_digest``), so that a figure can be traced to the code that produced it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]
+"""The ``fleetpilot`` package this module was loaded from."""
+CODE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".csv", ".txt")
+"""What can change a figure: the source and the data files it reads (not the docs)."""
+
+
+def code_digest(package: Path = PACKAGE) -> str:
+    """A short digest of ``package``'s code: every source and data file outside ``tests``, by
+    path and content. Two runs with the same digest ran the same code, whether from a
+    checkout, a snapshot of one, or an install; a working tree's uncommitted change shows."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        rel = path.relative_to(package)
+        if path.suffix not in CODE_SUFFIXES or "tests" in rel.parts or "__pycache__" in rel.parts:
+            continue
+        digest.update(rel.as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def check_writable(prog: str, files: tuple[Path | None, ...] = (), dirs: tuple[Path | None, ...] = ()) -> None:

@@ -22,6 +22,7 @@ from fleetpilot.bench.fleet import (
 )
 from fleetpilot.bench.fleet_report import RunResult
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
+from fleetpilot.bench.outputs import code_digest
 from fleetpilot.contracts import Fingerprint
 from fleetpilot.fingerprint import restores_start_over, run_envelope
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
@@ -256,6 +257,7 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--json", str(out), "--plot-dir", str(tmp_path / "plots")]) == 0
     data = json.loads(out.read_text())
     assert data["seed"] == 3 and data["fleet"] == "three-site"
+    assert data["code_digest"] == code_digest()  # the code that ran, so the figures can be traced to it
     for key in ("utilisation", "useful_utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
                 "interventions"):
         assert key in data["baseline"] and key in data["fleetpilot"] and key in data["ratio"]

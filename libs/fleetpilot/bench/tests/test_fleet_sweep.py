@@ -11,6 +11,8 @@ import pytest
 from fleetpilot.bench.fleet_sweep import (
     TABLE_ROWS,
     TABLE_SEEDS,
+    SweepRun,
+    code_line,
     cut_percent,
     geometric_mean,
     main,
@@ -19,15 +21,17 @@ from fleetpilot.bench.fleet_sweep import (
     read_all,
     summary,
 )
+from fleetpilot.bench.outputs import code_digest
 
 
-def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0) -> None:
+def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0,
+            code: str = "c0de") -> None:
     """A run's ``--json`` as the fleet benchmark writes it, with the ratios given."""
     ratio = {"utilisation": 1.1, "useful_utilisation": 1.3, "mean_queue_s": queue, "p95_queue_s": 0.5,
              "oom_events": oom}
     met = {"utilisation": False, "mean_queue_s": queue <= 0.2, "oom_events": oom <= 0.1}
     doc = {"fleet": fleet, "seed": seed, "ratio": ratio, "targets": {"met": met},
-           "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}}
+           "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}, "code_digest": code}
     (folder / f"{fleet}-{seed}.json").write_text(json.dumps(doc))
 
 
@@ -73,6 +77,20 @@ def test_the_readme_table_is_written_from_the_runs(tmp_path: Path) -> None:
                      "−90 / **−79** / −80 / n/a% | −50 / −50 / −50 / n/a% | −97 / **−89** / −95 / n/a% |")
     assert other.startswith("| openb | 999 | ")
     assert TABLE_SEEDS["openb"] == tuple(s for row in TABLE_ROWS["openb"] for s in row)
+
+
+def test_a_sweep_of_mixed_code_says_so(tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    figures(mine, "openb", 1, queue=0.1, code="aaaa")
+    figures(mine, "openb", 2, queue=0.1, code="bbbb")
+    figures(mine, "openb", 3, queue=0.1, code="aaaa")
+    figures(other, "openb", 1, queue=0.1, code="cccc")
+    text = summary(read_all(mine), read_all(other))
+    assert "\ncode MIXED: aaaa (2 runs), bbbb (1 runs)" in text and "\nagainst: code cccc" in text
+    old = SweepRun(fleet="openb", seed=1, ratio={}, met={}, oom_events=0.0, largest_load=None)  # kept no digest
+    assert code_line([old]) == "code unknown"
 
 
 def test_a_sweep_is_printed_beside_another(tmp_path: Path) -> None:
@@ -123,3 +141,19 @@ def test_a_failed_run_is_named_in_one_line(tmp_path: Path) -> None:
               "--arrivals", "generated"])
     message = str(refused.value.code)
     assert message.startswith("fleet sweep: three-site seed 5 failed (exit 1): fleet bench:") and "\n" not in message
+
+
+def test_the_code_digest_follows_the_code_not_its_docs_or_tests(tmp_path: Path) -> None:
+    package = tmp_path / "fleetpilot"
+    (package / "policy" / "tests").mkdir(parents=True)
+    (package / "policy" / "rules.py").write_text("LIMIT = 3\n")
+    (package / "fleet.yaml").write_text("gpus: 8\n")
+    first = code_digest(package)
+    (package / "README.md").write_text("# notes\n")
+    (package / "policy" / "tests" / "test_rules.py").write_text("def test(): ...\n")
+    assert code_digest(package) == first
+    (package / "policy" / "rules.py").write_text("LIMIT = 4\n")
+    changed = code_digest(package)
+    (package / "policy" / "rules.py").write_text("LIMIT = 3\n")
+    (package / "fleet.yaml").write_text("gpus: 4\n")
+    assert len({first, changed, code_digest(package)}) == 3
