@@ -181,7 +181,7 @@ from .fleet_workload import (
     sm_use_bound,
 )
 from .openb import NODES_FILE, TRACES, find_data_dir
-from .outputs import check_writable, code_digest
+from .outputs import check_writable, code_digest, run_environment
 
 MODES: tuple[str, ...] = ("k8s-default", "fleetpilot")
 TICK_S = 60.0
@@ -1326,7 +1326,8 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> 
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
                       sm_use_bound=workload_sm_use_bound(workload),
-                      largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest())
+                      largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest(),
+                      environment=run_environment())
 
 
 def workload_sharing_bound(workload: Workload) -> float:

@@ -9,10 +9,11 @@ shown can be read, and changed, one without the other.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fleet_workload import LargestGpuLoad
+from .outputs import describe_environment
 
 TARGETS = {"utilisation": 1.75, "mean_queue_s": 0.20, "oom_events": 0.10}
 """Targets as ratios Fleetpilot / baseline: at least +75%, at most -80%, at most -90%."""
@@ -45,6 +46,7 @@ class Comparison:
     sm_use_bound: float = 1.0
     largest_load: LargestGpuLoad | None = None
     code: str = ""  # the digest of the code that ran (``outputs.code_digest``)
+    environment: dict[str, str] = field(default_factory=dict)  # ``outputs.run_environment``
 
     def ratios(self) -> dict[str, float]:
         """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
@@ -64,6 +66,7 @@ class Comparison:
     def to_json(self) -> dict:
         """Everything the report shows, as plain data."""
         return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload, "code_digest": self.code,
+                "environment": self.environment,
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
                 "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
@@ -124,7 +127,7 @@ def report(c: Comparison) -> str:
     lines.append("targets vs k8s-default: " + ", ".join(
         f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
     lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
-                 f"code {c.code or 'unknown'}")
+                 f"code {c.code or 'unknown'} on {describe_environment(c.environment) or 'an unnamed machine'}")
     return "\n".join(lines)
 
 

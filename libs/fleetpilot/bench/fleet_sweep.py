@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .fleet_report import TARGETS
-from .outputs import check_writable
+from .outputs import check_writable, describe_environment
 
 FLEETS = ("three-site", "openb")
 _EARLIER = ((7, 11, 42, 123), (1, 2, 3, 5), (13, 17, 19, 23), (31, 57, 77, 99, 101))
@@ -54,6 +54,7 @@ class SweepRun:
     oom_events: float  # Fleetpilot's
     largest_load: float | None  # the largest GPUs' load (``fleet_workload.largest_gpu_load``)
     code: str = ""  # the digest of the code that ran it (``outputs.code_digest``; empty before it was kept)
+    machine: str = ""  # where it ran (``outputs.describe_environment``; empty before it was kept)
 
     @classmethod
     def read(cls, path: Path) -> SweepRun:
@@ -62,7 +63,8 @@ class SweepRun:
         largest = doc.get("largest_gpu_load") or {}
         return cls(fleet=doc["fleet"], seed=int(doc["seed"]), ratio=doc["ratio"], met=doc["targets"]["met"],
                    oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"),
-                   code=str(doc.get("code_digest") or ""))
+                   code=str(doc.get("code_digest") or ""),
+                   machine=describe_environment(doc.get("environment") or {}))
 
 
 def run_path(out: Path, fleet: str, seed: int) -> Path:
@@ -145,15 +147,20 @@ def fleet_totals(runs: Sequence[SweepRun]) -> str:
 
 
 def code_line(runs: Sequence[SweepRun]) -> str:
-    """Which code the runs measured: one digest, or a warning naming each digest and how many
-    runs it made (a sweep of mixed code cannot stand for any one commit)."""
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.code or "unknown"] = counts.get(r.code or "unknown", 0) + 1
-    if len(counts) == 1:
-        return f"code {next(iter(counts))}"
-    mix = ", ".join(f"{code} ({n} runs)" for code, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    return f"code MIXED: {mix}"
+    """Which code the runs measured, and on what machine: one of each, or a warning naming each
+    and how many runs it made (a sweep of mixed code, or of several machines, cannot stand for
+    one commit: the same code has measured differently on two machines)."""
+    lines = []
+    for what, of in (("code", lambda r: r.code), ("machine", lambda r: r.machine)):
+        counts: dict[str, int] = {}
+        for r in runs:
+            counts[of(r) or "unknown"] = counts.get(of(r) or "unknown", 0) + 1
+        if len(counts) == 1:
+            lines.append(f"{what} {next(iter(counts))}")
+        else:
+            mix = ", ".join(f"{name} ({n} runs)" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            lines.append(f"{what} MIXED: {mix}")
+    return "; ".join(lines)
 
 
 def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int], SweepRun] | None = None) -> str:

@@ -1,11 +1,13 @@
 """What a benchmark writes: its output paths, checked before it runs (a typo in ``--json``
 must not cost the result of a run of several minutes), and the digest of the code it
-measured (``code_digest``), so that a figure can be traced to the code that produced it."""
+measured (``code_digest``) and the machine it ran on (``run_environment``), so that a figure
+can be traced to what produced it."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -42,3 +44,32 @@ def check_writable(prog: str, files: tuple[Path | None, ...] = (), dirs: tuple[P
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SystemExit(f"{prog}: cannot write to {folder}: {exc.strerror or exc}") from None
+
+
+def run_environment() -> dict[str, str]:
+    """The machine and libraries a run measured on: the same code has measured differently on
+    two machines (the fleet benchmark's log), so a figure names both."""
+    import numpy
+
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []  # not Linux: the platform's own name stands
+    for line in info:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            cpu = value.strip()
+        elif key.strip() == "flags" and not flags:
+            # Which instruction sets the maths libraries may pick: a short digest of them.
+            flags = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:8]
+    return {"python": platform.python_version(), "numpy": numpy.__version__, "machine": platform.machine(),
+            "cpu": cpu, "cpu_flags": flags}
+
+
+def describe_environment(env: dict[str, str]) -> str:
+    """``run_environment``'s record in a few words (empty for a run that kept none)."""
+    if not env:
+        return ""
+    flags = f" [{env['cpu_flags']}]" if env.get("cpu_flags") else ""
+    return f"{env.get('cpu', '?')}{flags}, python {env.get('python', '?')}, numpy {env.get('numpy', '?')}"

@@ -21,17 +21,18 @@ from fleetpilot.bench.fleet_sweep import (
     read_all,
     summary,
 )
-from fleetpilot.bench.outputs import code_digest
+from fleetpilot.bench.outputs import code_digest, describe_environment, run_environment
 
 
 def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0,
-            code: str = "c0de") -> None:
+            code: str = "c0de", cpu: str = "EPYC") -> None:
     """A run's ``--json`` as the fleet benchmark writes it, with the ratios given."""
     ratio = {"utilisation": 1.1, "useful_utilisation": 1.3, "mean_queue_s": queue, "p95_queue_s": 0.5,
              "oom_events": oom}
     met = {"utilisation": False, "mean_queue_s": queue <= 0.2, "oom_events": oom <= 0.1}
     doc = {"fleet": fleet, "seed": seed, "ratio": ratio, "targets": {"met": met},
-           "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}, "code_digest": code}
+           "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}, "code_digest": code,
+           "environment": {"cpu": cpu, "cpu_flags": "f1a9", "python": "3.11.7", "numpy": "2.4.6"}}
     (folder / f"{fleet}-{seed}.json").write_text(json.dumps(doc))
 
 
@@ -85,12 +86,14 @@ def test_a_sweep_of_mixed_code_says_so(tmp_path: Path) -> None:
     other.mkdir()
     figures(mine, "openb", 1, queue=0.1, code="aaaa")
     figures(mine, "openb", 2, queue=0.1, code="bbbb")
-    figures(mine, "openb", 3, queue=0.1, code="aaaa")
+    figures(mine, "openb", 3, queue=0.1, code="aaaa", cpu="Xeon")
     figures(other, "openb", 1, queue=0.1, code="cccc")
     text = summary(read_all(mine), read_all(other))
-    assert "\ncode MIXED: aaaa (2 runs), bbbb (1 runs)" in text and "\nagainst: code cccc" in text
+    assert ("\ncode MIXED: aaaa (2 runs), bbbb (1 runs); machine MIXED: EPYC [f1a9], python 3.11.7, numpy 2.4.6 "
+            "(2 runs), Xeon [f1a9], python 3.11.7, numpy 2.4.6 (1 runs)") in text
+    assert "\nagainst: code cccc; machine EPYC [f1a9], python 3.11.7, numpy 2.4.6" in text
     old = SweepRun(fleet="openb", seed=1, ratio={}, met={}, oom_events=0.0, largest_load=None)  # kept no digest
-    assert code_line([old]) == "code unknown"
+    assert code_line([old]) == "code unknown; machine unknown"
 
 
 def test_a_sweep_is_printed_beside_another(tmp_path: Path) -> None:
@@ -157,3 +160,9 @@ def test_the_code_digest_follows_the_code_not_its_docs_or_tests(tmp_path: Path) 
     (package / "policy" / "rules.py").write_text("LIMIT = 3\n")
     (package / "fleet.yaml").write_text("gpus: 4\n")
     assert len({first, changed, code_digest(package)}) == 3
+
+
+def test_a_run_names_the_machine_it_ran_on() -> None:
+    env = run_environment()
+    assert env["python"].startswith("3.") and env["numpy"] and env["machine"] and env["cpu"]
+    assert describe_environment(env).startswith(env["cpu"]) and describe_environment({}) == ""
