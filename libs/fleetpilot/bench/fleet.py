@@ -99,6 +99,10 @@ printed: how honest each policy's confidence was (the mean confidence of the dec
 first started tasks, against the share of those that met their goal, i.e. ran to completion
 without being killed; and the Brier score).
 
+``--peaks-known`` plays Fleetpilot's loop a third time with each run asking for its true peak
+(its own curve's, which no scheduler sees): not a scheduler, but how much of what is left
+better memory prediction could give, and how much is the fleet's capacity.
+
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
 --plot-dir out/``.
 """
@@ -262,11 +266,16 @@ class _Job:
 class FleetRun:
     """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
 
-    def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int) -> None:
+    def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+        if knows_peaks and mode != "fleetpilot":
+            raise ValueError("only Fleetpilot's loop can be told each run's true peak")
         self.fleet, self.workload, self.mode, self.seed = fleet, workload, mode, seed
         self.smart = mode == "fleetpilot"
+        # An analysis, not a scheduler: each run asks for its true peak (``_reservation``), to
+        # measure what no better memory prediction could add to the rest of the loop.
+        self.knows_peaks = knows_peaks
         # The simulator's noise stream is seeded from the workload seed in both runs.
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
         gpu_nodes = [n for n in fleet.nodes if n.gpus]
@@ -379,6 +388,10 @@ class FleetRun:
         checkpointed run held when it was stopped; at most the smallest GPU the task accepts
         that held nearly all of its program's runs (``fit_peak_mb``), as the policy service's
         request asks, unless this run died of OOM alone: it is one of the few that go higher."""
+        if self.knows_peaks:
+            # The run's own curve's peak, its CUDA context and three sigmas of its noise.
+            g = job.task.growth
+            return int(min(g.peak_mb + CONTEXT_MB + 3.0 * g.noise_mb, self.largest[job.task.gpu_models]))
         stats = self.memory.stats(job.signature)
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
@@ -1319,11 +1332,15 @@ def load_bench_fleet(name: str, nodes_csv: Path | None = None, *, fraction: floa
     return Fleet(name=fleet.name, sites=fleet.sites, nodes=[fleet.nodes[i] for i in keep], links=fleet.links)
 
 
-def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int) -> Comparison:
-    """Play ``workload`` with both schedulers on fresh copies of the fleet."""
+def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, peaks_known: bool = False) -> Comparison:
+    """Play ``workload`` with both schedulers on fresh copies of the fleet (and, with
+    ``peaks_known``, Fleetpilot's loop a second time told each run's true peak: a bound on
+    what better memory prediction could give, not a scheduler)."""
     base = FleetRun(fleet, workload, "k8s-default", seed).run()
     ours = FleetRun(fleet, workload, "fleetpilot", seed).run()
+    known = FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True).run() if peaks_known else None
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
+                      peaks_known=known,
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
                       sm_use_bound=workload_sm_use_bound(workload),
                       largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest(),
@@ -1363,6 +1380,8 @@ def _parser() -> argparse.ArgumentParser:
     found = "the openb data found as the other benchmarks find it ($FLEETPILOT_DATA, else shared/data/openb above)"
     p.add_argument("--trace", type=Path, default=None, help=f"openb pod list: arrivals and durations (default: {found})")
     p.add_argument("--nodes", type=Path, default=None, help=f"openb node list, for --fleet openb (default: {found})")
+    p.add_argument("--peaks-known", action="store_true",
+                   help="also run Fleetpilot told each run's true peak: what better memory prediction could add")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     return p
@@ -1395,7 +1414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"
     print(f"fleet {name}: {len([n for n in fleet.nodes if n.gpus])} nodes, {fleet.gpu_count} GPUs; seed {args.seed}",
           flush=True)
-    result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed)
+    result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed, peaks_known=args.peaks_known)
     print(report(result))
     if args.plot_dir is not None:
         for path in plot(result, args.plot_dir):

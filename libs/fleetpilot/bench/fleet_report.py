@@ -45,14 +45,16 @@ class Comparison:
     sharing_bound: float = 1.0
     sm_use_bound: float = 1.0
     largest_load: LargestGpuLoad | None = None
+    peaks_known: RunResult | None = None  # Fleetpilot told each run's true peak (``--peaks-known``)
     code: str = ""  # the digest of the code that ran (``outputs.code_digest``)
     environment: dict[str, str] = field(default_factory=dict)  # ``outputs.run_environment``
 
-    def ratios(self) -> dict[str, float]:
-        """Fleetpilot / baseline per figure (inf when the baseline is 0 and Fleetpilot is not)."""
+    def ratios(self, run: RunResult | None = None) -> dict[str, float]:
+        """Fleetpilot (or ``run``) / baseline per figure (inf when the baseline is 0 and the
+        other is not)."""
         out = {}
         for k, b in self.baseline.figures.items():
-            f = self.fleetpilot.figures[k]
+            f = (run or self.fleetpilot).figures[k]
             out[k] = f / b if b else (1.0 if f == 0 else math.inf)
         return out
 
@@ -74,7 +76,9 @@ class Comparison:
                              "wall_s": self.baseline.wall_s},
                 "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
                                "wall_s": self.fleetpilot.wall_s},
-                "ratio": self.ratios(), "targets": {"wanted": TARGETS, "met": self.targets()}}
+                "ratio": self.ratios(), "targets": {"wanted": TARGETS, "met": self.targets()},
+                **({"peaks_known": {**self.peaks_known.figures, "details": self.peaks_known.breakdown,
+                                    "ratio": self.ratios(self.peaks_known)}} if self.peaks_known else {})}
 
 
 _LABELS = {
@@ -126,6 +130,12 @@ def report(c: Comparison) -> str:
     verdict = c.targets()
     lines.append("targets vs k8s-default: " + ", ".join(
         f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
+    if c.peaks_known is not None:
+        k = c.ratios(c.peaks_known)
+        lines.append(f"told each run's true peak (a bound on better memory prediction, not a scheduler): mean queue "
+                     f"{_target_text('mean_queue_s', k['mean_queue_s'])}, OOM events "
+                     f"{c.peaks_known.figures['oom_events']:.0f} ({_target_text('oom_events', k['oom_events'])}), "
+                     f"p95 queue {(k['p95_queue_s'] - 1) * 100:+.0f}%")
     lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
                  f"code {c.code or 'unknown'} on {describe_environment(c.environment) or 'an unnamed machine'}")
     return "\n".join(lines)

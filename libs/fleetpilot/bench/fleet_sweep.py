@@ -55,6 +55,7 @@ class SweepRun:
     largest_load: float | None  # the largest GPUs' load (``fleet_workload.largest_gpu_load``)
     code: str = ""  # the digest of the code that ran it (``outputs.code_digest``; empty before it was kept)
     machine: str = ""  # where it ran (``outputs.describe_environment``; empty before it was kept)
+    known: dict[str, float] | None = None  # the ratios of the run told each run's true peak (``--peaks-known``)
 
     @classmethod
     def read(cls, path: Path) -> SweepRun:
@@ -64,7 +65,8 @@ class SweepRun:
         return cls(fleet=doc["fleet"], seed=int(doc["seed"]), ratio=doc["ratio"], met=doc["targets"]["met"],
                    oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"),
                    code=str(doc.get("code_digest") or ""),
-                   machine=describe_environment(doc.get("environment") or {}))
+                   machine=describe_environment(doc.get("environment") or {}),
+                   known=(doc.get("peaks_known") or {}).get("ratio"))
 
 
 def run_path(out: Path, fleet: str, seed: int) -> Path:
@@ -175,6 +177,8 @@ def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int]
         row = f"{key[0]:<11} {key[1]:>5} {'' if load is None else f'x{load:.2f}':>7}  {_cells(run)}"
         if against is not None:
             row += f"  | against: {_cells(other)}"
+        if run is not None and run.known is not None:
+            row += f"  | peaks known: {_change(run.known['mean_queue_s'])}"
         lines.append(row)
     lines.append("(ratios Fleetpilot / k8s-default, as changes, and Fleetpilot's OOM events; * a missed target; "
                  "largest: the load of the largest GPUs by the runs only they hold)")
@@ -185,6 +189,11 @@ def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int]
             mine = [r for k, r in sorted(source.items()) if k[0] == fleet]
             if mine:
                 lines.append(f"{name}{fleet}: {fleet_totals(mine)}")
+            told = [r.known for r in mine if r.known is not None]
+            if told:
+                met = sum(k["mean_queue_s"] <= TARGETS["mean_queue_s"] for k in told)
+                lines.append(f"{name}{fleet}, told each run's true peak: mean_queue_s {met}/{len(told)}; mean-queue "
+                             f"ratio geometric mean {geometric_mean([k['mean_queue_s'] for k in told]):.4f}")
     for name, source in (("", runs), ("against: ", against)):
         if source:
             lines.append(f"{name}{code_line(list(source.values()))}")
@@ -268,6 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arrivals", choices=("trace", "generated"), default=None,
                    help="arrivals from the openb trace or a seeded process (default: the fleet benchmark's)")
     p.add_argument("--against", type=Path, default=None, help="a sweep of other code to print beside this one")
+    p.add_argument("--peaks-known", action="store_true",
+                   help="also run Fleetpilot told each run's true peak (a bound on better memory prediction)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
     p.add_argument("--markdown", action="store_true",
                    help="also print the README's table of these runs (changes cut to the whole percent)")
@@ -293,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [(f, s) for f in fleets for s in (seeds if seeds is not None else TABLE_SEEDS[f])]
         extra = [*(["--tasks", str(args.tasks)] if args.tasks is not None else []),
                  *(["--hours", str(args.hours)] if args.hours is not None else []),
-                 *(["--arrivals", args.arrivals] if args.arrivals is not None else [])]
+                 *(["--arrivals", args.arrivals] if args.arrivals is not None else []),
+                 *(["--peaks-known"] if args.peaks_known else [])]
         print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)
         try:
             run_all(runs, args.out, args.jobs, extra)

@@ -601,3 +601,28 @@ def test_a_task_waiting_for_its_first_start_is_given_what_a_run_that_ended_meanw
     assert job.prediction is not None and job.prediction.fit_peak_mb == 39_800.0 + CONTEXT_MB
     assert 540.0 <= job.queue_s <= 660.0  # started the cycle after the teacher ended, not at 1,500 s
     assert (result.figures["oom_events"], result.breakdown["completed"], result.breakdown["checkpointed"]) == (0, 3, 0)
+
+
+def test_told_each_runs_true_peak_the_loop_asks_the_gpu_that_holds_it() -> None:
+    # A program never seen before asks 10 GB but holds 45 GB within its first minute. Asked
+    # for what it said, it starts on the A100 and dies there; told its true peak (the
+    # analysis run of ``--peaks-known``), it starts on the H100 and completes.
+    liar = task(0, pattern="flat", peak=45_000.0, request=10_000.0)
+    liar = BenchTask(**{**liar.__dict__, "gpu_models": ("A100-40GB", "H100")})
+    fleet = build_fleet(A100_AND_H100)
+    ours = FleetRun(fleet, workload(liar), "fleetpilot", seed=1).run()
+    told = FleetRun(fleet, workload(liar), "fleetpilot", seed=1, knows_peaks=True).run()
+    assert ours.figures["oom_events"] >= 1
+    assert told.figures["oom_events"] == 0 and told.breakdown["completed"] == 1
+    with pytest.raises(ValueError, match="true peak"):
+        FleetRun(fleet, workload(liar), "k8s-default", seed=1, knows_peaks=True)
+
+
+def test_peaks_known_is_reported_beside_the_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fleet.json"
+    assert main(["--fleet", "three-site", "--seed", "5", "--tasks", "150", "--hours", "0.5", "--arrivals", "generated",
+                 "--peaks-known", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    known = data["peaks_known"]
+    assert known["ratio"]["mean_queue_s"] == pytest.approx(known["mean_queue_s"] / data["baseline"]["mean_queue_s"])
+    assert f"OOM events {known['oom_events']:.0f} (" in capsys.readouterr().out

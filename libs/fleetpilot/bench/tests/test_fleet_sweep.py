@@ -25,7 +25,7 @@ from fleetpilot.bench.outputs import code_digest, describe_environment, run_envi
 
 
 def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0,
-            code: str = "c0de", cpu: str = "EPYC") -> None:
+            code: str = "c0de", cpu: str = "EPYC", known_queue: float | None = None) -> None:
     """A run's ``--json`` as the fleet benchmark writes it, with the ratios given."""
     ratio = {"utilisation": 1.1, "useful_utilisation": 1.3, "mean_queue_s": queue, "p95_queue_s": 0.5,
              "oom_events": oom}
@@ -33,6 +33,8 @@ def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0
     doc = {"fleet": fleet, "seed": seed, "ratio": ratio, "targets": {"met": met},
            "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}, "code_digest": code,
            "environment": {"cpu": cpu, "cpu_flags": "f1a9", "python": "3.11.7", "numpy": "2.4.6"}}
+    if known_queue is not None:
+        doc["peaks_known"] = {"ratio": {**ratio, "mean_queue_s": known_queue}}
     (folder / f"{fleet}-{seed}.json").write_text(json.dumps(doc))
 
 
@@ -166,3 +168,14 @@ def test_a_run_names_the_machine_it_ran_on() -> None:
     env = run_environment()
     assert env["python"].startswith("3.") and env["numpy"] and env["machine"] and env["cpu"]
     assert describe_environment(env).startswith(env["cpu"]) and describe_environment({}) == ""
+
+
+def test_a_sweep_told_the_true_peaks_prints_that_bound_beside_each_run(tmp_path: Path) -> None:
+    figures(tmp_path, "openb", 1, queue=0.3, known_queue=0.15)
+    figures(tmp_path, "openb", 2, queue=0.3, known_queue=0.35)
+    text = summary(read_all(tmp_path))
+    row = next(line for line in text.splitlines() if line.startswith("openb") and " 1 " in line)
+    assert row.endswith("| peaks known: -85.0%")
+    assert f"openb, told each run's true peak: mean_queue_s 1/2; mean-queue ratio geometric mean {math.sqrt(0.15 * 0.35):.4f}" in text
+    figures(tmp_path, "openb", 3, queue=0.3)  # a run without the bound: no column, no total for it
+    assert "mean_queue_s 1/2;" in summary(read_all(tmp_path))
