@@ -44,6 +44,7 @@ from fleetpilot.policy.rebalance import (
     gpu_conditions,
     running_tasks,
 )
+from fleetpilot.policy.spread import RecentWaits, smaller_ask_mb
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -162,6 +163,9 @@ class ReplicaState:
         # The fingerprinter's statistics per signature (``fingerprints``): how a program's
         # runs come back from a checkpoint, learnt from every restore in the fleet.
         self.signatures: KeyValue | None = None
+        # How long the latest tasks this replica placed on each GPU size waited: what asking
+        # for that size costs now (``policy.spread``, read by ``request``).
+        self.recent_waits = RecentWaits()
         self.decided_inputs = 0
         self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
@@ -333,7 +337,10 @@ class ReplicaState:
         Nor more than the smallest such GPU that held nearly all of its program's runs
         (``Fingerprint.fit_peak_mb``): a program whose mean sits just under a GPU's size
         runs there, at the small OOM risk its runs' spread tells, instead of waiting for a
-        bigger GPU that the margin on its mean would ask.
+        bigger GPU that the margin on its mean would ask. And where GPUs of that size have
+        kept their latest starts waiting, a smaller GPU whose share of runs not held that
+        wait makes worth risking (``policy.spread``; ``recent_waits``, from this replica's
+        placements).
         """
         fp = self.fingerprints.get(task.task_id)
         req = msgspec.structs.replace(TaskRequest.from_submitted(task, fp), site=self.contract_site(task.task_id))
@@ -343,6 +350,11 @@ class ReplicaState:
         largest = self.largest_gpu_mb(req.gpu_models)
         if largest > 0:
             want = min(want, largest, self.smallest_gpu_holding_mb(req.gpu_models, fp.fit_peak_mb) or largest)
+            if fp.run_peaks_mb and self.settings.wait_risk:
+                landing = self.smallest_gpu_holding_mb(req.gpu_models, want)
+                sizes = [mb for m, mb in self.gpu_memory_by_model().items() if not req.gpu_models or m in req.gpu_models]
+                want = int(smaller_ask_mb(sizes, fp.run_peaks_mb, landing, self.recent_waits.for_at_least(landing),
+                                          task.expected_duration_s or 0.0)) or want
         memory_mb = max(want, req.gpu_memory_mb)
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
@@ -563,6 +575,11 @@ class ReplicaState:
                 if again is not None:
                     return again, name, shard_id
                 continue  # someone took the space between our view and the write: choose again
+            gpu_mb = next((g.memory_mb for g in topo.gpus if g.index == placement[0].gpu), 0)
+            if gpu_mb > 0:
+                # Waited since admitted, or since queued again for a re-placement.
+                since = adm.admitted_at if requeue is None or requeue.at <= 0 else requeue.at
+                self.recent_waits.started(gpu_mb, now() - since)
             # The fallback's confidence is already its historical success rate.
             confidence = (choice.confidence if choice.fallback
                           else self.calibration.apply(calibration_key(name, "assign"), choice.confidence))

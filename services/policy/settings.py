@@ -39,6 +39,11 @@ class PolicySettings(ServiceSettings):
     workload_window: int = 5000
     oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = 10
+    wait_risk: bool = Field(
+        default=True,
+        description="Weigh a smaller GPU's share of a program's runs that did not fit against the recent wait "
+        "for the GPU its spread asks (policy.spread); off: never ask below the spread",
+    )
     resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
     # What moving a running task costs (checkpoint and restore): the pause a clearing prices
     # its moves with, and how soon a task being moved releases the GPUs it leaves.

@@ -169,6 +169,7 @@ from fleetpilot.policy.rebalance import (
     move_down_ask,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
+from fleetpilot.policy.spread import RecentWaits, smaller_ask_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -317,6 +318,7 @@ class FleetRun:
         self.reservation: Reservation | None = None
         self.blocked: set[str] = set()
         self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
+        self.waits = RecentWaits()  # how long the latest starts on each GPU size waited (``policy.spread``)
 
     # -- construction --------------------------------------------------------------------
 
@@ -386,8 +388,10 @@ class FleetRun:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
         CUDA context when nothing is predicted), at least the signature's OOM floor and what a
         checkpointed run held when it was stopped; at most the smallest GPU the task accepts
-        that held nearly all of its program's runs (``fit_peak_mb``), as the policy service's
-        request asks, unless this run died of OOM alone: it is one of the few that go higher."""
+        that held nearly all of its program's runs (``fit_peak_mb``), or a smaller one whose
+        share of runs not held the recent wait for that size makes worth risking
+        (``policy.spread``), as the policy service's request asks; unless this run died of OOM
+        alone: it is one of the few that go higher."""
         if self.knows_peaks:
             # The run's own curve's peak, its CUDA context and three sigmas of its noise.
             g = job.task.growth
@@ -401,6 +405,13 @@ class FleetRun:
             accepted = job.task.gpu_models or tuple(self.memory_of)
             fits = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) >= p.fit_peak_mb]
             want = min(want, max(min(fits, default=want), job.stopped_at_mb))
+            if p.run_peaks_mb:
+                # Where GPUs of that size are contended, a smaller one that most runs fitted may
+                # be worth its risk (``policy.spread``), as the policy service's request weighs it.
+                sizes = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) > 0]
+                landing = min((mb for mb in sizes if mb >= want), default=0.0)
+                want = smaller_ask_mb(sizes, p.run_peaks_mb, landing, self.waits.for_at_least(landing),
+                                      job.task.declared_duration_s, at_least_mb=job.stopped_at_mb) or want
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
         return int(min(want, self.largest[job.task.gpu_models]))
@@ -793,6 +804,8 @@ class FleetRun:
         t = job.task
         reserve = self._hold(job, row, gpus) if self.smart else 0
         self.state.allocate(row, gpus, milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_memory_mb=reserve)
+        if job.state == "pending" and self.smart:
+            self.waits.started(float(self.state.gpu_mem_total[row, gpus[0]]), now - job.queued_since)
         if job.state == "pending" and job.resume is not None:
             job.queue_s += now - job.queued_since
             growth, pause = job.resume

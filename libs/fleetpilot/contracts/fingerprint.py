@@ -33,6 +33,11 @@ class Fingerprint(Record, frozen=True, kw_only=True):
     runs, a run killed by an OOM counted as one that needed more (``fingerprint.fit_peak``);
     0 until enough runs (20) are known. A policy may size a task's GPU by it rather than by
     its mean peak with a margin."""
+    run_peaks_mb: tuple[float, ...] = ()
+    """The peaks per GPU of the program's latest known runs (at most 200, in ascending order; a
+    run killed by an OOM at its floor), from which ``fit_peak_mb`` is read; empty until 20
+    are known. A policy may weigh the share of runs a smaller GPU did not hold against the
+    wait for a bigger one (``policy.spread``)."""
 
 
 class TaskFingerprinted(Event, frozen=True, kw_only=True, tag="task.fingerprinted.v1"):

@@ -91,15 +91,16 @@ class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_
 def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Fingerprint:
     """``new``, with what ``old`` knew from the signature's past runs and ``new`` does not: a
     fingerprint observed on a running task tells its pattern and peak, not when its program
-    grows (the envelope) nor how far its runs spread (``fit_peak_mb``); those its signature
-    predicted still hold."""
+    grows (the envelope) nor how far its runs spread (``fit_peak_mb``, ``run_peaks_mb``);
+    those its signature predicted still hold."""
     if old is None:
         return new
     envelope = new.envelope_mb or old.envelope_mb
     fit = new.fit_peak_mb or old.fit_peak_mb
-    if envelope == new.envelope_mb and fit == new.fit_peak_mb:
+    peaks = new.run_peaks_mb or old.run_peaks_mb
+    if envelope == new.envelope_mb and fit == new.fit_peak_mb and peaks == new.run_peaks_mb:
         return new
-    return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit)
+    return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit, run_peaks_mb=peaks)
 
 
 def prediction_changed(old: Fingerprint | None, new: Fingerprint | None) -> bool:
@@ -191,6 +192,14 @@ def merge_run_peak(stats: SignatureStats, peak_mb: float) -> SignatureStats:
     return msgspec.structs.replace(stats, run_peaks_mb=peaks)
 
 
+def known_run_peaks(stats: SignatureStats) -> tuple[float, ...]:
+    """The signature's known runs' peaks in ascending order, once ``FIT_MIN_RUNS`` are known
+    (what ``fit_peak`` reads; a policy may read the whole spread); empty before."""
+    if len(stats.run_peaks_mb) < FIT_MIN_RUNS:
+        return ()
+    return tuple(sorted(stats.run_peaks_mb))
+
+
 def fit_peak(stats: SignatureStats) -> float:
     """The least memory per GPU that held all but ``FIT_MISS_SHARE`` of the signature's known
     runs (a run killed by an OOM counts at its floor, as one that needed more); 0 until
@@ -259,7 +268,8 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         # Only OOMs are known: it needs more than the floor, nothing more is claimed.
         return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
                            growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,
-                           peak_high_mb=floor, samples=0, fit_peak_mb=fit_peak(stats))
+                           peak_high_mb=floor, samples=0, fit_peak_mb=fit_peak(stats),
+                           run_peaks_mb=known_run_peaks(stats))
     total = sum(stats.votes.values()) or 1.0
     pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
     n = stats.count
@@ -280,6 +290,7 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         samples=0,
         envelope_mb=stats.envelope_mb,
         fit_peak_mb=fit_peak(stats),
+        run_peaks_mb=known_run_peaks(stats),
     )
 
 

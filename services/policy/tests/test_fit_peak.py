@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+import pytest
 from fleetpilot.contracts import Allocation, Fingerprint, NodeLedger, encode, now
 from fleetpilot_services.policy.service import build
 
@@ -67,3 +69,58 @@ async def test_the_task_whose_runs_fit_starts_on_the_32_gb_gpu_and_the_other_wai
     [placed] = by_task["spread"]
     assert placed.action == "assign"
     assert [(p.node, p.gpu, p.memory_mb) for p in placed.placement] == [("small", 0, 32_768)]
+
+
+STRADDLING = tuple([30_000.0] * 17 + [33_500.0] * 3)  # 3 of 20 runs (15%) held more than 32 GB
+
+
+def straddler(**fields) -> Fingerprint:
+    """A program whose spread asks the H100 (``fit_peak_mb`` 33.5 GB), though 85% of its runs
+    held under 32 GB."""
+    return msgspec.structs.replace(fingerprint(fit_peak_mb=33_500), run_peaks_mb=STRADDLING, **fields)
+
+
+def test_a_request_weighs_the_runs_a_smaller_gpu_did_not_hold_against_the_wait_for_the_bigger(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    ps.fleet._apply("big", encode(node("big")))  # H100, 80 GB
+    ps.fleet._apply("small", encode(node("small", **V100)))
+    hour = admitted("hour", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=3600.0,
+                    gpu_models=["H100", "V100-32GB"]).task
+    ps.fingerprints["hour"] = straddler()
+    assert ps.request(hour).gpu_models == ("H100",)  # nobody has waited for an H100: it asks one
+    ps.recent_waits.started(81_920, 300.0)
+    assert ps.request(hour).gpu_models == ("H100",)  # 5 minutes against an hour: 15% is too much
+    ps.recent_waits.started(81_920, 2_100.0)  # the latest H100 starts waited 20 minutes on average
+    assert (ps.request(hour).gpu_memory_mb, ps.request(hour).gpu_models) == (32_768, ("H100", "V100-32GB"))
+    ps.settings = ps.settings.model_copy(update={"wait_risk": False})  # an operator who takes no such risk
+    assert ps.request(hour).gpu_models == ("H100",)
+    ps.settings = ps.settings.model_copy(update={"wait_risk": True})
+    unknown = admitted("unknown", gpu_milli=1000, gpu_memory_mb=20_000,  # no declared run to weigh
+                       gpu_models=["H100", "V100-32GB"]).task
+    ps.fingerprints["unknown"] = straddler()
+    assert ps.request(unknown).gpu_models == ("H100",)
+
+
+@pytest.mark.parametrize(("waited_s", "where"), [(1800.0, "small"), (0.0, None)])
+async def test_after_a_long_wait_for_the_h100_the_straddling_program_starts_on_the_32_gb_gpu(
+        observer, nats_url, tmp_path, waited_s: float, where: str | None) -> None:
+    await observer.put_fleet([node("big", gpus=1), node("small", gpus=1, **V100)])
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        # A task bound to the H100, admitted ``waited_s`` ago, takes it: that is the wait
+        # this replica last saw for an 80 GB GPU.
+        first = admitted("first", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100"])
+        await observer.admit(msgspec.structs.replace(first, admitted_at=now() - waited_s))
+        await wait_for(lambda: "first" in observer.by_task(), timeout_s=3.0, what="first placed")
+        await fingerprinted(observer, {"hour": straddler()})
+        await observer.admit(admitted("hour", gpu_milli=1000, gpu_memory_mb=20_000, expected_duration_s=3600.0))
+        await wait_for(lambda: "hour" in observer.by_task(), timeout_s=3.0, what="hour decided")
+    finally:
+        await policy.stop()
+    [decision] = observer.by_task()["hour"]
+    if where is None:
+        assert decision.action == "queue"  # it waits for the H100, as nobody has waited for one
+    else:
+        assert decision.action == "assign"
+        assert [(p.node, p.memory_mb) for p in decision.placement] == [(where, 32_768)]

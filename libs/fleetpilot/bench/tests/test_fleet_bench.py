@@ -626,3 +626,31 @@ def test_peaks_known_is_reported_beside_the_two_runs(tmp_path: Path, capsys: pyt
     known = data["peaks_known"]
     assert known["ratio"]["mean_queue_s"] == pytest.approx(known["mean_queue_s"] / data["baseline"]["mean_queue_s"])
     assert f"OOM events {known['oom_events']:.0f} (" in capsys.readouterr().out
+
+
+def test_after_a_long_wait_for_the_h100_a_program_most_of_whose_runs_fit_the_a100_starts_there() -> None:
+    # The H100 is busy for 40 minutes; a task bound to it waits all that while, then holds it
+    # for 40 more. A program whose spread asks the H100 (6 of its 40 known runs, 15%, went
+    # above the A100) arrives meanwhile: against a 40-minute wait for a 10-minute run that
+    # share is worth risking (``policy.spread``), so it starts on the A100 at once.
+    def runs(*, waited: bool) -> FleetRun:
+        busy = BenchTask(**{**task(0, duration=2400.0).__dict__, "gpu_models": ("H100",)})
+        bound = BenchTask(**{**task(1, duration=2400.0).__dict__, "gpu_models": ("H100",)})
+        mine = BenchTask(**{**task(2, peak=39_000.0, request=20_000.0, program="ft",
+                                   arrival=2460.0 if waited else 60.0).__dict__, "gpu_models": ("A100-40GB", "H100")})
+        run = FleetRun(build_fleet(A100_AND_H100), workload(busy, bound, mine, hours=2.0), "fleetpilot", seed=1)
+        run.memory.observe(Fingerprint(signature=run.jobs[2].signature, pattern="flat", pattern_confidence=1.0,
+                                       growth_rate_mb_per_s=0.0, predicted_peak_mb=40_000.0, peak_low_mb=39_000.0,
+                                       peak_high_mb=41_000.0, samples=40))
+        for k in range(40):
+            run.memory.observe_run_peak(run.jobs[2].signature, 41_500.0 if k % 7 == 0 else 39_000.0)
+        return run
+
+    run = runs(waited=True)
+    result = run.run()
+    assert run.waits.for_at_least(81_559.0) >= 2400.0 / 2  # the bound task's 40 minutes, with busy's 0
+    assert run.jobs[2].queue_s == 0.0 and result.figures["oom_events"] == 0
+    # Arrived before anyone had waited for the H100, it asks the H100 and waits for it.
+    early = runs(waited=False)
+    early.run()
+    assert early.jobs[2].queue_s > 0.0

@@ -50,12 +50,13 @@ def test_envelopes_merge_pointwise_to_the_larger_and_are_read_at_the_point_cover
 
 
 def test_an_observed_fingerprint_keeps_what_its_signature_predicted() -> None:
-    predicted = fingerprint(envelope_mb=(1.0, 2.0), fit_peak_mb=31_000.0)
+    predicted = fingerprint(envelope_mb=(1.0, 2.0), fit_peak_mb=31_000.0, run_peaks_mb=(30_000.0, 31_000.0))
     observed = fingerprint(samples=12)
     kept = keep_signature_knowledge(observed, predicted)
     assert (kept.envelope_mb, kept.fit_peak_mb, kept.samples) == ((1.0, 2.0), 31_000.0, 12)
+    assert kept.run_peaks_mb == (30_000.0, 31_000.0)
     assert keep_signature_knowledge(observed, None) is observed
-    newer = fingerprint(envelope_mb=(3.0, 4.0), fit_peak_mb=32_000.0)
+    newer = fingerprint(envelope_mb=(3.0, 4.0), fit_peak_mb=32_000.0, run_peaks_mb=(32_000.0,))
     assert keep_signature_knowledge(newer, predicted) is newer
 
 

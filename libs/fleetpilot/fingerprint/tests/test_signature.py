@@ -108,9 +108,12 @@ def test_the_runs_spread_says_what_held_all_but_a_few_of_them_once_enough_are_kn
     for k in range(FIT_MIN_RUNS - 1):
         mem.observe_run_peak("sig-a", 30_000 + 100 * k)
     assert fit_peak(mem.stats("sig-a")) == 0.0 and mem.predict("sig-a").fit_peak_mb == 0.0  # too few yet
+    assert mem.predict("sig-a").run_peaks_mb == ()
     mem.observe_run_peak("sig-a", 34_000)
     # Twenty runs: a 2.5% share allows half a run above it, so none: the most any held.
     assert mem.predict("sig-a").fit_peak_mb == 34_000
+    # The whole spread goes with the prediction, in order, for a policy to weigh.
+    assert mem.predict("sig-a").run_peaks_mb == (*[30_000.0 + 100 * k for k in range(FIT_MIN_RUNS - 1)], 34_000.0)
     for k in range(20):
         mem.observe_run_peak("sig-a", 29_950 + 50 * k)
     # Forty runs: one may be above, the other 39 held at most 31,800 MB.
