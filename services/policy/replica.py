@@ -147,6 +147,8 @@ class ReplicaState:
         self.metrics = metrics
         # Latest fingerprint per task; bounded so a long-lived replica does not grow forever.
         self.fingerprints: OrderedDict[str, Fingerprint] = OrderedDict()
+        # The runs' spread last seen per signature (``with_shared_spread``).
+        self.spreads: OrderedDict[str, tuple[float, ...]] = OrderedDict()
         # Tasks this replica decided, so a migration keeps the task's own GPU model constraints.
         self.tasks: OrderedDict[str, TaskSubmitted] = OrderedDict()
         # Contracts (tiers) of the running tasks: set at start-up, before any decision.
@@ -259,6 +261,19 @@ class ReplicaState:
         return run_left_s(adm, self.blocked_progress.get(adm.task.task_id, 0.0))
 
     # ---- views --------------------------------------------------------------------------
+    def with_shared_spread(self, fp: Fingerprint) -> Fingerprint:
+        """``fp``, its runs' spread (up to 200 peaks) shared with the fingerprints of the other
+        tasks of its signature that carry the same one: each arrives decoded on its own, and
+        ``fingerprints`` keeps 100,000 tasks."""
+        if not fp.run_peaks_mb:
+            return fp
+        kept = self.spreads.get(fp.signature)
+        if kept is not None and kept == fp.run_peaks_mb:
+            self.spreads.move_to_end(fp.signature)
+            return msgspec.structs.replace(fp, run_peaks_mb=kept)
+        self.remember(self.spreads, fp.signature, fp.run_peaks_mb, limit=10_000)
+        return fp
+
     def remember(self, cache: OrderedDict, key: str, value, limit: int = 100_000) -> None:
         """Keep ``value`` as the newest entry of a bounded cache."""
         cache[key] = value

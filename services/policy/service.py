@@ -240,7 +240,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # An observed fingerprint does not tell when the program grows nor how far its runs
         # spread: what its signature predicted of both stays (``keep_signature_knowledge``).
         fingerprints = state().fingerprints
-        state().remember(fingerprints, event.task_id, keep_signature_knowledge(event.fingerprint, fingerprints.get(event.task_id)))
+        kept = keep_signature_knowledge(event.fingerprint, fingerprints.get(event.task_id))
+        state().remember(fingerprints, event.task_id, state().with_shared_spread(kept))
 
     seen: deque[TaskRequest] = deque(maxlen=settings.workload_window)
 

@@ -124,3 +124,16 @@ async def test_after_a_long_wait_for_the_h100_the_straddling_program_starts_on_t
     else:
         assert decision.action == "assign"
         assert [(p.node, p.memory_mb) for p in decision.placement] == [(where, 32_768)]
+
+
+def test_tasks_of_one_signature_share_one_copy_of_its_spread(tmp_path) -> None:
+    ps = policy_state(tmp_path)
+    # Each fingerprint arrives decoded on its own: equal spreads, two copies.
+    first, second = (msgspec.json.decode(msgspec.json.encode(straddler()), type=Fingerprint) for _ in range(2))
+    assert first.run_peaks_mb == second.run_peaks_mb and first.run_peaks_mb is not second.run_peaks_mb
+    a, b = ps.with_shared_spread(first), ps.with_shared_spread(second)
+    assert a.run_peaks_mb is b.run_peaks_mb and b == second
+    newer = msgspec.structs.replace(second, run_peaks_mb=(*STRADDLING, 34_000.0))  # a run more is known
+    assert ps.with_shared_spread(newer).run_peaks_mb is newer.run_peaks_mb
+    assert ps.spreads["sig-ft"] is newer.run_peaks_mb
+    assert ps.with_shared_spread(fingerprint()) == fingerprint()  # no spread known: nothing to share
