@@ -96,7 +96,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     waiting_of: dict[str, set[str]] = {}
 
     def now_waiting(task_id: str, signature: str, given: Fingerprint | None) -> None:
-        waiting[task_id] = (signature, given)
+        # Kept to tell whether a later prediction changes it (``prediction_changed``), which
+        # does not read the runs' peaks: not kept, as they would be once per waiting task.
+        waiting[task_id] = (signature, given and msgspec.structs.replace(given, run_peaks_mb=()))
         waiting_of.setdefault(signature, set()).add(task_id)
         while len(waiting) > settings.max_tracked_tasks:
             stop_waiting(next(iter(waiting)))
@@ -116,7 +118,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         predicted = predict(stats) if tasks else None
         for task_id in sorted(tasks or ()):
             if prediction_changed(waiting[task_id][1], predicted):
-                waiting[task_id] = (signature, predicted)
+                waiting[task_id] = (signature, predicted)  # one object for all the signature's tasks
                 await host.bus.publish(TaskFingerprinted(task_id=task_id, fingerprint=predicted,  # type: ignore[arg-type,union-attr]
                                                          source="signature", at=now()))
 
