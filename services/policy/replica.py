@@ -44,7 +44,7 @@ from fleetpilot.policy.rebalance import (
     gpu_conditions,
     running_tasks,
 )
-from fleetpilot.policy.spread import RecentWaits, smaller_ask_mb
+from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -364,12 +364,10 @@ class ReplicaState:
         want = int(math.ceil(fp.predicted_peak_mb * PEAK_HEADROOM))
         largest = self.largest_gpu_mb(req.gpu_models)
         if largest > 0:
-            want = min(want, largest, self.smallest_gpu_holding_mb(req.gpu_models, fp.fit_peak_mb) or largest)
-            if fp.run_peaks_mb and self.settings.wait_risk:
-                landing = self.smallest_gpu_holding_mb(req.gpu_models, want)
-                sizes = [mb for m, mb in self.gpu_memory_by_model().items() if not req.gpu_models or m in req.gpu_models]
-                want = int(smaller_ask_mb(sizes, fp.run_peaks_mb, landing, self.recent_waits.for_at_least(landing),
-                                          task.expected_duration_s or 0.0)) or want
+            sizes = [mb for m, mb in self.gpu_memory_by_model().items() if not req.gpu_models or m in req.gpu_models]
+            want = int(spread_ask_mb(min(want, largest), sizes, fp.fit_peak_mb,
+                                     fp.run_peaks_mb if self.settings.wait_risk else (), self.recent_waits,
+                                     task.expected_duration_s or 0.0))
         memory_mb = max(want, req.gpu_memory_mb)
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
@@ -440,15 +438,6 @@ class ReplicaState:
         empty); 0 when the fleet has none."""
         by_model = self.gpu_memory_by_model()
         return max((mb for m, mb in by_model.items() if not models or m in models), default=0)
-
-    def smallest_gpu_holding_mb(self, models: tuple[str, ...], memory_mb: float) -> int:
-        """Of ``models`` (any model when empty), the least memory a model's largest GPU in the
-        fleet has, among those that hold ``memory_mb`` (``gpu_memory_by_model``); 0 when none
-        does, or nothing is asked."""
-        if memory_mb <= 0:
-            return 0
-        by_model = self.gpu_memory_by_model()
-        return min((mb for m, mb in by_model.items() if (not models or m in models) and mb >= memory_mb), default=0)
 
     def bridge_hold_mb(self, state: ClusterState, choice: PolicyDecision, plain: TaskRequest, ask_mb: int) -> int:
         """GPU memory a bridged task holds on each chosen GPU: what the least free of them has

@@ -169,7 +169,7 @@ from fleetpilot.policy.rebalance import (
     move_down_ask,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
-from fleetpilot.policy.spread import RecentWaits, smaller_ask_mb
+from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
@@ -401,17 +401,10 @@ class FleetRun:
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
         want = max(want, job.stopped_at_mb, floor)
-        if p is not None and p.fit_peak_mb > 0 and not job.died_alone:
-            accepted = job.task.gpu_models or tuple(self.memory_of)
-            fits = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) >= p.fit_peak_mb]
-            want = min(want, max(min(fits, default=want), job.stopped_at_mb))
-            if p.run_peaks_mb:
-                # Where GPUs of that size are contended, a smaller one that most runs fitted may
-                # be worth its risk (``policy.spread``), as the policy service's request weighs it.
-                sizes = [mb for m in accepted if (mb := self.memory_of.get(m, 0.0)) > 0]
-                landing = min((mb for mb in sizes if mb >= want), default=0.0)
-                want = smaller_ask_mb(sizes, p.run_peaks_mb, landing, self.waits.for_at_least(landing),
-                                      job.task.declared_duration_s, at_least_mb=job.stopped_at_mb) or want
+        if p is not None and not job.died_alone:
+            sizes = [mb for m in job.task.gpu_models or tuple(self.memory_of) if (mb := self.memory_of.get(m, 0.0)) > 0]
+            want = spread_ask_mb(want, sizes, p.fit_peak_mb, p.run_peaks_mb, self.waits, job.task.declared_duration_s,
+                                 at_least_mb=job.stopped_at_mb)
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
         return int(min(want, self.largest[job.task.gpu_models]))

@@ -209,8 +209,8 @@ def fit_peak(stats: SignatureStats) -> float:
     too small for: a program whose runs nearly all stay under a GPU's size may ask that GPU
     even when its mean plus a margin is just above it.
     """
-    peaks = sorted(stats.run_peaks_mb)
-    if len(peaks) < FIT_MIN_RUNS:
+    peaks = known_run_peaks(stats)
+    if not peaks:
         return 0.0
     # The k-th smallest, k the fewest runs of which the rest are at most the share allowed.
     k = math.ceil((1.0 - FIT_MISS_SHARE) * len(peaks) - 1e-9)

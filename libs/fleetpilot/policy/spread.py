@@ -57,6 +57,26 @@ def smaller_ask_mb(sizes_mb: Iterable[float], run_peaks_mb: Sequence[float], lan
     return 0.0
 
 
+def spread_ask_mb(want_mb: float, sizes_mb: Sequence[float], fit_peak_mb: float, run_peaks_mb: Sequence[float],
+                  waits: RecentWaits, run_s: float, *, at_least_mb: float = 0.0) -> float:
+    """What a task whose program's runs are known asks per GPU, from ``want_mb`` (its
+    predicted peak with a margin) and ``sizes_mb`` (the GPU sizes of the models it accepts):
+    no more than the smallest size that held all but a few of the runs (``fit_peak_mb``,
+    ``fingerprint.fit_peak``), never below ``at_least_mb``; and where GPUs of that size have
+    kept their latest starts waiting (``waits``), the smaller one ``smaller_ask_mb`` finds
+    worth the risk (none without ``run_peaks_mb``). ``want_mb`` itself until the spread is
+    known. The policy service's request and the fleet benchmark both ask this."""
+    if fit_peak_mb <= 0:
+        return want_mb
+    holding = min((size for size in sizes_mb if size >= fit_peak_mb), default=want_mb)
+    want = min(want_mb, max(holding, at_least_mb))
+    if run_peaks_mb:
+        landing = min((size for size in sizes_mb if size >= want), default=0.0)
+        want = smaller_ask_mb(sizes_mb, run_peaks_mb, landing, waits.for_at_least(landing), run_s,
+                              at_least_mb=at_least_mb) or want
+    return want
+
+
 class RecentWaits:
     """How long the latest starts on GPUs of each size waited, to tell a task what waiting for
     a GPU of at least some size costs now."""
