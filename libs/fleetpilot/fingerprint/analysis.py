@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fleetpilot.contracts import Fingerprint, GrowthPattern
+from fleetpilot.least_squares import exact_dot, fit_straight_line
 
 from .curves import (
     HingeFit,
@@ -133,7 +134,8 @@ def context_switch_sensitivity(utilisation: np.ndarray | list[float],
     n = np.asarray(colocated, dtype=np.float64)
     if u.size != n.size or u.size < 3 or float(np.ptp(n)) == 0.0:
         return None
-    slope, icpt = np.polyfit(n, u, 1)
+    line = fit_straight_line(n, u)
+    slope, icpt = line.slope, line.intercept
     solo = icpt + slope * float(n.min())
     if solo <= 0:
         return None
@@ -182,7 +184,7 @@ def _steps_candidate(fit: StepFit, n: int, sigma: float, now: float, end: float,
     height = float(np.mean(jumps))
     ks = np.arange(1, m + 1, dtype=np.float64)
     # The first level starts with the task, so the k-th change lands near k step lengths.
-    period = float(np.dot(ks, fit.change_s) / np.dot(ks, ks))
+    period = exact_dot(ks, np.asarray(fit.change_s)) / exact_dot(ks, ks)
     last = fit.levels[-1]
     total = max(end / period, m + 1.0) if period > 0 else m + 1.0
     n_levels = max(round(total), m + 1)

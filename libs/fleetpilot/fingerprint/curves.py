@@ -4,16 +4,21 @@ Each fit explains the series with one growth shape and reports its residual sum 
 (RSS) and parameter count, so that :mod:`fleetpilot.fingerprint.analysis` can choose between
 them with a BIC-like score against a noise level estimated independently of any shape.
 All fits are vectorised over the samples with cumulative sums: a 1,500-sample series fits
-in about a millisecond, which keeps the online fingerprinter cheap to refit.
+in about a millisecond, which keeps the online fingerprinter cheap to refit. The
+least-squares fits sum with ``fleetpilot.least_squares`` rather than numpy's BLAS, so a
+fingerprint is the same whichever CPU computed it.
 
 Times are seconds since the task started; memory is MB.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from fleetpilot.least_squares import fit_columns, fit_straight_line, quadratic_form
 
 # Robust-scale constant: MAD * 1.4826 estimates a normal standard deviation.
 _MAD_TO_SD = 1.4826
@@ -62,8 +67,7 @@ class LineFit:
 
     def se_at(self, t: float, sigma: float) -> float:
         """Standard error (MB) of the fitted value at ``t`` given noise ``sigma``."""
-        x = np.array([1.0, t])
-        return float(sigma * np.sqrt(max(x @ self.xtx_inv @ x, 0.0)))
+        return float(sigma * math.sqrt(max(quadratic_form((1.0, t), self.xtx_inv), 0.0)))
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,7 @@ class QuadFit:
     def se_at(self, t: float, sigma: float) -> float:
         """Standard error (MB) of the fitted value at ``t`` given noise ``sigma``."""
         u = t / self.scale_s
-        x = np.array([1.0, u, u * u])
-        return float(sigma * np.sqrt(max(x @ self.xtx_inv @ x, 0.0)))
+        return float(sigma * math.sqrt(max(quadratic_form((1.0, u, u * u), self.xtx_inv), 0.0)))
 
 
 @dataclass(frozen=True)
@@ -140,22 +143,17 @@ def fit_level(t: np.ndarray, y: np.ndarray) -> LevelFit:
 
 def fit_line(t: np.ndarray, y: np.ndarray) -> LineFit:
     """Ordinary least squares line through the series."""
-    x = np.column_stack([np.ones_like(t), t])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    rss = float(np.sum((y - x @ coef) ** 2))
-    return LineFit(intercept=float(coef[0]), slope=float(coef[1]), rss=rss,
-                   xtx_inv=np.linalg.pinv(x.T @ x))
+    line = fit_straight_line(t, y)
+    return LineFit(intercept=line.intercept, slope=line.slope, rss=line.rss, xtx_inv=line.xtx_inv)
 
 
 def fit_quad(t: np.ndarray, y: np.ndarray) -> QuadFit:
     """Least squares parabola; time is rescaled internally to keep the normal equations tame."""
     scale = max(float(t[-1]), 1.0)
     u = t / scale
-    x = np.column_stack([np.ones_like(u), u, u * u])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    rss = float(np.sum((y - x @ coef) ** 2))
-    return QuadFit(a=float(coef[0]), b=float(coef[1]) / scale, c=float(coef[2]) / scale**2, rss=rss,
-                   xtx_inv=np.linalg.pinv(x.T @ x), scale_s=scale)
+    fit = fit_columns((np.ones_like(u), u, u * u), y)
+    a, b, c = fit.coef
+    return QuadFit(a=a, b=b / scale, c=c / scale**2, rss=fit.rss, xtx_inv=fit.xtx_inv, scale_s=scale)
 
 
 def fit_accel(t: np.ndarray, y: np.ndarray) -> QuadFit:
@@ -166,13 +164,11 @@ def fit_accel(t: np.ndarray, y: np.ndarray) -> QuadFit:
     """
     scale = max(float(t[-1]), 1.0)
     u = t / scale
-    x = np.column_stack([np.ones_like(u), u * u])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    rss = float(np.sum((y - x @ coef) ** 2))
-    inv2 = np.linalg.pinv(x.T @ x)
+    fit = fit_columns((np.ones_like(u), u * u), y)
+    a, c = fit.coef
     inv3 = np.zeros((3, 3))
-    inv3[np.ix_([0, 2], [0, 2])] = inv2
-    return QuadFit(a=float(coef[0]), b=0.0, c=float(coef[1]) / scale**2, rss=rss, xtx_inv=inv3,
+    inv3[np.ix_([0, 2], [0, 2])] = fit.xtx_inv
+    return QuadFit(a=a, b=0.0, c=c / scale**2, rss=fit.rss, xtx_inv=inv3,
                    scale_s=scale, n_params=2)
 
 
@@ -271,9 +267,10 @@ def fit_teeth(t: np.ndarray, y: np.ndarray, sigma: float) -> ToothFit | None:
     for seg, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         ts, ys = t[lo:hi], y[lo:hi]
         if ts.size >= 3:
-            slope, icpt = np.polyfit(ts, ys, 1)
-            rss += float(np.sum((ys - (icpt + slope * ts)) ** 2))
-            slopes.append(float(slope))
+            line = fit_straight_line(ts, ys)
+            slope, icpt = line.slope, line.intercept
+            rss += line.rss
+            slopes.append(slope)
         else:
             slope, icpt = 0.0, float(np.mean(ys))
         if seg < drops.size:  # a complete tooth: its crest is just before the drop

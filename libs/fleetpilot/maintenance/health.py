@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 
 from fleetpilot.contracts import GpuSample
+from fleetpilot.least_squares import fit_straight_line
 
 MAINTENANCE_THRESHOLD = 0.85
 
@@ -153,7 +154,7 @@ def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) 
     # Over a short span sensor noise dominates the slope (1 °C of noise over 10 minutes reads
     # as 6 °C/h), so the trend counts only once the window covers MIN_SLOPE_SPAN_H.
     enough = len(samples) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
-    slope = float(np.polyfit(at - at[0], temp, 1)[0]) if enough else 0.0
+    slope = fit_straight_line(at - at[0], temp).slope if enough else 0.0
     if len(samples) >= 2:
         dt = np.diff(at)
         hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(np.sum(dt), 1e-9))

@@ -16,6 +16,21 @@ from .fragmentation import TaskShape, fragmentation_index
 from .state import MILLI, ClusterState, TaskRequest
 
 
+def rows_times(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
+    """``matrix @ vector``, summed by numpy itself rather than by OpenBLAS.
+
+    OpenBLAS picks its kernels by the CPU and they add in different orders, so ``@`` differs
+    in the last bits from one machine to the next; a pressure that ties two nodes on one
+    machine and not on another would make a decision that its replay elsewhere does not.
+    numpy's own reduction adds in an order fixed by the array's shape alone."""
+    return np.sum(matrix * vector[None, :], axis=1)
+
+
+def times_rows(vector: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """``vector @ matrix``, summed by numpy itself (see ``rows_times``)."""
+    return np.sum(vector[:, None] * matrix, axis=0)
+
+
 def memory_fragmentation(state: ClusterState) -> tuple[np.ndarray, np.ndarray]:
     """``(total_free - largest_placeable_block) / total_free`` per GPU and per node.
 
@@ -184,9 +199,9 @@ class ModelPressure:
         demand_total = self.demand.sum()
         if m == 0 or total_free <= 0 or demand_total <= 0:
             return np.ones(m)
-        cap_a = self.accept @ cap
+        cap_a = rows_times(self.accept, cap)
         share = np.divide(self.demand, cap_a, out=np.zeros_like(self.demand), where=cap_a > 0)
-        load = share @ self.accept
+        load = times_rows(share, self.accept)
         rho = load / (demand_total / total_free)
         return np.where(cap > 0, rho, rho.max(initial=1.0))
 
@@ -295,9 +310,9 @@ class DemandPressure:
         usable_share = 1.0 if usable_free is None else min(max(float(usable_free), 0.0) / total_free, 1.0)
         node_free = free.sum(axis=1).astype(np.float64)
         cap_type = np.bincount(self.type_of, weights=node_free, minlength=self.n_types)
-        cap = self.single_accept @ cap_type
+        cap = rows_times(self.single_accept, cap_type)
         price = np.divide(self.single_demand, cap, out=np.zeros_like(cap), where=cap > 0)
-        per_type = price @ self.single_accept          # (types,)
+        per_type = times_rows(price, self.single_accept)  # (types,)
         cost = per_type[self.type_of[rows]] * float(request)
         cost = np.broadcast_to(cost.reshape((-1,) + (1,) * (np.ndim(whole_taken) - 1)), np.shape(whole_taken))
         if self.multi_demand.size:
@@ -320,7 +335,7 @@ class DemandPressure:
                 def lost_with(k: int) -> np.ndarray:
                     after_full = r_full - k
                     after = np.where(acc & cpu_ok & (after_full >= need_g), after_full * float(MILLI), 0.0)
-                    return price_m @ (before - after)                        # (R,)
+                    return times_rows(price_m, before - after)             # (R,)
 
                 wt = np.asarray(whole_taken)
                 if wt.ndim == 1 and wt.size and (wt == wt[0]).all():
