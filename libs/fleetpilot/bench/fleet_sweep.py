@@ -151,7 +151,8 @@ def fleet_totals(runs: Sequence[SweepRun]) -> str:
 def code_line(runs: Sequence[SweepRun]) -> str:
     """Which code the runs measured, and on what machine: one of each, or a warning naming each
     and how many runs it made (a sweep of mixed code, or of several machines, cannot stand for
-    one commit: the same code has measured differently on two machines)."""
+    one commit: before cbb6d6e the same code measured differently on two machines, and some
+    other library could make it do so again)."""
     lines = []
     for what, of in (("code", lambda r: r.code), ("machine", lambda r: r.machine)):
         counts: dict[str, int] = {}

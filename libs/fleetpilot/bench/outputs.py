@@ -47,8 +47,9 @@ def check_writable(prog: str, files: tuple[Path | None, ...] = (), dirs: tuple[P
 
 
 def run_environment() -> dict[str, str]:
-    """The machine and libraries a run measured on: the same code has measured differently on
-    two machines (the fleet benchmark's log), so a figure names both."""
+    """The machine and libraries a run measured on, so that a figure names both: the same code
+    measured differently on two machines until its fits and pressures stopped going through
+    OpenBLAS, whose kernels the CPU chooses (the fleet benchmark's log)."""
     import numpy
 
     cpu, flags = platform.processor() or platform.machine(), ""
