@@ -105,7 +105,7 @@ def fit_columns(columns: Sequence[np.ndarray], y: np.ndarray) -> ColumnFit:
                 r[i][j] = exact_dot(qi, v)
                 v -= r[i][j] * qi
         rest = math.sqrt(exact_dot(v, v))
-        if rest <= _DEPENDENT * norm or rest == 0.0:
+        if rest <= _DEPENDENT * norm:
             q.append(None)
             continue
         r[j][j] = rest

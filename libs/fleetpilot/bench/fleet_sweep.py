@@ -19,6 +19,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -155,13 +156,11 @@ def code_line(runs: Sequence[SweepRun]) -> str:
     other library could make it do so again)."""
     lines = []
     for what, of in (("code", lambda r: r.code), ("machine", lambda r: r.machine)):
-        counts: dict[str, int] = {}
-        for r in runs:
-            counts[of(r) or "unknown"] = counts.get(of(r) or "unknown", 0) + 1
+        counts = Counter(of(r) or "unknown" for r in runs)
         if len(counts) == 1:
             lines.append(f"{what} {next(iter(counts))}")
         else:
-            mix = ", ".join(f"{name} ({n} runs)" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            mix = ", ".join(f"{name} ({n} runs)" for name, n in counts.most_common())
             lines.append(f"{what} MIXED: {mix}")
     return "; ".join(lines)
 

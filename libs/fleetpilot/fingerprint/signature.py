@@ -209,7 +209,11 @@ def fit_peak(stats: SignatureStats) -> float:
     too small for: a program whose runs nearly all stay under a GPU's size may ask that GPU
     even when its mean plus a margin is just above it.
     """
-    peaks = known_run_peaks(stats)
+    return _fit_peak_of(known_run_peaks(stats))
+
+
+def _fit_peak_of(peaks: tuple[float, ...]) -> float:
+    """``fit_peak`` of ``known_run_peaks``' answer (sorted once, read by both fields of a prediction)."""
     if not peaks:
         return 0.0
     # The k-th smallest, k the fewest runs of which the rest are at most the share allowed.
@@ -262,14 +266,14 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
     spread: ``fit_peak``.
     """
     floor = stats.oom_floor_mb
+    peaks = known_run_peaks(stats)
     if stats.count == 0:
         if floor <= 0:
             return None
         # Only OOMs are known: it needs more than the floor, nothing more is claimed.
         return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
                            growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,
-                           peak_high_mb=floor, samples=0, fit_peak_mb=fit_peak(stats),
-                           run_peaks_mb=known_run_peaks(stats))
+                           peak_high_mb=floor, samples=0, fit_peak_mb=_fit_peak_of(peaks), run_peaks_mb=peaks)
     total = sum(stats.votes.values()) or 1.0
     pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
     n = stats.count
@@ -289,8 +293,8 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
         context_switch_sensitivity=stats.mean_sensitivity,
         samples=0,
         envelope_mb=stats.envelope_mb,
-        fit_peak_mb=fit_peak(stats),
-        run_peaks_mb=known_run_peaks(stats),
+        fit_peak_mb=_fit_peak_of(peaks),
+        run_peaks_mb=peaks,
     )
 
 
