@@ -18,7 +18,9 @@
   is told its signature's new prediction (``task.fingerprinted``, source ``signature``) when a
   run of the signature ends and changes it (``prediction_changed``): a queue that waits hours
   behind a program's first runs is placed by what they taught, not by what was known when
-  it was submitted.
+  it was submitted. Until a run of a signature has ended, its tasks are told the trusted
+  fingerprint of a run of it still in progress (the one seen longest) instead: a program's
+  second wide task is not placed by its user's guess while its first already shows more.
 - Restores: the first sample of a migrated or evicted task once it runs again, against what
   it held when it stopped, says whether its signature comes back from a checkpoint where it
   was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
@@ -46,12 +48,14 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureStats,
+    borrowed,
     merge,
     merge_oom,
     merge_restore,
     merge_run_peak,
     predict,
     prediction_changed,
+    predicts_nothing,
     restore_tells,
     stored_stats,
     task_signature,
@@ -94,6 +98,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # given, ``None`` for none), and the tasks by signature.
     waiting: OrderedDict[str, tuple[str, Fingerprint | None]] = OrderedDict()
     waiting_of: dict[str, set[str]] = {}
+    # Per signature whose statistics predict nothing yet: the latest trusted fingerprint of
+    # the run of it in progress seen longest, which its tasks are told meanwhile.
+    live: OrderedDict[str, Fingerprint] = OrderedDict()
 
     def now_waiting(task_id: str, signature: str, given: Fingerprint | None) -> None:
         # Kept to tell whether a later prediction changes it (``prediction_changed``), which
@@ -111,11 +118,35 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             if not tasks:
                 del waiting_of[signature]
 
-    async def tell_waiting(signature: str, stats: SignatureStats) -> None:
-        """Publish the signature's prediction to each of its tasks waiting to start whose own
-        it changes (``prediction_changed``)."""
+    async def stored(signature: str) -> SignatureStats | None:
+        entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
+        return stored_stats(signature, entry.value if entry is not None else None)
+
+    def lent(signature: str) -> Fingerprint | None:
+        """What a run of ``signature`` in progress shows, as its other tasks are given it."""
+        fp = live.get(signature)
+        return borrowed(fp) if fp is not None else None
+
+    async def learn_live(signature: str, fp: Fingerprint) -> None:
+        """Keep ``fp``, a trusted fingerprint of a run in progress, as what the signature's
+        tasks expect while its statistics predict nothing (no run of it has ended), and tell
+        its waiting tasks. A run seen for fewer samples than the one kept does not replace it."""
+        known = live.get(signature)
+        if known is not None and fp.samples < known.samples:
+            return
+        if not predicts_nothing(await stored(signature)):
+            live.pop(signature, None)
+            return
+        live[signature] = fp
+        live.move_to_end(signature)
+        while len(live) > settings.max_tracked_tasks:
+            live.popitem(last=False)
+        await tell_waiting(signature, borrowed(fp))
+
+    async def tell_waiting(signature: str, predicted: Fingerprint | None) -> None:
+        """Publish ``predicted``, the signature's new prediction, to each of its tasks waiting
+        to start whose own it changes (``prediction_changed``)."""
         tasks = waiting_of.get(signature)
-        predicted = predict(stats) if tasks else None
         for task_id in sorted(tasks or ()):
             if prediction_changed(waiting[task_id][1], predicted):
                 waiting[task_id] = (signature, predicted)  # one object for all the signature's tasks
@@ -138,7 +169,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
             except CasConflict:
                 continue
-            await tell_waiting(signature, folded)
+            predicted = predict(folded)
+            if predicted is not None:
+                live.pop(signature, None)  # what ended runs taught replaces a run in progress
+            await tell_waiting(signature, predicted or lent(signature))
             return
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 
@@ -167,9 +201,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
         signature = task_signature(task)
         model = model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
-        entry = await (await host.bus.kv("fingerprints")).get(signature)  # type: ignore[union-attr]
-        stats = stored_stats(signature, entry.value if entry is not None else None)
-        predicted = predict(stats) if stats is not None else None
+        stats = await stored(signature)
+        predicted = (predict(stats) if stats is not None else None) or lent(signature)
         if model.samples == 0:
             now_waiting(task.task_id, signature, predicted)
         if predicted is None:
@@ -190,9 +223,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             del stopped[sample.task_id]
             signature, stopped_mb, _ = restored
             await fold_into(signature, lambda stats: merge_restore(stats, stopped_mb, per_gpu))
-        fp = model_for(sample.task_id).add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+        model = model_for(sample.task_id)
+        fp = model.add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
         if fp is None:
             return None
+        if model.signature:
+            await learn_live(model.signature, fp)
         return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())
 
     @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle")

@@ -33,7 +33,10 @@ the bus out of service. No preemption (no PriorityClasses are set).
 - fingerprints: a task whose signature (``fingerprint.task_signature``) is known gets the
   ``SignatureMemory`` prediction at submission; tasks of unknown or little-known signatures
   are fingerprinted online (``OnlineFingerprinter``) from the simulator's per-task memory
-  samples, and their end-of-life fingerprint is remembered;
+  samples, and their end-of-life fingerprint is remembered; until a run of a signature has
+  ended, its tasks are given the trusted fingerprint of a run of it in progress (``_predict``,
+  as the fingerprinter service tells them), while the SLA negotiator reads only what ended
+  runs taught, as the SLA service reads the ``fingerprints`` bucket;
 - the ``fleetpilot`` policy with GPU sharing (fractional GPUs) and OOM-risk awareness: the
   ledger holds per GPU the memory each task is predicted to reach (the ask when nothing
   is known; after an OOM on a GPU it had alone, more than that GPU: the signature's OOM
@@ -129,9 +132,12 @@ from fleetpilot.fingerprint import (
     TRUST_SAMPLES,
     OnlineFingerprinter,
     SignatureMemory,
+    borrowed,
+    changed_materially,
     envelope_at,
     keep_signature_knowledge,
     prediction_changed,
+    predicts_nothing,
     restore_tells,
     restores_start_over,
     task_signature,
@@ -297,6 +303,9 @@ class FleetRun:
         self.on_gpu: dict[tuple[int, int], set[str]] = {}
         self.memory = SignatureMemory()
         self.learnt: set[str] = set()  # signatures whose statistics changed this cycle (``_tell_waiting``)
+        # Per signature no run of which has ended: the trusted fingerprint of its run in
+        # progress seen longest (``_predict``).
+        self.live: dict[str, Fingerprint] = {}
         self.health = HealthModel()
         self.windows: dict[int, deque] = {}
         self.pending_maintenance: dict[int, float] = {}
@@ -484,8 +493,11 @@ class FleetRun:
 
     def _submit(self, job: _Job, now: float) -> None:
         if self.smart:
-            job.prediction = self.memory.predict(job.signature)
-            decision = negotiate(job.submitted, self._fleet_view(now), now=now, fingerprint=job.prediction)
+            # The SLA negotiator reads the signature's statistics (the ``fingerprints`` bucket);
+            # the policy is told a run in progress too (``_predict``), by the fingerprinter.
+            decision = negotiate(job.submitted, self._fleet_view(now), now=now,
+                                 fingerprint=self.memory.predict(job.signature))
+            job.prediction = self._predict(job.signature)
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
             elif isinstance(decision, CounterOffer):
@@ -891,7 +903,7 @@ class FleetRun:
                 if ev.kind == "oom":
                     self.counts["oom_restarts"] += 1
                 if self.smart:
-                    job.prediction = self.memory.predict(job.signature) or job.prediction
+                    job.prediction = self._predict(job.signature) or job.prediction
                 job.fingerprinter = None
                 self._enqueue(job, now)
 
@@ -925,6 +937,26 @@ class FleetRun:
             self.learnt.add(job.signature)
             job.died_alone = True
 
+    def _predict(self, signature: str) -> Fingerprint | None:
+        """What a task of ``signature`` should expect: what its ended runs taught, else the
+        trusted fingerprint of a run of it still in progress (``_learn_live``)."""
+        live = self.live.get(signature)
+        return self.memory.predict(signature) or (borrowed(live) if live is not None else None)
+
+    def _learn_live(self, signature: str, current: Fingerprint) -> None:
+        """Keep ``current``, a trusted fingerprint of a run in progress, for the tasks of its
+        signature while its statistics predict nothing (no run of it has ended), when it
+        changed materially and no run seen longer is kept; its waiting tasks are told
+        (``_tell_waiting``), as the fingerprinter service keeps and tells it."""
+        known = self.live.get(signature)
+        if known is not None and (current.samples < known.samples or not changed_materially(known, current)):
+            return
+        if not predicts_nothing(self.memory.stats(signature)):
+            self.live.pop(signature, None)
+            return
+        self.live[signature] = current
+        self.learnt.add(signature)
+
     def _tell_waiting(self) -> None:
         """Give each task still waiting for its first start its signature's new prediction,
         when what the runs that ended this cycle taught changes it (``prediction_changed``),
@@ -937,7 +969,7 @@ class FleetRun:
             if job.attempts or job.signature not in learnt:
                 continue
             if job.signature not in fresh:
-                fresh[job.signature] = self.memory.predict(job.signature)
+                fresh[job.signature] = self._predict(job.signature)
             if prediction_changed(job.prediction, fresh[job.signature]):
                 job.prediction = fresh[job.signature]
 
@@ -969,6 +1001,7 @@ class FleetRun:
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
                     job.prediction = keep_signature_knowledge(current, job.prediction)
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
+                self._learn_live(job.signature, current)
         bridging.extend(j for j in self._enveloped(now) if j not in bridging)
         for job in bridging:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):

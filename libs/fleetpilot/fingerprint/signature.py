@@ -103,6 +103,14 @@ def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Finge
     return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit, run_peaks_mb=peaks)
 
 
+def borrowed(fp: Fingerprint) -> Fingerprint:
+    """``fp``, the fingerprint of a run in progress, as the prediction another task of its
+    signature is given while no run of it has ended: none of that task's own samples are in
+    it (``samples`` 0, as in a signature's prediction), so that task's own first trusted
+    fingerprint takes its place once it runs."""
+    return msgspec.structs.replace(fp, samples=0)
+
+
 def prediction_changed(old: Fingerprint | None, new: Fingerprint | None) -> bool:
     """Whether ``new``, a signature's prediction once it has learnt from one more run, should
     replace ``old``, the one a task still waiting to start was given: there is one now where
@@ -257,6 +265,12 @@ def restores_start_over(stats: SignatureStats | None) -> bool:
     return stats is not None and stats.restores_reset > stats.restores_kept
 
 
+def predicts_nothing(stats: SignatureStats | None) -> bool:
+    """Whether ``predict`` says nothing of these statistics: no run of the signature has been
+    fingerprinted to its end and no OOM has set it a floor."""
+    return stats is None or (stats.count == 0 and stats.oom_floor_mb <= 0)
+
+
 def predict(stats: SignatureStats) -> Fingerprint | None:
     """The fingerprint a new submission of this signature should expect; ``None`` if unseen.
 
@@ -265,11 +279,11 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
     observed extremes and the mean +- 2 standard deviations, whichever is wider. The runs'
     spread: ``fit_peak``.
     """
+    if predicts_nothing(stats):
+        return None
     floor = stats.oom_floor_mb
     peaks = known_run_peaks(stats)
     if stats.count == 0:
-        if floor <= 0:
-            return None
         # Only OOMs are known: it needs more than the floor, nothing more is claimed.
         return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
                            growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,

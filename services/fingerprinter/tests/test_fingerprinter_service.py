@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
-from fleetpilot.fingerprint.signature import SignatureStats, task_signature
+from fleetpilot.fingerprint.signature import SignatureStats, borrowed, task_signature
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot.workload import MemoryGrowth
@@ -386,3 +386,32 @@ async def test_a_task_waiting_to_start_is_told_what_a_run_that_ended_taught_its_
     await asyncio.sleep(0.5)
     # The task that has started is not: its own samples tell what it holds.
     assert [f.fingerprint.fit_peak_mb for f in seen if f.task_id == "placed-1"] == [0.0]
+
+
+async def test_until_a_run_ends_its_signature_s_tasks_are_told_what_a_run_in_progress_shows(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("live-1")
+    await bus.publish(task("live-queued"))  # before anything is known of the program
+    await asyncio.sleep(0.3)
+    assert not [f for f in seen if f.task_id == "live-queued"]
+    # The program's first run climbs steadily (400 s of its declared 1,000 seen): its trusted
+    # fingerprint predicts more than the 40 GB its user asked.
+    await run_for(bus, first, 400, lambda t: 10_000.0 + 40.0 * t)
+    await samples_taken(bus, seen, "sync-live-1")
+    observed = [f.fingerprint for f in seen if f.task_id == "live-1" and f.source == "observed"]
+    assert observed and observed[-1].predicted_peak_mb > 40_000
+    told = await wait_for(lambda: [f for f in seen if f.task_id == "live-queued"],
+                          what="the waiting task told what the run in progress shows")
+    assert told[-1].source == "signature" and told[-1].fingerprint == borrowed(observed[-1])
+    await bus.publish(task("live-next"))  # submitted while the run goes on: told at once
+    given = await wait_for(lambda: [f for f in seen if f.task_id == "live-next"])
+    assert given[0].fingerprint == borrowed(observed[-1])
+
+    # Once the run has ended, its signature's statistics say what the next task expects: they
+    # hold the run's envelope, which no run in progress has.
+    await bus.publish(TaskLifecycle(task_id="live-1", state="finished", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    await bus.publish(task("live-after"))
+    after = await wait_for(lambda: [f for f in seen if f.task_id == "live-after"])
+    assert given[0].fingerprint.envelope_mb == ()
+    assert stats.envelope_mb and after[0].fingerprint.envelope_mb == stats.envelope_mb

@@ -654,3 +654,20 @@ def test_after_a_long_wait_for_the_h100_a_program_most_of_whose_runs_fit_the_a10
     early = runs(waited=False)
     early.run()
     assert early.jobs[2].queue_s > 0.0
+
+
+def test_while_no_run_of_a_program_has_ended_its_next_task_asks_what_a_run_in_progress_shows() -> None:
+    # A program never seen before asks 20 GB; its runs grow steadily from 22.5 GB to 45 GB.
+    # Its first run holds the H100 for an hour; a second, of ten minutes, arrives 15 minutes
+    # in and accepts the A100 too. By its user's 20 GB it starts on the A100 and dies there
+    # before its own series is trusted; by the first run's trusted fingerprint it knows it
+    # grows past the A100, starts there as a bridge and is stopped before it overflows.
+    first = BenchTask(**{**task(0, pattern="linear", peak=45_000.0, request=20_000.0, duration=3600.0,
+                                program="ft").__dict__, "gpu_models": ("H100",)})
+    second = BenchTask(**{**task(1, pattern="linear", peak=45_000.0, request=20_000.0, arrival=900.0,
+                                 program="ft").__dict__, "gpu_models": ("A100-40GB", "H100")})
+    run = FleetRun(build_fleet(A100_AND_H100), workload(first, second, hours=1.5), "fleetpilot", seed=1)
+    result = run.run()
+    given = run.live[run.jobs[1].signature]
+    assert given.pattern == "linear" and abs(given.predicted_peak_mb - (45_000.0 + CONTEXT_MB)) < 2_000.0
+    assert (result.figures["oom_events"], result.breakdown["completed"]) == (0, 2)
