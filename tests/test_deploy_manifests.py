@@ -180,6 +180,12 @@ def test_policy_has_a_disruption_budget_and_two_replicas():
     )
 
 
+def test_the_fingerprinter_runs_as_one_replica():
+    # Its per-task models need every sample of a task, and samples come in a queue group that
+    # would split them between replicas (services/fingerprinter/README.md, "One replica").
+    assert _workloads()["fingerprinter"]["spec"]["replicas"] == 1
+
+
 def test_nats_runs_jetstream_with_persistent_storage():
     config = _by_kind("ConfigMap")["nats-config"]["data"]["nats.conf"]
     assert "jetstream" in config and "store_dir: /data" in config
