@@ -46,4 +46,7 @@ class TaskFingerprinted(Event, frozen=True, kw_only=True, tag="task.fingerprinte
     task_id: str
     fingerprint: Fingerprint
     source: Literal["observed", "signature"]
+    """``observed``: fitted on this task's own samples. ``signature``: predicted for it from its
+    signature, by what its program's ended runs taught or, while none has ended, by what a run
+    of it in progress shows (``samples`` 0 either way: none of this task's own)."""
     at: float
