@@ -39,7 +39,7 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet openb --seed 7 --json out/fleet-openb.json --plot-dir out/
 	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --jobs 2 --plot out/openb.png --json out/openb.json
 
-bench-fleet-sweep: $(STAMP) ## The fleet benchmark on the README table's 46 workloads, summed up (about ten minutes on 2 cores)
+bench-fleet-sweep: $(STAMP) ## The fleet benchmark on the README table's 46 workloads, summed up (10 to 25 minutes on 2 cores, by the machine)
 	$(BIN)/python -m fleetpilot.bench.fleet_sweep --out out/fleet-sweep --jobs 2 --markdown
 
 contracts: $(STAMP) ## Regenerate proto/ (JSON Schema + AsyncAPI) from the code

@@ -8,7 +8,7 @@ baseline, a missed target marked ``*``) and, per fleet, how many runs meet each 
 geometric mean of the mean-queue ratio and Fleetpilot's OOM events in all. ``--against
 OTHER`` puts a sweep of other code beside it, row by row, for "measured against X on the
 same workloads"; ``--no-run`` only reads what ``DIR`` holds. The default seeds are the 46
-runs of the README's table (``TABLE_SEEDS``); a full sweep takes about ten minutes on two
+runs of the README's table (``TABLE_SEEDS``); a full sweep takes 10 to 25 minutes on two
 cores.
 """
 
