@@ -169,10 +169,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
             except CasConflict:
                 continue
-            predicted = predict(folded)
-            if predicted is not None:
+            if not predicts_nothing(folded):
                 live.pop(signature, None)  # what ended runs taught replaces a run in progress
-            await tell_waiting(signature, predicted or lent(signature))
+            if signature in waiting_of:
+                await tell_waiting(signature, predict(folded) or lent(signature))
             return
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 

@@ -495,9 +495,9 @@ class FleetRun:
         if self.smart:
             # The SLA negotiator reads the signature's statistics (the ``fingerprints`` bucket);
             # the policy is told a run in progress too (``_predict``), by the fingerprinter.
-            decision = negotiate(job.submitted, self._fleet_view(now), now=now,
-                                 fingerprint=self.memory.predict(job.signature))
-            job.prediction = self._predict(job.signature)
+            learnt = self.memory.predict(job.signature)
+            decision = negotiate(job.submitted, self._fleet_view(now), now=now, fingerprint=learnt)
+            job.prediction = learnt or self._lent(job.signature)
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
             elif isinstance(decision, CounterOffer):
@@ -939,9 +939,14 @@ class FleetRun:
 
     def _predict(self, signature: str) -> Fingerprint | None:
         """What a task of ``signature`` should expect: what its ended runs taught, else the
-        trusted fingerprint of a run of it still in progress (``_learn_live``)."""
+        trusted fingerprint of a run of it still in progress (``_lent``)."""
+        return self.memory.predict(signature) or self._lent(signature)
+
+    def _lent(self, signature: str) -> Fingerprint | None:
+        """What a run of ``signature`` in progress shows (``_learn_live``), as its other tasks
+        are given it."""
         live = self.live.get(signature)
-        return self.memory.predict(signature) or (borrowed(live) if live is not None else None)
+        return borrowed(live) if live is not None else None
 
     def _learn_live(self, signature: str, current: Fingerprint) -> None:
         """Keep ``current``, a trusted fingerprint of a run in progress, for the tasks of its
