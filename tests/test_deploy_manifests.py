@@ -31,6 +31,7 @@ SERVICE_PORTS = {
     "feedback": 9107,
 }
 PER_NODE = {"collector", "executor"}
+PARTITIONED = {"fingerprinter"}
 WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet"}
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 
@@ -92,7 +93,7 @@ def test_every_service_has_a_workload():
     workloads = _workloads()
     assert set(SERVICE_PORTS) | {"nats"} == set(workloads)
     for name in SERVICE_PORTS:
-        expected = "DaemonSet" if name in PER_NODE else "Deployment"
+        expected = "DaemonSet" if name in PER_NODE else "StatefulSet" if name in PARTITIONED else "Deployment"
         assert workloads[name]["kind"] == expected, name
 
 
@@ -180,10 +181,16 @@ def test_policy_has_a_disruption_budget_and_two_replicas():
     )
 
 
-def test_the_fingerprinter_runs_as_one_replica():
-    # Its per-task models need every sample of a task, and samples come in a queue group that
-    # would split them between replicas (services/fingerprinter/README.md, "One replica").
-    assert _workloads()["fingerprinter"]["spec"]["replicas"] == 1
+def test_the_fingerprinter_runs_one_replica_per_partition():
+    # Each replica owns the tasks of its partition, its pod index: with more replicas than
+    # partitions, two would fingerprint the same tasks; with fewer, some tasks none
+    # (services/fingerprinter/README.md, "Partitions").
+    fingerprinter = _workloads()["fingerprinter"]
+    (container,) = fingerprinter["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert int(env["FLEETPILOT_FINGERPRINTER_PARTITIONS"]["value"]) == fingerprinter["spec"]["replicas"] > 1
+    index = env["FLEETPILOT_FINGERPRINTER_PARTITION"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 def test_nats_runs_jetstream_with_persistent_storage():
@@ -209,4 +216,4 @@ def test_kustomize_builds():
     result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc]
-    assert kinds.count("Deployment") == 5 and kinds.count("DaemonSet") == 2
+    assert kinds.count("Deployment") == 4 and kinds.count("DaemonSet") == 2 and kinds.count("StatefulSet") == 2

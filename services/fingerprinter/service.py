@@ -26,6 +26,11 @@
   was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
   statistics (``merge_restore``), where the policy reads it before it bridges a checkpointed
   run again onto the room it outgrew.
+- Partitions: with ``partitions`` above 1, each replica owns the tasks whose id hashes to its
+  ``partition`` and takes every message on consumers of its own, keeping its tasks'; a task's
+  samples all reach its one model. What another partition's runs show reaches this one's
+  waiting tasks through the observed ``task.fingerprinted`` it hears and the ``fingerprints``
+  bucket it watches.
 """
 
 from __future__ import annotations
@@ -60,10 +65,16 @@ from fleetpilot.fingerprint import (
     stored_stats,
     task_signature,
 )
-from fleetpilot.runtime import CasConflict, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import CasConflict, KvEntry, Partition, ServiceHost, ServiceSettings, serve
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.fingerprinter")
+
+PARTITION_REPLAY_S = 60.0
+"""How far back a partition's own consumers start when first made (the fingerprinter
+partitioned anew, or scaled out): the submissions and lifecycle events of the moments its
+tasks had no replica, while the replicas of the old count were replaced by the new."""
 
 
 class FingerprinterSettings(ServiceSettings):
@@ -75,12 +86,32 @@ class FingerprinterSettings(ServiceSettings):
     end_grace_s: float = 2.0
     """How long after a run's terminal ``task.lifecycle`` its end is learnt: its last samples
     (core NATS) may still be on their way when the event (JetStream) arrives."""
+    partitions: int = Field(default=1, ge=1)
+    """How many replicas share the tasks, each owning the tasks whose id hashes to its
+    partition (``fleetpilot.runtime.partition``); every replica is given the same count."""
+    partition: int = Field(default=0, ge=0)
+    """The partition this replica owns, below ``partitions`` (a StatefulSet's pod index)."""
+
+    @model_validator(mode="after")
+    def _partition_is_one_of_them(self) -> FingerprinterSettings:
+        if self.partition >= self.partitions:
+            raise ValueError(f"PARTITION={self.partition} must be below PARTITIONS={self.partitions}")
+        return self
+
+    @property
+    def owned(self) -> Partition:
+        """The share of the tasks this replica fingerprints."""
+        return Partition(self.partition, self.partitions)
 
 
 def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     """Wire the fingerprinter."""
     settings = settings or FingerprinterSettings.from_environment()
     host = ServiceHost("fingerprinter", settings)
+    owned = settings.owned
+    # Partitioned, each replica takes every message on consumers of its own and keeps its
+    # tasks'; whole, the one replica takes them on the shared consumers, as before.
+    instance = "" if owned.whole else owned.name
     models: dict[str, OnlineFingerprinter] = {}
     # Tasks stopped to run again (moved, checkpointed, preempted) whose restore can tell
     # whether their signature comes back where it was: (signature, MB per GPU held when
@@ -197,8 +228,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             model.expected_duration_s = duration
         return model
 
-    @host.on(TaskSubmitted, consumer="fingerprinter-submitted")
+    @host.on(TaskSubmitted, consumer="fingerprinter-submitted", instance=instance,
+             instance_start_s_ago=PARTITION_REPLAY_S)
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
+        if not owned.owns(task.task_id):
+            return None
         signature = task_signature(task)
         model = model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
         stats = await stored(signature)
@@ -209,8 +243,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             return None
         return TaskFingerprinted(task_id=task.task_id, fingerprint=predicted, source="signature", at=now())
 
-    @host.on_core("telemetry.task.*", TaskTelemetry, queue="fingerprinter")
+    @host.on_core("telemetry.task.*", TaskTelemetry, queue=f"fingerprinter-{instance}" if instance else "fingerprinter")
     async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
+        if not owned.owns(sample.task_id):
+            return None
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
@@ -231,8 +267,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             await learn_live(model.signature, fp)
         return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())
 
-    @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle")
+    @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle", instance=instance,
+             instance_start_s_ago=PARTITION_REPLAY_S)
     async def on_lifecycle(life: TaskLifecycle) -> None:
+        if not owned.owns(life.task_id):
+            return
         stop_waiting(life.task_id)  # it runs, or has run: its own samples tell the rest
         if life.state in ("migrated", "evicted"):
             # Moved, or stopped to be placed again (preempted, checkpointed, its GPU gone):
@@ -318,6 +357,37 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 merged = merge(stats, final)
                 return merge_run_peak(merged, peak) if peak > 0 else merged
         await fold_into(model.signature, fold)
+
+    if not owned.whole:
+        # What the other partitions' tasks show reaches this one's waiting tasks over the
+        # bus: their runs in progress by the fingerprints published of them, their runs'
+        # ends by the statistics they fold into the bucket.
+
+        @host.on_core("task.fingerprinted", TaskFingerprinted)
+        async def on_peer_fingerprint(event: TaskFingerprinted) -> None:
+            """Keep what another partition's run in progress shows (``learn_live``)."""
+            fp = event.fingerprint
+            if event.source == "observed" and fp.signature and not owned.owns(event.task_id):
+                await learn_live(fp.signature, fp)
+
+        async def learnt_elsewhere(entry: KvEntry) -> None:
+            """Tell this replica's waiting tasks of ``entry``'s signature what a run's end
+            taught it, whichever replica learnt it (its own fold told them already, and
+            ``prediction_changed`` tells nobody twice)."""
+            stats = stored_stats(entry.key, entry.value)
+            if not predicts_nothing(stats):
+                live.pop(entry.key, None)
+            if entry.key in waiting_of:
+                await tell_waiting(entry.key, (predict(stats) if stats is not None else None) or lent(entry.key))
+
+        async def follow_statistics() -> None:
+            kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
+            async for entry in kv.watch():
+                await learnt_elsewhere(entry)
+
+        @host.on_startup
+        async def watch_statistics(_bus: object) -> None:
+            host.background(follow_statistics, "fingerprints-watch")
 
     return host
 

@@ -6,6 +6,7 @@ from .config import BadSettings, ServiceSettings
 from .dispatch import Dispatcher
 from .host import ServiceHost, serve
 from .memory import InMemoryBus
+from .partition import Partition, partition_of
 
-__all__ = ["BadSettings", "Bus", "CasConflict", "Delivery", "Dispatcher", "InMemoryBus", "KeyValue", "KvEntry", "Reject",
-           "Retry", "ServiceHost", "ServiceSettings", "serve", "subject_matches"]
+__all__ = ["BadSettings", "Bus", "CasConflict", "Delivery", "Dispatcher", "InMemoryBus", "KeyValue", "KvEntry", "Partition",
+           "Reject", "Retry", "ServiceHost", "ServiceSettings", "partition_of", "serve", "subject_matches"]

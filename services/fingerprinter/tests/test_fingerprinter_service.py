@@ -4,13 +4,17 @@ the signature remembered when a task ends, and predicted at once for the next su
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import math
 
 import msgspec
 import numpy as np
 import pytest
 from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
-from fleetpilot.fingerprint.signature import SignatureStats, borrowed, task_signature
+from fleetpilot.fingerprint.online import OnlineFingerprinter
+from fleetpilot.fingerprint.signature import SignatureStats, borrowed, predict, task_signature
+from fleetpilot.runtime import BadSettings, Partition, partition_of
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot.workload import MemoryGrowth
@@ -23,12 +27,15 @@ def task(task_id: str) -> TaskSubmitted:
                          submitted_at=now())
 
 
-@pytest.fixture
-async def fingerprinter(nats_server):
-    """A running fingerprinter, a bus to talk to it, and every ``task.fingerprinted`` seen."""
-    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1, end_grace_s=0.5))
-    await host.start()
-    bus = await NatsBus.connect(nats_server.url, "test")
+@contextlib.asynccontextmanager
+async def replicas(nats_url: str, *partitions: Partition):
+    """A fingerprinter replica per partition, running; a bus to talk to them, and every
+    ``task.fingerprinted`` seen."""
+    hosts = [build(FingerprinterSettings(nats_url=nats_url, metrics_port=-1, end_grace_s=0.5,
+                                         partitions=p.count, partition=p.index)) for p in partitions]
+    for host in hosts:
+        await host.start()
+    bus = await NatsBus.connect(nats_url, "test")
     seen: list[TaskFingerprinted] = []
 
     async def on_fp(msg) -> None:
@@ -39,7 +46,15 @@ async def fingerprinter(nats_server):
         yield bus, seen
     finally:
         await bus.drain()
-        await host.stop()
+        for host in hosts:
+            await host.stop()
+
+
+@pytest.fixture
+async def fingerprinter(nats_server):
+    """One fingerprinter, the whole (``replicas``)."""
+    async with replicas(nats_server.url, Partition()) as running:
+        yield running
 
 
 async def remembered(bus: NatsBus, signature: str) -> SignatureStats:
@@ -415,3 +430,73 @@ async def test_until_a_run_ends_its_signature_s_tasks_are_told_what_a_run_in_pro
     after = await wait_for(lambda: [f for f in seen if f.task_id == "live-after"])
     assert given[0].fingerprint.envelope_mb == ()
     assert stats.envelope_mb and after[0].fingerprint.envelope_mb == stats.envelope_mb
+
+
+@pytest.fixture
+async def partitioned(nats_server):
+    """Two fingerprinter replicas sharing the tasks: partitions 0 and 1 of 2 (``replicas``)."""
+    async with replicas(nats_server.url, Partition(0, 2), Partition(1, 2)) as running:
+        yield running
+
+
+def owned_by(partition: int, name: str) -> str:
+    """A task id starting with ``name`` that ``partition`` of 2 owns."""
+    return next(f"{name}-{n}" for n in itertools.count() if partition_of(f"{name}-{n}", 2) == partition)
+
+
+async def test_partitioned_replicas_each_fit_the_whole_series_of_the_tasks_they_own(partitioned):
+    bus, seen = partitioned
+    growth = {owned_by(0, "mine"): lambda t: 10_000.0 + 40.0 * t, owned_by(1, "yours"): lambda t: 6_000.0 + 60.0 * t}
+    for task_id in growth:
+        await bus.publish(task(task_id))
+    await asyncio.sleep(0.5)  # the tasks are placed before their processes report memory
+    start, times = now(), np.arange(0, 600, 10.0)
+    for t in times:
+        for task_id, used_mb in growth.items():
+            await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=used_mb(float(t))))
+    for partition in (0, 1):
+        await samples_taken(bus, seen, owned_by(partition, "sync"))
+    for task_id, used_mb in growth.items():
+        # What one model fed every sample of the task publishes: in a queue group, each
+        # replica would have fitted about half of them, and both published.
+        model = OnlineFingerprinter(task_signature(task(task_id)), expected_duration_s=1_000, only_trusted=True,
+                                    from_start=True)
+        expected = [fp for t in times if (fp := model.add(start + float(t), used_mb(float(t)))) is not None]
+        assert expected
+        assert [f.fingerprint for f in seen if f.task_id == task_id and f.source == "observed"] == expected
+
+
+async def test_a_partition_s_waiting_tasks_are_told_what_the_other_partition_s_runs_show(partitioned):
+    bus, seen = partitioned
+    first, queued, later = task(owned_by(0, "run")), owned_by(1, "queued"), owned_by(1, "later")
+    await bus.publish(task(queued))
+    await asyncio.sleep(0.3)
+    # The program's first run, on partition 0, climbs past the 40 GB its user asked.
+    await run_for(bus, first, 400, lambda t: 10_000.0 + 40.0 * t)
+    await samples_taken(bus, seen, owned_by(0, "sync"))
+    observed = [f.fingerprint for f in seen if f.task_id == first.task_id and f.source == "observed"]
+    assert observed and observed[-1].predicted_peak_mb > 40_000
+    shows = borrowed(observed[-1])
+    await wait_for(lambda: [f for f in seen if f.task_id == queued and f.fingerprint == shows],
+                   what="partition 1's waiting task told what partition 0's run in progress shows")
+    await bus.publish(task(later))
+    await wait_for(lambda: [f for f in seen if f.task_id == later])
+    await asyncio.sleep(0.5)
+    # Answered once, by its own partition's replica.
+    assert [(f.source, f.fingerprint) for f in seen if f.task_id == later] == [("signature", shows)]
+
+    # The run ends on partition 0; partition 1's waiting task is told what it taught.
+    await bus.publish(TaskLifecycle(task_id=first.task_id, state="finished", at=now()))
+    stats = await remembered(bus, task_signature(first))
+    told = await wait_for(lambda: [f for f in seen if f.task_id == queued and f.fingerprint.envelope_mb] or None,
+                          what="partition 1's waiting task told what the ended run taught")
+    assert told[-1].source == "signature" and told[-1].fingerprint == predict(stats)
+
+
+def test_a_partition_beyond_the_count_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("FLEETPILOT_FINGERPRINTER_PARTITIONS", "2")
+    monkeypatch.setenv("FLEETPILOT_FINGERPRINTER_PARTITION", "2")
+    with pytest.raises(BadSettings, match="PARTITION=2 must be below PARTITIONS=2") as raised:
+        FingerprinterSettings.from_environment()
+    assert "\n" not in str(raised.value)
