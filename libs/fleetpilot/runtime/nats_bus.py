@@ -273,6 +273,12 @@ class NatsBus(Bus):
             await self._nc.publish(subject, data, headers=headers or None)
 
     async def _bind(self, spec: ConsumerSpec):
+        if spec.start_s_ago is not None and await self._consumer_exists(spec):
+            # A replica's own consumer made before (the replica restarted, or re-binds after
+            # a reconnect) goes on from where it is: its start time counts only when it is
+            # first made, and the server refuses to change it ("start time can not be
+            # updated", 10012), which a time computed now always would.
+            return await self._js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
         if spec.start_s_ago is None:
             start: dict = {"deliver_policy": api.DeliverPolicy.ALL}
         else:
@@ -290,6 +296,13 @@ class NatsBus(Bus):
         except nats.js.errors.BadRequestError:
             log.debug("consumer %s exists with another config; binding to it", spec.durable)
         return await self._js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+
+    async def _consumer_exists(self, spec: ConsumerSpec) -> bool:
+        try:
+            await self._js.consumer_info(spec.stream, spec.durable)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
     async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
         sub = await self._bind(spec)

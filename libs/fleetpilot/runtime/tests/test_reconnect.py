@@ -142,3 +142,38 @@ async def test_a_kv_watch_on_a_server_that_lost_its_store_reports_what_went_with
             await wait_for(lambda: ("node-a", None) in seen, timeout_s=10, what="node-a reported gone")
     finally:
         (fresh or server).stop()
+
+
+async def test_a_replica_s_own_consumer_goes_on_from_where_it_was_when_the_replica_starts_again(tmp_path):
+    # A per-instance consumer (an executor's node, a fingerprinter's partition) is made the
+    # first time some seconds back; started again on the same server, it must bind to what
+    # it was, not be refused for a start time that cannot be updated, nor replay.
+    server = EmbeddedNats(tmp_path / "nats").start()
+    seen: list[str] = []
+
+    def replica() -> ServiceHost:
+        host = ServiceHost("sla", ServiceSettings(nats_url=server.url, metrics_port=-1))
+
+        @host.on(TaskSubmitted, consumer="sla-submitted", instance="node-a", instance_start_s_ago=60.0)
+        async def record(task: TaskSubmitted) -> None:
+            seen.append(task.task_id)
+        return host
+
+    client = await NatsBus.connect(server.url, "client")
+    await client.ensure_topology()
+    try:
+        await client.publish(TaskSubmitted(task_id="before-first-start", submitted_at=1.0))
+        first = replica()
+        await first.start()
+        await wait_for(lambda: seen == ["before-first-start"])  # within its 60 s back
+        await first.stop()
+        await client.publish(TaskSubmitted(task_id="while-stopped", submitted_at=2.0))
+        again = replica()
+        await again.start()
+        await client.publish(TaskSubmitted(task_id="after", submitted_at=3.0))
+        await wait_for(lambda: "after" in seen)
+        await again.stop()
+        assert seen == ["before-first-start", "while-stopped", "after"]
+    finally:
+        await client.drain()
+        server.stop()
