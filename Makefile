@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) ## Create .venv and install Fleetpilot (only when needed)
 
 run: $(STAMP) ## Whole fleet on an embedded NATS: services, simulated fleet, demo workload, closing report
-	$(BIN)/fleetpilot up --demo $${DEMO_TASKS:-150} --rate 10 --duration $${DURATION:-45}
+	$(BIN)/fleetpilot up --demo $${DEMO_TASKS:-150} --rate 10 --duration $${DURATION:-45} --fingerprinter-partitions 2
 
 test: $(STAMP) ## Every test (unit, service over real nats-server, end to end, PostgreSQL)
 	$(BIN)/python -m pytest -q

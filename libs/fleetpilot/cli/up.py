@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from fleetpilot.contracts import (
     FeedbackRecorded,
     SlaOffer,
     SlaReply,
+    TaskFingerprinted,
     TaskRejected,
     TaskSubmitted,
     decode,
@@ -38,7 +40,7 @@ from fleetpilot.contracts import (
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
-from .arguments import existing_file, non_negative_int, port_base, positive_float
+from .arguments import existing_file, non_negative_int, port_base, positive_float, positive_int
 from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
 from .workload import demo_tasks
 
@@ -61,22 +63,42 @@ def add_arguments(parser) -> None:
     parser.add_argument("--metrics-port-base", type=port_base, default=9101,
                         help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
+    parser.add_argument("--fingerprinter-partitions", type=positive_int, default=1, metavar="N",
+                        help="run the fingerprinter as N replicas, each owning a partition of the tasks (default 1)")
 
 
 class ServiceProcesses:
-    """The seven services as child processes, each logging to its own file."""
+    """The seven services as child processes, each logging to its own file; the fingerprinter
+    as ``fingerprinter_partitions`` of them, ``fingerprinter-<i>``, when that is above 1."""
 
-    def __init__(self, state: Path, nats_url: str, args) -> None:
+    def __init__(self, state: Path, nats_url: str, args, *, fingerprinter_partitions: int = 1) -> None:
         self.state, self.nats_url, self.args = state, nats_url, args
+        self.fingerprinter_partitions = fingerprinter_partitions
         self.procs: dict[str, subprocess.Popen] = {}
 
+    def names(self) -> list[str]:
+        """Every process to run, by the name it is started, logged and reported under."""
+        partitions = self.fingerprinter_partitions
+        names = []
+        for name in SERVICES:
+            partitioned = name == "fingerprinter" and partitions > 1
+            names += [f"{name}-{i}" for i in range(partitions)] if partitioned else [name]
+        return names
+
     def env_for(self, name: str) -> dict[str, str]:
-        """The environment of one service."""
+        """The environment of one process (a service, or a partition of the fingerprinter)."""
+        service, _, partition = name.partition("-")
         base = self.args.metrics_port_base
+        # Partitions after the first take the ports after the seven services'.
+        index = int(partition or 0)
+        port = base + (SERVICES.index(service) if index == 0 else len(SERVICES) + index - 1)
         env = {**os.environ, "FLEETPILOT_NATS_URL": self.nats_url, "FLEETPILOT_STATE_DIR": str(self.state),
                "FLEETPILOT_COLLECTOR_SOURCE": os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim"),
                "FLEETPILOT_COLLECTOR_SPEED": str(self.args.speed),
-               f"FLEETPILOT_{name.upper()}_METRICS_PORT": str(base + SERVICES.index(name) if base else 0)}
+               f"FLEETPILOT_{service.upper()}_METRICS_PORT": str(port if base else 0)}
+        if partition:
+            env["FLEETPILOT_FINGERPRINTER_PARTITIONS"] = str(self.fingerprinter_partitions)
+            env["FLEETPILOT_FINGERPRINTER_PARTITION"] = partition
         if self.args.fleet:
             # The openb node list has its own reader (one site, no links); anything else is a spec.
             setting = "OPENB_NODES" if self.args.fleet.lower().endswith(".csv") else "FLEET_SPEC"
@@ -91,14 +113,14 @@ class ServiceProcesses:
     def start(self, name: str) -> None:
         """Start (or restart) one service."""
         log = (self.state / "logs" / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"fleetpilot_services.{name}"],
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"fleetpilot_services.{name.partition('-')[0]}"],
                                             env=self.env_for(name), stdout=log, stderr=log,
                                             start_new_session=True)
 
     def start_all(self) -> None:
         """Start every service."""
         (self.state / "logs").mkdir(parents=True, exist_ok=True)
-        for name in SERVICES:
+        for name in self.names():
             self.start(name)
 
     def dead(self) -> list[str]:
@@ -156,6 +178,9 @@ class Report:
         self.rejected: Counter = Counter()
         self.offers = 0
         self.policies: Counter = Counter()
+        # task.fingerprinted by source (observed, signature), and the tasks each was of.
+        self.fingerprints: Counter = Counter()
+        self.fingerprinted: dict[str, set[str]] = {}
         # Submit-to-assign of tasks placed on their first decision, and of those queued first:
         # a demo queues a few tasks for many seconds, which one mean would hide the rest behind.
         self.at_once_s: list[float] = []
@@ -233,6 +258,10 @@ class Report:
             tally[2] += 1
             if sum(self.outcomes.values()) % 25 == 0:
                 self.line("totals: " + self.totals())
+        elif subject == "task.fingerprinted":
+            fp = decode(msg.data, TaskFingerprinted)
+            self.fingerprints[fp.source] += 1
+            self.fingerprinted.setdefault(fp.source, set()).add(fp.task_id)
         elif subject == "task.rejected":
             r = decode(msg.data, TaskRejected)
             self.rejected[r.code] += 1
@@ -255,12 +284,15 @@ class Report:
                  f"actions:   {dict(self.actions)}",
                  f"feedback:  {dict(self.outcomes)}",
                  f"rejected:  {dict(self.rejected)}   counter-offers: {self.offers}",
+                 "fingerprints: " + (", ".join(f"{n} {source} for {len(self.fingerprinted[source])} tasks"
+                                               for source, n in sorted(self.fingerprints.items())) or "none"),
                  (f"submit-to-assign, placed at once: mean {mean_q * 1000:.0f} ms, median "
                   f"{q[len(q) // 2] * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks"
                   if q else "submit-to-assign, placed at once: no task"),
                  (f"submit-to-assign, after a queue: mean {sum(w) / len(w):.1f} s, longest {max(w):.1f} s "
-                  f"over {len(w)} tasks ({len(self.queued)} still queued)" if w or self.queued
-                  else "submit-to-assign, after a queue: no task queued"),
+                  f"over {len(w)} tasks ({len(self.queued)} still queued)" if w
+                  else f"submit-to-assign, after a queue: none placed yet ({len(self.queued)} still queued)"
+                  if self.queued else "submit-to-assign, after a queue: no task queued"),
                  "confidence vs outcome: " + (self.calibration() or "nothing judged yet")]
         return "\n".join(lines)
 
@@ -269,6 +301,19 @@ class Report:
         judged actions that met their goal (how honest the confidences were)."""
         return "; ".join(f"{policy} {action} {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
                          for (policy, action), (conf, met, n) in sorted(self.judged.items()))
+
+
+def bus_store(state: Path, *, simulated: bool) -> Path:
+    """Where the embedded NATS keeps its JetStream data, ``<state>/nats``: emptied first when
+    the fleet is simulated. A simulated fleet is born anew with each run, and what the bus
+    kept of the last one describes a fleet that is gone: its reservations in ``ledger`` would
+    hold GPUs no task runs on, its tasks waiting in ``pending`` would go ahead of this run's,
+    and the consumers would read its submissions again. A real fleet (the NVML collector)
+    keeps it: its tasks outlive a restart of the services."""
+    store = state / "nats"
+    if simulated and store.exists():
+        shutil.rmtree(store)
+    return store
 
 
 DEMO_TENANTS = ("acme", "globex", "initech")
@@ -324,7 +369,8 @@ async def run(args) -> int:
     server = None
     url = args.nats_url
     if not url:
-        server = EmbeddedNats(state / "nats").start()
+        simulated = os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim") == "sim"
+        server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
         url = server.url
     print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
     # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
@@ -332,10 +378,11 @@ async def run(args) -> int:
     announced.write_text(url + "\n")
     bus = await NatsBus.connect(url, "fleetpilot-up")
     await bus.ensure_topology()
-    services = ServiceProcesses(state, url, args)
+    services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
     services.start_all()
     report = Report(args.quiet)
-    for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.rejected", "sla.offer.*"):
+    for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
+                    "task.rejected", "sla.offer.*"):
         await bus.subscribe(subject, report.on_message)
     print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
     stop = asyncio.Event()

@@ -8,14 +8,16 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from fleetpilot.cli.main import main as cli_main
-from fleetpilot.cli.up import Report, ServiceProcesses, _short_reason, _where
+from fleetpilot.cli.up import SERVICES, Report, ServiceProcesses, _short_reason, _where, bus_store
 from fleetpilot.contracts import (
     ActionExecuted,
     DecisionMade,
     FeedbackRecorded,
+    Fingerprint,
     Measured,
     Placement,
     PolicyRef,
+    TaskFingerprinted,
     TaskSubmitted,
     encode,
 )
@@ -98,6 +100,7 @@ async def test_any_submitters_task_counts_towards_submit_to_assign_at_once_or_af
 @pytest.mark.parametrize("argv, fragment", [
     (["--demo", "-5"], "argument --demo: must be 0 or more, got -5"),
     (["--rate", "0"], "argument --rate: must be more than 0, got 0"),
+    (["--fingerprinter-partitions", "0"], "argument --fingerprinter-partitions: must be at least 1, got 0"),
     (["--duration", "nan"], "argument --duration: not a finite number"),
     (["--speed", "-1"], "argument --speed: must be more than 0"),
     (["--metrics-port-base", "70000"], "argument --metrics-port-base: must be 0 (free ports) or a port"),
@@ -170,3 +173,54 @@ def test_a_demo_the_process_backend_cannot_run_is_refused_in_one_line(monkeypatc
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "--demo tasks carry no command" in err and not (tmp_path / "nats").exists()
+
+
+def test_up_runs_the_fingerprinter_as_one_process_per_partition(tmp_path) -> None:
+    args = SimpleNamespace(metrics_port_base=9101, speed=1.0, fleet=None)
+    whole = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222", args)
+    assert whole.names() == list(SERVICES)
+    assert "FLEETPILOT_FINGERPRINTER_PARTITION" not in whole.env_for("fingerprinter")
+
+    split = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222", args, fingerprinter_partitions=2)
+    names = split.names()
+    assert [n for n in names if n.startswith("fingerprinter")] == ["fingerprinter-0", "fingerprinter-1"]
+    envs = {name: split.env_for(name) for name in names}
+    assert [(envs[n]["FLEETPILOT_FINGERPRINTER_PARTITION"], envs[n]["FLEETPILOT_FINGERPRINTER_PARTITIONS"])
+            for n in ("fingerprinter-0", "fingerprinter-1")] == [("0", "2"), ("1", "2")]
+    # Every process serves /metrics on a port of its own: the first partition on the
+    # fingerprinter's, the next after the seven services'.
+    ports = [envs[n][f"FLEETPILOT_{n.partition('-')[0].upper()}_METRICS_PORT"] for n in names]
+    assert len(set(ports)) == len(names) == 8
+    assert envs["fingerprinter-0"]["FLEETPILOT_FINGERPRINTER_METRICS_PORT"] == "9103"
+    assert envs["fingerprinter-1"]["FLEETPILOT_FINGERPRINTER_METRICS_PORT"] == "9108"
+
+
+async def test_the_closing_report_counts_fingerprints_by_source_and_task() -> None:
+    report = Report(quiet=True)
+    assert "fingerprints: none" in report.render(1.0)
+    fp = Fingerprint(signature="sig-1", pattern="linear", pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
+                     predicted_peak_mb=30_000.0, peak_low_mb=28_000.0, peak_high_mb=32_000.0)
+    for task_id, source in [("t1", "observed"), ("t1", "observed"), ("t2", "observed"), ("t3", "signature")]:
+        event = TaskFingerprinted(task_id=task_id, fingerprint=fp, source=source, at=0.0)
+        await report.on_message(SimpleNamespace(subject="task.fingerprinted", data=encode(event)))
+    assert "fingerprints: 3 observed for 2 tasks, 1 signature for 1 tasks" in report.render(1.0)
+
+
+async def test_a_report_whose_queued_tasks_were_all_still_waiting_says_so() -> None:
+    report = Report(quiet=True)
+    task = TaskSubmitted(task_id="q1", tenant="acme", kind="train", gpus=1, gpu_milli=1000, submitted_at=1.0)
+    await report.on_message(SimpleNamespace(subject="task.submitted", data=encode(task)))
+    queued = DecisionMade(decision_id="q1.queue", task_id="q1", action="queue", confidence=0.9,
+                          policy=PolicyRef(name="fleetpilot"), decided_at=1.1)
+    await report.on_message(SimpleNamespace(subject="decision.made", data=encode(queued)))
+    assert "submit-to-assign, after a queue: none placed yet (1 still queued)" in report.render(1.0)
+
+
+@pytest.mark.parametrize(("simulated", "kept"), [(True, False), (False, True)])
+def test_up_starts_a_simulated_fleet_on_an_empty_bus_and_a_real_one_on_what_it_kept(tmp_path, simulated, kept):
+    # The last run's reservations and queue describe a simulated fleet that is gone: a second
+    # `make run` placed none of its queued tasks behind them.
+    old = tmp_path / "nats" / "jetstream" / "$G" / "streams" / "KV_ledger"
+    old.mkdir(parents=True)
+    store = bus_store(tmp_path, simulated=simulated)
+    assert store == tmp_path / "nats" and old.exists() == kept
