@@ -374,6 +374,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             """Tell this replica's waiting tasks of ``entry``'s signature what a run's end
             taught it, whichever replica learnt it (its own fold told them already, and
             ``prediction_changed`` tells nobody twice)."""
+            if entry.key not in waiting_of and entry.key not in live:
+                return  # nothing here depends on it (the watch starts with every signature)
             stats = stored_stats(entry.key, entry.value)
             if not predicts_nothing(stats):
                 live.pop(entry.key, None)
