@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
@@ -371,6 +372,13 @@ class ReplicaState:
         memory_mb = max(want, req.gpu_memory_mb)
         models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
         return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
+
+    def workload(self, seen: Iterable[TaskSubmitted]) -> list[TaskRequest]:
+        """The tasks seen, as the policies' typical tasks and demand count them: each as it is
+        asked now (``request``), on the models its fingerprint says can hold it. Counted as
+        submitted, a program that only the big GPUs hold looked as flexible as its user's
+        ask, and the demand pressure priced the big GPUs as if nothing needed them."""
+        return [self.request(task) for task in seen]
 
     def bridge_request(self, task: TaskSubmitted, plain: TaskRequest, floor_mb: int = 0, *,
                        from_start: bool = True) -> TaskRequest | None:

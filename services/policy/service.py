@@ -71,6 +71,7 @@ from fleetpilot.contracts import (
     TaskFingerprinted,
     TaskLifecycle,
     TaskRejected,
+    TaskSubmitted,
     TaskTelemetry,
     decode,
     encode,
@@ -79,7 +80,6 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
-from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.preempt import claim_of, decode_pending
 from fleetpilot.runtime import Bus, Retry, ServiceHost, serve
 
@@ -243,17 +243,17 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         kept = keep_signature_knowledge(event.fingerprint, fingerprints.get(event.task_id))
         state().remember(fingerprints, event.task_id, state().with_shared_spread(kept))
 
-    seen: deque[TaskRequest] = deque(maxlen=settings.workload_window)
+    seen: deque[TaskSubmitted] = deque(maxlen=settings.workload_window)
 
     @host.every(settings.workload_refresh_s)
     async def refresh_workload() -> None:
         if "state" in holder and seen:
-            state().active.apply_workload(list(seen))
+            state().active.apply_workload(state().workload(seen))
 
     @host.on(TaskAdmitted, consumer="policy-admitted")
     async def on_admitted(adm: TaskAdmitted) -> DecisionMade | None:
         ps = state()
-        seen.append(TaskRequest.from_submitted(adm.task))
+        seen.append(adm.task)
         again = ps.existing(adm)
         if again is not None:
             return again

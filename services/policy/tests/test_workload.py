@@ -3,9 +3,12 @@ fleetpilot's demand), so the live policy weighs fragmentation like the benchmark
 
 from __future__ import annotations
 
-from fleetpilot.contracts import TaskSubmitted
+from fleetpilot.contracts import Fingerprint, TaskSubmitted, encode
 from fleetpilot.policy import TaskRequest
+from fleetpilot.policy.fragmentation import typical_tasks
 from fleetpilot_services.policy.policy_set import ActivePolicies, PolicyConfig
+
+from .conftest import admitted, node, policy_state
 
 
 def requests(n: int, milli: int) -> list[TaskRequest]:
@@ -32,3 +35,21 @@ def test_typical_tasks_and_demand_follow_what_was_admitted():
     # The same shapes again: nothing to rebuild.
     assert active.apply_workload(seen) is False
     assert active.current.generation == generation + 1
+
+
+def test_the_demand_counts_each_task_on_the_models_its_fingerprint_says_can_hold_it(tmp_path):
+    ps = policy_state(tmp_path)
+    ps.fleet._apply("big", encode(node("big")))  # H100, 80 GB
+    ps.fleet._apply("small", encode(node("small", model="V100-32GB", memory_mb=32_768)))
+    seen = [admitted(f"ft-{i}", gpu_milli=1000, gpu_memory_mb=20_000, gpu_models=["H100", "V100-32GB"]).task
+            for i in range(3)]
+    assert {t.models for t in typical_tasks(ps.workload(seen), coverage=1.0)} == {("H100", "V100-32GB")}
+
+    # Its program's runs grow to 40 GB: only the H100 holds them, and the demand says so, by
+    # which the pressure keeps flexible work off the H100s they wait for.
+    for task in seen[:2]:
+        ps.fingerprints[task.task_id] = Fingerprint(signature="sig-ft", pattern="steps", pattern_confidence=0.9,
+                                                    growth_rate_mb_per_s=0.0, predicted_peak_mb=40_000,
+                                                    peak_low_mb=39_000, peak_high_mb=41_000)
+    demand = typical_tasks(ps.workload(seen), coverage=1.0)
+    assert {(t.models, round(t.weight, 2)) for t in demand} == {(("H100",), 0.67), (("H100", "V100-32GB"), 0.33)}
