@@ -66,6 +66,7 @@ from fleetpilot.fingerprint import (
     task_signature,
 )
 from fleetpilot.runtime import CasConflict, KvEntry, Partition, ServiceHost, ServiceSettings, serve
+from prometheus_client import Gauge
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -132,6 +133,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # Per signature whose statistics predict nothing yet: the latest trusted fingerprint of
     # the run of it in progress seen longest, which its tasks are told meanwhile.
     live: OrderedDict[str, Fingerprint] = OrderedDict()
+
+    # What an operator compares across partitions: whether the tasks are shared out evenly.
+    Gauge("fleetpilot_fingerprinter_partition", "The partition this replica owns (1, labelled)",
+          ["partition", "partitions"], registry=host.metrics.registry).labels(
+        str(owned.index), str(owned.count)).set(1)
+    tasks = Gauge("fleetpilot_fingerprinter_tasks", "Tasks this replica holds: modelled (a series being fitted), "
+                  "waiting (submitted, not started)", ["state"], registry=host.metrics.registry)
+    tasks.labels("modelled").set_function(lambda: len(models))
+    tasks.labels("waiting").set_function(lambda: len(waiting))
 
     def now_waiting(task_id: str, signature: str, given: Fingerprint | None) -> None:
         # Kept to tell whether a later prediction changes it (``prediction_changed``), which

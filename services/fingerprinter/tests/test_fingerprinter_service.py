@@ -500,3 +500,28 @@ def test_a_partition_beyond_the_count_is_a_one_line_error(monkeypatch):
     with pytest.raises(BadSettings, match="PARTITION=2 must be below PARTITIONS=2") as raised:
         FingerprinterSettings.from_environment()
     assert "\n" not in str(raised.value)
+
+
+async def test_a_partition_s_replica_holds_only_its_own_tasks_and_says_which_partition_it_is(nats_server):
+    host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1, partitions=2, partition=1))
+    await host.start()
+    bus = await NatsBus.connect(nats_server.url, "test")
+    registry = host.metrics.registry
+
+    def held(state: str) -> float | None:
+        return registry.get_sample_value("fleetpilot_fingerprinter_tasks", {"state": state})
+
+    try:
+        assert registry.get_sample_value("fleetpilot_fingerprinter_partition", {"partition": "1", "partitions": "2"}) == 1
+        mine, theirs = owned_by(1, "mine"), owned_by(0, "theirs")
+        for task_id in (mine, theirs):
+            await bus.publish(task(task_id))
+        await wait_for(lambda: held("waiting") == 1, what="its own task waiting")
+        for task_id in (mine, theirs):
+            await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=now(), memory_used_mb=4_000.0))
+        await wait_for(lambda: held("waiting") == 0, what="its own task started")
+        await asyncio.sleep(0.3)
+        assert held("modelled") == 1  # the other partition's task is not modelled here
+    finally:
+        await bus.drain()
+        await host.stop()
