@@ -134,10 +134,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # the run of it in progress seen longest, which its tasks are told meanwhile.
     live: OrderedDict[str, Fingerprint] = OrderedDict()
 
-    # What an operator compares across partitions: whether the tasks are shared out evenly.
-    Gauge("fleetpilot_fingerprinter_partition", "The partition this replica owns (1, labelled)",
-          ["partition", "partitions"], registry=host.metrics.registry).labels(
-        str(owned.index), str(owned.count)).set(1)
+    # What an operator watches across partitions: each owned by one replica, and the tasks
+    # shared out evenly (deploy/prometheus/alerts.yaml).
+    Gauge("fleetpilot_fingerprinter_partition", "The partition this replica owns (1, labelled by its index)",
+          ["partition"], registry=host.metrics.registry).labels(str(owned.index)).set(1)
+    Gauge("fleetpilot_fingerprinter_partitions", "How many partitions share the tasks",
+          registry=host.metrics.registry).set(owned.count)
     tasks = Gauge("fleetpilot_fingerprinter_tasks", "Tasks this replica holds: modelled (a series being fitted), "
                   "waiting (submitted, not started)", ["state"], registry=host.metrics.registry)
     tasks.labels("modelled").set_function(lambda: len(models))

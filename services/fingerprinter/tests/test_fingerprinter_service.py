@@ -512,7 +512,8 @@ async def test_a_partition_s_replica_holds_only_its_own_tasks_and_says_which_par
         return registry.get_sample_value("fleetpilot_fingerprinter_tasks", {"state": state})
 
     try:
-        assert registry.get_sample_value("fleetpilot_fingerprinter_partition", {"partition": "1", "partitions": "2"}) == 1
+        assert registry.get_sample_value("fleetpilot_fingerprinter_partition", {"partition": "1"}) == 1
+        assert registry.get_sample_value("fleetpilot_fingerprinter_partitions") == 2
         mine, theirs = owned_by(1, "mine"), owned_by(0, "theirs")
         for task_id in (mine, theirs):
             await bus.publish(task(task_id))
