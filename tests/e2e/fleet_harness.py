@@ -20,13 +20,14 @@ from fleetpilot.runtime.nats_bus import bucket_subject_keys
 class Fleet:
     """A nats-server, the services, and a client connection, all in one temporary directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, speed: float = 1.0, fingerprinter_partitions: int = 1) -> None:
         self.state = root / "state"
         self.server = EmbeddedNats(root / "nats").start()
         local_keyring(self.state)
         self.token = local_token(self.state, "e2e-tenant")
         self.procs = ServiceProcesses(self.state, self.server.url,
-                                      Namespace(metrics_port_base=0, speed=1.0, fleet=""))
+                                      Namespace(metrics_port_base=0, speed=speed, fleet=""),
+                                      fingerprinter_partitions=fingerprinter_partitions)
         self.nc = None
 
     async def start(self) -> None:

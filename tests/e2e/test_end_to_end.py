@@ -8,7 +8,16 @@ import time
 from collections import Counter
 
 import pytest
-from fleetpilot.contracts import ActionExecuted, ActionFailed, DeadLetter, DecisionMade, TaskSubmitted, decode
+from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
+    DeadLetter,
+    DecisionMade,
+    TaskFingerprinted,
+    TaskSubmitted,
+    decode,
+)
+from fleetpilot.runtime import partition_of
 
 from .fleet_harness import Fleet
 
@@ -175,3 +184,30 @@ async def test_nats_killed_mid_burst_loses_no_task_and_the_fleet_decides_on(flee
 
 async def _connected(fleet: Fleet) -> bool:
     return fleet.nc.is_connected
+
+
+async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task_on_one_of_them(tmp_path):
+    fleet = Fleet(tmp_path, speed=10.0, fingerprinter_partitions=2)
+    try:
+        await fleet.start()
+        assert {"fingerprinter-0", "fingerprinter-1"} <= set(fleet.procs.procs)
+        for i in range(24):
+            await fleet.submit(small_task(i, "part"))
+
+        async def observed_on_both():
+            msgs = await fleet.stream("TASKS", "task.fingerprinted", idle_s=0.5)
+            seen = [f for f in (decode(m.data, TaskFingerprinted) for m in msgs) if f.source == "observed"]
+            return {partition_of(f.task_id, 2) for f in seen} == {0, 1} and seen
+
+        await wait_until(observed_on_both, 120, "observed fingerprints of both partitions' tasks")
+        await asyncio.sleep(30)  # long enough for a task's samples split in two to be trusted twice
+        seen = await observed_on_both()
+        # One model per task: its fingerprints go out as its series grows, each with more
+        # samples than the last. Fitted by two replicas, two series would interleave.
+        samples: dict[str, list[int]] = {}
+        for f in seen:
+            samples.setdefault(f.task_id, []).append(f.fingerprint.samples)
+        assert all(counts == sorted(set(counts)) for counts in samples.values()), samples
+        assert not fleet.procs.dead()
+    finally:
+        await fleet.close()
