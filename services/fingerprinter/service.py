@@ -395,12 +395,14 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 await tell_waiting(entry.key, (predict(stats) if stats is not None else None) or lent(entry.key))
 
         async def follow_statistics() -> None:
+            """Watch the ``fingerprints`` bucket (kept running by ``host.background``)."""
             kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
             async for entry in kv.watch():
                 await learnt_elsewhere(entry)
 
         @host.on_startup
         async def watch_statistics(_bus: object) -> None:
+            """Start the bucket's watch once the bus is up."""
             host.background(follow_statistics, "fingerprints-watch")
 
     return host
