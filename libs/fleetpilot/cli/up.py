@@ -10,6 +10,7 @@ prints a closing report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import shutil
@@ -28,6 +29,7 @@ from fleetpilot.contracts import (
     ActionFailed,
     DecisionMade,
     FeedbackRecorded,
+    NodeLedger,
     SlaOffer,
     SlaReply,
     TaskFingerprinted,
@@ -316,6 +318,20 @@ def bus_store(state: Path, *, simulated: bool) -> Path:
     return store
 
 
+async def earlier_run(bus: NatsBus) -> str:
+    """What an earlier run left on ``bus`` that a new simulated fleet does not have: the
+    reservations in ``ledger`` and the tasks waiting in ``pending`` ("" when none)."""
+    ledger, pending = await bus.kv("ledger"), await bus.kv("pending")
+    reservations = 0
+    for key in await ledger.keys():
+        entry = await ledger.get(key)
+        if entry is not None and entry.value:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                reservations += len(msgspec.json.decode(entry.value, type=NodeLedger).allocations)
+    waiting = len(await pending.keys())
+    return ", ".join(f"{n} {what}" for what, n in (("reservations", reservations), ("tasks waiting", waiting)) if n)
+
+
 DEMO_TENANTS = ("acme", "globex", "initech")
 
 
@@ -368,8 +384,8 @@ async def run(args) -> int:
     local_keyring(state)
     server = None
     url = args.nats_url
+    simulated = os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim") == "sim"
     if not url:
-        simulated = os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim") == "sim"
         server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
         url = server.url
     print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
@@ -378,6 +394,13 @@ async def run(args) -> int:
     announced.write_text(url + "\n")
     bus = await NatsBus.connect(url, "fleetpilot-up")
     await bus.ensure_topology()
+    if server is None and simulated:
+        left = await earlier_run(bus)
+        if left:
+            # A NATS of the user's own is not emptied; its state of a gone fleet is said.
+            print(f"fleetpilot up: the bus at {url} holds what an earlier run left ({left}), but the "
+                  "simulated fleet starts empty: this run's tasks queue behind those and find their GPUs "
+                  "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
     services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
     services.start_all()
     report = Report(args.quiet)

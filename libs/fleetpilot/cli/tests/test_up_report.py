@@ -8,19 +8,31 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from fleetpilot.cli.main import main as cli_main
-from fleetpilot.cli.up import SERVICES, Report, ServiceProcesses, _short_reason, _where, bus_store
+from fleetpilot.cli.up import (
+    SERVICES,
+    Report,
+    ServiceProcesses,
+    _short_reason,
+    _where,
+    bus_store,
+    earlier_run,
+)
 from fleetpilot.contracts import (
     ActionExecuted,
+    Allocation,
     DecisionMade,
     FeedbackRecorded,
     Fingerprint,
     Measured,
+    NodeLedger,
     Placement,
     PolicyRef,
     TaskFingerprinted,
     TaskSubmitted,
     encode,
+    now,
 )
+from fleetpilot.runtime.nats_bus import NatsBus
 
 
 def decision(reason: str, *, fallback: bool) -> DecisionMade:
@@ -224,3 +236,18 @@ def test_up_starts_a_simulated_fleet_on_an_empty_bus_and_a_real_one_on_what_it_k
     old.mkdir(parents=True)
     store = bus_store(tmp_path, simulated=simulated)
     assert store == tmp_path / "nats" and old.exists() == kept
+
+
+async def test_up_on_a_nats_of_the_user_s_own_says_what_an_earlier_run_left_there(nats_url) -> None:
+    bus = await NatsBus.connect(nats_url, "test")
+    try:
+        await bus.ensure_topology()
+        assert await earlier_run(bus) == ""
+        held = [Allocation(task_id=f"t{i}", decision_id=f"t{i}.assign", gpu=i, milli=1000, memory_mb=8_000,
+                           state="confirmed", at=now()) for i in range(3)]
+        await (await bus.kv("ledger")).put("node-a", encode(NodeLedger(node="node-a", allocations=held)))
+        await (await bus.kv("ledger")).put("node-b", encode(NodeLedger(node="node-b", allocations=[])))
+        await (await bus.kv("pending")).put("q1", b"{}")
+        assert await earlier_run(bus) == "3 reservations, 1 tasks waiting"
+    finally:
+        await bus.drain()
