@@ -7,6 +7,7 @@ import signal
 import time
 from collections import Counter
 
+import msgspec
 import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
@@ -208,6 +209,24 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
         for f in seen:
             samples.setdefault(f.task_id, []).append(f.fingerprint.samples)
         assert all(counts == sorted(set(counts)) for counts in samples.values()), samples
+        assert not fleet.procs.dead()
+
+        # A partition's replica started again binds its own consumers as they were (their
+        # start time is not made anew, which the server refuses) and goes on with its tasks.
+        replica = fleet.procs.procs["fingerprinter-1"]
+        replica.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(replica.wait, 20) == 0
+        fleet.restart("fingerprinter-1")
+        later = [t for t in (f"later-{i:04d}" for i in range(40)) if partition_of(t, 2) == 1][:6]
+        for task_id in later:
+            await fleet.submit(msgspec.structs.replace(small_task(0, "x"), task_id=task_id))
+
+        async def later_observed():
+            msgs = await fleet.stream("TASKS", "task.fingerprinted", idle_s=0.5)
+            return {f.task_id for f in (decode(m.data, TaskFingerprinted) for m in msgs)
+                    if f.source == "observed"} & set(later)
+
+        await wait_until(later_observed, 120, "partition 1's new tasks fingerprinted after its restart")
         assert not fleet.procs.dead()
     finally:
         await fleet.close()
