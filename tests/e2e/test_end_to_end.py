@@ -222,6 +222,7 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
             await fleet.submit(msgspec.structs.replace(small_task(0, "x"), task_id=task_id))
 
         async def later_observed():
+            assert not fleet.procs.dead(), f"died: {fleet.procs.dead()}"
             msgs = await fleet.stream("TASKS", "task.fingerprinted", idle_s=0.5)
             return {f.task_id for f in (decode(m.data, TaskFingerprinted) for m in msgs)
                     if f.source == "observed"} & set(later)
