@@ -39,6 +39,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.runtime import partition_of
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
@@ -172,8 +173,9 @@ def _short_reason(d: DecisionMade, width: int = 60) -> str:
 class Report:
     """Running totals of what went over the bus, printed live and at the end."""
 
-    def __init__(self, quiet: bool) -> None:
+    def __init__(self, quiet: bool, *, fingerprinter_partitions: int = 1) -> None:
         self.quiet = quiet
+        self.fingerprinter_partitions = fingerprinter_partitions
         self.decisions: Counter = Counter()
         self.actions: Counter = Counter()
         self.outcomes: Counter = Counter()
@@ -287,7 +289,8 @@ class Report:
                  f"feedback:  {dict(self.outcomes)}",
                  f"rejected:  {dict(self.rejected)}   counter-offers: {self.offers}",
                  "fingerprints: " + (", ".join(f"{n} {source} for {len(self.fingerprinted[source])} tasks"
-                                               for source, n in sorted(self.fingerprints.items())) or "none"),
+                                               for source, n in sorted(self.fingerprints.items())) or "none")
+                 + self.by_partition(),
                  (f"submit-to-assign, placed at once: mean {mean_q * 1000:.0f} ms, median "
                   f"{q[len(q) // 2] * 1000:.0f} ms, p95 {p95_q * 1000:.0f} ms over {len(q)} tasks"
                   if q else "submit-to-assign, placed at once: no task"),
@@ -297,6 +300,15 @@ class Report:
                   if self.queued else "submit-to-assign, after a queue: no task queued"),
                  "confidence vs outcome: " + (self.calibration() or "nothing judged yet")]
         return "\n".join(lines)
+
+    def by_partition(self) -> str:
+        """With the fingerprinter partitioned: how many tasks each partition's replica
+        fingerprinted from their own samples (its share of the tasks)."""
+        n = self.fingerprinter_partitions
+        if n < 2 or not self.fingerprinted.get("observed"):
+            return ""
+        shares = Counter(partition_of(task_id, n) for task_id in self.fingerprinted["observed"])
+        return "; observed by partition: " + ", ".join(f"{p}: {shares[p]}" for p in range(n))
 
     def calibration(self) -> str:
         """Per policy and action: the mean confidence published against the share of the
@@ -403,7 +415,7 @@ async def run(args) -> int:
                   "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
     services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
     services.start_all()
-    report = Report(args.quiet)
+    report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
     for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
                     "task.rejected", "sla.offer.*"):
         await bus.subscribe(subject, report.on_message)

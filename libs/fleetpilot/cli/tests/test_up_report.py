@@ -32,6 +32,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.runtime import partition_of
 from fleetpilot.runtime.nats_bus import NatsBus
 
 
@@ -215,7 +216,15 @@ async def test_the_closing_report_counts_fingerprints_by_source_and_task() -> No
     for task_id, source in [("t1", "observed"), ("t1", "observed"), ("t2", "observed"), ("t3", "signature")]:
         event = TaskFingerprinted(task_id=task_id, fingerprint=fp, source=source, at=0.0)
         await report.on_message(SimpleNamespace(subject="task.fingerprinted", data=encode(event)))
-    assert "fingerprints: 3 observed for 2 tasks, 1 signature for 1 tasks" in report.render(1.0)
+    assert "fingerprints: 3 observed for 2 tasks, 1 signature for 1 tasks\n" in report.render(1.0)
+
+    # Partitioned, the report says how many tasks each partition's replica fitted.
+    split = Report(quiet=True, fingerprinter_partitions=2)
+    for task_id in ("t1", "t2", "t3", "t4", "t5"):
+        event = TaskFingerprinted(task_id=task_id, fingerprint=fp, source="observed", at=0.0)
+        await split.on_message(SimpleNamespace(subject="task.fingerprinted", data=encode(event)))
+    shares = [sum(partition_of(t, 2) == p for t in ("t1", "t2", "t3", "t4", "t5")) for p in (0, 1)]
+    assert f"observed by partition: 0: {shares[0]}, 1: {shares[1]}" in split.render(1.0)
 
 
 async def test_a_report_whose_queued_tasks_were_all_still_waiting_says_so() -> None:
