@@ -196,6 +196,14 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 await host.bus.publish(TaskFingerprinted(task_id=task_id, fingerprint=predicted,  # type: ignore[arg-type,union-attr]
                                                          source="signature", at=now()))
 
+    async def statistics_changed(signature: str, stats: SignatureStats | None) -> None:
+        """What the signature's statistics now say replaces a run in progress once a run has
+        ended, and is told to its tasks waiting here."""
+        if not predicts_nothing(stats):
+            live.pop(signature, None)
+        if signature in waiting_of:
+            await tell_waiting(signature, (predict(stats) if stats is not None else None) or lent(signature))
+
     async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
         """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
@@ -212,10 +220,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
             except CasConflict:
                 continue
-            if not predicts_nothing(folded):
-                live.pop(signature, None)  # what ended runs taught replaces a run in progress
-            if signature in waiting_of:
-                await tell_waiting(signature, predict(folded) or lent(signature))
+            await statistics_changed(signature, folded)
             return
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
 
@@ -386,13 +391,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             """Tell this replica's waiting tasks of ``entry``'s signature what a run's end
             taught it, whichever replica learnt it (its own fold told them already, and
             ``prediction_changed`` tells nobody twice)."""
-            if entry.key not in waiting_of and entry.key not in live:
-                return  # nothing here depends on it (the watch starts with every signature)
-            stats = stored_stats(entry.key, entry.value)
-            if not predicts_nothing(stats):
-                live.pop(entry.key, None)
-            if entry.key in waiting_of:
-                await tell_waiting(entry.key, (predict(stats) if stats is not None else None) or lent(entry.key))
+            if entry.key in waiting_of or entry.key in live:  # the watch starts with every signature
+                await statistics_changed(entry.key, stored_stats(entry.key, entry.value))
 
         async def follow_statistics() -> None:
             """Watch the ``fingerprints`` bucket (kept running by ``host.background``)."""
