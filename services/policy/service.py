@@ -15,6 +15,9 @@ Around that core (see ``README.md``):
 * the policies come from the ``config`` bucket (``policies.<hostname>``, else
   ``policies.default``, else the settings), watched and swapped live (``policy_set``);
 * policy modules in ``FLEETPILOT_POLICY_PLUGIN_DIR`` are hot-reloaded (``plugin_dir``);
+* the confidence of a published placement is the learner's promoted outcome model's, read
+  from the ``models`` bucket, with the policy's own kept as ``prior_confidence``; without a
+  model, or when it fails, the policy's own is published (``learned``);
 * every policy sits behind a circuit breaker with a fallback scheduler rebuilt from the
   feedback service's success rates per (task kind, GPU model);
 * GPU labels in the topology keep new work off cordoned, decommissioned and
@@ -85,6 +88,7 @@ from fleetpilot.runtime import Bus, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
+from .learned import LearnedConfidence
 from .metrics import PolicyMetrics
 from .moves import Moves
 from .plugin_dir import PluginDirectory
@@ -134,6 +138,11 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     settings = settings or PolicySettings.from_environment()
     host = ServiceHost("policy", settings)
     metrics = PolicyMetrics(host.metrics.registry)
+    learned = LearnedConfidence(None, host.metrics.registry)
+
+    def outgoing(decision: DecisionMade) -> DecisionMade:
+        """A decision on its way out: the learned model's confidence where it has one, counted."""
+        return metrics.decided(learned.apply(decision))
     holder: dict[str, object] = {}
     host_key = config_key(settings.hostname)
     plugins = PluginDirectory(Path(settings.plugin_dir)) if settings.plugin_dir else None
@@ -179,6 +188,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         host.background(admissions.follow, "contracts-watch")
         host.background(queue.follow, "pending-watch")
         host.background(lambda: watch_config(bus, docs), "config-watch")
+        learned.fleet = fleet
+        host.background(lambda: learned.follow(bus), "models-watch")
         if plugins is not None:
             host.background(watch_plugins, "plugin-watch")
         await refresh_stats(bus)
@@ -269,10 +280,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             raise Retry("no fleet topology known yet", 1.0)
         decision, name, shard_id = await ps.place(adm)
         if decision is not None:
-            return metrics.decided(decision)
+            return outgoing(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         await pending.put(node_key(adm.task.task_id), msgspec.json.encode(adm))
-        return metrics.decided(
+        return outgoing(
             DecisionMade(
                 decision_id=decision_id_for(adm.task.task_id, "queue"),
                 task_id=adm.task.task_id,
@@ -295,7 +306,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if "state" not in holder:
             return []
         ps = state()
-        round_ = RetryRound(ps, ps.queue, settings, metrics.decided)
+        round_ = RetryRound(ps, ps.queue, settings, outgoing)
         await round_.collect()
         try:
             await round_.place()
@@ -370,7 +381,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def rebalance() -> list[DecisionMade]:
         if "state" not in holder:
             return []
-        return [metrics.decided(d) for d in await state().rebalance_round()]
+        return [outgoing(d) for d in await state().rebalance_round()]
 
     return host
 

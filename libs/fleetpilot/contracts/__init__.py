@@ -27,6 +27,7 @@ from .feedback import FeedbackRecorded, FeedbackStats, Measured, Outcome, StatsG
 from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
 from .handover import HandedOver, HandOver
 from .ledger import Allocation, NodeLedger
+from .model import HeldOutFigures, ModelPublished
 from .sim import SimAck, SimCommand, SimEvent
 from .sla import OfferOption, SlaOffer, SlaReply
 from .task import (
@@ -113,6 +114,7 @@ __all__ = [
     "Link",
     "LinkKind",
     "Measured",
+    "ModelPublished",
     "NicInfo",
     "NicPort",
     "NicPortRate",
@@ -135,6 +137,7 @@ __all__ = [
     "Route",
     "STREAMS",
     "HandOver",
+    "HeldOutFigures",
     "HandedOver",
     "SimAck",
     "SimCommand",

@@ -17,6 +17,7 @@ from .decision import DecisionMade
 from .feedback import FeedbackRecorded, FeedbackStats, StatsQuery
 from .fingerprint import TaskFingerprinted
 from .handover import HandedOver, HandOver
+from .model import ModelPublished
 from .sim import SimAck, SimCommand, SimEvent
 from .sla import SlaOffer, SlaReply
 from .task import TaskAdmitted, TaskLifecycle, TaskRejected, TaskSubmitted
@@ -50,6 +51,8 @@ ROUTES: tuple[Route, ...] = (
     Route(ActionExecuted, "action.executed", "executed:{action_id}", "The executor carried out a decision."),
     Route(ActionFailed, "action.failed", "failed:{action_id}", "The executor could not carry out a decision."),
     Route(FeedbackRecorded, "feedback.recorded", "feedback:{action_id}", "An action's outcome was stored."),
+    Route(ModelPublished, "model.published", "model:{name}:{version}",
+          "The learner trained a model, stored it in the models bucket, and says whether it is promoted."),
     Route(NodeTelemetry, "telemetry.gpu.{node}", None, "Per-GPU samples of one node (core NATS, high rate).", durable=False),
     Route(TaskTelemetry, "telemetry.task.{task_id}", None, "Memory samples of one task's processes (core NATS).", durable=False),
     Route(TopologyReport, "topology.report.{node.node}", "topo:{node.node}:{at}", "A collector's raw view of one node's topology."),
@@ -161,6 +164,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("DECISIONS", ("decision.>",)),
     StreamSpec("ACTIONS", ("action.>",)),
     StreamSpec("FEEDBACK", ("feedback.recorded",)),
+    StreamSpec("MODELS", ("model.>",), max_age_s=30 * 24 * 3600),
     StreamSpec("TOPOLOGY", ("topology.>",), max_age_s=24 * 3600),
     # High-rate telemetry travels on core NATS; this short-lived stream serves late joiners.
     StreamSpec("TELEMETRY", ("telemetry.>",), max_age_s=300, max_bytes=256 << 20, memory=True),
@@ -188,6 +192,10 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("feedback-lifecycle", "TASKS", "task.lifecycle.>"),
         ConsumerSpec("fingerprinter-lifecycle", "TASKS", "task.lifecycle.>"),
         ConsumerSpec("topology-reports", "TOPOLOGY", "topology.report.>"),
+        # The learner joins each placement to its outcome; every replica sees every message
+        # (an instance consumer per replica), so each learns from all of them.
+        ConsumerSpec("learner-decisions", "DECISIONS", "decision.made"),
+        ConsumerSpec("learner-feedback", "FEEDBACK", "feedback.recorded"),
     )
 }
 
@@ -204,6 +212,7 @@ BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec("pending", description="Admitted tasks waiting for capacity, by task id."),
     BucketSpec("open_placements", ttl_s=14 * 24 * 3600,
                description="Executed assigns and migrations awaiting the end of their placement, by decision id."),
+    BucketSpec("models", history=5, description="Learned models by name (msgspec JSON); the revision is the version."),
 )
 
 DLQ_PREFIX = "dlq."

@@ -30,7 +30,9 @@ class PolicyRef(Record, frozen=True, kw_only=True):
 
 class DecisionMade(Event, frozen=True, kw_only=True, tag="decision.made.v1"):
     """A decision about one task. ``confidence`` is the estimated probability that the
-    action meets its goal; ``source`` is where a migrating task comes from."""
+    action meets its goal; ``source`` is where a migrating task comes from.
+    ``prior_confidence`` is the policy's own estimate when ``confidence`` is the learned
+    outcome model's (``None`` when the policy's own estimate was published)."""
 
     decision_id: str
     task_id: str
@@ -45,3 +47,4 @@ class DecisionMade(Event, frozen=True, kw_only=True, tag="decision.made.v1"):
     decided_at: float
     task: TaskSubmitted | None = None
     contract: Contract | None = None
+    prior_confidence: float | None = None

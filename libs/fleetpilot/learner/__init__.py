@@ -1,0 +1,21 @@
+"""The learner's library: what a decision looks like to the outcome model (``features``),
+the model itself (``model``: trained with torch, served with numpy) and the gate a model
+passes before a policy uses it (``promotion``). See the README."""
+
+from .features import LEARNED_ACTIONS, OutcomeFeatures, prior_confidence
+from .model import OutcomeModel, prior_probability, train
+from .promotion import Assessment, Example, learn, learnable, weighted_brier
+
+__all__ = [
+    "LEARNED_ACTIONS",
+    "Assessment",
+    "Example",
+    "OutcomeFeatures",
+    "OutcomeModel",
+    "learn",
+    "learnable",
+    "prior_confidence",
+    "prior_probability",
+    "train",
+    "weighted_brier",
+]

@@ -1,0 +1,114 @@
+"""The outcome model: P(a placement meets its goal), learnt as a correction of the policy's
+own confidence, trained with torch and served with numpy.
+
+    logit P = logit(policy's confidence) + w₂ · tanh(W₁ z + b₁) + b₂
+
+``z`` is the decision's feature vector (``features.py``) standardised by the training set's
+means and spreads. The correction starts at zero (``w₂ = 0``, ``b₂ = 0``), so an untrained
+model says what the policy said, and weight decay pulls it back there wherever the outcomes
+do not push: a model trained on a few hundred outcomes moves the confidence only where
+they disagree with it. Each outcome's loss is weighted by how far its record can be trusted
+(``1 - uncertainty_score``, the feedback store's weighting).
+
+Training needs torch (the learner service); prediction needs only numpy, and the model
+travels as plain numbers (msgspec JSON), so the policy service neither imports torch nor
+unpickles anything it reads off the bus.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from .features import PRIOR_COLUMN, OutcomeFeatures
+
+HIDDEN = 16
+"""Units of the one hidden layer: a few hundred weights, learnable from a few hundred outcomes."""
+WEIGHT_DECAY = 1e-2
+"""How hard the correction is pulled back to the policy's own confidence."""
+EPOCHS = 300
+LEARNING_RATE = 0.03
+
+
+class OutcomeModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A trained outcome model, as plain numbers: its feature layout, the standardisation
+    of its inputs and the weights of its correction."""
+
+    features: OutcomeFeatures
+    mean: list[float]
+    scale: list[float]
+    hidden_weight: list[list[float]]
+    hidden_bias: list[float]
+    out_weight: list[float]
+    out_bias: float
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless every array has the shape the layout asks for and every
+        number is finite (a model read off the bus is checked before it is used)."""
+        width = self.features.width()
+        shapes = {"mean": (np.asarray(self.mean), (width,)), "scale": (np.asarray(self.scale), (width,)),
+                  "hidden_weight": (np.asarray(self.hidden_weight, dtype=float), (len(self.hidden_bias), width)),
+                  "out_weight": (np.asarray(self.out_weight), (len(self.hidden_bias),))}
+        for name, (array, shape) in shapes.items():
+            if array.shape != shape:
+                raise ValueError(f"outcome model: {name} has shape {array.shape}, the layout needs {shape}")
+            if not np.isfinite(array).all():
+                raise ValueError(f"outcome model: {name} holds a number that is not finite")
+        if not np.isfinite(self.out_bias) or not np.isfinite(self.hidden_bias).all():
+            raise ValueError("outcome model: a bias is not finite")
+        if (np.asarray(self.scale) <= 0).any():
+            raise ValueError("outcome model: a scale is not positive")
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """P(success) of each row of ``x`` (rows laid out by ``self.features``)."""
+        x = np.atleast_2d(np.asarray(x, dtype=float))
+        z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
+        hidden = np.tanh(z @ np.asarray(self.hidden_weight).T + np.asarray(self.hidden_bias))
+        correction = hidden @ np.asarray(self.out_weight) + self.out_bias
+        return 1.0 / (1.0 + np.exp(-(x[:, PRIOR_COLUMN] + correction)))
+
+
+def prior_probability(x: np.ndarray) -> np.ndarray:
+    """The policy's own confidence of each row (what an untrained model predicts)."""
+    return 1.0 / (1.0 + np.exp(-np.atleast_2d(x)[:, PRIOR_COLUMN]))
+
+
+def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight: np.ndarray, *,
+          seed: int = 0, epochs: int = EPOCHS) -> OutcomeModel:
+    """Fit the correction to outcomes ``success`` (1 = the goal was met) of rows ``x``, each
+    counted ``weight`` times; the same inputs and ``seed`` give the same model."""
+    import torch  # only the learner trains; importing torch costs the policy service nothing
+
+    x = np.asarray(x, dtype=float)
+    if x.ndim != 2 or x.shape[1] != features.width() or len(x) != len(success) or len(x) != len(weight):
+        raise ValueError(f"train: {x.shape} rows for a layout of {features.width()} columns, "
+                         f"{len(success)} outcomes, {len(weight)} weights")
+    if len(x) == 0:
+        raise ValueError("train: no outcomes to learn from")
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale < 1e-9] = 1.0  # a constant column (a GPU model never seen) stays as it is
+    with torch.random.fork_rng(devices=[]):  # the seed decides this model, nothing else's draws
+        torch.manual_seed(seed)
+        hidden = torch.nn.Linear(features.width(), HIDDEN, dtype=torch.float64)
+        out = torch.nn.Linear(HIDDEN, 1, dtype=torch.float64)
+    torch.nn.init.zeros_(out.weight)
+    torch.nn.init.zeros_(out.bias)
+    z = torch.tensor((x - mean) / scale)
+    prior = torch.tensor(x[:, PRIOR_COLUMN])
+    y = torch.tensor(np.asarray(success, dtype=float))
+    w = torch.tensor(np.clip(np.asarray(weight, dtype=float), 0.0, None))
+    total = float(w.sum()) or 1.0
+    params = [*hidden.parameters(), *out.parameters()]
+    optimiser = torch.optim.Adam(params, lr=LEARNING_RATE)
+    for _ in range(epochs):
+        optimiser.zero_grad()
+        logits = prior + out(torch.tanh(hidden(z))).squeeze(-1)
+        loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none") * w).sum() / total
+        loss = loss + WEIGHT_DECAY * sum((p ** 2).sum() for p in params)
+        loss.backward()
+        optimiser.step()
+    return OutcomeModel(
+        features=features, mean=mean.tolist(), scale=scale.tolist(),
+        hidden_weight=hidden.weight.detach().numpy().tolist(), hidden_bias=hidden.bias.detach().numpy().tolist(),
+        out_weight=out.weight.detach().numpy()[0].tolist(), out_bias=float(out.bias.detach().numpy()[0]))
