@@ -33,6 +33,7 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.sim_tick
 	$(BIN)/python -m fleetpilot.bench.policy_latency
 	$(BIN)/python -m fleetpilot.bench.fingerprint_eval
+	$(BIN)/python -m fleetpilot.bench.learner_eval
 	$(BIN)/python -m fleetpilot.maintenance.eval
 	mkdir -p out
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet-three-site.json --plot-dir out/

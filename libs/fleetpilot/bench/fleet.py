@@ -126,7 +126,7 @@ from typing import NoReturn
 import msgspec
 import numpy as np
 
-from fleetpilot.contracts import Fingerprint, TaskSubmitted
+from fleetpilot.contracts import DecisionMade, Fingerprint, Placement, PolicyRef, TaskSubmitted
 from fleetpilot.contracts.task import SlaRequest
 from fleetpilot.fingerprint import (
     TRUST_SAMPLES,
@@ -146,6 +146,7 @@ from fleetpilot.fingerprint import (
 from fleetpilot.fleet.catalogue import gpu_model
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
 from fleetpilot.fleet.simulator import CONTEXT_MB, SimulatedFleet
+from fleetpilot.learner import Example
 from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
 from fleetpilot.policy.backfill import (
@@ -311,6 +312,9 @@ class FleetRun:
         self.pending_maintenance: dict[int, float] = {}
         self.failed_gpus: dict[int, float] = {}
         self.killed_runs: list[tuple[float, float, MemoryGrowth, int]] = []
+        # Each task's first placement as the policy service would publish it, with the model of
+        # its GPU: with how the run went, what the learner would learn from (``outcome_examples``).
+        self.first_placements: dict[str, tuple[DecisionMade, str]] = {}
         self.denominators: list[float] = []
         self.memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
         self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
@@ -823,6 +827,8 @@ class FleetRun:
         elif job.state == "pending":
             job.queue_s += now - job.queued_since
             job.attempts += 1
+            if job.attempts == 1:
+                self._first_placement(job, row, gpus, milli, reserve, now)
             job.progress_s = 0.0
             if self.smart:
                 watch = self.memory.stats(job.signature)
@@ -1311,6 +1317,31 @@ class FleetRun:
         met = np.array([float(ok) for _, ok in pairs])
         return (float(conf.mean()), float(met.mean()), float(((conf - met) ** 2).mean()), len(pairs),
                 float(conf.sum()), float(met.sum()))
+
+    def _first_placement(self, job: _Job, row: int, gpus: list[int], milli: int, reserve_mb: int,
+                         now: float) -> None:
+        """Keep a task's first placement as a ``decision.made`` (its hold: what the loop
+        reserved, or the whole GPU the device plugin gives)."""
+        node = self.state.node_names[row]
+        model = int(self.state.node_model[row])
+        self.first_placements[job.task.task_id] = (DecisionMade(
+            decision_id=f"{job.task.task_id}.assign", task_id=job.task.task_id, action="assign",
+            placement=[Placement(node=node, gpu=g, milli=milli,
+                                 memory_mb=reserve_mb or int(self.state.gpu_mem_total[row, g])) for g in gpus],
+            confidence=job.confidence if job.confidence is not None else 0.5, policy=PolicyRef(name=self.mode),
+            decided_at=now, task=job.submitted), self.state.models[model] if model >= 0 else "")
+
+    def outcome_examples(self) -> list[Example]:
+        """The judged first placements (as ``_judged`` judges them) as the learner's examples,
+        each recorded when it was decided, every record fully trusted (the loop measures exactly)."""
+        out = []
+        for j in self.jobs:
+            placed = self.first_placements.get(j.task.task_id)
+            if placed is None or not (j.state in ("done", "failed") or j.attempts > 1):
+                continue
+            decision, model = placed
+            out.append(Example(decision, model, j.state == "done" and j.attempts == 1, 1.0, decision.decided_at))
+        return out
 
     def _killed_share(self, times_s: np.ndarray, in_window: np.ndarray) -> float:
         """The part of the window's utilisation held by runs that were later killed (OOM or a

@@ -3,7 +3,8 @@
 ``openb`` is the FGD-paper allocation benchmark (``fleetpilot.bench.openb``, see
 ``fleetpilot bench openb --help``); ``fleet`` is the fleet benchmark
 (``fleetpilot.bench.fleet``) where this build has it, and ``fleet-sweep`` that benchmark over
-many workloads (``fleetpilot.bench.fleet_sweep``). Everything after the suite name is
+many workloads (``fleetpilot.bench.fleet_sweep``); ``learner`` the outcome model on workloads it
+never saw (``fleetpilot.bench.learner_eval``). Everything after the suite name is
 handed to the suite's ``main(argv)`` untouched, so each suite documents its own flags.
 """
 
@@ -14,7 +15,7 @@ import importlib
 import sys
 
 SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilot.bench.fleet",
-                          "fleet-sweep": "fleetpilot.bench.fleet_sweep"}
+                          "fleet-sweep": "fleetpilot.bench.fleet_sweep", "learner": "fleetpilot.bench.learner_eval"}
 
 
 def add_arguments(parser) -> None:

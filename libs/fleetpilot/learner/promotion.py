@@ -90,9 +90,9 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     if promoted:
         layout = OutcomeFeatures.for_models({e.gpu_model for e in usable})
         model = train(layout, *_arrays(layout, usable), seed=seed)
-        reason = f"held-out Brier {brier_model:.4f} beats the policy's {brier_prior:.4f}"
+        reason = f"held-out Brier {brier_model:.5f} beats the policy's {brier_prior:.5f}"
     else:
-        reason = (f"held-out Brier {brier_model:.4f} does not beat the policy's {brier_prior:.4f} "
+        reason = (f"held-out Brier {brier_model:.5f} does not beat the policy's {brier_prior:.5f} "
                   f"by {min_gain:.0%}")
     figures = HeldOutFigures(examples=len(usable), held_out=len(tail), brier_model=brier_model,
                              brier_prior=brier_prior, mean_predicted=float(predicted.mean()),

@@ -84,6 +84,25 @@ def test_the_confidence_of_first_placements_is_judged_against_how_they_ended() -
     assert b["confidence_brier"] == pytest.approx((0.9**2 + 0.1**2) / 2)
 
 
+@pytest.mark.parametrize("mode", ["k8s-default", "fleetpilot"])
+def test_the_learner_is_given_the_judged_first_placements_as_the_policy_service_would_publish_them(mode: str) -> None:
+    tasks = (task(0, pattern="leak", peak=45_000.0, request=30_000.0), task(1, pattern="flat", peak=8_000.0),
+             task(2, pattern="flat", peak=8_000.0, duration=10 * 3600.0))
+    run = FleetRun(tiny_fleet(gpus=3), workload(*tasks, hours=1.0), mode, seed=1)
+    b = run.run().breakdown
+    examples = {e.decision.task_id: e for e in run.outcome_examples()}
+    assert len(examples) == b["confidence_judged"]  # the one still running is not judged
+    assert sum(e.success for e in examples.values()) == b["confidence_observed"] * b["confidence_judged"]
+    assert sum(e.decision.confidence for e in examples.values()) == pytest.approx(
+        b["confidence_predicted"] * b["confidence_judged"])
+    fitting = examples["t1"].decision
+    assert fitting.action == "assign" and fitting.task is not None and fitting.task.gpu_memory_mb > 0
+    assert examples["t1"].gpu_model == "A100-40GB"
+    # The device plugin gives the whole GPU; Fleetpilot holds what it reserved for the run.
+    held = fitting.placement[0].memory_mb
+    assert held == 40_960 if mode == "k8s-default" else 8_000 < held < 40_960
+
+
 def test_queue_times_follow_the_clock() -> None:
     # One GPU, two whole-GPU tasks of 600 s arriving at 0: the first starts as it arrives,
     # the second at the cycle that sees the first end (600 s).
