@@ -6,8 +6,9 @@ own confidence, trained with torch and served with numpy.
 ``z`` is the decision's feature vector (``features.py``) standardised by the training set's
 means and spreads. The correction starts at zero (``w₂ = 0``, ``b₂ = 0``), so an untrained
 model says what the policy said, and weight decay pulls it back there wherever the outcomes
-do not push: a model trained on a few hundred outcomes moves the confidence only where
-they disagree with it. Each outcome's loss is weighted by how far its record can be trusted
+do not push, the harder the fewer outcomes there are (a Gaussian prior on the weights,
+worth ``PRIOR_OUTCOMES``): a model trained on a few hundred outcomes moves the confidence
+only where many of them disagree with it. Each outcome's loss is weighted by how far its record can be trusted
 (``1 - uncertainty_score``, the feedback store's weighting).
 
 Training needs torch (the learner service); prediction needs only numpy, and the model
@@ -24,8 +25,10 @@ from .features import PRIOR_COLUMN, OutcomeFeatures
 
 HIDDEN = 16
 """Units of the one hidden layer: a few hundred weights, learnable from a few hundred outcomes."""
-WEIGHT_DECAY = 1e-2
-"""How hard the correction is pulled back to the policy's own confidence."""
+PRIOR_OUTCOMES = 5.0
+"""How many outcomes the prior (no correction) is worth: the weights' Gaussian prior, in the
+units of the per-outcome loss, is ``PRIOR_OUTCOMES / n · |θ|²``. A single failure among a
+hundred successes then moves nothing, and thousands of outcomes are let speak."""
 EPOCHS = 300
 LEARNING_RATE = 0.03
 
@@ -87,7 +90,12 @@ def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight:
         raise ValueError("train: no outcomes to learn from")
     mean = x.mean(axis=0)
     scale = x.std(axis=0)
-    scale[scale < 1e-9] = 1.0  # a constant column (a GPU model never seen) stays as it is
+    # Indicator columns stay 0/1: standardised, a rare one (the one best-effort task in a
+    # hundred) would read as a value of ten, and the few outcomes it has would move every
+    # prediction of its kind that far. A constant column (a GPU model never seen) stays too.
+    indicator = ((x == 0.0) | (x == 1.0)).all(axis=0)
+    keep = indicator | (scale < 1e-9)
+    mean[keep], scale[keep] = 0.0, 1.0
     with torch.random.fork_rng(devices=[]):  # the seed decides this model, nothing else's draws
         torch.manual_seed(seed)
         hidden = torch.nn.Linear(features.width(), HIDDEN, dtype=torch.float64)
@@ -105,7 +113,7 @@ def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight:
         optimiser.zero_grad()
         logits = prior + out(torch.tanh(hidden(z))).squeeze(-1)
         loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none") * w).sum() / total
-        loss = loss + WEIGHT_DECAY * sum((p ** 2).sum() for p in params)
+        loss = loss + PRIOR_OUTCOMES / total * sum((p ** 2).sum() for p in params)
         loss.backward()
         optimiser.step()
     return OutcomeModel(

@@ -19,7 +19,7 @@ def tight_holds_fail() -> OutcomeModel:
     """A model taught that placements holding less than the task asked for fail, whatever the
     policy said (0.9 everywhere)."""
     rng = np.random.default_rng(3)
-    layout = OutcomeFeatures.for_models({"A100-80G"})
+    layout = OutcomeFeatures.for_models({"H100"})
     rows, met = [], []
     for i in range(300):
         ask = int(rng.choice([8000, 16000, 32000]))
@@ -28,7 +28,7 @@ def tight_holds_fail() -> OutcomeModel:
                          placement=[Placement(node="n0", gpu=0, milli=1000, memory_mb=held)],
                          policy=PolicyRef(name="bestfit"), decided_at=0.0,
                          task=TaskSubmitted(task_id=f"t{i}", gpu_memory_mb=ask))
-        rows.append(layout.vector(d, "A100-80G"))
+        rows.append(layout.vector(d, "H100"))
         met.append(float(rng.random() < (0.2 if held < ask else 0.98)))
     return train(layout, np.stack(rows), np.array(met), np.ones(len(met)), seed=1)
 
@@ -53,8 +53,8 @@ async def test_a_promoted_model_gives_the_published_confidence_and_the_policys_o
     assert decision.action == "assign"
     assert decision.prior_confidence == pytest.approx(0.9)  # bestfit's prior
     # The same event, read back, gives the same prediction: what the learner will train on.
-    as_decided = msgspec.structs.replace(decision, confidence=0.9, prior_confidence=None)
-    expected = float(model.predict(model.features.vector(as_decided, "A100-80G"))[0])
+    as_decided = msgspec.structs.replace(decision, confidence=decision.prior_confidence, prior_confidence=None)
+    expected = float(model.predict(model.features.vector(as_decided, "H100"))[0])  # the GPU of node("n0")
     assert decision.confidence == pytest.approx(expected)
     assert decision.confidence != pytest.approx(0.9, abs=0.01)
 
