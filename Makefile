@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv and install Fleetpilot (only when needed)
 
+# A demo judges about 150 placements: the learner learns from every 30 new ones once 60 are
+# judged (200 and 50 on a real fleet), so the run shows its models and the policy using them.
 run: $(STAMP) ## Whole fleet on an embedded NATS: services, simulated fleet, demo workload, closing report
+	FLEETPILOT_LEARNER_MIN_EXAMPLES=60 FLEETPILOT_LEARNER_RETRAIN_EVERY=30 FLEETPILOT_LEARNER_CHECK_INTERVAL_S=2 \
 	$(BIN)/fleetpilot up --demo $${DEMO_TASKS:-150} --rate 10 --duration $${DURATION:-45} --fingerprinter-partitions 2
 
 test: $(STAMP) ## Every test (unit, service over real nats-server, end to end, PostgreSQL)

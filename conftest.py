@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: a real nats-server per test, the PostgreSQL DSN."""
+"""Fixtures shared by every test folder: a real nats-server per test, a client on it, the
+PostgreSQL DSN."""
 
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ def nats_server(tmp_path):
 def nats_url(nats_server) -> str:
     """The URL of the test's own NATS server."""
     return nats_server.url
+
+
+@pytest.fixture
+async def nats_client(nats_url):
+    """A plain nats-py client on the test's server (playing the other services), with the
+    catalogued streams and buckets already made."""
+    import nats
+    from fleetpilot.runtime.nats_bus import NatsBus
+
+    bus = await NatsBus.connect(nats_url, "test-setup")
+    await bus.ensure_topology()
+    await bus.drain()
+    nc = await nats.connect(nats_url)
+    yield nc
+    await nc.close()
 
 
 @pytest.fixture

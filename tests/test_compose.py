@@ -27,6 +27,7 @@ SERVICE_PORTS = {
     "policy": 9105,
     "executor": 9106,
     "feedback": 9107,
+    "learner": 9108,
 }
 FEEDBACK_DSN = "postgresql://postgres:postgres@postgres:5432/fleetpilot"
 

@@ -29,9 +29,11 @@ SERVICE_PORTS = {
     "policy": 9105,
     "executor": 9106,
     "feedback": 9107,
+    "learner": 9108,
 }
 PER_NODE = {"collector", "executor"}
 PARTITIONED = {"fingerprinter"}
+STATEFUL = {"learner"}
 WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet"}
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 
@@ -93,7 +95,7 @@ def test_every_service_has_a_workload():
     workloads = _workloads()
     assert set(SERVICE_PORTS) | {"nats"} == set(workloads)
     for name in SERVICE_PORTS:
-        expected = "DaemonSet" if name in PER_NODE else "StatefulSet" if name in PARTITIONED else "Deployment"
+        expected = "DaemonSet" if name in PER_NODE else "StatefulSet" if name in PARTITIONED | STATEFUL else "Deployment"
         assert workloads[name]["kind"] == expected, name
 
 
@@ -193,6 +195,20 @@ def test_the_fingerprinter_runs_one_replica_per_partition():
     assert index == "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
+def test_the_learner_keeps_its_name_and_its_outcomes_across_restarts():
+    # Its consumers are named after its instance, and what it learnt from is in learner.db
+    # under the state dir: a restarted pod must come back as the same instance, on the same disk.
+    learner = _workloads()["learner"]
+    spec = learner["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["FLEETPILOT_LEARNER_INSTANCE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (claim,) = spec["volumeClaimTemplates"]
+    state = _by_kind("ConfigMap")["fleetpilot-env"]["data"]["FLEETPILOT_STATE_DIR"]
+    assert {"name": claim["metadata"]["name"], "mountPath": state} in container["volumeMounts"]
+    assert spec["template"]["spec"]["securityContext"]["fsGroup"] == container["securityContext"]["runAsGroup"]
+
+
 def test_nats_runs_jetstream_with_persistent_storage():
     config = _by_kind("ConfigMap")["nats-config"]["data"]["nats.conf"]
     assert "jetstream" in config and "store_dir: /data" in config
@@ -216,4 +232,4 @@ def test_kustomize_builds():
     result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc]
-    assert kinds.count("Deployment") == 4 and kinds.count("DaemonSet") == 2 and kinds.count("StatefulSet") == 2
+    assert kinds.count("Deployment") == 4 and kinds.count("DaemonSet") == 2 and kinds.count("StatefulSet") == 3

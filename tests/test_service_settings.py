@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback")
+SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
 
 
 @pytest.mark.parametrize("service", SERVICES)

@@ -1,4 +1,4 @@
-"""Runs the real thing for end-to-end tests: a nats-server and the seven services as OS processes."""
+"""Runs the real thing for end-to-end tests: a nats-server and the eight services as OS processes."""
 
 from __future__ import annotations
 

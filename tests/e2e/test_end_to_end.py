@@ -1,4 +1,4 @@
-"""End to end through a real nats-server with all seven services as separate processes."""
+"""End to end through a real nats-server with all eight services as separate processes."""
 
 from __future__ import annotations
 

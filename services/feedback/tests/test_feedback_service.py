@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import nats
 import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
@@ -45,16 +44,6 @@ async def feedback_settings(store_dsn, nats_url, tmp_path):
     store = await PostgresFeedbackStore.open(dsn, schema=settings.store_schema)
     await store.drop_schema()
     await store.close()
-
-
-@pytest.fixture
-async def client(nats_url):
-    bus = await NatsBus.connect(nats_url, "test-setup")
-    await bus.ensure_topology()
-    await bus.drain()
-    nc = await nats.connect(nats_url)
-    yield nc
-    await nc.close()
 
 
 def executed(decision_id: str, action: str, policy: str, task_kind: str = "train") -> ActionExecuted:
@@ -107,8 +96,8 @@ def ended(decision_id: str, state: str, policy: str, task_kind: str = "train", *
     )
 
 
-async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, client):
-    js = client.jetstream()
+async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, nats_client):
+    js = nats_client.jetstream()
     announced: list[FeedbackRecorded] = []
 
     async def on_feedback(msg) -> None:
@@ -116,7 +105,7 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
 
     # A core subscription sees every publish, duplicates included: the stream's
     # de-duplication cannot hide a second announcement from it.
-    await client.subscribe("feedback.recorded", cb=on_feedback)
+    await nats_client.subscribe("feedback.recorded", cb=on_feedback)
     host = build(feedback_settings)
     await host.start()
     try:
@@ -139,8 +128,8 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
         )
         await wait_for(lambda: len(announced) >= 4)
         await asyncio.sleep(0.5)  # room for a duplicate announcement to arrive
-        reply = await client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
-        by_kind = await client.request(
+        reply = await nats_client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
+        by_kind = await nats_client.request(
             "feedback.stats", encode(StatsQuery(by=["policy", "task_kind"])), timeout=5
         )
     finally:
@@ -170,9 +159,9 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
 
 
 async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_comes_first(
-    feedback_settings, client
+    feedback_settings, nats_client
 ):
-    js = client.jetstream()
+    js = nats_client.jetstream()
     host = build(feedback_settings)
     await host.start()
     try:
@@ -193,9 +182,9 @@ async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_come
 
 
 async def test_a_placement_is_judged_when_it_ends_and_a_migration_ends_the_one_it_left(
-    feedback_settings, client
+    feedback_settings, nats_client
 ):
-    js = client.jetstream()
+    js = nats_client.jetstream()
     host = build(feedback_settings)
     await host.start()
     try:

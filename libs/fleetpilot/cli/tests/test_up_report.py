@@ -23,7 +23,9 @@ from fleetpilot.contracts import (
     DecisionMade,
     FeedbackRecorded,
     Fingerprint,
+    HeldOutFigures,
     Measured,
+    ModelPublished,
     NodeLedger,
     Placement,
     PolicyRef,
@@ -201,11 +203,26 @@ def test_up_runs_the_fingerprinter_as_one_process_per_partition(tmp_path) -> Non
     assert [(envs[n]["FLEETPILOT_FINGERPRINTER_PARTITION"], envs[n]["FLEETPILOT_FINGERPRINTER_PARTITIONS"])
             for n in ("fingerprinter-0", "fingerprinter-1")] == [("0", "2"), ("1", "2")]
     # Every process serves /metrics on a port of its own: the first partition on the
-    # fingerprinter's, the next after the seven services'.
+    # fingerprinter's, the next after the eight services'.
     ports = [envs[n][f"FLEETPILOT_{n.partition('-')[0].upper()}_METRICS_PORT"] for n in names]
-    assert len(set(ports)) == len(names) == 8
+    assert len(set(ports)) == len(names) == 9
     assert envs["fingerprinter-0"]["FLEETPILOT_FINGERPRINTER_METRICS_PORT"] == "9103"
-    assert envs["fingerprinter-1"]["FLEETPILOT_FINGERPRINTER_METRICS_PORT"] == "9108"
+    assert envs["fingerprinter-1"]["FLEETPILOT_FINGERPRINTER_METRICS_PORT"] == "9109"
+    assert envs["learner"]["FLEETPILOT_LEARNER_METRICS_PORT"] == "9108"
+
+
+async def test_the_closing_report_says_what_the_learner_published_and_how_its_last_model_did() -> None:
+    report = Report(quiet=True)
+    assert "learner: no model published (too few judged placements yet)" in report.render(1.0)
+    for version, promoted, brier in ((1, False, 0.05), (2, True, 0.01)):
+        figures = HeldOutFigures(examples=60 * version, held_out=15 * version, brier_model=brier, brier_prior=0.04,
+                                 mean_predicted=0.97, mean_prior=0.93, observed=0.99)
+        model = ModelPublished(name="outcome" if promoted else "outcome-candidate", version=version, figures=figures,
+                               promoted=promoted, reason="r", published_at=0.0)
+        await report.on_message(SimpleNamespace(subject="model.published", data=encode(model)))
+    assert report.render(1.0).splitlines()[-1] == (
+        "learner: 2 models published, 1 promoted; the last (outcome v2) from 120 outcomes: held-out Brier 0.0100 "
+        "against the policy's 0.0400 over 30, mean 0.97 predicted by it, 0.93 by the policy, 0.99 met")
 
 
 async def test_the_closing_report_counts_fingerprints_by_source_and_task() -> None:

@@ -1,0 +1,1 @@
+"""Learner: joins placements to their outcomes and learns the model that corrects the policy's confidence."""

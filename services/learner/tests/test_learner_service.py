@@ -1,0 +1,222 @@
+"""The learner service over a real nats-server: placements joined to their outcomes, a model
+learnt and promoted when it beats the policy's confidence, duplicates counted once, what it
+stored kept across a restart, nothing published from too few outcomes; and its store's bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import pytest
+from fleetpilot.contracts import (
+    DecisionMade,
+    FeedbackRecorded,
+    Measured,
+    ModelPublished,
+    Placement,
+    PolicyRef,
+    TaskSubmitted,
+    decode,
+    encode,
+    now,
+)
+from fleetpilot.learner import OutcomeModel
+from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.testing import eventually
+from fleetpilot_services.learner.service import CANDIDATE_KEY, PROMOTED_KEY, LearnerSettings, build
+from fleetpilot_services.learner.store import JOINED, ExampleStore, read_examples
+
+ASK_MB = 20_000
+TIGHT_MB = 16_000
+ROOMY_MB = 40_000
+
+
+@pytest.fixture
+async def published(nats_client) -> list[ModelPublished]:
+    """Every ``model.published`` announced, seen on a core subscription (duplicates too)."""
+    seen: list[ModelPublished] = []
+
+    async def on_model(msg) -> None:
+        seen.append(decode(msg.data, ModelPublished))
+
+    await nats_client.subscribe("model.published", cb=on_model)
+    return seen
+
+
+def settings_for(nats_url: str, tmp_path, **overrides) -> LearnerSettings:
+    base = dict(nats_url=nats_url, metrics_port=-1, state_dir=str(tmp_path / "state"), instance="test-learner",
+                check_interval_s=0.1)
+    return LearnerSettings(**(base | overrides))
+
+
+def is_tight(i: int) -> bool:
+    """Two placements in five hold less memory than their task asked for."""
+    return i % 5 in (0, 2)
+
+
+def decision(i: int, *, tight: bool | None = None, action: str = "assign", at: float | None = None) -> DecisionMade:
+    """A placement the policy is 90% sure of, whatever room it leaves."""
+    tight = is_tight(i) if tight is None else tight
+    task = TaskSubmitted(task_id=f"t{i}", kind="train", gpus=1, gpu_memory_mb=ASK_MB)
+    return DecisionMade(
+        decision_id=f"d{i}", task_id=f"t{i}", action=action,
+        placement=[Placement(node="n1", gpu=0, milli=1000, memory_mb=TIGHT_MB if tight else ROOMY_MB)]
+        if action in ("assign", "migrate") else [],
+        confidence=0.9, policy=PolicyRef(name="best-fit"), decided_at=(now() - 3600 + i) if at is None else at,
+        task=task)
+
+
+def outcome(i: int, *, tight: bool | None = None, action: str = "assign", at: float | None = None
+            ) -> FeedbackRecorded:
+    """How it ended: a tight placement ran out of memory, a roomy one finished."""
+    tight = is_tight(i) if tight is None else tight
+    return FeedbackRecorded(
+        action_id=f"act-d{i}", decision_id=f"d{i}", task_id=f"t{i}", outcome="oom" if tight else "success",
+        latency_ms=Measured(value=12.0, uncertainty_score=0.05), unexpected_side_effect=[],
+        policy=PolicyRef(name="best-fit"), confidence=0.9, task_kind="train", gpu_model="H100", action=action,
+        recorded_at=(now() - 3000 + i) if at is None else at)
+
+
+async def publish_placements(nats_client, ids: range) -> None:
+    """Each placement's decision and outcome; every seventh outcome before its decision."""
+    js = nats_client.jetstream()
+    for i in ids:
+        events = [decision(i), outcome(i)]
+        for event in (reversed(events) if i % 7 == 0 else events):
+            subject = "decision.made" if isinstance(event, DecisionMade) else "feedback.recorded"
+            await js.publish(subject, encode(event))
+
+
+async def models(nats_url: str) -> dict[str, bytes]:
+    bus = await NatsBus.connect(nats_url, "test-models")
+    try:
+        bucket = await bus.kv("models")
+        return {key: (await bucket.get(key)).value for key in await bucket.keys()}
+    finally:
+        await bus.drain()
+
+
+async def test_a_model_that_beats_the_policy_is_promoted_and_predicts_the_failures_it_ignored(
+        nats_url, tmp_path, nats_client, published):
+    count = 160
+    settings = settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count)
+    host = build(settings)
+    await host.start()
+    try:
+        await publish_placements(nats_client, range(count))
+        # Decisions the model does not learn from, and their outcomes: never counted.
+        js = nats_client.jetstream()
+        for i in range(1000, 1010):
+            await js.publish("decision.made", encode(decision(i, action="queue")))
+            await js.publish("feedback.recorded", encode(outcome(i, action="queue")))
+        await eventually(lambda: published, what="model.published")
+        stored = await models(nats_url)
+    finally:
+        await host.stop()
+
+    [event] = published
+    figures = event.figures
+    assert (event.name, event.promoted, figures.examples, figures.held_out) == (PROMOTED_KEY, True, count, 40)
+    assert figures.brier_model < figures.brier_prior * 0.5, event.reason
+    assert figures.mean_prior == pytest.approx(0.9)
+    assert figures.observed == pytest.approx(sum(not is_tight(i) for i in range(120, 160)) / 40)
+    assert CANDIDATE_KEY not in stored  # it won: no candidate to look at
+    assert set(stored) == {PROMOTED_KEY}
+    model = msgspec.json.decode(stored[PROMOTED_KEY], type=OutcomeModel)
+    model.check()
+    tight, roomy = (model.predict(model.features.vector(decision(0, tight=t), "H100"))[0] for t in (True, False))
+    assert tight < 0.5 < 0.9 < roomy, (tight, roomy)
+
+
+async def test_a_duplicated_outcome_is_counted_once(nats_url, tmp_path, nats_client, published):
+    count = 40
+    host = build(settings_for(nats_url, tmp_path, min_examples=20, retrain_every=count))
+    await host.start()
+    try:
+        await publish_placements(nats_client, range(count))
+        js = nats_client.jetstream()
+        # The same outcomes again, under other message ids: the stream keeps both copies.
+        for i in range(0, count, 3):
+            await js.publish("feedback.recorded", encode(outcome(i)), headers={"Nats-Msg-Id": f"again-{i}"})
+        await js.publish("decision.made", encode(decision(5)), headers={"Nats-Msg-Id": "again-d5"})
+        await eventually(lambda: published, what="model.published")
+        await asyncio.sleep(0.5)  # room for a round the duplicates would have started
+    finally:
+        await host.stop()
+    assert [e.figures.examples for e in published] == [count]
+    store = ExampleStore(tmp_path / "state" / "learner.db")
+    try:
+        assert (store.counter(JOINED), store.sizes()["joined"]) == (count, count)
+    finally:
+        store.close()
+
+
+async def test_a_restarted_learner_keeps_what_it_stored(nats_url, tmp_path, nats_client, published):
+    first = build(settings_for(nats_url, tmp_path, min_examples=20, retrain_every=40))
+    await first.start()
+    try:
+        await publish_placements(nats_client, range(40))
+        await eventually(lambda: published, what="the first model")
+    finally:
+        await first.stop()
+    # Its consumers go on where they stopped: what came before is only in its store now.
+    second = build(settings_for(nats_url, tmp_path, min_examples=20, retrain_every=20))
+    await second.start()
+    try:
+        await publish_placements(nats_client, range(40, 60))
+        await eventually(lambda: len(published) >= 2, what="the second model")
+        await asyncio.sleep(0.3)
+    finally:
+        await second.stop()
+    # One round each: the restart neither forgot the outcomes nor the round already made.
+    assert [e.figures.examples for e in published] == [40, 60]
+    assert published[1].version > published[0].version
+
+
+async def test_too_few_outcomes_publish_no_model(nats_url, tmp_path, nats_client, published, caplog):
+    caplog.set_level(logging.INFO, logger="fleetpilot.learner")
+    host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=30))
+    await host.start()
+    try:
+        await publish_placements(nats_client, range(30))
+        await eventually(lambda: "30 judged placements, 100 needed" in caplog.text, what="the round of 30")
+        await asyncio.sleep(0.3)
+        stored = await models(nats_url)
+    finally:
+        await host.stop()
+    assert stored == {}
+    assert published == []
+    # Said once, not once per check.
+    assert caplog.text.count("100 needed") == 1
+
+
+def test_the_store_keeps_the_latest_examples_and_waits_a_while_for_the_rest(tmp_path):
+    store = ExampleStore(tmp_path / "learner.db")
+    t = now()
+    try:
+        for i in range(5):
+            assert store.add_decision(decision(i, at=t - 100 + i))
+            assert store.add_outcome(outcome(i, at=t - 50 + i))
+        assert not store.add_outcome(outcome(4, at=t))  # a redelivery: kept once
+        assert not store.add_decision(decision(9, action="evict"))  # no placement: not kept
+        store.add_decision(decision(10, at=t - 30 * 86400))  # its outcome never came: too old
+        store.add_decision(decision(11, at=t - 60))  # its outcome may still come
+        store.add_outcome(outcome(12, at=t - 30 * 86400))  # its decision never came: too old
+        store.add_outcome(outcome(13, at=t - 60))  # its decision may still come
+        assert store.counter(JOINED) == 5
+        gone = store.prune(max_examples=3, unjoined_before=t - 14 * 86400)
+        assert store.sizes() == {"joined": 3, "decisions_waiting": 1, "outcomes_waiting": 1}
+        assert gone == 2 * 2 + 2
+        assert sorted(e.decision.decision_id for e in read_examples(store.path, 10)) == ["d2", "d3", "d4"]
+        # The late decision joins its waiting outcome; the count of joined outcomes only grows.
+        assert store.add_decision(decision(13))
+        assert store.counter(JOINED) == 6
+        assert [e.decision.decision_id for e in read_examples(store.path, 1)] == ["d4"]
+    finally:
+        store.close()
+
+
+def test_settings_that_could_never_learn_are_refused():
+    with pytest.raises(ValueError, match="MAX_EXAMPLES"):
+        LearnerSettings(min_examples=300, max_examples=200)
