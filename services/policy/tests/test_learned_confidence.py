@@ -59,6 +59,27 @@ async def test_a_promoted_model_gives_the_published_confidence_and_the_policys_o
     assert decision.confidence != pytest.approx(0.9, abs=0.01)
 
 
+async def test_a_model_withdrawn_from_the_bucket_gives_the_policy_its_own_confidence_back(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0")])
+    await observer.kv_put("models", "outcome", msgspec.json.encode(tight_holds_fail()))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit"))
+    await policy.start()
+    try:
+        await observer.admit(admitted("t1", gpu_milli=500))
+        await wait_for(lambda: len(observer.decisions) == 1, what="a decision")
+        assert observer.decisions[0].prior_confidence is not None
+        kv = await observer.js.key_value("models")
+        await kv.delete("outcome")  # what an operator does to take the model out of service
+        in_use = lambda: policy.metrics.registry.get_sample_value("fleetpilot_policy_learned_model_version")  # noqa: E731
+        await wait_for(lambda: in_use() == 0, what="the model set aside")
+        await observer.admit(admitted("t2", gpu_milli=500))
+        await wait_for(lambda: len(observer.decisions) == 2, what="a second decision")
+    finally:
+        await policy.stop()
+    assert observer.decisions[1].prior_confidence is None
+    assert observer.decisions[1].confidence == pytest.approx(0.9)
+
+
 async def test_a_model_that_does_not_decode_leaves_the_policys_own_confidence(observer, nats_url, tmp_path):
     await observer.kv_put("models", "outcome", b'{"features": "not a model"}')
     decision = await decide_one(observer, nats_url, tmp_path)
