@@ -4,10 +4,11 @@ passes before a policy uses it (``promotion``). See the README."""
 
 from .features import LEARNED_ACTIONS, OutcomeFeatures, prior_confidence
 from .model import OutcomeModel, prior_probability, train
-from .promotion import Assessment, Example, learn, learnable, weighted_brier
+from .promotion import PRIOR_CHOICES, Assessment, Example, learn, learnable, weighted_brier
 
 __all__ = [
     "LEARNED_ACTIONS",
+    "PRIOR_CHOICES",
     "Assessment",
     "Example",
     "OutcomeFeatures",

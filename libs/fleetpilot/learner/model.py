@@ -3,13 +3,13 @@ own confidence, trained with torch and served with numpy.
 
     logit P = logit(policy's confidence) + w₂ · tanh(W₁ z + b₁) + b₂
 
-``z`` is the decision's feature vector (``features.py``) standardised by the training set's
-means and spreads. The correction starts at zero (``w₂ = 0``, ``b₂ = 0``), so an untrained
-model says what the policy said, and weight decay pulls it back there wherever the outcomes
-do not push, the harder the fewer outcomes there are (a Gaussian prior on the weights,
-worth ``PRIOR_OUTCOMES``): a model trained on a few hundred outcomes moves the confidence
-only where many of them disagree with it. Each outcome's loss is weighted by how far its record can be trusted
-(``1 - uncertainty_score``, the feedback store's weighting).
+``z`` is the decision's feature vector (``features.py``), its measured columns standardised
+by the training set's means and spreads. The correction starts at zero (``w₂ = 0``,
+``b₂ = 0``), so an untrained model says what the policy said, and weight decay pulls it back
+there wherever the outcomes do not push, the harder the fewer outcomes there are (a
+Gaussian prior on the weights but the output bias, worth ``prior_outcomes``; the learner
+chooses how many, ``promotion.choose_prior``). Each outcome's loss is weighted by how far
+its record can be trusted (``1 - uncertainty_score``, the feedback store's weighting).
 
 Training needs torch (the learner service); prediction needs only numpy, and the model
 travels as plain numbers (msgspec JSON), so the policy service neither imports torch nor
@@ -26,9 +26,9 @@ from .features import PRIOR_COLUMN, OutcomeFeatures
 HIDDEN = 16
 """Units of the one hidden layer: a few hundred weights, learnable from a few hundred outcomes."""
 PRIOR_OUTCOMES = 5.0
-"""How many outcomes the prior (no correction) is worth: the weights' Gaussian prior, in the
-units of the per-outcome loss, is ``PRIOR_OUTCOMES / n · |θ|²``. A single failure among a
-hundred successes then moves nothing, and thousands of outcomes are let speak."""
+"""How many outcomes the prior (no correction) is worth by default: the weights' Gaussian
+prior, in the units of the per-outcome loss, is ``prior_outcomes / n · |θ|²``, so it holds
+a few outcomes back and lets thousands speak."""
 EPOCHS = 300
 LEARNING_RATE = 0.03
 
@@ -77,9 +77,10 @@ def prior_probability(x: np.ndarray) -> np.ndarray:
 
 
 def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight: np.ndarray, *,
-          seed: int = 0, epochs: int = EPOCHS) -> OutcomeModel:
+          seed: int = 0, epochs: int = EPOCHS, prior_outcomes: float = PRIOR_OUTCOMES) -> OutcomeModel:
     """Fit the correction to outcomes ``success`` (1 = the goal was met) of rows ``x``, each
-    counted ``weight`` times; the same inputs and ``seed`` give the same model."""
+    counted ``weight`` times, under a prior worth ``prior_outcomes``; the same inputs and
+    ``seed`` give the same model."""
     import torch  # only the learner trains; importing torch costs the policy service nothing
 
     x = np.asarray(x, dtype=float)
@@ -113,7 +114,9 @@ def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight:
         optimiser.zero_grad()
         logits = prior + out(torch.tanh(hidden(z))).squeeze(-1)
         loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none") * w).sum() / total
-        loss = loss + PRIOR_OUTCOMES / total * sum((p ** 2).sum() for p in params)
+        # The output bias is left free: it is the one shift of every prediction (calibration in
+        # the large), which any number of outcomes can teach; the prior holds the rest.
+        loss = loss + prior_outcomes / total * sum((p ** 2).sum() for p in (*hidden.parameters(), out.weight))
         loss.backward()
         optimiser.step()
     return OutcomeModel(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from fleetpilot.contracts import Contract, DecisionMade, Placement, PolicyRef, TaskSubmitted
 from fleetpilot.learner import (
+    PRIOR_CHOICES,
     Example,
     OutcomeFeatures,
     OutcomeModel,
@@ -19,6 +20,7 @@ from fleetpilot.learner import (
     train,
     weighted_brier,
 )
+from fleetpilot.learner.promotion import choose_prior, fold_of
 
 MODELS = ("A100-80G", "V100-32G", "T4")
 
@@ -57,6 +59,38 @@ def honest_world(seed: int, n: int = 600) -> list[Example]:
         out.append(Example(decision(i, ask=r.choice([8000, 16000]), held=16000, confidence=p), r.choice(MODELS),
                            r.random() < p, 1.0, float(i)))
     return out
+
+
+def programs_world(seed: int, *, idiosyncratic: bool, n: int = 600, programs: int = 30) -> list[Example]:
+    """Thirty programs of one kind, each asking its own memory. Either a rule every program
+    follows (a hold under 1.3 times the ask fails 65% of the time), or none: each program
+    fails at its own rate, whatever it holds, which only its own record tells."""
+    r = random.Random(seed)
+    asks = {p: r.randrange(4000, 60000, 500) for p in range(programs)}
+    rate = {p: r.uniform(0.0, 0.6) for p in range(programs)}
+    out = []
+    for i in range(n):
+        p = r.randrange(programs)
+        held = asks[p] if idiosyncratic else int(asks[p] * r.choice([1.0, 1.5]))
+        fails = rate[p] if idiosyncratic else (0.65 if held < 1.3 * asks[p] else 0.03)
+        d = msgspec.structs.replace(decision(i, ask=asks[p], held=held), task=TaskSubmitted(
+            task_id=f"t{i}", kind="train", gpu_memory_mb=asks[p], labels={"model": f"prog-{p}"}))
+        out.append(Example(d, "A100-80G", r.random() >= fails, 1.0, float(i)))
+    return out
+
+
+def test_the_prior_is_chosen_by_what_carries_over_to_programs_not_trained_on() -> None:
+    # A rule every program follows is learnt freely; a record of each program's own says
+    # nothing of the next program, and the correction is held to the policy's confidence.
+    assert choose_prior(programs_world(1, idiosyncratic=False)) == PRIOR_CHOICES[0]
+    assert choose_prior(programs_world(1, idiosyncratic=True)) > PRIOR_CHOICES[0]
+
+
+def test_programs_fall_in_the_same_fold_in_every_process() -> None:
+    world = programs_world(2, idiosyncratic=True, n=60)
+    folds = {e.decision.task.labels["model"]: fold_of(e, 3) for e in world if e.decision.task}
+    assert all(fold_of(e, 3) == folds[e.decision.task.labels["model"]] for e in world if e.decision.task)
+    assert set(folds.values()) == {0, 1, 2}
 
 
 def brier_on(model: OutcomeModel, examples: list[Example]) -> tuple[float, float]:
