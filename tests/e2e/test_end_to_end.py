@@ -14,6 +14,8 @@ from fleetpilot.contracts import (
     ActionFailed,
     DeadLetter,
     DecisionMade,
+    FeedbackRecorded,
+    ModelPublished,
     TaskFingerprinted,
     TaskSubmitted,
     decode,
@@ -229,5 +231,34 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
 
         await wait_until(later_observed, 120, "partition 1's new tasks fingerprinted after its restart")
         assert not fleet.procs.dead()
+    finally:
+        await fleet.close()
+
+
+async def test_the_learner_learns_from_the_placements_the_fleet_ran_and_judged(tmp_path, monkeypatch):
+    # Every placement's outcome reaches the learner through the real processes: the
+    # executor runs it, the feedback service judges it when it ends, and the learner joins
+    # the judgement to its decision. Small thresholds, so that a short run is enough.
+    for setting, value in (("MIN_EXAMPLES", "20"), ("RETRAIN_EVERY", "20"), ("CHECK_INTERVAL_S", "1")):
+        monkeypatch.setenv(f"FLEETPILOT_LEARNER_{setting}", value)
+    fleet = Fleet(tmp_path, speed=20.0)
+    try:
+        await fleet.start()
+        ids = [f"learn-{i:04d}" for i in range(40)]
+        for i in range(40):
+            await fleet.submit(msgspec.structs.replace(small_task(i, "learn"), expected_duration_s=60.0))
+
+        async def a_model():
+            assert not fleet.procs.dead(), f"died: {fleet.procs.dead()}"
+            msgs = await fleet.stream("MODELS", "model.published", idle_s=0.5)
+            return [decode(m.data, ModelPublished) for m in msgs]
+
+        published = await wait_until(a_model, 120, "a model learnt from the fleet's judged placements")
+        judged = [decode(m.data, FeedbackRecorded) for m in await fleet.stream("FEEDBACK", "feedback.recorded")]
+        placed = {f.decision_id for f in judged if f.action == "assign" and f.task_id in ids}
+        # Each model learnt from judged placements of this run's tasks, and from no more of them
+        # than were judged: a join that lost the decisions would learn from none.
+        assert 20 <= published[0].figures.examples <= len(placed)
+        assert published[0].name in ("outcome", "outcome-candidate")
     finally:
         await fleet.close()
