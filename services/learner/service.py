@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import STREAMS, DecisionMade, FeedbackRecorded, ModelPublished, now
-from fleetpilot.learner import Assessment, learn
+from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, STORE_FILE, Assessment, learn
 from fleetpilot.learner.promotion import MIN_EXAMPLES
 from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings, serve
 from prometheus_client import Counter, Gauge
@@ -43,11 +43,6 @@ log = logging.getLogger("fleetpilot.learner")
 REPLAY_S = max(s.max_age_s for s in STREAMS if s.name in ("DECISIONS", "FEEDBACK"))
 """How far back a replica's consumers start when first made: all the history the streams
 still keep (7 days), so a new learner learns from it at once."""
-PROMOTED_KEY = "outcome"
-"""The ``models`` key of the promoted outcome model: the only one policies read."""
-CANDIDATE_KEY = "outcome-candidate"
-"""The ``models`` key of the latest model that was not promoted."""
-STORE_FILE = "learner.db"
 
 
 class LearnerSettings(ServiceSettings):

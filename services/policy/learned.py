@@ -16,15 +16,13 @@ import math
 
 import msgspec
 from fleetpilot.contracts import DecisionMade
-from fleetpilot.learner import LEARNED_ACTIONS, OutcomeModel
+from fleetpilot.learner import LEARNED_ACTIONS, PROMOTED_KEY, OutcomeModel
 from fleetpilot.ledger.store import FleetView, node_key
 from fleetpilot.runtime import Bus
 from prometheus_client import Counter, Gauge
 
 log = logging.getLogger("fleetpilot.policy")
 
-MODEL_KEY = "outcome"
-"""The key of the promoted outcome model in the ``models`` bucket (the learner writes it)."""
 FAILURES_TO_DISABLE = 3
 """Failed predictions in a row after which the model waits for the learner's next version."""
 
@@ -67,7 +65,7 @@ class LearnedConfidence:
     async def follow(self, bus: Bus) -> None:
         """Load the promoted model now and every new version the learner stores."""
         kv = await bus.kv("models")
-        async for entry in kv.watch(MODEL_KEY):
+        async for entry in kv.watch(PROMOTED_KEY):
             if entry.revision != self.version or entry.value is None:
                 self.load(entry.value, entry.revision)
 

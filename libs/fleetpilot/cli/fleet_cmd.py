@@ -43,9 +43,8 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
-from .local import announced_nats_url
+from .local import announced_nats_url, connect_once
 
-CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 
 
@@ -93,10 +92,6 @@ def load_spec(args) -> tuple[Fleet, str]:
     return load_fleet_spec(), "shipped three-site spec"
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 async def _read_bucket(js, bucket: str, kind: type) -> list:
     """Every live value of a bucket decoded as ``kind``; a missing bucket is empty.
 
@@ -140,25 +135,7 @@ async def _last_bandwidth(js) -> list[BandwidthEstimate] | None:
 
 async def read_live(url: str) -> LiveFleet:
     """Read the running fleet's state; ``ConnectionError`` when no server answers."""
-    import nats
-    import nats.errors
-
-    errors: list[BaseException] = []
-
-    async def on_error(exc: BaseException) -> None:
-        # nats-py prints a traceback per failed attempt unless given a callback.
-        errors.append(exc)
-
-    try:
-        nc = await asyncio.wait_for(nats.connect(servers=[url], name="fleetpilot-fleet", connect_timeout=CONNECT_TIMEOUT_S,
-                                                 # nats-py retries a refused first connect forever with 0
-                                                 # attempts; 1 attempt and no wait fails at once.
-                                                 max_reconnect_attempts=1, reconnect_time_wait=0,
-                                                 error_cb=on_error),
-                                    timeout=CONNECT_TIMEOUT_S * 2)
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        cause = errors[-1] if errors else exc
-        raise ConnectionError(f"cannot connect to NATS at {url}: {_first_line(cause)}") from None
+    nc = await connect_once(url, "fleetpilot-fleet")
     try:
         js = nc.jetstream()
         live = LiveFleet(url=url)

@@ -39,6 +39,34 @@ def local_nats_url(explicit_state: str | None = None) -> str:
     return announced_nats_url(explicit_state) or DEFAULT_NATS_URL
 
 
+CONNECT_TIMEOUT_S = 2.0
+
+
+async def connect_once(url: str, name: str):
+    """A plain nats-py connection for a command that reads and leaves, tried once:
+    ``ConnectionError`` with one line when no server answers (nats-py would retry a refused
+    first connect forever, and print a traceback per attempt)."""
+    import asyncio
+
+    import nats
+    import nats.errors
+
+    errors: list[BaseException] = []
+
+    async def on_error(exc: BaseException) -> None:
+        errors.append(exc)
+
+    try:
+        return await asyncio.wait_for(nats.connect(servers=[url], name=name, connect_timeout=CONNECT_TIMEOUT_S,
+                                                   max_reconnect_attempts=1, reconnect_time_wait=0,
+                                                   error_cb=on_error),
+                                      timeout=CONNECT_TIMEOUT_S * 2)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        cause = errors[-1] if errors else exc
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise ConnectionError(f"cannot connect to NATS at {url}: {first}") from None
+
+
 def local_keyring(state: Path) -> KeyRing:
     """The local issuer's key ring, created on first use, rotated when its key is due;
     the public key set (``jwks.json``) that the SLA service verifies with is kept beside it."""

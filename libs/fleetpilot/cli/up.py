@@ -40,6 +40,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.learner import STORE_FILE
 from fleetpilot.runtime import partition_of
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
@@ -343,11 +344,16 @@ def bus_store(state: Path, *, simulated: bool) -> Path:
     the fleet is simulated. A simulated fleet is born anew with each run, and what the bus
     kept of the last one describes a fleet that is gone: its reservations in ``ledger`` would
     hold GPUs no task runs on, its tasks waiting in ``pending`` would go ahead of this run's,
-    and the consumers would read its submissions again. A real fleet (the NVML collector)
-    keeps it: its tasks outlive a restart of the services."""
+    and the consumers would read its submissions again. The learner's file goes with it: its
+    counts are of consumers on that bus, and a run's models are learnt from its own
+    placements. A real fleet (the NVML collector) keeps both: its tasks outlive a restart of
+    the services."""
     store = state / "nats"
-    if simulated and store.exists():
-        shutil.rmtree(store)
+    if simulated:
+        if store.exists():
+            shutil.rmtree(store)
+        for path in state.glob(STORE_FILE + "*"):  # the file and its WAL
+            path.unlink()
     return store
 
 

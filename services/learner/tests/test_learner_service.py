@@ -21,10 +21,10 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.learner import OutcomeModel
+from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeModel
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
-from fleetpilot_services.learner.service import CANDIDATE_KEY, PROMOTED_KEY, LearnerSettings, build
+from fleetpilot_services.learner.service import LearnerSettings, build
 from fleetpilot_services.learner.store import JOINED, ExampleStore, read_examples
 
 ASK_MB = 20_000

@@ -260,8 +260,12 @@ def test_up_starts_a_simulated_fleet_on_an_empty_bus_and_a_real_one_on_what_it_k
     # `make run` placed none of its queued tasks behind them.
     old = tmp_path / "nats" / "jetstream" / "$G" / "streams" / "KV_ledger"
     old.mkdir(parents=True)
+    learnt = [tmp_path / "learner.db", tmp_path / "learner.db-wal"]
+    for path in learnt:
+        path.write_bytes(b"outcomes of the last run")
     store = bus_store(tmp_path, simulated=simulated)
     assert store == tmp_path / "nats" and old.exists() == kept
+    assert [path.exists() for path in learnt] == [kept, kept]
 
 
 async def test_up_on_a_nats_of_the_user_s_own_says_what_an_earlier_run_left_there(nats_url) -> None:
