@@ -195,6 +195,9 @@ class Report:
         self.submitted_at: dict[str, float] = {}
         # (policy, action) -> [sum of confidences, actions that met their goal, actions judged]
         self.judged: dict[tuple[str, str], list[float]] = {}
+        # The decisions whose confidence was the learner's model's, and the same tally of theirs.
+        self.learned_ids: set[str] = set()
+        self.learned: list[float] = [0.0, 0.0, 0.0]
         # The report hears core publications, and an idempotent re-publication (a retried
         # handler, a redelivered decision) reaches it again where the streams drop it as a
         # duplicate: each decision and action is counted once, by its id.
@@ -235,6 +238,8 @@ class Report:
             if not self.first_time(d.decision_id):
                 return
             self.decisions[d.action] += 1
+            if d.prior_confidence is not None:
+                self.learned_ids.add(d.decision_id)
             self.policies["fallback" if d.fallback else d.policy.name] += 1
             if d.task_id in self.submitted_at and d.action == "queue":
                 self.queued.add(d.task_id)
@@ -260,10 +265,13 @@ class Report:
             if not self.first_time(f"feedback:{f.action_id}"):
                 return
             self.outcomes[f.outcome] += 1
-            tally = self.judged.setdefault((f.policy.name, f.action or "?"), [0.0, 0.0, 0.0])
-            tally[0] += f.confidence
-            tally[1] += f.outcome == "success"
-            tally[2] += 1
+            tallies = [self.judged.setdefault((f.policy.name, f.action or "?"), [0.0, 0.0, 0.0])]
+            if f.decision_id in self.learned_ids:
+                tallies.append(self.learned)
+            for tally in tallies:
+                tally[0] += f.confidence
+                tally[1] += f.outcome == "success"
+                tally[2] += 1
             if sum(self.outcomes.values()) % 25 == 0:
                 self.line("totals: " + self.totals())
         elif subject == "task.fingerprinted":
@@ -335,8 +343,12 @@ class Report:
     def calibration(self) -> str:
         """Per policy and action: the mean confidence published against the share of the
         judged actions that met their goal (how honest the confidences were)."""
-        return "; ".join(f"{policy} {action} {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
+        line = "; ".join(f"{policy} {action} {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
                          for (policy, action), (conf, met, n) in sorted(self.judged.items()))
+        conf, met, n = self.learned
+        if n:
+            line += f"; those given the learned model's confidence: {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
+        return line
 
 
 def bus_store(state: Path, *, simulated: bool) -> Path:

@@ -75,6 +75,22 @@ async def test_the_closing_report_sets_confidence_against_outcome_per_policy_and
     assert "confidence vs outcome: fleetpilot assign" in report.render(1.0)
 
 
+async def test_the_closing_report_sets_the_learned_confidences_apart() -> None:
+    report = Report(quiet=True)
+    for i, (published, own, outcome) in enumerate([(0.99, 0.94, "success"), (0.95, 0.94, "oom"),
+                                                   (0.94, None, "success")]):
+        made = DecisionMade(decision_id=f"t{i}.assign", task_id=f"t{i}", action="assign", confidence=published,
+                            prior_confidence=own, policy=PolicyRef(name="fleetpilot"), decided_at=0.0)
+        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
+        event = FeedbackRecorded(action_id=f"a{i}", decision_id=made.decision_id, outcome=outcome,
+                                 latency_ms=Measured(value=1.0, uncertainty_score=0.0), unexpected_side_effect=[],
+                                 policy=PolicyRef(name="fleetpilot"), confidence=published, action="assign",
+                                 recorded_at=0.0)
+        await report.on_message(SimpleNamespace(subject="feedback.recorded", data=encode(event)))
+    assert report.calibration() == ("fleetpilot assign 0.96 predicted, 0.67 met (n=3); those given the learned "
+                                    "model's confidence: 0.97 predicted, 0.50 met (n=2)")
+
+
 async def test_a_decision_or_action_published_again_is_counted_once() -> None:
     """A retried handler re-publishes the same decision, which the stream drops as a
     duplicate but the report, a core subscriber, hears again."""
