@@ -29,9 +29,9 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import STREAMS, DecisionMade, FeedbackRecorded, ModelPublished, now
-from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, STORE_FILE, Assessment, learn
+from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, STORE_FILE, Assessment, OutcomeModel, learn
 from fleetpilot.learner.promotion import MIN_EXAMPLES
-from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings, serve
 from prometheus_client import Counter, Gauge
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -89,6 +89,9 @@ class LearnerMetrics:
                                  ["promoted"], registry=registry)
         self.promoted = Counter("fleetpilot_learner_models_promoted_total",
                                 "Models stored under the key policies read", registry=registry)
+        self.withdrawn = Counter("fleetpilot_learner_models_withdrawn_total",
+                                 "Models taken from the key policies read: no better than the policy's own "
+                                 "confidence on the latest outcomes", registry=registry)
         self.brier = Gauge("fleetpilot_learner_held_out_brier",
                            "Weighted Brier score on the last round's held-out outcomes, of the model "
                            "and of the policy's own confidence", ["of"], registry=registry)
@@ -120,13 +123,26 @@ def _train_on_one_core() -> None:
     torch.set_num_threads(1)
 
 
-def assess(path: Path, settings: LearnerSettings) -> Assessment:
-    """One round of learning on the latest ``max_examples`` outcomes kept in ``path`` (runs
-    in a worker thread: it reads on a connection of its own and trains with torch)."""
+def assess(path: Path, settings: LearnerSettings, serving: OutcomeModel | None = None) -> Assessment:
+    """One round of learning on the latest ``max_examples`` outcomes kept in ``path``, the
+    ``serving`` model judged with it (runs in a worker thread: it reads on a connection of
+    its own and trains with torch)."""
     examples = read_examples(path, settings.max_examples)
     if len(examples) >= settings.min_examples:
         _train_on_one_core()
-    return learn(examples, seed=settings.seed, min_examples=settings.min_examples)
+    return learn(examples, seed=settings.seed, min_examples=settings.min_examples, serving=serving)
+
+
+async def serving_model(bucket: KeyValue) -> tuple[OutcomeModel | None, int]:
+    """The promoted model the policies use now and its revision (``None``, 0: none, or one
+    they refuse too)."""
+    entry = await bucket.get(PROMOTED_KEY)
+    if entry is None or not entry.value:
+        return None, 0
+    try:
+        return OutcomeModel.from_bytes(entry.value), entry.revision
+    except ValueError:
+        return None, 0
 
 
 def build(settings: LearnerSettings | None = None) -> ServiceHost:
@@ -173,9 +189,11 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
         if joined - store.counter(TRAINED) < settings.retrain_every:
             return
         started = time.perf_counter()
+        bucket = await host.bus.kv("models")  # type: ignore[union-attr]
+        serving, serving_version = await serving_model(bucket)
         # Shielded: a service stopping mid-round stops waiting, and the round (a thread,
         # which cannot be cancelled) ends on its own before the store closes.
-        parts["training"] = asyncio.ensure_future(asyncio.to_thread(assess, path, settings))
+        parts["training"] = asyncio.ensure_future(asyncio.to_thread(assess, path, settings, serving))
         try:
             assessment = await asyncio.shield(parts["training"])
         except Exception:
@@ -191,8 +209,17 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             store.mark_trained(joined)
             return
         metrics.trained(assessment, seconds)
+        if assessment.withdraw:
+            # The policies see the key go and publish their own confidence again.
+            await bucket.delete(PROMOTED_KEY)
+            metrics.withdrawn.inc()
+            await host.bus.publish(ModelPublished(  # type: ignore[union-attr]
+                name=PROMOTED_KEY, version=serving_version, figures=assessment.figures, promoted=False,
+                reason=assessment.reason, published_at=now(), withdrawn=True))
+            log.warning("learner: model %s version %d withdrawn: %s", PROMOTED_KEY, serving_version,
+                        assessment.reason)
         key = PROMOTED_KEY if assessment.promoted else CANDIDATE_KEY
-        version = await (await host.bus.kv("models")).put(key, msgspec.json.encode(assessment.model))  # type: ignore[union-attr]
+        version = await bucket.put(key, msgspec.json.encode(assessment.model))
         await host.bus.publish(ModelPublished(  # type: ignore[union-attr]
             name=key, version=version, figures=assessment.figures, promoted=assessment.promoted,
             reason=assessment.reason, published_at=now()))

@@ -50,9 +50,8 @@ class LearnedConfidence:
             log.info("learned confidence: no outcome model; the policy's own confidence is published")
         else:
             try:
-                model = msgspec.json.decode(value, type=OutcomeModel)
-                model.check()
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                model = OutcomeModel.from_bytes(value)
+            except ValueError as exc:
                 self.model, self.version = None, 0
                 self.used.labels("refused").inc()
                 log.error("learned confidence: outcome model version %d refused (%s); the policy's own "

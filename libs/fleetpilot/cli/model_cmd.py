@@ -49,10 +49,9 @@ async def _stored(js, key: str) -> tuple[int, OutcomeModel | str] | None:
     if not entry.value:
         return None
     try:
-        model: OutcomeModel | str = msgspec.json.decode(entry.value, type=OutcomeModel)
-        model.check()  # type: ignore[union-attr]
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        model = f"unreadable: {str(exc).splitlines()[0]}"
+        model: OutcomeModel | str = OutcomeModel.from_bytes(entry.value)
+    except ValueError as exc:
+        model = f"unreadable: {exc}"
     return entry.revision, model
 
 

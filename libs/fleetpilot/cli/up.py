@@ -204,6 +204,7 @@ class Report:
         self.seen_ids: set[str] = set()
         # The models the learner published, in order: what it learnt and whether the policy uses it.
         self.models: list[ModelPublished] = []
+        self.withdrawn = 0
         self.started = time.monotonic()
 
     def first_time(self, event_id: str) -> bool:
@@ -288,6 +289,10 @@ class Report:
             self.line(f"counter-offer {o.task_id}: {o.reason[:80]}")
         elif subject == "model.published":
             m = decode(msg.data, ModelPublished)
+            if m.withdrawn:
+                self.withdrawn += 1
+                self.line(f"learner: {m.name} v{m.version} withdrawn: {m.reason}")
+                return
             self.models.append(m)
             self.line(f"learner: {m.name} v{m.version} from {m.figures.examples} outcomes, "
                       f"{'promoted' if m.promoted else 'not promoted'}: {m.reason}")
@@ -326,7 +331,8 @@ class Report:
         last = self.models[-1]
         f = last.figures
         promoted = sum(m.promoted for m in self.models)
-        return (f"{len(self.models)} models published, {promoted} promoted; the last ({last.name} v{last.version}) "
+        withdrawn = f", {self.withdrawn} withdrawn" if self.withdrawn else ""
+        return (f"{len(self.models)} models published, {promoted} promoted{withdrawn}; the last ({last.name} v{last.version}) "
                 f"from {f.examples} outcomes: held-out Brier {f.brier_model:.4f} against the policy's "
                 f"{f.brier_prior:.4f} over {f.held_out}, mean {f.mean_predicted:.2f} predicted by it, "
                 f"{f.mean_prior:.2f} by the policy, {f.observed:.2f} met")

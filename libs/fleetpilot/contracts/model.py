@@ -23,7 +23,9 @@ class HeldOutFigures(Record, frozen=True, kw_only=True):
 class ModelPublished(Event, frozen=True, kw_only=True, tag="model.published.v1"):
     """A learned model was trained and stored in the ``models`` bucket under ``name``, at
     ``version`` (the key's revision there), with its held-out ``figures``. Policies use it
-    only when ``promoted``; ``reason`` says why in one line."""
+    only when ``promoted``; ``reason`` says why in one line. With ``withdrawn``, the model
+    stored under ``name`` at ``version`` was taken out of the bucket instead: on the latest
+    outcomes (the round of ``figures``) it no longer beat the policy's own confidence."""
 
     name: str
     version: int
@@ -31,3 +33,4 @@ class ModelPublished(Event, frozen=True, kw_only=True, tag="model.published.v1")
     promoted: bool
     reason: str
     published_at: float
+    withdrawn: bool = False

@@ -45,6 +45,17 @@ class OutcomeModel(msgspec.Struct, frozen=True, kw_only=True):
     out_weight: list[float]
     out_bias: float
 
+    @classmethod
+    def from_bytes(cls, value: bytes) -> OutcomeModel:
+        """A model as stored in the ``models`` bucket, decoded and checked; ``ValueError``
+        with one line when it is not one."""
+        try:
+            model = msgspec.json.decode(value, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"not an outcome model: {str(exc).splitlines()[0]}") from None
+        model.check()
+        return model
+
     def check(self) -> None:
         """Raise ``ValueError`` unless every array has the shape the layout asks for and every
         number is finite (a model read off the bus is checked before it is used)."""

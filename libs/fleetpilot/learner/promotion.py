@@ -7,6 +7,11 @@ gap between the confidence and what happened). It is promoted only when it beats
 policy's confidence there by a margin; a promoted model is then trained again on every
 outcome, so what serves has seen the latest quarter too. Pure: no I/O and no clock.
 
+The model already serving is judged on the same latest quarter: the world it learnt may have
+gone (a fleet's new GPUs, a fixed driver, a policy that learnt the same lesson), and a model
+no better than the policy's own confidence there is withdrawn (``Assessment.withdraw``),
+unless the new one replaces it.
+
 How strongly the correction is held to the policy's confidence (the prior, worth
 ``PRIOR_CHOICES`` outcomes) is chosen on the earlier three quarters alone, by how a model
 trained on some programs predicts the outcomes of the others (the folds split the task
@@ -68,6 +73,10 @@ class Assessment:
     promoted: bool
     reason: str
     prior_outcomes: float = PRIOR_OUTCOMES
+    serving_brier: float | None = None
+    """The held-out Brier score of the model serving when the round began (``None``: none)."""
+    withdraw: bool = False
+    """The serving model no longer beats the policy's confidence and nothing replaces it."""
 
 
 def learnable(example: Example) -> bool:
@@ -118,8 +127,10 @@ def choose_prior(examples: list[Example], *, seed: int = 0, folds: int = FOLDS,
 
 
 def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXAMPLES,
-          held_out_share: float = HELD_OUT_SHARE, min_gain: float = MIN_GAIN) -> Assessment:
-    """Train on the earlier outcomes, score on the latest, promote if the model wins."""
+          held_out_share: float = HELD_OUT_SHARE, min_gain: float = MIN_GAIN,
+          serving: OutcomeModel | None = None) -> Assessment:
+    """Train on the earlier outcomes, score on the latest, promote if the model wins; judge
+    the ``serving`` model on the same latest outcomes."""
     usable = sorted((e for e in examples if learnable(e)), key=lambda e: (e.recorded_at, e.decision.decision_id))
     if len(usable) < min_examples:
         nothing = HeldOutFigures(examples=len(usable), held_out=0, brier_model=0.0, brier_prior=0.0,
@@ -147,4 +158,14 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     figures = HeldOutFigures(examples=len(usable), held_out=len(tail), brier_model=brier_model,
                              brier_prior=brier_prior, mean_predicted=float(predicted.mean()),
                              mean_prior=float(prior.mean()), observed=float(yt.mean()))
-    return Assessment(model, figures, promoted, f"{reason} (prior worth {strength:g} outcomes)", strength)
+    reason = f"{reason} (prior worth {strength:g} outcomes)"
+    serving_brier = None
+    if serving is not None:
+        # In its own layout: the GPU models it knew when it was trained.
+        xs = serving.features.matrix([(e.decision, e.gpu_model) for e in tail])
+        serving_brier = weighted_brier(serving.predict(xs), yt, wt)
+    withdraw = serving_brier is not None and not promoted and serving_brier >= brier_prior
+    if withdraw:
+        reason = (f"the model serving scores {serving_brier:.5f} on the latest outcomes, no better than the "
+                  f"policy's {brier_prior:.5f}: withdrawn; the new one: {reason}")
+    return Assessment(model, figures, promoted, reason, strength, serving_brier, withdraw)

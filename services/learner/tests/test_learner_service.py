@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import msgspec
+import numpy as np
 import pytest
 from fleetpilot.contracts import (
     DecisionMade,
@@ -21,7 +23,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeModel
+from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeFeatures, OutcomeModel, train
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
 from fleetpilot_services.learner.service import LearnerSettings, build
@@ -127,6 +129,43 @@ async def test_a_model_that_beats_the_policy_is_promoted_and_predicts_the_failur
     model.check()
     tight, roomy = (model.predict(model.features.vector(decision(0, tight=t), "H100"))[0] for t in (True, False))
     assert tight < 0.5 < 0.9 < roomy, (tight, roomy)
+
+
+def tight_holds_fail_model() -> bytes:
+    """A model that learnt, in some earlier world, that holds under the ask fail."""
+    layout = OutcomeFeatures.for_models({"H100"})
+    x = layout.matrix([(decision(i), "H100") for i in range(200)])
+    met = np.array([0.0 if is_tight(i) else 1.0 for i in range(200)])
+    return msgspec.json.encode(train(layout, x, met, np.ones(len(met)), seed=0))
+
+
+async def test_a_serving_model_the_outcomes_no_longer_bear_out_is_withdrawn(
+        nats_url, tmp_path, nats_client, published):
+    js = nats_client.jetstream()
+    bucket = await js.key_value("models")
+    serving = await bucket.put(PROMOTED_KEY, tight_holds_fail_model())
+    count = 160
+    host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count))
+    await host.start()
+    try:
+        # Now tight holds do as well as roomy ones, and the policy's confidence is right.
+        draw = random.Random(5)
+        for i in range(count):
+            sure = draw.choice([0.6, 0.8, 0.95, 0.99])
+            made = msgspec.structs.replace(decision(i), confidence=sure)
+            ended = msgspec.structs.replace(outcome(i), confidence=sure,
+                                            outcome="success" if draw.random() < sure else "failure")
+            await js.publish("decision.made", encode(made))
+            await js.publish("feedback.recorded", encode(ended))
+        await eventually(lambda: len(published) >= 2, what="the withdrawal and the round's model")
+        stored = await models(nats_url)
+    finally:
+        await host.stop()
+    withdrawal, candidate = published
+    assert (withdrawal.name, withdrawal.version, withdrawal.withdrawn) == (PROMOTED_KEY, serving, True)
+    assert withdrawal.reason.startswith("the model serving scores ")
+    assert (candidate.name, candidate.promoted, candidate.withdrawn) == (CANDIDATE_KEY, False, False)
+    assert set(stored) == {CANDIDATE_KEY}  # the policies read nothing under `outcome` now
 
 
 async def test_a_duplicated_outcome_is_counted_once(nats_url, tmp_path, nats_client, published):

@@ -236,9 +236,11 @@ async def test_the_closing_report_says_what_the_learner_published_and_how_its_la
         model = ModelPublished(name="outcome" if promoted else "outcome-candidate", version=version, figures=figures,
                                promoted=promoted, reason="r", published_at=0.0)
         await report.on_message(SimpleNamespace(subject="model.published", data=encode(model)))
+    gone = msgspec.structs.replace(model, version=1, withdrawn=True, reason="no better than the policy")
+    await report.on_message(SimpleNamespace(subject="model.published", data=encode(gone)))
     assert report.render(1.0).splitlines()[-1] == (
-        "learner: 2 models published, 1 promoted; the last (outcome v2) from 120 outcomes: held-out Brier 0.0100 "
-        "against the policy's 0.0400 over 30, mean 0.97 predicted by it, 0.93 by the policy, 0.99 met")
+        "learner: 2 models published, 1 promoted, 1 withdrawn; the last (outcome v2) from 120 outcomes: held-out "
+        "Brier 0.0100 against the policy's 0.0400 over 30, mean 0.97 predicted by it, 0.93 by the policy, 0.99 met")
 
 
 async def test_the_closing_report_counts_fingerprints_by_source_and_task() -> None:

@@ -143,6 +143,24 @@ def test_nothing_to_learn_is_not_promoted() -> None:
     assert "does not beat" in assessment.reason
 
 
+def test_a_serving_model_the_world_has_left_behind_is_withdrawn() -> None:
+    serving = learn(growing_world(1), seed=0).model
+    assert serving is not None
+    # The same world again: the serving model still beats the policy there (and a new one
+    # is promoted in its place anyway).
+    again = learn(growing_world(3), seed=0, serving=serving)
+    assert again.serving_brier is not None and again.serving_brier < again.figures.brier_prior
+    assert not again.withdraw
+    # A world where the policy's confidence is right and tight holds no longer fail: the
+    # serving model's lesson is wrong there, and nothing new beats the policy.
+    moved_on = learn(honest_world(2), seed=0, serving=serving)
+    assert not moved_on.promoted and moved_on.withdraw
+    assert moved_on.serving_brier is not None and moved_on.serving_brier >= moved_on.figures.brier_prior
+    assert moved_on.reason.startswith("the model serving scores ")
+    # Nothing serving, nothing to withdraw.
+    assert not learn(honest_world(2), seed=0).withdraw
+
+
 def test_too_few_outcomes_give_no_model_and_say_how_many_are_needed() -> None:
     assessment = learn(growing_world(1, n=50), seed=0, min_examples=200)
     assert assessment.model is None and not assessment.promoted
