@@ -55,18 +55,21 @@ async def _stored(js, key: str) -> tuple[int, OutcomeModel | str] | None:
     return entry.revision, model
 
 
-async def _announcements(js, wanted: dict[str, int]) -> dict[str, ModelPublished]:
-    """The ``model.published`` of each wanted ``(name, version)``, from the latest events back."""
+async def _announcements(js, wanted: dict[str, int]) -> tuple[dict[str, ModelPublished], ModelPublished | None]:
+    """The ``model.published`` of each wanted ``(name, version)``, from the latest events back;
+    and, when no promoted model is wanted, the latest word on it if that was its withdrawal."""
     import nats.js.errors
 
     found: dict[str, ModelPublished] = {}
+    latest_on_promoted: ModelPublished | None = None
     try:
         last = await js.get_last_msg("MODELS", "model.published")
     except nats.js.errors.NotFoundError:
-        return found
+        return found, None
     seq = last.seq
     for _ in range(SCANNED_EVENTS):
-        if seq < 1 or len(found) == len(wanted):
+        settled = PROMOTED_KEY in wanted or latest_on_promoted is not None
+        if seq < 1 or (len(found) == len(wanted) and settled):
             break
         try:
             msg = await js.get_msg("MODELS", seq)
@@ -77,18 +80,22 @@ async def _announcements(js, wanted: dict[str, int]) -> dict[str, ModelPublished
             event = decode(msg.data, ModelPublished)
         except msgspec.DecodeError:
             continue
-        if wanted.get(event.name) == event.version and event.name not in found:
+        if event.name == PROMOTED_KEY and latest_on_promoted is None:
+            latest_on_promoted = event
+        if wanted.get(event.name) == event.version and event.name not in found and not event.withdrawn:
             found[event.name] = event
-    return found
+    withdrawal = latest_on_promoted if latest_on_promoted is not None and latest_on_promoted.withdrawn else None
+    return found, (withdrawal if PROMOTED_KEY not in wanted else None)
 
 
-async def read_models(url: str) -> list[dict[str, Any]]:
-    """Each stored outcome model with what the learner said of it."""
+async def read_models(url: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each stored outcome model with what the learner said of it; and the withdrawal of the
+    last promoted one, when that is why none is promoted now."""
     nc = await connect_once(url, "fleetpilot-model")
     try:
         js = nc.jetstream()
         stored = {key: got for key in ROLES if (got := await _stored(js, key)) is not None}
-        said = await _announcements(js, {key: revision for key, (revision, _) in stored.items()})
+        said, withdrawal = await _announcements(js, {key: revision for key, (revision, _) in stored.items()})
     finally:
         await nc.close()
     out = []
@@ -106,16 +113,24 @@ async def read_models(url: str) -> list[dict[str, Any]]:
             row["promoted"] = event.promoted
             row["reason"] = event.reason
         out.append(row)
-    return out
+    gone = None if withdrawal is None else {"version": withdrawal.version, "published_at": withdrawal.published_at,
+                                            "reason": withdrawal.reason}
+    return out, gone
 
 
-def render(rows: list[dict[str, Any]], out) -> None:
+def _when(at: float) -> str:
+    return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M:%S} UTC"
+
+
+def render(rows: list[dict[str, Any]], out, withdrawn: dict[str, Any] | None = None) -> None:
     """The models as a few lines each."""
     if not any(r["key"] == PROMOTED_KEY for r in rows):
         print("no promoted outcome model: the policies publish their own confidence", file=out)
+        if withdrawn is not None:
+            print(f"  version {withdrawn['version']} was withdrawn ({_when(withdrawn['published_at'])}): "
+                  f"{withdrawn['reason']}", file=out)
     for r in rows:
-        when = (f", published {datetime.fromtimestamp(r['published_at'], UTC):%Y-%m-%d %H:%M:%S} UTC"
-                if r.get("published_at") else "")
+        when = f", published {_when(r['published_at'])}" if r.get("published_at") else ""
         print(f"{r['key']} ({r['role']}): version {r['version']}{when}", file=out)
         if "error" in r:
             print(f"  {r['error']}", file=out)
@@ -136,9 +151,9 @@ def render(rows: list[dict[str, Any]], out) -> None:
 def main(args, out=None) -> int:
     """Print the fleet's outcome models."""
     out = out or sys.stdout
-    rows = asyncio.run(read_models(args.nats_url or local_nats_url(args.state_dir)))
+    rows, withdrawn = asyncio.run(read_models(args.nats_url or local_nats_url(args.state_dir)))
     if args.json:
-        print(json.dumps({"models": rows}, indent=2), file=out)
+        print(json.dumps({"models": rows, "withdrawn": withdrawn}, indent=2), file=out)
     else:
-        render(rows, out)
+        render(rows, out, withdrawn)
     return 0

@@ -51,7 +51,7 @@ ROUTES: tuple[Route, ...] = (
     Route(ActionExecuted, "action.executed", "executed:{action_id}", "The executor carried out a decision."),
     Route(ActionFailed, "action.failed", "failed:{action_id}", "The executor could not carry out a decision."),
     Route(FeedbackRecorded, "feedback.recorded", "feedback:{action_id}", "An action's outcome was stored."),
-    Route(ModelPublished, "model.published", "model:{name}:{version}",
+    Route(ModelPublished, "model.published", "model:{name}:{version}:{withdrawn}",
           "The learner trained a model, stored it in the models bucket, and says whether it is promoted."),
     Route(NodeTelemetry, "telemetry.gpu.{node}", None, "Per-GPU samples of one node (core NATS, high rate).", durable=False),
     Route(TaskTelemetry, "telemetry.task.{task_id}", None, "Memory samples of one task's processes (core NATS).", durable=False),

@@ -65,6 +65,22 @@ async def test_without_a_promoted_model_it_says_the_policies_use_their_own(nats_
     assert text == "no promoted outcome model: the policies publish their own confidence\n"
 
 
+async def test_a_withdrawn_model_is_said_to_be_why_none_is_promoted(nats_client, nats_url):
+    js = nats_client.jetstream()
+    kv = await js.key_value("models")
+    version = await kv.put(PROMOTED_KEY, a_model())
+    await announce(js, PROMOTED_KEY, version, True, 0.02)
+    await kv.delete(PROMOTED_KEY)
+    figures = HeldOutFigures(examples=500, held_out=125, brier_model=0.05, brier_prior=0.04, mean_predicted=0.9,
+                             mean_prior=0.93, observed=0.93)
+    gone = ModelPublished(name=PROMOTED_KEY, version=version, figures=figures, promoted=False,
+                          reason="no better than the policy", published_at=1_764_639_600.0, withdrawn=True)
+    await js.publish("model.published", encode(gone), headers={"Nats-Msg-Id": f"withdrawn:{version}"})
+    text = await asyncio.to_thread(show, nats_url)
+    assert text.splitlines() == ["no promoted outcome model: the policies publish their own confidence",
+                                 f"  version {version} was withdrawn (2025-12-02 01:40:00 UTC): no better than the policy"]
+
+
 def test_no_server_is_one_line(capsys):
     assert cli_main(["model", "--nats-url", "nats://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

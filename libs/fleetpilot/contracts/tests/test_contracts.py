@@ -18,6 +18,7 @@ from fleetpilot.contracts import (
     ROUTES,
     DeadLetter,
     DecisionMade,
+    ModelPublished,
     NodeTelemetry,
     SlaOffer,
     TaskLifecycle,
@@ -230,6 +231,15 @@ def test_sla_offer_subject_carries_the_task():
     offer = msgspec.structs.replace(offer, task_id="job-7", offer_id="of-3")
     assert subject_for(offer) == "sla.offer.job-7"
     assert msg_id_for(offer) == "offer:of-3"
+
+
+def test_a_models_withdrawal_is_not_taken_for_a_duplicate_of_its_publication():
+    # Both name the same model and version; the stream de-duplicates by message id for two
+    # minutes, and a withdrawal can follow a promotion within seconds.
+    published = msgspec.structs.replace(full(ModelPublished), name="outcome", version=4, withdrawn=False)
+    withdrawn = msgspec.structs.replace(published, withdrawn=True)
+    assert msg_id_for(published) != msg_id_for(withdrawn)
+    assert msg_id_for(published) == msg_id_for(msgspec.structs.replace(published, reason="again"))
 
 
 def test_node_telemetry_subject_carries_the_node_and_has_no_dedup_id():
