@@ -12,6 +12,8 @@ import yaml
 from fleetpilot.runtime.metrics import HandlerMetrics
 from fleetpilot_services.fingerprinter.service import FingerprinterSettings
 from fleetpilot_services.fingerprinter.service import build as build_fingerprinter
+from fleetpilot_services.learner.service import LearnerSettings
+from fleetpilot_services.learner.service import build as build_learner
 from fleetpilot_services.policy.learned import LearnedConfidence
 from fleetpilot_services.policy.metrics import PolicyMetrics
 from fleetpilot_services.topology.service import TopologySettings
@@ -27,7 +29,8 @@ def served() -> dict[str, set[str]]:
     with its label names."""
     registries = [HandlerMetrics("any").registry, CollectorRegistry(),
                   build_topology(TopologySettings(metrics_port=-1, fleet_spec="none")).metrics.registry,
-                  build_fingerprinter(FingerprinterSettings(metrics_port=-1)).metrics.registry]
+                  build_fingerprinter(FingerprinterSettings(metrics_port=-1)).metrics.registry,
+                  build_learner(LearnerSettings(metrics_port=-1)).metrics.registry]
     PolicyMetrics(registries[1])
     LearnedConfidence(None, registries[1])
     out: dict[str, set[str]] = {}
@@ -68,5 +71,5 @@ def test_alert_names_are_unique_and_cover_what_operators_watch():
     watched = " ".join(rule["expr"] for rule in RULE_LIST)
     for metric in ("fleetpilot_topology_nodes", "fleetpilot_policy_breaker_open", "fleetpilot_dead_letters_total",
                    "fleetpilot_bus_connected", "fleetpilot_fingerprinter_partition",
-                   "fleetpilot_policy_learned_confidence_total"):
+                   "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total"):
         assert metric in watched
