@@ -20,9 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-import numpy as np
-
-from fleetpilot.learner import Example, learn, prior_probability, weighted_brier
+from fleetpilot.learner import Example, OutcomeModel, learn
+from fleetpilot.learner.promotion import held_out_figures
 
 from .fleet import DEFAULT_FRACTION, DEFAULT_HOURS, DEFAULT_TASKS, FleetRun, load_bench_fleet
 from .fleet_workload import generate_workload, load_trace
@@ -53,15 +52,11 @@ def examples_of(fleet_name: str, seed: int, mode: str, *, nodes_csv, trace) -> l
     return run.outcome_examples()
 
 
-def score(assessment_model, examples: list[Example]) -> dict[str, float]:
+def score(model: OutcomeModel, examples: list[Example]) -> dict[str, float]:
     """Brier scores of the model and of the scheduler's own confidence on ``examples``."""
-    x = assessment_model.features.matrix([(e.decision, e.gpu_model) for e in examples])
-    y = np.array([1.0 if e.success else 0.0 for e in examples])
-    w = np.ones(len(y))
-    predicted, prior = assessment_model.predict(x), prior_probability(x)
-    return {"brier_model": weighted_brier(predicted, y, w), "brier_prior": weighted_brier(prior, y, w),
-            "mean_model": float(predicted.mean()), "mean_prior": float(prior.mean()), "observed": float(y.mean()),
-            "placements": float(len(y))}
+    f = held_out_figures(model, examples)
+    return {"brier_model": f.brier_model, "brier_prior": f.brier_prior, "mean_model": f.mean_predicted,
+            "mean_prior": f.mean_prior, "observed": f.observed, "placements": float(f.held_out)}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -126,6 +126,17 @@ def choose_prior(examples: list[Example], *, seed: int = 0, folds: int = FOLDS,
     return choices[int(np.argmin(scores))]
 
 
+def held_out_figures(model: OutcomeModel, examples: list[Example], *, trained_on: int = 0) -> HeldOutFigures:
+    """How ``model`` and the policy's own confidence did on ``examples`` (rows in the
+    model's own layout: the GPU models it knew when it was trained), for a model trained on
+    ``trained_on`` outcomes."""
+    x, y, w = _arrays(model.features, examples)
+    predicted, prior = model.predict(x), prior_probability(x)
+    return HeldOutFigures(examples=trained_on, held_out=len(examples), brier_model=weighted_brier(predicted, y, w),
+                          brier_prior=weighted_brier(prior, y, w), mean_predicted=float(predicted.mean()),
+                          mean_prior=float(prior.mean()), observed=float(y.mean()))
+
+
 def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXAMPLES,
           held_out_share: float = HELD_OUT_SHARE, min_gain: float = MIN_GAIN,
           serving: OutcomeModel | None = None) -> Assessment:
@@ -144,9 +155,8 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     layout = OutcomeFeatures.for_models({e.gpu_model for e in head})
     x, y, w = _arrays(layout, head)
     model = train(layout, x, y, w, seed=seed, prior_outcomes=strength)
-    xt, yt, wt = _arrays(layout, tail)
-    predicted, prior = model.predict(xt), prior_probability(xt)
-    brier_model, brier_prior = weighted_brier(predicted, yt, wt), weighted_brier(prior, yt, wt)
+    figures = held_out_figures(model, tail, trained_on=len(usable))
+    brier_model, brier_prior = figures.brier_model, figures.brier_prior
     promoted = brier_model <= brier_prior * (1.0 - min_gain) and brier_model < brier_prior
     if promoted:
         layout = OutcomeFeatures.for_models({e.gpu_model for e in usable})
@@ -155,15 +165,8 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     else:
         reason = (f"held-out Brier {brier_model:.5f} does not beat the policy's {brier_prior:.5f} "
                   f"by {min_gain:.0%}")
-    figures = HeldOutFigures(examples=len(usable), held_out=len(tail), brier_model=brier_model,
-                             brier_prior=brier_prior, mean_predicted=float(predicted.mean()),
-                             mean_prior=float(prior.mean()), observed=float(yt.mean()))
     reason = f"{reason} (prior worth {strength:g} outcomes)"
-    serving_brier = None
-    if serving is not None:
-        # In its own layout: the GPU models it knew when it was trained.
-        xs = serving.features.matrix([(e.decision, e.gpu_model) for e in tail])
-        serving_brier = weighted_brier(serving.predict(xs), yt, wt)
+    serving_brier = held_out_figures(serving, tail).brier_model if serving is not None else None
     withdraw = serving_brier is not None and not promoted and serving_brier >= brier_prior
     if withdraw:
         reason = (f"the model serving scores {serving_brier:.5f} on the latest outcomes, no better than the "

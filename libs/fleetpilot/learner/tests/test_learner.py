@@ -16,11 +16,9 @@ from fleetpilot.learner import (
     OutcomeModel,
     learn,
     prior_confidence,
-    prior_probability,
     train,
-    weighted_brier,
 )
-from fleetpilot.learner.promotion import choose_prior, fold_of
+from fleetpilot.learner.promotion import choose_prior, fold_of, held_out_figures
 
 MODELS = ("A100-80G", "V100-32G", "T4")
 
@@ -94,10 +92,8 @@ def test_programs_fall_in_the_same_fold_in_every_process() -> None:
 
 
 def brier_on(model: OutcomeModel, examples: list[Example]) -> tuple[float, float]:
-    x = model.features.matrix([(e.decision, e.gpu_model) for e in examples])
-    y = np.array([float(e.success) for e in examples])
-    w = np.ones(len(y))
-    return weighted_brier(model.predict(x), y, w), weighted_brier(prior_probability(x), y, w)
+    figures = held_out_figures(model, examples)
+    return figures.brier_model, figures.brier_prior
 
 
 @pytest.mark.parametrize("d, column, value", [
