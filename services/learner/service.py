@@ -183,8 +183,12 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
     @host.every(settings.check_interval_s)
     async def learn_when_due() -> None:
         store: ExampleStore = parts["store"]
-        store.prune(max_examples=settings.max_examples, unjoined_before=now() - settings.unjoined_ttl_s)
-        metrics.stored(store.sizes())
+        # One count per check: counted again only when rows went.
+        sizes = store.sizes()
+        if store.prune(max_examples=settings.max_examples, unjoined_before=now() - settings.unjoined_ttl_s,
+                       sizes=sizes):
+            sizes = store.sizes()
+        metrics.stored(sizes)
         joined = store.counter(JOINED)
         if joined - store.counter(TRAINED) < settings.retrain_every:
             return

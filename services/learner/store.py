@@ -126,12 +126,13 @@ class ExampleStore:
             self._db.execute("INSERT INTO counters (name, value) VALUES (?, ?) "
                              "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (TRAINED, joined))
 
-    def prune(self, *, max_examples: int, unjoined_before: float) -> int:
+    def prune(self, *, max_examples: int, unjoined_before: float, sizes: dict[str, int] | None = None) -> int:
         """Keep the latest ``max_examples`` joined outcomes (by ``recorded_at``) with their
         decisions, and at most ``max_examples`` of each kind still waiting for the other,
         none of them from before ``unjoined_before``; returns how many rows went. Cheap when
-        nothing is over its bound (it runs on the event loop's thread at every check)."""
-        sizes = self.sizes()
+        nothing is over its bound (it runs on the event loop's thread at every check);
+        ``sizes``, when the caller has just counted them, spares counting again."""
+        sizes = sizes if sizes is not None else self.sizes()
         gone = 0
         with _transaction(self._db):
             if sizes["joined"] > max_examples:
