@@ -80,16 +80,9 @@ class Observer:
 
 
 @pytest.fixture
-async def observer(nats_url):
+def observer(nats_client):
     """An :class:`Observer` on the test's server, with the catalogued streams and buckets."""
-    from fleetpilot.runtime.nats_bus import NatsBus
-
-    bus = await NatsBus.connect(nats_url, "test-setup")
-    await bus.ensure_topology()
-    await bus.drain()
-    nc = await nats.connect(nats_url)
-    yield Observer(nc)
-    await nc.close()
+    return Observer(nats_client)
 
 
 class FakeSimFleet:

@@ -180,18 +180,11 @@ class Observer:
 
 
 @pytest.fixture
-async def observer(nats_url):
+async def observer(nats_client):
     """An :class:`Observer` on the test's server, with the catalogued streams and buckets."""
-    from fleetpilot.runtime.nats_bus import NatsBus
-
-    bus = await NatsBus.connect(nats_url, "test-setup")
-    await bus.ensure_topology()
-    await bus.drain()
-    nc = await nats.connect(nats_url)
-    obs = Observer(nc)
+    obs = Observer(nats_client)
     await obs.follow_decisions()
-    yield obs
-    await nc.close()
+    return obs
 
 
 def write_module(directory: Path, name: str, source: str) -> None:
