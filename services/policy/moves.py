@@ -479,7 +479,7 @@ class Moves(ReplicaState):
             waiter = adm.task
             need = self.request(waiter)
             left = self.blocked_left_s(adm)
-            first = queue_key(adm.contract.tier, adm.admitted_at, left)
+            first = queue_key(adm.contract.tier, adm.admitted_at, left, self.settings.queue_aging)
             best: WayTenant | None = None
             for tenant in tenants:
                 if (could_take(need, tenant.gpu.model, tenant.gpu.memory_mb)
@@ -541,7 +541,7 @@ class Moves(ReplicaState):
             if (adm is None or left is None or (fp is not None and hold.memory_mb < fp.predicted_peak_mb)
                     or not self.may_pause(running, pause)):
                 continue
-            out.append(WayTenant(key=queue_key(adm.contract.tier, adm.admitted_at, left), left_s=left,
+            out.append(WayTenant(key=queue_key(adm.contract.tier, adm.admitted_at, left, self.settings.queue_aging), left_s=left,
                                  pause_s=pause, adm=adm, running=running, gpu=gpu))
         return out
 

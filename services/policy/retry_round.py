@@ -34,12 +34,13 @@ from .settings import PolicySettings
 log = logging.getLogger("fleetpilot.policy")
 
 
-def queue_position(adm: TaskAdmitted, progress_s: float = 0.0) -> tuple[int, float, float]:
+def queue_position(adm: TaskAdmitted, progress_s: float = 0.0, aging: float = 1.0) -> tuple[int, float, float]:
     """Where a waiting task stands: ``backfill.queue_key`` (vip first; within a tier, the
-    earliest expected completion had it started on admission, so short work does not queue
-    behind long work that came about the same time and nothing starves), then admission. A
-    task restored from a checkpoint counts the run it has left (``run_left_s``)."""
-    return (*queue_key(adm.contract.tier, adm.admitted_at, run_left_s(adm, progress_s)), adm.admitted_at)
+    earliest expected completion had it started on admission, its admission weighed by
+    ``aging``, so short work does not queue behind long work that came about the same time
+    and nothing starves), then admission. A task restored from a checkpoint counts the run
+    it has left (``run_left_s``)."""
+    return (*queue_key(adm.contract.tier, adm.admitted_at, run_left_s(adm, progress_s), aging), adm.admitted_at)
 
 
 class PendingQueue:
@@ -164,7 +165,7 @@ class RetryRound:
 
     def position(self, adm: TaskAdmitted) -> tuple[int, float, float]:
         """Where a waiting task stands (``queue_position``), by the run it has left."""
-        return queue_position(adm, self.progress.get(adm.task.task_id, 0.0))
+        return queue_position(adm, self.progress.get(adm.task.task_id, 0.0), self.settings.queue_aging)
 
     async def _forget(self, entry: KvEntry) -> None:
         # Only the entry as read: one written since (claimed by a replica taking it over,

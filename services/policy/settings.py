@@ -44,6 +44,12 @@ class PolicySettings(ServiceSettings):
         description="Weigh a smaller GPU's share of a program's runs that did not fit against the recent wait "
         "for the GPU its spread asks (policy.spread); off: never ask below the spread",
     )
+    queue_aging: float = Field(
+        default=1.0, gt=0.0,
+        description="How much a task's admission time weighs in the queue's order against the run it has "
+        "left (backfill.completion_order): 1, a later task goes first only if expected to end before the "
+        "waiting one would have; below 1, short work goes first more often; must be above 0",
+    )
     resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
     # What moving a running task costs (checkpoint and restore): the pause a clearing prices
     # its moves with, and how soon a task being moved releases the GPUs it leaves.

@@ -274,7 +274,8 @@ class _Job:
 class FleetRun:
     """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
 
-    def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False) -> None:
+    def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False,
+                 queue_aging: float = 1.0) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
         if knows_peaks and mode != "fleetpilot":
@@ -284,6 +285,9 @@ class FleetRun:
         # An analysis, not a scheduler: each run asks for its true peak (``_reservation``), to
         # measure what no better memory prediction could add to the rest of the loop.
         self.knows_peaks = knows_peaks
+        # Fleetpilot's queue order (``backfill.completion_order``; the policy service's
+        # ``FLEETPILOT_POLICY_QUEUE_AGING``).
+        self.queue_aging = queue_aging
         # The simulator's noise stream is seeded from the workload seed in both runs.
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
         gpu_nodes = [n for n in fleet.nodes if n.gpus]
@@ -525,7 +529,7 @@ class FleetRun:
             # plus the run still to do, ``backfill.completion_order``): short work does not
             # queue behind long work, and nothing starves (a later arrival overtakes a task
             # only while it is expected to end before that task would).
-            return (*queue_key(job.task.tier, job.task.arrival_s, self._remaining(job)), job.seq)
+            return (*queue_key(job.task.tier, job.task.arrival_s, self._remaining(job), self.queue_aging), job.seq)
         return (job.queued_since, job.seq)
 
     def _schedule(self, now: float) -> None:
@@ -745,7 +749,7 @@ class FleetRun:
                     and not self.excluded[self.offset[j.row] + j.gpus[0]]
                     and self.on_gpu.get((j.row, j.gpus[0]), set()) == {j.task.task_id} and self._may_pause(j, now)):
                 its_left = max(self._expected_end(j) - now, 0.0)
-                tenants.append((j, its_left, queue_key(j.task.tier, j.task.arrival_s, its_left), self._pause(j, now),
+                tenants.append((j, its_left, queue_key(j.task.tier, j.task.arrival_s, its_left, self.queue_aging), self._pause(j, now),
                                 self.node_model[j.row], int(self.state.gpu_mem_total[j.row, j.gpus[0]])))
         made = 0
         for waiter in sorted(waiters, key=self._key):
@@ -753,7 +757,7 @@ class FleetRun:
                 return
             need = self._request(waiter)
             left = self._remaining(waiter)
-            first = queue_key(waiter.task.tier, waiter.task.arrival_s, left)
+            first = queue_key(waiter.task.tier, waiter.task.arrival_s, left, self.queue_aging)
             chosen, most = None, 0.0
             for tenant in tenants:
                 _, its_left, key, pause, model, memory_mb = tenant
@@ -1407,19 +1411,22 @@ def load_bench_fleet(name: str, nodes_csv: Path | None = None, *, fraction: floa
     return Fleet(name=fleet.name, sites=fleet.sites, nodes=[fleet.nodes[i] for i in keep], links=fleet.links)
 
 
-def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, peaks_known: bool = False) -> Comparison:
+def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, peaks_known: bool = False,
+            queue_aging: float = 1.0) -> Comparison:
     """Play ``workload`` with both schedulers on fresh copies of the fleet (and, with
     ``peaks_known``, Fleetpilot's loop a second time told each run's true peak: a bound on
-    what better memory prediction could give, not a scheduler)."""
+    what better memory prediction could give, not a scheduler). ``queue_aging``: Fleetpilot's
+    queue order (``backfill.completion_order``)."""
     base = FleetRun(fleet, workload, "k8s-default", seed).run()
-    ours = FleetRun(fleet, workload, "fleetpilot", seed).run()
-    known = FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True).run() if peaks_known else None
+    ours = FleetRun(fleet, workload, "fleetpilot", seed, queue_aging=queue_aging).run()
+    known = (FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, queue_aging=queue_aging).run()
+             if peaks_known else None)
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
                       peaks_known=known,
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
                       sm_use_bound=workload_sm_use_bound(workload),
                       largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest(),
-                      environment=run_environment())
+                      environment=run_environment(), queue_aging=queue_aging)
 
 
 def workload_sharing_bound(workload: Workload) -> float:
@@ -1457,6 +1464,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=Path, default=None, help=f"openb node list, for --fleet openb (default: {found})")
     p.add_argument("--peaks-known", action="store_true",
                    help="also run Fleetpilot told each run's true peak: what better memory prediction could add")
+    p.add_argument("--queue-aging", type=float, default=1.0,
+                   help="how much arrival weighs against the run left in Fleetpilot's queue order "
+                   "(backfill.completion_order; default 1, above 0)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     return p
@@ -1470,6 +1480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fraction = args.fleet_fraction if args.fleet_fraction is not None else DEFAULT_FRACTION[args.fleet]
     if tasks < 1 or hours <= 0 or (args.load is not None and args.load <= 0) or not 0 < fraction <= 1:
         raise SystemExit("fleet bench: --tasks, --hours and --load must be positive, --fleet-fraction in (0, 1]")
+    if not args.queue_aging > 0:
+        raise SystemExit(f"fleet bench: --queue-aging must be above 0, got {args.queue_aging:g}")
     data = find_data_dir() if args.trace is None or args.nodes is None else None
     trace_csv = args.trace or (data / TRACES["default"] if data else None)
     nodes_csv = args.nodes or (data / NODES_FILE if data else None)
@@ -1489,7 +1501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"
     print(f"fleet {name}: {len([n for n in fleet.nodes if n.gpus])} nodes, {fleet.gpu_count} GPUs; seed {args.seed}",
           flush=True)
-    result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed, peaks_known=args.peaks_known)
+    result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed, peaks_known=args.peaks_known,
+                     queue_aging=args.queue_aging)
     print(report(result))
     if args.plot_dir is not None:
         for path in plot(result, args.plot_dir):

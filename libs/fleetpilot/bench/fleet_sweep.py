@@ -277,6 +277,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arrivals", choices=("trace", "generated"), default=None,
                    help="arrivals from the openb trace or a seeded process (default: the fleet benchmark's)")
     p.add_argument("--against", type=Path, default=None, help="a sweep of other code to print beside this one")
+    p.add_argument("--queue-aging", type=float, default=None,
+                   help="Fleetpilot's queue aging in every run (the fleet benchmark's --queue-aging; default its 1)")
     p.add_argument("--peaks-known", action="store_true",
                    help="also run Fleetpilot told each run's true peak (a bound on better memory prediction)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
@@ -294,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"fleet sweep: --seeds: {exc}") from None
     if args.jobs < 1 or (args.tasks is not None and args.tasks < 1) or (args.hours is not None and args.hours <= 0):
         raise SystemExit("fleet sweep: --jobs, --tasks and --hours must be positive")
+    if args.queue_aging is not None and not args.queue_aging > 0:
+        raise SystemExit(f"fleet sweep: --queue-aging must be above 0, got {args.queue_aging:g}")
     if args.against is not None and not args.against.is_dir():
         raise SystemExit(f"fleet sweep: no such folder {args.against}")
     if args.no_run and not args.out.is_dir():
@@ -305,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = [*(["--tasks", str(args.tasks)] if args.tasks is not None else []),
                  *(["--hours", str(args.hours)] if args.hours is not None else []),
                  *(["--arrivals", args.arrivals] if args.arrivals is not None else []),
+                 *(["--queue-aging", repr(args.queue_aging)] if args.queue_aging is not None else []),
                  *(["--peaks-known"] if args.peaks_known else [])]
         print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)
         try:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+import pytest
 from fleetpilot.contracts import now
 from fleetpilot.policy.preempt import claim_of, claim_pending, encode_pending
 from fleetpilot_services.policy.service import build
+from fleetpilot_services.policy.settings import PolicySettings
 
 from .conftest import admitted, node, settings, wait_for
 
@@ -123,3 +126,33 @@ async def test_a_round_reads_the_queue_from_memory_and_still_places_it_in_order(
         await policy.stop()
     assert during_rounds < 10  # before: a listing and 100 reads a round
     assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["blocker", "w099", "w098"]
+
+
+@pytest.mark.parametrize(("aging", "first"), [(1.0, "long-early"), (0.25, "short-later")])
+async def test_the_queue_aging_setting_orders_the_waiting_tasks(observer, nats_url, tmp_path, aging, first):
+    """``FLEETPILOT_POLICY_QUEUE_AGING``: a run 10 minutes shorter, admitted 20 minutes later,
+    goes first only when a wait ages at most half as fast as a run's length counts."""
+    await observer.put_fleet([node("n0", gpus=1)])
+    pending = await observer.js.key_value("pending")
+    await pending.put("blocker", encode_pending(admitted("blocker", gpu_milli=1000, expected_duration_s=1)))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2, queue_aging=aging))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.task_id == "blocker" for d in observer.decisions), what="blocker placed")
+        at = now()
+        for task_id, admitted_at, run_s in (("long-early", at - 1200.0, 3600.0), ("short-later", at, 3000.0)):
+            adm = msgspec.structs.replace(admitted(task_id, gpu_milli=1000, expected_duration_s=run_s),
+                                          admitted_at=admitted_at)
+            await pending.put(task_id, encode_pending(adm))
+        await asyncio.sleep(0.6)  # a few rounds find no room
+        await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])  # room for one
+        await wait_for(lambda: sum(d.action == "assign" for d in observer.decisions) >= 2, what="one placed")
+        await asyncio.sleep(0.5)
+    finally:
+        await policy.stop()
+    assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["blocker", first]
+
+
+def test_a_queue_aging_of_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="greater than 0"):
+        PolicySettings(queue_aging=0.0)

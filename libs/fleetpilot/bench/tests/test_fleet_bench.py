@@ -277,6 +277,7 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
     data = json.loads(out.read_text())
     assert data["seed"] == 3 and data["fleet"] == "three-site"
     assert data["code_digest"] == code_digest()  # the code that ran, so the figures can be traced to it
+    assert data["queue_aging"] == 1.0  # and the queue order it ran with
     for key in ("utilisation", "useful_utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
                 "interventions"):
         assert key in data["baseline"] and key in data["fleetpilot"] and key in data["ratio"]
@@ -289,7 +290,7 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("argv", [["--fleet", "moon"], ["--tasks", "0"], ["--seed", "x"],
-                                  ["--trace", "/nonexistent.csv"]])
+                                  ["--trace", "/nonexistent.csv"], ["--queue-aging", "0"]])
 def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as err:
         main(argv)
@@ -428,6 +429,16 @@ def test_fleetpilot_queues_short_work_before_long_work_and_the_baseline_first_co
         run.run()
         started = sorted((j.task.task_id for j in run.jobs[1:]), key=lambda t: run.by_id[t].queue_s)
         assert started[0] == first, mode
+
+
+@pytest.mark.parametrize(("aging", "first"), [(1.0, "t1"), (0.25, "t2")])
+def test_fleetpilots_queue_aging_decides_whether_later_shorter_work_goes_first(aging: float, first: str) -> None:
+    # One GPU busy for 2,000 s; a 1-hour task waits from 10 s, one 10 minutes shorter from 1,210 s.
+    tasks = (task(0, duration=2000.0), task(1, duration=3600.0, arrival=10.0), task(2, duration=3000.0, arrival=1210.0))
+    run = FleetRun(tiny_fleet(), workload(*tasks, hours=4.0), "fleetpilot", seed=1, queue_aging=aging)
+    run.run()
+    started = sorted((j.task.task_id for j in run.jobs[1:]), key=lambda t: run.by_id[t].task.arrival_s + run.by_id[t].queue_s)
+    assert started[0] == first
 
 
 def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere() -> None:

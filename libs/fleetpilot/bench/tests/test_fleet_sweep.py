@@ -130,6 +130,7 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
 @pytest.mark.parametrize("argv, says", [
     (["--out", "x", "--seeds", "a"], "--seeds: not a seed"),
     (["--out", "x", "--jobs", "0"], "must be positive"),
+    (["--out", "x", "--queue-aging", "-1"], "--queue-aging must be above 0"),
     (["--out", "/nonexistent/folder", "--no-run"], "no such folder"),
     (["--fleet", "moon"], "invalid choice"),
 ])

@@ -18,6 +18,7 @@ from fleetpilot.policy.backfill import (
     completion_order,
     gpu_free_at,
     hidden,
+    queue_key,
     reserve,
 )
 
@@ -151,6 +152,21 @@ def test_completion_order_puts_short_work_first_but_never_lets_later_long_work_o
     # A task arriving after the long one would have ended cannot overtake it, however short.
     assert completion_order(3601.0, 0.0) > long_early
     assert completion_order(0.0, None) == UNDECLARED_S
+
+
+def test_queue_aging_lets_later_short_work_overtake_by_more_but_still_bounds_it() -> None:
+    # 10 minutes shorter, 20 minutes later: overtakes only if a wait ages at most half as fast.
+    long_early, short_later = (0.0, 3600.0), (1200.0, 3000.0)
+    assert completion_order(*long_early) < completion_order(*short_later)
+    assert completion_order(*long_early, aging=0.25) > completion_order(*short_later, aging=0.25)
+    assert queue_key("standard", *short_later, aging=0.25) < queue_key("standard", *long_early, aging=0.25)
+    # Still bounded: nothing arriving more than run / aging later overtakes, however short.
+    assert completion_order(3600.0 / 0.25 + 1.0, 0.0, aging=0.25) > completion_order(*long_early, aging=0.25)
+    # A tier still comes first.
+    assert queue_key("vip", 99_999.0, 86_400.0, aging=0.25) < queue_key("standard", *short_later, aging=0.25)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="queue aging must be above 0"):
+            completion_order(0.0, 60.0, aging=bad)
 
 
 # ---- clearing a node for a blocked wide task ------------------------------------------------
