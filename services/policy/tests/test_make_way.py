@@ -2,12 +2,15 @@
 holds, declaring ten minutes, waits behind a run with hours left on it; the rebalance round
 checkpoints that run and queues it again with its progress, and once the executor has
 stopped it, the waiter takes the GPU while the run waits behind it. A run with too little
-left to make the trade worth it is left alone."""
+left to make the trade worth it is left alone, and so is one the queue's order (with its
+aging setting) puts before the waiter."""
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
+import pytest
 from fleetpilot.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
@@ -94,3 +97,25 @@ async def test_one_run_makes_way_for_a_waiter_while_its_eviction_is_under_way(ob
         await policy.stop()
     evicts = [d for d in observer.decisions if d.action == "evict"]
     assert [(d.task_id, d.policy.name) for d in evicts] == [("longer", "make-way")]
+
+
+@pytest.mark.parametrize(("aging", "makes_way"), [(1.0, False), (0.25, True)])
+async def test_making_way_reads_the_queue_aging(observer, nats_url, tmp_path, aging, makes_way):
+    """A run admitted 40,000 s ago with 32,400 s left ends, by the queue's key at aging 1,
+    before a ten-minute waiter admitted now: it is not stopped for it. At 0.25 its early
+    admission counts a quarter as much and the waiter comes first: it makes way."""
+    await observer.put_fleet([node("big", gpus=1)])
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2, queue_aging=aging))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"waiter": FLAT})
+        long = admitted("long", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=36_000.0)
+        await observer.admit(msgspec.structs.replace(long, admitted_at=long.admitted_at - 40_000.0))
+        await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
+        await started_ago(observer, "big", 3600.0)
+        await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
+        await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
+        await asyncio.sleep(1.2)  # several rebalance rounds
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.by_task()["long"]] == (["assign", "evict"] if makes_way else ["assign"])
