@@ -24,6 +24,7 @@ from fleetpilot.learner import Example, OutcomeModel, learn
 from fleetpilot.learner.promotion import held_out_figures
 
 from .fleet import DEFAULT_FRACTION, DEFAULT_HOURS, DEFAULT_TASKS, FleetRun, load_bench_fleet
+from .fleet_sweep import parse_seeds
 from .fleet_workload import generate_workload, load_trace
 from .openb import NODES_FILE, TRACES, find_data_dir
 
@@ -31,14 +32,11 @@ MODES = ("k8s-default", "fleetpilot")
 
 
 def seeds(text: str) -> list[int]:
-    """``"1-3"`` or ``"1,2,5"`` as a list of seeds."""
+    """``"1-3"``, ``"1,2,5"`` or ``"1,11-13"`` as a list of seeds (``fleet_sweep.parse_seeds``)."""
     try:
-        if "-" in text:
-            first, last = (int(x) for x in text.split("-", 1))
-            return list(range(first, last + 1))
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not seeds: {text!r} (e.g. 1-4 or 1,2,5)") from None
+        return list(parse_seeds(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (e.g. 1-4 or 1,2,5)") from None
 
 
 def examples_of(fleet_name: str, seed: int, mode: str, *, nodes_csv, trace) -> list[Example]:

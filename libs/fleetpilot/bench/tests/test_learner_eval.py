@@ -9,14 +9,16 @@ from fleetpilot.contracts import DecisionMade, Placement, PolicyRef, TaskSubmitt
 from fleetpilot.learner import Example, OutcomeFeatures, train
 
 
-@pytest.mark.parametrize("text, expected", [("1-3", [1, 2, 3]), ("4", [4]), ("1,5,9", [1, 5, 9])])
+@pytest.mark.parametrize("text, expected", [("1-3", [1, 2, 3]), ("4", [4]), ("1,5,9", [1, 5, 9]),
+                                            ("1,11-13", [1, 11, 12, 13])])
 def test_seeds(text: str, expected: list[int]) -> None:
     assert seeds(text) == expected
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--train", "1-3", "--test", "3-5"], "learner bench: --train and --test share a seed; the test must be unseen"),
-    (["--train", "x"], "learner bench: argument --train: not seeds: 'x' (e.g. 1-4 or 1,2,5)"),
+    (["--train", "x"], "learner bench: argument --train: not a seed or a range of seeds: 'x' (e.g. 1-4 or 1,2,5)"),
+    (["--train", "5-1"], "learner bench: argument --train: an empty range of seeds: '5-1' (e.g. 1-4 or 1,2,5)"),
     (["--fleet", "moon"], "learner bench: argument --fleet: invalid choice: 'moon' (choose from 'three-site', 'openb')"),
 ])
 def test_bad_arguments_get_one_line(argv: list[str], message: str) -> None:
