@@ -525,10 +525,11 @@ class FleetRun:
 
     def _key(self, job: _Job) -> tuple[float, ...]:
         if self.smart:
-            # Within a tier, the earliest expected completion on an idle fleet first (arrival
-            # plus the run still to do, ``backfill.completion_order``): short work does not
-            # queue behind long work, and nothing starves (a later arrival overtakes a task
-            # only while it is expected to end before that task would).
+            # Within a tier, the earliest expected completion on an idle fleet first (arrival,
+            # weighed by the queue aging, plus the run still to do: ``backfill.completion_order``):
+            # short work does not queue behind long work, and nothing starves (at the default
+            # aging of 1, a later arrival overtakes a task only while it is expected to end
+            # before that task would).
             return (*queue_key(job.task.tier, job.task.arrival_s, self._remaining(job), self.queue_aging), job.seq)
         return (job.queued_since, job.seq)
 
