@@ -51,6 +51,8 @@ async def connect_once(url: str, name: str):
     import nats
     import nats.errors
 
+    from fleetpilot.runtime.nats_bus import cannot_connect
+
     errors: list[BaseException] = []
 
     async def on_error(exc: BaseException) -> None:
@@ -62,9 +64,7 @@ async def connect_once(url: str, name: str):
                                                    error_cb=on_error),
                                       timeout=CONNECT_TIMEOUT_S * 2)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        cause = errors[-1] if errors else exc
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        raise ConnectionError(f"cannot connect to NATS at {url}: {first}") from None
+        raise cannot_connect(url, errors[-1] if errors else exc) from None
 
 
 def local_keyring(state: Path) -> KeyRing:

@@ -191,6 +191,13 @@ class NatsKeyValue(KeyValue):
                         await self._recreate()
 
 
+def cannot_connect(url: str, cause: BaseException) -> ConnectionError:
+    """The one-line error for a first connection to ``url`` that never came, naming its
+    cause (the first line of the error seen on the way, or its type when it says nothing)."""
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return ConnectionError(f"cannot connect to NATS at {url}: {first}")
+
+
 class NatsBus(Bus):
     """A connection to NATS used by one service process."""
 
@@ -221,7 +228,10 @@ class NatsBus(Bus):
             log.warning("%s: reconnected to NATS", name)
             reconnections.happened()
 
+        errors: list[Exception] = []
+
         async def on_error(exc: Exception) -> None:
+            errors[:] = [exc]  # the latest: what to tell if the first connection never comes
             log.debug("%s: NATS error: %s", name, exc)
 
         # Unlimited reconnects once connected; the first connection must succeed in time,
@@ -232,7 +242,9 @@ class NatsBus(Bus):
                 reconnect_time_wait=0.25, allow_reconnect=True, disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect, error_cb=on_error), timeout=connect_timeout_s * 2)
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
-            raise ConnectionError(f"cannot connect to NATS at {url}: {str(exc) or type(exc).__name__}") from None
+            # A refused first connection is retried until the timeout, which alone says
+            # nothing; the error seen on the way says why (refused, unknown host, TLS).
+            raise cannot_connect(url, errors[-1] if errors else exc) from None
         bus = cls(nc, name)
         bus._closing = closing
         bus._reconnections = reconnections

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.runtime import ServiceHost, ServiceSettings
-from fleetpilot.runtime.embedded import EmbeddedNats
+from fleetpilot.runtime.embedded import EmbeddedNats, free_port
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 
@@ -177,3 +178,14 @@ async def test_a_replica_s_own_consumer_goes_on_from_where_it_was_when_the_repli
     finally:
         await client.drain()
         server.stop()
+
+
+async def test_a_first_connection_that_never_comes_says_why():
+    # A refused first connection is retried until the timeout; the error names the refusal,
+    # not the timeout that ended the tries.
+    url = f"nats://127.0.0.1:{free_port()}"  # free: nothing listens there
+    with pytest.raises(ConnectionError) as raised:
+        await NatsBus.connect(url, "client", connect_timeout_s=0.5)
+    message = str(raised.value)
+    assert message.startswith(f"cannot connect to NATS at {url}: ")
+    assert "Connect call failed" in message and "\n" not in message
