@@ -203,13 +203,18 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
             return {partition_of(f.task_id, 2) for f in seen} == {0, 1} and seen
 
         await wait_until(observed_on_both, 120, "observed fingerprints of both partitions' tasks")
-        await asyncio.sleep(30)  # long enough for a task's samples split in two to be trusted twice
-        seen = await observed_on_both()
+
+        async def fitted_again_on_both() -> dict[str, list[int]] | None:
+            # Long enough for a task's samples, were they split between the two replicas, to
+            # be trusted by both: every task fingerprinted three times or more.
+            samples: dict[str, list[int]] = {}
+            for f in await observed_on_both() or []:
+                samples.setdefault(f.task_id, []).append(f.fingerprint.samples)
+            return samples if len(samples) == 24 and all(len(c) >= 3 for c in samples.values()) else None
+
+        samples = await wait_until(fitted_again_on_both, 120, "tasks of both partitions fingerprinted again")
         # One model per task: its fingerprints go out as its series grows, each with more
         # samples than the last. Fitted by two replicas, two series would interleave.
-        samples: dict[str, list[int]] = {}
-        for f in seen:
-            samples.setdefault(f.task_id, []).append(f.fingerprint.samples)
         assert all(counts == sorted(set(counts)) for counts in samples.values()), samples
         assert not fleet.procs.dead()
 
