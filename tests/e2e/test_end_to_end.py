@@ -204,7 +204,7 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
 
         await wait_until(observed_on_both, 120, "observed fingerprints of both partitions' tasks")
 
-        async def fitted_again_on_both() -> dict[str, list[int]] | None:
+        async def every_task_fitted_three_times() -> dict[str, list[int]] | None:
             # Long enough for a task's samples, were they split between the two replicas, to
             # be trusted by both: every task fingerprinted three times or more.
             samples: dict[str, list[int]] = {}
@@ -212,7 +212,7 @@ async def test_a_fleet_whose_fingerprinter_runs_as_two_partitions_fits_each_task
                 samples.setdefault(f.task_id, []).append(f.fingerprint.samples)
             return samples if len(samples) == 24 and all(len(c) >= 3 for c in samples.values()) else None
 
-        samples = await wait_until(fitted_again_on_both, 120, "tasks of both partitions fingerprinted again")
+        samples = await wait_until(every_task_fitted_three_times, 120, "every task fingerprinted three times")
         # One model per task: its fingerprints go out as its series grows, each with more
         # samples than the last. Fitted by two replicas, two series would interleave.
         assert all(counts == sorted(set(counts)) for counts in samples.values()), samples
