@@ -94,6 +94,8 @@ class GpuHealth(ExecutorReplica):
             except BackendError as error:
                 log.error("could not evict %s from %s/%d: %s", task_id, command.node, command.gpu, error)
                 return None
+            if self.end_untold(task_id):
+                return None  # it ended by itself meanwhile: the backend's poll tells that end
             await self.recall(task_id)
             if not await self.release(task_id, command.node):
                 return None  # it ended meanwhile, and its end was told

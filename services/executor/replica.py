@@ -224,6 +224,12 @@ class ExecutorReplica:
             at=now() if at is None else at,
         )
 
+    def end_untold(self, task_id: str) -> bool:
+        """Whether the backend saw ``task_id`` end by itself and has not told it yet (the
+        next ``backend_changes`` tells it and gives its holds back)."""
+        backend = self.backend
+        return isinstance(backend, ProcessBackend) and backend.ended_untold(task_id)
+
     async def still_reserved(self, decision: DecisionMade) -> bool:
         """Whether the ledger (the bucket, not the view) still holds what ``decision``
         reserved on its node."""
@@ -291,7 +297,14 @@ class ExecutorReplica:
                                           [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at,
                                           replaces=left))
             elif decision.action == "evict":
-                held = [await self.release(decision.task_id, src) for src in sorted({p.node for p in decision.source})]
+                # Its process may have ended by itself a moment before, its end not yet told
+                # by the backend's poll (once a second), which gives the holds back and tells
+                # it: taking them here would tell "evicted" too, and the policy would run the
+                # finished task again.
+                untold = self.end_untold(decision.task_id)
+                held = [] if untold else [
+                    await self.release(decision.task_id, src) for src in sorted({p.node for p in decision.source})
+                ]
                 # An evict names where the task was in ``source``; its placement is empty.
                 src_node = decision.source[0].node if decision.source else node
                 src_gpus = sorted({p.gpu for p in decision.source if p.gpu >= 0})

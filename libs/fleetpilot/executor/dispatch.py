@@ -2,8 +2,8 @@
 
 :func:`execute_decision` is what the executor service calls for each ``decision.made``: it
 looks the decision up in the :class:`~fleetpilot.executor.journal.ExecutionJournal` (a
-redelivery returns the recorded result and does nothing), claims it, asks the business
-context, runs the verb on the backend and records the resulting ``action.executed`` or
+redelivery returns the recorded result and does nothing), asks the business context,
+claims it, runs the verb on the backend and records the resulting ``action.executed`` or
 ``action.failed``.
 """
 
@@ -94,6 +94,18 @@ async def execute_decision(
     recorded = await journal.result(decision.decision_id)
     if recorded is not None:
         return recorded
+    # The checks come before the claim: they read the ledger and run the business's hooks,
+    # either of which may raise (a KV read timing out, a hook's bug). Raised after the
+    # claim, that left the decision claimed with no result, and every redelivery was told
+    # "another replica runs it" until the runtime dead-lettered it, never carried out. Raised
+    # here, the redelivery checks again, and a lasting failure is dead-lettered with its cause.
+    refusal = ""
+    if still_reserved is not None and decision.action in ("assign", "migrate") and not await still_reserved(decision):
+        refusal = "void: its reservation is no longer in the ledger (given back since it was decided)"
+    elif business is not None and decision.action in ("assign", "migrate"):
+        verdict = await check_before_assign(business, decision)
+        if not verdict.allow:
+            refusal = f"business rule: {verdict.reason}"
     if not await journal.claim(decision.decision_id, owner):
         return None
     common = dict(
@@ -109,21 +121,10 @@ async def execute_decision(
         gpu_model=_gpu_model(decision, business),
     )
     result: ActionResult
-    if still_reserved is not None and decision.action in ("assign", "migrate") and not await still_reserved(decision):
-        result = ActionFailed(
-            **common, error="void: its reservation is no longer in the ledger (given back since it was decided)",
-            retryable=False, failed_at=clock()
-        )
+    if refusal:
+        result = ActionFailed(**common, error=refusal, retryable=False, failed_at=clock())
         await journal.record(decision.decision_id, result)
         return result
-    if business is not None and decision.action in ("assign", "migrate"):
-        verdict = await check_before_assign(business, decision)
-        if not verdict.allow:
-            result = ActionFailed(
-                **common, error=f"business rule: {verdict.reason}", retryable=False, failed_at=clock()
-            )
-            await journal.record(decision.decision_id, result)
-            return result
     began = time.perf_counter()
     try:
         latency = await _run(decision, backend, grace_s, env or {})

@@ -2,7 +2,11 @@
 
 - **GPUs**: the child sees only its GPUs (``CUDA_VISIBLE_DEVICES``); a fractional share
   (``milli < 1000``) is passed as ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for MPS to enforce.
-- **Evict** (``stop``): SIGTERM to the task's process group, SIGKILL after ``grace_s``.
+- **Evict** (``stop``): SIGTERM to the task's process group, SIGKILL after ``grace_s`` (to
+  what is left of the group even when the task's own process exited within the grace).
+- **End**: a task ends when its process exits; what it left running in its process group
+  is killed then (it would hold the GPUs given back), and a child that keeps its stderr
+  open does not keep it "running".
 - **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
   its state (it may exit by itself), then stop with grace and start again on the target
   with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
@@ -49,6 +53,12 @@ OOM_MARKERS: tuple[str, ...] = (
     "cudaErrorMemoryAllocation",
 )
 STDERR_TAIL_BYTES = 16_384
+# How often a watcher looks whether a task's process exited while its stderr stays open
+# (held by a process the task started).
+EXIT_POLL_S = 0.2
+# How long the rest of stderr is read once the task's process is gone: a process that left
+# the task's session may hold it open for ever.
+STDERR_DRAIN_S = 2.0
 # How long a backend answers a repeated hand-over of a task with what it handed over.
 HANDED_OVER_KEPT_S = 900.0
 
@@ -168,6 +178,9 @@ class ProcessBackend:
         self._clock = clock
         self._tasks: dict[str, _Task] = {}
         self._events: deque[TaskLifecycle] = deque()
+        # Readers of the stderr of tasks that ended while something outside their session
+        # held it open (see ``_watch``).
+        self._readers: set[asyncio.Task[None]] = set()
 
     def _emit(
         self, task: _Task, state: LifecycleState, *, exit_code: int | None = None, detail: str = ""
@@ -236,12 +249,41 @@ class ProcessBackend:
             latency_ms=(time.perf_counter() - began) * 1000.0,
         )
 
-    async def _watch(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
+    @staticmethod
+    async def _read_stderr(task: _Task, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
         while chunk := await proc.stderr.read(4096):
             task.stderr.extend(chunk)
             del task.stderr[:-STDERR_TAIL_BYTES]  # keep only the tail: markers come last
-        returncode = await proc.wait()
+
+    async def _watch(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
+        """Report the task's end when its process exits.
+
+        The end is the task's process's exit, not the close of its stderr: a child it left
+        running keeps stderr open (and ``proc.wait()`` waits for that too), which kept a
+        finished task "running" and its eviction waiting for as long as the child lived.
+        """
+        reader = asyncio.create_task(self._read_stderr(task, proc))
+        while proc.returncode is None and not reader.done():
+            await asyncio.wait({reader}, timeout=EXIT_POLL_S)
+        if reader.done():
+            returncode = await proc.wait()
+        else:
+            if task.stop_reason is None:
+                # It ended by itself: what it left in its process group would hold its GPUs
+                # once they are given back (as a container's processes die with its main
+                # one). A task being stopped has its group killed when the grace is over.
+                _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                await asyncio.wait_for(asyncio.shield(reader), timeout=STDERR_DRAIN_S)
+            except TimeoutError:
+                # Held by a process that left the session: the tail so far does. The reader
+                # goes on (kept here) until that process closes it, so the pipe is not left
+                # unread and its transport closes then.
+                self._readers.add(reader)
+                reader.add_done_callback(self._readers.discard)
+            assert proc.returncode is not None
+            returncode = proc.returncode
         if self._tasks.get(task.task_id) is task and task.proc is proc:
             if task.stop_reason != "migrated":  # the migration reports its own event
                 del self._tasks[task.task_id]
@@ -273,13 +315,23 @@ class ProcessBackend:
         proc, watcher = task.proc, task.watcher
         if proc is None or watcher is None:
             return
-        task.stop_reason = reason
+        if proc.returncode is None:
+            # Only an exit we cause is ours: one that came first (its watcher still reading
+            # the last of stderr) is the task's own end, finished or failed.
+            task.stop_reason = reason
+        deadline = time.monotonic() + max(grace_s, 0.0)
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(watcher), timeout=max(grace_s, 0.0))
         except TimeoutError:
-            _signal_group(proc.pid, signal.SIGKILL)
-            await watcher
+            pass
+        # The task's process may be gone within the grace while others of its group (its
+        # children) still run: they get the rest of the grace, then SIGKILL, as it would.
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            await asyncio.sleep(0.05)
+        # Unconditionally: a group whose leader is a zombie for a moment reads as gone.
+        _signal_group(proc.pid, signal.SIGKILL)
+        await watcher
 
     async def stop(self, task_id: str, grace_s: float) -> None:
         """Evict: SIGTERM to the process group, SIGKILL after ``grace_s``; no-op if not running."""
@@ -408,6 +460,13 @@ class ProcessBackend:
     def running(self) -> list[str]:
         """Ids of the tasks with a live process."""
         return sorted(self._tasks)
+
+    def ended_untold(self, task_id: str) -> bool:
+        """Whether the task's process ended by itself and ``poll`` has not told it yet (an
+        eviction that comes now finds nothing to stop, and its end is still to be told)."""
+        return task_id not in self._tasks and any(
+            e.task_id == task_id and e.state in ("finished", "failed", "oom_killed") for e in self._events
+        )
 
     def samples(self) -> list[ProcessSample]:
         """Resident memory of each running task's main process, from ``/proc``."""

@@ -379,3 +379,31 @@ async def test_a_replica_that_did_not_place_a_task_still_names_its_decision_when
     assert [(s.state, s.decision_id, s.policy, s.confidence, s.task_kind) for s in life] == [
         ("started", "d1", "best-fit", 0.8, "train"), ("finished", "d1", "best-fit", 0.8, "train")]
     assert (await observer.ledger("n1")).allocations == []
+
+
+async def test_an_eviction_that_reaches_a_task_ended_but_not_yet_told_tells_no_eviction(tmp_path):
+    """The task's process exited a moment before the eviction reached it, and the backend's
+    next poll (once a second) has not told its end yet. The eviction has nothing to stop and
+    must not take the task's hold and tell ``evicted``: the policy would queue and run the
+    finished task again. Its end is told as ``finished``, and the hold goes back then."""
+    from fleetpilot.runtime.memory import InMemoryBus
+    from fleetpilot_services.executor.health import GpuHealth
+
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    await (await bus.kv("ledger")).put("n1", reserved("t9", "t9.assign"))
+    running: list[asyncio.Task] = []
+    replica = GpuHealth(settings("nats://unused", tmp_path, backend="process", node="n1"))
+    await replica.open(bus, lambda follow, _name: running.append(asyncio.create_task(follow())))
+    try:
+        out = await replica.carry_out(assign("t9.assign", "t9", command=[sys.executable, "-c", "pass"]))
+        assert isinstance(out[0], ActionExecuted)
+        await wait_for(lambda: replica.backend.running() == [])  # ended; not polled yet
+        out = await replica.carry_out(evict("t9.evict", "t9"))
+        told = [e.state for e in out if isinstance(e, TaskLifecycle)]
+        told += [e.state for e in await replica.backend_changes() if isinstance(e, TaskLifecycle)]
+    finally:
+        for task in running:
+            task.cancel()
+        await bus.drain()
+    assert told == ["finished"]

@@ -15,7 +15,9 @@ from fleetpilot.contracts import (
     TaskSubmitted,
 )
 from fleetpilot.executor import (
+    ALLOW,
     GpuContext,
+    HookVerdict,
     InMemoryExecutionJournal,
     SimBackend,
     StaticBusinessContext,
@@ -142,3 +144,40 @@ def on(node: str, gpu: int = 0) -> Placement:
 def test_a_decision_is_carried_out_by_the_executor_of_its_node(action, placement, source, nodes) -> None:
     d = msgspec.structs.replace(decision(action, placement=placement), source=source)
     assert {n for n in ("n1", "n2", "n3") if carried_out_on(d, n)} == nodes
+
+
+@pytest.mark.parametrize("failing", ["still_reserved", "before_assign"])
+async def test_a_check_that_raises_leaves_no_claim_behind(failing: str) -> None:
+    """A check before the verb that raises (the ledger read timing out, a hook's bug) must not
+    leave the decision claimed: its redelivery would find the claim, be told "another replica
+    runs it" until the runtime dead-letters it, and the decision would never be carried out."""
+    calls = 0
+
+    async def flaky(_decision: DecisionMade) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise TimeoutError("ledger read timed out")
+        return True
+
+    class FlakyHook:
+        async def before_assign(self, d: DecisionMade) -> HookVerdict:
+            await flaky(d)
+            return ALLOW
+
+        async def after_finish(self, event) -> None:  # type: ignore[no-untyped-def]
+            return None
+
+        async def pre_decommission(self, node, gpu, running_tasks) -> HookVerdict:  # type: ignore[no-untyped-def]
+            return ALLOW
+
+    backend, journal = SimBackend(), InMemoryExecutionJournal()
+    kwargs: dict = {"still_reserved": flaky} if failing == "still_reserved" else {
+        "business": StaticBusinessContext(hooks=[FlakyHook()])
+    }
+    with pytest.raises(TimeoutError):
+        await execute_decision(decision(), backend, journal, owner="e1", **kwargs)
+    # The redelivery carries it out.
+    result = await execute_decision(decision(), backend, journal, owner="e1", **kwargs)
+    assert isinstance(result, ActionExecuted)
+    assert [a.verb for a in backend.actions] == ["start"]

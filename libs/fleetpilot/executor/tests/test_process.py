@@ -304,3 +304,71 @@ async def test_a_backend_stops_what_a_dead_one_left_behind(tmp_path: Path) -> No
     registry.write_text(json.dumps({"ghost": [os.getpid(), 1]}))
     assert await second.stop_left_behind(grace_s=0.1) == {"ghost": False}
     assert not gone(os.getpid())
+
+
+def spawning(pid_file: Path, *, own_session: bool = False, then: str = "pass") -> list[str]:
+    """A task that starts a child sleeping 60 s (it inherits the task's stderr), writes the
+    child's pid to ``pid_file``, then runs ``then``."""
+    return py(
+        "import pathlib, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        f" start_new_session={own_session})\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(f'{{child.pid}}\\n')\n"
+        f"{then}\n"
+    )
+
+
+async def test_a_task_s_end_is_reported_when_its_process_ends_and_what_it_left_is_killed(tmp_path: Path) -> None:
+    """A task whose process exits leaving a child running (holding its stderr) ends then: it
+    is not reported running for as long as the child lives, and the child, which would hold
+    the task's GPUs after they were given back, is killed with it."""
+    backend = ProcessBackend(node="n1")
+    await backend.start("t", GPU0, spawning(tmp_path / "child"), {})
+    began = time.monotonic()
+    events = await wait_for_state(backend, "t", timeout=10.0)
+    assert [e.state for e in events] == ["started", "finished"] and time.monotonic() - began < 10.0
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    deadline = time.monotonic() + 5
+    while not gone(child) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert gone(child)
+    assert backend.running() == []
+
+
+async def test_an_eviction_is_not_held_up_by_a_process_that_left_the_task_s_session(tmp_path: Path) -> None:
+    """A child that left the task's session (out of reach of the group's signals) and holds
+    its stderr must not hold the eviction up: it returns once the task's process is gone."""
+    backend = ProcessBackend(node="n1")
+    await backend.start("t", GPU0, spawning(tmp_path / "child", own_session=True, then="time.sleep(60)"), {})
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    try:
+        began = time.monotonic()
+        await asyncio.wait_for(backend.stop("t", grace_s=0.5), timeout=15.0)
+        assert time.monotonic() - began < 10.0
+        assert [e.state for e in await backend.poll()] == ["started", "evicted"]
+        assert backend.running() == []
+    finally:
+        os.kill(child, signal.SIGKILL)
+        await asyncio.sleep(0.3)  # the end of its stderr reaches the backend's reader
+
+
+async def test_an_evicted_task_s_children_get_the_grace_then_are_killed(tmp_path: Path) -> None:
+    """The task's process exits at SIGTERM while its child (stderr elsewhere) ignores it: the
+    child is killed when the grace is over, not left running."""
+    backend = ProcessBackend(node="n1")
+    code = (
+        "import pathlib, signal, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], stderr=subprocess.DEVNULL)\n"
+        f"pathlib.Path({str(tmp_path / 'child')!r}).write_text(f'{{child.pid}}\\n')\n"
+        "signal.sigwait([signal.SIGTERM])\n"
+    )
+    await backend.start("t", GPU0, py("import signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])\n"
+                                      + code), {})
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    await asyncio.sleep(0.3)  # the child has set SIGTERM aside
+    await backend.stop("t", grace_s=1.0)
+    deadline = time.monotonic() + 5
+    while not gone(child) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert gone(child)
