@@ -46,7 +46,7 @@ from fleetpilot.feedback import (
     side_effects_of,
 )
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, CasConflict, Delivery, KeyValue, ServiceHost, ServiceSettings, serve
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
@@ -171,19 +171,40 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             )
         return None
 
+    async def stored_before(action_id: str, delivery: Delivery) -> FeedbackRecorded | None:
+        """On a redelivery, the record already stored for ``action_id``, to announce again.
+
+        The bus publishes a handler's output after the handler returns, so an announcement
+        can fail (a JetStream publish timeout) after the store committed its record; the
+        message is then redelivered, and the store alone would call it a duplicate and
+        announce nothing, ever. The stored record (not one rebuilt from this message) goes
+        out again under the same ``Nats-Msg-Id`` (``feedback:<action_id>``), which the
+        stream de-duplicates, and its consumers key on ``action_id``. A first delivery
+        announces only what it stored, so a duplicate publish is still announced once.
+        """
+        if delivery.deliveries <= 1:
+            return None
+        return await parts["store"].get(action_id)
+
     @host.on(ActionExecuted, ActionFailed, consumer="feedback-executed")
-    async def on_action(action: ActionExecuted | ActionFailed) -> FeedbackRecorded | None:
+    async def on_action(action: ActionExecuted | ActionFailed, delivery: Delivery) -> FeedbackRecorded | None:
+        if (stored := await stored_before(action.action_id, delivery)) is not None:
+            return stored
         if isinstance(action, ActionExecuted) and action.action in PLACEMENTS:
             return await open_placement(action)
         return await judge(action)
 
     @host.on(TaskLifecycle, consumer="feedback-lifecycle")
-    async def on_lifecycle(life: TaskLifecycle) -> FeedbackRecorded | None:
+    async def on_lifecycle(life: TaskLifecycle, delivery: Delivery) -> FeedbackRecorded | None:
         if life.state == "migrated" and life.replaces_decision_id:
-            return await close_placement(life.replaces_decision_id, None, life)
-        if life.state in ENDINGS and life.decision_id:
-            return await close_placement(life.decision_id, life, life)
-        return None
+            ended = life.replaces_decision_id
+        elif life.state in ENDINGS and life.decision_id:
+            ended = life.decision_id
+        else:
+            return None
+        if (stored := await stored_before(action_id_for(ended), delivery)) is not None:
+            return stored
+        return await close_placement(ended, None if life.state == "migrated" else life, life)
 
     @host.endpoint("stats", "feedback.stats", StatsQuery)
     async def stats(query: StatsQuery) -> FeedbackStats:

@@ -174,6 +174,12 @@ class PostgresFeedbackStore:
 
         return await self._transaction(body)
 
+    async def get(self, action_id: str) -> FeedbackRecorded | None:
+        """The record stored for ``action_id`` as it was stored, ``None`` when there is none."""
+        async with self._pool.acquire() as conn:
+            payload = await conn.fetchval("SELECT payload FROM feedback_raw WHERE action_id = $1", action_id)
+        return None if payload is None else decode(payload.encode(), FeedbackRecorded)
+
     async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
         """Stored sums rolled up to ``by``; p95 by ``percentile_disc`` over raw rows, one snapshot."""
         fields = validate_by(by)

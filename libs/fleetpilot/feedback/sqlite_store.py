@@ -130,6 +130,13 @@ class SqliteFeedbackStore:
 
         return await self._run(write)
 
+    async def get(self, action_id: str) -> FeedbackRecorded | None:
+        """The record stored for ``action_id`` as it was stored, ``None`` when there is none."""
+        row = await self._run(
+            lambda: self._db.execute("SELECT payload FROM feedback_raw WHERE action_id = ?", (action_id,)).fetchone()
+        )
+        return None if row is None else decode(row[0].encode(), FeedbackRecorded)
+
     async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
         """Stored sums rolled up to ``by``; p95 from the raw latencies, in one read snapshot."""
         fields = validate_by(by)

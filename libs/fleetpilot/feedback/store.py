@@ -22,6 +22,10 @@ class FeedbackStore(Protocol):
         """Store one outcome; ``False`` when its ``action_id`` was already stored (no change)."""
         ...
 
+    async def get(self, action_id: str) -> FeedbackRecorded | None:
+        """The record stored for ``action_id`` as it was stored, ``None`` when there is none."""
+        ...
+
     async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
         """Statistics grouped by a subset of ``KEY_FIELDS``, sorted by key."""
         ...

@@ -221,6 +221,43 @@ async def test_a_placement_is_judged_when_it_ends_and_a_migration_ends_the_one_i
     assert placements == []
 
 
+async def test_a_record_whose_announcement_failed_is_announced_on_redelivery(feedback_settings, nats_client):
+    js = nats_client.jetstream()
+    announced: list[FeedbackRecorded] = []
+
+    async def on_feedback(msg) -> None:
+        announced.append(decode(msg.data, FeedbackRecorded))
+
+    await nats_client.subscribe("feedback.recorded", cb=on_feedback)
+    host = build(feedback_settings)
+    await host.start()
+    publish = host.bus.publish
+    failed_once: set[str] = set()
+
+    async def publish_failing_once(event, **kwargs) -> None:
+        # The bus fails the first announcement of each record after the store committed it
+        # (a JetStream publish timeout): the message is redelivered.
+        if isinstance(event, FeedbackRecorded) and event.action_id not in failed_once:
+            failed_once.add(event.action_id)
+            raise TimeoutError("nats: timeout")
+        await publish(event, **kwargs)
+
+    host.bus.publish = publish_failing_once
+    try:
+        await js.publish("action.failed", encode(failed("f1", "fgd")))
+        await js.publish("action.executed", encode(executed("f2", "assign", "fgd")))
+        await _wait_open(feedback_settings, "f2")
+        await js.publish("task.lifecycle.t-f2", encode(ended("f2", "finished", "fgd")))
+        await wait_for(lambda: len(announced) >= 2, what="both records announced")
+        placements = await _open_placements(feedback_settings)
+    finally:
+        await host.stop()
+    judged = sorted((f.action_id, f.outcome, f.latency_ms.uncertainty_score, f.action) for f in announced)
+    # The records as stored: f2 judged with its result, not rebuilt from the redelivered end.
+    assert judged == [("act-f1", "failure", 0.05, "assign"), ("act-f2", "success", 0.05, "assign")]
+    assert placements == []  # the redelivered end leaves no marker behind
+
+
 async def _wait_open(settings: FeedbackSettings, decision_id: str) -> None:
     async def is_open() -> bool:
         return decision_id in await _open_placements(settings)

@@ -33,6 +33,9 @@ async def test_each_action_stored_once(any_store: FeedbackStore) -> None:
     assert sorted(e.action_id for e in stored) == sorted(e.action_id for e in events)
     assert {e.action_id: e for e in stored} == {e.action_id: e for e in events}  # lossless round trip
     assert sum(a.count for a in await any_store.aggregates()) == 50
+    # One record looked up by its action_id, as it was stored.
+    assert await any_store.get(events[3].action_id) == events[3]
+    assert await any_store.get("act-never-stored") is None
 
 
 @pytest.mark.parametrize("by", [KEY_FIELDS, ("policy", "shard_id"), ("gpu_model",), ()])
