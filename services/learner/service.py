@@ -31,7 +31,7 @@ import msgspec
 from fleetpilot.contracts import STREAMS, DecisionMade, FeedbackRecorded, ModelPublished, now
 from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, STORE_FILE, Assessment, OutcomeModel, learn
 from fleetpilot.learner.promotion import MIN_EXAMPLES
-from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
 from prometheus_client import Counter, Gauge
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -180,6 +180,25 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
     async def on_feedback(feedback: FeedbackRecorded) -> None:
         parts["store"].add_outcome(feedback)
 
+    async def withdraw(bucket: KeyValue, serving_version: int, assessment: Assessment) -> None:
+        """Take the model judged this round (``serving_version``) from the key policies read."""
+        try:
+            # Compare-and-set on the revision the round judged, not a plain delete: another
+            # replica may have promoted a newer model while this one trained, and that one
+            # was never judged here. An empty value is "no model" to every reader (the
+            # policies, ``fleetpilot model``, ``serving_model``), and the watch sees it.
+            await bucket.update(PROMOTED_KEY, b"", serving_version)
+        except CasConflict:
+            log.info("learner: model %s version %d was replaced during the round: not withdrawn",
+                     PROMOTED_KEY, serving_version)
+            return
+        metrics.withdrawn.inc()
+        await host.bus.publish(ModelPublished(  # type: ignore[union-attr]
+            name=PROMOTED_KEY, version=serving_version, figures=assessment.figures, promoted=False,
+            reason=assessment.reason, published_at=now(), withdrawn=True))
+        log.warning("learner: model %s version %d withdrawn: %s", PROMOTED_KEY, serving_version,
+                    assessment.reason)
+
     @host.every(settings.check_interval_s)
     async def learn_when_due() -> None:
         store: ExampleStore = parts["store"]
@@ -214,14 +233,7 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             return
         metrics.trained(assessment, seconds)
         if assessment.withdraw:
-            # The policies see the key go and publish their own confidence again.
-            await bucket.delete(PROMOTED_KEY)
-            metrics.withdrawn.inc()
-            await host.bus.publish(ModelPublished(  # type: ignore[union-attr]
-                name=PROMOTED_KEY, version=serving_version, figures=assessment.figures, promoted=False,
-                reason=assessment.reason, published_at=now(), withdrawn=True))
-            log.warning("learner: model %s version %d withdrawn: %s", PROMOTED_KEY, serving_version,
-                        assessment.reason)
+            await withdraw(bucket, serving_version, assessment)
         key = PROMOTED_KEY if assessment.promoted else CANDIDATE_KEY
         version = await bucket.put(key, msgspec.json.encode(assessment.model))
         await host.bus.publish(ModelPublished(  # type: ignore[union-attr]

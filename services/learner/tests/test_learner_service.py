@@ -26,6 +26,7 @@ from fleetpilot.contracts import (
 from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeFeatures, OutcomeModel, train
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
+from fleetpilot_services.learner import service as learner_service
 from fleetpilot_services.learner.service import LearnerSettings, build
 from fleetpilot_services.learner.store import JOINED, ExampleStore, read_examples
 
@@ -165,7 +166,43 @@ async def test_a_serving_model_the_outcomes_no_longer_bear_out_is_withdrawn(
     assert (withdrawal.name, withdrawal.version, withdrawal.withdrawn) == (PROMOTED_KEY, serving, True)
     assert withdrawal.reason.startswith("the model serving scores ")
     assert (candidate.name, candidate.promoted, candidate.withdrawn) == (CANDIDATE_KEY, False, False)
-    assert set(stored) == {CANDIDATE_KEY}  # the policies read nothing under `outcome` now
+    assert {key for key, value in stored.items() if value} == {CANDIDATE_KEY}  # policies read no model now
+
+
+async def test_a_withdrawal_leaves_a_model_another_replica_promoted_during_the_round(
+        nats_url, tmp_path, nats_client, published, monkeypatch):
+    js = nats_client.jetstream()
+    bucket = await js.key_value("models")
+    await bucket.put(PROMOTED_KEY, tight_holds_fail_model())
+    newer = tight_holds_fail_model() + b" "  # another replica's model: a revision this round never judged
+    loop = asyncio.get_running_loop()
+    real_assess = learner_service.assess
+
+    def assess_while_another_replica_promotes(*args, **kwargs):
+        assessment = real_assess(*args, **kwargs)
+        asyncio.run_coroutine_threadsafe(bucket.put(PROMOTED_KEY, newer), loop).result(timeout=10)
+        return assessment
+
+    monkeypatch.setattr(learner_service, "assess", assess_while_another_replica_promotes)
+    count = 160
+    host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count))
+    await host.start()
+    try:
+        draw = random.Random(5)  # the world of the withdrawal test: the serving model is stale
+        for i in range(count):
+            sure = draw.choice([0.6, 0.8, 0.95, 0.99])
+            made = msgspec.structs.replace(decision(i), confidence=sure)
+            ended = msgspec.structs.replace(outcome(i), confidence=sure,
+                                            outcome="success" if draw.random() < sure else "failure")
+            await js.publish("decision.made", encode(made))
+            await js.publish("feedback.recorded", encode(ended))
+        await eventually(lambda: any(e.name == CANDIDATE_KEY for e in published), what="the round's model")
+        stored = await models(nats_url)
+    finally:
+        await host.stop()
+    # The stale model was judged, not the newer one: the newer one keeps serving.
+    assert stored[PROMOTED_KEY] == newer
+    assert not any(e.withdrawn for e in published)
 
 
 async def test_a_duplicated_outcome_is_counted_once(nats_url, tmp_path, nats_client, published):
