@@ -96,16 +96,21 @@ def ended(decision_id: str, state: str, policy: str, task_kind: str = "train", *
     )
 
 
-async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, nats_client):
-    js = nats_client.jetstream()
-    announced: list[FeedbackRecorded] = []
+@pytest.fixture
+async def announced(nats_client) -> list[FeedbackRecorded]:
+    """Every ``feedback.recorded`` published, in order. A core subscription sees every
+    publish, duplicates included: the stream's de-duplication cannot hide one from it."""
+    seen: list[FeedbackRecorded] = []
 
     async def on_feedback(msg) -> None:
-        announced.append(decode(msg.data, FeedbackRecorded))
+        seen.append(decode(msg.data, FeedbackRecorded))
 
-    # A core subscription sees every publish, duplicates included: the stream's
-    # de-duplication cannot hide a second announcement from it.
     await nats_client.subscribe("feedback.recorded", cb=on_feedback)
+    return seen
+
+
+async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, nats_client, announced):
+    js = nats_client.jetstream()
     host = build(feedback_settings)
     await host.start()
     try:
@@ -221,14 +226,9 @@ async def test_a_placement_is_judged_when_it_ends_and_a_migration_ends_the_one_i
     assert placements == []
 
 
-async def test_a_record_whose_announcement_failed_is_announced_on_redelivery(feedback_settings, nats_client):
+async def test_a_record_whose_announcement_failed_is_announced_on_redelivery(feedback_settings, nats_client,
+                                                                               announced):
     js = nats_client.jetstream()
-    announced: list[FeedbackRecorded] = []
-
-    async def on_feedback(msg) -> None:
-        announced.append(decode(msg.data, FeedbackRecorded))
-
-    await nats_client.subscribe("feedback.recorded", cb=on_feedback)
     host = build(feedback_settings)
     await host.start()
     publish = host.bus.publish

@@ -132,6 +132,19 @@ async def test_a_model_that_beats_the_policy_is_promoted_and_predicts_the_failur
     assert tight < 0.5 < 0.9 < roomy, (tight, roomy)
 
 
+async def publish_placements_the_policy_judges_right(js, count: int) -> None:
+    """``count`` placements and their outcomes in a world where tight holds do as well as
+    roomy ones and the policy's confidence is right (each succeeds with that probability)."""
+    draw = random.Random(5)
+    for i in range(count):
+        sure = draw.choice([0.6, 0.8, 0.95, 0.99])
+        made = msgspec.structs.replace(decision(i), confidence=sure)
+        ended = msgspec.structs.replace(outcome(i), confidence=sure,
+                                        outcome="success" if draw.random() < sure else "failure")
+        await js.publish("decision.made", encode(made))
+        await js.publish("feedback.recorded", encode(ended))
+
+
 def tight_holds_fail_model() -> bytes:
     """A model that learnt, in some earlier world, that holds under the ask fail."""
     layout = OutcomeFeatures.for_models({"H100"})
@@ -149,15 +162,7 @@ async def test_a_serving_model_the_outcomes_no_longer_bear_out_is_withdrawn(
     host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count))
     await host.start()
     try:
-        # Now tight holds do as well as roomy ones, and the policy's confidence is right.
-        draw = random.Random(5)
-        for i in range(count):
-            sure = draw.choice([0.6, 0.8, 0.95, 0.99])
-            made = msgspec.structs.replace(decision(i), confidence=sure)
-            ended = msgspec.structs.replace(outcome(i), confidence=sure,
-                                            outcome="success" if draw.random() < sure else "failure")
-            await js.publish("decision.made", encode(made))
-            await js.publish("feedback.recorded", encode(ended))
+        await publish_placements_the_policy_judges_right(js, count)
         await eventually(lambda: len(published) >= 2, what="the withdrawal and the round's model")
         stored = await models(nats_url)
     finally:
@@ -188,14 +193,7 @@ async def test_a_withdrawal_leaves_a_model_another_replica_promoted_during_the_r
     host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count))
     await host.start()
     try:
-        draw = random.Random(5)  # the world of the withdrawal test: the serving model is stale
-        for i in range(count):
-            sure = draw.choice([0.6, 0.8, 0.95, 0.99])
-            made = msgspec.structs.replace(decision(i), confidence=sure)
-            ended = msgspec.structs.replace(outcome(i), confidence=sure,
-                                            outcome="success" if draw.random() < sure else "failure")
-            await js.publish("decision.made", encode(made))
-            await js.publish("feedback.recorded", encode(ended))
+        await publish_placements_the_policy_judges_right(js, count)  # the serving model is stale
         await eventually(lambda: any(e.name == CANDIDATE_KEY for e in published), what="the round's model")
         stored = await models(nats_url)
     finally:
