@@ -101,6 +101,10 @@ class Inbound(abc.ABC):
     async def term(self) -> None:
         """Never deliver again, without success (it has been dead-lettered)."""
 
+    @abc.abstractmethod
+    async def in_progress(self) -> None:
+        """Still at work on it: the server waits its ack wait again before redelivering."""
+
 
 InboundHandler = Callable[[Inbound], Awaitable[None]]
 RequestHandler = Callable[[bytes, dict[str, str]], Awaitable[bytes]]

@@ -6,17 +6,22 @@ The one place where delivery semantics live, shared by both buses:
 - ``Reject`` from the handler → dead letter at once, ``term``;
 - ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
   ``max_deliver`` is reached, then dead letter and ``term``;
-- success → publish every returned event (idempotent ids), then ``ack``.
+- success → publish every returned event (idempotent ids), then ``ack``;
+- a durable message still being handled after a third of its consumer's ack wait is told
+  ``in_progress`` every third of it, so that the server does not hand it to another replica
+  while this one is at work on it (an executor's eviction with a long grace, a migration).
 
 A dead letter keeps the original bytes and headers, so nothing is ever lost.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +66,8 @@ class Dispatcher:
     metrics: HandlerMetrics
     max_deliver: int = 5
     retry_base_s: float = 0.5
+    ack_wait_s: float | None = None
+    """The consumer's ack wait (durable messages); ``None``: no redelivery by time to prevent."""
 
     def __post_init__(self) -> None:
         self._decoder = decoder_for(*self.event_types)
@@ -77,30 +84,55 @@ class Dispatcher:
             return
         delivery = Delivery(subject=msg.subject, headers=dict(msg.headers), deliveries=msg.deliveries,
                             msg_id=msg.headers.get("Nats-Msg-Id"))
-        with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
-            try:
-                result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
-                outputs = as_events(result)
-                carrier = tracing.inject_headers()
-                for out in outputs:
-                    await self.bus.publish(out, headers=carrier)
-            except Reject as exc:
-                span.record_exception(exc)
-                await self._dead_letter(msg, "rejected", str(exc))
-                return
-            except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
-                span.record_exception(exc)
-                self.metrics.failed(self.name)
-                if msg.deliveries >= self.max_deliver:
-                    await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
+        async with self._kept_in_progress(msg):
+            with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
+                try:
+                    result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
+                    outputs = as_events(result)
+                    carrier = tracing.inject_headers()
+                    for out in outputs:
+                        await self.bus.publish(out, headers=carrier)
+                except Reject as exc:
+                    span.record_exception(exc)
+                    await self._dead_letter(msg, "rejected", str(exc))
                     return
-                delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
-                log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
-                            self.name, msg.deliveries, delay, exc)
-                await msg.nak(delay)
-                return
+                except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                    span.record_exception(exc)
+                    self.metrics.failed(self.name)
+                    if msg.deliveries >= self.max_deliver:
+                        await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
+                        return
+                    delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
+                    log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
+                                self.name, msg.deliveries, delay, exc)
+                    await msg.nak(delay)
+                    return
         await msg.ack()
         self.metrics.handled(self.name, time.perf_counter() - started)
+
+    @contextlib.asynccontextmanager
+    async def _kept_in_progress(self, msg: Inbound) -> AsyncIterator[None]:
+        """Tell the server every third of the ack wait that ``msg`` is still being handled."""
+        if not self.ack_wait_s:
+            yield
+            return
+
+        async def keep_alive() -> None:
+            while True:
+                await asyncio.sleep(self.ack_wait_s / 3)
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # noqa: BLE001 - off the bus: redelivery is then right
+                    log.warning("handler %s: could not tell the server a message is in progress: %s",
+                                self.name, exc)
+
+        beat = asyncio.create_task(keep_alive(), name=f"in-progress:{self.name}")
+        try:
+            yield
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
 
     async def _dead_letter(self, msg: Inbound, reason: str, error: str) -> None:
         letter = DeadLetter(subject=msg.subject, reason=reason, error=error[:2000], service=self.service,

@@ -183,7 +183,7 @@ class ServiceHost:
         for durable in self._durables:
             spec = durable.consumer
             dispatcher = Dispatcher(bus, self.name, spec.durable, durable.event_types, durable.handler,
-                                    self.metrics, max_deliver=spec.max_deliver)
+                                    self.metrics, max_deliver=spec.max_deliver, ack_wait_s=spec.ack_wait_s)
             await bus.consume(spec, dispatcher)
         for core in self._cores:
             dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics)

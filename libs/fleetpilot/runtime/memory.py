@@ -51,6 +51,9 @@ class _MemoryInbound(Inbound):
     async def term(self) -> None:
         self._settle()
 
+    async def in_progress(self) -> None:
+        """Nothing to restart: this bus redelivers on ``nak`` only, never by an ack wait."""
+
     async def nak(self, delay_s: float) -> None:
         if self._durable and not self._settled:
             self._settle()

@@ -63,6 +63,10 @@ class _NatsInbound(Inbound):
         if self._durable:
             await self._msg.term()
 
+    async def in_progress(self) -> None:
+        if self._durable:
+            await self._msg.in_progress()
+
 
 async def bucket_subject_keys(js, bucket: str) -> list[str]:
     """Every key a KV bucket has a subject for (deleted ones included), in one request.
