@@ -77,13 +77,18 @@ class KvHookLock:
             return False
 
     async def release(self, key: str, owner: str) -> bool:
-        """Delete ``key`` if ``owner`` holds it (checked with a read first); ``False``, with
-        no change, for a lock someone else holds or that has run out."""
+        """Delete ``key`` if ``owner`` holds it; ``False``, with no change, for a lock
+        someone else holds or that has run out. The delete is at the revision read, so a
+        lock taken over between the read and the delete (it ran out meanwhile) stays with
+        its new owner."""
         entry = await self._kv.get(key)
         live = self._live(entry.value) if entry else None
-        if live is None or live.owner != owner:
+        if entry is None or live is None or live.owner != owner:
             return False
-        await self._kv.delete(key)
+        try:
+            await self._kv.delete(key, revision=entry.revision)
+        except CasConflict:
+            return False
         return True
 
     async def holder(self, key: str) -> str | None:

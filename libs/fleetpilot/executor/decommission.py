@@ -13,6 +13,10 @@ samples and keeps the same state, but only the one holding the GPU's :class:`Hoo
 (TTL ``lock_ttl_s`` = 35 minutes, longer than the drain) emits commands. When it is done it
 leaves a ``.done`` marker so no one repeats the work after the lock expires; if it dies
 mid-drain, the lock expires and another replica takes over where the state says it is.
+The marker lives as long as the lock store keeps it: ``done_ttl_s`` asks a week, and the
+executor's ``hook_locks`` bucket caps every key at its 35-minute TTL. Past that, the
+executor service skips a GPU whose topology labels say ``decommissioned`` (what the
+procedure's last command writes), so no replica starts it again.
 Cordon and decommission commands are idempotent for whoever carries them out.
 """
 
@@ -42,6 +46,7 @@ class DecommissionRules(msgspec.Struct, frozen=True, kw_only=True):
     drain_s: float = 1800.0
     lock_ttl_s: float = 2100.0
     done_ttl_s: float = 7 * 24 * 3600.0
+    """How long the ``.done`` marker is asked to last (a lock store may keep it less)."""
 
 
 class GpuDecommission(msgspec.Struct, frozen=True, kw_only=True):

@@ -69,8 +69,9 @@ class KeyValue(abc.ABC):
         """Write only if the key is still at ``revision``; raises ``CasConflict`` otherwise."""
 
     @abc.abstractmethod
-    async def delete(self, key: str) -> None:
-        """Remove a key (no error when absent)."""
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        """Remove a key (no error when absent); with ``revision``, only if the key is still
+        at it, raising ``CasConflict`` otherwise."""
 
     @abc.abstractmethod
     async def keys(self) -> list[str]:

@@ -119,8 +119,11 @@ class MemoryKeyValue(KeyValue):
             raise CasConflict(f"key {key!r} is not at revision {revision}")
         return self._write(key, value)
 
-    async def delete(self, key: str) -> None:
-        if key in self._data:
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        current = self._data.get(key)
+        if revision is not None and (current is None or current.revision != revision):
+            raise CasConflict(f"key {key!r} is not at revision {revision}")
+        if current is not None:
             self._write(key, None)
 
     async def keys(self) -> list[str]:

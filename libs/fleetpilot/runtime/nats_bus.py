@@ -130,9 +130,19 @@ class NatsKeyValue(KeyValue):
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise CasConflict(f"key {key!r} is not at revision {revision}") from exc
 
-    async def delete(self, key: str) -> None:
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            await self._kv.delete(key)
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        if revision is None:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                await self._kv.delete(key)
+            return
+        try:
+            await self._kv.delete(key, last=revision)
+        except nats.js.errors.APIError as exc:
+            # nats-py's update turns these codes into KeyWrongLastSequenceError; its delete
+            # does not. 10071 and 10164: the key is no longer at that revision.
+            if exc.err_code in (10071, 10164):
+                raise CasConflict(f"key {key!r} is not at revision {revision}") from exc
+            raise
 
     async def keys(self) -> list[str]:
         live = []

@@ -76,6 +76,27 @@ async def test_an_expired_lock_is_taken_over_by_exactly_one_replica(bus):
     assert await dead.holder("k") == f"o{won.index(True)}"
 
 
+async def test_a_release_leaves_a_lock_taken_over_between_its_read_and_its_delete(bus):
+    kv = await bus.kv("hook_locks")
+    clock = FakeClock()
+    assert await KvHookLock(kv, clock).acquire("k", "late", 30)
+    taker = KvHookLock(kv, FakeClock(clock.t + 31))  # by its clock the lock has run out
+
+    class TakenOverAfterTheRead:
+        """The bucket, where another replica takes the lock over right after the owner read it."""
+
+        def __getattr__(self, name):
+            return getattr(kv, name)
+
+        async def get(self, key):
+            entry = await kv.get(key)
+            assert await taker.acquire(key, "taker", 30)
+            return entry
+
+    assert await KvHookLock(TakenOverAfterTheRead(), clock).release("k", "late") is False
+    assert await taker.holder("k") == "taker"
+
+
 async def test_an_unreadable_value_does_not_wedge_the_lock(bus):
     kv = await bus.kv("hook_locks")
     await kv.put("k", b"not a lock")

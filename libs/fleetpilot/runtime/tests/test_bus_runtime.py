@@ -200,6 +200,12 @@ async def test_kv_compare_and_set(bus):
     entry = await kv.get("node.a")
     assert entry is not None and entry.value == b"2" and entry.revision == rev2
     assert await kv.keys() == ["node.a"]
+    with pytest.raises(CasConflict):
+        await kv.delete("node.a", revision=rev)  # no longer at it: the value stays
+    assert (await kv.get("node.a")).value == b"2"
+    await kv.delete("node.a", revision=rev2)
+    assert await kv.get("node.a") is None
+    await kv.put("node.a", b"4")
     await kv.delete("node.a")
     assert await kv.get("node.a") is None
 
