@@ -80,6 +80,9 @@ async def test_watch_follows_decisions(fleet):
     (["up", "--demo", "-5"], "argument --demo: must be 0 or more"),
     (["submit", "--file", "/no/such/task.yaml"], "no such file"),
     (["watch", "--nats-url", "nats://127.0.0.1:1"], "cannot connect to NATS"),
+    (["watch", "task lifecycle"], "not a NATS subject"),
+    (["submit", "--kind", "infer", "--task-id", "my task"], "must be one subject token"),
+    (["submit", "--kind", "infer", "--timeout", "0"], "argument --timeout: must be more than 0"),
 ])
 def test_bad_input_is_one_line_without_traceback(args, message):
     assert_one_line_error(args, message)

@@ -21,9 +21,12 @@ SUITES: dict[str, str] = {"openb": "fleetpilot.bench.openb", "fleet": "fleetpilo
 def add_arguments(parser) -> None:
     """The suite name, then the suite's own arguments."""
     parser.add_argument("suite", choices=sorted(SUITES), help="which benchmark")
-    parser.add_argument(
+    remainder = parser.add_argument(
         "suite_args", nargs=argparse.REMAINDER, help="arguments of the suite (see its --help)"
     )
+    # argparse counts a REMAINDER as required, so a missing suite read "required: suite,
+    # suite_args" although a suite runs with no arguments of its own.
+    remainder.required = False
 
 
 def main(args) -> int:

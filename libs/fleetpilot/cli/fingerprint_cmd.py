@@ -1,6 +1,7 @@
 """``fleetpilot fingerprint SERIES.csv --at 0.25``: fingerprint a memory series as JSON.
 
-The CSV holds ``t,memory_mb`` rows of one task (see ``fleetpilot.fingerprint.series_csv``).
+The CSV holds ``timestamp_s,used_bytes`` rows of one task: seconds and bytes, not MB (see
+``fleetpilot.fingerprint.series_csv``).
 Only the first ``--at`` fraction of the series is shown to the fingerprinter, as if the task
 had been running that long; the rest is the ground truth the prediction is scored against.
 """
@@ -16,7 +17,8 @@ from fleetpilot.fingerprint.series_csv import fingerprint_csv
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot fingerprint``."""
-    parser.add_argument("series", help="CSV of one task's memory over time")
+    parser.add_argument("series", help="CSV of one task's memory over time: timestamp_s,used_bytes per line "
+                                       "(seconds and bytes; a header line is optional)")
     parser.add_argument("--at", type=float, default=0.25,
                         help="fraction of the series the fingerprinter sees, in (0, 1] (default 0.25)")
 

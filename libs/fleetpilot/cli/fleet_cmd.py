@@ -43,7 +43,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
-from .local import announced_nats_url, connect_once
+from .local import announced_nats_url, connect_once, no_jetstream
 
 READ_TIMEOUT_S = 10.0
 
@@ -71,24 +71,38 @@ class LiveFleet:
     ledgers: list[NodeLedger] = field(default_factory=list)
 
 
-def load_spec(args) -> tuple[Fleet, str]:
-    """The fleet named by the flags and a word on where it came from."""
+def load_fleet_file(path: str, *, openb: bool | None = None) -> Fleet:
+    """The fleet in ``path`` as the simulator reads it: the openb node list (``openb``, by
+    default a ``.csv``), else a spec YAML. A file that does not load, or holds no node, is a
+    ``ValueError`` in one line naming it: an empty fleet is the wrong file, not a fleet."""
+    is_openb = path.lower().endswith(".csv") if openb is None else openb
     try:
-        if args.openb:
-            return load_openb_fleet(args.openb), f"openb node list {args.openb}"
-        if args.spec:
-            if Path(args.spec).is_dir():
-                raise ValueError("is a directory")
-            return load_fleet_spec(args.spec), f"spec {args.spec}"
+        if Path(path).is_dir():
+            raise ValueError("is a directory")
+        fleet = load_openb_fleet(path) if is_openb else load_fleet_spec(path)
     except FileNotFoundError:
-        raise ValueError(f"{args.openb or args.spec}: no such file") from None
-    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, LookupError, ValueError,
+        raise ValueError(f"{path}: no such file") from None
+    except KeyError as exc:  # a missing column or key: its str() is the quoted name
+        raise ValueError(f"{path}: not a valid fleet: missing {exc}") from None
+    except (TypeError, AttributeError, UnicodeDecodeError, LookupError, ValueError,
             msgspec.ValidationError) as exc:
         # A malformed spec surfaces as any of these from the YAML/CSV builders.
-        text = str(exc).strip("'\"") or type(exc).__name__
-        raise ValueError(f"{args.openb or args.spec}: not a valid fleet: {text}") from None
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path}: not a valid fleet: {text}") from None
     except Exception as exc:  # yaml.YAMLError and friends: still one line, never a traceback
-        raise ValueError(f"{args.openb or args.spec}: not a valid fleet: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"{path}: not a valid fleet: {str(exc).splitlines()[0]}") from None
+    if not fleet.nodes:
+        what = "an openb node list (sn,cpu_milli,memory_mib,gpu,model)" if is_openb else "a fleet spec YAML"
+        raise ValueError(f"{path}: not a valid fleet: no nodes (expected {what})")
+    return fleet
+
+
+def load_spec(args) -> tuple[Fleet, str]:
+    """The fleet named by the flags and a word on where it came from."""
+    if args.openb:
+        return load_fleet_file(args.openb, openb=True), f"openb node list {args.openb}"
+    if args.spec:
+        return load_fleet_file(args.spec, openb=False), f"spec {args.spec}"
     return load_fleet_spec(), "shipped three-site spec"
 
 
@@ -135,6 +149,8 @@ async def _last_bandwidth(js) -> list[BandwidthEstimate] | None:
 
 async def read_live(url: str) -> LiveFleet:
     """Read the running fleet's state; ``ConnectionError`` when no server answers."""
+    import nats.js.errors
+
     nc = await connect_once(url, "fleetpilot-fleet")
     try:
         js = nc.jetstream()
@@ -144,6 +160,8 @@ async def read_live(url: str) -> LiveFleet:
         live.bandwidth = await _last_bandwidth(js)
         live.ledgers = await _read_bucket(js, "ledger", NodeLedger)
         return live
+    except nats.js.errors.ServiceUnavailableError:
+        raise no_jetstream(url) from None  # no fleet can run there: the spec is shown alone
     finally:
         await nc.close()
 

@@ -15,8 +15,13 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 def state_dir(explicit: str | None = None) -> Path:
-    """``--state-dir``, else ``FLEETPILOT_STATE_DIR``, else ``./.fleetpilot``."""
-    return Path(explicit or os.environ.get("FLEETPILOT_STATE_DIR") or ".fleetpilot").resolve()
+    """``--state-dir``, else ``FLEETPILOT_STATE_DIR``, else ``./.fleetpilot``; a
+    ``ValueError`` in one line when that names something that is not a directory."""
+    path = Path(explicit or os.environ.get("FLEETPILOT_STATE_DIR") or ".fleetpilot").resolve()
+    if path.exists() and not path.is_dir():
+        # Said here, not as the FileExistsError of a mkdir deep inside a command.
+        raise ValueError(f"state directory {path} is not a directory (--state-dir or FLEETPILOT_STATE_DIR)")
+    return path
 
 
 def announced_nats_url(explicit_state: str | None = None) -> str | None:
@@ -67,13 +72,22 @@ async def connect_once(url: str, name: str):
         raise cannot_connect(url, errors[-1] if errors else exc) from None
 
 
+def no_jetstream(url: str) -> ConnectionError:
+    """The one-line error for a NATS server that answers but has no JetStream, which every
+    stream and bucket of Fleetpilot lives in (nats-py says only ``ServiceUnavailableError``)."""
+    return ConnectionError(f"the NATS server at {url} has no JetStream (Fleetpilot needs nats-server -js)")
+
+
 def local_keyring(state: Path) -> KeyRing:
     """The local issuer's key ring, created on first use, rotated when its key is due;
     the public key set (``jwks.json``) that the SLA service verifies with is kept beside it."""
     state.mkdir(parents=True, exist_ok=True)
     path = state / "keyring.json"
     if path.exists():
-        ring = KeyRing.load(path)
+        try:
+            ring = KeyRing.load(path)
+        except ValueError as exc:  # the loader does not know which file it read: say it
+            raise ValueError(f"{path}: {exc}") from None
     else:
         ring = KeyRing()
     ring.signing_key()  # rotates when the current key is older than the rotation period

@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.main(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, PermissionError, ConnectionError, TimeoutError) as exc:
-        # An OSError of a file reads "[Errno 2] No such file or directory: 'x'"; say it plainly.
+    except (ValueError, OSError, TimeoutError) as exc:
+        # Any OSError, not only a missing file: a directory where a file belongs (or the
+        # reverse) is as much the user's input. One of a file reads "[Errno 2] No such file
+        # or directory: 'x'"; say it plainly. ConnectionError is one, with its own line.
         filename = getattr(exc, "filename", None)
         text = f"{exc.strerror.lower()}: {filename}" if filename is not None and exc.strerror else str(exc)
         print(f"fleetpilot {args.subcommand}: {text}", file=sys.stderr)

@@ -20,7 +20,7 @@ import msgspec
 from fleetpilot.contracts import ModelPublished, decode
 from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeModel
 
-from .local import connect_once, local_nats_url
+from .local import connect_once, local_nats_url, no_jetstream
 
 SCANNED_EVENTS = 500
 """How many of the latest ``model.published`` events are searched for each model's figures."""
@@ -91,11 +91,15 @@ async def _announcements(js, wanted: dict[str, int]) -> tuple[dict[str, ModelPub
 async def read_models(url: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Each stored outcome model with what the learner said of it; and the withdrawal of the
     last promoted one, when that is why none is promoted now."""
+    import nats.js.errors
+
     nc = await connect_once(url, "fleetpilot-model")
     try:
         js = nc.jetstream()
         stored = {key: got for key in ROLES if (got := await _stored(js, key)) is not None}
         said, withdrawal = await _announcements(js, {key: revision for key, (revision, _) in stored.items()})
+    except nats.js.errors.ServiceUnavailableError:
+        raise no_jetstream(url) from None
     finally:
         await nc.close()
     out = []

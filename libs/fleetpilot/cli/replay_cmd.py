@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plugin-dir", help="directory of policy modules (PROFILES / profile())")
     parser.add_argument("--against-plugin-dir", help="B's modules, when comparing two versions of one policy")
     parser.add_argument(
-        "--seed", type=int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
+        "--seed", type=non_negative_int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
     )
     parser.add_argument("--show", type=non_negative_int, default=10, help="differing decisions to list in the text report")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -90,16 +90,20 @@ def module_profiles(directory: Path) -> dict[str, ProfileConfig]:
             spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - report which module is broken, in one line
             raise ValueError(f"{file}: cannot load ({type(exc).__name__}: {exc})") from None
-        exported: list[Any] = [
-            {**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
-            for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()
-        ]
-        if callable(getattr(module, "profile", None)):
-            made = module.profile()
-            exported += list(made) if isinstance(made, list | tuple) else [made]
-        for prof in exported:
-            config = prof if isinstance(prof, ProfileConfig) else msgspec.convert(prof, ProfileConfig)
-            out[config.name] = config
+        try:
+            exported: list[Any] = [
+                {**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
+                for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()
+            ]
+            if callable(getattr(module, "profile", None)):
+                made = module.profile()
+                exported += list(made) if isinstance(made, list | tuple) else [made]
+            for prof in exported:
+                config = prof if isinstance(prof, ProfileConfig) else msgspec.convert(prof, ProfileConfig)
+                out[config.name] = config
+        except Exception as exc:  # noqa: BLE001 - operator code: name the module, in one line
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            raise ValueError(f"{file}: not a policy profile ({type(exc).__name__}: {text})") from None
     return out
 
 

@@ -35,6 +35,7 @@ from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
+from .arguments import positive_float, task_id_problem
 from .local import local_nats_url, local_token, state_dir
 
 
@@ -45,7 +46,8 @@ class UsageError(ValueError):
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot submit``."""
     parser.add_argument("--file", "-f", help="task as JSON or YAML (flags override its fields)")
-    parser.add_argument("--task-id", default=None)
+    parser.add_argument("--task-id", default=None,
+                        help="the task's id, one subject token: no dots, spaces, * or > (default: a new one)")
     parser.add_argument("--tenant", default="local", help="tenant of the local token")
     parser.add_argument("--kind", choices=["train", "finetune", "infer", "encode", "batch"])
     parser.add_argument("--gpus", type=int)
@@ -61,9 +63,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--p95-latency-ms", type=float)
     parser.add_argument("--duration-s", type=float, dest="expected_duration_s")
     parser.add_argument("--command", nargs="+", default=None, help="command to run (process backend)")
-    parser.add_argument("--accept-offer", action="store_true", help="accept the first counter-option without asking")
-    parser.add_argument("--decline-offer", action="store_true", help="decline any counter-offer without asking")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the decision")
+    # Both at once would silently decline: the parser refuses the pair instead.
+    answer = parser.add_mutually_exclusive_group()
+    answer.add_argument("--accept-offer", action="store_true", help="accept the first counter-option without asking")
+    answer.add_argument("--decline-offer", action="store_true", help="decline any counter-offer without asking")
+    # Checked by the parser: a timeout of 0 or less would publish the task, then give up at once.
+    parser.add_argument("--timeout", type=positive_float, default=30.0,
+                        help="seconds to wait for the decision (default 30)")
     parser.add_argument("--nats-url", default=None,
                         help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
     parser.add_argument("--token", default=os.environ.get("FLEETPILOT_TOKEN"), help="bearer JWT (default: local key)")
@@ -113,6 +119,10 @@ def build_task(args) -> TaskSubmitted:
     except msgspec.ValidationError as exc:
         raise UsageError(f"invalid task: {exc}") from None
     problem = task_problem(task)  # what the SLA service would reject it for, said before publishing
+    if problem is None and (why := task_id_problem(task.task_id)) is not None:
+        # A bad id breaks the subjects that carry the task: nats-py refuses to listen on
+        # ``sla.offer.<id>`` with a traceback, or a wildcard id listens to other tasks' offers.
+        problem = f"task_id {task.task_id!r} {why}: it must be one subject token (no dots, spaces, * or >)"
     if problem is not None:
         raise UsageError(f"invalid task: {problem}")
     return task
@@ -189,7 +199,10 @@ def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
     if args.accept_offer:
         choice = 1
     elif sys.stdin.isatty():
-        raw = input(f"accept which option (1-{len(offer.options)}, empty = decline)? ").strip()
+        try:
+            raw = input(f"accept which option (1-{len(offer.options)}, empty = decline)? ").strip()
+        except EOFError:  # Ctrl-D at the prompt: an answer of nothing, not a traceback
+            raw = ""
         if not raw:
             return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)
         if not raw.isdigit() or not 1 <= int(raw) <= len(offer.options):

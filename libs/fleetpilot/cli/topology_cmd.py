@@ -25,15 +25,16 @@ def add_arguments(parser) -> None:
 
 
 def read_text(path: str) -> str:
-    """The file's text (or stdin's for ``-``); undecodable bytes are a one-line ``ValueError``."""
+    """The file's text (or stdin's for ``-``); undecodable bytes or a directory are a one-line
+    ``ValueError`` that ``main`` prefixes with the path."""
     if path == "-":
         return sys.stdin.read()
     try:
         return Path(path).read_text()
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text file") from None
+        raise ValueError("not a text file") from None
     except IsADirectoryError:
-        raise ValueError(f"{path}: is a directory") from None
+        raise ValueError("is a directory") from None
 
 
 def main(args, out=None) -> int:

@@ -9,6 +9,7 @@ prints a closing report.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import math
@@ -46,7 +47,8 @@ from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from .arguments import existing_file, non_negative_int, port_base, positive_float, positive_int
-from .local import NATS_URL_FILE, local_keyring, local_token, state_dir
+from .fleet_cmd import load_fleet_file
+from .local import NATS_URL_FILE, local_keyring, local_token, no_jetstream, state_dir
 from .workload import demo_tasks
 
 SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
@@ -62,14 +64,26 @@ def add_arguments(parser) -> None:
                         help="use this NATS instead of starting one")
     parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
     parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
-    parser.add_argument("--fleet", type=existing_file, default=None,
-                        help="the simulated fleet: a spec YAML, a topology.json, or the openb node list CSV "
-                             "(three-site by default)")
+    parser.add_argument("--fleet", type=fleet_file, default=None,
+                        help="the simulated fleet: a spec YAML, or the openb node list CSV (three-site by default)")
     parser.add_argument("--metrics-port-base", type=port_base, default=9101,
                         help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
     parser.add_argument("--fingerprinter-partitions", type=positive_int, default=1, metavar="N",
                         help="run the fingerprinter as N replicas, each owning a partition of the tasks (default 1)")
+
+
+def fleet_file(text: str) -> str:
+    """``--fleet``: the absolute path of a fleet the collector's simulator can run, checked
+    before anything starts. Otherwise the collector stops at start, after NATS and seven
+    services, or (a file that parses as an empty spec, such as a ``topology.json``, which
+    the collector does not read) simulates no GPU while the topology service shows many."""
+    path = existing_file(text)
+    try:
+        load_fleet_file(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
 
 
 class ServiceProcesses:
@@ -436,6 +450,8 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
 
 async def run(args) -> int:
     """Run the fleet until the duration ends or the user interrupts."""
+    import nats.js.errors
+
     state = state_dir(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
     local_keyring(state)
@@ -446,36 +462,45 @@ async def run(args) -> int:
         server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
         url = server.url
     print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
-    # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
     announced = state / NATS_URL_FILE
-    announced.write_text(url + "\n")
-    bus = await NatsBus.connect(url, "fleetpilot-up")
-    await bus.ensure_topology()
-    if server is None and simulated:
-        left = await earlier_run(bus)
-        if left:
-            # A NATS of the user's own is not emptied; its state of a gone fleet is said.
-            print(f"fleetpilot up: the bus at {url} holds what an earlier run left ({left}), but the "
-                  "simulated fleet starts empty: this run's tasks queue behind those and find their GPUs "
-                  "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
-    services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
-    services.start_all()
-    report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
-    for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
-                    "task.rejected", "sla.offer.*", "model.published"):
-        await bus.subscribe(subject, report.on_message)
-    print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    started = time.monotonic()
-    if args.demo and not await simulated_fleet_answers(bus, timeout_s=60.0):
-        print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
-              file=sys.stderr)
-    demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report)) if args.demo else None
-    rc = 0
+    bus: NatsBus | None = None
+    services: ServiceProcesses | None = None
+    demo: asyncio.Task | None = None
+    # Everything after the server starts is undone however it ends: a bus that refuses us
+    # must not leave an orphan nats-server, nor a nats.url that sends the next `submit` to
+    # a bus nobody runs.
     try:
+        # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
+        announced.write_text(url + "\n")
+        bus = await NatsBus.connect(url, "fleetpilot-up")
+        try:
+            await bus.ensure_topology()
+        except nats.js.errors.ServiceUnavailableError:
+            raise no_jetstream(url) from None
+        if server is None and simulated:
+            left = await earlier_run(bus)
+            if left:
+                # A NATS of the user's own is not emptied; its state of a gone fleet is said.
+                print(f"fleetpilot up: the bus at {url} holds what an earlier run left ({left}), but the "
+                      "simulated fleet starts empty: this run's tasks queue behind those and find their GPUs "
+                      "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
+        services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
+        services.start_all()
+        report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
+        for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
+                        "task.rejected", "sla.offer.*", "model.published"):
+            await bus.subscribe(subject, report.on_message)
+        print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        started = time.monotonic()
+        if args.demo and not await simulated_fleet_answers(bus, timeout_s=60.0):
+            print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
+                  file=sys.stderr)
+        demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report)) if args.demo else None
+        rc = 0
         while not stop.is_set():
             if args.duration is not None and time.monotonic() - started >= args.duration:
                 break
@@ -493,9 +518,11 @@ async def run(args) -> int:
     finally:
         if demo is not None:
             demo.cancel()
-        print("fleetpilot up: stopping services...", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, services.stop_all)
-        await bus.drain()
+        if services is not None:
+            print("fleetpilot up: stopping services...", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, services.stop_all)
+        if bus is not None:
+            await bus.drain()
         if server is not None:
             server.stop()
         if announced.exists() and announced.read_text().strip() == url:

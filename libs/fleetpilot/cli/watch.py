@@ -11,13 +11,17 @@ import msgspec
 
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from .arguments import non_negative_int, subject_pattern
 from .local import local_nats_url
 
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot watch``."""
-    parser.add_argument("subjects", nargs="*", default=["decision.made"], help="subjects (wildcards allowed)")
-    parser.add_argument("--count", type=int, default=0, help="exit after this many messages")
+    # Checked by the parser: nats-py refuses a malformed subject with a traceback mid-command.
+    parser.add_argument("subjects", nargs="*", type=subject_pattern, default=["decision.made"],
+                        help="subjects (wildcards allowed; default decision.made)")
+    parser.add_argument("--count", type=non_negative_int, default=0,
+                        help="exit after this many messages (default 0: follow until Ctrl-C)")
     parser.add_argument("--nats-url", default=None,
                         help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
                              "--state-dir, else :4222)")

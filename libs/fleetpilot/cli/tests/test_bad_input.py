@@ -1,0 +1,223 @@
+"""Bad arguments and bad input files: one line on stderr, exit code 2, never a traceback, and
+nothing published or left behind first."""
+
+from __future__ import annotations
+
+import subprocess
+
+import msgspec
+import pytest
+from fleetpilot.cli.local import NATS_URL_FILE
+from fleetpilot.cli.main import main
+from fleetpilot.fleet.inventory import fleet_to_json, load_fleet_spec
+from fleetpilot.policy import ClusterState, TaskRequest, record
+from fleetpilot.runtime.embedded import free_port, nats_server_binary
+
+UNREACHABLE = "nats://127.0.0.1:1"
+
+
+def one_line_error(argv: list[str], capsys) -> str:
+    """Run ``fleetpilot ARGV`` in-process; assert exit 2 with one stderr line; return it."""
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:  # the parser's refusals
+        rc = exit_.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def nats_without_jetstream(tmp_path):
+    """A NATS server that answers but has no JetStream (a plain ``nats-server``)."""
+    port = free_port()
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import socket  # noqa: PLC0415 - only this fixture waits on a socket
+    import time  # noqa: PLC0415
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(5)
+
+
+def test_a_state_dir_that_is_a_file_is_one_line(tmp_path, capsys) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for argv in (["token"], ["submit", "--kind", "infer", "--nats-url", UNREACHABLE]):
+        line = one_line_error([*argv, "--state-dir", str(not_a_dir)], capsys)
+        assert f"state directory {not_a_dir} is not a directory" in line
+
+
+def test_a_key_ring_that_is_a_directory_or_broken_is_one_line_naming_it(tmp_path, capsys) -> None:
+    (tmp_path / "a" / "keyring.json").mkdir(parents=True)
+    assert "is a directory" in one_line_error(["token", "--state-dir", str(tmp_path / "a")], capsys)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keyring.json").write_text("{}")
+    line = one_line_error(["token", "--state-dir", str(tmp_path / "b")], capsys)
+    assert f"{tmp_path / 'b' / 'keyring.json'}: not a key ring document" in line
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan"])
+def test_submit_refuses_a_timeout_before_publishing(timeout, tmp_path, capsys) -> None:
+    line = one_line_error(["submit", "--kind", "infer", "--timeout", timeout, "--nats-url", UNREACHABLE,
+                           "--state-dir", str(tmp_path)], capsys)
+    assert "argument --timeout" in line
+
+
+@pytest.mark.parametrize("task_id", ["a b", "a.b", "a.*", "x>", "*"])
+def test_submit_refuses_a_task_id_that_is_not_one_subject_token(task_id, tmp_path, capsys) -> None:
+    line = one_line_error(["submit", "--kind", "infer", "--task-id", task_id, "--nats-url", UNREACHABLE,
+                           "--state-dir", str(tmp_path)], capsys)
+    assert f"invalid task: task_id {task_id!r}" in line and "one subject token" in line
+
+
+def test_submit_refuses_an_empty_task_id_from_a_file(tmp_path, capsys) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text('task_id: ""\nkind: infer\n')
+    line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
+                          capsys)
+    assert "task_id '' is empty" in line
+
+
+def test_submit_refuses_accepting_and_declining_at_once(capsys) -> None:
+    line = one_line_error(["submit", "--kind", "infer", "--accept-offer", "--decline-offer"], capsys)
+    assert "not allowed with argument --accept-offer" in line
+
+
+@pytest.mark.parametrize("subject", ["", "a b", "a..b", ".a", "a.", "a.>.b", "a*", "task.life>"])
+def test_watch_refuses_a_malformed_subject(subject, capsys) -> None:
+    line = one_line_error(["watch", subject, "--nats-url", UNREACHABLE], capsys)
+    assert f"not a NATS subject: {subject!r}" in line
+
+
+def test_subjects_and_task_ids_that_nats_takes_are_taken() -> None:
+    from fleetpilot.cli.arguments import subject_problem, task_id_problem  # noqa: PLC0415
+
+    for subject in ("decision.made", "task.lifecycle.>", "sla.offer.*", ">", "*.made", "dlq.task.>"):
+        assert subject_problem(subject) is None, subject
+    assert subject_problem("sla.offer.*", wildcards=False) == "has a wildcard (* or >)"
+    assert task_id_problem("cli-1_x") is None
+    assert task_id_problem("a.b") == "has a dot"
+
+
+def test_watch_refuses_a_negative_count(capsys) -> None:
+    assert "argument --count: must be 0 or more" in one_line_error(["watch", "--count", "-3"], capsys)
+
+
+def test_topology_names_a_directory_once(tmp_path, capsys) -> None:
+    assert one_line_error(["topology", str(tmp_path)], capsys) == f"fleetpilot topology: {tmp_path}: is a directory"
+
+
+def test_fingerprint_help_says_the_columns_and_their_units(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["fingerprint", "--help"])
+    assert "timestamp_s,used_bytes" in " ".join(capsys.readouterr().out.split())
+
+
+def test_fleet_refuses_a_file_that_holds_no_node(tmp_path, capsys) -> None:
+    not_a_spec = tmp_path / "task.yaml"
+    not_a_spec.write_text("kind: infer\n")
+    assert "not a valid fleet: no nodes" in one_line_error(["fleet", "--spec", str(not_a_spec)], capsys)
+    header_only = tmp_path / "nodes.csv"
+    header_only.write_text("sn,cpu_milli,memory_mib,gpu,model\n")
+    assert "not a valid fleet: no nodes" in one_line_error(["fleet", "--openb", str(header_only)], capsys)
+
+
+def test_fleet_keeps_the_reason_whole(tmp_path, capsys) -> None:
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- 1\n")
+    line = one_line_error(["fleet", "--spec", str(a_list)], capsys)
+    assert line.endswith("not a valid fleet: 'list' object has no attribute 'get'")  # its quotes unstripped
+
+
+def test_up_refuses_a_fleet_the_collector_would_simulate_empty(tmp_path, capsys) -> None:
+    # topology.json parses as YAML but is not a spec: the collector built a fleet of no GPU
+    # from it while the topology service showed every node.
+    saved = tmp_path / "topology.json"
+    saved.write_bytes(fleet_to_json(load_fleet_spec()))
+    line = one_line_error(["up", "--fleet", str(saved), "--state-dir", str(tmp_path / "state")], capsys)
+    assert "argument --fleet" in line and "no nodes" in line
+    assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+def test_up_on_an_unreachable_bus_leaves_no_pointer_to_it(tmp_path, capsys) -> None:
+    line = one_line_error(["up", "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path), "--duration", "1",
+                           "--metrics-port-base", "0"], capsys)
+    assert "cannot connect to NATS" in line
+    assert not (tmp_path / NATS_URL_FILE).exists()  # `submit` from here would go to a dead bus
+
+
+def test_a_nats_without_jetstream_is_one_line(nats_without_jetstream, tmp_path, capsys) -> None:
+    said = f"the NATS server at {nats_without_jetstream} has no JetStream"
+    assert said in one_line_error(["model", "--nats-url", nats_without_jetstream], capsys)
+    assert said in one_line_error(["up", "--nats-url", nats_without_jetstream, "--state-dir", str(tmp_path),
+                                   "--duration", "1", "--metrics-port-base", "0"], capsys)
+    assert not (tmp_path / NATS_URL_FILE).exists()
+    # `fleet` still shows the spec, and says why there is nothing live.
+    assert main(["fleet", "--nats-url", nats_without_jetstream]) == 0
+    captured = capsys.readouterr()
+    assert said in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out.startswith("fleet three-site")
+
+
+def _states(tmp_path):
+    state = ClusterState.build(names=["n0", "n1"], cpu_milli=[64000] * 2, memory_mb=[256000] * 2, gpus=[4] * 2,
+                               models=["A100"] * 2, gpu_memory_mb=[40960] * 2)
+    path = tmp_path / "states.jsonl"
+    path.write_bytes(msgspec.json.encode(record(state, TaskRequest(task_id="t0", gpus=1, gpu_milli=500,
+                                                                   gpu_memory_mb=8000))) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("source,why", [
+    ('PROFILES = {"x": 5}', "TypeError"),
+    ("def profile():\n    return 7\n", "ValidationError"),
+    ("def profile():\n    raise RuntimeError('boom')\n", "RuntimeError: boom"),
+])
+def test_replay_names_a_module_whose_profiles_do_not_load(source, why, tmp_path, capsys) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "mine.py").write_text(source)
+    line = one_line_error(["replay", "--states", str(_states(tmp_path)), "--policy", "x", "--against", "fgd",
+                           "--plugin-dir", str(plugins)], capsys)
+    assert f"{plugins / 'mine.py'}: not a policy profile ({why}" in line
+
+
+def test_replay_refuses_a_negative_seed_naming_the_flag(tmp_path, capsys) -> None:
+    line = one_line_error(["replay", "--states", str(_states(tmp_path)), "--policy", "fgd", "--against", "fgd",
+                           "--seed", "-1"], capsys)
+    assert "argument --seed: must be 0 or more" in line
+
+
+def test_bench_without_a_suite_asks_only_for_the_suite(capsys) -> None:
+    assert one_line_error(["bench"], capsys).endswith("the following arguments are required: suite")
+
+
+def test_end_of_input_at_the_offer_prompt_declines(monkeypatch) -> None:
+    import argparse  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from fleetpilot.cli.submit import answer_offer  # noqa: PLC0415
+    from fleetpilot.contracts import OfferOption, SlaOffer, SlaRequest  # noqa: PLC0415
+
+    def eof(prompt: str = "") -> str:
+        raise EOFError
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", eof)
+    offer = SlaOffer(offer_id="o", task_id="t", tenant="local", asked=SlaRequest(), reason="too slow",
+                     options=[OfferOption(option_id="o1", why="wait")], valid_until=0.0, at=0.0)
+    reply = answer_offer(offer, argparse.Namespace(decline_offer=False, accept_offer=False), io.StringIO())
+    assert reply.accept is False
