@@ -8,7 +8,9 @@ from .base import Event, Record, now
 from .catalog import (
     BUCKETS,
     CONSUMERS,
+    ENDPOINTS,
     ROUTES,
+    SLA_NEGOTIATE,
     STREAMS,
     BucketSpec,
     ConsumerSpec,
@@ -74,8 +76,10 @@ from .topology import (
     in_service,
 )
 
-ALL_EVENTS: tuple[type[Event], ...] = tuple(route.event for route in ROUTES) + tuple(
-    route.reply for route in ROUTES if route.reply is not None)
+# Routed events first, then the answers of request/reply endpoints; a type that is both
+# (``task.admitted`` also answers ``sla.negotiate``) is listed once, where it first appears.
+ALL_EVENTS: tuple[type[Event], ...] = tuple(dict.fromkeys(
+    [route.event for route in ROUTES] + [reply for route in ROUTES + ENDPOINTS for reply in route.replies]))
 
 __all__ = [
     "ALL_EVENTS",
@@ -91,6 +95,7 @@ __all__ = [
     "Contract",
     "DeadLetter",
     "DecisionMade",
+    "ENDPOINTS",
     "Event",
     "FeedbackRecorded",
     "FeedbackStats",
@@ -135,6 +140,7 @@ __all__ = [
     "Record",
     "RejectCode",
     "Route",
+    "SLA_NEGOTIATE",
     "STREAMS",
     "HandOver",
     "HeldOutFigures",

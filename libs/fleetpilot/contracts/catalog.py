@@ -29,14 +29,16 @@ from .topology import TopologyReport, TopologyUpdated
 class Route:
     """Where an event type is published: a subject template and an idempotency-key template,
     both filled from the event's fields, and a one-line description for the docs.
-    ``reply`` names the answer's type when the subject is a request/reply endpoint."""
+
+    ``replies`` makes the subject a request/reply endpoint and names every type its answer
+    may have (the requester gets exactly one of them on its reply inbox)."""
 
     event: type[Event]
     subject: str
     msg_id: str | None
     description: str
     durable: bool = True
-    reply: type[Event] | None = None
+    replies: tuple[type[Event], ...] = ()
 
 
 ROUTES: tuple[Route, ...] = (
@@ -59,15 +61,28 @@ ROUTES: tuple[Route, ...] = (
     Route(TopologyUpdated, "topology.updated", "topo-rev:{revision}", "The merged fleet topology changed."),
     Route(DeadLetter, "dlq.{subject}", None, "A message no handler could take, with its reason and original bytes."),
     Route(StatsQuery, "feedback.stats", None, "Request: feedback statistics per policy, shard, kind, GPU model.",
-          durable=False, reply=FeedbackStats),
+          durable=False, replies=(FeedbackStats,)),
     Route(SimCommand, "sim.control", None, "Request: start/stop/move a task on the simulated fleet.", durable=False,
-          reply=SimAck),
+          replies=(SimAck,)),
     Route(SimEvent, "sim.event.{node}", None, "The simulated hardware finished or killed a task, or failed.",
           durable=False),
     Route(HandOver, "executor.handover.{node}", None,
           "Request: the executor of the node a task moves to asks the one it runs on to checkpoint and stop it.",
-          durable=False, reply=HandedOver),
+          durable=False, replies=(HandedOver,)),
 )
+
+SLA_NEGOTIATE = Route(
+    TaskSubmitted, "sla.negotiate", None,
+    "Request: a quote for a task (a `task.submitted` body with its Authorization header); "
+    "nothing is published or stored.",
+    durable=False, replies=(SlaOffer, TaskAdmitted, TaskRejected))
+"""The SLA service's quote endpoint: the negotiation of a submission without its effects."""
+
+# Request/reply endpoints whose request type already has its route in ROUTES (where that
+# type is published): a type has one route, so these stay out of ``route_for`` and are only
+# documented in the generated contract. An endpoint whose request type is used nowhere else
+# (feedback.stats, sim.control) is simply its type's route in ROUTES.
+ENDPOINTS: tuple[Route, ...] = (SLA_NEGOTIATE,)
 
 _ROUTE_BY_TYPE: dict[type, Route] = {route.event: route for route in ROUTES}
 

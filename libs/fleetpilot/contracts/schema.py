@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,12 +28,22 @@ import yaml
 
 from . import ALL_EVENTS
 from .base import Event
-from .catalog import BUCKETS, CONSUMERS, DLQ_PREFIX, ROUTES, STREAMS, Route, StreamSpec, subject_matches
+from .catalog import (
+    BUCKETS,
+    CONSUMERS,
+    DLQ_PREFIX,
+    ENDPOINTS,
+    ROUTES,
+    STREAMS,
+    Route,
+    StreamSpec,
+    subject_matches,
+)
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ASYNCAPI_VERSION = "3.0.0"
 # Bumped by hand when the shape of the generated documents (not the events) changes.
-CONTRACT_DOC_VERSION = "1.0.0"
+CONTRACT_DOC_VERSION = "1.1.0"
 
 ASYNCAPI_FILE = "asyncapi.yaml"
 JSONSCHEMA_DIR = "jsonschema"
@@ -74,7 +85,10 @@ def tag_of(event_type: type[Event]) -> str:
 
 def _channel_id(route: Route) -> str:
     # AsyncAPI keys must match ^[A-Za-z0-9_\-]+$; the tag without its version is stable
-    # across versions, so a v2 message can join the same channel later.
+    # across versions, so a v2 message can join the same channel later. An endpoint of
+    # ENDPOINTS shares its request type with a route, so its subject names it instead.
+    if route in ENDPOINTS:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", _address(route.subject))
     family_name, _, _ = tag_of(route.event).rpartition(".")
     return family_name.replace(".", "_")
 
@@ -161,15 +175,23 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     """
     _, components = msgspec.json.schema_components(ALL_EVENTS, ref_template="#/$defs/{name}")
     docs: dict[str, dict[str, Any]] = {}
-    described = [(r.event, f"{r.description} Subject: `{_address(r.subject)}`.") for r in ROUTES] + [
-        (r.reply, f"Reply to `{_address(r.subject)}` requests.") for r in ROUTES if r.reply is not None]
-    for event, description in described:
+    # One file per type, so a type with several roles (``task.admitted`` is published and
+    # answers ``sla.negotiate``) names all of them in its one description.
+    roles: dict[type[Event], list[str]] = {event: [] for event in ALL_EVENTS}
+    for route in ROUTES:
+        roles[route.event].append(f"{route.description} Subject: `{_address(route.subject)}`.")
+    for route in ENDPOINTS:
+        roles[route.event].append(f"Also the request of `{_address(route.subject)}`.")
+    for route in ROUTES + ENDPOINTS:
+        for reply in route.replies:
+            roles[reply].append(f"Reply to `{_address(route.subject)}` requests.")
+    for event in ALL_EVENTS:
         name, tag = event.__name__, tag_of(event)
         docs[f"{JSONSCHEMA_DIR}/{tag}.json"] = {
             "$schema": JSON_SCHEMA_DIALECT,
             "$id": f"{tag}.json",
             "title": name,
-            "description": description,
+            "description": " ".join(roles[event]),
             "$ref": f"#/$defs/{name}",
             "$defs": {key: components[key] for key in _closure(name, components)},
         }
@@ -178,7 +200,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "$id": "all.json",
         "title": "FleetpilotEvent",
         "description": "Any Fleetpilot event; the `type` field tells which. " + PAYLOAD_NOTE,
-        "oneOf": [{"$ref": f"#/$defs/{event.__name__}"} for event, _ in described],
+        "oneOf": [{"$ref": f"#/$defs/{event.__name__}"} for event in ALL_EVENTS],
         "$defs": {key: components[key] for key in sorted(components)},
     }
     return docs
@@ -265,15 +287,16 @@ def _channel(route: Route) -> dict[str, Any]:
             ),
             "parameters": parameters or None,
             "messages": {n: {"$ref": f"#/components/messages/{n}"}
-                         for n in [name] + ([route.reply.__name__] if route.reply else [])},
+                         for n in [name] + [reply.__name__ for reply in route.replies]},
             "x-fleetpilot": _strip_none(
                 {
                     "transport": transport,
                     "stream": stream.name if stream else None,
                     "msgIdTemplate": route.msg_id,
                     "durableConsumers": _consumers_for(route) or None,
+                    # An endpoint answers a bad request with an error body instead.
                     "deadLetter": None
-                    if route.subject.startswith(DLQ_PREFIX)
+                    if route.subject.startswith(DLQ_PREFIX) or route.replies
                     else f"{DLQ_PREFIX}{_address(route.subject)}",
                 }
             ),
@@ -286,7 +309,15 @@ def _operations(route: Route) -> dict[str, dict[str, Any]]:
     channel_ref = {"$ref": f"#/channels/{cid}"}
     message_ref = [{"$ref": f"#/channels/{cid}/messages/{name}"}]
     consumers = _consumers_for(route)
-    if consumers:
+    # Both sides of a request/reply endpoint name its possible answers: the requester's
+    # send gets one of them back, the service's receive answers with one of them.
+    reply = {"messages": [{"$ref": f"#/channels/{cid}/messages/{r.__name__}"} for r in route.replies]} \
+        if route.replies else None
+    if route.replies:
+        how = ("Served as a `nats.micro` endpoint (one replica answers): the answer goes to the "
+               "request's reply subject; a request that does not decode is answered "
+               "`{\"error\": ...}` and is not dead-lettered.")
+    elif consumers:
         how = "Through the durable pull consumer(s) " + ", ".join(f"`{c}`" for c in consumers) + "."
     elif route.durable:
         how = "With an ephemeral or client-owned consumer on the stream."
@@ -296,19 +327,19 @@ def _operations(route: Route) -> dict[str, dict[str, Any]]:
         f"send_{cid}": _strip_none({
             "action": "send",
             "channel": channel_ref,
-            "title": f"Publish {tag}",
+            "title": f"{'Request' if route.replies else 'Publish'} {tag}",
             "summary": route.description,
             "messages": message_ref,
-            "reply": {"messages": [{"$ref": f"#/channels/{cid}/messages/{route.reply.__name__}"}]}
-            if route.reply else None,
+            "reply": reply,
         }),
         f"receive_{cid}": _strip_none(
             {
                 "action": "receive",
                 "channel": channel_ref,
-                "title": f"Consume {tag}",
+                "title": f"{'Answer' if route.replies else 'Consume'} {tag}",
                 "summary": how,
                 "messages": message_ref,
+                "reply": reply,
                 "x-fleetpilot-consumers": consumers or None,
             }
         ),
@@ -359,15 +390,18 @@ def asyncapi_document() -> dict[str, Any]:
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}
-    for route in ROUTES:
+    for route in ROUTES + ENDPOINTS:
         channels[_channel_id(route)] = _channel(route)
         operations.update(_operations(route))
-        messages[route.event.__name__] = _message(route)
-        if route.reply is not None:
-            reply_doc = " ".join((route.reply.__doc__ or "").split())
-            messages[route.reply.__name__] = {"name": tag_of(route.reply), "title": route.reply.__name__,
-                                              "summary": reply_doc, "contentType": "application/json",
-                                              "payload": {"$ref": f"#/components/schemas/{route.reply.__name__}"}}
+        if route in ROUTES:  # an endpoint's request type has its message from its route
+            messages[route.event.__name__] = _message(route)
+        for reply in route.replies:
+            # A reply that is also published (``task.admitted``) keeps its published
+            # message, set here or by its route later; the payload is the same.
+            messages.setdefault(reply.__name__, {
+                "name": tag_of(reply), "title": reply.__name__,
+                "summary": " ".join((reply.__doc__ or "").split()), "contentType": "application/json",
+                "payload": {"$ref": f"#/components/schemas/{reply.__name__}"}})
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {

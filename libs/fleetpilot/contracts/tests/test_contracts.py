@@ -15,6 +15,7 @@ import pytest
 from fleetpilot.contracts import (
     ALL_EVENTS,
     CONSUMERS,
+    ENDPOINTS,
     ROUTES,
     DeadLetter,
     DecisionMade,
@@ -140,13 +141,30 @@ def test_tags_are_versioned_unique_and_in_the_type_field():
 
 
 def test_every_event_has_exactly_one_route():
-    # Replies of request/reply endpoints travel on the requester's inbox, not a route.
-    replies = {r.reply for r in ROUTES if r.reply is not None}
-    assert len({r.event for r in ROUTES}) == len(ROUTES) == len(ALL_EVENTS) - len(replies)
+    # Replies of request/reply endpoints travel on the requester's inbox, not a route; some
+    # (``task.admitted``, an answer of ``sla.negotiate``) are published events as well.
+    replies = {reply for r in ROUTES + ENDPOINTS for reply in r.replies}
+    routed = {r.event for r in ROUTES}
+    assert len(routed) == len(ROUTES) == len(ALL_EVENTS) - len(replies - routed)
+    assert len(set(ALL_EVENTS)) == len(ALL_EVENTS)
     for event_type in ALL_EVENTS:
         assert issubclass(event_type, Event)
-        if event_type not in replies:
+        if event_type in routed:
             assert route_for(event_type).event is event_type
+        else:
+            assert event_type in replies
+
+
+def test_endpoints_on_routed_types_stay_out_of_routing():
+    # ``sla.negotiate`` takes a ``task.submitted`` body, yet a TaskSubmitted is still
+    # published on ``task.submitted``.
+    assert route_for(TaskSubmitted).subject == "task.submitted"
+    assert subject_for(TaskSubmitted(task_id="t1")) == "task.submitted"
+    assert msg_id_for(TaskSubmitted(task_id="t1")) == "submit:t1"
+    for endpoint in ENDPOINTS:
+        assert endpoint not in ROUTES and route_for(endpoint.event) is not endpoint
+        assert endpoint.replies and set(endpoint.replies) <= set(ALL_EVENTS)
+        assert not endpoint.durable and endpoint.msg_id is None
 
 
 def test_route_for_unrouted_type_is_an_error():

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from fleetpilot.contracts import ALL_EVENTS, BUCKETS, CONSUMERS, ROUTES, STREAMS, schema
+from fleetpilot.contracts import ALL_EVENTS, BUCKETS, CONSUMERS, ENDPOINTS, ROUTES, STREAMS, schema
 
 PROTO = Path(__file__).resolve().parents[4] / "proto"
 
@@ -116,7 +116,7 @@ def test_asyncapi_basics(asyncapi):
 
 def test_every_route_has_a_channel_message_and_operations(asyncapi):
     by_address = {c["address"]: (cid, c) for cid, c in asyncapi["channels"].items()}
-    assert len(by_address) == len(ROUTES)
+    assert len(by_address) == len(asyncapi["channels"]) == len(ROUTES) + len(ENDPOINTS)
     for route in ROUTES:
         address = route.subject.replace("{node.node}", "{node}")
         cid, channel = by_address[address]
@@ -136,6 +136,39 @@ def test_every_route_has_a_channel_message_and_operations(asyncapi):
             if op["channel"]["$ref"] == f"#/channels/{cid}"
         }
         assert actions == {"send", "receive"}
+
+
+# Every request/reply endpoint a service serves (``host.endpoint``): address -> request
+# message, possible replies. A client generated from proto/ must be able to call each.
+SERVED_ENDPOINTS: dict[str, tuple[str, set[str]]] = {
+    "feedback.stats": ("StatsQuery", {"FeedbackStats"}),
+    "sim.control": ("SimCommand", {"SimAck"}),
+    "executor.handover.{node}": ("HandOver", {"HandedOver"}),
+    "sla.negotiate": ("TaskSubmitted", {"SlaOffer", "TaskAdmitted", "TaskRejected"}),
+}
+
+
+@pytest.mark.parametrize("address", sorted(SERVED_ENDPOINTS))
+def test_every_served_endpoint_is_documented_with_its_replies(asyncapi, address):
+    request, replies = SERVED_ENDPOINTS[address]
+    [(cid, channel)] = [(cid, c) for cid, c in asyncapi["channels"].items() if c["address"] == address]
+    assert set(channel["messages"]) == {request} | replies
+    assert channel["x-fleetpilot"]["transport"] == "core" and "deadLetter" not in channel["x-fleetpilot"]
+    ops = [op for op in asyncapi["operations"].values() if op["channel"]["$ref"] == f"#/channels/{cid}"]
+    assert sorted(op["action"] for op in ops) == ["receive", "send"]
+    for op in ops:
+        assert op["messages"] == [{"$ref": f"#/channels/{cid}/messages/{request}"}]
+        assert {m["$ref"] for m in op["reply"]["messages"]} == {f"#/channels/{cid}/messages/{r}" for r in replies}
+        for ref in [op["messages"][0]["$ref"]] + [m["$ref"] for m in op["reply"]["messages"]]:
+            message = _resolve(asyncapi, _resolve(asyncapi, ref)["$ref"])
+            assert message["payload"]["$ref"].endswith("/" + message["title"])
+
+
+def test_sla_negotiate_request_keeps_its_auth_header(asyncapi):
+    channel = asyncapi["channels"]["sla_negotiate"]
+    request = _resolve(asyncapi, channel["messages"]["TaskSubmitted"]["$ref"])
+    assert "Authorization" in request["headers"]["properties"]
+    assert "nothing is published or stored" in channel["description"]
 
 
 def test_task_submitted_documents_auth_and_idempotency(asyncapi):
