@@ -34,6 +34,7 @@ from typing import Literal
 import msgspec
 from fleetpilot.auth import AuthError, Claims, TokenVerifier, load_jwks
 from fleetpilot.contracts import (
+    SLA_NEGOTIATE,
     Event,
     Fingerprint,
     SlaOffer,
@@ -85,7 +86,7 @@ class SlaSettings(ServiceSettings):
     bandwidth_strategy: Literal["min_rtt", "balanced"] = "min_rtt"
     reference_p95_ms: float = 50.0
     default_price_per_gpu_hour: float = 1.0
-    negotiate_subject: str = "sla.negotiate"
+    negotiate_subject: str = SLA_NEGOTIATE.subject  # as documented in proto/
     require_reply_token: bool = True
 
 
@@ -111,12 +112,14 @@ def load_verifier(settings: SlaSettings, clock: Clock = time.time) -> TokenVerif
     path = jwks_path_of(settings)
     if not path.exists():
         raise FileNotFoundError(f"no JWKS at {path}: run `fleetpilot token --init` or set FLEETPILOT_SLA_JWKS_PATH")
+    verifier = TokenVerifier({"keys": []}, audience=settings.audience, issuer=settings.issuer,
+                             algorithms=settings.algorithms, clock=clock)
     try:
-        keys = load_jwks(path)
+        # JSON that is no key set (``[]``, ``{"keys": 3}``) is as unreadable as cut JSON.
+        verifier.update_jwks(load_jwks(path))
     except ValueError as exc:  # json.JSONDecodeError is one
         raise UnreadableKeySet(f"cannot read the key set {path}: {exc}") from None
-    return TokenVerifier(keys, audience=settings.audience, issuer=settings.issuer,
-                         algorithms=settings.algorithms, clock=clock)
+    return verifier
 
 
 class Gate:
@@ -128,13 +131,17 @@ class Gate:
 
     def __init__(self, settings: SlaSettings, clock: Clock, refused: Counter) -> None:
         self._path = jwks_path_of(settings)
+        # The file's stamp before reading it: a rewrite between the read and the stamp
+        # would otherwise be taken as read, and its keys never loaded until the next one.
+        self._seen = self._stamp() if self._path.exists() else None
         self._verifier = load_verifier(settings, clock)
-        self._seen = self._stamp()
         self._refused = refused
 
-    def _stamp(self) -> tuple[int, int]:
+    def _stamp(self) -> tuple[int, int, int]:
         stat = self._path.stat()
-        return stat.st_mtime_ns, stat.st_size
+        # The inode too: save_jwks replaces the file, so a rewrite of the same size within
+        # one tick of the file system's clock still shows as a change.
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
     def _refresh(self) -> None:
         try:

@@ -101,21 +101,42 @@ class TokenVerifier:
         self.update_jwks(jwks)
 
     def update_jwks(self, jwks: dict[str, Any]) -> None:
-        """Replace the key set (after the issuer rotated); keys of other algorithms are ignored."""
+        """Replace the key set (after the issuer rotated).
+
+        Keys of other algorithms are ignored, and so is a key this verifier cannot use (a
+        member missing, an unsupported curve, a ``valid_until`` that is no number), as RFC
+        7517 section 5 asks: the set's other keys still verify, and a token signed by the
+        unusable key is refused as ``unknown_kid``. A document that is no key set at all
+        raises ``ValueError`` and the current keys stay.
+        """
+        entries = jwks.get("keys") if isinstance(jwks, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError('not a JWKS: expected {"keys": [...]}')
         keys: dict[str, tuple[str, Any, float | None]] = {}
-        for jwk in jwks.get("keys", []):
+        for jwk in entries:
+            if not isinstance(jwk, dict):
+                continue
             alg, kid = jwk.get("alg"), jwk.get("kid")
-            if not kid or alg not in self.algorithms:
+            if not isinstance(kid, str) or not kid or alg not in self.algorithms:
                 continue
             member = {k: v for k, v in jwk.items() if k != "valid_until"}
-            keys[kid] = (alg, jwt.PyJWK(member, alg).key, jwk.get("valid_until"))
+            try:
+                key = jwt.PyJWK(member, alg).key
+                valid_until = None if jwk.get("valid_until") is None else float(jwk["valid_until"])
+            except (jwt.PyJWTError, TypeError, ValueError):
+                # One key pyjwt cannot load raised out of every reload before, and the SLA
+                # service's gate then failed every request while the file held it.
+                continue
+            keys[kid] = (alg, key, valid_until)
         self._keys = keys
 
     def verify(self, token: str) -> Claims:
         """The token's claims, or :class:`AuthError` naming the first check that failed."""
         try:
             header = jwt.get_unverified_header(token)
-        except jwt.DecodeError as exc:
+        except jwt.InvalidTokenError as exc:
+            # Not only DecodeError: pyjwt refuses a header whose ``kid`` is no string with a
+            # plain InvalidTokenError, which must be a refusal too, never an unexpected error.
             raise AuthError("malformed", f"not a JWT ({exc})") from exc
         alg = header.get("alg")
         if not isinstance(alg, str) or alg.lower() == "none":
@@ -129,7 +150,7 @@ class TokenVerifier:
         if key_alg != alg:
             raise AuthError("alg_not_allowed", f"key {kid} is for {key_alg}, token says {alg}")
         now = self._clock()
-        if valid_until is not None and now > float(valid_until) + self.leeway_s:
+        if valid_until is not None and now > valid_until + self.leeway_s:
             raise AuthError("key_retired", f"key {kid} was retired after its overlap window")
         try:
             claims = jwt.decode(

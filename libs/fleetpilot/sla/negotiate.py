@@ -47,7 +47,8 @@ class Admit:
 
 @dataclass(frozen=True)
 class CounterOffer:
-    """The ask cannot be met as is; each option is met as stated. Open until ``valid_until``."""
+    """The ask cannot be met as is; each option is met as stated. Open until ``valid_until``:
+    the policy's ttl, or sooner when a deadline leaves an option less slack than that."""
 
     options: list[OfferOption]
     reason: str
@@ -255,6 +256,16 @@ def task_problem(task: TaskSubmitted) -> str | None:
             return f"sla.{name} must be a finite number >= 0, got {bound}"
     if sla.deadline is not None and not math.isfinite(sla.deadline):
         return f"sla.deadline must be a finite time, got {sla.deadline}"
+    if task.kind == "infer" and P95_REFERENCE_LABEL in task.labels:
+        # The estimate divides this label by the pool's compute: words would raise out of
+        # ``negotiate`` and NaN would pass every latency bound.
+        text = task.labels[P95_REFERENCE_LABEL]
+        try:
+            reference = float(text)
+        except ValueError:
+            reference = math.nan
+        if not (math.isfinite(reference) and reference > 0):
+            return f"label {P95_REFERENCE_LABEL} must be a finite number of ms above 0, got {text!r}"
     return None
 
 
@@ -293,7 +304,14 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
     reason = _shortfall(task, acceptable_now) + "; options: " + " | ".join(
         f"{o.option_id}: {o.why}" for o in options)
-    return CounterOffer(options=options, reason=reason, valid_until=now + policy.offer_ttl_s)
+    valid_until = now + policy.offer_ttl_s
+    if sla.deadline is not None:
+        # An option starts at its not_before or at its acceptance, whichever is later, so it
+        # meets the (hard) deadline only if accepted by deadline - warm-up - duration: the
+        # offer closes when the first option's slack runs out, not after the ttl regardless.
+        duration = task.expected_duration_s or 0.0
+        valid_until = min([valid_until, *(sla.deadline - e.warmup_ms / 1000.0 - duration for e in chosen)])
+    return CounterOffer(options=options, reason=reason, valid_until=valid_until)
 
 
 def _severity(e: Estimate) -> tuple[int, float, float, float]:

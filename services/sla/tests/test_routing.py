@@ -169,3 +169,17 @@ async def test_a_finished_task_s_contract_is_forgotten():
     await store.forget("done-1")
     assert await kv.get(contract_key("done-1")) is None
     assert "done-1" not in store.admitted
+
+
+async def test_a_p95_reference_label_in_words_is_rejected_invalid_not_retried(service):
+    # It raised out of the negotiator: five deliveries, then a dead letter, and no answer to
+    # the submitter; a quote got no reply at all.
+    bus, auth = service
+    wordy = TaskSubmitted(task_id="wordy", gpus=1, kind="infer", labels={"p95_ref_ms": "fast"})
+    quoted = decode(await bus.request("sla.negotiate", encode(wordy), headers=auth), SlaOffer, TaskAdmitted,
+                    TaskRejected)
+    assert isinstance(quoted, TaskRejected) and quoted.code == "invalid" and "p95_ref_ms" in quoted.reason
+    await bus.publish(wordy, headers=auth)
+    await bus.settle()
+    answers = [e for s, e in published(bus, "TASKS") if s == "task.rejected"]
+    assert [(e.task_id, e.code) for e in answers] == [("wordy", "invalid")]

@@ -212,3 +212,40 @@ def test_a_verifier_reading_the_key_set_while_it_is_rewritten_never_sees_half_a_
         reader.join()
     assert bad == []
     assert load_jwks(path) == jwks and [p.name for p in tmp_path.iterdir()] == ["jwks.json"]
+
+
+@pytest.mark.parametrize("kid", [123, ["k"], {"k": 1}, None], ids=["int", "list", "object", "null"])
+def test_a_header_kid_that_is_no_string_is_malformed_not_a_crash(kid):
+    # pyjwt's header parser raises InvalidTokenError (not DecodeError) for such a kid; it
+    # escaped verify, so the SLA service retried the submission instead of refusing it.
+    _, ring, verifier, token = _setup()
+    _, payload, sig = token.split(".")
+    with pytest.raises(AuthError) as err:
+        verifier.verify(f"{_b64({'alg': 'EdDSA', 'typ': 'JWT', 'kid': kid})}.{payload}.{sig}")
+    assert err.value.reason == "malformed", str(err.value)
+
+
+def test_a_key_the_verifier_cannot_use_is_skipped_and_the_others_still_verify():
+    # RFC 7517 section 5: a JWK with missing members or an unsupported curve is ignored,
+    # not a reason to refuse the whole set (nor an exception from the reload).
+    _, ring, verifier, token = _setup()
+    good = ring.public_jwks()["keys"]
+    no_x = {**good[0], "kid": "no-x"}
+    del no_x["x"]
+    wrong_curve = {**good[0], "kid": "x25519", "crv": "X25519"}
+    bad_expiry = {**good[0], "kid": "bad-expiry", "valid_until": "soon"}
+    verifier.update_jwks({"keys": [no_x, wrong_curve, bad_expiry, "not-an-object", *good]})
+    assert verifier.verify(token).tenant == "acme"
+    for kid in ("no-x", "x25519", "bad-expiry"):
+        _, payload, sig = token.split(".")
+        with pytest.raises(AuthError) as err:
+            verifier.verify(f"{_b64({'alg': 'EdDSA', 'typ': 'JWT', 'kid': kid})}.{payload}.{sig}")
+        assert err.value.reason == "unknown_kid"
+
+
+@pytest.mark.parametrize("doc", [[], {"keys": 3}, {"keys": {"kid": "k"}}, "keys"])
+def test_a_document_that_is_no_key_set_is_a_value_error_and_the_keys_stay(doc):
+    _, _, verifier, token = _setup()
+    with pytest.raises(ValueError):
+        verifier.update_jwks(doc)
+    assert verifier.verify(token).tenant == "acme"

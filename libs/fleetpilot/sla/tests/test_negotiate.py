@@ -53,6 +53,14 @@ CASES = [
     ("NaN latency bound", task(sla={"p95_latency_ms": float("nan")}), Reject, "invalid"),
     ("negative cost ceiling", task(sla={"cost_ceiling_per_hour": -1.0}), Reject, "invalid"),
     ("endless deadline", task(sla={"deadline": float("inf")}), Reject, "invalid"),
+    # The p95 reference label is read as a number: words crashed the negotiator (the service
+    # retried the submission five times, then dead-lettered it; a quote got no answer), and
+    # "nan" passed every latency bound, so the task was admitted whatever it asked.
+    ("p95 reference in words", task(kind="infer", labels={"p95_ref_ms": "fast"}), Reject, "invalid"),
+    ("NaN p95 reference", task(kind="infer", labels={"p95_ref_ms": "nan"}, sla={"p95_latency_ms": 10}),
+     Reject, "invalid"),
+    ("endless p95 reference", task(kind="infer", labels={"p95_ref_ms": "inf"}), Reject, "invalid"),
+    ("negative p95 reference", task(kind="infer", labels={"p95_ref_ms": "-5"}), Reject, "invalid"),
     ("never enough GPUs", task(gpus=16), Reject, "infeasible"),
     ("relax warm-up or wait",
      task(kind="infer", size_gb=2.0, labels={"data_site": "us-1"}, gpu_models=["A100", "H100"],
@@ -74,6 +82,9 @@ CASES = [
                                                                                 "max_queue_s": 60}),
      CounterOffer, {"queue"}),
     ("cpu only", task(gpus=0), Admit, (None, None)),
+    ("p95 reference label is used", task(kind="infer", labels={"p95_ref_ms": "120"}, gpu_models=["V100"],
+                                          sla={"p95_latency_ms": 200}),
+     CounterOffer, {"latency"}),
 ]
 
 
@@ -131,3 +142,20 @@ def test_fingerprint_peak_and_warmup_count():
     decision = negotiate(task(kind="train"), FLEET, now=NOW, fingerprint=fp)
     assert isinstance(decision, Admit) and decision.contract.gpu_models == ["A100"]  # V100 too small
     assert "warm-up 1500 ms" in decision.contract.notes
+
+
+def test_an_offer_under_a_deadline_closes_before_accepting_it_would_miss_the_deadline():
+    # The H100 frees too late for the deadline; the A100 now leaves 60 s to spare. Accepted
+    # at the end of a 300 s validity it would start 240 s after the deadline allowed, under a
+    # contract that promises the deadline: the offer must close when that slack runs out.
+    submitted = task(kind="train", gpu_models=["H100"], expected_duration_s=600,
+                     sla={"max_queue_s": 30, "deadline": NOW + 660})
+    decision = negotiate(submitted, FLEET, now=NOW, policy=NegotiationPolicy(offer_ttl_s=300))
+    assert isinstance(decision, CounterOffer)
+    assert {o.gpu_model for o in decision.options} >= {"A100"}
+    latest = min(submitted.sla.deadline - o.warmup_ms / 1000 - 600 for o in decision.options)
+    assert decision.valid_until == pytest.approx(latest) and NOW < decision.valid_until <= NOW + 60
+    roomy = negotiate(task(kind="train", gpu_models=["H100"], expected_duration_s=600,
+                           sla={"max_queue_s": 30, "deadline": NOW + 100_000}), FLEET, now=NOW,
+                      policy=NegotiationPolicy(offer_ttl_s=300))
+    assert isinstance(roomy, CounterOffer) and roomy.valid_until == NOW + 300
