@@ -17,6 +17,7 @@ How each derived field is computed, and from which call, is in ``fleet/README.md
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -32,6 +33,8 @@ from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NicPort, NodeT
 from .bandwidth import IbPort
 from .reader import FleetEvent
 from .topology import make_link
+
+log = logging.getLogger("fleetpilot.fleet.nvml")
 
 MB = 1024 * 1024
 SWITCH_RATE_PER_PEER = 400.0  # the same time-slice model the simulator plays out
@@ -133,7 +136,20 @@ class NvmlReader:
         self._clock = clock
         self._task_of_pid = task_of_pid or self._task_from_environ
         nvml.nvmlInit()
-        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        # nvmlDeviceGetCount counts GPUs that nvmlDeviceGetHandleByIndex then refuses: one
+        # fallen off the bus (GpuIsLost), one a container may not open (NoPermission). Such
+        # a GPU keeps its slot (``None``, the reason in ``_unopened``) so that GPU i stays
+        # GPU i in samples and topology, and the node's other GPUs are read on.
+        self._handles: list[Any] = []
+        self._unopened: dict[int, str] = {}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            try:
+                self._handles.append(nvml.nvmlDeviceGetHandleByIndex(i))
+            except nvml.NVMLError as exc:
+                log.warning("GPU %d of %s cannot be opened through NVML (%s); it is reported empty", i,
+                            self.node, exc)
+                self._handles.append(None)
+                self._unopened[i] = str(exc)
         self._events: list[FleetEvent] = []
         self._xid_last = [0] * len(self._handles)
         self._xid_count = [0] * len(self._handles)
@@ -160,7 +176,8 @@ class NvmlReader:
         if event_set is None:
             return None
         for handle in self._handles:
-            self._try(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+            if handle is not None:
+                self._try(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set)
         return event_set
 
     def _drain_xids(self) -> None:
@@ -295,14 +312,28 @@ class NvmlReader:
                                      field="pcie_throughput"))
                      for counter in (nvml.NVML_PCIE_UTIL_TX_BYTES, nvml.NVML_PCIE_UTIL_RX_BYTES))  # type: ignore[return-value]
 
+    def _unopened_sample(self, index: int, now: float) -> GpuSample:
+        # What a GPU that falls off the bus while read reports too (every call fails):
+        # nothing known, no memory, the reason under ``nvml_error``.
+        return GpuSample(node=self.node, gpu=index, uuid="", model="", at=now, utilization_gpu_pct=0.0,
+                         utilization_memory_pct=0.0, memory_total_mb=0.0, memory_used_mb=0.0, memory_free_mb=0.0,
+                         temperature_c=0.0, power_w=0.0, power_limit_w=0.0, sm_clock_mhz=0.0, pcie_tx_kbps=0.0,
+                         pcie_rx_kbps=0.0, xid_last=self._xid_last[index], xid_count=self._xid_count[index],
+                         labels={"driver_version": self._driver, "site": self.site,
+                                 "nvml_error": self._unopened[index]})
+
     def sample(self, node: str) -> list[GpuSample]:
-        """One reading of every local GPU; unsupported fields default and are labelled."""
+        """One reading of every local GPU; unsupported fields default and are labelled
+        (``nvml_unsupported``); a GPU NVML could not open reads empty with ``nvml_error``."""
         self._check_node(node)
         self._drain_xids()
         nvml = self._nvml
         now = self._clock()
         out = []
         for index, handle in enumerate(self._handles):
+            if handle is None:
+                out.append(self._unopened_sample(index, now))
+                continue
             missing: list[str] = []
 
             def call(fn: Callable[..., Any], *args: Any, default: Any = None, field: str = "",
@@ -364,6 +395,8 @@ class NvmlReader:
         grouped: dict[str, tuple[set[int], float, set[int]]] = {}
         sm_util: dict[str, list[float]] = {}
         for index, handle in enumerate(self._handles):
+            if handle is None:
+                continue  # a GPU NVML could not open: no process is known on it
             # Timestamp 0 asks for every sample NVML still buffers; keep each PID's latest.
             latest: dict[int, tuple[int, float]] = {}
             for s in self._try(nvml.nvmlDeviceGetProcessUtilization, handle, 0, default=[]) or []:
@@ -399,9 +432,15 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
     PCIe kinds come from ``nvmlDeviceGetTopologyCommonAncestor``; NVLinks from
     ``nvmlDeviceGetNvLinkState`` + ``nvmlDeviceGetNvLinkRemotePciInfo`` (links to another
     GPU's bus id count towards that pair; links to an NVSwitch make every pair of
-    switch-attached GPUs ``NV<min links>``, as ``nvidia-smi`` shows); NUMA from
+    switch-attached GPUs ``NV<min links>``, as ``nvidia-smi`` shows; the far end's kind comes
+    from ``nvmlDeviceGetNvLinkRemoteDeviceType``, so a link to a GPU not in ``handles`` or
+    to a CPU (IBM NPU) counts for nothing; where that call is missing, any far end that is
+    not a known GPU is taken for a switch); NUMA from
     ``nvmlDeviceGetNumaNodeId`` (falling back to ``/sys/bus/pci/devices/<bus>/numa_node``);
     CPU affinity from ``nvmlDeviceGetCpuAffinity``; NICs from sysfs InfiniBand ports.
+
+    A ``None`` in ``handles`` is a GPU NVML could not open: it keeps its index, with nothing
+    known about it, and ``SYS`` to every other GPU.
     """
 
     def attempt(fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
@@ -416,6 +455,10 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
     gpus: list[GpuInfo] = []
     bus_ids: list[str] = []
     for i, h in enumerate(handles):
+        if h is None:
+            gpus.append(GpuInfo(index=i, model=""))
+            bus_ids.append("")
+            continue
         pci = attempt(nvml.nvmlDeviceGetPciInfo, h)
         bus = _text(pci.busId).lower() if pci is not None else ""
         bus_ids.append(bus)
@@ -432,8 +475,9 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
 
     pair_links: dict[tuple[int, int], int] = {}
     switch_links = [0] * len(handles)
+    remote_type = getattr(nvml, "nvmlDeviceGetNvLinkRemoteDeviceType", None)
     for i, h in enumerate(handles):
-        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS if h is not None else 0):
             state = attempt(nvml.nvmlDeviceGetNvLinkState, h, link)
             if state is None:
                 break  # NotSupported / InvalidArgument: no (more) links on this GPU
@@ -446,7 +490,11 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
                 if j > i:
                     pair_links[(i, j)] = pair_links.get((i, j), 0) + 1
             elif remote_bus:
-                switch_links[i] += 1
+                # Only a switch joins this GPU to the others; a peer GPU outside ``handles``
+                # (a container given part of the node) or a CPU's NPU joins it to none.
+                kind = attempt(remote_type, h, link) if remote_type is not None else None
+                if kind is None or kind == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH:
+                    switch_links[i] += 1
 
     links: list[Link] = []
     for i in range(len(handles)):
@@ -457,7 +505,8 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
             if nv:
                 links.append(make_link(f"GPU{i}", f"GPU{j}", "NV", nv))
                 continue
-            level = attempt(nvml.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j])
+            level = (attempt(nvml.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j])
+                     if handles[i] is not None and handles[j] is not None else None)
             links.append(make_link(f"GPU{i}", f"GPU{j}", _LEVEL_KIND.get(level, "SYS")))  # type: ignore[arg-type]
 
     nics: dict[str, list[NicPort]] = {}

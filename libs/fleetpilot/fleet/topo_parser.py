@@ -26,6 +26,7 @@ _TRAILING_COLUMNS: tuple[tuple[str, ...], ...] = (
 _CELL = re.compile(r"^(X|SYS|SOC|NODE|PHB|PXB|PIX|PSB|NV\d+)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
+_NUMA_SET = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
 class TopoParseError(ValueError):
@@ -41,7 +42,8 @@ class TopoMatrix(msgspec.Struct, frozen=True, kw_only=True):
 
     ``cells[i][j]`` is the printed link kind between ``devices[i]`` and ``devices[j]``
     (``"X"`` on the diagonal, ``"NV12"`` for twelve bonded NVLinks, ``SOC`` already read
-    as ``SYS``). Affinity maps are keyed by device name and hold ``None`` for ``N/A``.
+    as ``SYS``). Affinity maps are keyed by device name; the NUMA ones hold ``None`` for
+    ``N/A`` and for a set of several NUMA nodes (``0-1``), where no single node applies.
     """
 
     devices: list[str]
@@ -86,7 +88,15 @@ def _split_header(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _optional_int(text: str) -> int | None:
-    return None if text.upper() in {"N/A", "NA", "-"} else int(text)
+    if text.upper() in {"N/A", "NA", "-"}:
+        return None
+    if text.isdigit():
+        return int(text)
+    if _NUMA_SET.match(text):
+        # Servers whose GPU hangs off several NUMA nodes print the set ("0-1", "0,2"): the
+        # GPU has no single NUMA node, which is what ``None`` says downstream.
+        return None
+    return int(text)  # ValueError for anything else: the caller names the line
 
 
 def parse_topo_matrix(text: str) -> TopoMatrix:

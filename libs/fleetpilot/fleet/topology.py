@@ -225,8 +225,9 @@ def topology_from_matrix(matrix: TopoMatrix, node: str, *, site: str = "default"
     """Build a ``NodeTopology`` from a parsed ``nvidia-smi topo -m`` matrix.
 
     A NIC's NUMA node is taken from the closest GPU (NIC rows carry no affinity columns);
-    sockets are the groups of NUMA nodes joined by non-``SYS`` paths; ``cpu_milli`` counts
-    the CPUs named in GPU affinities (a lower bound).
+    sockets are the groups of NUMA nodes joined by ``NODE`` paths (a ``PHB`` or closer
+    kind across NUMA nodes is the trap in the module doc, not a shared socket);
+    ``cpu_milli`` counts the CPUs named in GPU affinities (a lower bound).
     """
     gpus = [
         GpuInfo(index=int(name[3:]), model=gpu_model, numa_node=matrix.numa_affinity.get(name),

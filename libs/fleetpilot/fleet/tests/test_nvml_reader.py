@@ -301,3 +301,73 @@ def test_a_node_named_with_dots_is_reported_as_one_subject_token() -> None:
     reader = NvmlReader(FakeNvml([rich_gpu(0)]), node="ip-10-0-3-7.ec2.internal", root="/nonexistent-root")
     assert reader.node_names() == ["ip-10-0-3-7_ec2_internal"]
     assert {s.node for s in reader.sample("ip-10-0-3-7_ec2_internal")} == {"ip-10-0-3-7_ec2_internal"}
+
+
+class LostGpuNvml(FakeNvml):
+    """A node where NVML counts a GPU it cannot open: fallen off the bus (GpuIsLost, 15)
+    or, in a container, a device it may not talk to (NoPermission): ``nvmlDeviceGetCount``
+    counts such a GPU and ``nvmlDeviceGetHandleByIndex`` refuses it."""
+
+    def __init__(self, gpus: list[FakeGpu], lost: int, error: int = 15) -> None:
+        super().__init__(gpus)
+        self.lost, self.error = lost, error
+
+    def nvmlDeviceGetHandleByIndex(self, index: int):  # noqa: N802 - pynvml's name
+        if index == self.lost:
+            raise fake_nvml.NVMLError(self.error)
+        return super().nvmlDeviceGetHandleByIndex(index)
+
+
+@pytest.mark.parametrize("error", [15, fake_nvml.NVML_ERROR_NO_PERMISSION])
+def test_a_gpu_nvml_cannot_open_leaves_the_others_read_under_their_own_index(error: int) -> None:
+    # Before, the reader died in its constructor and the collector with it: the node sent
+    # nothing, went unreachable, and every task on its healthy GPUs was given up.
+    gpus = [rich_gpu(i) for i in range(3)]
+    reader = NvmlReader(LostGpuNvml(gpus, lost=1, error=error), node="n1", root="/nonexistent-root")
+    samples = reader.sample("n1")
+    assert [s.gpu for s in samples] == [0, 1, 2]
+    assert [s.uuid for s in samples] == [gpus[0].uuid, "", gpus[2].uuid]
+    assert samples[1].memory_total_mb == 0 and samples[1].processes == []
+    assert "nvml_error" in samples[1].labels and "nvml_error" not in samples[0].labels
+    assert set().union(*(t.gpus for t in reader.task_samples("n1"))) == {0, 2}
+    topo = reader.topology("n1")
+    assert [(g.index, g.uuid) for g in topo.gpus] == [(0, gpus[0].uuid), (1, ""), (2, gpus[2].uuid)]
+    assert {(link.a, link.b) for link in topo.links} == {("GPU0", "GPU1"), ("GPU0", "GPU2"), ("GPU1", "GPU2")}
+    assert reader.events() == []
+    reader.close()
+
+
+class RemoteTypeNvml(FakeNvml):
+    """A fake that also answers ``nvmlDeviceGetNvLinkRemoteDeviceType`` from ``remote_types``
+    (GPU index -> type per link), with pynvml's constants."""
+
+    NVML_NVLINK_DEVICE_TYPE_GPU = 0x00
+    NVML_NVLINK_DEVICE_TYPE_IBMNPU = 0x01
+    NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02
+
+    def __init__(self, gpus: list[FakeGpu], remote_types: dict[int, list[int]]) -> None:
+        super().__init__(gpus)
+        self.remote_types = remote_types
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link: int) -> int:  # noqa: N802 - pynvml's name
+        self._gpu(h, "nvmlDeviceGetNvLinkRemoteDeviceType")
+        return self.remote_types[h.index][link]
+
+
+def test_nvlinks_to_gpus_this_reader_cannot_see_are_not_taken_for_an_nvswitch() -> None:
+    # Two NVLink-bridged pairs (0-2, 1-3) where this reader sees GPUs 0 and 1 only (a
+    # container given half the node), and a POWER9 GPU whose links go to the CPU (IBM NPU):
+    # none of these is a switch, so GPU0-GPU1 is PCIe, not NV2.
+    assert pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH == RemoteTypeNvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    assert pynvml.NVML_NVLINK_DEVICE_TYPE_IBMNPU == RemoteTypeNvml.NVML_NVLINK_DEVICE_TYPE_IBMNPU
+    gpus = [FakeGpu(pci_bus_id=f"00000000:{i + 1:02X}:00.0", nvlink_links=2, nvlink_remote_bus=[f"00000000:{i + 0x81:02X}:00.0"] * 2)
+            for i in range(3)]
+    fake = RemoteTypeNvml(gpus, {0: [0, 0], 1: [0, 0], 2: [1, 1]})
+    fake.nvmlInit()
+    handles = [fake.nvmlDeviceGetHandleByIndex(i) for i in range(3)]
+    kinds = {(link.a, link.b): link.kind for link in topology_from_nvml(fake, handles, "n").links}
+    assert "NV" not in kinds.values()
+    # Real switches still make every switch-attached pair NV<links>.
+    fake.remote_types = {i: [2, 2] for i in range(3)}
+    kinds = {(link.a, link.b): (link.kind, link.nvlinks) for link in topology_from_nvml(fake, handles, "n").links}
+    assert set(kinds.values()) == {("NV", 2)}

@@ -73,3 +73,16 @@ def test_unparseable_input_names_the_line(text: str, line: int, words: str) -> N
     assert info.value.line == line
     assert str(info.value).startswith(f"line {line}:")
     assert words in str(info.value)
+
+
+def test_a_numa_affinity_spanning_several_nodes_reads_as_no_single_node() -> None:
+    # A100-PCIe servers with several NUMA nodes print "0-1" (HAMi issue 1363): a GPU tied to
+    # no one NUMA node, which must not make the whole matrix unreadable.
+    text = ("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+            "GPU0\t X \tSYS\t0-63\t0-1\t\tN/A\n"
+            "GPU1\tSYS\t X \t0-31\t0\t\tN/A\n")
+    m = parse_topo_matrix(text)
+    assert m.numa_affinity == {"GPU0": None, "GPU1": 0}
+    assert m.cpu_affinity == {"GPU0": "0-63", "GPU1": "0-31"}
+    with pytest.raises(TopoParseError, match="bad affinity"):
+        parse_topo_matrix(text.replace("0-1", "0-x"))
