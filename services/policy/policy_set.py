@@ -10,7 +10,9 @@ between two decisions, and an input that does not compile leaves the previous se
 
 Circuit breakers outlive the swaps (they are keyed by policy name and breaker config): a
 fixed module does not reset a breaker that opened on the broken one, so traffic goes back
-to the primary through the breaker's half-open probe after its cooldown, as designed.
+to the primary through the breaker's half-open probe after its cooldown, as designed. A swap
+that leaves an open breaker guarding nothing (its policy gone, or a new breaker config, which
+starts closed) reports it closed (``on_breaker``), so the operators' gauge does not stay open.
 """
 
 from __future__ import annotations
@@ -186,7 +188,14 @@ class ActivePolicies:
             )
             return False
         self.config, self.source, self.plugins, self.stats = config, source, plugins, stats
-        self.current = compiled
+        previous, self.current = self.current, compiled
+        for name, guarded in previous.guarded.items():
+            serving = compiled.guarded.get(name)
+            if guarded.breaker.state != "closed" and (serving is None or serving.breaker.state == "closed"):
+                # The open breaker guards nothing now (a new breaker config, the policy gone):
+                # its decisions no longer go to the fallback, and only this says so, for that
+                # breaker will never record again.
+                self._breaker_changed(name, "closed", "ok")
         elapsed = time.perf_counter() - start
         if self.on_swap is not None:
             self.on_swap(kind, elapsed)

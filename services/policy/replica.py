@@ -530,12 +530,22 @@ class ReplicaState:
     ) -> tuple[DecisionMade | None, str, str]:
         """Choose, reserve with CAS (re-choosing on conflict); the decision (``None`` when
         nothing fits) and the policy name and shard the task was routed to. A re-placement
-        comes with the note it waited with, which names it (``<task>.assign.<g>``)."""
+        comes with the note it waited with, which names it (``<task>.assign.<g>``). A task
+        that already holds capacity for this placement (any hold, for a first one; holds under
+        the note's id, for a re-placement) gets that reservation's decision again."""
         task = adm.task
         self.remember(self.tasks, task.task_id, task)
         if self.admissions is not None:
             self.admissions.placed(adm)
         decision_id = requeue.decision_id if requeue is not None else decision_id_for(task.task_id, "assign")
+        held_now = self.ledger.holds_of(task.task_id)
+        if held_now is not None and (requeue is None or any(a.decision_id == decision_id for a in held_now[1])):
+            # Already reserved for this placement: by a replica that died before it published
+            # or cleared the entry (its claim taken over), or by a later delivery of an
+            # admission that was queued. The same decision again; choosing afresh could land on
+            # another node and leave one of the two holds held by nobody for good.
+            name, shard_id = self.active.current.route(task)
+            return self.existing(adm, decision_id), name, shard_id
         for attempt in range(10):
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)

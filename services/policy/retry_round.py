@@ -134,13 +134,19 @@ class RetryRound:
                 # One unreadable entry must not stop every other task from being placed.
                 log.error("pending %s is unreadable (%s); skipped", key, exc)
                 continue
-            if claim is not None and ps.ledger.holds_of(adm.task.task_id) is None and await ps.journaled(
+            held = ps.ledger.holds_of(adm.task.task_id)
+            if claim is not None and held is None and await ps.journaled(
                     requeue.decision_id if requeue else decision_id_for(adm.task.task_id, "assign")):
                 # The dead replica's decision went out and the executor took it (and the task
                 # ended, or its failure placed it again): nothing is left to decide.
                 await self._forget(entry)
                 continue
-            if requeue is not None and ps.ledger.holds_of(adm.task.task_id) is not None:
+            # Holds under the note's own id are its re-placement, reserved by a replica that
+            # died before clearing the entry: ``place`` issues them again. Any other holds
+            # are the placement it was evicted from.
+            if requeue is not None and held is not None and not any(
+                a.decision_id == requeue.decision_id for a in held[1]
+            ):
                 if now() - requeue.at > settings.evict_timeout_s:
                     # The eviction failed or never went out: the task still runs. Forget the
                     # entry (the vip may preempt again) rather than hold the queue up.

@@ -173,7 +173,18 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             config, source = settings.policy_config(), "settings"
         if plugins is not None:
             plugins.poll()
-        active = ActivePolicies(config, source, plugins.profiles() if plugins else {})
+        profiles = plugins.profiles() if plugins else {}
+        try:
+            active = ActivePolicies(config, source, profiles)
+        except Exception as exc:  # noqa: BLE001 - as ``ActivePolicies`` refuses any bad input live
+            if source == "settings":
+                raise  # the replica's own settings are wrong: nothing to fall back on
+            # Parsed, but it does not compile (an unknown policy, a module not loaded, a bad
+            # rule): running replicas refuse it and keep serving, so one starting now serves
+            # the settings rather than not start at all (a rolling restart would stop them all).
+            metrics.config_errors.inc()
+            log.error("policy config %s not applied (%s); starting from the settings", source, exc)
+            active = ActivePolicies(settings.policy_config(), "settings", profiles)
         active.on_swap = lambda kind, s: metrics.swapped(kind, s, active.current.generation)
         active.on_breaker = metrics.breaker_changed
         metrics.generation.set(active.current.generation)

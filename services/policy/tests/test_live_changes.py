@@ -196,3 +196,54 @@ def test_bad_config_documents_are_refused_with_a_reason():
     assert active.current.default == "fgd"
     assert config_key("gpu-7.dc1.example") == "policies.gpu-7.dc1.example"
     assert config_key("weird/host name") == "policies.weird_host_name"
+
+
+async def test_a_stored_config_that_does_not_compile_does_not_stop_a_replica_from_starting(
+    observer, nats_url, tmp_path
+):
+    """A config document naming a policy nobody knows (a typo, a module not mounted) is
+    refused while replicas run; a replica started afterwards refused to start at all, so a
+    rolling restart took every replica down. It starts from the settings and counts the error."""
+    await observer.put_fleet([node("n0")])
+    await observer.kv_put("config", "policies.default", b'{"profile": "no-such-policy"}')
+    host = build(settings(nats_url, tmp_path, profile="bestfit"))
+    await host.start()
+    try:
+        await observer.admit(admitted("t"))
+        await wait_for(lambda: len(observer.decisions) >= 1, what="t decided")
+        errors = sample(host, "fleetpilot_policy_config_errors_total")
+    finally:
+        await host.stop()
+    assert [(d.action, d.policy.name) for d in observer.decisions] == [("assign", "bestfit")]
+    assert errors == 1
+
+
+def test_a_breaker_left_open_by_a_config_change_is_reported_closed():
+    """An operator whose policy's breaker opened (it timed out on a big fleet) raises its
+    time budget: the new breaker config gets a new, closed breaker and the primary decides
+    again. Before, the open breaker was only left behind, and the ``breaker_open`` gauge it
+    set stayed at 1 for good; so it did when a shaping rule's open policy was removed."""
+    from fleetpilot_services.policy.metrics import PolicyMetrics
+    from fleetpilot_services.policy.policy_set import ActivePolicies, parse_config
+    from prometheus_client import CollectorRegistry
+
+    metrics = PolicyMetrics(CollectorRegistry())
+    active = ActivePolicies(parse_config(
+        b'{"profile": "bestfit", "shaping": [{"condition": "true", "weight": 0.1, "policy": "fgd"}]}'))
+    active.on_breaker = metrics.breaker_changed
+
+    def gauge(name: str) -> float | None:
+        return metrics.breaker_open.labels(name)._value.get()
+
+    for name in ("bestfit", "fgd"):
+        for _ in range(3):
+            active.current.guarded[name].breaker.record("timeout")
+    assert (gauge("bestfit"), gauge("fgd")) == (1.0, 1.0)
+    assert active.apply_config(parse_config(b'{"profile": "bestfit", "breaker": {"time_budget_s": 1.0}}'), "kv")
+    assert active.current.guarded["bestfit"].breaker.state == "closed"
+    assert (gauge("bestfit"), gauge("fgd")) == (0.0, 0.0)
+    # A swap that keeps the breaker (a module, the statistics) leaves the gauge alone.
+    active.current.guarded["bestfit"].breaker.record("timeout")
+    for _ in range(2):
+        active.current.guarded["bestfit"].breaker.record("timeout")
+    assert active.apply_stats([]) and gauge("bestfit") == 1.0

@@ -156,3 +156,63 @@ async def test_the_queue_aging_setting_orders_the_waiting_tasks(observer, nats_u
 def test_a_queue_aging_of_zero_is_refused() -> None:
     with pytest.raises(ValueError, match="greater than 0"):
         PolicySettings(queue_aging=0.0)
+
+
+async def test_an_entry_taken_over_whose_task_already_holds_capacity_is_not_placed_twice(
+    observer, nats_url, tmp_path
+):
+    """The dead replica had reserved the task (on n0, now full) before it died: the replica
+    that takes the entry over re-issues that hold, not a second one on the free n1. Before,
+    it placed the task afresh on n1, and one of the two holds was held by nobody for good."""
+    from fleetpilot.contracts import Allocation, NodeLedger, Placement, encode
+
+    await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
+    hold = Allocation(task_id="left", decision_id="left.assign", gpu=0, milli=1000, memory_mb=0, at=now())
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[hold])))
+    pending = await observer.js.key_value("pending")
+    await pending.put("left", claim_pending(encode_pending(admitted("left", gpu_milli=1000)), now() - 60))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2, claim_timeout_s=30))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.decision_id == "left.assign" for d in observer.decisions), what="left decided")
+        await asyncio.sleep(0.6)  # more rounds
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert left == []
+    assert [d.placement for d in observer.decisions] == [[Placement(node="n0", gpu=0, milli=1000, memory_mb=0)]]
+    holds = {n: [a.task_id for a in ledger.allocations] for n, ledger in (await observer.ledgers()).items()}
+    assert holds.get("n1", []) == [] and holds["n0"] == ["left"]
+
+
+async def test_a_re_placement_reserved_by_a_replica_that_died_is_published_not_dropped(
+    observer, nats_url, tmp_path
+):
+    """A task queued again (``left.assign.2``) a while ago: the replica that placed it reserved
+    its new hold and died before publishing. The replica taking the entry over publishes that
+    placement. Before, it took the new hold for the old placement not released yet, and once
+    ``evict_timeout_s`` had passed since the task was queued dropped the entry as a task that
+    "keeps running": no ``assign`` ever went out and the hold was held by nobody for good."""
+    from fleetpilot.contracts import Allocation, NodeLedger, Placement, encode
+    from fleetpilot.policy.preempt import Requeue
+
+    await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
+    hold = Allocation(task_id="left", decision_id="left.assign.2", gpu=0, milli=1000, memory_mb=0, at=now() - 40)
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[hold])))
+    note = Requeue(decision_id="left.assign.2", at=now() - 300, reason="assign failed: backend timeout")
+    pending = await observer.js.key_value("pending")
+    await pending.put("left", claim_pending(encode_pending(admitted("left", gpu_milli=1000), note), now() - 40))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2, claim_timeout_s=30))
+    await policy.start()
+    try:
+        await wait_for(lambda: any(d.decision_id == "left.assign.2" for d in observer.decisions),
+                       what="left.assign.2 published")
+        await asyncio.sleep(0.6)  # more rounds
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert left == []
+    assert [(d.decision_id, d.placement) for d in observer.decisions] == [
+        ("left.assign.2", [Placement(node="n0", gpu=0, milli=1000, memory_mb=0)])]
+    holds = {n: [a.decision_id for a in ledger.allocations] for n, ledger in (await observer.ledgers()).items()}
+    assert holds.get("n1", []) == [] and holds["n0"] == ["left.assign.2"]
