@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,7 +66,7 @@ from fleetpilot.fingerprint import (
     stored_stats,
     task_signature,
 )
-from fleetpilot.runtime import CasConflict, KvEntry, Partition, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import CasConflict, KvEntry, Partition, Reject, ServiceHost, ServiceSettings, serve
 from prometheus_client import Gauge
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -113,7 +114,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # Partitioned, each replica takes every message on consumers of its own and keeps its
     # tasks'; whole, the one replica takes them on the shared consumers, as before.
     instance = "" if owned.whole else owned.name
-    models: dict[str, OnlineFingerprinter] = {}
+    # Least recently fed first: past the cap the model forgotten is one that has gone longest
+    # without a sample or submission (a task long queued, or one gone silently), not a run
+    # still reporting, whose model, made again from a sample, would have lost its signature
+    # and so teach nothing when it ends.
+    models: OrderedDict[str, OnlineFingerprinter] = OrderedDict()
     # Tasks stopped to run again (moved, checkpointed, preempted) whose restore can tell
     # whether their signature comes back where it was: (signature, MB per GPU held when
     # stopped, when), until their first sample since.
@@ -126,6 +131,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # Per task moved or stopped and restored, the most its series held before (its run's peak
     # spans every series since it started).
     peak_before: OrderedDict[str, float] = OrderedDict()
+    # Per task stopped and not ended, when its latest stop was: that stop delivered again (an
+    # ack lost to a reconnect), or an earlier one, would cut the series of the run restored
+    # since and count its restore a second time.
+    last_stop: OrderedDict[str, float] = OrderedDict()
     # Tasks submitted that have not run yet: task -> (signature, the prediction it was last
     # given, ``None`` for none), and the tasks by signature.
     waiting: OrderedDict[str, tuple[str, Fingerprint | None]] = OrderedDict()
@@ -228,7 +237,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                   submitted: bool = False) -> OnlineFingerprinter:
         if task_id not in models:
             if len(models) >= settings.max_tracked_tasks:
-                models.pop(next(iter(models)))  # forget the oldest rather than grow without bound
+                models.popitem(last=False)  # forget the least recently fed rather than grow without bound
             # Only trusted fingerprints go out: an early guess (a warm-up read as a steep line,
             # a level read as a step schedule's first) would override a signature's prediction.
             # A model made on the submission sees the run from its start and may teach its
@@ -237,6 +246,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration, only_trusted=True,
                                                   from_start=submitted)
         model = models[task_id]
+        models.move_to_end(task_id)
         # Telemetry (core NATS) can overtake the submission (JetStream): fill in what the
         # submission tells as soon as it arrives, so later refits know the task's life.
         if signature and not model.signature:
@@ -248,10 +258,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     @host.on(TaskSubmitted, consumer="fingerprinter-submitted", instance=instance,
              instance_start_s_ago=PARTITION_REPLAY_S)
     async def on_submitted(task: TaskSubmitted) -> TaskFingerprinted | None:
-        if not owned.owns(task.task_id):
+        if not owned.owns(task.task_id) or task.task_id in ended:
+            # Its run was learnt already: the submission comes again (redelivered, or read by
+            # this consumer behind the lifecycle's), and a model or a waiting entry made now
+            # would never end.
             return None
         signature = task_signature(task)
         model = model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
+        if task.task_id in ending:
+            return None  # it has run: its run, learnt shortly, needed only the signature given above
         stats = await stored(signature)
         predicted = (predict(stats) if stats is not None else None) or lent(signature)
         if model.samples == 0:
@@ -264,6 +279,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
         if not owned.owns(sample.task_id):
             return None
+        if sample.memory_used_mb < 0:
+            # Garbled at its source: fitted, it would teach the signature a negative peak.
+            # Its owner alone dead-letters it (every replica decodes every sample).
+            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} is negative")
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
@@ -296,6 +315,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # over, so no fingerprint is learnt yet. A series spanning the gap would read the
             # drop as a sawtooth; merged now, a partial series would teach a guess as a peak.
             # What it held when stopped waits for its first sample once restored.
+            if life.at <= last_stop.get(life.task_id, -math.inf):
+                return  # handled already: the model now is the run restored since
+            last_stop[life.task_id] = life.at
+            last_stop.move_to_end(life.task_id)
+            while len(last_stop) > settings.max_tracked_tasks:
+                last_stop.popitem(last=False)
             old = models.get(life.task_id)
             if old is not None and old.signature and restore_tells(old.first_mb, old.last_mb):
                 stopped[life.task_id] = (old.signature, old.last_mb, life.at)
@@ -344,6 +369,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         while len(ended) > settings.max_tracked_tasks:
             ended.popitem(last=False)
         stopped.pop(life.task_id, None)
+        last_stop.pop(life.task_id, None)
         before = peak_before.pop(life.task_id, 0.0)
         model = models.pop(life.task_id, None)
         if model is None or not model.signature:

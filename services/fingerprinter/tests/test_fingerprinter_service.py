@@ -11,7 +11,17 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from fleetpilot.contracts import TaskFingerprinted, TaskLifecycle, TaskSubmitted, TaskTelemetry, decode, now
+from fleetpilot.contracts import (
+    DeadLetter,
+    TaskFingerprinted,
+    TaskLifecycle,
+    TaskSubmitted,
+    TaskTelemetry,
+    decode,
+    encode,
+    now,
+    subject_for,
+)
 from fleetpilot.fingerprint.online import OnlineFingerprinter
 from fleetpilot.fingerprint.signature import SignatureStats, borrowed, predict, task_signature
 from fleetpilot.runtime import BadSettings, Partition, partition_of
@@ -28,11 +38,11 @@ def task(task_id: str) -> TaskSubmitted:
 
 
 @contextlib.asynccontextmanager
-async def replicas(nats_url: str, *partitions: Partition):
-    """A fingerprinter replica per partition, running; a bus to talk to them, and every
-    ``task.fingerprinted`` seen."""
+async def replicas(nats_url: str, *partitions: Partition, **settings):
+    """A fingerprinter replica per partition, running (``settings`` beyond the defaults); a
+    bus to talk to them, and every ``task.fingerprinted`` seen."""
     hosts = [build(FingerprinterSettings(nats_url=nats_url, metrics_port=-1, end_grace_s=0.5,
-                                         partitions=p.count, partition=p.index)) for p in partitions]
+                                         partitions=p.count, partition=p.index, **settings)) for p in partitions]
     for host in hosts:
         await host.start()
     bus = await NatsBus.connect(nats_url, "test")
@@ -314,6 +324,78 @@ async def test_a_step_schedule_moved_on_its_level_comes_back_where_it_was_and_an
     assert (stats.restores_kept, stats.restores_reset) == (1, 0)
 
 
+async def redelivered(bus: NatsBus, event: TaskLifecycle) -> None:
+    """``event`` once more, as JetStream redelivers it (an ack lost to a reconnect): the same
+    message past the publish's de-duplication."""
+    await bus.publish_raw(subject_for(event), encode(event), headers={"Nats-Msg-Id": f"again:{event.task_id}"})
+
+
+async def test_a_stop_redelivered_after_the_restore_is_not_counted_again(fingerprinter):
+    bus, _ = fingerprinter
+    first = task("again-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    # A leak: 8 GB growing to 37 GB, evicted, restored at 9 GB and growing to 18 GB.
+    start = now()
+    await stop_and_restore(bus, "again-1", "evicted", lambda t: 8_000 + 100.0 * t, lambda t: 9_000 + 100.0 * (t - 400))
+    signature = task_signature(first)
+    await restores_seen(bus, signature, 1)
+    # The eviction comes again; the restored run goes on where it was.
+    await redelivered(bus, TaskLifecycle(task_id="again-1", state="evicted", at=start + 300))
+    await asyncio.sleep(0.3)
+    for t in np.arange(500, 600, 10.0):
+        await bus.publish(TaskTelemetry(task_id="again-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=9_000 + 100.0 * (float(t) - 400)))
+    await asyncio.sleep(0.5)
+    stats = await remembered(bus, signature)
+    assert (stats.restores_kept, stats.restores_reset) == (0, 1)
+
+
+async def test_a_submission_read_after_its_run_was_learnt_leaves_no_task_waiting(fingerprinter):
+    bus, seen = fingerprinter
+    done, other = task("done-1"), task("done-2")  # one program
+    await run_for(bus, done, 400, lambda t: 10_000.0 + 30.0 * t)
+    await samples_taken(bus, seen, "sync-done-1")
+    await bus.publish(TaskLifecycle(task_id="done-1", state="finished", at=now()))
+    await remembered(bus, task_signature(done))
+    ended = len(seen)
+    # Its submission comes again (redelivered, or read by a consumer behind the lifecycle's):
+    # the task is not waiting to start, and is told nothing, now or when the next run ends.
+    await bus.publish_raw(subject_for(done), encode(done), headers={"Nats-Msg-Id": "again:done-1"})
+    await asyncio.sleep(0.5)
+    await run_for(bus, other, 400, lambda t: 20_000.0 + 60.0 * t)
+    await samples_taken(bus, seen, "sync-done-2")
+    await bus.publish(TaskLifecycle(task_id="done-2", state="finished", at=now()))
+    kv = await bus.kv("fingerprints")
+
+    async def both_learnt() -> bool:
+        entry = await kv.get(task_signature(done))
+        return entry is not None and msgspec.json.decode(entry.value, type=SignatureStats).count == 2
+
+    await wait_for(both_learnt, what="the second run learnt")
+    await asyncio.sleep(0.5)
+    assert [f for f in seen[ended:] if f.task_id == "done-1"] == []
+
+
+async def test_a_sample_of_negative_memory_is_dead_lettered_with_its_reason_not_fitted(fingerprinter):
+    bus, seen = fingerprinter
+    letters: list[DeadLetter] = []
+
+    async def on_letter(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await bus.subscribe("dlq.telemetry.task.>", on_letter)
+    start = now()
+    for t in np.arange(0, 400, 10.0):
+        await bus.publish(TaskTelemetry(task_id="garbled-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=-4_000.0))
+    letters_in = await wait_for(lambda: len(letters) == 40 and letters, what="every garbled sample dead-lettered")
+    assert {(d.subject, d.reason) for d in letters_in} == {("telemetry.task.garbled-1", "rejected")}
+    assert "negative" in letters_in[0].error
+    await samples_taken(bus, seen, "sync-garbled-1")
+    assert [f for f in seen if f.task_id == "garbled-1"] == []
+
+
 async def test_a_run_that_failed_partway_teaches_no_envelope(fingerprinter):
     bus, _ = fingerprinter
     first = task("crash-1")
@@ -526,3 +608,30 @@ async def test_a_partition_s_replica_holds_only_its_own_tasks_and_says_which_par
     finally:
         await bus.drain()
         await host.stop()
+
+
+async def test_past_its_cap_the_model_forgotten_is_the_one_least_recently_fed_not_a_running_task_s(nats_server):
+    # Room for three models: a run sampled all along, and waiting tasks submitted after it.
+    async with replicas(nats_server.url, Partition(), max_tracked_tasks=3) as (bus, seen):
+        first = task("busy-1")
+        start = now()
+
+        async def samples(since: float, until: float) -> None:
+            for t in np.arange(since, until, 10.0):
+                await bus.publish(TaskTelemetry(task_id="busy-1", node="n1", gpus=[0], at=start + float(t),
+                                                memory_used_mb=10_000.0 + 20.0 * float(t)))
+            await asyncio.sleep(0.3)
+
+        await bus.publish(first)
+        await asyncio.sleep(0.3)
+        await samples(0, 200)
+        for waiter in ("queued-a", "queued-b"):
+            await bus.publish(task(waiter))
+        await asyncio.sleep(0.3)
+        await samples(200, 400)
+        await bus.publish(task("queued-c"))  # a fourth task: one model goes, not the running one's
+        await asyncio.sleep(0.3)
+        await samples(400, 600)
+        await bus.publish(TaskLifecycle(task_id="busy-1", state="finished", at=start + 600))
+        stats = await remembered(bus, task_signature(first))
+        assert stats.count == 1 and abs(stats.mean_peak_mb - (10_000 + 20.0 * 590)) < 1_000, stats
