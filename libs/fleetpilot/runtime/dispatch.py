@@ -5,7 +5,8 @@ The one place where delivery semantics live, shared by both buses:
 - undecodable bytes (broken JSON, wrong type, unknown tag) → dead letter at once, ``term``;
 - ``Reject`` from the handler → dead letter at once, ``term``;
 - ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
-  ``max_deliver`` is reached, then dead letter and ``term``;
+  ``max_deliver`` is reached, then dead letter and ``term``; a core message (telemetry) is
+  never delivered again, so its failure is dead-lettered at once (reason ``failed``);
 - success → publish every returned event (idempotent ids), then ``ack``;
 - a durable message still being handled after a third of its consumer's ack wait is told
   ``in_progress`` every third of it, so that the server does not hand it to another replica
@@ -68,6 +69,8 @@ class Dispatcher:
     retry_base_s: float = 0.5
     ack_wait_s: float | None = None
     """The consumer's ack wait (durable messages); ``None``: no redelivery by time to prevent."""
+    redelivered: bool = True
+    """Whether a failed message comes again (a durable consumer's); ``False`` for core ones."""
 
     def __post_init__(self) -> None:
         self._decoder = decoder_for(*self.event_types)
@@ -99,6 +102,11 @@ class Dispatcher:
                 except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
                     span.record_exception(exc)
                     self.metrics.failed(self.name)
+                    if not self.redelivered:
+                        # A nak does nothing for a core message: without this, the sample
+                        # was gone with a warning that promised a retry.
+                        await self._dead_letter(msg, "failed", f"{type(exc).__name__}: {exc}")
+                        return
                     if msg.deliveries >= self.max_deliver:
                         await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
                         return

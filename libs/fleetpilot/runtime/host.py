@@ -186,7 +186,8 @@ class ServiceHost:
                                     self.metrics, max_deliver=spec.max_deliver, ack_wait_s=spec.ack_wait_s)
             await bus.consume(spec, dispatcher)
         for core in self._cores:
-            dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics)
+            dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics,
+                                    redelivered=False)
             await bus.subscribe(core.subject, dispatcher, queue=core.queue)
         for ep in self._endpoints:
             await bus.serve(self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler))

@@ -12,6 +12,7 @@ from fleetpilot.contracts import (
     DeadLetter,
     TaskAdmitted,
     TaskSubmitted,
+    TaskTelemetry,
     decode,
     encode,
 )
@@ -167,6 +168,30 @@ async def test_reject_dead_letters_at_once(bus):
     await bus.publish(submitted("x"))
     await wait_for(lambda: letters)
     assert letters[0].reason == "rejected" and letters[0].deliveries == 1
+
+
+async def test_a_core_message_whose_handler_fails_is_dead_lettered_at_once(bus):
+    # Nothing delivers a core message (telemetry) again, so a nak would lose it.
+    host = ServiceHost("fingerprinter", settings())
+    letters: list[DeadLetter] = []
+    calls: list[str] = []
+
+    @host.on_core("telemetry.task.>", TaskTelemetry)
+    async def broken(sample: TaskTelemetry) -> None:
+        calls.append(sample.task_id)
+        raise RuntimeError("KV write timed out")
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await host.start(bus)
+    await bus.subscribe("dlq.>", on_dlq)
+    await bus.publish(TaskTelemetry(task_id="t1", node="n0", gpus=[0], at=1.0, memory_used_mb=512.0))
+    await wait_for(lambda: letters)
+    assert calls == ["t1"]
+    assert (letters[0].subject, letters[0].reason) == ("telemetry.task.t1", "failed")
+    assert "KV write timed out" in letters[0].error
+    assert decode(letters[0].data, TaskTelemetry).memory_used_mb == 512.0
 
 
 async def test_trace_context_flows_to_outputs(bus):
