@@ -17,7 +17,14 @@ from .analysis import (
     fingerprint_series,
 )
 from .envelope import ENVELOPE_POINTS, envelope_at, merge_envelopes, run_envelope
-from .online import TRUST_CONFIDENCE, TRUST_SAMPLES, OnlineFingerprinter, changed_materially, trusted
+from .online import (
+    MAX_HELD_SAMPLES,
+    TRUST_CONFIDENCE,
+    TRUST_SAMPLES,
+    OnlineFingerprinter,
+    changed_materially,
+    trusted,
+)
 from .series_csv import fingerprint_csv, parse_series_csv
 from .signature import (
     FIT_MIN_RUNS,
@@ -50,6 +57,7 @@ __all__ = [
     "LevelPrior",
     "FIT_MIN_RUNS",
     "FIT_MISS_SHARE",
+    "MAX_HELD_SAMPLES",
     "MODEL_LABEL",
     "RESTORE_KEPT_SHARE",
     "RUN_PEAKS_KEPT",

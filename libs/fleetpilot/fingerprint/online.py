@@ -22,6 +22,12 @@ WIDTH_TOLERANCE = 0.25
 TRUST_SAMPLES = 10
 TRUST_CONFIDENCE = 0.6
 
+# The most samples one task's series keeps for its fits. The collector samples every second,
+# so a service that runs for a week would otherwise hold 600,000 samples (about 80 MB in
+# Python lists) and refit on all of them; past this, pairs of samples are thinned to the
+# higher of the two (peaks survive, and a fit leans to the safe side).
+MAX_HELD_SAMPLES = 20_000
+
 
 def trusted(fp: Fingerprint) -> bool:
     """Whether an observed fingerprint is worth acting on (``TRUST_SAMPLES``, ``TRUST_CONFIDENCE``)."""
@@ -55,14 +61,15 @@ class OnlineFingerprinter:
     after ``min_samples`` samples, then whenever the series grew by ``refit_growth`` (10%)
     since the last fit — so the total cost over a task's life stays near-linear. ``prior``
     (for instance from :class:`~fleetpilot.fingerprint.signature.SignatureMemory`) is
-    what :attr:`current` answers before the first fit.
+    what :attr:`current` answers before the first fit. A series past ``max_samples`` is
+    thinned (``_thin``): memory and the cost of a refit stay bounded however long it runs.
     """
 
     def __init__(self, signature: str = "", *, expected_duration_s: float | None = None,
                  started_at: float | None = None, min_samples: int = MIN_SAMPLES,
                  refit_growth: float = 0.10, prior: Fingerprint | None = None,
                  level_prior: LevelPrior | None = None, only_trusted: bool = False,
-                 from_start: bool = True) -> None:
+                 from_start: bool = True, max_samples: int = MAX_HELD_SAMPLES) -> None:
         """``started_at`` is the task's start on the samples' clock (default: first sample).
         ``from_start`` says the series begins with the run (not at a restore from a
         checkpoint, in the middle of its life): only then does ``finish`` give an envelope.
@@ -81,6 +88,8 @@ class OnlineFingerprinter:
         self._mb: list[float] = []
         self._util: list[float] = []
         self._coloc: list[float] = []
+        self._max_samples = max(max_samples, 16)
+        self._added = 0
         self._fitted_at = 0
         self._published: Fingerprint | None = None
         self._current: Fingerprint | None = prior
@@ -100,6 +109,11 @@ class OnlineFingerprinter:
     @property
     def samples(self) -> int:
         """How many memory samples have been added."""
+        return self._added
+
+    @property
+    def held_samples(self) -> int:
+        """How many samples the fits read now (all of them until the series is thinned)."""
         return len(self._t)
 
     @property
@@ -124,13 +138,34 @@ class OnlineFingerprinter:
             self._start = at
         self._t.append(at - self._start)
         self._mb.append(used_mb)
+        self._added += 1
         if utilisation is not None:
             self._util.append(utilisation)
             self._coloc.append(float(colocated) if colocated is not None else np.nan)
+        if len(self._t) > self._max_samples:
+            self._thin()
         n = len(self._t)
         if n < self._min or n < self._fitted_at * (1.0 + self._growth):
             return None
         return self.refit()
+
+    def _thin(self) -> None:
+        """Halve the series: the first and the latest sample stay (a restore is judged by
+        them), and of each pair between them the one that held more memory. Utilisation is
+        averaged by pairs and co-location kept at its most. The refit schedule restarts from
+        the halved count."""
+        t, mb = self._t, self._mb
+        last = len(t) - 1
+        kept = [0] + [i if mb[i] >= mb[i + 1] else i + 1 for i in range(1, last - 1, 2)]
+        if last % 2 == 0:
+            kept.append(last - 1)  # the one left unpaired before the latest
+        kept.append(last)
+        self._t, self._mb = [t[i] for i in kept], [mb[i] for i in kept]
+        util, coloc = self._util, self._coloc
+        self._util = [(util[i] + util[i + 1]) / 2.0 for i in range(0, len(util) - 1, 2)] + util[len(util) // 2 * 2:]
+        self._coloc = [float(np.fmax(coloc[i], coloc[i + 1])) if not (np.isnan(coloc[i]) or np.isnan(coloc[i + 1]))
+                       else np.nan for i in range(0, len(coloc) - 1, 2)] + coloc[len(coloc) // 2 * 2:]
+        self._fitted_at = min(self._fitted_at, len(self._t))
 
     def refit(self) -> Fingerprint | None:
         """Refit now on every sample so far; returns the fingerprint if it changed materially."""
@@ -144,6 +179,10 @@ class OnlineFingerprinter:
             prior=self._level_prior, ended=self._ended)
         self._fitted_at = len(self._t)
         self._current = self._analysis.fingerprint
+        if self._current.samples != self._added:
+            # Thinned: the fingerprint still counts every sample seen (replicas prefer the
+            # run in progress seen for the most samples).
+            self._current = msgspec.structs.replace(self._current, samples=self._added)
         if self.only_trusted and not trusted(self._current):
             return None
         if changed_materially(self._published, self._current):

@@ -53,6 +53,23 @@ def test_online_converges_and_publishes_sparingly():
     assert early.pattern == "leak" and abs(early.predicted_peak_mb - 24000.0) / 24000.0 < 0.1
 
 
+def test_a_long_series_is_thinned_to_its_bound_and_keeps_its_peak_shape_and_ends():
+    g = MemoryGrowth(pattern="leak", base_mb=3000.0, peak_mb=24000.0, duration_s=3000.0, noise_mb=80.0)
+    t = np.arange(0.0, 3000.0, 0.5)
+    y = g.memory_at(t, np.random.default_rng(5))
+    online = OnlineFingerprinter("sig-1", expected_duration_s=3000.0, started_at=0.0, max_samples=1000)
+    held = 0
+    for a, b in zip(t, y, strict=True):
+        online.add(float(a), float(b))
+        held = max(held, online.held_samples)
+    assert held <= 1000 < t.size
+    assert (online.samples, online.first_mb, online.last_mb) == (t.size, y[0], y[-1])
+    assert online.peak_so_far_mb == y.max()
+    final = online.finish()
+    assert final.pattern == "leak" and final.samples == t.size
+    assert abs(final.predicted_peak_mb - 24000.0) / 24000.0 < 0.02
+
+
 def test_online_uses_its_own_clock_origin():
     online = OnlineFingerprinter(min_samples=6)
     for k in range(8):
