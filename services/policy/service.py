@@ -287,8 +287,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             # held by nobody, and would keep the failure from placing the task again.
             log.info("%s: admitted again after the executor took %s; nothing to decide", adm.task.task_id, first)
             return None
-        if not ps.fleet.nodes:
-            raise Retry("no fleet topology known yet", 1.0)
+        # A fleet whose nodes have not reported yet (a fresh deploy's first seconds) has no
+        # room: the task is queued, and the retry round places it once they report. (A Retry
+        # here sent it to the dead letters after max_deliver, about five seconds, unplaced.)
+        unknown_fleet = not ps.fleet.nodes
         decision, name, shard_id = await ps.place(adm)
         if decision is not None:
             return outgoing(decision)
@@ -305,7 +307,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 confidence=ps.calibration.apply(calibration_key(name, "queue"), QUEUE_CONFIDENCE),
                 policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
                 shard_id=shard_id,
-                reason="no node has room now; queued until capacity frees",
+                reason=("no fleet topology known yet; queued until the nodes report" if unknown_fleet
+                        else "no node has room now; queued until capacity frees"),
                 decided_at=now(),
                 task=adm.task,
                 contract=adm.contract,

@@ -216,3 +216,23 @@ async def test_a_re_placement_reserved_by_a_replica_that_died_is_published_not_d
         ("left.assign.2", [Placement(node="n0", gpu=0, milli=1000, memory_mb=0)])]
     holds = {n: [a.decision_id for a in ledger.allocations] for n, ledger in (await observer.ledgers()).items()}
     assert holds.get("n1", []) == [] and holds["n0"] == ["left.assign.2"]
+
+
+async def test_a_task_admitted_before_any_node_reported_is_queued_then_placed(observer, nats_url, tmp_path):
+    # A fresh fleet: the policy starts, and a task is admitted, before the topology service
+    # has stored any node.
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(admitted("early", gpu_milli=500))
+        await wait_for(lambda: observer.decisions, what="a decision for the early task")
+        queued = observer.decisions[0]
+        assert (queued.action, queued.reason) == ("queue", "no fleet topology known yet; queued until the nodes report")
+        await observer.put_fleet([node("n0")])
+        await wait_for(lambda: any(d.action == "assign" for d in observer.decisions), what="the early task placed")
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.decisions] == ["queue", "assign"]
+    assert left == []
+
