@@ -34,8 +34,9 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
+from fleetpilot.fleet.topology import topology_problem
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, Reject, ServiceHost, ServiceSettings, serve
 from prometheus_client import Gauge
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
@@ -245,6 +246,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     @host.on(TopologyReport, consumer="topology-reports")
     async def on_report(report: TopologyReport) -> TopologyUpdated | None:
         node: NodeTopology = report.node
+        problem = topology_problem(node)
+        if problem is not None:
+            # To the dead letters with its reason, not into the bucket every policy reads.
+            raise Reject(f"topology report of {node.node or 'a node'} from {report.source or 'a collector'}: {problem}")
         body = encode(node)
         if known.get(node.node) == body:
             return None  # unchanged: collectors re-send periodically for late joiners

@@ -91,6 +91,31 @@ class CorrectedLink(msgspec.Struct, frozen=True, kw_only=True):
         return self.reported != self.kind
 
 
+def topology_problem(node: NodeTopology) -> str | None:
+    """What makes a reported node unusable, or ``None``: no name, a GPU index below 0 or
+    listed twice, negative memory, a link end ``GPU<i>`` that names no listed GPU or
+    ``NIC<j>`` no listed NIC, a link's negative NVLink count or cost. Every consumer reads
+    link ends as indices (``GPU3`` is the GPU of index 3): a report from a collector of
+    one's own that breaks this would crash them, or cost the wrong GPUs."""
+    if not node.node:
+        return "the node has no name"
+    indices = [g.index for g in node.gpus]
+    if any(i < 0 for i in indices):
+        return f"GPU index below 0: {sorted(i for i in indices if i < 0)}"
+    if len(set(indices)) != len(indices):
+        return f"GPU index listed twice: {sorted(i for i in set(indices) if indices.count(i) > 1)}"
+    if any(g.memory_mb < 0 for g in node.gpus):
+        return "a GPU with negative memory"
+    ends = {f"GPU{i}" for i in indices} | {f"NIC{j}" for j in range(len(node.nics))}
+    for link in node.links:
+        for end in (link.a, link.b):
+            if end.startswith(("GPU", "NIC")) and end not in ends:
+                return f"link {link.a}-{link.b} names {end!r}, which the node does not list"
+        if link.nvlinks < 0 or not link.cost >= 0:
+            return f"link {link.a}-{link.b} has nvlinks {link.nvlinks} and cost {link.cost}"
+    return None
+
+
 def _numa_of(node: NodeTopology) -> dict[str, int | None]:
     numa: dict[str, int | None] = {f"GPU{g.index}": g.numa_node for g in node.gpus}
     for j, nic in enumerate(node.nics):

@@ -127,6 +127,34 @@ def test_process_with_a_bad_spec_exits_with_one_line():
     assert proc.stderr.startswith("fleetpilot-topology: cannot load the fleet spec")
 
 
+async def test_a_report_whose_links_name_devices_it_does_not_list_is_dead_lettered(nats_server, client):
+    from fleetpilot.contracts import DeadLetter, Link
+    from fleetpilot.ledger.store import node_key
+
+    letters: list[DeadLetter] = []
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await client.subscribe("dlq.>", on_dlq)
+    good = NODES[0]
+    # A collector of one's own names a GPU by its UUID where every consumer reads an index.
+    bad = msgspec.structs.replace(NODES[1], links=[Link(a="GPU0", b="GPU-5d3c", kind="NV", nvlinks=4, cost=0.6)])
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await client.publish(report(bad, at=1.0))
+        await client.publish(report(good, at=1.0))
+        await wait_for(lambda: letters, what="the bad report dead-lettered")
+        kv = await client.kv("topology")
+        stored = {key for key in await kv.keys()}
+    finally:
+        await host.stop()
+    assert (letters[0].subject, letters[0].reason) == (f"topology.report.{bad.node}", "rejected")
+    assert "names 'GPU-5d3c', which the node does not list" in letters[0].error
+    assert node_key(bad.node) not in stored and node_key(good.node) in stored
+
+
 async def test_a_re_reported_node_keeps_the_labels_operations_set(nats_server):
     from fleetpilot.contracts import GPU_LABEL_CORDONED, now
     from fleetpilot.ledger.store import node_key

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fleetpilot.contracts.topology import GpuInfo, NodeTopology
+from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NodeTopology
 from fleetpilot.fleet.topo_parser import parse_topo_matrix
 from fleetpilot.fleet.topology import (
     KIND_COST,
@@ -21,6 +21,7 @@ from fleetpilot.fleet.topology import (
     render_topology,
     split_cell,
     topology_from_matrix,
+    topology_problem,
 )
 
 TOPO = Path(__file__).resolve().parents[1] / "data" / "topo"
@@ -141,3 +142,25 @@ def test_render_nvidia_smi_text_for_the_cli() -> None:
     assert rendered["nics"][1]["closest_gpus"] == [2]
     with pytest.raises(ValueError, match="line 1"):
         render_nvidia_smi("not a matrix")
+
+
+def _reported(gpus=(0, 1), links=(), nics=1, name="n0", memory_mb=1000) -> NodeTopology:
+    return NodeTopology(node=name, gpus=[GpuInfo(index=i, model="A100", memory_mb=memory_mb) for i in gpus],
+                        nics=[NicInfo(name=f"mlx5_{j}") for j in range(nics)], links=list(links))
+
+
+@pytest.mark.parametrize(("node", "problem"), [
+    (_reported(links=[make_link("GPU0", "GPU1", "NV", 4), make_link("GPU1", "NIC0", "PIX")]), None),
+    (_reported(links=[Link(a="CPU0", b="GPU0", kind="SYS")]), None),  # a device kind nobody reads
+    (_reported(name=""), "the node has no name"),
+    (_reported(gpus=(0, -1)), "GPU index below 0: [-1]"),
+    (_reported(gpus=(0, 1, 1)), "GPU index listed twice: [1]"),
+    (_reported(memory_mb=-5), "a GPU with negative memory"),
+    (_reported(links=[make_link("GPU0", "GPU7", "NV", 2)]), "link GPU0-GPU7 names 'GPU7', which the node does not list"),
+    (_reported(links=[make_link("GPU0", "NIC1", "PIX")]), "link GPU0-NIC1 names 'NIC1', which the node does not list"),
+    (_reported(links=[Link(a="GPU0", b="GPU1", kind="NV", nvlinks=-2)]), "link GPU0-GPU1 has nvlinks -2 and cost 0.0"),
+    (_reported(links=[Link(a="GPU0", b="GPU1", kind="PIX", cost=float("nan"))]), "link GPU0-GPU1 has nvlinks 0 and cost nan"),
+])
+def test_a_reported_node_consumers_could_not_read_says_why(node, problem):
+    assert topology_problem(node) == problem
+
