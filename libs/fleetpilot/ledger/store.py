@@ -26,6 +26,7 @@ class BucketMirror:
     and ``changed`` is set on each, so a waiting service can wake up. ``changed_at`` maps
     each key (deleted ones too) to the ``version`` of its last change, so that a view derived
     from the mirror can redo only the keys changed since it last looked.
+    ``revisions`` maps each key to the bucket revision the view holds of it.
     """
 
     bucket: ClassVar[str]
@@ -36,6 +37,7 @@ class BucketMirror:
         self.nodes: dict = {}
         self.version = 0
         self.changed_at: dict[str, int] = {}
+        self.revisions: dict[str, int] = {}
         self.changed = asyncio.Event()
 
     @classmethod
@@ -44,10 +46,13 @@ class BucketMirror:
         mirror = cls(await bus.kv(cls.bucket))
         for key in await mirror._kv.keys():
             entry = await mirror._kv.get(key)
-            mirror._apply(key, entry.value if entry else None)
+            mirror._apply(key, entry.value if entry else None, entry.revision if entry else 0)
         return mirror
 
-    def _apply(self, key: str, value: bytes | None) -> None:
+    def _apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        # What the watch brings is taken as it comes, older revisions too: a server that lost
+        # its store numbers its writes from 1 again.
+        self.revisions[key] = revision
         if value is None:
             self.nodes.pop(key, None)
         else:
@@ -65,7 +70,7 @@ class BucketMirror:
     async def follow(self) -> None:
         """Keep the view current (run as a background task)."""
         async for entry in self._kv.watch(">"):
-            self._apply(entry.key, entry.value)
+            self._apply(entry.key, entry.value, entry.revision)
 
 
 class LedgerStore(BucketMirror):
@@ -105,13 +110,19 @@ class LedgerStore(BucketMirror):
                 return None
             try:
                 if entry is None:
-                    await self._kv.create(node, encode(updated))
+                    written = await self._kv.create(node, encode(updated))
                 else:
-                    await self._kv.update(node, encode(updated), entry.revision)
+                    written = await self._kv.update(node, encode(updated), entry.revision)
             except CasConflict:
                 await asyncio.sleep(0.001 * (attempt + 1))
                 continue
-            self.nodes[node] = updated
+            # The view shows our write at once (the next decision must not take the same
+            # space), unless the watch already brought a later one: the reply to a write may
+            # come after the watch's next entry, and the older ledger then stayed in the view
+            # until the node's next change.
+            if written > self.revisions.get(node, 0):
+                self.nodes[node] = updated
+                self.revisions[node] = written
             return updated
         raise CasConflict(f"ledger of {node} kept changing under us")
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import socket
 from typing import Self
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 
 def _shared(name: str, default: str | None) -> str | None:
@@ -59,10 +61,26 @@ class ServiceSettings(BaseSettings):
         except ValidationError as exc:
             problems += [f"{prefix}{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}" if e["loc"]
                          else f"{prefix}*: {e['msg']}" for e in exc.errors()]
+        except SettingsError as exc:
+            # A list or dict setting is parsed as JSON before validation, and pydantic-settings
+            # raises this instead of a ValidationError: uncaught, a malformed value stopped
+            # the service with a traceback rather than one line.
+            problems.append(_unparsable(exc, prefix))
         else:
             if not problems:
                 return settings
         raise BadSettings("; ".join(problems))
+
+
+def _unparsable(exc: SettingsError, prefix: str) -> str:
+    """One line for a value pydantic-settings could not parse: the variable, its value and why."""
+    cause = exc.__cause__ or exc
+    field = re.search(r'field "([^"]+)"', str(exc))
+    if field is None:
+        return f"{prefix}*: {cause}"
+    var = prefix + field.group(1).upper()
+    value = next((v for k, v in os.environ.items() if k.upper() == var), None)
+    return f"{var}={value!r}: {cause}".replace("\n", " ")
 
 
 def _closest(var: str, prefix: str, known: set[str]) -> str:

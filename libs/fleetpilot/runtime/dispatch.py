@@ -87,34 +87,36 @@ class Dispatcher:
             return
         delivery = Delivery(subject=msg.subject, headers=dict(msg.headers), deliveries=msg.deliveries,
                             msg_id=msg.headers.get("Nats-Msg-Id"))
-        async with self._kept_in_progress(msg):
-            with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
-                try:
+        with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
+            try:
+                # Kept in progress while at work only: a beat after the nak below would
+                # stretch the nak's delay to a whole ack wait.
+                async with self._kept_in_progress(msg):
                     result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
                     outputs = as_events(result)
                     carrier = tracing.inject_headers()
                     for out in outputs:
                         await self.bus.publish(out, headers=carrier)
-                except Reject as exc:
-                    span.record_exception(exc)
-                    await self._dead_letter(msg, "rejected", str(exc))
+            except Reject as exc:
+                span.record_exception(exc)
+                await self._dead_letter(msg, "rejected", str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                span.record_exception(exc)
+                self.metrics.failed(self.name)
+                if not self.redelivered:
+                    # A nak does nothing for a core message: without this, the sample
+                    # was gone with a warning that promised a retry.
+                    await self._dead_letter(msg, "failed", f"{type(exc).__name__}: {exc}")
                     return
-                except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
-                    span.record_exception(exc)
-                    self.metrics.failed(self.name)
-                    if not self.redelivered:
-                        # A nak does nothing for a core message: without this, the sample
-                        # was gone with a warning that promised a retry.
-                        await self._dead_letter(msg, "failed", f"{type(exc).__name__}: {exc}")
-                        return
-                    if msg.deliveries >= self.max_deliver:
-                        await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
-                        return
-                    delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
-                    log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
-                                self.name, msg.deliveries, delay, exc)
-                    await msg.nak(delay)
+                if msg.deliveries >= self.max_deliver:
+                    await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
                     return
+                delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
+                log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
+                            self.name, msg.deliveries, delay, exc)
+                await msg.nak(delay)
+                return
         await msg.ack()
         self.metrics.handled(self.name, time.perf_counter() - started)
 

@@ -366,11 +366,24 @@ class NatsBus(Bus):
                         with contextlib.suppress(Exception):
                             await rest.nak()
                     break
-                await handler(_NatsInbound(msg, durable=True))
+                try:
+                    await handler(_NatsInbound(msg, durable=True))
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - the loop must outlive any one message
+                    # A message the handler could not settle (its dead letter's publish timed
+                    # out in a failover) comes again after the ack wait. Letting the error
+                    # end this task stopped the replica consuming for good, unseen by /healthz.
+                    log.exception("consumer %s: a message was left unsettled; it comes again after %gs",
+                                  spec.durable, spec.ack_wait_s)
 
     async def subscribe(self, subject: str, handler: InboundHandler, *, queue: str | None = None) -> None:
         async def on_msg(msg: Msg) -> None:
-            await handler(_NatsInbound(msg, durable=False))
+            try:
+                await handler(_NatsInbound(msg, durable=False))
+            except Exception:  # noqa: BLE001 - nats-py would pass it to error_cb, logged at debug only
+                # A core message is not delivered again: say at error level that it is lost.
+                log.exception("subscription %s: a message on %s was lost", subject, msg.subject)
 
         await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
         # Core messages are not kept: until the server has the subscription, what is published

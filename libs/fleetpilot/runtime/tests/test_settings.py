@@ -66,3 +66,23 @@ def test_every_mistake_is_named_at_once(environment):
         ExampleSettings.from_environment()
     assert "FLEETPILOT_EXAMPLE_BAKEND is not a setting" in str(raised.value)
     assert "FLEETPILOT_EXAMPLE_GRACE_S='soon'" in str(raised.value)
+
+
+class RulesSettings(ServiceSettings):
+    """A service with a structured setting, given as JSON (the policy's shaping rules)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETPILOT_EXAMPLE_", extra="ignore")
+
+    rules: list[dict] = []
+
+
+def test_a_structured_setting_that_is_not_json_is_named_in_one_line(environment):
+    # pydantic-settings parses it before validating and raises its own SettingsError, which
+    # no caller turned into the one-line error: the service stopped with a traceback.
+    environment({"FLEETPILOT_EXAMPLE_RULES": "[{tenant: a}]"})
+    with pytest.raises(BadSettings) as raised:
+        RulesSettings.from_environment()
+    assert str(raised.value).startswith("FLEETPILOT_EXAMPLE_RULES='[{tenant: a}]': ")
+    assert "\n" not in str(raised.value)
+    environment({"FLEETPILOT_EXAMPLE_RULES": '[{"tenant": "a"}]'})
+    assert RulesSettings.from_environment().rules == [{"tenant": "a"}]
