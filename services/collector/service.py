@@ -228,7 +228,7 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         source = reader.source
     host = ServiceHost("collector", settings)
     hardware = SimulatedHardware(reader) if isinstance(reader, SimulatedFleet) else None
-    last = {"at": time.monotonic(), "topology": 0.0}
+    last = {"at": time.monotonic()}
     # InfiniBand/RoCE counters of this host (real nodes only): rates come from deltas.
     ports = {"before": read_ib_ports(settings.host_root) if hardware is None else [], "at": time.monotonic()}
 
@@ -241,7 +241,6 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     async def publish_topology(bus: Bus) -> None:
         for node in reader.node_names():
             await bus.publish(TopologyReport(node=reader.topology(node), source=source, at=now()))
-        last["topology"] = time.monotonic()
 
     host.on_startup(publish_topology)
 
@@ -276,10 +275,19 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         # loop; the simulator is driven from the loop (sim.control) and is read on it.
         events, state = read_all() if hardware is not None else await asyncio.to_thread(read_all)
         out.extend(events)
-        await _put_all(await bus.kv("gpu_state"), state)
-        if time.monotonic() - last["topology"] > settings.topology_every_s:
-            await publish_topology(bus)
+        try:
+            await _put_all(await bus.kv("gpu_state"), state)
+        except Exception as exc:  # noqa: BLE001 - the bucket is a cache; the telemetry still goes
+            log.error("gpu_state not written (%s); the samples go out on telemetry.gpu all the same", exc)
         return out
+
+    # The node's heartbeat (its topology, re-sent) is a job of its own: tied to the end of a
+    # good sample, a sampling error that repeats every tick (an NVML call failing, the
+    # gpu_state bucket timing out) made a node whose collector runs look silent, then
+    # unreachable, and its tasks were given up.
+    @host.every(settings.topology_every_s)
+    async def heartbeat() -> None:
+        await publish_topology(host.bus)  # type: ignore[arg-type]
 
     if hardware is not None:
         @host.endpoint("control", "sim.control", SimCommand)

@@ -244,6 +244,46 @@ async def test_nvml_source_publishes_the_same_schema(nats_server, client):
         await host.stop()
 
 
+async def test_the_node_s_heartbeat_goes_on_while_every_sample_fails(nats_server, client):
+    """The topology re-sent is the node's heartbeat: a reading that fails every tick must not
+    make a node whose collector runs look silent (then unreachable, its tasks given up)."""
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    class FailingReads(NvmlReader):
+        def sample(self, node: str) -> list[GpuSample]:
+            raise RuntimeError("NVML: Unknown Error")
+
+    reader = FailingReads(FakeNvml([FakeGpu(uuid="GPU-0")]), node="gpu-node-1", root="/nonexistent-root")
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url, source="nvml", topology_every_s=0.3), reader=reader)
+    await host.start()
+    try:
+        await wait_for(lambda: len(seen.reports) >= 4, what="the topology re-sent while sampling fails")
+    finally:
+        await host.stop()
+    assert {r.node.node for r in seen.reports} == {"gpu-node-1"}
+    assert "gpu-node-1" not in seen.telemetry
+
+
+async def test_telemetry_goes_out_when_the_gpu_state_bucket_cannot_be_written(nats_server, client, monkeypatch):
+    from fleetpilot_services.collector import service as collector
+
+    async def timing_out(kv, items) -> None:
+        raise TimeoutError("nats: timeout")
+
+    monkeypatch.setattr(collector, "_put_all", timing_out)
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await wait_for(lambda: len(seen.telemetry) == len(NODES), what="every node's telemetry")
+    finally:
+        await host.stop()
+
+
 async def test_infiniband_port_rates_come_from_counter_deltas(nats_server, client, tmp_path):
     """On a real node the batch carries each IB/RoCE port's throughput from sysfs deltas."""
     from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
