@@ -10,6 +10,7 @@ it stops. ``GpuHealth`` (``health.py``) builds on it for what the GPUs' health a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import get_args
@@ -345,6 +346,37 @@ class ExecutorReplica:
         self.decisions.pop(request.task_id, None)
         log.info("handed %s over for its move from %s", request.task_id, self.settings.node)
         return HandedOver(task_id=request.task_id, ok=True, command=command, env=env)
+
+    async def take_back_stranded(self) -> list[Event]:
+        """Restart here, from its checkpoint, a task handed over for a move that never took
+        it: ``hand_over_taken_within_s`` later, its hold on this node is still in the ledger
+        (a move that took it released that). Without this, a target that gave up after the
+        task was stopped here (its answers lost) left the task stopped everywhere, and the
+        policy, which places again only failed assigns, believing it ran here. One whose
+        move took it is forgotten. The restart is told ``started`` (with the decision that
+        placed the task here), as a decision's handler tells a start."""
+        backend = self.backend
+        if not isinstance(backend, ProcessBackend) or self.ledger is None:
+            return []
+        node = self.settings.node
+        out: list[Event] = []
+        for task_id in backend.handed_over_before(time.time() - self.settings.hand_over_taken_within_s):
+            held = await self.ledger.read(node)
+            if held is None or not any(a.task_id == task_id for a in held.allocations):
+                backend.settle_hand_over(task_id)
+                continue
+            try:
+                handle = await backend.take_back(task_id)
+            except BackendError as error:
+                log.error("%s: handed over and never taken, and not restarted here: %s", task_id, error)
+                continue
+            log.warning("%s was handed over from %s for a move that never took it: restarted here from its "
+                        "checkpoint", task_id, node)
+            await self.recall(task_id)
+            out.append(self.lifecycle(task_id, "started", node, handle.gpus,
+                                      detail=f"pid {handle.pid}: taken back from its checkpoint, its move never "
+                                             "took it"))
+        return out
 
     # ---- the ends of tasks -----------------------------------------------------------------
     async def sim_ended(self, event: SimEvent) -> list[Event]:

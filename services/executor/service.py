@@ -72,6 +72,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     host.every(settings.health_interval_s)(replica.assess_health)
     host.every(settings.silent_check_s)(replica.give_up_unreachable_nodes)
     host.every(settings.silent_check_s)(replica.stop_tasks_given_up)
+    host.every(min(settings.silent_check_s, settings.hand_over_taken_within_s))(replica.take_back_stranded)
     return host
 
 

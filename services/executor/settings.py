@@ -38,6 +38,11 @@ class ExecutorSettings(ServiceSettings):
     # How often the tasks of unreachable nodes are given up, and (with ``node``) this
     # node's processes checked against the ledger.
     silent_check_s: float = 30.0
+    # A task handed over for a move between nodes that no target took within this long (every
+    # answer lost, or the target gave up after the task was stopped here), while its hold
+    # here is still in the ledger, is restarted here from its checkpoint. Well past the
+    # target's last try (three times the checkpoint, the grace and 10 s).
+    hand_over_taken_within_s: float = 300.0
 
     @field_validator("node")
     @classmethod

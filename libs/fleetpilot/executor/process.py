@@ -167,8 +167,9 @@ class ProcessBackend:
         # died without stopping them (``stop_left_behind``).
         self._registry = registry
         self._closed = False
-        # Tasks handed over to another node: (when, command, env), to answer a repeat.
-        self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str]]] = OrderedDict()
+        # Tasks handed over to another node: (when, command, env, placement here), to answer
+        # a repeat, and to take one back that no move took (``take_back``).
+        self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str], list[Placement]]] = OrderedDict()
         self._limit_as = limit_address_space
         self._headroom_mb = headroom_mb
         self._checkpoint_signal = checkpoint_signal
@@ -428,10 +429,34 @@ class ProcessBackend:
         await self._checkpoint_and_stop(task, grace_s)
         self._tasks.pop(task_id, None)
         self._save_registry()
-        self._handed[task_id] = (self._clock(), list(task.command), dict(task.env))
+        self._handed[task_id] = (self._clock(), list(task.command), dict(task.env), list(task.placement))
         while len(self._handed) > 10_000:
             self._handed.popitem(last=False)
         return list(task.command), dict(task.env)
+
+    def handed_over_before(self, at: float) -> list[str]:
+        """The tasks handed over at or before ``at`` (this backend's clock), not yet settled
+        (``settle_hand_over``) or taken back."""
+        return [task_id for task_id, (handed_at, *_) in self._handed.items() if handed_at <= at]
+
+    def settle_hand_over(self, task_id: str) -> None:
+        """Forget a hand-over whose move is known to have taken the task."""
+        self._handed.pop(task_id, None)
+
+    async def take_back(self, task_id: str) -> TaskHandle:
+        """Restart here, on the placement it had, a task handed over for a move that never
+        took it (every answer lost, or the target gave up after the task was stopped): from
+        the checkpoint it saved, with ``FLEETPILOT_RESTORE=1``, told ``started``."""
+        self._refuse_when_closed(task_id)
+        handed = self._handed.pop(task_id, None)
+        if handed is None:
+            raise BackendError(f"task {task_id} was not handed over from {self.node or 'this node'}")
+        _, command, env, placement = handed
+        task = _Task(task_id, placement, command, env)
+        handle = await self._spawn(task, restore=True)
+        self._emit(task, "started", detail=f"pid {handle.pid}: taken back from its checkpoint, its move never "
+                                            "took it")
+        return handle
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:
         """Record the new share (used at the next start); cap memory live when enabled."""

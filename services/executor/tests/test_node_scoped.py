@@ -110,10 +110,10 @@ def checkpointing(tmp_path) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-async def node_executors(nats_url, tmp_path) -> dict:
+async def node_executors(nats_url, tmp_path, **overrides) -> dict:
     """Started executors of n1 and n2 (process backend, one per node)."""
     hosts = {node: build(settings(nats_url, tmp_path / node, replica=f"executor-{node}", backend="process",
-                                  node=node, process_log_dir=str(tmp_path / f"out-{node}")))
+                                  node=node, process_log_dir=str(tmp_path / f"out-{node}"), **overrides))
              for node in NODES}
     for host in hosts.values():
         await host.start()
@@ -145,6 +145,45 @@ async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_u
     assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("migrated", "n2", [1])]
     assert n1.allocations == []
     assert [(a.task_id, a.state, a.gpu) for a in n2.allocations] == [("t1", "confirmed", 1)]
+
+
+async def test_a_task_handed_over_for_a_move_that_never_took_it_is_taken_back_from_its_checkpoint(
+    observer, nats_url, tmp_path, monkeypatch
+):
+    from fleetpilot.executor import BackendError
+    from fleetpilot_services.executor import backends
+
+    real = backends.BusTakeOver.__call__
+
+    async def answers_lost(self, node: str, task_id: str, grace_s: float):
+        await real(self, node, task_id, grace_s)  # the source checkpoints and stops the task
+        raise BackendError(f"{node} did not hand {task_id} over: nats: timeout", retryable=True)
+
+    monkeypatch.setattr(backends.BusTakeOver, "__call__", answers_lost)
+    for node in NODES:
+        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
+    await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+    hosts = await node_executors(nats_url, tmp_path, hand_over_taken_within_s=1.0, silent_check_s=0.5)
+    try:
+        started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
+            task_id="t1", kind="train", command=checkpointing(tmp_path)))
+        await observer.js.publish("decision.made", encode(started))
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
+        await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        life = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
+        await wait_for(lambda: (tmp_path / "restored").exists() and (tmp_path / "restored").read_text() != "")
+        n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
+    finally:
+        for host in hosts.values():
+            await host.stop()
+    assert failed[0].retryable and "did not hand t1 over" in failed[0].error
+    assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("started", "n1", [0])]
+    assert "taken back from its checkpoint" in life[1].detail
+    assert (tmp_path / "restored").read_text() == "step=42 gpus=0"
+    assert [(a.task_id, a.gpu) for a in n1.allocations] == [("t1", 0)]
+    assert n2.allocations == []
 
 
 async def test_a_move_of_a_task_its_node_does_not_run_fails_and_gives_the_target_back(
