@@ -120,18 +120,28 @@ async def node_executors(nats_url, tmp_path, **overrides) -> dict:
     return hosts
 
 
-async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_url, tmp_path):
+async def two_nodes_holding_t1_on_n1(observer) -> None:
+    """n1 and n2, two GPUs each, with t1's assign reserved on n1's GPU 0."""
     for node in NODES:
         await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
     await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+
+
+async def start_t1_on_n1_then_move_it_to_n2(observer, tmp_path) -> None:
+    """t1 (a task that checkpoints) started on n1, then decided to move to n2's GPU 1."""
+    started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
+        task_id="t1", kind="train", command=checkpointing(tmp_path)))
+    await observer.js.publish("decision.made", encode(started))
+    await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+    await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
+    await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+
+
+async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_url, tmp_path):
+    await two_nodes_holding_t1_on_n1(observer)
     hosts = await node_executors(nats_url, tmp_path)
     try:
-        started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
-            task_id="t1", kind="train", command=checkpointing(tmp_path)))
-        await observer.js.publish("decision.made", encode(started))
-        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
-        await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
-        await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+        await start_t1_on_n1_then_move_it_to_n2(observer, tmp_path)
         executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
         await wait_for(lambda: (tmp_path / "restored").exists() and (tmp_path / "restored").read_text() != "")
         await asyncio.sleep(1.5)  # a backend poll: its own copy of the move must not be republished
@@ -160,17 +170,10 @@ async def test_a_task_handed_over_for_a_move_that_never_took_it_is_taken_back_fr
         raise BackendError(f"{node} did not hand {task_id} over: nats: timeout", retryable=True)
 
     monkeypatch.setattr(backends.BusTakeOver, "__call__", answers_lost)
-    for node in NODES:
-        await observer.kv_put("topology", node, encode(node_topology(node, gpus=2)))
-    await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
+    await two_nodes_holding_t1_on_n1(observer)
     hosts = await node_executors(nats_url, tmp_path, hand_over_taken_within_s=1.0, silent_check_s=0.5)
     try:
-        started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
-            task_id="t1", kind="train", command=checkpointing(tmp_path)))
-        await observer.js.publish("decision.made", encode(started))
-        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
-        await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
-        await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+        await start_t1_on_n1_then_move_it_to_n2(observer, tmp_path)
         failed = await observer.wait_stored("action.failed", ActionFailed, 1)
         life = await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
         await wait_for(lambda: (tmp_path / "restored").exists() and (tmp_path / "restored").read_text() != "")
