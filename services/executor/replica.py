@@ -362,7 +362,11 @@ class ExecutorReplica:
         out: list[Event] = []
         for task_id in backend.handed_over_before(time.time() - self.settings.hand_over_taken_within_s):
             held = await self.ledger.read(node)
-            if held is None or not any(a.task_id == task_id for a in held.allocations):
+            elsewhere = any(a.task_id == task_id for key, ledger in self.ledger.nodes.items()
+                            if key != node_key(node) for a in ledger.allocations)
+            if held is None or not any(a.task_id == task_id for a in held.allocations) or elsewhere:
+                # The move took it (its hold here released, or the task holds GPUs on another
+                # node, a release here that failed notwithstanding): nothing to take back.
                 backend.settle_hand_over(task_id)
                 continue
             try:
