@@ -8,6 +8,7 @@ compose client is installed. No Docker engine is needed for either.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -144,5 +145,38 @@ def test_sla_waits_for_the_key_set_it_verifies_tokens_with():
     sla, keys = compose["services"]["sla"], compose["services"]["keys"]
     assert sla["depends_on"]["keys"]["condition"] == "service_completed_successfully"
     assert sla["environment"]["FLEETPILOT_SLA_JWKS_PATH"].startswith("/keys/")
-    assert "keys:/keys:ro" in sla["volumes"] and "keys:/keys" in keys["volumes"]
+    assert "keys:/keys:ro" in sla["volumes"]
+    # The key set is written where the one-shot's --state-dir points, on the shared volume.
+    state = keys["command"][keys["command"].index("--state-dir") + 1]
+    assert f"keys:{state}" in keys["volumes"]
     assert compose["services"]["collector"]["environment"]["FLEETPILOT_COLLECTOR_SOURCE"] == "sim"
+
+
+def _dirs_the_image_user_owns() -> set[str]:
+    """The directories the Dockerfile creates and hands to the user its services run as."""
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    user = re.search(r"^USER\s+(\S+)", dockerfile, re.MULTILINE).group(1)
+    name = re.search(rf"useradd\s[^&\n]*--uid\s+{user}\s[^&\n]*?(\w+)\s*(?:&&|$)", dockerfile, re.MULTILINE)
+    owners = {user, name.group(1) if name else user}
+    owned: set[str] = set()
+    for match in re.finditer(r"chown\s+(?:-R\s+)?([\w]+)(?::\w+)?\s+([^&\n]+)", dockerfile):
+        if match.group(1) in owners:
+            owned |= set(match.group(2).split())
+    return owned
+
+
+def test_the_image_user_can_write_its_named_volumes(compose):
+    # The image runs as UID 10001. Docker gives a new named volume the owner of the image's
+    # directory it is mounted on, and a path the image lacks is created for root: the `keys`
+    # one-shot wrote its key ring to a volume on /keys, failed with a permission error, and
+    # the SLA service, which waits for it to complete, never started.
+    owned = _dirs_the_image_user_owns()
+    assert "/var/lib/fleetpilot" in owned
+    named = set(compose.get("volumes") or {})
+    for name, service in compose["services"].items():
+        if service.get("image") != "fleetpilot:dev":
+            continue
+        for volume in service.get("volumes", []):
+            source, target, *mode = str(volume).split(":")
+            if source in named and "ro" not in mode:
+                assert target in owned, f"{name}: volume {source} on {target}, which the image's user cannot write"

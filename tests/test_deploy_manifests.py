@@ -8,6 +8,7 @@ additionally builds the kustomization where kubectl is installed.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from pathlib import Path
@@ -121,7 +122,9 @@ def test_service_probes_hit_healthz_on_its_port(name, port):
     assert ports == {"metrics": port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
-        assert get["path"] == "/healthz" and ports[get["port"]] == port
+        # The executor's liveness is on /metrics (test_a_node_cut_off_from_nats_keeps_its_executor).
+        path = "/metrics" if (name, probe) == ("executor", "livenessProbe") else "/healthz"
+        assert get["path"] == path and ports[get["port"]] == port
     env = {e["name"]: e.get("value") for e in container["env"]}
     prefix = f"FLEETPILOT_{name.upper()}_"
     assert env[prefix + "METRICS_PORT"] == str(port)
@@ -171,6 +174,53 @@ def test_every_service_port_is_exposed_by_a_service_that_selects_its_pods():
         labels = workloads[name]["spec"]["template"]["metadata"]["labels"]
         assert _matches(service["spec"]["selector"], labels)
     assert services["nats"]["spec"]["ports"][0]["port"] == 4222
+
+
+
+def test_each_pod_is_scraped_once():
+    # Prometheus's stock Kubernetes configuration (the prometheus-community chart) has two
+    # jobs: annotated pods, and the endpoints of annotated Services. With both annotated,
+    # every pod was scraped twice (two series per metric, one per job): each fingerprinter
+    # partition counted two replicas, so FleetpilotFingerprinterPartitionDoubled fired for
+    # every partition and FleetpilotFingerprinterPartitionMissing could not fire.
+    services = _by_kind("Service")
+    for name, port in SERVICE_PORTS.items():
+        pod = _workloads()[name]["spec"]["template"]["metadata"].get("annotations", {})
+        assert pod.get("prometheus.io/scrape") == "true" and pod.get("prometheus.io/port") == str(port), name
+        annotations = services[name]["metadata"].get("annotations") or {}
+        assert annotations.get("prometheus.io/scrape") != "true", f"Service {name} would scrape its pods again"
+
+
+async def _status(port: int, path: str) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n".encode())
+    status = int((await reader.readline()).split()[1])
+    writer.close()
+    return status
+
+
+def test_a_node_cut_off_from_nats_keeps_its_executor():
+    # The process backend runs a node's tasks inside the executor's container. A node cut
+    # off from NATS takes no new work after 90 s and has its tasks given up after 5 minutes
+    # (services/topology/README.md); until then they run on, and when it hears again its
+    # executor carries on. A liveness probe on /healthz (503 without the bus) had the kubelet
+    # restart the executor after a minute, killing every task on the node. Asked of the
+    # services' own ops server with the bus away: liveness passes, readiness does not.
+    from fleetpilot.runtime.http import OpsServer
+    from prometheus_client import CollectorRegistry
+
+    (container,) = _workloads()["executor"]["spec"]["template"]["spec"]["containers"]
+
+    async def probe() -> tuple[int, int]:
+        server = OpsServer(CollectorRegistry(), lambda: {"ok": False, "service": "executor"})
+        port = await server.start("127.0.0.1", 0)
+        try:
+            return (await _status(port, container["livenessProbe"]["httpGet"]["path"]),
+                    await _status(port, container["readinessProbe"]["httpGet"]["path"]))
+        finally:
+            await server.stop()
+
+    assert asyncio.run(probe()) == (200, 503)
 
 
 def test_policy_has_a_disruption_budget_and_two_replicas():
