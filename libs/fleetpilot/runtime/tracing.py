@@ -2,7 +2,9 @@
 
 Spans are always created (so ``traceparent`` flows from ``task.submitted`` to
 ``feedback.recorded``); they are exported over OTLP/HTTP only when an endpoint is
-configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the service's ``otlp_endpoint``).
+configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the service's ``otlp_endpoint``). Either is
+the collector's base URL, as the OpenTelemetry specification has it: spans go to
+``<base>/v1/traces``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 _tracer = trace.get_tracer("fleetpilot")
 
 
+def otlp_traces_url(base: str) -> str:
+    """Where spans are posted, from the collector's base URL (``http://collector:4318``):
+    ``<base>/v1/traces``. The exporter given an endpoint posts to exactly that URL, so the
+    base that the variable names, passed as is, lost every span to the collector's 404."""
+    base = base.rstrip("/")
+    return base if base.endswith("/v1/traces") else base + "/v1/traces"
+
+
 def configure(service: str, otlp_endpoint: str | None) -> None:
     """Install a tracer provider for ``service``; export only when an endpoint is set."""
     global _tracer
@@ -25,7 +35,7 @@ def configure(service: str, otlp_endpoint: str | None) -> None:
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_traces_url(otlp_endpoint))))
     trace.set_tracer_provider(provider)
     _tracer = provider.get_tracer("fleetpilot")
 
