@@ -122,8 +122,8 @@ def test_service_probes_hit_healthz_on_its_port(name, port):
     assert ports == {"metrics": port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
-        # The executor's liveness is on /metrics (test_a_node_cut_off_from_nats_keeps_its_executor).
-        path = "/metrics" if (name, probe) == ("executor", "livenessProbe") else "/healthz"
+        # Liveness is on /metrics (test_a_service_cut_off_from_nats_is_not_restarted).
+        path = "/metrics" if probe == "livenessProbe" else "/healthz"
         assert get["path"] == path and ports[get["port"]] == port
     env = {e["name"]: e.get("value") for e in container["env"]}
     prefix = f"FLEETPILOT_{name.upper()}_"
@@ -199,20 +199,22 @@ async def _status(port: int, path: str) -> int:
     return status
 
 
-def test_a_node_cut_off_from_nats_keeps_its_executor():
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS))
+def test_a_service_cut_off_from_nats_is_not_restarted(name):
     # The process backend runs a node's tasks inside the executor's container. A node cut
     # off from NATS takes no new work after 90 s and has its tasks given up after 5 minutes
     # (services/topology/README.md); until then they run on, and when it hears again its
     # executor carries on. A liveness probe on /healthz (503 without the bus) had the kubelet
-    # restart the executor after a minute, killing every task on the node. Asked of the
-    # services' own ops server with the bus away: liveness passes, readiness does not.
+    # restart the executor after a minute, killing every task on the node; and every other
+    # service, losing what it held in memory (the fingerprinter a running task's series).
+    # Asked of the services' own ops server with the bus away: liveness passes, readiness not.
     from fleetpilot.runtime.http import OpsServer
     from prometheus_client import CollectorRegistry
 
-    (container,) = _workloads()["executor"]["spec"]["template"]["spec"]["containers"]
+    (container,) = _workloads()[name]["spec"]["template"]["spec"]["containers"]
 
     async def probe() -> tuple[int, int]:
-        server = OpsServer(CollectorRegistry(), lambda: {"ok": False, "service": "executor"})
+        server = OpsServer(CollectorRegistry(), lambda: {"ok": False, "service": name})
         port = await server.start("127.0.0.1", 0)
         try:
             return (await _status(port, container["livenessProbe"]["httpGet"]["path"]),
