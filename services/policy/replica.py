@@ -18,6 +18,8 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import (
+    ActionExecuted,
+    ActionFailed,
     Allocation,
     DecisionMade,
     Fingerprint,
@@ -33,6 +35,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.fingerprint import SignatureStats, restores_start_over, stored_stats, task_signature
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
+from fleetpilot.ledger.accounting import without_decision
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden
@@ -67,6 +70,12 @@ QUEUE_CONFIDENCE = 0.95
 PEAK_HEADROOM = 1.05
 """A task with a fingerprint asks for (and the ledger holds) its predicted peak times this,
 as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
+
+SETTLED_AFTER_S = 60.0
+"""A reserved hold this old whose decision the executor settled elsewhere is a leftover
+(``release_settled_reservations``): well past a result recorded before its hold's confirmation."""
+
+_RESULT = msgspec.json.Decoder(ActionExecuted | ActionFailed)
 
 BRIDGE_PATTERNS = SMOOTH_GROWTH
 """Growth patterns a task may be bridged for on its ask: memory that rises smoothly gives the
@@ -249,6 +258,37 @@ class ReplicaState:
             return 0.0
         times = [doc.get(f) for f in ("executed_at", "failed_at", "at")] if isinstance(doc, dict) else []
         return next((float(t) for t in times if isinstance(t, int | float)), 0.0)
+
+    async def release_settled_reservations(self) -> int:
+        """Give back the reserved holds whose decision the executor has already settled
+        somewhere else; how many decisions' holds went back.
+
+        Two replicas whose rebalance rounds overlap, with views that differ, can reserve one
+        move (``<task>.migrate.<n>``) on two target nodes. The stream keeps one decision of
+        that id; the other hold was never carried out, and nothing else gave it back. A
+        reserved hold older than ``SETTLED_AFTER_S`` whose decision the journal records as
+        carried out on other nodes, or as failed, is such a leftover."""
+        if self.executions is None:
+            return 0
+        cutoff = now() - SETTLED_AFTER_S
+        reserved = {(key, a.decision_id) for key, ledger in self.ledger.nodes.items()
+                    for a in ledger.allocations if a.state == "reserved" and 0 < a.at <= cutoff}
+        released = 0
+        for key, decision_id in sorted(reserved):
+            found = await self.executions.get(node_key(decision_id))
+            if found is None or not found.value or found.value.startswith(b'{"claim"'):
+                continue  # not carried out yet (or being carried out now)
+            try:
+                result = _RESULT.decode(found.value)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(result, ActionExecuted) and key in {node_key(p.node) for p in result.placement}:
+                continue  # its own node: the executor confirms it there
+            if await self.ledger.mutate(key, lambda cur, d=decision_id: without_decision(cur, d) if cur else None):
+                log.warning("%s: gave back its reservation on %s, left over (the decision was settled elsewhere)",
+                            decision_id, key)
+                released += 1
+        return released
 
     async def journaled(self, decision_id: str) -> bool:
         """Whether the executor has taken ``decision_id`` (claimed it, or recorded its result).

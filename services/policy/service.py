@@ -395,6 +395,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def rebalance() -> list[DecisionMade]:
         if "state" not in holder:
             return []
+        await state().release_settled_reservations()
         return [outgoing(d) for d in await state().rebalance_round()]
 
     return host

@@ -15,6 +15,7 @@ from fleetpilot.contracts import (
     GpuSample,
     NodeLedger,
     NodeTelemetry,
+    Placement,
     PolicyRef,
     SimAck,
     SimEvent,
@@ -291,3 +292,35 @@ async def test_a_task_evicted_by_the_executor_is_bridged_again_on_no_less_than_i
         await policy.stop()
     floors = {t: decode_pending(e.value)[1].bridge_floor_mb for t, e in zip(("steps", "leak"), entries, strict=True)}
     assert floors == {"steps": 30_000, "leak": 0}
+
+
+async def test_a_move_reserved_on_two_nodes_gives_back_the_hold_the_executor_did_not_take(
+    observer, nats_url, tmp_path
+):
+    # Two replicas' overlapping rounds reserved t1's move on n2 and on n3; the stream kept one
+    # decision, and the executor carried it out on n2. The hold on n3 was held by nobody.
+    await observer.put_fleet([node("n1"), node("n2"), node("n3")])
+    long_ago = now() - 600
+
+    def hold(node_name: str, decision_id: str, state: str) -> bytes:
+        return encode(NodeLedger(node=node_name, allocations=[Allocation(
+            task_id="t1", decision_id=decision_id, gpu=0, milli=1000, memory_mb=1000, state=state, at=long_ago)]))
+
+    await observer.kv_put("ledger", "n1", hold("n1", "t1.assign", "confirmed"))
+    await observer.kv_put("ledger", "n2", hold("n2", "t1.migrate.1", "reserved"))
+    await observer.kv_put("ledger", "n3", hold("n3", "t1.migrate.1", "reserved"))
+    moved = msgspec.structs.replace(executed("t1.migrate.1", long_ago + 5), action="migrate", placement=[
+        Placement(node="n2", gpu=0, milli=1000, memory_mb=1000)])
+    await observer.kv_put("executions", "t1.migrate.1", encode(moved))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", rebalance_s=0.2))
+    await policy.start()
+    try:
+        async def n3_given_back() -> bool:
+            return not (await observer.ledgers())["n3"].allocations
+
+        await wait_for_async(n3_given_back, what="the hold on n3 given back")
+        ledgers = await observer.ledgers()
+    finally:
+        await policy.stop()
+    assert [(a.decision_id, a.state) for a in ledgers["n2"].allocations] == [("t1.migrate.1", "reserved")]
+    assert [(a.decision_id, a.state) for a in ledgers["n1"].allocations] == [("t1.assign", "confirmed")]
