@@ -34,6 +34,9 @@ class LearnedConfidence:
         self.fleet = fleet
         self.model: OutcomeModel | None = None
         self.version = 0
+        # The revision of the last model refused: a watch that starts again delivers it again,
+        # and it was refused, counted and logged again each time.
+        self.refused_version = 0
         self.failures_in_a_row = 0
         self.used = Counter("fleetpilot_policy_learned_confidence_total",
                             "Placements published with the learned model's confidence, or left with the "
@@ -52,7 +55,7 @@ class LearnedConfidence:
             try:
                 model = OutcomeModel.from_bytes(value)
             except ValueError as exc:
-                self.model, self.version = None, 0
+                self.model, self.version, self.refused_version = None, 0, version
                 self.used.labels("refused").inc()
                 log.error("learned confidence: outcome model version %d refused (%s); the policy's own "
                           "confidence is published", version, exc)
@@ -65,8 +68,9 @@ class LearnedConfidence:
         """Load the promoted model now and every new version the learner stores."""
         kv = await bus.kv("models")
         async for entry in kv.watch(PROMOTED_KEY):
-            if entry.revision != self.version or entry.value is None:
-                self.load(entry.value, entry.revision)
+            if entry.value is not None and entry.revision in (self.version, self.refused_version):
+                continue  # what this replica holds or refused already, seen again
+            self.load(entry.value, entry.revision)
 
     def gpu_model(self, decision: DecisionMade) -> str:
         """The model of the first GPU ``decision`` places on ("" when the fleet view lacks it)."""

@@ -4,6 +4,8 @@ real nats-server, and on the pure part."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import numpy as np
 import pytest
@@ -117,3 +119,21 @@ def test_a_model_that_fails_to_predict_is_set_aside_until_the_next_version():
     assert learned.model is None
     learned.load(msgspec.json.encode(tight_holds_fail()), 5)
     assert learned.apply(a_placement()).prior_confidence == 0.9
+
+
+async def test_a_refused_model_seen_again_by_a_watch_that_starts_again_is_not_refused_again():
+    from fleetpilot.runtime import InMemoryBus
+    from prometheus_client import CollectorRegistry
+
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    await (await bus.kv("models")).put("outcome", b'{"features": "not a model"}')
+    registry = CollectorRegistry()
+    learned = LearnedConfidence(None, registry)
+    for _ in range(3):  # the view's watcher started again twice (a reconnect, a restart of the job)
+        follow = asyncio.ensure_future(learned.follow(bus))
+        await asyncio.sleep(0.05)
+        follow.cancel()
+    assert learned.model is None
+    assert registry.get_sample_value("fleetpilot_policy_learned_confidence_total", {"outcome": "refused"}) == 1
+
