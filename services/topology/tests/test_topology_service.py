@@ -147,7 +147,12 @@ async def test_a_report_whose_links_name_devices_it_does_not_list_is_dead_letter
         await client.publish(report(good, at=1.0))
         await wait_for(lambda: letters, what="the bad report dead-lettered")
         kv = await client.kv("topology")
-        stored = {key for key in await kv.keys()}
+
+        async def good_stored() -> set[str]:
+            keys = set(await kv.keys())
+            return keys if node_key(good.node) in keys else set()
+
+        stored = await wait_for(good_stored, what="the good report stored")
     finally:
         await host.stop()
     assert (letters[0].subject, letters[0].reason) == (f"topology.report.{bad.node}", "rejected")

@@ -12,12 +12,12 @@ from fleetpilot.runtime.dispatch import Dispatcher
 from fleetpilot.runtime.metrics import HandlerMetrics
 from fleetpilot.runtime.nats_bus import NatsBus
 
-ACK_WAIT_S = 1.0
-HANDLING_S = 3.5  # more than three ack waits
+ACK_WAIT_S = 2.0
+HANDLING_S = 5.0  # two and a half ack waits
 
 
 async def test_a_slow_handler_keeps_its_message_from_the_other_replica(nats_url):
-    # Two replicas on one durable consumer whose ack wait is a second (an executor's is 30 s,
+    # Two replicas on one durable consumer whose ack wait is two seconds (an executor's is 30 s,
     # and an eviction's grace or a migration may take longer).
     spec = ConsumerSpec("slow-handler", "TASKS", "task.submitted", ack_wait_s=ACK_WAIT_S)
     handled: list[tuple[str, int]] = []
