@@ -20,11 +20,9 @@ from fleetpilot.contracts import (
     encode,
     subject_for,
 )
-from fleetpilot.executor import BackendError, TaskHandle
+from fleetpilot.executor import BackendError, TaskHandle, recorded_result
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue
-
-_RESULT = msgspec.json.Decoder(ActionExecuted | ActionFailed)
 
 
 class BusTakeOver:
@@ -152,9 +150,7 @@ class KvExecutionJournal:
     async def result(self, decision_id: str) -> ActionExecuted | ActionFailed | None:
         """The recorded result, if the decision was executed."""
         entry = await self._kv.get(node_key(decision_id))
-        if entry is None or entry.value is None or entry.value.startswith(b'{"claim"'):
-            return None
-        return _RESULT.decode(entry.value)
+        return recorded_result(entry.value) if entry is not None else None
 
     async def record(self, decision_id: str, result: ActionExecuted | ActionFailed) -> None:
         """Store the result (replaces the claim)."""

@@ -360,8 +360,9 @@ class ExecutorReplica:
             return []
         node = self.settings.node
         out: list[Event] = []
-        for task_id in backend.handed_over_before(time.time() - self.settings.hand_over_taken_within_s):
-            held = await self.ledger.read(node)
+        stranded = backend.handed_over_before(time.time() - self.settings.hand_over_taken_within_s)
+        held = await self.ledger.read(node) if stranded else None
+        for task_id in stranded:
             elsewhere = any(a.task_id == task_id for key, ledger in self.ledger.nodes.items()
                             if key != node_key(node) for a in ledger.allocations)
             if held is None or not any(a.task_id == task_id for a in held.allocations) or elsewhere:

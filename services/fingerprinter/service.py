@@ -135,6 +135,13 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # ack lost to a reconnect), or an earlier one, would cut the series of the run restored
     # since and count its restore a second time.
     last_stop: OrderedDict[str, float] = OrderedDict()
+
+    def keep_newest(cache: OrderedDict, key: str, value) -> None:
+        """``value`` as the newest entry of ``cache``, the oldest dropped past the task cap."""
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > settings.max_tracked_tasks:
+            cache.popitem(last=False)
     # Tasks submitted that have not run yet: task -> (signature, the prediction it was last
     # given, ``None`` for none), and the tasks by signature.
     waiting: OrderedDict[str, tuple[str, Fingerprint | None]] = OrderedDict()
@@ -189,10 +196,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         if not predicts_nothing(await stored(signature)):
             live.pop(signature, None)
             return
-        live[signature] = fp
-        live.move_to_end(signature)
-        while len(live) > settings.max_tracked_tasks:
-            live.popitem(last=False)
+        keep_newest(live, signature, fp)
         await tell_waiting(signature, borrowed(fp))
 
     async def tell_waiting(signature: str, predicted: Fingerprint | None) -> None:
@@ -317,10 +321,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # What it held when stopped waits for its first sample once restored.
             if life.at <= last_stop.get(life.task_id, -math.inf):
                 return  # handled already: the model now is the run restored since
-            last_stop[life.task_id] = life.at
-            last_stop.move_to_end(life.task_id)
-            while len(last_stop) > settings.max_tracked_tasks:
-                last_stop.popitem(last=False)
+            keep_newest(last_stop, life.task_id, life.at)
             old = models.get(life.task_id)
             if old is not None and old.signature and restore_tells(old.first_mb, old.last_mb):
                 stopped[life.task_id] = (old.signature, old.last_mb, life.at)

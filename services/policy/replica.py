@@ -19,7 +19,6 @@ from pathlib import Path
 import msgspec
 from fleetpilot.contracts import (
     ActionExecuted,
-    ActionFailed,
     Allocation,
     DecisionMade,
     Fingerprint,
@@ -33,6 +32,7 @@ from fleetpilot.contracts import (
     in_service,
     now,
 )
+from fleetpilot.executor import recorded_result
 from fleetpilot.fingerprint import SignatureStats, restores_start_over, stored_stats, task_signature
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.accounting import without_decision
@@ -74,8 +74,6 @@ as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
 SETTLED_AFTER_S = 60.0
 """A reserved hold this old whose decision the executor settled elsewhere is a leftover
 (``release_settled_reservations``): well past a result recorded before its hold's confirmation."""
-
-_RESULT = msgspec.json.Decoder(ActionExecuted | ActionFailed)
 
 BRIDGE_PATTERNS = SMOOTH_GROWTH
 """Growth patterns a task may be bridged for on its ask: memory that rises smoothly gives the
@@ -276,12 +274,12 @@ class ReplicaState:
         released = 0
         for key, decision_id in sorted(reserved):
             found = await self.executions.get(node_key(decision_id))
-            if found is None or not found.value or found.value.startswith(b'{"claim"'):
-                continue  # not carried out yet (or being carried out now)
             try:
-                result = _RESULT.decode(found.value)
+                result = recorded_result(found.value if found is not None else None)
             except msgspec.DecodeError:
                 continue
+            if result is None:
+                continue  # not carried out yet (or being carried out now)
             if isinstance(result, ActionExecuted) and key in {node_key(p.node) for p in result.placement}:
                 continue  # its own node: the executor confirms it there
             if await self.ledger.mutate(key, lambda cur, d=decision_id: without_decision(cur, d) if cur else None):

@@ -29,7 +29,7 @@ from .decommission import (
     step,
 )
 from .dispatch import action_id_for, carried_out_on, execute_decision
-from .journal import ActionResult, ExecutionJournal, InMemoryExecutionJournal
+from .journal import ActionResult, ExecutionJournal, InMemoryExecutionJournal, recorded_result
 from .locks import Clock, HookLock, InMemoryHookLock
 from .process import ProcessBackend, classify_exit
 from .sim import SimAdapter, SimBackend
@@ -67,5 +67,6 @@ __all__ = [
     "classify_exit",
     "execute_decision",
     "notify_after_finish",
+    "recorded_result",
     "step",
 ]

@@ -12,9 +12,22 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, runtime_checkable
 
+import msgspec
+
 from fleetpilot.contracts import ActionExecuted, ActionFailed
 
 ActionResult = ActionExecuted | ActionFailed
+
+_RESULT = msgspec.json.Decoder(ActionResult)
+
+
+def recorded_result(value: bytes | None) -> ActionResult | None:
+    """The result a journal entry of the ``executions`` bucket records, ``None`` for no entry
+    or a claim (the decision is being carried out). Raises ``msgspec.DecodeError`` for bytes
+    that are neither."""
+    if not value or value.startswith(b'{"claim"'):
+        return None
+    return _RESULT.decode(value)
 
 
 @runtime_checkable
