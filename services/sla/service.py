@@ -269,7 +269,11 @@ class Negotiator:
         return _rejected(task.task_id, task.tenant, decision.code, decision.reason, now)
 
     async def submitted(self, task: TaskSubmitted, redelivered: bool) -> Event:
-        """Answer a verified submission: reuse a stored answer for the same task, else negotiate."""
+        """Answer a verified submission: reuse a stored answer for the same task, else negotiate.
+
+        An admission is reused for any submission of the task id; a closed offer's outcome and
+        a rejection only for a redelivery (of the same ask, for a rejection): a client may
+        resubmit a refused task, and the fleet may have changed since."""
         stored = await self.store.admission(task.task_id)
         if stored is not None:
             _same_tenant(stored.tenant, task)
@@ -282,9 +286,15 @@ class Negotiator:
                 return record.offer
             if redelivered and record.outcome is not None:
                 return record.outcome
+        if redelivered:
+            rejected = await self.store.rejection(task)
+            if rejected is not None:
+                return rejected  # told once; a fresh negotiation now might say otherwise
         answer = await self.decide(task)
         if isinstance(answer, TaskAdmitted):
             await self.store.record_admission(answer)
+        elif isinstance(answer, TaskRejected):
+            await self.store.record_rejection(task, answer)
         elif isinstance(answer, SlaOffer):
             record = await self.store.open_offer(OfferRecord(offer=answer, task=task),
                                                  replacing=existing[1] if existing is not None else None)

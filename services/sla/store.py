@@ -12,6 +12,10 @@ Two kinds of keys, one per task (``node_key(task_id)`` makes any task id a legal
 
 The store also keeps an in-memory view of both (watched), which the negotiator reads to
 build its fleet snapshot and the expiry job to find offers past their validity.
+
+A negotiated rejection is kept apart, in the ``rejections`` bucket (a day's time-to-live):
+a :class:`RejectionRecord` per task, so a redelivered submission (its acknowledgement lost,
+its replica gone) gets the rejection it was given, not a second answer that may differ.
 """
 
 from __future__ import annotations
@@ -45,8 +49,16 @@ class OfferRecord(msgspec.Struct, frozen=True, kw_only=True):
     outcome: TaskAdmitted | TaskRejected | None = None
 
 
+class RejectionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A negotiated rejection with the submission (tenant from its token) it answered."""
+
+    task: TaskSubmitted
+    rejection: TaskRejected
+
+
 _ADMITTED = msgspec.json.Decoder(TaskAdmitted)
 _OFFER = msgspec.json.Decoder(OfferRecord)
+_REJECTION = msgspec.json.Decoder(RejectionRecord)
 
 
 def contract_key(task_id: str) -> str:
@@ -62,15 +74,16 @@ def offer_key(task_id: str) -> str:
 class ContractStore:
     """Reads and CAS writes on the ``contracts`` bucket, plus a watched in-memory view."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, rejections: KeyValue) -> None:
         self._kv = kv
+        self._rejections = rejections
         self.admitted: dict[str, TaskAdmitted] = {}
         self.open_offers: dict[str, OfferRecord] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> ContractStore:
         """Load every stored contract and open offer."""
-        store = cls(await bus.kv("contracts"))
+        store = cls(await bus.kv("contracts"), await bus.kv("rejections"))
         for key in await store._kv.keys():
             entry = await store._kv.get(key)
             if entry is not None:
@@ -130,6 +143,22 @@ class ContractStore:
         """Store the agreed contract (idempotent: the same admission may be written twice)."""
         await self._kv.put(contract_key(adm.task.task_id), encode(adm))
         self.admitted[adm.task.task_id] = adm
+
+    async def record_rejection(self, task: TaskSubmitted, rejection: TaskRejected) -> None:
+        """Keep the rejection ``task`` was given, for its redeliveries."""
+        await self._rejections.put(node_key(task.task_id), encode(RejectionRecord(task=task, rejection=rejection)))
+
+    async def rejection(self, task: TaskSubmitted) -> TaskRejected | None:
+        """The rejection stored for exactly this submission (same task, same ask, same tenant)."""
+        entry = await self._rejections.get(node_key(task.task_id))
+        if entry is None or entry.value is None:
+            return None
+        try:
+            record = _REJECTION.decode(entry.value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("rejections bucket: ignoring unreadable %s: %s", task.task_id, exc)
+            return None
+        return record.rejection if record.task == task else None
 
     async def offer(self, task_id: str) -> tuple[OfferRecord, int] | None:
         """The task's offer record and its revision, read from the bucket."""

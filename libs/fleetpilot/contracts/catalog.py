@@ -222,6 +222,9 @@ BUCKETS: tuple[BucketSpec, ...] = (
                description="Statistics by task signature: fingerprints, OOM floors, restores."),
     BucketSpec("config", history=10, description="Policy profiles and shaping rules per host."),
     BucketSpec("contracts", description="Agreed SLA contracts and open offers by task."),
+    # As long as a submission may still be redelivered (an outage included), not for ever.
+    BucketSpec("rejections", ttl_s=24 * 3600,
+               description="The rejection each negotiated submission got, for its redeliveries."),
     BucketSpec("hook_locks", ttl_s=35 * 60, description="Locks with a time-to-live for lifecycle hooks."),
     BucketSpec("executions", ttl_s=24 * 3600, description="Executed decision ids (idempotency)."),
     BucketSpec("pending", description="Admitted tasks waiting for capacity, by task id."),

@@ -17,6 +17,7 @@ import sys
 import time
 
 import jwt
+import msgspec
 import pytest
 from fleetpilot.auth import DAY_S, WEEK_S, KeyRing, mint_token, save_jwks
 from fleetpilot.contracts import (
@@ -444,3 +445,33 @@ def test_a_missing_or_unreadable_key_set_stops_the_service_with_one_line(tmp_pat
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fleetpilot-sla: ") and fragment in lines[0], proc.stderr
+
+
+async def negotiator_on(rig: Rig):
+    """A negotiator of its own over the rig's buckets, as another replica would open it."""
+    from fleetpilot.ledger import FleetView, LedgerStore
+    from fleetpilot_services.sla.service import Negotiator
+    from fleetpilot_services.sla.store import ContractStore
+
+    settings = SlaSettings(nats_url=rig.url, metrics_port=-1, jwks_path=str(rig.jwks), state_dir=str(rig.tmp))
+    return Negotiator(rig.bus, settings, rig.clock, await FleetView.open(rig.bus), await LedgerStore.open(rig.bus),
+                      await ContractStore.open(rig.bus))
+
+
+async def test_a_redelivered_submission_gets_the_rejection_it_was_given_not_a_new_answer(rig):
+    # No GPU holds 120 GB: rejected. Then an H200 node joins, and the submission comes again
+    # because the first delivery's acknowledgement was lost (another replica gets it). The
+    # client was told "rejected"; it must not now also be told "admitted" for the same ask.
+    task = TaskSubmitted(task_id="t-big", tenant="acme", gpus=1, gpu_memory_mb=120_000)
+    changed = msgspec.structs.replace(task, task_id="t-big2")
+    first = await (await negotiator_on(rig)).submitted(task, redelivered=False)
+    assert isinstance(first, TaskRejected)
+    assert isinstance(await (await negotiator_on(rig)).submitted(changed, redelivered=False), TaskRejected)
+    await (await rig.bus.kv("topology")).put(node_key("h200-00"), encode(node("h200-00", "site-a", "H200", 143_771)))
+    replica = await negotiator_on(rig)
+    assert await replica.submitted(task, redelivered=True) == first
+    # A resubmission (a first delivery), or a redelivery of another ask, is negotiated again.
+    assert isinstance(await replica.submitted(task, redelivered=False), TaskAdmitted)
+    changed = msgspec.structs.replace(changed, gpu_memory_mb=100_000)
+    again = await replica.submitted(changed, redelivered=True)
+    assert isinstance(again, TaskAdmitted) and again.task.gpu_memory_mb == 100_000
