@@ -96,13 +96,6 @@ def bandwidth_estimates(settings: TopologySettings) -> list[BandwidthEstimate]:
     return SiteNetwork(configured_fleet(settings).links).estimates()
 
 
-def without_operational_labels(node: NodeTopology) -> NodeTopology:
-    """The node as hardware reports it: GPU labels set by operations removed."""
-    gpus = [msgspec.structs.replace(g, labels={k: v for k, v in g.labels.items() if k not in OPERATIONAL_GPU_LABELS})
-            for g in node.gpus]
-    return msgspec.structs.replace(node, gpus=gpus)
-
-
 def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None) -> NodeTopology:
     """``reported`` carrying over the operational labels (cordoned, maintenance...) of ``stored``."""
     if stored is None:
@@ -112,9 +105,14 @@ def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None)
     return msgspec.structs.replace(reported, gpus=gpus)
 
 
-async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> None:
+async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> bool:
     """Write a reported node with compare-and-set so that a label the executor sets at the
-    same moment is neither lost nor overwritten."""
+    same moment is neither lost nor overwritten; ``False`` (nothing written) when the bucket
+    already holds what the node reports.
+
+    The bucket, not what this replica last saw, says what is unchanged: replicas share the
+    reports, and a report that undoes another replica's write looks unchanged to this one.
+    """
     key = node_key(node.node)
     for _ in range(attempts):
         entry = await kv.get(key)
@@ -124,13 +122,16 @@ async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, att
                 stored = msgspec.json.decode(entry.value, type=NodeTopology)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 stored = None
-        body = encode(with_operational_labels(node, stored))
+        updated = with_operational_labels(node, stored)
+        if updated == stored:
+            return False
+        body = encode(updated)
         try:
             if entry is None:
                 await kv.create(key, body)
             else:
                 await kv.update(key, body, entry.revision)
-            return
+            return True
         except CasConflict:
             continue
     raise CasConflict(f"topology of {node.node} kept changing")
@@ -233,15 +234,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     host = ServiceHost("topology", settings)
     nodes_by_condition = Gauge("fleetpilot_topology_nodes", "Nodes by condition, as the last liveness check left them",
                                ["condition"], registry=host.metrics.registry)
-    known: dict[str, bytes] = {}
     revision = {"n": 0}
-
-    async def load_known(bus: Bus) -> None:
-        # A restarted replica must not announce every node again: start from the bucket.
-        for node in await stored_nodes(await bus.kv("topology")):
-            known[node.node] = encode(without_operational_labels(node))
-
-    host.on_startup(load_known)
 
     @host.on(TopologyReport, consumer="topology-reports")
     async def on_report(report: TopologyReport) -> TopologyUpdated | None:
@@ -250,12 +243,9 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         if problem is not None:
             # To the dead letters with its reason, not into the bucket every policy reads.
             raise Reject(f"topology report of {node.node or 'a node'} from {report.source or 'a collector'}: {problem}")
-        body = encode(node)
-        if known.get(node.node) == body:
-            return None  # unchanged: collectors re-send periodically for late joiners
         kv = await host.bus.kv("topology")  # type: ignore[union-attr]
-        await write_keeping_operational_labels(kv, node)
-        known[node.node] = body
+        if not await write_keeping_operational_labels(kv, node):
+            return None  # unchanged: collectors re-send periodically for late joiners
         revision["n"] += 1
         # Milliseconds since the epoch, times 1000, plus a per-process counter: increasing
         # across restarts and unique per update within a replica (the msg id needs both).

@@ -302,3 +302,29 @@ def test_not_ready_never_lifts_unreachable_but_a_report_does():
 def test_not_ready_after_the_node_is_given_up_is_a_setting_error():
     with pytest.raises(ValueError, match="at most silent_after_s"):
         settings("nats://127.0.0.1:1", not_ready_after_s=400.0, silent_after_s=300.0)
+
+
+async def test_a_report_that_undoes_another_replicas_change_is_stored_not_taken_as_unchanged(nats_server, client):
+    """Two replicas share the reports. Both start knowing a node as v1; the other replica
+    stores v2 (a GPU lost, say); the node's next report is v1 again (the GPU back) and reaches
+    this replica, which must store it: the bucket says v2, whatever this replica saw last."""
+    updates: list[TopologyUpdated] = []
+
+    async def on_update(msg) -> None:
+        updates.append(decode(msg.data, TopologyUpdated))
+
+    await client.subscribe("topology.updated", on_update)
+    v1 = NODES[0]
+    v2 = msgspec.structs.replace(v1, gpus=v1.gpus[:-1])
+    kv = await client.kv("topology")
+    await kv.put(v1.node, msgspec.json.encode(v1))
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await kv.put(v1.node, msgspec.json.encode(v2))  # the other replica's write
+        await client.publish(report(v1, at=1.0))
+        await wait_for(lambda: len(updates) == 1, what="the node's return announced")
+        stored = msgspec.json.decode((await kv.get(v1.node)).value, type=NodeTopology)
+    finally:
+        await host.stop()
+    assert updates[0].nodes == [v1.node] and stored == v1
