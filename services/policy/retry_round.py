@@ -201,9 +201,9 @@ class RetryRound:
                 self.blocked.append(adm)
                 continue  # a vip still gets its turn: it may preempt
             try:
-                await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)  # one replica takes it
+                claimed = await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)
             except CasConflict:
-                continue
+                continue  # one replica takes it
             try:
                 decision, _, _ = await ps.place(adm, w.requeue)
                 if decision is None:
@@ -212,7 +212,14 @@ class RetryRound:
             except Retry:
                 decision = None
             if decision is None:
-                await pending.put(w.entry.key, w.value)
+                try:
+                    # Put back only under our own claim: a replica that stalled past
+                    # ``claim_timeout_s`` may find its entry taken over, the task placed and
+                    # the entry cleared; writing it back would queue a placed task again.
+                    await pending.update(w.entry.key, w.value, claimed)
+                except CasConflict:
+                    log.warning("%s: claim taken over while placing it; left to its new owner", w.entry.key)
+                    continue
                 # A vip that fits nowhere may preempt best_effort work (``preempt``), once
                 # per round and not while its last preemption is still under way.
                 if adm.contract.tier == "vip" and adm.task.task_id not in self.evicting:

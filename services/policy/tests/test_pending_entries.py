@@ -236,3 +236,41 @@ async def test_a_task_admitted_before_any_node_reported_is_queued_then_placed(ob
     assert [d.action for d in observer.decisions] == ["queue", "assign"]
     assert left == []
 
+
+
+async def test_a_replica_that_stalled_past_its_claim_does_not_put_back_a_task_another_replica_placed(
+    observer, nats_url, tmp_path, monkeypatch
+):
+    """A replica claims an entry and stalls longer than ``claim_timeout_s``; another takes the
+    entry over, places the task and clears the entry. The first then finds no room (the task
+    now holds it) and must not write the entry back: that would queue a placed task again,
+    and place it a second time once its first run has ended."""
+    from fleetpilot_services.policy.service import PolicyState
+
+    place = PolicyState.place
+    stalled = {"n": 0}
+
+    async def stalled_then_taken_over(self, adm, requeue=None):
+        if adm.task.task_id == "slow" and not stalled["n"]:
+            stalled["n"] += 1
+            pending = await observer.js.key_value("pending")
+            entry = await pending.get("slow")
+            # The other replica's takeover, its placement, and its clearing of the entry.
+            await pending.update("slow", claim_pending(claim_of(entry.value)[1], now()), entry.revision)
+            await pending.delete("slow")
+            return None, "bestfit", "primary"
+        return await place(self, adm, requeue)
+
+    monkeypatch.setattr(PolicyState, "place", stalled_then_taken_over)
+    await observer.put_fleet([node("n0")])
+    pending = await observer.js.key_value("pending")
+    await pending.put("slow", encode_pending(admitted("slow", gpu_milli=500)))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await wait_for(lambda: stalled["n"] == 1, what="the stalled placement")
+        await asyncio.sleep(1.0)  # rounds that would place a written-back entry
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert left == [] and [d.decision_id for d in observer.decisions] == []
