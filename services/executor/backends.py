@@ -24,6 +24,15 @@ from fleetpilot.executor import BackendError, TaskHandle, recorded_result
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue
 
+HAND_OVER_ATTEMPTS = 3
+"""How many times a target asks the source for a task (an answer lost on the way)."""
+
+
+def hand_over_wait_s(checkpoint_s: float, grace_s: float, attempts: int = HAND_OVER_ATTEMPTS) -> float:
+    """How long a target may wait for a task's hand-over in all: each try gives the source
+    the checkpoint window, the stop's grace and 10 s for the round trip."""
+    return attempts * (checkpoint_s + grace_s + 10.0)
+
 
 class BusTakeOver:
     """``take_over`` for a node's process backend: asks the executor of the node a task runs
@@ -33,7 +42,7 @@ class BusTakeOver:
     no answer at all (no executor there, or it is stuck) is a retryable failure, and the
     task stays at its source."""
 
-    def __init__(self, bus: Bus, checkpoint_s: float = 1.0, attempts: int = 3) -> None:
+    def __init__(self, bus: Bus, checkpoint_s: float = 1.0, attempts: int = HAND_OVER_ATTEMPTS) -> None:
         """Ask over ``bus``, allowing the source ``checkpoint_s`` to save, ``attempts`` times."""
         self._bus = bus
         self._checkpoint_s = checkpoint_s
@@ -43,7 +52,7 @@ class BusTakeOver:
         """The command and environment of ``task_id``, once stopped on ``node``."""
         request = HandOver(task_id=task_id, node=node, grace_s=grace_s)
         # The source signals, waits for the checkpoint, then stops with grace.
-        timeout_s = self._checkpoint_s + grace_s + 10.0
+        timeout_s = hand_over_wait_s(self._checkpoint_s, grace_s, attempts=1)
         last = ""
         for _ in range(self._attempts):
             try:
@@ -93,7 +102,7 @@ class BusSimBackend:
         await self._send(SimCommand(verb="remove", task_id=task_id))
 
     async def migrate(
-        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
     ) -> TaskHandle:
         """Move the task: restored on the target from its checkpoint (``SimulatedHardware``)."""
         return await self._put("move", task_id, target)

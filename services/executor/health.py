@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 
 from fleetpilot.contracts import Event, GpuSample, NodeTelemetry, TaskLifecycle
 from fleetpilot.executor import BackendError, Command, Cordon
@@ -34,22 +36,46 @@ log = logging.getLogger("fleetpilot.executor")
 
 class HealthWindows:
     """The recent samples of every GPU, thinned to one per ``every_s`` and at most
-    ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default)."""
+    ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default).
+
+    A window holds one board: a sample with another uuid (the GPU was replaced) or from
+    before the window's newest one (its node's clock stepped back) starts it again. A GPU
+    nothing was heard from for ``window_s`` (by ``clock``, this process's monotonic clock:
+    collectors' clocks may be wrong) is forgotten by :meth:`forget_silent`, so nodes that
+    leave the fleet do not stay in memory, and in every assessment, for good.
+    """
 
     def __init__(self, window_s: float, every_s: float) -> None:
         """Keep ``window_s`` of history, one sample per ``every_s``."""
         self._window_s = window_s
         self._every_s = every_s
         self.windows: dict[tuple[str, int], deque[GpuSample]] = {}
+        self.clock: Callable[[], float] = time.monotonic
+        self._heard_at: dict[tuple[str, int], float] = {}
 
     def add(self, sample: GpuSample) -> None:
         """Keep ``sample`` if enough time passed since the last one kept."""
-        window = self.windows.setdefault((sample.node, sample.gpu), deque())
+        key = (sample.node, sample.gpu)
+        self._heard_at[key] = self.clock()
+        window = self.windows.setdefault(key, deque())
+        if window and (sample.at < window[-1].at or (sample.uuid and window[-1].uuid
+                                                      and sample.uuid != window[-1].uuid)):
+            # Another board's counters and temperatures say nothing about this one, and
+            # samples older than the newest kept would all be thinned away until the clock
+            # caught up with it.
+            window.clear()
         if window and sample.at - window[-1].at < self._every_s:
             return
         window.append(sample)
         while window and window[0].at < sample.at - self._window_s:
             window.popleft()
+
+    def forget_silent(self) -> None:
+        """Drop the window of every GPU not heard from for ``window_s``."""
+        silent_since = self.clock() - self._window_s
+        for key in [k for k, heard in self._heard_at.items() if heard < silent_since]:
+            del self._heard_at[key]
+            self.windows.pop(key, None)
 
 
 class GpuHealth(ExecutorReplica):
@@ -114,19 +140,28 @@ class GpuHealth(ExecutorReplica):
         labels = self.labels
         if labels is None:
             return
+        self.windows.forget_silent()
         for (node, gpu), window in list(self.windows.windows.items()):
             if len(window) < 2 or labels.labels_of(node, gpu).get(MAINTENANCE_PENDING) == "true":
                 continue
-            assessment = self.model.assess(list(window))
-            if not assessment.maintenance_pending:
-                continue
-            # Every replica assesses the same samples; the label write is idempotent, so
-            # no lock is needed here.
-            risk = f"{assessment.failure_probability:.2f}"
-            if await labels.set(node, gpu, {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}):
-                top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
-                log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
-                            assessment.failure_probability, top)
+            try:
+                await self._label_if_at_risk(node, gpu, list(window))
+            except Exception:  # noqa: BLE001 - one GPU's failure must not skip the GPUs after it
+                # The next round tries this GPU again.
+                log.exception("could not assess the health of %s/%d", node, gpu)
+
+    async def _label_if_at_risk(self, node: str, gpu: int, window: list[GpuSample]) -> None:
+        assert self.labels is not None
+        assessment = self.model.assess(window)
+        if not assessment.maintenance_pending:
+            return
+        # Every replica assesses the same samples; the label write is idempotent, so
+        # no lock is needed here.
+        risk = f"{assessment.failure_probability:.2f}"
+        if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}):
+            top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
+            log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
+                        assessment.failure_probability, top)
 
     async def give_up_unreachable_nodes(self) -> list[Event]:
         """The tasks of a node whose GPUs the topology service labelled ``unreachable`` (its

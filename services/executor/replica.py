@@ -124,10 +124,10 @@ class ExecutorReplica:
         else:
             log_dir = Path(settings.process_log_dir) if settings.process_log_dir else None
             # A node's backend takes over the tasks that move to it from other nodes.
-            take_over = BusTakeOver(bus) if settings.node else None
+            take_over = BusTakeOver(bus, settings.checkpoint_s) if settings.node else None
             registry = Path(settings.state_dir) / f"executor-processes-{settings.node or settings.replica}.json"
             self.backend = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over,
-                                          registry=registry)
+                                          registry=registry, checkpoint_s=settings.checkpoint_s)
             if settings.node:
                 await self.reclaim_left_behind(bus)
 

@@ -7,8 +7,10 @@ from typing import Literal
 from fleetpilot.contracts import BUCKETS, as_node_name
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
 from fleetpilot.runtime import ServiceSettings
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
+
+from .backends import hand_over_wait_s
 
 # How far back a node's own decisions consumer starts when it is first made (a node that
 # joins, or comes back after its consumer was removed): within the journal's time-to-live,
@@ -26,6 +28,11 @@ class ExecutorSettings(ServiceSettings):
     # every node, as the simulated fleet's executor, or the process backend on one machine.
     node: str = ""
     grace_s: float = 10.0
+    # How long a task that moves has to save its checkpoint after the checkpoint signal
+    # (SIGUSR1) before it is stopped as an eviction is (SIGTERM, then SIGKILL after
+    # ``grace_s``). A task that saves and exits sooner ends the wait; a big model's
+    # checkpoint can take tens of seconds, and one cut short restarts from nothing.
+    checkpoint_s: float = 30.0
     default_duration_s: float = 120.0
     process_log_dir: str = ""
     decommission_threshold_c: float = 85.0
@@ -43,6 +50,16 @@ class ExecutorSettings(ServiceSettings):
     # here is still in the ledger, is restarted here from its checkpoint. Well past the
     # target's last try (three times the checkpoint, the grace and 10 s).
     hand_over_taken_within_s: float = 300.0
+
+    @model_validator(mode="after")
+    def _take_back_after_the_targets_last_try(self) -> ExecutorSettings:
+        # Taken back sooner, a task could restart here while its target still waits for it,
+        # and run on both nodes.
+        wait_s = hand_over_wait_s(self.checkpoint_s, self.grace_s)
+        if self.hand_over_taken_within_s <= wait_s:
+            raise ValueError(f"hand_over_taken_within_s ({self.hand_over_taken_within_s:g}) must exceed the "
+                             f"{wait_s:g} s a target may wait for a hand-over (3 x (checkpoint_s + grace_s + 10))")
+        return self
 
     @field_validator("node")
     @classmethod

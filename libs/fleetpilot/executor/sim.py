@@ -159,7 +159,7 @@ class SimBackend:
         self._emit(task, "evicted", detail=f"grace {grace_s:g}s")
 
     async def migrate(
-        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = ()
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
     ) -> TaskHandle:
         """Move the task to ``target`` and report ``migrated``."""
         task = self._running(task_id)

@@ -407,3 +407,54 @@ async def test_an_eviction_that_reaches_a_task_ended_but_not_yet_told_tells_no_e
             task.cancel()
         await bus.drain()
     assert told == ["finished"]
+
+
+def slow_saver(marker: Path) -> list[str]:
+    """A task that takes 2.5 s to save its checkpoint when told to (SIGUSR1), then exits;
+    restarted from it (``FLEETPILOT_RESTORE=1``), it writes what it found."""
+    script = (
+        "import os, signal, sys, time\n"
+        f"marker = {str(marker)!r}\n"
+        "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
+        "    found = open(marker).read() if os.path.exists(marker) else 'no checkpoint'\n"
+        "    open(marker + '.restored', 'w').write(found)\n"
+        "    time.sleep(30)\n"
+        "def save(*_):\n"
+        "    time.sleep(2.5)\n"
+        "    open(marker, 'w').write('saved')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, save)\n"
+        "open(marker + '.up', 'w').write('up')\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+async def test_a_migration_gives_the_task_the_configured_time_to_save_its_checkpoint(observer, nats_url, tmp_path):
+    """``FLEETPILOT_EXECUTOR_CHECKPOINT_S``: a task that takes 2.5 s to save is not stopped
+    before its checkpoint is written (the window was a fixed second, then SIGTERM: the task
+    died mid-save and restarted from nothing)."""
+    await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=2)))
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id="t1", decision_id="d1", gpu=0, milli=1000, memory_mb=1000),
+        Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+    marker = tmp_path / "checkpoint"
+    host = build(settings(nats_url, tmp_path, backend="process", checkpoint_s=6.0, grace_s=2.0))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1", command=slow_saver(marker))))
+        await wait_for(lambda: Path(f"{marker}.up").exists(), what="the task up")
+        await observer.js.publish("decision.made", encode(move_t1(to="n1")))
+        await wait_for(lambda: Path(f"{marker}.restored").exists(), timeout_s=20, what="the task restarted")
+    finally:
+        await host.stop()
+    assert Path(f"{marker}.restored").read_text() == "saved"
+
+
+def test_a_take_back_sooner_than_a_targets_last_try_is_a_setting_error(tmp_path):
+    """A source that takes a handed-over task back while its target may still be waiting
+    for it could run it on both nodes: the settings refuse that, naming the bound."""
+    with pytest.raises(ValueError, match=r"must exceed the 360 s a target may wait"):
+        settings("nats://127.0.0.1:1", tmp_path, checkpoint_s=100.0)
+    assert settings("nats://127.0.0.1:1", tmp_path, checkpoint_s=100.0, hand_over_taken_within_s=400).checkpoint_s == 100

@@ -110,10 +110,12 @@ def checkpointing(tmp_path) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-async def node_executors(nats_url, tmp_path, **overrides) -> dict:
-    """Started executors of n1 and n2 (process backend, one per node)."""
+async def node_executors(nats_url, tmp_path, unchecked: dict | None = None, **overrides) -> dict:
+    """Started executors of n1 and n2 (process backend, one per node); ``unchecked`` settings
+    skip validation (a take-back window shorter than a deployment may set)."""
     hosts = {node: build(settings(nats_url, tmp_path / node, replica=f"executor-{node}", backend="process",
-                                  node=node, process_log_dir=str(tmp_path / f"out-{node}"), **overrides))
+                                  node=node, process_log_dir=str(tmp_path / f"out-{node}"), **overrides)
+                         .model_copy(update=unchecked or {}))
              for node in NODES}
     for host in hosts.values():
         await host.start()
@@ -171,7 +173,7 @@ async def test_a_task_handed_over_for_a_move_that_never_took_it_is_taken_back_fr
 
     monkeypatch.setattr(backends.BusTakeOver, "__call__", answers_lost)
     await two_nodes_holding_t1_on_n1(observer)
-    hosts = await node_executors(nats_url, tmp_path, hand_over_taken_within_s=1.0, silent_check_s=0.5)
+    hosts = await node_executors(nats_url, tmp_path, {"hand_over_taken_within_s": 1.0}, silent_check_s=0.5)
     try:
         await start_t1_on_n1_then_move_it_to_n2(observer, tmp_path)
         failed = await observer.wait_stored("action.failed", ActionFailed, 1)

@@ -1,0 +1,101 @@
+"""The executor's GPU windows and its maintenance round, without a bus: what a window holds
+when its GPU is replaced, when its node's clock steps back, or when the GPU goes silent for
+good, and a maintenance round that one GPU's failure does not end for the others."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+from fleetpilot.runtime import CasConflict
+from fleetpilot_services.executor.health import GpuHealth, HealthWindows
+from fleetpilot_services.executor.service import ExecutorSettings
+
+from .conftest import gpu_sample
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_replaced_gpu_starts_a_window_of_its_own() -> None:
+    windows = HealthWindows(window_s=7200, every_s=30)
+    for at in range(0, 3600, 60):  # the old board, decaying
+        windows.add(gpu_sample("n1", 0, float(at), xid_count=at // 600, xid_last=79, uuid="GPU-old"))
+    windows.add(gpu_sample("n1", 0, 3600.0, uuid="GPU-new"))
+    windows.add(gpu_sample("n1", 0, 3660.0, uuid="GPU-new"))
+    assert [s.uuid for s in windows.windows[("n1", 0)]] == ["GPU-new", "GPU-new"]
+
+
+def test_a_clock_stepped_back_does_not_blind_the_window() -> None:
+    windows = HealthWindows(window_s=7200, every_s=30)
+    for at in (100_000.0, 100_060.0):  # a clock an hour fast, then corrected
+        windows.add(gpu_sample("n1", 0, at))
+    for at in (96_500.0, 96_560.0, 96_620.0):
+        windows.add(gpu_sample("n1", 0, at))
+    assert [s.at for s in windows.windows[("n1", 0)]] == [96_500.0, 96_560.0, 96_620.0]
+
+
+class Labels:
+    """The topology labels as the maintenance round uses them; writing ``failing`` fails."""
+
+    def __init__(self, failing: str = "") -> None:
+        self.failing = failing
+        self.written: dict[tuple[str, int], dict[str, str]] = {}
+
+    def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
+        return self.written.get((node, gpu), {})
+
+    async def set(self, node: str, gpu: int, labels: Mapping[str, str]) -> bool:
+        if node == self.failing:
+            raise CasConflict(f"topology entry {node} kept changing under us")
+        self.written.setdefault((node, gpu), {}).update(labels)
+        return True
+
+
+def health(tmp_path: Path, labels: Labels, clock: Clock | None = None) -> GpuHealth:
+    replica = GpuHealth(ExecutorSettings(nats_url="nats://unused:4222", metrics_port=-1, replica="a",
+                                         state_dir=str(tmp_path)))
+    if clock is not None:
+        replica.windows.clock = clock
+    replica.labels = labels  # type: ignore[assignment]
+    return replica
+
+
+def decaying(node: str) -> list:
+    quiet = gpu_sample(node, 0, 1_000_000.0)
+    return [quiet, msgspec.structs.replace(quiet, at=1_000_060.0, ecc_uncorrected=2, xid_count=2, xid_last=48)]
+
+
+async def test_one_gpu_s_failed_label_write_does_not_end_the_round_for_the_others(tmp_path: Path) -> None:
+    labels = Labels(failing="n1")
+    replica = health(tmp_path, labels)
+    for node in ("n1", "n2"):  # n1 first: its write fails
+        for sample in decaying(node):
+            replica.windows.add(sample)
+    await replica.assess_health()
+    assert labels.written[("n2", 0)]["maintenance_pending"] == "true"
+
+
+async def test_a_gpu_silent_for_longer_than_the_window_is_forgotten(tmp_path: Path) -> None:
+    clock = Clock()
+    labels = Labels()
+    replica = health(tmp_path, labels, clock)
+    for gpu in range(8):  # a node that left the fleet (scaled down, renamed)
+        replica.windows.add(gpu_sample("gone", gpu, 1_000_000.0))
+        replica.windows.add(gpu_sample("gone", gpu, 1_000_060.0))
+    clock.now = 3600.0
+    replica.windows.add(gpu_sample("here", 0, 1_003_600.0))
+    await replica.assess_health()
+    assert len(replica.windows.windows) == 9  # within the window: kept
+    clock.now = 7200.0 + 61.0
+    replica.windows.add(gpu_sample("here", 0, 1_007_261.0))
+    await replica.assess_health()
+    assert list(replica.windows.windows) == [("here", 0)]
