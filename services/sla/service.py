@@ -24,6 +24,7 @@ body with the Authorization header; reply: ``sla.offer``, ``task.admitted`` or
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -88,6 +89,10 @@ class SlaSettings(ServiceSettings):
     default_price_per_gpu_hour: float = 1.0
     negotiate_subject: str = SLA_NEGOTIATE.subject  # as documented in proto/
     require_reply_token: bool = True
+    # A submission that asks for GPUs before any node has reported (a fresh deploy, the
+    # collectors' first reports still to come) waits this long for the fleet, kept alive on
+    # the stream, before it is retried as a failure (and dead-lettered at max_deliver).
+    fleet_wait_s: float = 120.0
 
 
 def bearer_token(headers: dict[str, str]) -> str | None:
@@ -111,7 +116,8 @@ def load_verifier(settings: SlaSettings, clock: Clock = time.time) -> TokenVerif
     """The token verifier over the published key set."""
     path = jwks_path_of(settings)
     if not path.exists():
-        raise FileNotFoundError(f"no JWKS at {path}: run `fleetpilot token --init` or set FLEETPILOT_SLA_JWKS_PATH")
+        raise FileNotFoundError(f"no JWKS at {path}: `fleetpilot token --state-dir {path.parent}` creates a key "
+                                f"ring and its JWKS there; or set FLEETPILOT_SLA_JWKS_PATH")
     verifier = TokenVerifier({"keys": []}, audience=settings.audience, issuer=settings.issuer,
                              algorithms=settings.algorithms, clock=clock)
     try:
@@ -389,13 +395,21 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     def fleet_known(task: TaskSubmitted) -> bool:
         return task.gpus == 0 or bool(holder["n"].topology.nodes)
 
+    async def fleet_reported(task: TaskSubmitted) -> bool:
+        # Waited for here, not retried: five one-second retries dead-lettered a fresh
+        # deploy's first submissions before the collectors' first reports came in.
+        deadline = time.monotonic() + settings.fleet_wait_s
+        while not fleet_known(task) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        return fleet_known(task)
+
     @host.on(TaskSubmitted, consumer="sla-submitted")
     async def on_submitted(task: TaskSubmitted, delivery: Delivery) -> Event:
         checked = verified(task, delivery)
         if isinstance(checked, TaskRejected):
             return checked
-        if not fleet_known(checked):
-            raise Retry("no fleet topology known yet", 1.0)
+        if not await fleet_reported(checked):
+            raise Retry(f"no node has reported in {settings.fleet_wait_s:g} s", 1.0)
         return await holder["n"].submitted(checked, redelivered=delivery.deliveries > 1)
 
     @host.on(SlaReply, consumer="sla-replies")

@@ -475,3 +475,38 @@ async def test_a_redelivered_submission_gets_the_rejection_it_was_given_not_a_ne
     changed = msgspec.structs.replace(changed, gpu_memory_mb=100_000)
     again = await replica.submitted(changed, redelivered=True)
     assert isinstance(again, TaskAdmitted) and again.task.gpu_memory_mb == 100_000
+
+
+async def test_a_submission_before_any_node_has_reported_waits_for_the_fleet(rig):
+    """A fresh deploy: the first submissions come before the collectors' first reports. They
+    used to be retried each second and dead-lettered at the fifth delivery (about 4 s)."""
+    topology = await rig.bus.kv("topology")
+    for n in FLEET:
+        await topology.delete(node_key(n.node))
+    dead: list[bytes] = []
+
+    async def on_dead(msg) -> None:
+        dead.append(msg.data)
+
+    await rig.bus._nc.subscribe("dlq.>", cb=on_dead)
+    await rig.start_sla()
+    await rig.submit(TaskSubmitted(task_id="t-early", gpus=1), rig.token())
+    await asyncio.sleep(6.0)
+    for n in FLEET:
+        await topology.put(node_key(n.node), encode(n))
+    adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-early")
+    assert adm.tenant == "acme" and dead == []
+
+
+def test_the_missing_key_set_message_names_a_command_that_makes_it(tmp_path):
+    """The one line said ``fleetpilot token --init``, a flag that does not exist."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_")}
+    env["FLEETPILOT_STATE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "fleetpilot_services.sla"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    advice = proc.stderr.split("`")[1].split()
+    assert advice[:2] == ["fleetpilot", "token"]
+    fleetpilot = os.path.join(os.path.dirname(sys.executable), "fleetpilot")
+    made = subprocess.run([fleetpilot, *advice[1:]], env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert "keys" in json.loads((tmp_path / "jwks.json").read_text())
