@@ -159,7 +159,14 @@ def save_jwks(jwks: dict[str, Any], path: str | Path) -> None:
     old set or the new one, never an empty or half-written file."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(jwks, indent=2))
+    # An HS256 set holds the shared secret that mints any tenant's token: its owner only.
+    # Public keys stay readable (umask permitting) by verifiers running as other users.
+    shared_secret = any(isinstance(k, dict) and k.get("kty") == "oct" for k in jwks.get("keys", ()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if shared_secret else 0o644)
+    if shared_secret:
+        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(jwks, indent=2))
     os.replace(tmp, path)
 
 

@@ -11,6 +11,7 @@ header parses (``malformed``) -> ``alg`` configured and not ``none`` (``alg_not_
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterable
@@ -74,6 +75,15 @@ def mint_token(keyring: KeyRing, tenant: str, audience: str, issuer: str, ttl_s:
     }
     signing = jwt.PyJWK(key.private_jwk, key.alg)
     return jwt.encode(claims, signing.key, algorithm=key.alg, headers={"kid": key.kid})
+
+
+def _numeric_date(value: Any) -> float | None:
+    """A JWT NumericDate (RFC 7519 section 2: a JSON number) as seconds, ``None`` when it is
+    no finite number (a string, a boolean, NaN or an infinity, which Python's json reads)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) else None
 
 
 class TokenVerifier:
@@ -169,10 +179,10 @@ class TokenVerifier:
         except jwt.InvalidTokenError as exc:
             raise AuthError("malformed", str(exc)) from exc
         # Time is checked here, on the injectable clock, rather than by pyjwt's wall clock.
-        try:
-            exp, nbf, iat = float(claims["exp"]), float(claims["nbf"]), float(claims["iat"])
-        except (TypeError, ValueError) as exc:
-            raise AuthError("malformed", "exp, nbf and iat must be numbers") from exc
+        exp, nbf, iat = (_numeric_date(claims[name]) for name in ("exp", "nbf", "iat"))
+        if exp is None or nbf is None or iat is None:
+            # A NaN or infinite exp compared as never past: the token would never expire.
+            raise AuthError("malformed", "exp, nbf and iat must be finite numbers")
         if now >= exp + self.leeway_s:
             raise AuthError("expired", f"expired {now - exp:.0f} s ago")
         if now + self.leeway_s < nbf:

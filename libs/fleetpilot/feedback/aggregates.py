@@ -13,7 +13,9 @@ Fixed-point units:
 - resource saving: ``1/1000`` MB (``saving_milli_mb``).
 
 Weighting: a record's weight is ``1 - latency_ms.uncertainty_score`` clipped to 0..1 (a
-record whose latency we could not measure says little about how the action went). A
+record whose latency we could not measure says little about how the action went); a NaN
+uncertainty, or a latency that is no measurement (NaN, infinite, over ``MAX_LATENCY_US``),
+gives weight 0 and the latency is kept as 0. A
 success is ``outcome == "success"``; every other outcome (``partial`` included) is a
 failure for the success rate.
 
@@ -40,6 +42,11 @@ KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_mode
 UNIT = 10_000
 CALIBRATION_BINS = 10
 P95 = 0.95
+INT64_MAX = 2**63 - 1
+MAX_LATENCY_US = INT64_MAX // UNIT
+"""The longest latency a row keeps (about 29 years): one record's weighted latency
+(``weight_units * latency_us``) must fit the 64-bit columns of both backends. Anything
+longer is no measurement (an epoch taken for a duration, a unit slip)."""
 
 BaseKey = tuple[str, str, str, str, str]
 
@@ -85,10 +92,26 @@ def calibration_bin(confidence_units: int) -> int:
     return min(confidence_units * CALIBRATION_BINS // UNIT, CALIBRATION_BINS - 1)
 
 
+def _fixed_point(value: float, scale: float, limit: int) -> int | None:
+    """``value * scale`` rounded, or ``None`` when it is no number or beyond ``limit``."""
+    scaled = value * scale
+    if not math.isfinite(scaled) or abs(scaled) > limit:
+        return None
+    return round(scaled)
+
+
 def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
-    """Quantise one feedback event into the row a store keeps (the only rounding step)."""
-    latency_ms = event.latency_ms.value if math.isfinite(event.latency_ms.value) else 0.0
-    saving = event.resource_saving_mb if math.isfinite(event.resource_saving_mb) else 0.0
+    """Quantise one feedback event into the row a store keeps (the only rounding step).
+
+    A latency that is no measurement (NaN, infinite, longer than ``MAX_LATENCY_US``) is kept
+    as unknown: 0 µs with no weight, as the feedback service writes a latency it never saw.
+    An uncertainty that is NaN is no information either: no weight, not full weight.
+    """
+    latency_us = _fixed_point(event.latency_ms.value, 1000.0, MAX_LATENCY_US)
+    uncertainty = event.latency_ms.uncertainty_score
+    trusted = latency_us is not None and not math.isnan(uncertainty)
+    weight_units = round((1.0 - _clip01(uncertainty)) * UNIT) if trusted else 0
+    saving_milli_mb = _fixed_point(event.resource_saving_mb, 1000.0, INT64_MAX)
     return FeedbackRow(
         action_id=event.action_id,
         policy=policy_label(event.policy.name, event.policy.version),
@@ -97,9 +120,9 @@ def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
         gpu_model=event.gpu_model,
         action=event.action,
         success=1 if event.outcome == "success" else 0,
-        weight_units=round((1.0 - _clip01(event.latency_ms.uncertainty_score)) * UNIT),
-        latency_us=max(round(latency_ms * 1000.0), 0),
-        saving_milli_mb=round(saving * 1000.0),
+        weight_units=weight_units,
+        latency_us=max(latency_us or 0, 0),
+        saving_milli_mb=saving_milli_mb or 0,
         confidence_units=round(_clip01(event.confidence) * UNIT),
         side_effects=1 if event.unexpected_side_effect else 0,
     )

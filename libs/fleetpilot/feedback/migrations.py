@@ -1,8 +1,10 @@
 """Versioned schema migrations for both feedback store backends.
 
 Each backend has an ordered list of :class:`Migration`; a store applies at start-up the ones
-missing from its ``schema_migrations`` table, in order, each in its own transaction, so
-starting a store (or several at once) on an up-to-date database changes nothing. Versions
+missing from its ``schema_migrations`` table, in order, all in one transaction (a failed
+start-up leaves the schema as it found it) under a lock that serialises concurrent
+start-ups, so starting a store (or several at once) on an up-to-date database changes
+nothing. Versions
 are never edited once released: a change is a new migration at the end of the list.
 
 Aggregate sums are integers (see :mod:`fleetpilot.feedback.aggregates`): ``BIGINT`` in
@@ -13,6 +15,7 @@ PostgreSQL), so ``raw()`` pages through the primary-key index in the same order 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -50,11 +53,31 @@ RAW_COLUMNS = (
 
 
 
+def stored_payload(event: FeedbackRecorded) -> str:
+    """The JSON a store keeps for ``event``; ``ValueError`` when it would not read back.
+
+    JSON has no NaN or infinity: msgspec writes them as ``null``, which no longer decodes
+    as a float, so such a row would make ``get`` and ``raw`` raise for ever after. (Off the
+    bus they cannot arrive; only a caller in the same process can build them.)
+    """
+    numbers = {
+        "latency_ms.value": event.latency_ms.value,
+        "latency_ms.uncertainty_score": event.latency_ms.uncertainty_score,
+        "resource_saving_mb": event.resource_saving_mb,
+        "confidence": event.confidence,
+        "recorded_at": event.recorded_at,
+    }
+    bad = [f"{name}={value!r}" for name, value in numbers.items() if not math.isfinite(value)]
+    if bad:
+        raise ValueError(f"feedback {event.action_id!r} not stored: {', '.join(bad)} not finite")
+    return encode(event).decode()
+
+
 def raw_values(row: FeedbackRow, event: FeedbackRecorded) -> tuple:
-    """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order."""
+    """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order (see ``stored_payload``)."""
     return (row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.action, row.success,
             row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units, row.side_effects,
-            event.recorded_at, encode(event).decode())
+            event.recorded_at, stored_payload(event))
 
 
 MIGRATIONS_TABLE = (

@@ -102,9 +102,12 @@ class PostgresFeedbackStore:
             raise ValueError(f"schema must be a lower-case SQL identifier, got {schema!r}")
         bootstrap = await asyncpg.connect(dsn)
         try:
-            await _retrying(
-                lambda: bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'), 10, random.Random()
-            )
+            # Looked up first: CREATE SCHEMA checks the database's CREATE privilege even when
+            # the schema exists, and a least-privilege role owns its schema, not the database.
+            if not await bootstrap.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", schema):
+                await _retrying(
+                    lambda: bootstrap.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'), 10, random.Random()
+                )
         finally:
             await bootstrap.close()
         pool = await asyncpg.create_pool(

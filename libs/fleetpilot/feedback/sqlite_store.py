@@ -49,6 +49,7 @@ _UPSERT_AGGREGATE = (
     f" VALUES ({_KEY_MARKS}, {', '.join('?' for _ in TOTALS_FIELDS)})"
     f" ON CONFLICT ({_KEYS}) DO UPDATE SET "
     + ", ".join(f"{f} = {f} + excluded.{f}" for f in TOTALS_FIELDS)
+    + f" RETURNING {', '.join(TOTALS_FIELDS)}"
 )
 _UPSERT_BIN = (
     f"INSERT INTO feedback_calibration ({_KEYS}, bin, count,"
@@ -56,7 +57,15 @@ _UPSERT_BIN = (
     f" ON CONFLICT ({_KEYS}, bin) DO UPDATE SET"
     " count = count + 1, confidence_units = confidence_units + excluded.confidence_units,"
     " successes = successes + excluded.successes"
+    " RETURNING count, confidence_units, successes"
 )
+
+
+def _require_integers(table: str, sums: tuple) -> None:
+    """Raise when an upsert's sums came back as floats: SQLite's ``+`` turns a 64-bit
+    overflow into a REAL instead of failing, which would leave the sums inexact in silence."""
+    if not all(isinstance(value, int) for value in sums):
+        raise OverflowError(f"a {table} sum would overflow 64 bits; the record is not stored")
 
 
 class SqliteFeedbackStore:
@@ -106,22 +115,22 @@ class SqliteFeedbackStore:
         """Store one outcome once; ``False`` for an ``action_id`` already stored."""
         row = row_from_event(event)
         totals = totals_of(row)
+        values = raw_values(row, event)  # refuses, before any write, what would not read back
 
         def write() -> bool:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                cursor = self._db.execute(
-                    _INSERT_RAW,
-                    raw_values(row, event),
-                )
+                cursor = self._db.execute(_INSERT_RAW, values)
                 inserted = cursor.rowcount == 1
                 if inserted:
-                    self._db.execute(
+                    sums = self._db.execute(
                         _UPSERT_AGGREGATE, (*row.key, *(getattr(totals, f) for f in TOTALS_FIELDS))
-                    )
-                    self._db.execute(
+                    ).fetchone()
+                    _require_integers("feedback_aggregate", sums)
+                    sums = self._db.execute(
                         _UPSERT_BIN, (*row.key, row.calibration_bin, row.confidence_units, row.success)
-                    )
+                    ).fetchone()
+                    _require_integers("feedback_calibration", sums)
                 self._db.execute("COMMIT")
                 return inserted
             except BaseException:

@@ -58,7 +58,8 @@ def test_nearest_rank_matches_percentile_disc(values: list[int], expected: int) 
         (0.0, 0.0, 1.0, 10_000, 0, 1000, 0),
         (1.0, 1.0, 0.0005, 0, 10_000, 0, 9),  # 1.0 falls in the top bin; 0.5 µs rounds to 0
         (0.73, 0.25, 12.3456, 7_500, 7_300, 12_346, 7),
-        (1.7, -0.5, float("nan"), 10_000, 10_000, 0, 9),  # out-of-range inputs are clipped
+        (1.7, -0.5, 3.0, 10_000, 10_000, 3000, 9),  # out-of-range inputs are clipped
+        (0.5, 0.0, float("nan"), 0, 5_000, 0, 5),  # no latency measured: no weight
     ],
 )
 def test_row_quantisation(

@@ -1,0 +1,69 @@
+"""Signed tokens whose time claims are no numbers, and key sets that hold a shared secret."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import jwt
+import pytest
+from fleetpilot.auth import AuthError, KeyRing, TokenVerifier, save_jwks
+
+AUD, ISS = "fleetpilot", "https://auth.example"
+T0 = 1_800_000_000.0
+
+
+def _signed(ring: KeyRing, claims: dict) -> str:
+    """A token signed by the ring's key whose payload is exactly ``claims`` as Python's json
+    writes it: NaN and Infinity included, which pyjwt's own encoder would also write."""
+    key = ring.signing_key()
+    return jwt.api_jws.encode(json.dumps(claims).encode(), jwt.PyJWK(key.private_jwk, key.alg).key,
+                              algorithm=key.alg, headers={"kid": key.kid})
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        {"exp": float("nan")},
+        {"exp": float("inf")},
+        {"exp": "99999999999"},
+        {"exp": True},
+        {"exp": T0 + 600, "nbf": float("nan")},
+        {"exp": T0 + 600, "iat": float("-inf")},
+    ],
+    ids=["exp-nan", "exp-infinity", "exp-string", "exp-bool", "nbf-nan", "iat-minus-infinity"],
+)
+def test_a_time_claim_that_is_no_finite_number_is_refused(times: dict) -> None:
+    # NaN and Infinity compared false (or never past): such a token never expired, and a
+    # NaN nbf never held it back. A NumericDate is a JSON number (RFC 7519 section 2).
+    ring = KeyRing(clock=lambda: T0)
+    ring.signing_key()
+    verifier = TokenVerifier(ring.public_jwks(), audience=AUD, issuer=ISS, clock=lambda: T0 + 60)
+    claims = {"tenant": "acme", "sub": "acme", "aud": AUD, "iss": ISS, "iat": T0, "nbf": T0, **times}
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_signed(ring, claims))
+    assert err.value.reason == "malformed", str(err.value)
+
+
+def test_a_key_set_holding_a_shared_secret_is_readable_by_its_owner_only(tmp_path) -> None:
+    # With HS256 the "public" key set is the secret that mints any tenant's token.
+    ring = KeyRing("HS256", clock=lambda: T0)
+    ring.signing_key()
+    old_umask = os.umask(0o022)
+    try:
+        save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == 0o600
+
+
+def test_a_public_key_set_stays_readable_by_verifiers(tmp_path) -> None:
+    ring = KeyRing("EdDSA", clock=lambda: T0)
+    ring.signing_key()
+    old_umask = os.umask(0o022)
+    try:
+        save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == 0o644

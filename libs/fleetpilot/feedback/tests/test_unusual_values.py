@@ -1,0 +1,141 @@
+"""Values a measurement should never have (NaN, infinities, absurd magnitudes) and sums at
+the edge of 64 bits: each is either kept with no weight or refused with a clear error, the
+same on both backends, and never leaves a row the store cannot read back."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import msgspec
+import pytest
+from fleetpilot.contracts import Measured
+from fleetpilot.feedback import PostgresFeedbackStore, SqliteFeedbackStore, recompute, row_from_event
+from fleetpilot.feedback.aggregates import MAX_LATENCY_US, UNIT
+from fleetpilot.feedback.store import FeedbackStore
+from fleetpilot.feedback.synthetic import writer_stream
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _template():
+    return writer_stream(0, 1, seed=7, shared_every=0)[0]
+
+
+def _with_latency(value: float, uncertainty: float = 0.0, action_id: str = "a"):
+    return msgspec.structs.replace(
+        _template(), action_id=action_id, latency_ms=Measured(value=value, uncertainty_score=uncertainty)
+    )
+
+
+def test_an_unknown_uncertainty_carries_no_weight() -> None:
+    # NaN says "no idea how far to trust it": it was clipped to 0 and counted as exact.
+    assert row_from_event(_with_latency(25.0, NAN)).weight_units == 0
+
+
+@pytest.mark.parametrize("latency", [NAN, INF, -INF, 1e300, 1.8e12], ids=["nan", "inf", "-inf", "1e300", "57y"])
+def test_a_latency_that_is_no_measurement_is_kept_as_unknown(latency: float) -> None:
+    # It was stored as 0 ms at full weight (NaN, inf) or overflowed the 64-bit columns.
+    row = row_from_event(_with_latency(latency, 0.0))
+    assert (row.latency_us, row.weight_units) == (0, 0)
+
+
+def test_the_longest_latency_kept_still_fits_one_weighted_sum() -> None:
+    row = row_from_event(_with_latency(MAX_LATENCY_US / 1000.0, 0.0))
+    assert row.latency_us == MAX_LATENCY_US and row.weight_units == UNIT
+    assert row.latency_us * row.weight_units < 2**63
+
+
+@pytest.mark.parametrize("saving", [1e300, -1e300, INF])
+def test_a_saving_beyond_64_bits_is_no_measurement(saving: float) -> None:
+    row = row_from_event(msgspec.structs.replace(_template(), resource_saving_mb=saving))
+    assert row.saving_milli_mb == 0
+
+
+async def test_absurd_values_are_stored_alike_on_both_backends(any_store: FeedbackStore) -> None:
+    # SQLite raised OverflowError while PostgreSQL stored the same record.
+    events = [
+        _with_latency(1e300, 0.0, "huge"),
+        _with_latency(1.8e12, 0.0, "epoch-as-latency"),
+        msgspec.structs.replace(_template(), action_id="saving", resource_saving_mb=-1e300),
+        _with_latency(12.5, 0.1, "plain"),
+    ]
+    assert [await any_store.record(e) for e in events] == [True] * 4
+    assert await any_store.aggregates() == recompute([row_from_event(e) for e in events])
+    assert await any_store.get("huge") == events[0]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"latency_ms": Measured(value=NAN, uncertainty_score=0.0)},
+        {"latency_ms": Measured(value=1.0, uncertainty_score=NAN)},
+        {"confidence": NAN},
+        {"resource_saving_mb": INF},
+        {"recorded_at": NAN},
+    ],
+    ids=["latency", "uncertainty", "confidence", "saving", "recorded_at"],
+)
+async def test_a_record_that_could_not_be_read_back_is_refused(any_store: FeedbackStore, change: dict) -> None:
+    # JSON has no NaN: the payload kept null, and get() and raw() raised on it for ever after.
+    good = _with_latency(3.0, 0.0, "good")
+    assert await any_store.record(good)
+    with pytest.raises(ValueError, match="finite"):
+        await any_store.record(msgspec.structs.replace(_template(), action_id="bad", **change))
+    assert await any_store.get("bad") is None
+    assert [e async for e in any_store.raw()] == [good]
+    assert await any_store.aggregates() == recompute([row_from_event(good)])
+
+
+async def test_sqlite_sums_that_would_overflow_raise_and_change_nothing(tmp_path: Path) -> None:
+    # SQLite turns an integer overflow of `+` into a float: the sums went inexact in silence.
+    store = SqliteFeedbackStore(tmp_path / "o.db")
+    try:
+        latency_ms = MAX_LATENCY_US * 0.6 / 1000.0
+        first, second = _with_latency(latency_ms, 0.0, "o1"), _with_latency(latency_ms, 0.0, "o2")
+        assert await store.record(first)
+        with pytest.raises(OverflowError):
+            await store.record(second)
+        assert await store.get("o2") is None
+        [aggregate] = await store.aggregates()
+        assert aggregate == recompute([row_from_event(first)])[0]
+        assert isinstance(aggregate.totals.weighted_latency, int)
+    finally:
+        await store.close()
+    db = sqlite3.connect(str(tmp_path / "o.db"))
+    try:
+        assert db.execute("SELECT DISTINCT typeof(weighted_latency) FROM feedback_aggregate").fetchall() == [
+            ("integer",)
+        ]
+    finally:
+        db.close()
+
+
+async def test_postgres_opens_in_a_schema_it_owns_without_create_on_the_database(pg_dsn: str) -> None:
+    # A least-privilege role (its schema made by the DBA) failed at start: CREATE SCHEMA IF NOT
+    # EXISTS checks the database's CREATE privilege before it looks whether the schema exists.
+    admin = await asyncpg.connect(pg_dsn)
+    suffix = uuid.uuid4().hex[:10]
+    role, schema = f"fp_test_role_{suffix}", f"fp_test_{suffix}"
+    try:
+        if not await admin.fetchval("SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user"):
+            pytest.skip("the test role cannot create roles")
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        await admin.execute(f'CREATE SCHEMA "{schema}" AUTHORIZATION "{role}"')
+        database = await admin.fetchval("SELECT current_database()")
+        assert not await admin.fetchval("SELECT has_database_privilege($1, $2, 'CREATE')", role, database)
+        parts = urlsplit(pg_dsn)
+        dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+        store = await asyncio.wait_for(PostgresFeedbackStore.open(dsn, schema=schema), timeout=30)
+        try:
+            assert await store.record(_template())
+        finally:
+            await store.close()
+    finally:
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
