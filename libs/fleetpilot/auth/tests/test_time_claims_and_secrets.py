@@ -46,24 +46,15 @@ def test_a_time_claim_that_is_no_finite_number_is_refused(times: dict) -> None:
     assert err.value.reason == "malformed", str(err.value)
 
 
-def test_a_key_set_holding_a_shared_secret_is_readable_by_its_owner_only(tmp_path) -> None:
-    # With HS256 the "public" key set is the secret that mints any tenant's token.
-    ring = KeyRing("HS256", clock=lambda: T0)
+@pytest.mark.parametrize(("alg", "mode"), [("HS256", 0o600), ("EdDSA", 0o644)])
+def test_a_key_set_holding_a_shared_secret_is_readable_by_its_owner_only(tmp_path, alg, mode) -> None:
+    # With HS256 the "public" key set is the secret that mints any tenant's token; a set of
+    # public keys stays readable by verifiers running as other users.
+    ring = KeyRing(alg, clock=lambda: T0)
     ring.signing_key()
     old_umask = os.umask(0o022)
     try:
         save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
     finally:
         os.umask(old_umask)
-    assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == 0o600
-
-
-def test_a_public_key_set_stays_readable_by_verifiers(tmp_path) -> None:
-    ring = KeyRing("EdDSA", clock=lambda: T0)
-    ring.signing_key()
-    old_umask = os.umask(0o022)
-    try:
-        save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
-    finally:
-        os.umask(old_umask)
-    assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == mode
