@@ -78,9 +78,13 @@ class OutcomeFeatures(msgspec.Struct, frozen=True, kw_only=True):
             col += len(group)
         gpus = task.gpus if task else len(decision.placement)
         milli = task.gpu_milli if task else max((p.milli for p in decision.placement), default=1000)
-        ask_mb = float(task.gpu_memory_mb) if task else 0.0
+        # A negative ask or hold (a producer's bug: nothing on the wire forbids it) reads as
+        # unknown, like none at all: its logarithm would raise, and the one decision would
+        # fail every round of learning while it stays among the outcomes kept, and every
+        # prediction the policy asks of it.
+        ask_mb = max(float(task.gpu_memory_mb), 0.0) if task else 0.0
         held = [p.memory_mb for p in decision.placement if p.gpu >= 0]
-        held_mb = float(sum(held) / len(held)) if held else 0.0
+        held_mb = max(float(sum(held) / len(held)), 0.0) if held else 0.0
         # How much room the hold leaves above what the task asked for (negative: below it),
         # relative to the hold; 0 when either is unknown.
         headroom = (held_mb - ask_mb) / held_mb if held_mb > 0 and ask_mb > 0 else 0.0

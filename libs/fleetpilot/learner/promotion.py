@@ -143,10 +143,12 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     """Train on the earlier outcomes, score on the latest, promote if the model wins; judge
     the ``serving`` model on the same latest outcomes."""
     usable = sorted((e for e in examples if learnable(e)), key=lambda e: (e.recorded_at, e.decision.decision_id))
-    if len(usable) < min_examples:
+    # Whatever the caller asks, two at least: one outcome to train on and one to judge by.
+    needed = max(min_examples, 2)
+    if len(usable) < needed:
         nothing = HeldOutFigures(examples=len(usable), held_out=0, brier_model=0.0, brier_prior=0.0,
                                  mean_predicted=0.0, mean_prior=0.0, observed=0.0)
-        return Assessment(None, nothing, False, f"{len(usable)} judged placements, {min_examples} needed")
+        return Assessment(None, nothing, False, f"{len(usable)} judged placements, {needed} needed")
     cut = len(usable) - max(1, int(round(len(usable) * held_out_share)))
     head, tail = usable[:cut], usable[cut:]
     # The layout knows only the GPU models of the outcomes it trains on: a model first seen

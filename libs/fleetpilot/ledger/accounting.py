@@ -52,10 +52,14 @@ def confirmed(ledger: NodeLedger, task_id: str) -> NodeLedger:
         msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a for a in ledger.allocations])
 
 
-def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger:
+def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger | None:
     """A new ledger after ``task_id`` moved onto this node by ``decision_id``: the holds that
     decision reserved become confirmed and the task's older holds here (a move within the
-    node) are gone."""
+    node) are gone. ``None`` when the decision holds nothing here: it was folded already (a
+    redelivered move) and the task's holds here now belong to a later decision, which must
+    keep them."""
+    if not any(a.task_id == task_id and a.decision_id == decision_id for a in ledger.allocations):
+        return None
     return NodeLedger(node=ledger.node, allocations=[
         msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a
         for a in ledger.allocations if a.task_id != task_id or a.decision_id == decision_id])
@@ -65,7 +69,11 @@ def resized(ledger: NodeLedger, decision: DecisionMade) -> NodeLedger | None:
     """The ledger after an executed ``resize``: the policy reserved the extra memory as a
     second hold under the resize's decision id; it is folded into the task's hold on each GPU,
     which takes the decision's new ``memory_mb`` and is confirmed. ``None`` when there is
-    nothing to change (a redelivered resize, or the task has gone)."""
+    nothing to change: no hold reserved under the decision is left (a redelivered resize,
+    possibly after a later, larger one whose size must stay, or the task has gone)."""
+    if not any(a.task_id == decision.task_id and a.decision_id == decision.decision_id
+               for a in ledger.allocations):
+        return None
     sizes = {p.gpu: p.memory_mb for p in decision.placement if p.gpu >= 0}
     kept = []
     for a in ledger.allocations:
@@ -74,7 +82,7 @@ def resized(ledger: NodeLedger, decision: DecisionMade) -> NodeLedger | None:
         if a.task_id == decision.task_id and a.gpu in sizes:
             a = msgspec.structs.replace(a, memory_mb=sizes[a.gpu], state="confirmed")
         kept.append(a)
-    return None if kept == ledger.allocations else NodeLedger(node=ledger.node, allocations=kept)
+    return NodeLedger(node=ledger.node, allocations=kept)
 
 
 def without_decision(ledger: NodeLedger, decision_id: str) -> NodeLedger | None:

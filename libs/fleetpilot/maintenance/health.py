@@ -6,8 +6,11 @@ histories of :mod:`fleetpilot.maintenance.faults` (see :mod:`fleetpilot.maintena
 Its output is a risk score in 0..1 ordered the right way, not a calibrated probability;
 calibrating it needs real outcomes from the feedback store.
 
-Features over a window of :class:`~fleetpilot.contracts.GpuSample` (cumulative hardware
-counters are differenced over the window, so a counter reset reads as zero):
+Features over a window of :class:`~fleetpilot.contracts.GpuSample`. Cumulative hardware
+counters count their growth over the window (:func:`counter_increments`): a reading that dips
+and comes back is no growth, and a counter that restarted from zero counts from there; a
+field the collector could not read (named under the sample's ``nvml_unsupported`` label,
+sent as 0) is left out of that sample:
 
 ========================  ==========================================================  ======
 feature                   meaning (transform)                                         weight
@@ -30,13 +33,15 @@ ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rates a
 containment, 119/120 GSP); codes that are usually the application's fault (13, 31, 43)
 weigh 0.1 or less, so a buggy job does not send a healthy GPU to maintenance.
 
-With the bias at -6 a quiet GPU scores ~0.0025; one isolated DBE (XID 48) ~0.02; the
-:data:`MAINTENANCE_THRESHOLD` 0.85 needs several independent signs of decay together.
+With the bias at -5 a quiet GPU scores ~0.007; one isolated DBE (an XID 48 and one
+uncorrected ECC error) ~0.38; the :data:`MAINTENANCE_THRESHOLD` 0.85 needs several
+independent signs of decay together.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -130,47 +135,138 @@ class MigrationRequest(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
-def _delta(first: int, last: int) -> int:
-    return max(last - first, 0)
+# The collector names a field NVML failed to read under this label and sends its default
+# (0) instead: that reading says nothing about the GPU (``fleet/nvml_reader.py``).
+UNREAD_LABEL = "nvml_unsupported"
+_UNREAD_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "ecc": ("ecc_corrected", "ecc_uncorrected"),
+    "retired_pages": ("retired_pages",),
+    "remapped_rows": ("remapped_rows",),
+    "pcie_replays": ("pcie_replays",),
+    "pcie_link_width": ("pcie_link_width", "pcie_link_width_max"),
+    "temperature": ("temperature_c",),
+}
+# Growth of a counter beyond this within one window is no more alarming, and a value that
+# large (a garbage reading) would overflow the float arithmetic below.
+_MAX_GROWTH = 10**12
+
+
+_ALL_READ: frozenset[str] = frozenset()
+
+
+def _unread(sample: GpuSample) -> frozenset[str]:
+    """The fields of ``sample`` that its collector could not read (their value is a default)."""
+    names = sample.labels.get(UNREAD_LABEL)
+    if not names:
+        return _ALL_READ
+    return frozenset(field for name in names.split(",") for field in _UNREAD_FIELDS.get(name.strip(), ()))
+
+
+def counter_increments(values: Sequence[int]) -> list[int]:
+    """How much a cumulative counter grew at each of its readings (oldest first; 0 at the first).
+
+    Counters go down for two reasons that are no sign of decay, and neither may read as
+    growth. A reading that dips and comes back (a field left out and decoded as 0, a garbage
+    value) is skipped: only growth above the highest reading so far counts. A counter that
+    restarted from zero (a driver reload, a collector restart) and never comes back up to
+    its old high within the readings counts again from where it restarted; one that does
+    come back counts only past its old high (an undercount, never a false alarm). The window
+    starts from the median of its first three readings, so that one bad oldest reading does
+    not become the baseline that everything after it grows from.
+    """
+    if len(values) < 2:
+        return [0] * len(values)
+    if all(map(operator.le, values, values[1:])):
+        # Never down (the common case): the median of the first three is the second.
+        start = 1 if len(values) >= 3 else 0
+        return [0] * (start + 1) + [b - a if b - a < _MAX_GROWTH else _MAX_GROWTH
+                                    for a, b in zip(values[start:], values[start + 1:], strict=False)]
+    grown = [0] * len(values)
+    high = sorted(values[:3])[1] if len(values) >= 3 else values[0]
+    later_high = list(values)
+    for i in range(len(values) - 2, -1, -1):
+        later_high[i] = max(values[i], later_high[i + 1])
+    for i in range(1, len(values)):
+        value = values[i]
+        if value > high:
+            grown[i] = min(value - high, _MAX_GROWTH)
+            high = value
+        elif value < high and later_high[i] < high:
+            high = value  # restarted from zero: count from here
+    return grown
+
+
+def _growth(values: Sequence[int]) -> int:
+    """The sum of :func:`counter_increments`, capped at ``_MAX_GROWTH``."""
+    if len(values) >= 3 and all(map(operator.le, values, values[1:])):
+        return min(values[-1] - values[1], _MAX_GROWTH)  # never down: from the median of the first three
+    return min(sum(counter_increments(values)), _MAX_GROWTH)
 
 
 def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) -> HealthFeatures:
-    """Features of one GPU's samples (any order; sorted by time here)."""
+    """Features of one GPU's samples (any order; sorted by time here). A field its collector
+    names as unread (``nvml_unsupported``) is left out of that sample; counters that go down
+    are handled as :func:`counter_increments` says."""
     if not window:
         return HealthFeatures()
     samples = sorted(window, key=lambda s: s.at)
+    unread = [_unread(s) for s in samples]
     first, last = samples[0], samples[-1]
     span_h = max((last.at - first.at) / 3600.0, 1.0 / 60.0)  # at least a minute: rates stay finite
+
+    all_read = not any(unread)
+
+    def values(field: str) -> list[int]:
+        if all_read:
+            return list(map(operator.attrgetter(field), samples))
+        return [getattr(s, field) for s, missing in zip(samples, unread, strict=True) if field not in missing]
+
+    def growth(field: str) -> int:
+        return _growth(values(field))
+
+    def latest(field: str) -> int:
+        for sample, missing in zip(reversed(samples), reversed(unread), strict=True):
+            if field not in missing:
+                return getattr(sample, field)
+        return 0
+
     xid = 0.0
-    for prev, cur in zip(samples, samples[1:], strict=False):
-        new = cur.xid_count - prev.xid_count
+    for sample, new in zip(samples, counter_increments(values("xid_count")), strict=True):
         if new > 0:
             # Only the last code of an interval is known: every event in it is scored as that code.
-            xid += new * xid_severity(cur.xid_last)
-    remap_new = _delta(first.retired_pages + first.remapped_rows, last.retired_pages + last.remapped_rows)
-    widths = [s.pcie_link_width / s.pcie_link_width_max for s in samples if s.pcie_link_width_max > 0]
-    at = np.array([s.at for s in samples]) / 3600.0
-    temp = np.array([s.temperature_c for s in samples])
+            xid += min(new, 1000) * xid_severity(sample.xid_last)
+    remap_new = growth("retired_pages") + growth("remapped_rows")
+    remap_so_far = max(latest("retired_pages"), 0) + max(latest("remapped_rows"), 0)
+    # A width of 0 is a failed read, not a link trained down to nothing (a GPU that lost its
+    # link falls off the bus: XID 79); a width above the maximum is not a negative down-training.
+    widths = [min(s.pcie_link_width / s.pcie_link_width_max, 1.0)
+              for s, missing in zip(samples, unread, strict=True)
+              if "pcie_link_width" not in missing and s.pcie_link_width > 0 and s.pcie_link_width_max > 0]
+    temps = samples if all_read else [s for s, missing in zip(samples, unread, strict=True)
+                                      if "temperature_c" not in missing]
+    at = np.fromiter(map(operator.attrgetter("at"), temps), dtype=np.float64, count=len(temps)) / 3600.0
+    temp = np.fromiter(map(operator.attrgetter("temperature_c"), temps), dtype=np.float64, count=len(temps))
     # Over a short span sensor noise dominates the slope (1 °C of noise over 10 minutes reads
     # as 6 °C/h), so the trend counts only once the window covers MIN_SLOPE_SPAN_H.
-    enough = len(samples) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
+    enough = len(temps) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
     slope = fit_straight_line(at - at[0], temp).slope if enough else 0.0
-    if len(samples) >= 2:
+    if len(temps) >= 2:
         dt = np.diff(at)
         hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(np.sum(dt), 1e-9))
     else:
-        hot = float(temp[0] > temp_threshold_c)
+        hot = float(len(temps) == 1 and temp[0] > temp_threshold_c)
+    latest_temp = float(temp[-1]) if len(temps) else 0.0
     return HealthFeatures(
         xid=min(xid, 5.0),
-        ecc_corrected=math.log1p(_delta(first.ecc_corrected, last.ecc_corrected) / span_h),
-        ecc_uncorrected=float(min(_delta(first.ecc_uncorrected, last.ecc_uncorrected), 5)),
+        ecc_corrected=math.log1p(growth("ecc_corrected") / span_h),
+        ecc_uncorrected=float(min(growth("ecc_uncorrected"), 5)),
         remap=math.log1p(remap_new),
-        remap_level=min((last.retired_pages + last.remapped_rows) / REMAP_CAPACITY, 1.0),
-        pcie_replays=math.log1p(_delta(first.pcie_replays, last.pcie_replays) / span_h),
+        remap_level=min(remap_so_far, REMAP_CAPACITY) / REMAP_CAPACITY,
+        pcie_replays=math.log1p(growth("pcie_replays") / span_h),
         link_downtrain=1.0 - min(widths) if widths else 0.0,
         thermal_slope=max(slope, 0.0) / 5.0,
         hot_fraction=hot,
-        overheat=min(max(last.temperature_c - temp_threshold_c, 0.0) / 5.0, 2.0),
+        overheat=min(max(latest_temp - temp_threshold_c, 0.0) / 5.0, 2.0),
     )
 
 
@@ -188,7 +284,11 @@ class HealthModel(msgspec.Struct, frozen=True, kw_only=True):
     def probability(self, features: HealthFeatures) -> float:
         """The failure risk in 0..1: the logistic of bias plus contributions."""
         z = self.weights.bias + sum(self.contributions(features).values())
-        return 1.0 / (1.0 + math.exp(-z))
+        # exp() of a large positive argument overflows; take it only of a non-positive one.
+        if z >= 0:
+            return 1.0 / (1.0 + math.exp(-z))
+        odds = math.exp(z)
+        return odds / (1.0 + odds)
 
     def assess(self, window: Sequence[GpuSample]) -> HealthAssessment:
         """Assess one GPU from its window; the latest sample names the GPU and its tasks."""

@@ -209,3 +209,27 @@ def test_a_model_read_off_the_bus_is_checked(change: dict, message: str) -> None
         change["hidden_weight"] = [[float("nan")] * layout.width() for _ in model.hidden_bias]
     with pytest.raises(ValueError, match=message):
         msgspec.structs.replace(model, **change).check()
+
+
+@pytest.mark.parametrize("d", [
+    decision(0, ask=-5000),  # a producer's bad ask: read as unknown, like no ask at all
+    decision(0, held=-5000),  # a negative hold: read as unknown, like no hold at all
+])
+def test_a_negative_ask_or_hold_reads_as_unknown_and_does_not_stop_learning(d: DecisionMade) -> None:
+    layout = OutcomeFeatures.for_models(["A100-80G"])
+    row = layout.vector(d, "A100-80G")
+    assert np.isfinite(row).all()
+    names = layout.names()
+    assert row[names.index("headroom")] == 0.0
+    # One such decision among the outcomes must not fail every round it stays in the window.
+    world = growing_world(7, n=240)
+    world[3] = Example(d, "A100-80G", False, 1.0, world[3].recorded_at)
+    assert learn(world, seed=0).model is not None
+
+
+@pytest.mark.parametrize("count, min_examples", [(0, 0), (1, 1), (1, 0)])
+def test_fewer_than_two_outcomes_give_no_model_whatever_the_minimum(count: int, min_examples: int) -> None:
+    # One outcome cannot be split into a training set and a held-out one.
+    assessment = learn(growing_world(8, n=count), seed=0, min_examples=min_examples)
+    assert assessment.model is None and not assessment.promoted
+    assert assessment.reason == f"{count} judged placements, 2 needed"

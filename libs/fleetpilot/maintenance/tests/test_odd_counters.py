@@ -1,0 +1,94 @@
+"""The health model on the readings a real collector sends besides clean ones: a field NVML
+failed to read (the collector sends its default, 0, and names it under ``nvml_unsupported``),
+a counter that dips for one reading, one that restarts from zero, a link width above its
+maximum. None of them is a sign of decay, and none may stop the assessment."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+from fleetpilot.contracts import GpuSample
+from fleetpilot.maintenance import HealthModel, features_of
+from fleetpilot.maintenance.faults import gpu_reading
+
+# A GPU a year into service: its aggregate counters are far from zero, and quiet now.
+WORN = dict(ecc_corrected=5000, retired_pages=20, pcie_replays=3000, xid_count=5, xid_last=79, pcie_link_width=16)
+FAILED_READ = dict(ecc_corrected=0, ecc_uncorrected=0, retired_pages=0, pcie_replays=0, pcie_link_width=0,
+                   temperature_c=0.0, labels={"nvml_unsupported": "ecc,pcie_link_width,pcie_replays,retired_pages,"
+                                                                  "temperature"})
+
+
+def worn_window(n: int = 61, period: float = 120.0) -> list[GpuSample]:
+    return [gpu_reading("n1", 0, i * period, temperature_c=65.0, **WORN) for i in range(n)]
+
+
+@pytest.mark.parametrize("at", [0, 1, 30, 60])
+def test_a_failed_read_is_no_sign_of_decay_wherever_it_falls_in_the_window(at: int) -> None:
+    window = worn_window()
+    window[at] = msgspec.structs.replace(window[at], **FAILED_READ)
+    assessment = HealthModel().assess(window)
+    clean = msgspec.structs.asdict(features_of(worn_window()))
+    assert msgspec.structs.asdict(assessment.features) == pytest.approx(clean, abs=1e-9)
+    assert not assessment.maintenance_pending
+
+
+@pytest.mark.parametrize("at", [0, 30])
+def test_an_unlabelled_dip_to_zero_is_no_sign_of_decay(at: int) -> None:
+    # A collector of another version that leaves fields out: they decode as 0, unlabelled.
+    window = worn_window()
+    window[at] = msgspec.structs.replace(window[at], ecc_corrected=0, retired_pages=0, pcie_replays=0, xid_count=0)
+    features = features_of(window)
+    assert (features.xid, features.ecc_corrected, features.remap, features.pcie_replays) == (0.0, 0.0, 0.0, 0.0)
+    assert not HealthModel().assess(window).maintenance_pending
+
+
+def test_a_counter_restarted_from_zero_counts_what_came_after() -> None:
+    # The collector restarted (its XID count starts again) and then saw two DBEs.
+    window = worn_window()
+    window[40:] = [msgspec.structs.replace(s, xid_count=0) for s in window[40:]]
+    window[-1] = msgspec.structs.replace(window[-1], xid_count=2, xid_last=48)
+    assert features_of(window).xid == 2.0
+
+
+def test_real_growth_still_counts() -> None:
+    window = worn_window()
+    window[-1] = msgspec.structs.replace(window[-1], ecc_corrected=5200, retired_pages=26, xid_count=8, xid_last=63)
+    features = features_of(window)
+    assert features.ecc_corrected == pytest.approx(math.log1p(100.0))
+    assert features.remap == pytest.approx(math.log1p(6))
+    assert features.xid == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("width", [32, 2**40])
+def test_a_link_wider_than_its_maximum_neither_lowers_the_risk_nor_overflows(width: int) -> None:
+    window = [msgspec.structs.replace(s, pcie_link_width=width) for s in worn_window()]
+    window[-1] = msgspec.structs.replace(window[-1], ecc_uncorrected=5, xid_count=9, xid_last=48)
+    assessment = HealthModel().assess(window)
+    assert assessment.features.link_downtrain == 0.0
+    assert assessment.maintenance_pending  # five DBEs: the link reading must not hide them
+
+
+def test_the_risk_is_finite_for_any_log_odds() -> None:
+    from fleetpilot.maintenance import HealthFeatures, LogisticWeights
+
+    model = HealthModel(weights=LogisticWeights(hot_fraction=-1e6))
+    assert model.probability(HealthFeatures(hot_fraction=1.0)) == 0.0
+    assert HealthModel(weights=LogisticWeights(hot_fraction=1e6)).probability(HealthFeatures(hot_fraction=1.0)) == 1.0
+
+
+def test_the_module_s_worked_figures_are_the_model_s() -> None:
+    import re
+
+    from fleetpilot.maintenance import health
+
+    doc = " ".join(health.__doc__.split())
+    bias = float(re.search(r"bias at (-?[0-9.]+)", doc).group(1))
+    quiet = float(re.search(r"quiet GPU scores ~([0-9.]+)", doc).group(1))
+    dbe = float(re.search(r"one isolated DBE \(an XID 48 and one uncorrected ECC error\) ~([0-9.]+)", doc).group(1))
+    fresh = [gpu_reading("n1", 0, i * 120.0, pcie_link_width=16) for i in range(61)]
+    window = [*fresh[:-1], msgspec.structs.replace(fresh[-1], xid_count=1, xid_last=48, ecc_uncorrected=1)]
+    assert bias == HealthModel().weights.bias
+    assert HealthModel().assess(fresh).failure_probability == pytest.approx(quiet, abs=0.0005)
+    assert HealthModel().assess(window).failure_probability == pytest.approx(dbe, abs=0.005)
