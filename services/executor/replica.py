@@ -233,7 +233,7 @@ class ExecutorReplica:
 
     async def still_reserved(self, decision: DecisionMade) -> bool:
         """Whether the ledger (the bucket, not the view) still holds what ``decision``
-        reserved on its node."""
+        reserved on its node (reserved or, once carried out, confirmed)."""
         assert self.ledger is not None
         node = decision.placement[0].node if decision.placement else ""
         current = await self.ledger.read(node) if node else None
@@ -276,9 +276,16 @@ class ExecutorReplica:
         if isinstance(result, ActionExecuted):
             if decision.action == "assign" and node:
                 self.decisions[decision.task_id] = decision
-                await ledger.mutate(node_key(node), lambda cur: confirmed(cur, decision.task_id) if cur else None)
+                await ledger.mutate(node_key(node),
+                                    lambda cur: confirmed(cur, decision.task_id, decision.decision_id) if cur else None)
                 out.append(self.lifecycle(decision.task_id, "started", node,
                                           [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
+            elif decision.action == "migrate" and node and not await self.still_reserved(decision):
+                # Folded already, and the task moved on since (back to its source, say): the
+                # holds of its source and target now belong to a later decision. The recorded
+                # result is the whole answer to this late copy.
+                log.info("%s: redelivered after a later move of %s; nothing to change", decision.decision_id,
+                         decision.task_id)
             elif decision.action == "migrate" and node:
                 # The policy reserved the target; the task has left its source: the holds
                 # on the source nodes go, the target's become confirmed.

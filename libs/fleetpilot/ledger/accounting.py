@@ -46,10 +46,13 @@ def without_task(ledger: NodeLedger, task_id: str) -> NodeLedger:
     return NodeLedger(node=ledger.node, allocations=[a for a in ledger.allocations if a.task_id != task_id])
 
 
-def confirmed(ledger: NodeLedger, task_id: str) -> NodeLedger:
-    """A new ledger where ``task_id``'s holds are marked confirmed by the executor."""
+def confirmed(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger:
+    """A new ledger where the holds ``decision_id`` reserved for ``task_id`` are marked
+    confirmed by the executor; the task's other holds (a move's target, still to come) stay
+    as they are."""
     return NodeLedger(node=ledger.node, allocations=[
-        msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a for a in ledger.allocations])
+        msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id and a.decision_id == decision_id
+        else a for a in ledger.allocations])
 
 
 def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger | None:

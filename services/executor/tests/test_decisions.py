@@ -458,3 +458,67 @@ def test_a_take_back_sooner_than_a_targets_last_try_is_a_setting_error(tmp_path)
     with pytest.raises(ValueError, match=r"must exceed the 360 s a target may wait"):
         settings("nats://127.0.0.1:1", tmp_path, checkpoint_s=100.0)
     assert settings("nats://127.0.0.1:1", tmp_path, checkpoint_s=100.0, hand_over_taken_within_s=400).checkpoint_s == 100
+
+
+def move_t1_back() -> DecisionMade:
+    """t1's second move: from n2's GPU 1 back to n1's GPU 0."""
+    return DecisionMade(decision_id="t1.migrate.2", task_id="t1", action="migrate",
+                        placement=[Placement(node="n1", gpu=0, milli=1000, memory_mb=1000)],
+                        source=[Placement(node="n2", gpu=1, milli=1000, memory_mb=1000)], confidence=0.7,
+                        policy=PolicyRef(name="fleetpilot"), decided_at=now(),
+                        task=TaskSubmitted(task_id="t1", kind="train"))
+
+
+async def test_a_move_redelivered_after_the_task_moved_back_leaves_its_holds_alone(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    """t1 moves n1 → n2, then back n2 → n1; the first move comes again past the stream's
+    de-duplication window. Its recorded result is the answer; its ledger writes must not
+    run again: they released t1's live hold on n1 (its "source") and left nothing."""
+    await reserve_a_move_of_t1_to_n2(observer)
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1"})
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        n1 = await observer.ledger("n1")
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+            *n1.allocations,
+            Allocation(task_id="t1", decision_id="t1.migrate.2", gpu=0, milli=1000, memory_mb=1000)])))
+        await observer.js.publish("decision.made", encode(move_t1_back()), headers={"Nats-Msg-Id": "move-2"})
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 2)
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1-late"})
+        await observer.wait_stored("action.executed", ActionExecuted, 3)
+        await asyncio.sleep(0.5)
+        life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
+    finally:
+        await host.stop()
+    assert [(a.task_id, a.decision_id, a.state) for a in (await observer.ledger("n1")).allocations] == [
+        ("t1", "t1.migrate.2", "confirmed")]
+    assert (await observer.ledger("n2")).allocations == []
+    assert [(e.state, e.node) for e in life] == [("migrated", "n2"), ("migrated", "n1")]
+
+
+async def test_an_assign_redelivered_while_a_move_within_its_node_is_reserved_confirms_only_its_own_hold(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    """The policy reserved GPU 1 for t1's move within n1 while t1's assign came again: only
+    the assign's hold is confirmed, the move's stays reserved (so it is given back if the move
+    never comes, which the leftover round does for reserved holds only)."""
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d1", "t1")), headers={"Nats-Msg-Id": "a-1"})
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        n1 = await observer.ledger("n1")
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+            *n1.allocations,
+            Allocation(task_id="t1", decision_id="t1.migrate.1", gpu=1, milli=1000, memory_mb=1000)])))
+        await observer.js.publish("decision.made", encode(assign("d1", "t1")), headers={"Nats-Msg-Id": "a-1-late"})
+        await wait_for(lambda: sim_fleet.verbs("place"), what="placed")
+        await asyncio.sleep(1.0)
+    finally:
+        await host.stop()
+    assert [(a.decision_id, a.state) for a in (await observer.ledger("n1")).allocations] == [
+        ("d1", "confirmed"), ("t1.migrate.1", "reserved")]
