@@ -196,6 +196,17 @@ class Evictions(ReplicaState):
                     return plan, choice
         return None
 
+    @staticmethod
+    async def _withdraw(pending: KeyValue, written: list[tuple[str, int]]) -> None:
+        """Remove the entries a dropped preemption wrote (each only as written): no evict goes
+        out for those victims, and an entry left behind would hold the queue for the vip until
+        ``evict_timeout_s``."""
+        for key, revision in written:
+            try:
+                await pending.delete(key, revision=revision)
+            except CasConflict:
+                continue  # written again since: no longer ours
+
     async def preempt(self, adm: TaskAdmitted, pending, leaving: frozenset[str] = frozenset()
                       ) -> list[DecisionMade]:
         """``evict`` decisions for the cheapest preemption that lets the vip task fit without
@@ -207,6 +218,7 @@ class Evictions(ReplicaState):
         plan, choice = found
         confidence = evict_confidence(len(plan.victims), self.settings.evict_success)
         out = []
+        written: list[tuple[str, int]] = []
         for v in plan.victims:
             evict_id = evict_decision_id(v.running)
             note = Requeue(
@@ -217,8 +229,18 @@ class Evictions(ReplicaState):
                 bridge_floor_mb=await self.restore_floor_mb(v.admitted.task),
             )
             # Queued before the decision goes out: the entry waits until the executor has
-            # released the victim's holds, so it can never be placed twice.
-            await pending.put(node_key(v.task_id), encode_pending(v.admitted, note))
+            # released the victim's holds, so it can never be placed twice. Create-only, as
+            # every other stop: another replica may have queued the victim since this round
+            # read the queue (checkpointed it, preempted it for another vip), and its note
+            # (the progress its checkpoint kept, the vip it stops for) must stand.
+            try:
+                written.append((node_key(v.task_id), await pending.create(node_key(v.task_id),
+                                                                           encode_pending(v.admitted, note))))
+            except CasConflict:
+                await self._withdraw(pending, written)
+                log.info("vip %s: %s was queued again by another replica meanwhile; preemption dropped "
+                         "(the next round plans again)", adm.task.task_id, v.task_id)
+                return []
             out.append(
                 DecisionMade(
                     decision_id=evict_id,

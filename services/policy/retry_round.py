@@ -175,10 +175,12 @@ class RetryRound:
 
     async def _forget(self, entry: KvEntry) -> None:
         # Only the entry as read: one written since (claimed by a replica taking it over,
-        # queued again) is no longer what this round judged.
-        current = await self.queue.kv.get(entry.key)
-        if current is not None and current.revision == entry.revision:
-            await self.queue.kv.delete(entry.key)
+        # queued again) is no longer what this round judged. The revision goes with the
+        # delete itself: a read first, then a plain delete, left a window for such a write.
+        try:
+            await self.queue.kv.delete(entry.key, revision=entry.revision)
+        except CasConflict:
+            log.info("%s: written again since this round read it; left as it is", entry.key)
 
     async def place(self) -> None:
         """Place what waits, in the queue's order: each entry claimed, placed or put back
@@ -229,7 +231,16 @@ class RetryRound:
                         self.leaving.update(d.task_id for d in evictions)
                         self.out.extend(self.decided(d) for d in evictions)
                 continue
-            await pending.delete(w.entry.key)
+            try:
+                # Cleared only under our own claim, as the put-back above: a replica that stalled
+                # past ``claim_timeout_s`` may find the entry taken over and written again since
+                # (the task placed by its new owner, then queued again when that assign
+                # failed); deleting it blindly would lose the re-queued task.
+                await pending.delete(w.entry.key, revision=claimed)
+            except CasConflict:
+                log.warning("%s: claim taken over while placing it; the entry is left to its new owner", w.entry.key)
+            # Its holds are reserved: the decision goes out either way (under the same id as
+            # the new owner's, if that owner placed it too, so the stream keeps one).
             self.out.append(self.decided(decision))
 
     def reservation_owner(self) -> TaskAdmitted | None:

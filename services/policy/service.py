@@ -84,7 +84,7 @@ from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy.preempt import claim_of, decode_pending
-from fleetpilot.runtime import Bus, Retry, ServiceHost, serve
+from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
@@ -380,11 +380,32 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if life.state not in ("finished", "oom_killed", "failed"):
             return
         entry = await pending.get(node_key(life.task_id))
-        if entry is None or not entry.value or claim_of(entry.value) is not None:
+        if entry is None or not entry.value:
             return
-        _, requeue = decode_pending(entry.value)
-        if requeue is not None:
-            await pending.delete(entry.key)
+        value = entry.value
+        claim = claim_of(value)
+        if claim is not None:
+            at, value = claim
+            if now() - at < settings.claim_timeout_s:
+                # A round is placing it right now and will put it back if it finds no room:
+                # taken now, the event would be lost and the ended task started again later.
+                # Four waits of a quarter of the claim timeout: the last delivery comes when
+                # a claim still held is its dead replica's, and is judged as it stands.
+                raise Retry(f"{life.task_id} ended while its pending entry is claimed; judged once released",
+                            settings.claim_timeout_s / 4)
+            # Claimed by a replica that died: nobody puts it back; judged as it stands.
+        try:
+            _, requeue = decode_pending(value) if value else (None, None)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.error("pending %s is unreadable (%s); left as it is", entry.key, exc)
+            return
+        if requeue is None:
+            return
+        try:
+            # Only the entry judged: one claimed or written again since is judged again.
+            await pending.delete(entry.key, revision=entry.revision)
+        except CasConflict as exc:
+            raise Retry(f"pending {entry.key} changed while {life.task_id} ended; judged again", 0.2) from exc
 
     @host.every(settings.stats_refresh_s)
     async def refresh_fallback() -> None:
