@@ -16,6 +16,27 @@ from fleetpilot_services.policy.service import build
 from .conftest import admitted, node, settings, wait_for
 
 
+async def taken_over_placed_and_cleared(observer, key: str):
+    """What another replica does to ``key`` while this one stalls: takes its claim over,
+    places the task and clears the entry. The ``pending`` bucket."""
+    pending = await observer.js.key_value("pending")
+    entry = await pending.get(key)
+    await pending.update(key, claim_pending(claim_of(entry.value)[1], now()), entry.revision)
+    await pending.delete(key)
+    return pending
+
+
+async def a_replica_with_slow_queued(observer, nats_url, tmp_path):
+    """One node, ``slow`` waiting in ``pending``, and a started replica placing it: the
+    bucket and the replica."""
+    await observer.put_fleet([node("n0")])
+    pending = await observer.js.key_value("pending")
+    await pending.put("slow", encode_pending(admitted("slow", gpu_milli=500)))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    return pending, policy
+
+
 async def test_a_replica_that_stalled_past_its_claim_does_not_clear_the_entry_written_since(
     observer, nats_url, tmp_path, monkeypatch
 ):
@@ -35,20 +56,12 @@ async def test_a_replica_that_stalled_past_its_claim_does_not_clear_the_entry_wr
         decided = await place(self, adm, requeue)
         if adm.task.task_id == "slow" and not injected["n"]:
             injected["n"] += 1
-            pending = await observer.js.key_value("pending")
-            entry = await pending.get("slow")
-            # The other replica's takeover and placement, then the failed assign queued again.
-            await pending.update("slow", claim_pending(claim_of(entry.value)[1], now()), entry.revision)
-            await pending.delete("slow")
-            await pending.create("slow", queued_again)
+            pending = await taken_over_placed_and_cleared(observer, "slow")
+            await pending.create("slow", queued_again)  # the failed assign, queued again
         return decided
 
     monkeypatch.setattr(PolicyState, "place", placed_then_taken_over)
-    await observer.put_fleet([node("n0")])
-    pending = await observer.js.key_value("pending")
-    await pending.put("slow", encode_pending(admitted("slow", gpu_milli=500)))
-    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
-    await policy.start()
+    pending, policy = await a_replica_with_slow_queued(observer, nats_url, tmp_path)
     try:
         await wait_for(lambda: injected["n"] == 1, what="the stalled placement")
         await asyncio.sleep(0.6)  # the stalled round finishes, and more rounds run
@@ -180,3 +193,33 @@ async def test_an_entry_written_again_while_a_round_forgets_it_is_kept(observer,
     finally:
         await policy.stop()
     assert entry.value == taken_over
+
+
+async def test_a_replica_that_stalled_past_its_claim_does_not_put_back_a_task_another_replica_placed(
+    observer, nats_url, tmp_path, monkeypatch
+):
+    """A replica claims an entry and stalls longer than ``claim_timeout_s``; another takes the
+    entry over, places the task and clears the entry. The first then finds no room (the task
+    now holds it) and must not write the entry back: that would queue a placed task again,
+    and place it a second time once its first run has ended."""
+    from fleetpilot_services.policy.service import PolicyState
+
+    place = PolicyState.place
+    stalled = {"n": 0}
+
+    async def stalled_then_taken_over(self, adm, requeue=None):
+        if adm.task.task_id == "slow" and not stalled["n"]:
+            stalled["n"] += 1
+            await taken_over_placed_and_cleared(observer, "slow")
+            return None, "bestfit", "primary"
+        return await place(self, adm, requeue)
+
+    monkeypatch.setattr(PolicyState, "place", stalled_then_taken_over)
+    pending, policy = await a_replica_with_slow_queued(observer, nats_url, tmp_path)
+    try:
+        await wait_for(lambda: stalled["n"] == 1, what="the stalled placement")
+        await asyncio.sleep(1.0)  # rounds that would place a written-back entry
+        left = await observer.live_keys("pending")
+    finally:
+        await policy.stop()
+    assert left == [] and [d.decision_id for d in observer.decisions] == []
