@@ -270,7 +270,10 @@ async def test_the_node_s_heartbeat_goes_on_while_every_sample_fails(nats_server
 async def test_telemetry_goes_out_when_the_gpu_state_bucket_cannot_be_written(nats_server, client, monkeypatch):
     from fleetpilot_services.collector import service as collector
 
+    attempts: list[int] = []
+
     async def timing_out(kv, items) -> None:
+        attempts.append(len(items))
         raise TimeoutError("nats: timeout")
 
     monkeypatch.setattr(collector, "_put_all", timing_out)
@@ -282,6 +285,9 @@ async def test_telemetry_goes_out_when_the_gpu_state_bucket_cannot_be_written(na
         await wait_for(lambda: len(seen.telemetry) == len(NODES), what="every node's telemetry")
     finally:
         await host.stop()
+    # The write was tried and failed before that telemetry went out: without this, a sample
+    # that stopped writing the bucket (or wrote it another way) would pass untested.
+    assert attempts and all(attempts), attempts
 
 
 async def test_infiniband_port_rates_come_from_counter_deltas(nats_server, client, tmp_path):

@@ -142,5 +142,19 @@ def test_readme_examples_validate_against_proto_and_decode():
         assert validate(example, schema, schema) == [], example["type"]
         event = decode(json.dumps(example).encode(), *ALL_EVENTS)
         assert event.__struct_config__.tag == example["type"]
+        # Decoded, it carries every value the README shows (a decoder dropping or renaming a
+        # field would still give the right type).
+        assert _carries(msgspec.json.decode(msgspec.json.encode(event)), example), example["type"]
     decision = next(e for e in examples if e["type"] == "decision.made.v1")
-    assert isinstance(decode(json.dumps(decision).encode(), DecisionMade), DecisionMade)
+    decoded = decode(json.dumps(decision).encode(), DecisionMade)
+    assert (decoded.decision_id, decoded.task_id, decoded.action) == (
+        decision["decision_id"], decision["task_id"], decision["action"])
+
+
+def _carries(got: Any, shown: Any) -> bool:
+    """Whether ``got`` holds every key and value of ``shown`` (extra defaults allowed)."""
+    if isinstance(shown, dict):
+        return isinstance(got, dict) and all(k in got and _carries(got[k], v) for k, v in shown.items())
+    if isinstance(shown, list):
+        return isinstance(got, list) and len(got) == len(shown) and all(map(_carries, got, shown))
+    return got == shown

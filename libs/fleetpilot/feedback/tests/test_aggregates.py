@@ -128,7 +128,7 @@ def test_recompute_is_order_independent_and_rolls_up(by: tuple[str, ...]) -> Non
 
 @pytest.mark.parametrize("by", [("nope",), ("policy", "policy")])
 def test_bad_grouping_rejected(by: tuple[str, ...]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="group by a subset of"):
         validate_by(by)
 
 
@@ -141,14 +141,14 @@ def test_pending_migrations(applied: list[int], expected: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("migrations", "applied"),
+    ("migrations", "applied", "message"),
     [
-        ((Migration(version=2, name="x", statements=()),), []),  # gap
-        ((Migration(version=1, name="x", statements=()),), [1, 2]),  # database is newer
+        ((Migration(version=2, name="x", statements=()),), [], "must be 1..n in order"),  # gap
+        ((Migration(version=1, name="x", statements=()),), [1, 2], "migrations this code does not know"),  # newer
     ],
 )
-def test_malformed_migrations_rejected(migrations: tuple[Migration, ...], applied: list[int]) -> None:
-    with pytest.raises(ValueError):
+def test_malformed_migrations_rejected(migrations: tuple[Migration, ...], applied: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         pending(migrations, applied)
 
 

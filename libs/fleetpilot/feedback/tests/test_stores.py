@@ -96,7 +96,7 @@ async def test_postgres_concurrent_startups_migrate_once(pg_dsn: str) -> None:
 
 
 async def test_postgres_rejects_unsafe_schema_names(pg_dsn: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="schema must be a lower-case SQL identifier"):
         await PostgresFeedbackStore.open(pg_dsn, schema='x"; DROP TABLE y; --')
 
 

@@ -129,5 +129,5 @@ def test_migration_plan_riskiest_first() -> None:
     assert all("maintenance_pending" in m.reason for m in plan)
     fleet = model.assess_fleet({"a": series(), "b": sicker_window, "c": []})
     assert [a.node for a in fleet] == ["n9", "n1"]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot assess an empty window"):
         model.assess([])

@@ -63,6 +63,7 @@ async def test_a_core_message_whose_dead_letter_cannot_be_published_is_said_lost
         await bus.publish_raw("telemetry.task.t1", b"{not json", durable=False)
         await eventually(lambda: any(r.levelname == "ERROR" and "was lost" in r.getMessage() for r in caplog.records),
                          timeout_s=5, what="the loss said at error level")
+        assert bus.failed == 1  # the loss said is the dead letter whose publish failed
     finally:
         await bus.drain()
 
