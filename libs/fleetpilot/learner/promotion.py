@@ -4,7 +4,8 @@ The outcomes are ordered by when they were recorded; the model is trained on the
 three quarters and scored on the latest quarter, which it has never seen, against the
 policy's own confidence on the same decisions (the weighted Brier score: the mean squared
 gap between the confidence and what happened). It is promoted only when it beats the
-policy's confidence there by a margin; a promoted model is then trained again on every
+policy's confidence there by a margin, and by more than chance would give it on that many
+outcomes (``MIN_EVIDENCE``, a paired comparison outcome by outcome); a promoted model is then trained again on every
 outcome, so what serves has seen the latest quarter too. Pure: no I/O and no clock.
 
 The model already serving is judged on the same latest quarter: the world it learnt may have
@@ -41,6 +42,11 @@ MIN_EXAMPLES = 200
 HELD_OUT_SHARE = 0.25
 MIN_GAIN = 0.02
 """How much lower (relative) the model's held-out Brier score must be than the policy's."""
+MIN_EVIDENCE = 1.645
+"""How far the held-out gain must stand above chance: the mean of the outcome-by-outcome
+gains in squared error, in standard errors of that mean (one-sided, 95%). Without it a model
+that learnt noise from 150 outcomes beat a well-calibrated policy by 2% on 50 in one round of
+seven."""
 PRIOR_CHOICES = (PRIOR_OUTCOMES, 50.0, 500.0)
 """How many outcomes the prior may be worth; the weakest wins a tie."""
 FOLDS = 3
@@ -88,6 +94,22 @@ def weighted_brier(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
     """``Σ w (p − y)² / Σ w`` (0 when no weight)."""
     total = float(w.sum())
     return float((w * (p - y) ** 2).sum() / total) if total > 0 else 0.0
+
+
+def gain_evidence(p_model: np.ndarray, p_prior: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    """How many standard errors the model's weighted mean gain in squared error over the
+    prior stands above zero, outcome by outcome on the same outcomes (a paired comparison);
+    0 when there is no weight or no gain, infinite for a gain without spread."""
+    total, squares = float(w.sum()), float((w * w).sum())
+    if total <= 0:
+        return 0.0
+    gains = (p_prior - y) ** 2 - (p_model - y) ** 2
+    mean = float((w * gains).sum()) / total
+    if mean <= 0:
+        return 0.0
+    spread = float((w * (gains - mean) ** 2).sum()) / total
+    effective = total * total / squares  # as many equally weighted outcomes as these are worth
+    return float("inf") if spread == 0 else mean / (spread / effective) ** 0.5
 
 
 def _arrays(features: OutcomeFeatures, examples: list[Example]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -139,7 +161,7 @@ def held_out_figures(model: OutcomeModel, examples: list[Example], *, trained_on
 
 def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXAMPLES,
           held_out_share: float = HELD_OUT_SHARE, min_gain: float = MIN_GAIN,
-          serving: OutcomeModel | None = None) -> Assessment:
+          min_evidence: float = MIN_EVIDENCE, serving: OutcomeModel | None = None) -> Assessment:
     """Train on the earlier outcomes, score on the latest, promote if the model wins; judge
     the ``serving`` model on the same latest outcomes."""
     usable = sorted((e for e in examples if learnable(e)), key=lambda e: (e.recorded_at, e.decision.decision_id))
@@ -159,11 +181,17 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     model = train(layout, x, y, w, seed=seed, prior_outcomes=strength)
     figures = held_out_figures(model, tail, trained_on=len(usable))
     brier_model, brier_prior = figures.brier_model, figures.brier_prior
-    promoted = brier_model <= brier_prior * (1.0 - min_gain) and brier_model < brier_prior
+    x_tail, y_tail, w_tail = _arrays(model.features, tail)
+    evidence = gain_evidence(model.predict(x_tail), prior_probability(x_tail), y_tail, w_tail)
+    better = brier_model <= brier_prior * (1.0 - min_gain) and brier_model < brier_prior
+    promoted = better and evidence >= min_evidence
     if promoted:
         layout = OutcomeFeatures.for_models({e.gpu_model for e in usable})
         model = train(layout, *_arrays(layout, usable), seed=seed, prior_outcomes=strength)
         reason = f"held-out Brier {brier_model:.5f} beats the policy's {brier_prior:.5f}"
+    elif better:
+        reason = (f"held-out Brier {brier_model:.5f} beats the policy's {brier_prior:.5f} by too little to tell "
+                  f"from chance: {evidence:.2f} standard errors, {min_evidence:g} needed")
     else:
         reason = (f"held-out Brier {brier_model:.5f} does not beat the policy's {brier_prior:.5f} "
                   f"by {min_gain:.0%}")
