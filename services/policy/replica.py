@@ -155,6 +155,8 @@ class ReplicaState:
         self.metrics = metrics
         # Latest fingerprint per task; bounded so a long-lived replica does not grow forever.
         self.fingerprints: OrderedDict[str, Fingerprint] = OrderedDict()
+        # When each task's fingerprint was published: a redelivered older one does not replace it.
+        self.fingerprinted_at: OrderedDict[str, float] = OrderedDict()
         # The runs' spread last seen per signature (``with_shared_spread``).
         self.spreads: OrderedDict[str, tuple[float, ...]] = OrderedDict()
         # Tasks this replica decided, so a migration keeps the task's own GPU model constraints.

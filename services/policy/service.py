@@ -133,6 +133,11 @@ class PolicyState(Moves, Evictions):
     queue: PendingQueue
 
 
+FINGERPRINT_REPLAY_S = 2 * 24 * 3600.0
+"""How far back a replica's fingerprint consumer starts: the fingerprints of the tasks that
+may still run (a task's fingerprint is published again when it changes materially)."""
+
+
 def build(settings: PolicySettings | None = None) -> ServiceHost:
     """Wire the policy service."""
     settings = settings or PolicySettings.from_environment()
@@ -257,13 +262,19 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
 
     host.on_startup(open_state)
 
-    @host.on(TaskFingerprinted, consumer="policy-fingerprints")
+    # Each replica decides by every task's fingerprint: its own consumer (a shared one handed
+    # each replica only some), which replays the recent past when a replica starts.
+    @host.on(TaskFingerprinted, consumer="policy-fingerprints", instance=settings.replica,
+             instance_start_s_ago=FINGERPRINT_REPLAY_S)
     async def on_fingerprint(event: TaskFingerprinted) -> None:
+        ps = state()
+        if ps.fingerprinted_at.get(event.task_id, float("-inf")) > event.at:
+            return  # a redelivered older fingerprint: the newer one stands
         # An observed fingerprint does not tell when the program grows nor how far its runs
         # spread: what its signature predicted of both stays (``keep_signature_knowledge``).
-        fingerprints = state().fingerprints
-        kept = keep_signature_knowledge(event.fingerprint, fingerprints.get(event.task_id))
-        state().remember(fingerprints, event.task_id, state().with_shared_spread(kept))
+        kept = keep_signature_knowledge(event.fingerprint, ps.fingerprints.get(event.task_id))
+        ps.remember(ps.fingerprints, event.task_id, ps.with_shared_spread(kept))
+        ps.remember(ps.fingerprinted_at, event.task_id, event.at)
 
     seen: deque[TaskSubmitted] = deque(maxlen=settings.workload_window)
 

@@ -135,12 +135,20 @@ class StreamSpec:
     memory: bool = False
 
 
+INSTANCE_IDLE_LIMIT_S = 7 * 24 * 3600.0
+"""An instance's own consumer that nobody has pulled from for this long is removed by the
+server: its instance is gone (a Deployment's pods, and a replica's default name, change with
+every start), and a consumer kept for it would pile up messages for nobody."""
+
+
 @dataclass(frozen=True)
 class ConsumerSpec:
     """A durable pull consumer shared by every replica of one service.
 
     ``start_s_ago`` is where a consumer starts when the server first makes it: ``None`` at
-    the stream's first message, else that many seconds back (see ``for_instance``)."""
+    the stream's first message, else that many seconds back (see ``for_instance``).
+    ``idle_limit_s``: the server removes the consumer after this long without a pull
+    (``None``: never)."""
 
     durable: str
     stream: str
@@ -150,6 +158,7 @@ class ConsumerSpec:
     max_ack_pending: int = 1000
     backoff_s: tuple[float, ...] = field(default=(0.5, 2, 5, 10))
     start_s_ago: float | None = None
+    idle_limit_s: float | None = None
 
     def for_instance(self, instance: str, start_s_ago: float) -> ConsumerSpec:
         """This consumer for one instance of a service (the executor of one node), not
@@ -158,9 +167,11 @@ class ConsumerSpec:
 
         An instance may join long after the stream began (a node added to the fleet, or
         back after its consumer was removed), so it starts ``start_s_ago`` back rather than
-        at the stream's first message, which may be days of other instances' history."""
+        at the stream's first message, which may be days of other instances' history. One
+        idle for ``INSTANCE_IDLE_LIMIT_S`` is removed (a node back after that starts afresh,
+        ``start_s_ago`` back)."""
         return replace(self, durable=f"{self.durable}-{re.sub(r'[^A-Za-z0-9_-]', '_', instance)}",
-                       start_s_ago=start_s_ago)
+                       start_s_ago=start_s_ago, idle_limit_s=INSTANCE_IDLE_LIMIT_S)
 
 
 @dataclass(frozen=True)
@@ -200,7 +211,8 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         ConsumerSpec("policy-lifecycle", "TASKS", "task.lifecycle.>"),
         # An assign the executor could not carry out for a passing reason is placed again.
         ConsumerSpec("policy-failed", "ACTIONS", "action.failed"),
-        # The latest fingerprint per task feeds admission OOM risk and OOM-driven migration.
+        # The latest fingerprint per task feeds admission OOM risk and OOM-driven migration:
+        # an instance consumer per replica, for each replica decides by every task's.
         ConsumerSpec("policy-fingerprints", "TASKS", "task.fingerprinted"),
         ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
         ConsumerSpec("feedback-executed", "ACTIONS", "action.>"),

@@ -314,6 +314,7 @@ class NatsBus(Bus):
             durable_name=spec.durable, filter_subject=spec.filter_subject,
             ack_policy=api.AckPolicy.EXPLICIT, **start,
             ack_wait=spec.ack_wait_s, max_ack_pending=spec.max_ack_pending,
+            inactive_threshold=spec.idle_limit_s,
             # Redelivery limits are enforced by the dispatcher so that the last failure
             # is dead-lettered rather than silently dropped by the server.
             max_deliver=-1)

@@ -199,9 +199,9 @@ def write_module(directory: Path, name: str, source: str) -> None:
     os.replace(tmp, target)
 
 
-async def fingerprinted(observer, fps: dict[str, Fingerprint]) -> None:
-    """Publish the tasks' fingerprints and wait until the policy has taken them, so that an
-    admission published next is decided with them."""
+async def fingerprinted(observer, fps: dict[str, Fingerprint], replica: str = "a") -> None:
+    """Publish the tasks' fingerprints and wait until the policy replica (its own consumer)
+    has taken them, so that an admission published next is decided with them."""
     last = 0
     for task_id, fp in fps.items():
         ack = await observer.js.publish(
@@ -209,9 +209,14 @@ async def fingerprinted(observer, fps: dict[str, Fingerprint]) -> None:
             encode(TaskFingerprinted(task_id=task_id, fingerprint=fp, source="signature", at=now())),
         )
         last = ack.seq
+    await fingerprints_taken(observer, last, replica)
+
+
+async def fingerprints_taken(observer, last_seq: int, replica: str = "a") -> None:
+    """Wait until the policy replica has taken every fingerprint up to stream sequence ``last_seq``."""
     for _ in range(250):
-        info = await observer.js.consumer_info("TASKS", "policy-fingerprints")
-        if info.ack_floor.stream_seq >= last:
+        info = await observer.js.consumer_info("TASKS", f"policy-fingerprints-{replica}")
+        if info.ack_floor.stream_seq >= last_seq:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the policy did not take the fingerprints")
