@@ -81,7 +81,7 @@ from fleetpilot.policy.rebalance import (
     waits_for_its_envelope,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
-from fleetpilot.policy.state import MILLI
+from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
 
@@ -704,7 +704,7 @@ class Moves(ReplicaState):
             # its current model then rather than break them.
             gpu_models=tuple(known.gpu_models) if known else ((model,) if model else ()),
             predicted_peak_mb=fp.predicted_peak_mb if fp else 0.0,
-            peak_sigma_mb=max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29 if fp else 0.0,
+            peak_sigma_mb=peak_sigma_mb(fp) if fp else 0.0,
             site=self.contract_site(running.task_id),
         )
 

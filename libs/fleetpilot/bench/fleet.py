@@ -177,7 +177,7 @@ from fleetpilot.policy.rebalance import (
 )
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
-from fleetpilot.policy.state import MILLI
+from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -384,7 +384,7 @@ class FleetRun:
         peak = sigma = 0.0
         if job.prediction is not None:
             peak = float(job.prediction.predicted_peak_mb)
-            sigma = max(0.0, float(job.prediction.peak_high_mb - job.prediction.peak_low_mb) / 3.29)
+            sigma = peak_sigma_mb(job.prediction)
         reserve = self._reservation(job)
         # The models that can hold the predicted peak are the task's real constraint; stated as
         # such, the policy's model-demand pressure keeps flexible tasks off the big GPUs.

@@ -61,7 +61,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import envelope_at
 from fleetpilot.ledger import free_capacity
 
-from .state import TaskRequest
+from .state import TaskRequest, peak_sigma_mb
 
 # The operational labels, as the contracts name them.
 CORDONED = GPU_LABEL_CORDONED
@@ -179,7 +179,7 @@ def room_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger) -> dict
 def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint) -> float:
     """P(the task's peak exceeds the memory it can have on its GPUs, ``room_in_place``),
     worst GPU."""
-    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29  # 90% interval -> sigma
+    sigma = peak_sigma_mb(fp)
     rooms = [room for room in room_in_place(task, topo, ledger).values() if room > 0]
     return max((normal_tail(fp.predicted_peak_mb, sigma, room) for room in rooms), default=0.0)
 
@@ -279,7 +279,7 @@ def resize_plan(
     room for the difference plus ``margin_mb`` (module docstring); ``None`` otherwise."""
     if fp is None or fp.predicted_peak_mb <= 0 or not task.gpus or gpus_going_away(task, topo):
         return None
-    sigma = max(0.0, fp.peak_high_mb - fp.peak_low_mb) / 3.29
+    sigma = peak_sigma_mb(fp)
     holds = {a.gpu: a.memory_mb for a in task.allocations if a.gpu >= 0}
     p_over = max(normal_tail(fp.predicted_peak_mb, sigma, mb) for mb in holds.values())
     if p_over < threshold:

@@ -34,6 +34,19 @@ LINK_COST: dict[str, int] = {"X": 0, "NV": 1, "PIX": 2, "PXB": 3, "PHB": 4, "NOD
 UNKNOWN_LINK_COST = 4
 
 
+PEAK_INTERVAL_SIGMAS = 4.0
+"""How many standard deviations of a run's peak a fingerprint's interval ``[peak_low_mb,
+peak_high_mb]`` spans, at least: a signature's is the mean of its runs' peaks ± 2 sd (or
+their range, when wider), a fitted one the fit's peak ± 2.6 standard errors ± 2 sd of its
+residuals. Width / 4 errs wide, never narrow. (It was width / 3.29, as if the interval held
+90%: a spread 1.2 to 1.6 times too wide.)"""
+
+
+def peak_sigma_mb(fingerprint: Fingerprint) -> float:
+    """The spread of a run's peak its fingerprint's interval says (``PEAK_INTERVAL_SIGMAS``)."""
+    return max(0.0, float(fingerprint.peak_high_mb - fingerprint.peak_low_mb) / PEAK_INTERVAL_SIGMAS)
+
+
 class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     """What one task asks of the fleet, in the units the policies score with.
 
@@ -72,13 +85,12 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
     def from_submitted(cls, task: TaskSubmitted, fingerprint: Fingerprint | None = None) -> TaskRequest:
         """Build a request from the wire event, with the fingerprint's predicted peak if known.
 
-        The peak's spread is taken as a normal whose 90% interval is
-        ``[peak_low_mb, peak_high_mb]`` (sigma = width / 3.29).
+        The peak is taken as a normal of spread ``peak_sigma_mb`` (its interval's width / 4).
         """
         peak = sigma = 0.0
         if fingerprint is not None:
             peak = float(fingerprint.predicted_peak_mb)
-            sigma = max(0.0, float(fingerprint.peak_high_mb - fingerprint.peak_low_mb) / 3.29)
+            sigma = peak_sigma_mb(fingerprint)
         return cls(
             task_id=task.task_id,
             kind=task.kind,
