@@ -75,7 +75,7 @@ def test_task_request_from_submitted_uses_fingerprint_spread():
     task = TaskSubmitted(task_id="t", kind="finetune", gpus=1, gpu_milli=500, gpu_models=["A100"],
                          labels={"role": "training"})
     fp = Fingerprint(signature="s", pattern="linear", pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
-                     predicted_peak_mb=10000, peak_low_mb=9000, peak_high_mb=12290)
+                     predicted_peak_mb=10000, peak_low_mb=8000, peak_high_mb=12000)  # ±2 sd
     r = TaskRequest.from_submitted(task, fp)
     assert r.shares_gpu and r.gpu_models == ("A100",) and r.role == "training"
     assert r.predicted_peak_mb == 10000 and r.peak_sigma_mb == pytest.approx(1000.0)
