@@ -31,20 +31,29 @@ class Fleet:
         self.nc = None
 
     async def start(self) -> None:
-        """Start every service and connect the test client; wait until the fleet is known."""
+        """Start every service and connect the test client; wait until the fleet is known
+        and every service has said it started (a test that kills the server right after
+        must not catch one still starting: that is another test's matter)."""
         self.procs.start_all()
         self.nc = await nats.connect(self.server.url)
         js = self.nc.jetstream()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if await bucket_subject_keys(js, "topology"):
+                if await bucket_subject_keys(js, "topology") and not self.starting():
                     return
             except Exception:  # noqa: BLE001 - bucket not created yet
                 pass
             assert not self.procs.dead(), f"services died: {self.procs.dead()} (logs in {self.state / 'logs'})"
             await asyncio.sleep(0.3)
-        raise AssertionError("the fleet topology never appeared")
+        raise AssertionError(f"the fleet topology never appeared, or {self.starting()} never started")
+
+    def starting(self) -> list[str]:
+        """The services whose log does not say yet that they started."""
+        def said_started(name: str) -> bool:
+            log = self.state / "logs" / f"{name}.log"
+            return log.exists() and ": started (" in log.read_text(errors="replace")
+        return [name for name in self.procs.procs if not said_started(name)]
 
     async def submit(self, task: TaskSubmitted) -> None:
         """Publish a task with the tenant's bearer token."""
