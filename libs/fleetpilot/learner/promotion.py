@@ -152,11 +152,18 @@ def held_out_figures(model: OutcomeModel, examples: list[Example], *, trained_on
     """How ``model`` and the policy's own confidence did on ``examples`` (rows in the
     model's own layout: the GPU models it knew when it was trained), for a model trained on
     ``trained_on`` outcomes."""
+    return _judged(model, examples, trained_on)[0]
+
+
+def _judged(model: OutcomeModel, examples: list[Example], trained_on: int = 0) -> tuple[HeldOutFigures, float]:
+    """``held_out_figures`` and the evidence of the model's gain there (``gain_evidence``),
+    from one prediction of each outcome."""
     x, y, w = _arrays(model.features, examples)
     predicted, prior = model.predict(x), prior_probability(x)
-    return HeldOutFigures(examples=trained_on, held_out=len(examples), brier_model=weighted_brier(predicted, y, w),
-                          brier_prior=weighted_brier(prior, y, w), mean_predicted=float(predicted.mean()),
-                          mean_prior=float(prior.mean()), observed=float(y.mean()))
+    figures = HeldOutFigures(examples=trained_on, held_out=len(examples), brier_model=weighted_brier(predicted, y, w),
+                             brier_prior=weighted_brier(prior, y, w), mean_predicted=float(predicted.mean()),
+                             mean_prior=float(prior.mean()), observed=float(y.mean()))
+    return figures, gain_evidence(predicted, prior, y, w)
 
 
 def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXAMPLES,
@@ -179,10 +186,8 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     layout = OutcomeFeatures.for_models({e.gpu_model for e in head})
     x, y, w = _arrays(layout, head)
     model = train(layout, x, y, w, seed=seed, prior_outcomes=strength)
-    figures = held_out_figures(model, tail, trained_on=len(usable))
+    figures, evidence = _judged(model, tail, trained_on=len(usable))
     brier_model, brier_prior = figures.brier_model, figures.brier_prior
-    x_tail, y_tail, w_tail = _arrays(model.features, tail)
-    evidence = gain_evidence(model.predict(x_tail), prior_probability(x_tail), y_tail, w_tail)
     better = brier_model <= brier_prior * (1.0 - min_gain) and brier_model < brier_prior
     promoted = better and evidence >= min_evidence
     if promoted:

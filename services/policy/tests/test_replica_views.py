@@ -11,6 +11,12 @@ from .conftest import admitted, fingerprinted, fingerprints_taken, node, setting
 PEAK_MB = 60_000
 
 
+def flat(peak_mb: float) -> Fingerprint:
+    """``grow``'s fingerprint: a flat run that peaks at ``peak_mb``."""
+    return Fingerprint(signature="sig-grow", pattern="flat", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
+                       predicted_peak_mb=peak_mb, peak_low_mb=peak_mb - 500, peak_high_mb=peak_mb + 500, samples=50)
+
+
 async def test_a_replica_started_after_a_fingerprint_was_published_places_by_it(observer, nats_url, tmp_path):
     """Replica ``a`` takes ``grow``'s fingerprint (a 60 GB peak, asking 20 GB); then ``b``
     starts and ``a`` stops, and ``b`` decides the admission. The fingerprints went to one
@@ -19,8 +25,7 @@ async def test_a_replica_started_after_a_fingerprint_was_published_places_by_it(
     every replica now reads every fingerprint (its own consumer, replaying the recent past
     when first made)."""
     await observer.put_fleet([node("big", gpus=1), node("small", gpus=1, model="A100-40GB", memory_mb=40_960)])
-    fp = Fingerprint(signature="sig-grow", pattern="flat", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
-                     predicted_peak_mb=PEAK_MB, peak_low_mb=PEAK_MB - 500, peak_high_mb=PEAK_MB + 500, samples=50)
+    fp = flat(PEAK_MB)
     a = build(settings(nats_url, tmp_path / "a", replica="a", profile="bestfit"))
     await a.start()
     b = None
@@ -51,10 +56,8 @@ async def test_an_older_fingerprint_delivered_late_does_not_replace_a_newer_one(
     try:
         newer = now()
         for peak, at in ((PEAK_MB, newer), (10_000, newer - 60)):
-            fp = Fingerprint(signature="sig-grow", pattern="flat", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
-                             predicted_peak_mb=peak, peak_low_mb=peak - 500, peak_high_mb=peak + 500, samples=50)
-            ack = await observer.js.publish(
-                "task.fingerprinted", encode(TaskFingerprinted(task_id="grow", fingerprint=fp, source="observed", at=at)))
+            ack = await observer.js.publish("task.fingerprinted", encode(
+                TaskFingerprinted(task_id="grow", fingerprint=flat(peak), source="observed", at=at)))
         await fingerprints_taken(observer, ack.seq)
         await observer.js.publish("task.admitted", encode(admitted("grow", gpu_milli=1000, gpu_memory_mb=20_000)))
         await wait_for(lambda: observer.decisions, what="grow's decision")
