@@ -217,6 +217,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
                     successes=g.successes,
                     success_rate=g.success_rate,
                     weighted_success_rate=g.weighted_success_rate,
+                    measured=g.measured,
                     p95_latency_ms=g.p95_latency_ms,
                     mean_resource_saving_mb=g.mean_resource_saving_mb,
                     expected_successes=g.expected_successes,

@@ -55,7 +55,10 @@ class StatsGroup(Record, frozen=True, kw_only=True):
     successes: int
     success_rate: float
     weighted_success_rate: float | None = None
-    p95_latency_ms: float = 0.0
+    measured: int = 0
+    """How many of the records had their latency measured (the latency figures' sample)."""
+    p95_latency_ms: float | None = None
+    """Uncertainty-weighted p95 of the measured latencies; ``None`` when none was measured."""
     mean_resource_saving_mb: float = 0.0
     expected_successes: float = 0.0
     calibration_gap: float = 0.0

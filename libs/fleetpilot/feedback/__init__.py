@@ -11,9 +11,9 @@ from .aggregates import (
     FeedbackRow,
     ReliabilityBin,
     Totals,
-    nearest_rank,
     recompute,
     row_from_event,
+    weighted_nearest_rank,
 )
 from .migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
 from .outcomes import ending_outcome, feedback_for, outcome_of, side_effects_of
@@ -38,11 +38,11 @@ __all__ = [
     "ending_outcome",
     "feedback_for",
     "is_retryable",
-    "nearest_rank",
     "open_store",
     "outcome_of",
     "pending",
     "recompute",
     "row_from_event",
     "side_effects_of",
+    "weighted_nearest_rank",
 ]

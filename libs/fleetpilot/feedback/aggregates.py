@@ -15,16 +15,21 @@ Fixed-point units:
 Weighting: a record's weight is ``1 - latency_ms.uncertainty_score`` clipped to 0..1 (a
 record whose latency we could not measure says little about how the action went); a NaN
 uncertainty, or a latency that is no measurement (NaN, infinite, over ``MAX_LATENCY_US``),
-gives weight 0 and the latency is kept as 0. A
-success is ``outcome == "success"``; every other outcome (``partial`` included) is a
-failure for the success rate.
+gives weight 0 and the latency is kept as 0. A record of weight 0 has no *measured*
+latency: the latency statistics (mean, weighted mean, p95) are over measured records only,
+so the placeholder 0 of an action judged without its result does not pull them down, and
+they are ``None`` for a group with none. A success is ``outcome == "success"``; every other
+outcome (``partial`` included) is a failure for the success rate.
 
 Calibration: ``expected_successes`` is the sum of predicted confidences, ``successes`` the
 observed count; the Brier score is ``mean((confidence - success)^2)``; the reliability
 table splits records into ``CALIBRATION_BINS`` equal confidence bins.
 
-p95 latency uses the nearest-rank definition (``sorted[ceil(0.95 n) - 1]``), the same as
-PostgreSQL's ``percentile_disc(0.95)``, computed from raw rows at query time.
+p95 latency is the uncertainty-weighted nearest rank: the smallest measured latency ``L``
+such that the records at or below ``L`` hold at least 95% of the group's weight, computed
+from raw rows at query time in integers (so both stores agree to the microsecond). With
+equal weights it is the classic nearest rank ``sorted[ceil(0.95 n) - 1]`` (PostgreSQL's
+``percentile_disc(0.95)``); a latency measured with little confidence counts for little.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ KeyField = Literal["policy", "shard_id", "task_kind", "gpu_model", "action"]
 KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_model", "action")
 UNIT = 10_000
 CALIBRATION_BINS = 10
-P95 = 0.95
+P95_PERCENT = 95
+"""The latency percentile served, in whole percent (compared in integers)."""
 INT64_MAX = 2**63 - 1
 MAX_LATENCY_US = INT64_MAX // UNIT
 """The longest latency a row keeps (about 29 years): one record's weighted latency
@@ -141,6 +147,8 @@ class Totals(msgspec.Struct, kw_only=True):
     confidence_units: int = 0
     brier_units2: int = 0
     side_effects: int = 0
+    measured: int = 0
+    """Records whose latency was measured (weight above 0); ``latency_us`` sums theirs only."""
 
     def add(self, other: Totals) -> None:
         """Add another set of sums into this one, in place."""
@@ -154,17 +162,19 @@ TOTALS_FIELDS: tuple[str, ...] = Totals.__struct_fields__
 def totals_of(row: FeedbackRow) -> Totals:
     """The contribution of one row to its key's sums (what a store adds per record)."""
     error = row.confidence_units - row.success * UNIT
+    measured = 1 if row.weight_units > 0 else 0
     return Totals(
         count=1,
         successes=row.success,
         weight_units=row.weight_units,
         weighted_success_units=row.weight_units * row.success,
-        latency_us=row.latency_us,
+        latency_us=row.latency_us * measured,
         weighted_latency=row.weight_units * row.latency_us,
         saving_milli_mb=row.saving_milli_mb,
         confidence_units=row.confidence_units,
         brier_units2=error * error,
         side_effects=row.side_effects,
+        measured=measured,
     )
 
 
@@ -205,9 +215,10 @@ class Aggregate(msgspec.Struct, frozen=True, kw_only=True):
     successes: int
     success_rate: float
     weighted_success_rate: float | None
-    mean_latency_ms: float
+    measured: int
+    mean_latency_ms: float | None
     weighted_mean_latency_ms: float | None
-    p95_latency_ms: float
+    p95_latency_ms: float | None
     mean_resource_saving_mb: float
     total_resource_saving_mb: float
     expected_successes: float
@@ -218,13 +229,18 @@ class Aggregate(msgspec.Struct, frozen=True, kw_only=True):
     totals: Totals
 
 
-def nearest_rank(values: Sequence[int], q: float = P95) -> int:
-    """The ``q`` quantile by nearest rank (PostgreSQL's ``percentile_disc``); 0 if empty."""
-    if not values:
-        return 0
-    ordered = sorted(values)
-    rank = max(math.ceil(q * len(ordered)), 1)
-    return ordered[min(rank, len(ordered)) - 1]
+def weighted_nearest_rank(samples: Iterable[tuple[int, int]], percent: int = P95_PERCENT) -> int | None:
+    """The ``percent`` quantile of ``(latency_us, weight_units)`` samples by weighted nearest
+    rank: the smallest latency whose samples at or below it hold ``percent``% of the weight.
+    Samples of weight 0 are not measurements; ``None`` when no sample has weight."""
+    measured = sorted((latency, weight) for latency, weight in samples if weight > 0)
+    total = sum(weight for _, weight in measured)
+    below = 0
+    for latency, weight in measured:
+        below += weight
+        if below * 100 >= total * percent:
+            return latency
+    return None
 
 
 def _reliability(bins: Mapping[int, BinTotals]) -> list[ReliabilityBin]:
@@ -245,19 +261,21 @@ def _reliability(bins: Mapping[int, BinTotals]) -> list[ReliabilityBin]:
     return table
 
 
-def finish(key: dict[str, str], totals: Totals, bins: Mapping[int, BinTotals], p95_us: int) -> Aggregate:
+def finish(key: dict[str, str], totals: Totals, bins: Mapping[int, BinTotals], p95_us: int | None) -> Aggregate:
     """Derive an :class:`Aggregate` from exact sums (shared by stores and :func:`recompute`)."""
     n = totals.count
     w = totals.weight_units
+    m = totals.measured
     return Aggregate(
         key=key,
         count=n,
         successes=totals.successes,
         success_rate=totals.successes / n if n else 0.0,
         weighted_success_rate=totals.weighted_success_units / w if w else None,
-        mean_latency_ms=totals.latency_us / n / 1000.0 if n else 0.0,
+        measured=m,
+        mean_latency_ms=totals.latency_us / m / 1000.0 if m else None,
         weighted_mean_latency_ms=totals.weighted_latency / w / 1000.0 if w else None,
-        p95_latency_ms=p95_us / 1000.0,
+        p95_latency_ms=None if p95_us is None else p95_us / 1000.0,
         mean_resource_saving_mb=totals.saving_milli_mb / n / 1000.0 if n else 0.0,
         total_resource_saving_mb=totals.saving_milli_mb / 1000.0,
         expected_successes=totals.confidence_units / UNIT,
@@ -289,7 +307,8 @@ def assemble(
     p95_us: Mapping[tuple[str, ...], int],
     by: Sequence[str],
 ) -> list[Aggregate]:
-    """Roll full-key sums up to the ``by`` grouping; ``p95_us`` is keyed by the projection.
+    """Roll full-key sums up to the ``by`` grouping; ``p95_us`` is keyed by the projection
+    (a group missing from it has no measured latency).
 
     Used by the stores over their stored aggregate rows and by :func:`recompute` over raw
     rows, so the two paths differ only in where the sums come from.
@@ -308,30 +327,34 @@ def assemble(
             dict(zip(fields, group, strict=True)),
             groups[group],
             group_bins.get(group, {}),
-            p95_us.get(group, 0),
+            p95_us.get(group),
         )
         for group in sorted(groups)
     ]
 
 
-def p95_by_group(rows: Iterable[tuple[BaseKey, int]], by: Sequence[str]) -> dict[tuple[str, ...], int]:
-    """Nearest-rank p95 of latency (µs) per ``by`` group from ``(full key, latency_us)`` pairs."""
+def p95_by_group(
+    samples: Iterable[tuple[BaseKey, int, int]], by: Sequence[str]
+) -> dict[tuple[str, ...], int]:
+    """Weighted nearest-rank p95 of latency (µs) per ``by`` group from ``(full key,
+    latency_us, weight_units)`` samples; groups without a measured latency are left out."""
     fields = validate_by(by)
-    latencies: dict[tuple[str, ...], list[int]] = {}
-    for key, latency in rows:
-        latencies.setdefault(project(key, fields), []).append(latency)
-    return {group: nearest_rank(values) for group, values in latencies.items()}
+    samples_of: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+    for key, latency, weight in samples:
+        samples_of.setdefault(project(key, fields), []).append((latency, weight))
+    p95 = {group: weighted_nearest_rank(values) for group, values in samples_of.items()}
+    return {group: value for group, value in p95.items() if value is not None}
 
 
 def recompute(rows: Iterable[FeedbackRow], by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
     """Aggregates computed from scratch over raw rows: the reference the stores must match."""
     base: dict[BaseKey, Totals] = {}
     bins: dict[tuple[BaseKey, int], BinTotals] = {}
-    latencies: list[tuple[BaseKey, int]] = []
+    latencies: list[tuple[BaseKey, int, int]] = []
     for row in rows:
         base.setdefault(row.key, Totals()).add(totals_of(row))
         bins.setdefault((row.key, row.calibration_bin), BinTotals()).add(
             BinTotals(count=1, confidence_units=row.confidence_units, successes=row.success)
         )
-        latencies.append((row.key, row.latency_us))
+        latencies.append((row.key, row.latency_us, row.weight_units))
     return assemble(base, bins, p95_by_group(latencies, by), by)

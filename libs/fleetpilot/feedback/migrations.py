@@ -90,14 +90,14 @@ _KEY_COLUMNS = (
 )
 
 
-# The aggregate sums as the migrations create them: frozen, since a released migration never
-# changes (``aggregates.Totals`` may grow, with a migration of its own).
-_SUM_FIELDS = ("count", "successes", "weight_units", "weighted_success_units", "latency_us", "weighted_latency",
-               "saving_milli_mb", "confidence_units", "brier_units2", "side_effects")
+SUM_FIELDS_V1 = ("count", "successes", "weight_units", "weighted_success_units", "latency_us", "weighted_latency",
+                 "saving_milli_mb", "confidence_units", "brier_units2", "side_effects")
+"""The aggregate sums as migration 1 created them: frozen, since a released migration never
+changes (``aggregates.Totals`` grows with a migration of its own, as ``measured`` did in 4)."""
 
 
 def _tables(sum_type: str, payload_type: str, id_type: str) -> tuple[str, ...]:
-    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in _SUM_FIELDS)
+    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in SUM_FIELDS_V1)
     return (
         "CREATE TABLE feedback_raw ("
         f" action_id {id_type} PRIMARY KEY, " + _KEY_COLUMNS + ","
@@ -126,8 +126,8 @@ def _add_action_key(sum_type: str) -> tuple[str, ...]:
     old_keys = "policy, shard_id, task_kind, gpu_model"
     keys = old_keys + ", action"
     key_columns = _KEY_COLUMNS + ", action TEXT NOT NULL"
-    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in _SUM_FIELDS)
-    sum_names = ", ".join(_SUM_FIELDS)
+    sums = ", ".join(f"{name} {sum_type} NOT NULL DEFAULT 0" for name in SUM_FIELDS_V1)
+    sum_names = ", ".join(SUM_FIELDS_V1)
     bin_sums = f"count {sum_type} NOT NULL DEFAULT 0, confidence_units {sum_type} NOT NULL DEFAULT 0," \
                f" successes {sum_type} NOT NULL DEFAULT 0"
     return (
@@ -148,10 +148,26 @@ def _add_action_key(sum_type: str) -> tuple[str, ...]:
     )
 
 
+def _measured_latency(sum_type: str) -> tuple[str, ...]:
+    """Version 4: the latency statistics count measured records only (weight above 0). Each
+    aggregate row gains ``measured`` and its ``latency_us`` becomes the sum over those, both
+    recomputed from the raw rows, which keep every record's weight."""
+    same_key = " AND ".join(f"r.{k} = feedback_aggregate.{k}" for k in
+                            ("policy", "shard_id", "task_kind", "gpu_model", "action"))
+    return (
+        f"ALTER TABLE feedback_aggregate ADD COLUMN measured {sum_type} NOT NULL DEFAULT 0",
+        "UPDATE feedback_aggregate SET"
+        f" measured = (SELECT count(*) FROM feedback_raw r WHERE {same_key} AND r.weight_units > 0),"
+        f" latency_us = (SELECT coalesce(sum(r.latency_us), 0) FROM feedback_raw r"
+        f" WHERE {same_key} AND r.weight_units > 0)",
+    )
+
+
 SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT", "TEXT")),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
     Migration(version=3, name="action joins the key", statements=_add_action_key("BIGINT")),
+    Migration(version=4, name="latency over measured records", statements=_measured_latency("BIGINT")),
 )
 
 POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
@@ -160,6 +176,7 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
     Migration(version=3, name="action joins the key", statements=_add_action_key("NUMERIC")),
+    Migration(version=4, name="latency over measured records", statements=_measured_latency("NUMERIC")),
 )
 
 

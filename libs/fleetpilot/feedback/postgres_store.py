@@ -27,7 +27,7 @@ from fleetpilot.contracts import FeedbackRecorded, decode
 
 from .aggregates import (
     KEY_FIELDS,
-    P95,
+    P95_PERCENT,
     TOTALS_FIELDS,
     Aggregate,
     BinTotals,
@@ -184,10 +184,21 @@ class PostgresFeedbackStore:
         return None if payload is None else decode(payload.encode(), FeedbackRecorded)
 
     async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
-        """Stored sums rolled up to ``by``; p95 by ``percentile_disc`` over raw rows, one snapshot."""
+        """Stored sums rolled up to ``by``; the weighted p95 over measured raw rows, one snapshot."""
         fields = validate_by(by)
         group = f" GROUP BY {', '.join(fields)}" if fields else ""
         select_keys = f"{', '.join(fields)}, " if fields else ""
+        partition = f"PARTITION BY {', '.join(fields)} " if fields else ""
+        # Weighted nearest rank (``aggregates.weighted_nearest_rank``): the default window
+        # frame of an ordered window takes in the current row's peers, so ``below`` is the
+        # weight of every row at or under this latency; compared in integers, as in Python.
+        p95_query = (
+            f"SELECT {select_keys}min(latency_us) FROM (SELECT {select_keys}latency_us,"
+            f" sum(weight_units) OVER ({partition}ORDER BY latency_us) AS below,"
+            f" sum(weight_units) OVER ({partition.strip()}) AS total"
+            f" FROM feedback_raw WHERE weight_units > 0) AS ranked"
+            f" WHERE below * 100 >= total * {P95_PERCENT}{group}"
+        )
 
         async def body(conn: asyncpg.Connection) -> list[Aggregate]:
             n = _N_KEYS
@@ -207,10 +218,7 @@ class PostgresFeedbackStore:
             }
             p95 = {
                 tuple(r[: len(fields)]): int(r[len(fields)])
-                for r in await conn.fetch(
-                    f"SELECT {select_keys}percentile_disc({P95}::float8) WITHIN GROUP (ORDER BY latency_us)"
-                    f" FROM feedback_raw{group}"
-                )
+                for r in await conn.fetch(p95_query)
                 if r[len(fields)] is not None
             }
             return assemble(base, bins, p95, fields)

@@ -147,7 +147,7 @@ class SqliteFeedbackStore:
         return None if row is None else decode(row[0].encode(), FeedbackRecorded)
 
     async def aggregates(self, by: Sequence[str] = KEY_FIELDS) -> list[Aggregate]:
-        """Stored sums rolled up to ``by``; p95 from the raw latencies, in one read snapshot."""
+        """Stored sums rolled up to ``by``; p95 from the raw measured latencies, in one read snapshot."""
         fields = validate_by(by)
 
         def read() -> list[Aggregate]:
@@ -165,8 +165,10 @@ class SqliteFeedbackStore:
                     )
                 }
                 latencies = (
-                    (tuple(r[:n]), r[n])
-                    for r in self._db.execute(f"SELECT {_KEYS}, latency_us FROM feedback_raw")
+                    (tuple(r[:n]), r[n], r[n + 1])
+                    for r in self._db.execute(
+                        f"SELECT {_KEYS}, latency_us, weight_units FROM feedback_raw WHERE weight_units > 0"
+                    )
                 )
                 p95 = p95_by_group(latencies, fields)  # type: ignore[arg-type]
             finally:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from fleetpilot.contracts import FeedbackRecorded, Measured, PolicyRef
-from fleetpilot.feedback import nearest_rank, recompute, row_from_event
+from fleetpilot.feedback import recompute, row_from_event, weighted_nearest_rank
 from fleetpilot.feedback.aggregates import calibration_bin, validate_by
 from fleetpilot.feedback.migrations import SQLITE_MIGRATIONS, Migration, pending
 from fleetpilot.feedback.retry import backoff_delay, is_retryable
@@ -40,7 +40,7 @@ def event(
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ([], 0),
+        ([], None),
         ([7], 7),
         ([1, 2], 2),
         (list(range(1, 21)), 19),
@@ -48,8 +48,25 @@ def event(
         (list(range(100, 0, -1)), 95),
     ],
 )
-def test_nearest_rank_matches_percentile_disc(values: list[int], expected: int) -> None:
-    assert nearest_rank(values) == expected
+def test_equal_weights_match_percentile_disc(values: list[int], expected: int | None) -> None:
+    assert weighted_nearest_rank([(v, 1) for v in values]) == expected
+    assert weighted_nearest_rank([(v, 7_500) for v in values]) == expected  # the scale of weights is irrelevant
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        # 90 sure fast records and 10 slow ones measured with 90% uncertainty: the slow ones
+        # hold 10 / 910 of the weight, under the 5% tail, where unweighted they would be the p95.
+        ([(10, 10_000)] * 90 + [(500, 1_000)] * 10, 10),
+        ([(10, 10_000)] * 90 + [(500, 10_000)] * 10, 500),
+        # Weight 0 is no measurement at all: not a sample, whatever its latency.
+        ([(0, 0)] * 19 + [(40, 10_000)], 40),
+        ([(3, 0), (9, 0)], None),
+    ],
+)
+def test_weighted_nearest_rank(samples: list[tuple[int, int]], expected: int | None) -> None:
+    assert weighted_nearest_rank(samples) == expected
 
 
 @pytest.mark.parametrize(
@@ -95,7 +112,9 @@ def test_hand_computed_aggregate() -> None:
     # weights 1, 0.5, 0: weighted success = 1 / 1.5
     assert agg.weighted_success_rate == pytest.approx(1 / 1.5)
     assert agg.weighted_mean_latency_ms == pytest.approx((10 * 1 + 30 * 0.5) / 1.5)
-    assert agg.mean_latency_ms == pytest.approx(20.0)
+    # c's latency comes with no confidence at all: not a measurement.
+    assert agg.measured == 2
+    assert agg.mean_latency_ms == pytest.approx((10 + 30) / 2)
     assert agg.p95_latency_ms == 30.0
     assert agg.total_resource_saving_mb == pytest.approx(50.0)
     assert agg.expected_successes == pytest.approx(2.0)
@@ -110,6 +129,17 @@ def test_hand_computed_aggregate() -> None:
 def test_no_weight_means_no_weighted_rate() -> None:
     [agg] = recompute([row_from_event(event("a", uncertainty=1.0))])
     assert agg.weighted_success_rate is None and agg.weighted_mean_latency_ms is None
+    assert (agg.measured, agg.mean_latency_ms, agg.p95_latency_ms) == (0, None, None)
+
+
+def test_unmeasured_records_do_not_pull_the_latency_down() -> None:
+    """Actions judged without their result (the feedback service writes latency 0, uncertainty
+    1) count for the success rate but say nothing of latency."""
+    judged_blind = [row_from_event(event(f"blind-{i}", latency=0.0, uncertainty=1.0)) for i in range(19)]
+    [agg] = recompute([*judged_blind, row_from_event(event("timed", latency=40.0))])
+    assert agg.count == 20 and agg.measured == 1
+    assert agg.mean_latency_ms == pytest.approx(40.0)
+    assert agg.p95_latency_ms == pytest.approx(40.0)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +152,8 @@ def test_recompute_is_order_independent_and_rolls_up(by: tuple[str, ...]) -> Non
     assert recompute(rows, by) == recompute(shuffled, by)
     groups = recompute(rows, by)
     assert sum(g.count for g in groups) == len(rows)
-    assert sum(g.totals.latency_us for g in groups) == sum(r.latency_us for r in rows)
+    assert sum(g.totals.latency_us for g in groups) == sum(r.latency_us for r in rows if r.weight_units)
+    assert sum(g.measured for g in groups) == sum(1 for r in rows if r.weight_units)
     assert all(list(g.key) == list(by) for g in groups)
 
 
@@ -134,7 +165,7 @@ def test_bad_grouping_rejected(by: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("applied", "expected"),
-    [([], [1, 2, 3]), ([1], [2, 3]), ([1, 2], [3]), ([1, 2, 3], [])],
+    [([], [1, 2, 3, 4]), ([1], [2, 3, 4]), ([1, 2], [3, 4]), ([1, 2, 3, 4], [])],
 )
 def test_pending_migrations(applied: list[int], expected: list[int]) -> None:
     assert [m.version for m in pending(SQLITE_MIGRATIONS, applied)] == expected

@@ -11,7 +11,7 @@ from pathlib import Path
 import asyncpg
 import msgspec
 import pytest
-from fleetpilot.contracts import encode
+from fleetpilot.contracts import Measured, encode
 from fleetpilot.feedback import (
     KEY_FIELDS,
     PostgresFeedbackStore,
@@ -19,8 +19,8 @@ from fleetpilot.feedback import (
     recompute,
     row_from_event,
 )
-from fleetpilot.feedback.aggregates import TOTALS_FIELDS, totals_of
-from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS
+from fleetpilot.feedback.aggregates import totals_of
+from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, SUM_FIELDS_V1
 from fleetpilot.feedback.store import FeedbackStore, open_store
 from fleetpilot.feedback.synthetic import writer_stream
 
@@ -46,6 +46,27 @@ async def test_aggregates_equal_recomputation(any_store: FeedbackStore, by: tupl
     expected = recompute([row_from_event(e) for e in events], by)
     assert await any_store.aggregates(by) == expected
     assert expected  # the comparison is not vacuous
+
+
+async def test_latency_figures_count_measured_records_only(any_store: FeedbackStore) -> None:
+    """A record judged without its action's result (latency 0, uncertainty 1) and a latency
+    measured with little confidence weigh nothing, or little, in the latency figures."""
+    base = writer_stream(0, 1)[0]
+
+    def record(i: int, latency: float, uncertainty: float):
+        return msgspec.structs.replace(base, action_id=f"a{i:03d}", latency_ms=Measured(value=latency,
+                                       uncertainty_score=uncertainty))
+
+    events = [record(i, 0.0, 1.0) for i in range(30)]  # judged blind
+    events += [record(100 + i, 10.0, 0.0) for i in range(90)]  # timed, trusted
+    events += [record(200 + i, 900.0, 0.9) for i in range(10)]  # timed, barely trusted
+    for e in events:
+        assert await any_store.record(e)
+    [agg] = await any_store.aggregates(())
+    assert (agg.count, agg.measured) == (130, 100)
+    assert agg.mean_latency_ms == pytest.approx((90 * 10 + 10 * 900) / 100)
+    assert agg.p95_latency_ms == pytest.approx(10.0)
+    assert [agg] == recompute([row_from_event(e) for e in events], ())
 
 
 async def test_empty_store(any_store: FeedbackStore) -> None:
@@ -123,7 +144,7 @@ async def test_open_store_from_url_postgres(pg_dsn: str) -> None:
     await store.close()
 
 
-# --- upgrading a version-2 database (four-field key) to version 3 (``action`` joins it) ----
+# --- upgrading a version-2 database (four-field key, latency summed over every record) ----
 
 _V2_KEYS = ("policy", "shard_id", "task_kind", "gpu_model")
 _V2_RAW = ("action_id", *_V2_KEYS, "success", "weight_units", "latency_us", "saving_milli_mb", "confidence_units",
@@ -138,7 +159,9 @@ def _v2_writes(event, mark) -> list[tuple[str, tuple]]:
     keys = tuple(getattr(row, k) for k in _V2_KEYS)
     raw = (row.action_id, *keys, row.success, row.weight_units, row.latency_us, row.saving_milli_mb,
            row.confidence_units, row.side_effects, event.recorded_at, encode(event).decode())
-    agg = (*keys, *(getattr(totals, f) for f in TOTALS_FIELDS))
+    # As version 2 summed them: every record's latency, measured or not.
+    totals.latency_us = row.latency_us
+    agg = (*keys, *(getattr(totals, f) for f in SUM_FIELDS_V1))
     cal = (*keys, row.calibration_bin, 1, row.confidence_units, row.success)
 
     def insert(table: str, columns: tuple[str, ...], args: tuple) -> tuple[str, tuple]:
@@ -146,7 +169,7 @@ def _v2_writes(event, mark) -> list[tuple[str, tuple]]:
         return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", args
 
     return [insert("feedback_raw", _V2_RAW, raw),
-            insert("feedback_aggregate", (*_V2_KEYS, *TOTALS_FIELDS), agg),
+            insert("feedback_aggregate", (*_V2_KEYS, *SUM_FIELDS_V1), agg),
             insert("feedback_calibration", (*_V2_KEYS, "bin", "count", "confidence_units", "successes"), cal)]
 
 
@@ -159,7 +182,8 @@ def _v2_events() -> list:
 
 
 async def _check_upgraded(store: FeedbackStore, old: list) -> None:
-    """Old sums kept under action "", new records keyed by their action, all exact."""
+    """Old sums kept under action "", new records keyed by their action, all exact, the
+    latency sums now over measured records only (the old ones summed every record's)."""
     new = [msgspec.structs.replace(e, action_id=f"new-{e.action_id}", action="migrate") for e in old[:10]]
     for e in new:
         assert await store.record(e)
@@ -186,7 +210,7 @@ async def test_sqlite_upgrade_keeps_version_2_data(tmp_path: Path) -> None:
     db.close()
     store = SqliteFeedbackStore(path)
     try:
-        assert store.applied_migrations() == [1, 2, 3]
+        assert store.applied_migrations() == [1, 2, 3, 4]
         await _check_upgraded(store, old)
     finally:
         await store.close()
@@ -212,7 +236,7 @@ async def test_postgres_upgrade_keeps_version_2_data(pg_dsn: str) -> None:
         await conn.close()
     store = await PostgresFeedbackStore.open(pg_dsn, schema=schema)
     try:
-        assert await store.applied_migrations() == [1, 2, 3]
+        assert await store.applied_migrations() == [1, 2, 3, 4]
         await _check_upgraded(store, old)
     finally:
         await store.drop_schema()
