@@ -83,7 +83,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
-from fleetpilot.policy.preempt import claim_of, decode_pending
+from fleetpilot.policy.preempt import claim_of, decode_pending, encode_pending
 from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
 
 from .admissions import Admissions
@@ -306,7 +306,13 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if decision is not None:
             return outgoing(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
-        await pending.put(node_key(adm.task.task_id), msgspec.json.encode(adm))
+        try:
+            await pending.create(node_key(adm.task.task_id), encode_pending(adm))
+        except CasConflict:
+            # Queued already, by an earlier delivery of this admission: the entry may have
+            # moved on since (claimed by a round, queued again with a note), and is left to
+            # whoever holds it. Writing the bare admission over it would lose both.
+            log.info("%s: admitted again while queued; the queue entry stays as it is", adm.task.task_id)
         return outgoing(
             DecisionMade(
                 decision_id=decision_id_for(adm.task.task_id, "queue"),

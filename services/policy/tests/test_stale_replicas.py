@@ -223,3 +223,32 @@ async def test_a_replica_that_stalled_past_its_claim_does_not_put_back_a_task_an
     finally:
         await policy.stop()
     assert left == [] and [d.decision_id for d in observer.decisions] == []
+
+
+async def test_an_admission_delivered_again_leaves_the_entry_it_queued_as_it_is_now(observer, nats_url, tmp_path):
+    """``t`` was admitted and queued (no room); its ``task.admitted`` acknowledgement was
+    lost, and by the time the message comes again the entry has moved on: another replica's
+    round holds it, placing the task again after the executor's assign failed (its note
+    counts the attempt). Before, the redelivery wrote the bare admission over it: the claim
+    and the note were gone, so the task was placed twice, the second time under the first
+    decision's id. Now an entry that exists is left to whoever holds it."""
+    await observer.put_fleet([node("n0", gpus=1)])
+    blocker = Allocation(task_id="big", decision_id="big.assign", gpu=0, milli=1000, memory_mb=1000,
+                         state="confirmed", at=now())
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[blocker])))
+    adm = admitted("t", gpu_milli=1000)
+    note = Requeue(decision_id="t.assign.2", at=now(), reason="assign failed: backend timeout")
+    held = claim_pending(encode_pending(adm, note), now())
+    pending = await observer.js.key_value("pending")
+    await pending.put("t", held)
+    # No retry round of this replica: the other replica's is the one holding the entry.
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=3600.0))
+    await policy.start()
+    try:
+        await observer.admit(adm)
+        await wait_for(lambda: "t" in observer.by_task(), what="the admission handled")
+        entry = await pending.get("t")
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.by_task()["t"]] == ["queue"]
+    assert entry.value == held
