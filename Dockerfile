@@ -13,8 +13,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 
 # CPU-only torch first, from its own index: the default wheel drags in ~3 GB of CUDA
-# libraries that the policy model never uses (inference is tiny and runs on CPU), and
-# installing it before the project makes `pip install .` see the pin already satisfied.
+# libraries that nothing here uses (only the learner trains with torch, a small model on
+# CPU; the policy serves it with numpy), and installing it before the project makes
+# `pip install .` see the pin already satisfied.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 # README is optional at build time (the glob keeps COPY from failing when it is absent).
@@ -33,7 +34,9 @@ USER 10001
 WORKDIR /var/lib/fleetpilot
 
 # /metrics and /healthz: collector 9101, topology 9102, fingerprinter 9103, sla 9104,
-# policy 9105, executor 9106, feedback 9107.
-EXPOSE 9101 9102 9103 9104 9105 9106 9107
+# policy 9105, executor 9106, feedback 9107, learner 9108 (docker-compose.yml and
+# deploy/k8s set each service's FLEETPILOT_<SERVICE>_METRICS_PORT to these; the default is
+# a free port).
+EXPOSE 9101 9102 9103 9104 9105 9106 9107 9108
 
 CMD ["python", "-m", "fleetpilot_services.policy"]
