@@ -172,4 +172,10 @@ class Bus(abc.ABC):
     def connected(self) -> bool:
         """Whether the transport is currently usable (drives ``/healthz``)."""
 
+    def unreachable(self, error: BaseException) -> bool:
+        """Whether ``error`` says the server cannot be reached right now (it went away, or is
+        back but not serving yet), so that the call that raised it may succeed once it is back.
+        A bus in one process is never unreachable."""
+        return False
+
 __all__ = ["Bus", "CasConflict", "Delivery", "Inbound", "KeyValue", "KvEntry", "Reject", "Retry", "subject_matches"]

@@ -27,6 +27,13 @@ def _shared(name: str, default: str | None) -> str | None:
     return os.environ.get(name, default)
 
 
+STARTUP_TIMEOUT_VARIABLE = "FLEETPILOT_STARTUP_TIMEOUT_S"
+"""The start-up limit every service shares unless it sets its own prefixed one."""
+
+_SHARED_VARIABLES = {"startup_timeout_s": STARTUP_TIMEOUT_VARIABLE}
+"""Settings validated from a shared variable: a bad value there is named by that variable."""
+
+
 class BadSettings(ValueError):
     """The environment sets a service's settings wrong; the message names each variable at
     fault and what is wrong with it, on one line."""
@@ -45,6 +52,12 @@ class ServiceSettings(BaseSettings):
     otlp_endpoint: str | None = Field(default_factory=lambda: _shared("OTEL_EXPORTER_OTLP_ENDPOINT", None))
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     state_dir: str = Field(default_factory=lambda: _shared("FLEETPILOT_STATE_DIR", ".fleetpilot") or ".fleetpilot")
+    # Read as text and validated like a prefixed value (validate_default), so that a bad shared
+    # value is the one-line BadSettings error rather than a traceback from the default factory.
+    startup_timeout_s: float = Field(
+        default_factory=lambda: _shared(STARTUP_TIMEOUT_VARIABLE, "120"), validate_default=True, gt=0,
+        description="How long start-up (topology, start-up hooks, consumers, endpoints) keeps retrying "
+                    "while the NATS server it connected to is unreachable, before the service gives up.")
 
     @classmethod
     def from_environment(cls) -> Self:
@@ -59,7 +72,7 @@ class ServiceSettings(BaseSettings):
         try:
             settings = cls()
         except ValidationError as exc:
-            problems += [f"{prefix}{str(e['loc'][0]).upper()}={e.get('input')!r}: {e['msg']}" if e["loc"]
+            problems += [f"{_variable_of(str(e['loc'][0]), prefix)}={e.get('input')!r}: {e['msg']}" if e["loc"]
                          else f"{prefix}*: {e['msg']}" for e in exc.errors()]
         except SettingsError as exc:
             # A list or dict setting is parsed as JSON before validation, and pydantic-settings
@@ -70,6 +83,15 @@ class ServiceSettings(BaseSettings):
             if not problems:
                 return settings
         raise BadSettings("; ".join(problems))
+
+
+def _variable_of(field: str, prefix: str) -> str:
+    """The variable a setting's bad value came from: its own prefixed one, else the shared one
+    it defaults to (naming the prefixed variable would send the operator to one never set)."""
+    own = prefix + field.upper()
+    shared = _SHARED_VARIABLES.get(field)
+    present = {name.upper() for name in os.environ}
+    return shared if shared and own not in present and shared in present else own
 
 
 def _unparsable(exc: SettingsError, prefix: str) -> str:

@@ -36,11 +36,14 @@ def free_port() -> int:
 
 @dataclass
 class EmbeddedNats:
-    """A ``nats-server`` child process storing JetStream data under ``store_dir``."""
+    """A ``nats-server`` child process storing JetStream data under ``store_dir``; with
+    ``jetstream=False``, one that serves core NATS only (as a restarted cluster node does until
+    its JetStream is ready: requests to the JetStream API find no responders)."""
 
     store_dir: Path
     port: int = 0
     process: subprocess.Popen | None = None
+    jetstream: bool = True
 
     @property
     def url(self) -> str:
@@ -53,8 +56,8 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.store_dir / "nats-server.log"
         self.process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir),
-             "-l", str(log_path)],
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+             *(["-js", "-sd", str(self.store_dir)] if self.jetstream else []), "-l", str(log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -5,6 +5,11 @@ and calls ``host.main()``. The host connects the bus, creates streams and bucket
 durable consumers, serves ``/metrics`` and ``/healthz``, runs periodic jobs, and on SIGTERM
 stops taking work, lets in-flight handlers finish and drains the connection.
 
+Only the first connection must come at once (no server at all is an operator's mistake,
+told in one line). If the server goes away after it, while the host sets itself up (a
+restart, a failover), each set-up step is tried again once it is back, until the start-up
+limit (``startup_timeout_s``).
+
     host = ServiceHost("sla", SlaSettings())
 
     @host.on(TaskSubmitted, consumer="sla-submitted")
@@ -17,14 +22,15 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from fleetpilot.contracts import CONSUMERS, ConsumerSpec, Event
 
 from . import logs, tracing
 from .bus import Bus
-from .config import BadSettings, ServiceSettings
+from .config import STARTUP_TIMEOUT_VARIABLE, BadSettings, ServiceSettings
 from .dispatch import Dispatcher, TypedHandler, as_events, reply_handler
 from .http import OpsServer
 from .metrics import HandlerMetrics
@@ -35,6 +41,24 @@ RESTART_BACKOFF_S = 0.5
 """The pause before a background job that ended is started again, doubled while it keeps failing..."""
 RESTART_BACKOFF_MAX_S = 30.0
 """...up to this."""
+STARTUP_RETRY_S = 0.25
+"""The pause before a start-up step that found the server unreachable is tried again, doubled
+while it keeps failing..."""
+STARTUP_RETRY_MAX_S = 5.0
+"""...up to this (and it waits, besides, until the connection is back)."""
+
+
+class StartupTimedOut(TimeoutError):
+    """A start-up step kept finding the server unreachable until the start-up limit. A
+    ``TimeoutError``, so that ``main`` tells it in one line and exits 2."""
+
+
+class StartupAbandoned(Exception):
+    """The service was told to stop (SIGTERM) while its start-up waited for the server."""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 @dataclass
@@ -87,6 +111,7 @@ class ServiceHost:
         self._ops: OpsServer | None = None
         self._stopped = asyncio.Event()
         self._stopping = False
+        self._stop_requested = asyncio.Event()  # SIGTERM or SIGINT: ends a start-up that waits
 
     # -- registration -------------------------------------------------------------------
     def on(self, *event_types: type[Event], consumer: str, instance: str = "", instance_start_s_ago: float = 0.0
@@ -128,7 +153,12 @@ class ServiceHost:
         return register
 
     def on_startup(self, hook: Callable[[Bus], Awaitable[None]]) -> Callable[[Bus], Awaitable[None]]:
-        """Run ``hook(bus)`` once the bus is ready, before any handler is bound."""
+        """Run ``hook(bus)`` once the bus is ready, before any handler is bound.
+
+        A hook that fails because the server went away (``Bus.unreachable``) is run again,
+        whole, once it is back, after the background jobs it started were stopped: it must be
+        safe to run again after a partial run (read its state again, write with
+        compare-and-set or idempotency keys, open a store only if it is not open yet)."""
         self._startup.append(hook)
         return hook
 
@@ -177,20 +207,35 @@ class ServiceHost:
 
             bus = await NatsBus.connect(self.settings.nats_url, f"{self.name}-{self.settings.replica}")
         self.bus = bus
-        await bus.ensure_topology()
+        # From here the server may go away (a restart, a failover) and the client reconnects on
+        # its own: each step that talks to the server is tried again once it is back
+        # (``_until_done``), which each of them allows. ensure_topology creates what is missing
+        # and updates the rest; consume makes its consumer or binds to the one there and starts
+        # its loop only once bound; subscribe takes back a subscription the server may not have
+        # got; serve makes the service and each endpoint once. Start-up hooks are run again
+        # whole: they open views and stores step by step and are written to be run again (see
+        # on_startup), while running one again from where it failed would need every hook cut in
+        # steps. The collector's publishes its nodes' topology (a report again is harmless), the
+        # executor's reclaims what its last run left behind (reading the ledger again, it
+        # releases only what is still held), the policy's and the SLA's open their views again.
+        deadline = asyncio.get_running_loop().time() + self.settings.startup_timeout_s
+        await self._until_done("the streams and buckets", bus.ensure_topology, deadline)
         for hook in self._startup:
-            await hook(bus)
+            await self._until_done(f"start-up hook {getattr(hook, '__name__', hook)}",
+                                   partial(self._run_startup_hook, hook, bus), deadline)
         for durable in self._durables:
             spec = durable.consumer
             dispatcher = Dispatcher(bus, self.name, spec.durable, durable.event_types, durable.handler,
                                     self.metrics, max_deliver=spec.max_deliver, ack_wait_s=spec.ack_wait_s)
-            await bus.consume(spec, dispatcher)
+            await self._until_done(f"consumer {spec.durable}", partial(bus.consume, spec, dispatcher), deadline)
         for core in self._cores:
             dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics,
                                     redelivered=False)
-            await bus.subscribe(core.subject, dispatcher, queue=core.queue)
+            await self._until_done(f"subscription to {core.subject}",
+                                   partial(bus.subscribe, core.subject, dispatcher, queue=core.queue), deadline)
         for ep in self._endpoints:
-            await bus.serve(self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler))
+            await self._until_done(f"endpoint {ep.name}", partial(
+                bus.serve, self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler)), deadline)
         for periodic in self._periodic:
             self._tasks.append(asyncio.create_task(self._run_periodic(periodic), name=getattr(periodic.job, "__name__", "periodic")))
         if self.settings.metrics_port >= 0:
@@ -198,6 +243,78 @@ class ServiceHost:
             port = await self._ops.start(self.settings.metrics_host, self.settings.metrics_port)
             log.info("%s: /metrics and /healthz on %s:%d", self.name, self.settings.metrics_host, port)
         log.info("%s: started (replica %s)", self.name, self.settings.replica)
+
+    async def _until_done(self, step: str, attempt: Callable[[], Awaitable[object]], deadline: float) -> None:
+        """Run ``attempt``; while it fails because the server is unreachable, run it again after
+        a pause (doubling) once the connection is back, until ``deadline``. Any other failure
+        (the server refused a stream's config, a permission, a bug) is raised at once: asking
+        again would be refused again. Raises ``StartupTimedOut`` at the deadline and
+        ``StartupAbandoned`` when the service is told to stop meanwhile."""
+        assert self.bus is not None
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            try:
+                await attempt()
+                return
+            except Exception as exc:
+                if not self.bus.unreachable(exc):
+                    raise
+                failures += 1
+                if self._stop_requested.is_set() or self._stopping:
+                    raise StartupAbandoned(f"{step} failed ({_first_line(exc)}) while stopping") from exc
+                pause = min(STARTUP_RETRY_S * 2 ** (failures - 1), STARTUP_RETRY_MAX_S)
+                log.warning("%s: %s failed (%s): the NATS server is away or not serving yet; trying again "
+                            "in %.2g s once connected (start-up gives up in %.0f s)", self.name, step, _first_line(exc), pause,
+                            max(0.0, deadline - loop.time()))
+                if not await self._waited_to_retry(pause, deadline):
+                    raise StartupTimedOut(
+                        f"{step} still failed after {self.settings.startup_timeout_s:g} s, the start-up limit "
+                        f"({STARTUP_TIMEOUT_VARIABLE}): {_first_line(exc)}") from None
+
+    async def _waited_to_retry(self, pause_s: float, deadline: float) -> bool:
+        """Wait ``pause_s``, then until the bus is connected; False when ``deadline`` comes
+        first. Raises ``StartupAbandoned`` as soon as the service is told to stop."""
+        assert self.bus is not None
+        loop = asyncio.get_running_loop()
+        resume = loop.time() + pause_s
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            while loop.time() < resume or not self.bus.connected:
+                if loop.time() >= deadline:
+                    return False
+                # Polled: the bus tells no reconnection, and a few tens of ms are nothing here.
+                await asyncio.wait({stop}, timeout=min(0.05, max(0.0, deadline - loop.time())))
+                if stop.done() or self._stopping:
+                    raise StartupAbandoned("told to stop while waiting for the NATS server")
+            return True
+        finally:
+            stop.cancel()
+
+    async def _run_startup_hook(self, hook: Callable[[Bus], Awaitable[None]], bus: Bus) -> None:
+        """Run ``hook(bus)``; when it fails, stop the background jobs it started, so that running
+        it again leaves one of each, not two following the same watch."""
+        started = len(self._tasks)
+        try:
+            await hook(bus)
+        except BaseException:
+            abandoned = self._tasks[started:]
+            del self._tasks[started:]
+            await self._cancel(abandoned, 5.0, "after its start-up hook failed")
+            raise
+
+    async def _cancel(self, tasks: Iterable[asyncio.Task], timeout_s: float, when: str) -> None:
+        """Cancel ``tasks`` and wait until they end, at most ``timeout_s``; log any that will not."""
+        stuck = set(tasks)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        # Python 3.11's asyncio.wait_for (used throughout nats-py) can swallow a
+        # cancellation that races with its result, so cancel again until the task ends.
+        while stuck and asyncio.get_running_loop().time() < deadline:
+            for task in stuck:
+                task.cancel()
+            _, stuck = await asyncio.wait(stuck, timeout=0.5)
+        for task in stuck:
+            log.error("%s: task %s ignored cancellation %s", self.name, task.get_name(), when)
 
     async def _run_periodic(self, periodic: _Periodic) -> None:
         while not self._stopping:
@@ -224,17 +341,8 @@ class ServiceHost:
         Every step is bounded: a service that cannot stop is worse than one that stops
         with a step cut short, and the step that overran is logged.
         """
-        self._stopping = True
-        stuck = set(self._tasks)
-        deadline = asyncio.get_running_loop().time() + step_timeout_s
-        # Python 3.11's asyncio.wait_for (used throughout nats-py) can swallow a
-        # cancellation that races with its result, so cancel again until the task ends.
-        while stuck and asyncio.get_running_loop().time() < deadline:
-            for task in stuck:
-                task.cancel()
-            _, stuck = await asyncio.wait(stuck, timeout=0.5)
-        for task in stuck:
-            log.error("%s: task %s ignored cancellation at shutdown", self.name, task.get_name())
+        self._stopping = True  # a start-up still waiting for the server gives up
+        await self._cancel(self._tasks, step_timeout_s, "at shutdown")
         for hook in self._stopping_hooks:
             await self._bounded(self._publish_from(hook), f"stopping hook {getattr(hook, '__name__', hook)}",
                                 step_timeout_s)
@@ -262,14 +370,18 @@ class ServiceHost:
 
     async def run_forever(self) -> None:
         """Start, then serve until SIGTERM or SIGINT, then stop gracefully."""
-        # Handlers first: a SIGTERM that arrives while connecting still means "drain and exit 0".
-        stop = asyncio.Event()
+        # Handlers first: a SIGTERM that arrives while connecting still means "drain and exit 0",
+        # and one while start-up waits for the server to come back ends the wait.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await self.start()
-        await stop.wait()
-        log.info("%s: signal received, draining", self.name)
+            loop.add_signal_handler(sig, self._stop_requested.set)
+        try:
+            await self.start()
+        except StartupAbandoned as reason:
+            log.info("%s: stopping before it started: %s", self.name, reason)
+        else:
+            await self._stop_requested.wait()
+            log.info("%s: signal received, draining", self.name)
         await self.stop()
 
     def main(self) -> None:

@@ -23,7 +23,6 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.micro import add_service
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from fleetpilot.contracts import (
@@ -41,6 +40,20 @@ from fleetpilot.contracts.catalog import stream_of
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
 
 log = logging.getLogger("fleetpilot.runtime.nats")
+
+JETSTREAM_TEMPORARILY_UNAVAILABLE = 10008
+"""The JetStream API's code for "JetStream system temporarily unavailable" (a cluster between
+two meta leaders). Its other 503 answers (insufficient resources, JetStream not enabled for the
+account) say the same however often they are asked."""
+
+_UNREACHABLE = (TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
+                nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)
+"""What nats-py raises while the server is away or not serving yet: no answer in time
+(``nats.errors.TimeoutError`` and ``FlushTimeoutError`` are ``TimeoutError``s, and so is what
+``request`` makes of them), nobody listening yet, the connection lost under the call, the
+reconnect buffer full. ``ConnectionClosedError`` is not among them: with unlimited reconnects a
+connection is closed only by ``drain`` or by the server refusing the credentials, and it never
+comes back."""
 
 
 class _NatsInbound(Inbound):
@@ -222,6 +235,7 @@ class NatsBus(Bus):
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task] = []
         self._micro: Service | None = None
+        self._endpoints_served: set[tuple[str, str]] = set()
         self._kv_cache: dict[str, NatsKeyValue] = {}
         self._closing = asyncio.Event()
         self._reconnections = Reconnections()
@@ -267,6 +281,18 @@ class NatsBus(Bus):
     @property
     def connected(self) -> bool:
         return self._nc.is_connected
+
+    def unreachable(self, error: BaseException) -> bool:
+        if isinstance(error, nats.js.errors.APIError):
+            # A JetStream answer without a code is nats-py's rendering of "no responders": the
+            # server is back but its JetStream does not serve yet. A coded answer is the server
+            # judging the request (a stream config it refuses: 400), which asking again will not
+            # change, except "temporarily unavailable".
+            return (isinstance(error, nats.js.errors.ServiceUnavailableError)
+                    and error.err_code in (None, JETSTREAM_TEMPORARILY_UNAVAILABLE))
+        # A permission violation is told to error_cb only, and the request then times out: it
+        # is taken for an outage, retried until the start-up limit, then reported.
+        return isinstance(error, _UNREACHABLE)
 
     async def ensure_topology(self) -> None:
         for spec in STREAMS:
@@ -386,19 +412,35 @@ class NatsBus(Bus):
                 # A core message is not delivered again: say at error level that it is lost.
                 log.exception("subscription %s: a message on %s was lost", subject, msg.subject)
 
-        await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        sub = await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
         # Core messages are not kept: until the server has the subscription, what is published
         # is lost. A started service hears everything published after start().
-        await self._subscriptions_known()
+        try:
+            await self._subscriptions_known()
+        except BaseException:
+            # Not known to have reached the server (it went away meanwhile): taken back, so a
+            # caller that subscribes again once it is back (start-up does) has one subscription,
+            # not two each handling every message.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            raise
 
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
+        # Safe to call again after it failed (start-up does, across an outage): the service and
+        # each endpoint are made once, and only their reaching the server is waited for again.
+        # nats-py's add_service, whose flush fails in an outage after it subscribed, made a
+        # second service (another id answering pings) on each try, and a second add_endpoint a
+        # second subscription.
         if self._micro is None:
-            self._micro = await add_service(self._nc, ServiceConfig(name=f"fleetpilot-{service}", version="0.1.0"))
+            self._micro = Service(self._nc, ServiceConfig(name=f"fleetpilot-{service}", version="0.1.0"))
+        await self._micro.start()  # subscribes once; returns at once when it has
 
         async def on_request(req) -> None:
             await req.respond(await handler(req.data, dict(req.headers or {})))
 
-        await self._micro.add_endpoint(EndpointConfig(name=name, subject=subject, handler=on_request))
+        if (name, subject) not in self._endpoints_served:
+            await self._micro.add_endpoint(EndpointConfig(name=name, subject=subject, handler=on_request))
+            self._endpoints_served.add((name, subject))
         # Known to the server before the caller advertises readiness: a request sent after
         # start() must not get "no responders".
         await self._subscriptions_known()

@@ -86,3 +86,27 @@ def test_a_structured_setting_that_is_not_json_is_named_in_one_line(environment)
     assert "\n" not in str(raised.value)
     environment({"FLEETPILOT_EXAMPLE_RULES": '[{"tenant": "a"}]'})
     assert RulesSettings.from_environment().rules == [{"tenant": "a"}]
+
+
+def test_the_start_up_limit_is_shared_unless_the_service_sets_its_own(environment):
+    assert ExampleSettings.from_environment().startup_timeout_s == 120.0
+    environment({"FLEETPILOT_STARTUP_TIMEOUT_S": "30"})
+    assert ExampleSettings.from_environment().startup_timeout_s == 30.0
+    environment({"FLEETPILOT_EXAMPLE_STARTUP_TIMEOUT_S": "5"})
+    assert ExampleSettings.from_environment().startup_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"FLEETPILOT_STARTUP_TIMEOUT_S": "soon"},
+     "FLEETPILOT_STARTUP_TIMEOUT_S='soon': Input should be a valid number, unable to parse string as a number"),
+    ({"FLEETPILOT_STARTUP_TIMEOUT_S": "0"}, "FLEETPILOT_STARTUP_TIMEOUT_S='0': Input should be greater than 0"),
+    ({"FLEETPILOT_STARTUP_TIMEOUT_S": "30", "FLEETPILOT_EXAMPLE_STARTUP_TIMEOUT_S": "-1"},
+     "FLEETPILOT_EXAMPLE_STARTUP_TIMEOUT_S='-1': Input should be greater than 0"),
+])
+def test_a_bad_start_up_limit_is_named_by_the_variable_that_set_it(environment, variables, message):
+    # The shared variable is the service's default: naming the service's own variable, which
+    # nobody set, would send the operator looking in the wrong place.
+    environment(variables)
+    with pytest.raises(BadSettings) as raised:
+        ExampleSettings.from_environment()
+    assert str(raised.value) == message
