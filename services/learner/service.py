@@ -29,14 +29,22 @@ from pathlib import Path
 
 import msgspec
 from fleetpilot.contracts import STREAMS, DecisionMade, FeedbackRecorded, ModelPublished, now
-from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, STORE_FILE, Assessment, OutcomeModel, learn
+from fleetpilot.learner import (
+    CANDIDATE_KEY,
+    LEARNED_ACTIONS,
+    PROMOTED_KEY,
+    STORE_FILE,
+    Assessment,
+    OutcomeModel,
+    learn,
+)
 from fleetpilot.learner.promotion import MIN_EXAMPLES
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, Reject, ServiceHost, ServiceSettings, serve
 from prometheus_client import Counter, Gauge
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from .store import JOINED, TRAINED, ExampleStore, read_examples
+from .store import JOINED, TRAINED, ExampleStore, learns_from, read_examples
 
 log = logging.getLogger("fleetpilot.learner")
 
@@ -123,6 +131,27 @@ def _train_on_one_core() -> None:
     torch.set_num_threads(1)
 
 
+def malformed_decision(decision: DecisionMade) -> str | None:
+    """Why a placement decision cannot be learnt from as it came (``None``: it can): it has
+    no id to key it and join its outcome by, or a confidence that is no probability."""
+    if decision.action not in LEARNED_ACTIONS:
+        return None
+    if not decision.decision_id:
+        return f"{decision.action} decision for task {decision.task_id!r} has no decision_id to join its outcome by"
+    for name, value in (("confidence", decision.confidence), ("prior_confidence", decision.prior_confidence)):
+        if value is not None and not 0.0 <= value <= 1.0:
+            return f"decision {decision.decision_id}: {name} {value:g} is not a probability"
+    return None
+
+
+def malformed_outcome(feedback: FeedbackRecorded) -> str | None:
+    """Why an outcome of a placement cannot be kept as it came (``None``: it can): it has no
+    action id to store it once by."""
+    if feedback.decision_id and learns_from(feedback) and not feedback.action_id:
+        return f"outcome of decision {feedback.decision_id} has no action_id to store it once by"
+    return None
+
+
 def assess(path: Path, settings: LearnerSettings, serving: OutcomeModel | None = None) -> Assessment:
     """One round of learning on the latest ``max_examples`` outcomes kept in ``path``, the
     ``serving`` model judged with it (runs in a worker thread: it reads on a connection of
@@ -173,11 +202,18 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
     # join few of them.
     @host.on(DecisionMade, consumer="learner-decisions", instance=settings.instance, instance_start_s_ago=REPLAY_S)
     async def on_decision(decision: DecisionMade) -> None:
+        # Kept as it came, a decision without id took the empty key (every later one was
+        # ignored as its duplicate), and a confidence of 1.7 was learnt as 0.999: a dead
+        # letter says what was wrong, and the producer's bug is seen.
+        if (why := malformed_decision(decision)) is not None:
+            raise Reject(why)
         parts["store"].add_decision(decision)  # committed before the message is acked
 
     @host.on(FeedbackRecorded, consumer="learner-feedback", instance=settings.instance,
              instance_start_s_ago=REPLAY_S)
     async def on_feedback(feedback: FeedbackRecorded) -> None:
+        if (why := malformed_outcome(feedback)) is not None:
+            raise Reject(why)
         parts["store"].add_outcome(feedback)
 
     async def withdraw(bucket: KeyValue, serving_version: int, assessment: Assessment) -> None:

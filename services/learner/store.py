@@ -4,7 +4,9 @@ Decisions (of the learned actions only) are kept by ``decision_id`` as their enc
 outcomes by ``action_id`` with what the model needs of them. Either may come first: a
 decision waits for its outcome, an outcome for its decision, and the training set is their
 join. Every write is one committed transaction, made before the handler returns (so before
-the message is acked), and ``INSERT OR IGNORE`` on the key makes a redelivery a no-op.
+the message is acked), and ``INSERT OR IGNORE`` on the key makes a redelivery a no-op; an
+outcome pruned already (recorded at or before ``PRUNED_THROUGH``) delivered again is not
+stored at all.
 
 ``joined`` counts every outcome that found its decision, whichever came second, and never
 goes down (pruning does not undo it): the service retrains when it has grown by
@@ -18,11 +20,13 @@ statements); a round of training reads on a connection of its own, in its worker
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 from fleetpilot.contracts import DecisionMade, FeedbackRecorded, decoder_for, encode
 from fleetpilot.learner import LEARNED_ACTIONS, Example
 
@@ -47,6 +51,10 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS marks (
+    name TEXT PRIMARY KEY,
+    value REAL NOT NULL
+);
 """
 
 _NO_OUTCOME = "NOT EXISTS (SELECT 1 FROM outcomes o WHERE o.decision_id = decisions.decision_id)"
@@ -54,6 +62,11 @@ _NO_DECISION = "NOT EXISTS (SELECT 1 FROM decisions d WHERE d.decision_id = outc
 
 JOINED = "joined"
 TRAINED = "trained"
+PRUNED_THROUGH = "pruned_through"
+"""The mark of the latest ``recorded_at`` among the joined outcomes pruned to keep the store
+within its bound: an outcome recorded then or before is older than every one kept."""
+
+log = logging.getLogger("fleetpilot.learner")
 
 
 def outcome_weight(feedback: FeedbackRecorded) -> float:
@@ -106,8 +119,15 @@ class ExampleStore:
         return added
 
     def add_outcome(self, feedback: FeedbackRecorded) -> bool:
-        """Keep an action's outcome; ``False`` when it was kept already or cannot teach."""
+        """Keep an action's outcome; ``False`` when it was kept already, cannot teach, or is
+        older than every joined outcome the store keeps (pruned already, or it would be)."""
         if not feedback.decision_id or not learns_from(feedback):
+            return False
+        # A pruned outcome delivered again (a replica's consumers made anew replay 7 days;
+        # the feedback service announces a stored record again under a new message id) found
+        # no row to ignore: it was stored, joined its decision delivered again, and counted a
+        # second time, starting rounds on outcomes already learnt from.
+        if float(feedback.recorded_at) <= self._mark(PRUNED_THROUGH):
             return False
         with _transaction(self._db):
             added = self._db.execute(
@@ -137,12 +157,18 @@ class ExampleStore:
         with _transaction(self._db):
             if sizes["joined"] > max_examples:
                 old = self._db.execute(
-                    "SELECT o.action_id, o.decision_id FROM outcomes o JOIN decisions d USING (decision_id) "
-                    "ORDER BY o.recorded_at DESC, o.action_id DESC LIMIT -1 OFFSET ?", (max_examples,)).fetchall()
+                    "SELECT o.action_id, o.decision_id, o.recorded_at FROM outcomes o JOIN decisions d "
+                    "USING (decision_id) ORDER BY o.recorded_at DESC, o.action_id DESC LIMIT -1 OFFSET ?",
+                    (max_examples,)).fetchall()
+                if old:
+                    self._db.execute(
+                        "INSERT INTO marks (name, value) VALUES (?, ?) ON CONFLICT (name) "
+                        "DO UPDATE SET value = max(value, excluded.value)",
+                        (PRUNED_THROUGH, max(float(at) for _, _, at in old)))
                 gone += self._db.executemany("DELETE FROM outcomes WHERE action_id = ?",
-                                             [(a,) for a, _ in old]).rowcount
+                                             [(a,) for a, _, _ in old]).rowcount
                 gone += self._db.executemany("DELETE FROM decisions WHERE decision_id = ?",
-                                             sorted({(d,) for _, d in old})).rowcount
+                                             sorted({(d,) for _, d, _ in old})).rowcount
             gone += self._db.execute(f"DELETE FROM decisions WHERE decided_at < ? AND {_NO_OUTCOME}",
                                      (unjoined_before,)).rowcount
             gone += self._db.execute(f"DELETE FROM outcomes WHERE recorded_at < ? AND {_NO_DECISION}",
@@ -164,6 +190,11 @@ class ExampleStore:
         """A counter's value (``JOINED`` or ``TRAINED``), 0 before its first write."""
         row = self._db.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
         return int(row[0]) if row else 0
+
+    def _mark(self, name: str) -> float:
+        """A mark's value (``PRUNED_THROUGH``), minus infinity before its first write."""
+        row = self._db.execute("SELECT value FROM marks WHERE name = ?", (name,)).fetchone()
+        return float(row[0]) if row else float("-inf")
 
     def sizes(self) -> dict[str, int]:
         """How many rows are kept: ``joined`` (examples), ``decisions_waiting`` (no outcome
@@ -193,9 +224,22 @@ def read_examples(path: str | Path, limit: int) -> list[Example]:
     finally:
         db.close()
     decoder = decoder_for(DecisionMade)
-    return [Example(decision=decoder.decode(event), gpu_model=gpu_model, success=bool(success),
-                    weight=float(weight), recorded_at=float(recorded_at))
-            for event, gpu_model, success, weight, recorded_at in rows]
+    examples, unreadable = [], 0
+    for event, gpu_model, success, weight, recorded_at in rows:
+        # A decision stored by an earlier version of the learner that this one no longer
+        # decodes (a contract that changed) is left out, not allowed to fail the round: it
+        # failed every round for as long as it stayed among the latest outcomes kept.
+        try:
+            decision = decoder.decode(event)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            unreadable += 1
+            continue
+        examples.append(Example(decision=decision, gpu_model=gpu_model, success=bool(success),
+                                weight=float(weight), recorded_at=float(recorded_at)))
+    if unreadable:
+        log.warning("learner: %d of the %d latest stored decisions no longer decode; learning without them",
+                    unreadable, len(rows))
+    return examples
 
 
 def _joined_decisions(db: sqlite3.Connection) -> int:

@@ -44,6 +44,15 @@ class OutcomeModel(msgspec.Struct, frozen=True, kw_only=True):
     hidden_bias: list[float]
     out_weight: list[float]
     out_bias: float
+    trained_through: float | None = None
+    """When the latest outcome it learnt from was recorded (``recorded_at``); ``None``: not
+    known (a model stored before this field, or one ``train`` made for a caller that did
+    not say). The outcomes recorded after it are the ones it never saw, the only ones it can
+    be judged on."""
+    columns: list[str] = msgspec.field(default_factory=list)
+    """The name of each input column as the learner that trained it laid them out
+    (``OutcomeFeatures.names``); empty in a model stored before this field. A reader whose
+    layout names them otherwise refuses the model (``check``)."""
 
     @classmethod
     def from_bytes(cls, value: bytes) -> OutcomeModel:
@@ -57,8 +66,20 @@ class OutcomeModel(msgspec.Struct, frozen=True, kw_only=True):
         return model
 
     def check(self) -> None:
-        """Raise ``ValueError`` unless every array has the shape the layout asks for and every
-        number is finite (a model read off the bus is checked before it is used)."""
+        """Raise ``ValueError`` unless the model was laid out as this version lays out its
+        features, every array has the shape the layout asks for and every number is finite (a
+        model read off the bus is checked before it is used)."""
+        # The width alone let through a model from a version whose columns differ but count
+        # the same (a kind renamed, two columns swapped): it loaded, and every prediction
+        # read one column as another.
+        names = self.features.names()
+        if self.columns and self.columns != names:
+            at = next((i for i, (a, b) in enumerate(zip(self.columns, names, strict=False)) if a != b),
+                      min(len(self.columns), len(names)))
+            theirs = self.columns[at] if at < len(self.columns) else "nothing"
+            ours = names[at] if at < len(names) else "nothing"
+            raise ValueError(f"outcome model: laid out by another version (column {at} is {theirs!r}, "
+                             f"{ours!r} here)")
         width = self.features.width()
         shapes = {"mean": (np.asarray(self.mean), (width,)), "scale": (np.asarray(self.scale), (width,)),
                   "hidden_weight": (np.asarray(self.hidden_weight, dtype=float), (len(self.hidden_bias), width)),
@@ -133,4 +154,5 @@ def train(features: OutcomeFeatures, x: np.ndarray, success: np.ndarray, weight:
     return OutcomeModel(
         features=features, mean=mean.tolist(), scale=scale.tolist(),
         hidden_weight=hidden.weight.detach().numpy().tolist(), hidden_bias=hidden.bias.detach().numpy().tolist(),
-        out_weight=out.weight.detach().numpy()[0].tolist(), out_bias=float(out.bias.detach().numpy()[0]))
+        out_weight=out.weight.detach().numpy()[0].tolist(), out_bias=float(out.bias.detach().numpy()[0]),
+        columns=features.names())

@@ -8,10 +8,11 @@ policy's confidence there by a margin, and by more than chance would give it on 
 outcomes (``MIN_EVIDENCE``, a paired comparison outcome by outcome); a promoted model is then trained again on every
 outcome, so what serves has seen the latest quarter too. Pure: no I/O and no clock.
 
-The model already serving is judged on the same latest quarter: the world it learnt may have
-gone (a fleet's new GPUs, a fixed driver, a policy that learnt the same lesson), and a model
-no better than the policy's own confidence there is withdrawn (``Assessment.withdraw``),
-unless the new one replaces it.
+The model already serving is judged on the same latest quarter, on the outcomes in it that
+were recorded after those it learnt from (``OutcomeModel.trained_through``): the world it
+learnt may have gone (a fleet's new GPUs, a fixed driver, a policy that learnt the same
+lesson), and a model no better than the policy's own confidence there is withdrawn
+(``Assessment.withdraw``), unless the new one replaces it.
 
 How strongly the correction is held to the policy's confidence (the prior, worth
 ``PRIOR_CHOICES`` outcomes) is chosen on the earlier three quarters alone, by how a model
@@ -29,6 +30,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from fleetpilot.contracts import DecisionMade, HeldOutFigures
@@ -80,7 +82,8 @@ class Assessment:
     reason: str
     prior_outcomes: float = PRIOR_OUTCOMES
     serving_brier: float | None = None
-    """The held-out Brier score of the model serving when the round began (``None``: none)."""
+    """The Brier score of the model serving when the round began, on the held-out outcomes
+    recorded after those it learnt from (``None``: none serving, or none of those yet)."""
     withdraw: bool = False
     """The serving model no longer beats the policy's confidence and nothing replaces it."""
 
@@ -99,7 +102,8 @@ def weighted_brier(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
 def gain_evidence(p_model: np.ndarray, p_prior: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
     """How many standard errors the model's weighted mean gain in squared error over the
     prior stands above zero, outcome by outcome on the same outcomes (a paired comparison);
-    0 when there is no weight or no gain, infinite for a gain without spread."""
+    0 when there is no weight, no gain, or fewer than two outcomes' worth of weight (no
+    spread can be measured), infinite for a gain without spread."""
     total, squares = float(w.sum()), float((w * w).sum())
     if total <= 0:
         return 0.0
@@ -107,8 +111,14 @@ def gain_evidence(p_model: np.ndarray, p_prior: np.ndarray, y: np.ndarray, w: np
     mean = float((w * gains).sum()) / total
     if mean <= 0:
         return 0.0
-    spread = float((w * (gains - mean) ** 2).sum()) / total
     effective = total * total / squares  # as many equally weighted outcomes as these are worth
+    if effective < 2.0 - 1e-9:  # two equal weights sum to 2 up to rounding
+        # One outcome (or one that carries nearly all the weight) has no spread to measure:
+        # its gain was "infinitely" many standard errors, and a single held-out placement
+        # promoted a model of noise; one exact record among 49 nearly weightless ones stood
+        # at 30.
+        return 0.0
+    spread = float((w * (gains - mean) ** 2).sum()) / total
     return float("inf") if spread == 0 else mean / (spread / effective) ** 0.5
 
 
@@ -170,7 +180,7 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
           held_out_share: float = HELD_OUT_SHARE, min_gain: float = MIN_GAIN,
           min_evidence: float = MIN_EVIDENCE, serving: OutcomeModel | None = None) -> Assessment:
     """Train on the earlier outcomes, score on the latest, promote if the model wins; judge
-    the ``serving`` model on the same latest outcomes."""
+    the ``serving`` model on the latest outcomes it did not learn from."""
     usable = sorted((e for e in examples if learnable(e)), key=lambda e: (e.recorded_at, e.decision.decision_id))
     # Whatever the caller asks, two at least: one outcome to train on and one to judge by.
     needed = max(min_examples, 2)
@@ -185,14 +195,16 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
     strength = choose_prior(head, seed=seed)
     layout = OutcomeFeatures.for_models({e.gpu_model for e in head})
     x, y, w = _arrays(layout, head)
-    model = train(layout, x, y, w, seed=seed, prior_outcomes=strength)
+    model = msgspec.structs.replace(train(layout, x, y, w, seed=seed, prior_outcomes=strength),
+                                    trained_through=head[-1].recorded_at)
     figures, evidence = _judged(model, tail, trained_on=len(usable))
     brier_model, brier_prior = figures.brier_model, figures.brier_prior
     better = brier_model <= brier_prior * (1.0 - min_gain) and brier_model < brier_prior
     promoted = better and evidence >= min_evidence
     if promoted:
         layout = OutcomeFeatures.for_models({e.gpu_model for e in usable})
-        model = train(layout, *_arrays(layout, usable), seed=seed, prior_outcomes=strength)
+        model = msgspec.structs.replace(train(layout, *_arrays(layout, usable), seed=seed, prior_outcomes=strength),
+                                        trained_through=usable[-1].recorded_at)
         reason = f"held-out Brier {brier_model:.5f} beats the policy's {brier_prior:.5f}"
     elif better:
         reason = (f"held-out Brier {brier_model:.5f} beats the policy's {brier_prior:.5f} by too little to tell "
@@ -201,9 +213,20 @@ def learn(examples: list[Example], *, seed: int = 0, min_examples: int = MIN_EXA
         reason = (f"held-out Brier {brier_model:.5f} does not beat the policy's {brier_prior:.5f} "
                   f"by {min_gain:.0%}")
     reason = f"{reason} (prior worth {strength:g} outcomes)"
-    serving_brier = held_out_figures(serving, tail).brier_model if serving is not None else None
-    withdraw = serving_brier is not None and not promoted and serving_brier >= brier_prior
+    # The serving model is judged only on the latest outcomes it never learnt from: a model
+    # promoted last round was trained on nearly all of this round's latest quarter, and scored
+    # there it was judged on what it remembered, not on the world as it is now; a model that
+    # had learnt noise kept serving however the new outcomes went. Against the policy's own
+    # confidence on the same outcomes.
+    serving_brier, serving_prior, unseen = None, brier_prior, tail
+    if serving is not None:
+        if serving.trained_through is not None:
+            unseen = [e for e in tail if e.recorded_at > serving.trained_through]
+        if unseen:
+            judged = held_out_figures(serving, unseen)
+            serving_brier, serving_prior = judged.brier_model, judged.brier_prior
+    withdraw = serving_brier is not None and not promoted and serving_brier >= serving_prior
     if withdraw:
-        reason = (f"the model serving scores {serving_brier:.5f} on the latest outcomes, no better than the "
-                  f"policy's {brier_prior:.5f}: withdrawn; the new one: {reason}")
+        reason = (f"the model serving scores {serving_brier:.5f} on the latest {len(unseen)} outcomes it did not "
+                  f"learn from, no better than the policy's {serving_prior:.5f}: withdrawn; the new one: {reason}")
     return Assessment(model, figures, promoted, reason, strength, serving_brier, withdraw)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sqlite3
 
 import msgspec
 import numpy as np
 import pytest
 from fleetpilot.contracts import (
+    DeadLetter,
     DecisionMade,
     FeedbackRecorded,
     Measured,
@@ -294,3 +296,90 @@ def test_the_store_keeps_the_latest_examples_and_waits_a_while_for_the_rest(tmp_
 def test_settings_that_could_never_learn_are_refused():
     with pytest.raises(ValueError, match="MAX_EXAMPLES"):
         LearnerSettings(min_examples=300, max_examples=200)
+
+
+def test_outcomes_pruned_and_delivered_again_are_not_stored_or_counted_again(tmp_path):
+    path = tmp_path / "learner.db"
+    t = now()
+
+    def deliver(store: ExampleStore, ids: range) -> None:
+        for i in ids:
+            store.add_decision(decision(i, at=t - 100 + i))
+            store.add_outcome(outcome(i, at=t - 50 + i))
+
+    store = ExampleStore(path)
+    try:
+        deliver(store, range(5))
+        store.prune(max_examples=3, unjoined_before=t - 14 * 86400)  # d0 and d1 go
+        # Everything again, as consumers made anew (a new instance name) replay 7 days: the
+        # pruned outcomes joined their decisions once more and were counted a second time.
+        deliver(store, range(5))
+        assert store.counter(JOINED) == 5
+        assert (store.sizes()["joined"], store.sizes()["outcomes_waiting"]) == (3, 0)
+    finally:
+        store.close()
+    store = ExampleStore(path)  # the mark is kept across a restart
+    try:
+        deliver(store, range(5))
+        assert store.counter(JOINED) == 5
+        # A new outcome still joins and counts.
+        assert store.add_decision(decision(5, at=t - 10)) and store.add_outcome(outcome(5, at=t))
+        assert store.counter(JOINED) == 6
+        assert sorted(e.decision.decision_id for e in read_examples(path, 10)) == ["d2", "d3", "d4", "d5"]
+    finally:
+        store.close()
+
+
+def test_a_stored_decision_that_no_longer_decodes_is_left_out_not_fatal_to_the_round(tmp_path, caplog):
+    path = tmp_path / "learner.db"
+    store = ExampleStore(path)
+    try:
+        for i in range(3):
+            store.add_decision(decision(i))
+            store.add_outcome(outcome(i))
+    finally:
+        store.close()
+    # A row an earlier version stored under a contract this one no longer reads.
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("UPDATE decisions SET event = ? WHERE decision_id = 'd1'", (b'{"type": "decision.made.v0"}',))
+    db.close()
+    caplog.set_level(logging.WARNING, logger="fleetpilot.learner")
+    assert sorted(e.decision.decision_id for e in read_examples(path, 10)) == ["d0", "d2"]
+    assert "1 of the 3 latest stored decisions no longer decode" in caplog.text
+
+
+async def test_malformed_placements_and_outcomes_are_dead_lettered_with_their_reason(nats_url, tmp_path, nats_client):
+    letters: list[DeadLetter] = []
+
+    async def on_dead(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await nats_client.subscribe("dlq.>", cb=on_dead)
+    host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=1000))
+    await host.start()
+    try:
+        js = nats_client.jetstream()
+        for bad in (msgspec.structs.replace(decision(1), confidence=1.7),
+                    msgspec.structs.replace(decision(2), confidence=0.9, prior_confidence=-0.2),
+                    msgspec.structs.replace(decision(3), decision_id="")):
+            await js.publish("decision.made", encode(bad))
+        await js.publish("feedback.recorded", encode(msgspec.structs.replace(outcome(4), action_id="")))
+        # Well-formed ones are kept: a decision that is no placement is not checked.
+        await js.publish("decision.made", encode(msgspec.structs.replace(decision(5, action="queue"), confidence=3.0)))
+        await js.publish("decision.made", encode(decision(6)))
+        await eventually(lambda: len(letters) >= 4, what="four dead letters")
+        await asyncio.sleep(0.3)  # room for a fifth that must not come
+    finally:
+        await host.stop()
+    assert sorted((e.subject, e.reason, e.error) for e in letters) == [
+        ("decision.made", "rejected", "assign decision for task 't3' has no decision_id to join its outcome by"),
+        ("decision.made", "rejected", "decision d1: confidence 1.7 is not a probability"),
+        ("decision.made", "rejected", "decision d2: prior_confidence -0.2 is not a probability"),
+        ("feedback.recorded", "rejected", "outcome of decision d4 has no action_id to store it once by"),
+    ]
+    store = ExampleStore(tmp_path / "state" / "learner.db")
+    try:
+        assert store.sizes() == {"joined": 0, "decisions_waiting": 1, "outcomes_waiting": 0}
+    finally:
+        store.close()

@@ -124,6 +124,7 @@ def test_the_policys_own_confidence_is_read_before_the_published_one_and_kept_of
 def test_a_model_learns_what_the_confidence_misses_and_it_holds_on_a_world_it_never_saw() -> None:
     assessment = learn(growing_world(1), seed=0)
     assert assessment.promoted and assessment.model is not None, assessment.reason
+    assert assessment.model.trained_through == 599.0  # trained again on every outcome
     assert assessment.figures.brier_model < 0.8 * assessment.figures.brier_prior
     unseen_model, unseen_prior = brier_on(assessment.model, growing_world(99))
     assert unseen_model < 0.8 * unseen_prior
@@ -136,25 +137,70 @@ def test_a_model_learns_what_the_confidence_misses_and_it_holds_on_a_world_it_ne
 def test_nothing_to_learn_is_not_promoted() -> None:
     assessment = learn(honest_world(2), seed=0)
     assert not assessment.promoted
+    assert assessment.model is not None and assessment.model.trained_through == 449.0  # the earlier 450
     assert "does not beat" in assessment.reason
+
+
+def later(examples: list[Example], by: float) -> list[Example]:
+    """The same outcomes, recorded ``by`` seconds later."""
+    return [Example(e.decision, e.gpu_model, e.success, e.weight, e.recorded_at + by) for e in examples]
 
 
 def test_a_serving_model_the_world_has_left_behind_is_withdrawn() -> None:
     serving = learn(growing_world(1), seed=0).model
-    assert serving is not None
-    # The same world again: the serving model still beats the policy there (and a new one
-    # is promoted in its place anyway).
-    again = learn(growing_world(3), seed=0, serving=serving)
+    assert serving is not None and serving.trained_through == 599.0
+    # The same world again, after the outcomes it learnt from: the serving model still
+    # beats the policy there (and a new one is promoted in its place anyway).
+    again = learn(later(growing_world(3), 1000.0), seed=0, serving=serving)
     assert again.serving_brier is not None and again.serving_brier < again.figures.brier_prior
     assert not again.withdraw
     # A world where the policy's confidence is right and tight holds no longer fail: the
     # serving model's lesson is wrong there, and nothing new beats the policy.
-    moved_on = learn(honest_world(2), seed=0, serving=serving)
+    moved_on_world = later(honest_world(2), 1000.0)
+    moved_on = learn(moved_on_world, seed=0, serving=serving)
     assert not moved_on.promoted and moved_on.withdraw
     assert moved_on.serving_brier is not None and moved_on.serving_brier >= moved_on.figures.brier_prior
     assert moved_on.reason.startswith("the model serving scores ")
+    # A model stored before models said what they learnt from is judged on the whole quarter.
+    legacy = msgspec.structs.replace(serving, trained_through=None)
+    assert learn(moved_on_world, seed=0, serving=legacy).serving_brier == moved_on.serving_brier
     # Nothing serving, nothing to withdraw.
     assert not learn(honest_world(2), seed=0).withdraw
+
+
+def honest_programs_world(seed: int, n: int, *, start: int, programs: int = 20) -> list[Example]:
+    """Programs that each ask their own memory and meet their goal at their own rate, which
+    the policy's confidence says exactly: a model can only learn each program's noise."""
+    draw, programs_draw = random.Random(seed), random.Random(1234)
+    asks = {p: programs_draw.randrange(4000, 60000, 500) for p in range(programs)}
+    rate = {p: programs_draw.choice([0.6, 0.75, 0.9]) for p in range(programs)}
+    out = []
+    for i in range(start, start + n):
+        p = draw.randrange(programs)
+        d = msgspec.structs.replace(decision(i, ask=asks[p], held=asks[p], confidence=rate[p]), task=TaskSubmitted(
+            task_id=f"t{i}", kind="train", gpu_memory_mb=asks[p], labels={"model": f"prog-{p}"}))
+        out.append(Example(d, "A100-80G", draw.random() < rate[p], 1.0, float(i)))
+    return out
+
+
+def test_a_serving_model_is_judged_only_on_the_outcomes_it_did_not_learn_from() -> None:
+    """A model that learnt each program's noise from 300 outcomes scores well on them, and
+    they fill most of the next round's latest quarter; on the 50 outcomes that came since, it
+    does worse than the policy. Judged on the whole quarter, it kept serving."""
+    past = honest_programs_world(5, 300, start=0)
+    layout = OutcomeFeatures.for_models(["A100-80G"])
+    x = layout.matrix([(e.decision, e.gpu_model) for e in past])
+    y = np.array([float(e.success) for e in past])
+    serving = msgspec.structs.replace(train(layout, x, y, np.ones(len(y)), seed=0, prior_outcomes=0.0, epochs=800),
+                                      trained_through=past[-1].recorded_at)
+    since = honest_programs_world(105, 50, start=1000)
+    assessment = learn(past + since, seed=0, serving=serving)
+    quarter = (past + since)[-assessment.figures.held_out:]
+    remembered = held_out_figures(serving, quarter)
+    assert remembered.brier_model < remembered.brier_prior  # what its own outcomes said: keep it
+    assert not assessment.promoted and assessment.withdraw, assessment.reason
+    assert assessment.serving_brier == pytest.approx(held_out_figures(serving, since).brier_model)
+    assert "on the latest 50 outcomes it did not learn from" in assessment.reason
 
 
 def test_too_few_outcomes_give_no_model_and_say_how_many_are_needed() -> None:
@@ -256,3 +302,38 @@ def test_the_evidence_of_a_gain_is_its_mean_in_standard_errors() -> None:
     assert gain_evidence(model, prior, y, w) == pytest.approx(0.00375 / (0.02625 / 4**0.5))
     # A loss is no evidence of a gain, and no weight is none either.
     assert gain_evidence(prior, model, y, w) == 0.0 and gain_evidence(model, prior, y, np.zeros(4)) == 0.0
+
+
+def test_one_outcomes_worth_of_held_out_weight_is_no_evidence_of_a_gain() -> None:
+    # One outcome has no spread to measure: its gain stood at infinitely many standard errors.
+    assert gain_evidence(np.array([0.95]), np.array([0.9]), np.array([1.0]), np.ones(1)) == 0.0
+    # Nor is one exact record among 49 nearly weightless ones (judged without their result),
+    # though the others lose: about one outcome's worth of weight, it stood at 30.
+    y, prior = np.ones(50), np.full(50, 0.8)
+    model = np.full(50, 0.79)
+    model[0] = 0.95
+    w = np.full(50, 1e-4)
+    w[0] = 1.0
+    assert gain_evidence(model, prior, y, w) == 0.0
+    # Two outcomes' worth is measured as before.
+    assert gain_evidence(np.array([0.95, 0.1]), np.array([0.9, 0.2]), np.array([1.0, 0.0]), np.ones(2)) > 0.0
+    # The gate: four outcomes of a world where the policy's confidence is right leave one to
+    # judge by, and a model that happened to call that one better was promoted.
+    assessment = learn(honest_world(0, 4), seed=0, min_examples=2)
+    assert assessment.figures.held_out == 1 and not assessment.promoted, assessment.reason
+    assert "too little to tell from chance" in assessment.reason
+
+
+def test_a_model_laid_out_by_another_version_is_refused_and_one_stored_before_columns_is_read() -> None:
+    world = growing_world(6, n=40)
+    layout = OutcomeFeatures.for_models(MODELS)
+    x = layout.matrix([(e.decision, e.gpu_model) for e in world])
+    model = train(layout, x, np.ones(len(x)), np.ones(len(x)), seed=0, epochs=1)
+    assert model.columns == layout.names()
+    # As many columns, two of them the other way round: the width alone let it load.
+    stored = msgspec.json.decode(msgspec.json.encode(model))
+    stored["columns"][2], stored["columns"][3] = stored["columns"][3], stored["columns"][2]
+    with pytest.raises(ValueError, match=r"another version \(column 2 is 'kind=finetune', 'kind=train' here\)"):
+        OutcomeModel.from_bytes(msgspec.json.encode(stored))
+    del stored["columns"]
+    assert OutcomeModel.from_bytes(msgspec.json.encode(stored)).predict(x) == pytest.approx(model.predict(x))
