@@ -1,12 +1,15 @@
 """``fleetpilot``: one command, one subcommand per job.
 
-Bad arguments and bad input end with a one-line message and exit code 2, never a traceback.
+Bad arguments and bad input end with a one-line message and exit code 2, never a traceback;
+a reader that goes away (``| head``) ends a command quietly, with 141 as for any filter.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # subcommand -> (module, help)
@@ -46,9 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(COMMANDS[args.subcommand][0])
     try:
-        return int(module.main(args) or 0)
+        rc = int(module.main(args) or 0)
+        # Written out here, where a reader that went away is handled: at exit it read
+        # "Exception ignored ... BrokenPipeError" and exit code 120.
+        sys.stdout.flush()
+        return rc
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of the output went away (`fleetpilot fleet | head -1`): that ends the
+        # command quietly, as it ends any Unix filter, not with "Broken pipe" and exit 2.
+        return closed_output()
     except (ValueError, OSError, TimeoutError) as exc:
         # Any OSError, not only a missing file: a directory where a file belongs (or the
         # reverse) is as much the user's input. One of a file reads "[Errno 2] No such file
@@ -57,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
         text = f"{exc.strerror.lower()}: {filename}" if filename is not None and exc.strerror else str(exc)
         print(f"fleetpilot {args.subcommand}: {text}", file=sys.stderr)
         return 2
+
+
+def closed_output() -> int:
+    """The exit code of a command whose standard output was closed by its reader (128 +
+    SIGPIPE, what a filter killed by the signal reports). Standard output is pointed at
+    ``/dev/null`` first: Python flushes it again at exit, and would print that the pipe broke."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (captured in a test): nothing to flush there
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

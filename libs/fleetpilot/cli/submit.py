@@ -9,6 +9,7 @@ first one without asking, for scripts).
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--file", "-f", help="task as JSON or YAML (flags override its fields)")
     parser.add_argument("--task-id", default=None,
                         help="the task's id, one subject token: no dots, spaces, * or > (default: a new one)")
-    parser.add_argument("--tenant", default="local", help="tenant of the local token")
+    parser.add_argument("--tenant", default="local", help="tenant of the local token (ignored with --token or $FLEETPILOT_TOKEN)")
     parser.add_argument("--kind", choices=["train", "finetune", "infer", "encode", "batch"])
     parser.add_argument("--gpus", type=int)
     parser.add_argument("--gpu-milli", type=int)
@@ -72,15 +73,31 @@ def add_arguments(parser) -> None:
                         help="seconds to wait for the decision (default 30)")
     parser.add_argument("--nats-url", default=None,
                         help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
-    parser.add_argument("--token", default=os.environ.get("FLEETPILOT_TOKEN"), help="bearer JWT (default: local key)")
+    parser.add_argument("--token", default=os.environ.get("FLEETPILOT_TOKEN"),
+                        help="bearer JWT (default: $FLEETPILOT_TOKEN, else one for --tenant from the local key)")
     parser.add_argument("--state-dir", default=None)
+
+
+TASK_FIELDS = frozenset(f.encode_name for f in msgspec.structs.fields(TaskSubmitted))
+SLA_FIELDS = frozenset(f.encode_name for f in msgspec.structs.fields(SlaRequest))
+
+
+def _unknown_field(path: str, name: str, known: frozenset[str], prefix: str = "") -> UsageError:
+    """The error for a field the task has not, with the closest one it has: msgspec ignores
+    it, and a misspelt ``gpu_memroy_mb`` went out as a task that asks for no GPU memory."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    return UsageError(f"{path}: unknown field {prefix + name!r}{hint}")
 
 
 def _load_file(path: str) -> dict:
     p = Path(path)
     if not p.exists():
         raise UsageError(f"no such file: {path}")
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a text file") from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -88,13 +105,25 @@ def _load_file(path: str) -> dict:
                          f"{str(exc).splitlines()[0]}") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: expected a mapping of task fields, got {type(doc).__name__}")
+    doc.pop("type", None)  # the event's tag, in a file saved from the bus
+    for name in doc:
+        if name not in TASK_FIELDS:
+            raise _unknown_field(path, str(name), TASK_FIELDS)
+    sla = doc.get("sla")
+    if sla is not None and not isinstance(sla, dict):
+        # dict() of it raised a TypeError (a traceback) for a number, and said "dictionary
+        # update sequence element #0 has length 1" for a word.
+        raise UsageError(f"{path}: sla must be a mapping of SLA fields ({', '.join(sorted(SLA_FIELDS))}), "
+                         f"got {type(sla).__name__}")
+    for name in sla or {}:
+        if name not in SLA_FIELDS:
+            raise _unknown_field(path, str(name), SLA_FIELDS, prefix="sla.")
     return doc
 
 
 def build_task(args) -> TaskSubmitted:
     """The task from the file and flags, validated against the contract."""
     doc = _load_file(args.file) if args.file else {}
-    doc.pop("type", None)
     sla = dict(doc.get("sla") or {})
     for flag in ("kind", "gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb", "size_gb",
                  "expected_duration_s", "command"):
@@ -161,24 +190,39 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
                 msg = await asyncio.wait_for(answers.get(), remaining)
             except TimeoutError:
                 continue
+            # Every other task's decisions and rejections come here too, and whatever anyone
+            # publishes on those subjects: one that does not decode is not this task's answer.
+            # It ended the wait with exit 2 while the task went on being decided.
             if msg.subject == "decision.made":
-                decision = decode(msg.data, DecisionMade)
-                if decision.task_id != task.task_id:
+                decision = _decoded(msg.data, DecisionMade)
+                if decision is None or decision.task_id != task.task_id:
                     continue
                 print(json.dumps(msgspec.to_builtins(decision_summary(decision)), indent=2), file=out)
                 if decision.action != "queue":
                     return 0
             elif msg.subject == "task.rejected":
-                rejected = decode(msg.data, TaskRejected)
-                if rejected.task_id == task.task_id:
+                rejected = _decoded(msg.data, TaskRejected)
+                if rejected is not None and rejected.task_id == task.task_id:
                     print(f"rejected ({rejected.code}): {rejected.reason}", file=out)
                     return 1
             else:
-                offer = decode(msg.data, SlaOffer)
-                reply = answer_offer(offer, args, out)
+                offer = _decoded(msg.data, SlaOffer)
+                if offer is None:
+                    print(f"fleetpilot submit: ignored a counter-offer on {msg.subject} that does not decode",
+                          file=sys.stderr)
+                    continue
+                reply = await answer_offer(offer, args, out)
                 await bus.publish(reply, headers={"Authorization": f"Bearer {token}"})
     finally:
         await bus.drain()
+
+
+def _decoded(data: bytes, event_type: type):
+    """``data`` as ``event_type``, or ``None`` when it is not one."""
+    try:
+        return decode(data, event_type)
+    except msgspec.DecodeError:  # ValidationError is one
+        return None
 
 
 def decision_summary(decision: DecisionMade) -> dict:
@@ -189,7 +233,25 @@ def decision_summary(decision: DecisionMade) -> dict:
             "shard_id": decision.shard_id, "fallback": decision.fallback, "reason": decision.reason}
 
 
-def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
+async def read_line(prompt: str, out) -> str:
+    """One line typed at the terminal after ``prompt``, stripped; "" at end of input (Ctrl-D).
+
+    Read when the event loop says standard input is ready, not with ``input()``: that held the
+    loop, so Ctrl-C at the prompt did nothing until Enter (a second one ended the command with
+    nats-py's traceback), and the bus connection went unserved meanwhile."""
+    print(prompt, end="", file=out, flush=True)
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    fd = sys.stdin.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+    return os.read(fd, 4096).decode("utf-8", "replace").strip()  # a terminal hands over one line
+
+
+async def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
     """Show a counter-offer and ask (or use ``--accept-offer`` / ``--decline-offer``)."""
     print(f"counter-offer for {offer.task_id}: {offer.reason}", file=out)
     for i, option in enumerate(offer.options, 1):
@@ -199,11 +261,8 @@ def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
     if args.accept_offer:
         choice = 1
     elif sys.stdin.isatty():
-        try:
-            raw = input(f"accept which option (1-{len(offer.options)}, empty = decline)? ").strip()
-        except EOFError:  # Ctrl-D at the prompt: an answer of nothing, not a traceback
-            raw = ""
-        if not raw:
+        raw = await read_line(f"accept which option (1-{len(offer.options)}, empty = decline)? ", out)
+        if not raw:  # Enter, or Ctrl-D
             return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)
         if not raw.isdigit() or not 1 <= int(raw) <= len(offer.options):
             raise UsageError(f"not an option: {raw!r}")

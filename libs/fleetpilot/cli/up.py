@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import math
 import os
 import shutil
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import msgspec
 
@@ -53,6 +56,12 @@ from .workload import demo_tasks
 
 SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
 METRICS_PORTS = {name: 9101 + i for i, name in enumerate(SERVICES)}
+STOP_TIMEOUT_S = 15.0
+"""How long the services have to drain once told to stop, beyond the executor's grace for its tasks."""
+FLEET_ANSWER_TIMEOUT_S = 60.0
+"""How long ``--demo`` waits for the simulated fleet to answer before it submits anyway."""
+UP_LOCK_FILE = "up.lock"
+"""Held by the ``fleetpilot up`` that runs from a state directory, for as long as it runs."""
 
 
 def add_arguments(parser) -> None:
@@ -62,13 +71,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rate", type=positive_float, default=20.0, help="demo submissions per second")
     parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
                         help="use this NATS instead of starting one")
-    parser.add_argument("--state-dir", default=None, help="where data, keys and logs go (.fleetpilot)")
+    parser.add_argument("--state-dir", default=None,
+                        help="where data, keys and logs go (default: $FLEETPILOT_STATE_DIR, else .fleetpilot)")
     parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
     parser.add_argument("--fleet", type=fleet_file, default=None,
                         help="the simulated fleet: a spec YAML, or the openb node list CSV (three-site by default)")
     parser.add_argument("--metrics-port-base", type=port_base, default=9101,
                         help="first /metrics port (services take consecutive ports; 0 = pick free ones)")
-    parser.add_argument("--quiet", action="store_true", help="no live lines, only the report")
+    # Not "only the report": where NATS and the services run is said all the same (scripts read it).
+    parser.add_argument("--quiet", action="store_true",
+                        help="no live lines: only where NATS and the services run, their stop, and the report")
     parser.add_argument("--fingerprinter-partitions", type=positive_int, default=1, metavar="N",
                         help="run the fingerprinter as N replicas, each owning a partition of the tasks (default 1)")
 
@@ -104,17 +116,51 @@ class ServiceProcesses:
             names += [f"{name}-{i}" for i in range(partitions)] if partitioned else [name]
         return names
 
+    def metrics_port(self, name: str) -> int:
+        """The ``/metrics`` port of one process (0: a free one): the eight services take
+        consecutive ports from ``--metrics-port-base``, and partitions of the fingerprinter
+        after the first take the ports after the eight services'."""
+        base = self.args.metrics_port_base
+        if not base:
+            return 0
+        service, _, partition = name.partition("-")
+        index = int(partition or 0)
+        return base + (SERVICES.index(service) if index == 0 else len(SERVICES) + index - 1)
+
+    def metrics_ports_problem(self) -> str | None:
+        """Why a process could not serve ``/metrics`` on its port (past 65535, or taken, by
+        another ``fleetpilot up`` say), in one line; ``None`` when nothing says so. Said before
+        anything starts: a service stops at start on a port it cannot bind, and a run shorter
+        than its start-up ended with exit 0 and no word of it."""
+        base = self.args.metrics_port_base
+        if not base:
+            return None
+        ports = {name: self.metrics_port(name) for name in self.names()}
+        if max(ports.values()) > 65535:
+            return (f"--metrics-port-base {base} leaves too few ports: the {len(ports)} services take "
+                    f"{base}..{max(ports.values())}, past 65535")
+        for name, port in ports.items():
+            host = os.environ.get(f"FLEETPILOT_{name.partition('-')[0].upper()}_METRICS_HOST", "127.0.0.1")
+            try:
+                family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            except (OSError, UnicodeError):
+                continue  # a host that does not resolve: the service says so itself
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services' server binds
+                try:
+                    probe.bind(address)
+                except OSError as exc:
+                    return (f"the {name} service cannot serve /metrics on {host}:{port}: "
+                            f"{(exc.strerror or str(exc)).lower()} (--metrics-port-base 0 picks free ports)")
+        return None
+
     def env_for(self, name: str) -> dict[str, str]:
         """The environment of one process (a service, or a partition of the fingerprinter)."""
         service, _, partition = name.partition("-")
-        base = self.args.metrics_port_base
-        # Partitions after the first take the ports after the eight services'.
-        index = int(partition or 0)
-        port = base + (SERVICES.index(service) if index == 0 else len(SERVICES) + index - 1)
         env = {**os.environ, "FLEETPILOT_NATS_URL": self.nats_url, "FLEETPILOT_STATE_DIR": str(self.state),
                "FLEETPILOT_COLLECTOR_SOURCE": os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim"),
                "FLEETPILOT_COLLECTOR_SPEED": str(self.args.speed),
-               f"FLEETPILOT_{service.upper()}_METRICS_PORT": str(port if base else 0)}
+               f"FLEETPILOT_{service.upper()}_METRICS_PORT": str(self.metrics_port(name))}
         if partition:
             env["FLEETPILOT_FINGERPRINTER_PARTITIONS"] = str(self.fingerprinter_partitions)
             env["FLEETPILOT_FINGERPRINTER_PARTITION"] = partition
@@ -155,18 +201,45 @@ class ServiceProcesses:
             return "(no log)"
         return lines[-1] if lines else "(nothing logged)"
 
-    def stop_all(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM every service (they drain), then SIGKILL what is left."""
+    def stop_timeout_s(self) -> float:
+        """How long ``stop_all`` waits for the services to drain before it kills them:
+        ``STOP_TIMEOUT_S``, plus the grace the executor gives its tasks to stop
+        (``FLEETPILOT_EXECUTOR_GRACE_S``, 10 s by default). An executor killed while it stops
+        its tasks leaves them running, each in a session of its own, on GPUs nobody holds."""
+        try:
+            grace = float(os.environ.get("FLEETPILOT_EXECUTOR_GRACE_S", "10"))
+        except ValueError:
+            grace = 0.0  # the executor refuses the value at start: it has no tasks to stop
+        return STOP_TIMEOUT_S + (grace if math.isfinite(grace) and grace > 0 else 0.0)
+
+    def stop_all(self, timeout_s: float | None = None) -> None:
+        """SIGTERM every service (they drain), then SIGKILL what is left after ``timeout_s``
+        (default ``stop_timeout_s()``)."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self.stop_timeout_s() if timeout_s is None else timeout_s)
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def failed(self, already_said: set[str]) -> list[str]:
+        """After ``stop_all``: one line for each service not in ``already_said`` that did not
+        end as a drained service does (exit 0, or killed by the SIGTERM before it could take
+        it), with its last words, or that had to be killed."""
+        lines = []
+        for name, proc in self.procs.items():
+            code = proc.returncode
+            if name in already_said or code in (0, -signal.SIGTERM, None):
+                continue
+            if code == -signal.SIGKILL:
+                lines.append(f"  {name}: did not stop in time and was killed")
+            else:
+                lines.append(f"  {name} (exit {code}): {self.last_words(name)}")
+        return lines
 
 
 def _where(d: DecisionMade, shown: int = 3) -> str:
@@ -239,7 +312,16 @@ class Report:
                 f"| feedback {dict(self.outcomes)} | rejected {sum(self.rejected.values())} | offers {self.offers}")
 
     async def on_message(self, msg) -> None:
-        """Account for one message seen on the bus."""
+        """Account for one message seen on the bus; one that does not decode is passed over."""
+        try:
+            await self._account(msg)
+        except msgspec.DecodeError:  # ValidationError is one
+            # Anyone may publish on these subjects: the services dead-letter what does not
+            # decode, and the report, which only counts, says it and goes on. Raised, it was
+            # logged with a traceback on up's console, once per such message.
+            self.line(f"ignored a message on {msg.subject} that does not decode")
+
+    async def _account(self, msg) -> None:
         subject = msg.subject
         if subject == "task.submitted":
             # Any submitter's task, not only the demo's: its wait until assigned is reported.
@@ -406,12 +488,15 @@ async def earlier_run(bus: NatsBus) -> str:
 DEMO_TENANTS = ("acme", "globex", "initech")
 
 
-async def simulated_fleet_answers(bus: NatsBus, timeout_s: float) -> bool:
+async def simulated_fleet_answers(bus: NatsBus, timeout_s: float,
+                                  given_up: Callable[[], bool] = lambda: False) -> bool:
     """Wait until the collector's simulator serves ``sim.control`` (its service answers a
     NATS micro ping). A large fleet takes seconds to build; tasks decided before it answers
-    would fail their first assign (and be placed again), which is no way to start a demo."""
+    would fail their first assign (and be placed again), which is no way to start a demo.
+    ``False`` at once when ``given_up()`` says the wait is moot (Ctrl-C, a service that
+    exited, the run's end): waiting the minute out kept ``up`` deaf to all three."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not given_up():
         try:
             await bus.request("$SRV.PING.fleetpilot-collector", b"", timeout_s=0.5)
             return True
@@ -448,67 +533,132 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
         await asyncio.sleep(1.0 / rate)
 
 
+def hold_state_dir(state: Path) -> IO[str]:
+    """Hold ``<state>/up.lock`` for this run: the open file, whose lock goes with it when it
+    is closed or the process ends, however it ends. A ``ValueError`` in one line when another
+    ``fleetpilot up`` runs from ``state``: starting a simulated fleet empties the directory's
+    bus store and the learner's file, and took them from under the fleet that ran there."""
+    lock = (state / UP_LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        raise ValueError(f"another `fleetpilot up`{f' (pid {holder})' if holder else ''} runs from {state}: "
+                         "stop it first, or give this one its own --state-dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 async def run(args) -> int:
     """Run the fleet until the duration ends or the user interrupts."""
-    import nats.js.errors
-
     state = state_dir(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
-    local_keyring(state)
+    with hold_state_dir(state):
+        services = ServiceProcesses(state, "", args, fingerprinter_partitions=args.fingerprinter_partitions)
+        problem = services.metrics_ports_problem()
+        if problem is not None:
+            raise ValueError(problem)
+        local_keyring(state)
+        return await _run(args, state, services)
+
+
+async def _run(args, state: Path, services: ServiceProcesses) -> int:
+    import nats.js.errors
+
+    # Signals are taken before anything starts. SIGTERM's own action (and SIGHUP's, the terminal
+    # closed) ended `up` at once, and the nats-server and services, each in a session of its own,
+    # ran on without it; Ctrl-C while starting is handled as it always was (what is starting is
+    # given up, exit 130).
+    stop = asyncio.Event()
+    signalled: list[int] = []
+    starting = True
+    main_task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        signalled.append(signum)
+        stop.set()
+        if starting and main_task is not None:
+            main_task.cancel()  # what is starting is given up; the `finally` below stops what started
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal, sig)
     server = None
     url = args.nats_url
     simulated = os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim") == "sim"
-    if not url:
-        server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
-        url = server.url
-    print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
     announced = state / NATS_URL_FILE
     bus: NatsBus | None = None
-    services: ServiceProcesses | None = None
     demo: asyncio.Task | None = None
+    report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
+    started = time.monotonic()
+    said_dead: set[str] = set()
+    interrupted_starting = False
+    rc = 0
     # Everything after the server starts is undone however it ends: a bus that refuses us
     # must not leave an orphan nats-server, nor a nats.url that sends the next `submit` to
     # a bus nobody runs.
     try:
-        # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
-        announced.write_text(url + "\n")
-        bus = await NatsBus.connect(url, "fleetpilot-up")
         try:
-            await bus.ensure_topology()
-        except nats.js.errors.ServiceUnavailableError:
-            raise no_jetstream(url) from None
-        if server is None and simulated:
-            left = await earlier_run(bus)
-            if left:
-                # A NATS of the user's own is not emptied; its state of a gone fleet is said.
-                print(f"fleetpilot up: the bus at {url} holds what an earlier run left ({left}), but the "
-                      "simulated fleet starts empty: this run's tasks queue behind those and find their GPUs "
-                      "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
-        services = ServiceProcesses(state, url, args, fingerprinter_partitions=args.fingerprinter_partitions)
-        services.start_all()
-        report = Report(args.quiet, fingerprinter_partitions=args.fingerprinter_partitions)
-        for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
-                        "task.rejected", "sla.offer.*", "model.published"):
-            await bus.subscribe(subject, report.on_message)
-        print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            if not url:
+                server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
+                url = server.url
+            print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
+            # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
+            announced.write_text(url + "\n")
+            bus = await NatsBus.connect(url, "fleetpilot-up")
+            try:
+                await bus.ensure_topology()
+            except nats.js.errors.ServiceUnavailableError:
+                raise no_jetstream(url) from None
+            if server is None and simulated:
+                left = await earlier_run(bus)
+                if left:
+                    # A NATS of the user's own is not emptied; its state of a gone fleet is said.
+                    print(f"fleetpilot up: the bus at {url} holds what an earlier run left ({left}), but the "
+                          "simulated fleet starts empty: this run's tasks queue behind those and find their GPUs "
+                          "taken (omit --nats-url for a bus of its own)", file=sys.stderr)
+            services.nats_url = url
+            services.start_all()
+            for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
+                            "task.rejected", "sla.offer.*", "model.published"):
+                await bus.subscribe(subject, report.on_message)
+            print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
+        except asyncio.CancelledError:
+            if not signalled:
+                raise
+            main_task.uncancel()  # type: ignore[union-attr]  # the cancel was ours, and is handled
+            interrupted_starting = True
+        finally:
+            starting = False
         started = time.monotonic()
-        if args.demo and not await simulated_fleet_answers(bus, timeout_s=60.0):
-            print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
-                  file=sys.stderr)
-        demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report)) if args.demo else None
-        rc = 0
+
+        def out_of_time() -> bool:
+            return args.duration is not None and time.monotonic() - started >= args.duration
+
+        def given_up() -> bool:
+            return stop.is_set() or out_of_time() or bool(services.dead())
+
+        if args.demo and not stop.is_set():
+            answered = await simulated_fleet_answers(bus, FLEET_ANSWER_TIMEOUT_S, given_up)  # type: ignore[arg-type]
+            if not answered and not given_up():
+                print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
+                      file=sys.stderr)
+            if not given_up():
+                demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report))  # type: ignore[arg-type]
         while not stop.is_set():
-            if args.duration is not None and time.monotonic() - started >= args.duration:
+            if out_of_time():
                 break
             dead = services.dead()
             if dead:
                 print(f"fleetpilot up: service(s) exited: {', '.join(dead)}; see {state / 'logs'}", file=sys.stderr)
                 for name in dead:
                     print(f"  {name}: {services.last_words(name)}", file=sys.stderr)
+                said_dead.update(dead)
                 rc = 1
                 break
             try:
@@ -518,15 +668,24 @@ async def run(args) -> int:
     finally:
         if demo is not None:
             demo.cancel()
-        if services is not None:
+        if services.procs:
             print("fleetpilot up: stopping services...", flush=True)
             await asyncio.get_running_loop().run_in_executor(None, services.stop_all)
+            # A service that failed after the last look (a port taken while it started, in a run
+            # shorter than its start-up) ended the run with exit 0 and no word of it.
+            failed = services.failed(said_dead)
+            if failed:
+                print(f"fleetpilot up: service(s) failed: see {state / 'logs'}", file=sys.stderr)
+                print("\n".join(failed), file=sys.stderr)
+                rc = rc or 1
         if bus is not None:
             await bus.drain()
         if server is not None:
             server.stop()
-        if announced.exists() and announced.read_text().strip() == url:
+        if url and announced.exists() and announced.read_text().strip() == url:
             announced.unlink()
+    if interrupted_starting:
+        return 128 + signalled[0]  # nothing ran: no report
     print(report.render(time.monotonic() - started))
     return rc
 

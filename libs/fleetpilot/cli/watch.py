@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import signal
 import sys
@@ -33,14 +34,24 @@ async def watch(args, out=sys.stdout) -> int:
     bus = await NatsBus.connect(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-watch", connect_timeout_s=2)
     done = asyncio.Event()
     seen = 0
+    reader_gone = False
 
     async def on_msg(msg) -> None:
-        nonlocal seen
+        nonlocal seen, reader_gone
+        if done.is_set():
+            return  # messages already on their way when the count was reached, or the reader left
         try:
             payload = msgspec.json.decode(msg.data)
         except msgspec.DecodeError:
             payload = msg.data.decode("utf-8", "replace")
-        print(json.dumps({"subject": msg.subject, "data": payload}), file=out, flush=True)
+        try:
+            print(json.dumps({"subject": msg.subject, "data": payload}), file=out, flush=True)
+        except BrokenPipeError:
+            # The reader went away (`fleetpilot watch | head -3`): nothing can be shown any more.
+            # Raised here, it was logged with a traceback per message and watch followed forever.
+            reader_gone = True
+            done.set()
+            return
         seen += 1
         if args.count and seen >= args.count:
             done.set()
@@ -52,6 +63,8 @@ async def watch(args, out=sys.stdout) -> int:
         loop.add_signal_handler(sig, done.set)
     await done.wait()
     await bus.drain()
+    if reader_gone:
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")  # main ends quietly
     return 0
 
 

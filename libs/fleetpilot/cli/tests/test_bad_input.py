@@ -3,6 +3,9 @@ nothing published or left behind first."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import subprocess
 
 import msgspec
@@ -204,7 +207,7 @@ def test_bench_without_a_suite_asks_only_for_the_suite(capsys) -> None:
     assert one_line_error(["bench"], capsys).endswith("the following arguments are required: suite")
 
 
-def test_end_of_input_at_the_offer_prompt_declines(monkeypatch) -> None:
+async def test_end_of_input_at_the_offer_prompt_declines(monkeypatch) -> None:
     import argparse  # noqa: PLC0415
     import io  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -212,12 +215,150 @@ def test_end_of_input_at_the_offer_prompt_declines(monkeypatch) -> None:
     from fleetpilot.cli.submit import answer_offer  # noqa: PLC0415
     from fleetpilot.contracts import OfferOption, SlaOffer, SlaRequest  # noqa: PLC0415
 
-    def eof(prompt: str = "") -> str:
-        raise EOFError
-
-    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
-    monkeypatch.setattr("builtins.input", eof)
-    offer = SlaOffer(offer_id="o", task_id="t", tenant="local", asked=SlaRequest(), reason="too slow",
-                     options=[OfferOption(option_id="o1", why="wait")], valid_until=0.0, at=0.0)
-    reply = answer_offer(offer, argparse.Namespace(decline_offer=False, accept_offer=False), io.StringIO())
+    read_end, write_end = os.pipe()
+    os.close(write_end)  # Ctrl-D: the input ends
+    with os.fdopen(read_end) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(stdin, "isatty", lambda: True)
+        offer = SlaOffer(offer_id="o", task_id="t", tenant="local", asked=SlaRequest(), reason="too slow",
+                         options=[OfferOption(option_id="o1", why="wait")], valid_until=0.0, at=0.0)
+        reply = await answer_offer(offer, argparse.Namespace(decline_offer=False, accept_offer=False), io.StringIO())
     assert reply.accept is False
+
+
+async def test_ctrl_c_at_the_offer_prompt_ends_submit(nats_client, nats_url, tmp_path) -> None:
+    # Before, input() held the event loop: the first Ctrl-C did nothing until Enter, and a
+    # second ended submit with nats-py's traceback.
+    import signal  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from fleetpilot.contracts import OfferOption, SlaOffer, SlaRequest, TaskSubmitted, decode, encode  # noqa: PLC0415
+
+    async def offer(msg) -> None:
+        task = decode(msg.data, TaskSubmitted)
+        await nats_client.publish(f"sla.offer.{task.task_id}", encode(SlaOffer(
+            offer_id="o1", task_id=task.task_id, tenant="local", asked=SlaRequest(), reason="too slow",
+            options=[OfferOption(option_id="o1", why="wait")], valid_until=time.time() + 60, at=time.time())))
+
+    await nats_client.subscribe("task.submitted", cb=offer)
+    await nats_client.flush()
+    terminal, user_side = os.openpty()
+    submit = subprocess.Popen([sys.executable, "-m", "fleetpilot.cli.main", "submit", "--kind", "infer",
+                               "--nats-url", nats_url, "--state-dir", str(tmp_path), "--timeout", "60"],
+                              stdin=user_side, stdout=user_side, stderr=user_side)
+    os.close(user_side)
+    os.set_blocking(terminal, False)
+    shown = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"accept which option" not in shown and submit.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(BlockingIOError):
+                shown += os.read(terminal, 4096)
+        assert b"accept which option" in shown, shown
+        submit.send_signal(signal.SIGINT)  # Ctrl-C, once
+        deadline = time.monotonic() + 20
+        while submit.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(BlockingIOError, OSError):
+                shown += os.read(terminal, 4096)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        submit.wait()
+        os.close(terminal)
+    assert submit.returncode == 130 and b"Traceback" not in shown, shown
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    ("kind: infer\nsla: 5\n", "task.yaml: sla must be a mapping of SLA fields (cost_ceiling_per_hour, deadline, "
+                              "max_queue_s, p95_latency_ms, tier, warmup_ms), got int"),
+    ("kind: infer\nsla: [1, 2]\n", "got list"),
+    ("kind: infer\nsla: gold\n", "got str"),
+])
+def test_submit_refuses_an_sla_that_is_no_mapping(content, said, tmp_path, capsys) -> None:
+    # Before: `sla: 5` stopped submit with a TypeError traceback, `sla: gold` with "dictionary
+    # update sequence element #0 has length 1; 2 is required".
+    task = tmp_path / "task.yaml"
+    task.write_text(content)
+    line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
+                          capsys)
+    assert said in line
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    ("kind: train\ngpu_memroy_mb: 40000\n", "unknown field 'gpu_memroy_mb' (did you mean 'gpu_memory_mb'?)"),
+    ("kind: train\nsla: {tier: vip, max_queue: 60}\n", "unknown field 'sla.max_queue' (did you mean 'sla.max_queue_s'?)"),
+    ("kind: train\nzzz: 1\n", "unknown field 'zzz'"),
+])
+def test_submit_refuses_a_field_the_task_has_not(content, said, tmp_path, capsys) -> None:
+    # Before, a misspelt field was dropped without a word: the task went out asking for no GPU
+    # memory, or with no bound on its queueing.
+    task = tmp_path / "task.yaml"
+    task.write_text(content)
+    line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
+                          capsys)
+    assert line == f"fleetpilot submit: {task}: {said}"
+
+
+def test_submit_takes_a_task_saved_from_the_bus(tmp_path) -> None:
+    import argparse  # noqa: PLC0415
+
+    from fleetpilot.cli.submit import build_task  # noqa: PLC0415
+    from fleetpilot.contracts import SlaRequest, TaskSubmitted, encode  # noqa: PLC0415
+
+    saved = tmp_path / "task.json"
+    saved.write_bytes(encode(TaskSubmitted(task_id="t1", kind="train", gpu_memory_mb=40_000,
+                                           sla=SlaRequest(tier="vip", max_queue_s=60.0))))
+    flags = {name: None for name in ("kind", "gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb", "size_gb",
+                                     "expected_duration_s", "command", "gpu_models", "tier", "max_queue_s",
+                                     "warmup_ms", "p95_latency_ms", "task_id")}
+    task = build_task(argparse.Namespace(file=str(saved), **flags))
+    assert (task.task_id, task.gpu_memory_mb, task.sla.tier, task.sla.max_queue_s) == ("t1", 40_000, "vip", 60.0)
+
+
+def test_submit_names_a_task_file_that_is_not_text(tmp_path, capsys) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_bytes(b"\xff\xfe\x00kind")
+    line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
+                          capsys)
+    assert line == f"fleetpilot submit: {task}: not a text file"  # was the codec's error, naming no file
+
+
+async def test_submit_waits_on_past_an_answer_that_does_not_decode(nats_client, nats_url, tmp_path) -> None:
+    # Anyone may publish on decision.made and task.rejected: before, the first message there that
+    # did not decode as a decision ended submit with exit 2 while its task went on being decided.
+    import argparse  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from fleetpilot.cli.submit import submit  # noqa: PLC0415
+    from fleetpilot.contracts import DecisionMade, PolicyRef, TaskSubmitted, encode  # noqa: PLC0415
+
+    async def decide(msg) -> None:
+        await nats_client.publish("task.rejected", b"{not json")
+        await nats_client.publish("decision.made", b'{"type": "decision.made.v9", "task_id": "t1"}')
+        await nats_client.publish("decision.made", encode(DecisionMade(
+            decision_id="t1.assign", task_id="t1", action="assign", confidence=0.9,
+            policy=PolicyRef(name="fleetpilot"), decided_at=0.0)))
+
+    await nats_client.subscribe("task.submitted", cb=decide)
+    await nats_client.flush()
+    args = argparse.Namespace(token="a-token", tenant="local", state_dir=str(tmp_path), nats_url=nats_url,
+                              timeout=20.0, accept_offer=False, decline_offer=False)
+    out = io.StringIO()
+    assert await submit(TaskSubmitted(task_id="t1", kind="infer"), args, out) == 0
+    assert '"action": "assign"' in out.getvalue()
+
+
+def test_help_says_what_the_flags_really_do(capsys) -> None:
+    # `up --quiet` said "only the report" and printed where NATS and the services ran; `submit
+    # --token` said its default was the local key when $FLEETPILOT_TOKEN, if set, was.
+    for argv in (["up", "--help"], ["submit", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "only the report" not in shown
+    assert "--quiet no live lines: only where NATS and the services run, their stop, and the report" in shown
+    assert "(default: $FLEETPILOT_STATE_DIR, else .fleetpilot)" in shown
+    assert "--token TOKEN bearer JWT (default: $FLEETPILOT_TOKEN, else one for --tenant from the local key)" in shown

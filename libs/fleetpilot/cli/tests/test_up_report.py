@@ -299,3 +299,18 @@ async def test_up_on_a_nats_of_the_user_s_own_says_what_an_earlier_run_left_ther
         assert await earlier_run(bus) == "3 reservations, 1 tasks waiting"
     finally:
         await bus.drain()
+
+
+async def test_the_report_passes_over_what_does_not_decode_and_counts_on(capsys) -> None:
+    # Anyone may publish on these subjects: before, each such message was logged with a
+    # traceback on up's console, and lost to the report.
+    report = Report(quiet=False)
+    for subject in ("decision.made", "action.executed", "feedback.recorded", "task.fingerprinted", "task.rejected",
+                    "sla.offer.t1", "model.published"):
+        await report.on_message(SimpleNamespace(subject=subject, data=b"{not json"))
+    other = TaskSubmitted(task_id="t1", tenant="acme", kind="train", gpus=1, gpu_milli=1000, submitted_at=0.0)
+    await report.on_message(SimpleNamespace(subject="decision.made", data=encode(other)))
+    await report.on_message(SimpleNamespace(subject="decision.made", data=encode(decision("x", fallback=False))))
+    assert dict(report.decisions) == {"assign": 1}
+    out = capsys.readouterr().out
+    assert out.count("that does not decode") == 8 and "ignored a message on sla.offer.t1" in out
