@@ -92,7 +92,10 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     parts: dict = {}
 
     async def open_parts(bus: Bus) -> None:
-        parts["store"] = await open_store(settings)
+        # Run again whole when the server goes away half-way (the host retries start-up
+        # hooks): the store opened the first time is kept, not opened twice and leaked.
+        if "store" not in parts:
+            parts["store"] = await open_store(settings)
         parts["open"] = await bus.kv("open_placements")
 
     async def close_parts() -> None:

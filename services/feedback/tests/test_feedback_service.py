@@ -285,3 +285,34 @@ async def _wait_records(settings: FeedbackSettings, count: int) -> list[Feedback
             return records
         assert asyncio.get_running_loop().time() < deadline, f"only {len(records)} records stored"
         await asyncio.sleep(0.1)
+
+
+async def test_a_start_up_run_again_after_an_outage_opens_one_store(feedback_settings, nats_client, monkeypatch):
+    """The start-up hook opens the store, then the bucket; when the server goes away between
+    the two, the host runs the hook again once it is back. Before, that opened a second store
+    and left the first open (a PostgreSQL pool nobody closes)."""
+    import fleetpilot_services.feedback.service as feedback_service
+
+    opened = []
+    real_open_store, real_kv = feedback_service.open_store, NatsBus.kv
+    failed = {"n": 0}
+
+    async def counted_open_store(settings):
+        opened.append(await real_open_store(settings))
+        return opened[-1]
+
+    async def kv_with_one_outage(self, bucket):
+        if bucket == "open_placements" and not failed["n"]:
+            failed["n"] += 1
+            raise TimeoutError("nats: timeout")  # the server went away under the call
+        return await real_kv(self, bucket)
+
+    monkeypatch.setattr(feedback_service, "open_store", counted_open_store)
+    monkeypatch.setattr(NatsBus, "kv", kv_with_one_outage)
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        assert failed["n"] == 1
+        assert len(opened) == 1
+    finally:
+        await host.stop()
