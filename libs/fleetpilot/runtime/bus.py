@@ -178,4 +178,10 @@ class Bus(abc.ABC):
         A bus in one process is never unreachable."""
         return False
 
+    def refused(self, error: BaseException) -> bool:
+        """Whether ``error`` is the server's answer refusing a request (a stream's config it
+        will not take, a bucket that is not there): an operator's matter, told in one line
+        at start-up. A bus in one process refuses nothing."""
+        return False
+
 __all__ = ["Bus", "CasConflict", "Delivery", "Inbound", "KeyValue", "KvEntry", "Reject", "Retry", "subject_matches"]

@@ -53,6 +53,11 @@ class StartupTimedOut(TimeoutError):
     ``TimeoutError``, so that ``main`` tells it in one line and exits 2."""
 
 
+class StartupRefused(Exception):
+    """The server refused a start-up step (``Bus.refused``): ``main`` tells it in one line
+    and exits 2, as asking again would be refused again."""
+
+
 class StartupAbandoned(Exception):
     """The service was told to stop (SIGTERM) while its start-up waited for the server."""
 
@@ -258,6 +263,8 @@ class ServiceHost:
                 await attempt()
                 return
             except Exception as exc:
+                if self.bus.refused(exc):
+                    raise StartupRefused(f"{step} refused by the NATS server: {_first_line(exc)}") from exc
                 if not self.bus.unreachable(exc):
                     raise
                 failures += 1
@@ -389,7 +396,7 @@ class ServiceHost:
         logs.configure(self.name, self.settings.log_level, self.settings.log_json)
         try:
             asyncio.run(self.run_forever())
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, StartupRefused) as exc:
             print(f"fleetpilot-{self.name}: cannot start: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         except KeyboardInterrupt:

@@ -294,6 +294,9 @@ class NatsBus(Bus):
         # is taken for an outage, retried until the start-up limit, then reported.
         return isinstance(error, _UNREACHABLE)
 
+    def refused(self, error: BaseException) -> bool:
+        return isinstance(error, nats.errors.Error) and not self.unreachable(error)
+
     async def ensure_topology(self) -> None:
         for spec in STREAMS:
             config = api.StreamConfig(

@@ -17,6 +17,7 @@ import pytest
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.runtime import ServiceHost, ServiceSettings
 from fleetpilot.runtime.embedded import EmbeddedNats
+from fleetpilot.runtime.host import StartupRefused
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 
@@ -156,8 +157,9 @@ async def test_a_refusal_is_not_taken_for_an_outage(nats_url):
         await bus.kv("no-such-bucket")
 
     try:
-        with pytest.raises(nats.js.errors.BucketNotFoundError):
+        with pytest.raises(StartupRefused, match="open_unknown refused by the NATS server") as refused:
             await asyncio.wait_for(host.start(), 10)
+        assert isinstance(refused.value.__cause__, nats.js.errors.BucketNotFoundError)
         assert runs == ["run"]
     finally:
         await host.stop()
@@ -290,5 +292,23 @@ async def test_sigterm_while_start_up_waits_for_the_server_stops_at_once(tmp_pat
         assert await asyncio.wait_for(proc.wait(), 5) == 0
         rest = (await proc.stderr.read()).decode()
         assert "stopping before it started" in rest and "cannot start" not in rest
+    finally:
+        server.stop()
+
+
+async def test_a_stream_the_server_will_not_take_is_one_line_at_start_up(tmp_path):
+    # An operator made TASKS in memory; a stream's storage cannot be changed by an update.
+    server = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        client = await nats.connect(server.url)
+        await client.jetstream().add_stream(name="TASKS", subjects=["task.>"], storage="memory")
+        await client.close()
+        proc = await _service(server.url, "60")
+        lines = await _stderr_until(proc, "cannot start")
+        assert await asyncio.wait_for(proc.wait(), 10) == 2
+        assert lines[-1].startswith(
+            "fleetpilot-sla: cannot start: the streams and buckets refused by the NATS server:"), lines
+        assert "trying again" not in "\n".join(lines)
+        assert await proc.stderr.read() == b""  # one line: no traceback after it
     finally:
         server.stop()
