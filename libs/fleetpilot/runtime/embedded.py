@@ -60,14 +60,20 @@ class EmbeddedNats:
              *(["-js", "-sd", str(self.store_dir)] if self.jetstream else []), "-l", str(log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
+        # Ready when this process says so in its log (lines carry its pid; the log is kept
+        # across restarts on the same store). A port that merely accepts connections may be
+        # someone else's: the port was free when chosen, and taken by the time the server
+        # bound it, which then exits while a connection check succeeds.
+        own = f"[{self.process.pid}] "
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.process.returncode}; see {log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+                # An OSError (a child process that failed), so that a command tells it in one
+                # line; with the server's own last word, which is what an operator needs.
+                raise ChildProcessError(f"nats-server exited with {self.process.returncode}"
+                                        f"{_last_line(log_path, own)}; see {log_path}")
+            if any("Server is ready" in line for line in _lines(log_path, own)):
+                return self
+            time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout_s}s")
 
@@ -93,3 +99,19 @@ class EmbeddedNats:
 def env_with_nats(url: str) -> dict[str, str]:
     """The current environment plus ``FLEETPILOT_NATS_URL`` for child processes."""
     return {**os.environ, "FLEETPILOT_NATS_URL": url}
+
+
+def _lines(log_path: Path, own: str) -> list[str]:
+    """The log's lines that start with ``own`` (one process's), without it; none when
+    there is no log to read yet."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line[len(own):].strip() for line in text.splitlines() if line.startswith(own)]
+
+
+def _last_line(log_path: Path, own: str) -> str:
+    """``": <the process's last log line>"``, or nothing when it wrote none."""
+    lines = _lines(log_path, own)
+    return f": {lines[-1]}" if lines else ""

@@ -189,3 +189,21 @@ async def test_a_first_connection_that_never_comes_says_why():
     message = str(raised.value)
     assert message.startswith(f"cannot connect to NATS at {url}: ")
     assert "Connect call failed" in message and "\n" not in message
+
+
+def test_a_nats_server_that_exits_at_start_says_why_as_an_os_error(tmp_path):
+    """A server that cannot start (here: its port taken by another listener) is a
+    ``ChildProcessError`` carrying the server's own last log line, which commands tell in one
+    line (they catch OSError). Before, the other listener's accepting a connection counted as
+    this server started; and a server that exited was a RuntimeError, a traceback out of
+    `fleetpilot up`."""
+    import socket
+
+    from fleetpilot.runtime.embedded import EmbeddedNats
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = EmbeddedNats(tmp_path / "nats", port=taken.getsockname()[1])
+        with pytest.raises(ChildProcessError, match="nats-server exited with 1: .*address already in use"):
+            server.start()
