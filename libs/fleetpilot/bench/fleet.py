@@ -1479,10 +1479,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = args.tasks if args.tasks is not None else DEFAULT_TASKS[args.fleet]
     hours = args.hours if args.hours is not None else DEFAULT_HOURS[args.fleet]
     fraction = args.fleet_fraction if args.fleet_fraction is not None else DEFAULT_FRACTION[args.fleet]
-    if tasks < 1 or hours <= 0 or (args.load is not None and args.load <= 0) or not 0 < fraction <= 1:
-        raise SystemExit("fleet bench: --tasks, --hours and --load must be positive, --fleet-fraction in (0, 1]")
-    if not args.queue_aging > 0:
-        raise SystemExit(f"fleet bench: --queue-aging must be above 0, got {args.queue_aging:g}")
+    # Written so that NaN fails each test (every comparison with it is false).
+    if (tasks < 1 or not 0 < hours < math.inf or (args.load is not None and not 0 < args.load < math.inf)
+            or not 0 < fraction <= 1):
+        raise SystemExit("fleet bench: --tasks, --hours and --load must be positive and finite, "
+                         "--fleet-fraction in (0, 1]")
+    if not 0 < args.queue_aging < math.inf:
+        raise SystemExit(f"fleet bench: --queue-aging must be above 0 and finite, got {args.queue_aging:g}")
     data = find_data_dir() if args.trace is None or args.nodes is None else None
     trace_csv = args.trace or (data / TRACES["default"] if data else None)
     nodes_csv = args.nodes or (data / NODES_FILE if data else None)

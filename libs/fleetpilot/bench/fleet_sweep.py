@@ -294,10 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     except ValueError as exc:
         raise SystemExit(f"fleet sweep: --seeds: {exc}") from None
-    if args.jobs < 1 or (args.tasks is not None and args.tasks < 1) or (args.hours is not None and args.hours <= 0):
-        raise SystemExit("fleet sweep: --jobs, --tasks and --hours must be positive")
-    if args.queue_aging is not None and not args.queue_aging > 0:
-        raise SystemExit(f"fleet sweep: --queue-aging must be above 0, got {args.queue_aging:g}")
+    # Written so that NaN fails each test (every comparison with it is false).
+    if (args.jobs < 1 or (args.tasks is not None and args.tasks < 1)
+            or (args.hours is not None and not 0 < args.hours < math.inf)):
+        raise SystemExit("fleet sweep: --jobs, --tasks and --hours must be positive (and --hours finite)")
+    if args.queue_aging is not None and not 0 < args.queue_aging < math.inf:
+        raise SystemExit(f"fleet sweep: --queue-aging must be above 0 and finite, got {args.queue_aging:g}")
     if args.against is not None and not args.against.is_dir():
         raise SystemExit(f"fleet sweep: no such folder {args.against}")
     if args.no_run and not args.out.is_dir():

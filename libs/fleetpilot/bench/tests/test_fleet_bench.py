@@ -298,6 +298,15 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
     assert message.startswith("fleet bench:") and "\n" not in message
 
 
+@pytest.mark.parametrize("argv", [["--hours", "nan"], ["--hours", "inf"], ["--load", "nan"], ["--load", "inf"],
+                                  ["--queue-aging", "nan"], ["--queue-aging", "inf"]])
+def test_numbers_that_are_no_amount_are_refused_before_anything_runs(argv: list[str]) -> None:
+    # Every comparison with NaN is false: a check written as "refuse if <= 0" let it through.
+    with pytest.raises(SystemExit) as err:
+        main(["--tasks", "5", *argv])
+    assert "must be" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_without_the_openb_data_the_trace_runs_say_where_it_is_looked_for(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no shared/data/openb above it

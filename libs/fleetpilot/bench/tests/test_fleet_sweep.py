@@ -131,6 +131,9 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
     (["--out", "x", "--seeds", "a"], "--seeds: not a seed"),
     (["--out", "x", "--jobs", "0"], "must be positive"),
     (["--out", "x", "--queue-aging", "-1"], "--queue-aging must be above 0"),
+    (["--out", "x", "--queue-aging", "nan"], "--queue-aging must be above 0"),
+    (["--out", "x", "--hours", "nan"], "must be positive"),
+    (["--out", "x", "--hours", "inf"], "must be positive"),
     (["--out", "/nonexistent/folder", "--no-run"], "no such folder"),
     (["--fleet", "moon"], "invalid choice"),
 ])
