@@ -226,6 +226,15 @@ CONSUMERS: dict[str, ConsumerSpec] = {
     )
 }
 
+RETIRED_CONSUMERS: tuple[tuple[str, str], ...] = (
+    # Shared by the policy's replicas until each got an instance consumer of its own
+    # (``policy-fingerprints-<replica>``); left on an upgraded server, it would keep its
+    # position and state for ever, bound by nobody.
+    ("TASKS", "policy-fingerprints"),
+)
+"""``(stream, durable)`` of consumers that earlier versions made and this one no longer
+binds: set-up removes them (``Bus.ensure_topology``)."""
+
 BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec("ledger", history=5, description="Allocation ledger: one key per node, CAS writes."),
     BucketSpec("topology", description="Fleet topology: one key per node."),

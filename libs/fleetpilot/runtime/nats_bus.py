@@ -35,7 +35,7 @@ from fleetpilot.contracts import (
     route_for,
     subject_for,
 )
-from fleetpilot.contracts.catalog import stream_of
+from fleetpilot.contracts.catalog import RETIRED_CONSUMERS, stream_of
 
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
 
@@ -311,6 +311,9 @@ class NatsBus(Bus):
             with contextlib.suppress(nats.js.errors.BadRequestError):
                 await self._js.create_key_value(bucket=bucket.name, history=bucket.history,
                                                 ttl=bucket.ttl_s or None, description=bucket.description)
+        for stream, durable in RETIRED_CONSUMERS:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self._js.delete_consumer(stream, durable)
 
     async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
         hdrs = dict(headers or {})

@@ -323,3 +323,29 @@ async def test_a_background_job_that_dies_or_ends_is_started_again_and_health_co
         assert health["background_restarts"] == {"ledger-watch": 2}
     finally:
         await host.stop()
+
+
+async def test_set_up_removes_the_consumers_earlier_versions_made_and_keeps_the_rest(nats_url):
+    """An upgraded server still holds the policy's old shared fingerprint consumer: set-up
+    removes it, and leaves a replica's own (``policy-fingerprints-<replica>``) alone."""
+    import nats as nats_client
+    from fleetpilot.contracts.catalog import RETIRED_CONSUMERS
+    from fleetpilot.runtime.nats_bus import NatsBus
+    from nats.js import api
+
+    bus = await NatsBus.connect(nats_url, "setup")
+    await bus.ensure_topology()
+    nc = await nats_client.connect(nats_url)
+    js = nc.jetstream()
+    for durable in ("policy-fingerprints", "policy-fingerprints-a"):
+        await js.add_consumer("TASKS", api.ConsumerConfig(durable_name=durable, filter_subject="task.fingerprinted",
+                                                          ack_policy=api.AckPolicy.EXPLICIT))
+    try:
+        await bus.ensure_topology()
+        await bus.ensure_topology()  # again, with nothing left to remove
+        names = {c.name for c in await js.consumers_info("TASKS")}
+    finally:
+        await nc.close()
+        await bus.drain()
+    assert ("TASKS", "policy-fingerprints") in RETIRED_CONSUMERS
+    assert "policy-fingerprints" not in names and "policy-fingerprints-a" in names
