@@ -33,10 +33,12 @@ from fleetpilot.contracts import (
     ActionFailed,
     DecisionMade,
     FeedbackRecorded,
+    FeedbackStats,
     ModelPublished,
     NodeLedger,
     SlaOffer,
     SlaReply,
+    StatsQuery,
     TaskFingerprinted,
     TaskRejected,
     TaskSubmitted,
@@ -293,6 +295,9 @@ class Report:
         self.models: list[ModelPublished] = []
         self.withdrawn = 0
         self.started = time.monotonic()
+        # What the feedback store itself holds, asked of its stats endpoint before the
+        # services stop: ``None`` when it did not answer.
+        self.store_stats: FeedbackStats | None = None
 
     def first_time(self, event_id: str) -> bool:
         """Whether ``event_id`` is heard for the first time (and remember it)."""
@@ -417,8 +422,29 @@ class Report:
                   else f"submit-to-assign, after a queue: none placed yet ({len(self.queued)} still queued)"
                   if self.queued else "submit-to-assign, after a queue: no task queued"),
                  "confidence vs outcome: " + (self.calibration() or "nothing judged yet"),
+                 *self.stored(),
                  "learner: " + self.learnt()]
         return "\n".join(lines)
+
+    def stored(self) -> list[str]:
+        """The feedback store's statistics per policy and action, as its endpoint serves
+        them (uncertainty-weighted success, p95 latency of the measured records, calibration)."""
+        if self.store_stats is None:
+            return ["feedback store: no answer from feedback.stats"]
+        if not self.store_stats.groups:
+            return ["feedback store: no record yet"]
+        # The store outlives a run (the learner's file and the bus do not): its figures are
+        # of every run it kept, which the counts above (this run's) are not.
+        lines = ["feedback store, every run it holds (feedback.stats, by policy and action):"]
+        for g in self.store_stats.groups:
+            weighted = "" if g.weighted_success_rate is None else f" (weighted {g.weighted_success_rate:.2f})"
+            latency = ("no latency measured" if g.p95_latency_ms is None
+                       else f"p95 latency {g.p95_latency_ms:.0f} ms over {g.measured} measured")
+            lines.append(f"  {g.key.get('policy', '?')} {g.key.get('action') or '(judged without its result)'}: "
+                         f"{g.count} records, success {g.success_rate:.2f}{weighted}, {latency}, "
+                         f"{g.expected_successes:.1f} successes expected, {g.successes} met, "
+                         f"Brier {g.brier_score:.3f}")
+        return lines
 
     def learnt(self) -> str:
         """The outcome models the learner published, and the last one's held-out figures."""
@@ -451,6 +477,16 @@ class Report:
         if n:
             line += f"; those given the learned model's confidence: {conf / n:.2f} predicted, {met / n:.2f} met (n={n:.0f})"
         return line
+
+
+async def store_stats(bus: NatsBus, timeout_s: float = 3.0) -> FeedbackStats | None:
+    """The feedback store's statistics by policy and action, ``None`` when the feedback
+    service does not answer in time (stopped, or never started)."""
+    try:
+        reply = await bus.request("feedback.stats", encode(StatsQuery(by=["policy", "action"])), timeout_s=timeout_s)
+        return decode(reply, FeedbackStats)
+    except (TimeoutError, msgspec.DecodeError):  # ValidationError is a DecodeError
+        return None
 
 
 def bus_store(state: Path, *, simulated: bool) -> Path:
@@ -668,6 +704,8 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
     finally:
         if demo is not None:
             demo.cancel()
+        if bus is not None and services.procs and not interrupted_starting:
+            report.store_stats = await store_stats(bus)
         if services.procs:
             print("fleetpilot up: stopping services...", flush=True)
             await asyncio.get_running_loop().run_in_executor(None, services.stop_all)

@@ -16,12 +16,14 @@ from fleetpilot.cli.up import (
     _where,
     bus_store,
     earlier_run,
+    store_stats,
 )
 from fleetpilot.contracts import (
     ActionExecuted,
     Allocation,
     DecisionMade,
     FeedbackRecorded,
+    FeedbackStats,
     Fingerprint,
     HeldOutFigures,
     Measured,
@@ -29,8 +31,11 @@ from fleetpilot.contracts import (
     NodeLedger,
     Placement,
     PolicyRef,
+    StatsGroup,
+    StatsQuery,
     TaskFingerprinted,
     TaskSubmitted,
+    decode,
     encode,
     now,
 )
@@ -314,3 +319,44 @@ async def test_the_report_passes_over_what_does_not_decode_and_counts_on(capsys)
     assert dict(report.decisions) == {"assign": 1}
     out = capsys.readouterr().out
     assert out.count("that does not decode") == 8 and "ignored a message on sla.offer.t1" in out
+
+
+async def test_the_closing_report_gives_the_feedback_store_s_own_figures(nats_client, nats_url) -> None:
+    """Before the services stop, the report asks the feedback service's endpoint for what its
+    store holds, by policy and action, and prints it; records judged without their result
+    have no latency, which it says rather than printing 0 ms."""
+    asked = []
+
+    async def answer(msg) -> None:
+        asked.append(decode(msg.data, StatsQuery).by)
+        groups = [
+            StatsGroup(key={"policy": "fleetpilot@1", "action": "assign"}, count=40, successes=38, success_rate=0.95,
+                       weighted_success_rate=0.96, measured=40, p95_latency_ms=12.4, expected_successes=37.6,
+                       brier_score=0.041),
+            StatsGroup(key={"policy": "fleetpilot@1", "action": ""}, count=3, successes=1, success_rate=1 / 3,
+                       measured=0, p95_latency_ms=None, expected_successes=2.7, brier_score=0.3),
+        ]
+        await msg.respond(encode(FeedbackStats(groups=groups, at=now())))
+
+    await nats_client.subscribe("feedback.stats", cb=answer)
+    await nats_client.flush()
+    bus = await NatsBus.connect(nats_url, "up")
+    try:
+        report = Report(quiet=True)
+        report.store_stats = await store_stats(bus)
+        lines = report.render(1.0).splitlines()
+        await nats_client.close()  # nobody answers any more
+        silent = await store_stats(bus, timeout_s=0.2)
+    finally:
+        await bus.drain()
+    assert asked == [["policy", "action"]]
+    start = lines.index("feedback store, every run it holds (feedback.stats, by policy and action):")
+    assert lines[start + 1:start + 3] == [
+        "  fleetpilot@1 assign: 40 records, success 0.95 (weighted 0.96), p95 latency 12 ms over 40 measured, "
+        "37.6 successes expected, 38 met, Brier 0.041",
+        "  fleetpilot@1 (judged without its result): 3 records, success 0.33, no latency measured, "
+        "2.7 successes expected, 1 met, Brier 0.300",
+    ]
+    assert silent is None
+    report.store_stats = silent
+    assert "feedback store: no answer from feedback.stats" in report.render(1.0).splitlines()
