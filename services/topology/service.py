@@ -18,7 +18,9 @@ telemetry, so they do not change while the service runs.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 from fleetpilot.contracts import (
@@ -31,12 +33,22 @@ from fleetpilot.contracts import (
     TopologyUpdated,
     encode,
     now,
+    subject_for,
 )
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
 from fleetpilot.fleet.topology import topology_problem
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, KeyValue, Reject, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import (
+    Bus,
+    CasConflict,
+    Delivery,
+    KeyValue,
+    Reject,
+    ServiceHost,
+    ServiceSettings,
+    serve,
+)
 from prometheus_client import Gauge
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
@@ -70,6 +82,10 @@ class TopologySettings(ServiceSettings):
         if not 0 < self.not_ready_after_s <= self.silent_after_s:
             raise ValueError(f"not_ready_after_s ({self.not_ready_after_s:g}) must be above 0 and at most "
                              f"silent_after_s ({self.silent_after_s:g})")
+        # 0 (meant as "off") had the check run back to back, each asking the server about
+        # every node: a busy loop against NATS, not a check turned off.
+        if not (0 < self.liveness_check_s and math.isfinite(self.liveness_check_s)):
+            raise ValueError(f"liveness_check_s ({self.liveness_check_s:g}) must be a number of seconds above 0")
         return self
 
 
@@ -96,18 +112,86 @@ def bandwidth_estimates(settings: TopologySettings) -> list[BandwidthEstimate]:
     return SiteNetwork(configured_fleet(settings).links).estimates()
 
 
+MAX_GPUS_PER_NODE = 128
+"""More GPUs than this in one report is no node: every policy replica sizes its fleet arrays
+by the largest node (a GPU-by-GPU link matrix per node), so one report of thousands would
+take its memory."""
+
+MAX_GPU_MEMORY_MB = 4 * 1024 * 1024
+"""4 TiB, over ten times the largest GPU made: more is a unit mistake (bytes or KiB reported
+as MB), and above 2**31 it overflowed the policy's per-GPU memory, stopping every decision."""
+
+MAX_NODE_AMOUNT = 2**63 - 1
+"""A node's CPU milli and host memory are kept as 64-bit integers by the policy."""
+
+
+def report_problem(report: TopologyReport, subject: str) -> str | None:
+    """What makes a report unfit for the bucket beyond ``topology_problem``, or ``None``.
+
+    - It came on a subject that does not name its node: silence is judged on
+      ``topology.report.<node>``, so a node whose collector publishes under another name
+      (``ip-10-0-3-7_ec2_internal`` for ``ip-10-0-3-7.ec2.internal``) was heard on a subject
+      nobody watched, taken for silent while it reported on, and its tasks given up.
+    - Its GPU indices are not 0 to n-1: the ledger and the policies address a GPU by its
+      index as a position, so a gap charged one GPU's holds to another.
+    - A size no consumer can hold (see ``MAX_GPUS_PER_NODE``, ``MAX_GPU_MEMORY_MB``).
+    """
+    node = report.node
+    expected = subject_for(report)
+    if subject and subject != expected:
+        return f"came on {subject}, but the node it describes reports on {expected}"
+    if len(node.gpus) > MAX_GPUS_PER_NODE:
+        return f"{len(node.gpus)} GPUs, more than the {MAX_GPUS_PER_NODE} a node may list"
+    missing = sorted(set(range(len(node.gpus))) - {g.index for g in node.gpus})
+    if missing:
+        return f"GPU indices must run from 0 to {len(node.gpus) - 1}; missing {missing}"
+    for gpu in node.gpus:
+        if gpu.memory_mb > MAX_GPU_MEMORY_MB:
+            return f"GPU {gpu.index} has {gpu.memory_mb} MB, more than {MAX_GPU_MEMORY_MB} (memory not in MB?)"
+        if gpu.numa_node is not None and not -(2**31) <= gpu.numa_node < 2**31:
+            return f"GPU {gpu.index} has NUMA node {gpu.numa_node}"
+    for name in ("cpu_milli", "memory_mb"):
+        amount = getattr(node, name)
+        if not 0 <= amount <= MAX_NODE_AMOUNT:
+            return f"{name} {amount} is not between 0 and {MAX_NODE_AMOUNT}"
+    return None
+
+
+def in_index_order(node: NodeTopology) -> NodeTopology:
+    """``node`` with its GPUs listed by index, which every consumer takes as their order."""
+    if all(g.index == i for i, g in enumerate(node.gpus)):
+        return node
+    return msgspec.structs.replace(node, gpus=sorted(node.gpus, key=lambda g: g.index))
+
+
 def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None) -> NodeTopology:
-    """``reported`` carrying over the operational labels (cordoned, maintenance...) of ``stored``."""
-    if stored is None:
-        return reported
-    kept = {g.index: {k: v for k, v in g.labels.items() if k in OPERATIONAL_GPU_LABELS} for g in stored.gpus}
-    gpus = [msgspec.structs.replace(g, labels={**g.labels, **kept.get(g.index, {})}) for g in reported.gpus]
-    return msgspec.structs.replace(reported, gpus=gpus)
+    """``reported`` carrying over the operational labels (cordoned, maintenance...) of ``stored``.
+
+    The node conditions (``not_ready``, ``unreachable``) come from ``stored`` alone, never
+    from a report: this service sets them from the node's silence. A collector that sends
+    back what the bucket held (a read-modify-write of its own) re-sent ``unreachable`` after
+    the node came back; stored again, it had the executor give up the tasks of a node
+    reporting on, and the next check lifted it again, at every report."""
+    kept = ({g.index: {k: v for k, v in g.labels.items() if k in OPERATIONAL_GPU_LABELS} for g in stored.gpus}
+            if stored is not None else {})
+    gpus = [msgspec.structs.replace(g, labels={**{k: v for k, v in g.labels.items() if k not in NODE_CONDITION_LABELS},
+                                               **kept.get(g.index, {})})
+            for g in reported.gpus]
+    return reported if gpus == reported.gpus else msgspec.structs.replace(reported, gpus=gpus)
 
 
-async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> bool:
+class StoredNode(NamedTuple):
+    """Where a report left its node in the ``topology`` bucket."""
+
+    revision: int
+    """The bucket revision that holds the node as reported."""
+    written: bool
+    """Whether this report wrote it (``False``: the bucket held it already)."""
+
+
+async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> StoredNode:
     """Write a reported node with compare-and-set so that a label the executor sets at the
-    same moment is neither lost nor overwritten; ``False`` (nothing written) when the bucket
+    same moment is neither lost nor overwritten; ``written`` is ``False`` when the bucket
     already holds what the node reports.
 
     The bucket, not what this replica last saw, says what is unchanged: replicas share the
@@ -123,15 +207,15 @@ async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, att
             except (msgspec.DecodeError, msgspec.ValidationError):
                 stored = None
         updated = with_operational_labels(node, stored)
-        if updated == stored:
-            return False
+        if updated == stored and entry is not None:
+            return StoredNode(entry.revision, written=False)
         body = encode(updated)
         try:
             if entry is None:
-                await kv.create(key, body)
+                revision = await kv.create(key, body)
             else:
-                await kv.update(key, body, entry.revision)
-            return True
+                revision = await kv.update(key, body, entry.revision)
+            return StoredNode(revision, written=True)
         except CasConflict:
             continue
     raise CasConflict(f"topology of {node.node} kept changing")
@@ -206,8 +290,9 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
     return msgspec.structs.replace(node, gpus=gpus)
 
 
-async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> NodeTopology | None:
-    """Label (or unlabel) one node's GPUs with compare-and-set; the node when it changed."""
+async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> int | None:
+    """Label (or unlabel) one node's GPUs with compare-and-set; the bucket revision written
+    when it changed."""
     for _ in range(attempts):
         entry = await kv.get(key)
         if entry is None or entry.value is None:
@@ -220,8 +305,7 @@ async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int =
         if updated == stored:
             return None
         try:
-            await kv.update(key, encode(updated), entry.revision)
-            return updated
+            return await kv.update(key, encode(updated), entry.revision)
         except CasConflict:
             continue
     raise CasConflict(f"topology of {key} kept changing")
@@ -234,23 +318,26 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     host = ServiceHost("topology", settings)
     nodes_by_condition = Gauge("fleetpilot_topology_nodes", "Nodes by condition, as the last liveness check left them",
                                ["condition"], registry=host.metrics.registry)
-    revision = {"n": 0}
+    # An update's revision is the bucket revision of the write it announces (the latest, for
+    # several): increasing, and unique across replicas, as its message id must be. A clock
+    # and a per-process counter gave two replicas (or a replica and its restart) the same
+    # one within a millisecond, and the stream dropped the second update as a duplicate.
 
     @host.on(TopologyReport, consumer="topology-reports")
-    async def on_report(report: TopologyReport) -> TopologyUpdated | None:
+    async def on_report(report: TopologyReport, delivery: Delivery) -> TopologyUpdated | None:
         node: NodeTopology = report.node
-        problem = topology_problem(node)
+        problem = topology_problem(node) or report_problem(report, delivery.subject)
         if problem is not None:
             # To the dead letters with its reason, not into the bucket every policy reads.
             raise Reject(f"topology report of {node.node or 'a node'} from {report.source or 'a collector'}: {problem}")
         kv = await host.bus.kv("topology")  # type: ignore[union-attr]
-        if not await write_keeping_operational_labels(kv, node):
+        stored = await write_keeping_operational_labels(kv, in_index_order(node))
+        if not stored.written and delivery.deliveries <= 1:
             return None  # unchanged: collectors re-send periodically for late joiners
-        revision["n"] += 1
-        # Milliseconds since the epoch, times 1000, plus a per-process counter: increasing
-        # across restarts and unique per update within a replica (the msg id needs both).
-        return TopologyUpdated(revision=int(now() * 1000) * 1000 + revision["n"] % 1000, nodes=[node.node],
-                               bandwidth=estimates, at=now())
+        # Written now, or by an earlier delivery of this report whose update may not have
+        # gone out (its publish failed): announced under the same revision, which the
+        # stream drops as a duplicate when it did.
+        return TopologyUpdated(revision=stored.revision, nodes=[node.node], bandwidth=estimates, at=now())
 
     started = {"at": now()}
 
@@ -272,6 +359,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             return None
         kv = await bus.kv("topology")
         changed: list[str] = []
+        written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
         for node in await stored_nodes(kv):
             subject = f"topology.report.{node.node}"
@@ -284,8 +372,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             if condition == UNREACHABLE and listened < settings.silent_after_s:
                 condition = NOT_READY
             counts[labelled_condition(with_condition(node, condition))] += 1
-            if await mark_condition(kv, node_key(node.node), condition) is not None:
+            revision = await mark_condition(kv, node_key(node.node), condition)
+            if revision is not None:
                 changed.append(node.node)
+                written.append(revision)
                 silence = f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps"
                 if condition == READY:
                     log.warning("%s reports again: back in service", node.node)
@@ -299,9 +389,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             nodes_by_condition.labels(condition).set(count)
         if not changed:
             return None
-        revision["n"] += 1
-        return TopologyUpdated(revision=int(now() * 1000) * 1000 + revision["n"] % 1000, nodes=changed,
-                               bandwidth=estimates, at=now())
+        return TopologyUpdated(revision=max(written), nodes=changed, bandwidth=estimates, at=now())
 
     return host
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import string
 from collections.abc import Callable
 from typing import ClassVar, Self
 
@@ -38,6 +39,9 @@ class BucketMirror:
         self.version = 0
         self.changed_at: dict[str, int] = {}
         self.revisions: dict[str, int] = {}
+        # The last revision of each key the bucket itself brought (the load, the watch), as
+        # opposed to a write of our own shown at once: how far the watch has caught up.
+        self._brought: dict[str, int] = {}
         self.changed = asyncio.Event()
 
     @classmethod
@@ -51,7 +55,19 @@ class BucketMirror:
 
     def _apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
         # What the watch brings is taken as it comes, older revisions too: a server that lost
-        # its store numbers its writes from 1 again.
+        # its store numbers its writes from 1 again. One exception: a revision older than a
+        # write of our own the view already shows, while the watch is still moving forward
+        # from where it was, is the watch catching up to that write (the reply to it came
+        # first); taken, it would show the node without our reservation until the watch
+        # brings our write, and the next decision would take the same space again (a CAS
+        # keeps it from being taken twice, but each such choice is lost). A watch that goes
+        # back (a bucket renumbered from 1, unless its revision lands right between the two,
+        # which the key's next write corrects) or a deletion it cannot date (revision 0: a
+        # key gone after a reconnect) is taken.
+        brought = self._brought.get(key, 0)
+        self._brought[key] = revision
+        if 0 < revision < self.revisions.get(key, 0) and revision >= brought:
+            return
         self.revisions[key] = revision
         if value is None:
             self.nodes.pop(key, None)
@@ -63,6 +79,10 @@ class BucketMirror:
                 # stop the view following every other key; the last readable one stays.
                 log.error("%s bucket: %s is unreadable (%s); keeping what was read before", self.bucket, key, exc)
                 return
+        self._changed(key)
+
+    def _changed(self, key: str) -> None:
+        """Count a change of ``key`` and wake whoever waits for one."""
         self.version += 1
         self.changed_at[key] = self.version
         self.changed.set()
@@ -119,10 +139,14 @@ class LedgerStore(BucketMirror):
             # The view shows our write at once (the next decision must not take the same
             # space), unless the watch already brought a later one: the reply to a write may
             # come after the watch's next entry, and the older ledger then stayed in the view
-            # until the node's next change.
+            # until the node's next change. It is counted as a change like any other: views
+            # built on this one (the policy's kept snapshot) redo only the keys changed since
+            # they last looked, and without it they missed our own reservation until the
+            # watch brought it back.
             if written > self.revisions.get(node, 0):
                 self.nodes[node] = updated
                 self.revisions[node] = written
+                self._changed(node)
             return updated
         raise CasConflict(f"ledger of {node} kept changing under us")
 
@@ -135,9 +159,20 @@ class FleetView(BucketMirror):
     nodes: dict[str, NodeTopology]
 
 
+_KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_=/.")
+
+
 def node_key(node: str) -> str:
-    """KV keys allow letters, digits, ``-_=/.``; node names are mapped onto that set."""
-    return "".join(c if c.isalnum() or c in "-_=/." else "_" for c in node)
+    """KV keys allow ASCII letters, digits and ``-_=/.``, with no empty token between dots;
+    node names (and task and decision ids, which clients choose) are mapped onto that set.
+    A name that is a valid key already is its own key.
+
+    ``str.isalnum`` let any Unicode letter or digit through (``é``, ``²``): the client
+    refuses such a key, so a task named ``évaluation-1`` failed every write keyed by it. A
+    dot at either end or two in a row make an empty subject token, which the server never
+    answers: each write waited for its time-out."""
+    key = "".join(c if c in _KEY_CHARACTERS else "_" for c in node)
+    return ".".join(token or "_" for token in key.split("."))
 
 
 __all__ = ["FleetView", "LedgerStore", "node_key"]

@@ -341,3 +341,128 @@ async def test_a_report_that_undoes_another_replicas_change_is_stored_not_taken_
     finally:
         await host.stop()
     assert updates[0].nodes == [v1.node] and stored == v1
+
+
+async def test_a_report_no_consumer_can_read_right_is_dead_lettered(nats_server, client):
+    from fleetpilot.contracts import DeadLetter, GpuInfo, encode
+
+    letters: list[DeadLetter] = []
+
+    async def on_dlq(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await client.subscribe("dlq.>", on_dlq)
+    base = NODES[0]
+
+    def named(name: str, **changes) -> NodeTopology:
+        return msgspec.structs.replace(base, node=name, links=[], **changes)
+
+    gpus = list(base.gpus)
+    bad = [
+        # A GPU gone from the middle: index 2 missing, so positions and indices part.
+        (named("gap", gpus=[g for g in gpus if g.index != 2]), "missing [2]"),
+        # GPU memory in bytes: above 2**31 it overflowed the policy's fleet arrays.
+        (named("bytes", gpus=[msgspec.structs.replace(g, memory_mb=g.memory_mb * 1024 * 1024) for g in gpus]),
+         "memory not in MB?"),
+        (named("negative-cpu", cpu_milli=-1), "cpu_milli -1 is not between 0"),
+        # Thousands of GPUs: every policy replica sizes a GPU-by-GPU matrix per node by the largest.
+        (named("thousands", gpus=[GpuInfo(index=i, model="H100", memory_mb=81_559) for i in range(3000)]),
+         "3000 GPUs, more than the 128"),
+    ]
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        for node, _ in bad:
+            await client.publish(report(node, at=1.0))
+        # A collector of one's own that names the subject after the node its own way.
+        await client.publish_raw("topology.report.other-name", encode(report(named("real-name"), at=1.0)))
+        await client.publish(report(named("good"), at=1.0))
+        await wait_for(lambda: len(letters) == len(bad) + 1, what="every bad report dead-lettered")
+        kv = await client.kv("topology")
+        await wait_for(lambda: kv.get("good"), what="the good report stored")
+        stored = set(await kv.keys())
+    finally:
+        await host.stop()
+    reasons = {letter.subject: letter.error for letter in letters}
+    for node, reason in bad:
+        assert reason in reasons[f"topology.report.{node.node}"]
+    assert "came on topology.report.other-name, but the node it describes reports on topology.report.real-name" in (
+        reasons["topology.report.other-name"])
+    assert stored == {"good"}
+
+
+async def test_a_report_decides_neither_its_gpus_order_nor_its_condition(nats_server, client):
+    node = NODES[0]
+    # A collector of one's own lists GPUs in bus order and sends back the ``unreachable`` it
+    # read from the bucket: only the silence this service hears puts that label there.
+    sent = msgspec.structs.replace(node, gpus=[msgspec.structs.replace(g, labels={**g.labels, "unreachable": "true"})
+                                               for g in reversed(node.gpus)])
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await client.publish(report(sent, at=1.0))
+        kv = await client.kv("topology")
+        entry = await wait_for(lambda: kv.get(node.node), what="the report stored")
+    finally:
+        await host.stop()
+    stored = msgspec.json.decode(entry.value, type=NodeTopology)
+    assert [g.index for g in stored.gpus] == sorted(g.index for g in node.gpus)
+    assert not any("unreachable" in g.labels for g in stored.gpus)
+    assert stored == node
+
+
+async def test_updates_from_two_replicas_in_the_same_millisecond_are_both_kept(nats_server, client, monkeypatch):
+    import fleetpilot_services.topology.service as topology_service
+    import nats
+
+    # Two replicas (here one, then its successor) announce a change each at the same instant.
+    monkeypatch.setattr(topology_service, "now", lambda: 1_700_000_000.123)
+    kv = await client.kv("topology")
+    for node in NODES[:2]:
+        host = build(settings(nats_server.url))
+        await host.start()
+        try:
+            await client.publish(report(node, at=1.0))
+            await wait_for(lambda node=node: kv.get(node.node), what=f"{node.node} stored")
+        finally:
+            await host.stop()
+    nc = await nats.connect(nats_server.url)
+    try:
+        info = await nc.jetstream().stream_info("TOPOLOGY", subjects_filter="topology.updated")
+    finally:
+        await nc.close()
+    assert (info.state.subjects or {}).get("topology.updated") == 2  # neither dropped as the other's duplicate
+
+
+async def test_an_update_whose_publish_failed_goes_out_when_the_report_comes_again(nats_server, client):
+    updates: list[TopologyUpdated] = []
+
+    async def on_update(msg) -> None:
+        updates.append(decode(msg.data, TopologyUpdated))
+
+    await client.subscribe("topology.updated", on_update)
+    bus = await NatsBus.connect(nats_server.url, "topology-cut-off")
+    publish, cut = bus.publish, []
+
+    async def cut_once(event, *, headers=None) -> None:
+        if isinstance(event, TopologyUpdated) and not cut:
+            cut.append(event)
+            raise ConnectionError("cut off while publishing")
+        await publish(event, headers=headers)
+
+    bus.publish = cut_once  # type: ignore[method-assign]
+    host = build(settings(nats_server.url))
+    await host.start(bus)
+    try:
+        await client.publish(report(NODES[0], at=1.0))
+        # The node was written before the publish failed; the redelivered report finds it
+        # stored, and must still announce it.
+        await wait_for(lambda: updates, timeout_s=10, what="the update announced after all")
+    finally:
+        await host.stop()
+    assert len(cut) == 1 and updates[0].nodes == [NODES[0].node] and updates[0].revision == cut[0].revision
+
+
+def test_a_liveness_check_of_zero_seconds_is_a_setting_error():
+    with pytest.raises(ValueError, match="liveness_check_s"):
+        settings("nats://127.0.0.1:1", liveness_check_s=0)

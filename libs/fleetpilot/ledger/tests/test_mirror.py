@@ -1,14 +1,19 @@
 """A bucket mirror (the ledger and fleet views every service decides on) keeps following
-its bucket past a value it cannot read, and is never left behind it by its own writes."""
+its bucket past a value it cannot read, is never left behind it by its own writes, neither
+by a late reply nor by a watch catching up, and counts those writes as changes; every name
+(node, task or decision id) maps onto a key the server takes."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from fleetpilot.contracts import Allocation, NodeLedger, encode
 from fleetpilot.ledger import LedgerStore, with_allocations
+from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import InMemoryBus, KeyValue
+from fleetpilot.runtime.bus import KvEntry
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
 
@@ -104,3 +109,118 @@ async def test_a_late_reply_to_a_write_does_not_put_the_view_behind_the_bucket()
         assert tasks(view.nodes["node-a"]) == ["t1", "t2", "t3"]
     finally:
         follow.cancel()
+
+
+async def test_a_write_of_our_own_is_a_change_to_the_views_built_on_the_mirror(bus):
+    # The policy keeps a snapshot built on the ledger view and redoes only the keys changed
+    # (``changed_at``) since the ``version`` it last looked at; a reservation of our own that
+    # is not counted stays out of it until the watch brings it back, and the next decision
+    # chooses the space it has just taken.
+    kv = await bus.kv("ledger")
+    await kv.put("node-a", encode(ledger("node-a", "t1")))
+    view = await LedgerStore.open(bus)
+    looked_at = view.version
+    await view.mutate("node-a", lambda cur: with_allocations(cur, "node-a", ledger("node-a", "t2").allocations))
+    assert [key for key, at in view.changed_at.items() if at > looked_at] == ["node-a"]
+    assert sorted(a.task_id for a in view.nodes["node-a"].allocations) == ["t1", "t2"]
+    assert view.changed.is_set()
+
+
+class WatchBroughtByHand(KeyValue):
+    """The ledger bucket with a watch that brings only what the test hands it, when it does:
+    the watch of a replica running behind the bucket."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+        self._entries: asyncio.Queue = asyncio.Queue()
+
+    async def bring(self, entry: KvEntry) -> None:
+        """Hand the watch one entry and wait until the view has taken it in."""
+        self._entries.put_nowait(entry)
+        await asyncio.wait_for(self._entries.join(), timeout=5)
+
+    async def get(self, key):
+        return await self._kv.get(key)
+
+    async def put(self, key, value):
+        return await self._kv.put(key, value)
+
+    async def create(self, key, value):
+        return await self._kv.create(key, value)
+
+    async def update(self, key, value, revision):
+        return await self._kv.update(key, value, revision)
+
+    async def delete(self, key, revision=None):
+        await self._kv.delete(key, revision)
+
+    async def keys(self):
+        return await self._kv.keys()
+
+    async def watch(self, pattern=">"):
+        while True:
+            entry = await self._entries.get()
+            yield entry
+            self._entries.task_done()  # the view asks for the next one: it has applied this one
+
+
+async def test_the_watch_catching_up_does_not_take_our_own_write_out_of_the_view():
+    kv = await InMemoryBus().kv("ledger")
+
+    def tasks(view: LedgerStore) -> list[str]:
+        return sorted(a.task_id for a in view.nodes["node-a"].allocations)
+
+    def holding(*names: str) -> NodeLedger:
+        return NodeLedger(node="node-a", allocations=[a for n in names for a in ledger("node-a", n).allocations])
+
+    first = await kv.put("node-a", encode(holding("t1")))
+    watch = WatchBroughtByHand(kv)
+    view = LedgerStore(watch)
+    follow = asyncio.create_task(view.follow())
+    try:
+        await watch.bring(KvEntry("node-a", encode(holding("t1")), first))
+        # Another replica reserves t3; our watch has not brought that yet when we reserve t2
+        # on top of it, and the reply to our write comes first.
+        theirs = await kv.update("node-a", encode(holding("t1", "t3")), first)
+        await view.mutate("node-a", lambda cur: with_allocations(cur, "node-a", ledger("node-a", "t2").allocations))
+        ours = (await kv.get("node-a")).revision
+        assert tasks(view) == ["t1", "t2", "t3"]
+        await watch.bring(KvEntry("node-a", encode(holding("t1", "t3")), theirs))
+        assert tasks(view) == ["t1", "t2", "t3"]  # not the ledger before our t2
+        await watch.bring(KvEntry("node-a", encode(holding("t1", "t3", "t2")), ours))
+        assert tasks(view) == ["t1", "t2", "t3"]
+        # A server that lost its store numbers its writes from 1 again: that is taken.
+        await watch.bring(KvEntry("node-a", encode(holding("t9")), 1))
+        assert tasks(view) == ["t9"]
+    finally:
+        follow.cancel()
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("ip-10-0-3-7.ec2.internal", "ip-10-0-3-7.ec2.internal"),  # a valid key is its own
+    ("a100-03", "a100-03"),
+    ("job/7=x_y", "job/7=x_y"),
+    ("évaluation-1", "_valuation-1"),  # a client's task id: a letter, but not one a key allows
+    ("gpu²", "gpu_"),
+    ("job..2", "job._.2"),  # no empty token between dots
+    (".hidden", "_.hidden"),
+    ("trailing.", "trailing._"),
+    ("a b*c>d", "a_b_c_d"),
+])
+def test_every_name_maps_onto_a_valid_kv_key(name, key):
+    assert node_key(name) == key
+    assert re.fullmatch(r"[-/_=.a-zA-Z0-9]+", key) and "" not in key.split(".")
+
+
+async def test_a_ledger_keyed_by_a_name_with_a_letter_no_key_allows_is_written_and_read(nats_server):
+    bus = await NatsBus.connect(nats_server.url, "test")
+    await bus.ensure_topology()
+    try:
+        store = await LedgerStore.open(bus)
+        for name in ("évaluation-1", "job..2"):
+            await store.mutate(node_key(name), lambda cur, name=name: with_allocations(
+                cur, name, ledger(name, "t1").allocations))
+            held = await store.read(name)
+            assert held is not None and [a.task_id for a in held.allocations] == ["t1"]
+    finally:
+        await bus.drain()
