@@ -329,12 +329,12 @@ class ExecutorReplica:
             elif decision.action == "resize" and node:
                 # The policy reserved the extra memory; the task's hold takes the new size.
                 await ledger.mutate(node_key(node), lambda cur: resized(cur, decision) if cur else None)
-        elif decision.action == "assign" and node:
-            await self.release(decision.task_id, node)
-        elif decision.action in ("migrate", "resize") and node:
-            # A failed move: the task still runs at its source; give the target back (only
-            # the holds reserved under the move: within a node the source hold stays). A
-            # failed resize: the task keeps its old share; give the reserved extra back.
+        elif decision.action in ("assign", "migrate", "resize") and node:
+            # Only the holds reserved under this decision go back. A failed assign delivered
+            # again may find the task placed anew on the same node (``<task>.assign.<g>``),
+            # whose holds are not its own. A failed move: the task still runs at its source;
+            # give the target back (within a node the source hold stays). A failed resize:
+            # the task keeps its old share; give the reserved extra back.
             await ledger.mutate(
                 node_key(node), lambda cur: without_decision(cur, decision.decision_id) if cur else None
             )

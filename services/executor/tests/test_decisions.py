@@ -232,6 +232,33 @@ async def test_process_that_cannot_start_fails_the_action_and_releases_the_hold(
     assert (await observer.ledger("n1")).allocations == []
 
 
+async def test_a_failed_assign_delivered_again_leaves_the_task_s_next_placement_alone(observer, nats_url, tmp_path):
+    """``d6`` failed and gave its hold back; the policy placed t3 again on the same node
+    (``t3.assign.2``). ``d6`` then comes again (a redelivery, a replayed consumer): its
+    recorded failure is the answer, and only ``d6``'s holds may go. Before, every hold of t3
+    on the node went, the new placement's too, and its GPU share was booked twice."""
+    await observer.kv_put("ledger", "n1", reserved("t3", "d6"))
+    host = build(settings(nats_url, tmp_path, backend="process"))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(assign("d6", "t3")))
+        await observer.wait_stored("action.failed", ActionFailed, 1)
+
+        async def given_back():
+            ledger = await observer.ledger("n1")
+            return ledger is not None and ledger.allocations == []
+
+        await wait_for(given_back)
+        await observer.kv_put("ledger", "n1", reserved("t3", "t3.assign.2"))
+        await observer.js.publish("decision.made", encode(assign("d6", "t3")), headers={"Nats-Msg-Id": "again"})
+        await asyncio.sleep(0.5)
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+    finally:
+        await host.stop()
+    assert [f.action_id for f in failed] == ["act-d6"]  # told once: the stream dropped the repeat
+    assert [a.decision_id for a in (await observer.ledger("n1")).allocations] == ["t3.assign.2"]
+
+
 async def reserve_a_move_of_t1_to_n2(observer) -> None:
     """t1 holds n1's GPU 0 (``d1``); the policy has reserved n2's GPU 1 for its move."""
     await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
