@@ -6,7 +6,7 @@ header parses (``malformed``) -> ``alg`` configured and not ``none`` (``alg_not_
 (``alg_not_allowed``: no RS256-key-as-HMAC-secret confusion) -> key not past its
 ``valid_until`` (``key_retired``) -> signature (``forged``) -> ``aud`` (``wrong_audience``),
 ``iss`` (``wrong_issuer``), required claims (``missing_claim``) -> ``exp`` (``expired``),
-``nbf`` (``not_yet_valid``) on the verifier's injectable clock -> tenant (``no_tenant``).
+``nbf`` and ``iat`` (``not_yet_valid``) on the verifier's injectable clock -> tenant (``no_tenant``).
 """
 
 from __future__ import annotations
@@ -95,8 +95,11 @@ class TokenVerifier:
         """``jwks`` is ``{"keys": [...]}`` as published by :meth:`KeyRing.public_jwks`.
 
         ``algorithms`` must be a subset of EdDSA, ES256, RS256, HS256 (``none`` is refused
-        here too); ``tenant_claims`` are tried in order; ``leeway_s`` absorbs clock skew.
+        here too); ``tenant_claims`` are tried in order; ``leeway_s`` (finite, >= 0) absorbs clock skew.
         """
+        if not (math.isfinite(leeway_s) and leeway_s >= 0):
+            # A NaN leeway made every time comparison false: no token ever expired.
+            raise ValueError(f"leeway_s must be a finite number of seconds, 0 or more, got {leeway_s}")
         algs = tuple(algorithms)
         bad = [a for a in algs if a not in SUPPORTED_ALGORITHMS]
         if bad or not algs:
@@ -187,6 +190,9 @@ class TokenVerifier:
             raise AuthError("expired", f"expired {now - exp:.0f} s ago")
         if now + self.leeway_s < nbf:
             raise AuthError("not_yet_valid", f"valid only in {nbf - now:.0f} s")
+        if now + self.leeway_s < iat:
+            # pyjwt's own iat check is off (it reads the wall clock), so it is made here.
+            raise AuthError("not_yet_valid", f"issued {iat - now:.0f} s in the future")
         tenant = next((claims[c] for c in self.tenant_claims if isinstance(claims.get(c), str) and claims[c]), None)
         if tenant is None:
             raise AuthError("no_tenant", f"none of the claims {', '.join(self.tenant_claims)} names a tenant")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fleetpilot.auth import KeyRing, mint_token, save_jwks
+from fleetpilot.auth import KeyRing, edit_keyring, mint_token
 
 AUDIENCE = "fleetpilot"
 ISSUER = "fleetpilot-local"
@@ -80,21 +80,12 @@ def no_jetstream(url: str) -> ConnectionError:
 
 def local_keyring(state: Path) -> KeyRing:
     """The local issuer's key ring, created on first use, rotated when its key is due;
-    the public key set (``jwks.json``) that the SLA service verifies with is kept beside it."""
+    the public key set (``jwks.json``) that the SLA service verifies with is kept beside it.
+    Read, rotated and written under the ring file's lock (:func:`edit_keyring`), so a
+    concurrent ``token``, ``submit`` or ``up`` neither loses a key nor has its own lost."""
     state.mkdir(parents=True, exist_ok=True)
-    path = state / "keyring.json"
-    if path.exists():
-        try:
-            ring = KeyRing.load(path)
-        except ValueError as exc:  # the loader does not know which file it read: say it
-            raise ValueError(f"{path}: {exc}") from None
-    else:
-        ring = KeyRing()
-    ring.signing_key()  # rotates when the current key is older than the rotation period
-    ring.save(path)
-    os.chmod(path, 0o600)
-    save_jwks(ring.public_jwks(), state / "jwks.json")
-    return ring
+    with edit_keyring(state / "keyring.json", jwks_path=state / "jwks.json") as ring:
+        return ring
 
 
 def local_token(state: Path, tenant: str, ttl_s: float = 3600.0) -> str:

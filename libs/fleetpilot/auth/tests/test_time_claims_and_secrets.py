@@ -58,3 +58,23 @@ def test_a_key_set_holding_a_shared_secret_is_readable_by_its_owner_only(tmp_pat
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE((tmp_path / "jwks.json").stat().st_mode) == mode
+
+
+def test_a_token_issued_in_the_future_is_not_yet_valid() -> None:
+    # pyjwt's iat check is switched off (it reads the wall clock, not the verifier's) and
+    # was never made again: a token issued a day from now, nbf in the past, was accepted.
+    ring = KeyRing(clock=lambda: T0)
+    ring.signing_key()
+    verifier = TokenVerifier(ring.public_jwks(), audience=AUD, issuer=ISS, clock=lambda: T0)
+    claims = {"tenant": "acme", "sub": "acme", "aud": AUD, "iss": ISS, "nbf": T0 - 60, "exp": T0 + 600}
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_signed(ring, {**claims, "iat": T0 + 86400}))
+    assert err.value.reason == "not_yet_valid", str(err.value)
+    assert verifier.verify(_signed(ring, {**claims, "iat": T0 + 20})).tenant == "acme"  # skew within leeway
+
+
+@pytest.mark.parametrize("leeway_s", [float("nan"), float("inf"), -1.0])
+def test_a_verifier_refuses_a_leeway_that_would_let_tokens_live_forever(leeway_s) -> None:
+    # With a NaN leeway `now >= exp + leeway` was never true: no token expired.
+    with pytest.raises(ValueError, match="leeway_s must be a finite number"):
+        TokenVerifier({"keys": []}, audience=AUD, issuer=ISS, leeway_s=leeway_s)

@@ -1,8 +1,22 @@
-"""Where the CLI finds the bus: the environment, a running ``fleetpilot up``, NATS's default."""
+"""The CLI's local state: where it finds the bus (the environment, a running ``fleetpilot
+up``, NATS's default) and the key ring that ``submit`` and ``up`` mint their tokens from."""
 
 from __future__ import annotations
 
-from fleetpilot.cli.local import DEFAULT_NATS_URL, NATS_URL_FILE, local_nats_url
+import multiprocessing
+from pathlib import Path
+
+from fleetpilot.auth import KeyRing, TokenVerifier, load_jwks
+from fleetpilot.cli.local import (
+    AUDIENCE,
+    DEFAULT_NATS_URL,
+    ISSUER,
+    NATS_URL_FILE,
+    local_nats_url,
+    local_token,
+)
+
+FORK = multiprocessing.get_context("fork")
 
 
 def test_the_environment_wins_then_what_fleetpilot_up_announced_then_the_default(tmp_path, monkeypatch) -> None:
@@ -16,3 +30,26 @@ def test_the_environment_wins_then_what_fleetpilot_up_announced_then_the_default
     assert local_nats_url(str(other)) == DEFAULT_NATS_URL  # --state-dir names another directory
     monkeypatch.setenv("FLEETPILOT_NATS_URL", "nats://bus.internal:4222")
     assert local_nats_url() == "nats://bus.internal:4222"
+
+
+def _first_use(state: Path, start, queue) -> None:
+    start.wait(30)
+    queue.put(local_token(state, "acme"))
+
+
+def test_first_uses_of_an_empty_state_directory_all_mint_tokens_the_key_set_verifies(tmp_path) -> None:
+    # Every ``submit`` started on a fresh machine creates the ring. Each read it, made a key
+    # and wrote ring and key set with nothing held in between: one process's key set could
+    # land over another's, whose token the SLA service then refused as unknown_kid.
+    state, processes = tmp_path / "state", 6
+    start, queue = FORK.Barrier(processes), FORK.Queue()
+    children = [FORK.Process(target=_first_use, args=(state, start, queue)) for _ in range(processes)]
+    for child in children:
+        child.start()
+    tokens = [queue.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0
+    verifier = TokenVerifier(load_jwks(state / "jwks.json"), audience=AUDIENCE, issuer=ISSUER)
+    assert {verifier.verify(t).tenant for t in tokens} == {"acme"}
+    assert len(KeyRing.load(state / "keyring.json").keys) == 1  # the first made it; the others used it
