@@ -26,6 +26,14 @@
   was (a step schedule) or starts over lower (a leak, a cache); counted in the signature's
   statistics (``merge_restore``), where the policy reads it before it bridges a checkpointed
   run again onto the room it outgrew.
+- Bad and stray input: a sample of negative memory, or of more per GPU than any GPU holds
+  (``MOST_MB_PER_GPU``), is dead-lettered with its reason; one stamped at or before the
+  latest of its task's series (delivered twice, or overtaken) is dropped. A task rejected
+  (``task.rejected``) is forgotten; a run silent for ``silent_forget_s`` loses its series
+  (keeping its signature and peak, as after a move); a retry (``started`` after an end) is
+  fitted with its signature, and an earlier run's end or start delivered again is ignored.
+  Fits run on one thread off the event loop; a fold the bucket cannot take while the server
+  is away is written again once it is back.
 - Partitions: with ``partitions`` above 1, each replica owns the tasks whose id hashes to its
   ``partition`` and takes every message on consumers of its own, keeping its tasks'; a task's
   samples all reach its one model. What another partition's runs show reaches this one's
@@ -35,17 +43,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import msgspec
 from fleetpilot.contracts import (
     Fingerprint,
     TaskFingerprinted,
     TaskLifecycle,
+    TaskRejected,
     TaskSubmitted,
     TaskTelemetry,
     encode,
@@ -78,6 +90,24 @@ PARTITION_REPLAY_S = 60.0
 partitioned anew, or scaled out): the submissions and lifecycle events of the moments its
 tasks had no replica, while the replicas of the old count were replaced by the new."""
 
+MOST_MB_PER_GPU = 1_048_576.0
+"""More memory per GPU than any GPU holds (1 TiB; the largest hold under 300 GB): a sample
+above it is garbled at its source (bytes read as MB, say), and fitted it would teach its
+signature a peak no GPU holds, so that every later task of it is placed nowhere."""
+
+
+class TaskSeries(OnlineFingerprinter):
+    """One task's online model, with what the service keeps of the samples that fed it: the
+    latest one's time (``latest_at``, on the samples' clock) and when this replica last heard
+    of the task (``heard_at``, on its own clock)."""
+
+    def __init__(self, *args, latest_at: float = -math.inf, **kwargs) -> None:
+        """``OnlineFingerprinter``'s arguments; ``latest_at``: the series goes on from a sample
+        at that time (a series started again on the same process)."""
+        super().__init__(*args, **kwargs)
+        self.latest_at = latest_at
+        self.heard_at = time.monotonic()
+
 
 class FingerprinterSettings(ServiceSettings):
     """``FLEETPILOT_FINGERPRINTER_*``."""
@@ -88,6 +118,11 @@ class FingerprinterSettings(ServiceSettings):
     end_grace_s: float = 2.0
     """How long after a run's terminal ``task.lifecycle`` its end is learnt: its last samples
     (core NATS) may still be on their way when the event (JetStream) arrives."""
+    silent_forget_s: float = Field(default=1800.0, gt=0)
+    """How long a run's samples may stop, with no lifecycle event, before its series is
+    forgotten: its node is gone, or its end was never told (a process the collector names
+    ``pid-<pid>`` has none), and kept it would hold up to 20,000 samples until the task cap.
+    A run of a known task keeps its signature and the most it held, as after a move."""
     partitions: int = Field(default=1, ge=1)
     """How many replicas share the tasks, each owning the tasks whose id hashes to its
     partition (``fleetpilot.runtime.partition``); every replica is given the same count."""
@@ -118,16 +153,18 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # without a sample or submission (a task long queued, or one gone silently), not a run
     # still reporting, whose model, made again from a sample, would have lost its signature
     # and so teach nothing when it ends.
-    models: OrderedDict[str, OnlineFingerprinter] = OrderedDict()
+    models: OrderedDict[str, TaskSeries] = OrderedDict()
     # Tasks stopped to run again (moved, checkpointed, preempted) whose restore can tell
     # whether their signature comes back where it was: (signature, MB per GPU held when
     # stopped, when), until their first sample since.
     stopped: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
     # Runs that ended, waiting ``end_grace_s`` for their last samples: task -> (the terminal
     # event, when it arrived on this clock). Then the runs learnt: a late sample of one is
-    # dropped instead of starting a model of a run that is over.
+    # dropped instead of starting a model of a run that is over. Each keeps its signature and
+    # declared duration, which a retry's run (``started`` again) is fitted with: its model,
+    # made on its first sample, would have none, and its run would teach nothing.
     ending: OrderedDict[str, tuple[TaskLifecycle, float]] = OrderedDict()
-    ended: OrderedDict[str, None] = OrderedDict()
+    ended: OrderedDict[str, tuple[str, float | None]] = OrderedDict()
     # Per task moved or stopped and restored, the most its series held before (its run's peak
     # spans every series since it started).
     peak_before: OrderedDict[str, float] = OrderedDict()
@@ -135,6 +172,23 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # ack lost to a reconnect), or an earlier one, would cut the series of the run restored
     # since and count its restore a second time.
     last_stop: OrderedDict[str, float] = OrderedDict()
+    # Per task, when its latest run started: the end of an earlier run delivered again (an
+    # ack lost to a reconnect) after a retry started would learn the retry's first minutes
+    # as a whole run, and drop the rest of it.
+    last_start: OrderedDict[str, float] = OrderedDict()
+    # Tasks that will not run (``task.rejected``: by the SLA negotiator, or given up by the
+    # policy), by when: a submission read after its rejection must not leave them waiting.
+    rejected: OrderedDict[str, float] = OrderedDict()
+    # Statistics folds the bucket could not take (the server away): written again each round.
+    unwritten: deque[tuple[str, Callable[[SignatureStats], SignatureStats]]] = deque()
+    # Refits (milliseconds each, tens on a long series) run here, off the event loop, so that
+    # acks, the bucket's watch and the other consumers are not held up by them; one thread,
+    # so one model is never fitted by two at once.
+    fits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fingerprinter-fit")
+
+    async def off_loop(call: Callable, *args, **kwargs):
+        """``call(*args, **kwargs)`` on the fitting thread."""
+        return await asyncio.get_running_loop().run_in_executor(fits, partial(call, *args, **kwargs))
 
     def keep_newest(cache: OrderedDict, key: str, value) -> None:
         """``value`` as the newest entry of ``cache``, the oldest dropped past the task cap."""
@@ -204,7 +258,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         to start whose own it changes (``prediction_changed``)."""
         tasks = waiting_of.get(signature)
         for task_id in sorted(tasks or ()):
-            if prediction_changed(waiting[task_id][1], predicted):
+            given = waiting.get(task_id)
+            if given is None:
+                continue  # it started (or was rejected) while an earlier one was being told
+            if prediction_changed(given[1], predicted):
                 waiting[task_id] = (signature, predicted)  # one object for all the signature's tasks
                 await host.bus.publish(TaskFingerprinted(task_id=task_id, fingerprint=predicted,  # type: ignore[arg-type,union-attr]
                                                          source="signature", at=now()))
@@ -217,8 +274,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         if signature in waiting_of:
             await tell_waiting(signature, (predict(stats) if stats is not None else None) or lent(signature))
 
-    async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
-        """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set)."""
+    async def write_fold(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> SignatureStats | None:
+        """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set); the
+        statistics written, ``None`` when ten writes in a row lost the race."""
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
         for _ in range(10):
             entry = await kv.get(signature)
@@ -233,12 +291,48 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     await kv.update(signature, body, entry.revision)  # type: ignore[union-attr]
             except CasConflict:
                 continue
-            await statistics_changed(signature, folded)
-            return
+            return folded
         log.warning("statistics of %s not updated: ten writes in a row lost the race", signature)
+        return None
+
+    async def fold_into(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> None:
+        """Apply ``fold`` to the signature's statistics in the bucket (``write_fold``) and tell
+        what they now say. A fold the bus cannot take now (the server away) is kept and
+        written again (``write_unwritten``): the run it learns is over, and its series gone."""
+        try:
+            folded = await write_fold(signature, fold)
+        except Exception as exc:
+            if host.bus is None or not host.bus.unreachable(exc):
+                raise
+            log.warning("statistics of %s not written now (%s: %s): written again once the NATS server is back",
+                        signature, type(exc).__name__, exc)
+            unwritten.append((signature, fold))
+            while len(unwritten) > settings.max_tracked_tasks:
+                dropped, _ = unwritten.popleft()
+                log.error("statistics of %s not written: more folds waited for the NATS server than tasks are "
+                          "tracked", dropped)
+            return
+        if folded is not None:
+            await statistics_changed(signature, folded)
+
+    async def write_unwritten() -> None:
+        """Write the folds kept while the server was away, oldest first, until one still fails."""
+        while unwritten:
+            signature, fold = unwritten[0]
+            try:
+                folded = await write_fold(signature, fold)
+            except Exception as exc:
+                if host.bus is not None and host.bus.unreachable(exc):
+                    return  # still away: the next round tries again
+                unwritten.popleft()
+                log.error("statistics of %s not written: %s: %s", signature, type(exc).__name__, exc)
+                continue
+            unwritten.popleft()
+            if folded is not None:
+                await statistics_changed(signature, folded)
 
     def model_for(task_id: str, signature: str = "", duration: float | None = None, *,
-                  submitted: bool = False) -> OnlineFingerprinter:
+                  submitted: bool = False) -> TaskSeries:
         if task_id not in models:
             if len(models) >= settings.max_tracked_tasks:
                 models.popitem(last=False)  # forget the least recently fed rather than grow without bound
@@ -247,10 +341,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # A model made on the submission sees the run from its start and may teach its
             # envelope; one made on a sample may have come in mid-run (this service started
             # again, or the sample overtook the submission), so its times are not the run's.
-            models[task_id] = OnlineFingerprinter(signature, expected_duration_s=duration, only_trusted=True,
-                                                  from_start=submitted)
+            models[task_id] = TaskSeries(signature, expected_duration_s=duration, only_trusted=True,
+                                         from_start=submitted)
         model = models[task_id]
         models.move_to_end(task_id)
+        model.heard_at = time.monotonic()
         # Telemetry (core NATS) can overtake the submission (JetStream): fill in what the
         # submission tells as soon as it arrives, so later refits know the task's life.
         if signature and not model.signature:
@@ -266,6 +361,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # Its run was learnt already: the submission comes again (redelivered, or read by
             # this consumer behind the lifecycle's), and a model or a waiting entry made now
             # would never end.
+            return None
+        if task.submitted_at <= rejected.get(task.task_id, -math.inf):
+            # Rejected already (the rejection, on core NATS, overtook this consumer): waiting,
+            # it would be told its signature's predictions for ever. A submission made after
+            # the rejection is the task submitted again, and handled.
             return None
         signature = task_signature(task)
         model = model_for(task.task_id, signature, task.expected_duration_s, submitted=True)
@@ -283,6 +383,8 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
         if not owned.owns(sample.task_id):
             return None
+        if not (math.isfinite(sample.memory_used_mb) and math.isfinite(sample.at)):
+            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} at {sample.at:g}: not a number")
         if sample.memory_used_mb < 0:
             # Garbled at its source: fitted, it would teach the signature a negative peak.
             # Its owner alone dead-letters it (every replica decodes every sample).
@@ -290,9 +392,19 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
+        if per_gpu > MOST_MB_PER_GPU:
+            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} on {max(len(sample.gpus), 1)} GPU(s) is "
+                         f"{per_gpu:g} MB per GPU, more than any GPU holds ({MOST_MB_PER_GPU:g} MB)")
         end = ending.get(sample.task_id)
         if sample.task_id in ended or (end is not None and sample.at > end[0].at):
             return None  # the run is over (a sample after its end belongs to nothing)
+        series = models.get(sample.task_id)
+        if series is not None and sample.at <= series.latest_at:
+            # Delivered twice, or overtaken by a later one: a series that holds a sample twice
+            # reads as sampled at no interval, and a step run ended on its level is then taken
+            # for a schedule that would step again (its peak twice what it held); one out of
+            # order is what the series ends on when it is stopped, and in its envelope.
+            return None
         stop_waiting(sample.task_id)
         restored = stopped.get(sample.task_id)
         if restored is not None and sample.at > restored[2]:
@@ -300,7 +412,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             signature, stopped_mb, _ = restored
             await fold_into(signature, lambda stats: merge_restore(stats, stopped_mb, per_gpu))
         model = model_for(sample.task_id)
-        fp = model.add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+        model.latest_at = max(model.latest_at, sample.at)
+        if model.refits_or_thins_on_next_add():
+            fp = await off_loop(model.add, sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+        else:
+            fp = model.add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
         if fp is None:
             return None
         if model.signature:
@@ -331,18 +447,27 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 peak_before[life.task_id] = max(peak_before.get(life.task_id, 0.0), old.peak_so_far_mb)
                 while len(peak_before) > settings.max_tracked_tasks:
                     peak_before.popitem(last=False)
-                models[life.task_id] = OnlineFingerprinter(old.signature, expected_duration_s=old.expected_duration_s,
-                                                           only_trusted=True, from_start=False)
+                # A new process, maybe on another node and its clock: its series starts afresh.
+                models[life.task_id] = TaskSeries(old.signature, expected_duration_s=old.expected_duration_s,
+                                                  only_trusted=True, from_start=False)
             return
         if life.state == "started":
+            if life.at <= last_start.get(life.task_id, -math.inf):
+                return  # a start handled already, delivered again: it must not reopen a run learnt since
+            keep_newest(last_start, life.task_id, life.at)
             # Placed again after its run ended (a retry): the old run is learnt now, and the
             # new one's samples are its own.
             if life.task_id in ending:
                 await learn_end(ending.pop(life.task_id)[0])
-            ended.pop(life.task_id, None)
+            signature, duration = ended.pop(life.task_id, ("", None))
+            if signature:
+                # Not from its start as far as its envelope goes: a retry may resume from a checkpoint.
+                model_for(life.task_id, signature, duration)
             return
         if life.state not in ("finished", "oom_killed", "failed"):
             return
+        if life.at < last_start.get(life.task_id, -math.inf):
+            return  # the end of a run before the latest start, delivered again: that run was learnt
         ending[life.task_id] = (life, time.monotonic())
 
     async def learn_ended(grace_s: float) -> None:
@@ -356,29 +481,82 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     @host.every(max(settings.end_grace_s / 2, 0.05))
     async def learn_runs_past_their_grace() -> None:
-        """Learn the runs whose grace has passed since their end arrived."""
-        await learn_ended(settings.end_grace_s)
+        """Write what the bucket could not take before, then learn the runs whose grace has
+        passed since their end arrived; while the server is still away, those wait (their
+        series kept) rather than be learnt into folds that wait too."""
+        await write_unwritten()
+        if not unwritten:
+            await learn_ended(settings.end_grace_s)
 
     @host.on_stopping
     async def learn_all_ended() -> None:
         """A service that stops learns what has ended rather than forget it."""
+        await write_unwritten()
         await learn_ended(0.0)
+        for signature, _ in unwritten:
+            log.error("statistics of %s not written: the service stopped while the NATS server was away", signature)
+
+    @host.on_shutdown
+    async def stop_fitting() -> None:
+        """Let the fitting thread go once nothing is left to fit."""
+        fits.shutdown(wait=False, cancel_futures=True)
+
+    def forget_silent(cutoff: float) -> None:
+        """Forget the series of the runs not heard of since ``cutoff`` (``silent_forget_s``):
+        one of a known task keeps its signature and the most it held, as after a move, so
+        that if it reports again its run still teaches; one of no known task goes whole."""
+        for task_id, model in list(models.items()):
+            if not model.samples or model.heard_at >= cutoff or task_id in ending:
+                continue  # waiting to start, or to be restored (no series held), or ended and learnt soon
+            if not model.signature:
+                del models[task_id]
+                continue
+            keep_newest(peak_before, task_id, max(peak_before.get(task_id, 0.0), model.peak_so_far_mb))
+            quiet = TaskSeries(model.signature, expected_duration_s=model.expected_duration_s, only_trusted=True,
+                               from_start=False, latest_at=model.latest_at)
+            quiet.heard_at = model.heard_at
+            models[task_id] = quiet
+
+    @host.every(min(max(settings.silent_forget_s / 4, 0.05), 60.0))
+    async def forget_silent_runs() -> None:
+        """Forget the series of the runs gone silent (``forget_silent``)."""
+        forget_silent(time.monotonic() - settings.silent_forget_s)
+
+    @host.on_core("task.rejected", TaskRejected)
+    async def on_rejected(rejection: TaskRejected) -> None:
+        """Forget a task that will not run (rejected at submission, or given up by the policy):
+        waiting, it would be held and told its signature's predictions until the task cap.
+        A core subscription: the fingerprinter keeps no consumer of ``task.rejected``, and a
+        rejection missed while it restarted concerns a task its restart forgot anyway."""
+        task_id = rejection.task_id
+        if not owned.owns(task_id):
+            return
+        keep_newest(rejected, task_id, max(rejection.rejected_at, rejected.get(task_id, -math.inf)))
+        stop_waiting(task_id)
+        model = models.get(task_id)
+        if model is not None and model.samples:
+            return  # it runs after all: its samples and its lifecycle tell the rest
+        models.pop(task_id, None)
+        for held in (stopped, peak_before, last_stop):
+            held.pop(task_id, None)
 
     async def learn_end(life: TaskLifecycle) -> None:
         """Fold a run that ended into its signature's statistics."""
-        ended[life.task_id] = None
-        while len(ended) > settings.max_tracked_tasks:
-            ended.popitem(last=False)
+        model = models.pop(life.task_id, None)
+        # Its end delivered again finds no model: what the first learnt of it stays.
+        keep_newest(ended, life.task_id, (model.signature, model.expected_duration_s) if model
+                    else ended.get(life.task_id, ("", None)))
         stopped.pop(life.task_id, None)
         last_stop.pop(life.task_id, None)
         before = peak_before.pop(life.task_id, 0.0)
-        model = models.pop(life.task_id, None)
         if model is None or not model.signature:
             return
         if life.state == "oom_killed":
-            if model.peak_so_far_mb <= 0:
+            # It needed more than it held when it died, and at least what it held before a
+            # move: restored lower (a leak started over), it may die below its earlier peak.
+            held = max(model.peak_so_far_mb, before)
+            if held <= 0:
                 return
-            held = model.peak_so_far_mb
 
             def fold(stats: SignatureStats) -> SignatureStats:
                 return merge_oom(stats, held)
@@ -387,7 +565,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 return
             # On every sample of the whole life, published or not, and to its real end when the
             # event's time says it: a level held to the end is the run's peak (``finish``).
-            final = model.finish(ended_at=life.at)
+            final = await off_loop(model.finish, ended_at=life.at)
             if final is None:
                 return
             if life.state == "failed" and final.envelope_mb:

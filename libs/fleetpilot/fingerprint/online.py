@@ -131,6 +131,12 @@ class OnlineFingerprinter:
         """What the latest sample showed (0 before the first)."""
         return self._mb[-1] if self._mb else 0.0
 
+    def refits_or_thins_on_next_add(self) -> bool:
+        """Whether the next :meth:`add` refits or thins the series (milliseconds to tens of
+        them) rather than only appending: a service may then run it off its event loop."""
+        n = len(self._t) + 1
+        return n > self._max_samples or (n >= self._min and n >= self._fitted_at * (1.0 + self._growth))
+
     def add(self, at: float, used_mb: float, *, utilisation: float | None = None,
             colocated: int | None = None) -> Fingerprint | None:
         """Add one sample; returns the refitted fingerprint when it changed materially."""

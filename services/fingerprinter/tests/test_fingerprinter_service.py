@@ -15,6 +15,7 @@ from fleetpilot.contracts import (
     DeadLetter,
     TaskFingerprinted,
     TaskLifecycle,
+    TaskRejected,
     TaskSubmitted,
     TaskTelemetry,
     decode,
@@ -635,3 +636,318 @@ async def test_past_its_cap_the_model_forgotten_is_the_one_least_recently_fed_no
         await bus.publish(TaskLifecycle(task_id="busy-1", state="finished", at=start + 600))
         stats = await remembered(bus, task_signature(first))
         assert stats.count == 1 and abs(stats.mean_peak_mb - (10_000 + 20.0 * 590)) < 1_000, stats
+
+
+async def test_a_sample_beyond_any_gpu_is_dead_lettered_with_its_reason_and_the_run_learnt_without_it(
+    fingerprinter,
+):
+    bus, seen = fingerprinter
+    letters: list[DeadLetter] = []
+
+    async def on_letter(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await bus.subscribe("dlq.telemetry.task.>", on_letter)
+    first = task("bytes-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    # 10 GB for its whole life; one sample read its bytes as MB (10 GB is 1.07e10 bytes).
+    start = now()
+    for t in np.arange(0, 1_000, 10.0):
+        used = 10_000.0 * 1024 * 1024 if t == 500 else 10_000.0 + 20.0 * math.sin(t)
+        await bus.publish(TaskTelemetry(task_id="bytes-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=used))
+    letter = (await wait_for(lambda: letters, what="the garbled sample dead-lettered"))[0]
+    assert (letter.subject, letter.reason) == ("telemetry.task.bytes-1", "rejected")
+    assert "more than any GPU holds" in letter.error and "\n" not in letter.error
+    await samples_taken(bus, seen, "sync-bytes-1")
+    await bus.publish(TaskLifecycle(task_id="bytes-1", state="finished", at=start + 1_000))
+    stats = await remembered(bus, task_signature(first))
+    assert stats.max_peak_mb < 11_000 and stats.run_peaks_mb == (pytest.approx(10_020, abs=20),), stats
+    assert len(letters) == 1
+
+
+async def test_a_step_run_whose_every_sample_came_twice_is_remembered_at_what_it_held(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("twice-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    # 8 GB, then 20 GB from 250 s of its 1,000, to its end; each sample delivered twice (a
+    # collector that sends again what it is not sure went out). Fitted twice, the series reads
+    # as sampled at no interval: its last level as a schedule's first, 44 GB.
+    start = now() - 1_005.0
+    for t in np.arange(0, 1_000, 10.0):
+        sample = TaskTelemetry(task_id="twice-1", node="n1", gpus=[0], at=start + float(t),
+                               memory_used_mb=8_000.0 if t < 250 else 20_000.0)
+        for _ in range(2):
+            await bus.publish(sample)
+    await samples_taken(bus, seen, "sync-twice-1")
+    await bus.publish(TaskLifecycle(task_id="twice-1", state="finished", at=start + 1_000.0))
+    stats = await remembered(bus, task_signature(first))
+    assert abs(stats.mean_peak_mb - 20_000) < 500, stats
+    observed = [f.fingerprint for f in seen if f.task_id == "twice-1"]
+    assert observed and max(f.samples for f in observed) <= 100  # each sample fitted once
+
+
+async def test_a_sample_overtaken_by_a_later_one_is_not_what_a_stopped_run_is_judged_by(fingerprinter):
+    bus, _ = fingerprinter
+    steps = task("overtaken-1")
+    await bus.publish(steps)
+    await asyncio.sleep(0.3)
+    # 8 GB, then 16, then 30 (its third level); a sample of its first level, held up on the
+    # way, arrives after the others and before it is moved. Back on 30 GB where it runs next:
+    # it came back where it was, which the stray sample, taken as the last, would hide.
+    start = now()
+    for t in np.arange(0, 300, 10.0):
+        await bus.publish(TaskTelemetry(task_id="overtaken-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=[8_000.0, 16_000.0, 30_000.0][int(t // 100)]))
+    await bus.publish(TaskTelemetry(task_id="overtaken-1", node="n1", gpus=[0], at=start + 55.0,
+                                    memory_used_mb=8_000.0))
+    await asyncio.sleep(0.3)
+    await bus.publish(TaskLifecycle(task_id="overtaken-1", state="migrated", at=start + 300))
+    await asyncio.sleep(0.3)
+    for t in np.arange(400, 500, 10.0):
+        await bus.publish(TaskTelemetry(task_id="overtaken-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=30_000.0))
+    stats = await restores_seen(bus, task_signature(steps), 1)
+    assert (stats.restores_kept, stats.restores_reset) == (1, 0)
+
+
+def registry_of(host):
+    """``state`` -> how many tasks ``host``'s replica holds in it (``fleetpilot_fingerprinter_tasks``)."""
+    return lambda state: host.metrics.registry.get_sample_value("fleetpilot_fingerprinter_tasks", {"state": state})
+
+
+@contextlib.asynccontextmanager
+async def one_replica(nats_url: str, **settings):
+    """One fingerprinter, the whole, itself at hand (``settings`` beyond the defaults); a bus
+    to talk to it, every ``task.fingerprinted`` seen, and what it holds (``registry_of``)."""
+    host = build(FingerprinterSettings(nats_url=nats_url, metrics_port=-1, **{"end_grace_s": 0.5, **settings}))
+    await host.start()
+    bus = await NatsBus.connect(nats_url, "test")
+    seen: list[TaskFingerprinted] = []
+
+    async def on_fp(msg) -> None:
+        seen.append(decode(msg.data, TaskFingerprinted))
+
+    await bus.subscribe("task.fingerprinted", on_fp)
+    try:
+        yield host, bus, seen
+    finally:
+        await bus.drain()
+        await host.stop()
+
+
+async def test_a_waiting_task_that_starts_while_its_signature_s_tasks_are_told_is_passed_over(nats_server):
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        held = registry_of(host)
+        letters: list[DeadLetter] = []
+
+        async def on_letter(msg) -> None:
+            letters.append(decode(msg.data, DeadLetter))
+
+        await bus.subscribe("dlq.>", on_letter)
+        for waiter in ("told-a", "told-b"):
+            await bus.publish(task(waiter))
+        await wait_for(lambda: held("waiting") == 2, what="both tasks waiting")
+        # While the first waiting task is told what a run in progress shows (a publish, a
+        # round trip), the second starts.
+        publish = host.bus.publish
+
+        async def told_while_one_starts(event, **kwargs) -> None:
+            if isinstance(event, TaskFingerprinted) and event.task_id == "told-a" and held("waiting") == 2:
+                await bus.publish(TaskLifecycle(task_id="told-b", state="started", at=now()))
+                await wait_for(lambda: held("waiting") == 1, what="told-b started")
+            await publish(event, **kwargs)
+
+        host.bus.publish = told_while_one_starts
+        await run_for(bus, task("told-run"), 400, lambda t: 10_000.0 + 40.0 * t)
+        await wait_for(lambda: [f for f in seen if f.task_id == "told-a"], what="told-a told")
+        await samples_taken(bus, seen, "sync-told")
+        # The run's fingerprint went out, and its sample was not lost to the task gone.
+        assert [f for f in seen if f.task_id == "told-run" and f.source == "observed"]
+        assert letters == []
+        assert not [f for f in seen if f.task_id == "told-b"]
+
+
+async def test_a_rejected_task_is_no_longer_held_nor_told_its_signature_s_predictions(nats_server):
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        held = registry_of(host)
+        await bus.publish(task("turned-down-1"))
+        await wait_for(lambda: held("waiting") == 1, what="the task waiting")
+        await bus.publish(TaskRejected(task_id="turned-down-1", code="infeasible", reason="fits no GPU",
+                                       rejected_at=now()))
+        await wait_for(lambda: held("waiting") == 0 and held("modelled") == 0, what="the rejected task forgotten")
+        # A rejection heard before the submission is read (its consumer behind): not waiting either.
+        submitted = task("turned-down-2")
+        await bus.publish(TaskRejected(task_id="turned-down-2", code="infeasible", reason="fits no GPU",
+                                       rejected_at=now()))
+        await asyncio.sleep(0.2)
+        await bus.publish(submitted)
+        await bus.publish(task("sync-rejected"))  # read after it, on the same consumer
+        await wait_for(lambda: held("waiting") == 1, what="the next submission read")
+        # The program's first run in progress is told to the task waiting, not to the rejected.
+        await run_for(bus, task("turned-down-run"), 400, lambda t: 10_000.0 + 40.0 * t)
+        await wait_for(lambda: [f for f in seen if f.task_id == "sync-rejected" and f.source == "signature"],
+                       what="the waiting task told what the run shows")
+        assert not [f for f in seen if f.task_id.startswith("turned-down-") and f.task_id != "turned-down-run"]
+
+
+async def test_a_run_gone_silent_is_forgotten_and_one_of_a_known_task_still_teaches_when_it_reports_again(
+    nats_server,
+):
+    async with one_replica(nats_server.url, silent_forget_s=1.0) as (host, bus, seen):
+        held = registry_of(host)
+        first = task("quiet-1")
+        # A known task holds 31 GB; a process the collector knows no task of holds 6 GB. Both
+        # go silent (the first's collector restarting, the second's end never told).
+        await run_for(bus, first, 300, lambda t: 31_000.0)
+        start = now()
+        for t in np.arange(0, 100, 10.0):
+            await bus.publish(TaskTelemetry(task_id="pid-4242", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=6_000.0))
+        await wait_for(lambda: held("modelled") == 2, what="both modelled")
+        await wait_for(lambda: held("modelled") == 1, what="the silent process forgotten")
+        # The known task reports again, at 20 GB to its end.
+        start = now() + 600
+        for t in np.arange(0, 700, 10.0):
+            await bus.publish(TaskTelemetry(task_id="quiet-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=20_000.0))
+        await samples_taken(bus, seen, "sync-quiet-1")
+        await bus.publish(TaskLifecycle(task_id="quiet-1", state="finished", at=start + 700))
+        stats = await remembered(bus, task_signature(first))
+        assert stats.count == 1 and stats.run_peaks_mb == (31_000,)  # its peak spans the silence
+        assert stats.envelope_mb == ()  # its series since does not start with its run
+
+
+async def test_a_retried_run_teaches_and_the_first_run_s_end_delivered_again_does_not_cut_it(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("retry-1")
+    signature = task_signature(first)
+    # Its first run holds 10 GB for 400 s and fails.
+    start = now() - 2_000.0
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    for t in np.arange(0, 400, 10.0):
+        await bus.publish(TaskTelemetry(task_id="retry-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=10_000.0))
+    await samples_taken(bus, seen, "sync-retry-1")
+    failed = TaskLifecycle(task_id="retry-1", state="failed", at=start + 400)
+    await bus.publish(failed)
+    await remembered(bus, signature)
+    # Retried, it holds 10 GB for 300 s, then 20 GB to its end; meanwhile the first run's end
+    # comes again (an ack lost to a reconnect).
+    await bus.publish(TaskLifecycle(task_id="retry-1", state="started", at=start + 500))
+    await asyncio.sleep(0.3)
+    for t in np.arange(0, 1_000, 10.0):
+        if t == 300:
+            await samples_taken(bus, seen, "sync-retry-2")
+            await redelivered(bus, failed)
+            await asyncio.sleep(1.0)  # past its grace
+        await bus.publish(TaskTelemetry(task_id="retry-1", node="n2", gpus=[0], at=start + 500 + float(t),
+                                        memory_used_mb=10_000.0 if t < 300 else 20_000.0))
+    await samples_taken(bus, seen, "sync-retry-3")
+    await bus.publish(TaskLifecycle(task_id="retry-1", state="finished", at=start + 1_500))
+    kv = await bus.kv("fingerprints")
+
+    async def both_runs() -> SignatureStats | None:
+        stats = msgspec.json.decode((await kv.get(signature)).value, type=SignatureStats)
+        return stats if stats.count == 2 else None
+
+    stats = await wait_for(both_runs, what="the retry's run learnt")
+    # The retry completed holding 20 GB: its whole run, not its first 300 s.
+    assert stats.run_peaks_mb == (20_000,) and stats.max_peak_mb >= 19_500, stats
+
+
+async def test_an_oom_after_a_move_teaches_at_least_what_the_run_held_before_it(fingerprinter):
+    bus, seen = fingerprinter
+    first = task("oom-moved-1")
+    # 31 GB until it is checkpointed; restored at 12 GB (a cache started over), killed by an
+    # OOM at 14 GB on a smaller GPU.
+    await run_for(bus, first, 300, lambda t: 31_000.0)
+    await bus.publish(TaskLifecycle(task_id="oom-moved-1", state="evicted", at=now()))
+    await asyncio.sleep(0.3)
+    start = now() + 300
+    for t in np.arange(0, 100, 10.0):
+        await bus.publish(TaskTelemetry(task_id="oom-moved-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=12_000.0 + 20.0 * float(t)))
+    await samples_taken(bus, seen, "sync-oom-moved-1")
+    await bus.publish(TaskLifecycle(task_id="oom-moved-1", state="oom_killed", at=start + 100))
+
+    async def floor_learnt() -> SignatureStats | None:
+        stats = await remembered(bus, task_signature(first))
+        return stats if stats.oom_floor_mb > 0 else None
+
+    stats = await wait_for(floor_learnt, what="the OOM floor learnt")
+    assert stats.oom_floor_mb == 31_000 and stats.run_peaks_mb == (31_000,)
+
+
+async def test_fits_run_off_the_event_loop(fingerprinter, monkeypatch):
+    import threading
+
+    import fleetpilot.fingerprint.online as online
+
+    loop_thread = threading.get_ident()
+    fitted_on: list[int] = []
+    analyse = online.analyse_series
+
+    def recorded(*args, **kwargs):
+        fitted_on.append(threading.get_ident())
+        return analyse(*args, **kwargs)
+
+    monkeypatch.setattr(online, "analyse_series", recorded)
+    bus, seen = fingerprinter
+    first = task("fitted-1")
+    await run_for(bus, first, 400, lambda t: 10_000.0 + 40.0 * t)
+    await samples_taken(bus, seen, "sync-fitted-1")
+    refits = len(fitted_on)
+    await bus.publish(TaskLifecycle(task_id="fitted-1", state="finished", at=now()))
+    await remembered(bus, task_signature(first))
+    assert refits > 5 and len(fitted_on) > refits  # while it ran, and its end
+    assert loop_thread not in fitted_on
+
+
+async def test_a_start_delivered_again_after_its_run_was_learnt_does_not_reopen_it(nats_server):
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        held = registry_of(host)
+        first = task("reopened-1")
+        start = now() - 500.0
+        started = TaskLifecycle(task_id="reopened-1", state="started", at=start)
+        await bus.publish(started)
+        await run_for(bus, first, 300, lambda t: 10_000.0 + 20.0 * math.sin(t))
+        await bus.publish(TaskLifecycle(task_id="reopened-1", state="finished", at=now()))
+        await remembered(bus, task_signature(first))
+        # Its start, then its submission, come again (acks lost to a reconnect): the run was
+        # learnt, and the task is not waiting to start.
+        await redelivered(bus, started)
+        await asyncio.sleep(0.5)
+        await bus.publish_raw(subject_for(first), encode(first), headers={"Nats-Msg-Id": "again-submitted:reopened-1"})
+        await bus.publish(task("reopened-next"))  # read after it, on the same consumer
+        await wait_for(lambda: [f for f in seen if f.task_id == "reopened-next"], what="the next submission read")
+        assert held("waiting") == 1  # the next one alone
+
+
+async def test_a_run_whose_end_is_learnt_while_the_server_is_away_is_written_once_it_is_back(
+    nats_server, caplog,
+):
+    async with one_replica(nats_server.url, end_grace_s=1.5) as (host, bus, seen):
+        first = task("outage-1")
+        await run_for(bus, first, 400, lambda t: 10_000.0 + 30.0 * t)
+        await samples_taken(bus, seen, "sync-outage-1")
+        await bus.publish(TaskLifecycle(task_id="outage-1", state="finished", at=now()))
+        # Its end taken (acked) and waiting out its grace when the server goes away.
+        consumer = bus._js.consumer_info  # noqa: SLF001 - what the server says it has delivered
+
+        async def end_taken() -> bool:
+            info = await consumer("TASKS", "fingerprinter-lifecycle")
+            return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.consumer_seq >= 1
+
+        await wait_for(end_taken, what="the run's end taken")
+        nats_server.kill()
+        caplog.set_level("WARNING")
+        await wait_for(lambda: [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")
+                                and ("statistics of" in r.getMessage() or "periodic job" in r.getMessage())],
+                       what="the fold tried while the server is away")
+        nats_server.start()  # same port, same store
+        stats = await remembered(bus, task_signature(first))
+        assert stats.count == 1 and stats.run_peaks_mb == (21_700,), stats

@@ -154,3 +154,21 @@ def test_a_run_that_ended_before_its_declared_end_is_carried_to_its_real_end():
     # A clock that says the run ended before its last sample is not used (its last samples
     # may still be on their way): carried to the declared end, as without one.
     assert run().finish(ended_at=1_100.0).predicted_peak_mb > 100_000
+
+
+def test_refits_or_thins_on_next_add_says_what_add_then_does(monkeypatch):
+    # A service runs the heavy adds off its event loop on this prediction: one that said
+    # "append only" before a refit would stall the loop, and one never true would do nothing.
+    online = OnlineFingerprinter("s", min_samples=4, max_samples=32)
+    calls: list[str] = []
+    refit, thin = online.refit, online._thin
+    monkeypatch.setattr(online, "refit", lambda: calls.append("refit") or refit())
+    monkeypatch.setattr(online, "_thin", lambda: calls.append("thin") or thin())
+    said, did = [], []
+    for i in range(200):
+        said.append(online.refits_or_thins_on_next_add())
+        calls.clear()
+        online.add(float(i), 100.0 + 5.0 * i)
+        did.append(bool(calls))
+    assert said == did
+    assert 5 < sum(did) < 100  # geometric refits and periodic thinning, not every sample
