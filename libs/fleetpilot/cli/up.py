@@ -48,6 +48,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.learner import STORE_FILE
 from fleetpilot.runtime import partition_of
+from fleetpilot.runtime.children import ended_with_this_process
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
@@ -177,12 +178,17 @@ class ServiceProcesses:
             env["FLEETPILOT_EXECUTOR_NODE"] = env.get("FLEETPILOT_COLLECTOR_NODE_NAME") or socket.gethostname()
         return env
 
+    def command(self, name: str) -> list[str]:
+        """The command line of one process (a service, or a partition of the fingerprinter)."""
+        return [sys.executable, "-m", f"fleetpilot_services.{name.partition('-')[0]}"]
+
     def start(self, name: str) -> None:
-        """Start (or restart) one service."""
-        log = (self.state / "logs" / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"fleetpilot_services.{name.partition('-')[0]}"],
-                                            env=self.env_for(name), stdout=log, stderr=log,
-                                            start_new_session=True)
+        """Start (or restart) one service: in a session of its own (a Ctrl-C reaches ``up``,
+        which stops the services in order), and sent SIGTERM by the kernel should ``up`` be
+        killed outright, so that no service, nor the tasks it runs, outlives it."""
+        with (self.state / "logs" / f"{name}.log").open("ab") as log:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(self.command(name), env=self.env_for(name), stdout=log, stderr=log,
+                                                start_new_session=True, preexec_fn=ended_with_this_process())
 
     def start_all(self) -> None:
         """Start every service."""
@@ -641,7 +647,7 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
     try:
         try:
             if not url:
-                server = EmbeddedNats(bus_store(state, simulated=simulated)).start()
+                server = EmbeddedNats(bus_store(state, simulated=simulated), ends_with_parent=True).start()
                 url = server.url
             print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
             # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).

