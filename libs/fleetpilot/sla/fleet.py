@@ -30,6 +30,9 @@ class GpuPool:
     preemptible_gpus: int = 0
     completions: tuple[tuple[float, int], ...] = ()
     relative_compute: float = 1.0
+    most_gpus_on_a_node: int | None = None
+    """The most GPUs of the pool any one node has (a task's GPUs are all on one node);
+    ``None`` when not known, and then no request is refused for its count."""
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,11 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     pools = [p for p in fleet.pools if p.memory_mb_per_gpu >= need_mb]
     if not pools:
         return Reject("infeasible", f"no GPU model has {need_mb:.0f} MB per GPU", task.task_id)
+    # A task's GPUs are all on one node: admitted where no node has that many, it would be
+    # queued for ever, every pool's free GPUs summed across nodes looking like room.
+    pools = [p for p in pools if p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus]
+    if not pools:
+        return Reject("infeasible", f"no node has {task.gpus} GPUs of {need_mb:.0f} MB or more", task.task_id)
     estimates = [e for p in pools if (e := _estimate(task, p, fleet, fingerprint, now, preempt=False))]
     meeting = [e for e in estimates if not e.violations]
     if meeting:

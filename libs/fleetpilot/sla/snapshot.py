@@ -21,6 +21,8 @@ never frees, as the policy will place nothing there:
   Its GPUs come off that pool's free ones first, then off the earliest completions, so a
   burst of submissions is not all promised the same GPUs and a queue shows as a wait.
   (A contract is forgotten when its task ends, so nothing finished counts.)
+- ``most_gpus_on_a_node``: the most GPUs of the pool one node has, in service or not (a
+  task's GPUs are all on one node, and a GPU out of service now may be back).
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
   GPU with any holder of unknown duration never appears (no promise we cannot back).
@@ -73,6 +75,7 @@ class _PoolTally:
     free_milli: int = 0
     preemptible: int = 0
     frees_at: list[float] = field(default_factory=list)
+    most_on_a_node: int = 0
 
     def add(self, other: _PoolTally) -> None:
         """Fold another node's tally of the same pool into this one."""
@@ -83,6 +86,7 @@ class _PoolTally:
         self.free_milli = max(self.free_milli, other.free_milli)
         self.preemptible += other.preemptible
         self.frees_at.extend(other.frees_at)
+        self.most_on_a_node = max(self.most_on_a_node, other.most_on_a_node)
 
 
 NodeTallies = dict[tuple[str, str], _PoolTally]
@@ -118,6 +122,9 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
                 if c is not None and c.task.expected_duration_s is not None and a.at > 0]
         if len(ends) == len(holders):
             tally.frees_at.append(max(ends))
+    for tally in tallies.values():
+        # Every GPU it has, in service or not: a GPU out of service for now may be back.
+        tally.most_on_a_node = tally.total
     return tallies
 
 
@@ -198,7 +205,8 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
                              price_per_gpu_hour=price, free_gpus=tally.free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
-                             completions=tuple(sorted(completions.items())), relative_compute=compute))
+                             completions=tuple(sorted(completions.items())), relative_compute=compute,
+                             most_gpus_on_a_node=tally.most_on_a_node))
     return FleetView(pools=tuple(pools), bandwidth_gbps=dict(bandwidth_gbps or {}),
                      local_bandwidth_gbps=knobs.local_bandwidth_gbps,
                      default_bandwidth_gbps=knobs.default_bandwidth_gbps,

@@ -168,3 +168,23 @@ def test_a_cached_view_equals_one_built_afresh_through_every_kind_of_change():
         args = (nodes.values(), ledgers.values(), contracts)
         assert fleet_view(*args, now=NOW, cache=cache) == fleet_view(*args, now=NOW), step
     assert fleet_view(nodes.values(), ledgers.values(), contracts, now=NOW, cache=cache).pools[0].free_gpus == 4
+
+
+def test_a_task_asking_more_gpus_than_any_node_has_is_refused_not_queued_for_ever():
+    # Two idle 4-GPU nodes: 8 free GPUs in the pool, and a 6-GPU task was admitted on them,
+    # then queued by the policy ("no node has room now") for as long as it waited.
+    from fleetpilot.sla import Admit, Reject, negotiate  # noqa: PLC0415
+
+    nodes = [NodeTopology(node=n, site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960)
+                                                   for i in range(4)]) for n in ("n1", "n2")]
+    cordoned = NodeTopology(node="n2", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960,
+                                                                labels={"cordoned": "true"}) for i in range(4)])
+    view = fleet_view(nodes, [], {}, now=NOW)
+    (pool,) = view.pools
+    assert (pool.free_gpus, pool.most_gpus_on_a_node) == (8, 4)
+    verdict = negotiate(TaskSubmitted(task_id="big", gpus=6, gpu_memory_mb=1000), view, now=NOW)
+    assert verdict == Reject("infeasible", "no node has 6 GPUs of 1000 MB or more", "big")
+    assert isinstance(negotiate(TaskSubmitted(task_id="four", gpus=4, gpu_memory_mb=1000), view, now=NOW), Admit)
+    # A node's GPUs out of service for now still count: they may be back.
+    (pool,) = fleet_view([nodes[0], cordoned], [], {}, now=NOW).pools
+    assert pool.most_gpus_on_a_node == 4
