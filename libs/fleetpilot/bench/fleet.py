@@ -1229,8 +1229,9 @@ class FleetRun:
         pools: dict[tuple[str, str], dict] = {}
         for row in range(s.n_nodes):
             key = (self.node_site[row], self.node_model[row])
-            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": []})
+            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0})
             f = free[row][s.gpu_exists[row]]
+            p["most"] = max(p["most"], int(f.size))  # every GPU of the node, in service or not
             p["free"] += int((f >= MILLI).sum())
             part = f[(f > 0) & (f < MILLI)]
             if part.size:
@@ -1245,7 +1246,7 @@ class FleetRun:
             out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=p["free"], free_milli=p["milli"],
                                completions=tuple(sorted(p["completions"])[:256]),
-                               relative_compute=m.compute_ratio))
+                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"]))
         self._view = FleetView(pools=tuple(out))
         return self._view
 
