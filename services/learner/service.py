@@ -144,11 +144,26 @@ def malformed_decision(decision: DecisionMade) -> str | None:
     return None
 
 
-def malformed_outcome(feedback: FeedbackRecorded) -> str | None:
+FUTURE_SKEW_S = 300.0
+"""How far ahead of the learner's clock an outcome's ``recorded_at`` may be (clocks of
+replicas on other hosts drift by seconds, not minutes)."""
+
+
+def malformed_outcome(feedback: FeedbackRecorded, at: float) -> str | None:
     """Why an outcome of a placement cannot be kept as it came (``None``: it can): it has no
-    action id to store it once by."""
-    if feedback.decision_id and learns_from(feedback) and not feedback.action_id:
+    action id to store it once by, or its time is more than ``FUTURE_SKEW_S`` ahead of
+    ``at`` (this replica's clock)."""
+    if not (feedback.decision_id and learns_from(feedback)):
+        return None
+    if not feedback.action_id:
         return f"outcome of decision {feedback.decision_id} has no action_id to store it once by"
+    if feedback.recorded_at > at + FUTURE_SKEW_S:
+        # Outcomes are ordered by this time: one from a feedback replica whose clock runs
+        # hours ahead would be the latest for as long, marking every model trained on it as
+        # having learnt every outcome recorded meanwhile (the serving model was then never
+        # judged, nor withdrawn), and outliving every pruning of the store.
+        return (f"outcome {feedback.action_id}: recorded_at is {feedback.recorded_at - at:.0f} s ahead of this "
+                f"learner's clock (at most {FUTURE_SKEW_S:g} s allowed): a clock that is wrong")
     return None
 
 
@@ -212,7 +227,7 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
     @host.on(FeedbackRecorded, consumer="learner-feedback", instance=settings.instance,
              instance_start_s_ago=REPLAY_S)
     async def on_feedback(feedback: FeedbackRecorded) -> None:
-        if (why := malformed_outcome(feedback)) is not None:
+        if (why := malformed_outcome(feedback, now())) is not None:
             raise Reject(why)
         parts["store"].add_outcome(feedback)
 

@@ -118,7 +118,10 @@ def gain_evidence(p_model: np.ndarray, p_prior: np.ndarray, y: np.ndarray, w: np
         # promoted a model of noise; one exact record among 49 nearly weightless ones stood
         # at 30.
         return 0.0
-    spread = float((w * (gains - mean) ** 2).sum()) / total
+    # The gains' variance as a sample's (reliability weights: divided by total - squares /
+    # total, n - 1 for equal weights). Taken as the population's, it understated the standard
+    # error by sqrt(n / (n - 1)): 41% more evidence on two outcomes, 15% on four.
+    spread = float((w * (gains - mean) ** 2).sum()) / (total - squares / total)
     return float("inf") if spread == 0 else mean / (spread / effective) ** 0.5
 
 

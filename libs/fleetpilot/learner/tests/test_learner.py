@@ -297,9 +297,13 @@ def test_the_evidence_of_a_gain_is_its_mean_in_standard_errors() -> None:
     w = np.ones(4)
     # The same gain on every outcome: no doubt left.
     assert gain_evidence(np.array([0.9, 0.9, 0.1, 0.1]), np.array([0.8, 0.8, 0.2, 0.2]), y, w) > 1e6
-    # Gains of +0.03 and -0.0225 in turn: a mean of 0.00375, each 0.02625 from it, on 4 outcomes.
+    # Gains of +0.03 and -0.0225 in turn: a mean of 0.00375, each 0.02625 from it, on 4
+    # outcomes: a sample's standard deviation of 0.02625 * sqrt(4 / 3), not the 0.02625 of
+    # a population (which stood at 15% more evidence).
     model, prior = np.array([0.9, 0.75, 0.1, 0.25]), np.array([0.8, 0.8, 0.2, 0.2])
-    assert gain_evidence(model, prior, y, w) == pytest.approx(0.00375 / (0.02625 / 4**0.5))
+    assert gain_evidence(model, prior, y, w) == pytest.approx(0.00375 / (0.02625 * (4 / 3) ** 0.5 / 4**0.5))
+    # Weights scale the sample as a whole: halving every one changes nothing.
+    assert gain_evidence(model, prior, y, w * 0.5) == pytest.approx(gain_evidence(model, prior, y, w))
     # A loss is no evidence of a gain, and no weight is none either.
     assert gain_evidence(prior, model, y, w) == 0.0 and gain_evidence(model, prior, y, np.zeros(4)) == 0.0
 
