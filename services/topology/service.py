@@ -264,6 +264,39 @@ def node_condition(heard: float | None, kept_since: float | None, now: float, no
     return NOT_READY if silent_for > not_ready_after_s else READY
 
 
+class Sightings:
+    """When this replica first saw each server timestamp it reads (a node's last report, how
+    far back the stream keeps anything), on its own clock.
+
+    The stream stamps a report with the server's clock, and silence is that stamp's age on
+    this replica's clock: a replica whose clock ran two minutes ahead of the server's saw
+    every node silent for two minutes more, marked the whole fleet not ready, and at five
+    gave every node's tasks up. :meth:`no_earlier_than_seen` moves a stamp up to when it
+    was first seen here, so a silence is the lesser of the two readings: a clock ahead costs
+    at most one check's delay in telling a silence; a clock behind delays it, as before.
+    """
+
+    def __init__(self) -> None:
+        """No stamp seen yet."""
+        self._seen: dict[str, tuple[float, float]] = {}
+
+    def no_earlier_than_seen(self, key: str, stamp: float | None, now: float) -> float | None:
+        """``stamp`` (server time) or, if later, when this replica first saw it as ``key``'s
+        (``now`` on its clock, when it is new); ``None`` for no stamp."""
+        if stamp is None:
+            self._seen.pop(key, None)
+            return None
+        kept = self._seen.get(key)
+        if kept is None or kept[0] != stamp:
+            kept = self._seen[key] = (stamp, now)
+        return max(stamp, kept[1])
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Forget the stamps of keys no longer read (nodes gone from the bucket)."""
+        for gone in self._seen.keys() - keys:
+            del self._seen[gone]
+
+
 def labelled_condition(node: NodeTopology) -> str:
     """The condition a node's GPU labels say it is in (``READY`` without either label)."""
     for condition in (UNREACHABLE, NOT_READY):
@@ -340,6 +373,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         return TopologyUpdated(revision=stored.revision, nodes=[node.node], bandwidth=estimates, at=now())
 
     started = {"at": now()}
+    sightings = Sightings()
 
     async def listening_since(bus: Bus) -> None:
         started["at"] = now()
@@ -349,22 +383,34 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     @host.every(settings.liveness_check_s)
     async def judge_liveness() -> TopologyUpdated | None:
         # A collector re-reports its node every 30 s; the stream keeps the last report per
-        # node, by the server's clock, so every replica judges alike. A replica vouches only
+        # node, stamped by the server's clock, read no earlier than this replica saw it
+        # (``Sightings``: a replica's clock ahead of the server's silenced every node). A replica vouches only
         # for a silence it listened through itself: after an outage of the whole fleet (or of
         # the NATS cluster) every last report is old, and nobody is silent yet. So it judges
         # nothing before ``not_ready_after_s``, and gives no node up before ``silent_after_s``.
         bus = host.bus
-        listened = now() - started["at"]
-        if bus is None or listened < settings.not_ready_after_s:
+        if bus is None:
             return None
+        listened = now() - started["at"]
         kv = await bus.kv("topology")
+        nodes = await stored_nodes(kv)
+        # Read from the start, judged only once listened long enough: the stamps' sightings
+        # (``Sightings``) then date from this replica's start, not from its first judgement.
+        stamps = []
+        for node in nodes:
+            subject = f"topology.report.{node.node}"
+            heard = sightings.no_earlier_than_seen(subject, await bus.last_stored_at(subject), now())
+            # How far back the stream goes stays the server's reading: it moves on as the stream
+            # rolls, and each new first message seen anew would read as no time kept at all.
+            kept_since = await bus.first_stored_at(subject) if heard is None else None
+            stamps.append((node, heard, kept_since))
+        sightings.keep_only({f"topology.report.{n.node}" for n in nodes})
+        if listened < settings.not_ready_after_s:
+            return None
         changed: list[str] = []
         written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
-        for node in await stored_nodes(kv):
-            subject = f"topology.report.{node.node}"
-            heard = await bus.last_stored_at(subject)
-            kept_since = await bus.first_stored_at(subject) if heard is None else None
+        for node, heard, kept_since in stamps:
             condition = node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
             if condition is None:
                 counts[labelled_condition(node)] += 1

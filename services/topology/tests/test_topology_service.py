@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -15,8 +16,10 @@ from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
+from fleetpilot_services.topology import service as topology_service
 from fleetpilot_services.topology.service import (
     BadFleetConfig,
+    Sightings,
     TopologySettings,
     bandwidth_estimates,
     build,
@@ -287,6 +290,42 @@ async def test_a_replica_that_has_not_listened_through_the_silence_gives_no_node
         await host.stop()
     steps = [labels for i, labels in enumerate(seen) if i == 0 or labels != seen[i - 1]]
     assert steps[-2:] == [{"not_ready"}, {"unreachable"}], steps
+
+
+async def test_a_replica_whose_clock_runs_ahead_of_the_server_s_does_not_silence_reporting_nodes(
+        nats_server, client, monkeypatch):
+    # Silence was the server's stamp aged on the replica's clock: two minutes ahead, every
+    # node looked silent for two minutes more, and the whole fleet was marked not ready
+    # (unreachable at five, its tasks given up) while every collector reported.
+    monkeypatch.setattr(topology_service, "now", lambda: time.time() + 120.0)
+    chatty = NODES[1]
+    host = build(settings(nats_server.url, not_ready_after_s=0.8, silent_after_s=2.4, liveness_check_s=0.1))
+    await host.start()
+    kv = await client.kv("topology")
+    seen: list[set[str]] = []
+    try:
+        for i in range(12):
+            await client.publish(report(chatty, 1.0 + i))
+            await asyncio.sleep(0.2)
+            if await kv.get(chatty.node) is not None:
+                seen.append(await condition_labels(kv, chatty))
+    finally:
+        await host.stop()
+    assert len(seen) >= 8 and set().union(*seen) == {""}, seen
+
+
+def test_a_stamp_reads_no_earlier_than_this_replica_first_saw_it():
+    sightings = Sightings()
+    # Stamped 100 by the server, first seen at 220 here (a clock 120 s ahead): read as 220,
+    # and still 220 while the same report is the last one; a new report is seen anew.
+    assert sightings.no_earlier_than_seen("n1", 100.0, now=220.0) == 220.0
+    assert sightings.no_earlier_than_seen("n1", 100.0, now=400.0) == 220.0
+    assert sightings.no_earlier_than_seen("n1", 130.0, now=251.0) == 251.0
+    # A clock behind the server's: the stamp stands (a silence is then told late, as before).
+    assert sightings.no_earlier_than_seen("n2", 500.0, now=450.0) == 500.0
+    assert sightings.no_earlier_than_seen("n2", None, now=460.0) is None
+    sightings.keep_only({"n2"})
+    assert sightings.no_earlier_than_seen("n1", 130.0, now=900.0) == 900.0  # forgotten: seen anew
 
 
 @pytest.mark.parametrize(("heard", "kept_since", "expected"), [
