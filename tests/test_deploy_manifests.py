@@ -150,6 +150,23 @@ def test_per_node_services_run_on_gpu_nodes_with_nvml_access(name):
         assert "nvidia.com/gpu" not in container["resources"].get(section, {})
 
 
+def test_the_executor_runs_tasks_on_its_node_with_room_for_them():
+    # The manifest left the default `sim` backend beside NVML collectors: every placement
+    # failed (nothing answers sim.control), and the tasks, had they run in this container,
+    # would have had one CPU and 512 MiB between them.
+    from fleetpilot_services.executor.service import ExecutorSettings
+
+    (container,) = _workloads()["executor"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = next(doc for doc in _by_kind("ConfigMap").values() if doc["metadata"]["name"] == "fleetpilot-env")
+    assert "FLEETPILOT_EXECUTOR_BACKEND" not in config.get("data", {})  # one place says it
+    assert env["FLEETPILOT_EXECUTOR_BACKEND"] == "process"
+    assert ExecutorSettings(backend=env["FLEETPILOT_EXECUTOR_BACKEND"]).backend == "process"
+    limits = container["resources"]["limits"]
+    assert "cpu" not in limits
+    assert int(limits["memory"].removesuffix("Gi")) >= 16
+
+
 @pytest.mark.parametrize(("name", "variable", "field", "named"), [
     ("collector", "FLEETPILOT_COLLECTOR_NODE_NAME", "node_name", "gpu-node-7.ec2.internal"),  # its reader maps it
     ("executor", "FLEETPILOT_EXECUTOR_NODE", "node", "gpu-node-7_ec2_internal"),
