@@ -447,7 +447,7 @@ class Report:
             latency = ("no latency measured" if g.p95_latency_ms is None
                        else f"p95 latency {g.p95_latency_ms:.0f} ms over {g.measured} measured")
             lines.append(f"  {g.key.get('policy', '?')} {g.key.get('action') or '(judged without its result)'}: "
-                         f"{g.count} records, success {g.success_rate:.2f}{weighted}, {latency}, "
+                         f"{g.count} record{'s' * (g.count != 1)}, success {g.success_rate:.2f}{weighted}, {latency}, "
                          f"{g.expected_successes:.1f} successes expected, {g.successes} met, "
                          f"Brier {g.brier_score:.3f}")
         return lines
