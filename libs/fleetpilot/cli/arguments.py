@@ -105,3 +105,20 @@ def task_id_problem(task_id: str) -> str | None:
     if "." in task_id:
         return "has a dot"
     return subject_problem(task_id, wildcards=False)
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str) -> float:
+    """A span of time as seconds: a number with a unit, ``90s``, ``30m``, ``2h``, ``7d``."""
+    unit = _DURATION_UNITS.get(text[-1:].lower())
+    try:
+        value = float(text[:-1])
+    except ValueError:
+        unit = None
+    if unit is None or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number and a unit (s, m, h or d), like 30m, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return value * unit

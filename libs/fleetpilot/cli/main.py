@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("fleetpilot.cli.up", "run NATS and all services locally, show live decisions"),
     "submit": ("fleetpilot.cli.submit", "submit a task and print its decision"),
     "watch": ("fleetpilot.cli.watch", "follow decision.made (or other subjects)"),
+    "dead-letters": ("fleetpilot.cli.dead_letters_cmd", "list what the services refused, and why; --redrive sends it back"),
     "token": ("fleetpilot.cli.token", "mint a bearer token with the local key"),
     "topology": ("fleetpilot.cli.topology_cmd", "parse saved `nvidia-smi topo -m` output, print the graph as JSON"),
     "probe": ("fleetpilot.cli.probe_cmd", "read this node's GPUs through NVML, as the collector would"),

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import nats
@@ -223,6 +224,18 @@ def cannot_connect(url: str, cause: BaseException) -> ConnectionError:
     cause (the first line of the error seen on the way, or its type when it says nothing)."""
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     return ConnectionError(f"cannot connect to NATS at {url}: {first}")
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """One message a stream keeps: its sequence there, subject, bytes, headers, and when it
+    was stored (epoch seconds, the server's clock)."""
+
+    sequence: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    at: float
 
 
 class NatsBus(Bus):
@@ -500,6 +513,51 @@ class NatsBus(Bus):
         except nats.js.errors.NotFoundError:
             return None  # discarded meanwhile: the next look sees the new first
         return msg.time.timestamp() if msg.time is not None else None
+
+    async def stored(self, stream: str, subject: str, *, since: float | None = None,
+                     batch: int = 256) -> AsyncIterator[StoredMessage]:
+        """The messages ``stream`` keeps on ``subject`` (wildcards allowed), oldest first,
+        those stored at or after ``since`` (epoch seconds) when given: read through an
+        ephemeral consumer that acknowledges nothing, so no consumer of the stream is moved."""
+        config = api.ConsumerConfig(
+            filter_subject=subject, ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0,
+            deliver_policy=api.DeliverPolicy.BY_START_TIME if since is not None else api.DeliverPolicy.ALL,
+            opt_start_time=datetime.fromtimestamp(since, UTC).isoformat() if since is not None else None)
+        sub = await self._js.pull_subscribe(subject, durable=None, stream=stream, config=config)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    return  # nothing (more) stored
+                for msg in msgs:
+                    meta = msg.metadata
+                    yield StoredMessage(sequence=meta.sequence.stream, subject=msg.subject, data=msg.data,
+                                        headers=dict(msg.headers or {}), at=meta.timestamp.timestamp())
+                if msgs and msgs[-1].metadata.num_pending == 0:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def delete_stored(self, stream: str, sequence: int) -> None:
+        """Remove one message from ``stream`` (a dead letter redriven); gone already is fine."""
+        try:
+            await self._js.delete_msg(stream, sequence)
+        except nats.js.errors.NotFoundError:
+            pass
+
+    async def publish_stored(self, subject: str, data: bytes, headers: dict[str, str], msg_id: str) -> bool:
+        """Publish ``data`` to the stream that takes ``subject``, de-duplicated by ``msg_id``;
+        whether it is stored now (``False``: the stream had that id already). Raises
+        ``LookupError`` when no stream takes the subject."""
+        try:
+            ack = await self._js.publish(subject, data, headers={**headers, "Nats-Msg-Id": msg_id})
+        except nats.errors.NoRespondersError as exc:
+            raise LookupError(f"no stream takes {subject}") from exc
+        except nats.js.errors.NoStreamResponseError as exc:
+            raise LookupError(f"no stream takes {subject}") from exc
+        return not ack.duplicate
 
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv_cache:

@@ -1,0 +1,158 @@
+"""``fleetpilot dead-letters``: what the services could not take, and sending it back.
+
+Every message a service refuses (malformed, rejected, or failing past its deliveries) is
+kept whole on ``dlq.<subject>`` for 30 days, with the reason. This lists them, newest last,
+and with ``--redrive`` publishes each one's original bytes and headers to its subject again
+(once the cause is fixed: a producer's bug, a consumer's), then removes it from the
+dead letters. A redriven message is de-duplicated by its dead letter's sequence, so a
+redrive cut short and run again publishes nothing twice. A message no stream takes (core
+NATS telemetry, whose moment has passed) is left where it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import msgspec
+
+from fleetpilot.contracts import DeadLetter, decode
+from fleetpilot.contracts.catalog import DLQ_PREFIX
+from fleetpilot.runtime.nats_bus import NatsBus, StoredMessage
+
+from .arguments import duration, non_negative_int, subject_pattern
+from .local import local_nats_url
+
+DLQ_STREAM = "DLQ"
+
+
+def add_arguments(parser) -> None:
+    """Flags of ``fleetpilot dead-letters``."""
+    parser.add_argument("subjects", nargs="*", type=subject_pattern, default=[">"],
+                        help="original subjects to show (wildcards allowed; default: all)")
+    parser.add_argument("--since", type=duration, default=None,
+                        help="only those dead-lettered within this span (90s, 30m, 2h, 7d; default: all kept)")
+    parser.add_argument("--service", default="", help="only those a given service refused (sla, policy, ...)")
+    parser.add_argument("--limit", type=non_negative_int, default=100,
+                        help="the latest this many (default 100; 0: all)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per dead letter")
+    parser.add_argument("--redrive", action="store_true",
+                        help="publish each one shown to its subject again, then remove it from the dead letters")
+    parser.add_argument("--nats-url", default=None,
+                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
+                             "--state-dir, else :4222)")
+    parser.add_argument("--state-dir", default=None, help="where a running `fleetpilot up` keeps its state")
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One stored dead letter: where it is in the ``DLQ`` stream, and what it says (``None``
+    when its bytes are no dead letter, which nothing can send back)."""
+
+    sequence: int
+    stored_at: float
+    letter: DeadLetter | None
+
+
+def kept(message: StoredMessage) -> Kept:
+    """The dead letter a ``DLQ`` message holds."""
+    try:
+        letter = decode(message.data, DeadLetter)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        letter = None
+    return Kept(message.sequence, message.at, letter)
+
+
+def redrive_headers(letter: DeadLetter) -> dict[str, str]:
+    """The original headers to publish again, without NATS's own (``Nats-*``): the original
+    message id would be taken for a duplicate inside the stream's window, and an expected
+    stream or sequence would no longer hold."""
+    return {k: v for k, v in letter.headers.items() if not k.lower().startswith("nats-")}
+
+
+def as_text(item: Kept) -> str:
+    """One line for a person: when, which, who refused it, why."""
+    stamp = datetime.fromtimestamp(item.stored_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    letter = item.letter
+    if letter is None:
+        return f"{stamp}  #{item.sequence}  (not a dead letter: cannot be read or sent back)"
+    error = " ".join(letter.error.split())[:200]
+    deliveries = f"  ({letter.deliveries} deliveries)" if letter.deliveries > 1 else ""
+    return (f"{stamp}  #{item.sequence}  {letter.service or '?'}  {letter.subject}  "
+            f"{letter.reason}{': ' + error if error else ''}{deliveries}")
+
+
+def as_json(item: Kept) -> str:
+    """One JSON object: the dead letter, its original message decoded when it is JSON."""
+    letter = item.letter
+    if letter is None:
+        return json.dumps({"sequence": item.sequence, "at": item.stored_at, "readable": False})
+    try:
+        original = msgspec.json.decode(letter.data)
+    except msgspec.DecodeError:
+        original = letter.data.decode("utf-8", "replace")
+    return json.dumps({"sequence": item.sequence, "at": item.stored_at, "subject": letter.subject,
+                       "service": letter.service, "reason": letter.reason, "error": letter.error,
+                       "deliveries": letter.deliveries, "data": original})
+
+
+async def dead_letters(args, out=None, err=None) -> int:
+    """List (and with ``--redrive`` send back) the dead letters asked for, to ``out`` (and
+    what was done to ``err``; standard output and error by default); 1 when some of those
+    to send back could not be."""
+    out, err = out or sys.stdout, err or sys.stderr
+    bus = await NatsBus.connect(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-dead-letters",
+                                connect_timeout_s=2)
+    try:
+        since = time.time() - args.since if args.since is not None else None
+        shown: deque[Kept] = deque(maxlen=args.limit or None)
+        for pattern in dict.fromkeys(args.subjects):
+            async for message in bus.stored(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
+                item = kept(message)
+                if args.service and (item.letter is None or item.letter.service != args.service):
+                    continue
+                shown.append(item)
+        items = sorted(shown, key=lambda i: i.sequence)  # several patterns: one order, the stream's
+        for item in items:
+            print(as_json(item) if args.json else as_text(item), file=out, flush=True)
+        if not args.redrive:
+            print(f"{len(items)} dead letter{'s' * (len(items) != 1)}", file=err)
+            return 0
+        return await redrive(bus, items, err)
+    finally:
+        await bus.drain()
+
+
+async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
+    """Publish each dead letter's original to its subject and remove the letter once the
+    stream has it; say what was sent back and what was not, and why."""
+    sent, left = 0, 0
+    for item in items:
+        letter = item.letter
+        if letter is None:
+            left += 1
+            print(f"#{item.sequence}: not sent back: not a dead letter", file=err)
+            continue
+        try:
+            # An id of the letter's own: a redrive cut short after the publish, run again,
+            # finds the stream holding it already and only removes the letter.
+            await bus.publish_stored(letter.subject, letter.data, redrive_headers(letter),
+                                     msg_id=f"redrive-dlq-{item.sequence}")
+        except LookupError as exc:
+            left += 1
+            print(f"#{item.sequence}: not sent back: {exc}", file=err)
+            continue
+        await bus.delete_stored(DLQ_STREAM, item.sequence)
+        sent += 1
+    print(f"sent back {sent}, left {left}", file=err)
+    return 1 if left else 0
+
+
+def main(args) -> int:
+    """Entry of the subcommand."""
+    return asyncio.run(dead_letters(args))

@@ -1,0 +1,93 @@
+"""``fleetpilot dead-letters``: list what the services refused, and send it back once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+
+import pytest
+from fleetpilot.cli.main import main
+from fleetpilot.contracts import DeadLetter, TaskSubmitted, encode
+from fleetpilot.contracts.catalog import dlq_subject, stream_of
+from fleetpilot.runtime.nats_bus import NatsBus
+
+TASK = encode(TaskSubmitted(task_id="t1", gpus=1, gpu_memory_mb=8000, submitted_at=1.0))
+
+
+async def _put_letters(url: str) -> None:
+    bus = await NatsBus.connect(url, "dead-letters-test")
+    await bus.ensure_topology()
+    letters = [
+        DeadLetter(subject="task.submitted", reason="rejected", error="sizes must be >= 0", service="sla",
+                   headers={"Nats-Msg-Id": "orig-1", "traceparent": "00-abc-def-01"}, data=TASK, at=1.0),
+        # Of a subject no stream keeps (a plugin's own, say): sent back, nothing would hold it.
+        DeadLetter(subject="plugin.audit.t9", reason="failed", error="timeout", service="policy",
+                   deliveries=5, data=b'{"type": "plugin.audit.v1"}', at=2.0),
+    ]
+    for letter in letters:
+        await bus.publish_raw(dlq_subject(letter.subject), encode(letter))
+    await bus.publish_raw("dlq.decision.made", b"\xff not a dead letter")
+    await bus.drain()
+
+
+async def _stored(url: str, stream: str, subject: str) -> list:
+    bus = await NatsBus.connect(url, "dead-letters-test")
+    try:
+        return [m async for m in bus.stored(stream, subject)]
+    finally:
+        await bus.drain()
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    """``fleetpilot ARGV`` in-process: exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exit_:
+            rc = exit_.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_dead_letters_are_listed_with_their_reason_and_filtered(nats_url) -> None:
+    asyncio.run(_put_letters(nats_url))
+    rc, out, err = run(["dead-letters", "--nats-url", nats_url])
+    lines = out.splitlines()
+    assert rc == 0 and err == "3 dead letters\n"
+    assert lines[0].endswith("#1  sla  task.submitted  rejected: sizes must be >= 0")
+    assert lines[1].endswith("#2  policy  plugin.audit.t9  failed: timeout  (5 deliveries)")
+    assert lines[2].endswith("#3  (not a dead letter: cannot be read or sent back)")
+    rc, out, _ = run(["dead-letters", "--nats-url", nats_url, "--service", "sla", "--json"])
+    (shown,) = [json.loads(line) for line in out.splitlines()]
+    assert (shown["subject"], shown["data"]["task_id"]) == ("task.submitted", "t1")
+    rc, out, _ = run(["dead-letters", "plugin.>", "--nats-url", nats_url, "--limit", "1"])
+    assert [line.split("  ")[1] for line in out.splitlines()] == ["#2"]
+    rc, out, _ = run(["dead-letters", "--nats-url", nats_url, "--limit", "2"])
+    assert [line.split("  ")[1] for line in out.splitlines()] == ["#2", "#3"]  # the latest two
+    rc, out, err = run(["dead-letters", "--nats-url", nats_url, "--since", "1h"])
+    assert len(out.splitlines()) == 3  # stored just now
+
+
+def test_redrive_sends_each_original_back_once_and_keeps_what_no_stream_takes(nats_url) -> None:
+    asyncio.run(_put_letters(nats_url))
+    rc, _, err = run(["dead-letters", "--nats-url", nats_url, "--redrive"])
+    assert rc == 1, err  # two could not be sent back, and it says so
+    assert "#2: not sent back: no stream takes plugin.audit.t9" in err
+    assert "#3: not sent back: not a dead letter" in err
+    assert err.endswith("sent back 1, left 2\n")
+    tasks = asyncio.run(_stored(nats_url, stream_of("task.submitted"), "task.submitted"))
+    assert [(m.data, m.headers.get("traceparent"), m.headers.get("Nats-Msg-Id")) for m in tasks] == [
+        (TASK, "00-abc-def-01", "redrive-dlq-1")]  # the original bytes; not its old id, inside the window
+    left = asyncio.run(_stored(nats_url, "DLQ", "dlq.>"))
+    assert [m.sequence for m in left] == [2, 3]
+    rc, _, err = run(["dead-letters", "--nats-url", nats_url, "--redrive"])  # again: nothing twice
+    assert err.endswith("sent back 0, left 2\n")
+    assert len(asyncio.run(_stored(nats_url, stream_of("task.submitted"), "task.submitted"))) == 1
+
+
+@pytest.mark.parametrize("since", ["5x", "0m", "-1h", "nanh", "h"])
+def test_a_bad_span_is_one_line(since) -> None:
+    rc, out, err = run(["dead-letters", "--since", since])
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "--since" in err, err
