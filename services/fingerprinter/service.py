@@ -60,9 +60,11 @@ from fleetpilot.contracts import (
     TaskRejected,
     TaskSubmitted,
     TaskTelemetry,
+    decode,
     encode,
     now,
 )
+from fleetpilot.contracts.catalog import stream_of
 from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureStats,
@@ -84,6 +86,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.fingerprinter")
+
+STREAM_OF_SUBMISSIONS = stream_of("task.submitted")
 
 PARTITION_REPLAY_S = 60.0
 """How far back a partition's own consumers start when first made (the fingerprinter
@@ -123,6 +127,12 @@ class FingerprinterSettings(ServiceSettings):
     forgotten: its node is gone, or its end was never told (a process the collector names
     ``pid-<pid>`` has none), and kept it would hold up to 20,000 samples until the task cap.
     A run of a known task keeps its signature and the most it held, as after a move."""
+    recover_s: float = Field(default=86_400.0, ge=0)
+    """How far back, at start, the submissions kept in the ``TASKS`` stream are read again for
+    the signatures of the runs in progress (0: not at all). A replica started again (a
+    rolling update, a crash) resumes its consumers past the submissions it had read, and
+    the runs it then hears of by their samples alone had no signature: long runs in progress
+    across a restart taught nothing when they ended."""
     partitions: int = Field(default=1, ge=1)
     """How many replicas share the tasks, each owning the tasks whose id hashes to its
     partition (``fleetpilot.runtime.partition``); every replica is given the same count."""
@@ -331,8 +341,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             if folded is not None:
                 await statistics_changed(signature, folded)
 
+    # The signature and declared duration of tasks submitted before this replica started
+    # (``recover_s``), read again from the stream: a run heard of by its samples alone gets
+    # them. Kept apart from ``models`` so that the tasks long ended take no model.
+    recovered: OrderedDict[str, tuple[str, float | None]] = OrderedDict()
+
     def model_for(task_id: str, signature: str = "", duration: float | None = None, *,
                   submitted: bool = False) -> TaskSeries:
+        if not signature and task_id in recovered:
+            signature, duration = recovered[task_id]
         if task_id not in models:
             if len(models) >= settings.max_tracked_tasks:
                 models.popitem(last=False)  # forget the least recently fed rather than grow without bound
@@ -609,6 +626,42 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         async def watch_statistics(_bus: object) -> None:
             """Start the bucket's watch once the bus is up."""
             host.background(follow_statistics, "fingerprints-watch")
+
+    async def recover_signatures() -> None:
+        """Read the submissions of the last ``recover_s`` again (``recovered``), and give the
+        runs already heard of without a signature theirs; then rest until the service stops
+        (``host.background`` would start a job that ends again)."""
+        if not recovery["done"]:
+            since = now() - settings.recover_s
+            read = 0
+            async for message in host.bus.stream_messages(  # type: ignore[union-attr]
+                    STREAM_OF_SUBMISSIONS, "task.submitted", since=since):
+                try:
+                    task = decode(message.data, TaskSubmitted)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue  # dead-lettered by the consumer when it was first read
+                if not owned.owns(task.task_id) or task.task_id in ended:
+                    continue
+                read += 1
+                keep_newest(recovered, task.task_id, (task_signature(task), task.expected_duration_s))
+                model = models.get(task.task_id)
+                if model is not None and not model.signature:
+                    model.signature, model.expected_duration_s = recovered[task.task_id]
+                await asyncio.sleep(0)  # a long read must not hold up the samples
+            recovery["done"] = True
+            log.info("read the signatures of %d tasks submitted in the last %.0f s", read, settings.recover_s)
+        await asyncio.Event().wait()
+
+    recovery = {"done": settings.recover_s <= 0, "started": False}
+
+    @host.on_startup
+    async def start_recovery(_bus: object) -> None:
+        """Read the earlier submissions in the background, once the bus is up (once: a
+        start-up run again after an outage finds the job running, and it reads again itself
+        if the outage cut its read)."""
+        if not recovery["done"] and not recovery["started"]:
+            recovery["started"] = True
+            host.background(recover_signatures, "signature-recovery")
 
     return host
 

@@ -23,7 +23,8 @@ import msgspec
 
 from fleetpilot.contracts import DeadLetter, decode
 from fleetpilot.contracts.catalog import DLQ_PREFIX
-from fleetpilot.runtime.nats_bus import NatsBus, StoredMessage
+from fleetpilot.runtime.bus import StoredMessage
+from fleetpilot.runtime.nats_bus import NatsBus
 
 from .arguments import duration, non_negative_int, subject_pattern
 from .local import local_nats_url
@@ -112,7 +113,7 @@ async def dead_letters(args, out=None, err=None) -> int:
         since = time.time() - args.since if args.since is not None else None
         shown: deque[Kept] = deque(maxlen=args.limit or None)
         for pattern in dict.fromkeys(args.subjects):
-            async for message in bus.stored(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
+            async for message in bus.stream_messages(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
                 item = kept(message)
                 if args.service and (item.letter is None or item.letter.service != args.service):
                     continue

@@ -111,6 +111,18 @@ InboundHandler = Callable[[Inbound], Awaitable[None]]
 RequestHandler = Callable[[bytes, dict[str, str]], Awaitable[bytes]]
 
 
+@dataclass(frozen=True)
+class StoredMessage:
+    """One message a stream keeps: its sequence there, subject, bytes, headers, and when it
+    was stored (epoch seconds, the server's clock)."""
+
+    sequence: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    at: float
+
+
 class Bus(abc.ABC):
     """Transport used by the service host; durable subjects go over JetStream."""
 
@@ -154,6 +166,13 @@ class Bus(abc.ABC):
         """When the stream that keeps ``subject`` stored the oldest message it still keeps
         (on any of its subjects): how far back ``last_stored_at`` can see. ``None`` when it
         keeps nothing, or no stream keeps ``subject``."""
+
+    @abc.abstractmethod
+    def stream_messages(self, stream: str, subject: str, *, since: float | None = None
+                        ) -> AsyncIterator[StoredMessage]:
+        """The messages ``stream`` keeps on ``subject`` (wildcards allowed), oldest first;
+        only those stored at or after ``since`` (epoch seconds) when it is given. Reading
+        them acknowledges nothing and moves no consumer."""
 
     @abc.abstractmethod
     async def kv(self, bucket: str) -> KeyValue:

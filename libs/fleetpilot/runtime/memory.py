@@ -27,7 +27,17 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.contracts.catalog import stream_of
 
-from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, subject_matches
+from .bus import (
+    Bus,
+    CasConflict,
+    Inbound,
+    InboundHandler,
+    KeyValue,
+    KvEntry,
+    RequestHandler,
+    StoredMessage,
+    subject_matches,
+)
 
 
 @dataclass
@@ -198,6 +208,13 @@ class InMemoryBus(Bus):
         stream = stream_of(subject)
         kept = self._streams.get(stream, []) if stream else []
         return kept[0].at if kept else None
+
+    async def stream_messages(self, stream: str, subject: str, *, since: float | None = None
+                              ) -> AsyncIterator[StoredMessage]:
+        for sequence, kept in enumerate(list(self._streams.get(stream, [])), start=1):
+            if subject_matches(subject, kept.subject) and (since is None or kept.at >= since):
+                yield StoredMessage(sequence=sequence, subject=kept.subject, data=kept.data,
+                                    headers=dict(kept.headers or {}), at=kept.at)
 
     def _fan_out(self, stored: _Stored) -> None:
         groups_done: set[str] = set()

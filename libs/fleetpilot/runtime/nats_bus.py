@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import nats
@@ -38,7 +37,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.contracts.catalog import RETIRED_CONSUMERS, stream_of
 
-from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler
+from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, StoredMessage
 
 log = logging.getLogger("fleetpilot.runtime.nats")
 
@@ -224,18 +223,6 @@ def cannot_connect(url: str, cause: BaseException) -> ConnectionError:
     cause (the first line of the error seen on the way, or its type when it says nothing)."""
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     return ConnectionError(f"cannot connect to NATS at {url}: {first}")
-
-
-@dataclass(frozen=True)
-class StoredMessage:
-    """One message a stream keeps: its sequence there, subject, bytes, headers, and when it
-    was stored (epoch seconds, the server's clock)."""
-
-    sequence: int
-    subject: str
-    data: bytes
-    headers: dict[str, str]
-    at: float
 
 
 class NatsBus(Bus):
@@ -514,11 +501,10 @@ class NatsBus(Bus):
             return None  # discarded meanwhile: the next look sees the new first
         return msg.time.timestamp() if msg.time is not None else None
 
-    async def stored(self, stream: str, subject: str, *, since: float | None = None,
-                     batch: int = 256) -> AsyncIterator[StoredMessage]:
-        """The messages ``stream`` keeps on ``subject`` (wildcards allowed), oldest first,
-        those stored at or after ``since`` (epoch seconds) when given: read through an
-        ephemeral consumer that acknowledges nothing, so no consumer of the stream is moved."""
+    async def stream_messages(self, stream: str, subject: str, *, since: float | None = None,
+                              batch: int = 256) -> AsyncIterator[StoredMessage]:
+        # Read through an ephemeral consumer that acknowledges nothing: no consumer of the
+        # stream is moved.
         config = api.ConsumerConfig(
             filter_subject=subject, ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0,
             deliver_policy=api.DeliverPolicy.BY_START_TIME if since is not None else api.DeliverPolicy.ALL,

@@ -951,3 +951,26 @@ async def test_a_run_whose_end_is_learnt_while_the_server_is_away_is_written_onc
         nats_server.start()  # same port, same store
         stats = await remembered(bus, task_signature(first))
         assert stats.count == 1 and stats.run_peaks_mb == (21_700,), stats
+
+
+async def test_a_run_in_progress_across_a_restart_still_teaches_its_signature(nats_server):
+    # The replica started again resumed its consumers past the submission it had read: the
+    # run's samples made a model with no signature, and when the run ended it taught nothing.
+    submitted = task("across-1")
+    start = now()
+    async with replicas(nats_server.url, Partition()) as (bus, seen):
+        await bus.publish(submitted)
+        await asyncio.sleep(0.5)
+        for t in np.arange(0, 300, 10.0):
+            await bus.publish(TaskTelemetry(task_id="across-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=8_000.0 + 20.0 * float(t)))
+        await samples_taken(bus, seen, "sync-before")
+    async with replicas(nats_server.url, Partition()) as (bus, seen):
+        for t in np.arange(300, 1_000, 10.0):
+            await bus.publish(TaskTelemetry(task_id="across-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=8_000.0 + 20.0 * float(t)))
+        await samples_taken(bus, seen, "sync-after")
+        await bus.publish(TaskLifecycle(task_id="across-1", state="finished", at=start + 1_000.0))
+        stats = await remembered(bus, task_signature(submitted))
+    assert stats.count == 1
+    assert 20_000 <= stats.run_peaks_mb[-1] <= 28_000  # what the run after the restart reached (27,800 MB)

@@ -35,7 +35,7 @@ async def _put_letters(url: str) -> None:
 async def _stored(url: str, stream: str, subject: str) -> list:
     bus = await NatsBus.connect(url, "dead-letters-test")
     try:
-        return [m async for m in bus.stored(stream, subject)]
+        return [m async for m in bus.stream_messages(stream, subject)]
     finally:
         await bus.drain()
 
