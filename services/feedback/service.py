@@ -45,8 +45,18 @@ from fleetpilot.feedback import (
     feedback_for,
     side_effects_of,
 )
+from fleetpilot.feedback.aggregates import validate_by
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, CasConflict, Delivery, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import (
+    Bus,
+    CasConflict,
+    Delivery,
+    KeyValue,
+    Reject,
+    ServiceHost,
+    ServiceSettings,
+    serve,
+)
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
@@ -106,7 +116,13 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     host.on_shutdown(close_parts)
 
     async def record(event: FeedbackRecorded) -> FeedbackRecorded | None:
-        stored = await parts["store"].record(event)
+        try:
+            stored = await parts["store"].record(event)
+        except ValueError as error:
+            # The store refuses, before any write, a record it could never keep (a NUL in a
+            # key, a number that would not read back): no redelivery can change that, so it
+            # is dead-lettered at once with the store's reason instead of retried.
+            raise Reject(str(error)) from None
         return event if stored else None  # a redelivery is stored once and announced once
 
     async def judge(result: ActionExecuted | ActionFailed,
@@ -211,7 +227,15 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
 
     @host.endpoint("stats", "feedback.stats", StatsQuery)
     async def stats(query: StatsQuery) -> FeedbackStats:
-        groups = await parts["store"].aggregates(by=tuple(query.by))
+        try:
+            fields = validate_by(query.by)
+        except ValueError as error:
+            # Answered as an error body naming the grouping; raised, nats.micro sent an
+            # empty 500 reply that the client could only fail to decode. Cut short: echoed
+            # whole, a grouping near the 1 MB request limit made a reply over the limit.
+            message = str(error)
+            raise Reject(message if len(message) <= 500 else f"{message[:500]}...") from None
+        groups = await parts["store"].aggregates(by=fields)
         return FeedbackStats(
             groups=[
                 StatsGroup(

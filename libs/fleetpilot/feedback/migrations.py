@@ -73,8 +73,19 @@ def stored_payload(event: FeedbackRecorded) -> str:
     return encode(event).decode()
 
 
+_TEXT_COLUMNS = ("action_id", "policy", "shard_id", "task_kind", "gpu_model", "action")
+
+
 def raw_values(row: FeedbackRow, event: FeedbackRecorded) -> tuple:
-    """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order (see ``stored_payload``)."""
+    """The values of one ``feedback_raw`` row, in ``RAW_COLUMNS`` order; ``ValueError`` for a
+    record no backend can keep alike (see ``stored_payload``).
+
+    PostgreSQL text cannot hold a NUL character: such a record failed there on every
+    delivery (and SQLite kept it), so both refuse it before any write.
+    """
+    bad = [name for name in _TEXT_COLUMNS if "\x00" in getattr(row, name)]
+    if bad:
+        raise ValueError(f"feedback {event.action_id!r} not stored: NUL character in {', '.join(bad)}")
     return (row.action_id, row.policy, row.shard_id, row.task_kind, row.gpu_model, row.action, row.success,
             row.weight_units, row.latency_us, row.saving_milli_mb, row.confidence_units, row.side_effects,
             event.recorded_at, stored_payload(event))

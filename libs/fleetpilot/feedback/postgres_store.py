@@ -179,6 +179,8 @@ class PostgresFeedbackStore:
 
     async def get(self, action_id: str) -> FeedbackRecorded | None:
         """The record stored for ``action_id`` as it was stored, ``None`` when there is none."""
+        if "\x00" in action_id:
+            return None  # never stored (``raw_values`` refuses it); PostgreSQL would raise on it
         async with self._pool.acquire() as conn:
             payload = await conn.fetchval("SELECT payload FROM feedback_raw WHERE action_id = $1", action_id)
         return None if payload is None else decode(payload.encode(), FeedbackRecorded)
@@ -227,18 +229,20 @@ class PostgresFeedbackStore:
 
     async def raw(self) -> AsyncIterator[FeedbackRecorded]:
         """Every stored record in ``action_id`` order, read in pages of 500."""
-        after = ""
+        # The first page starts at ">= ''", not "> ''": an action_id may be empty.
+        after, compare = "", ">="
         while True:
             async with self._pool.acquire() as conn:
                 page = await conn.fetch(
-                    "SELECT action_id, payload FROM feedback_raw WHERE action_id > $1 ORDER BY action_id LIMIT 500",
+                    f"SELECT action_id, payload FROM feedback_raw WHERE action_id {compare} $1"
+                    " ORDER BY action_id LIMIT 500",
                     after,
                 )
             if not page:
                 return
             for r in page:
                 yield decode(r["payload"].encode(), FeedbackRecorded)
-            after = page[-1]["action_id"]
+            after, compare = page[-1]["action_id"], ">"
 
     async def drop_schema(self) -> None:
         """Drop this store's schema and everything in it (tests and teardown only)."""

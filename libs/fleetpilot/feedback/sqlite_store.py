@@ -179,11 +179,12 @@ class SqliteFeedbackStore:
 
     async def raw(self) -> AsyncIterator[FeedbackRecorded]:
         """Every stored record in ``action_id`` order, read in pages of 500."""
-        after = ""
+        # The first page starts at ">= ''", not "> ''": an action_id may be empty.
+        after, compare = "", ">="
         while True:
             page = await self._run(
-                lambda after=after: self._db.execute(
-                    "SELECT action_id, payload FROM feedback_raw WHERE action_id > ?"
+                lambda after=after, compare=compare: self._db.execute(
+                    f"SELECT action_id, payload FROM feedback_raw WHERE action_id {compare} ?"
                     " ORDER BY action_id LIMIT 500",
                     (after,),
                 ).fetchall()
@@ -192,7 +193,7 @@ class SqliteFeedbackStore:
                 return
             for _, payload in page:
                 yield decode(payload.encode(), FeedbackRecorded)
-            after = page[-1][0]
+            after, compare = page[-1][0], ">"
 
     async def close(self) -> None:
         """Close the connection."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
+    DeadLetter,
     FeedbackRecorded,
     FeedbackStats,
     PolicyRef,
@@ -316,3 +318,60 @@ async def test_a_start_up_run_again_after_an_outage_opens_one_store(feedback_set
         assert len(opened) == 1
     finally:
         await host.stop()
+
+
+@pytest.mark.parametrize("by", [["nonsense"], ["policy", "policy"]])
+async def test_a_stats_query_with_a_bad_grouping_gets_an_error_that_names_it(feedback_settings, nats_client, by):
+    # The store's ValueError escaped the handler: nats.micro answered an empty body with a
+    # 500 header, so a client decoding the reply got a decode error that said nothing.
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        reply = await nats_client.request("feedback.stats", encode(StatsQuery(by=by)), timeout=5)
+        good = await nats_client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
+    finally:
+        await host.stop()
+    error = msgspec.json.decode(reply.data)["error"]
+    assert "group by a subset of" in error and repr(tuple(by)) in error
+    assert decode(good.data, FeedbackStats).groups == []  # the endpoint still serves
+
+
+async def test_a_record_no_store_can_keep_is_dead_lettered_at_once_with_its_reason(feedback_settings, nats_client,
+                                                                                  announced):
+    # A NUL in a key: PostgreSQL failed the write on every delivery until max_deliver, and
+    # SQLite stored what PostgreSQL could not; now the store refuses it and the service
+    # dead-letters it on its first delivery, saying why.
+    letters: list[DeadLetter] = []
+
+    async def on_letter(msg) -> None:
+        letters.append(decode(msg.data, DeadLetter))
+
+    await nats_client.subscribe("dlq.>", cb=on_letter)
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        bad = msgspec.structs.replace(failed("d-nul", "fgd"), task_kind="tr\x00in")
+        await js.publish("action.failed", encode(bad))
+        await js.publish("action.failed", encode(failed("d-ok", "fgd")))
+        await wait_for(lambda: letters and announced, timeout_s=10, what="a dead letter and a record")
+    finally:
+        await host.stop()
+    [letter] = letters
+    assert (letter.subject, letter.reason, letter.deliveries) == ("action.failed", "rejected", 1)
+    assert "NUL character in task_kind" in letter.error
+    assert decode(letter.data, ActionFailed) == bad  # the original bytes are kept
+    assert [f.action_id for f in announced] == ["act-d-ok"]
+
+
+async def test_a_huge_bad_grouping_still_gets_an_error_reply(feedback_settings, nats_client):
+    # The error echoed the whole grouping: for a request near the 1 MB payload limit the
+    # reply went over it, could not be sent, and the client got an empty 500 again.
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        reply = await nats_client.request("feedback.stats", encode(StatsQuery(by=["xx"] * 190_000)), timeout=5)
+    finally:
+        await host.stop()
+    error = msgspec.json.decode(reply.data)["error"]
+    assert error.startswith("group by a subset of") and len(error) < 1000

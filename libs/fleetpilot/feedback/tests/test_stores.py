@@ -241,3 +241,16 @@ async def test_postgres_upgrade_keeps_version_2_data(pg_dsn: str) -> None:
     finally:
         await store.drop_schema()
         await store.close()
+
+
+async def test_raw_yields_a_record_whose_action_id_is_empty(any_store: FeedbackStore) -> None:
+    # raw() paged from "after the empty string", so a stored record whose action_id is ""
+    # (nothing in the contract forbids it) was counted in the aggregates but never read
+    # back: a recomputation from raw() disagreed with the stored sums.
+    events = [msgspec.structs.replace(e, action_id=i) for e, i in zip(writer_stream(0, 3, seed=3), ("", "a", "b"),
+                                                                       strict=True)]
+    for e in events:
+        assert await any_store.record(e)
+    stored = [e async for e in any_store.raw()]
+    assert [e.action_id for e in stored] == ["", "a", "b"]
+    assert await any_store.aggregates() == recompute([row_from_event(e) for e in stored])

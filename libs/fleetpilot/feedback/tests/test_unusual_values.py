@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import msgspec
 import pytest
-from fleetpilot.contracts import Measured
+from fleetpilot.contracts import Measured, PolicyRef
 from fleetpilot.feedback import PostgresFeedbackStore, SqliteFeedbackStore, recompute, row_from_event
 from fleetpilot.feedback.aggregates import MAX_LATENCY_US, UNIT
 from fleetpilot.feedback.store import FeedbackStore
@@ -144,3 +144,17 @@ async def test_postgres_opens_in_a_schema_it_owns_without_create_on_the_database
         await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
         await admin.close()
+
+
+@pytest.mark.parametrize("change", [{"task_kind": "tr\x00in"}, {"action_id": "a\x00"},
+                                    {"policy": PolicyRef(name="fgd\x00")}], ids=["task_kind", "action_id", "policy"])
+async def test_a_nul_character_in_a_key_is_refused_alike_on_both_backends(any_store: FeedbackStore,
+                                                                          change: dict) -> None:
+    # PostgreSQL text cannot hold NUL: the write failed with a DataError on every delivery,
+    # while SQLite kept the record, so the two backends' statistics differed.
+    with pytest.raises(ValueError, match="NUL character in"):
+        await any_store.record(msgspec.structs.replace(_template(), **change))
+    assert [e async for e in any_store.raw()] == []
+    assert await any_store.aggregates() == []
+    # A redelivery looks the id up first: a lookup of it must answer "not stored", not raise.
+    assert await any_store.get("a\x00") is None
