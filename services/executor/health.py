@@ -38,7 +38,8 @@ class HealthWindows:
     """The recent samples of every GPU, thinned to one per ``every_s`` and at most
     ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default).
 
-    A window holds one board: a sample with another uuid (the GPU was replaced) or from
+    A window holds one board: a sample with another uuid than the last one the window knows
+    (the GPU was replaced, even behind samples NVML could not read, which carry none) or from
     before the window's newest one (its node's clock stepped back) starts it again. A GPU
     nothing was heard from for ``window_s`` (by ``clock``, this process's monotonic clock:
     collectors' clocks may be wrong) is forgotten by :meth:`forget_silent`, so nodes that
@@ -58,8 +59,8 @@ class HealthWindows:
         key = (sample.node, sample.gpu)
         self._heard_at[key] = self.clock()
         window = self.windows.setdefault(key, deque())
-        if window and (sample.at < window[-1].at or (sample.uuid and window[-1].uuid
-                                                      and sample.uuid != window[-1].uuid)):
+        board = self._board(window)
+        if window and (sample.at < window[-1].at or (sample.uuid and board and sample.uuid != board)):
             # Another board's counters and temperatures say nothing about this one, and
             # samples older than the newest kept would all be thinned away until the clock
             # caught up with it.
@@ -69,6 +70,16 @@ class HealthWindows:
         window.append(sample)
         while window and window[0].at < sample.at - self._window_s:
             window.popleft()
+
+    @staticmethod
+    def _board(window: deque[GpuSample]) -> str:
+        """The uuid of the board a window holds ("" while none is known). Samples NVML could
+        not read carry no uuid (a GPU fallen off the bus reads so until it is swapped), so the
+        newest sample alone may not say which board came before the one arriving."""
+        for kept in reversed(window):
+            if kept.uuid:
+                return kept.uuid
+        return ""
 
     def forget_silent(self) -> None:
         """Drop the window of every GPU not heard from for ``window_s``."""

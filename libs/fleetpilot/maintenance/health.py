@@ -10,7 +10,9 @@ Features over a window of :class:`~fleetpilot.contracts.GpuSample`. Cumulative h
 counters count their growth over the window (:func:`counter_increments`): a reading that dips
 and comes back is no growth, and a counter that restarted from zero counts from there; a
 field the collector could not read (named under the sample's ``nvml_unsupported`` label,
-sent as 0) is left out of that sample:
+sent as 0; every field but the XID count of a GPU NVML could not open, ``nvml_error``) is left
+out of that sample. Rates are per hour over the window's span, but over at least
+:data:`MIN_RATE_SPAN_H`, so a burst in a window minutes long is not extrapolated to an hour:
 
 ========================  ==========================================================  ======
 feature                   meaning (transform)                                         weight
@@ -22,11 +24,16 @@ feature                   meaning (transform)                                   
 ``remap_level``           retired pages + remapped rows so far / 64 (capped at 1)     1.0
 ``pcie_replays``          log1p(PCIe replays per hour)                                0.6
 ``link_downtrain``        1 - worst link width / max width (0: full width)            6.0
-``thermal_slope``         positive temperature slope in °C per hour / 5 (span >= 1 h) 1.5
-``hot_fraction``          share of the window above ``temp_threshold_c``              4.0
+``thermal_slope``         positive Theil-Sen slope in °C per hour / 5 (span >= 1 h)   1.5
+``hot_fraction``          share of time (>= 1 h) read above the threshold (gaps*)     4.0
 ``overheat``              latest °C above ``temp_threshold_c`` / 5 (capped at 2)      1.5
 (bias)                                                                                -5.0
 ========================  ==========================================================  ======
+
+(*) A reading speaks for the time since the one before it, but for no longer than the
+window's median sampling period: a gap in reporting is time nobody saw. The thermal slope is
+the median of the pairwise slopes (Theil-Sen) so that one reading after a gap, with the
+leverage of half the window in a least-squares fit, does not make a trend.
 
 XID severities (:data:`XID_SEVERITY`): the hardware-fault codes weigh 0.5-1.0 (48 double-bit
 ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rates and
@@ -48,7 +55,6 @@ import msgspec
 import numpy as np
 
 from fleetpilot.contracts import GpuSample
-from fleetpilot.least_squares import fit_straight_line
 
 MAINTENANCE_THRESHOLD = 0.85
 
@@ -72,6 +78,12 @@ XID_SEVERITY: Mapping[int, float] = {
 }
 UNKNOWN_XID_SEVERITY = 0.2
 MIN_SLOPE_SPAN_H = 1.0
+SLOPE_READINGS = 60  # at most this many readings, spread evenly, make the thermal slope
+# Error rates are per hour over the window's span, but over at least this long: a burst seen
+# in the first minutes of a window (a fresh executor, a board just replaced) is not an hourly
+# rate, and extrapolated from a 2-minute span it would read 30x as alarming as the same burst
+# in a full window.
+MIN_RATE_SPAN_H = 1.0
 REMAP_CAPACITY = 64  # rows an A100/H100 bank can remap before the GPU needs replacing
 
 
@@ -145,17 +157,26 @@ _UNREAD_FIELDS: Mapping[str, tuple[str, ...]] = {
     "pcie_replays": ("pcie_replays",),
     "pcie_link_width": ("pcie_link_width", "pcie_link_width_max"),
     "temperature": ("temperature_c",),
+    "processes": ("processes",),
 }
 # Growth of a counter beyond this within one window is no more alarming, and a value that
 # large (a garbage reading) would overflow the float arithmetic below.
 _MAX_GROWTH = 10**12
 
 
+# A GPU NVML could not open at all is sent with every field at its default and the reason
+# under this label, with no ``nvml_unsupported`` (``NvmlReader._unopened_sample``); only its
+# XID count, which the collector keeps itself, is still a reading.
+UNOPENED_LABEL = "nvml_error"
+
 _ALL_READ: frozenset[str] = frozenset()
+_NONE_READ: frozenset[str] = frozenset(field for fields in _UNREAD_FIELDS.values() for field in fields)
 
 
 def _unread(sample: GpuSample) -> frozenset[str]:
     """The fields of ``sample`` that its collector could not read (their value is a default)."""
+    if UNOPENED_LABEL in sample.labels:
+        return _NONE_READ
     names = sample.labels.get(UNREAD_LABEL)
     if not names:
         return _ALL_READ
@@ -203,6 +224,28 @@ def _growth(values: Sequence[int]) -> int:
     return min(sum(counter_increments(values)), _MAX_GROWTH)
 
 
+def theil_sen_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The median of the slopes between every two points with distinct ``x`` (Theil-Sen),
+    of at most :data:`SLOPE_READINGS` points spread evenly over the series.
+
+    The thermal trend is taken this way rather than by least squares because samples are not
+    evenly spread: after a gap in reporting one reading has the leverage of half the window,
+    and a least-squares line through it reads one warm reading as a climb of 15 °C/h. The
+    median moves only once some 30% of the readings agree on a climb (its breakdown point).
+    """
+    if len(x) > SLOPE_READINGS:
+        # Quadratic in the readings: an executor's 240-sample windows of a thousand GPUs held
+        # its event loop a second a minute. Readings spread evenly over the window say the
+        # same trend.
+        keep = np.linspace(0, len(x) - 1, SLOPE_READINGS).round().astype(int)
+        x, y = x[keep], y[keep]
+    dx = np.subtract.outer(x, x)
+    later = dx > 0  # each pair once, whichever way round it was sampled
+    if not later.any():
+        return 0.0
+    return float(np.median(np.subtract.outer(y, y)[later] / dx[later]))
+
+
 def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) -> HealthFeatures:
     """Features of one GPU's samples (any order; sorted by time here). A field its collector
     names as unread (``nvml_unsupported``) is left out of that sample; counters that go down
@@ -212,7 +255,7 @@ def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) 
     samples = sorted(window, key=lambda s: s.at)
     unread = [_unread(s) for s in samples]
     first, last = samples[0], samples[-1]
-    span_h = max((last.at - first.at) / 3600.0, 1.0 / 60.0)  # at least a minute: rates stay finite
+    span_h = max((last.at - first.at) / 3600.0, MIN_RATE_SPAN_H)
 
     all_read = not any(unread)
 
@@ -249,12 +292,17 @@ def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) 
     # Over a short span sensor noise dominates the slope (1 °C of noise over 10 minutes reads
     # as 6 °C/h), so the trend counts only once the window covers MIN_SLOPE_SPAN_H.
     enough = len(temps) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
-    slope = fit_straight_line(at - at[0], temp).slope if enough else 0.0
+    slope = theil_sen_slope(at, temp) if enough else 0.0
+    hot = 0.0  # one reading speaks for no stretch of time
     if len(temps) >= 2:
+        # A reading speaks for the time since the one before it, but for no longer than the
+        # window's usual sampling period: a gap (a collector restart) is time nobody saw, and
+        # one hot reading after it is not an hour and a half spent hot. The share is of at
+        # least MIN_RATE_SPAN_H, as the rates are: two minutes of a window two minutes long
+        # (an executor restarted during a transient) is not a GPU that runs hot.
         dt = np.diff(at)
-        hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(np.sum(dt), 1e-9))
-    else:
-        hot = float(len(temps) == 1 and temp[0] > temp_threshold_c)
+        dt = np.minimum(dt, float(np.median(dt)))
+        hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(float(np.sum(dt)), MIN_RATE_SPAN_H))
     latest_temp = float(temp[-1]) if len(temps) else 0.0
     return HealthFeatures(
         xid=min(xid, 5.0),
@@ -298,7 +346,13 @@ class HealthModel(msgspec.Struct, frozen=True, kw_only=True):
         features = features_of(window, temp_threshold_c=self.temp_threshold_c)
         probability = self.probability(features)
         pending = probability >= self.threshold
-        tasks = sorted({p.task_id for p in latest.processes if p.task_id}) if pending else []
+        tasks: list[str] = []
+        if pending:
+            # A GPU about to fail often can no longer be read at all (XID 79, off the bus):
+            # its tasks are those of the newest sample whose processes were read.
+            read = [s for s in window if "processes" not in _unread(s)]
+            running = max(read, key=lambda s: s.at) if read else latest
+            tasks = sorted({p.task_id for p in running.processes if p.task_id})
         return HealthAssessment(
             node=latest.node,
             gpu=latest.gpu,

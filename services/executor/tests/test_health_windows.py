@@ -99,3 +99,24 @@ async def test_a_gpu_silent_for_longer_than_the_window_is_forgotten(tmp_path: Pa
     replica.windows.add(gpu_sample("here", 0, 1_007_261.0))
     await replica.assess_health()
     assert list(replica.windows.windows) == [("here", 0)]
+
+
+async def test_a_board_swapped_after_it_fell_off_the_bus_starts_a_window_of_its_own(tmp_path: Path) -> None:
+    # Board A reads quiet, falls off the bus (every NVML call fails: no uuid, fields labelled
+    # unread) and is swapped for a refurbished spare with a year of counters behind it. Those
+    # counters are not growth on A.
+    labels = Labels()
+    replica = health(tmp_path, labels)
+    lost = "ecc,pcie_link_width,pcie_replays,remapped_rows,retired_pages,temperature,uuid"
+    worn = dict(ecc_corrected=5000, retired_pages=20, pcie_replays=3000)
+    t0 = 1_000_000.0
+    for i in range(30):
+        replica.windows.add(gpu_sample("n1", 0, t0 + i * 60.0, uuid="GPU-a"))
+    for i in range(30, 35):
+        replica.windows.add(gpu_sample("n1", 0, t0 + i * 60.0, 0.0, uuid="", pcie_link_width=0,
+                                       labels={"nvml_unsupported": lost}))  # type: ignore[arg-type]
+    for i in range(35, 60):
+        replica.windows.add(gpu_sample("n1", 0, t0 + i * 60.0, uuid="GPU-spare", **worn))
+    assert {s.uuid for s in replica.windows.windows[("n1", 0)]} == {"GPU-spare"}
+    await replica.assess_health()
+    assert "maintenance_pending" not in labels.labels_of("n1", 0)

@@ -83,7 +83,7 @@ def test_thermal_trend_needs_an_hour() -> None:
     ]  # 6 °C/h
     assert features_of(slow).thermal_slope == pytest.approx(6.0 / 5.0)
     hot = [msgspec.structs.replace(BASE, at=i * 60.0, temperature_c=90 if i >= 10 else 70) for i in range(20)]
-    assert features_of(hot).hot_fraction == pytest.approx(10 / 19)
+    assert features_of(hot).hot_fraction == pytest.approx(10 / 60)  # 10 minutes hot, of at least an hour
 
 
 def test_xid_severity_orders_hardware_over_software() -> None:

@@ -92,3 +92,37 @@ def test_the_module_s_worked_figures_are_the_model_s() -> None:
     assert bias == HealthModel().weights.bias
     assert HealthModel().assess(fresh).failure_probability == pytest.approx(quiet, abs=0.0005)
     assert HealthModel().assess(window).failure_probability == pytest.approx(dbe, abs=0.005)
+
+
+def unopened(at: float) -> GpuSample:
+    """What the collector sends for a GPU NVML could not open (``NvmlReader._unopened_sample``):
+    every field at its default, no uuid, the reason under ``nvml_error`` and no
+    ``nvml_unsupported`` label; only the XID count is still read."""
+    return gpu_reading("n1", 0, at, temperature_c=0.0, uuid="", model="", pcie_link_width_max=0, xid_count=5,
+                       xid_last=79, labels={"nvml_error": "Unknown Error"})
+
+
+@pytest.mark.parametrize("unopened_for", [1, 10, 30])
+def test_a_gpu_nvml_could_not_open_for_a_while_is_no_sign_of_decay_once_it_opens(unopened_for: int) -> None:
+    # Its lifetime counters must not read as growth from the zeros it was sent as, nor its
+    # temperature as a climb from 0 °C.
+    window = [unopened(i * 120.0) for i in range(unopened_for)] + worn_window()[unopened_for:]
+    assessment = HealthModel().assess(window)
+    features = assessment.features
+    assert (features.ecc_corrected, features.remap, features.pcie_replays, features.thermal_slope) == (0, 0, 0, 0)
+    assert not assessment.maintenance_pending
+
+
+def test_the_tasks_to_migrate_off_a_gpu_that_fell_off_the_bus_are_those_it_last_ran() -> None:
+    # Memory decaying, then the GPU falls off the bus: every NVML call fails, the process
+    # list included, and the last sample names no process. Its tasks still have to move.
+    from fleetpilot.contracts import ProcessMemory
+
+    running = [ProcessMemory(pid=7, used_mb=100.0, task_id="train-a")]
+    window = [gpu_reading("n1", 0, i * 120.0, temperature_c=65.0, processes=running, **WORN) for i in range(60)]
+    window[-1] = msgspec.structs.replace(window[-1], ecc_corrected=7000, remapped_rows=8, xid_count=9, xid_last=94)
+    fallen = {**FAILED_READ, "labels": {"nvml_unsupported": FAILED_READ["labels"]["nvml_unsupported"] + ",processes"}}
+    window.append(gpu_reading("n1", 0, 7320.0, xid_count=10, xid_last=79, **fallen))
+    assessment = HealthModel().assess(window)
+    assert assessment.maintenance_pending
+    assert assessment.tasks_to_migrate == ["train-a"]
