@@ -22,6 +22,7 @@ Cordon and decommission commands are idempotent for whoever carries them out.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ from fleetpilot.contracts import DecisionMade, GpuSample, TaskLifecycle
 
 from .business import ALLOW, HookVerdict
 from .locks import Clock, HookLock
+
+log = logging.getLogger("fleetpilot.executor")
 
 Stage = Literal["healthy", "hot", "cordoned", "decommissioned"]
 _RANK: dict[Stage, int] = {"healthy": 0, "hot": 1, "cordoned": 2, "decommissioned": 3}
@@ -148,11 +151,25 @@ class PreDecommissionHook:
             return []
         if not await self._lock.acquire(name, self.owner, self.rules.lock_ttl_s):
             return []  # another replica runs it
+        if await self._lock.holder(name + ".done") is not None:
+            # The owner finished between our read of the marker above and our try for the
+            # lock (it leaves the marker, then lets the lock go): done, not ours to repeat.
+            await self._lock.release(name, self.owner)
+            self._applied[key] = "decommissioned"
+            return []
         commands = commands_for(applied, state, sample.node, sample.gpu, running_tasks)
         self._applied[key] = state.stage
         if state.stage == "decommissioned":
-            await self._lock.acquire(name + ".done", self.owner, self.rules.done_ttl_s)
-            await self._lock.release(name, self.owner)
+            try:
+                await self._lock.acquire(name + ".done", self.owner, self.rules.done_ttl_s)
+                await self._lock.release(name, self.owner)
+            except Exception as error:  # noqa: BLE001 - the lock store failing must not lose the commands
+                # Raised, the commands were lost for good: this replica counts them applied,
+                # so a lone executor never pulled the GPU. Without the marker, the lock (kept
+                # until its TTL) holds the other replicas off, and a repeat after it is
+                # harmless (the commands are idempotent).
+                log.warning("decommission of %s/%d: cannot leave the done marker: %s",
+                            sample.node, sample.gpu, error)
         return commands
 
     def accepts_work(self, node: str, gpu: int) -> bool:

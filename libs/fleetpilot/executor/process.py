@@ -5,8 +5,9 @@
 - **Evict** (``stop``): SIGTERM to the task's process group, SIGKILL after ``grace_s`` (to
   what is left of the group even when the task's own process exited within the grace).
 - **End**: a task ends when its process exits; what it left running in its process group
-  is killed then (it would hold the GPUs given back), and a child that keeps its stderr
-  open does not keep it "running".
+  is killed then (it would hold the GPUs given back), whether or not it holds the task's
+  stderr, and a child that keeps its stderr open does not keep it "running". A stop or a
+  move that comes after the exit (not yet seen by the event loop) reports the task's own end.
 - **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
   its state (it may exit by itself), then stop with grace and start again on the target
   with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
@@ -17,8 +18,9 @@
 - **Resize**: the new share is recorded and used at the next start; with
   ``limit_address_space`` the memory cap is changed live with ``prlimit``.
 - **OOM**: reported as ``oom_killed`` when the process dies by SIGKILL that we did not send
-  (exit 137 / -9: the kernel OOM killer) or its stderr carries an out-of-memory marker
-  (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``, ``std::bad_alloc``...).
+  (exit 137 / -9: the kernel OOM killer) or it exits non-zero with an out-of-memory marker
+  on stderr (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``,
+  ``std::bad_alloc``, ``RESOURCE_EXHAUSTED: Out of memory``...).
   With ``limit_address_space=True`` a task given ``memory_mb`` also gets
   ``RLIMIT_AS = memory_mb + headroom_mb`` (set by a launcher that then ``exec``s it): without a GPU-level memory limit on this machine
   the host address space stands in for it, so a leaking task fails as an OOM would. It is
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import resource
 import signal
@@ -44,6 +47,8 @@ from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
 from .backend import BackendError, ProcessSample, TaskHandle, gpus_of, node_of
 from .locks import Clock
 
+log = logging.getLogger("fleetpilot.executor")
+
 OOM_MARKERS: tuple[str, ...] = (
     "CUDA out of memory",
     "OutOfMemoryError",
@@ -51,6 +56,9 @@ OOM_MARKERS: tuple[str, ...] = (
     "std::bad_alloc",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",  # the driver API (numba, JAX's allocator)
+    "RESOURCE_EXHAUSTED: Out of memory",  # JAX / XLA
+    "OOM when allocating tensor",  # TensorFlow's ResourceExhaustedError
 )
 STDERR_TAIL_BYTES = 16_384
 # How often a watcher looks whether a task's process exited while its stderr stays open
@@ -89,6 +97,10 @@ def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) ->
     """
     if stop_reason is not None:
         return stop_reason, f"stopped by executor (exit {returncode})"
+    if returncode == 0:
+        # Its own word: a task that caught an out-of-memory error and went on with less
+        # (a smaller batch) finished, whatever its stderr says.
+        return "finished", "exit 0"
     marker = next((m for m in OOM_MARKERS if m in stderr_tail), None)
     if marker:
         return "oom_killed", f"out of memory: {marker!r} on stderr (exit {returncode})"
@@ -97,8 +109,6 @@ def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) ->
             "oom_killed",
             f"killed by SIGKILL not sent by the executor (exit {returncode}), likely the OOM killer",
         )
-    if returncode == 0:
-        return "finished", "exit 0"
     tail = stderr_tail.strip().splitlines()[-1:] or [""]
     return "failed", f"exit {returncode}: {tail[0][:200]}"
 
@@ -218,10 +228,10 @@ class ProcessBackend:
         began = time.perf_counter()
         base = os.environ if self._inherit_env else {"PATH": os.environ.get("PATH", "")}
         stdout: int | object = asyncio.subprocess.DEVNULL
-        if self._log_dir is not None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            stdout = open(self._log_dir / f"{task.task_id}.out", "ab")  # noqa: SIM115 - the child owns it
         try:
+            if self._log_dir is not None:
+                self._log_dir.mkdir(parents=True, exist_ok=True)
+                stdout = open(self._log_dir / log_name(task.task_id), "ab")  # noqa: SIM115 - the child owns it
             task.proc = await asyncio.create_subprocess_exec(
                 *self._argv(task),
                 env=child_env(base, task.env, task.task_id, task.placement, restore=restore),
@@ -232,6 +242,10 @@ class ProcessBackend:
             )
         except OSError as error:
             raise BackendError(f"cannot start {task.task_id}: {error}") from error
+        except ValueError as error:
+            # A NUL byte in the command or environment, an ``=`` in a variable's name: this
+            # command can never start, wherever it is placed.
+            raise BackendError(f"cannot start {task.task_id}: bad command or environment: {error}") from error
         finally:
             if not isinstance(stdout, int):
                 stdout.close()  # type: ignore[attr-defined]
@@ -269,6 +283,9 @@ class ProcessBackend:
             await asyncio.wait({reader}, timeout=EXIT_POLL_S)
         if reader.done():
             returncode = await proc.wait()
+            if task.stop_reason is None:
+                # What it left running without its stderr (``worker 2>log &``) is killed too.
+                _signal_group(proc.pid, signal.SIGKILL)
         else:
             if task.stop_reason is None:
                 # It ended by itself: what it left in its process group would hold its GPUs
@@ -316,9 +333,10 @@ class ProcessBackend:
         proc, watcher = task.proc, task.watcher
         if proc is None or watcher is None:
             return
-        if proc.returncode is None:
+        if proc.returncode is None and not _exited(proc.pid):
             # Only an exit we cause is ours: one that came first (its watcher still reading
-            # the last of stderr) is the task's own end, finished or failed.
+            # the last of stderr, or its exit not yet seen by the event loop) is the task's
+            # own end, finished or failed.
             task.stop_reason = reason
         deadline = time.monotonic() + max(grace_s, 0.0)
         _signal_group(proc.pid, signal.SIGTERM)
@@ -382,6 +400,11 @@ class ProcessBackend:
         """The checkpoint signal, ``checkpoint_s`` to save (the task may exit by itself),
         then a stop with grace; the exit is the move's, not the end of the task."""
         assert task.proc is not None and task.watcher is not None
+        if task.proc.returncode is not None or _exited(task.proc.pid):
+            # It ended by itself before its move reached it (its exit perhaps not yet seen
+            # by the event loop): that end is told as such, and it is not run again.
+            await task.watcher
+            raise BackendError(f"task {task.task_id} ended before its move")
         task.stop_reason = "migrated"
         try:
             os.kill(task.proc.pid, self._checkpoint_signal)
@@ -512,10 +535,16 @@ class ProcessBackend:
         # With each pid its start time: a pid the kernel has given to another process since
         # is not that task's.
         pids = {t.task_id: [t.proc.pid, _started_at(t.proc.pid)] for t in self._tasks.values() if t.proc is not None}
-        self._registry.parent.mkdir(parents=True, exist_ok=True)
-        partial = self._registry.with_suffix(".partial")
-        partial.write_text(json.dumps(pids, sort_keys=True))
-        partial.replace(self._registry)  # a crash never leaves half a file
+        try:
+            self._registry.parent.mkdir(parents=True, exist_ok=True)
+            partial = self._registry.with_suffix(".partial")
+            partial.write_text(json.dumps(pids, sort_keys=True))
+            partial.replace(self._registry)  # a crash never leaves half a file
+        except OSError as error:
+            # A safety net for after a crash, no more: raised, it failed a start whose
+            # process ran on (the task placed again, run twice) or swallowed a task's end
+            # (its GPUs held for ever). The next change writes the whole table again.
+            log.warning("cannot write the process registry %s: %s", self._registry, error)
 
     async def stop_left_behind(self, grace_s: float) -> dict[str, bool]:
         """Stop the processes a backend before this one left running (it died without
@@ -555,6 +584,21 @@ class ProcessBackend:
         """Close, and evict every running task (the executor itself stops)."""
         self.close()
         await asyncio.gather(*(self.stop(task_id, grace_s) for task_id in list(self._tasks)))
+
+
+def log_name(task_id: str) -> str:
+    """The file name of a task's stdout in ``log_dir``: task ids are chosen by clients, so a
+    ``/`` (or a ``..``) must not reach another folder."""
+    return task_id.replace("%", "%25").replace("/", "%2F") + ".out"
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited, though the event loop may not know yet (a
+    zombie, or reaped by the child watcher's thread), without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # reaped already
 
 
 def _group_alive(pid: int) -> bool:

@@ -141,3 +141,70 @@ async def test_lock_ttl_and_ownership() -> None:
     assert await lock.holder("k") is None  # expired
     assert await lock.acquire("k", "b", 10)
     assert await lock.release("k", "b") and await lock.holder("k") is None
+
+
+class ReadThenWaitLock(InMemoryHookLock):
+    """A lock whose next read of a ``.done`` marker answers, then waits for ``go`` (a slow
+    KV round trip, during which another replica finishes the procedure)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.hold_next_done_read = False
+        self.read = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def holder(self, key: str) -> str | None:
+        answer = await super().holder(key)
+        if key.endswith(".done") and self.hold_next_done_read:
+            self.hold_next_done_read = False
+            self.read.set()
+            await self.go.wait()
+        return answer
+
+
+async def test_a_replica_that_read_no_marker_just_before_the_owner_finished_does_not_repeat_it() -> None:
+    """The owner decommissions, leaves its ``.done`` marker and lets the lock go between the
+    other replica's read of the marker (none yet) and its try for the lock (free now): the
+    other replica must not cordon and decommission the GPU a second time."""
+    clock = FakeClock()
+    lock = ReadThenWaitLock(clock)
+    a, b = PreDecommissionHook("exec-a", lock, clock=clock), PreDecommissionHook("exec-b", lock, clock=clock)
+    done = await feed([a, b], clock, range(0, 6), 91, ["t1"])
+    owner, other = (a, b) if done[0][0] == "exec-a" else (b, a)
+    assert await feed([a, b], clock, range(6, 35), 91, ["t1"]) == []
+    clock.now = 35 * 60.0  # the drain is over, for both
+    lock.hold_next_done_read = True
+    late = asyncio.create_task(other.observe(sample(clock.now, 91), ["t1"]))
+    await lock.read.wait()
+    assert [type(c) for c in await owner.observe(sample(clock.now, 91), ["t1"])] == [Decommission]
+    lock.go.set()
+    assert await late == []
+    assert await feed([a, b], clock, range(36, 200), 91, ["t1"]) == []
+
+
+class FlakyMarkerLock(InMemoryHookLock):
+    """A lock whose first write of a ``.done`` marker fails (the KV store timing out)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.failures = 1
+
+    async def acquire(self, key: str, owner: str, ttl_s: float) -> bool:
+        if key.endswith(".done") and self.failures:
+            self.failures -= 1
+            raise TimeoutError("kv request timed out")
+        return await super().acquire(key, owner, ttl_s)
+
+
+async def test_a_failed_done_marker_does_not_lose_the_decommission() -> None:
+    """The lone executor reaches the end of the drain and its ``.done`` marker cannot be
+    written: the decommission still goes out (its tasks evicted, the GPU pulled), and the
+    marker's failure is no reason to do it twice."""
+    clock = FakeClock()
+    hook = PreDecommissionHook("exec-a", FlakyMarkerLock(clock), clock=clock)
+    done: list[tuple[str, object]] = []
+    for minute in range(0, 120):
+        clock.now = minute * 60.0
+        done += [(hook.owner, c) for c in await hook.observe(sample(clock.now, 91), ["t1"])]
+    assert [type(c) for _, c in done] == [Cordon, Decommission]
+    assert isinstance(done[1][1], Decommission) and done[1][1].evict == ["t1"]

@@ -168,6 +168,15 @@ async def test_resize_caps_memory_live(tmp_path: Path) -> None:
         (-9, "", "evicted", "evicted"),
         (-15, "MemoryError", "evicted", "evicted"),
         (0, "", "migrated", "migrated"),
+        # A task that caught an OOM, retried with a smaller batch and succeeded finished.
+        (0, "CUDA out of memory, retrying with batch size 16", None, "finished"),
+        # JAX / XLA, TensorFlow and the CUDA driver API word it their own way.
+        (1, "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to "
+            "allocate 17179869184 bytes.", None, "oom_killed"),
+        (1, "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor "
+            "with shape[8192,8192]", None, "oom_killed"),
+        (1, "numba.cuda.cudadrv.driver.CudaAPIError: [2] Call to cuMemAlloc results in CUDA_ERROR_OUT_OF_MEMORY",
+         None, "oom_killed"),
     ],
 )
 def test_classify_exit(code: int, stderr: str, reason: str | None, expected: str) -> None:
@@ -372,3 +381,119 @@ async def test_an_evicted_task_s_children_get_the_grace_then_are_killed(tmp_path
     while not gone(child) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert gone(child)
+
+
+async def test_a_child_that_does_not_hold_stderr_is_killed_when_the_task_ends(tmp_path: Path) -> None:
+    """A task that starts a worker with its stderr elsewhere (``worker 2>log &``) and exits:
+    the worker, which would hold the task's GPUs after they were given back, is killed with
+    the task's end, as one that holds the task's stderr is."""
+    backend = ProcessBackend(node="n1")
+    code = (
+        "import pathlib, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], stderr=subprocess.DEVNULL)\n"
+        f"pathlib.Path({str(tmp_path / 'child')!r}).write_text(f'{{child.pid}}\\n')\n"
+    )
+    await backend.start("t", GPU0, py(code), {})
+    assert [e.state for e in await wait_for_state(backend, "t")] == ["started", "finished"]
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    try:
+        deadline = time.monotonic() + 5
+        while not gone(child) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert gone(child)
+    finally:
+        if not gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("command", "env"),
+    [
+        (py("print('a\x00b')"), {}),
+        (py("pass"), {"BAD=NAME": "x"}),
+        (py("pass"), {"OK": "a\x00b"}),
+    ],
+)
+async def test_a_command_or_environment_the_os_cannot_take_is_refused_for_good(
+    command: list[str], env: dict[str, str]
+) -> None:
+    """A NUL byte in the command or environment, or an ``=`` in a variable's name, can never
+    start: a non-retryable ``BackendError`` naming the task, not a ``ValueError`` that the
+    dispatcher records as a retryable failure (re-placed again and again)."""
+    backend = ProcessBackend(node="n1")
+    with pytest.raises(BackendError, match="cannot start t") as raised:
+        await backend.start("t", GPU0, command, env)
+    assert not raised.value.retryable
+    assert backend.running() == [] and await backend.poll() == []
+
+
+async def test_a_task_id_with_a_slash_logs_inside_the_log_dir(tmp_path: Path) -> None:
+    """Task ids are chosen by clients: ``team/job`` must neither fail the start (no such
+    subfolder) nor ``../x`` write outside ``log_dir``."""
+    logs = tmp_path / "logs"
+    backend = ProcessBackend(node="n1", log_dir=logs)
+    for task_id in ("team/job", "../escape"):
+        await backend.start(task_id, GPU0, py("print('hello')"), {})
+        assert [e.state for e in await wait_for_state(backend, task_id)] == ["started", "finished"]
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parent == logs for p in written) and len(written) == 2
+    assert all(p.read_text() == "hello\n" for p in written)
+
+
+async def test_a_stop_that_comes_after_the_task_exited_by_itself_reports_its_own_end() -> None:
+    """The task exits 0 just before an eviction reaches it, its exit not yet seen by the event
+    loop: it finished, and is not reported evicted (to be placed and run again)."""
+    backend = ProcessBackend(node="n1")
+    handle = await backend.start("t", GPU0, py("pass"), {})
+    assert handle.pid is not None
+    # Block the event loop until the process has exited: its exit is not processed yet.
+    deadline = time.monotonic() + 10
+    while not gone(handle.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone(handle.pid)
+    await backend.stop("t", grace_s=1.0)
+    assert [(e.state, e.exit_code) for e in await backend.poll()] == [("started", None), ("finished", 0)]
+
+
+async def test_a_move_that_comes_after_the_task_exited_by_itself_does_not_run_it_again() -> None:
+    """The task exits 0 just before its move reaches it: it finished, is told so, and is not
+    started again on the target (a finished job run a second time from its checkpoint)."""
+    backend = ProcessBackend(node="n1", checkpoint_s=0.2)
+    handle = await backend.start("t", GPU0, py("pass"), {})
+    assert handle.pid is not None
+    deadline = time.monotonic() + 10
+    while not gone(handle.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # blocks the event loop: the exit is not processed yet
+    assert gone(handle.pid)
+    with pytest.raises(BackendError, match="ended before its move") as raised:
+        await backend.migrate("t", [Placement(node="n1", gpu=1, milli=1000)], grace_s=1.0)
+    assert not raised.value.retryable
+    assert [(e.state, e.exit_code) for e in await backend.poll()] == [("started", None), ("finished", 0)]
+    assert backend.running() == []
+
+
+async def test_a_registry_that_cannot_be_written_loses_no_task_and_no_end(tmp_path: Path) -> None:
+    """The registry (the pids kept for a backend after a crash) is a safety net: its folder
+    gone or its disk full must neither fail a start whose process runs (the task placed
+    again, and run twice) nor swallow the end of a task (its GPUs held for ever)."""
+    folder = tmp_path / "state"
+    backend = ProcessBackend(node="n1", registry=folder / "processes.json")
+    go = tmp_path / "go"
+    await backend.start("t", GPU0, py(
+        "import pathlib, time\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.02)\n"), {})
+    # The state folder goes away (a volume unmounted, a file in its place).
+    (folder / "processes.json").unlink()
+    folder.rmdir()
+    folder.write_text("not a folder")
+    handle = await backend.start("u", [Placement(node="n1", gpu=1, milli=1000)], py("pass"), {})
+    assert handle.pid is not None
+    go.write_text("go")
+    events: list[TaskLifecycle] = []
+    deadline = time.monotonic() + 10
+    while backend.running() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    events += await backend.poll()
+    assert backend.running() == []
+    assert sorted((e.task_id, e.state) for e in events) == [
+        ("t", "finished"), ("t", "started"), ("u", "finished"), ("u", "started")]
