@@ -52,6 +52,13 @@ class FleetLabels:
         self.nodes: dict[str, NodeTopology] = {}
         # Labels we set, by KV key and GPU index, to put back after a topology rewrite.
         self._wanted: dict[str, dict[int, dict[str, str]]] = {}
+        # (node, GPU, label, value) of each label of ours that someone else set otherwise
+        # since (an operator's "false", another replica's): theirs stands, and the health
+        # model reads its GPU's history anew (``GpuHealth.take_overrides``).
+        self.overridden: list[tuple[str, int, str, str]] = []
+        # The revision of our latest write of each entry: the watch's entries up to it are
+        # our own writes or older ones, which override nothing.
+        self._written: dict[str, int] = {}
 
     async def load(self) -> None:
         """Read every node once."""
@@ -98,7 +105,7 @@ class FleetLabels:
                 return False
             updated = msgspec.structs.replace(topo, gpus=gpus)
             try:
-                await self._kv.update(key, encode(updated), entry.revision)
+                self._written[key] = await self._kv.update(key, encode(updated), entry.revision)
             except CasConflict:
                 await asyncio.sleep(0.005 * (attempt + 1))
                 continue
@@ -119,11 +126,34 @@ class FleetLabels:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.error("topology bucket: %s is unreadable (%s); keeping what was read before", entry.key, exc)
                 continue
+            if entry.revision > self._written.get(entry.key, 0):
+                self._give_way(entry.key, self.nodes[entry.key])
             if entry.key in self._wanted:
                 try:
                     await self._apply(entry.key)
                 except CasConflict:
                     log.warning("could not put labels back on %s; the next change retries", entry.key)
+
+
+    def _give_way(self, key: str, topo: NodeTopology) -> None:
+        """Stop putting back the labels of ours that ``topo`` holds with another value.
+
+        A rewrite by the topology service drops labels, and those are put back. One that is
+        there with another value was set so on purpose: an operator's ``maintenance_pending
+        = "false"`` once the GPU was seen to, say. Put back, it came back within a second,
+        and no operator could clear a label while the replica that set it ran.
+        """
+        wanted = self._wanted.get(key)
+        if not wanted:
+            return
+        for info in topo.gpus:
+            ours = wanted.get(info.index)
+            for label, value in list((ours or {}).items()):
+                theirs = info.labels.get(label)
+                if theirs is not None and theirs != value:
+                    del ours[label]  # type: ignore[union-attr]
+                    self.overridden.append((topo.node, info.index, label, theirs))
+                    log.warning("%s/%d: %s set to %r by someone else; left so", topo.node, info.index, label, theirs)
 
 
 class LabelGate:

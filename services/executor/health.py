@@ -33,6 +33,9 @@ from .settings import ExecutorSettings
 
 log = logging.getLogger("fleetpilot.executor")
 
+MAINTENANCE_BOARD = "maintenance_board"
+"""The label naming the board (NVML uuid) that ``maintenance_pending`` was set for."""
+
 
 class HealthWindows:
     """The recent samples of every GPU, thinned to one per ``every_s`` and at most
@@ -59,7 +62,7 @@ class HealthWindows:
         key = (sample.node, sample.gpu)
         self._heard_at[key] = self.clock()
         window = self.windows.setdefault(key, deque())
-        board = self._board(window)
+        board = self.board(window)
         if window and (sample.at < window[-1].at or (sample.uuid and board and sample.uuid != board)):
             # Another board's counters and temperatures say nothing about this one, and
             # samples older than the newest kept would all be thinned away until the clock
@@ -72,7 +75,7 @@ class HealthWindows:
             window.popleft()
 
     @staticmethod
-    def _board(window: deque[GpuSample]) -> str:
+    def board(window: deque[GpuSample] | list[GpuSample]) -> str:
         """The uuid of the board a window holds ("" while none is known). Samples NVML could
         not read carry no uuid (a GPU fallen off the bus reads so until it is swapped), so the
         newest sample alone may not say which board came before the one arriving."""
@@ -152,8 +155,13 @@ class GpuHealth(ExecutorReplica):
         if labels is None:
             return
         self.windows.forget_silent()
+        self.take_overrides()
         for (node, gpu), window in list(self.windows.windows.items()):
-            if len(window) < 2 or labels.labels_of(node, gpu).get(MAINTENANCE_PENDING) == "true":
+            if len(window) < 2:
+                continue
+            current = labels.labels_of(node, gpu)
+            if current.get(MAINTENANCE_PENDING) == "true":
+                await self._clear_if_replaced(node, gpu, window, current)
                 continue
             try:
                 await self._label_if_at_risk(node, gpu, list(window))
@@ -161,15 +169,39 @@ class GpuHealth(ExecutorReplica):
                 # The next round tries this GPU again.
                 log.exception("could not assess the health of %s/%d", node, gpu)
 
+    def take_overrides(self) -> None:
+        """Read afresh the history of each GPU whose ``maintenance_pending`` someone else set
+        otherwise (an operator's ``"false"``): the evidence that flagged it is spent, and
+        assessed again it would flag the GPU again at once."""
+        if self.labels is None:
+            return
+        overridden, self.labels.overridden = self.labels.overridden, []
+        for node, gpu, label, _ in overridden:
+            if label == MAINTENANCE_PENDING:
+                self.windows.windows.pop((node, gpu), None)
+
+    async def _clear_if_replaced(self, node: str, gpu: int, window, current) -> None:
+        """Take a GPU flagged for maintenance back into service once its board was replaced:
+        the label was of the board flagged (``maintenance_board``), and another reports now."""
+        flagged, board = current.get(MAINTENANCE_BOARD, ""), HealthWindows.board(window)
+        if not flagged or not board or board == flagged:
+            return
+        assert self.labels is not None
+        if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "false", MAINTENANCE_BOARD: board}):
+            log.warning("%s/%d: board %s replaced by %s; back in service", node, gpu, flagged, board)
+
     async def _label_if_at_risk(self, node: str, gpu: int, window: list[GpuSample]) -> None:
         assert self.labels is not None
         assessment = self.model.assess(window)
         if not assessment.maintenance_pending:
             return
         # Every replica assesses the same samples; the label write is idempotent, so
-        # no lock is needed here.
+        # no lock is needed here. The board is named, so that its replacement lifts the label.
         risk = f"{assessment.failure_probability:.2f}"
-        if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}):
+        flagged = {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}
+        if board := HealthWindows.board(window):
+            flagged[MAINTENANCE_BOARD] = board
+        if await self.labels.set(node, gpu, flagged):
             top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
             log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
                         assessment.failure_probability, top)

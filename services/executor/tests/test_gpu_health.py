@@ -21,6 +21,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.executor.decommission import lock_key
+from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.executor.health import HealthWindows
 from fleetpilot_services.executor.service import ExecutorSettings, build
 
@@ -144,6 +145,65 @@ async def test_gpu_with_decaying_hardware_is_labelled_maintenance_pending(observ
     assert float(labels["maintenance_risk"]) >= 0.85
     assert "cordoned" not in labels
     assert quiet == {}
+
+
+async def flag_gpu_0_for_maintenance(observer, t0: float) -> dict[str, str]:
+    """Two double-bit ECC errors (XID 48) in a minute on n1's GPU 0: its labels once flagged."""
+    await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0)])
+    await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 60, ecc_uncorrected=2, xid_count=2,
+                                                        xid_last=48)])
+    return await wait_labels(observer, "n1", 0, "maintenance_pending")
+
+
+async def set_gpu_0_labels(observer, **labels: str) -> None:
+    """What an operator does by hand: set labels on n1's GPU 0 in the topology bucket."""
+    topo = await observer.topology("n1")
+    gpus = list(topo.gpus)
+    gpus[0] = msgspec.structs.replace(gpus[0], labels={**gpus[0].labels, **labels})
+    await observer.kv_put("topology", "n1", encode(msgspec.structs.replace(topo, gpus=gpus)))
+
+
+async def test_an_operator_s_clearing_of_maintenance_pending_stands(observer, nats_url, tmp_path):
+    # The executor put back every label of its own that an entry no longer held as it had
+    # set it: an operator's "false" came back as "true" within a second, and no label could be
+    # cleared while the replica that set it ran. Nor may the spent evidence flag it again.
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    host = build(settings(nats_url, tmp_path, "a", health_interval_s=0.1))
+    await host.start()
+    try:
+        flagged = await flag_gpu_0_for_maintenance(observer, 1_000_000.0)
+        await set_gpu_0_labels(observer, maintenance_pending="false")
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, 1_000_120.0, ecc_uncorrected=2, xid_count=2,
+                                                            xid_last=48)])  # the same board, nothing new
+        await asyncio.sleep(1.0)  # ten assessments
+        after = await gpu_labels(observer, "n1", 0)
+    finally:
+        await host.stop()
+    assert after["maintenance_pending"] == "false"
+    assert flagged["maintenance_pending"] == "true" and flagged["maintenance_board"] == "GPU-n1-0"
+
+
+async def test_a_gpu_flagged_for_maintenance_is_back_in_service_once_its_board_is_replaced(
+        observer, nats_url, tmp_path):
+    # The label stayed on the slot for good: the board swapped in was kept out of service
+    # until someone remembered to clear it by hand.
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    host = build(settings(nats_url, tmp_path, "a", health_interval_s=0.1))
+    await host.start()
+    try:
+        await flag_gpu_0_for_maintenance(observer, 1_000_000.0)
+        new = [gpu_sample("n1", 0, 1_000_600.0 + 30 * i, uuid="GPU-new-board") for i in range(2)]
+        for sample in new:
+            await publish_telemetry(observer, "n1", [sample])
+
+        async def back() -> dict[str, str] | None:
+            labels = await gpu_labels(observer, "n1", 0)
+            return labels if labels.get("maintenance_pending") == "false" else None
+
+        labels = await wait_for(back, timeout_s=10, what="the label lifted for the new board")
+    finally:
+        await host.stop()
+    assert labels["maintenance_board"] == "GPU-new-board"
 
 
 async def test_labels_are_put_back_when_the_topology_service_rewrites_the_node(observer, nats_url, tmp_path):

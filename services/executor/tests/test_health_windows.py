@@ -49,6 +49,7 @@ class Labels:
     def __init__(self, failing: str = "") -> None:
         self.failing = failing
         self.written: dict[tuple[str, int], dict[str, str]] = {}
+        self.overridden: list[tuple[str, int, str, str]] = []  # nobody else writes here
 
     def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
         return self.written.get((node, gpu), {})
