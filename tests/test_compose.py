@@ -180,3 +180,9 @@ def test_the_image_user_can_write_its_named_volumes(compose):
             source, target, *mode = str(volume).split(":")
             if source in named and "ro" not in mode:
                 assert target in owned, f"{name}: volume {source} on {target}, which the image's user cannot write"
+
+
+def test_the_executor_runs_under_an_init_that_reaps_its_tasks_leftovers(compose):
+    # As PID 1 the executor inherited every orphan of the tasks its process backend killed,
+    # and never reaped them: zombies piled up for the container's life.
+    assert compose["services"]["executor"].get("init") is True

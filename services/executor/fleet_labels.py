@@ -59,6 +59,9 @@ class FleetLabels:
         # The revision of our latest write of each entry: the watch's entries up to it are
         # our own writes or older ones, which override nothing.
         self._written: dict[str, int] = {}
+        # Entries whose labels a write failed to put (``set`` raised): written again by
+        # ``apply_pending``, on the health round.
+        self._unapplied: set[str] = set()
 
     async def load(self) -> None:
         """Read every node once."""
@@ -84,7 +87,24 @@ class FleetLabels:
         the bucket yet is labelled when it appears (see :meth:`follow`)."""
         key = node_key(node)
         self._wanted.setdefault(key, {}).setdefault(gpu, {}).update(labels)
-        return await self._apply(key)
+        try:
+            return await self._apply(key)
+        except Exception:
+            # Kept to be written again (``apply_pending``): a cordon whose write failed once
+            # (the bucket contended, the server away) left the GPU taking work while the
+            # hook, which emits each command once, took it as cordoned.
+            self._unapplied.add(key)
+            raise
+
+    async def apply_pending(self) -> None:
+        """Write again the labels whose write failed; a key that fails again is kept."""
+        for key in sorted(self._unapplied):
+            try:
+                await self._apply(key)
+            except Exception as error:  # noqa: BLE001 - the next round tries again
+                log.warning("labels of %s still not written (%s: %s)", key, type(error).__name__, error)
+                continue
+            self._unapplied.discard(key)
 
     async def _apply(self, key: str, attempts: int = 20) -> bool:
         wanted = self._wanted.get(key, {})

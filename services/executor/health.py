@@ -122,9 +122,9 @@ class GpuHealth(ExecutorReplica):
     async def decommission(self, command: Command) -> list[Event]:
         """Do what the pre-decommission hook asks; only the lock holder gets here."""
         assert self.labels is not None and self.backend is not None
-        labels, backend = self.labels, self.backend
+        backend = self.backend
         if isinstance(command, Cordon):
-            await labels.set(command.node, command.gpu, {CORDONED: "true"})
+            await self._label(command.node, command.gpu, {CORDONED: "true"})
             log.warning("cordoned %s/%d: %s", command.node, command.gpu, command.reason)
             return []
 
@@ -145,9 +145,20 @@ class GpuHealth(ExecutorReplica):
             return event
 
         evicted = await asyncio.gather(*(evict(t) for t in command.evict))
-        await labels.set(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
+        await self._label(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
         log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(command.evict))
         return [e for e in evicted if e is not None]
+
+    async def _label(self, node: str, gpu: int, wanted: dict[str, str]) -> None:
+        """Label a GPU for the hook. The hook emits each command once: a write that fails
+        now is kept and written again on the next health round (``apply_pending``), and the
+        evictions already done are told rather than lost with a raised error."""
+        assert self.labels is not None
+        try:
+            await self.labels.set(node, gpu, wanted)
+        except Exception as error:  # noqa: BLE001 - kept to be written again
+            log.error("labels %s of %s/%d not written now (%s: %s); written again on the next round",
+                      wanted, node, gpu, type(error).__name__, error)
 
     async def assess_health(self) -> None:
         """Label ``maintenance_pending`` each GPU whose window the health model finds at risk."""
@@ -155,6 +166,7 @@ class GpuHealth(ExecutorReplica):
         if labels is None:
             return
         self.windows.forget_silent()
+        await labels.apply_pending()
         self.take_overrides()
         for (node, gpu), window in list(self.windows.windows.items()):
             if len(window) < 2:

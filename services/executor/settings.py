@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fleetpilot.contracts import BUCKETS, as_node_name
+from fleetpilot.executor import DecommissionRules
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
 from fleetpilot.runtime import ServiceSettings
 from pydantic import field_validator, model_validator
@@ -59,6 +60,17 @@ class ExecutorSettings(ServiceSettings):
         if self.hand_over_taken_within_s <= wait_s:
             raise ValueError(f"hand_over_taken_within_s ({self.hand_over_taken_within_s:g}) must exceed the "
                              f"{wait_s:g} s a target may wait for a hand-over (3 x (checkpoint_s + grace_s + 10))")
+        return self
+
+    @model_validator(mode="after")
+    def _drain_within_the_hook_lock(self) -> ExecutorSettings:
+        # The pre-decommission hook holds its GPU's lock for the drain, and the lock lives
+        # at most its TTL (35 minutes, the hook_locks bucket's): a longer drain lost it
+        # midway, and another replica took the hook over and cordoned again.
+        most = DecommissionRules().lock_ttl_s - 60.0
+        if not 0 <= self.decommission_drain_s <= most:
+            raise ValueError(f"decommission_drain_s ({self.decommission_drain_s:g}) must be within 0..{most:g} s: "
+                             f"the hook's lock lives {DecommissionRules().lock_ttl_s:g} s")
         return self
 
     @field_validator("node")

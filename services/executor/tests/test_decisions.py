@@ -487,6 +487,15 @@ def test_a_take_back_sooner_than_a_targets_last_try_is_a_setting_error(tmp_path)
     assert settings("nats://127.0.0.1:1", tmp_path, checkpoint_s=100.0, hand_over_taken_within_s=400).checkpoint_s == 100
 
 
+def test_a_drain_longer_than_the_hook_s_lock_lives_is_a_setting_error(tmp_path):
+    """The pre-decommission hook holds its GPU's lock through the drain; the lock lives 35
+    minutes at most (the hook_locks bucket's TTL). A longer drain lost it midway, and another
+    replica took the hook over and cordoned again."""
+    with pytest.raises(ValueError, match=r"decommission_drain_s \(3600\) must be within 0..2040 s"):
+        settings("nats://127.0.0.1:1", tmp_path, decommission_drain_s=3600.0)
+    assert settings("nats://127.0.0.1:1", tmp_path, decommission_drain_s=2000.0).decommission_drain_s == 2000
+
+
 def move_t1_back() -> DecisionMade:
     """t1's second move: from n2's GPU 1 back to n1's GPU 0."""
     return DecisionMade(decision_id="t1.migrate.2", task_id="t1", action="migrate",

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
+from fleetpilot.contracts import NodeTopology, encode
+from fleetpilot.executor import Cordon
 from fleetpilot.runtime import CasConflict
 from fleetpilot_services.executor.health import GpuHealth, HealthWindows
 from fleetpilot_services.executor.service import ExecutorSettings
@@ -53,6 +55,9 @@ class Labels:
 
     def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
         return self.written.get((node, gpu), {})
+
+    async def apply_pending(self) -> None:
+        """Nothing is kept to write again here: ``set`` either writes or raises."""
 
     async def set(self, node: str, gpu: int, labels: Mapping[str, str]) -> bool:
         if node == self.failing:
@@ -121,3 +126,38 @@ async def test_a_board_swapped_after_it_fell_off_the_bus_starts_a_window_of_its_
     assert {s.uuid for s in replica.windows.windows[("n1", 0)]} == {"GPU-spare"}
     await replica.assess_health()
     assert "maintenance_pending" not in labels.labels_of("n1", 0)
+
+
+async def test_a_label_write_that_failed_is_written_again_on_the_next_round(tmp_path: Path) -> None:
+    # The pre-decommission hook emits its cordon once. Its write failing (the entry kept
+    # changing, the server away) raised out of the telemetry handler, and the GPU took new
+    # work for the whole drain while the hook took it as cordoned.
+    from fleetpilot.runtime.memory import InMemoryBus  # noqa: PLC0415
+    from fleetpilot_services.executor.fleet_labels import FleetLabels  # noqa: PLC0415
+
+    from .conftest import node_topology  # noqa: PLC0415
+
+    class Contended:
+        """The topology bucket, whose writes lose every race while ``busy``."""
+
+        def __init__(self, kv) -> None:
+            self.kv, self.busy = kv, True
+
+        def __getattr__(self, name):
+            return getattr(self.kv, name)
+
+        async def update(self, key, value, revision):
+            if self.busy:
+                raise CasConflict(f"{key} changed")
+            return await self.kv.update(key, value, revision)
+
+    kv = await InMemoryBus().kv("topology")
+    await kv.put("n1", encode(node_topology("n1")))
+    contended = Contended(kv)
+    replica = health(tmp_path, FleetLabels(contended))  # type: ignore[arg-type]
+    replica.backend = object()  # type: ignore[assignment]  # a cordon stops no task
+    await replica.decommission(Cordon(node="n1", gpu=1, reason="hot for 5 minutes"))  # says so; raises nothing
+    contended.busy = False
+    await replica.assess_health()
+    stored = msgspec.json.decode((await kv.get("n1")).value, type=NodeTopology)
+    assert stored.gpus[1].labels.get("cordoned") == "true"
