@@ -109,7 +109,10 @@ class PluginDirectory:
         module_name = MODULE_PREFIX + file.stem
         try:
             profiles = self._execute(file, module_name, source, digest)
-        except Exception as exc:  # noqa: BLE001 - a broken module must never stop the service
+        # SystemExit too: a module that calls sys.exit (or argparse on the service's own
+        # arguments) at import otherwise went up through the watcher and out of the event
+        # loop, stopping the replica. KeyboardInterrupt still stops it.
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken module must never stop the service
             for point, plugins in registry_before.items():
                 REGISTRY[point].clear()
                 REGISTRY[point].update(plugins)

@@ -129,6 +129,9 @@ class ActivePolicies:
     # Told ``(policy, new state, outcome)`` when a policy's breaker opens or closes.
     on_breaker: Callable[[str, BreakerState, Outcome], None] | None = None
     current: PolicySet = field(init=False)
+    # The latest configuration refused because it did not compile, with its source: tried
+    # again when the plugin modules change (it may name a profile of a module not loaded yet).
+    refused: tuple[PolicyConfig, str] | None = None
     _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
     _generation: int = 0
 
@@ -140,12 +143,25 @@ class ActivePolicies:
             self.on_breaker(name, state, outcome)
 
     def apply_config(self, config: PolicyConfig, source: str) -> bool:
-        """Swap in a new configuration; ``False`` (previous set kept) if it does not compile."""
-        return self._swap("config", config, source, self.plugins, self.stats)
+        """Swap in a new configuration; ``False`` (previous set kept) if it does not compile,
+        and it is then tried again with the next plugin modules (``apply_plugins``)."""
+        applied = self._swap("config", config, source, self.plugins, self.stats)
+        self.refused = None if applied else (config, source)
+        return applied
 
     def apply_plugins(self, plugins: Mapping[str, PluginProfile], started: float | None = None) -> bool:
         """Swap in the plugin directory's current profiles; ``started`` (``perf_counter``)
-        is when the reload began, so that the measured time includes the module import."""
+        is when the reload began, so that the measured time includes the module import.
+
+        A configuration refused since (it named a profile of a module not loaded then) is
+        applied with them when it compiles now. Before, it was dropped: the replica kept the
+        old policies until the key was written again, while a replica started after the
+        module came served the new ones."""
+        if self.refused is not None:
+            config, source = self.refused
+            if self._swap("module", config, source, dict(plugins), self.stats, started):
+                self.refused = None
+                return True
         return self._swap("module", self.config, self.source, dict(plugins), self.stats, started)
 
     def apply_stats(self, stats: Sequence[SuccessStat]) -> bool:

@@ -214,7 +214,12 @@ class ReplicaState:
         kept = self.usage.get(sample.task_id)
         if kept is None:
             kept = deque()
-        if kept and sample.at <= kept[-1][0]:
+        if kept and sample.at < kept[-1][0] - self.settings.growth_lookahead_s:
+            # Earlier than the last by more than the window: the clock was stepped back (or
+            # one sample was stamped ahead). Dropped as late, every sample until the clock
+            # caught up went unseen, and with them the growth that checkpoints before an OOM.
+            kept = deque()
+        elif kept and sample.at <= kept[-1][0]:
             return  # a late or repeated sample
         kept.append((sample.at, sample.memory_used_mb))
         while kept[0][0] < sample.at - self.settings.growth_lookahead_s:

@@ -55,6 +55,9 @@ class PendingQueue:
         """Mirror ``kv`` (the ``pending`` bucket); call :meth:`follow` to keep it current."""
         self.kv = kv
         self.entries: dict[str, KvEntry] = {}
+        # Unreadable entries already reported, at the revision reported: every round found
+        # them again, and logged each once a round (``pending_retry_s``) for as long as it stayed.
+        self.reported: dict[str, int] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> Self:
@@ -71,6 +74,7 @@ class PendingQueue:
         async for entry in self.kv.watch(">"):
             if entry.value is None:
                 self.entries.pop(entry.key, None)
+                self.reported.pop(entry.key, None)
             else:
                 self.entries[entry.key] = entry
 
@@ -132,7 +136,9 @@ class RetryRound:
                 adm, requeue = decode_pending(value)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 # One unreadable entry must not stop every other task from being placed.
-                log.error("pending %s is unreadable (%s); skipped", key, exc)
+                if self.queue.reported.get(key) != entry.revision:
+                    self.queue.reported[key] = entry.revision
+                    log.error("pending %s is unreadable (%s); skipped until it is written again", key, exc)
                 continue
             held = ps.ledger.holds_of(adm.task.task_id)
             if claim is not None and held is None and await ps.journaled(

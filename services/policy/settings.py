@@ -19,8 +19,13 @@ class PolicySettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_POLICY_", extra="ignore")
 
-    pending_retry_s: float = 1.0
-    claim_timeout_s: float = Field(default=30.0, description="A pending entry claimed longer ago than this "
+    # Bounds are checked at start-up: a period of 0 spins its loop, NaN (``asyncio.sleep``)
+    # never wakes it, so queued tasks were never retried; a claim timeout of 0 hands every
+    # claim to another replica mid-placement (two holds for one task); a negative lookahead
+    # failed every telemetry sample; a probability outside (0, 1] made no sense downstream.
+
+    pending_retry_s: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    claim_timeout_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False, description="A pending entry claimed longer ago than this "
                                    "was left by a replica that died placing it: another replica takes it")
     profile: str = "fleetpilot"
     # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
@@ -29,44 +34,44 @@ class PolicySettings(ServiceSettings):
     seed: int = 0
     hostname: str = Field(default_factory=socket.gethostname, description="Selects policies.<hostname>")
     plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
-    plugin_poll_s: float = 0.5
-    stats_refresh_s: float = 30.0
-    stats_timeout_s: float = 2.0
-    rebalance_s: float = 30.0
+    plugin_poll_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
+    stats_refresh_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    stats_timeout_s: float = Field(default=2.0, gt=0.0, allow_inf_nan=False)
+    rebalance_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     # How often the built-in profiles are rebuilt on the task shapes seen (FGD's typical
     # tasks, fleetpilot's demand), and how many recent admissions count.
-    workload_refresh_s: float = 60.0
-    workload_window: int = 5000
-    oom_migrate_risk: float = Field(default=0.5, description="P(OOM in place) from which a task is moved")
-    max_migrations_per_round: int = 10
+    workload_refresh_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
+    workload_window: int = Field(default=5000, ge=1)
+    oom_migrate_risk: float = Field(default=0.5, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
+    max_migrations_per_round: int = Field(default=10, ge=0)
     wait_risk: bool = Field(
         default=True,
         description="Weigh a smaller GPU's share of a program's runs that did not fit against the recent wait "
         "for the GPU its spread asks (policy.spread); off: never ask below the spread",
     )
     queue_aging: float = Field(
-        default=1.0, gt=0.0,
+        default=1.0, gt=0.0, allow_inf_nan=False,
         description="How much a task's admission time weighs in the queue's order against the run it has "
         "left (backfill.completion_order): 1, a later task goes first only if expected to end before the "
         "waiting one would have; below 1, short work goes first more often; must be above 0",
     )
-    resize_margin_mb: float = Field(default=512.0, description="Head room above the peak's 90% bound")
+    resize_margin_mb: float = Field(default=512.0, ge=0.0, allow_inf_nan=False, description="Head room above the peak's 90% bound")
     # What moving a running task costs (checkpoint and restore): the pause a clearing prices
     # its moves with, and how soon a task being moved releases the GPUs it leaves.
-    checkpoint_base_s: float = Field(default=30.0, description="Pause of a checkpoint and restore, fixed part")
-    checkpoint_s_per_gb: float = Field(default=2.0, description="Pause of a checkpoint and restore per GB held")
-    preempt_restart_s: float = Field(default=60.0, description="Work an evicted task loses on top of its age")
-    evict_success: float = Field(default=0.97, description="P(one eviction is carried out), for confidence")
+    checkpoint_base_s: float = Field(default=30.0, ge=0.0, allow_inf_nan=False, description="Pause of a checkpoint and restore, fixed part")
+    checkpoint_s_per_gb: float = Field(default=2.0, ge=0.0, allow_inf_nan=False, description="Pause of a checkpoint and restore per GB held")
+    preempt_restart_s: float = Field(default=60.0, ge=0.0, allow_inf_nan=False, description="Work an evicted task loses on top of its age")
+    evict_success: float = Field(default=0.97, gt=0.0, le=1.0, description="P(one eviction is carried out), for confidence")
     evict_timeout_s: float = Field(
-        default=60.0, description="An eviction not carried out by then is given up"
+        default=60.0, gt=0.0, allow_inf_nan=False, description="An eviction not carried out by then is given up"
     )
     refused_replacements: int = Field(
-        default=2,
+        default=2, ge=0,
         description="How many times a task whose assign the executor refused (a business rule, a GPU "
         "cordoned meanwhile) is placed again before it is given up",
     )
     growth_lookahead_s: float = Field(
-        default=GROWTH_LOOKAHEAD_S,
+        default=GROWTH_LOOKAHEAD_S, gt=0.0, allow_inf_nan=False,
         description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
         "GPU within it, with nowhere to move, is checkpointed and queued again",
     )

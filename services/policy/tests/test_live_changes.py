@@ -247,3 +247,25 @@ def test_a_breaker_left_open_by_a_config_change_is_reported_closed():
     for _ in range(2):
         active.current.guarded["bestfit"].breaker.record("timeout")
     assert active.apply_stats([]) and gauge("bestfit") == 1.0
+
+
+def test_a_config_refused_for_a_module_not_loaded_yet_is_applied_when_the_module_comes():
+    """The operator writes ``policies.default`` naming a profile whose module is rolled out a
+    moment later: refused then, it is applied with the module, as a replica started after the
+    module applies it. Before, the running replica kept its old policies until the key was
+    written again."""
+    from fleetpilot.policy import PluginSpec, ProfileConfig
+    from fleetpilot_services.policy.policy_set import ActivePolicies, PluginProfile, parse_config
+
+    active = ActivePolicies(parse_config(b'{"profile": "bestfit"}'))
+    assert not active.apply_config(parse_config(b'{"profile": "mine"}'), "kv rev 2")
+    assert active.current.default == "bestfit"
+    mine = PluginProfile(profile=ProfileConfig(name="mine", filters=[PluginSpec(name="node-resources")]),
+                         version="1+abc", module="mine.py")
+    assert active.apply_plugins({"mine": mine})
+    assert (active.current.default, active.current.source) == ("mine", "kv rev 2")
+    # Applied once: a later module change keeps it, and a config accepted since is not undone.
+    assert active.apply_config(parse_config(b'{"profile": "fgd"}'), "kv rev 3")
+    assert active.apply_plugins({"mine": mine, "other": PluginProfile(profile=ProfileConfig(name="other"),
+                                                                      version="1", module="o.py")})
+    assert active.current.default == "fgd"

@@ -1,0 +1,45 @@
+"""A policy module that exits while it is imported must not take the service with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleetpilot.policy import REGISTRY
+from fleetpilot_services.policy.plugin_dir import PluginDirectory
+
+GOOD = """
+from fleetpilot.policy import ProfileConfig, PluginSpec
+PROFILES = {"mine": ProfileConfig(name="mine", filters=[PluginSpec(name="node-resources")])}
+"""
+
+# An operator's module that parses its own command line at import (argparse exits on the
+# service's arguments), or calls sys.exit: SystemExit is no Exception, and before it went up
+# through ``poll`` into the plugin watcher and out of the event loop, stopping the replica.
+EXITS = """
+from fleetpilot.policy import register
+from fleetpilot.policy.framework import ScorePlugin
+
+@register
+class HalfLoaded(ScorePlugin):
+    name = "half-loaded-by-an-exiting-module"
+    def score(self, cycle):
+        return 0.0
+
+import sys
+sys.exit(2)
+"""
+
+
+def test_a_module_that_exits_on_import_is_refused_and_the_previous_version_serves(tmp_path: Path) -> None:
+    module = tmp_path / "mine.py"
+    module.write_text(GOOD)
+    plugins = PluginDirectory(tmp_path)
+    assert plugins.poll()
+    before = plugins.profiles()["mine"].version
+
+    module.write_text(EXITS + "\n# changed\n")
+    assert plugins.poll() is False  # refused, logged; no SystemExit escapes
+    assert plugins.profiles()["mine"].version == before
+    # What the half-run module registered is taken back, as for any other failure.
+    assert not any("half-loaded-by-an-exiting-module" in names for names in REGISTRY.values())
+    assert plugins.poll() is False  # not tried again until the file changes

@@ -1,0 +1,55 @@
+"""Settings that make no sense are refused at start-up with one line naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot.runtime.config import BadSettings
+from fleetpilot_services.policy.settings import PolicySettings
+
+# Each was accepted before: a period of 0 spun its loop, NaN never woke it (the queue was
+# never retried), a claim timeout of 0 let replicas take each other's claims mid-placement,
+# a negative lookahead failed every telemetry sample, probabilities left (0, 1].
+REFUSED = [
+    ("PENDING_RETRY_S", "0"),
+    ("PENDING_RETRY_S", "nan"),
+    ("CLAIM_TIMEOUT_S", "0"),
+    ("CLAIM_TIMEOUT_S", "inf"),
+    ("REBALANCE_S", "-1"),
+    ("STATS_REFRESH_S", "nan"),
+    ("STATS_TIMEOUT_S", "0"),
+    ("PLUGIN_POLL_S", "0"),
+    ("WORKLOAD_REFRESH_S", "0"),
+    ("WORKLOAD_WINDOW", "0"),
+    ("OOM_MIGRATE_RISK", "nan"),
+    ("OOM_MIGRATE_RISK", "1.5"),
+    ("MAX_MIGRATIONS_PER_ROUND", "-1"),
+    ("RESIZE_MARGIN_MB", "-512"),
+    ("CHECKPOINT_BASE_S", "-1"),
+    ("CHECKPOINT_S_PER_GB", "nan"),
+    ("PREEMPT_RESTART_S", "-60"),
+    ("EVICT_SUCCESS", "1.5"),
+    ("EVICT_SUCCESS", "0"),
+    ("EVICT_TIMEOUT_S", "0"),
+    ("REFUSED_REPLACEMENTS", "-1"),
+    ("GROWTH_LOOKAHEAD_S", "-10"),
+    ("QUEUE_AGING", "inf"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED)
+def test_a_setting_that_makes_no_sense_is_refused_in_one_line(monkeypatch, name: str, value: str) -> None:
+    monkeypatch.setenv(f"FLEETPILOT_POLICY_{name}", value)
+    with pytest.raises(BadSettings) as caught:
+        PolicySettings.from_environment()
+    message = str(caught.value)
+    assert f"FLEETPILOT_POLICY_{name}" in message
+    assert "\n" not in message
+
+
+def test_the_defaults_and_sensible_edges_are_accepted(monkeypatch) -> None:
+    for name, value in (("MAX_MIGRATIONS_PER_ROUND", "0"), ("REFUSED_REPLACEMENTS", "0"),
+                        ("RESIZE_MARGIN_MB", "0"), ("OOM_MIGRATE_RISK", "1"), ("EVICT_SUCCESS", "1")):
+        monkeypatch.setenv(f"FLEETPILOT_POLICY_{name}", value)
+    got = PolicySettings.from_environment()
+    assert (got.max_migrations_per_round, got.refused_replacements, got.oom_migrate_risk) == (0, 0, 1.0)
+    assert PolicySettings().pending_retry_s == 1.0
