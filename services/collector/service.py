@@ -240,7 +240,11 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
 
     async def publish_topology(bus: Bus) -> None:
         for node in reader.node_names():
-            await bus.publish(TopologyReport(node=reader.topology(node), source=source, at=now()))
+            # NVML's topology is hundreds of blocking calls (every NVLink of every GPU, every
+            # GPU pair's common ancestor), so it is read off the event loop, as samples are;
+            # the simulator is driven from the loop and is read on it.
+            topo = reader.topology(node) if hardware is not None else await asyncio.to_thread(reader.topology, node)
+            await bus.publish(TopologyReport(node=topo, source=source, at=now()))
 
     host.on_startup(publish_topology)
 
@@ -255,8 +259,9 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             out.extend(hardware.advance(elapsed * settings.speed))
         else:
             # Real XIDs also show in each sample's xid_last/xid_count; drained here so the
-            # reader's queue stays bounded, and logged for the operator.
-            for ev in reader.events():
+            # reader's queue stays bounded, and logged for the operator. Draining waits on
+            # NVML's event set, so it too runs off the loop.
+            for ev in await asyncio.to_thread(reader.events):
                 log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
         # An NVML reader reads one node, this host, so its ports belong to that node.
         nics = nic_rates() if hardware is None else []

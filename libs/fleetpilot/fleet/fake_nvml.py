@@ -24,6 +24,7 @@ NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_UNKNOWN = 999
 NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
@@ -94,6 +95,13 @@ NVMLError_NotFound = _error_class("NVMLError_NotFound", NVML_ERROR_NOT_FOUND)
 NVMLError_DriverNotLoaded = _error_class("NVMLError_DriverNotLoaded", NVML_ERROR_DRIVER_NOT_LOADED)
 NVMLError_Timeout = _error_class("NVMLError_Timeout", NVML_ERROR_TIMEOUT)
 NVMLError_LibraryNotFound = _error_class("NVMLError_LibraryNotFound", NVML_ERROR_LIBRARY_NOT_FOUND)
+NVMLError_FunctionNotFound = _error_class("NVMLError_FunctionNotFound", NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+class NVMLLibraryMismatchError(Exception):
+    """pynvml's error for an unversioned call whose versioned entry point the driver lacks
+    (``nvmlDeviceGetComputeRunningProcesses`` calls ``_v3``, absent before R510); like
+    pynvml's, it is not an ``NVMLError``."""
 
 
 @dataclass
@@ -140,9 +148,10 @@ class FakeNvml:
     """A stand-in for the ``pynvml`` module over ``FakeGpu`` records."""
 
     NVMLError = NVMLError
+    NVMLLibraryMismatchError = NVMLLibraryMismatchError
 
     def __init__(self, gpus: list[FakeGpu], *, driver_version: str = "550.90.07", available: bool = True,
-                 levels: dict[tuple[int, int], int] | None = None) -> None:
+                 levels: dict[tuple[int, int], int] | None = None, driver_lacks: set[str] | None = None) -> None:
         for name in CONSTANT_NAMES:
             setattr(self, name, globals()[name])
         for name, value in globals().items():
@@ -152,6 +161,10 @@ class FakeNvml:
         self.driver_version = driver_version
         self.available = available
         self.levels = dict(levels or {})
+        # Versioned entry points the fake driver does not export (an old driver), e.g.
+        # "nvmlDeviceGetComputeRunningProcesses_v3": the unversioned call then raises
+        # NVMLLibraryMismatchError and the versioned one NVMLError_FunctionNotFound, as pynvml does.
+        self.driver_lacks = set(driver_lacks or ())
         self.pending_xids: list[tuple[int, int]] = []
         self.initialised = False
         self.calls = 0
@@ -285,15 +298,36 @@ class FakeNvml:
 
     # -- processes ---------------------------------------------------------------------
 
+    def _running(self, h: Any, kind: str, version: str) -> list[Any]:
+        if f"nvmlDeviceGet{kind}RunningProcesses_{version}" in self.driver_lacks:
+            raise NVMLError_FunctionNotFound()
+        g = self._gpu(h, f"nvmlDeviceGet{kind}RunningProcesses")
+        procs = g.compute_procs if kind == "Compute" else g.graphics_procs
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in procs]
+
     def nvmlDeviceGetComputeRunningProcesses(self, h: Any) -> list[Any]:  # noqa: N802
-        """Compute processes with ``pid`` and ``usedGpuMemory`` (bytes)."""
-        g = self._gpu(h, "nvmlDeviceGetComputeRunningProcesses")
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.compute_procs]
+        """Compute processes with ``pid`` and ``usedGpuMemory`` (bytes), through ``_v3`` as pynvml's."""
+        try:
+            return self._running(h, "Compute", "v3")
+        except NVMLError_FunctionNotFound:
+            raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match "
+                                           "the NVML lib version") from None
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, h: Any) -> list[Any]:  # noqa: N802
+        """Compute processes through the pre-R510 entry point."""
+        return self._running(h, "Compute", "v2")
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, h: Any) -> list[Any]:  # noqa: N802
-        """Graphics processes with ``pid`` and ``usedGpuMemory`` (bytes)."""
-        g = self._gpu(h, "nvmlDeviceGetGraphicsRunningProcesses")
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.graphics_procs]
+        """Graphics processes with ``pid`` and ``usedGpuMemory`` (bytes), through ``_v3`` as pynvml's."""
+        try:
+            return self._running(h, "Graphics", "v3")
+        except NVMLError_FunctionNotFound:
+            raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match "
+                                           "the NVML lib version") from None
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, h: Any) -> list[Any]:  # noqa: N802
+        """Graphics processes through the pre-R510 entry point."""
+        return self._running(h, "Graphics", "v2")
 
     def nvmlDeviceGetProcessUtilization(self, h: Any, since: int) -> list[Any]:  # noqa: N802
         """Per-process utilisation samples newer than ``since`` (µs); NotFound when none."""

@@ -39,6 +39,7 @@ log = logging.getLogger("fleetpilot.fleet.nvml")
 MB = 1024 * 1024
 SWITCH_RATE_PER_PEER = 400.0  # the same time-slice model the simulator plays out
 TASK_ENV = "FLEETPILOT_TASK_ID"
+NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as an unsigned long long
 
 # nvmlDeviceGetTopologyCommonAncestor levels -> nvidia-smi link kinds.
 _LEVEL_KIND: dict[int, str] = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -225,15 +226,37 @@ class NvmlReader:
         out, self._events = self._events, []
         return out
 
-    def _processes(self, handle: Any, missing: list[str]) -> list[ProcessMemory]:
+    def _running(self, name: str, handle: Any, missing: list[str]) -> list[Any]:
         nvml = self._nvml
+        try:
+            return list(getattr(nvml, name)(handle) or [])
+        except nvml.NVMLError:
+            missing.append("processes")
+            return []
+        except getattr(nvml, "NVMLLibraryMismatchError", ()):
+            # pynvml's unversioned call goes to the _v3 entry point, which drivers before
+            # R510 lack, and says so with an error that is no NVMLError; _v2 is theirs.
+            return list(self._try(getattr(nvml, f"{name}_v2"), handle, default=[], missing=missing,
+                                  field="processes") or [])
+
+    def _processes(self, handle: Any, missing: list[str], unknown: set[int] | None = None) -> list[ProcessMemory]:
+        """The GPU's processes; a PID whose memory NVML cannot tell goes into ``unknown``
+        (when given) and ``process_memory`` into ``missing``, its ``used_mb`` left at 0."""
         seen: dict[int, ProcessMemory] = {}
-        for fn in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
-            for proc in self._try(fn, handle, default=[], missing=missing, field="processes") or []:
+        for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            for proc in self._running(name, handle, missing):
+                if proc.pid in seen:
+                    continue
                 used = getattr(proc, "usedGpuMemory", None)
-                if proc.pid not in seen:
-                    seen[proc.pid] = ProcessMemory(pid=int(proc.pid), used_mb=round((used or 0) / MB, 1),
-                                                   task_id=self._task_of_pid(int(proc.pid)))
+                # NVML_VALUE_NOT_AVAILABLE (pynvml turns it into None; an older binding passes
+                # 2**64-1 through): a MIG GPU read without privileges, or WDDM. Neither is 0.
+                if used is None or int(used) >= NOT_AVAILABLE_ULL:
+                    missing.append("process_memory")
+                    if unknown is not None:
+                        unknown.add(int(proc.pid))
+                    used = 0
+                seen[proc.pid] = ProcessMemory(pid=int(proc.pid), used_mb=round(int(used) / MB, 1),
+                                               task_id=self._task_of_pid(int(proc.pid)))
         return sorted(seen.values(), key=lambda p: p.pid)
 
     def _context_switches(self, index: int, handle: Any, util_gpu: float, processes: int) -> Reading:
@@ -277,7 +300,10 @@ class NvmlReader:
         links = int(head[0].value.uiVal)
         if links == 0:
             return Reading(value=0.0, uncertainty_score=0.0)  # no NVLink: exactly zero
-        speed_mbps = float(head[1].value.uiVal) if head[1].nvmlReturn == 0 else 25_000.0
+        # A common speed of 0 (no link trained: fabric manager down, links in reset) says
+        # nothing about the links' capacity; it is taken as unread, not divided by.
+        speed_known = head[1].nvmlReturn == 0 and int(head[1].value.uiVal) > 0
+        speed_mbps = float(head[1].value.uiVal) if speed_known else 25_000.0
         ids = [(f, link) for link in range(links)
                for f in (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)]
         values = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids)
@@ -289,10 +315,14 @@ class NvmlReader:
         if deltas is None:
             return Reading(value=0.0, uncertainty_score=1.0)  # first read: no rate yet
         d_tx, d_rx, dt = deltas
-        kib_per_s = max(d_tx, d_rx, 0.0) / dt
+        if d_tx < 0 or d_rx < 0:
+            # The counters went back (reset by a GPU reset or ``nvidia-smi nvlink -r``, or
+            # wrapped): no rate this time, like a first read; not an exact 0.
+            return Reading(value=0.0, uncertainty_score=1.0)
+        kib_per_s = max(d_tx, d_rx) / dt
         peak_kib_per_s = links * speed_mbps * 1e6 / 1024
         return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
-                       uncertainty_score=0.1 if head[1].nvmlReturn == 0 else 0.3)
+                       uncertainty_score=0.1 if speed_known else 0.3)
 
     def _pcie_kbps(self, index: int, handle: Any, now: float, missing: list[str]) -> tuple[float, float]:
         # nvmlDeviceGetPcieThroughput samples the bus for 20 ms per call (21 ms measured on
@@ -388,12 +418,19 @@ class NvmlReader:
         return out
 
     def task_samples(self, node: str) -> list[TaskTelemetry]:
-        """Per task (or ``pid-<pid>`` for processes without a task id): memory over its GPUs."""
+        """Per task (or ``pid-<pid>`` for processes without a task id): memory over its GPUs.
+
+        A task with a process whose memory NVML cannot report (``usedGpuMemory`` not
+        available) gets no sample: its memory is unknown, not the sum of the rest."""
         self._check_node(node)
         now = self._clock()
         nvml = self._nvml
         grouped: dict[str, tuple[set[int], float, set[int]]] = {}
         sm_util: dict[str, list[float]] = {}
+        # Tasks with a process whose memory NVML cannot tell: a sum that leaves it out (or
+        # counts it as 0) would teach the fingerprinter and the policy a peak far too low,
+        # so no sample is sent for them at all.
+        blind: set[str] = set()
         for index, handle in enumerate(self._handles):
             if handle is None:
                 continue  # a GPU NVML could not open: no process is known on it
@@ -402,14 +439,17 @@ class NvmlReader:
             for s in self._try(nvml.nvmlDeviceGetProcessUtilization, handle, 0, default=[]) or []:
                 if s.pid not in latest or s.timeStamp > latest[s.pid][0]:
                     latest[s.pid] = (int(s.timeStamp), float(s.smUtil))
-            for proc in self._processes(handle, []):
+            unknown: set[int] = set()
+            for proc in self._processes(handle, [], unknown):
                 key = proc.task_id or f"pid-{proc.pid}"
+                if proc.pid in unknown:
+                    blind.add(key)
                 gpus, used, pids = grouped.get(key, (set(), 0.0, set()))
                 grouped[key] = (gpus | {index}, used + proc.used_mb, pids | {proc.pid})
                 sm_util.setdefault(key, []).append(latest.get(proc.pid, (0, 0.0))[1])
         return [TaskTelemetry(task_id=key, node=self.node, gpus=sorted(gpus), at=now, memory_used_mb=round(used, 1),
                               utilization_gpu_pct=round(sum(sm_util[key]) / len(sm_util[key]), 2), pids=sorted(pids))
-                for key, (gpus, used, pids) in sorted(grouped.items())]
+                for key, (gpus, used, pids) in sorted(grouped.items()) if key not in blind]
 
     def topology(self, node: str) -> NodeTopology:
         """The node's graph from NVML (see ``topology_from_nvml``) plus sysfs NICs and driver params."""
@@ -485,7 +525,9 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
                 continue
             remote = attempt(nvml.nvmlDeviceGetNvLinkRemotePciInfo, h, link)
             remote_bus = _text(remote.busId).lower() if remote is not None else ""
-            if remote_bus in bus_ids:
+            # An unread far end ("") is no GPU: "" is also the bus id of a GPU NVML could
+            # not open, which must not collect the links nobody could place.
+            if remote_bus and remote_bus in bus_ids:
                 j = bus_ids.index(remote_bus)
                 if j > i:
                     pair_links[(i, j)] = pair_links.get((i, j), 0) + 1

@@ -43,7 +43,8 @@ class TopoMatrix(msgspec.Struct, frozen=True, kw_only=True):
     ``cells[i][j]`` is the printed link kind between ``devices[i]`` and ``devices[j]``
     (``"X"`` on the diagonal, ``"NV12"`` for twelve bonded NVLinks, ``SOC`` already read
     as ``SYS``). Affinity maps are keyed by device name; the NUMA ones hold ``None`` for
-    ``N/A`` and for a set of several NUMA nodes (``0-1``), where no single node applies.
+    ``N/A`` and for a set of several NUMA nodes (``0-1``), where no single node applies; a
+    CPU affinity of ``N/A`` is left out.
     """
 
     devices: list[str]
@@ -144,7 +145,10 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
             try:
                 for column, value in zip(trailing, extra, strict=False):
                     if column == "CPU Affinity":
-                        cpu_affinity[name] = value
+                        # "N/A" (a VM, a GPU with no CPU affinity) is no CPU list: left out,
+                        # as NVML's unknown affinity is, rather than passed on as one.
+                        if value.upper() not in {"N/A", "NA", "-"}:
+                            cpu_affinity[name] = value
                     elif column == "NUMA Affinity":
                         numa_affinity[name] = _optional_int(value)
                     else:

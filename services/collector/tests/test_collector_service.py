@@ -330,3 +330,37 @@ async def test_infiniband_port_rates_come_from_counter_deltas(nats_server, clien
         assert 0 < rates[0].utilisation
     finally:
         await host.stop()
+
+
+async def test_nvml_topology_and_events_are_read_off_the_event_loop(nats_server, client):
+    """NVML's topology is hundreds of blocking calls (NVLinks, GPU pairs) and XIDs wait on its
+    event set: read on the loop, they froze the service (NATS pings, the other jobs) at
+    start and on every heartbeat. Samples already ran in a worker thread; these must too."""
+    import threading
+
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    loop_thread = threading.get_ident()
+    threads: dict[str, set[int]] = defaultdict(set)
+
+    class Recording(NvmlReader):
+        def topology(self, node: str):
+            threads["topology"].add(threading.get_ident())
+            return super().topology(node)
+
+        def events(self):
+            threads["events"].add(threading.get_ident())
+            return super().events()
+
+    reader = Recording(FakeNvml([FakeGpu(uuid="GPU-0")]), node="gpu-node-1", root="/nonexistent-root")
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url, source="nvml", topology_every_s=0.3), reader=reader)
+    await host.start()
+    try:
+        await wait_for(lambda: len(seen.reports) >= 2 and seen.telemetry["gpu-node-1"], what="reports and samples")
+    finally:
+        await host.stop()
+    assert threads["topology"] and threads["events"]
+    assert loop_thread not in threads["topology"] | threads["events"]

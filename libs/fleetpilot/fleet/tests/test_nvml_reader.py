@@ -58,7 +58,8 @@ def make_reader(gpus: list[FakeGpu], tmp_path: Path | None = None, **kw) -> tupl
 def test_fake_constants_and_errors_match_the_real_module() -> None:
     for name in CONSTANT_NAMES:
         assert getattr(pynvml, name) == getattr(fake_nvml, name), name
-    for name in ("NVMLError_NotSupported", "NVMLError_Timeout", "NVMLError_NotFound", "NVMLError_LibraryNotFound"):
+    for name in ("NVMLError_NotSupported", "NVMLError_Timeout", "NVMLError_NotFound", "NVMLError_LibraryNotFound",
+                 "NVMLError_FunctionNotFound"):
         real, fake = getattr(pynvml, name), getattr(fake_nvml, name)
         assert real().value == fake().value
         assert issubclass(fake, fake_nvml.NVMLError)
@@ -371,3 +372,87 @@ def test_nvlinks_to_gpus_this_reader_cannot_see_are_not_taken_for_an_nvswitch() 
     fake.remote_types = {i: [2, 2] for i in range(3)}
     kinds = {(link.a, link.b): (link.kind, link.nvlinks) for link in topology_from_nvml(fake, handles, "n").links}
     assert set(kinds.values()) == {("NV", 2)}
+
+
+@pytest.mark.parametrize("not_available", [None, 2**64 - 1])
+def test_a_process_whose_memory_nvml_cannot_report_is_neither_zero_nor_huge(not_available) -> None:
+    # A MIG GPU read without privileges (and WDDM) gives NVML_VALUE_NOT_AVAILABLE per
+    # process: pynvml turns it into None, an older binding passes 2**64-1 through. Before,
+    # None was summed as 0 (the fingerprinter learnt a task of 0 MB, the policy packed over
+    # it) and 2**64-1 became a process of 17 million TB.
+    tasks = {1: "train-a", 2: "train-b", 3: "train-b"}
+    gpus = [FakeGpu(compute_procs=[(1, 4 * GIB), (2, not_available)]), FakeGpu(compute_procs=[(3, 2 * GIB)])]
+    reader, _, _ = make_reader(gpus, task_of_pid=tasks.get)
+    first, second = reader.sample("n1")
+    assert [(p.pid, p.used_mb, p.task_id) for p in first.processes] == [(1, 4096.0, "train-a"), (2, 0.0, "train-b")]
+    assert "process_memory" in first.labels["nvml_unsupported"].split(",")
+    assert "nvml_unsupported" not in second.labels
+    # train-b's memory is unknown on GPU 0: no sample at all rather than the 2 GB of GPU 1.
+    assert [(t.task_id, t.memory_used_mb) for t in reader.task_samples("n1")] == [("train-a", 4096.0)]
+
+
+def test_an_nvlink_common_speed_of_zero_leaves_the_node_sampled() -> None:
+    # NVLink fields read but no link trained (fabric manager down on an HGX): the common
+    # speed reads 0. Before, the ratio divided by it and the whole node's sample failed.
+    gpu = rich_gpu(0)
+    gpu.nvlink_speed_mbps = 0
+    reader, fake, clock = make_reader([gpu, rich_gpu(1)])
+    reader.sample("n1")
+    fake.add_nvlink_traffic(0, 12 * 10**6, 12 * 10**6)
+    clock.t += 10
+    first, second = reader.sample("n1")
+    assert first.nvlink_bandwidth_utilization_ratio.uncertainty_score == 0.3  # the speed is a guess
+    assert first.nvlink_bandwidth_utilization_ratio.value > 0
+    assert second.uuid == rich_gpu(1).uuid
+
+
+def test_nvlink_counters_that_went_back_give_no_rate_rather_than_an_exact_zero() -> None:
+    # A GPU reset (or ``nvidia-smi nvlink -r``) restarts the data counters: the next delta
+    # is negative. Before, it was clamped to 0 and sent as a measured idle link (0.1).
+    gpu = rich_gpu(0)
+    reader, fake, clock = make_reader([gpu])
+    fake.add_nvlink_traffic(0, 12 * 10**9, 12 * 10**9)
+    reader.sample("n1")
+    gpu.nvlink_tx_kib, gpu.nvlink_rx_kib = [0] * 12, [0] * 12
+    clock.t += 10
+    (s,) = reader.sample("n1")
+    assert (s.nvlink_bandwidth_utilization_ratio.value, s.nvlink_bandwidth_utilization_ratio.uncertainty_score) == (0.0, 1.0)
+    fake.add_nvlink_traffic(0, 12 * 10**6, 0)
+    clock.t += 10
+    (s,) = reader.sample("n1")  # counting again from the reset
+    assert s.nvlink_bandwidth_utilization_ratio.uncertainty_score == 0.1 and s.nvlink_bandwidth_utilization_ratio.value > 0
+
+
+def test_nvlinks_whose_far_end_cannot_be_read_are_not_given_to_a_gpu_nvml_could_not_open() -> None:
+    # A VM whose NVML refuses the NVLink far end, with GPU 2 fallen off the bus: the unread
+    # far end ("") matched the lost GPU's empty bus id, and GPUs 0 and 1 were NV12 to it.
+    gpus = [rich_gpu(i) for i in range(3)]
+    for g in gpus:
+        g.unsupported.add("nvmlDeviceGetNvLinkRemotePciInfo")
+    reader = NvmlReader(LostGpuNvml(gpus, lost=2), node="n1", root="/nonexistent-root")
+    kinds = {(link.a, link.b): link.kind for link in reader.topology("n1").links}
+    assert kinds[("GPU0", "GPU2")] == kinds[("GPU1", "GPU2")] == "SYS"
+    assert "NV" not in kinds.values()
+
+
+@pytest.mark.parametrize(("lacks", "read"), [
+    ({"nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3"}, True),   # R470
+    ({"nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3",
+      "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2"}, False),  # older
+])
+def test_a_driver_older_than_the_bindings_still_has_its_gpus_sampled(lacks: set[str], read: bool) -> None:
+    # pynvml's process calls go to the _v3 entry point (R510+); on an older driver they raise
+    # NVMLLibraryMismatchError, which is no NVMLError: it went through every guard and the
+    # node sent no sample, on every tick. The _v2 entry point is what such a driver has.
+    assert not issubclass(pynvml.NVMLLibraryMismatchError, pynvml.NVMLError)
+    fake, clock = FakeNvml([rich_gpu(0)], driver_lacks=lacks), Clock()
+    reader = NvmlReader(fake, node="n1", root="/nonexistent-root", clock=clock, task_of_pid=lambda pid: f"task-{pid}")
+    (s,) = reader.sample("n1")
+    assert s.memory_used_mb == 30_720 and s.temperature_c == 66
+    if read:
+        assert [(p.pid, p.used_mb) for p in s.processes] == [(4242, 20_480), (4343, 1_024)]
+        assert "nvml_unsupported" not in s.labels
+        assert [t.task_id for t in reader.task_samples("n1")] == ["task-4242", "task-4343"]
+    else:
+        assert s.processes == [] and s.labels["nvml_unsupported"] == "processes"
+        assert reader.task_samples("n1") == []

@@ -86,3 +86,16 @@ def test_a_numa_affinity_spanning_several_nodes_reads_as_no_single_node() -> Non
     assert m.cpu_affinity == {"GPU0": "0-63", "GPU1": "0-31"}
     with pytest.raises(TopoParseError, match="bad affinity"):
         parse_topo_matrix(text.replace("0-1", "0-x"))
+
+
+def test_a_cpu_affinity_of_na_is_no_cpu_list() -> None:
+    # VMs print "N/A" for CPU affinity; it went on as the GPU's CPU list ("CPUs N/A"),
+    # where NVML's unknown affinity is "".
+    from fleetpilot.fleet.topology import topology_from_matrix
+
+    text = ("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\n"
+            "GPU0\t X \tPHB\tN/A\tN/A\n"
+            "GPU1\tPHB\t X \t0-7\t0\n")
+    m = parse_topo_matrix(text)
+    assert m.cpu_affinity == {"GPU1": "0-7"}
+    assert [g.cpu_affinity for g in topology_from_matrix(m, "vm").gpus] == ["", "0-7"]
