@@ -89,6 +89,17 @@ class _Endpoint:
     handler: TypedHandler
 
 
+UNSENT_LIMIT = 10_000
+"""The most events of one periodic job kept while the bus refuses them."""
+
+
+def next_tick(due: float, interval_s: float, now: float) -> float:
+    """When a periodic job that was due at ``due`` is due next: one ``interval_s`` later,
+    keeping its period whatever the run took; a run that overran its period is followed
+    at once by the next, once (missed ticks are not made up in a burst)."""
+    return max(due + interval_s, now)
+
+
 @dataclass
 class _Periodic:
     interval_s: float
@@ -324,15 +335,48 @@ class ServiceHost:
             log.error("%s: task %s ignored cancellation %s", self.name, task.get_name(), when)
 
     async def _run_periodic(self, periodic: _Periodic) -> None:
+        """Run a job every ``interval_s`` and publish what it returns.
+
+        The period is kept from one start to the next (``next_tick``): sleeping the whole
+        interval after each run stretched a 1 s sampling job to 1.3 s when sampling took
+        0.3 s. Events the bus refuses are kept and published first on the next tick, before
+        the job runs again: given up at the first failed publish, the rest of a job's list
+        was lost (the executor's ``evicted`` of a node's tasks whose holds it had released:
+        those tasks were placed nowhere again)."""
+        loop = asyncio.get_running_loop()
+        name = getattr(periodic.job, "__name__", "?")
+        unsent: list[Event] = []
+        due = loop.time() + periodic.interval_s
         while not self._stopping:
-            await asyncio.sleep(periodic.interval_s)
+            await asyncio.sleep(max(due - loop.time(), 0.0))
+            due = next_tick(due, periodic.interval_s, loop.time())
             try:
-                for event in as_events(await periodic.job()):  # type: ignore[arg-type]
-                    await self.bus.publish(event)  # type: ignore[union-attr]
+                if unsent:
+                    unsent = await self._publish_in_order(unsent, name)
+                    if unsent:
+                        continue  # still refused: what the job would return queues behind these
+                unsent = await self._publish_in_order(as_events(await periodic.job()), name)  # type: ignore[arg-type]
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("periodic job %s failed", getattr(periodic.job, "__name__", "?"))
+                log.exception("periodic job %s failed", name)
+
+    async def _publish_in_order(self, events: list[Event], job: str) -> list[Event]:
+        """Publish ``events`` in order; those from the first the bus refuses on, kept (at
+        most ``UNSENT_LIMIT``) to be published again."""
+        for i, event in enumerate(events):
+            try:
+                await self.bus.publish(event)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - kept, published again next tick
+                left = events[i:]
+                if len(left) > UNSENT_LIMIT:
+                    log.error("periodic job %s: %d events dropped, more than %d waited for the bus", job,
+                              len(left) - UNSENT_LIMIT, UNSENT_LIMIT)
+                    left = left[-UNSENT_LIMIT:]
+                log.warning("periodic job %s: %d events not published (%s: %s); published again next tick",
+                            job, len(left), type(exc).__name__, exc)
+                return left
+        return []
 
     def health(self) -> dict:
         """The ``/healthz`` document: ok while the bus is connected."""

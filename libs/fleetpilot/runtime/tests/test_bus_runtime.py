@@ -11,6 +11,7 @@ from fleetpilot.contracts import (
     CONSUMERS,
     DeadLetter,
     TaskAdmitted,
+    TaskRejected,
     TaskSubmitted,
     TaskTelemetry,
     decode,
@@ -19,6 +20,7 @@ from fleetpilot.contracts import (
 from fleetpilot.contracts import Contract as TaskContract
 from fleetpilot.runtime import CasConflict, Delivery, InMemoryBus, Reject, Retry, ServiceHost, ServiceSettings
 from fleetpilot.runtime.bus import subject_matches
+from fleetpilot.runtime.host import next_tick
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 
@@ -349,3 +351,49 @@ async def test_set_up_removes_the_consumers_earlier_versions_made_and_keeps_the_
         await bus.drain()
     assert ("TASKS", "policy-fingerprints") in RETIRED_CONSUMERS
     assert "policy-fingerprints" not in names and "policy-fingerprints-a" in names
+
+
+class RefusesOnce(InMemoryBus):
+    """A bus whose ``refuse_at``-th publish fails, as one does while the server fails over."""
+
+    def __init__(self, refuse_at: int) -> None:
+        super().__init__()
+        self.publishes, self.refuse_at = 0, refuse_at
+
+    async def publish(self, event, *, headers=None) -> None:
+        self.publishes += 1
+        if self.publishes == self.refuse_at:
+            raise TimeoutError("nats: timeout")
+        await super().publish(event, headers=headers)
+
+
+async def test_a_periodic_job_s_events_the_bus_refused_go_out_on_the_next_tick_in_order():
+    # The rest of a job's list was given up at its first failed publish: the executor's
+    # "evicted" of the tasks of a node it had given up (their holds released) never went
+    # out, and the policy placed them nowhere again.
+    bus = RefusesOnce(refuse_at=2)
+    host = ServiceHost("sla", settings())
+    runs: list[int] = []
+
+    @host.every(0.05)
+    async def reject_three() -> list[TaskRejected]:
+        runs.append(len(runs))
+        if len(runs) > 1:
+            return []
+        return [TaskRejected(task_id=f"t{i}", code="invalid", reason="test", rejected_at=1.0) for i in range(3)]
+
+    await host.start(bus)
+    try:
+        await wait_for(lambda: len(runs) >= 3)
+    finally:
+        await host.stop()
+    assert [decode(data, TaskRejected).task_id for _, data in bus.stored("TASKS")] == ["t0", "t1", "t2"]
+
+
+@pytest.mark.parametrize(("due", "now", "expected"), [
+    (10.0, 10.0, 11.0),   # woke on time: one period on, whatever the run takes
+    (10.0, 10.3, 11.0),   # woke late: the period is kept from when it was due
+    (10.0, 12.5, 12.5),   # a run that overran its period: the next at once, no burst of missed ones
+])
+def test_a_periodic_job_keeps_its_period(due, now, expected):
+    assert next_tick(due, 1.0, now) == expected
