@@ -133,14 +133,10 @@ def _train_on_one_core() -> None:
 
 def malformed_decision(decision: DecisionMade) -> str | None:
     """Why a placement decision cannot be learnt from as it came (``None``: it can): it has
-    no id to key it and join its outcome by, or a confidence that is no probability."""
-    if decision.action not in LEARNED_ACTIONS:
-        return None
-    if not decision.decision_id:
+    no id to key it and join its outcome by. (A confidence that is no probability does not
+    decode: the contract bounds it, and such a decision is dead-lettered as undecodable.)"""
+    if decision.action in LEARNED_ACTIONS and not decision.decision_id:
         return f"{decision.action} decision for task {decision.task_id!r} has no decision_id to join its outcome by"
-    for name, value in (("confidence", decision.confidence), ("prior_confidence", decision.prior_confidence)):
-        if value is not None and not 0.0 <= value <= 1.0:
-            return f"decision {decision.decision_id}: {name} {value:g} is not a probability"
     return None
 
 

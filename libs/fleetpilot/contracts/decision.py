@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -11,14 +11,22 @@ from .task import Contract, TaskSubmitted
 
 ActionKind = Literal["assign", "migrate", "evict", "resize", "queue", "reject"]
 
+# Checked when a decision is decoded, so that a producer in any language that sends a
+# negative share or a confidence outside 0..1 is dead-lettered with the field named, instead
+# of every consumer (executor, ledger, learner, users) checking it again; proto/ shows the
+# bounds as ``minimum``/``maximum``. Every Fleetpilot producer already keeps within them.
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+GpuIndex = Annotated[int, msgspec.Meta(ge=-1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class Placement(Record, frozen=True, kw_only=True):
     """A share of one GPU (or CPU only, with ``gpu = -1``) on one node."""
 
     node: str
-    gpu: int
-    milli: int
-    memory_mb: int = 0
+    gpu: GpuIndex
+    milli: NonNegativeInt
+    memory_mb: NonNegativeInt = 0
 
 
 class PolicyRef(Record, frozen=True, kw_only=True):
@@ -39,7 +47,7 @@ class DecisionMade(Event, frozen=True, kw_only=True, tag="decision.made.v1"):
     action: ActionKind
     placement: list[Placement] = msgspec.field(default_factory=list)
     source: list[Placement] = msgspec.field(default_factory=list)
-    confidence: float
+    confidence: Probability
     policy: PolicyRef
     shard_id: str = "primary"
     fallback: bool = False
@@ -47,4 +55,4 @@ class DecisionMade(Event, frozen=True, kw_only=True, tag="decision.made.v1"):
     decided_at: float
     task: TaskSubmitted | None = None
     contract: Contract | None = None
-    prior_confidence: float | None = None
+    prior_confidence: Probability | None = None

@@ -368,17 +368,18 @@ async def test_malformed_placements_and_outcomes_are_dead_lettered_with_their_re
         # From a feedback replica whose clock runs a day ahead: the latest outcome for a day.
         await js.publish("feedback.recorded", encode(outcome(7, at=now() + 86_400)))
         await js.publish("feedback.recorded", encode(outcome(9, at=now() + 5)))  # seconds of skew: kept
-        # Well-formed ones are kept: a decision that is no placement is not checked.
+        # A confidence that is no probability does not decode, whatever the action.
         await js.publish("decision.made", encode(msgspec.structs.replace(decision(5, action="queue"), confidence=3.0)))
-        await js.publish("decision.made", encode(decision(6)))
-        await eventually(lambda: len(letters) >= 5, what="five dead letters")
-        await asyncio.sleep(0.3)  # room for a sixth that must not come
+        await js.publish("decision.made", encode(decision(6)))  # well-formed: kept
+        await eventually(lambda: len(letters) >= 6, what="six dead letters")
+        await asyncio.sleep(0.3)  # room for a seventh that must not come
     finally:
         await host.stop()
     assert sorted((e.subject, e.reason, e.error) for e in letters) == [
         ("decision.made", "rejected", "assign decision for task 't3' has no decision_id to join its outcome by"),
-        ("decision.made", "rejected", "decision d1: confidence 1.7 is not a probability"),
-        ("decision.made", "rejected", "decision d2: prior_confidence -0.2 is not a probability"),
+        ("decision.made", "undecodable", "Expected `float` <= 1.0 - at `$.confidence`"),  # d1: 1.7
+        ("decision.made", "undecodable", "Expected `float` <= 1.0 - at `$.confidence`"),  # d5: 3.0
+        ("decision.made", "undecodable", "Expected `float` >= 0.0 - at `$.prior_confidence`"),  # d2: -0.2
         ("feedback.recorded", "rejected", "outcome act-d7: recorded_at is 86400 s ahead of this learner's clock "
                                           "(at most 300 s allowed): a clock that is wrong"),
         ("feedback.recorded", "rejected", "outcome of decision d4 has no action_id to store it once by"),

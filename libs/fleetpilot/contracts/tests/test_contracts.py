@@ -49,7 +49,8 @@ def _value(t: mi.Type, full: bool, token: str) -> Any:
     if isinstance(t, mi.IntType):
         return 3
     if isinstance(t, mi.FloatType):
-        return 1.5
+        # Within a bounded field's range (a probability is at most 1), away from its edges.
+        return 1.5 if t.le is None or t.le >= 1.5 else t.le / 2
     if isinstance(t, mi.BytesType):
         return b"\x00raw bytes\xff"
     if isinstance(t, mi.NoneType):
@@ -194,8 +195,61 @@ def _submitted_wire() -> dict[str, Any]:
 
 def test_unknown_tag_is_rejected():
     wire = _submitted_wire() | {"type": "task.submitted.v99"}
-    with pytest.raises(msgspec.ValidationError, match="Invalid value 'task.submitted.v99'"):
+    with pytest.raises(msgspec.ValidationError, match="unknown event type 'task.submitted.v99'"):
         decode(msgspec.json.encode(wire), *ALL_EVENTS)
+
+
+def test_a_newer_version_is_refused_as_an_unknown_type_naming_what_is_taken():
+    # Its dead letter must say what happened (a producer ahead of this consumer), not only
+    # msgspec's "Invalid value ... at $.type", which reads like a malformed field.
+    wire = _submitted_wire() | {"type": "task.submitted.v2", "new_in_v2": [1]}
+    for consumer in [(TaskSubmitted,), (TaskSubmitted, TaskLifecycle)]:
+        with pytest.raises(msgspec.ValidationError) as info:
+            decode(msgspec.json.encode(wire), *consumer)
+        message = str(info.value)
+        assert message.startswith("unknown event type 'task.submitted.v2' (this consumer takes task.submitted.v1")
+        assert "\n" not in message and "newer version" in message
+        assert ("task.lifecycle.v1" in message) == (TaskLifecycle in consumer)
+
+
+def test_a_wrong_field_of_a_known_type_keeps_msgspecs_own_message():
+    wire = _submitted_wire() | {"gpus": "two"}
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$.gpus`"):
+        decode(msgspec.json.encode(wire), TaskSubmitted)
+
+
+def test_the_single_type_placeholder_tag_is_not_an_event():
+    # A one-type decoder is a union with a placeholder (so that the tag is required); a
+    # payload with the placeholder's tag handed its empty instance to a typed handler.
+    with pytest.raises(msgspec.ValidationError, match="unknown event type '_'"):
+        decode(b'{"type": "_", "task_id": "j"}', TaskSubmitted)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"confidence": 1.2}, "$.confidence"),
+        ({"confidence": -0.1}, "$.confidence"),
+        ({"prior_confidence": 7}, "$.prior_confidence"),
+        ({"placement": [{"node": "n", "gpu": -2, "milli": 500}]}, "$.placement[0].gpu"),
+        ({"placement": [{"node": "n", "gpu": 0, "milli": -500}]}, "$.placement[0].milli"),
+        ({"source": [{"node": "n", "gpu": 0, "milli": 500, "memory_mb": -1}]}, "$.source[0].memory_mb"),
+    ],
+)
+def test_a_decision_outside_its_bounds_is_refused_naming_the_field(change, field):
+    # Every consumer (executor, ledger, learner, users) used to take these as they came.
+    wire = msgspec.json.decode(encode(full(DecisionMade))) | change
+    with pytest.raises(msgspec.ValidationError) as info:
+        decode(msgspec.json.encode(wire), DecisionMade)
+    assert f"at `{field}`" in str(info.value)
+
+
+def test_a_decision_at_its_bounds_is_taken():
+    wire = msgspec.json.decode(encode(full(DecisionMade))) | {
+        "confidence": 1.0, "prior_confidence": 0.0,
+        "placement": [{"node": "n", "gpu": -1, "milli": 0, "memory_mb": 0}]}
+    decision = decode(msgspec.json.encode(wire), DecisionMade)
+    assert (decision.confidence, decision.prior_confidence, decision.placement[0].gpu) == (1.0, 0.0, -1)
 
 
 def test_tag_of_another_event_is_rejected_by_a_narrow_decoder():
@@ -308,3 +362,62 @@ def test_a_consumer_for_one_instance_has_a_durable_name_of_its_own() -> None:
     assert mine.durable == "executor-decisions-ip-10-0-3-7_ec2_internal_gpu_pool__"
     assert (mine.stream, mine.filter_subject, mine.start_s_ago) == (shared.stream, shared.filter_subject, 600)
     assert shared.start_s_ago is None  # the shared one still starts at the stream's first message
+
+
+# --------------------------------------------------------------------------- streams and the README
+
+
+def test_streams_do_not_overlap_and_keep_every_durable_route():
+    from fleetpilot.contracts import STREAMS
+    from fleetpilot.contracts.catalog import stream_of
+
+    # JetStream refuses a second stream over a subject another one holds, and a durable
+    # route no stream keeps is published into nothing (its consumers wait for ever).
+    def sample(template: str) -> str:
+        return re.sub(r"\{[^}]+\}", "x", template)
+
+    every = [p for s in STREAMS for p in s.subjects]
+    concrete = [sample(r.subject) for r in ROUTES] + [p.replace(">", "x.y").replace("*", "x") for p in every]
+    for subject in concrete:
+        holders = [s.name for s in STREAMS if any(_matches(p, subject) for p in s.subjects)]
+        assert len(holders) <= 1, (subject, holders)
+    for route in ROUTES:
+        held = stream_of(sample(route.subject))
+        if route.durable:
+            assert held is not None, route.subject
+        if route.replies:
+            # A stream over a request subject answers the request with its publish ack.
+            assert held is None, route.subject
+    for endpoint in ENDPOINTS:
+        assert stream_of(sample(endpoint.subject)) is None, endpoint.subject
+    for spec in CONSUMERS.values():
+        [stream] = [s for s in STREAMS if s.name == spec.stream]
+        filtered = spec.filter_subject.replace(">", "x.y").replace("*", "x")
+        assert any(_matches(p, filtered) for p in stream.subjects), spec.durable
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    from fleetpilot.contracts import subject_matches
+
+    return subject_matches(pattern, subject)
+
+
+def test_readme_subjects_table_names_every_route_with_its_tag():
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[4] / "README.md"
+    table = readme.read_text().split("## Subjects", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for subject in re.findall(r"`([^`]+)`", cells[0]):
+            rows[subject] = set(re.findall(r"`([^`]+)`", cells[1]))
+    addresses = {re.sub(r"\{(?:[a-z_]+\.)*([a-z]+)(?:_id)?\}", r"<\1>", r.subject) for r in ROUTES + ENDPOINTS}
+    assert set(rows) == addresses, set(rows) ^ addresses
+    for route in ROUTES + ENDPOINTS:
+        # The README writes ``{task_id}`` as ``<task>``, ``{node.node}`` as ``<node>``.
+        address = re.sub(r"\{(?:[a-z_]+\.)*([a-z]+)(?:_id)?\}", r"<\1>", route.subject)
+        assert address in rows, f"README Subjects table lacks {address}"
+        assert route.event.__struct_config__.tag in rows[address], address
+        for reply in route.replies:
+            assert reply.__struct_config__.tag in rows[address], (address, reply.__name__)

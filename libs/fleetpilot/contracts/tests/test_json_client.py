@@ -48,6 +48,11 @@ def validate(instance: Any, node: dict[str, Any], root: dict[str, Any], path: st
         # JSON booleans are not numbers, though Python's bool is an int.
         if (isinstance(instance, bool) and bool not in allowed) or not isinstance(instance, allowed):
             return errors + [f"{path}: expected {node['type']}, got {type(instance).__name__}"]
+    if isinstance(instance, int | float) and not isinstance(instance, bool):
+        if "minimum" in node and instance < node["minimum"]:
+            errors.append(f"{path}: {instance!r} below minimum {node['minimum']}")
+        if "maximum" in node and instance > node["maximum"]:
+            errors.append(f"{path}: {instance!r} above maximum {node['maximum']}")
     if isinstance(instance, dict):
         for name in node.get("required", []):
             if name not in instance:
@@ -128,6 +133,31 @@ def test_schema_and_decoder_agree_on_invalid_submissions(mutate, error):
             decode(json.dumps(doc).encode(), TaskSubmitted)
 
 
+README_DECISION = {"type": "decision.made.v1", "decision_id": "d-1", "task_id": "go-1", "action": "assign",
+                   "placement": [{"node": "n1", "gpu": 0, "milli": 1000}], "confidence": 0.9,
+                   "policy": {"name": "fgd"}, "decided_at": 1767225601.25}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda d: d.update(confidence=1.5), "above maximum"),
+        (lambda d: d.update(prior_confidence=-0.5), "matches no anyOf"),
+        (lambda d: d["placement"][0].update(milli=-1), "below minimum"),
+        (lambda d: d["placement"][0].update(gpu=-2), "below minimum"),
+    ],
+)
+def test_schema_and_decoder_agree_on_decisions_out_of_bounds(mutate, error):
+    # A Go policy or replay tool validating against proto/ refuses what Fleetpilot refuses.
+    schema = load_schema("decision.made.v1")
+    doc = json.loads(json.dumps(README_DECISION))
+    assert validate(doc, schema, schema) == []
+    mutate(doc)
+    assert any(error in e for e in validate(doc, schema, schema)), validate(doc, schema, schema)
+    with pytest.raises(msgspec.ValidationError):
+        decode(json.dumps(doc).encode(), DecisionMade)
+
+
 def _readme_examples() -> list[dict[str, Any]]:
     text = (PROTO / "README.md").read_text()
     return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, flags=re.S)]
@@ -149,6 +179,16 @@ def test_readme_examples_validate_against_proto_and_decode():
     decoded = decode(json.dumps(decision).encode(), DecisionMade)
     assert (decoded.decision_id, decoded.task_id, decoded.action) == (
         decision["decision_id"], decision["task_id"], decision["action"])
+
+
+def test_every_tag_the_readme_names_is_a_real_one():
+    # A client switches on ``type``; a tag the README names that no event carries (it said
+    # ``dlq.v1`` for ``dlq.dead_letter.v1``) is a switch case that never matches.
+    text = (PROTO / "README.md").read_text()
+    named = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*\.v[0-9]+)`", text))
+    tags = {e.__struct_config__.tag for e in ALL_EVENTS}
+    assert {"task.submitted.v1", "decision.made.v1"} <= named
+    assert named <= tags, sorted(named - tags)
 
 
 def _carries(got: Any, shown: Any) -> bool:
