@@ -59,6 +59,7 @@ from fleetpilot.sla.snapshot import (
     fleet_view,
 )
 from prometheus_client import Counter
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from .store import ContractStore, OfferRecord
@@ -78,21 +79,28 @@ class SlaSettings(ServiceSettings):
     audience: str = "fleetpilot"
     issuer: str = "fleetpilot-local"
     algorithms: list[str] = ["EdDSA", "ES256", "RS256"]
-    offer_validity_s: float = 30.0
-    max_options: int = 4
-    expiry_interval_s: float = 0.5
-    reserve_fraction: float = 0.1
-    local_bandwidth_gbps: float = 5.0
-    default_bandwidth_gbps: float = 1.0
+    # Bounded, so that a typo stops the service with one line instead of quietly making
+    # offers that never expire (NaN validity), offers without options, or a warm-up divided
+    # by a bandwidth of 0 (every submission with data retried, then dead-lettered).
+    offer_validity_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    max_options: int = Field(default=4, ge=1)
+    expiry_interval_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
+    reserve_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    local_bandwidth_gbps: float = Field(default=5.0, gt=0.0, allow_inf_nan=False)
+    default_bandwidth_gbps: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     bandwidth_strategy: Literal["min_rtt", "balanced"] = "min_rtt"
-    reference_p95_ms: float = 50.0
-    default_price_per_gpu_hour: float = 1.0
+    reference_p95_ms: float = Field(default=50.0, gt=0.0, allow_inf_nan=False)
+    default_price_per_gpu_hour: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     negotiate_subject: str = SLA_NEGOTIATE.subject  # as documented in proto/
     require_reply_token: bool = True
     # A submission that asks for GPUs before any node has reported (a fresh deploy, the
     # collectors' first reports still to come) waits this long for the fleet, kept alive on
     # the stream, before it is retried as a failure (and dead-lettered at max_deliver).
-    fleet_wait_s: float = 120.0
+    fleet_wait_s: float = Field(default=120.0, ge=0.0, allow_inf_nan=False)
+    # A declined or expired offer answers redelivered replies and submissions with the outcome
+    # it closed with for this long (as long as the ``rejections`` bucket keeps a rejection),
+    # then leaves the contracts bucket: nothing else would ever remove it.
+    closed_offer_keep_s: float = Field(default=86_400.0, gt=0.0, allow_inf_nan=False)
 
 
 def bearer_token(headers: dict[str, str]) -> str | None:
@@ -298,7 +306,8 @@ class Negotiator:
                 return rejected  # told once; a fresh negotiation now might say otherwise
         answer = await self.decide(task)
         if isinstance(answer, TaskAdmitted):
-            await self.store.record_admission(answer)
+            answer = await self.store.admit_once(answer)
+            _same_tenant(answer.tenant, task)
         elif isinstance(answer, TaskRejected):
             await self.store.record_rejection(task, answer)
         elif isinstance(answer, SlaOffer):
@@ -353,6 +362,13 @@ class Negotiator:
                 continue  # answered or expired by another replica meanwhile
             out.append(outcome)
         return out
+
+    async def drop_closed_offers(self) -> None:
+        """Delete declined and expired offers closed longer ago than ``closed_offer_keep_s``."""
+        before = self.clock() - self.settings.closed_offer_keep_s
+        for task_id, closed_at in list(self.store.closed_offers.items()):
+            if closed_at < before:
+                await self.store.drop_closed_offer(task_id)
 
 
 def _same_tenant(owner: str, task: TaskSubmitted) -> None:
@@ -444,7 +460,14 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     @host.every(settings.expiry_interval_s)
     async def expire_offers() -> list[TaskRejected]:
         negotiator = holder.get("n")
-        return await negotiator.expire() if negotiator is not None else []
+        if negotiator is None:
+            return []
+        expired = await negotiator.expire()
+        try:
+            await negotiator.drop_closed_offers()
+        except Exception as exc:  # noqa: BLE001 - the offers just closed must still be told
+            log.warning("could not drop old closed offers (next tick tries again): %s", exc)
+        return expired
 
     @host.on_core("topology.updated", TopologyUpdated)
     async def on_topology(update: TopologyUpdated) -> None:

@@ -79,6 +79,9 @@ class ContractStore:
         self._rejections = rejections
         self.admitted: dict[str, TaskAdmitted] = {}
         self.open_offers: dict[str, OfferRecord] = {}
+        # Declined and expired offers by task, with when they closed: their task never runs,
+        # so no lifecycle event ever forgets them; the expiry job drops them after a while.
+        self.closed_offers: dict[str, float] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> ContractStore:
@@ -110,8 +113,10 @@ class ContractStore:
                 record = _OFFER.decode(value)
                 if record.state == "open":
                     self.open_offers[record.task.task_id] = record
+                    self.closed_offers.pop(record.task.task_id, None)
                 else:
                     self.open_offers.pop(record.task.task_id, None)
+                    self._note_closed(record)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # One bad record must not blind the negotiator to the rest of the bucket.
             log.warning("contracts bucket: ignoring unreadable %s: %s", key, exc)
@@ -123,6 +128,15 @@ class ContractStore:
     def _drop_offer(self, key: str) -> None:
         for task_id in [t for t in self.open_offers if offer_key(t) == key]:
             del self.open_offers[task_id]
+        for task_id in [t for t in self.closed_offers if offer_key(t) == key]:
+            del self.closed_offers[task_id]
+
+    def _note_closed(self, record: OfferRecord) -> None:
+        # An accepted offer stays with its contract (both go when the task ends).
+        if isinstance(record.outcome, TaskRejected):
+            self.closed_offers[record.task.task_id] = record.outcome.rejected_at
+        else:
+            self.closed_offers.pop(record.task.task_id, None)
 
     async def admission(self, task_id: str) -> TaskAdmitted | None:
         """The stored admission of ``task_id`` (read from the bucket, not the view)."""
@@ -138,11 +152,37 @@ class ContractStore:
         await self._kv.delete(offer_key(task_id))
         self.admitted.pop(task_id, None)
         self.open_offers.pop(task_id, None)
+        self.closed_offers.pop(task_id, None)
+
+    async def drop_closed_offer(self, task_id: str) -> None:
+        """Delete the task's offer record if it is still closed (not reopened by a resubmission)."""
+        found = await self.offer(task_id)
+        if found is not None and found[0].state != "open":
+            try:
+                await self._kv.delete(offer_key(task_id), revision=found[1])
+            except CasConflict:
+                return  # reopened meanwhile: the watch brings the open record
+        self.closed_offers.pop(task_id, None)
 
     async def record_admission(self, adm: TaskAdmitted) -> None:
         """Store the agreed contract (idempotent: the same admission may be written twice)."""
         await self._kv.put(contract_key(adm.task.task_id), encode(adm))
         self.admitted[adm.task.task_id] = adm
+
+    async def admit_once(self, adm: TaskAdmitted) -> TaskAdmitted:
+        """Store a freshly negotiated admission unless the task has one already; the one stored.
+
+        Created, not put: two replicas negotiating the same submission at once must not both
+        admit, the second replacing the contract the first published."""
+        try:
+            await self._kv.create(contract_key(adm.task.task_id), encode(adm))
+        except CasConflict:
+            stored = await self.admission(adm.task.task_id)
+            if stored is None:
+                raise  # gone again, or another task id on the same key: try the delivery again
+            return stored
+        self.admitted[adm.task.task_id] = adm
+        return adm
 
     async def record_rejection(self, task: TaskSubmitted, rejection: TaskRejected) -> None:
         """Keep the rejection ``task`` was given, for its redeliveries."""
@@ -194,3 +234,4 @@ class ContractStore:
         """Write the closed ``record`` if the offer is still at ``revision``; else ``CasConflict``."""
         await self._kv.update(offer_key(record.task.task_id), encode(record), revision)
         self.open_offers.pop(record.task.task_id, None)
+        self._note_closed(record)

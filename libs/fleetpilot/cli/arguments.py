@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetpilot.contracts.catalog import subject_problem
+
 
 def _number(parse: Callable[[str], float], what: str, text: str) -> float:
     try:
@@ -68,43 +70,12 @@ def existing_file(text: str) -> str:
     return str(path.resolve())
 
 
-def subject_problem(subject: str, *, wildcards: bool = True) -> str | None:
-    """What makes ``subject`` one that nats-py refuses to subscribe to (it raises
-    ``BadSubjectError`` mid-command), in a few words; ``None`` when nothing does.
-    Without ``wildcards``, ``*`` and ``>`` are refused too (a subject to publish on)."""
-    if not subject:
-        return "is empty"
-    if any(c.isspace() for c in subject):
-        return "has white space"
-    tokens = subject.split(".")
-    if "" in tokens:
-        return "has an empty token (a leading, trailing or doubled dot)"
-    for i, token in enumerate(tokens):
-        if "*" not in token and ">" not in token:
-            continue
-        if not wildcards:
-            return "has a wildcard (* or >)"
-        if token not in ("*", ">"):
-            return f"has a wildcard inside a token ({token!r})"
-        if token == ">" and i != len(tokens) - 1:
-            return "has > before its last token"
-    return None
-
-
 def subject_pattern(text: str) -> str:
     """A subject to subscribe to, wildcards allowed (``task.lifecycle.>``)."""
     problem = subject_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"not a NATS subject: {text!r} {problem}")
     return text
-
-
-def task_id_problem(task_id: str) -> str | None:
-    """Why ``task_id`` cannot be a task's id, ``None`` when it can: the id is one token of
-    the subjects that carry the task (``sla.offer.<task>``, ``task.lifecycle.<task>``)."""
-    if "." in task_id:
-        return "has a dot"
-    return subject_problem(task_id, wildcards=False)
 
 
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

@@ -36,7 +36,7 @@ from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
-from .arguments import positive_float, task_id_problem
+from .arguments import positive_float
 from .local import local_nats_url, local_token, state_dir
 
 
@@ -147,11 +147,10 @@ def build_task(args) -> TaskSubmitted:
         msgspec.convert(sla, SlaRequest)
     except msgspec.ValidationError as exc:
         raise UsageError(f"invalid task: {exc}") from None
-    problem = task_problem(task)  # what the SLA service would reject it for, said before publishing
-    if problem is None and (why := task_id_problem(task.task_id)) is not None:
-        # A bad id breaks the subjects that carry the task: nats-py refuses to listen on
-        # ``sla.offer.<id>`` with a traceback, or a wildcard id listens to other tasks' offers.
-        problem = f"task_id {task.task_id!r} {why}: it must be one subject token (no dots, spaces, * or >)"
+    # What the SLA service would reject it for, said before publishing: a bad id among it,
+    # which would also break the subjects that carry the task here (nats-py refuses to listen
+    # on ``sla.offer.<id>`` with a traceback, or a wildcard id listens to other tasks' offers).
+    problem = task_problem(task)
     if problem is not None:
         raise UsageError(f"invalid task: {problem}")
     return task

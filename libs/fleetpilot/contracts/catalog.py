@@ -280,3 +280,34 @@ def stream_of(subject: str) -> str | None:
 def dlq_subject(subject: str) -> str:
     """The dead-letter subject for a message that arrived on ``subject``."""
     return DLQ_PREFIX + subject
+
+
+def subject_problem(subject: str, *, wildcards: bool = True) -> str | None:
+    """What makes ``subject`` one that nats-py refuses to subscribe to (it raises
+    ``BadSubjectError`` mid-command), in a few words; ``None`` when nothing does.
+    Without ``wildcards``, ``*`` and ``>`` are refused too (a subject to publish on)."""
+    if not subject:
+        return "is empty"
+    if any(c.isspace() for c in subject):
+        return "has white space"
+    tokens = subject.split(".")
+    if "" in tokens:
+        return "has an empty token (a leading, trailing or doubled dot)"
+    for i, token in enumerate(tokens):
+        if "*" not in token and ">" not in token:
+            continue
+        if not wildcards:
+            return "has a wildcard (* or >)"
+        if token not in ("*", ">"):
+            return f"has a wildcard inside a token ({token!r})"
+        if token == ">" and i != len(tokens) - 1:
+            return "has > before its last token"
+    return None
+
+
+def task_id_problem(task_id: str) -> str | None:
+    """Why ``task_id`` cannot be a task's id, ``None`` when it can: the id is one token of
+    the subjects that carry the task (``sla.offer.<task>``, ``task.lifecycle.<task>``)."""
+    if "." in task_id:
+        return "has a dot"
+    return subject_problem(task_id, wildcards=False)

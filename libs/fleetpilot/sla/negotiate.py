@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from fleetpilot.contracts import Contract, Fingerprint, OfferOption, RejectCode, TaskSubmitted
+from fleetpilot.contracts.catalog import task_id_problem
 
 from .fleet import FleetView, GpuPool
 
@@ -236,6 +237,10 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float) -> Contract:
 def task_problem(task: TaskSubmitted) -> str | None:
     """What makes ``task`` impossible to negotiate as submitted, in one line; ``None`` when
     nothing does. The CLI asks the same before it publishes."""
+    if (why := task_id_problem(task.task_id)) is not None:
+        # The answer goes out on ``sla.offer.<task>`` and the client's on ``sla.reply.<task>``,
+        # which the SLA stream takes one token deep: an offer to ``team.a`` is stored by nobody.
+        return f"task_id {task.task_id!r} {why}: it must be one subject token (no dots, spaces, * or >)"
     if task.gpus < 0:
         return "gpus must be >= 0"
     if not 1 <= task.gpu_milli <= 1000:

@@ -518,3 +518,70 @@ def test_the_missing_key_set_message_names_a_command_that_makes_it(tmp_path):
     made = subprocess.run([fleetpilot, *advice[1:]], env=env, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     assert "keys" in json.loads((tmp_path / "jwks.json").read_text())
+
+
+async def test_a_dotted_task_id_is_rejected_invalid_not_offered_where_nobody_can_answer(rig):
+    """``sla.offer.team.a`` is no subject the SLA stream takes: the offer was stored open in
+    the contracts bucket, its publication failed at every delivery, and the client heard
+    nothing until the offer it never saw expired."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    await rig.submit(h100_only("team.a"), rig.token("acme"))
+    rejected: TaskRejected = await rig.recorder.wait("task.rejected", "team.a", timeout_s=5)
+    assert rejected.code == "invalid" and "task_id" in rejected.reason and rejected.tenant == "acme"
+    assert await (await rig.bus.kv("contracts")).keys() == [contract_key("busy")]
+
+
+async def test_declined_and_expired_offers_leave_the_bucket_after_their_keep_time(rig):
+    """A declined or expired offer's task never runs, so no lifecycle event forgets it: its
+    record stayed in the contracts bucket for ever, every replica reading it at each start.
+    An accepted offer stays as long as its contract."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla(closed_offer_keep_s=3600.0)
+    offers = {}
+    for task_id in ("t-declined", "t-silent", "t-taken"):
+        await rig.submit(h100_only(task_id), rig.token("acme"))
+        offers[task_id] = await rig.recorder.wait(f"sla.offer.{task_id}", task_id)
+    await rig.reply(SlaReply(offer_id=offers["t-declined"].offer_id, task_id="t-declined", accept=False),
+                    rig.token("acme"))
+    await rig.reply(SlaReply(offer_id=offers["t-taken"].offer_id, task_id="t-taken", accept=True,
+                             option_id=offers["t-taken"].options[0].option_id), rig.token("acme"))
+    await rig.recorder.wait("task.rejected", "t-declined")
+    await rig.recorder.wait("task.admitted", "t-taken")
+    rig.clock.advance(60)  # past the offers' validity: t-silent expires
+    await rig.recorder.wait("task.rejected", "t-silent")
+    contracts = await rig.bus.kv("contracts")
+    assert {"offer.t-declined", "offer.t-silent", "offer.t-taken"} <= set(await contracts.keys())
+
+    rig.clock.advance(3600)
+
+    async def dropped() -> bool:
+        return not {"offer.t-declined", "offer.t-silent"} & set(await contracts.keys())
+
+    await eventually(dropped, timeout_s=10, what="the closed offers dropped")
+    assert {"offer.t-taken", contract_key("t-taken")} <= set(await contracts.keys())
+
+
+async def test_one_submission_handled_by_two_replicas_at_once_is_admitted_once(rig):
+    """Two copies of a submission (a client's retry without its msg id) reach two replicas
+    together: both found no stored answer, both admitted, and the second write replaced the
+    first, so the contract kept was not the one published first (the bus keeps the first
+    ``admit:<task>``). Each replica now answers with the contract that was stored."""
+    first, second = await negotiator_on(rig), await negotiator_on(rig)
+    both_decided = asyncio.Barrier(2)
+    for replica in (first, second):
+        decide = replica.decide
+
+        async def gated(task, decide=decide):
+            answer = await decide(task)
+            await both_decided.wait()  # neither records before the other has decided
+            return answer
+
+        replica.decide = gated
+    second.clock = lambda: rig.clock() + 5.0  # a later decision: a visibly different admission
+    task = TaskSubmitted(task_id="t-race", tenant="acme", gpus=1, sla=SlaRequest(max_queue_s=60))
+    answers = await asyncio.gather(first.submitted(task, redelivered=False),
+                                   second.submitted(task, redelivered=True))
+    stored = decode((await (await rig.bus.kv("contracts")).get(contract_key("t-race"))).value, TaskAdmitted)
+    assert all(isinstance(a, TaskAdmitted) for a in answers)
+    assert answers[0] == answers[1] == stored

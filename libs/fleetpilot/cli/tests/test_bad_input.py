@@ -105,7 +105,7 @@ def test_watch_refuses_a_malformed_subject(subject, capsys) -> None:
 
 
 def test_subjects_and_task_ids_that_nats_takes_are_taken() -> None:
-    from fleetpilot.cli.arguments import subject_problem, task_id_problem  # noqa: PLC0415
+    from fleetpilot.contracts.catalog import subject_problem, task_id_problem  # noqa: PLC0415
 
     for subject in ("decision.made", "task.lifecycle.>", "sla.offer.*", ">", "*.made", "dlq.task.>"):
         assert subject_problem(subject) is None, subject

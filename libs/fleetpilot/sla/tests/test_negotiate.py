@@ -159,3 +159,12 @@ def test_an_offer_under_a_deadline_closes_before_accepting_it_would_miss_the_dea
                            sla={"max_queue_s": 30, "deadline": NOW + 100_000}), FLEET, now=NOW,
                       policy=NegotiationPolicy(offer_ttl_s=300))
     assert isinstance(roomy, CounterOffer) and roomy.valid_until == NOW + 300
+
+
+@pytest.mark.parametrize("task_id", ["", "team.a", "a b", "t*", "t>", "t\n1"])
+def test_a_task_id_that_is_no_single_subject_token_is_invalid(task_id):
+    """Answers go out on ``sla.offer.<task>`` and replies come on ``sla.reply.<task>``, which
+    the SLA stream takes one token deep: an offer to ``team.a`` was never stored (the
+    submission retried, then dead-lettered) and the client could never answer it."""
+    decision = negotiate(TaskSubmitted(task_id=task_id, tenant="acme", gpus=1), FLEET, now=NOW)
+    assert isinstance(decision, Reject) and decision.code == "invalid" and "task_id" in decision.reason
