@@ -89,6 +89,9 @@ class Inbound(abc.ABC):
     data: bytes
     headers: dict[str, str]
     deliveries: int
+    origin: str | None = None
+    """Where a stream keeps the message (``<stream>:<sequence>``), the same at every delivery;
+    ``None`` for one nothing keeps. Its dead letter's idempotency key is made from it."""
 
     @abc.abstractmethod
     async def ack(self) -> None:
@@ -190,6 +193,12 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     def connected(self) -> bool:
         """Whether the transport is currently usable (drives ``/healthz``)."""
+
+    def consumers_failing(self) -> dict[str, float]:
+        """Each durable consumer whose fetches fail now, with how many seconds they have failed
+        in a row (the connection is up, but JetStream does not serve it). A bus in one process
+        never fails to fetch."""
+        return {}
 
     def unreachable(self, error: BaseException) -> bool:
         """Whether ``error`` says the server cannot be reached right now (it went away, or is

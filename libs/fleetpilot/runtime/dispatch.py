@@ -7,6 +7,10 @@ The one place where delivery semantics live, shared by both buses:
 - ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
   ``max_deliver`` is reached, then dead letter and ``term``; a core message (telemetry) is
   never delivered again, so its failure is dead-lettered at once (reason ``failed``);
+- a message delivered more than ``max_deliver`` times (its handler never settled it: the
+  process died or hung in it, or lost the server) → dead letter without running the handler
+  again, ``term``: the server's own limit is off, so a message that kills its handler would
+  otherwise crash every replica in turn, for ever;
 - success → publish every returned event (idempotent ids), then ``ack``;
 - a durable message still being handled after a third of its consumer's ack wait is told
   ``in_progress`` every third of it, so that the server does not hand it to another replica
@@ -80,6 +84,13 @@ class Dispatcher:
         """Handle one message end to end; never raises."""
         started = time.perf_counter()
         self.metrics.received(self.name, msg.deliveries)
+        if self.redelivered and msg.deliveries > self.max_deliver:
+            # Only a delivery that was never settled comes again past the limit: each failure
+            # the handler raised was nak'ed below it, or dead-lettered at it.
+            await self._dead_letter(msg, "max_deliver", f"delivered {msg.deliveries} times, more than "
+                                    f"max_deliver {self.max_deliver}, and never settled: its handler died, "
+                                    "hung or lost the server each time")
+            return
         try:
             event = self._decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -149,21 +160,31 @@ class Dispatcher:
                             deliveries=msg.deliveries, headers=dict(msg.headers), data=msg.data, at=now())
         log.error("dead letter on %s (%s): %s", msg.subject, reason, error[:300])
         self.metrics.dead_lettered(self.name, reason)
-        # The dead letter must be stored before the original is dropped.
-        await self.bus.publish_raw(dlq_subject(msg.subject), encode(letter))
+        # The dead letter must be stored before the original is dropped. Its id is the
+        # original's place in its stream: a dead letter stored whose publish still failed (the
+        # ack lost in a failover) left the original unsettled, to be dead-lettered again, and
+        # each copy was listed, and redriven, as a message of its own.
+        headers = {"Nats-Msg-Id": f"dlq:{msg.origin}"} if msg.origin else None
+        await self.bus.publish_raw(dlq_subject(msg.subject), encode(letter), headers=headers)
         await msg.term()
 
 
-def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler) -> Callable[[bytes, dict[str, str]], Awaitable[bytes]]:
+def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler, *, name: str = "",
+                  metrics: HandlerMetrics | None = None) -> Callable[[bytes, dict[str, str]], Awaitable[bytes]]:
     """Adapt a typed request handler (event in, event out) to a bytes request handler.
 
     A request that does not decode gets a JSON error body ``{"error": ...}`` instead of a
-    reply, so an interactive client always learns what was wrong.
+    reply, so an interactive client always learns what was wrong. A handler that fails is
+    answered as a service error (the caller's ``RuntimeError``), logged and counted under
+    ``name`` in ``metrics``, as a consumed message's failure is.
     """
     decoder = decoder_for(*event_types)
     pass_delivery = _wants_delivery(handler)
 
     async def handle(data: bytes, headers: dict[str, str]) -> bytes:
+        started = time.perf_counter()
+        if metrics is not None:
+            metrics.received(name, 1)
         try:
             event = decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -173,6 +194,15 @@ def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler) -
             result: Any = await (handler(event, delivery) if pass_delivery else handler(event))
         except Reject as exc:
             return msgspec.json.encode({"error": str(exc)})
+        except Exception as exc:
+            # nats.micro answers it with a 500 and says nothing: the service's logs and
+            # /metrics showed an endpoint failing every request as a healthy one.
+            log.error("endpoint %s failed: %s: %s", name or "?", type(exc).__name__, exc)
+            if metrics is not None:
+                metrics.failed(name)
+            raise
+        if metrics is not None:
+            metrics.handled(name, time.perf_counter() - started)
         return encode(result)
 
     return handle

@@ -89,6 +89,11 @@ class _Endpoint:
     handler: TypedHandler
 
 
+CONSUMER_FAILING_LIMIT_S = 30.0
+"""How long a durable consumer's fetches may fail in a row (a cluster without JetStream quorum,
+a server back without JetStream) before ``/healthz`` says the service is not well: it is
+connected, and takes no work."""
+
 UNSENT_LIMIT = 10_000
 """The most events of one periodic job kept while the bus refuses them."""
 
@@ -251,7 +256,8 @@ class ServiceHost:
                                    partial(bus.subscribe, core.subject, dispatcher, queue=core.queue), deadline)
         for ep in self._endpoints:
             await self._until_done(f"endpoint {ep.name}", partial(
-                bus.serve, self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler)), deadline)
+                bus.serve, self.name, ep.name, ep.subject, reply_handler(ep.event_types, ep.handler, name=ep.name,
+                                                                   metrics=self.metrics)), deadline)
         for periodic in self._periodic:
             self._tasks.append(asyncio.create_task(self._run_periodic(periodic), name=getattr(periodic.job, "__name__", "periodic")))
         if self.settings.metrics_port >= 0:
@@ -379,11 +385,19 @@ class ServiceHost:
         return []
 
     def health(self) -> dict:
-        """The ``/healthz`` document: ok while the bus is connected."""
+        """The ``/healthz`` document: ok while the bus is connected and no durable consumer
+        has failed to fetch for ``CONSUMER_FAILING_LIMIT_S`` (those are named)."""
         connected = bool(self.bus and self.bus.connected)
         self.metrics.connected.labels(self.name).set(1 if connected else 0)
-        return {"ok": connected, "service": self.name, "replica": self.settings.replica,
-                "background_restarts": dict(self.restarts)}
+        # Connected alone said ok while JetStream served none of its consumers: the service
+        # took no work for as long as that lasted, and nothing watching it knew.
+        failing = sorted(durable for durable, seconds in (self.bus.consumers_failing() if self.bus else {}).items()
+                         if seconds >= CONSUMER_FAILING_LIMIT_S)
+        doc = {"ok": connected and not failing, "service": self.name, "replica": self.settings.replica,
+               "background_restarts": dict(self.restarts)}
+        if failing:
+            doc["consumers_failing"] = failing
+        return doc
 
     async def stop(self, step_timeout_s: float = 15.0) -> None:
         """Stop periodic jobs, run the stopping hooks, drain the bus (in-flight handlers

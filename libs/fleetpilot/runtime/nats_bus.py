@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -63,6 +64,8 @@ class _NatsInbound(Inbound):
         self.data = msg.data
         self.headers = dict(msg.headers or {})
         self.deliveries = msg.metadata.num_delivered if durable else 1
+        if durable:
+            self.origin = f"{msg.metadata.stream}:{msg.metadata.sequence.stream}"
 
     async def ack(self) -> None:
         if self._durable:
@@ -218,11 +221,28 @@ class NatsKeyValue(KeyValue):
                         await self._recreate()
 
 
+def without_credentials(url: str) -> str:
+    """``url`` (or a comma-separated list of them) with any user, password or token it
+    carries (``nats://user:pass@host``, ``nats://token@host``) masked, fit for a log line."""
+    def one(part: str) -> str:
+        scheme, sep, rest = part.partition("://")
+        if not sep:
+            scheme, rest = "", part
+        userinfo, at, host = rest.rpartition("@")
+        if not at:
+            return part
+        user, colon, _ = userinfo.partition(":")
+        masked = f"{user}:***" if colon else "***"  # a lone userinfo is a token: all secret
+        return f"{scheme}{sep}{masked}@{host}"
+    return ",".join(one(part) for part in url.split(","))
+
+
 def cannot_connect(url: str, cause: BaseException) -> ConnectionError:
     """The one-line error for a first connection to ``url`` that never came, naming its
-    cause (the first line of the error seen on the way, or its type when it says nothing)."""
+    cause (the first line of the error seen on the way, or its type when it says nothing).
+    The URL's credentials are masked: this line goes to standard error and the logs."""
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-    return ConnectionError(f"cannot connect to NATS at {url}: {first}")
+    return ConnectionError(f"cannot connect to NATS at {without_credentials(url)}: {first}")
 
 
 class NatsBus(Bus):
@@ -236,6 +256,8 @@ class NatsBus(Bus):
         self._loops: list[asyncio.Task] = []
         self._micro: Service | None = None
         self._endpoints_served: set[tuple[str, str]] = set()
+        self._core_subs: list = []  # drained, not cut, when the bus drains
+        self._failing_since: dict[str, float] = {}  # durable → when its fetches began to fail
         self._kv_cache: dict[str, NatsKeyValue] = {}
         self._closing = asyncio.Event()
         self._reconnections = Reconnections()
@@ -282,6 +304,10 @@ class NatsBus(Bus):
     def connected(self) -> bool:
         return self._nc.is_connected
 
+    def consumers_failing(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {durable: now - since for durable, since in self._failing_since.items()}
+
     def unreachable(self, error: BaseException) -> bool:
         if isinstance(error, nats.js.errors.APIError):
             # A JetStream answer without a code is nats-py's rendering of "no responders": the
@@ -306,6 +332,13 @@ class NatsBus(Bus):
             try:
                 await self._js.add_stream(config)
             except nats.js.errors.BadRequestError:
+                # There with another config: updated to the catalog's, except its replica count
+                # and placement, which the catalog does not declare and the operator sets on a
+                # cluster (`nats stream edit --replicas 3`, deploy/README.md). Sent as the
+                # default, they took every stream back to R1 at each service's start, and the
+                # next node lost took its streams with it.
+                existing = (await self._js.stream_info(spec.name)).config
+                config.num_replicas, config.placement = existing.num_replicas, existing.placement
                 await self._js.update_stream(config)
         for bucket in BUCKETS:
             with contextlib.suppress(nats.js.errors.BadRequestError):
@@ -331,11 +364,17 @@ class NatsBus(Bus):
             await self._nc.publish(subject, data, headers=headers or None)
 
     async def _bind(self, spec: ConsumerSpec):
-        if spec.start_s_ago is not None and await self._consumer_exists(spec):
+        existing = await self._consumer_info(spec) if spec.start_s_ago is not None else None
+        if existing is not None:
             # A replica's own consumer made before (the replica restarted, or re-binds after
             # a reconnect) goes on from where it is: its start time counts only when it is
             # first made, and the server refuses to change it ("start time can not be
-            # updated", 10012), which a time computed now always would.
+            # updated", 10012), which a time computed now always would. What the catalog may
+            # change is applied, though: kept as first made (for a week idle), an instance's
+            # consumer held an ack wait the catalog had changed (a crashed node's decision
+            # waited out the old one; the dispatcher's in-progress beats followed the new one)
+            # and a filter it had widened (the new subjects never reached the instance).
+            await self._update_editable(spec, existing.config)
             return await self._js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
         if spec.start_s_ago is None:
             start: dict = {"deliver_policy": api.DeliverPolicy.ALL}
@@ -356,12 +395,26 @@ class NatsBus(Bus):
             log.debug("consumer %s exists with another config; binding to it", spec.durable)
         return await self._js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
 
-    async def _consumer_exists(self, spec: ConsumerSpec) -> bool:
+    async def _consumer_info(self, spec: ConsumerSpec) -> api.ConsumerInfo | None:
         try:
-            await self._js.consumer_info(spec.stream, spec.durable)
+            return await self._js.consumer_info(spec.stream, spec.durable)
         except nats.js.errors.NotFoundError:
-            return False
-        return True
+            return None
+
+    async def _update_editable(self, spec: ConsumerSpec, config: api.ConsumerConfig) -> None:
+        """Give an existing consumer the settings of ``spec`` that the server lets change,
+        keeping where it starts."""
+        wanted = {"ack_wait": float(spec.ack_wait_s), "max_ack_pending": spec.max_ack_pending,
+                  "inactive_threshold": spec.idle_limit_s, "filter_subject": spec.filter_subject}
+        if all(getattr(config, name) == value for name, value in wanted.items()):
+            return
+        log.info("consumer %s: applying the catalog's %s", spec.durable,
+                 ", ".join(f"{name}={value}" for name, value in wanted.items() if getattr(config, name) != value))
+        try:
+            await self._js.add_consumer(spec.stream, dataclasses.replace(config, **wanted))
+        except nats.js.errors.BadRequestError as exc:
+            # Bound as it is rather than not at all; said where an operator reads it.
+            log.warning("consumer %s keeps its settings, the server refused the catalog's: %s", spec.durable, exc)
 
     async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
         sub = await self._bind(spec)
@@ -379,12 +432,15 @@ class NatsBus(Bus):
                 # cheap next to what a handler does with it.
                 msgs = await sub.fetch(1, timeout=1.0)
                 failures = 0
+                self._failing_since.pop(spec.durable, None)
             except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when idle
+                self._failing_since.pop(spec.durable, None)
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - connection loss, consumer lost on a fresh server
                 failures += 1
+                self._failing_since.setdefault(spec.durable, time.monotonic())
                 log.warning("consumer %s: %s; re-binding", spec.durable, exc)
                 await asyncio.sleep(min(0.25 * failures, 5.0))
                 with contextlib.suppress(Exception):
@@ -419,6 +475,7 @@ class NatsBus(Bus):
                 log.exception("subscription %s: a message on %s was lost", subject, msg.subject)
 
         sub = await self._nc.subscribe(subject, queue=queue or "", cb=on_msg)
+        self._core_subs.append(sub)
         # Core messages are not kept: until the server has the subscription, what is published
         # is lost. A started service hears everything published after start().
         try:
@@ -427,9 +484,16 @@ class NatsBus(Bus):
             # Not known to have reached the server (it went away meanwhile): taken back, so a
             # caller that subscribes again once it is back (start-up does) has one subscription,
             # not two each handling every message.
+            self._core_subs.remove(sub)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             raise
+
+    @staticmethod
+    async def _drained(sub) -> None:
+        """Drain one subscription; one that is gone already (the connection lost) is no error."""
+        with contextlib.suppress(Exception):
+            await sub.drain()
 
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
         # Safe to call again after it failed (start-up does, across an outage): the service and
@@ -560,8 +624,21 @@ class NatsBus(Bus):
         self._closing.set()
         if self._loops:
             await asyncio.wait(self._loops, timeout=10)
+        # Closing the connection, or nats.micro's stop (which unsubscribes its endpoints),
+        # cancels a handler at work: a request in flight got no answer (its caller a timeout
+        # in a rolling restart) and a core message being handled was lost. Each subscription
+        # is drained instead: the server sends it nothing more, and what it took is handled.
+        subs = list(self._core_subs)
         if self._micro is not None:
-            with contextlib.suppress(Exception):
+            subs += [ep._subscription for ep in getattr(self._micro, "_endpoints", ())
+                     if getattr(ep, "_subscription", None) is not None]  # nats.micro keeps them private
+        if subs:
+            draining = [asyncio.create_task(self._drained(sub)) for sub in subs]
+            _, overdue = await asyncio.wait(draining, timeout=10)
+            for task in overdue:  # a handler past it is cut by the close, as before
+                task.cancel()
+        if self._micro is not None:
+            with contextlib.suppress(Exception):  # its endpoints' subscriptions are drained already
                 await self._micro.stop()
         # Every consumer loop has finished its messages by now. A NATS drain would wait on
         # the pull subscriptions' open requests; instead flush what we published and close.

@@ -268,6 +268,26 @@ async def test_request_says_whether_nobody_answered_or_the_handler_failed(bus):
     await host.stop()
 
 
+async def test_an_endpoint_that_fails_is_logged_and_counted_by_the_service(bus, caplog):
+    # nats.micro answers a failed request with a 500 and says nothing: the service's logs and
+    # /metrics showed an endpoint that failed every negotiation as a healthy one.
+    host = ServiceHost("sla", settings())
+
+    @host.endpoint("broken", "test.broken", TaskSubmitted)
+    async def broken(task: TaskSubmitted) -> TaskSubmitted:
+        raise ValueError(f"cannot quote {task.task_id}")
+
+    await host.start(bus)
+    with pytest.raises(RuntimeError):
+        await bus.request("test.broken", encode(submitted("q")), timeout_s=5)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "endpoint broken failed: ValueError: cannot quote q"]
+    counted = host.metrics.registry.get_sample_value
+    assert counted("fleetpilot_handler_errors_total", {"service": "sla", "handler": "broken"}) == 1
+    assert counted("fleetpilot_messages_total", {"service": "sla", "handler": "broken"}) == 1
+    await host.stop()
+
+
 async def test_an_endpoint_answers_a_request_sent_the_moment_it_is_served(nats_server):
     # nats-py's flush could return before the server had the endpoint's subscription: about
     # one request in forty sent right after serve() got "no responders".

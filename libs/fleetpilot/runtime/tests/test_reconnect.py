@@ -207,3 +207,78 @@ def test_a_nats_server_that_exits_at_start_says_why_as_an_os_error(tmp_path):
         server = EmbeddedNats(tmp_path / "nats", port=taken.getsockname()[1])
         with pytest.raises(ChildProcessError, match="nats-server exited with 1: .*address already in use"):
             server.start()
+
+
+async def test_a_replica_s_own_consumer_takes_the_catalog_s_new_settings_and_keeps_its_place(nats_url):
+    # Bound as first made, an instance consumer (an executor's node) kept an ack wait or a
+    # filter the catalog had since changed, for as long as the server kept it (a week idle):
+    # a crashed node's decision waited out the old ack wait, the dispatcher's in-progress
+    # beats followed the new one, and the new filter's subjects never reached the instance.
+    import dataclasses
+
+    from fleetpilot.contracts import CONSUMERS
+
+    bus = await NatsBus.connect(nats_url, "replica")
+    await bus.ensure_topology()
+    first = CONSUMERS["sla-submitted"].for_instance("node-a", 60.0)
+    changed = dataclasses.replace(first, ack_wait_s=120.0, max_ack_pending=7, filter_subject="task.>")
+    try:
+        await bus.publish(TaskSubmitted(task_id="before", submitted_at=1.0))
+        sub = await bus._bind(first)
+        [msg] = await sub.fetch(1, timeout=5)
+        await msg.ack()
+        made = await bus._js.consumer_info(first.stream, first.durable)
+        await bus._bind(changed)
+        now = await bus._js.consumer_info(first.stream, first.durable)
+        assert (now.config.ack_wait, now.config.max_ack_pending, now.config.filter_subject) == (120.0, 7, "task.>")
+        # Where it starts and how far it got are its own: a start time cannot be updated.
+        assert now.config.opt_start_time == made.config.opt_start_time
+        assert now.delivered.stream_seq == made.delivered.stream_seq == 1
+    finally:
+        await bus.drain()
+
+
+@pytest.mark.parametrize(("secret", "shown"), [
+    ("fleetpilot:s3cret-pass@", "fleetpilot:***@"),
+    ("s3cret-token@", "***@"),
+])
+async def test_a_first_connection_that_never_comes_keeps_the_url_s_credentials_out_of_the_error(secret, shown):
+    # The line goes to standard error (`cannot start: ...`) and from there to the logs: a
+    # password or token in FLEETPILOT_NATS_URL was printed with it.
+    port = free_port()
+    with pytest.raises(ConnectionError) as raised:
+        await NatsBus.connect(f"nats://{secret}127.0.0.1:{port}", "client", connect_timeout_s=0.5)
+    message = str(raised.value)
+    assert "s3cret" not in message
+    assert message.startswith(f"cannot connect to NATS at nats://{shown}127.0.0.1:{port}: ")
+
+
+async def test_health_says_so_while_jetstream_serves_none_of_its_consumers(tmp_path, monkeypatch):
+    # A server back without JetStream (a cluster without quorum): the service is connected,
+    # and takes no work; /healthz said ok all along.
+    from fleetpilot.runtime import host as host_module
+
+    monkeypatch.setattr(host_module, "CONSUMER_FAILING_LIMIT_S", 0.5, raising=False)  # (absent before the fix)
+    store = tmp_path / "nats"
+    server = EmbeddedNats(store).start()
+    host = ServiceHost("sla", ServiceSettings(nats_url=server.url, metrics_port=-1))
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def record(task: TaskSubmitted) -> None:
+        pass
+
+    await host.start()
+    try:
+        assert host.health()["ok"]
+        server.kill()
+        await wait_for(lambda: not host.bus.connected)
+        server = EmbeddedNats(store, port=server.port, jetstream=False).start()
+        health = await wait_for(lambda: host.bus.connected and not host.health()["ok"] and host.health(),
+                                timeout_s=10, what="health to say the consumer fails")
+        assert health["consumers_failing"] == ["sla-submitted"]
+        server.kill()
+        server = EmbeddedNats(store, port=server.port).start()  # JetStream back
+        await wait_for(lambda: host.health()["ok"], timeout_s=10, what="health to come back")
+    finally:
+        await host.stop()
+        server.stop()
