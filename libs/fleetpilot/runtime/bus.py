@@ -90,8 +90,10 @@ class Inbound(abc.ABC):
     headers: dict[str, str]
     deliveries: int
     origin: str | None = None
-    """Where a stream keeps the message (``<stream>:<sequence>``), the same at every delivery;
-    ``None`` for one nothing keeps. Its dead letter's idempotency key is made from it."""
+    """Where a stream keeps the message and who reads it (``<stream>:<consumer>:<sequence>``),
+    the same at every delivery; ``None`` for one nothing keeps. Its dead letter's idempotency
+    key is made from it: one letter per message and consumer, however often it is refused
+    (the fingerprinter and the SLA service each refuse a malformed submission, and each says why)."""
 
     @abc.abstractmethod
     async def ack(self) -> None:

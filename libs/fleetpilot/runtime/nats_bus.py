@@ -65,7 +65,8 @@ class _NatsInbound(Inbound):
         self.headers = dict(msg.headers or {})
         self.deliveries = msg.metadata.num_delivered if durable else 1
         if durable:
-            self.origin = f"{msg.metadata.stream}:{msg.metadata.sequence.stream}"
+            # Per consumer: two services that both refuse one message each keep a letter.
+            self.origin = f"{msg.metadata.stream}:{msg.metadata.consumer}:{msg.metadata.sequence.stream}"
 
     async def ack(self) -> None:
         if self._durable:
