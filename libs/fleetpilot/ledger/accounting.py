@@ -35,7 +35,16 @@ def free_capacity(node: NodeTopology, ledger: NodeLedger | None) -> FreeCapacity
 
 
 def with_allocations(ledger: NodeLedger | None, node: str, allocations: list[Allocation]) -> NodeLedger:
-    """A new ledger with ``allocations`` added (replacing the same task's earlier holds)."""
+    """A new ledger with ``allocations`` added (replacing the same task's earlier holds).
+
+    Raises ``ValueError`` when ``allocations`` hold one GPU twice for one task: each hold is
+    checked against the GPU's free share on its own (the policy's ``placement_fits``), so a
+    placement naming GPU 0 twice at 800 milli passed as fitting and booked 1600 of its 1000."""
+    seen: set[tuple[str, int]] = set()
+    for a in allocations:
+        if a.gpu >= 0 and (a.task_id, a.gpu) in seen:
+            raise ValueError(f"{a.task_id} would hold GPU {a.gpu} of {node} twice ({a.decision_id})")
+        seen.add((a.task_id, a.gpu))
     task_ids = {a.task_id for a in allocations}
     kept = [a for a in (ledger.allocations if ledger else []) if a.task_id not in task_ids]
     return NodeLedger(node=node, allocations=kept + list(allocations))
@@ -58,10 +67,16 @@ def confirmed(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger:
 def moved_here(ledger: NodeLedger, task_id: str, decision_id: str) -> NodeLedger | None:
     """A new ledger after ``task_id`` moved onto this node by ``decision_id``: the holds that
     decision reserved become confirmed and the task's older holds here (a move within the
-    node) are gone. ``None`` when the decision holds nothing here: it was folded already (a
-    redelivered move) and the task's holds here now belong to a later decision, which must
-    keep them."""
-    if not any(a.task_id == task_id and a.decision_id == decision_id for a in ledger.allocations):
+    node) are gone. ``None`` when the decision holds nothing reserved here: it was folded
+    already (a redelivered move) and the task's other holds here belong to a later decision,
+    which must keep them.
+
+    A fold confirms the decision's holds, so a redelivery finds them confirmed. Taken as a
+    move still to fold, it dropped every other hold of the task here: the extra memory a
+    later resize had reserved, or the target of a later move within the node, which the
+    executor then carried out on a share the ledger no longer held."""
+    if not any(a.task_id == task_id and a.decision_id == decision_id and a.state == "reserved"
+               for a in ledger.allocations):
         return None
     return NodeLedger(node=ledger.node, allocations=[
         msgspec.structs.replace(a, state="confirmed") if a.task_id == task_id else a

@@ -159,20 +159,34 @@ class FleetView(BucketMirror):
     nodes: dict[str, NodeTopology]
 
 
-_KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_=/.")
+# Characters a key keeps as they are. ``=`` is a valid key character too, but it is the
+# escape: a name's own ``=`` is escaped like any other character, so that no two names share
+# a key.
+_KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_/.")
 
 
 def node_key(node: str) -> str:
     """KV keys allow ASCII letters, digits and ``-_=/.``, with no empty token between dots;
-    node names (and task and decision ids, which clients choose) are mapped onto that set.
-    A name that is a valid key already is its own key.
+    node names (and task and decision ids, which clients choose) are mapped onto that set,
+    one name to one key. A name that is a valid key without ``=`` is its own key; any other
+    character, ``=`` itself and a dot that would make an empty token become ``=`` and the
+    two hex digits of each of their UTF-8 bytes (``évaluation-1`` is ``=C3=A9valuation-1``);
+    the empty name is ``=``.
 
-    ``str.isalnum`` let any Unicode letter or digit through (``é``, ``²``): the client
-    refuses such a key, so a task named ``évaluation-1`` failed every write keyed by it. A
-    dot at either end or two in a row make an empty subject token, which the server never
-    answers: each write waited for its time-out."""
-    key = "".join(c if c in _KEY_CHARACTERS else "_" for c in node)
-    return ".".join(token or "_" for token in key.split("."))
+    Each character that no key allows became ``_``: ``job:1`` and ``job_1`` (or ``évaluation``
+    and ``_valuation``) shared one key, so a second task's pending entry or contract was
+    refused as already there, or read as the first task's, and two such nodes shared one
+    ledger. ``str.isalnum`` before that let any Unicode letter or digit through (``é``,
+    ``²``), which the client refuses as a key; a dot at either end or two in a row make an
+    empty subject token, which the server never answers."""
+    if not node:
+        return "="
+    out = []
+    for i, c in enumerate(node):
+        literal = c in _KEY_CHARACTERS and (c != "." or (
+            0 < i < len(node) - 1 and out[-1] != "." and node[i + 1] != "."))
+        out.append(c if literal else "".join(f"={b:02X}" for b in c.encode("utf-8", "surrogatepass")))
+    return "".join(out)
 
 
 __all__ = ["FleetView", "LedgerStore", "node_key"]

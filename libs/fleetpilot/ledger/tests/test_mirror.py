@@ -6,6 +6,7 @@ by a late reply nor by a watch catching up, and counts those writes as changes; 
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 
 import pytest
@@ -199,17 +200,36 @@ async def test_the_watch_catching_up_does_not_take_our_own_write_out_of_the_view
 @pytest.mark.parametrize(("name", "key"), [
     ("ip-10-0-3-7.ec2.internal", "ip-10-0-3-7.ec2.internal"),  # a valid key is its own
     ("a100-03", "a100-03"),
-    ("job/7=x_y", "job/7=x_y"),
-    ("évaluation-1", "_valuation-1"),  # a client's task id: a letter, but not one a key allows
-    ("gpu²", "gpu_"),
-    ("job..2", "job._.2"),  # no empty token between dots
-    (".hidden", "_.hidden"),
-    ("trailing.", "trailing._"),
-    ("a b*c>d", "a_b_c_d"),
+    ("job/7_y", "job/7_y"),
+    ("job/7=x_y", "job/7=3Dx_y"),  # ``=`` is the escape: a name's own is escaped
+    ("évaluation-1", "=C3=A9valuation-1"),  # a client's task id: a letter, but not one a key allows
+    ("gpu²", "gpu=C2=B2"),
+    ("job..2", "job=2E.2"),  # no empty token between dots
+    (".hidden", "=2Ehidden"),
+    ("trailing.", "trailing=2E"),
+    ("a b*c>d", "a=20b=2Ac=3Ed"),
+    ("", "="),
 ])
 def test_every_name_maps_onto_a_valid_kv_key(name, key):
     assert node_key(name) == key
     assert re.fullmatch(r"[-/_=.a-zA-Z0-9]+", key) and "" not in key.split(".")
+
+
+def test_no_two_names_share_a_key():
+    # Each character no key allows became ``_``: ``job:1`` and ``job_1`` shared a key, so the
+    # second task's pending entry and contract were taken for the first's, and two such nodes
+    # shared one ledger.
+    assert node_key("job:1") != node_key("job_1")
+    assert node_key("évaluation") != node_key("_valuation")
+    assert node_key("a..b") != node_key("a._.b")
+    rng = random.Random(7)
+    alphabet = "ab_.=-/é:²* "
+    names = {"".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 7))) for _ in range(20_000)}
+    keys = {node_key(name): name for name in names}
+    assert len(keys) == len(names)
+    for key in keys:
+        assert re.fullmatch(r"[-/_=.a-zA-Z0-9]+", key) and "" not in key.split("."), key
+        assert node_key(key) == key or "=" in key  # a valid key without ``=`` is its own
 
 
 async def test_a_ledger_keyed_by_a_name_with_a_letter_no_key_allows_is_written_and_read(nats_server):

@@ -45,3 +45,13 @@ def test_an_older_move_redelivered_after_a_move_within_the_node_keeps_the_task_s
     done = moved_here(moving, "t1", "m2")
     assert done is not None
     assert [(a.decision_id, a.gpu, a.state) for a in done.allocations] == [("m2", 1, "confirmed")]
+
+
+def test_a_folded_move_redelivered_keeps_what_later_decisions_reserved() -> None:
+    # t1 moved onto GPU 0 (m1, folded: confirmed); then a resize reserved 5000 MB more on
+    # GPU 0 and a move within the node reserved GPU 1. m1 comes again (its ack was lost).
+    later = NodeLedger(node="n1", allocations=[
+        hold("t1", "m1", 0, 8000), hold("t1", "t1.resize.13000", 0, 5000, "reserved"),
+        hold("t1", "m2", 1, 8000, "reserved")])
+    again = moved_here(later, "t1", "m1")
+    assert again is None or again.allocations == later.allocations
