@@ -239,6 +239,15 @@ class ExecutorReplica:
         current = await self.ledger.read(node) if node else None
         return current is not None and any(a.decision_id == decision.decision_id for a in current.allocations)
 
+    async def move_unfolded(self, decision: DecisionMade) -> bool:
+        """Whether the holds ``decision`` (a move) reserved on its target are still reserved
+        in the bucket: the move is not recorded yet (``moved_here`` confirms them)."""
+        assert self.ledger is not None
+        node = decision.placement[0].node if decision.placement else ""
+        current = await self.ledger.read(node) if node else None
+        return current is not None and any(a.decision_id == decision.decision_id and a.state == "reserved"
+                                           for a in current.allocations)
+
     # ---- decisions -------------------------------------------------------------------------
     async def carry_out(self, decision: DecisionMade) -> list[Event]:
         """Carry ``decision`` out once, keep the ledger in step, and say what happened."""
@@ -287,14 +296,17 @@ class ExecutorReplica:
                 log.info("%s: redelivered after a later move of %s; nothing to change", decision.decision_id,
                          decision.task_id)
             elif decision.action == "migrate" and node:
-                # The policy reserved the target; the task has left its source: the holds
-                # on the source nodes go, the target's become confirmed.
-                for src in {p.node for p in decision.source} - {node}:
-                    await self.release(decision.task_id, src)
-                await ledger.mutate(
-                    node_key(node),
-                    lambda cur: moved_here(cur, decision.task_id, decision.decision_id) if cur else None,
-                )
+                if await self.move_unfolded(decision):
+                    # The policy reserved the target; the task has left its source: the holds
+                    # on the source nodes go, the target's become confirmed. Only while the
+                    # target's holds are still reserved: a copy delivered again after the fold
+                    # would give back, at a source, what a later move reserved there.
+                    for src in {p.node for p in decision.source} - {node}:
+                        await self.release(decision.task_id, src)
+                    await ledger.mutate(
+                        node_key(node),
+                        lambda cur: moved_here(cur, decision.task_id, decision.decision_id) if cur else None,
+                    )
                 # The placement the task left ends here: the feedback service judges it. A
                 # redelivered migrate finds itself in ``decisions``: it left nothing new.
                 left = self.decisions.get(decision.task_id)

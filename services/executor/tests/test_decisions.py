@@ -535,6 +535,32 @@ async def test_a_move_redelivered_after_the_task_moved_back_leaves_its_holds_alo
     assert [(e.state, e.node) for e in life] == [("migrated", "n2"), ("migrated", "n1")]
 
 
+async def test_a_move_redelivered_while_the_next_move_back_is_reserved_leaves_that_reservation(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    """t1 moved n1 → n2 (recorded); the policy has reserved its move back to n1 but the
+    executor has not taken it yet; the first move comes again. Its source release took t1's
+    holds on n1, the reservation of the move back among them: carried out then, the task ran
+    on n1 with no hold, its share free for another."""
+    await reserve_a_move_of_t1_to_n2(observer)
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1"})
+        await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+            Allocation(task_id="t1", decision_id="t1.migrate.2", gpu=0, milli=1000, memory_mb=1000)])))
+        await observer.js.publish("decision.made", encode(move_t1()), headers={"Nats-Msg-Id": "move-1-late"})
+        await observer.wait_stored("action.executed", ActionExecuted, 2)
+        await asyncio.sleep(0.5)
+    finally:
+        await host.stop()
+    assert [(a.decision_id, a.state) for a in (await observer.ledger("n1")).allocations] == [
+        ("t1.migrate.2", "reserved")]
+    assert [(a.decision_id, a.state) for a in (await observer.ledger("n2")).allocations] == [
+        ("t1.migrate.1", "confirmed")]
+
+
 async def test_an_assign_redelivered_while_a_move_within_its_node_is_reserved_confirms_only_its_own_hold(
     observer, sim_fleet, nats_url, tmp_path
 ):
