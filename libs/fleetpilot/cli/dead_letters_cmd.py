@@ -27,7 +27,7 @@ from fleetpilot.runtime.bus import StoredMessage
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from .arguments import duration, non_negative_int, subject_pattern
-from .local import local_nats_url
+from .local import local_nats_url, no_jetstream
 
 DLQ_STREAM = "DLQ"
 
@@ -106,19 +106,39 @@ async def dead_letters(args, out=None, err=None) -> int:
     """List (and with ``--redrive`` send back) the dead letters asked for, to ``out`` (and
     what was done to ``err``; standard output and error by default); 1 when some of those
     to send back could not be."""
+    import nats.js.errors
+
     out, err = out or sys.stdout, err or sys.stderr
-    bus = await NatsBus.connect(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-dead-letters",
-                                connect_timeout_s=2)
+    url = args.nats_url or local_nats_url(args.state_dir)
+    bus = await NatsBus.connect(url, "fleetpilot-dead-letters", connect_timeout_s=2)
     try:
         since = time.time() - args.since if args.since is not None else None
-        shown: deque[Kept] = deque(maxlen=args.limit or None)
-        for pattern in dict.fromkeys(args.subjects):
-            async for message in bus.stream_messages(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
-                item = kept(message)
-                if args.service and (item.letter is None or item.letter.service != args.service):
-                    continue
-                shown.append(item)
-        items = sorted(shown, key=lambda i: i.sequence)  # several patterns: one order, the stream's
+        if since is not None and since <= 0:
+            # A span reaching back past 1970 (``--since 1e20d``) asks for all kept: as a start
+            # time it was a traceback (OverflowError) or "year -162248 is out of range".
+            since = None
+        # One by sequence: two patterns can match one letter (``task.submitted 'task.>'``),
+        # which was listed, counted and redriven twice. The latest ``--limit`` of each
+        # pattern, merged, hold the latest overall; one deque over all patterns kept the last
+        # pattern's letters, not the newest.
+        found: dict[int, Kept] = {}
+        try:
+            for pattern in dict.fromkeys(args.subjects):
+                latest: deque[Kept] = deque(maxlen=args.limit or None)
+                async for message in bus.stream_messages(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
+                    item = kept(message)
+                    if args.service and (item.letter is None or item.letter.service != args.service):
+                        continue
+                    latest.append(item)
+                found.update((item.sequence, item) for item in latest)
+        except nats.js.errors.ServiceUnavailableError:
+            raise no_jetstream(url) from None
+        except nats.js.errors.NotFoundError:
+            # No DLQ stream: no service of Fleetpilot has run on this bus, so none refused anything.
+            print(f"no dead letters at {url}: it has no {DLQ_STREAM} stream (no Fleetpilot service has run there)",
+                  file=err)
+            return 0
+        items = sorted(found.values(), key=lambda i: i.sequence)[-args.limit if args.limit else 0:]
         for item in items:
             print(as_json(item) if args.json else as_text(item), file=out, flush=True)
         if not args.redrive:

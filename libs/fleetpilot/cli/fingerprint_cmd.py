@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
+
+import numpy as np
 
 from fleetpilot.fingerprint.series_csv import fingerprint_csv
 
@@ -32,10 +35,19 @@ def main(args, out=None) -> int:
     if path.is_dir():
         raise ValueError(f"{path}: is a directory")
     try:
-        result = fingerprint_csv(path, at=args.at)
+        # Memory values near float's limit (1e300 bytes: a unit mixed up) overflow the fits:
+        # numpy's RuntimeWarnings went to stderr and NaN into the JSON, which no parser reads.
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            result = fingerprint_csv(path, at=args.at)
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file") from None
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    print(json.dumps(result, indent=2, default=float), file=out)
+    try:
+        text = json.dumps(result, indent=2, default=float, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"{path}: memory values too large to fingerprint (the fit is not finite); "
+                         "expected bytes") from None
+    print(text, file=out)
     return 0

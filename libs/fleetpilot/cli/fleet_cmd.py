@@ -173,17 +173,25 @@ def summarise(fleet: Fleet, source: str, live: LiveFleet | None) -> dict[str, An
     estimates replace the ones computed from the spec's links.
     """
     nodes = fleet.nodes
+    name, sites, links = fleet.name, list(fleet.sites), list(fleet.links)
     if live is not None and live.nodes:
         nodes = sorted(live.nodes, key=lambda n: n.node)
         source = f"topology bucket at {live.url}"
-    known = {s.name: s for s in fleet.sites}
-    sites = list(fleet.sites) + [Site(name=s) for s in sorted({n.site for n in nodes} - set(known))]
-    bandwidth = SiteNetwork(fleet.links).estimates()
+        # The running fleet is what its collectors reported, not the spec: a fleet `up` ran
+        # from another spec (the openb node list) was shown under the spec's name, with the
+        # spec's sites at 0 nodes and links between them that do not exist there.
+        present = {n.site for n in nodes}
+        known = {s.name for s in fleet.sites}
+        sites = [s for s in fleet.sites if s.name in present] + [Site(name=s) for s in sorted(present - known)]
+        links = [link for link in fleet.links if link.a in present and link.b in present]
+        if not present <= known:
+            name = "running"
+    bandwidth = SiteNetwork(links).estimates() if links else []
     bandwidth_source = "computed from the spec's links"
     if live is not None and live.bandwidth is not None:
         bandwidth, bandwidth_source = live.bandwidth, "latest topology.updated"
     return {
-        "fleet": fleet.name,
+        "fleet": name,
         "source": source,
         "sites": [
             {"name": s.name, "kind": s.kind, "region": s.region,
@@ -195,7 +203,7 @@ def summarise(fleet: Fleet, source: str, live: LiveFleet | None) -> dict[str, An
         "nodes": [{"node": n.node, "site": n.site, "gpus": len(n.gpus),
                    "gpu_models": sorted({g.model for g in n.gpus})} for n in nodes],
         "gpu_models": dict(sorted(Counter(g.model for n in nodes for g in n.gpus).items())),
-        "links": [msgspec.to_builtins(link) for link in fleet.links],
+        "links": [msgspec.to_builtins(link) for link in links],
         "bandwidth_source": bandwidth_source,
         "bandwidth": [msgspec.to_builtins(b) for b in bandwidth],
     }

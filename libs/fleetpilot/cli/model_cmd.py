@@ -123,7 +123,12 @@ async def read_models(url: str) -> tuple[list[dict[str, Any]], dict[str, Any] | 
 
 
 def _when(at: float) -> str:
-    return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M:%S} UTC"
+    try:
+        return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M:%S} UTC"
+    except (OverflowError, ValueError, OSError):
+        # A time no calendar holds (a producer's milliseconds, a garbage value): one event's
+        # bad stamp ended the whole report with a traceback (OverflowError).
+        return f"at {at:g} (not a time)"
 
 
 def render(rows: list[dict[str, Any]], out, withdrawn: dict[str, Any] | None = None) -> None:

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from fleetpilot.policy import (
     BUILTIN_POLICIES,
+    ClusterState,
     DiffReport,
     Policy,
     ProfileConfig,
@@ -66,12 +68,65 @@ def read_snapshots(path: Path) -> list[Snapshot]:
             if not line.strip():
                 continue
             try:
-                out.append(decoder.decode(line))
+                snapshot = decoder.decode(line)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ValueError(f"{path}:{number}: not a recorded snapshot ({exc})") from None
+            problem = snapshot_problem(snapshot)
+            if problem is not None:
+                raise ValueError(f"{path}:{number}: not a recorded snapshot ({problem})")
+            out.append(snapshot)
     if not out:
         raise ValueError(f"{path}: no snapshots")
     return out
+
+
+_INT32_MAX = 2**31 - 1
+_TASK_COUNTS = ("gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb")
+
+
+def snapshot_problem(snapshot: Snapshot) -> str | None:
+    """Why a decoded snapshot's state does not hold together, in a few words; ``None`` when
+    it does. A record whose JSON decodes can still name a model, site, role or rule set that
+    is not in its lists, hold arrays of another number of nodes or GPUs than its names, or
+    a task count no policy's arithmetic takes: the policies then failed deep inside numpy
+    with a traceback (``IndexError``, ``OverflowError``), or decided on nonsense."""
+    task = snapshot.task
+    for name in _TASK_COUNTS:
+        value = getattr(task, name)
+        if not 0 <= value <= _INT32_MAX:
+            return f"task {name} {value} is out of range 0..{_INT32_MAX}"
+    for name in ("predicted_peak_mb", "peak_sigma_mb"):
+        if not 0.0 <= getattr(task, name) < float("inf"):
+            return f"task {name} {getattr(task, name)} is not a finite number of at least 0"
+    record = snapshot.state
+    if not record.node_names:
+        return "its state has no nodes"
+    try:
+        state = ClusterState.from_record(record)
+    except KeyError as exc:
+        return f"its state has no array {exc}"
+    except (ValueError, TypeError, OverflowError) as exc:
+        return f"its state's arrays do not read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    n = len(record.node_names)
+    for name in ("cpu_total", "cpu_free", "mem_total", "mem_free", "node_model", "node_site", "version"):
+        if getattr(state, name).shape != (n,):
+            return f"its state's {name} is not one value per node ({n} nodes)"
+    g = state.gpu_exists.shape[1] if state.gpu_exists.ndim == 2 else -1
+    for name in ("gpu_exists", "gpu_free", "gpu_mem_total", "gpu_mem_free", "gpu_healthy", "gpu_maintenance",
+                 "gpu_temp_c", "gpu_role", "gpu_numa", "gpu_nvlink_util", "gpu_rule"):
+        if getattr(state, name).shape != (n, g):
+            return f"its state's {name} is not one row of GPUs per node ({n} nodes)"
+    if state.gpu_link.shape != (n, g, g):
+        return f"its state's gpu_link is not a GPU-by-GPU matrix per node ({n} nodes)"
+    for name, names in (("node_model", record.models), ("node_site", record.sites), ("gpu_role", record.roles),
+                        ("gpu_rule", record.rule_sets)):
+        values = getattr(state, name)
+        if values.size and not (0 <= int(values.min()) and int(values.max()) < len(names)):
+            return f"its state's {name} indexes past its {len(names)} entries"
+    for name in ("gpu_temp_c", "gpu_nvlink_util"):
+        if not np.isfinite(getattr(state, name)).all():
+            return f"its state's {name} is not finite"
+    return None
 
 
 def module_profiles(directory: Path) -> dict[str, ProfileConfig]:

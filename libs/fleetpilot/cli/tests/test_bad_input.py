@@ -164,6 +164,8 @@ def test_up_on_an_unreachable_bus_leaves_no_pointer_to_it(tmp_path, capsys) -> N
 def test_a_nats_without_jetstream_is_one_line(nats_without_jetstream, tmp_path, capsys) -> None:
     said = f"the NATS server at {nats_without_jetstream} has no JetStream"
     assert said in one_line_error(["model", "--nats-url", nats_without_jetstream], capsys)
+    # Was a traceback (ServiceUnavailableError) and exit code 1.
+    assert said in one_line_error(["dead-letters", "--nats-url", nats_without_jetstream], capsys)
     assert said in one_line_error(["up", "--nats-url", nats_without_jetstream, "--state-dir", str(tmp_path),
                                    "--duration", "1", "--metrics-port-base", "0"], capsys)
     assert not (tmp_path / NATS_URL_FILE).exists()

@@ -68,6 +68,9 @@ def test_dead_letters_are_listed_with_their_reason_and_filtered(nats_url) -> Non
     assert [line.split("  ")[1] for line in out.splitlines()] == ["#2", "#3"]  # the latest two
     rc, out, err = run(["dead-letters", "--nats-url", nats_url, "--since", "1h"])
     assert len(out.splitlines()) == 3  # stored just now
+    for span in ("60000000d", "1e20d"):  # back past 1970: all kept (was a traceback, or exit 2)
+        rc, out, err = run(["dead-letters", "--nats-url", nats_url, "--since", span])
+        assert (rc, len(out.splitlines()), err) == (0, 3, "3 dead letters\n"), err
 
 
 def test_redrive_sends_each_original_back_once_and_keeps_what_no_stream_takes(nats_url) -> None:
@@ -85,6 +88,25 @@ def test_redrive_sends_each_original_back_once_and_keeps_what_no_stream_takes(na
     rc, _, err = run(["dead-letters", "--nats-url", nats_url, "--redrive"])  # again: nothing twice
     assert err.endswith("sent back 0, left 2\n")
     assert len(asyncio.run(_stored(nats_url, stream_of("task.submitted"), "task.submitted"))) == 1
+
+
+def test_a_letter_two_patterns_match_is_shown_once_and_the_limit_keeps_the_newest(nats_url) -> None:
+    asyncio.run(_put_letters(nats_url))
+    # #1 is task.submitted, #2 plugin.audit.t9: both patterns match #1. It was listed and
+    # counted twice; and --limit 1 kept the last pattern's letter, #1, not the newest, #2.
+    rc, out, err = run(["dead-letters", "plugin.>", "task.submitted", ">", "--nats-url", nats_url])
+    assert rc == 0 and [line.split("  ")[1] for line in out.splitlines()] == ["#1", "#2", "#3"]
+    assert err == "3 dead letters\n"
+    rc, out, _ = run(["dead-letters", "plugin.>", "task.submitted", "--nats-url", nats_url, "--limit", "1"])
+    assert [line.split("  ")[1] for line in out.splitlines()] == ["#2"]
+
+
+def test_a_bus_no_service_has_run_on_has_no_dead_letters_in_one_line(nats_url) -> None:
+    # A JetStream server without the DLQ stream: was a traceback (NotFoundError), exit 1.
+    for argv in ([], ["--redrive"], ["--json"]):
+        rc, out, err = run(["dead-letters", *argv, "--nats-url", nats_url])
+        assert (rc, out) == (0, "") and err == f"no dead letters at {nats_url}: it has no DLQ stream " \
+                                              "(no Fleetpilot service has run there)\n", err
 
 
 @pytest.mark.parametrize("since", ["5x", "0m", "-1h", "nanh", "h"])

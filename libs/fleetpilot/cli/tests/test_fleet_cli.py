@@ -128,6 +128,8 @@ def test_fingerprint_prints_json_with_the_prediction(capsys, tmp_path):
     ("0,100\n5,-1\n", (), ("line 2",)),
     ("", (), ("no samples",)),
     ("0,100\n5,200\n", ("--at", "1.5"), ("--at",)),
+    # Finite, but past what the fits can square: NaN in the JSON and RuntimeWarnings on stderr.
+    ("0,1e300\n1,1.5e300\n2,1.7e308\n3,1.7e308\n4,1e308\n", ("--at", "1"), ("too large to fingerprint",)),
 ])
 def test_fingerprint_bad_input_is_one_line(capsys, tmp_path, content, args, fragments):
     path = tmp_path / "bad.csv"
@@ -321,6 +323,33 @@ def test_fleet_with_an_empty_running_fleet_says_so(capsys, nats_url):
     assert out.startswith("fleet three-site (shipped three-site spec)")
     assert "live: no GPU samples in the gpu_state bucket" in out
 
+
+
+async def _put_openb_nodes(url: str) -> None:
+    from fleetpilot.fleet.inventory import openb_node  # noqa: PLC0415
+
+    bus = await NatsBus.connect(url, "cli-test")
+    await bus.ensure_topology()
+    topology = await bus.kv("topology")
+    for i in range(2):
+        node = openb_node(f"openb-node-{i:04d}", 96_000, 786_432, 8, "V100M32")
+        await topology.put(node_key(node.node), encode(node))
+    await bus.drain()
+
+
+def test_a_running_fleet_from_another_spec_is_not_shown_as_the_spec(capsys, nats_url):
+    # `up --fleet openb.csv`, then a plain `fleetpilot fleet`: it said "fleet three-site ...:
+    # 4 sites", site-a, site-b and edge at 0 nodes, and three-site's links and bandwidth.
+    asyncio.run(_put_openb_nodes(nats_url))
+    code, out, err = run(capsys, "fleet", "--nats-url", nats_url, "--json")
+    assert code == 0 and err == ""
+    summary = json.loads(out)["fleet"]
+    assert summary["fleet"] == "running"
+    assert [(s["name"], s["nodes"], s["gpus"]) for s in summary["sites"]] == [("openb", 2, 16)]
+    assert summary["links"] == [] and summary["bandwidth"] == []
+    code, out, _ = run(capsys, "fleet", "--nats-url", nats_url)
+    assert out.splitlines()[0] == f"fleet running (topology bucket at {nats_url}): 1 site, 2 nodes, 16 GPUs"
+    assert "inter-site links" not in out and "site-a" not in out
 
 
 @pytest.mark.parametrize("command", ["fingerprint", "topology"])

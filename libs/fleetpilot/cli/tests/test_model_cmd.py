@@ -85,3 +85,18 @@ def test_no_server_is_one_line(capsys):
     assert cli_main(["model", "--nats-url", "nats://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fleetpilot model: cannot connect to NATS at nats://127.0.0.1:1")
+
+
+def test_a_time_no_calendar_holds_is_shown_not_a_traceback():
+    # One event's published_at out of range (a producer's garbage, or milliseconds past
+    # year 9999) ended the text report with OverflowError / ValueError.
+    from fleetpilot.cli.model_cmd import render  # noqa: PLC0415
+
+    figures = msgspec.to_builtins(HeldOutFigures(examples=4, held_out=1, brier_model=0.1, brier_prior=0.2,
+                                                 mean_predicted=0.5, mean_prior=0.5, observed=0.5))
+    for at in (1e20, 1.7e15):
+        out = io.StringIO()
+        rows = [{"key": PROMOTED_KEY, "role": "what the policies use", "version": 3, "inputs": 5, "gpu_models": [],
+                 "figures": figures, "published_at": at, "promoted": True, "reason": "better"}]
+        render(rows, out, {"version": 2, "published_at": at, "reason": "worse"})
+        assert f"version 3, published at {at:g} (not a time)" in out.getvalue()

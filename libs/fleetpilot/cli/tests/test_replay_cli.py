@@ -108,6 +108,41 @@ def test_replay_names_a_bad_line(tmp_path, capsys):
     assert "states.jsonl:3: not a recorded snapshot" in capsys.readouterr().err
 
 
+def _mutated(arrays=None, task=None, node_names=None):
+    def change(doc):
+        doc["state"]["arrays"].update(arrays or {})
+        doc["task"].update(task or {})
+        if node_names is not None:
+            doc["state"]["node_names"] = node_names
+            for name in doc["state"]["arrays"]:
+                doc["state"]["arrays"][name] = []
+    return change
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_mutated(arrays={"node_model": [5] * 6}), "node_model indexes past its 2 entries"),
+    (_mutated(arrays={"gpu_rule": [[9] * 4] * 6}), "gpu_rule indexes past its 1 entries"),
+    (_mutated(task={"gpu_milli": 10**30}), "task gpu_milli 10000000000000000000000000000"),
+    (_mutated(task={"gpus": -1}), "task gpus -1 is out of range"),
+    (_mutated(node_names=[]), "its state has no nodes"),
+    (_mutated(arrays={"cpu_total": [1]}), "cpu_total is not one value per node (6 nodes)"),
+    (lambda doc: doc["state"]["arrays"].pop("gpu_free"), "its state has no array 'gpu_free'"),
+])
+def test_replay_refuses_a_snapshot_that_does_not_hold_together_in_one_line(tmp_path, capsys, change, message):
+    # Valid JSON of the right shape, but an index past its list, a task count past int64 or
+    # a missing array: each was a traceback from inside numpy (IndexError, OverflowError,
+    # KeyError), or a decision on nonsense with exit 0 (a task of -1 GPUs).
+    path = recorded(tmp_path, 2)
+    lines = path.read_bytes().splitlines()
+    doc = json.loads(lines[1])
+    change(doc)
+    path.write_bytes(lines[0] + b"\n" + json.dumps(doc).encode() + b"\n")
+    assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "fleetpilot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "states.jsonl:2: not a recorded snapshot" in err and message in err, err
+
+
 def test_bench_forwards_everything_after_the_suite(monkeypatch):
     seen = []
 
