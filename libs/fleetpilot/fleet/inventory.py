@@ -110,6 +110,23 @@ def read_fleet_json(path: str | Path) -> Fleet:
     return fleet_from_json(Path(path).read_bytes())
 
 
+MOST_GPUS_PER_NODE = 256
+"""More GPUs than any one machine holds (the largest hold 16, an NVLink rack's trays 4
+each): a count above it is a typo, and building it held the command for ever."""
+MOST_NODES_PER_GROUP = 100_000
+
+
+def _counted(what: str, value: Any, most: int) -> int:
+    """``value`` as a whole count in 0..``most``; ``ValueError`` naming ``what`` otherwise."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a whole number, got {value!r}") from None
+    if not 0 <= number <= most:
+        raise ValueError(f"{what} must be within 0..{most}, got {number}")
+    return number
+
+
 def build_fleet(spec: dict[str, Any]) -> Fleet:
     """Build a fleet from a parsed spec (the YAML structure in the module doc).
 
@@ -126,7 +143,8 @@ def build_fleet(spec: dict[str, Any]) -> Fleet:
         for group in site_spec.get("groups", []):
             shape_data = {"driver_version": driver, **group["shape"]}
             shape = msgspec.convert(shape_data, NodeShape)
-            count = int(group.get("count", 1))
+            _counted(f"group {group.get('prefix')!r}: gpus", shape.gpus, MOST_GPUS_PER_NODE)
+            count = _counted(f"group {group.get('prefix')!r}: count", group.get("count", 1), MOST_NODES_PER_GROUP)
             width = max(len(str(count - 1)), 2)
             roles = list(group.get("roles") or [])
             for i in range(count):
@@ -173,7 +191,7 @@ def load_openb_fleet(path: str | Path) -> Fleet:
     nodes: list[NodeTopology] = []
     with Path(path).open(newline="") as handle:
         for row in csv.DictReader(handle):
-            gpus = int(row["gpu"])
+            gpus = _counted(f"node {row.get('sn')!r}: gpu", row.get("gpu"), MOST_GPUS_PER_NODE)
             if gpus == 0:
                 nodes.append(NodeTopology(node=row["sn"], site="openb", cpu_milli=int(row["cpu_milli"]),
                                           memory_mb=int(row["memory_mib"])))

@@ -181,6 +181,14 @@ def test_fleet_from_an_openb_node_list(capsys, tmp_path):
     ("--spec", "sites: [{name: x, groups: [{prefix: n, shape: {gpu_model: NoSuchGPU, gpus: 1}}]}]\n", ("NoSuchGPU",)),
     ("--spec", "sites: [\n  - {name: x\n", ("not a valid fleet",)),
     ("--openb", "sn,cpu_milli\nob-0,abc\n", ("not a valid fleet",)),
+    # A GPU count no machine has built that many GPUs for ever; a negative one read as 0.
+    ("--openb", "sn,cpu_milli,memory_mib,gpu,model\nob-0,64000,262144,99999999999,T4\n",
+     ("node 'ob-0': gpu must be within 0..256, got 99999999999",)),
+    ("--openb", "sn,cpu_milli,memory_mib,gpu,model\nob-0,64000,262144,-2,T4\n", ("gpu must be within 0..256",)),
+    ("--spec", "sites: [{name: x, groups: [{prefix: n, count: 1e9, shape: {gpu_model: T4, gpus: 1}}]}]\n",
+     ("group 'n': count must be a whole number",)),
+    ("--spec", "sites: [{name: x, groups: [{prefix: n, count: 10000000, shape: {gpu_model: T4, gpus: 1}}]}]\n",
+     ("group 'n': count must be within 0..100000",)),
 ])
 def test_fleet_bad_spec_is_one_line(capsys, tmp_path, flag, content, fragments):
     path = tmp_path / "fleet.in"
