@@ -231,22 +231,18 @@ class ExecutorReplica:
         backend = self.backend
         return isinstance(backend, ProcessBackend) and backend.ended_untold(task_id)
 
-    async def still_reserved(self, decision: DecisionMade) -> bool:
-        """Whether the ledger (the bucket, not the view) still holds what ``decision``
-        reserved on its node (reserved or, once carried out, confirmed)."""
+    async def holds_of(self, decision: DecisionMade) -> list[str]:
+        """The states (``reserved``, ``confirmed``) of the holds ``decision`` has on its node,
+        as the ledger (the bucket, not the view) says now."""
         assert self.ledger is not None
         node = decision.placement[0].node if decision.placement else ""
         current = await self.ledger.read(node) if node else None
-        return current is not None and any(a.decision_id == decision.decision_id for a in current.allocations)
+        return [a.state for a in current.allocations if a.decision_id == decision.decision_id] if current else []
 
-    async def move_unfolded(self, decision: DecisionMade) -> bool:
-        """Whether the holds ``decision`` (a move) reserved on its target are still reserved
-        in the bucket: the move is not recorded yet (``moved_here`` confirms them)."""
-        assert self.ledger is not None
-        node = decision.placement[0].node if decision.placement else ""
-        current = await self.ledger.read(node) if node else None
-        return current is not None and any(a.decision_id == decision.decision_id and a.state == "reserved"
-                                           for a in current.allocations)
+    async def still_reserved(self, decision: DecisionMade) -> bool:
+        """Whether the ledger still holds what ``decision`` reserved on its node (reserved or,
+        once carried out, confirmed)."""
+        return bool(await self.holds_of(decision))
 
     # ---- decisions -------------------------------------------------------------------------
     async def carry_out(self, decision: DecisionMade) -> list[Event]:
@@ -289,14 +285,14 @@ class ExecutorReplica:
                                     lambda cur: confirmed(cur, decision.task_id, decision.decision_id) if cur else None)
                 out.append(self.lifecycle(decision.task_id, "started", node,
                                           [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
-            elif decision.action == "migrate" and node and not await self.still_reserved(decision):
+            elif decision.action == "migrate" and node and not (held := await self.holds_of(decision)):
                 # Folded already, and the task moved on since (back to its source, say): the
                 # holds of its source and target now belong to a later decision. The recorded
                 # result is the whole answer to this late copy.
                 log.info("%s: redelivered after a later move of %s; nothing to change", decision.decision_id,
                          decision.task_id)
             elif decision.action == "migrate" and node:
-                if await self.move_unfolded(decision):
+                if "reserved" in held:
                     # The policy reserved the target; the task has left its source: the holds
                     # on the source nodes go, the target's become confirmed. Only while the
                     # target's holds are still reserved: a copy delivered again after the fold

@@ -334,30 +334,12 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             )
         )
 
-    # Decisions of the periodic rounds that the bus refused: published first by the next round.
-    unsent: list[DecisionMade] = []
-
-    async def send(decisions: list[DecisionMade]) -> None:
-        """Publish a round's decisions, whose holds are reserved (and whose ``pending`` entries
-        are gone): what the bus refuses is kept and sent again by the next round. Returned to
-        the runtime, the list was given up at its first failed publish, and the rest of it
-        was lost for good: holds held by nobody, tasks that never ran. Sending one again that
-        was stored after all is harmless: its id (``Nats-Msg-Id``) makes it a duplicate."""
-        todo = [*unsent, *decisions]
-        unsent.clear()
-        for i, decision in enumerate(todo):
-            try:
-                await host.bus.publish(decision)  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001 - the bus away: the next round sends them
-                unsent.extend(todo[i:])
-                log.warning("%d decision(s) not published (%s: %s); sent again next round",
-                            len(todo) - i, type(exc).__name__, exc)
-                return
-
+    # The rounds' decisions have their holds reserved (and their ``pending`` entries gone):
+    # returned, the runtime publishes them, and keeps what the bus refuses for the next tick.
     @host.every(settings.pending_retry_s)
-    async def retry_pending() -> None:
+    async def retry_pending() -> list[DecisionMade]:
         if "state" not in holder:
-            return
+            return []
         ps = state()
         round_ = RetryRound(ps, ps.queue, settings, outgoing)
         await round_.collect()
@@ -376,7 +358,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         ps.blocked = round_.blocked
         ps.blocked_progress = round_.progress
         ps.leaving = round_.leaving
-        await send(round_.out)
+        return round_.out
 
     def opened() -> Bus:
         """The bus, once the replica's state is open (a retry until then)."""
@@ -452,12 +434,11 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             await refresh_stats(host.bus)  # type: ignore[arg-type]
 
     @host.every(settings.rebalance_s)
-    async def rebalance() -> None:
+    async def rebalance() -> list[DecisionMade]:
         if "state" not in holder:
-            return
+            return []
         await state().release_settled_reservations()
-        # Its targets and extra shares are reserved: sent as the queue round's are.
-        await send([outgoing(d) for d in await state().rebalance_round()])
+        return [outgoing(d) for d in await state().rebalance_round()]
 
     return host
 
