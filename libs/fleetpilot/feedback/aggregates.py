@@ -12,6 +12,10 @@ Fixed-point units:
 - latency: microseconds (``latency_us``);
 - resource saving: ``1/1000`` MB (``saving_milli_mb``).
 
+The sums are Python integers, with no bound; the stores keep them so too (PostgreSQL
+``NUMERIC``, SQLite decimal ``TEXT``), since 64 bits run out within a busy key's lifetime
+(``weighted_latency`` after about 1.5 million 10-minute latencies).
+
 Weighting: a record's weight is ``1 - latency_ms.uncertainty_score`` clipped to 0..1 (a
 record whose latency we could not measure says little about how the action went); a NaN
 uncertainty, or a latency that is no measurement (NaN, infinite, over ``MAX_LATENCY_US``),
@@ -50,9 +54,10 @@ P95_PERCENT = 95
 """The latency percentile served, in whole percent (compared in integers)."""
 INT64_MAX = 2**63 - 1
 MAX_LATENCY_US = INT64_MAX // UNIT
-"""The longest latency a row keeps (about 29 years): one record's weighted latency
-(``weight_units * latency_us``) must fit the 64-bit columns of both backends. Anything
-longer is no measurement (an epoch taken for a duration, a unit slip)."""
+"""The longest latency a row keeps (about 29 years); anything longer is no measurement (an
+epoch taken for a duration, a unit slip). It was chosen so that one record's weighted
+latency (``weight_units * latency_us``) fits 64 bits; the stored *sums* have had no 64-bit
+bound since schema version 5, and the bound stays so the same records count as measured."""
 
 BaseKey = tuple[str, str, str, str, str]
 

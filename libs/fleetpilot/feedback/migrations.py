@@ -7,10 +7,13 @@ start-ups, so starting a store (or several at once) on an up-to-date database ch
 nothing. Versions
 are never edited once released: a change is a new migration at the end of the list.
 
-Aggregate sums are integers (see :mod:`fleetpilot.feedback.aggregates`): ``BIGINT`` in
-SQLite (64-bit; an overflow raises instead of wrapping) and ``NUMERIC`` in PostgreSQL
-(arbitrary precision). ``action_id`` compares bytewise in both (``COLLATE "C"`` in
-PostgreSQL), so ``raw()`` pages through the primary-key index in the same order everywhere.
+Aggregate sums are integers of any size (see :mod:`fleetpilot.feedback.aggregates`):
+``NUMERIC`` in PostgreSQL (arbitrary precision) and, since version 5, decimal ``TEXT`` in
+SQLite's ``feedback_aggregate`` (its 64-bit integers overflowed; see
+:func:`_sqlite_sums_as_text`). The calibration sums stay ``BIGINT`` in SQLite: they grow by
+at most ``UNIT`` per record, so 2**63 is some 10**14 records away. ``action_id`` compares
+bytewise in both (``COLLATE "C"`` in PostgreSQL), so ``raw()`` pages through the
+primary-key index in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -174,11 +177,53 @@ def _measured_latency(sum_type: str) -> tuple[str, ...]:
     )
 
 
+SUM_FIELDS_V4 = (*SUM_FIELDS_V1, "measured")
+"""The aggregate sums as of version 4 (frozen, like ``SUM_FIELDS_V1``)."""
+
+
+def _sqlite_sums_as_text() -> tuple[str, ...]:
+    """Version 5 (SQLite): every ``feedback_aggregate`` sum becomes a decimal ``TEXT``.
+
+    64 bits were too few: ``weighted_latency`` adds ``weight_units * latency_us``, up to
+    10**4 * 6 * 10**8 for one 10-minute latency, so 2**63 was about 1.5 million such
+    records away (15 days of 100,000 such actions a day in one key); ``latency_us`` itself
+    about 15 billion.
+    Options weighed: two INTEGER words per sum (a carry in every ``SET``, two columns per
+    sum, every reader recombining them), coarser units (no longer equal to a recomputation
+    from the raw rows), or decimal TEXT, chosen as the simplest exact one: Python's
+    integers have no bound, and the store adds in Python under ``BEGIN IMMEDIATE``, which
+    holds SQLite's only write lock from before the read to the commit, so the read-add-write
+    is as atomic as the ``x = x + excluded.x`` it replaces. (PostgreSQL's ``NUMERIC`` does
+    the same on the server.)
+
+    The columns must be *declared* TEXT: a BIGINT column turns an integer-looking text too
+    large for 64 bits into a REAL, so the table is copied into a new one. Each integer is
+    written exactly as its decimal digits; a REAL (a sum a version before the overflow check
+    let turn into a float, inexact already) as the integer SQLite prints for it (to some 16
+    digits), so it still reads back.
+    """
+    keys = "policy, shard_id, task_kind, gpu_model, action"
+    key_columns = _KEY_COLUMNS + ", action TEXT NOT NULL"
+    sums = ", ".join(f"{name} TEXT NOT NULL DEFAULT '0'" for name in SUM_FIELDS_V4)
+    sum_names = ", ".join(SUM_FIELDS_V4)
+    as_text = ", ".join(
+        f"CASE typeof({name}) WHEN 'integer' THEN CAST({name} AS TEXT) ELSE printf('%.0f', {name}) END"
+        for name in SUM_FIELDS_V4
+    )
+    return (
+        f"CREATE TABLE feedback_aggregate_v5 ({key_columns}, {sums}, PRIMARY KEY ({keys}))",
+        f"INSERT INTO feedback_aggregate_v5 ({keys}, {sum_names}) SELECT {keys}, {as_text} FROM feedback_aggregate",
+        "DROP TABLE feedback_aggregate",
+        "ALTER TABLE feedback_aggregate_v5 RENAME TO feedback_aggregate",
+    )
+
+
 SQLITE_MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=1, name="raw and aggregate tables", statements=_tables("BIGINT", "TEXT", "TEXT")),
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
     Migration(version=3, name="action joins the key", statements=_add_action_key("BIGINT")),
     Migration(version=4, name="latency over measured records", statements=_measured_latency("BIGINT")),
+    Migration(version=5, name="aggregate sums past 64 bits", statements=_sqlite_sums_as_text()),
 )
 
 POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
@@ -188,6 +233,9 @@ POSTGRES_MIGRATIONS: tuple[Migration, ...] = (
     Migration(version=2, name="raw key index for p95", statements=_KEY_INDEX),
     Migration(version=3, name="action joins the key", statements=_add_action_key("NUMERIC")),
     Migration(version=4, name="latency over measured records", statements=_measured_latency("NUMERIC")),
+    # NUMERIC has no 64-bit bound: nothing to convert. The version is kept so that both
+    # backends number their schema alike.
+    Migration(version=5, name="aggregate sums past 64 bits", statements=()),
 )
 
 

@@ -6,6 +6,10 @@ One connection is shared behind a lock and every call runs in a worker thread
 ``action_id`` key) and, only when the row is new, adds its contribution to the aggregate
 and calibration rows. Several processes may share the file: WAL plus a busy timeout
 serialises their writers.
+
+The aggregate sums are decimal ``TEXT`` (schema version 5; see
+``migrations._sqlite_sums_as_text``) added in Python, which has no 64-bit bound; the
+calibration sums, which cannot come near one, stay integers added in SQL.
 """
 
 from __future__ import annotations
@@ -44,12 +48,17 @@ _INSERT_RAW = (
     f"INSERT OR IGNORE INTO feedback_raw ({', '.join(_RAW_COLUMNS)})"
     f" VALUES ({', '.join('?' for _ in _RAW_COLUMNS)})"
 )
+_SELECT_AGGREGATE = (
+    f"SELECT {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate WHERE "
+    + " AND ".join(f"{k} = ?" for k in KEY_FIELDS)
+)
+# The new sums are computed in Python (SQLite's ``+`` would overflow 64 bits, then turn
+# into a float): the row is read and rewritten inside the same BEGIN IMMEDIATE transaction.
 _UPSERT_AGGREGATE = (
     f"INSERT INTO feedback_aggregate ({_KEYS}, {', '.join(TOTALS_FIELDS)})"
     f" VALUES ({_KEY_MARKS}, {', '.join('?' for _ in TOTALS_FIELDS)})"
     f" ON CONFLICT ({_KEYS}) DO UPDATE SET "
-    + ", ".join(f"{f} = {f} + excluded.{f}" for f in TOTALS_FIELDS)
-    + f" RETURNING {', '.join(TOTALS_FIELDS)}"
+    + ", ".join(f"{f} = excluded.{f}" for f in TOTALS_FIELDS)
 )
 _UPSERT_BIN = (
     f"INSERT INTO feedback_calibration ({_KEYS}, bin, count,"
@@ -63,9 +72,16 @@ _UPSERT_BIN = (
 
 def _require_integers(table: str, sums: tuple) -> None:
     """Raise when an upsert's sums came back as floats: SQLite's ``+`` turns a 64-bit
-    overflow into a REAL instead of failing, which would leave the sums inexact in silence."""
+    overflow into a REAL instead of failing, which would leave the sums inexact in silence.
+    (Only the calibration sums are added in SQL, and they grow by at most ``UNIT`` a record.)"""
     if not all(isinstance(value, int) for value in sums):
         raise OverflowError(f"a {table} sum would overflow 64 bits; the record is not stored")
+
+
+def _totals_from_text(values: Sequence[str]) -> Totals:
+    """The exact sums of one stored ``feedback_aggregate`` row (decimal text, in
+    ``TOTALS_FIELDS`` order)."""
+    return Totals(**{f: int(v) for f, v in zip(TOTALS_FIELDS, values, strict=True)})
 
 
 class SqliteFeedbackStore:
@@ -123,14 +139,16 @@ class SqliteFeedbackStore:
                 cursor = self._db.execute(_INSERT_RAW, values)
                 inserted = cursor.rowcount == 1
                 if inserted:
-                    sums = self._db.execute(
-                        _UPSERT_AGGREGATE, (*row.key, *(getattr(totals, f) for f in TOTALS_FIELDS))
-                    ).fetchone()
-                    _require_integers("feedback_aggregate", sums)
-                    sums = self._db.execute(
+                    # BEGIN IMMEDIATE took the write lock before this read: no other
+                    # connection or process can change the row until COMMIT.
+                    stored = self._db.execute(_SELECT_AGGREGATE, row.key).fetchone()
+                    sums = Totals() if stored is None else _totals_from_text(stored)
+                    sums.add(totals)
+                    self._db.execute(_UPSERT_AGGREGATE, (*row.key, *(str(getattr(sums, f)) for f in TOTALS_FIELDS)))
+                    bin_sums = self._db.execute(
                         _UPSERT_BIN, (*row.key, row.calibration_bin, row.confidence_units, row.success)
                     ).fetchone()
-                    _require_integers("feedback_calibration", sums)
+                    _require_integers("feedback_calibration", bin_sums)
                 self._db.execute("COMMIT")
                 return inserted
             except BaseException:
@@ -155,7 +173,7 @@ class SqliteFeedbackStore:
             try:
                 n = _N_KEYS
                 base = {
-                    tuple(r[:n]): Totals(**dict(zip(TOTALS_FIELDS, r[n:], strict=True)))
+                    tuple(r[:n]): _totals_from_text(r[n:])
                     for r in self._db.execute(f"SELECT {_KEYS}, {', '.join(TOTALS_FIELDS)} FROM feedback_aggregate")
                 }
                 bins = {

@@ -8,7 +8,7 @@ import pytest
 from fleetpilot.contracts import FeedbackRecorded, Measured, PolicyRef
 from fleetpilot.feedback import recompute, row_from_event, weighted_nearest_rank
 from fleetpilot.feedback.aggregates import calibration_bin, validate_by
-from fleetpilot.feedback.migrations import SQLITE_MIGRATIONS, Migration, pending
+from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
 from fleetpilot.feedback.retry import backoff_delay, is_retryable
 from fleetpilot.feedback.synthetic import writer_stream
 
@@ -165,10 +165,11 @@ def test_bad_grouping_rejected(by: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("applied", "expected"),
-    [([], [1, 2, 3, 4]), ([1], [2, 3, 4]), ([1, 2], [3, 4]), ([1, 2, 3, 4], [])],
+    [([], [1, 2, 3, 4, 5]), ([1], [2, 3, 4, 5]), ([1, 2], [3, 4, 5]), ([1, 2, 3, 4], [5]), ([1, 2, 3, 4, 5], [])],
 )
 def test_pending_migrations(applied: list[int], expected: list[int]) -> None:
     assert [m.version for m in pending(SQLITE_MIGRATIONS, applied)] == expected
+    assert [m.version for m in pending(POSTGRES_MIGRATIONS, applied)] == expected
 
 
 @pytest.mark.parametrize(

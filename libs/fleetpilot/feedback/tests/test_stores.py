@@ -19,8 +19,14 @@ from fleetpilot.feedback import (
     recompute,
     row_from_event,
 )
-from fleetpilot.feedback.aggregates import totals_of
-from fleetpilot.feedback.migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, SUM_FIELDS_V1
+from fleetpilot.feedback.aggregates import MAX_LATENCY_US, BinTotals, Totals, totals_of
+from fleetpilot.feedback.migrations import (
+    POSTGRES_MIGRATIONS,
+    RAW_COLUMNS,
+    SQLITE_MIGRATIONS,
+    SUM_FIELDS_V1,
+    raw_values,
+)
 from fleetpilot.feedback.store import FeedbackStore, open_store
 from fleetpilot.feedback.synthetic import writer_stream
 
@@ -151,6 +157,40 @@ _V2_RAW = ("action_id", *_V2_KEYS, "success", "weight_units", "latency_us", "sav
            "side_effects", "recorded_at", "payload")
 
 
+_MIGRATIONS_TABLE = ("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+                     " applied_at DOUBLE PRECISION NOT NULL)")
+
+
+def sqlite_at_version(path: Path, version: int) -> sqlite3.Connection:
+    """A connection to a new SQLite database at ``path`` migrated as a store of ``version``
+    left it (the first ``version`` migrations, recorded), to write that version's rows into."""
+    db = sqlite3.connect(str(path))
+    db.execute(_MIGRATIONS_TABLE)
+    for m in SQLITE_MIGRATIONS[:version]:
+        for statement in m.statements:
+            db.execute(statement)
+        db.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, m.name, time.time()))
+    return db
+
+
+async def postgres_at_version(dsn: str, schema: str, version: int) -> asyncpg.Connection:
+    """A connection whose search path is the new ``schema``, migrated as a store of ``version``
+    left it; the caller closes it."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+        await conn.execute(f'SET search_path TO "{schema}"')
+        await conn.execute(_MIGRATIONS_TABLE)
+        for m in POSTGRES_MIGRATIONS[:version]:
+            for statement in m.statements:
+                await conn.execute(statement)
+            await conn.execute("INSERT INTO schema_migrations VALUES ($1, $2, $3)", m.version, m.name, time.time())
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
 def _v2_writes(event, mark) -> list[tuple[str, tuple]]:
     """The rows a version-2 store wrote for ``event``, as ``(sql, args)`` with ``mark(i)``
     the backend's i-th placeholder (plain inserts: every event has its own key here)."""
@@ -195,13 +235,7 @@ async def _check_upgraded(store: FeedbackStore, old: list) -> None:
 
 async def test_sqlite_upgrade_keeps_version_2_data(tmp_path: Path) -> None:
     path = tmp_path / "v2.db"
-    db = sqlite3.connect(str(path))
-    db.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
-               " applied_at DOUBLE PRECISION NOT NULL)")
-    for m in SQLITE_MIGRATIONS[:2]:
-        for statement in m.statements:
-            db.execute(statement)
-        db.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, m.name, time.time()))
+    db = sqlite_at_version(path, 2)
     old = _v2_events()
     for e in old:
         for sql, args in _v2_writes(e, lambda i: "?"):
@@ -210,7 +244,7 @@ async def test_sqlite_upgrade_keeps_version_2_data(tmp_path: Path) -> None:
     db.close()
     store = SqliteFeedbackStore(path)
     try:
-        assert store.applied_migrations() == [1, 2, 3, 4]
+        assert store.applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
         await _check_upgraded(store, old)
     finally:
         await store.close()
@@ -218,16 +252,8 @@ async def test_sqlite_upgrade_keeps_version_2_data(tmp_path: Path) -> None:
 
 async def test_postgres_upgrade_keeps_version_2_data(pg_dsn: str) -> None:
     schema = f"fp_test_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(pg_dsn)
+    conn = await postgres_at_version(pg_dsn, schema, 2)
     try:
-        await conn.execute(f'CREATE SCHEMA "{schema}"')
-        await conn.execute(f'SET search_path TO "{schema}"')
-        await conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
-                           " applied_at DOUBLE PRECISION NOT NULL)")
-        for m in POSTGRES_MIGRATIONS[:2]:
-            for statement in m.statements:
-                await conn.execute(statement)
-            await conn.execute("INSERT INTO schema_migrations VALUES ($1, $2, $3)", m.version, m.name, time.time())
         old = _v2_events()
         for e in old:
             for sql, args in _v2_writes(e, lambda i: f"${i}"):
@@ -236,8 +262,123 @@ async def test_postgres_upgrade_keeps_version_2_data(pg_dsn: str) -> None:
         await conn.close()
     store = await PostgresFeedbackStore.open(pg_dsn, schema=schema)
     try:
-        assert await store.applied_migrations() == [1, 2, 3, 4]
+        assert await store.applied_migrations() == [m.version for m in POSTGRES_MIGRATIONS]
         await _check_upgraded(store, old)
+    finally:
+        await store.drop_schema()
+        await store.close()
+
+
+# --- upgrading a version-4 database (SQLite's aggregate sums 64-bit integers) -------------
+
+_V4_SUMS = (*SUM_FIELDS_V1, "measured")  # the aggregate sums as version 4 left them
+
+
+def _v4_data() -> tuple[list, list[tuple], list[tuple], list[tuple]]:
+    """Events and the rows a version-4 store held for them: ``(events, raw, aggregate,
+    calibration)``, each row in its table's column order. One key has 10,000 latencies of
+    ``MAX_LATENCY_US`` at weight 1, so its ``latency_us`` and ``weighted_latency`` sums lie
+    within 6,000 of 2**63 - 1, the most a version-4 SQLite row could hold (written directly:
+    ten thousand records through ``record`` would be slow); the others are ordinary."""
+    base = writer_stream(0, 1, seed=7, shared_every=0)[0]
+    latency = Measured(value=MAX_LATENCY_US / 1000.0, uncertainty_score=0.9999)  # weight_units 1
+    events = [msgspec.structs.replace(base, action_id=f"long-{i:05d}", latency_ms=latency) for i in range(10_000)]
+    events += writer_stream(4, 60, seed=9, shared_every=0)
+    rows = [row_from_event(e) for e in events]
+    sums: dict[tuple, Totals] = {}
+    bins: dict[tuple, BinTotals] = {}
+    for row in rows:
+        sums.setdefault(row.key, Totals()).add(totals_of(row))
+        bins.setdefault((*row.key, row.calibration_bin), BinTotals()).add(
+            BinTotals(count=1, confidence_units=row.confidence_units, successes=row.success))
+    near = sums[rows[0].key]
+    assert rows[0].weight_units == 1 and 2**63 - 6_000 < near.latency_us == near.weighted_latency < 2**63
+    raw = [raw_values(row, e) for row, e in zip(rows, events, strict=True)]
+    agg = [(*key, *(getattr(t, f) for f in _V4_SUMS)) for key, t in sums.items()]
+    cal = [(*key, b.count, b.confidence_units, b.successes) for key, b in bins.items()]
+    return events, raw, agg, cal
+
+
+_V4_INSERTS = (
+    ("feedback_raw", RAW_COLUMNS),
+    ("feedback_aggregate", (*KEY_FIELDS, *_V4_SUMS)),
+    ("feedback_calibration", (*KEY_FIELDS, "bin", "count", "confidence_units", "successes")),
+)
+
+
+async def _check_upgraded_from_v4(store: FeedbackStore, events: list) -> None:
+    """Same figures as before the upgrade; then the near key's sums pass 2**63, still exact."""
+    rows = [row_from_event(e) for e in events]
+    groupings = (KEY_FIELDS, ("policy", "action"), ())
+    for by in groupings:
+        assert await store.aggregates(by) == recompute(rows, by)
+    more = [msgspec.structs.replace(events[0], action_id=f"past-{i}",
+                                    latency_ms=Measured(value=600_000.0, uncertainty_score=0.0)) for i in range(2)]
+    for e in more:
+        assert await store.record(e)  # a version-4 SQLite store raised OverflowError here
+    rows += [row_from_event(e) for e in more]
+    for by in groupings:
+        assert await store.aggregates(by) == recompute(rows, by)
+    key = dict(zip(KEY_FIELDS, rows[0].key, strict=True))
+    [near] = [a.totals for a in await store.aggregates() if a.key == key]
+    assert near.latency_us > 2**63 and near.weighted_latency > 2**63
+
+
+async def test_sqlite_upgrade_from_version_4_serves_the_same_figures_past_64_bits(tmp_path: Path) -> None:
+    path = tmp_path / "v4.db"
+    db = sqlite_at_version(path, 4)
+    events, *tables = _v4_data()
+    for (table, columns), values in zip(_V4_INSERTS, tables, strict=True):
+        marks = ", ".join("?" for _ in columns)
+        db.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", values)
+    db.commit()
+    assert db.execute("SELECT DISTINCT typeof(latency_us) FROM feedback_aggregate").fetchall() == [("integer",)]
+    db.close()
+    store = SqliteFeedbackStore(path)
+    try:
+        assert store.applied_migrations() == [1, 2, 3, 4, 5]
+        await _check_upgraded_from_v4(store, events)
+    finally:
+        await store.close()
+    db = sqlite3.connect(str(path))
+    try:  # declared TEXT, so SQLite keeps the digits rather than turning them into a REAL
+        assert db.execute("SELECT DISTINCT typeof(latency_us), typeof(weighted_latency) FROM feedback_aggregate"
+                          ).fetchall() == [("text", "text")]
+    finally:
+        db.close()
+
+
+async def test_sqlite_upgrade_reads_a_sum_an_older_version_turned_into_a_float(tmp_path: Path) -> None:
+    # Before the overflow check, SQLite's `+` turned a sum past 64 bits into a REAL; such a
+    # sum (inexact already) must still read back as an integer after the conversion to text.
+    path = tmp_path / "real.db"
+    db = sqlite_at_version(path, 4)
+    db.execute("INSERT INTO feedback_aggregate (policy, shard_id, task_kind, gpu_model, action, count,"
+               " weight_units, weighted_latency) VALUES ('p', 's', 'k', 'g', '', 2, 20000, 1e19)")
+    db.commit()
+    db.close()
+    store = SqliteFeedbackStore(path)
+    try:
+        [aggregate] = await store.aggregates()
+        assert aggregate.totals.weighted_latency == 10**19 and isinstance(aggregate.totals.weighted_latency, int)
+        assert aggregate.weighted_mean_latency_ms == 10**19 / 20_000 / 1000
+    finally:
+        await store.close()
+
+
+async def test_postgres_upgrade_from_version_4_serves_the_same_figures_past_64_bits(pg_dsn: str) -> None:
+    schema = f"fp_test_{uuid.uuid4().hex[:12]}"
+    conn = await postgres_at_version(pg_dsn, schema, 4)
+    try:
+        events, *tables = _v4_data()
+        for (table, columns), values in zip(_V4_INSERTS, tables, strict=True):
+            await conn.copy_records_to_table(table, records=values, columns=columns, schema_name=schema)
+    finally:
+        await conn.close()
+    store = await PostgresFeedbackStore.open(pg_dsn, schema=schema)
+    try:
+        assert await store.applied_migrations() == [1, 2, 3, 4, 5]
+        await _check_upgraded_from_v4(store, events)
     finally:
         await store.drop_schema()
         await store.close()

@@ -1,21 +1,24 @@
-"""Values a measurement should never have (NaN, infinities, absurd magnitudes) and sums at
-the edge of 64 bits: each is either kept with no weight or refused with a clear error, the
-same on both backends, and never leaves a row the store cannot read back."""
+"""Values a measurement should never have (NaN, infinities, absurd magnitudes): each is either
+kept with no weight or refused with a clear error, the same on both backends, and never
+leaves a row the store cannot read back. Sums past 64 bits stay exact on both backends."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import uuid
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import msgspec
 import pytest
 from fleetpilot.contracts import Measured, PolicyRef
-from fleetpilot.feedback import PostgresFeedbackStore, SqliteFeedbackStore, recompute, row_from_event
+from fleetpilot.feedback import (
+    KEY_FIELDS,
+    PostgresFeedbackStore,
+    recompute,
+    row_from_event,
+)
 from fleetpilot.feedback.aggregates import MAX_LATENCY_US, UNIT
 from fleetpilot.feedback.store import FeedbackStore
 from fleetpilot.feedback.synthetic import writer_stream
@@ -92,28 +95,31 @@ async def test_a_record_that_could_not_be_read_back_is_refused(any_store: Feedba
     assert await any_store.aggregates() == recompute([row_from_event(good)])
 
 
-async def test_sqlite_sums_that_would_overflow_raise_and_change_nothing(tmp_path: Path) -> None:
-    # SQLite turns an integer overflow of `+` into a float: the sums went inexact in silence.
-    store = SqliteFeedbackStore(tmp_path / "o.db")
-    try:
-        latency_ms = MAX_LATENCY_US * 0.6 / 1000.0
-        first, second = _with_latency(latency_ms, 0.0, "o1"), _with_latency(latency_ms, 0.0, "o2")
-        assert await store.record(first)
-        with pytest.raises(OverflowError):
-            await store.record(second)
-        assert await store.get("o2") is None
-        [aggregate] = await store.aggregates()
-        assert aggregate == recompute([row_from_event(first)])[0]
-        assert isinstance(aggregate.totals.weighted_latency, int)
-    finally:
-        await store.close()
-    db = sqlite3.connect(str(tmp_path / "o.db"))
-    try:
-        assert db.execute("SELECT DISTINCT typeof(weighted_latency) FROM feedback_aggregate").fetchall() == [
-            ("integer",)
-        ]
-    finally:
-        db.close()
+async def test_sums_past_64_bits_stay_exact_on_both_backends(any_store: FeedbackStore) -> None:
+    # SQLite kept its sums in 64-bit integers: the second of these records raised
+    # OverflowError (and, before that check, turned the sums into inexact floats in silence).
+    # weighted_latency is weight_units * latency_us, so a 10-minute latency reached 2**63 in
+    # about 1.5 million records of one key; these few reach it at once.
+    longest_ms = MAX_LATENCY_US / 1000.0
+    big_saving_mb = 9.0e15  # 9e18 in 1/1000 MB, within one row's 64 bits
+    up = [msgspec.structs.replace(_with_latency(longest_ms, 0.0, f"up{i}"), resource_saving_mb=big_saving_mb)
+          for i in range(3)]
+    up.append(_with_latency(600_000.0, 0.35, "up-10min"))
+    down = [msgspec.structs.replace(_with_latency(12.5, 0.1, f"down{i}"), task_kind="other",
+                                    resource_saving_mb=-big_saving_mb) for i in range(3)]
+    events = up + down
+    assert [await any_store.record(e) for e in events] == [True] * len(events)
+    rows = [row_from_event(e) for e in events]
+    for by in (KEY_FIELDS, ("task_kind",), ()):
+        assert await any_store.aggregates(by) == recompute(rows, by)
+    by_kind = {a.key["task_kind"]: a.totals for a in await any_store.aggregates(("task_kind",))}
+    high, low = by_kind[_template().task_kind], by_kind["other"]
+    assert high.weighted_latency > 2**63 and high.saving_milli_mb > 2**63
+    assert low.saving_milli_mb < -(2**63)
+    # The served figures are the exact sums' ratios.
+    [overall] = await any_store.aggregates(())
+    assert overall.weighted_mean_latency_ms == overall.totals.weighted_latency / overall.totals.weight_units / 1000
+    assert overall.totals.saving_milli_mb == rows[3].saving_milli_mb  # the huge savings cancel exactly
 
 
 async def test_postgres_opens_in_a_schema_it_owns_without_create_on_the_database(pg_dsn: str) -> None:
