@@ -9,6 +9,9 @@ With ``source = sim`` it hosts the simulated fleet (advanced ``speed`` virtual s
 real second) and answers ``sim.control`` so the executor can run tasks on it; simulated
 hardware events (a task finished, was OOM-killed or lost to a fatal XID, faults) go out on
 ``sim.event.<node>``.
+
+NVML reads go through ``watchdog.NvmlWatchdog``: one at a time, each bounded by
+``nvml_timeout_s``; a hung one is told (log, metric, ``/healthz``) and not piled on.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings, serve
 from fleetpilot.workload import MemoryGrowth
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+
+from .watchdog import NvmlHung, NvmlWatchdog
 
 log = logging.getLogger("fleetpilot.collector")
 
@@ -64,6 +70,9 @@ class CollectorSettings(ServiceSettings):
     node_name: str = ""
     site: str = "default"
     host_root: str = "/"
+    # NVML only: how long one read (a sample, the XID drain, the topology) may take before it
+    # counts as hung (a GPU fallen off the bus, a stuck driver); see watchdog.py.
+    nvml_timeout_s: float = Field(default=10.0, gt=0.0, le=600.0, allow_inf_nan=False)
 
 
 class NoGpuSource(RuntimeError):
@@ -228,6 +237,11 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         source = reader.source
     host = ServiceHost("collector", settings)
     hardware = SimulatedHardware(reader) if isinstance(reader, SimulatedFleet) else None
+    # NVML reads, one at a time and each bounded: a hung call is told (log, metric, /healthz)
+    # and no other is started behind it. The simulator is read on the loop and never hangs.
+    nvml = NvmlWatchdog(settings.nvml_timeout_s, host.metrics.registry) if hardware is None else None
+    if nvml is not None:
+        host.health_check(nvml.health)
     last = {"at": time.monotonic()}
     # InfiniBand/RoCE counters of this host (real nodes only): rates come from deltas.
     ports = {"before": read_ib_ports(settings.host_root) if hardware is None else [], "at": time.monotonic()}
@@ -243,10 +257,24 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             # NVML's topology is hundreds of blocking calls (every NVLink of every GPU, every
             # GPU pair's common ancestor), so it is read off the event loop, as samples are;
             # the simulator is driven from the loop and is read on it.
-            topo = reader.topology(node) if hardware is not None else await asyncio.to_thread(reader.topology, node)
+            if nvml is None:
+                topo = reader.topology(node)
+            else:
+                try:
+                    topo = await nvml.call("topology", reader.topology, node)
+                except NvmlHung:
+                    # Told by the watchdog. No report rather than a stale one: a node whose GPUs
+                    # cannot be read should go quiet (not_ready) and take no new work, and the
+                    # next heartbeat sends the topology once NVML answers again. At start-up
+                    # too: the collector serves on, /healthz not ok, instead of failing to start.
+                    return
             await bus.publish(TopologyReport(node=topo, source=source, at=now()))
 
     host.on_startup(publish_topology)
+
+    def log_xids(events: list[FleetEvent]) -> None:
+        for ev in events:
+            log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
 
     @host.every(settings.interval_s)
     async def sample() -> list:
@@ -260,9 +288,13 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         else:
             # Real XIDs also show in each sample's xid_last/xid_count; drained here so the
             # reader's queue stays bounded, and logged for the operator. Draining waits on
-            # NVML's event set, so it too runs off the loop.
-            for ev in await asyncio.to_thread(reader.events):
-                log.warning("%s GPU %d: %s %s", ev.node, ev.gpu, ev.kind, ev.detail)
+            # NVML's event set, so it too runs off the loop; XIDs a hung drain brings back
+            # late are logged all the same (an Xid 79 is what a hang is likely about).
+            assert nvml is not None
+            try:
+                log_xids(await nvml.call("events", reader.events, late=log_xids))
+            except NvmlHung:
+                return out  # told by the watchdog; nothing is read until NVML answers again
         # An NVML reader reads one node, this host, so its ports belong to that node.
         nics = nic_rates() if hardware is None else []
 
@@ -277,8 +309,14 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             return events, state
 
         # NVML calls block (tens of ms per GPU on some drivers), so they run off the event
-        # loop; the simulator is driven from the loop (sim.control) and is read on it.
-        events, state = read_all() if hardware is not None else await asyncio.to_thread(read_all)
+        # loop, bounded; the simulator is driven from the loop (sim.control) and is read on it.
+        if nvml is None:
+            events, state = read_all()
+        else:
+            try:
+                events, state = await nvml.call("sample", read_all)
+            except NvmlHung:
+                return out  # told by the watchdog; a late reading is stale and dropped
         out.extend(events)
         try:
             await _put_all(await bus.kv("gpu_state"), state)
@@ -289,7 +327,8 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     # The node's heartbeat (its topology, re-sent) is a job of its own: tied to the end of a
     # good sample, a sampling error that repeats every tick (an NVML call failing, the
     # gpu_state bucket timing out) made a node whose collector runs look silent, then
-    # unreachable, and its tasks were given up.
+    # unreachable, and its tasks were given up. It reads NVML through the watchdog too, so it
+    # skips (and does not pile a thread onto) a read that hung.
     @host.every(settings.topology_every_s)
     async def heartbeat() -> None:
         await publish_topology(host.bus)  # type: ignore[arg-type]

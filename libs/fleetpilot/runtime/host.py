@@ -126,6 +126,7 @@ class ServiceHost:
         self._startup: list[Callable[[Bus], Awaitable[None]]] = []
         self._shutdown: list[Callable[[], Awaitable[None]]] = []
         self._stopping_hooks: list[Callable[[], Awaitable[object]]] = []
+        self._health_checks: list[Callable[[], dict | None]] = []
         self._tasks: list[asyncio.Task] = []
         self.restarts: dict[str, int] = {}
         """How many times each background job was started again (``/healthz`` shows it)."""
@@ -139,10 +140,15 @@ class ServiceHost:
            ) -> Callable[[TypedHandler], TypedHandler]:
         """Handle events from a catalogued durable consumer, shared by all replicas; with
         ``instance``, this replica's own copy of it (``ConsumerSpec.for_instance``), which
-        gets every message and, when first made, starts ``instance_start_s_ago`` back."""
+        gets every message and, when first made, starts ``instance_start_s_ago`` back (at
+        every start, for a ``per_run`` consumer)."""
         if consumer not in CONSUMERS:
             raise LookupError(f"consumer {consumer!r} is not declared in the catalog")
         spec = CONSUMERS[consumer]
+        if spec.per_run and not instance:
+            # Made afresh at each start and removed at each stop: shared, every replica's
+            # start and stop would take the others' place away.
+            raise ValueError(f"consumer {consumer!r} is per run: it needs an instance")
         if instance:
             spec = spec.for_instance(instance, instance_start_s_ago)
 
@@ -193,6 +199,14 @@ class ServiceHost:
         """Run ``hook()`` after the bus is drained (close stores, stop child processes)."""
         self._shutdown.append(hook)
         return hook
+
+    def health_check(self, check: Callable[[], dict | None]) -> Callable[[], dict | None]:
+        """Add ``check()`` to ``/healthz``: it returns ``None`` while the service is well, else
+        a dict naming what is wrong, merged into the document, which then says not ok (503).
+        For a service's own trouble the host cannot see (a hardware call that hung); it runs
+        on the event loop at every probe, so it must only look at state, never wait."""
+        self._health_checks.append(check)
+        return check
 
     def background(self, start: Callable[[], Awaitable[None]], name: str) -> None:
         """Keep a long-running job (a KV watcher, say) running until the service stops:
@@ -385,18 +399,24 @@ class ServiceHost:
         return []
 
     def health(self) -> dict:
-        """The ``/healthz`` document: ok while the bus is connected and no durable consumer
-        has failed to fetch for ``CONSUMER_FAILING_LIMIT_S`` (those are named)."""
+        """The ``/healthz`` document: ok while the bus is connected, no durable consumer
+        has failed to fetch for ``CONSUMER_FAILING_LIMIT_S`` (those are named) and no
+        ``health_check`` reports a problem (what it reports is merged in)."""
         connected = bool(self.bus and self.bus.connected)
         self.metrics.connected.labels(self.name).set(1 if connected else 0)
         # Connected alone said ok while JetStream served none of its consumers: the service
         # took no work for as long as that lasted, and nothing watching it knew.
         failing = sorted(durable for durable, seconds in (self.bus.consumers_failing() if self.bus else {}).items()
                          if seconds >= CONSUMER_FAILING_LIMIT_S)
-        doc = {"ok": connected and not failing, "service": self.name, "replica": self.settings.replica,
-               "background_restarts": dict(self.restarts)}
+        problems: dict = {}
+        for check in self._health_checks:
+            problems.update(check() or {})
+        doc = {"ok": connected and not failing and not problems, "service": self.name,
+               "replica": self.settings.replica, "background_restarts": dict(self.restarts)}
         if failing:
             doc["consumers_failing"] = failing
+        # A check names its own trouble; it cannot overwrite what the host says.
+        doc.update((key, value) for key, value in problems.items() if key not in doc)
         return doc
 
     async def stop(self, step_timeout_s: float = 15.0) -> None:

@@ -364,3 +364,143 @@ async def test_nvml_topology_and_events_are_read_off_the_event_loop(nats_server,
         await host.stop()
     assert threads["topology"] and threads["events"]
     assert loop_thread not in threads["topology"] | threads["events"]
+
+
+class HangingReads:
+    """Wraps an ``NvmlReader``'s reads: the one named ``hang`` blocks until ``release`` is set,
+    as an NVML call does on a GPU fallen off the bus; every read started is recorded, with the
+    most that ever ran at once."""
+
+    def __init__(self, reader, hang: str) -> None:
+        import threading
+
+        self.hang = hang
+        self.release = threading.Event()
+        self.started: list[str] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._count = threading.Lock()
+        for name in ("sample", "events", "topology"):
+            setattr(reader, name, self._gated(name, getattr(reader, name)))
+
+    def _gated(self, name: str, read):
+        def gated(*args):
+            with self._count:
+                self.started.append(name)
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                if name == self.hang:
+                    self.release.wait(30)
+                return read(*args)
+            finally:
+                with self._count:
+                    self.in_flight -= 1
+        return gated
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.mark.parametrize("read", ["sample", "events", "topology"])
+async def test_a_hung_nvml_read_is_told_never_piled_on_and_reading_resumes_when_it_returns(
+        nats_server, client, caplog, read):
+    """A GPU fallen off the bus hangs an NVML call. Awaited without a bound, it stopped the
+    sampling job (or, for the topology, the start-up) for good, silently, and each heartbeat
+    piled another thread onto NVML's lock. The read must time out, /healthz say so (503, which
+    read), no other read start while it hangs, and all go on once it returns."""
+    import json
+    import logging
+
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    reader = NvmlReader(FakeNvml([FakeGpu(uuid="GPU-0")]), node="gpu-node-1", root="/nonexistent-root")
+    gate = HangingReads(reader, hang=read)
+    seen = Recorder()
+    await seen.attach(client)
+    caplog.set_level(logging.INFO, logger="fleetpilot.collector")
+    host = build(settings(nats_server.url, source="nvml", interval_s=0.05, topology_every_s=0.1, nvml_timeout_s=0.5,
+                          metrics_port=0), reader=reader)
+    try:
+        # A topology read that hangs at start must not hold up the start-up.
+        await asyncio.wait_for(host.start(), 5)
+        await wait_for(lambda: not host.health()["ok"], 5, what=f"/healthz not ok while the {read} read hangs")
+        status, body = await asyncio.to_thread(http_get, host._ops.port, "/healthz")
+        hung = json.loads(body)["nvml_hung"]
+        assert status == 503 and hung["read"] == read and "has not returned" in hung["reason"], body
+        assert hung["for_s"] >= 0.5
+        started = len(gate.started)
+        await asyncio.sleep(1.0)  # some 20 sampling ticks and 10 heartbeats
+        assert gate.started[-1] == read and len(gate.started) == started, gate.started[started - 1:]
+        assert "gpu-node-1" not in seen.telemetry
+        metric = host.metrics.registry.get_sample_value
+        assert metric("fleetpilot_collector_nvml_timeouts_total", {"read": read}) == 1
+        assert sum(metric("fleetpilot_collector_nvml_skipped_total", {"read": r}) or 0
+                   for r in ("sample", "events", "topology")) >= 10
+        assert metric("fleetpilot_collector_nvml_hung_seconds") >= 1.0
+        # Told once, and the reads skipped at a low rate, not once a tick.
+        said = [r.getMessage() for r in caplog.records if r.name == "fleetpilot.collector"]
+        assert len([m for m in said if f"NVML {read} read has not returned after 0.5 s" in m]) == 1, said
+        assert len([m for m in said if "read skipped" in m]) == 1, said
+
+        reports = len(seen.reports)
+        gate.release.set()
+        await wait_for(lambda: host.health()["ok"] and seen.telemetry.get("gpu-node-1"), 5,
+                       what="sampling resumed and /healthz ok again")
+        await wait_for(lambda: len(seen.reports) > reports, 5, what="the heartbeat's topology again")
+        assert "nvml_hung" not in host.health()
+        assert metric("fleetpilot_collector_nvml_hung_seconds") == 0
+        assert any(f"NVML {read} read returned after" in r.getMessage() for r in caplog.records)
+    finally:
+        gate.release.set()
+        await host.stop()
+    assert gate.most_in_flight == 1
+
+
+async def test_a_read_whose_caller_was_cancelled_still_holds_nvml():
+    """A read runs on when its caller is cancelled (a stop, a start-up hook run again): the
+    next read waits for it, up to the timeout, rather than start a second NVML call beside it."""
+    import threading
+
+    from fleetpilot_services.collector.watchdog import NvmlHung, NvmlWatchdog
+
+    watchdog = NvmlWatchdog(0.3)
+    release = threading.Event()
+    calls: list[str] = []
+
+    def blocked() -> str:
+        calls.append("blocked")
+        release.wait(5)
+        return "late"
+
+    first = asyncio.ensure_future(watchdog.call("topology", blocked))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    with pytest.raises(NvmlHung, match="topology read has not returned"):
+        await watchdog.call("sample", calls.append, "sample")
+    assert calls == ["blocked"] and watchdog.health()["nvml_hung"]["read"] == "topology"
+    release.set()
+    await wait_for(lambda: watchdog.health() is None, 5, what="the read returned")
+    assert await watchdog.call("sample", lambda: "read") == "read"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "1e6", "soon"])
+def test_a_bad_nvml_timeout_is_a_one_line_error(monkeypatch, value):
+    from fleetpilot.runtime.config import BadSettings
+
+    monkeypatch.setenv("FLEETPILOT_COLLECTOR_NVML_TIMEOUT_S", "2.5")
+    assert CollectorSettings.from_environment().nvml_timeout_s == 2.5
+    monkeypatch.setenv("FLEETPILOT_COLLECTOR_NVML_TIMEOUT_S", value)
+    with pytest.raises(BadSettings) as bad:
+        CollectorSettings.from_environment()
+    message = str(bad.value)
+    assert message.startswith(f"FLEETPILOT_COLLECTOR_NVML_TIMEOUT_S={value!r}") and "\n" not in message, message
