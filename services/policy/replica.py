@@ -10,6 +10,7 @@ rebuild of the fleet.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 from collections import OrderedDict, deque
@@ -63,6 +64,10 @@ def decision_id_for(task_id: str, action: str) -> str:
     """Deterministic decision id: every replica and every redelivery agrees on it."""
     return f"{task_id}.{action}"
 
+
+RECORD_FILE = "policy-states.jsonl"
+"""The replay record's file in ``state_dir`` (``FLEETPILOT_POLICY_RECORD_EVERY``), shared by
+the replicas that share the directory and kept across their restarts."""
 
 QUEUE_CONFIDENCE = 0.95
 """The confidence of a ``queue`` decision before calibration."""
@@ -179,7 +184,9 @@ class ReplicaState:
         # for that size costs now (``policy.spread``, read by ``request``).
         self.recent_waits = RecentWaits()
         self.decided_inputs = 0
-        self.record_path = Path(settings.state_dir) / f"policy-states-{settings.replica}.jsonl"
+        # One replay record per state directory, not per replica: a replica's default id (host
+        # and pid) changes at every start, and each run left a file of its own for ever.
+        self.record_path = Path(settings.state_dir) / RECORD_FILE
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
         self._view: ClusterState | None = None
         self._view_topology = self._view_ledger = -1
@@ -514,6 +521,9 @@ class ReplicaState:
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True)
             with self.record_path.open("ab") as fh:
+                # Replicas sharing the state directory append to the one file: each line whole
+                # (a record is larger than one write may be), under a lock released on close.
+                fcntl.flock(fh, fcntl.LOCK_EX)
                 fh.write(msgspec.json.encode(record(state, req)) + b"\n")
         except OSError as exc:  # recording is best effort: never lose a decision over it
             log.warning("cannot record a state for replay: %s", exc)

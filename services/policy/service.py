@@ -265,7 +265,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     host.on_startup(open_state)
 
     # Each replica decides by every task's fingerprint: its own consumer (a shared one handed
-    # each replica only some), which replays the recent past when a replica starts.
+    # each replica only some), per run (``ConsumerSpec.per_run``): made afresh at each start,
+    # so the recent past is read again into the memory a restart emptied, even under the id
+    # the last run had, and removed at a clean stop (after ``RUN_IDLE_LIMIT_S`` idle when not).
     @host.on(TaskFingerprinted, consumer="policy-fingerprints", instance=settings.replica,
              instance_start_s_ago=FINGERPRINT_REPLAY_S)
     async def on_fingerprint(event: TaskFingerprinted) -> None:

@@ -137,8 +137,17 @@ class StreamSpec:
 
 INSTANCE_IDLE_LIMIT_S = 7 * 24 * 3600.0
 """An instance's own consumer that nobody has pulled from for this long is removed by the
-server: its instance is gone (a Deployment's pods, and a replica's default name, change with
-every start), and a consumer kept for it would pile up messages for nobody."""
+server: its instance is gone (a node taken out of the fleet, a Deployment's pod), and a
+consumer kept for it would pile up messages for nobody. Long, because such a consumer is
+resumed: a node's executor back after an outage of days goes on from where it was."""
+
+RUN_IDLE_LIMIT_S = 5 * 60.0
+"""A per-run consumer (``ConsumerSpec.per_run``) that nobody has pulled from for this long
+is removed by the server: the run that made it crashed (a clean stop removes it at once).
+Nothing is lost by removing it early, since it is never resumed: a run cut off from the
+server for longer makes it again, and reads the recent past again. Before, these consumers
+had the week of ``INSTANCE_IDLE_LIMIT_S``, and a policy replica whose name changes with
+every start (host and pid) left one behind per restart."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,16 @@ class ConsumerSpec:
     ``start_s_ago`` is where a consumer starts when the server first makes it: ``None`` at
     the stream's first message, else that many seconds back (see ``for_instance``).
     ``idle_limit_s``: the server removes the consumer after this long without a pull
-    (``None``: never)."""
+    (``None``: never).
+
+    ``per_run``: each instance's consumer belongs to one run of its process, for a service
+    that keeps what it reads in memory only (the policy's fingerprints) and so must read
+    the recent past again whenever it starts. It is made afresh at every start, even under
+    a name the last run used (a StatefulSet pod, a container restarted in its pod: the same
+    hostname, pid 1), rather than resumed past what that run read and lost; removed when
+    the run stops cleanly, and by the server after ``RUN_IDLE_LIMIT_S`` without a pull when
+    it did not. Only an instance's consumer can be per run (``for_instance``): a shared one
+    made afresh would lose the other replicas' place."""
 
     durable: str
     stream: str
@@ -159,6 +177,7 @@ class ConsumerSpec:
     backoff_s: tuple[float, ...] = field(default=(0.5, 2, 5, 10))
     start_s_ago: float | None = None
     idle_limit_s: float | None = None
+    per_run: bool = False
 
     def for_instance(self, instance: str, start_s_ago: float) -> ConsumerSpec:
         """This consumer for one instance of a service (the executor of one node), not
@@ -169,9 +188,10 @@ class ConsumerSpec:
         back after its consumer was removed), so it starts ``start_s_ago`` back rather than
         at the stream's first message, which may be days of other instances' history. One
         idle for ``INSTANCE_IDLE_LIMIT_S`` is removed (a node back after that starts afresh,
-        ``start_s_ago`` back)."""
+        ``start_s_ago`` back); a ``per_run`` one, idle for ``RUN_IDLE_LIMIT_S``."""
         return replace(self, durable=f"{self.durable}-{re.sub(r'[^A-Za-z0-9_-]', '_', instance)}",
-                       start_s_ago=start_s_ago, idle_limit_s=INSTANCE_IDLE_LIMIT_S)
+                       start_s_ago=start_s_ago,
+                       idle_limit_s=RUN_IDLE_LIMIT_S if self.per_run else INSTANCE_IDLE_LIMIT_S)
 
 
 @dataclass(frozen=True)
@@ -212,8 +232,9 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         # An assign the executor could not carry out for a passing reason is placed again.
         ConsumerSpec("policy-failed", "ACTIONS", "action.failed"),
         # The latest fingerprint per task feeds admission OOM risk and OOM-driven migration:
-        # an instance consumer per replica, for each replica decides by every task's.
-        ConsumerSpec("policy-fingerprints", "TASKS", "task.fingerprinted"),
+        # an instance consumer per replica, for each replica decides by every task's. Per
+        # run: a replica keeps them in memory, so it reads the recent ones again at each start.
+        ConsumerSpec("policy-fingerprints", "TASKS", "task.fingerprinted", per_run=True),
         ConsumerSpec("executor-decisions", "DECISIONS", "decision.made"),
         ConsumerSpec("feedback-executed", "ACTIONS", "action.>"),
         ConsumerSpec("feedback-lifecycle", "TASKS", "task.lifecycle.>"),

@@ -255,6 +255,7 @@ class NatsBus(Bus):
         self._name = name
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task] = []
+        self._per_run: list[ConsumerSpec] = []  # this run's own consumers: removed when it stops
         self._micro: Service | None = None
         self._endpoints_served: set[tuple[str, str]] = set()
         self._core_subs: list = []  # drained, not cut, when the bus drains
@@ -417,8 +418,31 @@ class NatsBus(Bus):
             # Bound as it is rather than not at all; said where an operator reads it.
             log.warning("consumer %s keeps its settings, the server refused the catalog's: %s", spec.durable, exc)
 
+    async def _remove_per_run(self) -> None:
+        """Remove this run's own consumers (``ConsumerSpec.per_run``), its loops done: the
+        next run makes its own, so one kept would be left for nobody. Best effort: a server
+        out of reach now removes them itself after ``RUN_IDLE_LIMIT_S``."""
+        for spec in self._per_run:
+            try:
+                await asyncio.wait_for(self._js.delete_consumer(spec.stream, spec.durable), timeout=2.0)
+            except nats.js.errors.NotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - stopping goes on; the server's idle limit removes it
+                log.info("consumer %s left to the server's idle limit (%gs): %s", spec.durable,
+                         spec.idle_limit_s or 0, str(exc) or type(exc).__name__)
+        self._per_run.clear()
+
     async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
+        if spec.per_run:
+            # This run's first bind: a consumer of that name is the last run's (the same
+            # replica id back after a restart or a crash), positioned past what that run read
+            # and lost with its memory. Made afresh, it reads the recent past again. A re-bind
+            # later in this run (``_consume_loop``) goes on from where this run is.
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self._js.delete_consumer(spec.stream, spec.durable)
         sub = await self._bind(spec)
+        if spec.per_run:
+            self._per_run.append(spec)
         self._loops.append(asyncio.create_task(self._consume_loop(spec, sub, handler),
                                                name=f"consume:{spec.durable}"))
 
@@ -625,6 +649,7 @@ class NatsBus(Bus):
         self._closing.set()
         if self._loops:
             await asyncio.wait(self._loops, timeout=10)
+        await self._remove_per_run()
         # Closing the connection, or nats.micro's stop (which unsubscribes its endpoints),
         # cancels a handler at work: a request in flight got no answer (its caller a timeout
         # in a rolling restart) and a core message being handled was lost. Each subscription

@@ -88,7 +88,7 @@ async def test_a_round_skips_waiters_that_need_no_less_than_one_that_found_no_no
         await asyncio.sleep(1.0)  # several retry rounds
     finally:
         await policy.stop()
-    tried = [json.loads(line)["task"]["task_id"] for line in (tmp_path / "policy-states-a.jsonl").read_text().splitlines()]
+    tried = [json.loads(line)["task"]["task_id"] for line in (tmp_path / "policy-states.jsonl").read_text().splitlines()]
     # Each round tries the oldest waiter; the others need no less, so they are not tried
     # again after their admission.
     assert tried.count("w0") >= 3

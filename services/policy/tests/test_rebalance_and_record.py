@@ -120,7 +120,7 @@ async def test_rebalancer_moves_tasks_off_maintenance_and_away_from_a_predicted_
         "o1.migrate.1",
     }
     # Every 2nd decision input is on file, replayable.
-    lines = (tmp_path / "policy-states-a.jsonl").read_bytes().splitlines()
+    lines = (tmp_path / "policy-states.jsonl").read_bytes().splitlines()
     assert len(lines) == 2
     snaps = [msgspec.json.decode(line, type=Snapshot) for line in lines]
     assert {s.task.task_id for s in snaps} <= {a.task.task_id for a in fresh}

@@ -364,6 +364,19 @@ def test_a_consumer_for_one_instance_has_a_durable_name_of_its_own() -> None:
     assert shared.start_s_ago is None  # the shared one still starts at the stream's first message
 
 
+def test_a_per_run_consumer_is_removed_after_minutes_idle_and_a_node_s_after_a_week() -> None:
+    from fleetpilot.contracts.catalog import INSTANCE_IDLE_LIMIT_S, RUN_IDLE_LIMIT_S
+
+    # The policy's replicas read the fingerprints again at each start: a consumer left by a
+    # replica that died serves nobody. Before, it stayed a week, one per restart.
+    fingerprints = CONSUMERS["policy-fingerprints"].for_instance("host-4242", start_s_ago=600)
+    assert fingerprints.per_run and fingerprints.idle_limit_s == RUN_IDLE_LIMIT_S <= 10 * 60
+    # A node's executor goes on from where it was, after an outage of days too.
+    node = CONSUMERS["executor-decisions"].for_instance("node-a", start_s_ago=600)
+    assert not node.per_run and node.idle_limit_s == INSTANCE_IDLE_LIMIT_S
+    assert [name for name, spec in CONSUMERS.items() if spec.per_run] == ["policy-fingerprints"]
+
+
 # --------------------------------------------------------------------------- streams and the README
 
 

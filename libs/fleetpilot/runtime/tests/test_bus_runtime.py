@@ -347,6 +347,15 @@ async def test_a_background_job_that_dies_or_ends_is_started_again_and_health_co
         await host.stop()
 
 
+def test_a_per_run_consumer_is_refused_without_an_instance():
+    # Made afresh at each start and removed at each stop, a shared consumer would take the
+    # other replicas' place away whenever one of them started or stopped.
+    host = ServiceHost("policy", settings())
+    with pytest.raises(ValueError, match="per run"):
+        host.on(TaskAdmitted, consumer="policy-fingerprints")
+    host.on(TaskAdmitted, consumer="policy-fingerprints", instance="a", instance_start_s_ago=60.0)
+
+
 async def test_set_up_removes_the_consumers_earlier_versions_made_and_keeps_the_rest(nats_url):
     """An upgraded server still holds the policy's old shared fingerprint consumer: set-up
     removes it, and leaves a replica's own (``policy-fingerprints-<replica>``) alone."""

@@ -180,6 +180,82 @@ async def test_a_replica_s_own_consumer_goes_on_from_where_it_was_when_the_repli
         server.stop()
 
 
+async def test_a_per_run_consumer_starts_afresh_at_each_start_and_goes_at_a_clean_stop_while_a_node_s_resumes(
+    tmp_path,
+):
+    # A per-run consumer (the policy's fingerprints, held in memory only) under the same
+    # instance name across a restart: it must read the recent past again, not go on past what
+    # the last run read and lost; a clean stop removes it, and one left by a crash goes after
+    # minutes. A node's own (the executor's decisions) must keep its place across the restart,
+    # and its week.
+    from fleetpilot.contracts import (
+        CONSUMERS,
+        DecisionMade,
+        Fingerprint,
+        PolicyRef,
+        TaskFingerprinted,
+        catalog,
+    )
+    from fleetpilot.contracts.catalog import INSTANCE_IDLE_LIMIT_S
+
+    run_idle_limit_s = getattr(catalog, "RUN_IDLE_LIMIT_S", None)  # minutes (none: the week before)
+
+    server = EmbeddedNats(tmp_path / "nats").start()
+    fingerprints: list[str] = []
+    decisions: list[str] = []
+    fp = Fingerprint(signature="s", pattern="flat", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
+                     predicted_peak_mb=1000, peak_low_mb=900, peak_high_mb=1100, samples=5)
+    per_run = CONSUMERS["policy-fingerprints"].for_instance("policy-0", 60.0).durable
+    node = CONSUMERS["executor-decisions"].for_instance("node-a", 60.0).durable
+
+    def replica() -> ServiceHost:
+        host = ServiceHost("both", ServiceSettings(nats_url=server.url, metrics_port=-1))
+
+        @host.on(TaskFingerprinted, consumer="policy-fingerprints", instance="policy-0", instance_start_s_ago=60.0)
+        async def fingerprinted(event: TaskFingerprinted) -> None:
+            fingerprints.append(event.task_id)
+
+        @host.on(DecisionMade, consumer="executor-decisions", instance="node-a", instance_start_s_ago=60.0)
+        async def decided(event: DecisionMade) -> None:
+            decisions.append(event.task_id)
+        return host
+
+    def decision(task_id: str) -> DecisionMade:
+        return DecisionMade(decision_id=f"{task_id}.assign", task_id=task_id, action="assign", confidence=0.9,
+                            policy=PolicyRef(name="p"), decided_at=1.0)
+
+    async def consumers() -> dict[str, float | None]:
+        return {info.name: info.config.inactive_threshold
+                for stream in ("TASKS", "DECISIONS") for info in await client._js.consumers_info(stream)}
+
+    client = await NatsBus.connect(server.url, "client")
+    await client.ensure_topology()
+    try:
+        await client.publish(TaskFingerprinted(task_id="before", fingerprint=fp, source="observed", at=1.0))
+        await client.publish(decision("before"))
+        first = replica()
+        await first.start()
+        await wait_for(lambda: fingerprints == ["before"] and decisions == ["before"])
+        assert await consumers() == {per_run: run_idle_limit_s, node: INSTANCE_IDLE_LIMIT_S}
+        assert run_idle_limit_s <= 10 * 60
+        await first.stop()
+        assert await consumers() == {node: INSTANCE_IDLE_LIMIT_S}
+
+        await client.publish(TaskFingerprinted(task_id="while-stopped", fingerprint=fp, source="observed", at=2.0))
+        await client.publish(decision("while-stopped"))
+        again = replica()
+        await again.start()
+        await wait_for(lambda: "while-stopped" in fingerprints and "while-stopped" in decisions)
+        await asyncio.sleep(0.3)  # anything more would be a redelivery
+        await again.stop()
+        assert fingerprints == ["before", "before", "while-stopped"]  # read again: its memory was new
+        assert decisions == ["before", "while-stopped"]  # went on from where it was
+        assert await consumers() == {node: INSTANCE_IDLE_LIMIT_S}
+    finally:
+        await client.drain()
+        server.stop()
+
+
 async def test_a_first_connection_that_never_comes_says_why():
     # A refused first connection is retried until the timeout; the error names the refusal,
     # not the timeout that ended the tries.
