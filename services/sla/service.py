@@ -287,7 +287,18 @@ class Negotiator:
 
         An admission is reused for any submission of the task id; a closed offer's outcome and
         a rejection only for a redelivery (of the same ask, for a rejection): a client may
-        resubmit a refused task, and the fleet may have changed since."""
+        resubmit a refused task, and the fleet may have changed since.
+
+        Done under the task's negotiation claim, so that copies of a submission handled by
+        two replicas at once get one answer: without it, one replica could admit while the
+        other, its view of the fleet a moment older, counter-offered or rejected."""
+        revision = await self.store.claim(task.task_id, self.settings.replica, self.clock)
+        try:
+            return await self._answer(task, redelivered)
+        finally:
+            await self.store.release(task.task_id, revision)
+
+    async def _answer(self, task: TaskSubmitted, redelivered: bool) -> Event:
         stored = await self.store.admission(task.task_id)
         if stored is not None:
             _same_tenant(stored.tenant, task)
@@ -369,6 +380,21 @@ class Negotiator:
         for task_id, closed_at in list(self.store.closed_offers.items()):
             if closed_at < before:
                 await self.store.drop_closed_offer(task_id)
+
+
+ANSWER_CODES = frozenset({"unauthenticated", "invalid", "offer_declined", "offer_expired"})
+"""Rejection codes that only ever answer a submission or an offer, never end an admitted task."""
+
+
+def ends_admission(adm: TaskAdmitted, rejected: TaskRejected) -> bool:
+    """Whether ``rejected`` gives up the task ``adm`` admitted (its contract then goes).
+
+    Only a rejection of the same tenant, stamped at or after the admission, with a code that
+    can end a running task (the policy's ``infeasible``). The rejection of an earlier
+    submission of the same task id (an offer that expired, then a resubmission admitted)
+    may be read late, after the new admission: it must not forget the new contract."""
+    return (adm.tenant == rejected.tenant and rejected.code not in ANSWER_CODES
+            and rejected.rejected_at >= adm.admitted_at)
 
 
 def _same_tenant(owner: str, task: TaskSubmitted) -> None:
@@ -454,7 +480,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         # task id (another tenant, no token) must not end a running task's contract.
         store = holder["n"].store
         adm = await store.admission(rejected.task_id)
-        if adm is not None and adm.tenant == rejected.tenant:
+        if adm is not None and ends_admission(adm, rejected):
             await store.forget(rejected.task_id)
 
     @host.every(settings.expiry_interval_s)
@@ -465,8 +491,9 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         expired = await negotiator.expire()
         try:
             await negotiator.drop_closed_offers()
+            await negotiator.store.drop_stale_claims(clock())
         except Exception as exc:  # noqa: BLE001 - the offers just closed must still be told
-            log.warning("could not drop old closed offers (next tick tries again): %s", exc)
+            log.warning("could not drop old closed offers or claims (next tick tries again): %s", exc)
         return expired
 
     @host.on_core("topology.updated", TopologyUpdated)

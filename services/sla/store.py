@@ -1,6 +1,6 @@
 """The ``contracts`` bucket: agreed contracts and open offers, shared by every sla replica.
 
-Two kinds of keys, one per task (``node_key(task_id)`` makes any task id a legal key):
+Three kinds of keys, one each per task (``node_key(task_id)`` makes any task id a legal key):
 
 - ``contract.<task>``: the ``TaskAdmitted`` that was published, contract included. Other
   services may read it; the negotiator reads it back for the tier and expected duration of
@@ -13,6 +13,14 @@ Two kinds of keys, one per task (``node_key(task_id)`` makes any task id a legal
 The store also keeps an in-memory view of both (watched), which the negotiator reads to
 build its fleet snapshot and the expiry job to find offers past their validity.
 
+- ``claim.<task>``: a :class:`NegotiationClaim`, held while one replica reads what the task
+  was answered and negotiates it. Two copies of a submission (a redelivery after a lost
+  acknowledgement, a client's retry) reaching two replicas at once are thus answered one
+  after the other: the second reads the first's answer instead of giving its own, which
+  could differ (an admission and a counter-offer for one submission). Created, then
+  deleted at its revision; one left by a replica that died mid-negotiation is taken over
+  once it is ``CLAIM_STALE_S`` old, and removed by the expiry job if nobody needs it.
+
 A negotiated rejection is kept apart, in the ``rejections`` bucket (a day's time-to-live):
 a :class:`RejectionRecord` per task, so a redelivered submission (its acknowledgement lost,
 its replica gone) gets the rejection it was given, not a second answer that may differ.
@@ -20,7 +28,10 @@ its replica gone) gets the rejection it was given, not a second answer that may 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -34,6 +45,15 @@ OfferState = Literal["open", "accepted", "declined", "expired"]
 
 CONTRACT_PREFIX = "contract."
 OFFER_PREFIX = "offer."
+CLAIM_PREFIX = "claim."
+
+CLAIM_STALE_S = 30.0
+"""How old a negotiation claim is when its holder is taken to have died. A negotiation reads
+a few keys and writes one (milliseconds); a live holder slower than this loses only the
+serialisation, not correctness: the admission and offer writes are compare-and-set too."""
+
+CLAIM_POLL_S = 0.05
+"""How often a replica waiting for another's claim looks again."""
 
 
 class OfferRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,7 +76,15 @@ class RejectionRecord(msgspec.Struct, frozen=True, kw_only=True):
     rejection: TaskRejected
 
 
+class NegotiationClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """Who is negotiating a task, since when (the holder's clock, seconds)."""
+
+    holder: str
+    at: float
+
+
 _ADMITTED = msgspec.json.Decoder(TaskAdmitted)
+_CLAIM = msgspec.json.Decoder(NegotiationClaim)
 _OFFER = msgspec.json.Decoder(OfferRecord)
 _REJECTION = msgspec.json.Decoder(RejectionRecord)
 
@@ -71,6 +99,11 @@ def offer_key(task_id: str) -> str:
     return OFFER_PREFIX + node_key(task_id)
 
 
+def claim_key(task_id: str) -> str:
+    """The key of a task's negotiation claim."""
+    return CLAIM_PREFIX + node_key(task_id)
+
+
 class ContractStore:
     """Reads and CAS writes on the ``contracts`` bucket, plus a watched in-memory view."""
 
@@ -82,6 +115,9 @@ class ContractStore:
         # Declined and expired offers by task, with when they closed: their task never runs,
         # so no lifecycle event ever forgets them; the expiry job drops them after a while.
         self.closed_offers: dict[str, float] = {}
+        # Negotiation claims by key, with when they were taken: one whose holder died would
+        # otherwise stay until its task id came again, which it may never do.
+        self.claims: dict[str, float] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> ContractStore:
@@ -100,7 +136,12 @@ class ContractStore:
 
     def _apply(self, key: str, value: bytes | None) -> None:
         try:
-            if key.startswith(CONTRACT_PREFIX):
+            if key.startswith(CLAIM_PREFIX):
+                if value is None:
+                    self.claims.pop(key, None)
+                else:
+                    self.claims[key] = _CLAIM.decode(value).at
+            elif key.startswith(CONTRACT_PREFIX):
                 if value is None:
                     self._drop_contract(key)
                 else:
@@ -145,6 +186,58 @@ class ContractStore:
             return None
         adm = _ADMITTED.decode(entry.value)
         return adm if adm.task.task_id == task_id else None
+
+    async def claim(self, task_id: str, holder: str, clock: Callable[[], float],
+                    stale_s: float = CLAIM_STALE_S) -> int:
+        """Hold the task's negotiation claim, waiting while another replica holds it; its revision.
+
+        A claim older than ``stale_s`` by ``clock`` (its holder died holding it) is taken over."""
+        key = claim_key(task_id)
+        while True:
+            mine = encode(NegotiationClaim(holder=holder, at=clock()))
+            try:
+                return await self._kv.create(key, mine)
+            except CasConflict:
+                pass
+            entry = await self._kv.get(key)
+            if entry is None or entry.value is None:
+                continue  # released between the two calls
+            try:
+                held_since = _CLAIM.decode(entry.value).at
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                held_since = float("-inf")  # unreadable: nobody can be holding it
+            if clock() - held_since > stale_s:
+                try:
+                    return await self._kv.update(key, mine, entry.revision)
+                except CasConflict:
+                    continue  # another waiter took it over first
+            await asyncio.sleep(CLAIM_POLL_S)
+
+    async def release(self, task_id: str, revision: int) -> None:
+        """Give the claim taken at ``revision`` back (not one taken over since)."""
+        try:
+            await self._kv.delete(claim_key(task_id), revision=revision)
+        except CasConflict:
+            log.warning("negotiation claim of %s was taken over while held: its holder was slower than %g s",
+                        task_id, CLAIM_STALE_S)
+
+    async def drop_stale_claims(self, now: float, stale_s: float = CLAIM_STALE_S) -> None:
+        """Delete the claims their holders left behind (older than ``stale_s`` by ``now``)."""
+        for key, at in list(self.claims.items()):
+            if now - at <= stale_s:
+                continue
+            entry = await self._kv.get(key)
+            if entry is not None and entry.value is not None:
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    # Taken over since the watch last said: judged by its new time.
+                    if now - (at := _CLAIM.decode(entry.value).at) <= stale_s:
+                        self.claims[key] = at
+                        continue
+                try:
+                    await self._kv.delete(key, revision=entry.revision)
+                except CasConflict:
+                    continue  # taken over meanwhile: the watch brings its new time
+            self.claims.pop(key, None)
 
     async def forget(self, task_id: str) -> None:
         """Drop the contract and any offer of a task that has ended."""

@@ -12,7 +12,7 @@ import nats.errors
 import nats.js.api
 from fleetpilot.cli.local import local_keyring, local_token
 from fleetpilot.cli.up import SERVICES, ServiceProcesses
-from fleetpilot.contracts import TaskSubmitted, encode
+from fleetpilot.contracts import TaskSubmitted, encode, msg_id_for
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import bucket_subject_keys
 
@@ -58,7 +58,7 @@ class Fleet:
     async def submit(self, task: TaskSubmitted) -> None:
         """Publish a task with the tenant's bearer token."""
         await self.nc.jetstream().publish("task.submitted", encode(task), headers={
-            "Authorization": f"Bearer {self.token}", "Nats-Msg-Id": f"submit:{task.task_id}"})
+            "Authorization": f"Bearer {self.token}", "Nats-Msg-Id": msg_id_for(task)})
 
     async def stream(self, stream: str, subject: str, idle_s: float = 1.0) -> list:
         """Every message a stream holds on ``subject`` (an ephemeral consumer from the start)."""

@@ -31,6 +31,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     decode,
     encode,
+    msg_id_for,
 )
 from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
@@ -173,7 +174,7 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
         with tracing.producer_span("fleetpilot.submit") as trace_headers:
             try:
                 await bus.publish_raw("task.submitted", encode(task), headers={
-                    **trace_headers, "Authorization": f"Bearer {token}", "Nats-Msg-Id": f"submit:{task.task_id}"})
+                    **trace_headers, "Authorization": f"Bearer {token}", "Nats-Msg-Id": msg_id_for(task)})
             except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
                 # NATS is up but no stream takes the subject: Fleetpilot is not running there.
                 raise ConnectionError(f"no Fleetpilot stream takes task.submitted at {args.nats_url} "

@@ -44,6 +44,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     decode,
     encode,
+    msg_id_for,
     now,
 )
 from fleetpilot.learner import STORE_FILE
@@ -571,7 +572,7 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
         report.submitted_at[task.task_id] = task.submitted_at
         await bus.publish_raw("task.submitted", encode(task),
                               headers={"Authorization": f"Bearer {tokens[tenant]}",
-                                       "Nats-Msg-Id": f"submit:{task.task_id}"})
+                                       "Nats-Msg-Id": msg_id_for(task)})
         await asyncio.sleep(1.0 / rate)
 
 

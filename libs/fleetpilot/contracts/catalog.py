@@ -30,6 +30,12 @@ class Route:
     """Where an event type is published: a subject template and an idempotency-key template,
     both filled from the event's fields, and a one-line description for the docs.
 
+    The idempotency key names one event, so that retries of its publication (and a stored
+    answer given again) are dropped by the stream, and nothing else is: for a task's
+    submission, admission and rejection it carries the event's own time, since a task may be
+    refused, resubmitted and answered again within the stream's 2-minute duplicate window,
+    and keys from the task id alone dropped the second submission and answer unseen.
+
     ``replies`` makes the subject a request/reply endpoint and names every type its answer
     may have (the requester gets exactly one of them on its reply inbox)."""
 
@@ -42,9 +48,9 @@ class Route:
 
 
 ROUTES: tuple[Route, ...] = (
-    Route(TaskSubmitted, "task.submitted", "submit:{task_id}", "A user asks to run a task."),
-    Route(TaskAdmitted, "task.admitted", "admit:{task.task_id}", "The SLA negotiator accepted a task with a contract."),
-    Route(TaskRejected, "task.rejected", "reject:{task_id}", "A task will not run, with the reason."),
+    Route(TaskSubmitted, "task.submitted", "submit:{task_id}:{submitted_at}", "A user asks to run a task."),
+    Route(TaskAdmitted, "task.admitted", "admit:{task.task_id}:{admitted_at}", "The SLA negotiator accepted a task with a contract."),
+    Route(TaskRejected, "task.rejected", "reject:{task_id}:{code}:{rejected_at}", "A task will not run, with the reason."),
     Route(TaskLifecycle, "task.lifecycle.{task_id}", "life:{task_id}:{state}:{at}", "A running task started, finished, was OOM-killed..."),
     Route(TaskFingerprinted, "task.fingerprinted", None, "A task's memory-growth fingerprint, new or changed."),
     Route(SlaOffer, "sla.offer.{task_id}", "offer:{offer_id}", "A counter-offer for a task that cannot be met as asked."),

@@ -23,6 +23,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     decode,
     encode,
+    msg_id_for,
     now,
 )
 from fleetpilot.ledger.store import FleetView, LedgerStore, node_key
@@ -142,7 +143,7 @@ class Observer:
     async def admit(self, adm: TaskAdmitted) -> None:
         """Publish a ``task.admitted`` as the SLA service does."""
         await self.js.publish(
-            "task.admitted", encode(adm), headers={"Nats-Msg-Id": f"admit:{adm.task.task_id}"}
+            "task.admitted", encode(adm), headers={"Nats-Msg-Id": msg_id_for(adm)}
         )
 
     async def live_keys(self, bucket: str) -> list[str]:

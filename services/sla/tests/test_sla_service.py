@@ -35,6 +35,7 @@ from fleetpilot.contracts import (
     TaskSubmitted,
     decode,
     encode,
+    msg_id_for,
 )
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime.nats_bus import NatsBus
@@ -42,7 +43,7 @@ from fleetpilot.runtime.testing import eventually
 from fleetpilot_services.policy.service import build as build_policy
 from fleetpilot_services.policy.settings import PolicySettings
 from fleetpilot_services.sla.service import SlaSettings, build
-from fleetpilot_services.sla.store import contract_key
+from fleetpilot_services.sla.store import CLAIM_STALE_S, NegotiationClaim, claim_key, contract_key
 
 AUDIENCE, ISSUER = "fleetpilot", "test-issuer"
 
@@ -142,7 +143,7 @@ class Rig:
         self.hosts.append(policy)
 
     async def submit(self, task: TaskSubmitted, token: str | None) -> None:
-        headers = {"Nats-Msg-Id": f"submit:{task.task_id}"}
+        headers = {"Nats-Msg-Id": msg_id_for(task)}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         await self.bus.publish_raw("task.submitted", encode(task), headers=headers)
@@ -289,6 +290,46 @@ async def test_declining_rejects_and_a_reply_from_another_tenant_changes_nothing
     assert "task.admitted" not in [s for s, _ in rig.recorder.about("t-no")]
     assert await (await rig.bus.kv("contracts")).get(contract_key("t-no")) is None
 
+
+async def stored(rig: Rig, subject: str, task_id: str) -> list:
+    """What JetStream kept on ``subject`` for ``task_id`` (the recorder, on core NATS, also
+    sees the copies the stream drops as duplicates), decoded."""
+    sub = await rig.bus._js.subscribe(subject, ordered_consumer=True)
+    kept = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except TimeoutError:
+                return [e for e in kept if e.task_id == task_id]
+            kept.append(decode(msg.data, TaskRejected))
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_task_resubmitted_after_its_refusal_is_answered_again(rig):
+    """A client declined the offer and asked again at once (a new submission, its own time):
+    within JetStream's de-duplication window the new submission, and then its own refusal,
+    had the msg ids of the first ones and were dropped; the client waited for an answer
+    that never came."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    first = msgspec.structs.replace(h100_only("t-again"), submitted_at=rig.clock())
+
+    def offers() -> list[SlaOffer]:
+        return [e for s, e in rig.recorder.about("t-again") if s.startswith("sla.offer.")]
+
+    for n, task in enumerate((first, msgspec.structs.replace(first, submitted_at=first.submitted_at + 1)), 1):
+        await rig.submit(task, rig.token("acme"))
+        await eventually(lambda n=n: len(offers()) == n, timeout_s=10, what=f"offer {n}")
+        await rig.reply(SlaReply(offer_id=offers()[-1].offer_id, task_id="t-again", accept=False), rig.token("acme"))
+    assert offers()[0].offer_id != offers()[1].offer_id
+
+    async def both_refusals_kept() -> bool:
+        return len(await stored(rig, "task.rejected", "t-again")) == 2
+
+    await eventually(both_refusals_kept, timeout_s=10, what="both refusals in the stream")
+    assert {r.code for r in await stored(rig, "task.rejected", "t-again")} == {"offer_declined"}
 
 async def test_unanswered_offer_expires_after_its_validity(rig):
     await fill_h100(rig, free_in_s=120)
@@ -438,6 +479,29 @@ async def test_a_task_given_up_after_admission_loses_its_contract_and_only_for_i
     assert await contracts.get(contract_key("t-kept")) is not None
 
 
+async def test_a_late_rejection_of_an_earlier_submission_keeps_the_new_contract(rig):
+    """An offer expired (``offer_expired`` published), the client resubmitted and was
+    admitted; the rejection, read late, forgot the new contract, so the running task's
+    tier and duration left every later negotiation. Only a give-up after the admission ends it."""
+    await rig.start_sla()
+    await rig.submit(TaskSubmitted(task_id="t-back", gpus=1), rig.token("acme"))
+    adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-back")
+    contracts = await rig.bus.kv("contracts")
+    for code, at in (("offer_expired", adm.admitted_at - 5), ("offer_expired", adm.admitted_at + 5),
+                     ("infeasible", adm.admitted_at - 5)):
+        await rig.bus.publish(TaskRejected(task_id="t-back", tenant="acme", code=code, reason="earlier",
+                                           rejected_at=at))
+    await asyncio.sleep(0.5)
+    assert await contracts.get(contract_key("t-back")) is not None
+    await rig.bus.publish(TaskRejected(task_id="t-back", tenant="acme", code="infeasible",
+                                       reason="refused by the executor 3 times", rejected_at=adm.admitted_at + 5))
+
+    async def gone() -> bool:
+        return await contracts.get(contract_key("t-back")) is None
+
+    await eventually(gone, what="t-back's contract forgotten at its give-up")
+
+
 @pytest.mark.parametrize(("content", "fragment"), [
     (None, "no JWKS at"),
     ("", "cannot read the key set"),
@@ -562,18 +626,78 @@ async def test_declined_and_expired_offers_leave_the_bucket_after_their_keep_tim
     assert {"offer.t-taken", contract_key("t-taken")} <= set(await contracts.keys())
 
 
-async def test_one_submission_handled_by_two_replicas_at_once_is_admitted_once(rig):
-    """Two copies of a submission (a client's retry without its msg id) reach two replicas
-    together: both found no stored answer, both admitted, and the second write replaced the
-    first, so the contract kept was not the one published first (the bus keeps the first
-    ``admit:<task>``). Each replica now answers with the contract that was stored."""
+async def test_copies_of_a_submission_at_two_replicas_get_one_answer(rig):
+    """A submission redelivered (its acknowledgement lost) reaches a second replica while the
+    first still negotiates it. The two replicas' views of the fleet differ for a moment, so
+    the second would answer otherwise (here: rejected) while the first admits; the client
+    got both. The second now waits for the first's claim and gives the first's answer."""
+    first, second = await negotiator_on(rig), await negotiator_on(rig)
+    inside, release = asyncio.Event(), asyncio.Event()
+    decide = first.decide
+
+    async def slow(task):
+        inside.set()
+        await release.wait()
+        return await decide(task)
+
+    first.decide = slow
+    second_decided: list[str] = []
+
+    async def otherwise(task):
+        second_decided.append(task.task_id)
+        return TaskRejected(task_id=task.task_id, tenant=task.tenant, code="infeasible", reason="a view older",
+                            rejected_at=rig.clock())
+
+    second.decide = otherwise
+    task = TaskSubmitted(task_id="t-race", tenant="acme", gpus=1, sla=SlaRequest(max_queue_s=60))
+    answered_first = asyncio.create_task(first.submitted(task, redelivered=False))
+    await asyncio.wait_for(inside.wait(), 10)
+    answered_second = asyncio.create_task(second.submitted(task, redelivered=True))
+    await asyncio.sleep(0.5)
+    assert second_decided == [] and not answered_second.done()
+    release.set()
+    answers = await asyncio.gather(answered_first, answered_second)
+    stored = decode((await (await rig.bus.kv("contracts")).get(contract_key("t-race"))).value, TaskAdmitted)
+    assert answers[0] == answers[1] == stored and second_decided == []
+    assert claim_key("t-race") not in await (await rig.bus.kv("contracts")).keys()
+
+
+async def test_a_claim_left_by_a_dead_replica_is_taken_over_and_then_swept(rig):
+    """A replica that died while negotiating leaves its claim: the task's next negotiation
+    takes it over once it is stale, and the expiry job removes one nobody comes back for."""
+    contracts = await rig.bus.kv("contracts")
+    dead = encode(NegotiationClaim(holder="gone", at=rig.clock() - CLAIM_STALE_S - 1))
+    await contracts.put(claim_key("t-orphan"), dead)
+    await contracts.put(claim_key("t-again"), dead)
+    replica = await negotiator_on(rig)
+    task = TaskSubmitted(task_id="t-again", tenant="acme", gpus=1)
+    answer = await asyncio.wait_for(replica.submitted(task, redelivered=False), 10)
+    assert isinstance(answer, TaskAdmitted)
+    await rig.start_sla()
+    fresh = encode(NegotiationClaim(holder="alive", at=rig.clock()))
+    await contracts.put(claim_key("t-live"), fresh)
+
+    async def swept() -> bool:
+        return claim_key("t-orphan") not in await contracts.keys()
+
+    await eventually(swept, timeout_s=10, what="the orphan claim removed")
+    assert claim_key("t-live") in await contracts.keys() and claim_key("t-again") not in await contracts.keys()
+
+
+async def test_one_submission_admitted_by_two_replicas_keeps_the_contract_stored_first(rig):
+    """Two replicas admitting one task at once (the first so slow that its claim went stale
+    and the second took it over): the second write replaced the first, so the contract kept
+    was not the one published first. Each replica now answers with the contract that was
+    stored (one event, so the bus keeps it once)."""
     first, second = await negotiator_on(rig), await negotiator_on(rig)
     both_decided = asyncio.Barrier(2)
     for replica in (first, second):
         decide = replica.decide
 
-        async def gated(task, decide=decide):
+        async def gated(task, decide=decide, replica=replica):
             answer = await decide(task)
+            if replica is first:
+                rig.clock.advance(CLAIM_STALE_S + 1)  # first's claim is stale: second takes it over
             await both_decided.wait()  # neither records before the other has decided
             return answer
 

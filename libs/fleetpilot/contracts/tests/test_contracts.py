@@ -17,12 +17,15 @@ from fleetpilot.contracts import (
     CONSUMERS,
     ENDPOINTS,
     ROUTES,
+    Contract,
     DeadLetter,
     DecisionMade,
     ModelPublished,
     NodeTelemetry,
     SlaOffer,
+    TaskAdmitted,
     TaskLifecycle,
+    TaskRejected,
     TaskSubmitted,
     TopologyReport,
     decode,
@@ -161,7 +164,7 @@ def test_endpoints_on_routed_types_stay_out_of_routing():
     # published on ``task.submitted``.
     assert route_for(TaskSubmitted).subject == "task.submitted"
     assert subject_for(TaskSubmitted(task_id="t1")) == "task.submitted"
-    assert msg_id_for(TaskSubmitted(task_id="t1")) == "submit:t1"
+    assert msg_id_for(TaskSubmitted(task_id="t1", submitted_at=7.5)) == "submit:t1:7.5"
     for endpoint in ENDPOINTS:
         assert endpoint not in ROUTES and route_for(endpoint.event) is not endpoint
         assert endpoint.replies and set(endpoint.replies) <= set(ALL_EVENTS)
@@ -336,8 +339,16 @@ def test_dead_letter_keeps_original_bytes_exactly():
 
 
 def test_msg_ids_follow_nested_and_multi_field_templates():
-    submitted = TaskSubmitted(task_id="job-1")
-    assert msg_id_for(submitted) == "submit:job-1"
+    submitted = TaskSubmitted(task_id="job-1", submitted_at=3.0)
+    assert msg_id_for(submitted) == "submit:job-1:3.0"
+    # A task's answers are told apart by their time: a refusal, then another after the
+    # task was submitted again, are two events (one id from the task alone dropped the second).
+    refusals = [TaskRejected(task_id="job-1", code=code, reason="", rejected_at=at)
+                for code, at in (("offer_expired", 4.0), ("offer_expired", 9.0), ("infeasible", 9.0))]
+    assert len({msg_id_for(r) for r in refusals}) == 3
+    assert msg_id_for(refusals[0]) == msg_id_for(msgspec.structs.replace(refusals[0], reason="again"))
+    admitted = TaskAdmitted(task=submitted, contract=Contract(), tenant="acme", admitted_at=5.0)
+    assert msg_id_for(admitted) == "admit:job-1:5.0"
     life = TaskLifecycle(task_id="job-1", state="oom_killed", at=12.5)
     assert subject_for(life) == "task.lifecycle.job-1"
     assert msg_id_for(life) == "life:job-1:oom_killed:12.5"

@@ -187,7 +187,7 @@ def test_sla_negotiate_request_keeps_its_auth_header(asyncapi):
 def test_task_submitted_documents_auth_and_idempotency(asyncapi):
     headers = asyncapi["components"]["messages"]["TaskSubmitted"]["headers"]["properties"]
     assert "Bearer" in headers["Authorization"]["description"]
-    assert "submit:{task_id}" in headers["Nats-Msg-Id"]["description"]
+    assert "submit:{task_id}:{submitted_at}" in headers["Nats-Msg-Id"]["description"]
 
 
 def test_dead_letter_channel_is_documented(asyncapi):

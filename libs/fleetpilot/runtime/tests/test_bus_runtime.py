@@ -215,7 +215,7 @@ async def test_trace_context_flows_to_outputs(bus):
     await bus.publish(submitted("traced"), headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
     await wait_for(lambda: headers_seen)
     assert headers_seen[0]["traceparent"].split("-")[1] == trace_id
-    assert headers_seen[0]["Nats-Msg-Id"] == "admit:traced"
+    assert headers_seen[0]["Nats-Msg-Id"] == "admit:traced:1.0"
 
 
 async def test_kv_compare_and_set(bus):
