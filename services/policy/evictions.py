@@ -73,7 +73,7 @@ class Evictions(ReplicaState):
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
             failed.task_id, failed.decision_id, failed.failed_at, f"assign {what}: {failed.error}",
-            pending, ledger,
+            pending, ledger, avoid_node=next((p.node for p in failed.placement), ""),
         )
 
     def given_up(self, failed: ActionFailed) -> TaskRejected | None:
@@ -98,18 +98,20 @@ class Evictions(ReplicaState):
 
     async def requeue(
         self, task_id: str, decision_id: str, at: float, reason: str,
-        pending: KeyValue, ledger: KeyValue,
+        pending: KeyValue, ledger: KeyValue, avoid_node: str = "",
     ) -> Requeue | None:
         """Queue ``task_id``, whose placement ``decision_id`` ended at ``at``, for a new one:
         its admission goes to ``pending`` with a ``requeue`` note naming
-        ``<task>.assign.<g+1>``, created only if the task has no entry (create-only: a
-        redelivered event, or another replica, finds it and stops). The note, or ``None``
-        when there is nothing to do:
+        ``<task>.assign.<g+1>`` (and ``avoid_node``), created only if the task has no entry
+        (create-only: a redelivered event, or another replica, finds it and stops). The
+        note, or ``None`` when there is nothing to do:
 
         * the task already has an entry (the policy's own eviction, an earlier delivery of
           this event, a replica placing it right now);
         * it holds capacity somewhere (already placed again, or moving: a fresh read of the
-          ledger, since the view may lag the executor's release);
+          ledger, since the view may lag the executor's release), other than under
+          ``decision_id`` itself, whose holds are on their way back (an expired reservation
+          is failed first, and given back after);
         * the event is stale: the executor took the task's next assign after it;
         * its admission is unknown (no ``contract.<task>``, not placed by this replica).
         """
@@ -122,7 +124,8 @@ class Evictions(ReplicaState):
             if held is None or not held.value:
                 continue
             if any(
-                a.task_id == task_id for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
+                a.task_id == task_id and a.decision_id != decision_id
+                for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
             ):
                 log.info("%s (%s) holds capacity on %s: not queued again", task_id, reason, node)
                 return None
@@ -147,7 +150,7 @@ class Evictions(ReplicaState):
             log.warning("%s (%s): its admission is unknown, not queued again", task_id, reason)
             return None
         note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason,
-                       bridge_floor_mb=await self.restore_floor_mb(adm.task))
+                       bridge_floor_mb=await self.restore_floor_mb(adm.task), avoid_node=avoid_node)
         try:
             await pending.create(key, encode_pending(adm, note))
         except CasConflict:

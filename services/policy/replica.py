@@ -39,7 +39,7 @@ from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_alloca
 from fleetpilot.ledger.accounting import without_decision
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
-from fleetpilot.policy.backfill import Reservation, hidden
+from fleetpilot.policy.backfill import Reservation, hidden, node_hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue, run_left_s
 from fleetpilot.policy.rebalance import (
@@ -612,9 +612,15 @@ class ReplicaState:
             # its peak may then start on its ask (a bridge), under the same policy and rules.
             requests = self.requests(task, requeue)
             fp = self.fingerprints.get(task.task_id)  # the one the requests were built from
+            avoid = requeue.avoid_node if requeue is not None else ""
             for req in requests:
                 with hidden(state, held):
-                    choice = policies.guarded[name].decide(state, req)
+                    # Elsewhere than the node that failed or never took its last placement,
+                    # if anywhere; else there again (it may be the only node that holds it).
+                    with node_hidden(state, avoid):
+                        choice = policies.guarded[name].decide(state, req)
+                    if avoid and not (choice.action == "assign" and choice.placement):
+                        choice = policies.guarded[name].decide(state, req)
                 if attempt == 0:
                     self.record_input(state, req)
                 if choice.action == "assign" and choice.placement:

@@ -104,6 +104,7 @@ from .policy_set import (
 from .replica import QUEUE_CONFIDENCE, calibration_key, decision_id_for
 from .retry_round import PendingQueue, RetryRound
 from .settings import PolicySettings
+from .untaken import UntakenReservations
 
 log = logging.getLogger("fleetpilot.policy")
 
@@ -196,6 +197,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         holder["state"] = ps = PolicyState(fleet, ledger, settings, active, metrics)
         ps.admissions = admissions = await Admissions.open(bus)
         ps.executions = await bus.kv("executions")
+        holder["untaken"] = UntakenReservations(bus, ledger, ps.executions, settings.untaken_expiry_s)
         ps.signatures = await bus.kv("fingerprints")
         ps.queue = queue = await PendingQueue.open(bus)
         ps.pending = queue.kv
@@ -440,6 +442,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if "state" not in holder:
             return []
         await state().release_settled_reservations()
+        await holder["untaken"].expire()  # type: ignore[attr-defined]
         return [outgoing(d) for d in await state().rebalance_round()]
 
     return host

@@ -70,6 +70,11 @@ class PolicySettings(ServiceSettings):
         description="How many times a task whose assign the executor refused (a business rule, a GPU "
         "cordoned meanwhile) is placed again before it is given up",
     )
+    untaken_expiry_s: float = Field(
+        default=600.0, ge=0.0, allow_inf_nan=False,
+        description="A reservation whose decision no executor took this long (the node's executor is down) "
+        "expires: its holds go back and the task is placed again (0 = never)",
+    )
     growth_lookahead_s: float = Field(
         default=GROWTH_LOOKAHEAD_S, gt=0.0, allow_inf_nan=False,
         description="How far a task's measured memory growth is carried ahead: a task that would overflow its "

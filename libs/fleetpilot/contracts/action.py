@@ -27,12 +27,14 @@ class ActionExecuted(Event, frozen=True, kw_only=True, tag="action.executed.v1")
 
 
 class ActionFailed(Event, frozen=True, kw_only=True, tag="action.failed.v1"):
-    """A decision that could not be carried out, with the error."""
+    """A decision that could not be carried out, with the error. ``placement`` is where it
+    was to run (empty when not known): a task queued again is placed elsewhere if it can be."""
 
     action_id: str
     decision_id: str
     task_id: str
     action: ActionKind
+    placement: list[Placement] = msgspec.field(default_factory=list)
     backend: str
     error: str
     retryable: bool = False

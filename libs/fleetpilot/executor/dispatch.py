@@ -122,7 +122,7 @@ async def execute_decision(
     )
     result: ActionResult
     if refusal:
-        result = ActionFailed(**common, error=refusal, retryable=False, failed_at=clock())
+        result = ActionFailed(**common, placement=decision.placement, error=refusal, retryable=False, failed_at=clock())
         await journal.record(decision.decision_id, result)
         return result
     began = time.perf_counter()
@@ -134,6 +134,7 @@ async def execute_decision(
     except BackendError as error:
         result = ActionFailed(
             **common,
+            placement=decision.placement,
             error=str(error),
             retryable=error.retryable,
             latency_ms=(time.perf_counter() - began) * 1000.0,
@@ -144,6 +145,7 @@ async def execute_decision(
         # and this decision_id is never half-executed twice.
         result = ActionFailed(
             **common,
+            placement=decision.placement,
             error=f"{type(error).__name__}: {error}",
             retryable=True,
             latency_ms=(time.perf_counter() - began) * 1000.0,

@@ -39,7 +39,7 @@ Usage (one scheduling cycle)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,6 +237,13 @@ def hidden(state: ClusterState, reservation: Reservation | None) -> Iterator[Clu
         yield state
     finally:
         state.set_condition(row, reservation.gpus, maintenance=before)
+
+
+def node_hidden(state: ClusterState, node: str) -> AbstractContextManager[ClusterState]:
+    """``hidden`` for every GPU of ``node`` (none for ``""`` or a node the snapshot lacks)."""
+    row = _row_of(state, node) if node else None
+    gpus = tuple(int(g) for g in np.flatnonzero(state.gpu_exists[row])) if row is not None else ()
+    return hidden(state, Reservation(task_id="", node=node, gpus=gpus, start_s=0.0) if gpus else None)
 
 
 def _row_of(state: ClusterState, node: str) -> int | None:

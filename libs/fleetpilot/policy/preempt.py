@@ -241,6 +241,9 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     schedule comes back from its checkpoint where it was) die of OOM at its next step; one
     preempted or evicted by the executor asks what it held when stopped, on which it comes
     back. Nothing when its signature's restores have mostly started over."""
+    avoid_node: str = ""
+    """A node to place it elsewhere than, when another can take it: the one whose executor
+    failed its last placement, or never took it (the node's executor down)."""
     progress_s: float = 0.0
     """How far its run had got when it was checkpointed (``rebalance.run_progress_s``), 0 when
     unknown or when it was stopped without a checkpoint: restored, it goes on from there, so
