@@ -560,7 +560,7 @@ class ProcessBackend:
         for task_id, (pid, started) in left.items():
             if task_id in self._tasks:
                 continue
-            found[task_id] = started is not None and _started_at(pid) == started and _group_alive(pid)
+            found[task_id] = _still_the_task(task_id, pid, started)
             if found[task_id]:
                 _signal_group(pid, signal.SIGTERM)
                 deadline = time.monotonic() + max(grace_s, 0.0)
@@ -613,6 +613,46 @@ def _group_alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True  # not the leader any more, but a member lives on
+
+
+def _still_the_task(task_id: str, pid: int, started: int | None) -> bool:
+    """Whether the process group that ``pid`` led is still ``task_id``'s, its leader started
+    at ``started`` (clock ticks since boot): the leader itself, the same pid started at the
+    same time; or, the leader gone (the task's main process ended while no executor watched
+    it, and its children ran on), a member that started no earlier and carries the task's id
+    in the environment it was started with. A group id is not given to another group while
+    a member lives, so one member proves the group."""
+    if started is None:
+        return False
+    if _started_at(pid) == started:
+        return _group_alive(pid)
+    marker = f"FLEETPILOT_TASK_ID={task_id}".encode()
+    for member in _group_members(pid):
+        began = _started_at(member)
+        if began is None or began < started:
+            continue
+        try:
+            environ = Path(f"/proc/{member}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            return True
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 def _started_at(pid: int) -> int | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -497,3 +499,42 @@ async def test_a_registry_that_cannot_be_written_loses_no_task_and_no_end(tmp_pa
     assert backend.running() == []
     assert sorted((e.task_id, e.state) for e in events) == [
         ("t", "finished"), ("t", "started"), ("u", "finished"), ("u", "started")]
+
+
+def orphaned_group(tmp_path: Path, name: str, task_id: str) -> tuple[int, int, int]:
+    """A task's process group whose main process has ended, its child running on, as a task
+    leaves it when it ends while no executor watches: ``(leader pid, leader start time in
+    clock ticks, child pid)``."""
+    pid_file = tmp_path / f"{name}.pid"
+    leader = subprocess.Popen(spawning(pid_file, then="sys.stdin.read()"), stdin=subprocess.PIPE,
+                              start_new_session=True, env={**os.environ, "FLEETPILOT_TASK_ID": task_id})
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text().endswith("\n"):
+        assert time.monotonic() < deadline, "the task's child never started"
+        time.sleep(0.02)
+    started = int(Path(f"/proc/{leader.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    leader.communicate(b"")  # the main process ends (and is reaped); its child does not
+    return leader.pid, started, int(pid_file.read_text())
+
+
+async def test_a_task_whose_main_process_ended_while_no_executor_watched_has_its_children_stopped(
+    tmp_path: Path,
+) -> None:
+    # Before, the leader's pid was the only proof that the group was the task's: with the
+    # leader gone, its children ran on, holding the GPUs the task was placed again on.
+    registry = tmp_path / "processes.json"
+    ours = orphaned_group(tmp_path, "ours", "left")
+    # A group whose processes carry another task's id in their environment is not this task's.
+    other = orphaned_group(tmp_path, "other", "someone-else")
+    try:
+        registry.write_text(json.dumps({"left": list(ours[:2]), "stranger": list(other[:2])}))
+        backend = ProcessBackend(node="n1", registry=registry)
+        assert await backend.stop_left_behind(grace_s=1.0) == {"left": True, "stranger": False}
+        deadline = time.monotonic() + 5
+        while not gone(ours[2]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert gone(ours[2]) and not gone(other[2])
+    finally:
+        for child in (ours[2], other[2]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
