@@ -211,7 +211,7 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
                     print(f"fleetpilot submit: ignored a counter-offer on {msg.subject} that does not decode",
                           file=sys.stderr)
                     continue
-                reply = await answer_offer(offer, args, out)
+                reply = msgspec.structs.replace(await answer_offer(offer, args, out), replied_at=time.time())
                 await bus.publish(reply, headers={"Authorization": f"Bearer {token}"})
     finally:
         await bus.drain()

@@ -560,7 +560,7 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
         if tenant is None or not offer.options:
             return
         reply = SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=True,
-                         option_id=offer.options[0].option_id)
+                         option_id=offer.options[0].option_id, replied_at=now())
         await bus.publish(reply, headers={"Authorization": f"Bearer {tokens[tenant]}"})
         report.line(f"accepted option {reply.option_id} for {offer.task_id}")
 

@@ -54,7 +54,7 @@ ROUTES: tuple[Route, ...] = (
     Route(TaskLifecycle, "task.lifecycle.{task_id}", "life:{task_id}:{state}:{at}", "A running task started, finished, was OOM-killed..."),
     Route(TaskFingerprinted, "task.fingerprinted", None, "A task's memory-growth fingerprint, new or changed."),
     Route(SlaOffer, "sla.offer.{task_id}", "offer:{offer_id}", "A counter-offer for a task that cannot be met as asked."),
-    Route(SlaReply, "sla.reply.{task_id}", "reply:{offer_id}:{accept}:{option_id}", "The client accepts one option of an offer or declines it."),
+    Route(SlaReply, "sla.reply.{task_id}", "reply:{offer_id}:{accept}:{option_id}:{replied_at}", "The client accepts one option of an offer or declines it."),
     Route(DecisionMade, "decision.made", "decision:{decision_id}", "A policy decided an action for a task."),
     Route(ActionExecuted, "action.executed", "executed:{action_id}", "The executor carried out a decision."),
     Route(ActionFailed, "action.failed", "failed:{action_id}", "The executor could not carry out a decision."),

@@ -42,3 +42,7 @@ class SlaReply(Event, frozen=True, kw_only=True, tag="sla.reply.v1"):
     task_id: str
     accept: bool
     option_id: str | None = None
+    replied_at: float = 0.0
+    """When the client sent it (its clock): names this answer in its msg id, so that the same
+    answer sent again (its first refused for a token that had expired, say) is not dropped
+    as a duplicate, while retries of one publish are."""

@@ -331,6 +331,23 @@ async def test_a_task_resubmitted_after_its_refusal_is_answered_again(rig):
     await eventually(both_refusals_kept, timeout_s=10, what="both refusals in the stream")
     assert {r.code for r in await stored(rig, "task.rejected", "t-again")} == {"offer_declined"}
 
+async def test_an_answer_refused_for_its_token_can_be_sent_again_with_a_good_one(rig):
+    """The client's token had expired: its acceptance was refused (dead-lettered). Sent again
+    at once with a renewed token, the same answer had the same msg id and JetStream dropped
+    it for two minutes, while the offer ran out."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    await rig.submit(h100_only("t-renew"), rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-renew", "t-renew")
+    accept = SlaReply(offer_id=offer.offer_id, task_id="t-renew", accept=True,
+                      option_id=offer.options[0].option_id, replied_at=rig.clock())
+    await rig.reply(accept, rig.token("acme", ttl_s=60, clock=lambda: rig.clock() - 3600))  # expired
+    await asyncio.sleep(0.5)
+    assert "task.admitted" not in [s for s, _ in rig.recorder.about("t-renew")]
+    await rig.reply(msgspec.structs.replace(accept, replied_at=accept.replied_at + 1), rig.token("acme"))
+    admitted: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-renew")
+    assert admitted.contract.offer_id == offer.offer_id
+
 async def test_unanswered_offer_expires_after_its_validity(rig):
     await fill_h100(rig, free_in_s=120)
     await rig.start_sla(offer_validity_s=1.0)
