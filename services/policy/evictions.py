@@ -39,7 +39,7 @@ from fleetpilot.policy.preempt import (
     reassign_decision_id,
 )
 from fleetpilot.policy.rebalance import generation
-from fleetpilot.runtime import CasConflict, KeyValue
+from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .replica import ReplicaState
 
@@ -55,7 +55,21 @@ class Evictions(ReplicaState):
         self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue
     ) -> Requeue | None:
         """Queue a task the executor evicted without a decision of ours (its GPU was
-        decommissioned) for a new placement (``requeue``)."""
+        decommissioned) for a new placement (``requeue``).
+
+        Evicted by a decision of ours, it waits in ``pending`` already, and that entry is
+        touched (written again as it is): a round may be giving it up this moment, its
+        eviction timed out on a view that still showed the holds, and its delete at the
+        revision it judged then fails, so the task is placed instead of lost. A write in
+        between (that round's delete) has the event judged again, and then queued here."""
+        key = node_key(life.task_id)
+        entry = await pending.get(key)
+        if entry is not None and entry.value:
+            try:
+                await pending.update(key, entry.value, entry.revision)
+            except CasConflict as exc:
+                raise Retry(f"pending {key} changed while {life.task_id} was evicted; judged again", 0.2) from exc
+            return None
         return await self.requeue(
             life.task_id, life.decision_id, life.at,
             life.detail or f"evicted by the executor from {life.node} {life.gpus}", pending, ledger,

@@ -252,3 +252,50 @@ async def test_an_admission_delivered_again_leaves_the_entry_it_queued_as_it_is_
         await policy.stop()
     assert [d.action for d in observer.by_task()["t"]] == ["queue"]
     assert entry.value == held
+
+
+async def test_an_eviction_carried_out_as_its_entry_is_given_up_still_queues_the_task(
+    observer, nats_url, tmp_path, monkeypatch
+):
+    """A vip's victim was evicted just as its eviction timed out: the round judged the entry
+    on a view that still showed the victim's holds, and gave the entry up ("eviction not
+    carried out in time"), while the executor had released the holds and told ``evicted``.
+    The event, handled between the round's read and its delete, found the entry there and
+    queued nothing: the task was neither queued nor running. Now the event touches the entry
+    (a new revision), so the round's delete at the revision it judged fails and keeps it."""
+    from fleetpilot_services.policy.retry_round import RetryRound
+
+    await observer.put_fleet([node("n0")])
+    victim = admitted("late", gpu_milli=1000)
+    await observer.kv_put("contracts", "contract.late", encode(victim))
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[Allocation(
+        task_id="late", decision_id="late.assign", gpu=0, milli=1000, state="confirmed", at=now() - 300)])))
+    note = Requeue(decision_id="late.assign.2", evict_id="late.evict.1", for_task="vip", at=now() - 120,
+                   reason="preempted")
+    pending = await observer.js.key_value("pending")
+    await pending.put("late", encode_pending(victim, note))
+    forget = RetryRound._forget
+    injected = {"n": 0}
+
+    async def the_eviction_lands_meanwhile(self, entry):
+        if entry.key == "late" and not injected["n"]:
+            injected["n"] += 1
+            # The executor carries the eviction out: holds back, then ``evicted`` told.
+            await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[])))
+            await observer.js.publish("task.lifecycle.late", encode(TaskLifecycle(
+                task_id="late", state="evicted", node="n0", gpus=[0], decision_id="late.assign", at=now())))
+            for _ in range(100):  # handled (the entry touched, with the fix) or not, in 2 s
+                if (await pending.get("late")).revision != entry.revision:
+                    break
+                await asyncio.sleep(0.02)
+        await forget(self, entry)
+
+    monkeypatch.setattr(RetryRound, "_forget", the_eviction_lands_meanwhile)
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await wait_for(lambda: injected["n"] == 1, what="the entry given up")
+        await wait_for(lambda: any(d.decision_id == "late.assign.2" for d in observer.decisions), timeout_s=10,
+                       what="the evicted task placed again")
+    finally:
+        await policy.stop()
