@@ -19,8 +19,19 @@ bus.
 
 from __future__ import annotations
 
-from fleetpilot.contracts import DecisionMade, Event, HandedOver, HandOver, NodeTelemetry, SimEvent
+from fleetpilot.contracts import (
+    DecisionMade,
+    Event,
+    ExecutorPresence,
+    HandedOver,
+    HandOver,
+    NodeTelemetry,
+    SimEvent,
+    encode,
+    now,
+)
 from fleetpilot.executor import carried_out_on
+from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, ServiceHost, serve
 
 from .health import GpuHealth
@@ -37,8 +48,18 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
 
     async def open_replica(bus: Bus) -> None:
         await replica.open(bus, host.background)
+        await say_present()
+
+    async def say_present() -> None:
+        # One executor per node: its node's key, rewritten while it runs, keeps the node in
+        # service (the topology service watches the key's revisions; ``contracts.presence``).
+        if settings.node and host.bus is not None:
+            kv = await host.bus.kv("executors")
+            await kv.put(node_key(settings.node),
+                         encode(ExecutorPresence(node=settings.node, replica=settings.replica, at=now())))
 
     host.on_startup(open_replica)
+    host.every(settings.presence_every_s)(say_present)
     host.on_stopping(replica.give_up_tasks)
     host.on_shutdown(replica.stop_processes)
 

@@ -8,7 +8,7 @@ from fleetpilot.contracts import BUCKETS, as_node_name
 from fleetpilot.executor import DecommissionRules
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
 from fleetpilot.runtime import ServiceSettings
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from .backends import hand_over_wait_s
@@ -51,6 +51,10 @@ class ExecutorSettings(ServiceSettings):
     # here is still in the ledger, is restarted here from its checkpoint. Well past the
     # target's last try (three times the checkpoint, the grace and 10 s).
     hand_over_taken_within_s: float = 300.0
+    # With ``node``: how often this node's key in the ``executors`` bucket is rewritten, which
+    # keeps the node in service (the topology service labels a node ``not_ready`` once its
+    # executor's key has not changed for ``FLEETPILOT_TOPOLOGY_EXECUTOR_SILENT_AFTER_S``).
+    presence_every_s: float = Field(default=15.0, gt=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _take_back_after_the_targets_last_try(self) -> ExecutorSettings:

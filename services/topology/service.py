@@ -76,6 +76,11 @@ class TopologySettings(ServiceSettings):
     not_ready_after_s: float = 90.0
     silent_after_s: float = 300.0
     liveness_check_s: float = 30.0
+    # A node whose executor's key in the ``executors`` bucket has not changed for this long
+    # (its executor rewrites it every 15 s) takes no new work either: its collector reports,
+    # but nobody is there to carry decisions out. Nodes whose executor never wrote one (the
+    # simulated fleet's single executor) are not judged by it.
+    executor_silent_after_s: float = 60.0
 
     @model_validator(mode="after")
     def _not_ready_before_lost(self) -> TopologySettings:
@@ -86,6 +91,9 @@ class TopologySettings(ServiceSettings):
         # every node: a busy loop against NATS, not a check turned off.
         if not (0 < self.liveness_check_s and math.isfinite(self.liveness_check_s)):
             raise ValueError(f"liveness_check_s ({self.liveness_check_s:g}) must be a number of seconds above 0")
+        if not (0 < self.executor_silent_after_s and math.isfinite(self.executor_silent_after_s)):
+            raise ValueError(f"executor_silent_after_s ({self.executor_silent_after_s:g}) must be a number of "
+                             "seconds above 0")
         return self
 
 
@@ -297,6 +305,33 @@ class Sightings:
             del self._seen[gone]
 
 
+class ExecutorSightings:
+    """When this replica last saw each node's key in the ``executors`` bucket change, on its
+    own clock: the executor's silence is how long the key has kept one revision here, so no
+    clock but this replica's is read (an executor's clock may be anywhere), and a replica
+    vouches only for a silence it listened through, as for the collectors' reports."""
+
+    def __init__(self) -> None:
+        """No key seen yet."""
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def silent_for(self, node: str, revision: int | None, now: float) -> float | None:
+        """How long ``node``'s key has held ``revision`` as this replica saw it; ``None`` when
+        the node has no key (no executor of its own ever said it was there)."""
+        if revision is None:
+            self._seen.pop(node, None)
+            return None
+        kept = self._seen.get(node)
+        if kept is None or kept[0] != revision:
+            kept = self._seen[node] = (revision, now)
+        return now - kept[1]
+
+    def keep_only(self, nodes: set[str]) -> None:
+        """Forget the nodes no longer in the fleet."""
+        for gone in self._seen.keys() - nodes:
+            del self._seen[gone]
+
+
 def labelled_condition(node: NodeTopology) -> str:
     """The condition a node's GPU labels say it is in (``READY`` without either label)."""
     for condition in (UNREACHABLE, NOT_READY):
@@ -374,6 +409,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
 
     started = {"at": now()}
     sightings = Sightings()
+    executor_sightings = ExecutorSightings()
 
     async def listening_since(bus: Bus) -> None:
         started["at"] = now()
@@ -393,6 +429,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             return None
         listened = now() - started["at"]
         kv = await bus.kv("topology")
+        executors = await bus.kv("executors")
         nodes = await stored_nodes(kv)
         # Read from the start, judged only once listened long enough: the stamps' sightings
         # (``Sightings``) then date from this replica's start, not from its first judgement.
@@ -403,15 +440,28 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             # How far back the stream goes stays the server's reading: it moves on as the stream
             # rolls, and each new first message seen anew would read as no time kept at all.
             kept_since = await bus.first_stored_at(subject) if heard is None else None
-            stamps.append((node, heard, kept_since))
+            presence = await executors.get(node_key(node.node))
+            executor_silent = executor_sightings.silent_for(
+                node.node, presence.revision if presence is not None and presence.value else None, now())
+            stamps.append((node, heard, kept_since, executor_silent))
         sightings.keep_only({f"topology.report.{n.node}" for n in nodes})
-        if listened < settings.not_ready_after_s:
-            return None
+        executor_sightings.keep_only({n.node for n in nodes})
+        # The collectors' silences are judged once listened through ``not_ready_after_s``; an
+        # executor's, once its key has kept one revision longer than its own limit here. A
+        # node back in service is told only once both can be judged: before, this replica
+        # cannot tell whose silence its label was.
+        judge_reports = listened >= settings.not_ready_after_s
         changed: list[str] = []
         written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
-        for node, heard, kept_since in stamps:
-            condition = node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
+        for node, heard, kept_since, executor_silent in stamps:
+            condition = (node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
+                         if judge_reports else None)
+            # Reporting, but its executor has stopped saying it is there: no new work (its
+            # tasks run on; the next executor of the node gives back what it cannot follow).
+            executor_gone = executor_silent is not None and executor_silent > settings.executor_silent_after_s
+            if executor_gone and condition in (READY, None):
+                condition = NOT_READY
             if condition is None:
                 counts[labelled_condition(node)] += 1
                 continue  # the stream does not go back far enough to tell
@@ -425,6 +475,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
                 silence = f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps"
                 if condition == READY:
                     log.warning("%s reports again: back in service", node.node)
+                elif condition == NOT_READY and executor_gone and (heard is None or now() - heard
+                                                                   <= settings.not_ready_after_s):
+                    log.warning("%s not ready: its executor has not said it is there for %.0f s (is it running?); "
+                                "no new work goes there", node.node, executor_silent)
                 elif condition == NOT_READY:
                     log.warning("%s not ready: no report from its collector for %s; no new work goes there",
                                 node.node, silence)

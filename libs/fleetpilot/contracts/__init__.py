@@ -30,6 +30,7 @@ from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
 from .handover import HandedOver, HandOver
 from .ledger import Allocation, NodeLedger
 from .model import HeldOutFigures, ModelPublished
+from .presence import ExecutorPresence
 from .sim import SimAck, SimCommand, SimEvent
 from .sla import OfferOption, SlaOffer, SlaReply
 from .task import (
@@ -142,6 +143,7 @@ __all__ = [
     "Route",
     "SLA_NEGOTIATE",
     "STREAMS",
+    "ExecutorPresence",
     "HandOver",
     "HeldOutFigures",
     "HandedOver",

@@ -275,6 +275,7 @@ BUCKETS: tuple[BucketSpec, ...] = (
                description="The rejection each negotiated submission got, for its redeliveries."),
     BucketSpec("hook_locks", ttl_s=35 * 60, description="Locks with a time-to-live for lifecycle hooks."),
     BucketSpec("executions", ttl_s=24 * 3600, description="Executed decision ids (idempotency)."),
+    BucketSpec("executors", description="Each node's executor, rewriting its node's key while it runs."),
     BucketSpec("pending", description="Admitted tasks waiting for capacity, by task id."),
     BucketSpec("open_placements", ttl_s=14 * 24 * 3600,
                description="Executed assigns and migrations awaiting the end of their placement, by decision id."),

@@ -210,3 +210,37 @@ async def test_a_move_of_a_task_its_node_does_not_run_fails_and_gives_the_target
     assert "n1 did not hand t9 over: task t9 is not running on n1" in failed[0].error, failed[0].error
     assert not failed[0].retryable
     assert n2.allocations == []
+
+
+async def test_a_node_s_executor_keeps_saying_it_is_there_and_one_for_every_node_says_nothing(
+    observer, nats_url, tmp_path
+):
+    # The topology service takes a reporting node out of service once its executor's key
+    # stops changing (``contracts.presence``): with no key written, a node whose executor
+    # was down took decisions nobody carried out.
+    from fleetpilot.contracts import ExecutorPresence
+
+    executors = await observer.js.key_value("executors")
+    hosts = [build(settings(nats_url, tmp_path, "n1-exec", backend="process", node="n1", presence_every_s=0.2)),
+             build(settings(nats_url, tmp_path / "all", "sim-exec", presence_every_s=0.2))]
+    for host in hosts:
+        await host.start()
+    revisions: list[int] = []
+    try:
+        async def rewritten_twice() -> bool:
+            try:
+                entry = await executors.get("n1")
+            except Exception:  # noqa: BLE001 - not written yet
+                return False
+            if not revisions or revisions[-1] != entry.revision:
+                revisions.append(entry.revision)
+            return len(revisions) >= 3
+
+        await wait_for(rewritten_twice, timeout_s=10, what="n1's key written at start and rewritten")
+        written = msgspec.json.decode((await executors.get("n1")).value, type=ExecutorPresence)
+        keys = await executors.keys()
+    finally:
+        for host in hosts:
+            await host.stop()
+    assert (written.node, written.replica) == ("n1", "n1-exec")
+    assert keys == ["n1"]  # the executor of every node (the simulated fleet's) writes none

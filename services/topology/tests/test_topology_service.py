@@ -266,6 +266,41 @@ async def test_a_silent_node_is_first_not_ready_then_unreachable_until_it_report
         await host.stop()
 
 
+async def test_a_reporting_node_whose_executor_went_quiet_takes_no_new_work_until_it_is_back(nats_server, client):
+    """Its collector reports on, but the node's executor stopped rewriting its key (a crash
+    loop): decisions went there and nobody carried them out. A node whose executor never
+    wrote a key (the simulated fleet's single executor) is not judged by it."""
+    from fleetpilot.contracts import ExecutorPresence, encode
+
+    run_by_its_own, run_by_one_for_all = NODES[0], NODES[1]
+    host = build(settings(nats_server.url, not_ready_after_s=1.0, silent_after_s=60, liveness_check_s=0.1,
+                          executor_silent_after_s=0.6))
+    await host.start()
+    kv, executors = await client.kv("topology"), await client.kv("executors")
+    presence = ExecutorPresence(node=run_by_its_own.node, replica="executor-0", at=1.0)
+    seen: list[tuple[set[str], set[str]]] = []
+    try:
+        for i in range(20):  # both collectors report every 0.15 s; the executor stops after 0.6 s
+            for node in (run_by_its_own, run_by_one_for_all):
+                await client.publish(report(node, 10.0 + i))
+            if i < 4:
+                await executors.put(run_by_its_own.node, encode(msgspec.structs.replace(presence, at=1.0 + i)))
+            await asyncio.sleep(0.15)
+            if await kv.get(run_by_its_own.node) is not None and await kv.get(run_by_one_for_all.node) is not None:
+                seen.append((await condition_labels(kv, run_by_its_own), await condition_labels(kv, run_by_one_for_all)))
+        await executors.put(run_by_its_own.node, encode(presence))  # the executor is back
+
+        async def back() -> bool:
+            return await condition_labels(kv, run_by_its_own) == {""}
+
+        await wait_for(back, timeout_s=5, what="the node back in service once its executor writes again")
+    finally:
+        await host.stop()
+    own = [labels for labels, _ in seen]
+    steps = [c for i, c in enumerate(own) if i == 0 or c != own[i - 1]]
+    assert steps[-1] == {"not_ready"} and steps in ([{""}, {"not_ready"}], [{"not_ready"}]), steps
+    assert all(other == {""} for _, other in seen)
+
 async def test_a_replica_that_has_not_listened_through_the_silence_gives_no_node_up(nats_server, client):
     quiet = NODES[0]
     await client.publish(report(quiet, 1.0))
