@@ -10,7 +10,6 @@ rebuild of the fleet.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import math
 from collections import OrderedDict, deque
@@ -55,6 +54,7 @@ from fleetpilot.runtime import CasConflict, KeyValue, Retry
 from .admissions import Admissions
 from .metrics import PolicyMetrics
 from .policy_set import ActivePolicies, PolicySet
+from .record_file import RecordFile
 from .settings import PolicySettings
 
 log = logging.getLogger("fleetpilot.policy")
@@ -67,7 +67,10 @@ def decision_id_for(task_id: str, action: str) -> str:
 
 RECORD_FILE = "policy-states.jsonl"
 """The replay record's file in ``state_dir`` (``FLEETPILOT_POLICY_RECORD_EVERY``), shared by
-the replicas that share the directory and kept across their restarts."""
+the replicas that share the directory and kept across their restarts; rotated to ``.1``, ``.2``...
+at ``RECORD_MAX_MB`` (``record_file``)."""
+
+MIB = 1024 * 1024
 
 QUEUE_CONFIDENCE = 0.95
 """The confidence of a ``queue`` decision before calibration."""
@@ -187,6 +190,9 @@ class ReplicaState:
         # One replay record per state directory, not per replica: a replica's default id (host
         # and pid) changes at every start, and each run left a file of its own for ever.
         self.record_path = Path(settings.state_dir) / RECORD_FILE
+        self.record_file = RecordFile(
+            self.record_path, max_bytes=int(settings.record_max_mb * MIB), keep=settings.record_keep
+        )
         # The kept snapshot (``snapshot``): the topology and ledger versions it reflects.
         self._view: ClusterState | None = None
         self._view_topology = self._view_ledger = -1
@@ -519,12 +525,9 @@ class ReplicaState:
         if self.decided_inputs % every:
             return
         try:
-            self.record_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.record_path.open("ab") as fh:
-                # Replicas sharing the state directory append to the one file: each line whole
-                # (a record is larger than one write may be), under a lock released on close.
-                fcntl.flock(fh, fcntl.LOCK_EX)
-                fh.write(msgspec.json.encode(record(state, req)) + b"\n")
+            # Replicas sharing the state directory append to the one file, each line whole,
+            # under a lock; the file is rotated at its bound (else it grew until the disk was full).
+            self.record_file.append(msgspec.json.encode(record(state, req)) + b"\n")
         except OSError as exc:  # recording is best effort: never lose a decision over it
             log.warning("cannot record a state for replay: %s", exc)
 

@@ -80,7 +80,19 @@ class PolicySettings(ServiceSettings):
         description="How far a task's measured memory growth is carried ahead: a task that would overflow its "
         "GPU within it, with nowhere to move, is checkpointed and queued again",
     )
-    record_every: int = Field(default=0, description="Record every Nth decision input for replay (0 = off)")
+    record_every: int = Field(default=0, ge=0, description="Record every Nth decision input for replay (0 = off)")
+    # The replay record is bounded: on disk at most (record_keep + 1) x record_max_mb. Before,
+    # it grew until the disk was full.
+    record_max_mb: float = Field(
+        default=256.0, gt=0.0, allow_inf_nan=False,
+        description="The replay record (policy-states.jsonl) is rotated to .1 before a record would take it "
+        "past this many MiB (a record larger than that alone takes a file of its own)",
+    )
+    record_keep: int = Field(
+        default=3, ge=0,
+        description="Rotated replay record files kept (.1 the newest; the oldest is dropped at the next "
+        "rotation; 0 = the full file is dropped)",
+    )
 
     def policy_config(self) -> PolicyConfig:
         """The settings as a configuration document."""

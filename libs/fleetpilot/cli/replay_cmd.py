@@ -1,7 +1,10 @@
 """``fleetpilot replay --states FILE --policy A --against B``: judge a policy change offline.
 
 ``FILE`` is the JSONL the policy service records (``FLEETPILOT_POLICY_RECORD_EVERY``: one
-``fleetpilot.policy.Snapshot`` — the fleet state and the task — per line). Every snapshot is
+``fleetpilot.policy.Snapshot`` — the fleet state and the task — per line). The service rotates
+it at ``FLEETPILOT_POLICY_RECORD_MAX_MB`` to ``FILE.1`` (the newest), ``FILE.2``...: those
+beside ``FILE`` are read too, the highest number first and ``FILE`` last, so the snapshots come
+in the order recorded (``--no-rotated``: ``FILE`` alone). Every snapshot is
 decided by A and by B; the report says how many decisions differ and how (another action,
 another node, other GPUs on the same node) and what the differences do to fragmentation
 (FGD's measure over the typical tasks of the file, in milli-GPU; lower is better) and to the
@@ -18,6 +21,7 @@ import importlib.util
 import json
 import sys
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--states", required=True, help="JSONL of recorded snapshots (the policy service's record)"
     )
+    parser.add_argument(
+        "--no-rotated", action="store_true",
+        help="read FILE alone, not the files the service rotated it to (FILE.1, FILE.2, ...)",
+    )
     parser.add_argument("--policy", required=True, help="policy A: a built-in or a --plugin-dir profile")
     parser.add_argument("--against", required=True, help="policy B, compared with A")
     parser.add_argument("--plugin-dir", help="directory of policy modules (PROFILES / profile())")
@@ -57,26 +65,56 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def read_snapshots(path: Path) -> list[Snapshot]:
-    """Every snapshot in a JSONL file; a bad line is a ``ValueError`` naming it."""
+def record_files(path: Path, rotated: bool = True) -> list[Path]:
+    """``path`` and, with ``rotated``, the files the policy service rotated it to, oldest first:
+    ``path.<n>`` by number from the highest (the policy service's ``.1`` is the newest), then
+    ``path``. A gap in the numbers (a rotation cut short) is read past; a name with another
+    suffix (``path.bak``) is not a rotation and is left alone."""
     if path.is_dir():
         raise ValueError(f"{path}: is a directory")
+    if not rotated:
+        return [path]
+    prefix = path.name + "."
+    # Listed, not globbed: a name may hold the glob's own characters ("states[1].jsonl").
+    suffixes = [s.name[len(prefix):] for s in path.parent.iterdir() if s.name.startswith(prefix)]
+    numbers = sorted((int(x) for x in suffixes if x.isascii() and x.isdigit() and int(x) > 0), reverse=True)
+    return [path.with_name(f"{prefix}{n}") for n in numbers] + [path]
+
+
+def read_snapshots(path: Path, rotated: bool = True) -> list[Snapshot]:
+    """Every snapshot of a JSONL record, with ``rotated`` its rotated files' first, oldest
+    first (``record_files``); a bad line is a ``ValueError`` naming its file and line."""
+    return read_record(record_files(path, rotated))
+
+
+def read_record(files: list[Path]) -> list[Snapshot]:
+    """Every snapshot of ``files`` (oldest first, the current file last), in order. All are
+    opened before any is read, so that a rotation by the service meanwhile cannot rename one
+    under the reader; a rotated file dropped since it was listed is passed over."""
     out = []
     decoder = msgspec.json.Decoder(Snapshot)
-    with path.open("rb") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    with ExitStack() as stack:
+        opened = []
+        for file in files:
             try:
-                snapshot = decoder.decode(line)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ValueError(f"{path}:{number}: not a recorded snapshot ({exc})") from None
-            problem = snapshot_problem(snapshot)
-            if problem is not None:
-                raise ValueError(f"{path}:{number}: not a recorded snapshot ({problem})")
-            out.append(snapshot)
+                opened.append((file, stack.enter_context(file.open("rb"))))
+            except FileNotFoundError:
+                if file == files[-1]:
+                    raise
+        for file, fh in opened:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    snapshot = decoder.decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise ValueError(f"{file}:{number}: not a recorded snapshot ({exc})") from None
+                problem = snapshot_problem(snapshot)
+                if problem is not None:
+                    raise ValueError(f"{file}:{number}: not a recorded snapshot ({problem})")
+                out.append(snapshot)
     if not out:
-        raise ValueError(f"{path}: no snapshots")
+        raise ValueError(f"{files[-1]}: no snapshots")
     return out
 
 
@@ -179,13 +217,15 @@ def _where(d) -> str:
     return f"{d.placement[0].node} GPUs {gpus}" if gpus else f"{d.placement[0].node} (CPU only)"
 
 
-def summary(report: DiffReport, a: str, b: str) -> dict[str, Any]:
-    """The report as plain data (what ``--json`` prints)."""
+def summary(report: DiffReport, a: str, b: str, files: list[Path] | None = None) -> dict[str, Any]:
+    """The report as plain data (what ``--json`` prints); ``files``: the record's files read,
+    oldest first."""
     actions_a = Counter(i.a.action for i in report.items)
     actions_b = Counter(i.b.action for i in report.items)
     return {
         "policy": a,
         "against": b,
+        "files": [str(f) for f in files or []],
         "total": report.total,
         "differing": report.differing,
         "by_kind": report.by_kind,
@@ -211,8 +251,10 @@ def format_report(data: dict[str, Any], show: int) -> str:
     """The human-readable report."""
     total, diff = data["total"], data["differing"]
     kinds = data["by_kind"]
+    files = data.get("files", [])
+    source = f" of {len(files)} files, oldest first ({', '.join(files)})" if len(files) > 1 else ""
     lines = [
-        f"replayed {total} snapshot(s): {diff} decision(s) differ ({100.0 * diff / total:.1f}%) "
+        f"replayed {total} snapshot(s){source}: {diff} decision(s) differ ({100.0 * diff / total:.1f}%) "
         f"between {data['policy']} (A) and {data['against']} (B)",
         f"  how: {kinds.get('action', 0)} another action, {kinds.get('node', 0)} another node, "
         f"{kinds.get('gpus', 0)} other GPUs on the same node, {kinds.get('same', 0)} the same",
@@ -237,7 +279,8 @@ def format_report(data: dict[str, Any], show: int) -> str:
 def main(args, out=None) -> int:
     """Replay the file through both policies and print the diff."""
     out = out or sys.stdout
-    snapshots = read_snapshots(Path(args.states))
+    files = record_files(Path(args.states), rotated=not args.no_rotated)
+    snapshots = read_record(files)
     typical = typical_tasks([s.task for s in snapshots])
     plugins_a = module_profiles(Path(args.plugin_dir)) if args.plugin_dir else {}
     plugins_b = module_profiles(Path(args.against_plugin_dir)) if args.against_plugin_dir else plugins_a
@@ -249,7 +292,7 @@ def main(args, out=None) -> int:
         if (args.against != args.policy or plugins_b is plugins_a)
         else f"{args.against} (B's modules)"
     )
-    data = summary(report, args.policy, label_b)
+    data = summary(report, args.policy, label_b, files)
     if args.json:
         print(json.dumps(data, indent=2), file=out)
     else:

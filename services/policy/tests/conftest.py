@@ -62,10 +62,10 @@ def settings(nats_url: str, tmp_path: Path, replica: str = "a", **overrides) -> 
     return PolicySettings(**base)
 
 
-def policy_state(tmp_path: Path) -> PolicyState:
+def policy_state(tmp_path: Path, **overrides) -> PolicyState:
     """A replica's state over in-memory mirrors, no bus (feed them with ``_apply`` as their
-    watch would)."""
-    return PolicyState(FleetView(None), LedgerStore(None), settings("nats://unused", tmp_path),  # type: ignore[arg-type]
+    watch would); ``overrides`` are settings."""
+    return PolicyState(FleetView(None), LedgerStore(None), settings("nats://unused", tmp_path, **overrides),  # type: ignore[arg-type]
                        ActivePolicies(PolicyConfig(profile="bestfit")), PolicyMetrics(CollectorRegistry()))
 
 

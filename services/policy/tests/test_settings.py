@@ -33,6 +33,15 @@ REFUSED = [
     ("REFUSED_REPLACEMENTS", "-1"),
     ("GROWTH_LOOKAHEAD_S", "-10"),
     ("QUEUE_AGING", "inf"),
+    # The replay record's bound: ignored before (the file grew until the disk was full); a
+    # negative sampling period was taken for "off" without a word.
+    ("RECORD_MAX_MB", "0"),
+    ("RECORD_MAX_MB", "-256"),
+    ("RECORD_MAX_MB", "nan"),
+    ("RECORD_MAX_MB", "inf"),
+    ("RECORD_KEEP", "-1"),
+    ("RECORD_KEEP", "2.5"),
+    ("RECORD_EVERY", "-1"),
 ]
 
 
@@ -43,13 +52,22 @@ def test_a_setting_that_makes_no_sense_is_refused_in_one_line(monkeypatch, name:
         PolicySettings.from_environment()
     message = str(caught.value)
     assert f"FLEETPILOT_POLICY_{name}" in message
+    assert "is not a setting" not in message  # refused for its value, not as an unknown name
     assert "\n" not in message
 
 
 def test_the_defaults_and_sensible_edges_are_accepted(monkeypatch) -> None:
     for name, value in (("MAX_MIGRATIONS_PER_ROUND", "0"), ("REFUSED_REPLACEMENTS", "0"),
-                        ("RESIZE_MARGIN_MB", "0"), ("OOM_MIGRATE_RISK", "1"), ("EVICT_SUCCESS", "1")):
+                        ("RESIZE_MARGIN_MB", "0"), ("OOM_MIGRATE_RISK", "1"), ("EVICT_SUCCESS", "1"),
+                        ("RECORD_KEEP", "0"), ("RECORD_MAX_MB", "0.5")):
         monkeypatch.setenv(f"FLEETPILOT_POLICY_{name}", value)
     got = PolicySettings.from_environment()
     assert (got.max_migrations_per_round, got.refused_replacements, got.oom_migrate_risk) == (0, 0, 1.0)
+    assert (got.record_keep, got.record_max_mb) == (0, 0.5)
     assert PolicySettings().pending_retry_s == 1.0
+
+
+def test_the_replay_record_is_bounded_unless_an_operator_says_otherwise() -> None:
+    # 256 MiB and 3 older files: at most 1 GiB on disk. Before, no bound: the disk filled.
+    got = PolicySettings.from_environment()
+    assert (got.record_every, got.record_max_mb, got.record_keep) == (0, 256.0, 3)

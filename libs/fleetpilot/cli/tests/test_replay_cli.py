@@ -8,6 +8,7 @@ import sys
 import msgspec
 import pytest
 from fleetpilot.cli.main import main
+from fleetpilot.cli.replay_cmd import read_snapshots
 from fleetpilot.policy import ClusterState, TaskRequest, record
 
 
@@ -106,6 +107,56 @@ def test_replay_names_a_bad_line(tmp_path, capsys):
         fh.write(b'{"not": "a snapshot"}\n')
     assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "bestfit"]) == 2
     assert "states.jsonl:3: not a recorded snapshot" in capsys.readouterr().err
+
+
+def rotate(path, *sizes):
+    """Split a record as the policy service's rotation leaves it: the first ``sizes[0]`` lines
+    in the oldest rotated file (``path.<len(sizes)>``), ..., the rest in ``path``."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    start = 0
+    for n, size in zip(range(len(sizes), 0, -1), sizes, strict=True):
+        path.with_name(f"{path.name}.{n}").write_bytes(b"".join(lines[start:start + size]))
+        start += size
+    path.write_bytes(b"".join(lines[start:]))
+
+
+def test_replay_reads_the_rotated_files_oldest_first(tmp_path, capsys):
+    # The policy service rotates its record at FLEETPILOT_POLICY_RECORD_MAX_MB: FILE.1 holds
+    # the lines before FILE's, FILE.2 those before. Before, only FILE was read: right after a
+    # rotation, a replay saw a handful of snapshots.
+    path = recorded(tmp_path, 12)
+    rotate(path, 4, 4)
+    (tmp_path / "states.jsonl.bak").write_bytes(b"not a rotation: never read\n")
+    assert [s.task.task_id for s in read_snapshots(path)] == [f"t{i}" for i in range(12)]
+    assert main(["replay", "--states", str(path), "--policy", "bestfit", "--against", "k8s-default", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["total"] == 12
+    assert data["files"] == [str(path) + ".2", str(path) + ".1", str(path)]
+    assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "fgd"]) == 0
+    assert "of 3 files, oldest first" in capsys.readouterr().out
+    # --no-rotated: FILE alone, as before.
+    assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "fgd", "--no-rotated", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["total"], data["files"]) == (4, [str(path)])
+
+
+def test_replay_reads_past_a_gap_in_the_rotated_files(tmp_path):
+    # A rotation cut short (the process killed between two renames) leaves .1 and .3: both
+    # are still read, .3 first.
+    path = recorded(tmp_path, 6)
+    rotate(path, 2, 1, 1)
+    path.with_name("states.jsonl.2").unlink()
+    assert [s.task.task_id for s in read_snapshots(path)] == ["t0", "t1", "t3", "t4", "t5"]
+
+
+def test_replay_names_a_bad_line_of_a_rotated_file(tmp_path, capsys):
+    path = recorded(tmp_path, 6)
+    rotate(path, 3)
+    with path.with_name("states.jsonl.1").open("ab") as fh:
+        fh.write(b'{"not": "a snapshot"}\n')
+    assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "bestfit"]) == 2
+    err = capsys.readouterr().err
+    assert "states.jsonl.1:4: not a recorded snapshot" in err and err.count("\n") == 1
 
 
 def _mutated(arrays=None, task=None, node_names=None):
