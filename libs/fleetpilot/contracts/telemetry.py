@@ -29,8 +29,52 @@ class ProcessMemory(Record, frozen=True, kw_only=True):
     task_id: str | None = None
 
 
+class MigDeviceSample(Record, frozen=True, kw_only=True):
+    """One MIG device of a GPU in MIG mode (a compute instance inside a GPU instance: what
+    ``nvidia-smi -L`` lists as ``MIG 1g.10gb Device 0``), read through its own MIG handle.
+
+    ``index`` is the MIG device's index under its GPU (``nvmlDeviceGetMigDeviceHandleByIndex``);
+    ``uuid`` the ``MIG-...`` id that ``CUDA_VISIBLE_DEVICES`` takes. ``profile`` (``1g.10gb``,
+    ``1c.3g.40gb``), ``gpu_slices`` and ``compute_slices`` describe how big the slice is;
+    ``None``/``0``/``""`` where NVML refused to say (then listed in the GPU sample's
+    ``nvml_unsupported``). Memory is the slice's own, in MiB; ``pids`` are the processes
+    running on the slice, whose memory is in the GPU sample's ``processes``.
+    """
+
+    index: int
+    uuid: str = ""
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    profile: str = ""
+    gpu_slices: int = 0
+    compute_slices: int = 0
+    memory_total_mb: float = 0.0
+    memory_used_mb: float = 0.0
+    pids: list[int] = msgspec.field(default_factory=list)
+
+
+class MigState(Record, frozen=True, kw_only=True):
+    """The MIG (Multi-Instance GPU) state of one GPU at the time of a sample.
+
+    ``enabled`` is the current mode; ``change_pending`` says the mode was changed
+    (``nvidia-smi -mig 0|1``) but takes effect only at the next GPU reset, so a GPU can be
+    read whole while it is about to be cut, or cut while it is about to be whole again.
+    ``devices`` lists the MIG devices of an enabled GPU (empty: enabled but not yet cut).
+    Read-only: Fleetpilot's policies still place work on whole GPUs and shares, not slices.
+    """
+
+    enabled: bool
+    change_pending: bool = False
+    devices: list[MigDeviceSample] = msgspec.field(default_factory=list)
+
+
 class GpuSample(Record, frozen=True, kw_only=True):
-    """One reading of one GPU: the resource schema published by the collector."""
+    """One reading of one GPU: the resource schema published by the collector.
+
+    ``mig`` is left out (``msgspec.UNSET``, which is falsy: test it with ``if sample.mig``)
+    for a GPU that is not in MIG mode and has no MIG change pending, every GPU without MIG
+    among them: their samples encode exactly as before MIG was read.
+    """
 
     node: str
     gpu: int
@@ -61,6 +105,7 @@ class GpuSample(Record, frozen=True, kw_only=True):
     nvlink_bandwidth_utilization_ratio: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
     processes: list[ProcessMemory] = msgspec.field(default_factory=list)
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    mig: MigState | msgspec.UnsetType = msgspec.UNSET
 
 
 class NicPortRate(Record, frozen=True, kw_only=True):

@@ -14,8 +14,47 @@ from .base import Event, Record
 LinkKind = Literal["X", "NV", "PIX", "PXB", "PHB", "NODE", "SYS", "PSB"]
 
 
+class MigDeviceInfo(Record, frozen=True, kw_only=True):
+    """One MIG device in a GPU's MIG layout: which slice it is and how big.
+
+    ``index`` is its index under the GPU (``nvmlDeviceGetMigDeviceHandleByIndex``), ``uuid``
+    the ``MIG-...`` id, ``gpu_instance_id``/``compute_instance_id`` the GI/CI ids that
+    ``nvidia-smi mig -lgi``/``-lci`` show (``None`` where NVML refused them). ``profile`` is
+    named as NVIDIA names it (``1g.10gb``; ``1c.3g.40gb`` for a compute instance smaller than
+    its GPU instance), from ``gpu_slices``, ``compute_slices`` and ``memory_mb`` (MiB);
+    ``multiprocessors`` is its SM count.
+    """
+
+    index: int
+    uuid: str = ""
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    profile: str = ""
+    gpu_slices: int = 0
+    compute_slices: int = 0
+    memory_mb: int = 0
+    multiprocessors: int = 0
+
+
+class MigLayout(Record, frozen=True, kw_only=True):
+    """How a MIG-capable GPU is cut: its mode and its MIG devices.
+
+    ``enabled`` is the current MIG mode, ``change_pending`` that a changed mode waits for a
+    GPU reset; ``max_devices`` how many MIG devices the GPU can hold (7 on A100/H100/H200).
+    Reported for information and operations; placement onto slices is not modelled: the
+    policies keep placing on whole GPUs and shares.
+    """
+
+    enabled: bool
+    change_pending: bool = False
+    max_devices: int = 0
+    devices: list[MigDeviceInfo] = msgspec.field(default_factory=list)
+
+
 class GpuInfo(Record, frozen=True, kw_only=True):
-    """One GPU as the topology sees it."""
+    """One GPU as the topology sees it. ``mig`` is its MIG layout, left out
+    (``msgspec.UNSET``, falsy) for a GPU that is not in MIG mode and has no MIG change
+    pending, every GPU without MIG among them, whose report encodes as before."""
 
     index: int
     model: str
@@ -25,6 +64,7 @@ class GpuInfo(Record, frozen=True, kw_only=True):
     cpu_affinity: str = ""
     pci_bus_id: str = ""
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    mig: MigLayout | msgspec.UnsetType = msgspec.UNSET
 
 
 class NicPort(Record, frozen=True, kw_only=True):

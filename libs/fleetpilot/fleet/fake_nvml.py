@@ -6,6 +6,13 @@ subclasses) that ``nvml_reader.NvmlReader`` uses, over a list of ``FakeGpu`` rec
 test fills in. Any function named in ``FakeGpu.unsupported`` raises
 ``NVMLError_NotSupported`` for that GPU, which is how tests drive the reader's guards.
 ``FakeNvml.from_simulator`` mirrors one node of a ``SimulatedFleet``.
+
+A GPU with ``mig_mode`` set models MIG: its ``mig_devices`` answer through MIG handles
+(``nvmlDeviceGetMigDeviceHandleByIndex``; a ``None`` slot is an empty index, which raises
+``NVMLError_NotFound`` as NVML does). While MIG is enabled the parent GPU answers as it
+does for a caller without the MIG monitor capability (the collector's non-root container):
+no utilisation (``NotSupported``), no aggregate memory (``NoPermission``) and its processes
+without their memory (``usedGpuMemory`` not available) unless ``mig_privileged``.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ NVML_TOPOLOGY_MULTIPLE = 20
 NVML_TOPOLOGY_HOSTBRIDGE = 30
 NVML_TOPOLOGY_NODE = 40
 NVML_TOPOLOGY_SYSTEM = 50
+NVML_DEVICE_MIG_DISABLE = 0
+NVML_DEVICE_MIG_ENABLE = 1
 nvmlEventTypeXidCriticalError = 0x0000000000000008
 
 CONSTANT_NAMES: tuple[str, ...] = tuple(name for name in dir() if name.startswith(("NVML_", "nvmlEventType")))
@@ -105,6 +114,22 @@ class NVMLLibraryMismatchError(Exception):
 
 
 @dataclass
+class FakeMigDevice:
+    """One MIG device (GPU instance + compute instance) of a ``FakeGpu``; units are NVML's."""
+
+    uuid: str = "MIG-00000000-0000-0000-0000-000000000000"
+    gpu_instance_id: int = 1
+    compute_instance_id: int = 0
+    gpu_slices: int = 1
+    compute_slices: int = 1
+    memory_size_mb: int = 9_728  # nvmlDeviceGetAttributes().memorySizeMB (an A100-80GB 1g.10gb)
+    multiprocessors: int = 14
+    memory_used: int = 0
+    compute_procs: list[tuple[int, int | None]] = field(default_factory=list)
+    unsupported: set[str] = field(default_factory=set)
+
+
+@dataclass
 class FakeGpu:
     """What one fake GPU reports; units are NVML's (bytes, mW, KB/s, KiB counters)."""
 
@@ -142,6 +167,16 @@ class FakeGpu:
     numa_node: int = 0
     cpu_mask: tuple[int, ...] = (0xFFFF,)
     unsupported: set[str] = field(default_factory=set)
+    # (current, pending) MIG mode; None: a GPU without MIG (nvmlDeviceGetMigMode: NotSupported).
+    mig_mode: tuple[int, int] | None = None
+    mig_max_devices: int = 7
+    mig_devices: list[FakeMigDevice | None] = field(default_factory=list)
+    mig_privileged: bool = False  # the caller holds the MIG monitor capability (root, CAP_SYS_ADMIN)
+
+    @property
+    def mig_enabled(self) -> bool:
+        """MIG mode is on now (whatever is pending)."""
+        return self.mig_mode is not None and self.mig_mode[0] == NVML_DEVICE_MIG_ENABLE
 
 
 class FakeNvml:
@@ -168,6 +203,7 @@ class FakeNvml:
         self.pending_xids: list[tuple[int, int]] = []
         self.initialised = False
         self.calls = 0
+        self.calls_by_name: dict[str, int] = {}
 
     # -- helpers for tests -----------------------------------------------------------
 
@@ -184,12 +220,32 @@ class FakeNvml:
 
     def _gpu(self, handle: Any, fn: str) -> FakeGpu:
         self.calls += 1
+        self.calls_by_name[fn] = self.calls_by_name.get(fn, 0) + 1
         if not self.initialised:
             raise NVMLError_Uninitialized()
+        if getattr(handle, "mig", None) is not None:
+            raise NVMLError_NotSupported()  # a call NVML does not answer for a MIG device
         gpu = self.gpus[handle.index]
         if fn in gpu.unsupported:
             raise NVMLError_NotSupported()
         return gpu
+
+    def _mig(self, handle: Any, fn: str) -> FakeMigDevice:
+        self.calls += 1
+        self.calls_by_name[fn] = self.calls_by_name.get(fn, 0) + 1
+        if not self.initialised:
+            raise NVMLError_Uninitialized()
+        slots = self.gpus[handle.index].mig_devices
+        device = slots[handle.mig] if handle.mig < len(slots) else None
+        if device is None:
+            raise NVMLError_InvalidArgument()  # the MIG device was destroyed: a stale handle
+        if fn in device.unsupported:
+            raise NVMLError_NotSupported()
+        return device
+
+    @staticmethod
+    def _is_mig(handle: Any) -> bool:
+        return getattr(handle, "mig", None) is not None
 
     # -- library -----------------------------------------------------------------------
 
@@ -230,7 +286,9 @@ class FakeNvml:
         return self._gpu(h, "nvmlDeviceGetName").name
 
     def nvmlDeviceGetUUID(self, h: Any) -> str:  # noqa: N802
-        """GPU UUID."""
+        """GPU UUID, or the ``MIG-...`` UUID of a MIG handle."""
+        if self._is_mig(h):
+            return self._mig(h, "nvmlDeviceGetUUID").uuid
         return self._gpu(h, "nvmlDeviceGetUUID").uuid
 
     def nvmlDeviceGetPciInfo(self, h: Any) -> Any:  # noqa: N802
@@ -238,13 +296,22 @@ class FakeNvml:
         return SimpleNamespace(busId=self._gpu(h, "nvmlDeviceGetPciInfo").pci_bus_id.encode())
 
     def nvmlDeviceGetUtilizationRates(self, h: Any) -> Any:  # noqa: N802
-        """``.gpu`` and ``.memory`` in percent."""
+        """``.gpu`` and ``.memory`` in percent; NotSupported in MIG mode (and on a MIG handle)."""
         g = self._gpu(h, "nvmlDeviceGetUtilizationRates")
+        if g.mig_enabled:
+            raise NVMLError_NotSupported()
         return SimpleNamespace(gpu=g.util_gpu, memory=g.util_memory)
 
     def nvmlDeviceGetMemoryInfo(self, h: Any, version: Any = None) -> Any:  # noqa: N802
-        """``.total``, ``.used``, ``.free`` in bytes."""
+        """``.total``, ``.used``, ``.free`` in bytes; of the slice for a MIG handle. In MIG
+        mode the parent's aggregate needs the MIG monitor capability (else NoPermission)."""
+        if self._is_mig(h):
+            m = self._mig(h, "nvmlDeviceGetMemoryInfo")
+            total = m.memory_size_mb * 1024**2
+            return SimpleNamespace(total=total, used=m.memory_used, free=total - m.memory_used)
         g = self._gpu(h, "nvmlDeviceGetMemoryInfo")
+        if g.mig_enabled and not g.mig_privileged:
+            raise NVMLError_NoPermission()
         return SimpleNamespace(total=g.memory_total, used=g.memory_used, free=g.memory_total - g.memory_used)
 
     def nvmlDeviceGetTemperature(self, h: Any, sensor: int) -> int:  # noqa: N802
@@ -301,7 +368,16 @@ class FakeNvml:
     def _running(self, h: Any, kind: str, version: str) -> list[Any]:
         if f"nvmlDeviceGet{kind}RunningProcesses_{version}" in self.driver_lacks:
             raise NVMLError_FunctionNotFound()
+        if self._is_mig(h):
+            if kind != "Compute":
+                raise NVMLError_NotSupported()  # no graphics on MIG
+            m = self._mig(h, "nvmlDeviceGetComputeRunningProcesses")
+            return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in m.compute_procs]
         g = self._gpu(h, f"nvmlDeviceGet{kind}RunningProcesses")
+        if g.mig_enabled and kind == "Compute":
+            # The parent lists every slice's processes; their memory only for a privileged caller.
+            return [SimpleNamespace(pid=pid, usedGpuMemory=used if g.mig_privileged else None)
+                    for m in g.mig_devices if m is not None for pid, used in m.compute_procs]
         procs = g.compute_procs if kind == "Compute" else g.graphics_procs
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in procs]
 
@@ -332,11 +408,65 @@ class FakeNvml:
     def nvmlDeviceGetProcessUtilization(self, h: Any, since: int) -> list[Any]:  # noqa: N802
         """Per-process utilisation samples newer than ``since`` (µs); NotFound when none."""
         g = self._gpu(h, "nvmlDeviceGetProcessUtilization")
+        if g.mig_enabled:
+            raise NVMLError_NotSupported()  # not supported on MIG-enabled GPUs
         rows = [SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
                 for pid, ts, sm in g.proc_util if ts > since]
         if not rows:
             raise NVMLError_NotFound()
         return rows
+
+    # -- MIG ---------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, h: Any) -> list[int]:  # noqa: N802
+        """``[current, pending]`` MIG mode; NotSupported on a GPU without MIG."""
+        g = self._gpu(h, "nvmlDeviceGetMigMode")
+        if g.mig_mode is None:
+            raise NVMLError_NotSupported()
+        return list(g.mig_mode)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: Any) -> int:  # noqa: N802
+        """How many MIG devices the GPU can hold; NotSupported on a GPU without MIG."""
+        g = self._gpu(h, "nvmlDeviceGetMaxMigDeviceCount")
+        if g.mig_mode is None:
+            raise NVMLError_NotSupported()
+        return g.mig_max_devices
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: Any, index: int) -> Any:  # noqa: N802
+        """The MIG handle at ``index``; NotFound for an empty index, InvalidArgument past the
+        maximum, NotSupported with MIG off."""
+        g = self._gpu(h, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if not g.mig_enabled:
+            raise NVMLError_NotSupported()
+        if not 0 <= index < g.mig_max_devices:
+            raise NVMLError_InvalidArgument()
+        if index >= len(g.mig_devices) or g.mig_devices[index] is None:
+            raise NVMLError_NotFound()
+        return SimpleNamespace(index=h.index, mig=index)
+
+    def nvmlDeviceGetGpuInstanceId(self, h: Any) -> int:  # noqa: N802
+        """The GPU instance id of a MIG handle."""
+        if not self._is_mig(h):
+            raise NVMLError_InvalidArgument()
+        return self._mig(h, "nvmlDeviceGetGpuInstanceId").gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, h: Any) -> int:  # noqa: N802
+        """The compute instance id of a MIG handle."""
+        if not self._is_mig(h):
+            raise NVMLError_InvalidArgument()
+        return self._mig(h, "nvmlDeviceGetComputeInstanceId").compute_instance_id
+
+    def nvmlDeviceGetAttributes(self, h: Any) -> Any:  # noqa: N802
+        """Slice counts, memory size (MiB) and SM count of a MIG handle (the only handle
+        NVML answers this for)."""
+        if not self._is_mig(h):
+            self._gpu(h, "nvmlDeviceGetAttributes")
+            raise NVMLError_NotSupported()
+        m = self._mig(h, "nvmlDeviceGetAttributes")
+        return SimpleNamespace(multiprocessorCount=m.multiprocessors, sharedCopyEngineCount=0, sharedDecoderCount=0,
+                               sharedEncoderCount=0, sharedJpegCount=0, sharedOfaCount=0,
+                               gpuInstanceSliceCount=m.gpu_slices, computeInstanceSliceCount=m.compute_slices,
+                               memorySizeMB=m.memory_size_mb)
 
     # -- events ------------------------------------------------------------------------
 

@@ -12,12 +12,21 @@ can use a temporary directory: ``/proc/driver/nvidia/params`` (driver module par
 put on the node's labels as ``nvidia.<Param>``) and the InfiniBand/RoCE port counters
 ``/sys/class/infiniband/<dev>/ports/<n>/{rate,link_layer,state,counters/*}``.
 
+A GPU in MIG mode is also read slice by slice, through the MIG device handles
+(``nvmlDeviceGetMigDeviceHandleByIndex``): each slice's memory and processes, so that a task
+on a slice is attributed and measured even where the GPU itself refuses its aggregate
+memory and per-process memory to a collector without the MIG monitor capability. How
+the slices are cut (profile, slice counts, GPU/compute instance ids) is read with the
+topology and cached by MIG UUID, so a sampling tick costs one mode read per MIG GPU plus a
+handle, UUID, memory and process read per slice; a GPU without MIG is asked about it once.
+
 How each derived field is computed, and from which call, is in ``fleet/README.md``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
@@ -27,19 +36,54 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-from fleetpilot.contracts.telemetry import GpuSample, ProcessMemory, Reading, TaskTelemetry
-from fleetpilot.contracts.topology import GpuInfo, Link, NicInfo, NicPort, NodeTopology, as_node_name
+import msgspec
+
+from fleetpilot.contracts.telemetry import (
+    GpuSample,
+    MigDeviceSample,
+    MigState,
+    ProcessMemory,
+    Reading,
+    TaskTelemetry,
+)
+from fleetpilot.contracts.topology import (
+    GpuInfo,
+    Link,
+    MigDeviceInfo,
+    MigLayout,
+    NicInfo,
+    NicPort,
+    NodeTopology,
+    as_node_name,
+)
 
 from .bandwidth import IbPort
+from .catalogue import gpu_model
 from .reader import FleetEvent
 from .topology import make_link
 
 log = logging.getLogger("fleetpilot.fleet.nvml")
 
 MB = 1024 * 1024
+GIB = 1024 * MB
 SWITCH_RATE_PER_PEER = 400.0  # the same time-slice model the simulator plays out
 TASK_ENV = "FLEETPILOT_TASK_ID"
 NOT_AVAILABLE_ULL = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as an unsigned long long
+
+# NVML return codes (nvidia-ml-py's values) the MIG reads tell apart.
+_NVML_ERROR_INVALID_ARGUMENT = 2
+_NVML_ERROR_NOT_SUPPORTED = 3
+_NVML_ERROR_NOT_FOUND = 6
+_NVML_ERROR_FUNCTION_NOT_FOUND = 13
+# nvmlDeviceGetMigMode refused with these: a GPU without MIG, or a driver without the call.
+_NO_MIG = frozenset({_NVML_ERROR_NOT_SUPPORTED, _NVML_ERROR_FUNCTION_NOT_FOUND})
+# nvmlDeviceGetMigDeviceHandleByIndex: NotFound is an index with no MIG device (indices are
+# sparse once slices are destroyed), InvalidArgument one past what the GPU holds; both are
+# skipped, as NVIDIA's go-nvlib does.
+_EMPTY_MIG_INDEX = frozenset({_NVML_ERROR_NOT_FOUND, _NVML_ERROR_INVALID_ARGUMENT})
+# The most MIG devices any MIG GPU holds today (A100/H100/H200/B200); only used where
+# nvmlDeviceGetMaxMigDeviceCount is refused, with the indices past the real maximum skipped.
+_MIG_DEVICES_FALLBACK = 7
 
 # nvmlDeviceGetTopologyCommonAncestor levels -> nvidia-smi link kinds.
 _LEVEL_KIND: dict[int, str] = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -104,6 +148,120 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mb: int, gpu_total_bytes: int) -> str:
+    """NVIDIA's name of a MIG device's profile (``1g.10gb``, ``1c.3g.40gb``) from its
+    attributes (``nvmlDeviceGetAttributes``: slice counts, ``memorySizeMB``).
+
+    The memory part follows NVIDIA's go-nvlib (``getMigMemorySizeGB``): the share of the
+    GPU's memory the slice holds, rounded up to eighths (memory is cut in eighths), times
+    the GPU's memory in GiB rounded up, rounded; so a 7-slice A100-80GB of 80,896 MiB is
+    ``7g.80gb``, not 79. Without the GPU's total (0) it is the slice's own GiB rounded up
+    (which can be one low on a whole-GPU profile). ``""`` when the slice counts are unknown.
+    Media-extension profiles are named without their ``+me``: the attributes do not tell.
+    """
+    if gpu_slices <= 0 or compute_slices <= 0 or memory_mb <= 0:
+        return ""
+    if gpu_total_bytes > 0:
+        # Integer arithmetic: a float share of exactly k/8 must not round up to k+1.
+        eighths = -(-(memory_mb * MB * 8) // gpu_total_bytes)
+        total_gib = -(-gpu_total_bytes // GIB)
+        gb = (2 * eighths * total_gib + 8) // 16  # eighths/8 * total, rounded half up
+    else:
+        gb = math.ceil(memory_mb / 1024)
+    slices = f"{gpu_slices}g" if compute_slices == gpu_slices else f"{compute_slices}c.{gpu_slices}g"
+    return f"{slices}.{gb}gb"
+
+
+def _catalogue_total_bytes(name: str) -> int:
+    # A MIG GPU refuses its aggregate memory to an unprivileged caller; its model's memory
+    # still names the profiles right (the catalogue holds NVML's totals).
+    try:
+        return gpu_model(name).memory_mb * MB if name else 0
+    except LookupError:
+        return 0
+
+
+def _read_mig_mode(nvml: Any, handle: Any) -> tuple[bool, bool] | None:
+    """``(enabled now, a change pending)`` of a GPU; ``None`` for a GPU or driver without
+    MIG. Any other refusal raises the ``NVMLError``."""
+    get_mode = getattr(nvml, "nvmlDeviceGetMigMode", None)
+    if get_mode is None:
+        return None  # bindings older than MIG
+    enable = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+    try:
+        current, pending = get_mode(handle)
+    except nvml.NVMLError as exc:
+        if getattr(exc, "value", None) in _NO_MIG:
+            return None
+        raise
+    return current == enable, current != pending
+
+
+def _mig_handles(nvml: Any, handle: Any, count: int, refused: Callable[[str], Any]) -> list[tuple[int, Any]]:
+    """``(index, MIG handle)`` of every MIG device of a GPU in MIG mode, empty indices skipped."""
+    found = []
+    for index in range(count):
+        try:
+            found.append((index, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)))
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) not in _EMPTY_MIG_INDEX:
+                refused("mig_devices")
+    return found
+
+
+def _mig_device_info(nvml: Any, index: int, mig_handle: Any, uuid: str, gpu_total_bytes: int,
+                     refused: Callable[[str], Any]) -> MigDeviceInfo:
+    """What a MIG device is (instance ids, slice counts, memory, SMs): static while it lives."""
+
+    def ask(fn: Callable[..., Any], field: str) -> Any:
+        try:
+            return fn(mig_handle)
+        except nvml.NVMLError:
+            refused(field)
+            return None
+
+    gpu_instance = ask(nvml.nvmlDeviceGetGpuInstanceId, "mig_instance_ids")
+    compute_instance = ask(nvml.nvmlDeviceGetComputeInstanceId, "mig_instance_ids")
+    attrs = ask(nvml.nvmlDeviceGetAttributes, "mig_attributes")
+    g = int(attrs.gpuInstanceSliceCount) if attrs is not None else 0
+    c = int(attrs.computeInstanceSliceCount) if attrs is not None else 0
+    memory_mb = int(attrs.memorySizeMB) if attrs is not None else 0
+    return MigDeviceInfo(index=index, uuid=uuid,
+                         gpu_instance_id=int(gpu_instance) if gpu_instance is not None else None,
+                         compute_instance_id=int(compute_instance) if compute_instance is not None else None,
+                         profile=mig_profile_name(g, c, memory_mb, gpu_total_bytes), gpu_slices=g, compute_slices=c,
+                         memory_mb=memory_mb, multiprocessors=int(attrs.multiprocessorCount) if attrs is not None else 0)
+
+
+def _mig_layout(nvml: Any, handle: Any, gpu_total_bytes: int) -> MigLayout | msgspec.UnsetType:
+    """A GPU's MIG layout for the topology; ``UNSET`` without MIG mode or a pending change."""
+
+    def ignore(_field: str) -> None:
+        return None  # the topology has no refusal labels: what is refused stays at its default
+
+    try:
+        mode = _read_mig_mode(nvml, handle)
+    except nvml.NVMLError:
+        return msgspec.UNSET  # unknown: said by the samples' nvml_unsupported (mig_mode)
+    if mode is None or mode == (False, False):
+        return msgspec.UNSET
+    enabled, pending = mode
+    if not enabled:
+        return MigLayout(enabled=False, change_pending=True)
+    try:
+        count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except nvml.NVMLError:
+        count = 0
+    devices = []
+    for index, mig_handle in _mig_handles(nvml, handle, count or _MIG_DEVICES_FALLBACK, ignore):
+        try:
+            uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
+        except nvml.NVMLError:
+            uuid = ""
+        devices.append(_mig_device_info(nvml, index, mig_handle, uuid, gpu_total_bytes, ignore))
+    return MigLayout(enabled=True, change_pending=pending, max_devices=count, devices=devices)
+
+
 def _cpu_ranges(mask_words: Any) -> str:
     cpus = [w * 64 + b for w, word in enumerate(mask_words) for b in range(64) if int(word) >> b & 1]
     ranges: list[str] = []
@@ -157,6 +315,14 @@ class NvmlReader:
         # Last (time, tx, rx) of each cumulative counter pair, per (counter, GPU).
         self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
         self._proc_util_ts = [0] * len(self._handles)
+        # MIG: GPUs found without it (never asked again), each MIG GPU's maximum of MIG
+        # devices, its memory total (names the profiles) and what each MIG device is, by
+        # MIG UUID (a handle may be reused for another device; a UUID is not). The device
+        # table is rebuilt by every topology read; a device made since is read once.
+        self._no_mig: set[int] = set()
+        self._mig_max: dict[int, int] = {}
+        self._gpu_total: dict[int, int] = {}
+        self._mig_info: dict[str, MigDeviceInfo] = {}
         self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
         self._event_set = self._register_xid_events()
 
@@ -239,25 +405,85 @@ class NvmlReader:
             return list(self._try(getattr(nvml, f"{name}_v2"), handle, default=[], missing=missing,
                                   field="processes") or [])
 
-    def _processes(self, handle: Any, missing: list[str], unknown: set[int] | None = None) -> list[ProcessMemory]:
-        """The GPU's processes; a PID whose memory NVML cannot tell goes into ``unknown``
-        (when given) and ``process_memory`` into ``missing``, its ``used_mb`` left at 0."""
+    def _processes(self, handle: Any, missing: list[str], unknown: set[int] | None = None,
+                   rows: list[Any] | None = None) -> list[ProcessMemory]:
+        """The GPU's processes (``rows``: already read, from its MIG devices); a PID whose
+        memory NVML cannot tell goes into ``unknown`` (when given) and ``process_memory``
+        into ``missing``, its ``used_mb`` left at 0."""
+        if rows is None:
+            rows = [proc for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+                    for proc in self._running(name, handle, missing)]
         seen: dict[int, ProcessMemory] = {}
-        for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            for proc in self._running(name, handle, missing):
-                if proc.pid in seen:
-                    continue
-                used = getattr(proc, "usedGpuMemory", None)
-                # NVML_VALUE_NOT_AVAILABLE (pynvml turns it into None; an older binding passes
-                # 2**64-1 through): a MIG GPU read without privileges, or WDDM. Neither is 0.
-                if used is None or int(used) >= NOT_AVAILABLE_ULL:
-                    missing.append("process_memory")
-                    if unknown is not None:
-                        unknown.add(int(proc.pid))
-                    used = 0
-                seen[proc.pid] = ProcessMemory(pid=int(proc.pid), used_mb=round(int(used) / MB, 1),
-                                               task_id=self._task_of_pid(int(proc.pid)))
+        for proc in rows:
+            if proc.pid in seen:
+                continue
+            used = getattr(proc, "usedGpuMemory", None)
+            # NVML_VALUE_NOT_AVAILABLE (pynvml turns it into None; an older binding passes
+            # 2**64-1 through): WDDM, or a MIG GPU's own list read without privileges (its
+            # slices' lists do tell). Neither is 0.
+            if used is None or int(used) >= NOT_AVAILABLE_ULL:
+                missing.append("process_memory")
+                if unknown is not None:
+                    unknown.add(int(proc.pid))
+                used = 0
+            seen[proc.pid] = ProcessMemory(pid=int(proc.pid), used_mb=round(int(used) / MB, 1),
+                                           task_id=self._task_of_pid(int(proc.pid)))
         return sorted(seen.values(), key=lambda p: p.pid)
+
+    def _mig(self, index: int, handle: Any, missing: list[str], *,
+             readings: bool = True) -> tuple[MigState | msgspec.UnsetType, list[Any] | None]:
+        """The GPU's MIG state (``UNSET``: no MIG mode, no change pending) and its MIG
+        devices' processes (``None``: read the processes from the GPU itself, as for any GPU:
+        no MIG, MIG not on yet, or its devices unlisted).
+
+        ``readings=False`` (per-task samples) lists the processes only. What a device is
+        comes from the table the topology read filled; a device not in it is read once.
+        """
+        if index in self._no_mig:
+            return msgspec.UNSET, None
+        nvml = self._nvml
+        try:
+            mode = _read_mig_mode(nvml, handle)
+        except nvml.NVMLError:
+            missing.append("mig_mode")
+            return msgspec.UNSET, None
+        if mode is None:
+            self._no_mig.add(index)
+            return msgspec.UNSET, None
+        enabled, pending = mode
+        if not enabled:  # a whole GPU still, maybe about to be cut
+            return (MigState(enabled=False, change_pending=True) if pending else msgspec.UNSET), None
+        count = self._mig_max.get(index)
+        if count is None:
+            count = self._try(nvml.nvmlDeviceGetMaxMigDeviceCount, handle, missing=missing, field="mig_devices")
+            if count is None:
+                return MigState(enabled=True, change_pending=pending), None
+            self._mig_max[index] = count = int(count)
+        devices: list[MigDeviceSample] = []
+        rows: list[Any] = []
+        for mig_index, mig_handle in _mig_handles(nvml, handle, count, missing.append):
+            procs = self._running("nvmlDeviceGetComputeRunningProcesses", mig_handle, missing)
+            rows.extend(procs)
+            if not readings:
+                continue
+            uuid = _text(self._try(nvml.nvmlDeviceGetUUID, mig_handle, default="", missing=missing, field="mig_uuid"))
+            mem = self._try(nvml.nvmlDeviceGetMemoryInfo, mig_handle, missing=missing, field="mig_memory")
+            info = self._mig_info.get(uuid) if uuid else None
+            if info is None:
+                refused: list[str] = []
+                total = self._gpu_total.get(index) or _catalogue_total_bytes(
+                    _text(self._try(nvml.nvmlDeviceGetName, handle, default="")))
+                info = _mig_device_info(nvml, mig_index, mig_handle, uuid, total, refused.append)
+                missing.extend(refused)
+                if uuid and not refused:
+                    self._mig_info[uuid] = info
+            devices.append(MigDeviceSample(
+                index=mig_index, uuid=uuid, gpu_instance_id=info.gpu_instance_id,
+                compute_instance_id=info.compute_instance_id, profile=info.profile, gpu_slices=info.gpu_slices,
+                compute_slices=info.compute_slices, memory_total_mb=round(mem.total / MB, 1) if mem is not None else 0.0,
+                memory_used_mb=round(mem.used / MB, 1) if mem is not None else 0.0,
+                pids=sorted({int(p.pid) for p in procs})))
+        return MigState(enabled=True, change_pending=pending, devices=devices), rows
 
     def _context_switches(self, index: int, handle: Any, util_gpu: float, processes: int) -> Reading:
         # NVML has no context-switch counter. The rate is modelled from the number of
@@ -381,7 +607,10 @@ class NvmlReader:
                           for cause in (nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
                                         nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
             remap = call(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0), field="remapped_rows")
-            processes = self._processes(handle, missing)
+            if mem is not None:
+                self._gpu_total[index] = int(mem.total)
+            mig, mig_rows = self._mig(index, handle, missing)
+            processes = self._processes(handle, missing, rows=mig_rows)
             pcie_tx, pcie_rx = self._pcie_kbps(index, handle, now, missing)
             total_mb = mem.total / MB if mem is not None else 0.0
             used_mb = mem.used / MB if mem is not None else 0.0
@@ -414,6 +643,7 @@ class NvmlReader:
                 processes=processes,
                 labels={"driver_version": self._driver, "site": self.site,
                         **({"nvml_unsupported": ",".join(sorted(set(missing)))} if missing else {})},
+                mig=mig,
             ))
         return out
 
@@ -440,7 +670,9 @@ class NvmlReader:
                 if s.pid not in latest or s.timeStamp > latest[s.pid][0]:
                     latest[s.pid] = (int(s.timeStamp), float(s.smUtil))
             unknown: set[int] = set()
-            for proc in self._processes(handle, [], unknown):
+            # On a MIG GPU from its slices: the GPU's own list gives no memory without privileges.
+            _, mig_rows = self._mig(index, handle, [], readings=False)
+            for proc in self._processes(handle, [], unknown, rows=mig_rows):
                 key = proc.task_id or f"pid-{proc.pid}"
                 if proc.pid in unknown:
                     blind.add(key)
@@ -456,7 +688,13 @@ class NvmlReader:
         self._check_node(node)
         params = read_driver_params(self.root)
         labels = {"driver_version": self._driver, **{f"nvidia.{k}": v for k, v in params.items()}}
-        return topology_from_nvml(self._nvml, self._handles, self.node, site=self.site, root=self.root, labels=labels)
+        topo = topology_from_nvml(self._nvml, self._handles, self.node, site=self.site, root=self.root, labels=labels)
+        # The samples describe MIG devices from this table: rebuilt here, so a slice that
+        # was destroyed and made again differently is described right from now on.
+        self._mig_info = {d.uuid: d for g in topo.gpus if g.mig for d in g.mig.devices
+                          if d.uuid and d.profile and d.gpu_instance_id is not None and d.compute_instance_id is not None}
+        self._mig_max.update({g.index: g.mig.max_devices for g in topo.gpus if g.mig and g.mig.max_devices})
+        return topo
 
     def close(self) -> None:
         """Free the event set and shut NVML down."""
@@ -477,7 +715,9 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
     to a CPU (IBM NPU) counts for nothing; where that call is missing, any far end that is
     not a known GPU is taken for a switch); NUMA from
     ``nvmlDeviceGetNumaNodeId`` (falling back to ``/sys/bus/pci/devices/<bus>/numa_node``);
-    CPU affinity from ``nvmlDeviceGetCpuAffinity``; NICs from sysfs InfiniBand ports.
+    CPU affinity from ``nvmlDeviceGetCpuAffinity``; NICs from sysfs InfiniBand ports; the
+    MIG layout (mode, MIG devices, their profiles) from ``nvmlDeviceGetMigMode`` and the MIG
+    device handles.
 
     A ``None`` in ``handles`` is a GPU NVML could not open: it keeps its index, with nothing
     known about it, and ``SYS`` to every other GPU.
@@ -508,10 +748,13 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
             numa = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
         mem = attempt(nvml.nvmlDeviceGetMemoryInfo, h)
         affinity = attempt(nvml.nvmlDeviceGetCpuAffinity, h, cpu_words)
-        gpus.append(GpuInfo(index=i, model=_text(attempt(nvml.nvmlDeviceGetName, h, default="")),
+        model = _text(attempt(nvml.nvmlDeviceGetName, h, default=""))
+        total = int(mem.total) if mem is not None else _catalogue_total_bytes(model)
+        gpus.append(GpuInfo(index=i, model=model,
                             uuid=_text(attempt(nvml.nvmlDeviceGetUUID, h, default="")),
                             memory_mb=int(mem.total // MB) if mem is not None else 0, numa_node=numa,
-                            cpu_affinity=_cpu_ranges(affinity) if affinity is not None else "", pci_bus_id=bus))
+                            cpu_affinity=_cpu_ranges(affinity) if affinity is not None else "", pci_bus_id=bus,
+                            mig=_mig_layout(nvml, h, total)))
 
     pair_links: dict[tuple[int, int], int] = {}
     switch_links = [0] * len(handles)

@@ -14,6 +14,7 @@ from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.fleet.nvml_reader import (
     SWITCH_RATE_PER_PEER,
     NvmlReader,
+    mig_profile_name,
     nvml_available,
     read_driver_params,
     read_ib_ports,
@@ -86,7 +87,7 @@ def test_every_schema_field_is_filled() -> None:
                          memory_total_mb=0, memory_used_mb=0, memory_free_mb=0, temperature_c=0, power_w=0,
                          power_limit_w=0, sm_clock_mhz=0, pcie_tx_kbps=0, pcie_rx_kbps=0)
     for field in msgspec.structs.fields(GpuSample):
-        if field.name == "gpu":
+        if field.name in ("gpu", "mig"):  # mig: None on a GPU without MIG (the MIG tests below fill it)
             continue
         assert getattr(s, field.name) != getattr(defaults, field.name), field.name
     assert (s.memory_total_mb, s.memory_used_mb, s.memory_free_mb) == (81_920, 30_720, 51_200)
@@ -456,3 +457,184 @@ def test_a_driver_older_than_the_bindings_still_has_its_gpus_sampled(lacks: set[
     else:
         assert s.processes == [] and s.labels["nvml_unsupported"] == "processes"
         assert reader.task_samples("n1") == []
+
+
+# -- MIG ---------------------------------------------------------------------------------
+
+ENABLE, DISABLE = fake_nvml.NVML_DEVICE_MIG_ENABLE, fake_nvml.NVML_DEVICE_MIG_DISABLE
+
+
+def mig_gpu(i: int = 0, **kw) -> FakeGpu:
+    """An A100-80GB cut 3g.40gb + 2g.20gb + 1g.10gb, with a task's process on the 2g slice
+    and MIG index 2 left empty (the 1g device sits at index 3)."""
+    gpu = rich_gpu(i)
+    gpu.compute_procs, gpu.graphics_procs, gpu.proc_util = [], [], []
+    gpu.mig_mode = (ENABLE, ENABLE)
+    gpu.mig_devices = [
+        fake_nvml.FakeMigDevice(uuid=f"MIG-{i}-a", gpu_instance_id=2, compute_instance_id=0, gpu_slices=3,
+                                compute_slices=3, memory_size_mb=40_192, multiprocessors=42, memory_used=12 * 1024**2),
+        fake_nvml.FakeMigDevice(uuid=f"MIG-{i}-b", gpu_instance_id=3, compute_instance_id=0, gpu_slices=2,
+                                compute_slices=2, memory_size_mb=19_968, multiprocessors=28,
+                                memory_used=6 * GIB, compute_procs=[(4242, 5 * GIB)]),
+        None,
+        fake_nvml.FakeMigDevice(uuid=f"MIG-{i}-c", gpu_instance_id=9, compute_instance_id=0, gpu_slices=1,
+                                compute_slices=1, memory_size_mb=9_728, multiprocessors=14),
+    ]
+    for key, value in kw.items():
+        setattr(gpu, key, value)
+    return gpu
+
+
+def test_fake_mig_constants_match_the_real_module() -> None:
+    assert (pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE) == (ENABLE, DISABLE)
+    for fn in ("nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex",
+               "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId", "nvmlDeviceGetAttributes"):
+        assert hasattr(FakeNvml, fn) and hasattr(pynvml, fn), fn
+    fields = {name for name, _ in pynvml.c_nvmlDeviceAttributes._fields_}
+    assert {"gpuInstanceSliceCount", "computeInstanceSliceCount", "memorySizeMB", "multiprocessorCount"} <= fields
+
+
+def test_a_mig_gpu_reports_its_slices_and_the_task_on_one_gets_its_memory(tmp_path: Path) -> None:
+    # Before, a GPU in MIG mode was read as one GPU: the parent refuses utilisation and
+    # aggregate memory to a non-root collector and lists processes without their memory,
+    # so the task on the 2g slice got no telemetry.task sample and the slices were unseen.
+    sysfs(tmp_path)  # pid 4242 is task train-17
+    reader, _, _ = make_reader([mig_gpu(0), rich_gpu(1)], tmp_path)
+    mig_sample, whole = reader.sample("n1")
+    assert whole.mig is msgspec.UNSET and "nvml_unsupported" not in whole.labels
+    assert b'"mig"' not in msgspec.json.encode(whole)  # a GPU without MIG: the wire as before
+    state = mig_sample.mig
+    assert state and state.enabled and not state.change_pending
+    assert [(d.index, d.uuid, d.gpu_instance_id, d.compute_instance_id, d.profile, d.gpu_slices, d.compute_slices)
+            for d in state.devices] == [(0, "MIG-0-a", 2, 0, "3g.40gb", 3, 3), (1, "MIG-0-b", 3, 0, "2g.20gb", 2, 2),
+                                        (3, "MIG-0-c", 9, 0, "1g.10gb", 1, 1)]
+    assert [(d.memory_total_mb, d.memory_used_mb, d.pids) for d in state.devices] == [
+        (40_192.0, 12.0, []), (19_968.0, 6_144.0, [4242]), (9_728.0, 0.0, [])]
+    assert [(p.pid, p.used_mb, p.task_id) for p in mig_sample.processes] == [(4242, 5_120.0, "train-17")]
+    # What NVML refuses on a MIG GPU is labelled as any refusal; the process memory is not.
+    refused = set(mig_sample.labels["nvml_unsupported"].split(","))
+    assert {"utilization", "memory"} <= refused
+    assert not refused & {"process_memory", "processes", "mig_uuid", "mig_memory", "mig_attributes"}
+    tasks = {t.task_id: t for t in reader.task_samples("n1")}
+    assert tasks["train-17"].memory_used_mb == 5_120.0 + 20_480.0  # its 2g slice + GPU 1
+    assert tasks["train-17"].gpus == [0, 1]
+
+
+def test_the_mig_layout_is_in_the_topology_and_read_there_not_every_tick() -> None:
+    reader, fake, _ = make_reader([mig_gpu(0), rich_gpu(1)])
+    topo = reader.topology("n1")
+    layout, whole = topo.gpus[0].mig, topo.gpus[1].mig
+    assert whole is msgspec.UNSET and b'"mig"' not in msgspec.json.encode(topo.gpus[1])
+    assert layout and layout.enabled and layout.max_devices == 7
+    assert [(d.index, d.uuid, d.gpu_instance_id, d.profile, d.memory_mb, d.multiprocessors) for d in layout.devices] == [
+        (0, "MIG-0-a", 2, "3g.40gb", 40_192, 42), (1, "MIG-0-b", 3, "2g.20gb", 19_968, 28),
+        (3, "MIG-0-c", 9, "1g.10gb", 9_728, 14)]
+    static = ("nvmlDeviceGetAttributes", "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
+              "nvmlDeviceGetMaxMigDeviceCount")
+    fake.calls_by_name.clear()
+    for _ in range(3):
+        reader.sample("n1")
+    assert {name: fake.calls_by_name.get(name, 0) for name in static} == dict.fromkeys(static, 0)
+    # The MIG GPU's mode is read each tick; GPU 1, without MIG, on the first tick only.
+    assert fake.calls_by_name["nvmlDeviceGetMigMode"] == 3 + 1
+
+
+def test_a_slice_created_after_the_topology_read_is_described_once() -> None:
+    gpu = mig_gpu(0)
+    reader, fake, _ = make_reader([gpu])
+    reader.topology("n1")
+    gpu.mig_devices[2] = fake_nvml.FakeMigDevice(uuid="MIG-new", gpu_instance_id=10, gpu_slices=1, compute_slices=1,
+                                                 memory_size_mb=9_728)
+    fake.calls_by_name.clear()
+    first = reader.sample("n1")[0].mig
+    reader.sample("n1")
+    assert first and [(d.index, d.uuid, d.profile) for d in first.devices][2] == (2, "MIG-new", "1g.10gb")
+    assert fake.calls_by_name["nvmlDeviceGetAttributes"] == 1
+
+
+@pytest.mark.parametrize(("mode", "enabled"), [((DISABLE, ENABLE), False), ((ENABLE, DISABLE), True)])
+def test_a_pending_mig_mode_change_is_reported(mode: tuple[int, int], enabled: bool) -> None:
+    # nvidia-smi -mig 1 (or 0) waits for a GPU reset: until then the current mode holds.
+    gpu = mig_gpu(0, mig_mode=mode)
+    if not enabled:
+        gpu.compute_procs = [(4242, 3 * GIB)]
+    reader, _, _ = make_reader([gpu], task_of_pid=lambda pid: "job")
+    (s,) = reader.sample("n1")
+    assert s.mig and s.mig.change_pending and s.mig.enabled is enabled
+    assert len(s.mig.devices) == (3 if enabled else 0)
+    layout = reader.topology("n1").gpus[0].mig
+    assert layout and layout.change_pending and layout.enabled is enabled
+    if not enabled:  # still a whole GPU: read as before
+        assert s.memory_total_mb == 81_920 and [(p.pid, p.used_mb) for p in s.processes] == [(4242, 3_072.0)]
+        assert [(t.task_id, t.memory_used_mb) for t in reader.task_samples("n1")] == [("job", 3_072.0)]
+
+
+def test_a_mig_capable_gpu_with_mig_off_reads_as_before() -> None:
+    reader, _, _ = make_reader([mig_gpu(0, mig_mode=(DISABLE, DISABLE), compute_procs=[(7, GIB)])])
+    (s,) = reader.sample("n1")
+    assert s.mig is msgspec.UNSET and reader.topology("n1").gpus[0].mig is msgspec.UNSET
+    assert s.utilization_gpu_pct == 90 and [p.pid for p in s.processes] == [7]
+
+
+def test_an_empty_mig_index_is_skipped_and_a_stale_or_refused_one_is_labelled() -> None:
+    gpu = mig_gpu(0)
+    gpu.mig_devices.append(None)  # index 4 empty too, then nothing up to the maximum
+    gpu.mig_devices[3].unsupported = {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetAttributes"}
+    reader, _, _ = make_reader([gpu])
+    (s,) = reader.sample("n1")
+    assert s.mig and [d.index for d in s.mig.devices] == [0, 1, 3]
+    refused = set(s.labels["nvml_unsupported"].split(","))
+    assert {"mig_memory", "mig_attributes"} <= refused and "mig_devices" not in refused
+    assert (s.mig.devices[2].memory_total_mb, s.mig.devices[2].profile, s.mig.devices[2].gpu_instance_id) == (0.0, "", 9)
+
+
+def test_a_slice_whose_processes_nvml_refuses_leaves_the_others_attributed() -> None:
+    gpu = mig_gpu(0)
+    gpu.mig_devices[0].compute_procs = [(11, 2 * GIB)]
+    gpu.mig_devices[1].unsupported = {"nvmlDeviceGetComputeRunningProcesses"}
+    reader, _, _ = make_reader([gpu], task_of_pid=lambda pid: f"t{pid}")
+    (s,) = reader.sample("n1")
+    assert [(p.pid, p.used_mb) for p in s.processes] == [(11, 2_048.0)]
+    assert "processes" in s.labels["nvml_unsupported"].split(",")
+    assert [(t.task_id, t.memory_used_mb) for t in reader.task_samples("n1")] == [("t11", 2_048.0)]
+
+
+def test_a_privileged_reader_on_a_mig_gpu_still_reads_memory_per_slice() -> None:
+    # With the MIG monitor capability the parent answers too; the slices' figures are the same.
+    reader, _, _ = make_reader([mig_gpu(0, mig_privileged=True)], task_of_pid=lambda pid: "job")
+    (s,) = reader.sample("n1")
+    assert s.memory_used_mb == 30_720 and [(p.pid, p.used_mb) for p in s.processes] == [(4242, 5_120.0)]
+    assert "memory" not in s.labels["nvml_unsupported"].split(",")
+
+
+def test_a_driver_or_binding_without_mig_calls_reads_every_gpu_whole() -> None:
+    class NoMigNvml(FakeNvml):
+        def nvmlDeviceGetMigMode(self, h):  # noqa: N802 - pynvml's name
+            raise fake_nvml.NVMLError_FunctionNotFound()
+
+    fake = NoMigNvml([rich_gpu(0)])
+    reader = NvmlReader(fake, node="n1", root="/nonexistent-root")
+    (s,) = reader.sample("n1")
+    assert s.mig is msgspec.UNSET and "nvml_unsupported" not in s.labels and s.processes
+
+
+@pytest.mark.parametrize(("g", "c", "memory_mb", "total_mb", "name"), [
+    (1, 1, 4_864, 40_960, "1g.5gb"),        # A100-40GB
+    (3, 3, 19_968, 40_960, "3g.20gb"),
+    (7, 7, 40_192, 40_960, "7g.40gb"),
+    (1, 1, 9_728, 81_920, "1g.10gb"),       # A100-80GB
+    (1, 1, 19_968, 81_920, "1g.20gb"),
+    (7, 7, 80_896, 81_920, "7g.80gb"),      # 79 GiB: named after the 8ths of the GPU it holds
+    (3, 1, 40_192, 81_920, "1c.3g.40gb"),   # a compute instance smaller than its GPU instance
+    (1, 1, 9_984, 81_559, "1g.10gb"),       # H100 80GB
+    (3, 3, 40_448, 81_559, "3g.40gb"),
+    (1, 1, 16_896, 143_771, "1g.18gb"),     # H200
+    (7, 7, 142_336, 143_771, "7g.141gb"),
+])
+def test_mig_profile_names_follow_nvidias(g: int, c: int, memory_mb: int, total_mb: int, name: str) -> None:
+    assert mig_profile_name(g, c, memory_mb, total_mb * 1024**2) == name
+
+
+def test_a_mig_profile_without_the_gpus_total_is_named_from_its_own_memory() -> None:
+    assert mig_profile_name(1, 1, 9_728, 0) == "1g.10gb"
+    assert mig_profile_name(0, 0, 9_728, 81_920 * 1024**2) == ""  # slices unknown: no name
