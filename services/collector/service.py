@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from fleetpilot.contracts import (
+    GpuSample,
     NicPortRate,
     NodeTelemetry,
     SimAck,
@@ -32,6 +33,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
+from fleetpilot.contracts.codec import NonFiniteFloat
 from fleetpilot.fleet.bandwidth import port_rates
 from fleetpilot.fleet.nvml_reader import read_ib_ports
 from fleetpilot.fleet.reader import FleetEvent, GpuReader
@@ -243,6 +245,7 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     if nvml is not None:
         host.health_check(nvml.health)
     last = {"at": time.monotonic()}
+    unsendable: set[str] = set()  # nodes whose last samples held NaN or an infinity (told once)
     # InfiniBand/RoCE counters of this host (real nodes only): rates come from deltas.
     ports = {"before": read_ib_ports(settings.host_root) if hardware is None else [], "at": time.monotonic()}
 
@@ -251,6 +254,26 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
         rates = port_rates(ports["before"], after, at - ports["at"])
         ports.update(before=after, at=at)
         return rates
+
+    def gpu_states(node: str, samples: list[GpuSample]) -> list[tuple[str, bytes]] | None:
+        """The node's ``gpu_state`` entries; ``None`` while one of its GPUs reads a value
+        JSON cannot carry (NaN, an infinity), told once until it reads well again. Its node's
+        batch is then left out, not the fleet's: ``encode`` refuses the value, and in this one
+        job the simulator reads every node (sent as null before, no consumer decoded it)."""
+        entries = []
+        for s in samples:
+            try:
+                entries.append((f"{node_key(node)}.{s.gpu}", encode(s)))
+            except NonFiniteFloat as exc:
+                if node not in unsendable:
+                    unsendable.add(node)
+                    log.error("%s GPU %d: the node's samples are not published while it reads: %s",
+                              node, s.gpu, exc)
+                return None
+        if node in unsendable:
+            unsendable.discard(node)
+            log.info("%s: every GPU reads a sendable value again; its samples are published", node)
+        return entries
 
     async def publish_topology(bus: Bus) -> None:
         for node in reader.node_names():
@@ -303,9 +326,11 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
             state: list[tuple[str, bytes]] = []
             for node in reader.node_names():
                 samples = reader.sample(node)
-                events.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples, nic_ports=nics))
+                node_state = gpu_states(node, samples)
+                if node_state is not None:
+                    events.append(NodeTelemetry(node=node, at=now(), source=source, gpus=samples, nic_ports=nics))
+                    state.extend(node_state)
                 events.extend(reader.task_samples(node))
-                state.extend((f"{node_key(node)}.{s.gpu}", encode(s)) for s in samples)
             return events, state
 
         # NVML calls block (tens of ms per GPU on some drivers), so they run off the event

@@ -22,7 +22,7 @@ from .catalog import (
     subject_for,
     subject_matches,
 )
-from .codec import decode, decoder_for, encode
+from .codec import NonFiniteFloat, decode, decoder_for, encode
 from .deadletter import DeadLetter
 from .decision import ActionKind, DecisionMade, Placement, PolicyRef
 from .feedback import FeedbackRecorded, FeedbackStats, Measured, Outcome, StatsGroup, StatsQuery
@@ -125,6 +125,7 @@ __all__ = [
     "NicPort",
     "NicPortRate",
     "NodeLedger",
+    "NonFiniteFloat",
     "NodeTelemetry",
     "NodeTopology",
     "OPERATIONAL_GPU_LABELS",

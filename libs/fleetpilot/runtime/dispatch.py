@@ -4,6 +4,9 @@ The one place where delivery semantics live, shared by both buses:
 
 - undecodable bytes (broken JSON, wrong type, unknown tag) → dead letter at once, ``term``;
 - ``Reject`` from the handler → dead letter at once, ``term``;
+- an event the handling made that holds NaN or an infinity (``NonFiniteFloat``: JSON has
+  neither) → dead letter at once (reason ``unencodable``, naming the field), ``term``, and
+  none of its outputs published: no delivery again can change the value;
 - ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
   ``max_deliver`` is reached, then dead letter and ``term``; a core message (telemetry) is
   never delivered again, so its failure is dead-lettered at once (reason ``failed``);
@@ -33,6 +36,7 @@ from typing import Any
 import msgspec
 
 from fleetpilot.contracts import DeadLetter, Event, decoder_for, dlq_subject, encode, now
+from fleetpilot.contracts.codec import NonFiniteFloat
 
 from . import tracing
 from .bus import Bus, Delivery, Inbound, Reject, Retry
@@ -105,12 +109,25 @@ class Dispatcher:
                 async with self._kept_in_progress(msg):
                     result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
                     outputs = as_events(result)
+                    if len(outputs) > 1:
+                        # Each encoded before any goes out: a message dead-lettered for one
+                        # output that cannot be sent has none of its outputs on the bus, so
+                        # its redrive, once fixed, publishes them all once.
+                        for out in outputs:
+                            encode(out)
                     carrier = tracing.inject_headers()
                     for out in outputs:
                         await self.bus.publish(out, headers=carrier)
             except Reject as exc:
                 span.record_exception(exc)
                 await self._dead_letter(msg, "rejected", str(exc))
+                return
+            except NonFiniteFloat as exc:
+                # Made again at every delivery: retried, it was handled max_deliver times
+                # (and, sent as null before, every consumer dead-lettered it as undecodable,
+                # far from the handler that made the value).
+                span.record_exception(exc)
+                await self._dead_letter(msg, "unencodable", str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
                 span.record_exception(exc)
@@ -192,6 +209,9 @@ def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler, *
         delivery = Delivery(subject="", headers=headers)
         try:
             result: Any = await (handler(event, delivery) if pass_delivery else handler(event))
+            # Encoded here, so that an answer that cannot be sent (``NonFiniteFloat``) is told
+            # and counted as the handler's failure, not left to nats.micro's silent 500.
+            reply = encode(result)
         except Reject as exc:
             return msgspec.json.encode({"error": str(exc)})
         except Exception as exc:
@@ -203,6 +223,6 @@ def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler, *
             raise
         if metrics is not None:
             metrics.handled(name, time.perf_counter() - started)
-        return encode(result)
+        return reply
 
     return handle

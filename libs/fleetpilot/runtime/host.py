@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from fleetpilot.contracts import CONSUMERS, ConsumerSpec, Event
+from fleetpilot.contracts.codec import NonFiniteFloat
 
 from . import logs, tracing
 from .bus import Bus
@@ -362,7 +363,8 @@ class ServiceHost:
         0.3 s. Events the bus refuses are kept and published first on the next tick, before
         the job runs again: given up at the first failed publish, the rest of a job's list
         was lost (the executor's ``evicted`` of a node's tasks whose holds it had released:
-        those tasks were placed nowhere again)."""
+        those tasks were placed nowhere again). An event that can never be sent (it holds NaN
+        or an infinity) is dropped and told instead (``_publish_sendable``)."""
         loop = asyncio.get_running_loop()
         name = getattr(periodic.job, "__name__", "?")
         unsent: list[Event] = []
@@ -386,7 +388,7 @@ class ServiceHost:
         most ``UNSENT_LIMIT``) to be published again."""
         for i, event in enumerate(events):
             try:
-                await self.bus.publish(event)  # type: ignore[union-attr]
+                await self._publish_sendable(event, "periodic job", job)
             except Exception as exc:  # noqa: BLE001 - kept, published again next tick
                 left = events[i:]
                 if len(left) > UNSENT_LIMIT:
@@ -397,6 +399,17 @@ class ServiceHost:
                             job, len(left), type(exc).__name__, exc)
                 return left
         return []
+
+    async def _publish_sendable(self, event: Event, origin: str, name: str) -> None:
+        """Publish ``event`` made by ``origin`` (``periodic job``, ``stopping hook``) ``name``.
+        One that can never be sent (``NonFiniteFloat``: it holds NaN or an infinity) is
+        dropped, logged and counted as ``name``'s error: kept to be published again, it was
+        refused at every tick, for ever, and every event the job made after it queued behind it."""
+        try:
+            await self.bus.publish(event)  # type: ignore[union-attr]
+        except NonFiniteFloat as exc:
+            log.error("%s %s: an event dropped, it cannot be sent: %s", origin, name, exc)
+            self.metrics.failed(name)
 
     def health(self) -> dict:
         """The ``/healthz`` document: ok while the bus is connected, no durable consumer
@@ -443,7 +456,7 @@ class ServiceHost:
     async def _publish_from(self, hook: Callable[[], Awaitable[object]]) -> None:
         for event in as_events(await hook()):  # type: ignore[arg-type]
             if self.bus is not None:
-                await self.bus.publish(event)
+                await self._publish_sendable(event, "stopping hook", getattr(hook, "__name__", "?"))
 
     async def _bounded(self, step: Awaitable[object], what: str, timeout_s: float) -> None:
         try:

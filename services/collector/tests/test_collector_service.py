@@ -504,3 +504,43 @@ def test_a_bad_nvml_timeout_is_a_one_line_error(monkeypatch, value):
         CollectorSettings.from_environment()
     message = str(bad.value)
     assert message.startswith(f"FLEETPILOT_COLLECTOR_NVML_TIMEOUT_S={value!r}") and "\n" not in message, message
+
+
+async def test_a_node_whose_reading_is_nan_sends_nothing_undecodable_and_the_others_go_on(nats_server, client, caplog):
+    """JSON has no NaN: written as ``null``, the node's batch and its ``gpu_state`` values were
+    sent and every consumer failed to decode them. Refused (``encode``), the batch must not take
+    every other node's telemetry down with it: the simulator samples the whole fleet at once."""
+    import dataclasses
+
+    class NanPower(SimulatedFleet):
+        def sample(self, node: str) -> list[GpuSample]:
+            samples = super().sample(node)
+            return [msgspec.structs.replace(samples[0], power_w=math.nan), *samples[1:]] if node == "a100-00" \
+                else samples
+
+    @dataclasses.dataclass
+    class Raw:
+        subject: str
+        data: bytes
+
+    sent: list[Raw] = []
+
+    async def on_gpu(msg) -> None:
+        sent.append(Raw(msg.subject, msg.data))
+
+    await client.subscribe("telemetry.gpu.>", on_gpu)
+    host = build(settings(nats_server.url), reader=NanPower(THREE_SITE, seed=3))
+    await host.start()
+    try:
+        await wait_for(lambda: {r.subject.rsplit(".", 1)[-1] for r in sent} >= NODES - {"a100-00"},
+                       what="the other nodes' telemetry")
+        await asyncio.sleep(0.5)  # two more ticks
+    finally:
+        await host.stop()
+    assert all(decode(r.data, NodeTelemetry).node != "a100-00" for r in sent)
+    keys = await (await client.kv("gpu_state")).keys()
+    assert keys and not any(k.startswith("a100-00.") for k in keys)
+    assert any(k.startswith("a100-01.") for k in keys)
+    told = [r.getMessage() for r in caplog.records if r.name == "fleetpilot.collector" and r.levelname == "ERROR"]
+    # Told once, not at every tick.
+    assert len(told) == 1 and "a100-00 GPU 0" in told[0] and "$.power_w is nan" in told[0]

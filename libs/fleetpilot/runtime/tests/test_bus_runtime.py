@@ -25,20 +25,6 @@ from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 
 
-@pytest.fixture(params=["memory", "nats"])
-async def bus(request):
-    if request.param == "memory":
-        bus = InMemoryBus()
-    else:
-        server = request.getfixturevalue("nats_server")
-        bus = await NatsBus.connect(server.url, "test")
-    await bus.ensure_topology()
-    yield bus
-    await bus.drain()
-
-
-
-
 def settings() -> ServiceSettings:
     return ServiceSettings(metrics_port=-1, nats_url="unused")
 
