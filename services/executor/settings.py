@@ -28,29 +28,29 @@ class ExecutorSettings(ServiceSettings):
     # The node this replica carries decisions out on (a DaemonSet's NODE_NAME); empty for
     # every node, as the simulated fleet's executor, or the process backend on one machine.
     node: str = ""
-    grace_s: float = 10.0
+    grace_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     # How long a task that moves has to save its checkpoint after the checkpoint signal
     # (SIGUSR1) before it is stopped as an eviction is (SIGTERM, then SIGKILL after
     # ``grace_s``). A task that saves and exits sooner ends the wait; a big model's
     # checkpoint can take tens of seconds, and one cut short restarts from nothing.
-    checkpoint_s: float = 30.0
-    default_duration_s: float = 120.0
+    checkpoint_s: float = Field(default=30.0, ge=0.0, allow_inf_nan=False)
+    default_duration_s: float = Field(default=120.0, gt=0.0, allow_inf_nan=False)
     process_log_dir: str = ""
-    decommission_threshold_c: float = 85.0
-    decommission_hot_for_s: float = 300.0
-    decommission_drain_s: float = 1800.0
-    health_interval_s: float = 60.0
-    health_window_s: float = 2 * 3600.0
-    health_sample_every_s: float = 30.0
-    health_threshold: float = MAINTENANCE_THRESHOLD
+    decommission_threshold_c: float = Field(default=85.0, allow_inf_nan=False)
+    decommission_hot_for_s: float = Field(default=300.0, ge=0.0, allow_inf_nan=False)
+    decommission_drain_s: float = Field(default=1800.0, allow_inf_nan=False)
+    health_interval_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
+    health_window_s: float = Field(default=2 * 3600.0, gt=0.0, allow_inf_nan=False)
+    health_sample_every_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    health_threshold: float = Field(default=MAINTENANCE_THRESHOLD, gt=0.0, le=1.0)
     # How often the tasks of unreachable nodes are given up, and (with ``node``) this
     # node's processes checked against the ledger.
-    silent_check_s: float = 30.0
+    silent_check_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     # A task handed over for a move between nodes that no target took within this long (every
     # answer lost, or the target gave up after the task was stopped here), while its hold
     # here is still in the ledger, is restarted here from its checkpoint. Well past the
     # target's last try (three times the checkpoint, the grace and 10 s).
-    hand_over_taken_within_s: float = 300.0
+    hand_over_taken_within_s: float = Field(default=300.0, allow_inf_nan=False)
     # With ``node``: how often this node's key in the ``executors`` bucket is rewritten, which
     # keeps the node in service (the topology service labels a node ``not_ready`` once its
     # executor's key has not changed for ``FLEETPILOT_TOPOLOGY_EXECUTOR_SILENT_AFTER_S``).

@@ -1,0 +1,35 @@
+"""The executor's settings refuse nonsense at start, in one line per setting: a NaN grace
+reached the hand-over request (``HandOver.grace_s``), which cannot be encoded; a negative
+one stopped tasks at once; a NaN period ran a job back to back."""
+
+from __future__ import annotations
+
+import pytest
+from fleetpilot_services.executor.settings import ExecutorSettings
+from pydantic import ValidationError
+
+REFUSED = [
+    ("grace_s", "nan"), ("grace_s", -1.0),
+    ("checkpoint_s", "nan"), ("checkpoint_s", -5.0),
+    ("default_duration_s", 0.0), ("default_duration_s", "inf"),
+    ("decommission_threshold_c", "nan"),
+    ("decommission_hot_for_s", -1.0),
+    ("health_interval_s", 0.0), ("health_interval_s", "nan"),
+    ("health_window_s", 0.0),
+    ("health_sample_every_s", -1.0),
+    ("health_threshold", 1.5), ("health_threshold", "nan"),
+    ("silent_check_s", 0.0), ("silent_check_s", "nan"),
+    ("hand_over_taken_within_s", "nan"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED)
+def test_a_nonsense_value_is_refused_naming_the_setting(name, value):
+    with pytest.raises(ValidationError) as refused:
+        ExecutorSettings(**{name: value})
+    assert name in str(refused.value)
+
+
+def test_the_defaults_and_sensible_edges_are_accepted():
+    ExecutorSettings()
+    ExecutorSettings(grace_s=0.0, checkpoint_s=0.0, decommission_hot_for_s=0.0, health_threshold=1.0)
