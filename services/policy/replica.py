@@ -79,6 +79,11 @@ PEAK_HEADROOM = 1.05
 """A task with a fingerprint asks for (and the ledger holds) its predicted peak times this,
 as the fleet benchmark reserves (``bench.fleet``'s ``_reservation``)."""
 
+FINGERPRINT_READ_LIMIT_S = 120.0
+"""The longest a replica that started waits to have read the recent fingerprints back before
+it places tasks (``reading_fingerprints``): past it, it places on what it has read, rather
+than hold every admission up behind a backlog it cannot get through."""
+
 SETTLED_AFTER_S = 60.0
 """A reserved hold this old whose decision the executor settled elsewhere is a leftover
 (``release_settled_reservations``): well past a result recorded before its hold's confirmation."""
@@ -187,6 +192,11 @@ class ReplicaState:
         # for that size costs now (``policy.spread``, read by ``request``).
         self.recent_waits = RecentWaits()
         self.decided_inputs = 0
+        # A replica that starts reads the recent fingerprints back (its consumer starts two
+        # days back) and places nothing meanwhile (``reading_fingerprints``): set when its
+        # consumer has delivered the last one stored, or at once when there is none to read.
+        self.fingerprints_read = False
+        self.started_at = now()
         # One replay record per state directory, not per replica: a replica's default id (host
         # and pid) changes at every start, and each run left a file of its own for ever.
         self.record_path = Path(settings.state_dir) / RECORD_FILE
@@ -307,6 +317,12 @@ class ReplicaState:
                             decision_id, key)
                 released += 1
         return released
+
+    def reading_fingerprints(self) -> bool:
+        """Whether this replica still reads back the fingerprints stored before it started,
+        for at most ``FINGERPRINT_READ_LIMIT_S``: a task placed meanwhile may have its own at
+        the end of that backlog, and would be held for its ask, not its predicted peak."""
+        return not self.fingerprints_read and now() - self.started_at < FINGERPRINT_READ_LIMIT_S
 
     async def journaled(self, decision_id: str) -> bool:
         """Whether the executor has taken ``decision_id`` (claimed it, or recorded its result).

@@ -84,7 +84,7 @@ from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy.preempt import claim_of, decode_pending, encode_pending
-from fleetpilot.runtime import Bus, CasConflict, Retry, ServiceHost, serve
+from fleetpilot.runtime import Bus, CasConflict, Delivery, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
@@ -200,6 +200,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         holder["untaken"] = UntakenReservations(bus, ledger, ps.executions, settings.untaken_expiry_s)
         ps.signatures = await bus.kv("fingerprints")
         ps.queue = queue = await PendingQueue.open(bus)
+        # No fingerprint stored within the replay window: nothing to read back first.
+        last_fingerprint = await bus.last_stored_at("task.fingerprinted")
+        ps.fingerprints_read = last_fingerprint is None or last_fingerprint < now() - FINGERPRINT_REPLAY_S
         ps.pending = queue.kv
         host.background(fleet.follow, "fleet-watch")
         host.background(ledger.follow, "ledger-watch")
@@ -272,8 +275,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     # the last run had, and removed at a clean stop (after ``RUN_IDLE_LIMIT_S`` idle when not).
     @host.on(TaskFingerprinted, consumer="policy-fingerprints", instance=settings.replica,
              instance_start_s_ago=FINGERPRINT_REPLAY_S)
-    async def on_fingerprint(event: TaskFingerprinted) -> None:
+    async def on_fingerprint(event: TaskFingerprinted, delivery: Delivery) -> None:
         ps = state()
+        if delivery.pending is None or delivery.pending == 0:
+            ps.fingerprints_read = True  # the last one stored when it came: read back
         if ps.fingerprinted_at.get(event.task_id, float("-inf")) > event.at:
             return  # a redelivered older fingerprint: the newer one stands
         # An observed fingerprint does not tell when the program grows nor how far its runs
@@ -308,7 +313,14 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # room: the task is queued, and the retry round places it once they report. (A Retry
         # here sent it to the dead letters after max_deliver, about five seconds, unplaced.)
         unknown_fleet = not ps.fleet.nodes
-        decision, name, shard_id = await ps.place(adm)
+        # A replica that started reads the recent fingerprints back first: the task's own may
+        # be at the end of that backlog. Queued, it is placed by a retry round once read (this
+        # replica's, or one of the others' at once).
+        reading = ps.reading_fingerprints()
+        if reading:
+            decision, (name, shard_id) = None, ps.active.current.route(adm.task)
+        else:
+            decision, name, shard_id = await ps.place(adm)
         if decision is not None:
             return outgoing(decision)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
@@ -331,6 +343,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 policy=PolicyRef(name=name, version=ps.active.current.versions.get(name, "1")),
                 shard_id=shard_id,
                 reason=("no fleet topology known yet; queued until the nodes report" if unknown_fleet
+                        else f"this replica started {now() - ps.started_at:.0f} s ago and reads back the recent "
+                        "fingerprints; queued until it has" if reading
                         else "no node has room now; queued until capacity frees"),
                 decided_at=now(),
                 task=adm.task,
@@ -342,8 +356,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     # returned, the runtime publishes them, and keeps what the bus refuses for the next tick.
     @host.every(settings.pending_retry_s)
     async def retry_pending() -> list[DecisionMade]:
-        if "state" not in holder:
-            return []
+        if "state" not in holder or state().reading_fingerprints():
+            return []  # placed once the recent fingerprints are read back (``on_admitted``)
         ps = state()
         round_ = RetryRound(ps, ps.queue, settings, outgoing)
         await round_.collect()

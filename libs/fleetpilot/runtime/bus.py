@@ -22,6 +22,10 @@ class Delivery:
     headers: dict[str, str] = field(default_factory=dict)
     deliveries: int = 1
     msg_id: str | None = None
+    pending: int | None = None
+    """How many messages the consumer had still to deliver after this one when it was
+    delivered (0: it was the last one stored then); ``None`` when not known (a core message,
+    the in-memory bus)."""
 
 
 class Retry(Exception):
@@ -89,6 +93,8 @@ class Inbound(abc.ABC):
     data: bytes
     headers: dict[str, str]
     deliveries: int
+    pending: int | None = None
+    """Messages the consumer had still to deliver after this one (``Delivery.pending``)."""
     origin: str | None = None
     """Where a stream keeps the message and who reads it (``<stream>:<consumer>:<sequence>``),
     the same at every delivery; ``None`` for one nothing keeps. Its dead letter's idempotency

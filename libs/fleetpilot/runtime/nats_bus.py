@@ -67,6 +67,7 @@ class _NatsInbound(Inbound):
         if durable:
             # Per consumer: two services that both refuse one message each keep a letter.
             self.origin = f"{msg.metadata.stream}:{msg.metadata.consumer}:{msg.metadata.sequence.stream}"
+            self.pending = msg.metadata.num_pending
 
     async def ack(self) -> None:
         if self._durable:

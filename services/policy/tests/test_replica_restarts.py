@@ -139,3 +139,31 @@ async def test_two_replicas_append_to_one_record_without_mixing_lines(observer, 
             await host.stop()
     lines = (tmp_path / "policy-states.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["task"]["task_id"] for line in lines) == sorted(f"t{i}" for i in range(40))
+
+
+async def test_a_task_admitted_while_a_started_replica_reads_back_the_fingerprints_waits_for_its_own(
+    observer, nats_url, tmp_path
+):
+    """A replica that starts reads the last two days of fingerprints again, thousands on a
+    busy fleet; an admission handled meanwhile was placed before the task's own fingerprint,
+    at the end of that backlog, was read: held for its 20 GB ask on the 40 GB GPU, to be
+    OOM-killed at its 60 GB peak. It is queued until the replica has read them, then placed."""
+    from fleetpilot.contracts import TaskFingerprinted, encode, now
+
+    await observer.put_fleet([node("big", gpus=1), node("small", gpus=1, model="A100-40GB", memory_mb=40_960)])
+    others = msgspec.structs.replace(flat(10_000), signature="sig-other")
+    for i in range(6000):
+        await observer.js.publish("task.fingerprinted", encode(TaskFingerprinted(
+            task_id=f"old-{i}", fingerprint=others, source="signature", at=now())))
+    await observer.js.publish("task.fingerprinted", encode(TaskFingerprinted(
+        task_id="grow", fingerprint=flat(PEAK_MB), source="signature", at=now())))
+    host = build(settings(nats_url, tmp_path, replica="policy-0", profile="bestfit", pending_retry_s=0.2))
+    await host.start()
+    try:
+        await observer.admit(admitted("grow", gpu_milli=1000, gpu_memory_mb=20_000))
+        await wait_for(lambda: any(d.action == "assign" for d in observer.decisions), timeout_s=30,
+                       what="grow placed")
+    finally:
+        await host.stop()
+    placed = next(d for d in observer.decisions if d.action == "assign")
+    assert [(p.node, p.memory_mb >= PEAK_MB) for p in placed.placement] == [("big", True)], placed.reason
