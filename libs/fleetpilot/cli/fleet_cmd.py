@@ -34,6 +34,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_NOT_READY,
     GPU_LABEL_UNREACHABLE,
     BandwidthEstimate,
+    ExecutorPresence,
     GpuSample,
     NodeLedger,
     NodeTopology,
@@ -69,6 +70,7 @@ class LiveFleet:
     samples: list[GpuSample] = field(default_factory=list)
     bandwidth: list[BandwidthEstimate] | None = None
     ledgers: list[NodeLedger] = field(default_factory=list)
+    executors: list[ExecutorPresence] = field(default_factory=list)
 
 
 def load_fleet_file(path: str, *, openb: bool | None = None) -> Fleet:
@@ -159,6 +161,7 @@ async def read_live(url: str) -> LiveFleet:
         live.samples = await _read_bucket(js, "gpu_state", GpuSample)
         live.bandwidth = await _last_bandwidth(js)
         live.ledgers = await _read_bucket(js, "ledger", NodeLedger)
+        live.executors = await _read_bucket(js, "executors", ExecutorPresence)
         return live
     except nats.js.errors.ServiceUnavailableError:
         raise no_jetstream(url) from None  # no fleet can run there: the spec is shown alone
@@ -253,6 +256,19 @@ def not_carried_out(ledgers: list[NodeLedger], now: float, older_than_s: float =
     return out
 
 
+EXECUTOR_SILENT_S = 60.0
+"""An executor that has not rewritten its node's key for this long is shown as silent (the
+topology service's ``EXECUTOR_SILENT_AFTER_S``: its node then takes no new work)."""
+
+
+def silent_executors(executors: list[ExecutorPresence], now: float, older_than_s: float = EXECUTOR_SILENT_S
+                     ) -> list[dict[str, Any]]:
+    """The nodes whose executor last said it was there more than ``older_than_s`` ago (by
+    its clock, read against this one's): the executor is down, and the node takes no new work."""
+    return [{"node": e.node, "replica": e.replica, "silent_s": round(now - e.at, 1)}
+            for e in sorted(executors, key=lambda e: e.node) if now - e.at > older_than_s]
+
+
 def gpu_rows(samples: list[GpuSample], nodes: list[NodeTopology] | None = None) -> list[dict[str, Any]]:
     """One compact record per GPU, ordered by node and index, with its state in service."""
     labels = {(n.node, g.index): g.labels for n in nodes or [] for g in n.gpus}
@@ -276,9 +292,11 @@ def _node_range(names: list[str]) -> str:
 
 
 def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
-                idle: list[dict[str, Any]] | None = None, stale: list[dict[str, Any]] | None = None) -> None:
+                idle: list[dict[str, Any]] | None = None, stale: list[dict[str, Any]] | None = None,
+                quiet: list[dict[str, Any]] | None = None) -> None:
     """Tables for people: the fleet, then (when live) one line per GPU, the GPUs out of
-    service (``idle``) and the nodes whose decisions wait for their executor (``stale``)."""
+    service (``idle``), the nodes whose decisions wait for their executor (``stale``) and
+    those whose executor has gone silent (``quiet``)."""
     total_nodes = sum(s["nodes"] for s in summary["sites"])
     total_gpus = sum(s["gpus"] for s in summary["sites"])
     print(f"fleet {summary['fleet']} ({summary['source']}): {_count(len(summary['sites']), 'site')}, "
@@ -330,6 +348,12 @@ def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
             shown = ", ".join(n["decisions"][:3]) + (f" (+{len(n['decisions']) - 3} more)" if len(n["decisions"]) > 3 else "")
             print(f"  {n['node']}: {_count(len(n['decisions']), 'decision')}, oldest {n['oldest_s'] / 60:.0f} min: "
                   f"{shown}", file=out)
+    if quiet:
+        print(f"executors silent (their nodes take no new work): {_count(len(quiet), 'node')}; "
+              "last word from each, by its clock:", file=out)
+        for e in quiet:
+            ago = f"{e['silent_s'] / 60:.0f} min" if e["silent_s"] >= 120 else f"{e['silent_s']:.0f} s"
+            print(f"  {e['node']}: {e['replica']}, {ago} ago", file=out)
 
 
 def main(args, out=None) -> int:
@@ -348,11 +372,13 @@ def main(args, out=None) -> int:
     rows = gpu_rows(live.samples, live.nodes) if live is not None else None
     idle = out_of_service(live.nodes) if live is not None else None
     stale = not_carried_out(live.ledgers, time.time()) if live is not None else None
+    quiet = silent_executors(live.executors, time.time()) if live is not None else None
     if args.json:
         doc: dict[str, Any] = {"fleet": summary}
         if live is not None:
-            doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle, "not_carried_out": stale}
+            doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle, "not_carried_out": stale,
+                           "silent_executors": quiet}
         print(json.dumps(doc, indent=2), file=out)
     else:
-        render_text(summary, rows, out, idle, stale)
+        render_text(summary, rows, out, idle, stale, quiet)
     return 0

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from fleetpilot.cli.fleet_cmd import service_state
 from fleetpilot.cli.main import main
-from fleetpilot.contracts import Allocation, GpuSample, NodeLedger, TopologyUpdated, encode
+from fleetpilot.contracts import Allocation, ExecutorPresence, GpuSample, NodeLedger, TopologyUpdated, encode
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.fleet.simulator import SimulatedFleet
@@ -258,6 +258,10 @@ async def _populate(url: str) -> list[GpuSample]:
         Allocation(task_id="w", decision_id="w.assign", gpu=5, milli=1000, at=at - 1)])))
     for s in samples:
         await state.put(f"{node_key(s.node)}.{s.gpu}", encode(s))
+    # orin-03's executor last said it was there 20 minutes ago; a100-01's a second ago.
+    executors = await bus.kv("executors")
+    await executors.put("orin-03", encode(ExecutorPresence(node="orin-03", replica="exec-orin-03", at=at - 1200)))
+    await executors.put("a100-01", encode(ExecutorPresence(node="a100-01", replica="exec-a100-01", at=at - 1)))
     live_estimate = SiteNetwork(fleet.links, used_gbps={"a-b-dark-fibre": 60.0}).estimates()
     await bus.publish(TopologyUpdated(revision=1, nodes=["a100-01"], bandwidth=live_estimate, at=1.0))
     await bus.drain()
@@ -301,6 +305,8 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     (stale,) = doc["live"]["not_carried_out"]
     assert stale["node"] == "orin-03" and stale["decisions"] == ["x.assign", "y.assign"]
     assert 1190 <= stale["oldest_s"] <= 1300
+    (quiet,) = doc["live"]["silent_executors"]
+    assert (quiet["node"], quiet["replica"]) == ("orin-03", "exec-orin-03") and 1190 <= quiet["silent_s"] <= 1300
 
     code, text, _ = run(capsys, "fleet", "--nats-url", nats_url)
     assert code == 0
@@ -313,6 +319,7 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert "live: 9 GPUs" in text
     assert "out of service: 3 GPUs" in text and "  orin-04/0 (Jetson-Orin): unreachable" in text
     assert "  orin-03: 2 decisions, oldest 20 min: x.assign, y.assign" in text
+    assert "  orin-03: exec-orin-03, 20 min ago" in text
 
 
 def test_fleet_finds_the_bus_a_running_fleetpilot_up_announced(capsys, nats_url, tmp_path):
