@@ -19,7 +19,8 @@ build its fleet snapshot and the expiry job to find offers past their validity.
   after the other: the second reads the first's answer instead of giving its own, which
   could differ (an admission and a counter-offer for one submission). Created, then
   deleted at its revision; one left by a replica that died mid-negotiation is taken over
-  once it is ``CLAIM_STALE_S`` old, and removed by the expiry job if nobody needs it.
+  once a waiter has seen it unchanged for ``CLAIM_STALE_S``, and removed by the expiry job
+  (after as long, seen by it) if nobody needs it. Both time it on their own clocks.
 
 A negotiated rejection is kept apart, in the ``rejections`` bucket (a day's time-to-live):
 a :class:`RejectionRecord` per task, so a redelivered submission (its acknowledgement lost,
@@ -29,7 +30,6 @@ its replica gone) gets the rejection it was given, not a second answer that may 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -48,7 +48,7 @@ OFFER_PREFIX = "offer."
 CLAIM_PREFIX = "claim."
 
 CLAIM_STALE_S = 30.0
-"""How old a negotiation claim is when its holder is taken to have died. A negotiation reads
+"""How long a negotiation claim seen unchanged means its holder died. A negotiation reads
 a few keys and writes one (milliseconds); a live holder slower than this loses only the
 serialisation, not correctness: the admission and offer writes are compare-and-set too."""
 
@@ -115,9 +115,11 @@ class ContractStore:
         # Declined and expired offers by task, with when they closed: their task never runs,
         # so no lifecycle event ever forgets them; the expiry job drops them after a while.
         self.closed_offers: dict[str, float] = {}
-        # Negotiation claims by key, with when they were taken: one whose holder died would
+        # Negotiation claims by key, as the watch last gave them: one whose holder died would
         # otherwise stay until its task id came again, which it may never do.
-        self.claims: dict[str, float] = {}
+        self.claims: dict[str, bytes] = {}
+        # When the expiry job first saw each claim as it is now, on its clock (``drop_stale_claims``).
+        self._claims_seen: dict[str, tuple[bytes, float]] = {}
 
     @classmethod
     async def open(cls, bus: Bus) -> ContractStore:
@@ -140,7 +142,7 @@ class ContractStore:
                 if value is None:
                     self.claims.pop(key, None)
                 else:
-                    self.claims[key] = _CLAIM.decode(value).at
+                    self.claims[key] = value
             elif key.startswith(CONTRACT_PREFIX):
                 if value is None:
                     self._drop_contract(key)
@@ -191,8 +193,12 @@ class ContractStore:
                     stale_s: float = CLAIM_STALE_S) -> int:
         """Hold the task's negotiation claim, waiting while another replica holds it; its revision.
 
-        A claim older than ``stale_s`` by ``clock`` (its holder died holding it) is taken over."""
+        A claim this waiter has seen unchanged for ``stale_s`` by ``clock`` (its holder died
+        holding it) is taken over. Timed from when this waiter first saw it, on its own
+        clock: the holder's stamp read on another clock made a waiter whose clock ran ahead
+        take a live claim over, and two replicas negotiated one submission at once."""
         key = claim_key(task_id)
+        seen: tuple[int, float] | None = None  # the claim's revision, and when first seen
         while True:
             mine = encode(NegotiationClaim(holder=holder, at=clock()))
             try:
@@ -202,11 +208,9 @@ class ContractStore:
             entry = await self._kv.get(key)
             if entry is None or entry.value is None:
                 continue  # released between the two calls
-            try:
-                held_since = _CLAIM.decode(entry.value).at
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                held_since = float("-inf")  # unreadable: nobody can be holding it
-            if clock() - held_since > stale_s:
+            if seen is None or seen[0] != entry.revision:
+                seen = (entry.revision, clock())
+            if clock() - seen[1] > stale_s:
                 try:
                     return await self._kv.update(key, mine, entry.revision)
                 except CasConflict:
@@ -222,22 +226,27 @@ class ContractStore:
                         task_id, CLAIM_STALE_S)
 
     async def drop_stale_claims(self, now: float, stale_s: float = CLAIM_STALE_S) -> None:
-        """Delete the claims their holders left behind (older than ``stale_s`` by ``now``)."""
-        for key, at in list(self.claims.items()):
-            if now - at <= stale_s:
+        """Delete the claims their holders left behind: seen unchanged for more than
+        ``stale_s`` by ``now``, the expiry job's clock, from when it first saw each (never the
+        holder's stamp, which another clock wrote)."""
+        self._claims_seen = {key: seen for key, seen in self._claims_seen.items() if key in self.claims}
+        for key, value in list(self.claims.items()):
+            seen = self._claims_seen.get(key)
+            if seen is None or seen[0] != value:
+                self._claims_seen[key] = (value, now)
+                continue
+            if now - seen[1] <= stale_s:
                 continue
             entry = await self._kv.get(key)
             if entry is not None and entry.value is not None:
-                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    # Taken over since the watch last said: judged by its new time.
-                    if now - (at := _CLAIM.decode(entry.value).at) <= stale_s:
-                        self.claims[key] = at
-                        continue
+                if entry.value != value:
+                    continue  # taken over since the watch last said: the watch brings it
                 try:
                     await self._kv.delete(key, revision=entry.revision)
                 except CasConflict:
-                    continue  # taken over meanwhile: the watch brings its new time
+                    continue  # taken over meanwhile
             self.claims.pop(key, None)
+            self._claims_seen.pop(key, None)
 
     async def forget(self, task_id: str) -> None:
         """Drop the contract and any offer of a task that has ended."""

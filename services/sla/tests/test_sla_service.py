@@ -681,18 +681,22 @@ async def test_copies_of_a_submission_at_two_replicas_get_one_answer(rig):
 
 async def test_a_claim_left_by_a_dead_replica_is_taken_over_and_then_swept(rig):
     """A replica that died while negotiating leaves its claim: the task's next negotiation
-    takes it over once it is stale, and the expiry job removes one nobody comes back for."""
+    takes it over once it has waited ``CLAIM_STALE_S`` on it, and the expiry job removes one
+    nobody comes back for, once it has seen it that long."""
     contracts = await rig.bus.kv("contracts")
-    dead = encode(NegotiationClaim(holder="gone", at=rig.clock() - CLAIM_STALE_S - 1))
+    dead = encode(NegotiationClaim(holder="gone", at=rig.clock() - 3600))
     await contracts.put(claim_key("t-orphan"), dead)
     await contracts.put(claim_key("t-again"), dead)
+    await rig.start_sla()
     replica = await negotiator_on(rig)
     task = TaskSubmitted(task_id="t-again", tenant="acme", gpus=1)
-    answer = await asyncio.wait_for(replica.submitted(task, redelivered=False), 10)
-    assert isinstance(answer, TaskAdmitted)
-    await rig.start_sla()
+    waiting = asyncio.create_task(replica.submitted(task, redelivered=False))
+    await asyncio.sleep(0.5)  # the waiter, and the expiry job, see the claims
+    assert not waiting.done()  # an hour-old stamp is not enough: it waits its own 30 s
+    rig.clock.advance(CLAIM_STALE_S + 1)
     fresh = encode(NegotiationClaim(holder="alive", at=rig.clock()))
     await contracts.put(claim_key("t-live"), fresh)
+    assert isinstance(await asyncio.wait_for(waiting, 10), TaskAdmitted)
 
     async def swept() -> bool:
         return claim_key("t-orphan") not in await contracts.keys()
@@ -700,6 +704,21 @@ async def test_a_claim_left_by_a_dead_replica_is_taken_over_and_then_swept(rig):
     await eventually(swept, timeout_s=10, what="the orphan claim removed")
     assert claim_key("t-live") in await contracts.keys() and claim_key("t-again") not in await contracts.keys()
 
+
+async def test_a_replica_whose_clock_runs_ahead_waits_for_a_live_claim(rig):
+    """A claim's age was the holder's stamp read on the waiter's clock: a waiter whose clock
+    ran a minute ahead took a claim held a moment ago for a dead replica's, and two
+    replicas negotiated one submission at once. A waiter now times the claim on its own
+    clock, from when it first saw it."""
+    from fleetpilot_services.sla.store import ContractStore
+
+    holder, waiter = await ContractStore.open(rig.bus), await ContractStore.open(rig.bus)
+    revision = await holder.claim("t-skew", "a", rig.clock)
+    ahead = asyncio.create_task(waiter.claim("t-skew", "b", lambda: rig.clock() + 60.0))
+    await asyncio.sleep(0.5)
+    assert not ahead.done()  # the claim is held: it waits
+    await holder.release("t-skew", revision)
+    await asyncio.wait_for(ahead, 5)
 
 async def test_one_submission_admitted_by_two_replicas_keeps_the_contract_stored_first(rig):
     """Two replicas admitting one task at once (the first so slow that its claim went stale
