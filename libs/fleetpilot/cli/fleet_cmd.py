@@ -31,6 +31,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_DECOMMISSIONED,
     GPU_LABEL_MAINTENANCE_PENDING,
     GPU_LABEL_MAINTENANCE_RISK,
+    GPU_LABEL_MIG,
     GPU_LABEL_NOT_READY,
     GPU_LABEL_UNREACHABLE,
     BandwidthEstimate,
@@ -215,12 +216,14 @@ def summarise(fleet: Fleet, source: str, live: LiveFleet | None) -> dict[str, An
 def service_state(labels: dict[str, str]) -> str:
     """A GPU's state in service, from the labels operations put on it: ``unreachable`` (its
     node's collector went silent: its tasks are given up), ``not_ready`` (silent a shorter
-    while: no new work), ``decommissioned``, ``cordoned``, ``maintenance (risk R)``, else
+    while: no new work), ``decommissioned``, ``cordoned``, ``mig`` (cut into MIG slices, which
+    placement does not model), ``maintenance (risk R)``, else
     ``ok``. The first that holds wins, in that order."""
     def on(label: str) -> bool:
         return labels.get(label, "").lower() == "true"
 
-    for label in (GPU_LABEL_UNREACHABLE, GPU_LABEL_NOT_READY, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_CORDONED):
+    for label in (GPU_LABEL_UNREACHABLE, GPU_LABEL_NOT_READY, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_CORDONED,
+                  GPU_LABEL_MIG):
         if on(label):
             return label
     if on(GPU_LABEL_MAINTENANCE_PENDING):

@@ -149,6 +149,9 @@ GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
 # tasks are taken as lost with it). Cleared when it reports again; a node has one at most.
 GPU_LABEL_NOT_READY = "not_ready"
 GPU_LABEL_UNREACHABLE = "unreachable"
+# Set by the collector on a GPU in MIG mode: its CUDA devices are its slices, which placement
+# does not model (a task given the GPU's index sees no device), so it takes no new work.
+GPU_LABEL_MIG = "mig"
 # Business labels: what a GPU is for, set in the fleet spec or by an operator. ``role`` is the
 # short form of ``business_role`` (an operator's override); ``reserved`` takes no new work.
 # ``driver_pin``: the driver the GPU is held at (else the ``driver_version`` it reports);
@@ -163,7 +166,7 @@ TASK_LABEL_DRIVER = "driver"
 ROLE_RESERVED = "reserved"
 # Under any of these a GPU takes no new work: no placement, move, resize or promise of it.
 OUT_OF_SERVICE_GPU_LABELS = (GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
-                             GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE)
+                             GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE, GPU_LABEL_MIG)
 OPERATIONAL_GPU_LABELS = frozenset({GPU_LABEL_CORDONED, GPU_LABEL_DECOMMISSIONED, GPU_LABEL_MAINTENANCE_PENDING,
                                     GPU_LABEL_MAINTENANCE_RISK, GPU_LABEL_ROLE, GPU_LABEL_DRIVER_PIN,
                                     GPU_LABEL_TASK_KINDS, GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE})

@@ -47,6 +47,7 @@ from fleetpilot.contracts.telemetry import (
     TaskTelemetry,
 )
 from fleetpilot.contracts.topology import (
+    GPU_LABEL_MIG,
     GpuInfo,
     Link,
     MigDeviceInfo,
@@ -750,11 +751,12 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
         affinity = attempt(nvml.nvmlDeviceGetCpuAffinity, h, cpu_words)
         model = _text(attempt(nvml.nvmlDeviceGetName, h, default=""))
         total = int(mem.total) if mem is not None else _catalogue_total_bytes(model)
+        layout = _mig_layout(nvml, h, total)
         gpus.append(GpuInfo(index=i, model=model,
                             uuid=_text(attempt(nvml.nvmlDeviceGetUUID, h, default="")),
                             memory_mb=int(mem.total // MB) if mem is not None else 0, numa_node=numa,
                             cpu_affinity=_cpu_ranges(affinity) if affinity is not None else "", pci_bus_id=bus,
-                            mig=_mig_layout(nvml, h, total)))
+                            mig=layout, labels={GPU_LABEL_MIG: "true"} if layout and layout.enabled else {}))
 
     pair_links: dict[tuple[int, int], int] = {}
     switch_links = [0] * len(handles)

@@ -275,6 +275,7 @@ async def _populate(url: str) -> list[GpuSample]:
     ({"unreachable": "true", "cordoned": "true"}, "unreachable"),
     ({"cordoned": "false"}, "ok"),  # an operator clears a label with "false"
     ({"maintenance_pending": "true"}, "maintenance"),
+    ({"mig": "true"}, "mig"),
 ])
 def test_a_gpu_state_names_the_strongest_reason_it_takes_no_work(labels, state):
     assert service_state(labels) == state

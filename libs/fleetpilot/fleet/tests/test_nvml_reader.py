@@ -638,3 +638,14 @@ def test_mig_profile_names_follow_nvidias(g: int, c: int, memory_mb: int, total_
 def test_a_mig_profile_without_the_gpus_total_is_named_from_its_own_memory() -> None:
     assert mig_profile_name(1, 1, 9_728, 0) == "1g.10gb"
     assert mig_profile_name(0, 0, 9_728, 81_920 * 1024**2) == ""  # slices unknown: no name
+
+
+def test_a_gpu_in_mig_mode_takes_no_whole_gpu_work() -> None:
+    # Its CUDA devices are its slices, which placement does not model: a task given the
+    # GPU's index saw no device at all. Labelled ``mig``, it is out of service for placement.
+    from fleetpilot.contracts import GPU_LABEL_MIG, in_service
+
+    reader, _, _ = make_reader([mig_gpu(0), rich_gpu(1)])
+    topo = reader.topology("n1")
+    assert topo.gpus[0].labels.get(GPU_LABEL_MIG) == "true" and not in_service(topo.gpus[0].labels)
+    assert GPU_LABEL_MIG not in topo.gpus[1].labels and in_service(topo.gpus[1].labels)
