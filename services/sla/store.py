@@ -99,6 +99,14 @@ def offer_key(task_id: str) -> str:
     return OFFER_PREFIX + node_key(task_id)
 
 
+def _holder_of(value: bytes) -> str | None:
+    """The holder a stored claim names; ``None`` for one that does not decode."""
+    try:
+        return _CLAIM.decode(value).holder
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def claim_key(task_id: str) -> str:
     """The key of a task's negotiation claim."""
     return CLAIM_PREFIX + node_key(task_id)
@@ -120,6 +128,9 @@ class ContractStore:
         self.claims: dict[str, bytes] = {}
         # When the expiry job first saw each claim as it is now, on its clock (``drop_stale_claims``).
         self._claims_seen: dict[str, tuple[bytes, float]] = {}
+        # The tasks this replica is negotiating now: a claim in its name for any other task
+        # was left by one of its own negotiations whose release was lost (``claim``).
+        self._holding: set[str] = set()
 
     @classmethod
     async def open(cls, bus: Bus) -> ContractStore:
@@ -196,13 +207,16 @@ class ContractStore:
         A claim this waiter has seen unchanged for ``stale_s`` by ``clock`` (its holder died
         holding it) is taken over. Timed from when this waiter first saw it, on its own
         clock: the holder's stamp read on another clock made a waiter whose clock ran ahead
-        take a live claim over, and two replicas negotiated one submission at once."""
+        take a live claim over, and two replicas negotiated one submission at once. A claim in
+        ``holder``'s own name that none of its negotiations holds now (its release was lost
+        with the server) is taken back at once: the submission's next delivery waited 30 s."""
         key = claim_key(task_id)
         seen: tuple[int, float] | None = None  # the claim's revision, and when first seen
         while True:
             mine = encode(NegotiationClaim(holder=holder, at=clock()))
             try:
-                return await self._kv.create(key, mine)
+                revision = await self._kv.create(key, mine)
+                break
             except CasConflict:
                 pass
             entry = await self._kv.get(key)
@@ -210,20 +224,29 @@ class ContractStore:
                 continue  # released between the two calls
             if seen is None or seen[0] != entry.revision:
                 seen = (entry.revision, clock())
-            if clock() - seen[1] > stale_s:
+            if clock() - seen[1] > stale_s or (task_id not in self._holding and _holder_of(entry.value) == holder):
                 try:
-                    return await self._kv.update(key, mine, entry.revision)
+                    revision = await self._kv.update(key, mine, entry.revision)
+                    break
                 except CasConflict:
                     continue  # another waiter took it over first
             await asyncio.sleep(CLAIM_POLL_S)
+        self._holding.add(task_id)
+        return revision
 
     async def release(self, task_id: str, revision: int) -> None:
-        """Give the claim taken at ``revision`` back (not one taken over since)."""
+        """Give the claim taken at ``revision`` back (not one taken over since). A release the
+        server does not answer is told, not raised: the answer negotiated under the claim
+        still goes out, and the claim left is taken back by this replica at once, by another
+        once stale, and swept by the expiry job."""
+        self._holding.discard(task_id)
         try:
             await self._kv.delete(claim_key(task_id), revision=revision)
         except CasConflict:
             log.warning("negotiation claim of %s was taken over while held: its holder was slower than %g s",
                         task_id, CLAIM_STALE_S)
+        except Exception as exc:  # noqa: BLE001 - the server gone: the claim stays, handled as above
+            log.warning("negotiation claim of %s not released (%s); left to be taken back or swept", task_id, exc)
 
     async def drop_stale_claims(self, now: float, stale_s: float = CLAIM_STALE_S) -> None:
         """Delete the claims their holders left behind: seen unchanged for more than

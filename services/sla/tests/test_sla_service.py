@@ -110,6 +110,7 @@ class Rig:
         self.publish_keys()
         self.recorder = Recorder()
         self.hosts = []
+        self.replicas = 0  # negotiators opened by ``negotiator_on``, each its own replica
 
     def publish_keys(self) -> None:
         save_jwks(self.ring.public_jwks(), self.jwks)
@@ -537,12 +538,15 @@ def test_a_missing_or_unreadable_key_set_stops_the_service_with_one_line(tmp_pat
 
 
 async def negotiator_on(rig: Rig):
-    """A negotiator of its own over the rig's buckets, as another replica would open it."""
+    """A negotiator of its own over the rig's buckets, as another replica would open it (under
+    a replica name of its own, as every replica has)."""
     from fleetpilot.ledger import FleetView, LedgerStore
     from fleetpilot_services.sla.service import Negotiator
     from fleetpilot_services.sla.store import ContractStore
 
-    settings = SlaSettings(nats_url=rig.url, metrics_port=-1, jwks_path=str(rig.jwks), state_dir=str(rig.tmp))
+    rig.replicas += 1
+    settings = SlaSettings(nats_url=rig.url, metrics_port=-1, jwks_path=str(rig.jwks), state_dir=str(rig.tmp),
+                           replica=f"sla-{rig.replicas}")
     return Negotiator(rig.bus, settings, rig.clock, await FleetView.open(rig.bus), await LedgerStore.open(rig.bus),
                       await ContractStore.open(rig.bus))
 
@@ -719,6 +723,30 @@ async def test_a_replica_whose_clock_runs_ahead_waits_for_a_live_claim(rig):
     assert not ahead.done()  # the claim is held: it waits
     await holder.release("t-skew", revision)
     await asyncio.wait_for(ahead, 5)
+
+async def test_a_claim_whose_release_was_lost_is_taken_back_at_once_by_its_own_replica(rig, monkeypatch):
+    """The server went away as a negotiation released its claim (``nats: timeout``): the
+    handler failed, and the submission's next delivery, to the same replica, waited 30 s
+    for a claim nobody held. The lost release is logged, the answer still goes out, and
+    the replica takes its own claim back at once; another replica still waits for it."""
+    from fleetpilot_services.sla.store import ContractStore
+
+    store, other = await ContractStore.open(rig.bus), await ContractStore.open(rig.bus)
+    revision = await store.claim("t-lost", "a", rig.clock)
+    delete = store._kv.delete
+
+    async def server_gone(*args, **kwargs):
+        raise TimeoutError("nats: timeout")
+
+    monkeypatch.setattr(store._kv, "delete", server_gone)
+    await store.release("t-lost", revision)  # told, not raised
+    monkeypatch.setattr(store._kv, "delete", delete)
+    waiting = asyncio.create_task(other.claim("t-lost", "b", rig.clock))
+    again = await asyncio.wait_for(store.claim("t-lost", "a", rig.clock), 2)
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # held again, by "a"
+    await store.release("t-lost", again)
+    await asyncio.wait_for(waiting, 5)
 
 async def test_one_submission_admitted_by_two_replicas_keeps_the_contract_stored_first(rig):
     """Two replicas admitting one task at once (the first so slow that its claim went stale
