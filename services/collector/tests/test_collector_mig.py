@@ -3,23 +3,13 @@ nats-server: what a consumer decodes off the bus."""
 
 from __future__ import annotations
 
-import pytest
 from fleetpilot.contracts import NodeTelemetry, TaskTelemetry, TopologyReport, decode
 from fleetpilot.fleet.fake_nvml import NVML_DEVICE_MIG_ENABLE, FakeGpu, FakeMigDevice, FakeNvml
 from fleetpilot.fleet.nvml_reader import NvmlReader
-from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.collector.service import CollectorSettings, build
 
 GIB = 1024**3
-
-
-@pytest.fixture
-async def client(nats_server):
-    bus = await NatsBus.connect(nats_server.url, "collector-mig-test")
-    await bus.ensure_topology()
-    yield bus
-    await bus.drain()
 
 
 async def test_a_task_on_a_mig_slice_is_published_with_its_memory_and_the_slices_are_seen(nats_server, client):

@@ -94,14 +94,6 @@ class Recorder:
         await bus.subscribe("sim.event.*", on_sim)
 
 
-@pytest.fixture
-async def client(nats_server):
-    bus = await NatsBus.connect(nats_server.url, "collector-test")
-    await bus.ensure_topology()
-    yield bus
-    await bus.drain()
-
-
 async def test_publishes_valid_telemetry_topology_and_gpu_state(nats_server, client):
     seen = Recorder()
     await seen.attach(client)
