@@ -73,9 +73,13 @@ def generate_jwk(alg: str) -> dict[str, Any]:
 
 def _finite_number(value: Any) -> float | None:
     """``value`` as seconds when it is a finite JSON number (no bool, NaN or infinity), else None."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int JSON read from 400 digits: no float holds it
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def _key_from_document(entry: Any, index: int) -> SigningKey:

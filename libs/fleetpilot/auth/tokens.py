@@ -20,20 +20,32 @@ from typing import Any, Literal
 
 import jwt
 
-from .keys import SUPPORTED_ALGORITHMS, Clock, KeyRing
+from .keys import SUPPORTED_ALGORITHMS, Clock, KeyRing, _finite_number
 
 AuthReason = Literal[
     "malformed", "alg_not_allowed", "unknown_kid", "key_retired", "forged", "expired",
     "not_yet_valid", "wrong_audience", "wrong_issuer", "missing_claim", "no_tenant",
 ]
 REQUIRED_CLAIMS = ("exp", "nbf", "iat", "aud", "iss")
+# A refusal's detail quotes what the sender wrote (alg, kid, pyjwt's messages) before any
+# signature is checked: it is cut to this length so that a 100 kB kid is not logged and sent
+# back in the rejection event whole.
+_DETAIL_MAX = 200
+
+
+def _one_line(text: str) -> str:
+    """``text`` with its unprintable characters escaped (a newline forged a log line) and cut
+    to ``_DETAIL_MAX`` characters."""
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return text if len(text) <= _DETAIL_MAX else text[:_DETAIL_MAX] + "..."
 
 
 class AuthError(Exception):
     """A token was refused; ``reason`` is machine-readable, the message says why to a human."""
 
     def __init__(self, reason: AuthReason, detail: str) -> None:
-        """Carry the ``reason`` code and a one-line ``detail``."""
+        """Carry the ``reason`` code and a one-line ``detail`` (made one short line here)."""
+        detail = _one_line(detail)
         super().__init__(f"{reason}: {detail}")
         self.reason: AuthReason = reason
         self.detail = detail
@@ -62,8 +74,9 @@ def mint_token(keyring: KeyRing, tenant: str, audience: str, issuer: str, ttl_s:
     ``ttl_s`` may not exceed the ring's overlap window, so that a token never outlives the key
     that signed it. ``clock`` defaults to the ring's clock.
     """
-    if not tenant:
-        raise ValueError("tenant must not be empty")
+    if not isinstance(tenant, str) or not tenant:
+        # A list passed `not tenant`, and the verifier then took the subject as the tenant.
+        raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
     if not 0 < ttl_s <= keyring.overlap_s:
         raise ValueError(f"ttl_s must be in (0, {keyring.overlap_s:g}] (the key overlap window)")
     key = keyring.signing_key()
@@ -79,11 +92,9 @@ def mint_token(keyring: KeyRing, tenant: str, audience: str, issuer: str, ttl_s:
 
 def _numeric_date(value: Any) -> float | None:
     """A JWT NumericDate (RFC 7519 section 2: a JSON number) as seconds, ``None`` when it is
-    no finite number (a string, a boolean, NaN or an infinity, which Python's json reads)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    seconds = float(value)
-    return seconds if math.isfinite(seconds) else None
+    no finite number (a string, a boolean, NaN or an infinity, which Python's json reads, or
+    an integer too large for a float)."""
+    return _finite_number(value)
 
 
 class TokenVerifier:
@@ -135,7 +146,11 @@ class TokenVerifier:
             member = {k: v for k, v in jwk.items() if k != "valid_until"}
             try:
                 key = jwt.PyJWK(member, alg).key
-                valid_until = None if jwk.get("valid_until") is None else float(jwk["valid_until"])
+                until = jwk.get("valid_until")
+                valid_until = None if until is None else _numeric_date(until)
+                if until is not None and valid_until is None:
+                    # float() took "nan" and NaN (never retired) and raised on a huge int.
+                    raise ValueError("valid_until is no finite number")
             except (jwt.PyJWTError, TypeError, ValueError):
                 # One key pyjwt cannot load raised out of every reload before, and the SLA
                 # service's gate then failed every request while the file held it.
@@ -193,7 +208,11 @@ class TokenVerifier:
         if now + self.leeway_s < iat:
             # pyjwt's own iat check is off (it reads the wall clock), so it is made here.
             raise AuthError("not_yet_valid", f"issued {iat - now:.0f} s in the future")
-        tenant = next((claims[c] for c in self.tenant_claims if isinstance(claims.get(c), str) and claims[c]), None)
+        wrong_type = [c for c in self.tenant_claims if claims.get(c) is not None and not isinstance(claims[c], str)]
+        if wrong_type:
+            # Skipped, a list tenant let the next claim (``sub``, a user) name the tenant.
+            raise AuthError("malformed", f"claim {wrong_type[0]} is no string")
+        tenant = next((claims[c] for c in self.tenant_claims if claims.get(c)), None)
         if tenant is None:
             raise AuthError("no_tenant", f"none of the claims {', '.join(self.tenant_claims)} names a tenant")
         aud = claims["aud"]

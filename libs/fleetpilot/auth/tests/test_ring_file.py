@@ -181,6 +181,9 @@ DAMAGED = {
     "kid no string": _ring_document(kid=5),
     "key no object": json.dumps({"algorithm": "EdDSA", "rotation_s": 7 * DAY_S, "overlap_s": DAY_S, "keys": [1]}),
     "overlap NaN": _ring_document().replace(f'"overlap_s": {DAY_S}', '"overlap_s": NaN'),
+    # An integer too large for a float: math.isfinite raised OverflowError, a traceback.
+    "created_at too large": _ring_document().replace(f'"created_at": {T0}', '"created_at": 1' + "0" * 400),
+    "rotation too large": _ring_document().replace(f'"rotation_s": {7 * DAY_S}', '"rotation_s": 1' + "0" * 400),
     "not an object": "[]",
 }
 

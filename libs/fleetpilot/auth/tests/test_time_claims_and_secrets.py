@@ -8,7 +8,7 @@ import stat
 
 import jwt
 import pytest
-from fleetpilot.auth import AuthError, KeyRing, TokenVerifier, save_jwks
+from fleetpilot.auth import AuthError, KeyRing, TokenVerifier, mint_token, save_jwks
 
 AUD, ISS = "fleetpilot", "https://auth.example"
 T0 = 1_800_000_000.0
@@ -78,3 +78,34 @@ def test_a_verifier_refuses_a_leeway_that_would_let_tokens_live_forever(leeway_s
     # With a NaN leeway `now >= exp + leeway` was never true: no token expired.
     with pytest.raises(ValueError, match="leeway_s must be a finite number"):
         TokenVerifier({"keys": []}, audience=AUD, issuer=ISS, leeway_s=leeway_s)
+
+
+@pytest.mark.parametrize("name", ["exp", "nbf", "iat"])
+def test_a_time_claim_too_large_for_a_float_is_malformed_not_a_crash(name: str) -> None:
+    # JSON reads 1000...0 (400 digits) as a Python int; float() of it raised OverflowError,
+    # which escaped verify as a traceback instead of an AuthError.
+    ring = KeyRing(clock=lambda: T0)
+    ring.signing_key()
+    verifier = TokenVerifier(ring.public_jwks(), audience=AUD, issuer=ISS, clock=lambda: T0 + 60)
+    claims = {"tenant": "acme", "sub": "acme", "aud": AUD, "iss": ISS, "iat": T0, "nbf": T0, "exp": T0 + 600,
+              name: 10**400}
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_signed(ring, claims))
+    assert err.value.reason == "malformed", str(err.value)
+
+
+@pytest.mark.parametrize("valid_until", [float("nan"), "nan", str(T0 + 600), 10**400],
+                         ids=["nan", "text-nan", "text-number", "int-too-large"])
+def test_a_key_whose_valid_until_is_no_finite_number_is_skipped(valid_until) -> None:
+    # float() took the text "nan" and JSON's NaN: `now > nan` is never true, so a stale key
+    # set kept such a key verifying for ever; an int too large raised OverflowError out of
+    # update_jwks (which the SLA gate's reload does not catch). The README: skipped.
+    ring = KeyRing(clock=lambda: T0)
+    ring.signing_key()
+    token = mint_token(ring, "acme", AUD, ISS, ttl_s=600)
+    jwks = ring.public_jwks()
+    jwks["keys"][0]["valid_until"] = valid_until
+    verifier = TokenVerifier(jwks, audience=AUD, issuer=ISS, clock=lambda: T0 + 60)
+    with pytest.raises(AuthError) as err:
+        verifier.verify(token)
+    assert err.value.reason == "unknown_kid", str(err.value)

@@ -249,3 +249,40 @@ def test_a_document_that_is_no_key_set_is_a_value_error_and_the_keys_stay(doc):
     with pytest.raises(ValueError, match="not a JWKS"):
         verifier.update_jwks(doc)
     assert verifier.verify(token).tenant == "acme"
+
+
+def _with_header(token: str, header: dict) -> str:
+    _, payload, sig = token.split(".")
+    return f"{_b64(header)}.{payload}.{sig}"
+
+
+@pytest.mark.parametrize("header", [
+    {"alg": "EdDSA\nWARNING forged log line", "typ": "JWT"},
+    {"alg": "EdDSA", "typ": "JWT", "kid": "k" * 100_000},
+    {"alg": "EdDSA", "typ": "JWT", "crit": ["x\r\nforged " * 20_000]},
+], ids=["alg-with-newline", "kid-of-100k", "crit-with-newline-and-huge"])
+def test_a_refusal_shows_what_the_sender_wrote_in_one_short_line(header):
+    # The header is read before any signature check, and alg (and pyjwt's messages, e.g. the
+    # name of a critical extension) went into the message verbatim: a newline forged lines
+    # in the SLA service's log and a 100 kB kid came back in the rejection event.
+    _, ring, verifier, token = _setup()
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_with_header(token, header))
+    message = str(err.value)
+    assert "\n" not in message and "\r" not in message and len(message) <= 300, message[:300]
+    assert err.value.detail in message
+
+
+def test_a_tenant_claim_of_the_wrong_type_is_refused_not_replaced_by_sub():
+    # A list tenant was skipped and `sub` (a user) taken as the tenant instead.
+    _, ring, verifier, _ = _setup()
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_mint(ring, tenant=["globex"], sub="alice"))
+    assert err.value.reason == "malformed", str(err.value)
+
+
+@pytest.mark.parametrize("tenant", [["globex"], 123, {"t": 1}], ids=["list", "int", "object"])
+def test_mint_refuses_a_tenant_that_is_no_string(tenant):
+    # mint_token checked only `not tenant`: a list was minted, and verified as the subject.
+    with pytest.raises(ValueError, match="tenant must be a non-empty string"):
+        mint_token(KeyRing(clock=lambda: T0), tenant, AUD, ISS, ttl_s=600, subject="alice")
