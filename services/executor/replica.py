@@ -131,6 +131,18 @@ class ExecutorReplica:
             if settings.node:
                 await self.reclaim_left_behind(bus)
 
+    def node_trouble(self) -> str:
+        """Why no task can start on this node now, as its process backend saw its starts
+        fail (empty: nothing known; the simulated fleet's backend knows of none)."""
+        backend = self.backend
+        return backend.node_trouble if isinstance(backend, ProcessBackend) else ""
+
+    async def recheck_node(self) -> str:
+        """``node_trouble`` after a trial start on a node in trouble (which ends it if it
+        works): a node out of service gets no task whose start would tell."""
+        backend = self.backend
+        return await backend.recheck_node() if isinstance(backend, ProcessBackend) else ""
+
     async def reclaim_left_behind(self, bus: Bus) -> None:
         """At the start of a node's executor, before it takes any decision: what the last
         one left behind. It died without giving its tasks back (killed, or its container

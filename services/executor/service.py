@@ -19,6 +19,8 @@ bus.
 
 from __future__ import annotations
 
+import logging
+
 from fleetpilot.contracts import (
     DecisionMade,
     Event,
@@ -39,6 +41,8 @@ from .settings import DECISION_REPLAY_S, ExecutorSettings
 
 __all__ = ["ExecutorSettings", "build", "main"]
 
+log = logging.getLogger("fleetpilot.executor")
+
 
 def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     """Wire the executor."""
@@ -50,13 +54,21 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
         await replica.open(bus, host.background)
         await say_present()
 
+    told = {"trouble": ""}
+
     async def say_present() -> None:
         # One executor per node: its node's key, rewritten while it runs, keeps the node in
-        # service (the topology service watches the key's revisions; ``contracts.presence``).
+        # service (the topology service watches the key's revisions; ``contracts.presence``),
+        # unless it says no task can start there.
         if settings.node and host.bus is not None:
+            trouble = await replica.recheck_node()
             kv = await host.bus.kv("executors")
-            await kv.put(node_key(settings.node),
-                         encode(ExecutorPresence(node=settings.node, replica=settings.replica, at=now())))
+            await kv.put(node_key(settings.node), encode(
+                ExecutorPresence(node=settings.node, replica=settings.replica, at=now(), trouble=trouble)))
+            if trouble and not told["trouble"]:
+                log.error("%s: no task can start here (%s); the node is out of service until one can",
+                          settings.node, trouble)
+            told["trouble"] = trouble
 
     host.on_startup(open_replica)
     host.every(settings.presence_every_s)(say_present)
@@ -71,7 +83,12 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     async def on_decision(decision: DecisionMade) -> list[Event]:
         if settings.node and not carried_out_on(decision, settings.node):
             return []
-        return await replica.carry_out(decision)
+        results = await replica.carry_out(decision)
+        if bool(replica.node_trouble()) != bool(told["trouble"]):
+            # At once: every decision sent here meanwhile would fail too (or, a start that
+            # worked, the node may be given work again).
+            await say_present()
+        return results
 
     if settings.node:
         @host.endpoint("handover", f"executor.handover.{settings.node}", HandOver)

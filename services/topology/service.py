@@ -28,6 +28,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_UNREACHABLE,
     OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
+    ExecutorPresence,
     NodeTopology,
     TopologyReport,
     TopologyUpdated,
@@ -54,6 +55,7 @@ from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.topology")
+_PRESENCE = msgspec.json.Decoder(ExecutorPresence)
 
 # ``fleet_spec`` value that means "no inter-site links known" (a single-site deployment).
 NO_SPEC = "none"
@@ -379,6 +381,17 @@ async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int =
     raise CasConflict(f"topology of {key} kept changing")
 
 
+def executor_trouble(value: bytes | None) -> str:
+    """What a node's executor says is wrong with it in its ``executors`` key (empty for none,
+    no key, or a value this service cannot read: silence alone judges that one)."""
+    if not value:
+        return ""
+    try:
+        return _PRESENCE.decode(value).trouble
+    except msgspec.DecodeError:
+        return ""
+
+
 def build(settings: TopologySettings | None = None) -> ServiceHost:
     """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
     settings = settings or TopologySettings.from_environment()
@@ -443,7 +456,8 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             presence = await executors.get(node_key(node.node))
             executor_silent = executor_sightings.silent_for(
                 node.node, presence.revision if presence is not None and presence.value else None, now())
-            stamps.append((node, heard, kept_since, executor_silent))
+            trouble = executor_trouble(presence.value if presence is not None else None)
+            stamps.append((node, heard, kept_since, executor_silent, trouble))
         sightings.keep_only({f"topology.report.{n.node}" for n in nodes})
         executor_sightings.keep_only({n.node for n in nodes})
         # The collectors' silences are judged once listened through ``not_ready_after_s``; an
@@ -454,13 +468,14 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         changed: list[str] = []
         written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
-        for node, heard, kept_since, executor_silent in stamps:
+        for node, heard, kept_since, executor_silent, trouble in stamps:
             condition = (node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
                          if judge_reports else None)
-            # Reporting, but its executor has stopped saying it is there: no new work (its
-            # tasks run on; the next executor of the node gives back what it cannot follow).
+            # Reporting, but its executor has stopped saying it is there, or says it cannot
+            # start anything there: no new work (its tasks run on; the next executor of the
+            # node gives back what it cannot follow).
             executor_gone = executor_silent is not None and executor_silent > settings.executor_silent_after_s
-            if executor_gone and condition in (READY, None):
+            if (executor_gone or trouble) and condition in (READY, None):
                 condition = NOT_READY
             if condition is None:
                 counts[labelled_condition(node)] += 1
@@ -475,6 +490,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
                 silence = f"{now() - heard:.0f} s" if heard is not None else "as long as the stream keeps"
                 if condition == READY:
                     log.warning("%s reports again: back in service", node.node)
+                elif condition == NOT_READY and trouble and (heard is None or now() - heard
+                                                             <= settings.not_ready_after_s):
+                    log.warning("%s not ready: its executor cannot start tasks there (%s); no new work goes there",
+                                node.node, trouble)
                 elif condition == NOT_READY and executor_gone and (heard is None or now() - heard
                                                                    <= settings.not_ready_after_s):
                     log.warning("%s not ready: its executor has not said it is there for %.0f s (is it running?); "

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -73,6 +74,16 @@ HANDED_OVER_KEPT_S = 900.0
 TakeOver = Callable[[str, str, float], Awaitable[tuple[list[str], dict[str, str]]]]
 """``take_over(source_node, task_id, grace_s)``: have the task stopped on its node, after its
 checkpoint signal, and return its command and environment; raises ``BackendError``."""
+# Why the OS may refuse to start a process on this node whatever the command: out of memory,
+# processes or file handles, its disk full or read-only, an I/O error. Trying elsewhere may
+# work; the task is not at fault. (A command missing or not executable fails anywhere.)
+NODE_FAULT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC,
+                               errno.EDQUOT, errno.EIO, errno.EROFS})
+# After this many starts in a row failed for the node's fault, the backend says the node is in
+# trouble (``node_trouble``), and the executor takes it out of service until a trial start
+# works again: each decision sent there would fail the same way.
+TROUBLE_AFTER_FAILURES = 3
+
 _RLIMIT_LAUNCHER = (
     "import os, resource, sys\n"
     "limit, (_, hard) = int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_AS)\n"
@@ -192,6 +203,9 @@ class ProcessBackend:
         # Readers of the stderr of tasks that ended while something outside their session
         # held it open (see ``_watch``).
         self._readers: set[asyncio.Task[None]] = set()
+        # Starts failed in a row for the node's fault, and the last such failure.
+        self._node_failures = 0
+        self._node_failure = ""
 
     def _emit(
         self, task: _Task, state: LifecycleState, *, exit_code: int | None = None, detail: str = ""
@@ -229,9 +243,11 @@ class ProcessBackend:
         base = os.environ if self._inherit_env else {"PATH": os.environ.get("PATH", "")}
         stdout: int | object = asyncio.subprocess.DEVNULL
         try:
-            if self._log_dir is not None:
-                self._log_dir.mkdir(parents=True, exist_ok=True)
-                stdout = open(self._log_dir / log_name(task.task_id), "ab")  # noqa: SIM115 - the child owns it
+            try:
+                stdout = self._open_log(task.task_id)
+            except OSError as error:
+                # The log directory is the node's: whatever the task, it is at fault.
+                raise self._node_fault(f"cannot start {task.task_id}: its log: {error}") from error
             task.proc = await asyncio.create_subprocess_exec(
                 *self._argv(task),
                 env=child_env(base, task.env, task.task_id, task.placement, restore=restore),
@@ -241,6 +257,8 @@ class ProcessBackend:
                 start_new_session=True,  # its own process group, so eviction reaches its children
             )
         except OSError as error:
+            if error.errno in NODE_FAULT_ERRNOS:
+                raise self._node_fault(f"cannot start {task.task_id}: {error}") from error
             raise BackendError(f"cannot start {task.task_id}: {error}") from error
         except ValueError as error:
             # A NUL byte in the command or environment, an ``=`` in a variable's name: this
@@ -249,6 +267,7 @@ class ProcessBackend:
         finally:
             if not isinstance(stdout, int):
                 stdout.close()  # type: ignore[attr-defined]
+        self._node_failures, self._node_failure = 0, ""
         task.stop_reason = None
         task.stderr = bytearray()
         task.watcher = asyncio.create_task(self._watch(task, task.proc))
@@ -263,6 +282,51 @@ class ProcessBackend:
             started_at=self._clock(),
             latency_ms=(time.perf_counter() - began) * 1000.0,
         )
+
+    def _open_log(self, task_id: str) -> int | object:
+        """The file the task's stdout goes to (``DEVNULL`` without a log directory)."""
+        if self._log_dir is None:
+            return asyncio.subprocess.DEVNULL
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self._log_dir / log_name(task_id), "ab")  # noqa: SIM115 - the child owns it
+
+    def _node_fault(self, message: str) -> BackendError:
+        """The retryable error of a start that failed for the node's fault, counted."""
+        self._node_failures += 1
+        self._node_failure = message
+        return BackendError(message, retryable=True)
+
+    @property
+    def node_trouble(self) -> str:
+        """What is wrong with this node, after ``TROUBLE_AFTER_FAILURES`` starts in a row
+        failed for its fault (empty when nothing is known to be)."""
+        if self._node_failures < TROUBLE_AFTER_FAILURES:
+            return ""
+        return f"{self._node_failures} starts in a row failed on {self.node or 'this node'}, the last: {self._node_failure}"
+
+    async def recheck_node(self) -> str:
+        """Try a start of nothing (``python -c pass``, logged as a task's would be) on a
+        node in trouble, and end the trouble when it works; ``node_trouble`` after it. A
+        node taken out of service gets no more tasks whose start could tell it is well."""
+        if not self.node_trouble:
+            return ""
+        stdout: int | object = asyncio.subprocess.DEVNULL
+        try:
+            stdout = self._open_log("fleetpilot-node-check")
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", "pass", stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,  # type: ignore[arg-type]
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+            await proc.wait()
+        except OSError as error:
+            self._node_failure = f"the trial start: {error}"
+            return self.node_trouble
+        finally:
+            if not isinstance(stdout, int):
+                stdout.close()  # type: ignore[attr-defined]
+        log.warning("%s starts processes again (a trial start worked): back in service", self.node or "this node")
+        self._node_failures, self._node_failure = 0, ""
+        return ""
 
     @staticmethod
     async def _read_stderr(task: _Task, proc: asyncio.subprocess.Process) -> None:

@@ -244,3 +244,52 @@ async def test_a_node_s_executor_keeps_saying_it_is_there_and_one_for_every_node
             await host.stop()
     assert (written.node, written.replica) == ("n1", "n1-exec")
     assert keys == ["n1"]  # the executor of every node (the simulated fleet's) writes none
+
+
+async def test_a_node_where_nothing_can_start_says_so_and_its_decisions_are_placed_again(observer, nats_url, tmp_path):
+    """n1's executor runs, but no process can start there (its log directory is gone bad, as
+    a full disk would be): each start fails retryably (placed again elsewhere, not refused
+    as if the command were wrong) and, from the third in a row, the node's key in the
+    ``executors`` bucket says why, at once, so the topology service takes it out of service.
+    Once a start works again, the key no longer says it."""
+    from fleetpilot.contracts import ExecutorPresence
+    from fleetpilot.executor.process import TROUBLE_AFTER_FAILURES
+
+    logs = tmp_path / "out-n1"
+    logs.write_text("a file where the log directory should be")
+    tasks = [(f"t{i}", f"t{i}.assign", i) for i in range(TROUBLE_AFTER_FAILURES + 1)]
+    await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=len(tasks))))
+    await observer.kv_put("ledger", "n1", holds("n1", *tasks))
+    executors = await observer.js.key_value("executors")
+    # The periodic rewrite is a minute away: what the key says comes from the decisions.
+    host = build(settings(nats_url, tmp_path / "n1", replica="executor-n1", backend="process", node="n1",
+                          process_log_dir=str(logs), presence_every_s=60.0))
+    await host.start()
+
+    async def trouble() -> str:
+        return msgspec.json.decode((await executors.get("n1")).value, type=ExecutorPresence).trouble
+
+    try:
+        for task_id, decision_id, gpu in tasks[:-1]:
+            await observer.js.publish("decision.made", encode(run(decision_id, task_id, "n1", gpu)))
+        failed = await observer.wait_stored("action.failed", ActionFailed, TROUBLE_AFTER_FAILURES)
+
+        async def says_trouble() -> bool:
+            return await trouble() != ""
+
+        await wait_for(says_trouble, timeout_s=5, what="n1's key to say no task can start there")
+        said = await trouble()
+        logs.unlink()  # mended; a decision made before the node went out of service arrives
+        task_id, decision_id, gpu = tasks[-1]
+        await observer.js.publish("decision.made", encode(run(decision_id, task_id, "n1", gpu)))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+
+        async def well() -> bool:
+            return await trouble() == ""
+
+        await wait_for(well, timeout_s=5, what="n1's key rewritten without the trouble")
+    finally:
+        await host.stop()
+    assert [f.retryable for f in failed] == [True] * TROUBLE_AFTER_FAILURES
+    assert f"{TROUBLE_AFTER_FAILURES} starts in a row failed on n1" in said and "out-n1" in said
+    assert [e.task_id for e in executed] == [task_id]

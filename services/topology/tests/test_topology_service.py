@@ -540,3 +540,38 @@ async def test_an_update_whose_publish_failed_goes_out_when_the_report_comes_aga
 def test_a_liveness_check_of_zero_seconds_is_a_setting_error():
     with pytest.raises(ValueError, match="liveness_check_s"):
         settings("nats://127.0.0.1:1", liveness_check_s=0)
+
+
+async def test_a_node_whose_executor_cannot_start_anything_takes_no_new_work_until_it_can(nats_server, client):
+    """The executor is there (its key keeps changing) but every start fails for the node's
+    fault (a full disk): it says so in its key, and the node is out of service at once, not
+    after a silence, until the executor writes its key again without the trouble."""
+    from fleetpilot.contracts import ExecutorPresence, encode
+
+    node = NODES[0]
+    host = build(settings(nats_server.url, not_ready_after_s=0.3, silent_after_s=60, liveness_check_s=0.1,
+                          executor_silent_after_s=30))
+    await host.start()
+    kv, executors = await client.kv("topology"), await client.kv("executors")
+    well = ExecutorPresence(node=node.node, replica="executor-0", at=1.0)
+    troubled = msgspec.structs.replace(well, at=2.0, trouble="3 starts in a row failed: No space left on device")
+
+    async def labels() -> set[str]:
+        return await condition_labels(kv, node) if await kv.get(node.node) is not None else set()
+
+    async def keep_reporting(presence: ExecutorPresence, rounds: int) -> list[set[str]]:
+        seen = []
+        for i in range(rounds):
+            await client.publish(report(node, 10.0 + i + presence.at * 100))
+            await executors.put(node.node, encode(msgspec.structs.replace(presence, at=presence.at + i / 100)))
+            await asyncio.sleep(0.1)
+            seen.append(await labels())
+        return seen
+
+    try:
+        # Reporting and present, judged several times: in service throughout.
+        assert (await keep_reporting(well, 15))[5:] == [{""}] * 10
+        assert (await keep_reporting(troubled, 15))[-5:] == [{"not_ready"}] * 5
+        assert (await keep_reporting(msgspec.structs.replace(well, at=3.0), 15))[-5:] == [{""}] * 5
+    finally:
+        await host.stop()

@@ -538,3 +538,81 @@ async def test_a_task_whose_main_process_ended_while_no_executor_watched_has_its
         for child in (ours[2], other[2]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
+
+
+async def test_a_node_that_cannot_start_anything_fails_retryably_and_says_so_until_it_can(tmp_path: Path) -> None:
+    """Its log directory gone bad (here a file stands where it should be; a full disk, no
+    processes or file handles left are the same): every start failed as a refusal, as if the
+    task's command were wrong, and after a few the policy told the submitter its task could
+    never run. The node is at fault: the failure is retryable (placed again elsewhere), and
+    after ``TROUBLE_AFTER_FAILURES`` in a row the backend says what is wrong with its node,
+    until a trial start succeeds again."""
+    from fleetpilot.executor.process import TROUBLE_AFTER_FAILURES
+
+    logs = tmp_path / "logs"
+    logs.write_text("not a directory")
+    backend = ProcessBackend(node="n1", log_dir=logs)
+    for i in range(TROUBLE_AFTER_FAILURES):
+        assert backend.node_trouble == ""
+        with pytest.raises(BackendError, match=f"cannot start t{i}") as raised:
+            await backend.start(f"t{i}", GPU0, py("pass"), {})
+        assert raised.value.retryable
+    assert f"{TROUBLE_AFTER_FAILURES} starts in a row" in backend.node_trouble
+    assert "logs" in backend.node_trouble  # what failed, for the operator
+    assert await backend.recheck_node() == backend.node_trouble != ""  # still broken
+    logs.unlink()
+    assert await backend.recheck_node() == ""
+    await backend.start("after", GPU0, py("pass"), {})
+    assert [e.state for e in await wait_for_state(backend, "after")] == ["started", "finished"]
+
+
+async def test_a_command_that_is_not_there_is_the_task_s_fault_not_the_node_s(tmp_path: Path) -> None:
+    """A missing or non-executable command fails wherever it is placed: refused for good, and
+    however many such tasks come, the node is not said to be in trouble; one start that
+    works in between ends a run of node failures."""
+    from fleetpilot.executor.process import TROUBLE_AFTER_FAILURES
+
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    backend = ProcessBackend(node="n1")
+    for i in range(TROUBLE_AFTER_FAILURES + 1):
+        for command in ([str(tmp_path / "missing")], [str(script)]):
+            with pytest.raises(BackendError) as raised:
+                await backend.start(f"t{i}", GPU0, command, {})
+            assert not raised.value.retryable
+    assert backend.node_trouble == ""
+
+
+async def test_a_start_that_works_ends_a_run_of_node_failures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS out of processes (``EAGAIN`` from fork) is the node's failure; a start that
+    works between two such failures means the node is not stuck."""
+    import errno
+
+    from fleetpilot.executor.process import TROUBLE_AFTER_FAILURES
+
+    real = asyncio.create_subprocess_exec
+    failing = {"on": True}
+
+    async def fork_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if failing["on"]:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", fork_fails)
+    backend = ProcessBackend(node="n1")
+
+    async def fail_starts(count: int, prefix: str) -> None:
+        for i in range(count):
+            with pytest.raises(BackendError, match="Resource temporarily unavailable") as raised:
+                await backend.start(f"{prefix}{i}", GPU0, py("pass"), {})
+            assert raised.value.retryable
+
+    await fail_starts(TROUBLE_AFTER_FAILURES - 1, "a")
+    failing["on"] = False
+    await backend.start("works", GPU0, py("pass"), {})
+    assert [e.state for e in await wait_for_state(backend, "works")] == ["started", "finished"]
+    failing["on"] = True
+    await fail_starts(TROUBLE_AFTER_FAILURES - 1, "b")
+    assert backend.node_trouble == ""
+    await fail_starts(1, "c")
+    assert backend.node_trouble != ""
