@@ -272,6 +272,13 @@ def silent_executors(executors: list[ExecutorPresence], now: float, older_than_s
             for e in sorted(executors, key=lambda e: e.node) if now - e.at > older_than_s]
 
 
+def troubled_executors(executors: list[ExecutorPresence]) -> list[dict[str, Any]]:
+    """The nodes whose executor says no task can start there (``trouble``: its starts kept
+    failing for the node's fault, a full disk, no processes left): they take no new work."""
+    return [{"node": e.node, "replica": e.replica, "trouble": e.trouble}
+            for e in sorted(executors, key=lambda e: e.node) if e.trouble]
+
+
 def gpu_rows(samples: list[GpuSample], nodes: list[NodeTopology] | None = None) -> list[dict[str, Any]]:
     """One compact record per GPU, ordered by node and index, with its state in service."""
     labels = {(n.node, g.index): g.labels for n in nodes or [] for g in n.gpus}
@@ -296,10 +303,10 @@ def _node_range(names: list[str]) -> str:
 
 def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
                 idle: list[dict[str, Any]] | None = None, stale: list[dict[str, Any]] | None = None,
-                quiet: list[dict[str, Any]] | None = None) -> None:
+                quiet: list[dict[str, Any]] | None = None, troubled: list[dict[str, Any]] | None = None) -> None:
     """Tables for people: the fleet, then (when live) one line per GPU, the GPUs out of
-    service (``idle``), the nodes whose decisions wait for their executor (``stale``) and
-    those whose executor has gone silent (``quiet``)."""
+    service (``idle``), the nodes whose decisions wait for their executor (``stale``), those
+    whose executor has gone silent (``quiet``) or cannot start tasks there (``troubled``)."""
     total_nodes = sum(s["nodes"] for s in summary["sites"])
     total_gpus = sum(s["gpus"] for s in summary["sites"])
     print(f"fleet {summary['fleet']} ({summary['source']}): {_count(len(summary['sites']), 'site')}, "
@@ -351,6 +358,11 @@ def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
             shown = ", ".join(n["decisions"][:3]) + (f" (+{len(n['decisions']) - 3} more)" if len(n["decisions"]) > 3 else "")
             print(f"  {n['node']}: {_count(len(n['decisions']), 'decision')}, oldest {n['oldest_s'] / 60:.0f} min: "
                   f"{shown}", file=out)
+    if troubled:
+        print(f"executors that cannot start tasks (their nodes take no new work): {_count(len(troubled), 'node')}",
+              file=out)
+        for e in troubled:
+            print(f"  {e['node']}: {e['replica']}: {e['trouble']}", file=out)
     if quiet:
         print(f"executors silent (their nodes take no new work): {_count(len(quiet), 'node')}; "
               "last word from each, by its clock:", file=out)
@@ -376,12 +388,13 @@ def main(args, out=None) -> int:
     idle = out_of_service(live.nodes) if live is not None else None
     stale = not_carried_out(live.ledgers, time.time()) if live is not None else None
     quiet = silent_executors(live.executors, time.time()) if live is not None else None
+    troubled = troubled_executors(live.executors) if live is not None else None
     if args.json:
         doc: dict[str, Any] = {"fleet": summary}
         if live is not None:
             doc["live"] = {"nats_url": live.url, "gpus": rows, "out_of_service": idle, "not_carried_out": stale,
-                           "silent_executors": quiet}
+                           "silent_executors": quiet, "troubled_executors": troubled}
         print(json.dumps(doc, indent=2), file=out)
     else:
-        render_text(summary, rows, out, idle, stale, quiet)
+        render_text(summary, rows, out, idle, stale, quiet, troubled)
     return 0

@@ -220,6 +220,8 @@ def test_fleet_with_unreachable_nats_falls_back_to_the_spec(capsys, monkeypatch)
     assert len(err.strip().splitlines()) == 1 and "cannot connect to NATS" in err and "spec only" in err
 
 
+NO_START = "3 starts in a row failed on orin-04, the last: cannot start t: [Errno 28] No space left on device"
+
 async def _populate(url: str) -> list[GpuSample]:
     """What a collector and the topology service leave behind, written directly."""
     fleet = load_fleet_spec()
@@ -262,6 +264,8 @@ async def _populate(url: str) -> list[GpuSample]:
     executors = await bus.kv("executors")
     await executors.put("orin-03", encode(ExecutorPresence(node="orin-03", replica="exec-orin-03", at=at - 1200)))
     await executors.put("a100-01", encode(ExecutorPresence(node="a100-01", replica="exec-a100-01", at=at - 1)))
+    await executors.put("orin-04", encode(ExecutorPresence(node="orin-04", replica="exec-orin-04", at=at - 2,
+                                                           trouble=NO_START)))
     live_estimate = SiteNetwork(fleet.links, used_gbps={"a-b-dark-fibre": 60.0}).estimates()
     await bus.publish(TopologyUpdated(revision=1, nodes=["a100-01"], bandwidth=live_estimate, at=1.0))
     await bus.drain()
@@ -306,6 +310,7 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     (stale,) = doc["live"]["not_carried_out"]
     assert stale["node"] == "orin-03" and stale["decisions"] == ["x.assign", "y.assign"]
     assert 1190 <= stale["oldest_s"] <= 1300
+    assert doc["live"]["troubled_executors"] == [{"node": "orin-04", "replica": "exec-orin-04", "trouble": NO_START}]
     (quiet,) = doc["live"]["silent_executors"]
     assert (quiet["node"], quiet["replica"]) == ("orin-03", "exec-orin-03") and 1190 <= quiet["silent_s"] <= 1300
 
@@ -321,6 +326,7 @@ def test_fleet_with_a_running_fleet_shows_live_gpus(capsys, nats_url):
     assert "out of service: 3 GPUs" in text and "  orin-04/0 (Jetson-Orin): unreachable" in text
     assert "  orin-03: 2 decisions, oldest 20 min: x.assign, y.assign" in text
     assert "  orin-03: exec-orin-03, 20 min ago" in text
+    assert f"executors that cannot start tasks (their nodes take no new work): 1 node\n  orin-04: exec-orin-04: {NO_START}" in text
 
 
 def test_fleet_finds_the_bus_a_running_fleetpilot_up_announced(capsys, nats_url, tmp_path):
