@@ -34,11 +34,10 @@ from fleetpilot.contracts import (
     msg_id_for,
 )
 from fleetpilot.runtime import tracing
-from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
 from .arguments import positive_float
-from .local import local_nats_url, local_token, state_dir
+from .local import connect_bus, local_nats_url, local_token, state_dir
 
 
 class UsageError(ValueError):
@@ -104,6 +103,9 @@ def _load_file(path: str) -> dict:
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UsageError(f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
                          f"{str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        # Both parsers recurse once per level: thousands of brackets were a traceback.
+        raise UsageError(f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: nested too deep") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{path}: expected a mapping of task fields, got {type(doc).__name__}")
     doc.pop("type", None)  # the event's tag, in a file saved from the bus
@@ -158,10 +160,11 @@ def build_task(args) -> TaskSubmitted:
 
 
 async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
-    """Publish and wait for the outcome; returns the exit code (0 assigned/queued, 1 rejected)."""
+    """Publish and wait for the outcome; returns the exit code (0 placed, or queued when the wait
+    ends first; 1 rejected, by the SLA service or by a policy's ``reject`` decision)."""
     token = args.token or local_token(state_dir(args.state_dir), args.tenant)
     args.nats_url = args.nats_url or local_nats_url(args.state_dir)
-    bus = await NatsBus.connect(args.nats_url, "fleetpilot-submit", connect_timeout_s=2)
+    bus = await connect_bus(args.nats_url, "fleetpilot-submit")
     answers: asyncio.Queue = asyncio.Queue()
 
     async def on_msg(msg) -> None:
@@ -181,9 +184,15 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
                                       "(start it with `fleetpilot up`, or point --nats-url at it)") from None
         print(f"submitted {task.task_id}", file=out, flush=True)
         deadline = time.monotonic() + args.timeout
+        queued = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if queued:
+                    # Decided: the fleet holds the task and places it when capacity frees up.
+                    print(f"{task.task_id} is still queued after {args.timeout:.0f}s "
+                          "(`fleetpilot watch` shows its placement)", file=sys.stderr)
+                    return 0
                 print(f"no decision for {task.task_id} within {args.timeout:.0f}s", file=sys.stderr)
                 return 2
             try:
@@ -198,8 +207,11 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
                 if decision is None or decision.task_id != task.task_id:
                     continue
                 print(json.dumps(msgspec.to_builtins(decision_summary(decision)), indent=2), file=out)
+                if decision.action == "reject":  # a profile's ``no_fit_action``: as final as task.rejected
+                    return 1
                 if decision.action != "queue":
                     return 0
+                queued = True
             elif msg.subject == "task.rejected":
                 rejected = _decoded(msg.data, TaskRejected)
                 if rejected is not None and rejected.task_id == task.task_id:
@@ -261,11 +273,15 @@ async def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
     if args.accept_offer:
         choice = 1
     elif sys.stdin.isatty():
-        raw = await read_line(f"accept which option (1-{len(offer.options)}, empty = decline)? ", out)
-        if not raw:  # Enter, or Ctrl-D
-            return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)
-        if not raw.isdigit() or not 1 <= int(raw) <= len(offer.options):
-            raise UsageError(f"not an option: {raw!r}")
+        while True:
+            raw = await read_line(f"accept which option (1-{len(offer.options)}, empty = decline)? ", out)
+            if not raw:  # Enter, or Ctrl-D
+                return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)
+            if raw.isascii() and raw.isdigit() and 1 <= int(raw) <= len(offer.options):
+                break
+            # Asked again: ending here left the offer unanswered, and the task was rejected
+            # when it expired, for a typo.
+            print(f"not an option: {raw!r}", file=out)
         choice = int(raw)
     else:
         return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)

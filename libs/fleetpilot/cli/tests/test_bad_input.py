@@ -364,3 +364,27 @@ def test_help_says_what_the_flags_really_do(capsys) -> None:
     assert "--quiet no live lines: only where NATS and the services run, their stop, and the report" in shown
     assert "(default: $FLEETPILOT_STATE_DIR, else .fleetpilot)" in shown
     assert "--token TOKEN bearer JWT (default: $FLEETPILOT_TOKEN, else one for --tenant from the local key)" in shown
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:99999", "nats://[::1"])
+@pytest.mark.parametrize("argv", [["watch", "--count", "1"], ["dead-letters"], ["submit", "--kind", "infer"],
+                                  ["up", "--duration", "1", "--metrics-port-base", "0"]])
+def test_a_nats_url_that_does_not_parse_is_one_line(argv, url, tmp_path, capsys) -> None:
+    # Was nats-py's traceback ("nats: invalid connect url option") and exit code 1: the URL is
+    # parsed inside nats.connect, before any connection is tried.
+    line = one_line_error([*argv, "--nats-url", url, "--state-dir", str(tmp_path)], capsys)
+    assert f"cannot connect to NATS at {url}: nats: invalid connect url option" in line
+    assert not (tmp_path / NATS_URL_FILE).exists()
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("task.json", '{"labels": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    ("task.yaml", "labels: " + "[" * 100_000 + "]" * 100_000 + "\n"),
+])
+def test_submit_refuses_a_task_file_nested_too_deep(name, content, tmp_path, capsys) -> None:
+    # Was a RecursionError traceback from the JSON or YAML parser.
+    task = tmp_path / name
+    task.write_text(content)
+    line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
+                          capsys)
+    assert line.startswith(f"fleetpilot submit: {task}: not valid ") and "nested too deep" in line
