@@ -27,8 +27,9 @@
   statistics (``merge_restore``), where the policy reads it before it bridges a checkpointed
   run again onto the room it outgrew.
 - Bad and stray input: a sample of negative memory, or of more per GPU than any GPU holds
-  (``MOST_MB_PER_GPU``), is dead-lettered with its reason; one stamped at or before the
-  latest of its task's series (delivered twice, or overtaken) is dropped. A task rejected
+  (``MOST_MB_PER_GPU``), or of a utilisation that is not a percentage, is dead-lettered with
+  its reason; one stamped at or before the latest of its task's series (delivered twice, or
+  overtaken) or its latest stop (the process stopped, not the one restored) is dropped. A task rejected
   (``task.rejected``) is forgotten; a run silent for ``silent_forget_s`` loses its series
   (keeping its signature and peak, as after a move); a retry (``started`` after an end) is
   fitted with its signature, and an earlier run's end or start delivered again is ignored.
@@ -406,6 +407,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # Garbled at its source: fitted, it would teach the signature a negative peak.
             # Its owner alone dead-letters it (every replica decodes every sample).
             raise Reject(f"memory_used_mb {sample.memory_used_mb:g} is negative")
+        if not 0.0 <= sample.utilization_gpu_pct <= 100.0:
+            # A percentage garbled at its source: fitted, one such reading makes the task's
+            # burstiness not a number (or out of its range) in every fingerprint after it,
+            # which cannot be published nor folded into its signature's statistics.
+            raise Reject(f"utilization_gpu_pct {sample.utilization_gpu_pct:g} is not a percentage (0 to 100)")
         # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
         # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
@@ -415,6 +421,12 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         end = ending.get(sample.task_id)
         if sample.task_id in ended or (end is not None and sample.at > end[0].at):
             return None  # the run is over (a sample after its end belongs to nothing)
+        if sample.at <= last_stop.get(sample.task_id, -math.inf):
+            # Taken by the process stopped (held up on core NATS while the stop came on
+            # JetStream), not by the one restored since: first in the restored run's series it
+            # would read as a drop, a sawtooth's tooth. It still counts to the run's peak.
+            keep_newest(peak_before, sample.task_id, max(peak_before.get(sample.task_id, 0.0), per_gpu))
+            return None
         series = models.get(sample.task_id)
         if series is not None and sample.at <= series.latest_at:
             # Delivered twice, or overtaken by a later one: a series that holds a sample twice

@@ -239,12 +239,17 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     fitted shape at end of life. ``utilisation`` (0..1 or percent, one per sample or any
     length) gives burstiness; with ``colocated`` (process count sharing the GPU, aligned
     with ``utilisation``) it gives the context-switch sensitivity.
-    Raises ``ValueError`` for an empty series or mismatched lengths.
+    Raises ``ValueError`` for an empty series, mismatched lengths, or a time or memory value
+    that is not a finite number.
     """
     t = np.asarray(t_s, dtype=np.float64)
     y = np.asarray(used_mb, dtype=np.float64)
     if t.size == 0 or t.size != y.size:
         raise ValueError(f"need matching, non-empty series (got {t.size} times, {y.size} values)")
+    if not (np.isfinite(t).all() and np.isfinite(y).all()):
+        # One NaN (a sensor's failed reading) would make every figure of the fingerprint NaN.
+        bad = int(np.flatnonzero(~(np.isfinite(t) & np.isfinite(y)))[0])
+        raise ValueError(f"sample {bad} is not a number (time {t[bad]:g}, memory {y[bad]:g})")
     order = np.argsort(t, kind="stable")
     t, y = t[order], y[order]
     prior = prior or LevelPrior()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 
@@ -139,7 +141,14 @@ class OnlineFingerprinter:
 
     def add(self, at: float, used_mb: float, *, utilisation: float | None = None,
             colocated: int | None = None) -> Fingerprint | None:
-        """Add one sample; returns the refitted fingerprint when it changed materially."""
+        """Add one sample; returns the refitted fingerprint when it changed materially.
+
+        Raises ``ValueError``, adding nothing, for a time, memory or utilisation that is not a
+        finite number."""
+        if not (math.isfinite(at) and math.isfinite(used_mb)
+                and (utilisation is None or math.isfinite(utilisation))):
+            # Added, it would make every later fit of the series NaN, for the rest of the run.
+            raise ValueError(f"sample at {at:g} of {used_mb:g} MB (utilisation {utilisation}) is not a number")
         if self._start is None:
             self._start = at
         self._t.append(at - self._start)

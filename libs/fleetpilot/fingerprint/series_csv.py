@@ -21,12 +21,14 @@ def parse_series_csv(text: str) -> tuple[np.ndarray, np.ndarray]:
     """``(seconds since the first sample, used MB)`` from CSV text.
 
     Raises ``ValueError`` with a one-line message naming the line for a row that is not
-    two numbers, a negative or non-finite value, or a timestamp that goes backwards.
+    two numbers, a negative or non-finite value, or a timestamp that goes backwards. A
+    leading byte order mark is skipped.
     """
     times: list[float] = []
     used: list[float] = []
     seen_data = False
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # A spreadsheet's "CSV UTF-8" starts with a byte order mark, which no number parses.
+    for number, raw in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -71,7 +73,8 @@ def fingerprint_csv(path_or_text: str | Path, at: float = 0.25) -> dict[str, obj
     ``path_or_text`` is a path to a CSV file or the CSV text itself (anything containing a
     newline or a comma is taken as text). Returns a plain dict for the CLI to print: the
     fingerprint's fields, the life and cut-off used, the naive "peak so far" baseline and,
-    since the whole series is known, the actual peak and both errors.
+    since the whole series is known, the actual peak and both errors. Raises ``ValueError``
+    (one line) for a file that cannot be read as a series or values too large to fit.
     """
     if not 0.0 < at <= 1.0:
         raise ValueError(f"--at must be in (0, 1], got {at}")
@@ -82,7 +85,11 @@ def fingerprint_csv(path_or_text: str | Path, at: float = 0.25) -> dict[str, obj
     life = float(t[-1])
     cut = at * life
     mask = t <= cut + 1e-9
-    analysis = analyse_series(t[mask], mb[mask], expected_duration_s=life if life > 0 else None)
+    try:
+        analysis = analyse_series(t[mask], mb[mask], expected_duration_s=life if life > 0 else None)
+    except (OverflowError, FloatingPointError):
+        # Values near float's limit (a unit mixed up) overflow the fits' sums.
+        raise ValueError("values too large to fingerprint (the fit overflows); expected seconds and bytes") from None
     fp = analysis.fingerprint
     actual = float(mb.max())
     so_far = float(mb[mask].max())

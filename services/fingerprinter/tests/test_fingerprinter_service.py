@@ -638,9 +638,9 @@ async def test_past_its_cap_the_model_forgotten_is_the_one_least_recently_fed_no
         assert stats.count == 1 and abs(stats.mean_peak_mb - (10_000 + 20.0 * 590)) < 1_000, stats
 
 
-async def test_a_sample_beyond_any_gpu_is_dead_lettered_with_its_reason_and_the_run_learnt_without_it(
-    fingerprinter,
-):
+async def run_with_one_garbled_sample(fingerprinter, task_id: str, garbled: dict) -> tuple[DeadLetter, object]:
+    """A run of 10 GB at 80% for 1,000 s, sampled every 10 s, whose sample at 500 s carries
+    the ``garbled`` fields instead: its one dead letter, and what its signature learnt."""
     bus, seen = fingerprinter
     letters: list[DeadLetter] = []
 
@@ -648,23 +648,32 @@ async def test_a_sample_beyond_any_gpu_is_dead_lettered_with_its_reason_and_the_
         letters.append(decode(msg.data, DeadLetter))
 
     await bus.subscribe("dlq.telemetry.task.>", on_letter)
-    first = task("bytes-1")
+    first = task(task_id)
     await bus.publish(first)
     await asyncio.sleep(0.3)
-    # 10 GB for its whole life; one sample read its bytes as MB (10 GB is 1.07e10 bytes).
-    start = now()
+    start = now() - 1_005.0
     for t in np.arange(0, 1_000, 10.0):
-        used = 10_000.0 * 1024 * 1024 if t == 500 else 10_000.0 + 20.0 * math.sin(t)
-        await bus.publish(TaskTelemetry(task_id="bytes-1", node="n1", gpus=[0], at=start + float(t),
-                                        memory_used_mb=used))
+        fields = {"memory_used_mb": 10_000.0 + 20.0 * math.sin(t), "utilization_gpu_pct": 80.0}
+        await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=start + float(t),
+                                        **(fields | garbled if t == 500 else fields)))
     letter = (await wait_for(lambda: letters, what="the garbled sample dead-lettered"))[0]
-    assert (letter.subject, letter.reason) == ("telemetry.task.bytes-1", "rejected")
-    assert "more than any GPU holds" in letter.error and "\n" not in letter.error
-    await samples_taken(bus, seen, "sync-bytes-1")
-    await bus.publish(TaskLifecycle(task_id="bytes-1", state="finished", at=start + 1_000))
+    await samples_taken(bus, seen, f"sync-{task_id}")
+    await bus.publish(TaskLifecycle(task_id=task_id, state="finished", at=start + 1_000))
     stats = await remembered(bus, task_signature(first))
-    assert stats.max_peak_mb < 11_000 and stats.run_peaks_mb == (pytest.approx(10_020, abs=20),), stats
     assert len(letters) == 1
+    assert (letter.subject, letter.reason) == (f"telemetry.task.{task_id}", "rejected")
+    assert "\n" not in letter.error
+    return letter, stats
+
+
+async def test_a_sample_beyond_any_gpu_is_dead_lettered_with_its_reason_and_the_run_learnt_without_it(
+    fingerprinter,
+):
+    # One sample read its bytes as MB (10 GB is 1.07e10 bytes).
+    letter, stats = await run_with_one_garbled_sample(fingerprinter, "bytes-1",
+                                                      {"memory_used_mb": 10_000.0 * 1024 * 1024})
+    assert "more than any GPU holds" in letter.error
+    assert stats.max_peak_mb < 11_000 and stats.run_peaks_mb == (pytest.approx(10_020, abs=20),), stats
 
 
 async def test_a_step_run_whose_every_sample_came_twice_is_remembered_at_what_it_held(fingerprinter):
@@ -974,3 +983,51 @@ async def test_a_run_in_progress_across_a_restart_still_teaches_its_signature(na
         stats = await remembered(bus, task_signature(submitted))
     assert stats.count == 1
     assert 20_000 <= stats.run_peaks_mb[-1] <= 28_000  # what the run after the restart reached (27,800 MB)
+
+
+async def test_a_sample_of_the_stopped_process_that_arrives_after_its_stop_is_not_fitted_into_the_restored_run(
+    fingerprinter,
+):
+    bus, seen = fingerprinter
+    first = task("stale-1")
+    await bus.publish(first)
+    await asyncio.sleep(0.3)
+    # A leak from 8 GB, evicted at 300 s; its sample of 295 s, held up on the way (core NATS),
+    # arrives after the eviction (JetStream). Restored at 9 GB, it grows again to its end.
+    start = now() - 1_005.0
+    for t in np.arange(0, 300, 10.0):
+        await bus.publish(TaskTelemetry(task_id="stale-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=8_000.0 + 100.0 * float(t)))
+    await asyncio.sleep(0.3)
+    await bus.publish(TaskLifecycle(task_id="stale-1", state="evicted", at=start + 300.0))
+    await asyncio.sleep(0.3)
+    await bus.publish(TaskTelemetry(task_id="stale-1", node="n1", gpus=[0], at=start + 295.0,
+                                    memory_used_mb=8_000.0 + 100.0 * 295.0))
+    for t in np.arange(400, 1_000, 10.0):
+        await bus.publish(TaskTelemetry(task_id="stale-1", node="n2", gpus=[0], at=start + float(t),
+                                        memory_used_mb=9_000.0 + 100.0 * (float(t) - 400.0)))
+    await samples_taken(bus, seen, "sync-stale-1")
+    await bus.publish(TaskLifecycle(task_id="stale-1", state="finished", at=start + 1_000.0))
+    signature = task_signature(first)
+
+    async def learnt() -> SignatureStats | None:
+        stats = await remembered(bus, signature)
+        return stats if stats.count else None
+
+    stats = await wait_for(learnt, what="the run learnt")
+    # The restored run climbs from 9 GB without a drop: the old process's last sample first
+    # would read as a sawtooth's tooth, and teach its signature so.
+    assert stats.count == 1 and "sawtooth" not in stats.votes, stats
+    assert [f for f in seen if f.task_id == "stale-1" and f.fingerprint.pattern == "sawtooth"] == []
+    # Its run's peak still spans the move, the stray sample included.
+    assert stats.run_peaks_mb == (pytest.approx(68_000.0),), stats
+
+
+async def test_a_sample_of_garbled_utilisation_is_dead_lettered_with_its_reason_and_the_run_learnt_without_it(
+    fingerprinter,
+):
+    # One sample's utilisation garbled at its source: a burstiness of NaN for the whole run.
+    letter, stats = await run_with_one_garbled_sample(fingerprinter, "util-1", {"utilization_gpu_pct": 1e300})
+    assert "utilization_gpu_pct" in letter.error
+    assert stats.count == 1 and 0.0 <= stats.mean_burstiness < 0.01, stats
+

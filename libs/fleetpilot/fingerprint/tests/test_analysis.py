@@ -122,7 +122,14 @@ def test_few_samples_still_answer():
     assert any("too few" in n for n in a.notes)
 
 
-@pytest.mark.parametrize("t,y", [([], []), ([0.0, 1.0], [1.0])])
+@pytest.mark.parametrize("t,y", [
+    ([], []),
+    ([0.0, 1.0], [1.0]),
+    # A sensor's reading that is not a number would make every figure of the fingerprint NaN.
+    ([0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0], [1000.0, 1001.0, float("nan"), 1003.0, 1004.0, 1005.0, 1006.0]),
+    ([0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0], [1000.0, 1001.0, float("inf"), 1003.0, 1004.0, 1005.0, 1006.0]),
+    ([0.0, 5.0, float("nan"), 15.0, 20.0, 25.0, 30.0], [1000.0] * 7),
+])
 def test_bad_input_raises(t, y):
     with pytest.raises(ValueError):
         fingerprint_series(t, y)

@@ -172,3 +172,23 @@ def test_refits_or_thins_on_next_add_says_what_add_then_does(monkeypatch):
         did.append(bool(calls))
     assert said == did
     assert 5 < sum(did) < 100  # geometric refits and periodic thinning, not every sample
+
+
+@pytest.mark.parametrize("at,used_mb,utilisation", [
+    (50.0, float("nan"), None),
+    (50.0, float("inf"), None),
+    (float("nan"), 1_000.0, None),
+    (50.0, 1_000.0, float("nan")),
+])
+def test_a_reading_that_is_not_a_number_is_refused_and_leaves_the_series_as_it_was(at, used_mb, utilisation):
+    fp = OnlineFingerprinter("s", expected_duration_s=400.0)
+    for t in range(0, 50, 5):
+        fp.add(float(t), 1_000.0 + 10.0 * t, utilisation=80.0)
+    with pytest.raises(ValueError, match="not a number"):
+        fp.add(at, used_mb, utilisation=utilisation)
+    assert fp.samples == 10
+    for t in range(55, 200, 5):
+        fp.add(float(t), 1_000.0 + 10.0 * t, utilisation=80.0)
+    final = fp.finish()
+    assert final is not None and final.pattern == "linear" and final.samples == 39
+    assert np.isfinite([final.predicted_peak_mb, final.peak_low_mb, final.peak_high_mb, final.burstiness]).all()

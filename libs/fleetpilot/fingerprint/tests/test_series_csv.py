@@ -56,3 +56,19 @@ def test_fingerprint_csv_from_text_and_path(tmp_path):
 def test_fingerprint_csv_rejects_bad_fraction(at):
     with pytest.raises(ValueError, match="--at"):
         fingerprint_csv("0,1\n1,2\n", at=at)
+
+
+@pytest.mark.parametrize("text", [
+    "".join(f"{i * 10_000},1.7e308\n" for i in range(30)),  # memory near float's limit: sums overflow
+    "".join(f"{i * 1e290:g},{(1000 + i) * MB}\n" for i in range(30)),  # times near float's limit
+])
+def test_fingerprint_csv_of_values_too_large_to_fit_is_one_clear_error(text):
+    with pytest.raises(ValueError, match="too large") as err:
+        fingerprint_csv(text, at=1.0)
+    assert "\n" not in str(err.value)
+
+
+def test_parse_skips_a_byte_order_mark():
+    # A spreadsheet's "CSV UTF-8" starts with one; without a header it sat on the first number.
+    t, y = parse_series_csv("\ufeff0,1048576\n10,2097152\n")
+    assert t.tolist() == [0, 10] and y.tolist() == [1, 2]
