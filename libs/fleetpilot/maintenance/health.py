@@ -37,8 +37,8 @@ leverage of half the window in a least-squares fit, does not make a trend.
 
 XID severities (:data:`XID_SEVERITY`): the hardware-fault codes weigh 0.5-1.0 (48 double-bit
 ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rates and
-containment, 119/120 GSP); codes that are usually the application's fault (13, 31, 43)
-weigh 0.1 or less, so a buggy job does not send a healthy GPU to maintenance.
+containment, 119/120 GSP, 140 unrecovered ECC); codes that are usually the application's
+fault (13, 31, 43) weigh 0.1 or less, so a buggy job does not send a healthy GPU to maintenance.
 
 With the bias at -5 a quiet GPU scores ~0.007; one isolated DBE (an XID 48 and one
 uncorrected ECC error) ~0.38; the :data:`MAINTENANCE_THRESHOLD` 0.85 needs several
@@ -75,6 +75,7 @@ XID_SEVERITY: Mapping[int, float] = {
     95: 1.0,  # uncontained ECC error
     119: 0.7,  # GSP RPC timeout
     120: 0.7,  # GSP error
+    140: 1.0,  # unrecovered ECC error: the page could not even be retired or remapped
 }
 UNKNOWN_XID_SEVERITY = 0.2
 MIN_SLOPE_SPAN_H = 1.0

@@ -295,8 +295,11 @@ def test_a_gain_chance_explains_is_not_promoted(seed: int) -> None:
 def test_the_evidence_of_a_gain_is_its_mean_in_standard_errors() -> None:
     y = np.array([1.0, 1.0, 0.0, 0.0])
     w = np.ones(4)
-    # The same gain on every outcome: no doubt left.
-    assert gain_evidence(np.array([0.9, 0.9, 0.1, 0.1]), np.array([0.8, 0.8, 0.2, 0.2]), y, w) > 1e6
+    # The same gain on every outcome has no spread, but four outcomes are what a policy right
+    # at 0.8 and 0.2 gives as often as not: one standard error (each gain 0.03, -0.01 expected
+    # of it by chance, with a spread of 0.08), not the infinitely many it stood at.
+    same = gain_evidence(np.array([0.9, 0.9, 0.1, 0.1]), np.array([0.8, 0.8, 0.2, 0.2]), y, w)
+    assert same == pytest.approx(1.0)
     # Gains of +0.03 and -0.0225 in turn: a mean of 0.00375, each 0.02625 from it, on 4
     # outcomes: a sample's standard deviation of 0.02625 * sqrt(4 / 3), not the 0.02625 of
     # a population (which stood at 15% more evidence).
@@ -341,3 +344,33 @@ def test_a_model_laid_out_by_another_version_is_refused_and_one_stored_before_co
         OutcomeModel.from_bytes(msgspec.json.encode(stored))
     del stored["columns"]
     assert OutcomeModel.from_bytes(msgspec.json.encode(stored)).predict(x) == pytest.approx(model.predict(x))
+
+
+def confident_honest_world(seed: int, n: int = 200, p: float = 0.97) -> list[Example]:
+    """The policy says ``p`` to every placement, and ``p`` is exactly the chance of success."""
+    r = random.Random(seed)
+    return [Example(decision(i, ask=r.choice([8000, 16000]), held=16000, confidence=p), r.choice(MODELS),
+                    r.random() < p, 1.0, float(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 21, 26])
+def test_a_held_out_quarter_without_a_failure_is_no_evidence_against_a_confident_policy(seed: int) -> None:
+    """A policy right at 0.97: its latest 50 outcomes hold no failure one time in five, and
+    then any model that learnt a little more confidence from noise gains on every one of them
+    alike. The gains had no spread and stood at infinitely many standard errors: these three
+    of 30 rounds promoted a model of noise."""
+    world = confident_honest_world(seed)
+    assert all(e.success for e in world[150:])
+    assessment = learn(world, seed=0)
+    assert not assessment.promoted, assessment.reason
+    assert "too little to tell from chance" in assessment.reason
+
+
+def test_the_gain_must_stand_above_the_noise_of_outcomes_the_policy_had_right() -> None:
+    # 50 successes at a confidence of 0.97 happen one time in five: whatever the model says
+    # above 0.97, that is sqrt(50 * 0.03 / 0.97) = 1.24 standard errors, not infinitely many.
+    y, prior, w = np.ones(50), np.full(50, 0.97), np.ones(50)
+    for said in (0.98, 0.999):
+        assert gain_evidence(np.full(50, said), prior, y, w) == pytest.approx((50 * 0.03 / 0.97) ** 0.5)
+    # Four times as many: 2.49, evidence enough.
+    assert gain_evidence(np.full(200, 0.98), np.full(200, 0.97), np.ones(200), np.ones(200)) > 1.645

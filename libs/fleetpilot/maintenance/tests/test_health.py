@@ -131,3 +131,12 @@ def test_migration_plan_riskiest_first() -> None:
     assert [a.node for a in fleet] == ["n9", "n1"]
     with pytest.raises(ValueError, match="cannot assess an empty window"):
         model.assess([])
+
+
+def test_an_unrecovered_ecc_error_weighs_as_an_uncontained_one() -> None:
+    # XID 140 (NVIDIA: uncorrectable errors in GPU memory that kept the driver from retiring
+    # or remapping the page; DCGM fails its health watch on it) is a hardware memory fault at
+    # least as grave as a DBE, not an unknown code.
+    assert xid_severity(140) == xid_severity(95) == xid_severity(48) == 1.0
+    unrecovered, dbe = (features_of(series(xid_count=1, xid_last=code)).xid for code in (140, 48))
+    assert unrecovered == dbe == 1.0
