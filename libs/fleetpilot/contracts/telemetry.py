@@ -74,6 +74,11 @@ class GpuSample(Record, frozen=True, kw_only=True):
     ``mig`` is left out (``msgspec.UNSET``, which is falsy: test it with ``if sample.mig``)
     for a GPU that is not in MIG mode and has no MIG change pending, every GPU without MIG
     among them: their samples encode exactly as before MIG was read.
+
+    ``xid_codes`` counts the GPU's XIDs code by code (cumulative, as ``xid_count``): an
+    interval holds several codes at once (a double-bit error, 48, then the cleanups of the
+    contexts it killed, 45), and ``xid_last`` names only one. Left out (``UNSET``) until the
+    GPU raises one, and by collectors that do not count codes.
     """
 
     node: str
@@ -101,6 +106,7 @@ class GpuSample(Record, frozen=True, kw_only=True):
     pcie_link_width_max: int = 0
     xid_last: int = 0
     xid_count: int = 0
+    xid_codes: dict[int, int] | msgspec.UnsetType = msgspec.UNSET
     cuda_context_switches_per_sec: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
     nvlink_bandwidth_utilization_ratio: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
     processes: list[ProcessMemory] = msgspec.field(default_factory=list)

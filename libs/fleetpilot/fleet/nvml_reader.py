@@ -313,6 +313,7 @@ class NvmlReader:
         self._events: list[FleetEvent] = []
         self._xid_last = [0] * len(self._handles)
         self._xid_count = [0] * len(self._handles)
+        self._xid_codes: list[dict[int, int]] = [{} for _ in self._handles]
         # Last (time, tx, rx) of each cumulative counter pair, per (counter, GPU).
         self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
         self._proc_util_ts = [0] * len(self._handles)
@@ -348,6 +349,10 @@ class NvmlReader:
                 self._try(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set)
         return event_set
 
+    def _xid_codes_of(self, index: int) -> dict[int, int] | msgspec.UnsetType:
+        """A copy of the GPU's XID counts by code (``UNSET`` before its first XID)."""
+        return dict(self._xid_codes[index]) if self._xid_codes[index] else msgspec.UNSET
+
     def _drain_xids(self) -> None:
         if self._event_set is None:
             return
@@ -364,6 +369,8 @@ class NvmlReader:
             xid = int(data.eventData)
             self._xid_last[index] = xid
             self._xid_count[index] += 1
+            codes = self._xid_codes[index]
+            codes[xid] = codes.get(xid, 0) + 1
             self._events.append(FleetEvent(kind="xid", node=self.node, gpu=index, at=self._clock(),
                                            value=xid, detail=f"Xid {xid}"))
 
@@ -576,6 +583,7 @@ class NvmlReader:
                          utilization_memory_pct=0.0, memory_total_mb=0.0, memory_used_mb=0.0, memory_free_mb=0.0,
                          temperature_c=0.0, power_w=0.0, power_limit_w=0.0, sm_clock_mhz=0.0, pcie_tx_kbps=0.0,
                          pcie_rx_kbps=0.0, xid_last=self._xid_last[index], xid_count=self._xid_count[index],
+                         xid_codes=self._xid_codes_of(index),
                          labels={"driver_version": self._driver, "site": self.site,
                                  "nvml_error": self._unopened[index]})
 
@@ -639,6 +647,7 @@ class NvmlReader:
                 pcie_link_width_max=int(call(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle, default=0,
                                              field="pcie_link_width")),
                 xid_last=self._xid_last[index], xid_count=self._xid_count[index],
+                xid_codes=self._xid_codes_of(index),
                 cuda_context_switches_per_sec=self._context_switches(index, handle, util_gpu, len(processes)),
                 nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle, now),
                 processes=processes,

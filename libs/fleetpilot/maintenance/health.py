@@ -275,10 +275,18 @@ def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) 
         return 0
 
     xid = 0.0
-    for sample, new in zip(samples, counter_increments(values("xid_count")), strict=True):
-        if new > 0:
-            # Only the last code of an interval is known: every event in it is scored as that code.
-            xid += min(new, 1000) * xid_severity(sample.xid_last)
+    if any(s.xid_codes for s in samples):
+        # Counted code by code: a double-bit error and the cleanups of the contexts it killed,
+        # in one interval, are scored as both, not as the last code (a cleanup, weighing nothing).
+        codes = sorted(set().union(*(s.xid_codes for s in samples if s.xid_codes)))
+        for code in codes:
+            counts = [s.xid_codes.get(code, 0) if s.xid_codes else 0 for s in samples]
+            xid += sum(min(new, 1000) for new in counter_increments(counts) if new > 0) * xid_severity(code)
+    else:
+        for sample, new in zip(samples, counter_increments(values("xid_count")), strict=True):
+            if new > 0:
+                # Only the last code of an interval is known: every event in it is scored as that code.
+                xid += min(new, 1000) * xid_severity(sample.xid_last)
     remap_new = growth("retired_pages") + growth("remapped_rows")
     remap_so_far = max(latest("retired_pages"), 0) + max(latest("remapped_rows"), 0)
     # A width of 0 is a failed read, not a link trained down to nothing (a GPU that lost its

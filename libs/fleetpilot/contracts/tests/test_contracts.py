@@ -65,7 +65,8 @@ def _value(t: mi.Type, full: bool, token: str) -> Any:
     if isinstance(t, mi.VarTupleType):
         return (_value(t.item_type, full, token),) if full else ()
     if isinstance(t, mi.DictType):
-        return {"k": _value(t.value_type, full, token)} if full else {}
+        key = "k" if isinstance(t.key_type, mi.StrType) else _value(t.key_type, full, token)
+        return {key: _value(t.value_type, full, token)} if full else {}
     if isinstance(t, mi.UnionType):
         members = [m for m in t.types if not isinstance(m, mi.NoneType)]
         return _value(members[0], full, token)

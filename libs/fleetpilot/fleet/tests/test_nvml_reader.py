@@ -180,6 +180,20 @@ def test_xid_events_are_drained_once() -> None:
     assert reader.sample("n1")[1].xid_count == 2 and reader.sample("n1")[1].xid_last == 63
 
 
+def test_xids_are_counted_code_by_code() -> None:
+    """A double-bit error is followed by cleanups of the contexts it killed (XID 45): the
+    last code alone would say only "cleanup". Each code keeps its own count, as the total."""
+    reader, fake, _ = make_reader([FakeGpu(), FakeGpu()])
+    for code in (48, 45, 45):
+        fake.push_xid(1, code)
+    first = reader.sample("n1")[1]
+    fake.push_xid(1, 45)
+    second = reader.sample("n1")[1]
+    assert (first.xid_last, first.xid_count, first.xid_codes) == (45, 3, {48: 1, 45: 2})
+    assert (second.xid_count, second.xid_codes) == (4, {48: 1, 45: 3})
+    assert not reader.sample("n1")[0].xid_codes  # none raised: left out of the sample
+
+
 def write(root: Path, rel: str, text: str) -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,19 @@ def test_thermal_trend_needs_an_hour() -> None:
     assert features_of(hot).hot_fraction == pytest.approx(10 / 60)  # 10 minutes hot, of at least an hour
 
 
+def test_an_interval_of_several_codes_is_scored_code_by_code() -> None:
+    """A double-bit error (48) and the cleanups of the contexts it killed (45) in one
+    interval: its last code is 45, which weighs nothing, and the DBE was scored as nothing.
+    With the collector's count of each code, each is scored as itself; a code counted
+    before the window's change adds nothing."""
+    earlier = {13: 2}
+    window = [msgspec.structs.replace(s, xid_count=2, xid_last=13, xid_codes=earlier) for s in series()]
+    window[-1] = msgspec.structs.replace(window[-1], xid_count=10, xid_last=45, xid_codes={13: 2, 48: 1, 45: 7})
+    assert features_of(window).xid == pytest.approx(xid_severity(48) + 7 * xid_severity(45)) == 1.0
+    # Samples from a collector that does not count codes: the last code, as before.
+    assert features_of(series(xid_count=2, xid_last=48)).xid == 2.0
+
+
 def test_xid_severity_orders_hardware_over_software() -> None:
     assert xid_severity(48) > xid_severity(63) > xid_severity(13) >= xid_severity(43)
     assert xid_severity(79) == 1.0 and 0 < xid_severity(99999) < 0.5
