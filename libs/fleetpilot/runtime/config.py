@@ -13,12 +13,13 @@ backend on a real node without a word.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import socket
 from typing import Self
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
@@ -30,7 +31,7 @@ def _shared(name: str, default: str | None) -> str | None:
 STARTUP_TIMEOUT_VARIABLE = "FLEETPILOT_STARTUP_TIMEOUT_S"
 """The start-up limit every service shares unless it sets its own prefixed one."""
 
-_SHARED_VARIABLES = {"startup_timeout_s": STARTUP_TIMEOUT_VARIABLE}
+_SHARED_VARIABLES = {"startup_timeout_s": STARTUP_TIMEOUT_VARIABLE, "log_level": "FLEETPILOT_LOG_LEVEL"}
 """Settings validated from a shared variable: a bad value there is named by that variable."""
 
 
@@ -46,8 +47,12 @@ class ServiceSettings(BaseSettings):
 
     nats_url: str = Field(default_factory=lambda: _shared("FLEETPILOT_NATS_URL", "nats://127.0.0.1:4222"))
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = Field(default=0, description="Port of /metrics and /healthz; 0 picks a free one, -1 disables.")
-    log_level: str = Field(default_factory=lambda: _shared("FLEETPILOT_LOG_LEVEL", "INFO") or "INFO")
+    metrics_port: int = Field(default=0, ge=-1, le=65535,
+                              description="Port of /metrics and /healthz; 0 picks a free one, -1 disables.")
+    # Validated here, the shared default too: logging refuses an unknown level only when the
+    # service starts, with a traceback.
+    log_level: str = Field(default_factory=lambda: _shared("FLEETPILOT_LOG_LEVEL", "INFO") or "INFO",
+                           validate_default=True)
     log_json: bool = True
     otlp_endpoint: str | None = Field(default_factory=lambda: _shared("OTEL_EXPORTER_OTLP_ENDPOINT", None))
     replica: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -58,6 +63,13 @@ class ServiceSettings(BaseSettings):
         default_factory=lambda: _shared(STARTUP_TIMEOUT_VARIABLE, "120"), validate_default=True, gt=0,
         description="How long start-up (topology, start-up hooks, consumers, endpoints) keeps retrying "
                     "while the NATS server it connected to is unreachable, before the service gives up.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if not isinstance(logging.getLevelName(value.upper()), int):
+            raise ValueError("not a log level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+        return value
 
     @classmethod
     def from_environment(cls) -> Self:

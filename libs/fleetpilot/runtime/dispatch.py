@@ -7,8 +7,9 @@ The one place where delivery semantics live, shared by both buses:
 - an event the handling made that holds NaN or an infinity (``NonFiniteFloat``: JSON has
   neither) → dead letter at once (reason ``unencodable``, naming the field), ``term``, and
   none of its outputs published: no delivery again can change the value;
-- ``Retry`` or any other exception → ``nak`` with a growing delay, until the consumer's
-  ``max_deliver`` is reached, then dead letter and ``term``; a core message (telemetry) is
+- ``Retry`` or any other exception → ``nak`` after the consumer's ``backoff_s`` (its step for
+  that delivery, the last step once past them; ``Retry.delay_s`` when given), until the
+  consumer's ``max_deliver`` is reached, then dead letter and ``term``; a core message (telemetry) is
   never delivered again, so its failure is dead-lettered at once (reason ``failed``);
 - a message delivered more than ``max_deliver`` times (its handler never settled it: the
   process died or hung in it, or lost the server) → dead letter without running the handler
@@ -74,7 +75,9 @@ class Dispatcher:
     handler: TypedHandler
     metrics: HandlerMetrics
     max_deliver: int = 5
-    retry_base_s: float = 0.5
+    backoff_s: tuple[float, ...] = (0.5, 2, 5, 10)
+    """The delay before the n-th delivery again, the last one for any after it: the consumer's
+    ``ConsumerSpec.backoff_s``, as the catalog declares and publishes it."""
     ack_wait_s: float | None = None
     """The consumer's ack wait (durable messages); ``None``: no redelivery by time to prevent."""
     redelivered: bool = True
@@ -140,13 +143,18 @@ class Dispatcher:
                 if msg.deliveries >= self.max_deliver:
                     await self._dead_letter(msg, "max_deliver", f"{type(exc).__name__}: {exc}")
                     return
-                delay = exc.delay_s if isinstance(exc, Retry) else self.retry_base_s * 2 ** (msg.deliveries - 1)
+                delay = exc.delay_s if isinstance(exc, Retry) else self._backoff(msg.deliveries)
                 log.warning("handler %s failed (delivery %d), retry in %.1fs: %s",
                             self.name, msg.deliveries, delay, exc)
                 await msg.nak(delay)
                 return
         await msg.ack()
         self.metrics.handled(self.name, time.perf_counter() - started)
+
+    def _backoff(self, deliveries: int) -> float:
+        """The delay before delivering again a message that failed at its ``deliveries``-th."""
+        steps = self.backoff_s or (0.5,)
+        return float(steps[min(deliveries, len(steps)) - 1])
 
     @contextlib.asynccontextmanager
     async def _kept_in_progress(self, msg: Inbound) -> AsyncIterator[None]:

@@ -29,6 +29,10 @@ def nats_server_binary() -> str:
     return found
 
 
+PORT_PICKS = 5
+"""How many ports ``EmbeddedNats.start`` picks before it gives up, each found taken when bound."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -56,8 +60,22 @@ class EmbeddedNats:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
-        """Start the server and wait until it accepts connections."""
-        self.port = self.port or free_port()
+        """Start the server and wait until it accepts connections. A port picked here (none
+        given) that something took before the server bound it is picked again."""
+        if self.port:
+            return self._start_on_port(timeout_s)
+        picks = 0
+        while True:
+            self.port, picks = free_port(), picks + 1
+            try:
+                return self._start_on_port(timeout_s)
+            except ChildProcessError as exc:
+                # Free when picked, taken a moment later (another run's server, a client's
+                # outgoing connection): not this run's mistake, unlike a port it was given.
+                if "address already in use" not in str(exc) or picks >= PORT_PICKS:
+                    raise
+
+    def _start_on_port(self, timeout_s: float) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.store_dir / "nats-server.log"
         self.process = subprocess.Popen(

@@ -262,7 +262,8 @@ class ServiceHost:
         for durable in self._durables:
             spec = durable.consumer
             dispatcher = Dispatcher(bus, self.name, spec.durable, durable.event_types, durable.handler,
-                                    self.metrics, max_deliver=spec.max_deliver, ack_wait_s=spec.ack_wait_s)
+                                    self.metrics, max_deliver=spec.max_deliver, backoff_s=spec.backoff_s,
+                                    ack_wait_s=spec.ack_wait_s)
             await self._until_done(f"consumer {spec.durable}", partial(bus.consume, spec, dispatcher), deadline)
         for core in self._cores:
             dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics,

@@ -9,7 +9,6 @@ behaviour that matters in production is tested against the real server, never he
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -81,6 +80,7 @@ class _MemoryConsumer:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: int = 0
     workers: list[asyncio.Task] = field(default_factory=list)
+    busy: set[asyncio.Task] = field(default_factory=set)  # workers with a handler at work
 
     def offer(self, stored: _Stored, deliveries: int = 1) -> None:
         self.in_flight += 1
@@ -245,9 +245,14 @@ class InMemoryBus(Bus):
                     consumer.offer(stored)
 
         async def work() -> None:
-            while True:
+            me = asyncio.current_task()
+            while not self._closed:
                 stored, deliveries = await consumer.queue.get()
-                await handler(_MemoryInbound(consumer, stored, deliveries, durable=True))
+                consumer.busy.add(me)  # type: ignore[arg-type]
+                try:
+                    await handler(_MemoryInbound(consumer, stored, deliveries, durable=True))
+                finally:
+                    consumer.busy.discard(me)  # type: ignore[arg-type]
 
         consumer.workers.append(asyncio.ensure_future(work()))
 
@@ -292,10 +297,19 @@ class InMemoryBus(Bus):
             await asyncio.sleep(0.01)
         raise TimeoutError("bus did not settle")
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float = 10.0) -> None:
         self._closed = True
+        # As the real bus drains: a worker waiting for a message is stopped, one at work and
+        # each core message being handled finish first (cancelled, they cut the handler).
+        workers = [worker for consumer in self._consumers.values() for worker in consumer.workers]
         for consumer in self._consumers.values():
             for worker in consumer.workers:
-                worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await worker
+                if worker not in consumer.busy:
+                    worker.cancel()
+        pending = [*workers, *self._tasks]
+        if pending:
+            _, overdue = await asyncio.wait(pending, timeout=timeout_s)
+            for task in overdue:  # a handler past it is cut, as the real bus's close cuts it
+                task.cancel()
+            if overdue:
+                await asyncio.wait(overdue, timeout=1.0)

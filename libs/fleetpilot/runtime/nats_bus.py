@@ -47,6 +47,17 @@ JETSTREAM_TEMPORARILY_UNAVAILABLE = 10008
 two meta leaders). Its other 503 answers (insufficient resources, JetStream not enabled for the
 account) say the same however often they are asked."""
 
+PING_INTERVAL_S = 10.0
+"""How often the client pings the server. A server that stops answering without closing the
+connection (frozen, or behind a partition that drops packets) is noticed only by its pings:
+after ``MAX_OUTSTANDING_PINGS`` unanswered, the client takes the connection for lost, so
+``connected`` (and ``/healthz``) says so and reconnecting begins. nats-py's default, 2 minutes,
+kept a service reported well for 6 minutes while nothing reached it. Here it is 20 to 40 s:
+short enough for a probe, long enough that an event loop held up a few seconds on a busy
+machine is not taken for a lost server."""
+MAX_OUTSTANDING_PINGS = 3
+"""Unanswered pings after which the connection is taken for lost (see ``PING_INTERVAL_S``)."""
+
 _UNREACHABLE = (TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
                 nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError)
 """What nats-py raises while the server is away or not serving yet: no answer in time
@@ -292,12 +303,17 @@ class NatsBus(Bus):
         try:
             nc = await asyncio.wait_for(nats.connect(
                 servers=[url], name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25, allow_reconnect=True, disconnected_cb=on_disconnect,
+                reconnect_time_wait=0.25, allow_reconnect=True, ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS, disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect, error_cb=on_error), timeout=connect_timeout_s * 2)
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
             # A refused first connection is retried until the timeout, which alone says
             # nothing; the error seen on the way says why (refused, unknown host, TLS).
             raise cannot_connect(url, errors[-1] if errors else exc) from None
+        except nats.errors.Error as exc:
+            # A URL nats-py refuses before trying (a port that is no number or past 65535, no
+            # host): no OSError, so a typo in FLEETPILOT_NATS_URL was a traceback.
+            raise cannot_connect(url, exc) from None
         bus = cls(nc, name)
         bus._closing = closing
         bus._reconnections = reconnections

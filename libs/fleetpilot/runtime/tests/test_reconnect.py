@@ -358,3 +358,48 @@ async def test_health_says_so_while_jetstream_serves_none_of_its_consumers(tmp_p
     finally:
         await host.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:4222x", "nats://127.0.0.1:99999", ""])
+async def test_a_nats_url_that_cannot_be_a_server_s_is_one_line(url):
+    # nats-py refuses it before trying with its own ``nats.errors.Error``, which is no
+    # OSError: `main` and the commands, which tell OSErrors in one line, let a typo in
+    # FLEETPILOT_NATS_URL stop a service with a traceback instead.
+    with pytest.raises(ConnectionError) as raised:
+        await NatsBus.connect(url, "client", connect_timeout_s=0.5)
+    message = str(raised.value)
+    assert message.startswith(f"cannot connect to NATS at {url}: nats: invalid")
+    assert "\n" not in message
+
+
+async def test_health_says_so_when_the_server_stops_answering_without_closing_the_connection(tmp_path, monkeypatch):
+    # A server frozen or cut off by a partition that drops packets closes nothing: the client
+    # heard of it only from its pings, nats-py's default one every 2 minutes and 2 unanswered,
+    # so /healthz said ok for 6 minutes while no message came and no publish went out (an idle
+    # fetch times out as it does on a quiet stream). The bus pings often enough to notice.
+    import os
+    import signal
+
+    from fleetpilot.runtime import nats_bus
+
+    monkeypatch.setattr(nats_bus, "PING_INTERVAL_S", 0.5, raising=False)  # (absent before the fix)
+    server = EmbeddedNats(tmp_path / "nats").start()
+    host = ServiceHost("sla", ServiceSettings(nats_url=server.url, metrics_port=-1))
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def record(task: TaskSubmitted) -> None:
+        pass
+
+    await host.start()
+    pid = server.process.pid
+    try:
+        assert host.health()["ok"]
+        os.kill(pid, signal.SIGSTOP)
+        await wait_for(lambda: not host.health()["ok"], timeout_s=15, what="health to say the bus is gone")
+        os.kill(pid, signal.SIGCONT)
+        await wait_for(lambda: host.health()["ok"], timeout_s=15, what="health to come back")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await host.stop()
+        server.stop()

@@ -110,3 +110,28 @@ def test_a_bad_start_up_limit_is_named_by_the_variable_that_set_it(environment, 
     with pytest.raises(BadSettings) as raised:
         ExampleSettings.from_environment()
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"FLEETPILOT_EXAMPLE_LOG_LEVEL": "verbose"}, "FLEETPILOT_EXAMPLE_LOG_LEVEL='verbose': "),
+    ({"FLEETPILOT_LOG_LEVEL": "loud"}, "FLEETPILOT_LOG_LEVEL='loud': "),
+    ({"FLEETPILOT_EXAMPLE_METRICS_PORT": "70000"}, "FLEETPILOT_EXAMPLE_METRICS_PORT='70000': "),
+    ({"FLEETPILOT_EXAMPLE_METRICS_PORT": "-7"}, "FLEETPILOT_EXAMPLE_METRICS_PORT='-7': "),
+])
+def test_a_log_level_or_metrics_port_that_cannot_work_is_named_in_one_line(environment, variables, message):
+    # Both were taken as they came: an unknown level stopped the service with logging's
+    # ValueError traceback before it logged a line; a port past 65535 with an OverflowError
+    # traceback once its consumers were already taking work; and a port below -1 turned
+    # /metrics and /healthz off without a word (only -1 says so).
+    environment(variables)
+    with pytest.raises(BadSettings) as raised:
+        ExampleSettings.from_environment()
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_log_level_in_any_case_and_a_port_of_minus_one_are_still_taken(environment):
+    environment({"FLEETPILOT_EXAMPLE_LOG_LEVEL": "debug"})
+    assert ExampleSettings.from_environment().log_level == "debug"
+    environment({"FLEETPILOT_EXAMPLE_METRICS_PORT": "-1"})
+    assert ExampleSettings.from_environment().metrics_port == -1
