@@ -27,7 +27,7 @@ from fleetpilot.runtime.bus import StoredMessage
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from .arguments import duration, non_negative_int, subject_pattern
-from .local import connect_bus, local_nats_url, no_jetstream
+from .local import local_nats_url, no_jetstream
 
 DLQ_STREAM = "DLQ"
 
@@ -110,7 +110,7 @@ async def dead_letters(args, out=None, err=None) -> int:
 
     out, err = out or sys.stdout, err or sys.stderr
     url = args.nats_url or local_nats_url(args.state_dir)
-    bus = await connect_bus(url, "fleetpilot-dead-letters")
+    bus = await NatsBus.connect(url, "fleetpilot-dead-letters", connect_timeout_s=2)
     try:
         since = time.time() - args.since if args.since is not None else None
         if since is not None and since <= 0:

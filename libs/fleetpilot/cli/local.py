@@ -72,21 +72,6 @@ async def connect_once(url: str, name: str):
         raise cannot_connect(url, errors[-1] if errors else exc) from None
 
 
-async def connect_bus(url: str, name: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S):
-    """A ``NatsBus`` on ``url`` for a command; ``ConnectionError`` in one line when no server
-    answers or the URL does not parse: nats-py parses it inside ``nats.connect`` and raises
-    its own ``Error`` ("invalid connect url option" for a port past 65535), which was a
-    traceback mid-command."""
-    import nats.errors
-
-    from fleetpilot.runtime.nats_bus import NatsBus, cannot_connect
-
-    try:
-        return await NatsBus.connect(url, name, connect_timeout_s=connect_timeout_s)
-    except nats.errors.Error as exc:
-        raise cannot_connect(url, exc) from None
-
-
 def no_jetstream(url: str) -> ConnectionError:
     """The one-line error for a NATS server that answers but has no JetStream, which every
     stream and bucket of Fleetpilot lives in (nats-py says only ``ServiceUnavailableError``)."""

@@ -34,10 +34,11 @@ from fleetpilot.contracts import (
     msg_id_for,
 )
 from fleetpilot.runtime import tracing
+from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
 from .arguments import positive_float
-from .local import connect_bus, local_nats_url, local_token, state_dir
+from .local import local_nats_url, local_token, state_dir
 
 
 class UsageError(ValueError):
@@ -164,7 +165,7 @@ async def submit(task: TaskSubmitted, args, out=sys.stdout) -> int:
     ends first; 1 rejected, by the SLA service or by a policy's ``reject`` decision)."""
     token = args.token or local_token(state_dir(args.state_dir), args.tenant)
     args.nats_url = args.nats_url or local_nats_url(args.state_dir)
-    bus = await connect_bus(args.nats_url, "fleetpilot-submit")
+    bus = await NatsBus.connect(args.nats_url, "fleetpilot-submit", connect_timeout_s=2)
     answers: asyncio.Queue = asyncio.Queue()
 
     async def on_msg(msg) -> None:

@@ -55,7 +55,7 @@ from fleetpilot.runtime.nats_bus import NatsBus
 
 from .arguments import existing_file, non_negative_int, port_base, positive_float, positive_int
 from .fleet_cmd import load_fleet_file
-from .local import NATS_URL_FILE, connect_bus, local_keyring, local_token, no_jetstream, state_dir
+from .local import NATS_URL_FILE, local_keyring, local_token, no_jetstream, state_dir
 from .workload import demo_tasks
 
 SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
@@ -653,7 +653,7 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
             # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
             announced.write_text(url + "\n")
-            bus = await connect_bus(url, "fleetpilot-up", connect_timeout_s=5.0)
+            bus = await NatsBus.connect(url, "fleetpilot-up")
             try:
                 await bus.ensure_topology()
             except nats.js.errors.ServiceUnavailableError:

@@ -10,8 +10,10 @@ import sys
 
 import msgspec
 
+from fleetpilot.runtime.nats_bus import NatsBus
+
 from .arguments import non_negative_int, subject_pattern
-from .local import connect_bus, local_nats_url
+from .local import local_nats_url
 
 
 def add_arguments(parser) -> None:
@@ -29,7 +31,7 @@ def add_arguments(parser) -> None:
 
 async def watch(args, out=sys.stdout) -> int:
     """Print each message as one JSON line with its subject."""
-    bus = await connect_bus(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-watch")
+    bus = await NatsBus.connect(args.nats_url or local_nats_url(args.state_dir), "fleetpilot-watch", connect_timeout_s=2)
     done = asyncio.Event()
     seen = 0
     reader_gone = False
