@@ -18,8 +18,8 @@ The sums are Python integers, with no bound; the stores keep them so too (Postgr
 
 Weighting: a record's weight is ``1 - latency_ms.uncertainty_score`` clipped to 0..1 (a
 record whose latency we could not measure says little about how the action went); a NaN
-uncertainty, or a latency that is no measurement (NaN, infinite, over ``MAX_LATENCY_US``),
-gives weight 0 and the latency is kept as 0. A record of weight 0 has no *measured*
+uncertainty, or a latency that is no measurement (NaN, infinite, negative, over
+``MAX_LATENCY_US``), gives weight 0 and the latency is kept as 0. A record of weight 0 has no *measured*
 latency: the latency statistics (mean, weighted mean, p95) are over measured records only,
 so the placeholder 0 of an action judged without its result does not pull them down, and
 they are ``None`` for a group with none. A success is ``outcome == "success"``; every other
@@ -114,11 +114,15 @@ def _fixed_point(value: float, scale: float, limit: int) -> int | None:
 def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
     """Quantise one feedback event into the row a store keeps (the only rounding step).
 
-    A latency that is no measurement (NaN, infinite, longer than ``MAX_LATENCY_US``) is kept
-    as unknown: 0 µs with no weight, as the feedback service writes a latency it never saw.
-    An uncertainty that is NaN is no information either: no weight, not full weight.
+    A latency that is no measurement (NaN, infinite, negative, longer than ``MAX_LATENCY_US``)
+    is kept as unknown: 0 µs with no weight, as the feedback service writes a latency it never
+    saw. An uncertainty that is NaN is no information either: no weight, not full weight.
     """
     latency_us = _fixed_point(event.latency_ms.value, 1000.0, MAX_LATENCY_US)
+    if latency_us is not None and latency_us < 0:
+        # A duration below zero (a clock that stepped back) was kept as a measured 0 µs at
+        # full weight, pulling the mean and p95 down, while -inf weighed nothing.
+        latency_us = None
     uncertainty = event.latency_ms.uncertainty_score
     trusted = latency_us is not None and not math.isnan(uncertainty)
     weight_units = round((1.0 - _clip01(uncertainty)) * UNIT) if trusted else 0
@@ -132,7 +136,7 @@ def row_from_event(event: FeedbackRecorded) -> FeedbackRow:
         action=event.action,
         success=1 if event.outcome == "success" else 0,
         weight_units=weight_units,
-        latency_us=max(latency_us or 0, 0),
+        latency_us=latency_us or 0,
         saving_milli_mb=saving_milli_mb or 0,
         confidence_units=round(_clip01(event.confidence) * UNIT),
         side_effects=1 if event.unexpected_side_effect else 0,

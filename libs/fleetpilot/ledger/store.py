@@ -4,6 +4,7 @@ watchers, and compare-and-set writes that retry on conflict."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import string
 from collections.abc import Callable
@@ -164,6 +165,11 @@ class FleetView(BucketMirror):
 # a key.
 _KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_/.")
 
+KEY_LIMIT = 1024
+"""The longest key ``node_key`` returns. A key goes into the subject of every KV operation
+(``$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`` plus a reply inbox), and the server
+closes a connection whose control line passes 4 KiB; a kilobyte leaves room for the rest."""
+
 
 def node_key(node: str) -> str:
     """KV keys allow ASCII letters, digits and ``-_=/.``, with no empty token between dots;
@@ -178,7 +184,13 @@ def node_key(node: str) -> str:
     refused as already there, or read as the first task's, and two such nodes shared one
     ledger. ``str.isalnum`` before that let any Unicode letter or digit through (``é``,
     ``²``), which the client refuses as a key; a dot at either end or two in a row make an
-    empty subject token, which the server never answers."""
+    empty subject token, which the server never answers.
+
+    A key longer than ``KEY_LIMIT`` keeps its beginning and ends in ``=_`` and the SHA-256 of
+    the name (``=`` is otherwise always followed by two hex digits, so no shorter name's key
+    can end so). Left whole, a client's task id of some 1400 characters that each take three
+    made a key whose subject the server answered by closing the connection: every service on
+    it cut off, and again on each redelivery."""
     if not node:
         return "="
     out = []
@@ -186,7 +198,12 @@ def node_key(node: str) -> str:
         literal = c in _KEY_CHARACTERS and (c != "." or (
             0 < i < len(node) - 1 and out[-1] != "." and node[i + 1] != "."))
         out.append(c if literal else "".join(f"={b:02X}" for b in c.encode("utf-8", "surrogatepass")))
-    return "".join(out)
+    key = "".join(out)
+    if len(key) <= KEY_LIMIT:
+        return key
+    digest = hashlib.sha256(node.encode("utf-8", "surrogatepass")).hexdigest()
+    # The cut may end in a dot: the ``=`` after it keeps the token between dots non-empty.
+    return f"{key[:KEY_LIMIT - len(digest) - 2]}=_{digest}"
 
 
-__all__ = ["FleetView", "LedgerStore", "node_key"]
+__all__ = ["KEY_LIMIT", "FleetView", "LedgerStore", "node_key"]

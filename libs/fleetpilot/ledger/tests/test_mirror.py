@@ -12,7 +12,7 @@ import re
 import pytest
 from fleetpilot.contracts import Allocation, NodeLedger, encode
 from fleetpilot.ledger import LedgerStore, with_allocations
-from fleetpilot.ledger.store import node_key
+from fleetpilot.ledger.store import KEY_LIMIT, node_key
 from fleetpilot.runtime import InMemoryBus, KeyValue
 from fleetpilot.runtime.bus import KvEntry
 from fleetpilot.runtime.nats_bus import NatsBus
@@ -242,5 +242,38 @@ async def test_a_ledger_keyed_by_a_name_with_a_letter_no_key_allows_is_written_a
                 cur, name, ledger(name, "t1").allocations))
             held = await store.read(name)
             assert held is not None and [a.task_id for a in held.allocations] == ["t1"]
+    finally:
+        await bus.drain()
+
+
+def test_a_name_too_long_for_one_protocol_line_maps_onto_a_bounded_key():
+    # A key goes into the subject of every KV operation, and a NATS control line holds 4 KiB:
+    # each character a key does not allow took three, so a client's task id of some 1400
+    # such characters made a key the server answered by closing the connection.
+    long_names = ["é" * 1400, "é" * 1400 + "x", "a" * 5000, "a" * 4999 + "b", "a." * 3000]
+    keys = [node_key(name) for name in long_names]
+    assert len(set(keys)) == len(long_names)
+    for key in keys:
+        assert len(key) <= KEY_LIMIT
+        assert re.fullmatch(r"[-/_=.a-zA-Z0-9]+", key) and "" not in key.split("."), key
+    # No short name shares a key with a long one, and a short one is mapped as before.
+    assert node_key("a" * KEY_LIMIT) == "a" * KEY_LIMIT
+    assert node_key("a" * KEY_LIMIT) != node_key("a" * (KEY_LIMIT + 1))
+
+
+async def test_a_ledger_keyed_by_a_very_long_name_is_written_and_read_on_a_live_connection(nats_server):
+    bus = await NatsBus.connect(nats_server.url, "test")
+    await bus.ensure_topology()
+    try:
+        store = await LedgerStore.open(bus)
+        name = "é" * 1400
+        await asyncio.wait_for(store.mutate(node_key(name), lambda cur: with_allocations(
+            cur, name, ledger(name, "t1").allocations)), timeout=10)
+        held = await asyncio.wait_for(store.read(name), timeout=10)
+        assert held is not None and [a.task_id for a in held.allocations] == ["t1"]
+        # The connection is still there for every other key.
+        await asyncio.wait_for(store.mutate("node-a", lambda cur: with_allocations(
+            cur, "node-a", ledger("node-a", "t2").allocations)), timeout=10)
+        assert (await store.read("node-a")) is not None
     finally:
         await bus.drain()
