@@ -50,7 +50,15 @@ from fleetpilot.fingerprint.signature import predict, stored_stats, task_signatu
 from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings, serve
-from fleetpilot.sla import Admit, CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
+from fleetpilot.sla import (
+    Admit,
+    CounterOffer,
+    NegotiationPolicy,
+    OfferBook,
+    contract_for,
+    negotiate,
+    task_problem,
+)
 from fleetpilot.sla.snapshot import (
     SnapshotCache,
     SnapshotKnobs,
@@ -309,6 +317,10 @@ class Negotiator:
             _same_tenant(record.task.tenant, task)
             if record.state == "open":
                 return record.offer
+            if isinstance(record.outcome, TaskAdmitted):
+                # Accepted: that is the task's admission, whether or not the reply's contract
+                # write has landed yet (or ever will); a fresh negotiation would admit it twice.
+                return await self.store.admit_once(record.outcome)
             if redelivered and record.outcome is not None:
                 return record.outcome
         if redelivered:
@@ -435,7 +447,9 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         return msgspec.structs.replace(task, tenant=claims.tenant)
 
     def fleet_known(task: TaskSubmitted) -> bool:
-        return task.gpus == 0 or bool(holder["n"].topology.nodes)
+        # An invalid submission is answered without the fleet: no report can change that
+        # answer, and waiting for one left it retried, then dead-lettered, never answered.
+        return task.gpus == 0 or task_problem(task) is not None or bool(holder["n"].topology.nodes)
 
     async def fleet_reported(task: TaskSubmitted) -> bool:
         # Waited for here, not retried: five one-second retries dead-lettered a fresh

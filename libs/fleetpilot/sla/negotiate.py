@@ -135,6 +135,10 @@ def _estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint:
     if task.kind == "infer":
         reference = float(task.labels.get(P95_REFERENCE_LABEL, fleet.reference_p95_ms))
         p95 = reference / max(pool.relative_compute, 1e-9)
+    if not math.isfinite(warmup) or (p95 is not None and not math.isfinite(p95)):
+        # Finite but huge inputs (a size, a p95 reference) overflow here: nothing can be
+        # promised on the pool, and an offer or contract holding infinity cannot be sent.
+        return None
     share = task.gpus if task.gpu_milli >= 1000 or task.gpus != 1 else task.gpu_milli / 1000.0
     cost = pool.price_per_gpu_hour * share
     if sla.deadline is not None:
@@ -283,6 +287,10 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
         return Reject("invalid", problem, task.task_id)
     sla = task.sla
     if task.gpus == 0:
+        # The deadline is hard here too: no queue or warm-up is estimated, the run still counts.
+        if sla.deadline is not None and now + (task.expected_duration_s or 0.0) > sla.deadline:
+            return Reject("infeasible", "the deadline cannot be met: it has passed, or passes before the run "
+                          "could end", task.task_id)
         return Admit(Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, deadline=sla.deadline,
                               cost_ceiling_per_hour=sla.cost_ceiling_per_hour, notes="cpu-only task"))
     need_mb = max(task.gpu_memory_mb, fingerprint.predicted_peak_mb if fingerprint is not None else 0.0)
@@ -306,8 +314,13 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
             best = min(preempting, key=lambda e: (e.cost_per_hour, e.warmup_ms))
             return Admit(admit_contract(task, best, now), may_preempt=True)
     if not estimates:
-        why = "the deadline cannot be met on any pool" if sla.deadline is not None else \
-            "no pool will free enough GPUs for this task"
+        if sla.deadline is not None:
+            why = "the deadline cannot be met on any pool"
+        elif any(_queue_s(p, task, sla.tier) < math.inf for p in pools):
+            why = ("no pool gives a finite warm-up or p95 estimate for this task "
+                   "(its size or p95_ref_ms is too large)")
+        else:
+            why = "no pool will free enough GPUs for this task"
         return Reject("infeasible", why, task.task_id)
     chosen = _pick_options(estimates, policy.max_options)
     options = [_option(e, task, now, f"o{i + 1}") for i, e in enumerate(chosen)]

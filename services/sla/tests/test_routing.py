@@ -7,6 +7,7 @@ subject, which contract, and how the admitted task is shaped for the policy.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from fleetpilot.auth import KeyRing, mint_token, save_jwks
 from fleetpilot.contracts import (
@@ -29,7 +30,11 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import InMemoryBus, Reject
 from fleetpilot.sla import Admit
 from fleetpilot_services.sla.service import SlaSettings, admission, build, settle_reply
-from fleetpilot_services.sla.store import OfferRecord
+from fleetpilot_services.sla.store import OfferRecord, offer_key
+
+
+def decode_record(entry) -> OfferRecord:
+    return msgspec.json.decode(entry.value, type=OfferRecord)
 
 T0 = 1_000.0
 TASK = TaskSubmitted(task_id="t1", tenant="acme", gpus=1, gpu_models=["H100"],
@@ -183,3 +188,67 @@ async def test_a_p95_reference_label_in_words_is_rejected_invalid_not_retried(se
     await bus.settle()
     answers = [e for s, e in published(bus, "TASKS") if s == "task.rejected"]
     assert [(e.task_id, e.code) for e in answers] == [("wordy", "invalid")]
+
+
+async def test_a_task_whose_warm_up_overflows_is_answered_infeasible_not_dead_lettered(service):
+    # 1e308 GB over any link is an infinite warm-up: the offer holding it could not be
+    # encoded, so the submission was dead-lettered ("unencodable") and never answered.
+    bus, auth = service
+    await bus.publish(TaskSubmitted(task_id="huge", gpus=1, size_gb=1e308, sla=SlaRequest(warmup_ms=250)),
+                      headers=auth)
+    await bus.settle()
+    assert bus.stored("DLQ") == []
+    answers = [e for s, e in published(bus, "TASKS") if s == "task.rejected"]
+    assert [(e.task_id, e.code) for e in answers] == [("huge", "infeasible")]
+
+
+async def test_an_invalid_submission_is_rejected_invalid_before_any_node_has_reported(tmp_path):
+    # It waited for the fleet (FLEET_WAIT_S) although no fleet could change its answer, then
+    # was retried and dead-lettered "max_deliver": the submitter never heard why; a quote
+    # said "infeasible: no fleet topology known yet".
+    ring = KeyRing()
+    ring.signing_key()
+    save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    host = build(SlaSettings(nats_url="unused", metrics_port=-1, jwks_path=str(tmp_path / "jwks.json"),
+                             issuer="iss", fleet_wait_s=0))
+    await host.start(bus)
+    try:
+        token = mint_token(ring, tenant="acme", audience="fleetpilot", issuer="iss", ttl_s=600)
+        auth = {"Authorization": f"Bearer {token}"}
+        bad = TaskSubmitted(task_id="bad", gpus=1, gpu_milli=0)
+        quoted = decode(await bus.request("sla.negotiate", encode(bad), headers=auth), SlaOffer, TaskAdmitted,
+                        TaskRejected)
+        assert isinstance(quoted, TaskRejected) and quoted.code == "invalid" and "gpu_milli" in quoted.reason
+        await bus.publish(bad, headers=auth)
+        await bus.settle()
+        answers = [e for s, e in published(bus, "TASKS") if s == "task.rejected"]
+        assert [(e.task_id, e.code) for e in answers] == [("bad", "invalid")]
+        assert bus.stored("DLQ") == []
+    finally:
+        await host.stop()
+
+
+async def test_a_submission_of_a_task_whose_offer_was_accepted_gets_that_admission(service):
+    # The reply path closes the offer (accepted), then writes the contract. A client's retry
+    # of the submission read between the two (or after a lost contract write) found no
+    # contract and negotiated afresh: a second admission under other terms, or a new open
+    # offer written over the accepted one, to expire into offer_expired for an admitted task.
+    bus, auth = service
+    asked = TaskSubmitted(task_id="acc", tenant="acme", gpus=1, sla=SlaRequest(max_queue_s=5))
+    option = OfferOption(option_id="o1", gpu_model="A100-40GB", site="a", expected_queue_s=60,
+                         not_before=T0 + 60, why="wait")
+    offer = SlaOffer(offer_id="acc/x", task_id="acc", tenant="acme", asked=asked.sla, options=[option],
+                     valid_until=T0 + 30, at=T0)
+    accepted = settle_reply(OfferRecord(offer=offer, task=asked),
+                            SlaReply(offer_id="acc/x", task_id="acc", accept=True, option_id="o1"), T0 + 1)
+    kv = await bus.kv("contracts")
+    closed = OfferRecord(offer=offer, task=asked, state="accepted", outcome=accepted)
+    await kv.put(offer_key("acc"), encode(closed))
+    await bus.publish(asked, headers=auth)
+    await bus.settle()
+    answers = [e for s, e in published(bus, "TASKS") if s in ("task.admitted", "task.rejected")]
+    assert answers == [accepted]
+    record = decode_record(await kv.get(offer_key("acc")))
+    assert record.state == "accepted" and record.outcome == accepted

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fleetpilot.contracts import Fingerprint, SlaRequest, TaskSubmitted
+from fleetpilot.contracts import Fingerprint, SlaOffer, SlaRequest, TaskSubmitted, encode
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, NegotiationPolicy, Reject, negotiate
 
 NOW = 10_000.0
@@ -168,3 +168,38 @@ def test_a_task_id_that_is_no_single_subject_token_is_invalid(task_id):
     submission retried, then dead-lettered) and the client could never answer it."""
     decision = negotiate(TaskSubmitted(task_id=task_id, tenant="acme", gpus=1), FLEET, now=NOW)
     assert isinstance(decision, Reject) and decision.code == "invalid" and "task_id" in decision.reason
+
+
+@pytest.mark.parametrize("sla", [{"deadline": NOW - 60}, {"deadline": NOW + 100}])
+def test_a_cpu_only_task_that_cannot_meet_its_deadline_is_infeasible(sla):
+    """The deadline is hard for every task: a CPU-only one whose deadline had passed at
+    submission (or that runs past it) was admitted under a contract promising it."""
+    decision = negotiate(task(gpus=0, expected_duration_s=600, sla=sla), FLEET, now=NOW)
+    assert isinstance(decision, Reject) and decision.code == "infeasible" and "deadline" in decision.reason
+    roomy = negotiate(task(gpus=0, expected_duration_s=600, sla={"deadline": NOW + 600}), FLEET, now=NOW)
+    assert isinstance(roomy, Admit) and roomy.contract.deadline == NOW + 600
+
+
+@pytest.mark.parametrize(("submitted", "pools"), [
+    # 1e308 GB at 10 GB/s is 1e310 ms: infinity, on every pool.
+    (task(kind="train", size_gb=1e308, sla={"warmup_ms": 250}), FLEET.pools),
+    (task(kind="train", size_gb=1e308), FLEET.pools),  # no bound: nothing to admit it on either
+    # A p95 reference of 1e308 ms over a V100's 0.5 compute: infinity.
+    (task(kind="infer", labels={"p95_ref_ms": "1e308"}, sla={"p95_latency_ms": 10}), (V100,)),
+])
+def test_an_estimate_that_overflows_to_infinity_is_infeasible_not_offered(submitted, pools):
+    """Finite but huge inputs made an infinite warm-up or p95: the offer holding it cannot be
+    encoded, so the service dead-lettered the submission and never answered it."""
+    decision = negotiate(submitted, FleetView(pools=pools, local_bandwidth_gbps=10.0), now=NOW)
+    assert isinstance(decision, Reject) and decision.code == "infeasible", decision
+    assert "finite" in decision.reason
+
+
+def test_a_pool_whose_estimate_overflows_is_left_out_of_the_offer():
+    """The other pools' finite estimates are still offered, and the offer can be sent."""
+    submitted = task(kind="infer", labels={"p95_ref_ms": "1e308"}, sla={"p95_latency_ms": 10})
+    decision = negotiate(submitted, FLEET, now=NOW)
+    assert isinstance(decision, CounterOffer) and decision.options
+    assert "V100" not in {o.gpu_model for o in decision.options}
+    encode(SlaOffer(offer_id="t1/x", task_id="t1", tenant="acme", asked=submitted.sla,
+                    options=decision.options, reason=decision.reason, valid_until=decision.valid_until, at=NOW))
