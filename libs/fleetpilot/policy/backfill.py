@@ -184,8 +184,9 @@ def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], fl
 def wide_hosts(state: ClusterState, request: TaskRequest) -> np.ndarray:
     """Per node, whether a whole-GPU ``request`` could run there once the node is empty: an
     accepted model on its contract's site if it names one, enough CPU and memory in total,
-    and ``gpus`` GPUs that exist and hold its GPU memory. All false for a share or a task wider than any node (``reserve`` and
-    ``clearing`` only serve whole-GPU requests)."""
+    and ``gpus`` GPUs that exist, hold its GPU memory and whose business rules let it start
+    (``ClusterState.allowed``). All false for a share or a task wider than any node
+    (``reserve`` and ``clearing`` only serve whole-GPU requests)."""
     n = request.gpus
     if n < 1 or request.gpu_milli < MILLI or n > state.max_gpus:
         return np.zeros(state.n_nodes, dtype=bool)
@@ -195,23 +196,30 @@ def wide_hosts(state: ClusterState, request: TaskRequest) -> np.ndarray:
         ok &= np.isin(state.node_model, [w for w in wanted if w >= 0])
     if request.site:  # bound to a site by its contract
         ok &= state.node_site == (state.sites.index(request.site) if request.site in state.sites else -1)
-    roomy = state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb)
-    return ok & (roomy.sum(axis=1) >= n)
+    return ok & (_roomy(state, request).sum(axis=1) >= n)
+
+
+def _roomy(state: ClusterState, request: TaskRequest) -> np.ndarray:
+    """``(N, G)``: the GPUs that exist, hold ``request``'s GPU memory and may take it by their
+    business rules. A GPU the rules keep it off is never free for it: reserving or emptying
+    one would hold GPUs back, or checkpoint their tenants, for a node it is never placed on."""
+    return state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb) & state.allowed(request)
 
 
 def reserve(state: ClusterState, request: TaskRequest, free_at: np.ndarray) -> Reservation | None:
     """Where and when a blocked whole-GPU request can start earliest, or ``None``.
 
-    Candidate nodes are those it could run on once empty: an accepted model, enough GPUs,
-    GPU memory, CPU and memory in total. On each, the start is the ``gpus``-th earliest
-    GPU release; the earliest node wins (the lowest row on a tie, so the choice is
-    reproducible), and the reservation is for its ``gpus`` earliest-free GPUs.
+    Candidate nodes are those it could run on once empty (``wide_hosts``): an accepted
+    model, enough GPUs that its business rules let it use, GPU memory, CPU and memory in
+    total. On each, the start is the ``gpus``-th earliest GPU release; the earliest node
+    wins (the lowest row on a tie, so the choice is reproducible), and the reservation is
+    for its ``gpus`` earliest-free GPUs.
     """
     ok = wide_hosts(state, request)
     if not ok.any():
         return None
     n = request.gpus
-    times = np.where(state.gpu_exists & (state.gpu_mem_total >= request.gpu_memory_mb), free_at, np.inf)
+    times = np.where(_roomy(state, request), free_at, np.inf)
     nth = np.where(ok, np.sort(times, axis=1)[:, n - 1], np.inf)
     row = int(np.argmin(nth))
     if not np.isfinite(nth[row]):
@@ -321,8 +329,7 @@ def clearing(state: ClusterState, request: TaskRequest, tenants: Sequence[Tenant
     ``wide_hosts`` nodes can be moved: a caller may pass just those.
     """
     n = request.gpus
-    usable = (state.gpu_exists & state.gpu_healthy & ~state.gpu_maintenance
-              & (state.gpu_mem_total >= request.gpu_memory_mb))
+    usable = _roomy(state, request) & state.gpu_healthy & ~state.gpu_maintenance
     on_row: dict[int, list[Tenant]] = {}
     for t in tenants:
         on_row.setdefault(t.row, []).append(t)

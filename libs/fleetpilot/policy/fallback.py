@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -129,11 +129,12 @@ class SuccessStat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HistoryArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The stats table and the Beta prior (``alpha``, ``beta``)."""
+    """The stats table and the Beta prior (``alpha``, ``beta``: above 0, else a (kind, model)
+    without outcomes has no posterior mean)."""
 
     stats: list[SuccessStat] = msgspec.field(default_factory=list)
-    alpha: float = 1.0
-    beta: float = 1.0
+    alpha: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    beta: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 def posterior_success(stats: Sequence[SuccessStat], kind: str, models: Sequence[str], alpha: float = 1.0,

@@ -29,7 +29,7 @@ import numpy as np
 
 from fleetpilot.contracts.decision import Placement
 
-from .state import ClusterState, TaskRequest
+from .state import ClusterState, TaskRequest, request_problem
 
 ExtensionPoint = Literal["filter", "score", "normalise", "select", "devices", "confidence"]
 EXTENSION_POINTS: tuple[str, ...] = ("filter", "score", "normalise", "select", "devices", "confidence")
@@ -229,10 +229,18 @@ class Policy:
         return self.decide(state, task)
 
     def decide(self, state: ClusterState, task: TaskRequest) -> PolicyDecision:
-        """Place one task on the state; never mutates ``state``."""
+        """Place one task on the state; never mutates ``state``. A request whose shape no GPU
+        can hold (``state.request_problem``) is rejected, saying why."""
+        problem = request_problem(task)
+        if problem is not None:
+            # Left to the plugins, a share over one GPU was proposed as is and a negative size
+            # gave capacity back on allocate: no placement is right for it, now or later.
+            return PolicyDecision(action="reject", confidence=1.0, policy=self.name,
+                                  reason=f"{self.name}: malformed request: {problem}")
         # Business rules are hard: a GPU the task may not use is, for this task, not there.
         cycle = Cycle(state=state, task=task, free=np.where(state.allowed(task), state.usable_free(), 0))
-        mask = np.ones(state.n_nodes, dtype=bool)
+        # The contract's site binds the node, not only its GPUs: a CPU-only task too.
+        mask = state.on_site(task)
         for f in self.filters:
             mask &= f.filter(cycle)
         cycle.rows = np.flatnonzero(mask)
@@ -242,13 +250,21 @@ class Policy:
         total = np.zeros(cycle.rows.size, dtype=np.float64)
         for plugin, weight in self.scores:
             raw = plugin.score(cycle)
+            if np.isnan(raw).any():
+                # NaN (a NaN reading in the state, a broken plugin) is no worse and no better
+                # than anything: no node would be chosen for a reason, so none is.
+                bad = state.node_names[int(cycle.rows[int(np.flatnonzero(np.isnan(raw))[0])])]
+                raise ValueError(f"{self.name}: score plugin {plugin.name!r} scored NaN on node {bad}")
             total += weight * self.normaliser.normalise(raw)
         pos = self.selector.select(cycle, total)
         gpus, milli = self.device_picker.devices(cycle, pos)
         row = int(cycle.rows[pos])
         node = state.node_names[row]
         placement = [GpuShare(node=node, gpu=g, milli=milli) for g in gpus] or [GpuShare(node=node, gpu=-1, milli=0)]
-        conf = float(np.clip(self.confidence_model.confidence(cycle, pos, gpus, total), 0.0, 1.0))
+        raw_conf = float(self.confidence_model.confidence(cycle, pos, gpus, total))
+        if np.isnan(raw_conf):  # clipping keeps NaN: it would be published as a probability
+            raise ValueError(f"{self.name}: confidence plugin {self.confidence_model.name!r} gave NaN on node {node}")
+        conf = float(np.clip(raw_conf, 0.0, 1.0))
         reason = f"{self.name}: node {node} score {total[pos]:.3g} of {cycle.rows.size} feasible"
         if cycle.notes:
             reason += "; " + "; ".join(cycle.notes)

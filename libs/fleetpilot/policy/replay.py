@@ -83,7 +83,10 @@ def _effect(state: ClusterState, task: TaskRequest, d: PolicyDecision, table: Fr
         after.allocate(d.node_row, gpus, milli, cpu_milli=task.cpu_milli, memory_mb=task.memory_mb)
         if gpus:
             oom = float(oom_risk(state, task)[d.node_row, gpus].max())
-    frag = float(table.node_frag(after).sum()) if table is not None else float(compute_fragmentation(after).mean())
+    if table is not None:
+        frag = float(table.node_frag(after).sum())
+    else:  # the mean over no node is NaN; a fleet without nodes has nothing fragmented
+        frag = float(compute_fragmentation(after).mean()) if after.n_nodes else 0.0
     return frag, oom
 
 

@@ -108,6 +108,18 @@ class TaskRequest(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+def request_problem(task: TaskRequest) -> str | None:
+    """Why no GPU or node can hold ``task`` as it asks, in a few words; ``None`` when nothing
+    is wrong with its shape. A negative count or size, or more than one GPU's milli on each
+    GPU (``gpu_milli`` is per GPU: a task asking for more asks for more GPUs)."""
+    for name in ("gpus", "cpu_milli", "memory_mb", "gpu_memory_mb"):
+        if getattr(task, name) < 0:
+            return f"{name} {getattr(task, name)} is negative"
+    if task.gpus > 0 and not 0 <= task.gpu_milli <= MILLI:
+        return f"gpu_milli {task.gpu_milli} is not a share of one GPU (0..{MILLI})"
+    return None
+
+
 class ClusterStateRecord(msgspec.Struct, kw_only=True):
     """The JSON-able form of a ``ClusterState``: names plus nested lists."""
 
@@ -219,9 +231,15 @@ class ClusterState:
         driver = task.labels.get(TASK_LABEL_DRIVER)
         ok = np.array([r.refusal(task.kind, driver) is None for r in self.rule_sets])[self.gpu_rule]
         if task.site:
-            on_site = self.node_site == (self.sites.index(task.site) if task.site in self.sites else -1)
-            ok = ok & on_site[:, None]
+            ok = ok & self.on_site(task)[:, None]
         return ok
+
+    def on_site(self, task: TaskRequest) -> np.ndarray:
+        """``(N,)``: the nodes on the site ``task``'s contract binds it to (every node when it
+        names none; none when the fleet has no such site)."""
+        if not task.site:
+            return np.ones(self.n_nodes, dtype=bool)
+        return self.node_site == (self.sites.index(task.site) if task.site in self.sites else -1)
 
     def gpu_count(self) -> np.ndarray:
         """GPUs per node."""
@@ -436,6 +454,12 @@ class ClusterState:
         dtypes = {**_NODE_ARRAYS, **_GPU_ARRAYS, "gpu_link": np.int8}
         kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()
                   if name in record.arrays or name != "gpu_rule"}
+        if not record.node_names:
+            # JSON keeps no shape for an empty list: a fleet without nodes has the one padded
+            # GPU slot ``build`` gives it, else ``max_gpus`` and every policy fail on it.
+            ndim = {name: 1 if name in _NODE_ARRAYS else 2 if name in _GPU_ARRAYS else 3 for name in kwargs}
+            kwargs = {name: a.reshape((0,) + (1,) * (ndim[name] - 1)) if a.size == 0 else a
+                      for name, a in kwargs.items()}
         return cls(node_names=list(record.node_names), models=list(record.models),
                    sites=list(record.sites), roles=list(record.roles), rule_sets=list(record.rule_sets), **kwargs)
 

@@ -8,6 +8,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from fleetpilot.contracts import GpuInfo, NodeTopology
 from fleetpilot.policy import ClusterState, TaskRequest, build_policy
 from fleetpilot.policy.backfill import (
     UNDECLARED_S,
@@ -263,3 +264,34 @@ def test_a_clearing_is_refused_when_a_tenant_moved_for_its_cpu_lands_back_on_the
     tenants += [hold(f"x{g}", 1, g, 5000, 1.0) for g in range(4)]
     one = TaskRequest(task_id="one", gpus=1, gpu_memory_mb=8000, cpu_milli=10000)
     assert clearing(state, one, tenants, build_policy("bestfit").decide, wait_s=1e6) is None
+
+
+def reserved_first() -> ClusterState:
+    """n0: 2 x H100 reserved for their role (business rule: no new work); n1: 2 x H100; n2:
+    2 x T4."""
+
+    def node(name: str, model: str, **labels: str) -> NodeTopology:
+        return NodeTopology(node=name, cpu_milli=64000, memory_mb=512000,
+                            gpus=[GpuInfo(index=i, model=model, memory_mb=81920, labels=labels) for i in range(2)])
+
+    return ClusterState.from_topology([node("n0", "H100", role="reserved"), node("n1", "H100"), node("n2", "T4")])
+
+
+def test_a_reservation_and_a_clearing_are_only_ever_on_gpus_the_task_may_use() -> None:
+    # n0's GPUs free first and are cheaper to empty, but the business rules keep every task
+    # off them: reserving them would hold back nothing the task can start on (and hide n1
+    # from nobody), and checkpointing n0's tenant would throw its work away for a node the
+    # task is never placed on.
+    state = reserved_first()
+    wide = TaskRequest(task_id="w", gpus=2, gpu_models=("H100",))
+    tenants = [tenant(state, "a", 0, (0, 1), cost=1.0), tenant(state, "b", 1, (0, 1), cost=500.0)]
+    free_at = gpu_free_at(state, [(0, [0, 1], 150.0), (1, [0, 1], 900.0)], now=100.0)
+    assert reserve(state, wide, free_at) == Reservation(task_id="w", node="n1", gpus=(0, 1), start_s=900.0)
+    plan = clearing(state, wide, tenants, build_policy("bestfit").decide, wait_s=1e6)
+    assert plan is not None and (plan.row, [m.task_id for m in plan.moves]) == (1, ["b"])
+    # A task the rules keep off every GPU gets no reservation at all.
+    infer_only = ClusterState.from_topology([NodeTopology(
+        node="n0", cpu_milli=64000, memory_mb=512000,
+        gpus=[GpuInfo(index=0, model="H100", labels={"task_kinds": "infer"})])])
+    assert reserve(infer_only, TaskRequest(task_id="t", kind="train", gpus=1),
+                   gpu_free_at(infer_only, [], now=0.0)) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from fleetpilot.policy import (
@@ -311,3 +312,65 @@ def test_a_shared_gpu_is_chosen_only_where_the_task_memory_fits(policy):
         state, task)
     assert decision.action == "assign" and [p.gpu for p in decision.placement] == [1]
     assert decision.confidence > 0.8
+
+
+@pytest.mark.parametrize("policy", ["k8s-default", "bestfit", "packing", "fgd", "fleetpilot"])
+@pytest.mark.parametrize("task", [CPU, WHOLE, SHARE], ids=["cpu-only", "whole", "share"])
+def test_a_task_bound_to_a_site_is_placed_on_it_even_when_it_asks_no_gpu(policy, task):
+    # Whichever node each policy prefers (idle or busy), a task its contract binds to site
+    # "b" goes to a node of "b", and a task bound to a site the fleet lacks goes nowhere. A
+    # CPU-only task uses no GPU, so it never met the site mask laid over the GPUs' capacity.
+    for cpu in ([32000, 8000], [8000, 32000]):
+        state = ClusterState.build(names=["a0", "b0"], cpu_milli=[32000, 32000], memory_mb=[64000, 64000],
+                                   gpus=[2, 2], models=["G2", "G2"], sites=["a", "b"])
+        state.cpu_free[:] = cpu
+        state.gpu_free[:] = [[1000, 500], [1000, 1000]] if cpu[0] > cpu[1] else [[1000, 1000], [1000, 500]]
+        pinned = msgspec.structs.replace(task, site="b")
+        d = build_policy(policy, seed=3).decide(state, pinned)
+        assert d.action == "assign" and {p.node for p in d.placement} == {"b0"}, (cpu, d)
+        d = build_policy(policy, seed=3).decide(state, msgspec.structs.replace(task, site="mars"))
+        assert d.action != "assign" and d.placement == [], d
+
+
+@pytest.mark.parametrize("policy", ["k8s-default", "bestfit", "packing", "fgd", "fleetpilot"])
+@pytest.mark.parametrize(
+    ("task", "why"),
+    [
+        (TaskRequest(task_id="x", gpus=1, gpu_milli=1500), "gpu_milli"),  # more than one GPU holds
+        (TaskRequest(task_id="x", gpus=2, gpu_milli=2000), "gpu_milli"),
+        (TaskRequest(task_id="x", gpus=1, gpu_milli=-200), "gpu_milli"),
+        (TaskRequest(task_id="x", gpus=-1), "gpus"),
+        (TaskRequest(task_id="x", gpus=0, gpu_milli=0, cpu_milli=-4000), "cpu_milli"),
+        (TaskRequest(task_id="x", gpus=1, memory_mb=-1), "memory_mb"),
+        (TaskRequest(task_id="x", gpus=1, gpu_memory_mb=-1), "gpu_memory_mb"),
+    ],
+)
+def test_a_request_nothing_can_hold_as_asked_is_rejected_with_why_never_placed(policy, task, why):
+    # A share over 1000 milli was proposed as is (bestfit, packing, fgd, fleetpilot) or cut
+    # to one whole GPU (k8s-default); a negative count was taken for a CPU-only task and a
+    # negative size handed capacity back to the node on allocate. Rejected, state untouched.
+    state = cluster(FLEET)
+    before = (state.gpu_free.copy(), state.cpu_free.copy())
+    d = build_policy(policy, seed=0).decide(state, task)
+    assert d.action == "reject" and d.placement == [] and why in d.reason, d
+    assert 0.0 <= d.confidence <= 1.0
+    np.testing.assert_array_equal(state.gpu_free, before[0])
+    np.testing.assert_array_equal(state.cpu_free, before[1])
+
+
+def test_a_score_or_confidence_that_is_not_a_number_is_one_clear_error_never_a_decision():
+    # A GPU whose temperature reads NaN made the thermal score NaN: the priority selector
+    # then found no best node ("attempt to get argmin of an empty sequence"), and the first
+    # selector chose the NaN node and published a NaN confidence.
+    state = cluster(FLEET)
+    state.gpu_temp_c[1, 2] = np.nan
+    with pytest.raises(ValueError, match="score plugin 'thermal'.*NaN.*half"):
+        build_policy("fleetpilot").decide(state, SHARE)
+    first = {"name": "first", "filters": [{"name": "node-resources"}],
+             "scores": [{"name": "packing"}, {"name": "thermal"}], "select": {"name": "first"},
+             "confidence": {"name": "fleetpilot"}}
+    with pytest.raises(ValueError, match="NaN"):
+        build_policy(first).decide(state, SHARE)
+    # A Beta prior of no weight at all has no mean: refused when the profile is built.
+    with pytest.raises(PluginConfigError, match="historical"):
+        build_policy({"name": "h", "confidence": {"name": "historical", "args": {"alpha": 0.0, "beta": 0.0}}})

@@ -128,3 +128,22 @@ def test_business_rules_survive_every_round_trip_and_old_records_read_as_none() 
     old_json = msgspec.json.encode(old).replace(b',"rule_sets"', b',"ignored"')
     back = ClusterState.from_record(msgspec.json.decode(old_json, type=ClusterStateRecord))
     assert back.allowed(task).all()
+
+
+def test_an_empty_fleet_round_trips_and_replays() -> None:
+    # A snapshot taken before any node reported: JSON keeps no shape for empty lists, so the
+    # per-GPU arrays read back one-dimensional and every policy (and ``replay``) failed on
+    # ``max_gpus`` with an IndexError instead of queueing the task.
+    from fleetpilot.policy import build_policy, record, replay
+    from fleetpilot.policy.replay import Snapshot
+
+    empty = ClusterState.build(names=[], cpu_milli=[], memory_mb=[], gpus=[], models=[])
+    task = TaskRequest(task_id="t", gpus=1)
+    snap = msgspec.json.decode(msgspec.json.encode(record(empty, task)), type=Snapshot)
+    for back in (ClusterState.from_record(snap.state), ClusterState.from_npz_bytes(empty.to_npz_bytes())):
+        for name in ("gpu_free", "gpu_exists", "gpu_rule", "gpu_link", "cpu_free"):
+            assert getattr(back, name).shape == getattr(empty, name).shape, name
+        assert back.n_nodes == 0 and back.max_gpus == empty.max_gpus
+    report = replay([snap], build_policy("fgd"), build_policy("k8s-default"))
+    assert (report.total, report.differing) == (1, 0) and report.items[0].a.action == "queue"
+    assert (report.items[0].frag_a, report.mean_frag_delta) == (0.0, 0.0)  # nothing free: nothing fragmented
