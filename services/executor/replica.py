@@ -229,6 +229,8 @@ class ExecutorReplica:
             exit_code=exit_code,
             decision_id=d.decision_id if d else "",
             policy=d.policy.name if d else "",
+            policy_version=d.policy.version if d else "",
+            decision_action=d.action if d else "",
             shard_id=d.shard_id if d else "primary",
             confidence=d.confidence if d else 0.0,
             task_kind=d.task.kind if d and d.task else "",

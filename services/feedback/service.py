@@ -171,7 +171,8 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
                 # The lifecycle describes the new placement, not the one left: nothing to
                 # invent; the late result is judged when it comes.
                 return None
-            # Judged from the lifecycle's own fields, the latency marked as unknown.
+            # Judged from the lifecycle's own fields, the latency marked as unknown (and the
+            # policy's version, from an executor that does not say it: not taken for "1").
             return await record(
                 FeedbackRecorded(
                     action_id=action_id_for(decision_id),
@@ -180,7 +181,8 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
                     outcome=ending_outcome(ending),
                     latency_ms=Measured(value=0.0, uncertainty_score=1.0),
                     unexpected_side_effect=side_effects_of(ending),
-                    policy=PolicyRef(name=life.policy or "unknown"),
+                    policy=PolicyRef(name=life.policy or "unknown", version=life.policy_version or "unknown"),
+                    action=life.decision_action,
                     shard_id=life.shard_id,
                     confidence=life.confidence,
                     task_kind=life.task_kind,

@@ -89,10 +89,12 @@ class TaskRejected(Event, frozen=True, kw_only=True, tag="task.rejected.v1"):
 class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
     """A change in a running task's life as the executor saw it.
 
-    ``decision_id`` (with its policy, shard and confidence) names the decision whose placement
-    the task runs under after the change; on ``migrated``, ``replaces_decision_id`` names the
-    placement decision the task left (empty when the executor no longer knows it), so the
-    feedback service can judge that placement as ended.
+    ``decision_id`` (with its policy, the policy's version, the decision's action, shard and
+    confidence) names the decision whose placement the task runs under after the change; on
+    ``migrated``, ``replaces_decision_id`` names the placement decision the task left (empty
+    when the executor no longer knows it), so the feedback service can judge that placement
+    as ended. ``policy_version`` and ``decision_action`` are empty from executors that do not
+    say them.
     """
 
     task_id: str
@@ -103,6 +105,8 @@ class TaskLifecycle(Event, frozen=True, kw_only=True, tag="task.lifecycle.v1"):
     detail: str = ""
     decision_id: str = ""
     policy: str = ""
+    policy_version: str = ""
+    decision_action: str = ""
     shard_id: str = "primary"
     confidence: float = 0.0
     gpu_model: str = ""

@@ -88,7 +88,10 @@ async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, 
     finally:
         await host.stop()
     assert [e.action_id for e in executed] == ["act-d1"]
-    assert [(s.state, s.decision_id, s.policy) for s in started] == [("started", "d1", "best-fit")]
+    # The decision the task runs under, to the policy's version and the action: the feedback
+    # service judges it from this when the task ends before the result is read.
+    assert [(s.state, s.decision_id, s.policy, s.policy_version, s.decision_action) for s in started] == [
+        ("started", "d1", "best-fit", "1", "assign")]
     assert len(sim_fleet.verbs("place")) == 1
     assert await observer.stored("action.failed", ActionFailed) == []
     ledger = await observer.ledger("n1")

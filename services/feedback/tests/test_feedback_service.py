@@ -188,6 +188,29 @@ async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_come
     assert record.latency_ms.uncertainty_score == 1.0
 
 
+async def test_a_placement_judged_by_its_end_alone_is_filed_under_its_policy_s_version_and_action(
+    feedback_settings, nats_client
+):
+    """The end came first: the record is built from the lifecycle. It carried the policy's
+    name only, and the record was filed under version 1 (a real, older version of a learned
+    policy) with no action (out of the assign's calibration)."""
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        life = msgspec.structs.replace(ended("d8", "finished", "learned"), policy_version="7", decision_action="assign")
+        await js.publish("task.lifecycle.t-d8", encode(life))
+        [record] = await _wait_records(feedback_settings, 1)
+        old = msgspec.structs.replace(ended("d9", "finished", "learned", task_id="t-d9"))
+        await js.publish("task.lifecycle.t-d9", encode(old))  # from an executor that does not say
+        records = await _wait_records(feedback_settings, 2)
+    finally:
+        await host.stop()
+    assert (record.policy, record.action, record.outcome) == (PolicyRef(name="learned", version="7"), "assign", "success")
+    unknown = next(r for r in records if r.action_id == "act-d9")
+    assert (unknown.policy, unknown.action) == (PolicyRef(name="learned", version="unknown"), "")
+
+
 async def test_a_placement_is_judged_when_it_ends_and_a_migration_ends_the_one_it_left(
     feedback_settings, nats_client
 ):
