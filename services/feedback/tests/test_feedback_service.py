@@ -89,6 +89,7 @@ def ended(decision_id: str, state: str, policy: str, task_kind: str = "train", *
         replaces_decision_id=replaces,
         detail=detail,
         policy=policy,
+        policy_version="1",
         confidence=0.7,
         task_kind=task_kind,
         gpu_model="H100",
@@ -201,7 +202,7 @@ async def test_a_placement_judged_by_its_end_alone_is_filed_under_its_policy_s_v
         life = msgspec.structs.replace(ended("d8", "finished", "learned"), policy_version="7", decision_action="assign")
         await js.publish("task.lifecycle.t-d8", encode(life))
         [record] = await _wait_records(feedback_settings, 1)
-        old = msgspec.structs.replace(ended("d9", "finished", "learned", task_id="t-d9"))
+        old = msgspec.structs.replace(ended("d9", "finished", "learned"), policy_version="")
         await js.publish("task.lifecycle.t-d9", encode(old))  # from an executor that does not say
         records = await _wait_records(feedback_settings, 2)
     finally:
