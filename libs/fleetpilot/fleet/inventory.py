@@ -130,9 +130,24 @@ def _counted(what: str, value: Any, most: int) -> int:
 def build_fleet(spec: dict[str, Any]) -> Fleet:
     """Build a fleet from a parsed spec (the YAML structure in the module doc).
 
-    Raises ``ValueError`` for a link naming an unknown site and ``UnknownGpuModel`` for an
-    unknown GPU model.
+    Raises ``UnknownGpuModel`` for an unknown GPU model and ``ValueError`` (one line) for
+    anything else wrong: a link naming an unknown site, a spec that is no mapping, a key
+    missing or a value of the wrong shape (``sites: 3``, a group without ``shape``).
     """
+    if not isinstance(spec, dict):
+        raise ValueError(f"a fleet spec is a mapping (sites, links), got {type(spec).__name__}")
+    try:
+        return _build_fleet(spec)
+    except KeyError as exc:
+        # UnknownGpuModel is a LookupError, not a KeyError: it keeps its own type.
+        raise ValueError(f"malformed fleet spec: missing {exc}") from None
+    except (TypeError, AttributeError) as exc:
+        # A list where a mapping belongs (or the reverse) surfaces as one of these; the
+        # services turn a ValueError into their one-line exit, these were a traceback.
+        raise ValueError(f"malformed fleet spec: {exc}") from None
+
+
+def _build_fleet(spec: dict[str, Any]) -> Fleet:
     driver = str(spec.get("driver_version", "550.90.07"))
     sites: list[Site] = []
     nodes: list[NodeTopology] = []
@@ -163,8 +178,15 @@ def build_fleet(spec: dict[str, Any]) -> Fleet:
 
 
 def load_fleet_spec(path: str | Path = THREE_SITE_SPEC) -> Fleet:
-    """Read a YAML fleet spec and build it (default: the shipped three-site fleet)."""
-    return build_fleet(yaml.safe_load(Path(path).read_text()))
+    """Read a YAML fleet spec and build it (default: the shipped three-site fleet).
+
+    A file that is not YAML, or not a spec, is a one-line ``ValueError`` (see ``build_fleet``).
+    """
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"fleet spec is not YAML: {' '.join(str(exc).split())}") from None
+    return build_fleet(spec)
 
 
 # openb does not disclose the interconnect nor the role of its machines; the role follows
@@ -186,16 +208,28 @@ def openb_node(sn: str, cpu_milli: int, memory_mib: int, gpus: int, model: str, 
 def load_openb_fleet(path: str | Path) -> Fleet:
     """Read the openb node list CSV (``sn,cpu_milli,memory_mib,gpu,model``) into a fleet.
 
-    Rows with zero GPUs are kept as CPU-only nodes. The fleet has one site, ``openb``.
+    Rows with zero GPUs are kept as CPU-only nodes. The fleet has one site, ``openb``. A row
+    that is short, lacks a column or holds no number where one belongs is a one-line
+    ``ValueError`` naming its line; an unknown model stays ``UnknownGpuModel``.
     """
     nodes: list[NodeTopology] = []
     with Path(path).open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            gpus = _counted(f"node {row.get('sn')!r}: gpu", row.get("gpu"), MOST_GPUS_PER_NODE)
-            if gpus == 0:
-                nodes.append(NodeTopology(node=row["sn"], site="openb", cpu_milli=int(row["cpu_milli"]),
-                                          memory_mb=int(row["memory_mib"])))
-                continue
-            nodes.append(openb_node(row["sn"], int(row["cpu_milli"]), int(row["memory_mib"]), gpus,
-                                    row["model"]))
+        rows = csv.DictReader(handle)
+        for row in rows:
+            try:
+                nodes.append(_openb_row(row))
+            except KeyError as exc:
+                raise ValueError(f"line {rows.line_num}: no column {exc}") from None
+            except (TypeError, ValueError) as exc:
+                # A short row reads None for its missing cells (a TypeError in int()).
+                what = "a cell is missing" if None in row.values() else str(exc)
+                raise ValueError(f"line {rows.line_num}: {what}") from None
     return Fleet(name="openb", sites=[Site(name="openb", region="alibaba")], nodes=nodes)
+
+
+def _openb_row(row: dict[str, Any]) -> NodeTopology:
+    gpus = _counted(f"node {row.get('sn')!r}: gpu", row.get("gpu"), MOST_GPUS_PER_NODE)
+    if gpus == 0:
+        return NodeTopology(node=row["sn"], site="openb", cpu_milli=int(row["cpu_milli"]),
+                            memory_mb=int(row["memory_mib"]))
+    return openb_node(row["sn"], int(row["cpu_milli"]), int(row["memory_mib"]), gpus, row["model"])

@@ -145,6 +145,31 @@ def read_driver_params(root: str | Path = "/") -> dict[str, str]:
     return out
 
 
+def read_host_capacity(root: str | Path = "/") -> tuple[int, int]:
+    """``(cpu_milli, memory_mb)`` of the host: its online CPUs x 1000
+    (``<root>/sys/devices/system/cpu/online``, e.g. ``0-111,224-335``) and its ``MemTotal``
+    (``<root>/proc/meminfo``, kB) in MiB. Where a file is missing, this machine's own count
+    (the collector runs on the node it reports); 0 only where neither can be read."""
+    cpus = 0
+    for part in _read(Path(root) / "sys/devices/system/cpu/online").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            cpus += int(hi or lo) - int(lo) + 1
+    memory_mb = 0
+    for line in _read(Path(root) / "proc/meminfo").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "MemTotal" and value.split() and value.split()[0].isdigit():
+            memory_mb = int(value.split()[0]) // 1024
+    if not cpus:
+        cpus = os.cpu_count() or 0
+    if not memory_mb:
+        try:
+            memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MB
+        except (AttributeError, ValueError, OSError):
+            memory_mb = 0
+    return cpus * 1000, memory_mb
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -726,6 +751,9 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
     not a known GPU is taken for a switch); NUMA from
     ``nvmlDeviceGetNumaNodeId`` (falling back to ``/sys/bus/pci/devices/<bus>/numa_node``);
     CPU affinity from ``nvmlDeviceGetCpuAffinity``; NICs from sysfs InfiniBand ports; the
+    node's ``cpu_milli`` and ``memory_mb`` from ``read_host_capacity`` (the policy places a
+    task only where both hold its request: left at 0, no task asking for CPU or host memory
+    ever ran on a real node); the
     MIG layout (mode, MIG devices, their profiles) from ``nvmlDeviceGetMigMode`` and the MIG
     device handles.
 
@@ -820,5 +848,7 @@ def topology_from_nvml(nvml: Any, handles: list[Any], node: str, *, site: str = 
             same = g.numa_node is not None and g.numa_node == nic.numa_node
             links.append(make_link(f"GPU{i}", f"NIC{j}", "NODE" if same else "SYS"))
     numa_ids = {g.numa_node for g in gpus if g.numa_node is not None}
+    cpu_milli, memory_mb = read_host_capacity(root)
     return NodeTopology(node=node, site=site, cpu_sockets=max(len(numa_ids), 1), numa_nodes=max(len(numa_ids), 1),
-                        gpus=gpus, nics=nic_infos, links=links, labels=dict(labels or {}))
+                        cpu_milli=cpu_milli, memory_mb=memory_mb, gpus=gpus, nics=nic_infos, links=links,
+                        labels=dict(labels or {}))

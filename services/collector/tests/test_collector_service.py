@@ -189,6 +189,17 @@ def test_bad_fleet_configuration_is_a_one_line_error(overrides, message):
         open_reader(CollectorSettings(**{"fleet_spec": "", "openb_nodes": "", **overrides}))
 
 
+@pytest.mark.parametrize("text", ["", "sites: 3\n", "sites: [{name: a, groups: [{prefix: x, shape: 5}]}]\n", "sites: [\n"])
+def test_a_malformed_fleet_spec_is_a_one_line_error(tmp_path, text):
+    # Before, an empty or mis-shaped spec raised AttributeError/TypeError (and bad YAML a
+    # YAMLError) out of open_reader: a traceback instead of the one line and exit 2.
+    spec = tmp_path / "fleet.yaml"
+    spec.write_text(text)
+    with pytest.raises(NoGpuSource, match="cannot load the simulated fleet") as caught:
+        open_reader(CollectorSettings(source="sim", fleet_spec=str(spec), openb_nodes=""))
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.skipif(nvml_available(), reason="a real GPU is present, so the collector would start")
 def test_without_nvml_or_simulator_the_process_exits_with_one_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETPILOT_COLLECTOR_")}

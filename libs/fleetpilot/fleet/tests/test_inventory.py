@@ -101,3 +101,36 @@ def test_openb_fleet_loads_every_node_and_gpu() -> None:
     assert all(g.labels["business_role"] in {"train", "infer", "encode"} for n in fleet.nodes for g in n.gpus)
     eight = next(n for n in fleet.nodes if len(n.gpus) == 8)
     assert {d.kind for d in colocation_domains(eight)} == {"pcie_switch", "numa"}
+
+
+@pytest.mark.parametrize("text", [
+    "sites: [\n",                                                    # not YAML
+    "",                                                              # an empty file
+    "- a\n- b\n",                                                    # a list, not a mapping
+    "sites: 3\n",                                                    # sites not a list
+    "sites: [{name: a, labels: [1]}]\n",                             # labels not a mapping
+    "sites: [{name: a, groups: [{prefix: x, shape: 5}]}]\n",         # shape not a mapping
+    "sites: [{name: a, groups: [{prefix: x, roles: 5, shape: {gpu_model: T4, gpus: 2}}]}]\n",
+    "sites: [{name: a, groups: [{prefix: x}]}]\n",                   # a group without its shape
+])
+def test_a_malformed_spec_file_is_one_line_value_error(tmp_path: Path, text: str) -> None:
+    # Every service that loads a spec (the collector's simulator, the topology service)
+    # turns a ValueError into its one-line exit; anything else was a traceback.
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as caught:
+        load_fleet_spec(path)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", [
+    "sn,cpu_milli,memory_mib,gpu,model\nob-0,64000\n",              # a short row
+    "sn,cpu_milli,memory_mib,gpu,model\nob-0,lots,262144,2,T4\n",    # not a number
+    "sn,gpu,model\nob-0,2,T4\n",                                     # a column missing
+])
+def test_a_malformed_openb_node_list_is_one_line_value_error_naming_the_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "nodes.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="line 2") as caught:
+        load_openb_fleet(path)
+    assert "\n" not in str(caught.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -663,3 +664,23 @@ def test_a_gpu_in_mig_mode_takes_no_whole_gpu_work() -> None:
     topo = reader.topology("n1")
     assert topo.gpus[0].labels.get(GPU_LABEL_MIG) == "true" and not in_service(topo.gpus[0].labels)
     assert GPU_LABEL_MIG not in topo.gpus[1].labels and in_service(topo.gpus[1].labels)
+
+
+def test_topology_reports_the_hosts_cpus_and_memory(tmp_path: Path) -> None:
+    # The policy places a task only on a node whose reported cpu_milli / memory_mb hold its
+    # cpu_milli / memory_mb: a real node reported 0 and 0, so a task asking for any CPU or
+    # host memory could never run on real hardware (the simulator's nodes carry both).
+    write(tmp_path, "sys/devices/system/cpu/online", "0-111,224-335\n")
+    write(tmp_path, "proc/meminfo", "MemTotal:       2113432576 kB\nMemFree:        2000000000 kB\n")
+    reader, _, _ = make_reader([rich_gpu(0)], tmp_path)
+    topo = reader.topology("n1")
+    assert topo.cpu_milli == 224 * 1000
+    assert topo.memory_mb == 2113432576 // 1024
+
+
+def test_topology_without_host_files_reports_this_machines_cpus_and_memory(tmp_path: Path) -> None:
+    # A collector without the host's /proc and /sys mounted still runs on the node it reports.
+    reader, _, _ = make_reader([rich_gpu(0)], tmp_path)
+    topo = reader.topology("n1")
+    assert topo.cpu_milli == (os.cpu_count() or 0) * 1000 > 0
+    assert topo.memory_mb > 0
