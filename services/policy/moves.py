@@ -20,6 +20,7 @@ running tasks are expected to end (``running_ends``), which is why it lives here
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -85,7 +86,7 @@ from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.policy.transformers import oom_risk
 from fleetpilot.runtime import CasConflict
 
-from .replica import ReplicaState, allocations_for, calibration_key, placement_fits
+from .replica import ReplicaState, allocations_for, calibration_key, checked_decide, placement_fits
 
 log = logging.getLogger("fleetpilot.policy")
 
@@ -324,7 +325,8 @@ class Moves(ReplicaState):
         policies = self.active.current
         wait_s = held.start_s - now()
         plan = clearing(state, request, [t for t, _, _ in tenants.values()],
-                        policies.guarded[policies.default].decide, wait_s=wait_s)
+                        functools.partial(checked_decide, policies.guarded[policies.default], policies.default),
+                        wait_s=wait_s)
         if plan is None or len(plan.moves) > budget:
             return []
         why = (f"clearing {state.node_names[plan.row]} for {held.task_id} (GPUs {list(plan.gpus)}), which would "
@@ -405,7 +407,7 @@ class Moves(ReplicaState):
                     continue
                 tried += 1
                 with hidden(state, kept if hide else None):
-                    choice = policies.guarded[policies.default].decide(state, req)
+                    choice = checked_decide(policies.guarded[policies.default], policies.default, state, req)
                 if choice.action != "assign" or not choice.placement:
                     failed.append((demand, hide))
                     continue
@@ -743,7 +745,7 @@ class Moves(ReplicaState):
             if kept is not None and not kept.delayed_by(running.task_id, self.remaining_s(running), now()):
                 kept = None
             with hidden(state, kept):
-                choice = policies.guarded[policies.default].decide(state, req)
+                choice = checked_decide(policies.guarded[policies.default], policies.default, state, req)
             if choice.action != "assign" or not choice.placement:
                 log.info("no target to migrate %s to (%s)", running.task_id, why)
                 return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,9 +81,79 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def parse_config(data: bytes) -> PolicyConfig:
     """Decode and validate a configuration document; ``ValueError`` with the reason."""
     try:
-        return msgspec.json.decode(data, type=PolicyConfig)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
         raise ValueError(f"invalid policy config: {exc}") from None
+    return load_config(raw)
+
+
+def load_config(raw: Any) -> PolicyConfig:
+    """A configuration document from its decoded JSON (the ``config`` bucket's value, or the
+    settings'); ``ValueError`` with the reason for a field no struct of it has, at any depth,
+    or for a breaker that makes no sense (``check_breaker``).
+
+    The nested structs (a shaping rule, the breaker, a profile and its plugins) are the
+    library's, which drop a field they do not know for its default: a rule's misspelt
+    ``weight`` sent every matching task to the canary (a weight of 1), and nothing said so."""
+    strays = _stray_fields(raw, PolicyConfig, "")
+    if strays:
+        raise ValueError(f"invalid policy config: unknown field{'s' if len(strays) > 1 else ''} "
+                         f"{', '.join(strays)}")
+    try:
+        config = msgspec.convert(raw, PolicyConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid policy config: {exc}") from None
+    check_breaker(config.breaker)
+    return config
+
+
+# The fields typed ``Any`` in the document that hold profiles (``ProfileConfig`` form).
+_PROFILE_FIELDS: dict[tuple[type, str], Any] = {
+    (PolicyConfig, "profile"): ProfileConfig,
+    (PolicyConfig, "profiles"): dict[str, ProfileConfig],
+}
+
+
+def _stray_fields(value: Any, kind: Any, where: str) -> list[str]:
+    """The keys of ``value`` (decoded JSON) that no field of the struct ``kind`` stands for,
+    at any depth, each with its path (``shaping[0].wieght``)."""
+    info = kind if isinstance(kind, msgspec.inspect.Type) else msgspec.inspect.type_info(kind)
+    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        out = [where + str(k) for k in value if k not in fields]
+        for k, t in fields.items():
+            if k in value:
+                out += _stray_fields(value[k], _PROFILE_FIELDS.get((info.cls, k), t), f"{where}{k}.")
+        return out
+    if isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        return [s for i, v in enumerate(value) for s in _stray_fields(v, info.item_type, f"{where.rstrip('.')}[{i}].")]
+    if isinstance(info, msgspec.inspect.DictType) and isinstance(value, dict):
+        return [s for k, v in value.items() for s in _stray_fields(v, info.value_type, f"{where}{k}.")]
+    if isinstance(info, msgspec.inspect.UnionType):
+        return [s for t in info.types for s in _stray_fields(value, t, where)]
+    return []
+
+
+def check_breaker(breaker: BreakerConfig) -> None:
+    """``ValueError`` naming every field of a breaker config that makes no sense.
+
+    Before, any number was taken: a time budget of 0 or below, or a confidence floor above 1,
+    judged every decision a failure (every task to the fallback), NaN never did; a threshold
+    or probe count of 0 opened the breaker at once or closed it without a probe; a negative
+    cooldown probed on every call, an infinite one never again."""
+    problems = []
+    if breaker.failure_threshold < 1:
+        problems.append(f"breaker.failure_threshold is {breaker.failure_threshold}: must be at least 1")
+    if breaker.probe_successes < 1:
+        problems.append(f"breaker.probe_successes is {breaker.probe_successes}: must be at least 1")
+    if not (math.isfinite(breaker.cooldown_s) and breaker.cooldown_s >= 0):
+        problems.append(f"breaker.cooldown_s is {breaker.cooldown_s}: must be finite and not negative")
+    if not (math.isfinite(breaker.time_budget_s) and breaker.time_budget_s > 0):
+        problems.append(f"breaker.time_budget_s is {breaker.time_budget_s}: must be finite and above 0")
+    if not 0.0 <= breaker.confidence_floor <= 1.0:
+        problems.append(f"breaker.confidence_floor is {breaker.confidence_floor}: must be in 0..1")
+    if problems:
+        raise ValueError(f"invalid policy config: {'; '.join(problems)}")
 
 
 @dataclass(frozen=True)
@@ -212,6 +283,12 @@ class ActivePolicies:
                 # its decisions no longer go to the fallback, and only this says so, for that
                 # breaker will never record again.
                 self._breaker_changed(name, "closed", "ok")
+        # A breaker that guards nothing now is forgotten, as reported: kept, a config switched
+        # back to brought it back still open (every decision to the fallback, the gauge at 0),
+        # and every breaker config ever applied kept its breakers for good.
+        in_service = {id(g.breaker) for g in compiled.guarded.values()}
+        for key in [k for k, b in self._breakers.items() if id(b) not in in_service]:
+            del self._breakers[key]
         elapsed = time.perf_counter() - start
         if self.on_swap is not None:
             self.on_swap(kind, elapsed)
@@ -263,6 +340,7 @@ class ActivePolicies:
         for name in {default, *(rule.policy for rule in config.shaping)}:
             if name not in profiles:
                 profiles[name] = self._profile(name, config, plugins)
+        check_breaker(config.breaker)  # a document built by hand, not only one read from JSON
         router = Router(config.shaping, default=default)  # validates conditions and weights
         fallback = FallbackScheduler(stats)
         policies = {name: build_policy(prof) for name, (prof, _) in profiles.items()}

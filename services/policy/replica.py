@@ -37,7 +37,7 @@ from fleetpilot.fingerprint import SignatureStats, restores_start_over, stored_s
 from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_allocations
 from fleetpilot.ledger.accounting import without_decision
 from fleetpilot.ledger.store import node_key
-from fleetpilot.policy import ClusterState, PolicyDecision, TaskRequest, record
+from fleetpilot.policy import ClusterState, GuardedPolicy, PolicyDecision, TaskRequest, record
 from fleetpilot.policy.backfill import Reservation, hidden, node_hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue, run_left_s
@@ -49,6 +49,7 @@ from fleetpilot.policy.rebalance import (
     running_tasks,
 )
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
+from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .admissions import Admissions
@@ -146,6 +147,42 @@ def placement_fits(
         if not in_service(lab):
             return False
     return True
+
+
+def placement_problem(choice: PolicyDecision, req: TaskRequest) -> str | None:
+    """What an ``assign`` holds short of the request (``None`` when nothing): a GPU task given
+    no GPU, fewer or more GPUs than asked, one GPU twice, or a share below its ask.
+
+    The breaker judges exceptions, time and confidence, not the placement, and the ledger
+    write checks only that the chosen shares are free: a module's device plugin that forgot
+    the GPUs had its task reserved and assigned on ``gpu -1`` with 0 milli, the GPU it would
+    use left free for another task to be booked on."""
+    if req.gpus <= 0 or req.gpu_milli <= 0:
+        return None  # a CPU-only task: no GPU share to check
+    gpus = [p.gpu for p in choice.placement]
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus) or len(gpus) != req.gpus:
+        return f"placement on GPUs {gpus} for a task of {req.gpus} GPU(s)"
+    least = req.gpu_milli if req.shares_gpu else MILLI
+    short = [p.milli for p in choice.placement if not least <= p.milli <= MILLI]
+    if short:
+        return f"placement of {short} milli for a task of {req.gpu_milli} milli per GPU"
+    return None
+
+
+def checked_decide(guarded: GuardedPolicy, name: str, state: ClusterState, req: TaskRequest) -> PolicyDecision:
+    """``guarded.decide``, with a primary ``assign`` that holds short of the request
+    (``placement_problem``) taken as the primary failing: its breaker records it and the
+    fallback scheduler decides instead, as for an exception."""
+    choice = guarded.decide(state, req)
+    if choice.fallback or choice.action != "assign":
+        return choice
+    problem = placement_problem(choice, req)
+    if problem is None:
+        return choice
+    guarded.breaker.record("exception")
+    log.warning("policy %s: %s: %s; the fallback scheduler decides it", name, req.task_id, problem)
+    fb = guarded.fallback.decide(state, req)
+    return msgspec.structs.replace(fb, reason=f"{fb.reason} (primary: {problem})")
 
 
 class ReplicaState:
@@ -637,9 +674,9 @@ class ReplicaState:
                     # Elsewhere than the node that failed or never took its last placement,
                     # if anywhere; else there again (it may be the only node that holds it).
                     with node_hidden(state, avoid):
-                        choice = policies.guarded[name].decide(state, req)
+                        choice = checked_decide(policies.guarded[name], name, state, req)
                     if avoid and not (choice.action == "assign" and choice.placement):
-                        choice = policies.guarded[name].decide(state, req)
+                        choice = checked_decide(policies.guarded[name], name, state, req)
                 if attempt == 0:
                     self.record_input(state, req)
                 if choice.action == "assign" and choice.placement:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 
-import msgspec
+from fleetpilot.policy import Router
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.runtime import ServiceSettings
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from .policy_set import PolicyConfig
+from .policy_set import PolicyConfig, load_config
 
 
 class PolicySettings(ServiceSettings):
@@ -94,14 +94,29 @@ class PolicySettings(ServiceSettings):
         "rotation; 0 = the full file is dropped)",
     )
 
+    # The rules and the breaker are checked as a config document's are (misspelt fields,
+    # the breaker's bounds), and the rules' conditions and weights parsed. Before, a misspelt
+    # rule weight was dropped for 1 (every matching task to the canary), NaN budgets taken,
+    # and a bad condition or weight stopped the replica only once connected, with a traceback.
+    @field_validator("shaping_rules")
+    @classmethod
+    def _rules_make_sense(cls, rules: list[dict]) -> list[dict]:
+        Router(load_config({"shaping": rules}).shaping, default="")
+        return rules
+
+    @field_validator("breaker")
+    @classmethod
+    def _breaker_makes_sense(cls, breaker: dict) -> dict:
+        load_config({"breaker": breaker})
+        return breaker
+
     def policy_config(self) -> PolicyConfig:
         """The settings as a configuration document."""
-        return msgspec.convert(
+        return load_config(
             {
                 "profile": self.profile,
                 "shaping": self.shaping_rules,
                 "breaker": self.breaker,
                 "seed": self.seed,
-            },
-            PolicyConfig,
+            }
         )

@@ -71,3 +71,40 @@ def test_the_replay_record_is_bounded_unless_an_operator_says_otherwise() -> Non
     # 256 MiB and 3 older files: at most 1 GiB on disk. Before, no bound: the disk filled.
     got = PolicySettings.from_environment()
     assert (got.record_every, got.record_max_mb, got.record_keep) == (0, 256.0, 3)
+
+
+# The policies' own settings, taken before: a misspelt field of a rule or of the breaker was
+# dropped for its default (a rule's weight of 1: every matching task to the canary); a weight
+# out of 0..1 or a condition that does not parse stopped the replica only once connected, with
+# a traceback; a time budget of NaN never timed out, one of 0 failed every decision.
+REFUSED_POLICIES = [
+    ("SHAPING_RULES", '[{"condition": "true", "wieght": 0.05, "policy": "fgd"}]'),
+    ("SHAPING_RULES", '[{"condition": "true", "weight": 1.5, "policy": "fgd"}]'),
+    ("SHAPING_RULES", '[{"condition": "task.kind ==", "weight": 0.05, "policy": "fgd"}]'),
+    ("SHAPING_RULES", '[{"condition": "true", "weight": NaN, "policy": "fgd"}]'),
+    ("BREAKER", '{"cooldown": 5}'),
+    ("BREAKER", '{"time_budget_s": 0}'),
+    ("BREAKER", '{"time_budget_s": NaN}'),
+    ("BREAKER", '{"confidence_floor": NaN}'),
+    ("BREAKER", '{"cooldown_s": Infinity}'),
+    ("BREAKER", '{"failure_threshold": 0}'),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED_POLICIES)
+def test_a_shaping_rule_or_breaker_that_makes_no_sense_is_refused_in_one_line(monkeypatch, name: str,
+                                                                               value: str) -> None:
+    monkeypatch.setenv(f"FLEETPILOT_POLICY_{name}", value)
+    with pytest.raises(BadSettings) as caught:
+        PolicySettings.from_environment()
+    message = str(caught.value)
+    assert f"FLEETPILOT_POLICY_{name}" in message
+    assert "\n" not in message
+
+
+def test_sensible_shaping_rules_and_breaker_are_accepted(monkeypatch) -> None:
+    monkeypatch.setenv("FLEETPILOT_POLICY_SHAPING_RULES",
+                       '[{"condition": "task.kind == \'finetune\'", "weight": 0, "policy": "fgd", "shard": "c"}]')
+    monkeypatch.setenv("FLEETPILOT_POLICY_BREAKER", '{"failure_threshold": 1, "cooldown_s": 0, "time_budget_s": 2}')
+    got = PolicySettings.from_environment().policy_config()
+    assert (got.shaping[0].weight, got.breaker.cooldown_s, got.breaker.time_budget_s) == (0.0, 0.0, 2.0)
