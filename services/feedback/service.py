@@ -46,6 +46,7 @@ from fleetpilot.feedback import (
     side_effects_of,
 )
 from fleetpilot.feedback.aggregates import validate_by
+from fleetpilot.feedback.postgres_store import COMMAND_TIMEOUT_S
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import (
     Bus,
@@ -57,6 +58,7 @@ from fleetpilot.runtime import (
     ServiceSettings,
     serve,
 )
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
@@ -82,6 +84,7 @@ class FeedbackSettings(ServiceSettings):
 
     store_dsn: str = ""
     store_schema: str = "fleetpilot_feedback"
+    store_command_timeout_s: float = Field(default=COMMAND_TIMEOUT_S, gt=0.0, allow_inf_nan=False)
 
 
 async def open_store(settings: FeedbackSettings) -> FeedbackStore:
@@ -89,7 +92,8 @@ async def open_store(settings: FeedbackSettings) -> FeedbackStore:
     ``<state_dir>/feedback.db``; its folder is created)."""
     dsn = settings.store_dsn
     if dsn.startswith(("postgresql://", "postgres://")):
-        return await PostgresFeedbackStore.open(dsn, schema=settings.store_schema)
+        return await PostgresFeedbackStore.open(dsn, schema=settings.store_schema,
+                                                command_timeout_s=settings.store_command_timeout_s)
     path = Path(dsn.removeprefix("sqlite:///") if dsn else Path(settings.state_dir) / "feedback.db")
     path.parent.mkdir(parents=True, exist_ok=True)
     return SqliteFeedbackStore(path)

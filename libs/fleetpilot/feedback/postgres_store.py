@@ -15,6 +15,7 @@ scoped advisory lock so several replicas may start at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import time
@@ -70,6 +71,10 @@ _RECORD = (
     " SELECT count(*) FROM ins"
 )
 
+COMMAND_TIMEOUT_S = 30.0
+"""How long a statement may go unanswered before it raises ``TimeoutError``: a lock nobody
+releases, or a server behind a partition that drops packets, held a write (and the message
+whose handling made it, kept in progress) for ever. As SQLite's busy timeout."""
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -96,11 +101,15 @@ class PostgresFeedbackStore:
         min_size: int = 1,
         max_size: int = 8,
         max_attempts: int = 50,
+        command_timeout_s: float = COMMAND_TIMEOUT_S,
     ) -> PostgresFeedbackStore:
-        """Connect, create ``schema`` if needed and apply pending migrations idempotently."""
+        """Connect, create ``schema`` if needed and apply pending migrations idempotently.
+        A statement that has not answered in ``command_timeout_s`` raises ``TimeoutError``."""
         if not _SCHEMA_NAME.match(schema):
             raise ValueError(f"schema must be a lower-case SQL identifier, got {schema!r}")
-        bootstrap = await asyncpg.connect(dsn)
+        if not (math.isfinite(command_timeout_s) and command_timeout_s > 0):
+            raise ValueError(f"command_timeout_s must be a number of seconds above 0, got {command_timeout_s}")
+        bootstrap = await asyncpg.connect(dsn, command_timeout=command_timeout_s)
         try:
             # Looked up first: CREATE SCHEMA checks the database's CREATE privilege even when
             # the schema exists, and a least-privilege role owns its schema, not the database.
@@ -111,7 +120,8 @@ class PostgresFeedbackStore:
         finally:
             await bootstrap.close()
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema}
+            dsn, min_size=min_size, max_size=max_size, server_settings={"search_path": schema},
+            command_timeout=command_timeout_s,
         )
         store = cls(pool, schema, max_attempts=max_attempts)
         try:

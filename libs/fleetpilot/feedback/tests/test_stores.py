@@ -102,6 +102,36 @@ async def test_postgres_migrations_idempotent(pg_store: PostgresFeedbackStore, p
         await again.close()
 
 
+async def test_a_postgres_that_does_not_answer_fails_a_write_in_time_not_never(pg_dsn: str) -> None:
+    """A lock nobody releases (an operator's LOCK TABLE, a stuck migration elsewhere) or a
+    server behind a partition that drops packets: the write waited for ever, and the
+    message's in-progress beats kept it from every other replica. It fails after the
+    command timeout, so the message is retried, then dead-lettered, never stuck."""
+    schema = f"fp_test_{uuid.uuid4().hex[:12]}"
+    store = await PostgresFeedbackStore.open(pg_dsn, schema=schema, command_timeout_s=1.0)
+    holder = await asyncpg.connect(pg_dsn)
+    try:
+        locked = holder.transaction()
+        await locked.start()
+        await holder.execute(f'LOCK TABLE "{schema}".feedback_raw IN ACCESS EXCLUSIVE MODE')
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(store.record(writer_stream(0, 1)[0]), timeout=30)
+        assert time.monotonic() - began < 15  # the store's own timeout, not the test's
+        await locked.rollback()
+        assert await store.record(writer_stream(0, 1)[0])  # the lock gone: written
+    finally:
+        await holder.close()
+        await store.drop_schema()
+        await store.close()
+
+
+async def test_a_command_timeout_that_cannot_work_is_refused(pg_dsn: str) -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="command_timeout_s"):
+            await PostgresFeedbackStore.open(pg_dsn, schema="fp_never_made", command_timeout_s=bad)
+
+
 def test_both_backends_satisfy_the_protocol(tmp_path: Path) -> None:
     store = SqliteFeedbackStore(tmp_path / "p.db")
     assert isinstance(store, FeedbackStore)
