@@ -79,7 +79,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     # their node: on a consumer shared by all nodes, a decision for one node would be
     # carried out by whichever took it, with the process backend on the wrong machine.
     @host.on(DecisionMade, consumer="executor-decisions", instance=settings.node,
-             instance_start_s_ago=DECISION_REPLAY_S)
+             instance_start_s_ago=DECISION_REPLAY_S, handler_limit_s=settings.decision_limit_s)
     async def on_decision(decision: DecisionMade) -> list[Event]:
         if settings.node and not carried_out_on(decision, settings.node):
             return []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fleetpilot.contracts import BUCKETS, as_node_name
+from fleetpilot.contracts import BUCKETS, CONSUMERS, as_node_name
 from fleetpilot.executor import DecommissionRules
 from fleetpilot.maintenance import MAINTENANCE_THRESHOLD
 from fleetpilot.runtime import ServiceSettings
@@ -55,6 +55,15 @@ class ExecutorSettings(ServiceSettings):
     # keeps the node in service (the topology service labels a node ``not_ready`` once its
     # executor's key has not changed for ``FLEETPILOT_TOPOLOGY_EXECUTOR_SILENT_AFTER_S``).
     presence_every_s: float = Field(default=15.0, gt=0.0, allow_inf_nan=False)
+
+    @property
+    def decision_limit_s(self) -> float:
+        """How long carrying out one decision may take before it is taken for hung
+        (``ConsumerSpec.handler_limit_s``): the catalog's limit, or twice the longest wait
+        these settings allow (a move's hand-over, its checkpoint window and the stop's grace)
+        where that is longer."""
+        longest = hand_over_wait_s(self.checkpoint_s, self.grace_s) + self.checkpoint_s + self.grace_s
+        return max(CONSUMERS["executor-decisions"].handler_limit_s, 2.0 * longest)
 
     @model_validator(mode="after")
     def _take_back_after_the_targets_last_try(self) -> ExecutorSettings:

@@ -172,7 +172,14 @@ class ConsumerSpec:
     hostname, pid 1), rather than resumed past what that run read and lost; removed when
     the run stops cleanly, and by the server after ``RUN_IDLE_LIMIT_S`` without a pull when
     it did not. Only an instance's consumer can be per run (``for_instance``): a shared one
-    made afresh would lose the other replicas' place."""
+    made afresh would lose the other replicas' place.
+
+    ``handler_limit_s``: how long one delivery's handling may take. Past it the handler is
+    cancelled and the delivery counts as failed (delivered again on ``backoff_s``, then
+    dead-lettered): a handler that hung (a lock nobody releases, a server behind a
+    partition) kept its message in progress for ever, and its replica's consumer took
+    nothing else. Well above the longest wait any handler is built for (the SLA's two
+    minutes for a fleet to report, an executor's hand-over)."""
 
     durable: str
     stream: str
@@ -181,6 +188,7 @@ class ConsumerSpec:
     max_deliver: int = 5
     max_ack_pending: int = 1000
     backoff_s: tuple[float, ...] = field(default=(0.5, 2, 5, 10))
+    handler_limit_s: float = 900.0
     start_s_ago: float | None = None
     idle_limit_s: float | None = None
     per_run: bool = False

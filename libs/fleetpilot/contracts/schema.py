@@ -374,6 +374,7 @@ def _bus_layout() -> dict[str, Any]:
                 "maxDeliver": c.max_deliver,
                 "maxAckPending": c.max_ack_pending,
                 "backoffSeconds": list(c.backoff_s),
+                "handlerLimitSeconds": c.handler_limit_s,
             }
             for c in sorted(CONSUMERS.values(), key=lambda c: c.durable)
         ],

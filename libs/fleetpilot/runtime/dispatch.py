@@ -18,7 +18,11 @@ The one place where delivery semantics live, shared by both buses:
 - success → publish every returned event (idempotent ids), then ``ack``;
 - a durable message still being handled after a third of its consumer's ack wait is told
   ``in_progress`` every third of it, so that the server does not hand it to another replica
-  while this one is at work on it (an executor's eviction with a long grace, a migration).
+  while this one is at work on it (an executor's eviction with a long grace, a migration);
+- a handling that runs past its consumer's ``handler_limit_s`` (15 minutes unless a service
+  sets more) is cancelled and counts as a failure (``HandlerOverran``): retried, then
+  dead-lettered. The beats above would otherwise keep a hung handler's message from every
+  replica for ever, and its own consumer would take nothing else.
 
 A dead letter keeps the original bytes and headers, so nothing is ever lost.
 """
@@ -64,6 +68,11 @@ def as_events(result: HandlerResult) -> list[Event]:
     return list(result)
 
 
+class HandlerOverran(Exception):
+    """A handler ran past its consumer's ``handler_limit_s`` and was cancelled: a failure
+    like any other (delivered again on the back-off, then dead-lettered)."""
+
+
 @dataclass
 class Dispatcher:
     """Decodes, calls one handler, publishes its output and settles the message."""
@@ -80,6 +89,9 @@ class Dispatcher:
     ``ConsumerSpec.backoff_s``, as the catalog declares and publishes it."""
     ack_wait_s: float | None = None
     """The consumer's ack wait (durable messages); ``None``: no redelivery by time to prevent."""
+    handler_limit_s: float | None = None
+    """How long one handling may take before it is cancelled and counted failed
+    (``ConsumerSpec.handler_limit_s``); ``None``: no limit."""
     redelivered: bool = True
     """Whether a failed message comes again (a durable consumer's); ``False`` for core ones."""
 
@@ -110,7 +122,7 @@ class Dispatcher:
                 # Kept in progress while at work only: a beat after the nak below would
                 # stretch the nak's delay to a whole ack wait.
                 async with self._kept_in_progress(msg):
-                    result = await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
+                    result = await self._handled_in_time(event, delivery)
                     outputs = as_events(result)
                     if len(outputs) > 1:
                         # Each encoded before any goes out: a message dead-lettered for one
@@ -150,6 +162,18 @@ class Dispatcher:
                 return
         await msg.ack()
         self.metrics.handled(self.name, time.perf_counter() - started)
+
+    async def _handled_in_time(self, event: Event, delivery: Delivery) -> object:
+        """The handler's result; ``HandlerOverran`` once it runs past ``handler_limit_s``."""
+        limit = asyncio.timeout(self.handler_limit_s)
+        try:
+            async with limit:
+                return await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
+        except TimeoutError:
+            if limit.expired():
+                raise HandlerOverran(f"handler {self.name} ran past its limit of {self.handler_limit_s:g} s "
+                                     "and was cancelled") from None
+            raise
 
     def _backoff(self, deliveries: int) -> float:
         """The delay before delivering again a message that failed at its ``deliveries``-th."""

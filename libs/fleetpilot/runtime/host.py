@@ -19,6 +19,7 @@ limit (``startup_timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -137,12 +138,13 @@ class ServiceHost:
         self._stop_requested = asyncio.Event()  # SIGTERM or SIGINT: ends a start-up that waits
 
     # -- registration -------------------------------------------------------------------
-    def on(self, *event_types: type[Event], consumer: str, instance: str = "", instance_start_s_ago: float = 0.0
-           ) -> Callable[[TypedHandler], TypedHandler]:
+    def on(self, *event_types: type[Event], consumer: str, instance: str = "", instance_start_s_ago: float = 0.0,
+           handler_limit_s: float | None = None) -> Callable[[TypedHandler], TypedHandler]:
         """Handle events from a catalogued durable consumer, shared by all replicas; with
         ``instance``, this replica's own copy of it (``ConsumerSpec.for_instance``), which
         gets every message and, when first made, starts ``instance_start_s_ago`` back (at
-        every start, for a ``per_run`` consumer)."""
+        every start, for a ``per_run`` consumer). ``handler_limit_s`` replaces the catalog's
+        limit on one handling for a service whose settings make its handlers wait longer."""
         if consumer not in CONSUMERS:
             raise LookupError(f"consumer {consumer!r} is not declared in the catalog")
         spec = CONSUMERS[consumer]
@@ -152,6 +154,8 @@ class ServiceHost:
             raise ValueError(f"consumer {consumer!r} is per run: it needs an instance")
         if instance:
             spec = spec.for_instance(instance, instance_start_s_ago)
+        if handler_limit_s is not None:
+            spec = dataclasses.replace(spec, handler_limit_s=handler_limit_s)
 
         def register(handler: TypedHandler) -> TypedHandler:
             self._durables.append(_Durable(spec, event_types, handler))
@@ -263,7 +267,7 @@ class ServiceHost:
             spec = durable.consumer
             dispatcher = Dispatcher(bus, self.name, spec.durable, durable.event_types, durable.handler,
                                     self.metrics, max_deliver=spec.max_deliver, backoff_s=spec.backoff_s,
-                                    ack_wait_s=spec.ack_wait_s)
+                                    ack_wait_s=spec.ack_wait_s, handler_limit_s=spec.handler_limit_s)
             await self._until_done(f"consumer {spec.durable}", partial(bus.consume, spec, dispatcher), deadline)
         for core in self._cores:
             dispatcher = Dispatcher(bus, self.name, core.subject, core.event_types, core.handler, self.metrics,

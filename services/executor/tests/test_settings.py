@@ -33,3 +33,17 @@ def test_a_nonsense_value_is_refused_naming_the_setting(name, value):
 def test_the_defaults_and_sensible_edges_are_accepted():
     ExecutorSettings()
     ExecutorSettings(grace_s=0.0, checkpoint_s=0.0, decommission_hot_for_s=0.0, health_threshold=1.0)
+
+
+def test_carrying_out_a_decision_may_take_as_long_as_its_settings_make_it_wait():
+    """A decision's handling is cut as hung past its consumer's limit (15 minutes); a move
+    with a long checkpoint window and grace may wait longer (three hand-over tries), and
+    must not be cut as hung while it waits as told."""
+    from fleetpilot.contracts import CONSUMERS
+    from fleetpilot_services.executor.backends import hand_over_wait_s
+
+    default = ExecutorSettings(nats_url="nats://127.0.0.1:1", state_dir="/tmp")
+    assert default.decision_limit_s == CONSUMERS["executor-decisions"].handler_limit_s
+    slow = ExecutorSettings(nats_url="nats://127.0.0.1:1", state_dir="/tmp", checkpoint_s=600.0, grace_s=120.0,
+                            hand_over_taken_within_s=3600.0)
+    assert slow.decision_limit_s >= hand_over_wait_s(600.0, 120.0) + 720.0 > CONSUMERS["executor-decisions"].handler_limit_s
