@@ -11,18 +11,20 @@
 - **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
   its state (it may exit by itself), then stop with grace and start again on the target
   with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
-  (the signal's default action) and simply restarts from scratch. Between nodes, the
+  (the signal's default action) and simply restarts from scratch. An eviction that comes
+  during the move wins: the move fails, and the task is not started on the target. Between nodes, the
   target's backend asks the source's (``take_over``, over the bus in the executor service)
   to do the first half (``hand_over``) and starts the task itself; its checkpoint must be
   where the target can read it (shared storage).
 - **Resize**: the new share is recorded and used at the next start; with
-  ``limit_address_space`` the memory cap is changed live with ``prlimit``.
+  ``limit_address_space`` the memory cap (the soft limit, so it can be raised without
+  ``CAP_SYS_RESOURCE``) is changed live with ``prlimit``.
 - **OOM**: reported as ``oom_killed`` when the process dies by SIGKILL that we did not send
   (exit 137 / -9: the kernel OOM killer) or it exits non-zero with an out-of-memory marker
   on stderr (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``,
   ``std::bad_alloc``, ``RESOURCE_EXHAUSTED: Out of memory``...).
   With ``limit_address_space=True`` a task given ``memory_mb`` also gets
-  ``RLIMIT_AS = memory_mb + headroom_mb`` (set by a launcher that then ``exec``s it): without a GPU-level memory limit on this machine
+  a soft ``RLIMIT_AS = memory_mb + headroom_mb`` (set by a launcher that then ``exec``s it): without a GPU-level memory limit on this machine
   the host address space stands in for it, so a leaking task fails as an OOM would. It is
   off by default because CUDA reserves far more virtual address space than it uses.
 - **Samples**: :meth:`ProcessBackend.samples` reads each task's RSS from ``/proc``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -83,17 +86,26 @@ NODE_FAULT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.E
 # trouble (``node_trouble``), and the executor takes it out of service until a trial start
 # works again: each decision sent there would fail the same way.
 TROUBLE_AFTER_FAILURES = 3
+# The longest file name most file systems take (NAME_MAX), in bytes.
+LOG_NAME_MAX_BYTES = 255
 
+# The cap is the soft limit; the hard one is left as it was, for ``resize`` to raise the cap
+# (raising a hard limit takes ``CAP_SYS_RESOURCE``, which an executor run as a user lacks).
+# ``argv[2]`` is the soft limit the launcher was started with: another one now is a resize
+# that came before the launcher set the cap, and it wins.
 _RLIMIT_LAUNCHER = (
     "import os, resource, sys\n"
-    "limit, (_, hard) = int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_AS)\n"
+    "limit, inherited = int(sys.argv[1]), int(sys.argv[2])\n"
+    "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+    "if soft != inherited:\n"
+    "    limit = soft  # a resize that came first (prlimit) wins\n"
     "if hard != resource.RLIM_INFINITY:\n"
-    "    limit = min(limit, hard)  # a resize that came first (prlimit) wins\n"
-    "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+    "    limit = min(limit, hard)\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (limit, hard))\n"
     "try:\n"
-    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "    os.execvp(sys.argv[3], sys.argv[3:])\n"
     "except OSError as error:\n"
-    "    print(f'cannot exec {sys.argv[2]}: {error}', file=sys.stderr)\n"
+    "    print(f'cannot exec {sys.argv[3]}: {error}', file=sys.stderr)\n"
     "    os._exit(127)\n"
 )
 
@@ -160,6 +172,8 @@ class _Task:
         self.stop_reason: StopReason = None
         self.stderr = bytearray()
         self.watcher: asyncio.Task[None] | None = None
+        # An eviction reached it: a move under way must not start it again.
+        self.evicted = False
 
 
 class ProcessBackend:
@@ -236,7 +250,8 @@ class ProcessBackend:
         limit_mb = self._memory_limit_mb(task.placement)
         if limit_mb is None:
             return task.command
-        return [sys.executable, "-c", _RLIMIT_LAUNCHER, str(limit_mb * 1024 * 1024), *task.command]
+        inherited = resource.getrlimit(resource.RLIMIT_AS)[0]
+        return [sys.executable, "-c", _RLIMIT_LAUNCHER, str(limit_mb * 1024 * 1024), str(inherited), *task.command]
 
     async def _spawn(self, task: _Task, *, restore: bool) -> TaskHandle:
         began = time.perf_counter()
@@ -397,10 +412,10 @@ class ProcessBackend:
         proc, watcher = task.proc, task.watcher
         if proc is None or watcher is None:
             return
-        if proc.returncode is None and not _exited(proc.pid):
+        if proc.returncode is None and not _exited(proc.pid) and task.stop_reason != "evicted":
             # Only an exit we cause is ours: one that came first (its watcher still reading
             # the last of stderr, or its exit not yet seen by the event loop) is the task's
-            # own end, finished or failed.
+            # own end, finished or failed. An eviction that came during a move stays one.
             task.stop_reason = reason
         deadline = time.monotonic() + max(grace_s, 0.0)
         _signal_group(proc.pid, signal.SIGTERM)
@@ -420,6 +435,7 @@ class ProcessBackend:
         """Evict: SIGTERM to the process group, SIGKILL after ``grace_s``; no-op if not running."""
         task = self._tasks.get(task_id)
         if task is not None:
+            task.evicted = True
             await self._terminate(task, grace_s, "evicted")
 
     async def migrate(
@@ -455,6 +471,10 @@ class ProcessBackend:
             self._save_registry()
             self._emit(task, "failed", detail=f"migration restart failed: {error}")
             raise
+        if task.evicted:
+            # Evicted while it restarted (told evicted, its holds given back): not run here.
+            await self._terminate(task, grace_s, "evicted")
+            raise BackendError(f"task {task_id} was evicted during its move")
         self._emit(
             task, "migrated", detail=f"from {_describe(origin)} to {_describe(target)}, pid {handle.pid}"
         )
@@ -476,6 +496,17 @@ class ProcessBackend:
         except (ProcessLookupError, TimeoutError):
             pass  # gone already, or still saving: the stop below finishes it
         await self._terminate(task, grace_s, "migrated")
+        if task.evicted:
+            # An eviction reached it during its move (its GPU decommissioned, a preemption,
+            # the executor stopping): it was told evicted and its holds were given back, to
+            # be placed again. Started on the target all the same, it ran twice.
+            if self._tasks.get(task.task_id) is task:
+                # Its exit was taken for the move's (it saved and exited before the
+                # eviction came): told now as the eviction it is.
+                del self._tasks[task.task_id]
+                self._save_registry()
+                self._emit(task, "evicted", exit_code=task.proc.returncode, detail="evicted during its move")
+            raise BackendError(f"task {task.task_id} was evicted during its move")
 
     async def _take_over(
         self, task_id: str, target: Sequence[Placement], source: Sequence[Placement], grace_s: float
@@ -558,7 +589,11 @@ class ProcessBackend:
         if limit_mb is not None and task.proc is not None:
             limit = limit_mb * 1024 * 1024
             try:
-                resource.prlimit(task.proc.pid, resource.RLIMIT_AS, (limit, limit))
+                # The soft limit only (see ``_RLIMIT_LAUNCHER``), within the hard one.
+                _, hard = resource.prlimit(task.proc.pid, resource.RLIMIT_AS)
+                if hard != resource.RLIM_INFINITY:
+                    limit = min(limit, hard)
+                resource.prlimit(task.proc.pid, resource.RLIMIT_AS, (limit, hard))
             except (ProcessLookupError, PermissionError, ValueError) as error:
                 raise BackendError(f"cannot cap memory of {task_id}: {error}", retryable=True) from error
         self._emit(task, "resized", detail=f"milli={milli} memory_mb={memory_mb}")
@@ -652,8 +687,16 @@ class ProcessBackend:
 
 def log_name(task_id: str) -> str:
     """The file name of a task's stdout in ``log_dir``: task ids are chosen by clients, so a
-    ``/`` (or a ``..``) must not reach another folder."""
-    return task_id.replace("%", "%25").replace("/", "%2F") + ".out"
+    ``/`` (or a ``..``) must not reach another folder, and an id longer than a file name may
+    be is cut, with a digest of the whole id so that two long ids keep logs of their own."""
+    name = task_id.replace("%", "%25").replace("/", "%2F")
+    if len(name.encode()) + len(".out") <= LOG_NAME_MAX_BYTES:
+        return name + ".out"
+    # Its open failed with ENAMETOOLONG, taken for the node's fault: a few such tasks took
+    # every node they were placed on out of service.
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:16]
+    head = name.encode()[: LOG_NAME_MAX_BYTES - len(digest) - len("~.out")].decode(errors="ignore")
+    return f"{head}~{digest}.out"
 
 
 def _exited(pid: int) -> bool:

@@ -616,3 +616,100 @@ async def test_a_start_that_works_ends_a_run_of_node_failures(tmp_path: Path, mo
     assert backend.node_trouble == ""
     await fail_starts(1, "c")
     assert backend.node_trouble != ""
+
+
+async def test_a_task_id_too_long_for_a_file_name_is_not_the_node_s_fault(tmp_path: Path) -> None:
+    """Task ids are chosen by clients and have no length limit: one longer than a file name
+    may be (255 bytes) failed its log's ``open`` with ``ENAMETOOLONG``, counted as the node's
+    fault, so a few such tasks took every node they were placed on out of service. The log
+    gets a shortened name of its own, inside ``log_dir``, and the task runs."""
+    from fleetpilot.executor.process import TROUBLE_AFTER_FAILURES
+
+    logs = tmp_path / "logs"
+    backend = ProcessBackend(node="n1", log_dir=logs)
+    ids = [f"{'x' * 300}-{i}" for i in range(TROUBLE_AFTER_FAILURES)] + ["é" * 200]
+    for task_id in ids:
+        await backend.start(task_id, GPU0, py(f"print({task_id[-3:]!r})"), {})
+        assert [e.state for e in await wait_for_state(backend, task_id)] == ["started", "finished"]
+    assert backend.node_trouble == ""
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parent == logs for p in written)
+    assert sorted(p.read_text() for p in written) == sorted(f"{task_id[-3:]}\n" for task_id in ids)
+
+
+async def test_an_eviction_during_a_move_is_not_undone_by_the_move(tmp_path: Path) -> None:
+    """A task is being moved (its checkpoint window open: it ignores the signal) when an
+    eviction reaches it (its GPU decommissioned, a preemption, the executor stopping). The
+    eviction is told and its holds given back, so the policy places it again; the move then
+    restarted it on its target all the same, and it ran twice. The move fails instead."""
+    ready, started = tmp_path / "ready", tmp_path / "started"
+    backend = ProcessBackend(node="n1", checkpoint_s=1.0)
+    code = (
+        "import os, signal, time, pathlib\n"
+        "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+        f"with open({str(started)!r}, 'a') as f: f.write(os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ok\\n')\n"
+        "time.sleep(60)\n"
+    )
+    await backend.start("t", GPU0, py(code), {})
+    await wait_for_file(ready)
+    move = asyncio.create_task(backend.migrate("t", [Placement(node="n1", gpu=1, milli=1000)], grace_s=1.0))
+    await asyncio.sleep(0.3)  # the checkpoint signal is sent; the task saves nothing
+    await backend.stop("t", grace_s=1.0)
+    with pytest.raises(BackendError, match="evicted") as raised:
+        await move
+    assert not raised.value.retryable
+    assert backend.running() == []
+    assert started.read_text() == "0\n"  # never started again, on GPU 1
+    assert [e.state for e in await backend.poll()] == ["started", "evicted"]
+
+
+async def test_an_eviction_while_a_move_restarts_the_task_stops_the_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eviction comes once the task saved and exited for its move, while its restart on
+    the target is on its way: it is told evicted (its holds given back), so the restart is
+    stopped and the move fails, rather than the task running on its target for nobody."""
+    ready, checkpoint, restored = tmp_path / "ready", tmp_path / "ckpt", tmp_path / "restored"
+    backend = ProcessBackend(node="n1", checkpoint_s=5)
+    real = asyncio.create_subprocess_exec
+
+    async def evicted_on_the_way(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["env"].get("FLEETPILOT_RESTORE") == "1":
+            await backend.stop("m", grace_s=1.0)
+        return await real(*args, **kwargs)
+
+    await backend.start("m", GPU0, checkpointing(ready, checkpoint, restored), {})
+    await wait_for_file(ready)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", evicted_on_the_way)
+    with pytest.raises(BackendError, match="evicted during its move") as raised:
+        await backend.migrate("m", [Placement(node="n1", gpu=5, milli=1000)], grace_s=1.0)
+    assert not raised.value.retryable
+    assert backend.running() == []
+    assert [e.state for e in await backend.poll()] == ["started", "evicted"]
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["after-launch", "right-after-start"])
+async def test_resize_grows_the_memory_cap_live(tmp_path: Path, launched: bool) -> None:
+    """A task that grows is given more memory. Once its cap was set, the launcher had made
+    it the hard limit too, which only a process with ``CAP_SYS_RESOURCE`` may raise: every
+    resize up failed (retryably, again and again) for an executor without it (the image
+    runs as uid 10001). A resize right after the start, before the launcher set the cap, was
+    reported done and then undone by the launcher (the smaller of the two won). Either way
+    the task ran out of memory at its old cap."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    backend = ProcessBackend(limit_address_space=True, headroom_mb=256)
+    code = (
+        "import time, pathlib\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ok\\n')\n"
+        f"go = pathlib.Path({str(go)!r})\n"
+        "while not go.exists(): time.sleep(0.02)\n"
+        "b = bytearray(1024**3)\n"
+    )
+    await backend.start("g", [Placement(node="n1", gpu=0, milli=1000, memory_mb=64)], py(code), {})
+    if launched:
+        await wait_for_file(ready)  # the launcher has set the cap and exec'd the task
+    await backend.resize("g", milli=1000, memory_mb=4096)
+    go.write_text("go")
+    events = await wait_for_state(backend, "g")
+    assert [e.state for e in events] == ["started", "resized", "finished"]
