@@ -73,3 +73,19 @@ def test_alert_names_are_unique_and_cover_what_operators_watch():
                    "fleetpilot_bus_connected", "fleetpilot_fingerprinter_partition",
                    "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total"):
         assert metric in watched
+
+
+SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_with_no_replica_left_is_alerted_on(service):
+    # FleetpilotBusDisconnected reads what a running replica says: with none running (a crash
+    # loop, an image not pulled, pods not scheduled) there is no series, and nothing fired
+    # while no task was admitted or placed. The label value is the host's name for the service.
+    source = (RULES.parents[2] / "services" / service / "service.py").read_text()
+    assert f'ServiceHost("{service}"' in source
+    wanted = f'absent(fleetpilot_bus_connected{{service="{service}"}})'
+    rules = [rule for rule in RULE_LIST if wanted in rule["expr"].replace(" ", "")]
+    assert rules, f"no rule fires when no {service} replica serves its metrics"
+    assert all(re.fullmatch(r"\d+m", rule.get("for", "")) for rule in rules)  # not for a rollout's restart

@@ -8,6 +8,7 @@ compose client is installed. No Docker engine is needed for either.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -186,3 +187,30 @@ def test_the_executor_runs_under_an_init_that_reaps_its_tasks_leftovers(compose)
     # As PID 1 the executor inherited every orphan of the tasks its process backend killed,
     # and never reaped them: zombies piled up for the container's life.
     assert compose["services"]["executor"].get("init") is True
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS))
+def test_every_variable_a_service_is_given_is_one_of_its_settings(compose, name, monkeypatch):
+    # A misspelt FLEETPILOT_<SERVICE>_* stops the container at start (exit 2, restarted for
+    # ever by `restart: unless-stopped`); a misspelt shared one is silently ignored.
+    import importlib
+
+    from fleetpilot.runtime import config
+    from fleetpilot.runtime.config import ServiceSettings
+
+    shared_names: set[str] = set()
+    shared = config._shared  # noqa: SLF001 - the one place the shared names are read
+    monkeypatch.setattr(config, "_shared", lambda var, default: shared_names.add(var) or shared(var, default))
+    ServiceSettings()
+    monkeypatch.setattr(config, "_shared", shared)
+    env = _env(compose["services"][name])
+    prefix = f"FLEETPILOT_{name.upper()}_"
+    assert sorted(v for v in env if not v.startswith(prefix) and v not in shared_names) == []
+    module = importlib.import_module(f"fleetpilot_services.{name}.service")
+    (settings,) = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, ServiceSettings)
+                   and v.model_config.get("env_prefix") == prefix]
+    for variable in [v for v in os.environ if v.startswith("FLEETPILOT_") or v in shared_names]:
+        monkeypatch.delenv(variable)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    settings.from_environment()  # BadSettings names each variable it refuses

@@ -141,13 +141,25 @@ def test_per_node_services_run_on_gpu_nodes_with_nvml_access(name):
     spec = _workloads()[name]["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert spec["runtimeClassName"] == "nvidia"
-    assert spec["hostPID"] is True
     (container,) = spec["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     # Requesting nvidia.com/gpu would take a GPU away from the tasks being scheduled.
     for section in ("requests", "limits"):
         assert "nvidia.com/gpu" not in container["resources"].get(section, {})
+
+
+def test_only_the_collector_sees_the_hosts_processes():
+    # The collector maps the host PIDs NVML reports to tasks (FLEETPILOT_TASK_ID in
+    # /proc/<pid>/environ): it needs the host's PID namespace. The executor calls no NVML and
+    # only watches its own children; there its tasks (user code, under UID 10001 like every
+    # service) could see every process of the node and read the environment of any
+    # Fleetpilot pod scheduled there (the feedback service's DSN). Its own pod namespace,
+    # shared with the pause container, gives it an init that reaps what killed tasks leave.
+    collector = _workloads()["collector"]["spec"]["template"]["spec"]
+    executor = _workloads()["executor"]["spec"]["template"]["spec"]
+    assert collector["hostPID"] is True
+    assert not executor.get("hostPID") and executor["shareProcessNamespace"] is True
 
 
 def test_the_executor_runs_tasks_on_its_node_with_room_for_them():
@@ -184,6 +196,79 @@ def test_per_node_services_go_by_the_kubernetes_node_name(name, variable, field,
     monkeypatch.setenv(variable, "gpu-node-7.ec2.internal")  # the variable is the service's setting
     settings = {"collector": CollectorSettings, "executor": ExecutorSettings}[name]()
     assert getattr(settings, field) == named
+
+
+# What the kubelet puts in a variable taken from the downward API, for the checks below.
+DOWNWARD = {"spec.nodeName": "gpu-node-7.ec2.internal", "metadata.name": "{name}-0",
+            "metadata.labels['apps.kubernetes.io/pod-index']": "0"}
+# Read by the NVIDIA container runtime (runtimeClassName nvidia), not by a service.
+NVIDIA_RUNTIME = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
+
+
+def settings_class(name: str) -> type:
+    """The service's settings class: the one under its ``FLEETPILOT_<NAME>_`` prefix."""
+    import importlib
+
+    from fleetpilot.runtime.config import ServiceSettings
+
+    module = importlib.import_module(f"fleetpilot_services.{name}.service")
+    (found,) = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, ServiceSettings)
+                and v.model_config.get("env_prefix") == f"FLEETPILOT_{name.upper()}_"]
+    return found
+
+
+def shared_variables(monkeypatch) -> set[str]:
+    """The unprefixed variables every service reads (``runtime/config.py``'s ``_shared``),
+    recorded as the base settings read them rather than copied here."""
+    from fleetpilot.runtime import config
+    from fleetpilot.runtime.config import ServiceSettings
+
+    read: set[str] = set()
+    shared = config._shared  # noqa: SLF001 - the one place the shared names are read
+
+    def recording(variable: str, default: str | None) -> str | None:
+        read.add(variable)
+        return shared(variable, default)
+
+    monkeypatch.setattr(config, "_shared", recording)
+    ServiceSettings()
+    monkeypatch.setattr(config, "_shared", shared)
+    return read
+
+
+def container_environment(name: str, container: dict[str, Any]) -> dict[str, str]:
+    """The environment the container gets: its ConfigMaps, then its own variables (which win),
+    a downward-API or Secret reference resolved as Kubernetes would."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(_by_kind("ConfigMap")[source["configMapRef"]["name"]].get("data", {}))
+    for item in container.get("env", []):
+        ref = item.get("valueFrom", {})
+        if "fieldRef" in ref:
+            env[item["name"]] = DOWNWARD[ref["fieldRef"]["fieldPath"]].format(name=name)
+        elif "secretKeyRef" in ref:
+            env[item["name"]] = _by_kind("Secret")[ref["secretKeyRef"]["name"]]["stringData"][ref["secretKeyRef"]["key"]]
+        else:
+            env[item["name"]] = str(item["value"])
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS))
+def test_every_variable_a_manifest_sets_is_read_and_accepted(name, monkeypatch):
+    # A misspelt FLEETPILOT_<SERVICE>_* stops the service at start (exit 2, a crash loop on
+    # every node of a DaemonSet), a misspelt shared one is silently ignored, and a variable
+    # nothing reads (NODE_NAME, POD_NAME) passes for configuration that is not there.
+    (container,) = _workloads()[name]["spec"]["template"]["spec"]["containers"]
+    env = container_environment(name, container)
+    shared = shared_variables(monkeypatch)
+    prefix = f"FLEETPILOT_{name.upper()}_"
+    unread = sorted(v for v in env if not v.startswith(prefix) and v not in shared and v not in NVIDIA_RUNTIME)
+    assert not unread, f"{name}: {unread} are read by nothing"
+    for variable in [v for v in os.environ if v.startswith("FLEETPILOT_") or v in shared]:
+        monkeypatch.delenv(variable)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    settings_class(name).from_environment()  # BadSettings names each variable it refuses
 
 
 def test_every_service_port_is_exposed_by_a_service_that_selects_its_pods():
@@ -254,6 +339,33 @@ def test_policy_has_a_disruption_budget_and_two_replicas():
     assert _matches(
         budget["spec"]["selector"]["matchLabels"], policy["spec"]["template"]["metadata"]["labels"]
     )
+
+
+def test_every_deployment_run_in_several_replicas_keeps_one_through_a_drain():
+    # Replicas of a Deployment share its consumer, so one left is enough; without a budget a
+    # drain (or a cluster upgrade) may evict them all at once, both SLA replicas on one node
+    # (their spread is ScheduleAnyway) and no task is admitted until they are back.
+    budgets = _by_kind("PodDisruptionBudget").values()
+    several = {name: w for name, w in _workloads().items() if w["kind"] == "Deployment" and w["spec"]["replicas"] >= 2}
+    assert {"policy", "sla"} <= set(several)
+    for name, workload in several.items():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        keeping = [b for b in budgets if _matches(b["spec"]["selector"]["matchLabels"], labels)
+                   and (b["spec"].get("minAvailable", 0) >= 1 or b["spec"].get("maxUnavailable", 1) == 1)]
+        assert keeping, f"{name}: {workload['spec']['replicas']} replicas and no disruption budget keeps one"
+
+
+def test_the_sla_is_told_whose_tokens_to_take():
+    # deploy/README.md has the key set exported from the cluster's identity provider; the
+    # issuer and audience a token must carry were left at their defaults, Fleetpilot's own
+    # issuer's, unseen in the manifest: every token of that provider was refused
+    # (wrong_issuer). Set where the key set is, they default to what `fleetpilot token` mints.
+    from fleetpilot.cli.local import AUDIENCE, ISSUER
+
+    (container,) = _workloads()["sla"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env.get("FLEETPILOT_SLA_ISSUER"), env.get("FLEETPILOT_SLA_AUDIENCE")) == (ISSUER, AUDIENCE)
+    assert "FLEETPILOT_SLA_ISSUER" in (DEPLOY / "README.md").read_text()
 
 
 def test_the_fingerprinter_runs_one_replica_per_partition():
