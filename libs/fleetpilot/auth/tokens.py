@@ -6,7 +6,8 @@ header parses (``malformed``) -> ``alg`` configured and not ``none`` (``alg_not_
 (``alg_not_allowed``: no RS256-key-as-HMAC-secret confusion) -> key not past its
 ``valid_until`` (``key_retired``) -> signature (``forged``) -> ``aud`` (``wrong_audience``),
 ``iss`` (``wrong_issuer``), required claims (``missing_claim``) -> ``exp`` (``expired``),
-``nbf`` and ``iat`` (``not_yet_valid``) on the verifier's injectable clock -> tenant (``no_tenant``).
+``nbf`` (when present) and ``iat`` (``not_yet_valid``) on the verifier's injectable clock -> tenant
+(``no_tenant``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ AuthReason = Literal[
     "malformed", "alg_not_allowed", "unknown_kid", "key_retired", "forged", "expired",
     "not_yet_valid", "wrong_audience", "wrong_issuer", "missing_claim", "no_tenant",
 ]
-REQUIRED_CLAIMS = ("exp", "nbf", "iat", "aud", "iss")
+# ``nbf`` is optional (RFC 7519; identity providers' tokens often leave it out): without it a
+# token is valid from its ``iat``. Tokens minted here carry it.
+REQUIRED_CLAIMS = ("exp", "iat", "aud", "iss")
 # A refusal's detail quotes what the sender wrote (alg, kid, pyjwt's messages) before any
 # signature is checked: it is cut to this length so that a 100 kB kid is not logged and sent
 # back in the rejection event whole.
@@ -197,7 +200,7 @@ class TokenVerifier:
         except jwt.InvalidTokenError as exc:
             raise AuthError("malformed", str(exc)) from exc
         # Time is checked here, on the injectable clock, rather than by pyjwt's wall clock.
-        exp, nbf, iat = (_numeric_date(claims[name]) for name in ("exp", "nbf", "iat"))
+        exp, nbf, iat = (_numeric_date(claims.get(name, claims["iat"])) for name in ("exp", "nbf", "iat"))
         if exp is None or nbf is None or iat is None:
             # A NaN or infinite exp compared as never past: the token would never expire.
             raise AuthError("malformed", "exp, nbf and iat must be finite numbers")

@@ -112,6 +112,23 @@ def test_rejections(name, tamper, reason):
     assert err.value.reason == reason, str(err.value)
 
 
+def test_a_token_without_nbf_is_valid_from_its_iat():
+    """Identity providers' tokens often carry no ``nbf`` (Auth0's access tokens, Google's ID
+    tokens): RFC 7519 makes it optional. They were all refused as ``missing_claim``; the
+    deploy README says to take such a provider's key set. Without ``nbf``, the token is valid
+    from its ``iat``, which is checked as before."""
+    clock, ring, verifier, _ = _setup()
+    claims = verifier.verify(_mint(ring, nbf=None))
+    assert (claims.tenant, claims.not_before) == ("acme", claims.issued_at)
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_mint(ring, nbf=None, iat=int(T0 + 300)))
+    assert err.value.reason == "not_yet_valid"
+    for missing in ("exp", "iat"):
+        with pytest.raises(AuthError) as err:
+            verifier.verify(_mint(ring, **{missing: None}))
+        assert err.value.reason == "missing_claim", missing
+
+
 def test_tenant_falls_back_to_sub():
     _, ring, verifier, _ = _setup()
     assert verifier.verify(_mint(ring, tenant=None, sub="globex")).tenant == "globex"
