@@ -46,6 +46,7 @@ from fleetpilot.policy.rebalance import (
     Running,
     envelope_bridge_mb,
     gpu_conditions,
+    nodes_out_of_service,
     running_tasks,
 )
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
@@ -443,6 +444,7 @@ class ReplicaState:
                 for ledger in self.ledger.nodes.values()
             },
             unhealthy=unhealthy,
+            not_ready=nodes_out_of_service(nodes),
         )
         # ``from_topology``'s ``maintenance`` takes whole nodes; a label is per GPU, so only
         # that GPU stops taking work.

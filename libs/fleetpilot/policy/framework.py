@@ -239,8 +239,9 @@ class Policy:
                                   reason=f"{self.name}: malformed request: {problem}")
         # Business rules are hard: a GPU the task may not use is, for this task, not there.
         cycle = Cycle(state=state, task=task, free=np.where(state.allowed(task), state.usable_free(), 0))
-        # The contract's site binds the node, not only its GPUs: a CPU-only task too.
-        mask = state.on_site(task)
+        # The contract's site binds the node, not only its GPUs: a CPU-only task too; and a
+        # node out of service as a whole takes no task, one that asks no GPU included.
+        mask = state.on_site(task) & state.node_ready
         for f in self.filters:
             mask &= f.filter(cycle)
         cycle.rows = np.flatnonzero(mask)

@@ -142,6 +142,14 @@ def gpu_conditions(nodes: Iterable[NodeTopology]) -> tuple[list[tuple[str, int]]
     return unhealthy, maintenance
 
 
+def nodes_out_of_service(nodes: Iterable[NodeTopology]) -> list[str]:
+    """The nodes out of service as a whole: the topology service labels every GPU of a node
+    ``not_ready`` (its collector silent, its executor down) or ``unreachable``. They take no
+    task at all, one that asks no GPU included (``ClusterState.node_ready``)."""
+    return [topo.node for topo in nodes
+            if any(is_set(gpu.labels, label) for gpu in topo.gpus for label in (NOT_READY, UNREACHABLE))]
+
+
 def running_tasks(ledgers: Iterable[NodeLedger]) -> list[Running]:
     """Tasks that run settled on one node: every hold confirmed by the executor.
 

@@ -140,7 +140,10 @@ _NODE_ARRAYS: dict[str, Any] = {
     "node_model": np.int32,
     "node_site": np.int32,
     "version": np.int64,
+    "node_ready": np.bool_,
 }
+# Arrays a record made before they existed may lack; ``ClusterState`` fills their default.
+_OPTIONAL_ARRAYS = frozenset({"gpu_rule", "node_ready"})
 _GPU_ARRAYS: dict[str, Any] = {
     "gpu_exists": np.bool_,
     "gpu_free": np.int32,
@@ -163,7 +166,9 @@ class ClusterState:
     ``gpu_link`` is ``(N, G, G)`` link costs between GPUs of a node (``LINK_COST``).
     ``gpu_role`` indexes ``roles`` (0 = no role); ``gpu_rule`` indexes ``rule_sets``, the
     distinct business rules of the GPUs' labels (0 = none: any task), which ``allowed``
-    turns into the GPUs a task may use. Mutated only through ``allocate`` /
+    turns into the GPUs a task may use. ``node_ready`` is false for a node out of service as a
+    whole (its collector silent, its executor down: ``not_ready`` / ``unreachable``), which
+    takes no task at all, one that asks no GPU included. Mutated only through ``allocate`` /
     ``release``; everything else treats it as read-only.
     """
 
@@ -190,6 +195,7 @@ class ClusterState:
     gpu_nvlink_util: np.ndarray
     gpu_link: np.ndarray
     gpu_rule: np.ndarray | None = None
+    node_ready: np.ndarray | None = None  # type: ignore[assignment]
     rule_sets: list[GpuRules] = field(default_factory=lambda: [GpuRules()])
     _index: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -197,6 +203,8 @@ class ClusterState:
         self._index = {name: i for i, name in enumerate(self.node_names)}
         if self.gpu_rule is None:  # no business rules known: every GPU has the default set
             self.gpu_rule = np.zeros(self.gpu_free.shape, dtype=np.int32)
+        if self.node_ready is None:  # no node known to be out of service
+            self.node_ready = np.ones(len(self.node_names), dtype=bool)
 
     # ---- shape -----------------------------------------------------------------------
     @property
@@ -310,13 +318,15 @@ class ClusterState:
         temperatures: Mapping[tuple[str, int], float] | None = None,
         unhealthy: Iterable[tuple[str, int]] = (),
         maintenance: Iterable[str] = (),
+        not_ready: Iterable[str] = (),
     ) -> ClusterState:
         """Build the state from ``contracts.topology.NodeTopology`` records and the ledger.
 
         ``allocations`` maps a node name to its holds (``contracts.ledger.Allocation``-like:
         ``gpu``, ``milli``, ``memory_mb``, ``cpu_milli``, ``host_memory_mb``). GPU labels
         ``role`` set the business role; ``temperatures`` and ``unhealthy`` come from telemetry;
-        nodes listed in ``maintenance`` take no new work.
+        nodes listed in ``maintenance`` take no new GPU work; nodes listed in ``not_ready`` take
+        no task at all (``node_ready``).
         """
         topo = list(nodes)
         state = cls.build(
@@ -366,6 +376,9 @@ class ClusterState:
         for node in maintenance:
             if node in state._index:
                 state.gpu_maintenance[state._index[node], :] = True
+        for node in not_ready:
+            if node in state._index:
+                state.node_ready[state._index[node]] = False  # type: ignore[index]
         for node, holds in (allocations or {}).items():
             if node in state._index:
                 state.set_holds(state._index[node], holds)
@@ -453,7 +466,7 @@ class ClusterState:
         existed reads as a fleet without any)."""
         dtypes = {**_NODE_ARRAYS, **_GPU_ARRAYS, "gpu_link": np.int8}
         kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()
-                  if name in record.arrays or name != "gpu_rule"}
+                  if name in record.arrays or name not in _OPTIONAL_ARRAYS}
         if not record.node_names:
             # JSON keeps no shape for an empty list: a fleet without nodes has the one padded
             # GPU slot ``build`` gives it, else ``max_gpus`` and every policy fail on it.

@@ -56,9 +56,13 @@ def test_no_new_work_goes_to_a_gpu_of_a_silent_node(tmp_path, condition) -> None
     ps = policy_state(tmp_path)
     ps.fleet._apply("n0", encode(node("n0")))
     ps.fleet._apply("n1", encode(node("n1", labels={0: {condition: "true"}, 1: {condition: "true"}})))
+    ps.fleet._apply("n2", encode(node("n2", labels={0: {"cordoned": "true"}, 1: {"cordoned": "true"}})))
     view = ps.snapshot()
-    assert view.gpu_healthy.tolist() == [[True, True], [False, False]]
+    assert view.gpu_healthy.tolist() == [[True, True], [False, False], [False, False]]
     assert same(view, ps.build_snapshot())
+    # Nor a task that asks no GPU: nobody there would start it. A node whose GPUs are only
+    # cordoned (running hot) still takes one.
+    assert view.node_ready.tolist() == [True, False, True]
 
 
 def test_the_fleet_without_some_tasks_redoes_only_their_rows_and_equals_a_build(tmp_path) -> None:

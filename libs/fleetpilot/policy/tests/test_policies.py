@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 from fleetpilot.policy import (
+    BUILTIN_POLICIES,
     REGISTRY,
     ClusterState,
     PluginConfigError,
@@ -374,3 +375,49 @@ def test_a_score_or_confidence_that_is_not_a_number_is_one_clear_error_never_a_d
     # A Beta prior of no weight at all has no mean: refused when the profile is built.
     with pytest.raises(PluginConfigError, match="historical"):
         build_policy({"name": "h", "confidence": {"name": "historical", "args": {"alpha": 0.0, "beta": 0.0}}})
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))
+def test_a_node_out_of_service_takes_no_task_not_even_one_that_asks_no_gpu(name):
+    """A node whose collector went silent or whose executor is down (``not_ready``,
+    ``unreachable``: labels on every GPU, so its GPUs took no GPU task) still took CPU-only
+    tasks, which nobody there would start. Its GPUs' health alone (a failed GPU, a cordon)
+    does not keep CPU work off the node."""
+    from fleetpilot.contracts import GpuInfo, NodeTopology
+
+    def node(name: str) -> NodeTopology:
+        return NodeTopology(node=name, cpu_milli=64_000, memory_mb=256_000,
+                            gpus=[GpuInfo(index=i, model="A100", memory_mb=40_000) for i in range(2)])
+
+    topo = [node("down"), node("sick"), node("up")]
+    state = ClusterState.from_topology(topo, {"up": []}, unhealthy=[("down", 0), ("down", 1), ("sick", 0), ("sick", 1)],
+                                       not_ready=["down"])
+    cpu_only = TaskRequest(task_id="c", gpus=0, gpu_milli=0, cpu_milli=1_000, memory_mb=1_000)
+    policy = build_policy(name)
+    nodes = set()
+    for free_up in (60_000, 64_000):  # "up" nearly full, then empty: the others would win on score
+        trial = state.copy()
+        trial.cpu_free[trial.node_index("up")] = 64_000 - free_up + 1_000
+        decision = policy.decide(trial, cpu_only)
+        assert decision.action == "assign"
+        nodes |= {p.node for p in decision.placement}
+    assert "down" not in nodes
+    gone = state.copy()
+    gone.node_ready[gone.node_index("up")] = False
+    gone.node_ready[gone.node_index("sick")] = False
+    assert policy.decide(gone, cpu_only).action != "assign"
+
+
+def test_a_node_out_of_service_round_trips_and_an_old_record_reads_every_node_in_service():
+    from fleetpilot.policy.state import ClusterStateRecord
+
+    state = ClusterState.build(names=["a", "b"], cpu_milli=[1000, 1000], memory_mb=[1000, 1000], gpus=[1, 1],
+                               models=["A100", "A100"], gpu_memory_mb=[40_000, 40_000])
+    state.node_ready[1] = False
+    assert ClusterState.from_record(state.to_record()).node_ready.tolist() == [True, False]
+    assert ClusterState.from_npz_bytes(state.to_npz_bytes()).node_ready.tolist() == [True, False]
+    assert state.copy().node_ready.tolist() == [True, False]
+    record = state.to_record()
+    old = ClusterStateRecord(node_names=record.node_names, models=record.models, sites=record.sites,
+                             roles=record.roles, arrays={k: v for k, v in record.arrays.items() if k != "node_ready"})
+    assert ClusterState.from_record(old).node_ready.tolist() == [True, True]
