@@ -334,11 +334,12 @@ class ClusterState:
             cpu_milli=[t.cpu_milli for t in topo],
             memory_mb=[t.memory_mb for t in topo],
             gpus=[len(t.gpus) for t in topo],
-            models=[t.gpus[0].model if t.gpus else "" for t in topo],
+            models=[next((g.model for g in t.gpus if g.model), "") for t in topo],
             sites=[t.site for t in topo],
         )
         # Mixed-model nodes are rare; the node's model is its first GPU's, per-GPU models
-        # would need a per-slot model array that no policy uses yet.
+        # would need a per-slot model array that no policy uses yet. A GPU with no model (one
+        # fallen off the bus, as the collector reports it) does not name it.
         roles: list[str] = [""]
         rule_index: dict[GpuRules, int] = {GpuRules(): 0}
         for i, t in enumerate(topo):

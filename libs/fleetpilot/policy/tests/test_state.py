@@ -147,3 +147,13 @@ def test_an_empty_fleet_round_trips_and_replays() -> None:
     report = replay([snap], build_policy("fgd"), build_policy("k8s-default"))
     assert (report.total, report.differing) == (1, 0) and report.items[0].a.action == "queue"
     assert (report.items[0].frag_a, report.mean_frag_delta) == (0.0, 0.0)  # nothing free: nothing fragmented
+
+
+def test_a_node_whose_first_gpu_is_lost_keeps_its_model():
+    """The collector reports a GPU fallen off the bus with no model. As its node's first GPU,
+    it took the node's model away: tasks naming the model never used the healthy GPUs."""
+    from fleetpilot.contracts import GpuInfo, NodeTopology
+
+    gpus = [GpuInfo(index=0, model="", memory_mb=0), GpuInfo(index=1, model="A100", memory_mb=40_000)]
+    state = ClusterState.from_topology([NodeTopology(node="n", cpu_milli=8_000, memory_mb=64_000, gpus=gpus)])
+    assert state.models[state.node_model[0]] == "A100"
