@@ -141,7 +141,11 @@ def test_fleet_keeps_the_reason_whole(tmp_path, capsys) -> None:
     a_list = tmp_path / "list.yaml"
     a_list.write_text("- 1\n")
     line = one_line_error(["fleet", "--spec", str(a_list)], capsys)
-    assert line.endswith("not a valid fleet: 'list' object has no attribute 'get'")  # its quotes unstripped
+    assert line.endswith("not a valid fleet: a fleet spec is a mapping (sites, links), got list")
+    no_shape = tmp_path / "no-shape.yaml"
+    no_shape.write_text("sites:\n  - name: x\n    groups:\n      - {prefix: n-, count: 1}\n")
+    line = one_line_error(["fleet", "--spec", str(no_shape)], capsys)
+    assert line.endswith("not a valid fleet: malformed fleet spec: missing 'shape'")  # its quotes unstripped
 
 
 def test_up_refuses_a_fleet_the_collector_would_simulate_empty(tmp_path, capsys) -> None:
