@@ -29,6 +29,7 @@ from fleetpilot.contracts import (
     OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
     ExecutorPresence,
+    GpuInfo,
     NodeTopology,
     TopologyReport,
     TopologyUpdated,
@@ -181,11 +182,26 @@ def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None)
     from a report: this service sets them from the node's silence. A collector that sends
     back what the bucket held (a read-modify-write of its own) re-sent ``unreachable`` after
     the node came back; stored again, it had the executor give up the tasks of a node
-    reporting on, and the next check lifted it again, at every report."""
-    kept = ({g.index: {k: v for k, v in g.labels.items() if k in OPERATIONAL_GPU_LABELS} for g in stored.gpus}
-            if stored is not None else {})
+    reporting on, and the next check lifted it again, at every report.
+
+    Labels follow the GPU, by its UUID where both reports name one, by index otherwise: a
+    node that lost a GPU (off the bus, pulled) is numbered 0 to n-1 again, and by index alone
+    the cordon of the GPU that was 3 went to the one that was 2 and its own was lost, while a
+    GPU gone left its driver pin and role on its neighbour."""
+    gpus_then = stored.gpus if stored is not None else []
+    by_uuid = {g.uuid: g for g in gpus_then if g.uuid}
+    by_index = {g.index: g for g in gpus_then}
+
+    def kept(gpu: GpuInfo) -> dict[str, str]:
+        then = by_uuid.get(gpu.uuid) if gpu.uuid else None
+        if then is None:
+            then = by_index.get(gpu.index)
+            if then is not None and gpu.uuid and then.uuid:
+                return {}  # another GPU than the one this index named before
+        return {k: v for k, v in then.labels.items() if k in OPERATIONAL_GPU_LABELS} if then is not None else {}
+
     gpus = [msgspec.structs.replace(g, labels={**{k: v for k, v in g.labels.items() if k not in NODE_CONDITION_LABELS},
-                                               **kept.get(g.index, {})})
+                                               **kept(g)})
             for g in reported.gpus]
     return reported if gpus == reported.gpus else msgspec.structs.replace(reported, gpus=gpus)
 
@@ -449,7 +465,8 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         stamps = []
         for node in nodes:
             subject = f"topology.report.{node.node}"
-            heard = sightings.no_earlier_than_seen(subject, await bus.last_stored_at(subject), now())
+            stamp = await bus.last_stored_at(subject)
+            heard = sightings.no_earlier_than_seen(subject, stamp, now())
             # How far back the stream goes stays the server's reading: it moves on as the stream
             # rolls, and each new first message seen anew would read as no time kept at all.
             kept_since = await bus.first_stored_at(subject) if heard is None else None
@@ -457,7 +474,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             executor_silent = executor_sightings.silent_for(
                 node.node, presence.revision if presence is not None and presence.value else None, now())
             trouble = executor_trouble(presence.value if presence is not None else None)
-            stamps.append((node, heard, kept_since, executor_silent, trouble))
+            stamps.append((node, stamp, heard, kept_since, executor_silent, trouble))
         sightings.keep_only({f"topology.report.{n.node}" for n in nodes})
         executor_sightings.keep_only({n.node for n in nodes})
         # The collectors' silences are judged once listened through ``not_ready_after_s``; an
@@ -468,9 +485,15 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         changed: list[str] = []
         written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
-        for node, heard, kept_since, executor_silent, trouble in stamps:
+        for node, stamp, heard, kept_since, executor_silent, trouble in stamps:
             condition = (node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
                          if judge_reports else None)
+            if (condition in (NOT_READY, UNREACHABLE) and labelled_condition(node) != condition
+                    and await bus.last_stored_at(f"topology.report.{node.node}") != stamp):
+                # It reported since its stamp was read (in a large fleet, seconds ago): its
+                # silence is over, and a mark written now would outlive the report that ended
+                # it until the next check (``unreachable``: its tasks given up meanwhile).
+                condition = READY
             # Reporting, but its executor has stopped saying it is there, or says it cannot
             # start anything there: no new work (its tasks run on; the next executor of the
             # node gives back what it cannot follow).

@@ -575,3 +575,100 @@ async def test_a_node_whose_executor_cannot_start_anything_takes_no_new_work_unt
         assert (await keep_reporting(msgspec.structs.replace(well, at=3.0), 15))[-5:] == [{""}] * 5
     finally:
         await host.stop()
+
+
+async def test_a_gpu_fallen_off_the_node_takes_its_labels_with_it_and_leaves_the_others_on_their_gpus(
+        nats_server, client):
+    """GPU 1 of four is gone (off the bus, pulled): the node comes back with three GPUs,
+    numbered 0 to 2 again, so the GPU that was 3 is now 2. Labels follow the GPU (its UUID),
+    not its number: the cordon set on the GPU that was 3 stays on it, and the driver pin of
+    the GPU that is gone lands on no other."""
+    from fleetpilot.contracts import GPU_LABEL_CORDONED
+
+    node = NODES[0]
+    before = msgspec.structs.replace(node, gpus=list(node.gpus[:4]), links=[])
+    assert len({g.uuid for g in before.gpus}) == 4 and all(g.uuid for g in before.gpus)
+    labelled = [dict(g.labels) for g in before.gpus]
+    labelled[1]["driver_pin"] = "535"
+    labelled[3][GPU_LABEL_CORDONED] = "true"
+    kv = await client.kv("topology")
+    await kv.put(node.node, msgspec.json.encode(msgspec.structs.replace(
+        before, gpus=[msgspec.structs.replace(g, labels=labels) for g, labels in zip(before.gpus, labelled, strict=True)])))
+    after = msgspec.structs.replace(before, gpus=[msgspec.structs.replace(g, index=i)
+                                                  for i, g in enumerate(g for g in before.gpus if g.index != 1)])
+    host = build(settings(nats_server.url))
+    await host.start()
+    try:
+        await client.publish(report(after, at=1.0))
+
+        async def three_gpus() -> NodeTopology | None:
+            stored = msgspec.json.decode((await kv.get(node.node)).value, type=NodeTopology)
+            return stored if len(stored.gpus) == 3 else None
+
+        stored = await wait_for(three_gpus, what="the node stored with three GPUs")
+    finally:
+        await host.stop()
+    by_uuid = {g.uuid: g.labels for g in stored.gpus}
+    assert by_uuid[before.gpus[3].uuid].get(GPU_LABEL_CORDONED) == "true"
+    assert [g.labels.get(GPU_LABEL_CORDONED) for g in stored.gpus] == [None, None, "true"]
+    assert not any("driver_pin" in g.labels for g in stored.gpus)
+
+
+async def test_a_node_that_reports_while_the_check_reads_the_fleet_is_not_marked_silent(
+        nats_server, client, monkeypatch):
+    """The check reads every node's last report first and writes the labels after: in a large
+    fleet, seconds apart. A node silent so far whose report lands between the two was marked
+    not ready (``unreachable`` at ``SILENT_AFTER_S``: its tasks given up) though it reported
+    before the mark was written."""
+    updates: list[TopologyUpdated] = []
+
+    async def on_update(msg) -> None:
+        updates.append(decode(msg.data, TopologyUpdated))
+
+    await client.subscribe("topology.updated", on_update)
+    clock = {"ahead": 0.0}
+    monkeypatch.setattr(topology_service, "now", lambda: time.time() + clock["ahead"])
+    node = NODES[0]
+    subject = f"topology.report.{node.node}"
+    bus = await NatsBus.connect(nats_server.url, "topology-racing")
+    last_stored_at, read, raced, reads_after = bus.last_stored_at, [], [], []
+
+    async def reported_meanwhile(on: str) -> float | None:
+        stamp = await last_stored_at(on)
+        if on == subject and stamp is not None and not clock["ahead"]:
+            read.append(stamp)
+        elif on == subject and clock["ahead"] and not raced:
+            # The node reports right after its stamp was read, before the check judges it.
+            raced.append(stamp)
+            await client.publish(report(node, at=100.0))
+            while await last_stored_at(on) == stamp:
+                await asyncio.sleep(0.01)
+        elif on == subject and raced:
+            reads_after.append(stamp)
+        return stamp
+
+    bus.last_stored_at = reported_meanwhile  # type: ignore[method-assign]
+    host = build(settings(nats_server.url, not_ready_after_s=1.0, silent_after_s=60, liveness_check_s=0.1))
+    await host.start(bus)
+    kv = await client.kv("topology")
+    try:
+        await client.publish(report(node, at=1.0))
+        await wait_for(lambda: updates and read, what="the node stored and its report seen by a check")
+        clock["ahead"] = 5.0  # five seconds on: the node has been silent past NOT_READY_AFTER_S
+
+        async def keep_reporting() -> None:
+            for i in range(200):
+                await asyncio.sleep(0.2)
+                await client.publish(report(node, at=200.0 + i))
+
+        reporting = asyncio.create_task(keep_reporting())
+        try:
+            await wait_for(lambda: len(reads_after) >= 5, timeout_s=10, what="checks after the race")
+        finally:
+            reporting.cancel()
+        labels = await condition_labels(kv, node)
+    finally:
+        await host.stop()
+    assert raced
+    assert [u.nodes for u in updates] == [[node.node]], updates  # its first store, no mark and no lifting
+    assert labels == {""}
