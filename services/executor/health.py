@@ -230,9 +230,11 @@ class GpuHealth(ExecutorReplica):
         out: list[Event] = []
         for key, topo in list(labels.nodes.items()):
             held = ledger.nodes.get(key)
-            if not held or not held.allocations or not topo.gpus:
+            if not held or not held.allocations:
                 continue
-            if not all(g.labels.get(UNREACHABLE) == "true" for g in topo.gpus):
+            # On the node itself (a node without GPUs has nowhere else), or on all its GPUs.
+            if not (topo.labels.get(UNREACHABLE) == "true"
+                    or (topo.gpus and all(g.labels.get(UNREACHABLE) == "true" for g in topo.gpus))):
                 continue
             if not await locks.acquire(f"unreachable.{key}", self.settings.replica, ttl_s=600.0):
                 continue

@@ -203,7 +203,13 @@ def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None)
     gpus = [msgspec.structs.replace(g, labels={**{k: v for k, v in g.labels.items() if k not in NODE_CONDITION_LABELS},
                                                **kept(g)})
             for g in reported.gpus]
-    return reported if gpus == reported.gpus else msgspec.structs.replace(reported, gpus=gpus)
+    # The node's own labels carry its condition too (a node without GPUs has nowhere else),
+    # from ``stored`` alone as on the GPUs.
+    labels = {**{k: v for k, v in reported.labels.items() if k not in NODE_CONDITION_LABELS},
+              **({k: v for k, v in stored.labels.items() if k in NODE_CONDITION_LABELS} if stored is not None else {})}
+    if gpus == reported.gpus and labels == reported.labels:
+        return reported
+    return msgspec.structs.replace(reported, gpus=gpus, labels=labels)
 
 
 class StoredNode(NamedTuple):
@@ -351,15 +357,17 @@ class ExecutorSightings:
 
 
 def labelled_condition(node: NodeTopology) -> str:
-    """The condition a node's GPU labels say it is in (``READY`` without either label)."""
+    """The condition a node's labels say it is in (``READY`` without either label): its own,
+    or every GPU's (a node stored before the node carried it)."""
     for condition in (UNREACHABLE, NOT_READY):
-        if node.gpus and all(g.labels.get(condition) == "true" for g in node.gpus):
+        if node.labels.get(condition) == "true" or (node.gpus and all(g.labels.get(condition) == "true"
+                                                                       for g in node.gpus)):
             return condition
     return READY
 
 
 def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
-    """``node`` with its condition's label on every GPU (none when ``READY``).
+    """``node`` with its condition's label on the node and every GPU (none when ``READY``).
 
     ``NOT_READY`` never lifts ``unreachable``: the executor has given that node's tasks up,
     and only a report of its own brings it back. A verdict of ``NOT_READY`` on a node already
@@ -373,7 +381,10 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
         if condition != READY:
             labels[condition] = "true"
         gpus.append(msgspec.structs.replace(gpu, labels=labels))
-    return msgspec.structs.replace(node, gpus=gpus)
+    own = {k: v for k, v in node.labels.items() if k not in NODE_CONDITION_LABELS}
+    if condition != READY:
+        own[condition] = "true"
+    return msgspec.structs.replace(node, gpus=gpus, labels=own)
 
 
 async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> int | None:

@@ -143,11 +143,13 @@ def gpu_conditions(nodes: Iterable[NodeTopology]) -> tuple[list[tuple[str, int]]
 
 
 def nodes_out_of_service(nodes: Iterable[NodeTopology]) -> list[str]:
-    """The nodes out of service as a whole: the topology service labels every GPU of a node
-    ``not_ready`` (its collector silent, its executor down) or ``unreachable``. They take no
-    task at all, one that asks no GPU included (``ClusterState.node_ready``)."""
+    """The nodes out of service as a whole: the topology service labels a node, and every GPU
+    of it, ``not_ready`` (its collector silent, its executor down) or ``unreachable``. They
+    take no task at all, one that asks no GPU included (``ClusterState.node_ready``); a node
+    without GPUs carries the label on itself only."""
     return [topo.node for topo in nodes
-            if any(is_set(gpu.labels, label) for gpu in topo.gpus for label in (NOT_READY, UNREACHABLE))]
+            if any(is_set(labels, label) for labels in (topo.labels, *(gpu.labels for gpu in topo.gpus))
+                   for label in (NOT_READY, UNREACHABLE))]
 
 
 def running_tasks(ledgers: Iterable[NodeLedger]) -> list[Running]:

@@ -38,6 +38,25 @@ def unreachable(node: str, gpus: int = 2):
         msgspec.structs.replace(g, labels={**g.labels, "unreachable": "true"}) for g in topo.gpus])
 
 
+async def test_the_tasks_of_an_unreachable_node_without_gpus_are_given_up(observer, sim_fleet, nats_url, tmp_path):
+    """A CPU node's condition is on the node itself (it has no GPU to carry it): its tasks
+    were never given up, however long it was silent."""
+    cpu_node = msgspec.structs.replace(node_topology("c1", gpus=0), labels={"unreachable": "true"})
+    await observer.kv_put("topology", "c1", encode(cpu_node))
+    await observer.kv_put("ledger", "c1", encode(NodeLedger(node="c1", allocations=[
+        Allocation(task_id="c", decision_id="c.assign", gpu=-1, milli=0, memory_mb=0, cpu_milli=1000,
+                   state="confirmed")])))
+    host = build(settings(nats_url, tmp_path, "a", silent_check_s=0.2))
+    await host.start()
+    try:
+        life = await observer.wait_stored("task.lifecycle.>", TaskLifecycle, 1)
+        ledger = await observer.ledger("c1")
+    finally:
+        await host.stop()
+    assert [(e.task_id, e.state, e.node) for e in life] == [("c", "evicted", "c1")]
+    assert ledger.allocations == []
+
+
 def confirmed(task_id: str, decision_id: str, gpu: int) -> Allocation:
     return Allocation(task_id=task_id, decision_id=decision_id, gpu=gpu, milli=1000, memory_mb=1000,
                       state="confirmed")

@@ -63,6 +63,9 @@ def test_no_new_work_goes_to_a_gpu_of_a_silent_node(tmp_path, condition) -> None
     # Nor a task that asks no GPU: nobody there would start it. A node whose GPUs are only
     # cordoned (running hot) still takes one.
     assert view.node_ready.tolist() == [True, False, True]
+    # A node without GPUs carries its condition on itself.
+    ps.fleet._apply("c0", encode(msgspec.structs.replace(node("c0"), gpus=[], labels={condition: "true"})))
+    assert ps.snapshot().node_ready.tolist() == [True, False, True, False]
 
 
 def test_the_fleet_without_some_tasks_redoes_only_their_rows_and_equals_a_build(tmp_path) -> None:

@@ -672,3 +672,39 @@ async def test_a_node_that_reports_while_the_check_reads_the_fleet_is_not_marked
     assert raced
     assert [u.nodes for u in updates] == [[node.node]], updates  # its first store, no mark and no lifting
     assert labels == {""}
+
+
+async def test_a_node_without_gpus_that_goes_silent_is_marked_on_the_node_and_back_when_it_reports(
+    nats_server, client
+):
+    """A node's condition was written on its GPUs only: a CPU node (openb has them) could
+    never be marked, and CPU work went on going to it while silent. The condition is on the
+    node's own labels too, and a report never carries it in."""
+    cpu_node = NodeTopology(node="cpu-00", cpu_milli=64_000, memory_mb=256_000, labels={"pool": "cpu"})
+    host = build(settings(nats_server.url, not_ready_after_s=0.3, silent_after_s=60, liveness_check_s=0.1))
+    await host.start()
+    kv = await client.kv("topology")
+
+    async def node_labels() -> dict[str, str]:
+        entry = await kv.get(cpu_node.node)
+        return msgspec.json.decode(entry.value, type=NodeTopology).labels if entry is not None else {}
+
+    try:
+        await client.publish(report(cpu_node, 1.0))
+        await wait_for(lambda: kv.get(cpu_node.node), timeout_s=5, what="the node stored")
+
+        async def marked() -> bool:
+            return (await node_labels()).get("not_ready") == "true"
+
+        await wait_for(marked, timeout_s=5, what="the silent CPU node marked not ready")
+        assert nodes_gauge(host)["not_ready"] == 1
+        # A collector sending back what the bucket held does not keep the mark on.
+        echoed = msgspec.structs.replace(cpu_node, labels={"pool": "cpu", "not_ready": "true", "unreachable": "true"})
+        await client.publish(report(echoed, 2.0))
+
+        async def back() -> bool:
+            return await node_labels() == {"pool": "cpu"}
+
+        await wait_for(back, timeout_s=5, what="the mark lifted once it reports")
+    finally:
+        await host.stop()
