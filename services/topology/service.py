@@ -338,22 +338,32 @@ class ExecutorSightings:
     def __init__(self) -> None:
         """No key seen yet."""
         self._seen: dict[str, tuple[int, float]] = {}
+        self._changed: set[str] = set()  # keys seen to change since this replica first read them
 
     def silent_for(self, node: str, revision: int | None, now: float) -> float | None:
         """How long ``node``'s key has held ``revision`` as this replica saw it; ``None`` when
         the node has no key (no executor of its own ever said it was there)."""
         if revision is None:
             self._seen.pop(node, None)
+            self._changed.discard(node)
             return None
         kept = self._seen.get(node)
         if kept is None or kept[0] != revision:
+            if kept is not None:
+                self._changed.add(node)
             kept = self._seen[node] = (revision, now)
         return now - kept[1]
+
+    def heard_change(self, node: str) -> bool:
+        """Whether ``node``'s key has changed since this replica first read it: its executor
+        is known to be there, whatever this replica has listened through."""
+        return node in self._changed
 
     def keep_only(self, nodes: set[str]) -> None:
         """Forget the nodes no longer in the fleet."""
         for gone in self._seen.keys() - nodes:
             del self._seen[gone]
+        self._changed &= nodes
 
 
 def labelled_condition(node: NodeTopology) -> str:
@@ -511,6 +521,14 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             executor_gone = executor_silent is not None and executor_silent > settings.executor_silent_after_s
             if (executor_gone or trouble) and condition in (READY, None):
                 condition = NOT_READY
+            if (condition == READY and executor_silent is not None and not executor_sightings.heard_change(node.node)
+                    and labelled_condition(node) != READY):
+                # Whether its executor is there cannot be told yet: its key has not changed
+                # since this replica first read it, and not for longer than its limit. A label
+                # set for its silence (by another replica, or a run before this one) stays
+                # until the key changes or the silence is told; lifted, it was set again a
+                # moment later.
+                condition = None
             if condition is None:
                 counts[labelled_condition(node)] += 1
                 continue  # the stream does not go back far enough to tell

@@ -708,3 +708,28 @@ async def test_a_node_without_gpus_that_goes_silent_is_marked_on_the_node_and_ba
         await wait_for(back, timeout_s=5, what="the mark lifted once it reports")
     finally:
         await host.stop()
+
+
+async def test_a_replica_does_not_lift_an_executor_s_silence_before_it_can_judge_it(nats_server, client):
+    """With the executor's limit set above the collector's, a replica started fresh judged
+    the reports first and lifted the `not_ready` another replica had set for a silent
+    executor, to set it again once it had listened long enough itself."""
+    from fleetpilot.contracts import ExecutorPresence, encode
+
+    node = NODES[0]
+    kv, executors = await client.kv("topology"), await client.kv("executors")
+    labelled = topology_service.with_condition(node, "not_ready")
+    await kv.put(node.node, encode(labelled))  # as the replica before this one left it
+    await executors.put(node.node, encode(ExecutorPresence(node=node.node, replica="executor-0", at=1.0)))
+    host = build(settings(nats_server.url, not_ready_after_s=0.3, silent_after_s=60, liveness_check_s=0.1,
+                          executor_silent_after_s=1.2))
+    await host.start()
+    seen = []
+    try:
+        for i in range(20):  # the collector reports on; the executor's key never changes
+            await client.publish(report(node, 10.0 + i))
+            await asyncio.sleep(0.1)
+            seen.append(await condition_labels(kv, node))
+    finally:
+        await host.stop()
+    assert seen == [{"not_ready"}] * len(seen), seen
