@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from fleetpilot.contracts import Event, GpuSample, NodeTelemetry, TaskLifecycle
+from fleetpilot.contracts import Event, GpuSample, NodeTelemetry, TaskLifecycle, marked_condition
 from fleetpilot.executor import BackendError, Command, Cordon
 from fleetpilot.ledger.store import node_key
 from fleetpilot.maintenance import HealthModel
@@ -232,9 +232,7 @@ class GpuHealth(ExecutorReplica):
             held = ledger.nodes.get(key)
             if not held or not held.allocations:
                 continue
-            # On the node itself (a node without GPUs has nowhere else), or on all its GPUs.
-            if not (topo.labels.get(UNREACHABLE) == "true"
-                    or (topo.gpus and all(g.labels.get(UNREACHABLE) == "true" for g in topo.gpus))):
+            if marked_condition(topo) != UNREACHABLE:
                 continue
             if not await locks.acquire(f"unreachable.{key}", self.settings.replica, ttl_s=600.0):
                 continue

@@ -34,6 +34,7 @@ from fleetpilot.contracts import (
     TopologyReport,
     TopologyUpdated,
     encode,
+    marked_condition,
     now,
     subject_for,
 )
@@ -367,13 +368,8 @@ class ExecutorSightings:
 
 
 def labelled_condition(node: NodeTopology) -> str:
-    """The condition a node's labels say it is in (``READY`` without either label): its own,
-    or every GPU's (a node stored before the node carried it)."""
-    for condition in (UNREACHABLE, NOT_READY):
-        if node.labels.get(condition) == "true" or (node.gpus and all(g.labels.get(condition) == "true"
-                                                                       for g in node.gpus)):
-            return condition
-    return READY
+    """The condition a node's labels say it is in (``READY`` without either label)."""
+    return marked_condition(node) or READY
 
 
 def with_condition(node: NodeTopology, condition: str) -> NodeTopology:

@@ -76,6 +76,7 @@ from .topology import (
     as_node_name,
     gpu_rules,
     in_service,
+    marked_condition,
 )
 
 # Routed events first, then the answers of request/reply endpoints; a type that is both
@@ -171,6 +172,7 @@ __all__ = [
     "TopologyUpdated",
     "as_node_name",
     "gpu_rules",
+    "marked_condition",
     "in_service",
     "decode",
     "decoder_for",

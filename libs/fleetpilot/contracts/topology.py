@@ -193,6 +193,17 @@ class GpuRules(msgspec.Struct, frozen=True, kw_only=True):
         return None
 
 
+def marked_condition(node: NodeTopology) -> str:
+    """The condition the topology service marked ``node`` with: ``unreachable``,
+    ``not_ready``, or ``""`` when in service. Read from the node's own labels (a node without
+    GPUs has nowhere else), or from every GPU's (a node stored before the node carried it)."""
+    for condition in (GPU_LABEL_UNREACHABLE, GPU_LABEL_NOT_READY):
+        if node.labels.get(condition) == "true" or (node.gpus and all(g.labels.get(condition) == "true"
+                                                                       for g in node.gpus)):
+            return condition
+    return ""
+
+
 def gpu_rules(labels: dict[str, str]) -> GpuRules:
     """The rules of a GPU from its topology labels (see the label names above)."""
     kinds = tuple(sorted(k.strip() for k in labels.get(GPU_LABEL_TASK_KINDS, "").split(",") if k.strip()))

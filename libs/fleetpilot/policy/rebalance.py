@@ -57,6 +57,7 @@ from fleetpilot.contracts import (
     NodeLedger,
     NodeTopology,
     Placement,
+    marked_condition,
 )
 from fleetpilot.fingerprint import envelope_at
 from fleetpilot.ledger import free_capacity
@@ -147,9 +148,7 @@ def nodes_out_of_service(nodes: Iterable[NodeTopology]) -> list[str]:
     of it, ``not_ready`` (its collector silent, its executor down) or ``unreachable``. They
     take no task at all, one that asks no GPU included (``ClusterState.node_ready``); a node
     without GPUs carries the label on itself only."""
-    return [topo.node for topo in nodes
-            if any(is_set(labels, label) for labels in (topo.labels, *(gpu.labels for gpu in topo.gpus))
-                   for label in (NOT_READY, UNREACHABLE))]
+    return [topo.node for topo in nodes if marked_condition(topo)]
 
 
 def running_tasks(ledgers: Iterable[NodeLedger]) -> list[Running]:
