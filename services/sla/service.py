@@ -376,6 +376,11 @@ class Negotiator:
                 self.store.open_offers.pop(task_id, None)
                 continue
             record, revision = found
+            if now <= record.offer.valid_until:
+                # The view lags: the bucket holds a newer offer (a resubmission answered by
+                # another replica), still valid. Closing it would expire a live offer.
+                self.store.open_offers[task_id] = record
+                continue
             task = record.task
             outcome = _rejected(task.task_id, task.tenant, "offer_expired", "no answer before the offer expired", now)
             try:

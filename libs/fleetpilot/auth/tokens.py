@@ -100,6 +100,24 @@ def _numeric_date(value: Any) -> float | None:
     return _finite_number(value)
 
 
+def _alg_of_key_type(jwk: dict[str, Any]) -> str | None:
+    """The one supported algorithm a JWK without ``alg`` can be for, from its key type.
+
+    ``alg`` is optional in a JWK (RFC 7517 section 4.4) and identity providers often leave it
+    out; each key type here has a single supported algorithm, so the key's own algorithm is
+    still fixed, and the header must name exactly that one (no HS/RS confusion)."""
+    kty, crv = jwk.get("kty"), jwk.get("crv")
+    if kty == "RSA":
+        return "RS256"
+    if kty == "EC" and crv == "P-256":
+        return "ES256"
+    if kty == "OKP" and crv in ("Ed25519", "Ed448"):
+        return "EdDSA"
+    if kty == "oct":
+        return "HS256"
+    return None
+
+
 class TokenVerifier:
     """Verifies tokens against a JWKS for one audience and issuer with the allowed algorithms."""
 
@@ -130,7 +148,9 @@ class TokenVerifier:
     def update_jwks(self, jwks: dict[str, Any]) -> None:
         """Replace the key set (after the issuer rotated).
 
-        Keys of other algorithms are ignored, and so is a key this verifier cannot use (a
+        A key without ``alg`` is for the one supported algorithm of its type (RSA: RS256,
+        P-256: ES256, Ed25519/Ed448: EdDSA, oct: HS256). Keys of other algorithms are ignored,
+        and so are keys marked ``"use": "enc"`` and any key this verifier cannot use (a
         member missing, an unsupported curve, a ``valid_until`` that is no number), as RFC
         7517 section 5 asks: the set's other keys still verify, and a token signed by the
         unusable key is refused as ``unknown_kid``. A document that is no key set at all
@@ -143,9 +163,11 @@ class TokenVerifier:
         for jwk in entries:
             if not isinstance(jwk, dict):
                 continue
-            alg, kid = jwk.get("alg"), jwk.get("kid")
+            alg, kid = jwk.get("alg", _alg_of_key_type(jwk)), jwk.get("kid")
             if not isinstance(kid, str) or not kid or alg not in self.algorithms:
                 continue
+            if jwk.get("use", "sig") != "sig":
+                continue  # an encryption key (RFC 7517 section 4.2) verifies no signature
             member = {k: v for k, v in jwk.items() if k != "valid_until"}
             try:
                 key = jwt.PyJWK(member, alg).key

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 from fleetpilot.contracts import Contract, Fingerprint, OfferOption, RejectCode, TaskSubmitted
 from fleetpilot.contracts.catalog import task_id_problem
 
@@ -296,7 +298,9 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     need_mb = max(task.gpu_memory_mb, fingerprint.predicted_peak_mb if fingerprint is not None else 0.0)
     pools = [p for p in fleet.pools if p.memory_mb_per_gpu >= need_mb]
     if not pools:
-        return Reject("infeasible", f"no GPU model has {need_mb:.0f} MB per GPU", task.task_id)
+        # A fleet of CPU nodes only has no pool at all: "no GPU model has 0 MB" said nothing.
+        why = f"no GPU model has {need_mb:.0f} MB per GPU" if fleet.pools else "the fleet has no GPUs"
+        return Reject("infeasible", why, task.task_id)
     # A task's GPUs are all on one node: admitted where no node has that many, it would be
     # queued for ever, every pool's free GPUs summed across nodes looking like room.
     pools = [p for p in pools if p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus]
@@ -314,13 +318,17 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
             best = min(preempting, key=lambda e: (e.cost_per_hour, e.warmup_ms))
             return Admit(admit_contract(task, best, now), may_preempt=True)
     if not estimates:
-        if sla.deadline is not None:
+        # The deadline is named only when it is what ruled every pool out: a fleet that never
+        # frees a GPU was reported as a deadline missed, however far the deadline was.
+        undated = msgspec.structs.replace(task, sla=msgspec.structs.replace(sla, deadline=None))
+        if not any(_queue_s(p, task, sla.tier) < math.inf for p in pools):
+            why = "no pool will free enough GPUs for this task"
+        elif sla.deadline is not None and any(_estimate(undated, p, fleet, fingerprint, now, preempt=False)
+                                              for p in pools):
             why = "the deadline cannot be met on any pool"
-        elif any(_queue_s(p, task, sla.tier) < math.inf for p in pools):
+        else:
             why = ("no pool gives a finite warm-up or p95 estimate for this task "
                    "(its size or p95_ref_ms is too large)")
-        else:
-            why = "no pool will free enough GPUs for this task"
         return Reject("infeasible", why, task.task_id)
     chosen = _pick_options(estimates, policy.max_options)
     options = [_option(e, task, now, f"o{i + 1}") for i, e in enumerate(chosen)]

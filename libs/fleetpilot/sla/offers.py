@@ -53,7 +53,7 @@ class OfferBook:
         """``clock`` gives the current time in seconds (injectable for tests and replay)."""
         self._clock = clock
         self._open: dict[str, _Open] = {}
-        self._closed: dict[str, Admit | Reject] = {}
+        self._closed: dict[str, tuple[str, Admit | Reject]] = {}  # offer id -> (its task, outcome)
         self._count = 0
 
     def open(self, task: TaskSubmitted, counter: CounterOffer, tenant: str = "") -> SlaOffer:
@@ -84,22 +84,23 @@ class OfferBook:
         about another task, gives ``invalid``. Accepting an option the offer does not list
         raises ``ValueError`` and leaves the offer open for a correct answer.
         """
-        if reply.offer_id in self._closed:
-            return self._closed[reply.offer_id]
+        closed = self._closed.get(reply.offer_id)
+        if closed is not None and closed[0] == reply.task_id:
+            return closed[1]
         entry = self._open.get(reply.offer_id)
         if entry is None or entry.offer.task_id != reply.task_id:
             return Reject("invalid", f"no open offer {reply.offer_id!r} for task {reply.task_id!r}", reply.task_id)
         offer = entry.offer
         if self._clock() > offer.valid_until:
-            return self._close(offer.offer_id, Reject("offer_expired", "the offer expired before the answer came",
-                                                      offer.task_id))
+            return self._close(offer, Reject("offer_expired", "the offer expired before the answer came",
+                                             offer.task_id))
         if not reply.accept:
-            return self._close(offer.offer_id, Reject("offer_declined", "the client declined every option",
-                                                      offer.task_id))
+            return self._close(offer, Reject("offer_declined", "the client declined every option",
+                                             offer.task_id))
         option = next((o for o in offer.options if o.option_id == reply.option_id), None)
         if option is None:
             raise ValueError(f"offer {offer.offer_id} has no option {reply.option_id!r}")
-        return self._close(offer.offer_id, Admit(contract_for(entry.task, option, offer.offer_id)))
+        return self._close(offer, Admit(contract_for(entry.task, option, offer.offer_id)))
 
     def expire(self) -> list[Reject]:
         """Close every offer past its ``valid_until`` with ``offer_expired``; the rejections to publish."""
@@ -107,10 +108,11 @@ class OfferBook:
         due = [entry.offer for entry in self._open.values() if now > entry.offer.valid_until]
         rejects = [Reject("offer_expired", "no answer before the offer expired", o.task_id) for o in due]
         for offer, reject in zip(due, rejects, strict=True):
-            self._close(offer.offer_id, reject)
+            self._close(offer, reject)
         return rejects
 
-    def _close(self, offer_id: str, outcome: Admit | Reject) -> Admit | Reject:
-        self._open.pop(offer_id, None)
-        self._closed[offer_id] = outcome
+    def _close(self, offer: SlaOffer, outcome: Admit | Reject) -> Admit | Reject:
+        self._open.pop(offer.offer_id, None)
+        # Kept with its task: a reply naming another task must not be given this outcome.
+        self._closed[offer.offer_id] = (offer.task_id, outcome)
         return outcome

@@ -252,3 +252,28 @@ async def test_a_submission_of_a_task_whose_offer_was_accepted_gets_that_admissi
     assert answers == [accepted]
     record = decode_record(await kv.get(offer_key("acc")))
     assert record.state == "accepted" and record.outcome == accepted
+
+
+async def test_the_expiry_job_leaves_a_newer_offer_open_when_its_view_still_holds_the_old_one():
+    # The expiry job finds offers past their validity in the watched view, then closes what
+    # the bucket holds. A view lagging behind another replica (which expired the old offer and
+    # opened one for a resubmission) made it close the new offer at once, before its validity:
+    # the client's acceptance a moment later was answered offer_expired.
+    from fleetpilot.ledger import FleetView as TopologyView
+    from fleetpilot.ledger import LedgerStore
+    from fleetpilot.runtime import InMemoryBus
+    from fleetpilot_services.sla.service import Negotiator
+    from fleetpilot_services.sla.store import ContractStore
+
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    store = ContractStore(await bus.kv("contracts"), await bus.kv("rejections"))  # not watching: a lagging view
+    negotiator = Negotiator(bus, SlaSettings(nats_url="unused", metrics_port=-1), lambda: T0 + 31,
+                            await TopologyView.open(bus), await LedgerStore.open(bus), store)
+    newer = OfferRecord(offer=msgspec.structs.replace(OFFER, offer_id="t1/y", at=T0 + 20, valid_until=T0 + 50),
+                        task=TASK)
+    await (await bus.kv("contracts")).put(offer_key("t1"), encode(newer))
+    store.open_offers["t1"] = RECORD  # the old offer, past its validity at T0 + 31
+    assert await negotiator.expire() == []
+    stored = decode_record(await (await bus.kv("contracts")).get(offer_key("t1")))
+    assert stored.state == "open" and stored.offer.offer_id == "t1/y"

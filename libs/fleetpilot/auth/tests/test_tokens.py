@@ -303,3 +303,37 @@ def test_mint_refuses_a_tenant_that_is_no_string(tenant):
     # mint_token checked only `not tenant`: a list was minted, and verified as the subject.
     with pytest.raises(ValueError, match="tenant must be a non-empty string"):
         mint_token(KeyRing(clock=lambda: T0), tenant, AUD, ISS, ttl_s=600, subject="alice")
+
+
+@pytest.mark.parametrize("alg", ["EdDSA", "ES256", "RS256", "HS256"])
+def test_a_key_set_whose_keys_name_no_alg_still_verifies(alg):
+    # "alg" is optional in a JWK (RFC 7517 section 4.4) and identity providers often leave it
+    # out: every such key was skipped, and every token refused as unknown_kid. The algorithm
+    # follows from the key type here (one supported algorithm per type); the header must still
+    # name that one (no HS/RS confusion).
+    _, ring, verifier, token = _setup(alg)
+    verifier.update_jwks({"keys": [{k: v for k, v in jwk.items() if k != "alg"}
+                                   for jwk in ring.public_jwks()["keys"]]})
+    assert verifier.verify(token).tenant == "acme"
+
+
+def test_a_key_meant_for_encryption_verifies_no_signature():
+    # RFC 7517 section 4.2: a key published with "use": "enc" is not a signing key.
+    _, ring, verifier, token = _setup()
+    verifier.update_jwks({"keys": [{**jwk, "use": "enc"} for jwk in ring.public_jwks()["keys"]]})
+    with pytest.raises(AuthError) as err:
+        verifier.verify(token)
+    assert err.value.reason == "unknown_kid", str(err.value)
+
+
+def test_a_key_set_without_alg_gives_no_hmac_confusion():
+    # An RSA key without "alg" is an RS256 key: a token saying HS256 with the public key as
+    # the secret is refused, with HS256 allowed too.
+    clock = FakeClock()
+    ring = KeyRing("RS256", clock=clock)
+    ring.signing_key()
+    jwks = {"keys": [{k: v for k, v in jwk.items() if k != "alg"} for jwk in ring.public_jwks()["keys"]]}
+    verifier = TokenVerifier(jwks, audience=AUD, issuer=ISS, algorithms=["RS256", "HS256"], clock=clock)
+    with pytest.raises(AuthError) as err:
+        verifier.verify(_hs256_with_public_key(mint_token(ring, "acme", AUD, ISS, ttl_s=600), ring))
+    assert err.value.reason == "alg_not_allowed", str(err.value)

@@ -203,3 +203,19 @@ def test_a_pool_whose_estimate_overflows_is_left_out_of_the_offer():
     assert "V100" not in {o.gpu_model for o in decision.options}
     encode(SlaOffer(offer_id="t1/x", task_id="t1", tenant="acme", asked=submitted.sla,
                     options=decision.options, reason=decision.reason, valid_until=decision.valid_until, at=NOW))
+
+
+FULL = GpuPool(site="eu-1", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=0)
+
+
+@pytest.mark.parametrize(("pools", "sla", "says", "not_says"), [
+    # Every GPU busy with work of unknown duration: the deadline a day away was blamed.
+    ((FULL,), {"deadline": NOW + 86_400}, "free enough GPUs", "deadline"),
+    # No GPU in the fleet at all (only CPU nodes reported): "no GPU model has 0 MB per GPU".
+    ((), {}, "no GPUs", "0 MB"),
+    ((), {"deadline": NOW + 86_400}, "no GPUs", "0 MB"),
+])
+def test_an_infeasible_task_is_told_the_reason_that_applies(pools, sla, says, not_says):
+    decision = negotiate(task(kind="train", sla=sla), FleetView(pools=pools), now=NOW)
+    assert isinstance(decision, Reject) and decision.code == "infeasible"
+    assert says in decision.reason and not_says not in decision.reason, decision.reason

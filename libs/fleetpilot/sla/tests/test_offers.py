@@ -107,3 +107,14 @@ def test_offer_and_admission_survive_the_wire():
     out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o2"))
     admitted = TaskAdmitted(task=TASK, contract=out.contract, tenant="acme", admitted_at=T0)
     assert decode(encode(admitted), TaskAdmitted) == admitted
+
+
+def test_a_reply_naming_another_task_gets_nothing_of_a_closed_offer():
+    """A closed offer answered a reply that named another task with its own outcome: the
+    accepted offer's contract came back as that other task's admission."""
+    _, book, offer = _open()
+    accepted = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id="o1"))
+    assert isinstance(accepted, Admit)
+    out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="other-task", accept=False))
+    assert isinstance(out, Reject) and out.code == "invalid" and out.task_id == "other-task"
+    assert book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=False)) == accepted
