@@ -127,7 +127,8 @@ class ExecutorReplica:
             take_over = BusTakeOver(bus, settings.checkpoint_s) if settings.node else None
             registry = Path(settings.state_dir) / f"executor-processes-{settings.node or settings.replica}.json"
             self.backend = ProcessBackend(node=settings.node, log_dir=log_dir, take_over=take_over,
-                                          registry=registry, checkpoint_s=settings.checkpoint_s)
+                                          registry=registry, checkpoint_s=settings.checkpoint_s,
+                                          log_max_bytes=int(settings.process_log_max_mb * 1024 * 1024))
             if settings.node:
                 await self.reclaim_left_behind(bus)
 

@@ -36,6 +36,9 @@ class ExecutorSettings(ServiceSettings):
     checkpoint_s: float = Field(default=30.0, ge=0.0, allow_inf_nan=False)
     default_duration_s: float = Field(default=120.0, gt=0.0, allow_inf_nan=False)
     process_log_dir: str = ""
+    # A task's stdout log past this size is cut, its latest part kept beside it (``<log>.1``):
+    # a task that prints for days filled the node's disk. 0: no cap.
+    process_log_max_mb: float = Field(default=256.0, ge=0.0, allow_inf_nan=False)
     decommission_threshold_c: float = Field(default=85.0, allow_inf_nan=False)
     decommission_hot_for_s: float = Field(default=300.0, ge=0.0, allow_inf_nan=False)
     decommission_drain_s: float = Field(default=1800.0, allow_inf_nan=False)

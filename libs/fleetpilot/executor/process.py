@@ -2,8 +2,13 @@
 
 - **GPUs**: the child sees only its GPUs (``CUDA_VISIBLE_DEVICES``); a fractional share
   (``milli < 1000``) is passed as ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for MPS to enforce.
+- **Environment**: the node's, without the executor's own settings (``FLEETPILOT_*``,
+  ``OTEL_*``), then
+  ``FLEETPILOT_TASK_ID``, ``FLEETPILOT_RUN_ID`` (this run's) and what the decision gives.
 - **Evict** (``stop``): SIGTERM to the task's process group, SIGKILL after ``grace_s`` (to
-  what is left of the group even when the task's own process exited within the grace).
+  what is left of the group even when the task's own process exited within the grace); the
+  run's processes that left the group (``setsid``) are found by ``FLEETPILOT_RUN_ID`` in
+  their environment and signalled with it.
 - **End**: a task ends when its process exits; what it left running in its process group
   is killed then (it would hold the GPUs given back), whether or not it holds the task's
   stderr, and a child that keeps its stderr open does not keep it "running". A stop or a
@@ -28,6 +33,7 @@
   the host address space stands in for it, so a leaking task fails as an OOM would. It is
   off by default because CUDA reserves far more virtual address space than it uses.
 - **Samples**: :meth:`ProcessBackend.samples` reads each task's RSS from ``/proc``.
+- **Logs**: stdout to ``log_dir/<task>.out``, cut past ``log_max_bytes`` (``cap_logs``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import json
 import logging
 import os
 import resource
+import secrets
+import shutil
 import signal
 import sys
 import time
@@ -86,8 +94,16 @@ NODE_FAULT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.E
 # trouble (``node_trouble``), and the executor takes it out of service until a trial start
 # works again: each decision sent there would fail the same way.
 TROUBLE_AFTER_FAILURES = 3
+# The executor's own settings, kept from a task's environment (``child_env``): its own
+# (``FLEETPILOT_*``) and its tracing exporter's (``OTEL_*``: its service name, and headers
+# that may carry the collector's credentials).
+EXECUTOR_ENV_PREFIXES = ("FLEETPILOT_", "OTEL_")
 # The longest file name most file systems take (NAME_MAX), in bytes.
 LOG_NAME_MAX_BYTES = 255
+# A task's log past this many bytes is cut (``cap_logs``), its latest part kept beside it.
+LOG_MAX_BYTES = 256 * 1024 * 1024
+# The name of that part: the log's with this after it (a log's name leaves room for it).
+LOG_KEPT_SUFFIX = ".1"
 
 # The cap is the soft limit; the hard one is left as it was, for ``resize`` to raise the cap
 # (raising a hard limit takes ``CAP_SYS_RESOURCE``, which an executor run as a user lacks).
@@ -143,9 +159,14 @@ def child_env(
     placement: Sequence[Placement],
     *,
     restore: bool,
+    run: str = "",
 ) -> dict[str, str]:
-    """The environment a task's process gets (pure, so it can be tested without processes)."""
-    full = dict(base)
+    """The environment a task's process gets (pure, so it can be tested without processes):
+    the node's (``base``) without the executor's own settings, then what the task was given."""
+    # A task is user code: the executor's settings (``FLEETPILOT_*``) include the NATS URL with
+    # its credentials, which let a task write the ledger or publish decisions. The variables
+    # the executor means a task to have are set below or come with ``env``.
+    full = {k: v for k, v in base.items() if not k.startswith(EXECUTOR_ENV_PREFIXES)}
     full.update(env)
     gpus = gpus_of(placement)
     full["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
@@ -155,6 +176,8 @@ def child_env(
         full["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, max(shares) // 10))
     if restore:
         full["FLEETPILOT_RESTORE"] = "1"
+    if run:
+        full["FLEETPILOT_RUN_ID"] = run
     return full
 
 
@@ -174,6 +197,16 @@ class _Task:
         self.watcher: asyncio.Task[None] | None = None
         # An eviction reached it: a move under way must not start it again.
         self.evicted = False
+        # This run's id (``FLEETPILOT_RUN_ID``, each start, restart or move its own) and when
+        # its process was started (clock ticks since boot, taken just before): a process that
+        # carries the id in its environment and started since is the run's (``_signal_task``).
+        self.run = ""
+        self.since = 0
+
+    @property
+    def marker(self) -> bytes:
+        """What the environment of each of this run's processes holds."""
+        return _marker(self.task_id, self.run)
 
 
 class ProcessBackend:
@@ -194,6 +227,7 @@ class ProcessBackend:
         clock: Clock = time.time,
         take_over: TakeOver | None = None,
         registry: Path | None = None,
+        log_max_bytes: int = LOG_MAX_BYTES,
     ) -> None:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
@@ -211,6 +245,7 @@ class ProcessBackend:
         self._checkpoint_s = checkpoint_s
         self._inherit_env = inherit_env
         self._log_dir = log_dir
+        self._log_max_bytes = log_max_bytes
         self._clock = clock
         self._tasks: dict[str, _Task] = {}
         self._events: deque[TaskLifecycle] = deque()
@@ -263,9 +298,10 @@ class ProcessBackend:
             except OSError as error:
                 # The log directory is the node's: whatever the task, it is at fault.
                 raise self._node_fault(f"cannot start {task.task_id}: its log: {error}") from error
+            task.run, task.since = secrets.token_hex(8), _ticks_now()
             task.proc = await asyncio.create_subprocess_exec(
                 *self._argv(task),
-                env=child_env(base, task.env, task.task_id, task.placement, restore=restore),
+                env=child_env(base, task.env, task.task_id, task.placement, restore=restore, run=task.run),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,  # type: ignore[arg-type]
                 stderr=asyncio.subprocess.PIPE,
@@ -364,13 +400,13 @@ class ProcessBackend:
             returncode = await proc.wait()
             if task.stop_reason is None:
                 # What it left running without its stderr (``worker 2>log &``) is killed too.
-                _signal_group(proc.pid, signal.SIGKILL)
+                _signal_task(proc.pid, task.marker, task.since, signal.SIGKILL)
         else:
             if task.stop_reason is None:
                 # It ended by itself: what it left in its process group would hold its GPUs
                 # once they are given back (as a container's processes die with its main
                 # one). A task being stopped has its group killed when the grace is over.
-                _signal_group(proc.pid, signal.SIGKILL)
+                _signal_task(proc.pid, task.marker, task.since, signal.SIGKILL)
             try:
                 await asyncio.wait_for(asyncio.shield(reader), timeout=STDERR_DRAIN_S)
             except TimeoutError:
@@ -418,7 +454,7 @@ class ProcessBackend:
             # own end, finished or failed. An eviction that came during a move stays one.
             task.stop_reason = reason
         deadline = time.monotonic() + max(grace_s, 0.0)
-        _signal_group(proc.pid, signal.SIGTERM)
+        _signal_task(proc.pid, task.marker, task.since, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(watcher), timeout=max(grace_s, 0.0))
         except TimeoutError:
@@ -428,7 +464,7 @@ class ProcessBackend:
         while time.monotonic() < deadline and _group_alive(proc.pid):
             await asyncio.sleep(0.05)
         # Unconditionally: a group whose leader is a zombie for a moment reads as gone.
-        _signal_group(proc.pid, signal.SIGKILL)
+        _signal_task(proc.pid, task.marker, task.since, signal.SIGKILL)
         await watcher
 
     async def stop(self, task_id: str, grace_s: float) -> None:
@@ -599,10 +635,30 @@ class ProcessBackend:
         self._emit(task, "resized", detail=f"milli={milli} memory_mb={memory_mb}")
 
     async def poll(self) -> list[TaskLifecycle]:
-        """Lifecycle changes since the last poll, oldest first."""
+        """Lifecycle changes since the last poll, oldest first (and the logs kept within
+        their cap, ``cap_logs``: the executor polls every second)."""
+        await self.cap_logs()
         events = list(self._events)
         self._events.clear()
         return events
+
+    async def cap_logs(self) -> None:
+        """Cut each running task's log that grew past ``log_max_bytes``: its content goes to
+        ``<log>.1`` (replacing the part kept before), and the log starts again empty. A task
+        that prints for days filled the node's disk, and then every start on the node failed
+        (its checkpoints with them). The task writes on: its log was opened to append, so it
+        writes at the new end (lines written while the copy is made are lost, as with
+        logrotate's ``copytruncate``)."""
+        if self._log_dir is None or self._log_max_bytes <= 0:
+            return
+        for task_id in list(self._tasks):
+            path = self._log_dir / log_name(task_id)
+            try:
+                if path.stat().st_size <= self._log_max_bytes:
+                    continue
+                await asyncio.to_thread(_cut_log, path)
+            except OSError as error:
+                log.warning("cannot cut the log %s of %s: %s", path, task_id, error)
 
     def running(self) -> list[str]:
         """Ids of the tasks with a live process."""
@@ -633,7 +689,8 @@ class ProcessBackend:
             return
         # With each pid its start time: a pid the kernel has given to another process since
         # is not that task's.
-        pids = {t.task_id: [t.proc.pid, _started_at(t.proc.pid)] for t in self._tasks.values() if t.proc is not None}
+        pids = {t.task_id: [t.proc.pid, _started_at(t.proc.pid), t.run] for t in self._tasks.values()
+                if t.proc is not None}
         try:
             self._registry.parent.mkdir(parents=True, exist_ok=True)
             partial = self._registry.with_suffix(".partial")
@@ -652,20 +709,23 @@ class ProcessBackend:
         if self._registry is None or not self._registry.exists():
             return {}
         try:
-            left = {str(k): (int(v[0]), v[1]) for k, v in json.loads(self._registry.read_text()).items()}
+            # A run id is missing from the file of an executor before runs had them.
+            left = {str(k): (int(v[0]), v[1], str(v[2]) if len(v) > 2 else "")
+                    for k, v in json.loads(self._registry.read_text()).items()}
         except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
             left = {}
         found: dict[str, bool] = {}
-        for task_id, (pid, started) in left.items():
+        for task_id, (pid, started, run) in left.items():
             if task_id in self._tasks:
                 continue
-            found[task_id] = _still_the_task(task_id, pid, started)
+            marker = _marker(task_id, run)
+            found[task_id] = _still_the_task(marker, pid, started)
             if found[task_id]:
-                _signal_group(pid, signal.SIGTERM)
+                _signal_task(pid, marker, started, signal.SIGTERM)
                 deadline = time.monotonic() + max(grace_s, 0.0)
                 while _group_alive(pid) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-                _signal_group(pid, signal.SIGKILL)
+                _signal_task(pid, marker, started, signal.SIGKILL)
         self._save_registry()
         return found
 
@@ -690,13 +750,20 @@ def log_name(task_id: str) -> str:
     ``/`` (or a ``..``) must not reach another folder, and an id longer than a file name may
     be is cut, with a digest of the whole id so that two long ids keep logs of their own."""
     name = task_id.replace("%", "%25").replace("/", "%2F")
-    if len(name.encode()) + len(".out") <= LOG_NAME_MAX_BYTES:
+    # Room is left for the name of its kept part (``cap_logs``).
+    if len(name.encode()) + len(".out" + LOG_KEPT_SUFFIX) <= LOG_NAME_MAX_BYTES:
         return name + ".out"
     # Its open failed with ENAMETOOLONG, taken for the node's fault: a few such tasks took
     # every node they were placed on out of service.
     digest = hashlib.sha256(task_id.encode()).hexdigest()[:16]
-    head = name.encode()[: LOG_NAME_MAX_BYTES - len(digest) - len("~.out")].decode(errors="ignore")
+    head = name.encode()[: LOG_NAME_MAX_BYTES - len(digest) - len("~.out" + LOG_KEPT_SUFFIX)].decode(errors="ignore")
     return f"{head}~{digest}.out"
+
+
+def _cut_log(path: Path) -> None:
+    """Copy a task's log to its kept part, then empty it (``ProcessBackend.cap_logs``)."""
+    shutil.copyfile(path, path.with_name(path.name + LOG_KEPT_SUFFIX))
+    os.truncate(path, 0)
 
 
 def _exited(pid: int) -> bool:
@@ -722,44 +789,65 @@ def _group_alive(pid: int) -> bool:
         return True  # not the leader any more, but a member lives on
 
 
-def _still_the_task(task_id: str, pid: int, started: int | None) -> bool:
-    """Whether the process group that ``pid`` led is still ``task_id``'s, its leader started
-    at ``started`` (clock ticks since boot): the leader itself, the same pid started at the
-    same time; or, the leader gone (the task's main process ended while no executor watched
-    it, and its children ran on), a member that started no earlier and carries the task's id
-    in the environment it was started with. A group id is not given to another group while
-    a member lives, so one member proves the group."""
+def _marker(task_id: str, run: str) -> bytes:
+    """The variable each process of a task's run has in its environment: its run id (unique,
+    so that another executor's run of a task of the same id is not taken for it), or, for a
+    run started before runs had ids, its task id."""
+    return f"FLEETPILOT_RUN_ID={run}".encode() if run else f"FLEETPILOT_TASK_ID={task_id}".encode()
+
+
+def _still_the_task(marker: bytes, pid: int, started: int | None) -> bool:
+    """Whether the process group that ``pid`` led is still the task's, its leader started at
+    ``started`` (clock ticks since boot): the leader itself, the same pid started at the same
+    time; or, the leader gone (the task's main process ended while no executor watched it,
+    and its children ran on), a process that started no earlier and carries the run's
+    ``marker`` in the environment it was started with (``_carrying``), in the group or not."""
     if started is None:
         return False
     if _started_at(pid) == started:
         return _group_alive(pid)
-    marker = f"FLEETPILOT_TASK_ID={task_id}".encode()
-    for member in _group_members(pid):
-        began = _started_at(member)
-        if began is None or began < started:
-            continue
-        try:
-            environ = Path(f"/proc/{member}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0"):
-            return True
-    return False
+    return bool(_carrying(marker, started))
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``, read from ``/proc``."""
-    members = []
+def _carrying(marker: bytes, since: int) -> list[int]:
+    """The live (not zombie) processes started at or after ``since`` (clock ticks since boot)
+    whose environment, as they were started with it, holds ``marker`` (``_marker``): a run's
+    processes, those that left its process group (``setsid``, a daemon) too."""
+    found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended while we looked
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+            if fields[0] == "Z" or int(fields[19]) < since:
+                continue
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # ended while we looked, or not ours to read
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _signal_task(pid: int, marker: bytes, since: int | None, sig: signal.Signals) -> None:
+    """Signal a task's process group (``pid`` leads it) and the run's processes that left the
+    group (``_carrying`` ``marker`` since ``since``). A daemon the task started in a session of its
+    own (``setsid``, ``ray start``, a double fork) is out of reach of the group's signals:
+    it ran on after the task ended or was evicted, holding the GPUs given back."""
+    _signal_group(pid, sig)
+    if since is None:
+        return
+    for stray in _carrying(marker, since):
+        try:
+            os.kill(stray, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone meanwhile
+
+
+def _ticks_now() -> int:
+    """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` gives start times in, one
+    tick early: a process started after this reads as started at or after it."""
+    return max(0, int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK")) - 1)
 
 
 def _started_at(pid: int) -> int | None:

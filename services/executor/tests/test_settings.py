@@ -20,6 +20,7 @@ REFUSED = [
     ("health_threshold", 1.5), ("health_threshold", "nan"),
     ("silent_check_s", 0.0), ("silent_check_s", "nan"),
     ("hand_over_taken_within_s", "nan"),
+    ("process_log_max_mb", -1.0), ("process_log_max_mb", "inf"),
 ]
 
 

@@ -359,7 +359,8 @@ async def test_an_eviction_is_not_held_up_by_a_process_that_left_the_task_s_sess
         assert [e.state for e in await backend.poll()] == ["started", "evicted"]
         assert backend.running() == []
     finally:
-        os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it ends with the task (its run's id)
+            os.kill(child, signal.SIGKILL)
         await asyncio.sleep(0.3)  # the end of its stderr reaches the backend's reader
 
 
@@ -713,3 +714,103 @@ async def test_resize_grows_the_memory_cap_live(tmp_path: Path, launched: bool) 
     go.write_text("go")
     events = await wait_for_state(backend, "g")
     assert [e.state for e in events] == ["started", "resized", "finished"]
+
+
+async def test_a_task_does_not_get_the_executor_s_own_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task is user code: the executor's settings (the NATS URL with its credentials, which
+    let it write the ledger and publish decisions) are not in its environment; what it asked
+    for, the variables it is given and the rest of the node's environment are."""
+    monkeypatch.setenv("FLEETPILOT_NATS_URL", "nats://executor:s3cret@nats:4222")
+    monkeypatch.setenv("FLEETPILOT_EXECUTOR_NODE", "n1")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer s3cret")
+    monkeypatch.setenv("LANG_OF_THE_NODE", "kept")
+    out = tmp_path / "env.json"
+    backend = ProcessBackend(node="n1")
+    code = f"import json, os, pathlib; pathlib.Path({str(out)!r}).write_text(json.dumps(dict(os.environ)) + '\\n')"
+    await backend.start("t", GPU0, py(code), {"FLEETPILOT_DECISION_ID": "d1", "MINE": "x"})
+    seen = json.loads(await wait_for_file(out))
+    assert "FLEETPILOT_NATS_URL" not in seen and "FLEETPILOT_EXECUTOR_NODE" not in seen
+    assert "OTEL_EXPORTER_OTLP_HEADERS" not in seen
+    assert seen["LANG_OF_THE_NODE"] == "kept" and seen["PATH"] == os.environ["PATH"]
+    assert (seen["FLEETPILOT_DECISION_ID"], seen["FLEETPILOT_TASK_ID"], seen["MINE"]) == ("d1", "t", "x")
+    await wait_for_state(backend, "t")
+
+
+@pytest.mark.parametrize("end", ["evicted", "finished"])
+async def test_a_process_that_left_the_task_s_session_ends_with_the_task(tmp_path: Path, end: str) -> None:
+    """A daemon the task started in a session of its own (``setsid``, ``ray start``, a double
+    fork) is out of reach of the group's signals: before, it ran on after the task was evicted
+    or ended, holding the GPUs the task's share was given back from. It carries the task's id
+    in its environment and ends with the task."""
+    backend = ProcessBackend(node="n1")
+    then = "time.sleep(60)" if end == "evicted" else "pass"
+    await backend.start("t", GPU0, spawning(tmp_path / "child", own_session=True, then=then), {})
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    try:
+        if end == "evicted":
+            await asyncio.wait_for(backend.stop("t", grace_s=0.5), timeout=15.0)
+        assert (await wait_for_state(backend, "t"))[-1].state == end
+        deadline = time.monotonic() + 5
+        while not gone(child) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert gone(child)
+    finally:
+        if not gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+async def test_a_process_that_left_the_session_of_a_task_left_behind_is_stopped(tmp_path: Path) -> None:
+    """The next executor of the node stops what a dead one left running, a daemon the task
+    started in a session of its own included (known by its run's id); a process of another
+    run of a task of the same id (another executor's) is not touched."""
+    registry = tmp_path / "processes.json"
+    first = ProcessBackend(node="n1", registry=registry)
+    await first.start("t", GPU0, spawning(tmp_path / "child", own_session=True, then="time.sleep(60)"), {})
+    other = ProcessBackend(node="n2")
+    await other.start("t", [Placement(node="n2", gpu=0, milli=1000)], py("import time; time.sleep(60)"), {})
+    child = int((await wait_for_file(tmp_path / "child")).strip())
+    try:
+        second = ProcessBackend(node="n1", registry=registry)
+        assert await second.stop_left_behind(grace_s=0.5) == {"t": True}
+        deadline = time.monotonic() + 5
+        while not gone(child) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert gone(child)
+        assert other.running() == ["t"] and [e.state for e in await other.poll()] == ["started"]
+    finally:
+        await other.stop("t", grace_s=0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+async def test_a_chatty_task_s_log_is_kept_within_its_cap(tmp_path: Path) -> None:
+    """A task that prints for days filled the node's disk through its log (every start on the
+    node failing then, taken for the node's fault): a log past ``log_max_bytes`` is cut, its
+    latest part kept beside it (``.out.1``), so a task's logs take about twice the cap."""
+    logs, cap = tmp_path / "logs", 64 * 1024
+    backend = ProcessBackend(node="n1", log_dir=logs, log_max_bytes=cap)
+    code = (  # 200 KB in bursts of 20 KB
+        "import sys, time\n"
+        "for i in range(200):\n"
+        "    sys.stdout.write(f'line {i} ' + 'x' * 1000 + '\\n'); sys.stdout.flush()\n"
+        "    if i % 20 == 19: time.sleep(0.2)\n"
+        "sys.stdout.write('last\\n'); sys.stdout.flush(); time.sleep(60)\n"
+    )
+    await backend.start("chatty", GPU0, py(code), {})
+    log, kept = logs / "chatty.out", logs / "chatty.out.1"
+
+    def both() -> bytes:
+        return (kept.read_bytes() if kept.exists() else b"") + (log.read_bytes() if log.exists() else b"")
+
+    try:
+        deadline = time.monotonic() + 20
+        while b"last\n" not in both() and time.monotonic() < deadline:
+            await backend.poll()  # the executor polls its backend every second
+            await asyncio.sleep(0.05)
+        await backend.poll()
+        assert b"last\n" in both() and b"line 199 " in both()
+        assert log.stat().st_size <= cap
+        assert kept.stat().st_size <= cap + 32 * 1024  # what came in while it was cut
+        assert b"line 0 " not in both()
+    finally:
+        await backend.stop("chatty", grace_s=0.5)
