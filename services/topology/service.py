@@ -8,7 +8,8 @@ It also tells when a node has gone silent, in two steps, as Kubernetes does with
 that stops posting its status: a node whose collector sent no report for ``not_ready_after_s``
 has every GPU labelled ``not_ready`` (no new work goes there; its tasks are still taken as
 running), and one silent for ``silent_after_s`` is labelled ``unreachable`` instead (the
-executor gives its tasks up). The label goes when the node reports again.
+executor gives its tasks up). The label goes when the node reports again. A node given up
+``forget_after_s`` ago (off by default) is forgotten: its key leaves the bucket.
 
 The estimates come from the configured fleet's site links (``SiteNetwork`` in
 ``fleetpilot.fleet.bandwidth``), computed once at start: links are configuration, not
@@ -26,10 +27,12 @@ import msgspec
 from fleetpilot.contracts import (
     GPU_LABEL_NOT_READY,
     GPU_LABEL_UNREACHABLE,
+    NODE_LABEL_UNREACHABLE_SINCE,
     OPERATIONAL_GPU_LABELS,
     BandwidthEstimate,
     ExecutorPresence,
     GpuInfo,
+    NodeLedger,
     NodeTopology,
     TopologyReport,
     TopologyUpdated,
@@ -37,6 +40,7 @@ from fleetpilot.contracts import (
     marked_condition,
     now,
     subject_for,
+    unreachable_since,
 )
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet, read_fleet_json
@@ -85,6 +89,11 @@ class TopologySettings(ServiceSettings):
     # but nobody is there to carry decisions out. Nodes whose executor never wrote one (the
     # simulated fleet's single executor) are not judged by it.
     executor_silent_after_s: float = 60.0
+    # A node unreachable for this long (counted from ``unreachable_since``) is forgotten: its
+    # key, labels and all, leaves the bucket, and its executor's key the ``executors`` one.
+    # 0: never (``fleetpilot fleet forget`` does it by hand). Off by default: a node repaired
+    # after that comes back without its cordons and pins.
+    forget_after_s: float = 0.0
 
     @model_validator(mode="after")
     def _not_ready_before_lost(self) -> TopologySettings:
@@ -98,6 +107,9 @@ class TopologySettings(ServiceSettings):
         if not (0 < self.executor_silent_after_s and math.isfinite(self.executor_silent_after_s)):
             raise ValueError(f"executor_silent_after_s ({self.executor_silent_after_s:g}) must be a number of "
                              "seconds above 0")
+        if not (0 <= self.forget_after_s and math.isfinite(self.forget_after_s)):
+            raise ValueError(f"forget_after_s ({self.forget_after_s:g}) must be a number of seconds, or 0 (never "
+                             "forget a node)")
         return self
 
 
@@ -273,7 +285,8 @@ READY = "ready"
 """A node condition: it reported within ``not_ready_after_s``."""
 NOT_READY = GPU_LABEL_NOT_READY
 UNREACHABLE = GPU_LABEL_UNREACHABLE
-NODE_CONDITION_LABELS = (NOT_READY, UNREACHABLE)
+UNREACHABLE_SINCE = NODE_LABEL_UNREACHABLE_SINCE
+NODE_CONDITION_LABELS = (NOT_READY, UNREACHABLE, UNREACHABLE_SINCE)
 
 
 def node_condition(heard: float | None, kept_since: float | None, now: float, not_ready_after_s: float,
@@ -372,8 +385,10 @@ def labelled_condition(node: NodeTopology) -> str:
     return marked_condition(node) or READY
 
 
-def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
-    """``node`` with its condition's label on the node and every GPU (none when ``READY``).
+def with_condition(node: NodeTopology, condition: str, at: float | None = None) -> NodeTopology:
+    """``node`` with its condition's label on the node and every GPU (none when ``READY``);
+    given up, the node also says since when (``UNREACHABLE_SINCE``: ``at``, by default now,
+    or the time it already holds when it was given up before).
 
     ``NOT_READY`` never lifts ``unreachable``: the executor has given that node's tasks up,
     and only a report of its own brings it back. A verdict of ``NOT_READY`` on a node already
@@ -390,6 +405,9 @@ def with_condition(node: NodeTopology, condition: str) -> NodeTopology:
     own = {k: v for k, v in node.labels.items() if k not in NODE_CONDITION_LABELS}
     if condition != READY:
         own[condition] = "true"
+    if condition == UNREACHABLE:
+        since = unreachable_since(node) if labelled_condition(node) == UNREACHABLE else None
+        own[UNREACHABLE_SINCE] = f"{(now() if at is None else at) if since is None else since:.0f}"
     return msgspec.structs.replace(node, gpus=gpus, labels=own)
 
 
@@ -412,6 +430,47 @@ async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int =
         except CasConflict:
             continue
     raise CasConflict(f"topology of {key} kept changing")
+
+
+async def held_tasks(ledger: KeyValue, node: str) -> list[str]:
+    """The tasks the ``ledger`` still holds on ``node`` (an unreadable entry holds none that
+    can be told)."""
+    entry = await ledger.get(node_key(node))
+    if entry is None or not entry.value:
+        return []
+    try:
+        return sorted({a.task_id for a in msgspec.json.decode(entry.value, type=NodeLedger).allocations})
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return []
+
+
+async def forget_given_up(kv: KeyValue, executors: KeyValue, node: str, since: float,
+                          executor_revision: int | None) -> bool:
+    """Delete a given-up node's key in the ``topology`` bucket, if it is still given up since
+    ``since``, with compare-and-set (a node written meanwhile, by a report or a label, is
+    left); and first its executor's key, if still at ``executor_revision``: left behind, its
+    unchanged revision would judge the node, back under its name, silent from the start.
+    Whether the node is forgotten now. Followers of the bucket see the delete."""
+    key = node_key(node)
+    entry = await kv.get(key)
+    if entry is None or entry.value is None:
+        return False
+    try:
+        stored = msgspec.json.decode(entry.value, type=NodeTopology)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    if labelled_condition(stored) != UNREACHABLE or unreachable_since(stored) != since:
+        return False
+    if executor_revision is not None:
+        try:
+            await executors.delete(key, revision=executor_revision)
+        except CasConflict:
+            pass  # it writes on: an executor is there, and its key keeps changing
+    try:
+        await kv.delete(key, revision=entry.revision)
+    except CasConflict:
+        return False
+    return True
 
 
 def executor_trouble(value: bytes | None) -> str:
@@ -457,6 +516,32 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
     sightings = Sightings()
     executor_sightings = ExecutorSightings()
 
+    told_held: set[str] = set()  # nodes whose held tasks have kept them from being forgotten, said once
+
+    async def forget(node: NodeTopology, stamp: float | None, since: float, executor_revision: int | None) -> bool:
+        """Forget a node given up ``forget_after_s`` ago; whether it is gone now."""
+        bus = host.bus
+        assert bus is not None
+        if await bus.last_stored_at(f"topology.report.{node.node}") != stamp:
+            return False  # it reported since its stamp was read: the next check lifts the mark
+        held = await held_tasks(await bus.kv("ledger"), node.node)
+        if held:
+            # The executor gives an unreachable node's tasks up only while the node is in the
+            # bucket: forgotten now, they would be held for ever, never placed again.
+            if node.node not in told_held:
+                told_held.add(node.node)
+                log.warning("%s unreachable for %.0f s, but not forgotten: the ledger still holds %d task(s) there "
+                            "(%s); is an executor running?", node.node, now() - since, len(held), ", ".join(held[:5]))
+            return False
+        told_held.discard(node.node)
+        if not await forget_given_up(await bus.kv("topology"), await bus.kv("executors"), node.node, since,
+                                     executor_revision):
+            return False
+        log.warning("%s forgotten: unreachable for %.0f s (FORGET_AFTER_S %.0f); its topology, labels included, "
+                    "and its executor's key are removed; a report of it is a new node", node.node, now() - since,
+                    settings.forget_after_s)
+        return True
+
     async def listening_since(bus: Bus) -> None:
         started["at"] = now()
 
@@ -491,9 +576,11 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
             executor_silent = executor_sightings.silent_for(
                 node.node, presence.revision if presence is not None and presence.value else None, now())
             trouble = executor_trouble(presence.value if presence is not None else None)
-            stamps.append((node, stamp, heard, kept_since, executor_silent, trouble))
+            stamps.append((node, stamp, heard, kept_since, executor_silent, trouble,
+                           presence.revision if presence is not None and presence.value else None))
         sightings.keep_only({f"topology.report.{n.node}" for n in nodes})
         executor_sightings.keep_only({n.node for n in nodes})
+        told_held.intersection_update(n.node for n in nodes if labelled_condition(n) == UNREACHABLE)
         # The collectors' silences are judged once listened through ``not_ready_after_s``; an
         # executor's, once its key has kept one revision longer than its own limit here. A
         # node back in service is told only once both can be judged: before, this replica
@@ -502,7 +589,7 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         changed: list[str] = []
         written: list[int] = []
         counts = dict.fromkeys((READY, NOT_READY, UNREACHABLE), 0)
-        for node, stamp, heard, kept_since, executor_silent, trouble in stamps:
+        for node, stamp, heard, kept_since, executor_silent, trouble, executor_revision in stamps:
             condition = (node_condition(heard, kept_since, now(), settings.not_ready_after_s, settings.silent_after_s)
                          if judge_reports else None)
             if (condition in (NOT_READY, UNREACHABLE) and labelled_condition(node) != condition
@@ -530,6 +617,10 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
                 continue  # the stream does not go back far enough to tell
             if condition == UNREACHABLE and listened < settings.silent_after_s:
                 condition = NOT_READY
+            since = unreachable_since(node) if labelled_condition(node) == UNREACHABLE else None
+            if (condition == UNREACHABLE and since is not None and 0 < settings.forget_after_s < now() - since
+                    and await forget(node, stamp, since, executor_revision)):
+                continue
             counts[labelled_condition(with_condition(node, condition))] += 1
             revision = await mark_condition(kv, node_key(node.node), condition)
             if revision is not None:

@@ -11,10 +11,15 @@ sample of every GPU), and prints one line per GPU with its state in service, the
 out of service (cordoned, decommissioned, pending maintenance, or on an unreachable node,
 which sends no samples), and the nodes whose decisions have waited over five minutes for
 their executor. It only reads: no bucket or stream is created by looking.
+
+``fleetpilot fleet forget NODE`` removes a node gone for good (decommissioned, renamed) from
+the running fleet: without it, its key stays in the ``topology`` bucket for ever, marked
+``unreachable``, and every service goes on seeing it.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -41,11 +46,13 @@ from fleetpilot.contracts import (
     NodeTopology,
     TopologyUpdated,
     decode,
+    marked_condition,
+    unreachable_since,
 )
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
-from .local import announced_nats_url, connect_once, no_jetstream
+from .local import announced_nats_url, connect_once, local_nats_url, no_jetstream
 
 READ_TIMEOUT_S = 10.0
 
@@ -60,6 +67,21 @@ def add_arguments(parser) -> None:
     source.add_argument("--spec", help="fleet spec YAML (default: the shipped three-site fleet)")
     source.add_argument("--openb", metavar="NODES.csv", help="openb node list CSV")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    actions = parser.add_subparsers(dest="fleet_action", metavar="forget")
+    forget = actions.add_parser(
+        "forget", help="remove a node gone for good from the running fleet",
+        description="Remove a node gone for good (decommissioned, renamed) from the running fleet: its entry in "
+                    "the topology bucket, its labels with it, and its executor's key. Only a node the topology "
+                    "service has given up (unreachable) whose tasks the ledger no longer holds, unless --force.")
+    forget.add_argument("node", help="the node's name, as `fleetpilot fleet` shows it")
+    forget.add_argument("--force", action="store_true",
+                        help="forget a node still reporting (its next report brings it back, without its labels) "
+                             "or whose tasks the ledger still holds (they stay held)")
+    # SUPPRESS: given before `forget`, the flag keeps its value (a default here replaced it).
+    forget.add_argument("--nats-url", default=argparse.SUPPRESS,
+                        help="the running fleet's NATS (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` "
+                             "runs from --state-dir)")
+    forget.add_argument("--state-dir", default=argparse.SUPPRESS, help="where a running `fleetpilot up` keeps its state")
 
 
 @dataclass
@@ -371,9 +393,132 @@ def render_text(summary: dict[str, Any], rows: list[dict[str, Any]] | None, out,
             print(f"  {e['node']}: {e['replica']}, {ago} ago", file=out)
 
 
+async def forget_node(url: str, name: str, force: bool = False) -> list[str]:
+    """Remove node ``name`` from the fleet at ``url``: its ``topology`` entry (compare-and-set
+    at the revision judged) and its ``executors`` key; what was removed, one line each. A node
+    not given up (``unreachable``), or whose tasks the ``ledger`` still holds, is refused
+    with a one-line ``ValueError`` and nothing removed, unless ``force``.
+
+    The ledger is not written here (the policy and executor own it): the executor gives an
+    unreachable node's tasks up, but only while the node is in the bucket."""
+    import nats.js.errors
+
+    from fleetpilot.ledger.store import node_key
+    from fleetpilot.runtime import CasConflict
+    from fleetpilot.runtime.nats_bus import NatsKeyValue
+
+    nc = await connect_once(url, "fleetpilot-fleet-forget")
+    try:
+        js = nc.jetstream()
+
+        async def bucket(name: str) -> NatsKeyValue | None:
+            try:
+                return NatsKeyValue(await asyncio.wait_for(js.key_value(name), READ_TIMEOUT_S), js, name)
+            except nats.js.errors.BucketNotFoundError:
+                return None
+            except nats.js.errors.ServiceUnavailableError:
+                raise no_jetstream(url) from None
+
+        key = node_key(name)
+        topology = await bucket("topology")
+        entry = await asyncio.wait_for(topology.get(key), READ_TIMEOUT_S) if topology is not None else None
+        if topology is None or entry is None or not entry.value:
+            raise ValueError(f"no node {name} in the fleet at {url}: nothing to forget")
+        try:
+            node: NodeTopology | None = msgspec.json.decode(entry.value, type=NodeTopology)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            node = None
+        condition = "unreadable" if node is None else marked_condition(node) or "ready"
+        if condition != GPU_LABEL_UNREACHABLE and not force:
+            why = {"ready": "its collector reports", GPU_LABEL_NOT_READY: "silent a while, not given up yet",
+                   "unreadable": "its entry is not a node topology"}[condition]
+            raise ValueError(f"{name} is {condition} ({why}), not unreachable: not forgotten (the topology service "
+                             "gives a silent node up after its SILENT_AFTER_S; --force forgets it anyway)")
+        back = await reported_since_given_up(js, node) if condition == GPU_LABEL_UNREACHABLE else None
+        if back is not None and not force:
+            raise ValueError(f"{name} has reported again since it was given up ({back:.0f} s ago): the topology "
+                             "service lifts its mark at its next check; not forgotten (--force forgets it anyway, "
+                             "and its next report brings it back without its labels)")
+        if back is not None:
+            condition = f"{condition}, but reported again"
+        ledger = await bucket("ledger")
+        held_entry = await asyncio.wait_for(ledger.get(key), READ_TIMEOUT_S) if ledger is not None else None
+        held: list[str] = []
+        if held_entry is not None and held_entry.value:
+            try:
+                held = sorted({a.task_id for a in msgspec.json.decode(held_entry.value, type=NodeLedger).allocations})
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                held = []
+        tasks = f"{_count(len(held), 'task')} ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''})"
+        if held and not force:
+            raise ValueError(f"the ledger still holds {tasks} on {name}: not forgotten (the executor gives an "
+                             "unreachable node's tasks up, but only while it is in the fleet: is one running? "
+                             "--force forgets it and leaves them held)")
+        try:
+            await asyncio.wait_for(topology.delete(key, revision=entry.revision), READ_TIMEOUT_S)
+        except CasConflict:
+            raise ValueError(f"{name} changed while being forgotten (a report, a label): nothing removed; "
+                             "look again") from None
+        forced = "" if condition == GPU_LABEL_UNREACHABLE and not held else ", forced"
+        lines = [f"forgot {name} ({condition}{forced}): removed its topology entry"
+                 + (f" ({node.site}, {_count(len(node.gpus), 'GPU')}), with its labels: {kept_labels(node)}"
+                    if node is not None else "")]
+        executors = await bucket("executors")
+        if executors is not None and await asyncio.wait_for(executors.get(key), READ_TIMEOUT_S) is not None:
+            await asyncio.wait_for(executors.delete(key), READ_TIMEOUT_S)
+            lines.append("removed its executor's key (an executor still running there writes it again)")
+        if held:
+            lines.append(f"left held in the ledger: {tasks}: not placed again until released")
+        if forced:
+            lines.append(f"its next report, if it still reports, brings {name} back as a new node, without these "
+                         "labels")
+        return lines
+    finally:
+        await nc.close()
+
+
+async def reported_since_given_up(js, node: NodeTopology) -> float | None:
+    """How long ago the node's last report was stored, when that was after the topology
+    service gave it up (``NODE_LABEL_UNREACHABLE_SINCE``); ``None`` otherwise, or when it cannot be
+    told (no such label: a mark by an earlier version; no report kept).
+
+    An unchanged report of a node given up writes nothing: its key says ``unreachable`` until
+    the service's next check lifts the mark, and only the stream tells that it is back."""
+    import nats.js.errors
+
+    since = unreachable_since(node)
+    if since is None:
+        return None
+    try:
+        msg = await asyncio.wait_for(js.get_last_msg("TOPOLOGY", f"topology.report.{node.node}"), READ_TIMEOUT_S)
+    except nats.js.errors.NotFoundError:
+        return None
+    stored = msg.time.timestamp() if msg.time is not None else None
+    return time.time() - stored if stored is not None and stored > since else None
+
+
+def kept_labels(node: NodeTopology) -> str:
+    """Operations' labels on the node's GPUs, as ``label=value on GPUs i, j`` (``label``
+    alone for ``"true"``), what forgetting the node removes; ``none`` without any."""
+    from fleetpilot.contracts import OPERATIONAL_GPU_LABELS
+
+    on: dict[str, list[int]] = {}
+    for gpu in node.gpus:
+        for label, value in sorted(gpu.labels.items()):
+            if label in OPERATIONAL_GPU_LABELS and label not in (GPU_LABEL_NOT_READY, GPU_LABEL_UNREACHABLE):
+                on.setdefault(label if value == "true" else f"{label}={value}", []).append(gpu.index)
+    return "; ".join(f"{label} on {'GPU' if len(gpus) == 1 else 'GPUs'} {', '.join(map(str, gpus))}"
+                     for label, gpus in on.items()) or "none"
+
+
 def main(args, out=None) -> int:
-    """Print the fleet; live readings too when a fleet answers at the NATS URL."""
+    """Print the fleet; live readings too when a fleet answers at the NATS URL. ``forget``
+    removes a node from the running fleet instead."""
     out = out or sys.stdout
+    if getattr(args, "fleet_action", None) == "forget":
+        for line in asyncio.run(forget_node(args.nats_url or local_nats_url(args.state_dir), args.node, args.force)):
+            print(line, file=out)
+        return 0
     fleet, source = load_spec(args)
     live: LiveFleet | None = None
     url = args.nats_url or announced_nats_url(args.state_dir)

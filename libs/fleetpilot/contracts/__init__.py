@@ -59,6 +59,7 @@ from .topology import (
     GPU_LABEL_ROLE,
     GPU_LABEL_TASK_KINDS,
     GPU_LABEL_UNREACHABLE,
+    NODE_LABEL_UNREACHABLE_SINCE,
     OPERATIONAL_GPU_LABELS,
     OUT_OF_SERVICE_GPU_LABELS,
     ROLE_RESERVED,
@@ -77,6 +78,7 @@ from .topology import (
     gpu_rules,
     in_service,
     marked_condition,
+    unreachable_since,
 )
 
 # Routed events first, then the answers of request/reply endpoints; a type that is both
@@ -115,6 +117,7 @@ __all__ = [
     "GPU_LABEL_ROLE",
     "GPU_LABEL_TASK_KINDS",
     "GPU_LABEL_UNREACHABLE",
+    "NODE_LABEL_UNREACHABLE_SINCE",
     "GpuInfo",
     "GpuRules",
     "GpuSample",
@@ -173,6 +176,7 @@ __all__ = [
     "as_node_name",
     "gpu_rules",
     "marked_condition",
+    "unreachable_since",
     "in_service",
     "decode",
     "decoder_for",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Literal
@@ -149,6 +150,10 @@ GPU_LABEL_MAINTENANCE_RISK = "maintenance_risk"
 # tasks are taken as lost with it). Cleared when it reports again; a node has one at most.
 GPU_LABEL_NOT_READY = "not_ready"
 GPU_LABEL_UNREACHABLE = "unreachable"
+# Set by the topology service on the node (not its GPUs) with ``unreachable``: when it gave the
+# node up (epoch seconds, the marking replica's clock). Forgetting a node counts from it: the
+# stream's stamps cannot tell a silence of days, for it keeps a day of reports.
+NODE_LABEL_UNREACHABLE_SINCE = "unreachable_since"
 # Set by the collector on a GPU in MIG mode: its CUDA devices are its slices, which placement
 # does not model (a task given the GPU's index sees no device), so it takes no new work.
 GPU_LABEL_MIG = "mig"
@@ -224,3 +229,13 @@ def as_node_name(raw: str) -> str:
     Kubernetes node is often named like ``ip-10-0-3-7.ec2.internal``: reported as is, its
     telemetry went to subjects no ``telemetry.gpu.*`` subscriber hears."""
     return re.sub(r"[.\s*>]", "_", raw)
+
+
+def unreachable_since(node: NodeTopology) -> float | None:
+    """When the topology service gave ``node`` up, as its ``NODE_LABEL_UNREACHABLE_SINCE``
+    label says (``None``: no label, or one that is no time, a hand edit)."""
+    try:
+        since = float(node.labels.get(NODE_LABEL_UNREACHABLE_SINCE, ""))
+    except ValueError:
+        return None
+    return since if math.isfinite(since) else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -733,3 +734,127 @@ async def test_a_replica_does_not_lift_an_executor_s_silence_before_it_can_judge
     finally:
         await host.stop()
     assert seen == [{"not_ready"}] * len(seen), seen
+
+
+async def test_a_node_unreachable_longer_than_forget_after_s_is_forgotten_and_seen_afresh_when_it_reports(
+    nats_server, client
+):
+    """A node removed from the fleet for good kept its key, marked `unreachable`, for ever:
+    every consumer (the policy's and the SLA's views, `fleetpilot fleet`) went on seeing it.
+    Unreachable for `forget_after_s`, it is forgotten: its key is deleted (views following
+    the bucket drop it), its labels with it, and its executor's key too, whose unchanged
+    revision would have judged the node's return (`not_ready`) by a silence not its own."""
+    from fleetpilot.contracts import ExecutorPresence, encode
+    from fleetpilot.ledger import FleetView
+
+    gone, staying = NODES[0], NODES[1]
+    # An executor's silence judged quickly: its old key, left behind, would mark the node
+    # `not_ready` soon after it is back.
+    host = build(settings(nats_server.url, not_ready_after_s=0.2, silent_after_s=0.4, liveness_check_s=0.1,
+                          executor_silent_after_s=0.3, forget_after_s=0.6))
+    kv, executors = await client.kv("topology"), await client.kv("executors")
+    view = await FleetView.open(client)
+    following = asyncio.create_task(view.follow())
+    await host.start()
+    reporting = [staying]
+
+    async def keep_reporting() -> None:
+        for i in range(1000):
+            for node in reporting:
+                await client.publish(report(node, 10.0 + i))
+            await asyncio.sleep(0.1)
+
+    chatty = asyncio.create_task(keep_reporting())
+    try:
+        await client.publish(report(gone, 1.0))
+        await wait_for(lambda: kv.get(gone.node), timeout_s=5, what="the node stored")
+        await executors.put(gone.node, encode(ExecutorPresence(node=gone.node, replica="executor-0", at=1.0)))
+        # An operator's cordon on GPU 0, then silence.
+        entry = await kv.get(gone.node)
+        stored = msgspec.json.decode(entry.value, type=NodeTopology)
+        cordoned = msgspec.structs.replace(stored, gpus=[
+            msgspec.structs.replace(g, labels={**g.labels, "cordoned": "true"}) if g.index == 0 else g
+            for g in stored.gpus])
+        await kv.update(gone.node, encode(cordoned), entry.revision)
+
+        async def unreachable() -> bool:
+            return await condition_labels(kv, gone) == {"unreachable"}
+
+        await wait_for(unreachable, timeout_s=5, interval_s=0.02, what="the silent node given up")
+        await wait_for(lambda: gone.node in view.nodes and view.nodes[gone.node].labels.get("unreachable"),
+                       timeout_s=5, what="the view to see it given up")
+
+        async def forgotten() -> bool:
+            return await kv.get(gone.node) is None
+
+        await wait_for(forgotten, timeout_s=5, interval_s=0.02, what="the node forgotten")
+        assert await executors.get(gone.node) is None
+        await wait_for(lambda: gone.node not in view.nodes, timeout_s=5, what="the view to drop the node")
+        assert await kv.get(staying.node) is not None and staying.node in view.nodes
+        assert await condition_labels(kv, staying) == {""}
+
+        # Back (the same name on new hardware, run by the fleet's one executor): seen afresh,
+        # no cordon, no mark, and not judged by the executor key of the node it was.
+        reporting.append(gone)
+        await wait_for(lambda: kv.get(gone.node), timeout_s=5, what="the node stored again")
+        for _ in range(10):  # several checks
+            back = msgspec.json.decode((await kv.get(gone.node)).value, type=NodeTopology)
+            assert back == gone
+            await asyncio.sleep(0.1)
+    finally:
+        chatty.cancel()
+        following.cancel()
+        await host.stop()
+
+
+async def test_a_node_whose_tasks_the_ledger_still_holds_is_not_forgotten(nats_server, client):
+    """The executor gives an unreachable node's tasks up only while the node is in the
+    bucket: forgotten first, they would be held in the ledger for ever, never placed again."""
+    from fleetpilot.contracts import Allocation, NodeLedger, encode
+
+    node = NODES[0]
+    ledger = await client.kv("ledger")
+    await ledger.put(node.node, encode(NodeLedger(node=node.node, allocations=[
+        Allocation(task_id="t", decision_id="t.assign", gpu=0, milli=1000, at=1.0, state="confirmed")])))
+    host = build(settings(nats_server.url, not_ready_after_s=0.2, silent_after_s=0.4, liveness_check_s=0.1,
+                          forget_after_s=0.3))
+    await host.start()
+    kv = await client.kv("topology")
+    try:
+        await client.publish(report(node, 1.0))
+        await wait_for(lambda: kv.get(node.node), timeout_s=5, what="the node stored")
+
+        async def unreachable() -> bool:
+            return await condition_labels(kv, node) == {"unreachable"}
+
+        await wait_for(unreachable, timeout_s=5, interval_s=0.02, what="the silent node given up")
+        await asyncio.sleep(1.0)
+        assert await kv.get(node.node) is not None  # its task still held
+        await ledger.put(node.node, encode(NodeLedger(node=node.node, allocations=[])))  # the executor gave it up
+
+        async def forgotten() -> bool:
+            return await kv.get(node.node) is None
+
+        await wait_for(forgotten, timeout_s=5, what="the node forgotten once its tasks are released")
+    finally:
+        await host.stop()
+
+
+def test_forgetting_is_off_by_default_and_a_bad_forget_after_s_is_a_setting_error():
+    assert settings("nats://127.0.0.1:1").forget_after_s == 0  # 0: never
+    for bad in (-1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="forget_after_s"):
+            settings("nats://127.0.0.1:1", forget_after_s=bad)
+
+
+def test_unreachable_since_is_set_once_kept_while_given_up_and_goes_with_the_mark():
+    node = NODES[0]
+    given_up = with_condition(node, "unreachable", at=100.0)
+    assert given_up.labels["unreachable_since"] == "100"
+    assert with_condition(given_up, "unreachable", at=200.0).labels["unreachable_since"] == "100"
+    assert with_condition(given_up, "not_ready", at=200.0) == given_up  # not_ready never lifts unreachable
+    assert "unreachable_since" not in with_condition(given_up, "ready", at=200.0).labels
+    # A report never carries it in; the stored one stays until the next check lifts the mark.
+    echoed = msgspec.structs.replace(node, labels={**node.labels, "unreachable_since": "1"})
+    assert topology_service.with_operational_labels(echoed, None).labels == node.labels
+    assert topology_service.with_operational_labels(echoed, given_up).labels["unreachable_since"] == "100"
