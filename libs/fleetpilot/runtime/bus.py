@@ -202,6 +202,12 @@ class Bus(abc.ABC):
     def connected(self) -> bool:
         """Whether the transport is currently usable (drives ``/healthz``)."""
 
+    @property
+    def max_payload(self) -> int | None:
+        """The most bytes one message may hold on this bus (the server's limit); ``None``:
+        no limit (a bus in one process)."""
+        return None
+
     def consumers_failing(self) -> dict[str, float]:
         """Each durable consumer whose fetches fail now, with how many seconds they have failed
         in a row (the connection is up, but JetStream does not serve it). A bus in one process

@@ -22,9 +22,13 @@ The one place where delivery semantics live, shared by both buses:
 - a handling that runs past its consumer's ``handler_limit_s`` (15 minutes unless a service
   sets more) is cancelled and counts as a failure (``HandlerOverran``): retried, then
   dead-lettered. The beats above would otherwise keep a hung handler's message from every
-  replica for ever, and its own consumer would take nothing else.
+  replica for ever, and its own consumer would take nothing else;
+- a ``CancelledError`` the handler raises while its handling is not being cancelled (it
+  awaited a task something else cancelled) is a failure like any other (``HandlerCancelled``).
 
-A dead letter keeps the original bytes and headers, so nothing is ever lost.
+A dead letter keeps the original bytes and headers, so nothing is ever lost; one too large
+for the server's max payload keeps their start, and names the stream and sequence where the
+whole is kept.
 """
 
 from __future__ import annotations
@@ -68,9 +72,32 @@ def as_events(result: HandlerResult) -> list[Event]:
     return list(result)
 
 
+LETTER_HEADROOM = 1024
+"""Bytes a dead letter leaves under the bus's ``max_payload`` for its NATS headers (the server
+counts them in, and closes a connection that sends more than it takes)."""
+
+
 class HandlerOverran(Exception):
     """A handler ran past its consumer's ``handler_limit_s`` and was cancelled: a failure
     like any other (delivered again on the back-off, then dead-lettered)."""
+
+
+class HandlerCancelled(Exception):
+    """A handler raised ``CancelledError`` while nobody cancelled its handling (it awaited a
+    task that something else cancelled): a failure like any other, not a stop."""
+
+
+async def _called(handler: TypedHandler, pass_delivery: bool, event: Event, delivery: Delivery,
+                  name: str) -> HandlerResult:
+    """``handler``'s result for ``event``; ``HandlerCancelled`` for a ``CancelledError`` it
+    raises while this task is not being cancelled. Passed on, the handler's own stopped what
+    called it for good: the consume loop, nats-py's subscription loop, nats.micro's endpoint."""
+    try:
+        return await (handler(event, delivery) if pass_delivery else handler(event))
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise  # this handling is being cancelled: its limit, or the service stopping
+        raise HandlerCancelled(f"handler {name or '?'} raised CancelledError without being cancelled") from None
 
 
 @dataclass
@@ -168,7 +195,7 @@ class Dispatcher:
         limit = asyncio.timeout(self.handler_limit_s)
         try:
             async with limit:
-                return await (self.handler(event, delivery) if self._pass_delivery else self.handler(event))
+                return await _called(self.handler, self._pass_delivery, event, delivery, self.name)
         except TimeoutError:
             if limit.expired():
                 raise HandlerOverran(f"handler {self.name} ran past its limit of {self.handler_limit_s:g} s "
@@ -214,8 +241,29 @@ class Dispatcher:
         # ack lost in a failover) left the original unsettled, to be dead-lettered again, and
         # each copy was listed, and redriven, as a message of its own.
         headers = {"Nats-Msg-Id": f"dlq:{msg.origin}"} if msg.origin else None
-        await self.bus.publish_raw(dlq_subject(msg.subject), encode(letter), headers=headers)
+        await self.bus.publish_raw(dlq_subject(msg.subject), self._fitted(letter, msg.origin), headers=headers)
         await msg.term()
+
+    def _fitted(self, letter: DeadLetter, origin: str | None) -> bytes:
+        """``letter`` encoded, within the bus's ``max_payload``. A message near that limit does
+        not fit whole in its letter (base64 makes its bytes a third larger): its letter keeps
+        the start of its bytes (and no headers, should even that not fit) and its error says
+        so, and where the whole is kept. Refused by the server, the letter was never stored, and
+        the message came back after every ack wait, for ever."""
+        body = encode(letter)
+        limit = self.bus.max_payload
+        if limit is None or len(body) <= limit - LETTER_HEADROOM:
+            return body
+        where = ""
+        if origin:  # <stream>:<consumer>:<sequence>; settled, it stays there until the stream's limits
+            where = (f"; the whole stays in stream {origin.split(':')[0]} at sequence {origin.rsplit(':', 1)[1]} "
+                     "until the stream's limits remove it")
+        note = f"[original of {len(letter.data)} bytes, too large for a whole dead letter: data holds its start{where}] "
+        cut = msgspec.structs.replace(letter, error=(note + letter.error)[:2000], data=b"")
+        if len(encode(cut)) > limit - LETTER_HEADROOM:
+            cut = msgspec.structs.replace(cut, headers={}, error=(note + "[headers dropped] " + letter.error)[:2000])
+        room = limit - LETTER_HEADROOM - len(encode(cut))
+        return encode(msgspec.structs.replace(cut, data=letter.data[:max(room, 0) // 4 * 3]))
 
 
 def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler, *, name: str = "",
@@ -240,7 +288,7 @@ def reply_handler(event_types: tuple[type[Event], ...], handler: TypedHandler, *
             return msgspec.json.encode({"error": f"invalid request: {exc}"})
         delivery = Delivery(subject="", headers=headers)
         try:
-            result: Any = await (handler(event, delivery) if pass_delivery else handler(event))
+            result: Any = await _called(handler, pass_delivery, event, delivery, name)
             # Encoded here, so that an answer that cannot be sent (``NonFiniteFloat``) is told
             # and counted as the handler's failure, not left to nats.micro's silent 500.
             reply = encode(result)

@@ -1,9 +1,10 @@
 """The service host: everything a service needs around its handlers.
 
 A service module builds a ``ServiceHost``, registers plain async handlers with decorators
-and calls ``host.main()``. The host connects the bus, creates streams and buckets, binds
-durable consumers, serves ``/metrics`` and ``/healthz``, runs periodic jobs, and on SIGTERM
-stops taking work, lets in-flight handlers finish and drains the connection.
+and calls ``host.main()``. The host serves ``/metrics`` and ``/healthz`` (bound first, not ok
+until started), connects the bus, creates streams and buckets, binds durable consumers,
+runs periodic jobs, and on SIGTERM stops taking work, lets in-flight handlers finish and
+drains the connection.
 
 Only the first connection must come at once (no server at all is an operator's mistake,
 told in one line). If the server goes away after it, while the host sets itself up (a
@@ -134,6 +135,7 @@ class ServiceHost:
         """How many times each background job was started again (``/healthz`` shows it)."""
         self._ops: OpsServer | None = None
         self._stopped = asyncio.Event()
+        self._started = False  # every consumer, subscription and endpoint set up
         self._stopping = False
         self._stop_requested = asyncio.Event()  # SIGTERM or SIGINT: ends a start-up that waits
 
@@ -242,6 +244,21 @@ class ServiceHost:
     async def start(self, bus: Bus | None = None) -> None:
         """Connect (unless a bus is given), set up the bus and begin serving."""
         tracing.configure(self.name, self.settings.otlp_endpoint)
+        if self.settings.metrics_port >= 0:
+            # Bound first: a port taken (two replicas on one host given the same one) is found
+            # before any start-up hook has run or any message was taken, each cut when the
+            # process exits; bound last, a crash loop cut a message's handling at every restart.
+            # Until started, /healthz says so (``health``).
+            self._ops = OpsServer(self.metrics.registry, self.health)
+            try:
+                port = await self._ops.start(self.settings.metrics_host, self.settings.metrics_port)
+            except OSError as exc:
+                # asyncio's own words name no setting ("Name or service not known"): say which.
+                prefix = (self.settings.model_config.get("env_prefix") or "FLEETPILOT_").upper()
+                raise OSError(f"/metrics and /healthz cannot listen on {self.settings.metrics_host}:"
+                              f"{self.settings.metrics_port} ({prefix}METRICS_HOST, {prefix}METRICS_PORT): "
+                              f"{exc.strerror or exc}") from exc
+            log.info("%s: /metrics and /healthz on %s:%d", self.name, self.settings.metrics_host, port)
         if bus is None:
             from .nats_bus import NatsBus
 
@@ -280,10 +297,7 @@ class ServiceHost:
                                                                    metrics=self.metrics)), deadline)
         for periodic in self._periodic:
             self._tasks.append(asyncio.create_task(self._run_periodic(periodic), name=getattr(periodic.job, "__name__", "periodic")))
-        if self.settings.metrics_port >= 0:
-            self._ops = OpsServer(self.metrics.registry, self.health)
-            port = await self._ops.start(self.settings.metrics_host, self.settings.metrics_port)
-            log.info("%s: /metrics and /healthz on %s:%d", self.name, self.settings.metrics_host, port)
+        self._started = True
         log.info("%s: started (replica %s)", self.name, self.settings.replica)
 
     async def _until_done(self, step: str, attempt: Callable[[], Awaitable[object]], deadline: float) -> None:
@@ -417,9 +431,10 @@ class ServiceHost:
             self.metrics.failed(name)
 
     def health(self) -> dict:
-        """The ``/healthz`` document: ok while the bus is connected, no durable consumer
-        has failed to fetch for ``CONSUMER_FAILING_LIMIT_S`` (those are named) and no
-        ``health_check`` reports a problem (what it reports is merged in)."""
+        """The ``/healthz`` document: ok once the service has started (until then it says
+        ``starting``), while the bus is connected, no durable consumer has failed to fetch for
+        ``CONSUMER_FAILING_LIMIT_S`` (those are named) and no ``health_check`` reports a
+        problem (what it reports is merged in)."""
         connected = bool(self.bus and self.bus.connected)
         self.metrics.connected.labels(self.name).set(1 if connected else 0)
         # Connected alone said ok while JetStream served none of its consumers: the service
@@ -429,8 +444,10 @@ class ServiceHost:
         problems: dict = {}
         for check in self._health_checks:
             problems.update(check() or {})
-        doc = {"ok": connected and not failing and not problems, "service": self.name,
+        doc = {"ok": self._started and connected and not failing and not problems, "service": self.name,
                "replica": self.settings.replica, "background_restarts": dict(self.restarts)}
+        if not self._started:
+            doc["starting"] = True
         if failing:
             doc["consumers_failing"] = failing
         # A check names its own trouble; it cannot overwrite what the host says.

@@ -323,6 +323,10 @@ class NatsBus(Bus):
     def connected(self) -> bool:
         return self._nc.is_connected
 
+    @property
+    def max_payload(self) -> int | None:
+        return self._nc.max_payload
+
     def consumers_failing(self) -> dict[str, float]:
         now = time.monotonic()
         return {durable: now - since for durable, since in self._failing_since.items()}
@@ -350,13 +354,18 @@ class NatsBus(Bus):
                 storage=api.StorageType.MEMORY if spec.memory else api.StorageType.FILE)
             try:
                 await self._js.add_stream(config)
-            except nats.js.errors.BadRequestError:
+            except nats.js.errors.BadRequestError as refused:
                 # There with another config: updated to the catalog's, except its replica count
                 # and placement, which the catalog does not declare and the operator sets on a
                 # cluster (`nats stream edit --replicas 3`, deploy/README.md). Sent as the
                 # default, they took every stream back to R1 at each service's start, and the
                 # next node lost took its streams with it.
-                existing = (await self._js.stream_info(spec.name)).config
+                try:
+                    existing = (await self._js.stream_info(spec.name)).config
+                except nats.js.errors.NotFoundError:
+                    # Not there: refused for itself (another stream takes its subjects). Told as
+                    # the missing stream the update looked for, the cause was hidden.
+                    raise refused from None
                 config.num_replicas, config.placement = existing.num_replicas, existing.placement
                 await self._js.update_stream(config)
         for bucket in BUCKETS:

@@ -312,3 +312,18 @@ async def test_a_stream_the_server_will_not_take_is_one_line_at_start_up(tmp_pat
         assert await proc.stderr.read() == b""  # one line: no traceback after it
     finally:
         server.stop()
+
+
+async def test_a_stream_whose_subjects_another_stream_takes_is_told_as_such(nats_url):
+    # An operator's own stream on task.> (a backup): the catalog's TASKS could not be made, and
+    # the update tried in its place found no TASKS, so the line said "stream not found", which
+    # sent the operator looking for a stream that was never meant to be there already.
+    client = await nats.connect(nats_url)
+    await client.jetstream().add_stream(name="BACKUP", subjects=["task.>"])
+    await client.close()
+    host = ServiceHost("sla", ServiceSettings(nats_url=nats_url, metrics_port=-1))
+    try:
+        with pytest.raises(StartupRefused, match="streams and buckets refused by the NATS server: .*overlap"):
+            await asyncio.wait_for(host.start(), 10)
+    finally:
+        await host.stop()
