@@ -17,7 +17,6 @@ import msgspec
 from fleetpilot.contracts import (
     ActionFailed,
     DecisionMade,
-    NodeLedger,
     PolicyRef,
     TaskAdmitted,
     TaskLifecycle,
@@ -134,13 +133,13 @@ class Evictions(ReplicaState):
         if entry is not None and entry.value:
             return None
         for node in await ledger.keys():
-            held = await ledger.get(node)
-            if held is None or not held.value:
+            # Read as the ledger store reads it: one node's value that does not decode is
+            # rebuilt from what is known of it (``LedgerStore.rebuilt``), not raised, which
+            # failed the re-queue of every task in the fleet for as long as it stayed.
+            held = self.ledger.decoded(node, await ledger.get(node))
+            if held is None:
                 continue
-            if any(
-                a.task_id == task_id and a.decision_id != decision_id
-                for a in msgspec.json.decode(held.value, type=NodeLedger).allocations
-            ):
+            if any(a.task_id == task_id and a.decision_id != decision_id for a in held.allocations):
                 log.info("%s (%s) holds capacity on %s: not queued again", task_id, reason, node)
                 return None
 

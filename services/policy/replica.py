@@ -20,6 +20,7 @@ import msgspec
 from fleetpilot.contracts import (
     ActionExecuted,
     Allocation,
+    DecidedBy,
     DecisionMade,
     Fingerprint,
     NodeLedger,
@@ -105,11 +106,13 @@ def calibration_key(policy: str, action: str) -> str:
 
 
 def allocations_for(
-    task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement], run_at: float = 0.0
+    task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement], run_at: float = 0.0,
+    decided: DecidedBy | None = None,
 ) -> list[Allocation]:
     """The ledger holds of a placement (of a new task, or the target of a move); CPU and
-    host memory are charged once. ``run_at`` is when the run they carry began
-    (``Allocation.run_at``): now for a first placement, the source's for a move."""
+    host memory are charged once, and so is ``decided`` recorded (``Allocation.decided``: who
+    decided an assign, to publish it again as decided). ``run_at`` is when the run they carry
+    began (``Allocation.run_at``): now for a first placement, the source's for a move."""
     return [
         Allocation(
             task_id=task.task_id,
@@ -121,6 +124,7 @@ def allocations_for(
             host_memory_mb=task.memory_mb if i == 0 else 0,
             at=now(),
             run_at=run_at,
+            decided=decided if i == 0 else None,
         )
         for i, p in enumerate(placement)
     ]
@@ -616,21 +620,27 @@ class ReplicaState:
         )
 
     def existing(self, adm: TaskAdmitted, decision_id: str | None = None) -> DecisionMade | None:
-        """The decision already reserved for this task, if a previous delivery got that far."""
+        """The decision already reserved for this task, if a previous delivery got that far:
+        as it was decided (``Allocation.decided``: the policy and version, shard, fallback,
+        confidence and reason recorded with the hold), so that a replica taking over from one
+        that died before publishing publishes what that one would have. A hold that records
+        none (written before they were recorded) is re-issued under the default policy."""
         held = self.ledger.holds_of(adm.task.task_id)
         if held is None:
             return None
-        _, allocs = held
-        node = self.ledger.nodes[held[0]].node
+        key, allocs = held
+        # The decision's own holds where the node has them: not a resize's extra on one of its
+        # GPUs, which would name that GPU twice.
+        mine = [a for a in allocs if a.decision_id == (decision_id or decision_id_for(adm.task.task_id, "assign"))]
+        allocs = mine or allocs
+        node = self.ledger.nodes[key].node
         placement = [Placement(node=node, gpu=a.gpu, milli=a.milli, memory_mb=a.memory_mb) for a in allocs]
-        return self.assign_decision(
-            adm,
-            placement,
-            0.9,
-            "re-issued: capacity already reserved",
-            PolicyRef(name=self.active.current.default),
-            decision_id=decision_id,
-        )
+        decided = next((a.decided for a in allocs if a.decided is not None), None)
+        if decided is None:
+            return self.assign_decision(adm, placement, 0.9, "re-issued: capacity already reserved",
+                                        PolicyRef(name=self.active.current.default), decision_id=decision_id)
+        return self.assign_decision(adm, placement, decided.confidence, decided.reason, decided.policy,
+                                    decided.shard_id, decided.fallback, decision_id)
 
     def policy_ref(self, policies: PolicySet, name: str, choice: PolicyDecision) -> PolicyRef:
         """Who decided: the routed policy and its version, or the fallback scheduler."""
@@ -693,9 +703,24 @@ class ReplicaState:
             topo = self.fleet.nodes.get(node_key(node))
             if topo is None:
                 continue
+            # The fallback's confidence is already its historical success rate.
+            confidence = (choice.confidence if choice.fallback
+                          else self.calibration.apply(calibration_key(name, "assign"), choice.confidence))
+            reason = choice.reason
+            if bridged and fp is not None:
+                reason = (
+                    f"bridge: starts on {'its ask of ' if req.gpu_memory_mb == task.gpu_memory_mb else ''}"
+                    f"{req.gpu_memory_mb} MB (holds {memory_mb} MB); its fingerprint "
+                    f"predicts {fp.pattern} growth to {fp.predicted_peak_mb:.0f} MB, which no free GPU holds now; "
+                    f"moved up before it gets there; {choice.reason}"
+                )
+            # Recorded with the hold: a replica that finds it reserved and unpublished (this one
+            # died in between) publishes this decision again, not one of its own making.
+            decided = DecidedBy(policy=self.policy_ref(policies, name, choice), shard_id=shard_id,
+                                fallback=choice.fallback, confidence=confidence, reason=reason)
 
             def reserve(
-                current: NodeLedger | None, placement=placement, node=node, topo=topo
+                current: NodeLedger | None, placement=placement, node=node, topo=topo, decided=decided
             ) -> NodeLedger | None:
                 # Re-check on the ledger we are about to overwrite: the view may be stale.
                 if current is not None and any(a.task_id == task.task_id for a in current.allocations):
@@ -705,7 +730,7 @@ class ReplicaState:
                 # A first placement starts the run; a re-placement restores one from where its
                 # checkpoint left it, unknown (0) when the checkpoint did not say.
                 run_at = now() if requeue is None else requeue.run_began_at(now())
-                return with_allocations(current, node, allocations_for(task, decision_id, placement, run_at))
+                return with_allocations(current, node, allocations_for(task, decision_id, placement, run_at, decided))
 
             try:
                 written = await self.ledger.mutate(node_key(node), reserve)
@@ -721,28 +746,9 @@ class ReplicaState:
                 # Waited since admitted, or since queued again for a re-placement.
                 since = adm.admitted_at if requeue is None or requeue.at <= 0 else requeue.at
                 self.recent_waits.started(gpu_mb, now() - since)
-            # The fallback's confidence is already its historical success rate.
-            confidence = (choice.confidence if choice.fallback
-                          else self.calibration.apply(calibration_key(name, "assign"), choice.confidence))
-            reason = choice.reason
-            if bridged and fp is not None:
-                reason = (
-                    f"bridge: starts on {'its ask of ' if req.gpu_memory_mb == task.gpu_memory_mb else ''}"
-                    f"{req.gpu_memory_mb} MB (holds {memory_mb} MB); its fingerprint "
-                    f"predicts {fp.pattern} growth to {fp.predicted_peak_mb:.0f} MB, which no free GPU holds now; "
-                    f"moved up before it gets there; {choice.reason}"
-                )
             return (
-                self.assign_decision(
-                    adm,
-                    placement,
-                    confidence,
-                    reason,
-                    self.policy_ref(policies, name, choice),
-                    shard_id,
-                    choice.fallback,
-                    decision_id,
-                ),
+                self.assign_decision(adm, placement, confidence, reason, decided.policy, shard_id, choice.fallback,
+                                     decision_id),
                 name,
                 shard_id,
             )

@@ -300,7 +300,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         seen.append(adm.task)
         again = ps.existing(adm)
         if again is not None:
-            return again
+            # Out like any decision (the learned confidence, the count), as it went the first time.
+            return outgoing(again)
         first = decision_id_for(adm.task.task_id, "assign")
         if await ps.journaled(first):
             # Delivered again after the executor took its assign (it runs, ran, or failed and

@@ -28,7 +28,7 @@ from .decision import ActionKind, DecisionMade, Placement, PolicyRef
 from .feedback import FeedbackRecorded, FeedbackStats, Measured, Outcome, StatsGroup, StatsQuery
 from .fingerprint import Fingerprint, GrowthPattern, TaskFingerprinted
 from .handover import HandedOver, HandOver
-from .ledger import Allocation, NodeLedger
+from .ledger import Allocation, DecidedBy, NodeLedger
 from .model import HeldOutFigures, ModelPublished
 from .presence import ExecutorPresence
 from .sim import SimAck, SimCommand, SimEvent
@@ -92,6 +92,7 @@ __all__ = [
     "ActionFailed",
     "ActionKind",
     "Allocation",
+    "DecidedBy",
     "BUCKETS",
     "BandwidthEstimate",
     "BucketSpec",

@@ -7,6 +7,22 @@ from typing import Literal
 import msgspec
 
 from .base import Record
+from .decision import PolicyRef
+
+
+class DecidedBy(Record, frozen=True, kw_only=True):
+    """Who decided the placement a hold carries, and as what: the fields of the ``assign`` the
+    policy published once the hold was reserved. A replica that finds the hold reserved and the
+    decision not published (the replica that reserved it died first) publishes it again from
+    these, as it was decided."""
+
+    policy: PolicyRef
+    shard_id: str = "primary"
+    fallback: bool = False
+    # The policy's own (calibrated) confidence: a learned model's is worked out again on the
+    # way out, as it was the first time.
+    confidence: float = 0.0
+    reason: str = ""
 
 
 class Allocation(Record, frozen=True, kw_only=True):
@@ -27,6 +43,11 @@ class Allocation(Record, frozen=True, kw_only=True):
     # its restore (``Requeue.progress_s``). 0 when unknown: a run queued again by a stop whose
     # progress nobody recorded.
     run_at: float = 0.0
+    # The decision this hold was reserved for, on the first hold of a placement only (the
+    # others of the same decision carry ``None``, as they carry no CPU): an assign's, so that it
+    # can be published again as decided. ``None`` in holds written before it was recorded,
+    # and in the holds of moves and resizes, which are never published again.
+    decided: DecidedBy | None = None
 
 
 class NodeLedger(Record, frozen=True, kw_only=True):

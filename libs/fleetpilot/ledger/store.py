@@ -1,5 +1,7 @@
 """The ledger and the fleet topology as a service sees them: KV buckets kept in memory by
-watchers, and compare-and-set writes that retry on conflict."""
+watchers, and compare-and-set writes that retry on conflict. A node's ledger value that does
+not decode is rebuilt from what is known of it and written over (``LedgerStore.rebuilt``),
+never left to fail every write of the node."""
 
 from __future__ import annotations
 
@@ -13,12 +15,26 @@ from typing import ClassVar, Self
 import msgspec
 
 from fleetpilot.contracts import Allocation, NodeLedger, NodeTopology, encode
-from fleetpilot.runtime import Bus, CasConflict, KeyValue
+from fleetpilot.runtime import Bus, CasConflict, KeyValue, KvEntry
 
 log = logging.getLogger("fleetpilot.ledger")
 
 _LEDGER = msgspec.json.Decoder(NodeLedger)
 _NODE = msgspec.json.Decoder(NodeTopology)
+
+
+class _LedgerParts(msgspec.Struct):
+    """A ledger value read hold by hold: what is left of one that does not decode whole. The
+    node is required: a document without it is not a ledger, whatever else it holds."""
+
+    node: str
+    allocations: list[msgspec.Raw] = []
+
+
+_PARTS = msgspec.json.Decoder(_LedgerParts)
+_ALLOCATION = msgspec.json.Decoder(Allocation)
+_UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError)
+_SHOWN_BYTES = 4096
 
 
 class BucketMirror:
@@ -106,10 +122,73 @@ class LedgerStore(BucketMirror):
     decoder = _LEDGER
     nodes: dict[str, NodeLedger]
 
+    def __init__(self, kv: KeyValue) -> None:
+        super().__init__(kv)
+        # The unreadable value last reported per key, by revision: said once, not per attempt.
+        self._reported: dict[str, int] = {}
+
     async def read(self, node: str) -> NodeLedger | None:
-        """The node's ledger as stored now, not as the view last saw it."""
-        entry = await self._kv.get(node_key(node))
-        return _LEDGER.decode(entry.value) if entry and entry.value else None
+        """The node's ledger as stored now, not as the view last saw it (rebuilt, when the
+        stored value does not decode, as ``mutate`` would: ``rebuilt``)."""
+        key = node_key(node)
+        return self.decoded(key, await self._kv.get(key))
+
+    def decoded(self, key: str, entry: KvEntry | None) -> NodeLedger | None:
+        """The ledger a bucket entry of ``key`` holds (``None`` for none); one that does not
+        decode is ``rebuilt``, never raised: every reader of the bucket goes through here."""
+        if entry is None or not entry.value:
+            return None
+        try:
+            return _LEDGER.decode(entry.value)
+        except _UNREADABLE as exc:
+            return self.rebuilt(key, entry, exc)
+
+    def rebuilt(self, key: str, entry: KvEntry, exc: Exception) -> NodeLedger | None:
+        """The ledger of ``key`` when its stored value does not decode: taken as lost, and
+        rebuilt from what is known of it. ``None`` when nothing is (the node holds nothing
+        then, as far as this process can tell).
+
+        Why not refuse, or stop: the value was raising in every write of the node, for ever.
+        The executor's confirmations and releases of every task there went to the dead letters
+        (capacity held by nobody), a placement that chose the node failed its handler, and a
+        retry round that chose it stopped there, every round, holding up the whole queue. An
+        operator finds out from the log below, not from a node that silently stopped taking
+        work. Why rebuild rather than start the node afresh: a hold forgotten lets a GPU be
+        booked twice, and the running task on it dies of OOM; a hold kept too long only costs
+        capacity until its task ends or its reservation expires. So what is known is kept, in
+        this order: every hold of the value that still decodes on its own (the newest truth:
+        a writer of another version may have changed only one), then, when the value lost any
+        (a hold that does not decode, a document that is not a ledger), the holds of the view's
+        last readable value on GPUs the value no longer accounts for. The value itself goes to
+        the log with its key and revision, and stays in the bucket's history (five revisions)
+        for a hand repair; the write that replaces it is a compare-and-set on that revision."""
+        known = self.nodes.get(key)
+        try:
+            parts = _PARTS.decode(entry.value)
+        except _UNREADABLE:
+            parts = None
+        kept: list[Allocation] = []
+        lost = parts is None
+        for raw in parts.allocations if parts is not None else ():
+            try:
+                kept.append(_ALLOCATION.decode(raw))
+            except _UNREADABLE:
+                lost = True
+        if lost and known is not None:
+            accounted = {(a.task_id, a.gpu) for a in kept}
+            kept += [a for a in known.allocations if (a.task_id, a.gpu) not in accounted]
+        node = parts.node if parts is not None else known.node if known is not None else None
+        ledger = NodeLedger(node=node, allocations=kept) if node is not None else None
+        if self._reported.get(key) != entry.revision:
+            self._reported[key] = entry.revision
+            log.error(
+                "ledger %s: revision %d does not decode (%s); taken as lost and rebuilt from %s, holding %s. "
+                "The value was: %r", key, entry.revision, exc,
+                "nothing known (this process never read it)" if ledger is None
+                else "its readable holds" + (" and the last value read" if lost and known is not None else ""),
+                sorted({(a.task_id, a.gpu) for a in ledger.allocations}) if ledger is not None else "nothing",
+                entry.value[:_SHOWN_BYTES])
+        return ledger
 
     def holds_of(self, task_id: str) -> tuple[str, list[Allocation]] | None:
         """Where ``task_id`` holds capacity, if anywhere (for idempotent re-decisions)."""
@@ -125,7 +204,9 @@ class LedgerStore(BucketMirror):
         aborts. Raises ``CasConflict`` after ``attempts`` lost races."""
         for attempt in range(attempts):
             entry = await self._kv.get(node)
-            current = _LEDGER.decode(entry.value) if entry and entry.value else None
+            # A value that does not decode is rebuilt (``rebuilt``), not raised: raised, it
+            # failed every later write of the node for ever.
+            current = self.decoded(node, entry)
             updated = change(current)
             if updated is None:
                 return None
