@@ -75,6 +75,8 @@ LEFT = b"left"
 not arrived yet: the late result is then judged at once, as a placement left alive."""
 EXECUTOR_LATENCY_UNCERTAINTY = 0.05
 """How far the executor's action latency can be trusted (it times the backend call)."""
+MAX_REPLY_BYTES = 1024 * 1024
+"""A NATS server's default ``max_payload``, for a bus that does not tell its own."""
 
 
 class FeedbackSettings(ServiceSettings):
@@ -242,7 +244,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             message = str(error)
             raise Reject(message if len(message) <= 500 else f"{message[:500]}...") from None
         groups = await parts["store"].aggregates(by=fields)
-        return FeedbackStats(
+        reply = FeedbackStats(
             groups=[
                 StatsGroup(
                     key=g.key,
@@ -261,6 +263,14 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             ],
             at=now(),
         )
+        # A reply over the server's max_payload cannot be sent: nats.micro answered an empty
+        # 500 ("MaxPayloadError()") that said nothing of why, and nothing was logged here.
+        size = len(encode(reply))
+        limit = (host.bus.max_payload if host.bus is not None else None) or MAX_REPLY_BYTES
+        if size > limit:
+            raise Reject(f"{len(groups)} groups by {fields} make a reply of {size} bytes, over the "
+                         f"{limit} a message may carry: group by fewer fields")
+        return reply
 
     return host
 

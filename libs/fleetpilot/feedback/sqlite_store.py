@@ -84,6 +84,25 @@ def _totals_from_text(values: Sequence[str]) -> Totals:
     return Totals(**{f: int(v) for f, v in zip(TOTALS_FIELDS, values, strict=True)})
 
 
+def _switch_to_wal(db: sqlite3.Connection, busy_timeout_s: float) -> None:
+    """``PRAGMA journal_mode=WAL``, tried again until ``busy_timeout_s`` while the file is locked.
+
+    On a new file another replica is switching too, or already applying the migrations, and
+    SQLite answers this pragma "database is locked" at once rather than wait on the busy
+    timeout (it would deadlock the two): replicas started together on a new file failed to
+    start. Once the file is in WAL mode the pragma takes no lock.
+    """
+    deadline = time.monotonic() + busy_timeout_s
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if error.sqlite_errorname != "SQLITE_BUSY" or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 class SqliteFeedbackStore:
     """A :class:`~fleetpilot.feedback.store.FeedbackStore` on a SQLite file (``":memory:"`` works)."""
 
@@ -93,7 +112,7 @@ class SqliteFeedbackStore:
         self._db = sqlite3.connect(
             str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
-        self._db.execute("PRAGMA journal_mode=WAL")
+        _switch_to_wal(self._db, busy_timeout_s)
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
 

@@ -81,6 +81,9 @@ class OutcomeModel(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"outcome model: laid out by another version (column {at} is {theirs!r}, "
                              f"{ours!r} here)")
         width = self.features.width()
+        if len({len(row) for row in self.hidden_weight}) > 1:
+            # numpy's own refusal of a ragged table named neither the model nor the field.
+            raise ValueError("outcome model: hidden_weight is not a table (its rows differ in length)")
         shapes = {"mean": (np.asarray(self.mean), (width,)), "scale": (np.asarray(self.scale), (width,)),
                   "hidden_weight": (np.asarray(self.hidden_weight, dtype=float), (len(self.hidden_bias), width)),
                   "out_weight": (np.asarray(self.out_weight), (len(self.hidden_bias),))}

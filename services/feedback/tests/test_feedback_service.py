@@ -4,6 +4,7 @@ per action (redeliveries stored and announced once), statistics that match the r
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 
 import msgspec
@@ -21,6 +22,7 @@ from fleetpilot.contracts import (
     encode,
 )
 from fleetpilot.feedback import PostgresFeedbackStore
+from fleetpilot.feedback.synthetic import feedback_event
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.feedback.service import FeedbackSettings, build, open_store
@@ -399,3 +401,36 @@ async def test_a_huge_bad_grouping_still_gets_an_error_reply(feedback_settings, 
         await host.stop()
     error = msgspec.json.decode(reply.data)["error"]
     assert error.startswith("group by a subset of") and len(error) < 1000
+
+
+def synthetic_event(action_id: str) -> FeedbackRecorded:
+    """A plausible record for ``action_id``, the same on every run."""
+    return feedback_event(action_id, random.Random(action_id))
+
+
+async def test_statistics_too_large_for_one_message_get_an_error_reply_not_silence(feedback_settings, nats_client):
+    # 4,000 groups by every key field make a reply of some 1.3 MB, over the 1 MB a NATS
+    # message can carry: nats.micro could not send it and the client got an empty 500
+    # ("feedback.stats failed") that said nothing of why or what to ask instead.
+    store = await open_store(feedback_settings)
+    try:
+        for i in range(4_000):
+            record = msgspec.structs.replace(
+                synthetic_event(f"big-{i:05d}"),
+                policy=PolicyRef(name="learned", version=str(i // 100)),
+                task_kind=f"kind-{i // 10 % 10}", gpu_model=f"gpu-{i % 10}", shard_id="primary", action="assign")
+            assert await store.record(record)
+    finally:
+        await store.close()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        everything = ["policy", "shard_id", "task_kind", "gpu_model", "action"]
+        too_big = await nats_client.request("feedback.stats", encode(StatsQuery(by=everything)), timeout=30)
+        fits = await nats_client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=30)
+    finally:
+        await host.stop()
+    assert "Nats-Service-Error" not in (too_big.headers or {})
+    error = msgspec.json.decode(too_big.data)["error"]
+    assert "4000 groups" in error and "group by fewer fields" in error
+    assert len(decode(fits.data, FeedbackStats).groups) == 40  # the endpoint still serves

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import sqlite3
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -90,6 +92,48 @@ async def test_sqlite_migrations_idempotent(tmp_path: Path) -> None:
     assert again.applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
     assert len([e async for e in again.raw()]) == 1
     await again.close()
+
+
+def _open_sqlite_store(path: str, start: multiprocessing.synchronize.Barrier) -> None:
+    start.wait()
+    SqliteFeedbackStore(path)  # an error here exits the process with code 1
+
+
+def test_sqlite_replicas_starting_at_once_on_a_new_file_all_start(tmp_path: Path) -> None:
+    """Replicas sharing one file, started together on a new one (``fleetpilot up``, a host's
+    first boot): the switch to WAL did not wait on the busy timeout, and in one round of four
+    replicas in four to eight one failed with "database is locked"."""
+    fork = multiprocessing.get_context("fork")
+    for round_ in range(50):
+        path = str(tmp_path / f"f{round_}.db")
+        start = fork.Barrier(4)
+        replicas = [fork.Process(target=_open_sqlite_store, args=(path, start)) for _ in range(4)]
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.join(60)
+        assert [r.exitcode for r in replicas] == [0] * 4, f"round {round_}"
+        assert SqliteFeedbackStore(path).applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
+
+
+def test_a_sqlite_start_up_waits_for_a_write_lock_held_on_a_new_file(tmp_path: Path) -> None:
+    """The mechanism of the race above, made certain: a replica switching a new file to WAL
+    while another holds its write lock got "database is locked" at once (SQLite does not
+    wait on the busy timeout there), instead of waiting as every other statement does."""
+    path = tmp_path / "f.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("CREATE TABLE another_replicas_work (x)")
+    release = threading.Timer(0.3, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        began = time.monotonic()
+        store = SqliteFeedbackStore(path)
+        assert time.monotonic() - began >= 0.2  # it waited for the lock, then opened
+        assert store.applied_migrations() == [m.version for m in SQLITE_MIGRATIONS]
+    finally:
+        release.join()
+        holder.close()
 
 
 async def test_postgres_migrations_idempotent(pg_store: PostgresFeedbackStore, pg_dsn: str) -> None:

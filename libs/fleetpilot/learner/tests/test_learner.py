@@ -243,6 +243,9 @@ def test_an_untrained_correction_says_what_the_policy_said() -> None:
     ({"out_bias": float("nan")}, "bias is not finite"),
     ({"scale_zero": True}, "scale is not positive"),
     ({"weight_nan": True}, "hidden_weight holds a number that is not finite"),
+    # Rows of unequal length: numpy's own message ("setting an array element with a
+    # sequence ...") named neither the model nor the field.
+    ({"ragged": True}, "outcome model: hidden_weight is not a table"),
 ])
 def test_a_model_read_off_the_bus_is_checked(change: dict, message: str) -> None:
     world = growing_world(6, n=40)
@@ -253,6 +256,8 @@ def test_a_model_read_off_the_bus_is_checked(change: dict, message: str) -> None
         change["scale"] = [0.0] * layout.width()
     if change.pop("weight_nan", False):
         change["hidden_weight"] = [[float("nan")] * layout.width() for _ in model.hidden_bias]
+    if change.pop("ragged", False):
+        change["hidden_weight"] = [row[:-1] if i == 0 else row for i, row in enumerate(model.hidden_weight)]
     with pytest.raises(ValueError, match=message):
         msgspec.structs.replace(model, **change).check()
 
