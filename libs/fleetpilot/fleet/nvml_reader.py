@@ -303,14 +303,17 @@ class NvmlReader:
     """Reads the local node's GPUs through a ``pynvml``-compatible module (default: pynvml).
 
     ``node`` names the node (default: the host name), ``root`` prefixes ``/proc`` and
-    ``/sys`` paths, ``clock`` gives wall time (injected for tests), ``task_of_pid`` maps
-    a PID to a task id (default: ``FLEETPILOT_TASK_ID`` in ``<root>/proc/<pid>/environ``).
+    ``/sys`` paths, ``clock`` gives wall time (injected for tests), ``monotonic`` the
+    seconds that counter rates are taken over (default: ``time.monotonic``, or ``clock``
+    when only that is injected), ``task_of_pid`` maps a PID to a task id (default:
+    ``FLEETPILOT_TASK_ID`` in ``<root>/proc/<pid>/environ``).
     """
 
     source: Literal["nvml"] = "nvml"
 
     def __init__(self, nvml: ModuleType | Any = None, *, node: str | None = None, site: str = "default",
                  root: str | Path = "/", clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] | None = None,
                  task_of_pid: Callable[[int], str | None] | None = None) -> None:
         if nvml is None:
             import pynvml as nvml  # noqa: PLC0415 - the real module only when none is injected
@@ -319,6 +322,9 @@ class NvmlReader:
         self.site = site
         self.root = Path(root)
         self._clock = clock
+        # Rates are taken on a clock that only moves forward: the wall clock can be stepped
+        # back (NTP, a VM restored), and a step of 0.9 s in a 1 s interval read as a 10x rate.
+        self._monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._task_of_pid = task_of_pid or self._task_from_environ
         nvml.nvmlInit()
         # nvmlDeviceGetCount counts GPUs that nvmlDeviceGetHandleByIndex then refuses: one
@@ -339,7 +345,7 @@ class NvmlReader:
         self._xid_last = [0] * len(self._handles)
         self._xid_count = [0] * len(self._handles)
         self._xid_codes: list[dict[int, int]] = [{} for _ in self._handles]
-        # Last (time, tx, rx) of each cumulative counter pair, per (counter, GPU).
+        # Last (monotonic time it was read, tx, rx) of each cumulative counter pair, per (counter, GPU).
         self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
         self._proc_util_ts = [0] * len(self._handles)
         # MIG: GPUs found without it (never asked again), each MIG GPU's maximum of MIG
@@ -406,7 +412,12 @@ class NvmlReader:
             return None
         for item in env.split(b"\0"):
             if item.startswith(TASK_ENV.encode() + b"="):
-                return item.split(b"=", 1)[1].decode() or None
+                try:
+                    return item.split(b"=", 1)[1].decode() or None
+                except UnicodeDecodeError:
+                    # Not an id the executor wrote (its ids are text): the process is no
+                    # task's, and a stranger's environment must not stop the node's readings.
+                    return None
         return None
 
     def _check_node(self, node: str) -> None:
@@ -539,16 +550,21 @@ class NvmlReader:
             return Reading(value=SWITCH_RATE_PER_PEER * max(processes - 1, 0) * busy, uncertainty_score=0.8)
         return Reading(value=0.0, uncertainty_score=1.0)
 
-    def _deltas(self, counter: str, index: int, now: float, tx: float, rx: float) -> tuple[float, float, float] | None:
-        """``(tx delta, rx delta, seconds)`` of a cumulative counter pair since the last read
-        of it on this GPU; ``None`` on the first read (or a clock that did not advance)."""
+    def _deltas(self, counter: str, index: int, tx: float, rx: float) -> tuple[float, float, float] | None:
+        """``(tx delta, rx delta, seconds)`` of a cumulative counter pair, just read, since the
+        last read of it on this GPU; ``None`` on the first read (or a clock that did not advance).
+
+        The seconds are those between the two reads of the counter itself, not between the
+        samples' stamps: a GPU read late in a sample (behind another GPU's slow call, or the
+        first sample's 20 ms PCIe sampling calls) had its counter count for longer."""
+        now = self._monotonic()
         prev = self._counters.get((counter, index))
         self._counters[(counter, index)] = (now, tx, rx)
         if prev is None or now <= prev[0]:
             return None
         return tx - prev[1], rx - prev[2], now - prev[0]
 
-    def _nvlink_ratio(self, index: int, handle: Any, now: float) -> Reading:
+    def _nvlink_ratio(self, index: int, handle: Any) -> Reading:
         # Cumulative TX/RX data counters (KiB) per link through nvmlDeviceGetFieldValues; the
         # ratio is the busier direction's rate over active links x common link speed.
         nvml = self._nvml
@@ -570,7 +586,7 @@ class NvmlReader:
             return Reading(value=0.0, uncertainty_score=1.0)
         tx = float(sum(v.value.ullVal for v in values[0::2]))
         rx = float(sum(v.value.ullVal for v in values[1::2]))
-        deltas = self._deltas("nvlink", index, now, tx, rx)
+        deltas = self._deltas("nvlink", index, tx, rx)
         if deltas is None:
             return Reading(value=0.0, uncertainty_score=1.0)  # first read: no rate yet
         d_tx, d_rx, dt = deltas
@@ -583,7 +599,7 @@ class NvmlReader:
         return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
                        uncertainty_score=0.1 if speed_known else 0.3)
 
-    def _pcie_kbps(self, index: int, handle: Any, now: float, missing: list[str]) -> tuple[float, float]:
+    def _pcie_kbps(self, index: int, handle: Any, missing: list[str]) -> tuple[float, float]:
         # nvmlDeviceGetPcieThroughput samples the bus for 20 ms per call (21 ms measured on
         # an H200, two calls per GPU per reading). Where the driver has the cumulative byte
         # counters, the rate is their delta since the last reading instead: microseconds to
@@ -592,7 +608,7 @@ class NvmlReader:
         ids = [getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None), getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)]
         counts = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids) if None not in ids else None
         if counts is not None and all(c.nvmlReturn == 0 for c in counts):
-            deltas = self._deltas("pcie", index, now, float(counts[0].value.ullVal), float(counts[1].value.ullVal))
+            deltas = self._deltas("pcie", index, float(counts[0].value.ullVal), float(counts[1].value.ullVal))
             if deltas is not None and deltas[0] >= 0 and deltas[1] >= 0:
                 d_tx, d_rx, dt = deltas
                 return d_tx / dt / 1024.0, d_rx / dt / 1024.0
@@ -645,7 +661,7 @@ class NvmlReader:
                 self._gpu_total[index] = int(mem.total)
             mig, mig_rows = self._mig(index, handle, missing)
             processes = self._processes(handle, missing, rows=mig_rows)
-            pcie_tx, pcie_rx = self._pcie_kbps(index, handle, now, missing)
+            pcie_tx, pcie_rx = self._pcie_kbps(index, handle, missing)
             total_mb = mem.total / MB if mem is not None else 0.0
             used_mb = mem.used / MB if mem is not None else 0.0
             out.append(GpuSample(
@@ -674,7 +690,7 @@ class NvmlReader:
                 xid_last=self._xid_last[index], xid_count=self._xid_count[index],
                 xid_codes=self._xid_codes_of(index),
                 cuda_context_switches_per_sec=self._context_switches(index, handle, util_gpu, len(processes)),
-                nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle, now),
+                nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle),
                 processes=processes,
                 labels={"driver_version": self._driver, "site": self.site,
                         **({"nvml_unsupported": ",".join(sorted(set(missing)))} if missing else {})},

@@ -5,7 +5,8 @@ so the collector reads it exactly as it reads real nodes. Tasks are placed on GP
 ``MemoryGrowth`` (the ground truth of ``workload.growth``) and a utilisation demand;
 ``advance(dt_s)`` plays them out for every GPU at once:
 
-- memory: each task holds ``growth.memory_at(age)`` (+ seeded noise) on *each* of its
+- memory: each task holds ``growth.memory_at(age)`` (+ seeded noise, drawn once per tick of
+  virtual time: reading the fleet changes nothing) on *each* of its
   GPUs, plus ``CONTEXT_MB`` of CUDA context per process; a task ends at ``duration_s``;
 - OOM: when a GPU's used memory exceeds its total, the task that pushed it over (the
   largest growth on that GPU during the tick; the newest task on a tie) is killed on all
@@ -185,6 +186,7 @@ class SimulatedFleet:
         self._s_task = np.zeros(0, dtype=np.int64)
         self._s_gpu = np.zeros(0, dtype=np.int64)
         self._prev_share_mem = np.zeros(0)
+        self._t_z = np.zeros(0)  # each task's memory-noise draw of this tick (standard normal)
         self._rebuild()
         self._task_mem = np.zeros(0)
         self._demand = np.zeros(self.gpu.count)
@@ -400,6 +402,10 @@ class SimulatedFleet:
         if len(self._prev_share_mem) == len(self._s_task):
             previous = {(self._task_list[int(ti)].task_id, int(gi)): float(m)
                         for ti, gi, m in zip(self._s_task, self._s_gpu, self._prev_share_mem, strict=True)}
+        # A task keeps its noise draw until the next tick: a rebuild (a placement, a kill)
+        # moves no time, and a new task holds its noiseless curve until time moves.
+        drawn = ({t.task_id: float(z) for t, z in zip(self._task_list, self._t_z, strict=True)}
+                 if len(self._t_z) == len(self._task_list) else {})
         tasks = list(self._tasks.values())
         self._task_list = tasks
         self._task_index = {t.task_id: i for i, t in enumerate(tasks)}
@@ -412,6 +418,7 @@ class SimulatedFleet:
         self._t_steps = np.array([x.n_steps for x in gr], float)
         self._t_period = np.array([x.period_s for x in gr], float)
         self._t_noise = np.array([x.noise_mb for x in gr], float)
+        self._t_z = np.array([drawn.get(t.task_id, 0.0) for t in tasks], float)
         self._t_start = np.array([t.start_s for t in tasks], float)
         self._t_seq = np.array([t.seq for t in tasks], dtype=np.int64)
         self._t_util = np.array([t.util for t in tasks], float)
@@ -446,15 +453,23 @@ class SimulatedFleet:
             self._emit("finished", task.global_gpus[0], task_id=task.task_id, detail="completed",
                        value=self.peak_held_mb(task.task_id))
             self.remove(task.task_id)
+        draw = dt > 0
         while True:
             if self._dirty:
                 self._rebuild()
+            noisy = self._t_noise > 0
+            if draw:
+                # Noise is drawn once per tick of virtual time, never by a refresh (a read
+                # after a placement) nor again after an OOM kill: reading the fleet must not
+                # change what it does next (the seed's run), nor OOM-kill a task by itself.
+                draw = False
+                self._t_z = np.zeros(len(self._task_list))
+                self._t_z[noisy] = self._rng.normal(0.0, 1.0, int(noisy.sum()))
             age = self.now_s - self._t_start
             mem = memory_at_vectorised(self._t_code, self._t_base, self._t_peak, self._t_duration,
                                        self._t_warmup, self._t_steps, self._t_period, age)
-            noisy = self._t_noise > 0
             if noisy.any():
-                mem[noisy] = np.maximum(mem[noisy] + self._rng.normal(0.0, 1.0, int(noisy.sum())) * self._t_noise[noisy], 0.0)
+                mem[noisy] = np.maximum(mem[noisy] + self._t_z[noisy] * self._t_noise[noisy], 0.0)
             started = age >= 0.0  # a task placed to start later holds nothing yet
             mem[~started] = 0.0
             self._task_mem = mem

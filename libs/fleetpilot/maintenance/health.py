@@ -31,7 +31,8 @@ feature                   meaning (transform)                                   
 ========================  ==========================================================  ======
 
 (*) A reading speaks for the time since the one before it, but for no longer than the
-window's median sampling period: a gap in reporting is time nobody saw. The thermal slope is
+window's median sampling period (between distinct readings): a gap in reporting is time
+nobody saw. A temperature that is no number is left out, as an unread one. The thermal slope is
 the median of the pairwise slopes (Theil-Sen) so that one reading after a gap, with the
 leverage of half the window in a least-squares fit, does not make a trend.
 
@@ -298,21 +299,29 @@ def features_of(window: Sequence[GpuSample], *, temp_threshold_c: float = 85.0) 
                                       if "temperature_c" not in missing]
     at = np.fromiter(map(operator.attrgetter("at"), temps), dtype=np.float64, count=len(temps)) / 3600.0
     temp = np.fromiter(map(operator.attrgetter("temperature_c"), temps), dtype=np.float64, count=len(temps))
+    finite = np.isfinite(temp)
+    if not finite.all():
+        # A temperature that is no number says nothing (as one NVML could not read); kept,
+        # a NaN made the risk NaN, below every threshold however else the GPU decayed.
+        at, temp = at[finite], temp[finite]
     # Over a short span sensor noise dominates the slope (1 °C of noise over 10 minutes reads
     # as 6 °C/h), so the trend counts only once the window covers MIN_SLOPE_SPAN_H.
-    enough = len(temps) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
+    enough = len(temp) >= 3 and float(np.ptp(at)) >= MIN_SLOPE_SPAN_H
     slope = theil_sen_slope(at, temp) if enough else 0.0
     hot = 0.0  # one reading speaks for no stretch of time
-    if len(temps) >= 2:
+    if len(temp) >= 2:
         # A reading speaks for the time since the one before it, but for no longer than the
         # window's usual sampling period: a gap (a collector restart) is time nobody saw, and
         # one hot reading after it is not an hour and a half spent hot. The share is of at
         # least MIN_RATE_SPAN_H, as the rates are: two minutes of a window two minutes long
         # (an executor restarted during a transient) is not a GPU that runs hot.
         dt = np.diff(at)
-        dt = np.minimum(dt, float(np.median(dt)))
+        # The usual period is that between distinct readings: with each reading delivered
+        # twice, half the gaps are 0, their median was 0, and no time was ever spent hot.
+        apart = dt[dt > 0]
+        dt = np.minimum(dt, float(np.median(apart)) if apart.size else 0.0)
         hot = float(np.sum(dt[temp[1:] > temp_threshold_c]) / max(float(np.sum(dt)), MIN_RATE_SPAN_H))
-    latest_temp = float(temp[-1]) if len(temps) else 0.0
+    latest_temp = float(temp[-1]) if len(temp) else 0.0
     return HealthFeatures(
         xid=min(xid, 5.0),
         ecc_corrected=math.log1p(growth("ecc_corrected") / span_h),
