@@ -29,12 +29,16 @@
 - Bad and stray input: a sample of negative memory, or of more per GPU than any GPU holds
   (``MOST_MB_PER_GPU``), or of a utilisation that is not a percentage, is dead-lettered with
   its reason; one stamped at or before the latest of its task's series (delivered twice, or
-  overtaken) or its latest stop (the process stopped, not the one restored) is dropped. A task rejected
+  overtaken) or its latest stop (the process stopped, not the one restored) is dropped; one
+  stamped far ahead of its node's clock (``NodeClocks``) is dead-lettered, and a lifecycle event
+  so stamped is taken as at its node's latest sample. A task rejected
   (``task.rejected``) is forgotten; a run silent for ``silent_forget_s`` loses its series
   (keeping its signature and peak, as after a move); a retry (``started`` after an end) is
   fitted with its signature, and an earlier run's end or start delivered again is ignored.
   Fits run on one thread off the event loop; a fold the bucket cannot take while the server
-  is away is written again once it is back.
+  is away is written again once it is back. A run is folded once (``learnt_runs``); the runs
+  that ended in the last minutes and that no replica learnt (this one crashed within their
+  grace) are learnt at start from what the streams keep (``recover_ended_runs``).
 - Partitions: with ``partitions`` above 1, each replica owns the tasks whose id hashes to its
   ``partition`` and takes every message on consumers of its own, keeping its tasks'; a task's
   samples all reach its one model. What another partition's runs show reaches this one's
@@ -65,11 +69,13 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.contracts.catalog import stream_of
+from fleetpilot.contracts.catalog import STREAMS, stream_of
 from fleetpilot.fingerprint import (
     OnlineFingerprinter,
     SignatureStats,
     borrowed,
+    learnt,
+    mark_learnt,
     merge,
     merge_oom,
     merge_restore,
@@ -78,6 +84,7 @@ from fleetpilot.fingerprint import (
     prediction_changed,
     predicts_nothing,
     restore_tells,
+    run_key,
     stored_stats,
     task_signature,
 )
@@ -89,6 +96,19 @@ from pydantic_settings import SettingsConfigDict
 log = logging.getLogger("fleetpilot.fingerprinter")
 
 STREAM_OF_SUBMISSIONS = stream_of("task.submitted")
+STREAM_OF_LIFECYCLE = stream_of("task.lifecycle.x")
+STREAM_OF_SAMPLES = stream_of("telemetry.task.x")
+SAMPLES_KEPT_S = next(stream.max_age_s for stream in STREAMS if stream.name == STREAM_OF_SAMPLES)
+"""How long the server keeps the task samples (a short-lived stream, for late joiners): how
+far back a replica started again looks for the runs that ended while it was away."""
+TERMINAL_STATES = ("finished", "oom_killed", "failed")
+
+FAR_AHEAD_S = 86_400.0
+FASTEST_CLOCK = 1_000.0
+"""A sample may lead its node's latest sample by at most ``FAR_AHEAD_S`` plus ``FASTEST_CLOCK``
+times the seconds since that sample arrived (``NodeClocks``): a simulated fleet runs its clock
+ahead of the wall clock (``--speed``), and a recorded series may be replayed at once, but a
+time beyond that is garbled (milliseconds read as seconds, a clock set to another year)."""
 
 PARTITION_REPLAY_S = 60.0
 """How far back a partition's own consumers start when first made (the fingerprinter
@@ -112,6 +132,63 @@ class TaskSeries(OnlineFingerprinter):
         super().__init__(*args, **kwargs)
         self.latest_at = latest_at
         self.heard_at = time.monotonic()
+
+
+class NodeClocks:
+    """Each node's clock as its samples read it: the latest sample's time and when this replica
+    heard it, by which a time far ahead of it is told apart from one a node's clock can have
+    reached (``FAR_AHEAD_S``, ``FASTEST_CLOCK``). Not the replica's own clock: a simulated
+    fleet's runs ahead of it without end. A node not heard of yet is judged against the
+    replica's clock when it started. ``cap`` nodes are kept, the least recently heard dropped."""
+
+    def __init__(self, cap: int) -> None:
+        """Hear of no node yet."""
+        self._latest: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._started = (now(), time.monotonic())
+        self._cap = cap
+
+    def latest(self, node: str) -> float:
+        """The latest time ``node``'s samples read (this replica's start for a node unheard of)."""
+        return self._latest.get(node, self._started)[0]
+
+    def reach(self, node: str) -> float:
+        """The furthest time ``node``'s clock can read now."""
+        at, heard = self._latest.get(node, self._started)
+        return at + FAR_AHEAD_S + FASTEST_CLOCK * (time.monotonic() - heard)
+
+    def saw(self, node: str, at: float) -> bool:
+        """Whether a sample of ``node`` at ``at`` is within its reach; one that is moves it on."""
+        if at > self.reach(node):
+            return False
+        if at > self.latest(node):
+            self._latest[node] = (at, time.monotonic())
+            self._latest.move_to_end(node)
+            while len(self._latest) > self._cap:
+                self._latest.popitem(last=False)
+        return True
+
+
+def refusal(sample: TaskTelemetry) -> str | None:
+    """Why ``sample`` cannot be fitted as it came (``None``: it can), in one line: a reading
+    that is not a number, of negative memory, of a utilisation that is not a percentage, or of
+    more per GPU than any GPU holds (``MOST_MB_PER_GPU``)."""
+    if not (math.isfinite(sample.memory_used_mb) and math.isfinite(sample.at)):
+        return f"memory_used_mb {sample.memory_used_mb:g} at {sample.at:g}: not a number"
+    if sample.memory_used_mb < 0:
+        # Garbled at its source: fitted, it would teach the signature a negative peak.
+        return f"memory_used_mb {sample.memory_used_mb:g} is negative"
+    if not 0.0 <= sample.utilization_gpu_pct <= 100.0:
+        # A percentage garbled at its source: fitted, one such reading makes the task's
+        # burstiness not a number (or out of its range) in every fingerprint after it,
+        # which cannot be published nor folded into its signature's statistics.
+        return f"utilization_gpu_pct {sample.utilization_gpu_pct:g} is not a percentage (0 to 100)"
+    # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
+    # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
+    per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
+    if per_gpu > MOST_MB_PER_GPU:
+        return (f"memory_used_mb {sample.memory_used_mb:g} on {max(len(sample.gpus), 1)} GPU(s) is "
+                f"{per_gpu:g} MB per GPU, more than any GPU holds ({MOST_MB_PER_GPU:g} MB)")
+    return None
 
 
 class FingerprinterSettings(ServiceSettings):
@@ -207,6 +284,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         cache.move_to_end(key)
         while len(cache) > settings.max_tracked_tasks:
             cache.popitem(last=False)
+    clocks = NodeClocks(settings.max_tracked_tasks)
     # Tasks submitted that have not run yet: task -> (signature, the prediction it was last
     # given, ``None`` for none), and the tasks by signature.
     waiting: OrderedDict[str, tuple[str, Fingerprint | None]] = OrderedDict()
@@ -287,13 +365,16 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     async def write_fold(signature: str, fold: Callable[[SignatureStats], SignatureStats]) -> SignatureStats | None:
         """Apply ``fold`` to the signature's statistics in the bucket (compare-and-set); the
-        statistics written, ``None`` when ten writes in a row lost the race."""
+        statistics written, ``None`` when ten writes in a row lost the race or ``fold`` returned
+        them unchanged (the very object)."""
         kv = await host.bus.kv("fingerprints")  # type: ignore[union-attr]
         for _ in range(10):
             entry = await kv.get(signature)
             # Statistics in old units, or unreadable, are started afresh (``stored_stats``).
             stats = stored_stats(signature, entry.value if entry else None) or SignatureStats(signature=signature)
             folded = fold(stats)
+            if folded is stats:
+                return None  # nothing to write (a run learnt already, read again)
             body = encode(folded)
             try:
                 if entry is None:
@@ -399,25 +480,21 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
 
     @host.on_core("telemetry.task.*", TaskTelemetry, queue=f"fingerprinter-{instance}" if instance else "fingerprinter")
     async def on_sample(sample: TaskTelemetry) -> TaskFingerprinted | None:
+        # Every replica's samples tell it each node's clock, its own tasks' or not.
+        within_reach = clocks.saw(sample.node, sample.at)
         if not owned.owns(sample.task_id):
             return None
-        if not (math.isfinite(sample.memory_used_mb) and math.isfinite(sample.at)):
-            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} at {sample.at:g}: not a number")
-        if sample.memory_used_mb < 0:
-            # Garbled at its source: fitted, it would teach the signature a negative peak.
-            # Its owner alone dead-letters it (every replica decodes every sample).
-            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} is negative")
-        if not 0.0 <= sample.utilization_gpu_pct <= 100.0:
-            # A percentage garbled at its source: fitted, one such reading makes the task's
-            # burstiness not a number (or out of its range) in every fingerprint after it,
-            # which cannot be published nor folded into its signature's statistics.
-            raise Reject(f"utilization_gpu_pct {sample.utilization_gpu_pct:g} is not a percentage (0 to 100)")
-        # A sample sums the task's GPUs; a fingerprint is per GPU, as every request, hold and
-        # GPU it is compared with (a 3-GPU task's peak is not three times a GPU's).
+        # Its owner alone dead-letters a bad sample (every replica decodes every sample).
+        reason = refusal(sample)
+        if reason is not None:
+            raise Reject(reason)
+        if not within_reach:
+            # Refused, not clamped: a sample's time is all that places it in its series. Taken,
+            # it stretched the series' curve over the gap, and every later sample, stamped
+            # before it, was dropped as overtaken: the run was fitted on its samples up to it.
+            raise Reject(f"at {sample.at:g} is {sample.at - clocks.latest(sample.node):.0f} s ahead of the latest "
+                         f"sample of node {sample.node!r}: a clock that is wrong, or a garbled time")
         per_gpu = sample.memory_used_mb / max(len(sample.gpus), 1)
-        if per_gpu > MOST_MB_PER_GPU:
-            raise Reject(f"memory_used_mb {sample.memory_used_mb:g} on {max(len(sample.gpus), 1)} GPU(s) is "
-                         f"{per_gpu:g} MB per GPU, more than any GPU holds ({MOST_MB_PER_GPU:g} MB)")
         end = ending.get(sample.task_id)
         if sample.task_id in ended or (end is not None and sample.at > end[0].at):
             return None  # the run is over (a sample after its end belongs to nothing)
@@ -457,6 +534,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def on_lifecycle(life: TaskLifecycle) -> None:
         if not owned.owns(life.task_id):
             return
+        if life.at > clocks.reach(life.node):
+            # Clamped, not refused: the event tells that the task started, moved or ended,
+            # which must not be lost; only its time is wrong. Taken at its word, a start or a
+            # stop far ahead had every later end of the task ignored and every later sample
+            # taken for the stopped process's, and an end had the run's growth carried to it.
+            # Its node's latest sample is the latest time known to be right.
+            log.warning("task.lifecycle %s of %s stamped %.0f s ahead of node %r's clock: taken as at its latest "
+                        "sample", life.state, life.task_id, life.at - clocks.latest(life.node), life.node)
+            life = msgspec.structs.replace(life, at=clocks.latest(life.node))
         stop_waiting(life.task_id)  # it runs, or has run: its own samples tell the rest
         if life.state in ("migrated", "evicted"):
             # Moved, or stopped to be placed again (preempted, checkpointed, its GPU gone):
@@ -493,7 +579,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 # Not from its start as far as its envelope goes: a retry may resume from a checkpoint.
                 model_for(life.task_id, signature, duration)
             return
-        if life.state not in ("finished", "oom_killed", "failed"):
+        if life.state not in TERMINAL_STATES:
             return
         if life.at < last_start.get(life.task_id, -math.inf):
             return  # the end of a run before the latest start, delivered again: that run was learnt
@@ -587,7 +673,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             if held <= 0:
                 return
 
-            def fold(stats: SignatureStats) -> SignatureStats:
+            def fold_run(stats: SignatureStats) -> SignatureStats:
                 return merge_oom(stats, held)
         else:
             if model.samples < 3:
@@ -604,9 +690,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # Only a completed run tells what its program needs: one that failed stopped short.
             peak = max(model.peak_so_far_mb, before) if life.state == "finished" else 0.0
 
-            def fold(stats: SignatureStats) -> SignatureStats:
+            def fold_run(stats: SignatureStats) -> SignatureStats:
                 merged = merge(stats, final)
                 return merge_run_peak(merged, peak) if peak > 0 else merged
+        key = run_key(life.task_id, life.at)
+
+        def fold(stats: SignatureStats) -> SignatureStats:
+            # Once per run, in the same compare-and-set write: its end may be learnt again by a
+            # replica started again (``recover_ended_runs``), or by two owners in a rescale.
+            return stats if learnt(stats, key) else mark_learnt(fold_run(stats), key)
         await fold_into(model.signature, fold)
 
     if not owned.whole:
@@ -660,9 +752,61 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 if model is not None and not model.signature:
                     model.signature, model.expected_duration_s = recovered[task.task_id]
                 await asyncio.sleep(0)  # a long read must not hold up the samples
-            recovery["done"] = True
             log.info("read the signatures of %d tasks submitted in the last %.0f s", read, settings.recover_s)
+            await recover_ended_runs()
+            recovery["done"] = True
         await asyncio.Event().wait()
+
+    async def recover_ended_runs() -> None:
+        """Learn the runs that ended in the last ``SAMPLES_KEPT_S`` and that no replica learnt
+        (the signature's ``learnt_runs`` says), their series read again from the samples the
+        server keeps. A replica that stops at the end of a run's grace, or crashes within it,
+        had taken (acked) its end and held its series in memory alone: started again, it read
+        neither again, and the run was never learnt. Such a run is learnt as a series that did
+        not begin with it (no envelope): the server keeps its last minutes of samples."""
+        latest: dict[str, tuple[TaskLifecycle, float]] = {}  # task -> its latest event, when stored
+        async for message in host.bus.stream_messages(  # type: ignore[union-attr]
+                STREAM_OF_LIFECYCLE, "task.lifecycle.>", since=now() - SAMPLES_KEPT_S):
+            try:
+                life = decode(message.data, TaskLifecycle)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # dead-lettered by the consumer when it was first read
+            if owned.owns(life.task_id):
+                latest[life.task_id] = (life, message.at)
+            await asyncio.sleep(0)
+        learnt_here = 0
+        for task_id, (life, stored_at) in latest.items():
+            signature, duration = recovered.get(task_id, ("", None))
+            model = models.get(task_id)
+            if (life.state not in TERMINAL_STATES or not signature or ended.get(task_id, ("",))[0]
+                    or (model is not None and model.samples)):
+                continue  # not over, of no known program, or learnt (or being learnt) by this replica
+            stats = await stored(signature)
+            if stats is not None and learnt(stats, run_key(task_id, life.at)):
+                continue
+            series = TaskSeries(signature, expected_duration_s=duration, only_trusted=True, from_start=False)
+            async for message in host.bus.stream_messages(  # type: ignore[union-attr]
+                    STREAM_OF_SAMPLES, f"telemetry.task.{task_id}", since=now() - SAMPLES_KEPT_S):
+                try:
+                    sample = decode(message.data, TaskTelemetry)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                # As when taken live: a sample stored after the end and stamped after it belongs to nothing.
+                after_end = message.at > stored_at and sample.at > life.at
+                if refusal(sample) is None and series.latest_at < sample.at and not after_end:
+                    series.latest_at = sample.at
+                    reading = (sample.at, sample.memory_used_mb / max(len(sample.gpus), 1))
+                    if series.refits_or_thins_on_next_add():
+                        await off_loop(series.add, *reading, utilisation=sample.utilization_gpu_pct)
+                    else:
+                        series.add(*reading, utilisation=sample.utilization_gpu_pct)
+            if ended.get(task_id, ("",))[0] or (task_id in models and models[task_id].samples):
+                continue  # learnt by this replica meanwhile
+            models[task_id] = series
+            learnt_here += 1
+            if task_id not in ending:  # else its end, delivered again meanwhile, learns this series
+                await learn_end(life)
+        log.info("%d runs that ended in the last %.0f s read again to be learnt", learnt_here, SAMPLES_KEPT_S)
 
     recovery = {"done": settings.recover_s <= 0, "started": False}
 

@@ -39,6 +39,10 @@ FIT_MISS_SHARE = 0.025
 """The share of a signature's known runs that a GPU sized by ``fit_peak`` may be too small
 for: the OOM risk a task takes to run on a GPU that holds nearly all of its program's runs,
 rather than wait for one that holds its mean with a margin."""
+LEARNT_RUNS_KEPT = 256
+"""How many of a signature's latest runs folded into its statistics it keeps the key of
+(``learnt_runs``): enough for the runs a fingerprinter started again reads back from the
+streams (those of its last minutes), few enough to keep the statistics small."""
 
 
 def task_signature(task: TaskSubmitted) -> str:
@@ -86,6 +90,27 @@ class SignatureStats(msgspec.Struct, kw_only=True, tag_field="memory", tag="per_
     # Per GPU, what each of its latest ``RUN_PEAKS_KEPT`` runs needed, oldest first: the most
     # a completed run held, or the floor a run killed by an OOM taught (``fit_peak``).
     run_peaks_mb: tuple[float, ...] = ()
+    # The keys of its latest ``LEARNT_RUNS_KEPT`` runs folded in (``run_key``), oldest first:
+    # a run's end read again (a fingerprinter started again within its grace, a replica of
+    # an old partition count beside a new one) is folded once.
+    learnt_runs: tuple[str, ...] = ()
+
+
+def run_key(task_id: str, ended_at: float) -> str:
+    """The key a run is folded under (``learnt_runs``): its task and its end's time (a retry of
+    the task is another run), hashed to 16 hex digits so that a signature's record stays small."""
+    return hashlib.sha256(f"{task_id}\0{ended_at!r}".encode()).hexdigest()[:16]
+
+
+def learnt(stats: SignatureStats, key: str) -> bool:
+    """Whether the run of ``key`` (``run_key``) has been folded into ``stats`` already."""
+    return key in stats.learnt_runs
+
+
+def mark_learnt(stats: SignatureStats, key: str) -> SignatureStats:
+    """``stats`` having folded in the run of ``key``; the oldest beyond ``LEARNT_RUNS_KEPT``
+    is dropped. The input is not modified."""
+    return msgspec.structs.replace(stats, learnt_runs=(*stats.learnt_runs, key)[-LEARNT_RUNS_KEPT:])
 
 
 def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Fingerprint:
@@ -189,6 +214,7 @@ def merge(stats: SignatureStats, fp: Fingerprint) -> SignatureStats:
         restores_reset=stats.restores_reset,
         envelope_mb=merge_envelopes(stats.envelope_mb, fp.envelope_mb),
         run_peaks_mb=stats.run_peaks_mb,
+        learnt_runs=stats.learnt_runs,
     )
 
 

@@ -653,8 +653,8 @@ async def run_with_one_garbled_sample(fingerprinter, task_id: str, garbled: dict
     await asyncio.sleep(0.3)
     start = now() - 1_005.0
     for t in np.arange(0, 1_000, 10.0):
-        fields = {"memory_used_mb": 10_000.0 + 20.0 * math.sin(t), "utilization_gpu_pct": 80.0}
-        await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=start + float(t),
+        fields = {"at": start + float(t), "memory_used_mb": 10_000.0 + 20.0 * math.sin(t), "utilization_gpu_pct": 80.0}
+        await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0],
                                         **(fields | garbled if t == 500 else fields)))
     letter = (await wait_for(lambda: letters, what="the garbled sample dead-lettered"))[0]
     await samples_taken(bus, seen, f"sync-{task_id}")
@@ -1031,3 +1031,74 @@ async def test_a_sample_of_garbled_utilisation_is_dead_lettered_with_its_reason_
     assert "utilization_gpu_pct" in letter.error
     assert stats.count == 1 and 0.0 <= stats.mean_burstiness < 0.01, stats
 
+
+
+async def test_a_sample_stamped_far_in_the_future_is_dead_lettered_and_the_samples_after_it_still_fitted(
+    fingerprinter,
+):
+    # One sample's time in milliseconds: taken, every later sample was stamped before it and
+    # dropped as overtaken, and the series' curve stretched over 50,000 years.
+    letter, stats = await run_with_one_garbled_sample(fingerprinter, "future-1", {"at": now() * 1_000.0})
+    assert "ahead of the latest sample of node 'n1'" in letter.error
+    assert stats.count == 1 and stats.run_peaks_mb == (pytest.approx(10_020, abs=20),), stats
+
+
+async def test_an_end_stamped_far_in_the_future_is_taken_as_at_its_node_s_latest_sample(fingerprinter):
+    # A linear run's end garbled far ahead: its growth was carried to that time, and its
+    # signature taught a peak no GPU holds, for every later task of it.
+    bus, seen = fingerprinter
+    first = task("future-end-1")
+    await run_for(bus, first, 1_000, lambda t: 10_000.0 + 20.0 * t)
+    await samples_taken(bus, seen, "sync-future-end-1")
+    await bus.publish(TaskLifecycle(task_id="future-end-1", state="finished", node="n1", at=now() * 1_000.0))
+    stats = await remembered(bus, task_signature(first))
+    assert stats.count == 1 and 29_000 <= stats.mean_peak_mb <= 31_000, stats
+
+
+async def test_a_stop_stamped_far_in_the_future_does_not_keep_the_restored_run_s_samples_out(fingerprinter):
+    # Taken at its word, every sample of the restored process read as the stopped one's.
+    bus, seen = fingerprinter
+    first = task("future-stop-1")
+    await run_for(bus, first, 300, lambda t: 10_000.0 + 20.0 * t)
+    await samples_taken(bus, seen, "sync-future-stop-1a")
+    await bus.publish(TaskLifecycle(task_id="future-stop-1", state="evicted", node="n1", at=now() * 1_000.0))
+    await asyncio.sleep(0.5)
+    start = now()
+    for t in np.arange(400, 1_000, 10.0):  # after the samples that told the test its first ones were taken
+        await bus.publish(TaskTelemetry(task_id="future-stop-1", node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=10_000.0 + 20.0 * float(t)))
+    await samples_taken(bus, seen, "sync-future-stop-1b")
+    await bus.publish(TaskLifecycle(task_id="future-stop-1", state="finished", node="n1", at=start + 1_000.0))
+
+    async def learnt() -> SignatureStats | None:
+        stats = await remembered(bus, task_signature(first))  # its restore is written first
+        return stats if stats.count else None
+
+    stats = await wait_for(learnt, what="the run learnt")
+    assert stats.count == 1 and 29_000 <= stats.mean_peak_mb <= 31_000, stats
+
+
+async def test_a_run_whose_end_was_taken_by_a_replica_that_crashed_within_its_grace_is_learnt_once(nats_server):
+    submitted = task("crashed-1")
+    async with one_replica(nats_server.url, end_grace_s=60.0) as (host, bus, seen):
+        await run_for(bus, submitted, 200, lambda t: 10_000.0 + 20.0 * t)
+        await samples_taken(bus, seen, "sync-crashed-1")
+        await bus.publish(TaskLifecycle(task_id="crashed-1", state="finished", at=now()))
+        consumer = bus._js.consumer_info  # noqa: SLF001 - what the server says it has delivered
+
+        async def end_taken() -> bool:
+            info = await consumer("TASKS", "fingerprinter-lifecycle")
+            return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.consumer_seq >= 1
+
+        await wait_for(end_taken, what="the run's end taken")
+        # It crashes: what a clean stop does first (learn what has ended) is not done.
+        host._stopping_hooks.clear()  # noqa: SLF001
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        stats = await remembered(bus, task_signature(submitted))
+        assert stats.count == 1 and stats.run_peaks_mb == (13_800.0,), stats
+        revision = (await (await bus.kv("fingerprints")).get(task_signature(submitted))).revision
+    # Started again, a replica reads the run's end again, and learns it no second time.
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        await asyncio.sleep(2.0)
+        entry = await (await bus.kv("fingerprints")).get(task_signature(submitted))
+        assert entry.revision == revision and msgspec.json.decode(entry.value, type=SignatureStats).count == 1

@@ -137,3 +137,21 @@ def test_only_the_latest_runs_are_kept_so_a_changed_program_is_judged_by_its_new
     assert mem.stats("sig-a").run_peaks_mb == stats.run_peaks_mb
     raw = msgspec.json.encode(mem.stats("sig-a"))
     assert load_stats(raw).run_peaks_mb == stats.run_peaks_mb
+
+
+def test_a_run_folded_is_known_as_learnt_through_later_folds_and_the_record_stays_bounded():
+    from fleetpilot.fingerprint import LEARNT_RUNS_KEPT, learnt, mark_learnt, merge, run_key
+    fp = Fingerprint(signature="sig-x", pattern="flat", pattern_confidence=0.9, growth_rate_mb_per_s=0.0,
+                     predicted_peak_mb=10_000.0, peak_low_mb=9_000.0, peak_high_mb=11_000.0, samples=50)
+    first = run_key("t1", 1_000.0)
+    stats = mark_learnt(merge(SignatureStats(signature="sig-x"), fp), first)
+    # A later run's fold (``merge`` builds the statistics anew) must not forget the first.
+    stats = merge(stats, fp)
+    assert learnt(stats, first) and not learnt(stats, run_key("t1", 2_000.0))  # a retry is another run
+    assert run_key("t1", 1_000.0) == first and len(first) == 16
+    for i in range(LEARNT_RUNS_KEPT):
+        stats = mark_learnt(stats, run_key(f"t{i + 2}", 1_000.0))
+    assert len(stats.learnt_runs) == LEARNT_RUNS_KEPT and not learnt(stats, first)
+    # Statistics written before the record read as no run learnt.
+    old = msgspec.json.encode({"memory": "per_gpu", "signature": "sig-x", "count": 3})
+    assert load_stats(old).learnt_runs == ()
