@@ -115,14 +115,30 @@ def test_submit_and_fleet_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None
     import time  # noqa: PLC0415
 
     env = {k: v for k, v in os.environ.items() if k not in ("FLEETPILOT_NATS_URL", "FLEETPILOT_STATE_DIR")}
-    up = subprocess.Popen([sys.executable, "-m", "fleetpilot.cli.main", "up", "--duration", "120", "--quiet"],
-                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    said = tmp_path / "up.out"
+    # Free /metrics ports: on the default ones, any other `fleetpilot up` on the machine
+    # (`make run`) makes this one refuse to start, which the test read as no announcement.
+    with said.open("w") as out:
+        up = subprocess.Popen([sys.executable, "-m", "fleetpilot.cli.main", "up", "--duration", "120", "--quiet",
+                               "--metrics-port-base", "0"], cwd=tmp_path, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, text=True)
     announced = tmp_path / ".fleetpilot" / "nats.url"
     try:
+        # Waited for as a script waits: up's first line, printed once nats.url holds the URL.
+        # It comes before any service starts: after the command loads (about 1 s of CPU), its
+        # key, and its nats-server's readiness, which up gives 10 s before it exits saying why;
+        # 1.4 s on an idle machine. So the wait is for that line or up's exit, and the deadline
+        # only stops a hang. Before, the test polled for the file and read it at once (a file
+        # just created and not yet written reads empty), and an up that had exited, or had not
+        # said in time, failed with FileNotFoundError and none of up's output.
         deadline = time.monotonic() + 30
-        while not announced.exists() and time.monotonic() < deadline and up.poll() is None:
+        while "fleetpilot up: NATS at " not in said.read_text() and up.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert announced.read_text().startswith("nats://127.0.0.1:")
+        line = next((line for line in said.read_text().splitlines() if line.startswith("fleetpilot up: NATS at ")),
+                    None)
+        assert line is not None, f"up (exit {up.poll()}) did not say where its bus is: {said.read_text()}"
+        url = line.removeprefix("fleetpilot up: NATS at ").split(",")[0]
+        assert url.startswith("nats://127.0.0.1:") and announced.read_text() == url + "\n"
         submit = subprocess.run([sys.executable, "-m", "fleetpilot.cli.main", "submit", "--kind", "infer",
                                  "--gpu-milli", "250", "--gpu-memory-mb", "8000", "--timeout", "40"],
                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
@@ -133,10 +149,12 @@ def test_submit_and_fleet_find_the_bus_that_fleetpilot_up_runs(tmp_path) -> None
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["live"]["nats_url"] == announced.read_text().strip()
         up.send_signal(signal.SIGINT)  # Ctrl-C: up stops its services and prints its report
-        out, _ = up.communicate(timeout=60)
+        up.wait(timeout=60)
     finally:
         if up.poll() is None:
             up.kill()
+            up.wait()
+    out = said.read_text()
     assert up.returncode == 0, out
     assert "over 1 tasks" in out or "no task assigned" in out
     assert not announced.exists()  # a stopped fleet leaves no stale pointer behind

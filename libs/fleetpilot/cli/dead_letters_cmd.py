@@ -11,7 +11,6 @@ NATS telemetry, whose moment has passed) is left where it is.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from fleetpilot.contracts.catalog import DLQ_PREFIX
 from fleetpilot.runtime.bus import StoredMessage
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from . import event_loop
 from .arguments import duration, non_negative_int, subject_pattern
 from .local import local_nats_url, no_jetstream
 
@@ -176,4 +176,4 @@ async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
 
 def main(args) -> int:
     """Entry of the subcommand."""
-    return asyncio.run(dead_letters(args))
+    return event_loop.run(dead_letters(args))

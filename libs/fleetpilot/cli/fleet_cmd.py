@@ -52,6 +52,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
+from . import event_loop
 from .local import announced_nats_url, connect_once, local_nats_url, no_jetstream
 
 READ_TIMEOUT_S = 10.0
@@ -516,7 +517,7 @@ def main(args, out=None) -> int:
     removes a node from the running fleet instead."""
     out = out or sys.stdout
     if getattr(args, "fleet_action", None) == "forget":
-        for line in asyncio.run(forget_node(args.nats_url or local_nats_url(args.state_dir), args.node, args.force)):
+        for line in event_loop.run(forget_node(args.nats_url or local_nats_url(args.state_dir), args.node, args.force)):
             print(line, file=out)
         return 0
     fleet, source = load_spec(args)
@@ -524,7 +525,7 @@ def main(args, out=None) -> int:
     url = args.nats_url or announced_nats_url(args.state_dir)
     if url:
         try:
-            live = asyncio.run(read_live(url))
+            live = event_loop.run(read_live(url))
         except ConnectionError as exc:
             # No fleet running is the normal case on a laptop: the spec is still worth showing.
             print(f"fleetpilot fleet: {exc}; showing the spec only", file=sys.stderr)

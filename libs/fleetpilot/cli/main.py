@@ -1,7 +1,8 @@
 """``fleetpilot``: one command, one subcommand per job.
 
 Bad arguments and bad input end with a one-line message and exit code 2, never a traceback;
-a reader that goes away (``| head``) ends a command quietly, with 141 as for any filter.
+a reader that goes away (``| head``) ends a command quietly, with 141 as for any filter;
+Ctrl-C ends it at once (even while it looks for its bus) with one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, run the subcommand, turn expected failures into one-line errors."""
-    args = build_parser().parse_args(argv)
+    try:
+        # Every command's module loads here, which takes a second: a Ctrl-C in it was a
+        # traceback through the import machinery.
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return interrupted("fleetpilot")
     module = importlib.import_module(COMMANDS[args.subcommand][0])
     try:
         rc = int(module.main(args) or 0)
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return rc
     except KeyboardInterrupt:
-        return 130
+        return interrupted(f"fleetpilot {args.subcommand}")
     except BrokenPipeError:
         # The reader of the output went away (`fleetpilot fleet | head -1`): that ends the
         # command quietly, as it ends any Unix filter, not with "Broken pipe" and exit 2.
@@ -69,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         text = f"{exc.strerror.lower()}: {filename}" if filename is not None and exc.strerror else str(exc)
         print(f"fleetpilot {args.subcommand}: {text}", file=sys.stderr)
         return 2
+
+
+def interrupted(prog: str) -> int:
+    """Say in one line that Ctrl-C stopped ``prog``; the exit code of a command ended by
+    SIGINT (128 + 2), as a shell reports it."""
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def closed_output() -> int:

@@ -9,7 +9,6 @@ why it was or was not promoted.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from datetime import UTC, datetime
@@ -20,6 +19,7 @@ import msgspec
 from fleetpilot.contracts import ModelPublished, decode
 from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeModel
 
+from . import event_loop
 from .local import connect_once, local_nats_url, no_jetstream
 
 SCANNED_EVENTS = 500
@@ -160,7 +160,7 @@ def render(rows: list[dict[str, Any]], out, withdrawn: dict[str, Any] | None = N
 def main(args, out=None) -> int:
     """Print the fleet's outcome models."""
     out = out or sys.stdout
-    rows, withdrawn = asyncio.run(read_models(args.nats_url or local_nats_url(args.state_dir)))
+    rows, withdrawn = event_loop.run(read_models(args.nats_url or local_nats_url(args.state_dir)))
     if args.json:
         print(json.dumps({"models": rows, "withdrawn": withdrawn}, indent=2), file=out)
     else:

@@ -37,6 +37,7 @@ from fleetpilot.runtime import tracing
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
+from . import event_loop
 from .arguments import positive_float
 from .local import local_nats_url, local_token, state_dir
 
@@ -294,4 +295,4 @@ async def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
 def main(args) -> int:
     """Entry of the subcommand."""
     task = build_task(args)
-    return asyncio.run(submit(task, args))
+    return event_loop.run(submit(task, args))

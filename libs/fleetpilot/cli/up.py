@@ -53,6 +53,7 @@ from fleetpilot.runtime.children import ended_with_this_process
 from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from . import event_loop
 from .arguments import existing_file, non_negative_int, port_base, positive_float, positive_int
 from .fleet_cmd import load_fleet_file
 from .local import NATS_URL_FILE, local_keyring, local_token, no_jetstream, state_dir
@@ -576,6 +577,17 @@ async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report
         await asyncio.sleep(1.0 / rate)
 
 
+def announce(path: Path, url: str) -> None:
+    """Leave the bus's URL at ``path`` (``<state>/nats.url``), where ``fleetpilot submit``,
+    ``watch`` and the others run from this directory find it (``local_nats_url``). Written
+    whole, then renamed into place: a reader never sees it empty or cut short (it took an
+    empty one for none, and tried NATS's default port). Done before ``up`` says where its bus
+    is, so that a script that read that line finds the file there too."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(url + "\n")
+    os.replace(partial, path)
+
+
 def hold_state_dir(state: Path) -> IO[str]:
     """Hold ``<state>/up.lock`` for this run: the open file, whose lock goes with it when it
     is closed or the process ends, however it ends. A ``ValueError`` in one line when another
@@ -650,9 +662,8 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             if not url:
                 server = EmbeddedNats(bus_store(state, simulated=simulated), ends_with_parent=True).start()
                 url = server.url
+            announce(announced, url)
             print(f"fleetpilot up: NATS at {url}, state in {state}", flush=True)
-            # `fleetpilot submit` and `watch` from this directory find the bus here (``local_nats_url``).
-            announced.write_text(url + "\n")
             bus = await NatsBus.connect(url, "fleetpilot-up")
             try:
                 await bus.ensure_topology()
@@ -730,7 +741,10 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
         if url and announced.exists() and announced.read_text().strip() == url:
             announced.unlink()
     if interrupted_starting:
-        return 128 + signalled[0]  # nothing ran: no report
+        # Nothing ran: no report, one line (as main says of any other command Ctrl-C ends).
+        how = "interrupted" if signalled[0] == signal.SIGINT else f"stopped by {signal.Signals(signalled[0]).name}"
+        print(f"fleetpilot up: {how} while starting", file=sys.stderr)
+        return 128 + signalled[0]
     print(report.render(time.monotonic() - started))
     return rc
 
@@ -742,4 +756,4 @@ def main(args) -> int:
         raise ValueError("--demo tasks carry no command, and the process backend "
                          "(FLEETPILOT_EXECUTOR_BACKEND=process) runs a task's command: "
                          "submit tasks with one (fleetpilot submit -f task.yaml)")
-    return asyncio.run(run(args))
+    return event_loop.run(run(args))

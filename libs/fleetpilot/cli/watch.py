@@ -12,6 +12,7 @@ import msgspec
 
 from fleetpilot.runtime.nats_bus import NatsBus
 
+from . import event_loop
 from .arguments import non_negative_int, subject_pattern
 from .local import local_nats_url
 
@@ -70,4 +71,4 @@ async def watch(args, out=sys.stdout) -> int:
 
 def main(args) -> int:
     """Entry of the subcommand."""
-    return asyncio.run(watch(args))
+    return event_loop.run(watch(args))

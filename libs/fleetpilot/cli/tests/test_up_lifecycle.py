@@ -313,3 +313,25 @@ def test_the_executor_has_its_tasks_grace_to_stop_before_it_is_killed(grace, tmp
     processes.procs["executor"] = executor  # type: ignore[assignment]
     processes.stop_all()
     assert executor.given[0] is not None and executor.given[0] > float(grace) + 10
+
+
+def test_when_up_says_where_its_bus_is_the_state_directory_already_says_it_too(nats_url, tmp_path, monkeypatch,
+                                                                              capsys) -> None:
+    # Scripts read up's first line for the bus ("scripts read it"), then run `fleetpilot
+    # submit` from the same directory. Before, that line came before nats.url was written:
+    # a submit started on it could find no nats.url and try NATS's default port instead.
+    stand_ins(monkeypatch, {})
+    announced = tmp_path / "nats.url"
+    seen_when_said: list[str | None] = []
+
+    def said(*args, **kwargs) -> None:
+        if args and str(args[0]).startswith("fleetpilot up: NATS at "):
+            seen_when_said.append(announced.read_text() if announced.exists() else None)
+        print(*args, **kwargs)
+
+    monkeypatch.setattr(up, "print", said, raising=False)
+    rc = cli_main(["up", "--nats-url", nats_url, "--duration", "0.2", "--quiet", "--state-dir", str(tmp_path),
+                   "--metrics-port-base", "0"])
+    assert rc == 0, capsys.readouterr().err
+    assert seen_when_said == [nats_url + "\n"]
+    assert not announced.exists()
