@@ -159,11 +159,24 @@ async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
             left += 1
             print(f"#{item.sequence}: not sent back: not a dead letter", file=err)
             continue
+        data, headers = letter.data, redrive_headers(letter)
+        if letter.truncated:
+            # The letter holds only the original's start: sent back, it would be refused again
+            # as cut short. The whole is sent from where it stays, while its stream keeps it.
+            whole = await original_of(bus, letter)
+            if whole is None:
+                left += 1
+                stream, _, sequence = letter.original_at.partition(":")
+                where = f"stream {stream} no longer holds sequence {sequence}" if stream else "no stream kept it"
+                print(f"#{item.sequence}: not sent back: the letter holds only the start of its original, and "
+                      f"{where}", file=err)
+                continue
+            data = whole.data
+            headers = redrive_headers(msgspec.structs.replace(letter, headers=whole.headers))
         try:
             # An id of the letter's own: a redrive cut short after the publish, run again,
             # finds the stream holding it already and only removes the letter.
-            await bus.publish_stored(letter.subject, letter.data, redrive_headers(letter),
-                                     msg_id=f"redrive-dlq-{item.sequence}")
+            await bus.publish_stored(letter.subject, data, headers, msg_id=f"redrive-dlq-{item.sequence}")
         except LookupError as exc:
             left += 1
             print(f"#{item.sequence}: not sent back: {exc}", file=err)
@@ -172,6 +185,16 @@ async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
         sent += 1
     print(f"sent back {sent}, left {left}", file=err)
     return 1 if left else 0
+
+
+async def original_of(bus: NatsBus, letter: DeadLetter) -> StoredMessage | None:
+    """The whole original of a ``truncated`` letter, from where it stays (``original_at``);
+    ``None`` when nothing says where, or its stream no longer holds it."""
+    stream, _, sequence = letter.original_at.partition(":")
+    if not stream or not sequence.isdigit():
+        return None
+    found = await bus.stored(stream, int(sequence))
+    return found if found is not None and found.subject == letter.subject else None
 
 
 def main(args) -> int:

@@ -8,7 +8,11 @@ from .base import Event
 
 
 class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.dead_letter.v1"):
-    """Published on ``dlq.<original subject>``; ``data`` is the original bytes, untouched."""
+    """Published on ``dlq.<original subject>``; ``data`` is the original bytes, untouched,
+    unless ``truncated``: a message near the server's max payload does not fit whole in its
+    letter (base64 makes it a third larger), so ``data`` holds its start, and ``original_at``
+    (``<stream>:<sequence>``, empty for a message no stream kept) where the whole stays until
+    that stream's limits remove it."""
 
     subject: str
     reason: str
@@ -18,3 +22,5 @@ class DeadLetter(Event, frozen=True, kw_only=True, tag="dlq.dead_letter.v1"):
     headers: dict[str, str] = msgspec.field(default_factory=dict)
     data: bytes
     at: float
+    truncated: bool = False
+    original_at: str = ""

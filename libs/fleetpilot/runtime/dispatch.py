@@ -254,12 +254,14 @@ class Dispatcher:
         limit = self.bus.max_payload
         if limit is None or len(body) <= limit - LETTER_HEADROOM:
             return body
-        where = ""
+        where, original_at = "", ""
         if origin:  # <stream>:<consumer>:<sequence>; settled, it stays there until the stream's limits
-            where = (f"; the whole stays in stream {origin.split(':')[0]} at sequence {origin.rsplit(':', 1)[1]} "
-                     "until the stream's limits remove it")
+            stream, sequence = origin.split(":")[0], origin.rsplit(":", 1)[1]
+            where = f"; the whole stays in stream {stream} at sequence {sequence} until the stream's limits remove it"
+            original_at = f"{stream}:{sequence}"
         note = f"[original of {len(letter.data)} bytes, too large for a whole dead letter: data holds its start{where}] "
-        cut = msgspec.structs.replace(letter, error=(note + letter.error)[:2000], data=b"")
+        cut = msgspec.structs.replace(letter, error=(note + letter.error)[:2000], data=b"", truncated=True,
+                                      original_at=original_at)
         if len(encode(cut)) > limit - LETTER_HEADROOM:
             cut = msgspec.structs.replace(cut, headers={}, error=(note + "[headers dropped] " + letter.error)[:2000])
         room = limit - LETTER_HEADROOM - len(encode(cut))

@@ -641,6 +641,16 @@ class NatsBus(Bus):
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    async def stored(self, stream: str, sequence: int) -> StoredMessage | None:
+        """The message at ``sequence`` of ``stream`` (``None``: gone, removed by the stream's
+        limits or by hand; or no such stream)."""
+        try:
+            msg = await self._js.get_msg(stream, seq=sequence)
+        except nats.js.errors.NotFoundError:
+            return None
+        return StoredMessage(sequence=sequence, subject=msg.subject, data=msg.data or b"",
+                             headers=dict(msg.headers or {}), at=msg.time.timestamp() if msg.time else 0.0)
+
     async def delete_stored(self, stream: str, sequence: int) -> None:
         """Remove one message from ``stream`` (a dead letter redriven); gone already is fine."""
         try:

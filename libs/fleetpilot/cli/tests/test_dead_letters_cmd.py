@@ -113,3 +113,61 @@ def test_a_bus_no_service_has_run_on_has_no_dead_letters_in_one_line(nats_url) -
 def test_a_bad_span_is_one_line(since) -> None:
     rc, out, err = run(["dead-letters", "--since", since])
     assert rc == 2 and out == "" and err.count("\n") == 1 and "--since" in err, err
+
+
+async def _dead_letter_a_large_message(url: str, original: bytes) -> None:
+    """A service refuses ``original`` (too large for a whole letter) and dead-letters it cut."""
+    from fleetpilot.runtime import ServiceHost, ServiceSettings
+    from fleetpilot.runtime.testing import eventually
+
+    host = ServiceHost("sla", ServiceSettings(nats_url=url, metrics_port=-1))
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def admit(task: TaskSubmitted) -> None:
+        raise AssertionError("never decodes")
+
+    await host.start()
+    bus = await NatsBus.connect(url, "dead-letters-test")
+    try:
+        await bus.publish_raw("task.submitted", original, headers={"Nats-Msg-Id": "big-1", "origin": "test"})
+
+        async def letters() -> list:
+            return [m async for m in bus.stream_messages("DLQ", "dlq.>")]
+
+        await eventually(letters, timeout_s=10, what="the large message dead-lettered")
+    finally:
+        await host.stop()
+        await bus.drain()
+
+
+def test_a_letter_holding_only_its_original_s_start_is_sent_back_whole_from_its_stream(nats_url) -> None:
+    # A message too large for a whole dead letter keeps only its start in the letter. Sent back
+    # as the letter held it, it was refused again as cut short: the whole is sent from where
+    # its stream keeps it, with its own headers.
+    original = b"{" + b"x" * 900_000  # never JSON: refused as undecodable
+    asyncio.run(_dead_letter_a_large_message(nats_url, original))
+    rc, out, _ = run(["dead-letters", "--nats-url", nats_url, "--json"])
+    (shown,) = [json.loads(line) for line in out.splitlines()]
+    assert "900001 bytes" in shown["error"]
+    rc, _, err = run(["dead-letters", "--nats-url", nats_url, "--redrive"])
+    assert (rc, err) == (0, "sent back 1, left 0\n"), err
+    tasks = asyncio.run(_stored(nats_url, "TASKS", "task.submitted"))
+    assert [(m.data, m.headers.get("origin"), m.headers.get("Nats-Msg-Id")) for m in tasks] == [
+        (original, "test", "big-1"), (original, "test", "redrive-dlq-1")]
+
+
+def test_a_cut_letter_whose_original_is_gone_is_not_sent_back_and_says_why(nats_url) -> None:
+    async def put() -> None:
+        bus = await NatsBus.connect(nats_url, "dead-letters-test")
+        await bus.ensure_topology()
+        letter = DeadLetter(subject="task.submitted", reason="undecodable", service="sla", data=b"{xx",
+                            at=1.0, truncated=True, original_at="TASKS:41")
+        await bus.publish_raw(dlq_subject(letter.subject), encode(letter))
+        await bus.drain()
+
+    asyncio.run(put())
+    rc, _, err = run(["dead-letters", "--nats-url", nats_url, "--redrive"])
+    assert rc == 1
+    assert ("#1: not sent back: the letter holds only the start of its original, and stream TASKS no longer "
+            "holds sequence 41") in err
+    assert asyncio.run(_stored(nats_url, "TASKS", "task.submitted")) == []

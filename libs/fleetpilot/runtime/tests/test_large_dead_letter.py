@@ -46,6 +46,7 @@ async def test_a_message_too_large_for_a_whole_dead_letter_is_dead_lettered_cut_
     assert letter.headers["origin"] == "test"
     assert 0 < len(letter.data) < len(original) and original.startswith(letter.data)
     assert "900001 bytes" in letter.error and "stream TASKS at sequence 1" in letter.error
+    assert (letter.truncated, letter.original_at) == (True, "TASKS:1")
     assert info.num_ack_pending == 0 and info.num_redelivered == 0  # settled, not left to come back
     assert stored.data == original  # the whole is where the letter says
     assert handled == []
