@@ -240,6 +240,10 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float) -> Contract:
                     site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e))
 
 
+DEADLINE_READS_AS_MS = 1e11
+"""A deadline at or past this (seconds since 1970: year 5138) is a time in milliseconds."""
+
+
 def task_problem(task: TaskSubmitted) -> str | None:
     """What makes ``task`` impossible to negotiate as submitted, in one line; ``None`` when
     nothing does. The CLI asks the same before it publishes."""
@@ -267,6 +271,11 @@ def task_problem(task: TaskSubmitted) -> str | None:
             return f"sla.{name} must be a finite number >= 0, got {bound}"
     if sla.deadline is not None and not math.isfinite(sla.deadline):
         return f"sla.deadline must be a finite time, got {sla.deadline}"
+    if sla.deadline is not None and sla.deadline >= DEADLINE_READS_AS_MS:
+        # A JavaScript client's Date.now() is in milliseconds: read as seconds, it is a deadline
+        # some 50,000 years away, which every pool meets, so it was silently no deadline.
+        return (f"sla.deadline {sla.deadline:.0f} reads as milliseconds since 1970; it is in seconds "
+                f"(a deadline in year 5138 or later is taken for a mistake)")
     if task.kind == "infer" and P95_REFERENCE_LABEL in task.labels:
         # The estimate divides this label by the pool's compute: words would raise out of
         # ``negotiate`` and NaN would pass every latency bound.

@@ -53,6 +53,9 @@ CASES = [
     ("NaN latency bound", task(sla={"p95_latency_ms": float("nan")}), Reject, "invalid"),
     ("negative cost ceiling", task(sla={"cost_ceiling_per_hour": -1.0}), Reject, "invalid"),
     ("endless deadline", task(sla={"deadline": float("inf")}), Reject, "invalid"),
+    # Date.now() of a JavaScript client: milliseconds, read as seconds some 50,000 years away,
+    # met by every pool, so it was silently no deadline at all.
+    ("deadline in milliseconds", task(sla={"deadline": 1_796_000_000_000.0}), Reject, "invalid"),
     # The p95 reference label is read as a number: words crashed the negotiator (the service
     # retried the submission five times, then dead-lettered it; a quote got no answer), and
     # "nan" passed every latency bound, so the task was admitted whatever it asked.
