@@ -470,6 +470,7 @@ class ServiceHost:
             await self._bounded(self.bus.drain(), "bus drain", step_timeout_s)
         for hook in self._shutdown:
             await self._bounded(hook(), f"shutdown hook {getattr(hook, '__name__', hook)}", step_timeout_s)
+        await self._bounded(asyncio.to_thread(tracing.flush, step_timeout_s), "span export", step_timeout_s)
         if self._ops is not None:
             await self._ops.stop()
         self._stopped.set()

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 _tracer = trace.get_tracer("fleetpilot")
+_provider: TracerProvider | None = None  # the one ``configure`` installed: ``flush`` empties it
 
 
 def otlp_traces_url(base: str) -> str:
@@ -30,14 +31,21 @@ def otlp_traces_url(base: str) -> str:
 
 def configure(service: str, otlp_endpoint: str | None) -> None:
     """Install a tracer provider for ``service``; export only when an endpoint is set."""
-    global _tracer
+    global _tracer, _provider
     provider = TracerProvider(resource=Resource.create({"service.name": f"fleetpilot-{service}"}))
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_traces_url(otlp_endpoint))))
     trace.set_tracer_provider(provider)
-    _tracer = provider.get_tracer("fleetpilot")
+    _tracer, _provider = provider.get_tracer("fleetpilot"), provider
+
+
+def flush(timeout_s: float) -> bool:
+    """Export the spans still batched (a blocking call: run it off the event loop); whether
+    all went within ``timeout_s``. The batch goes out every 5 s: a service stopped without this
+    lost the spans of its last seconds, its shutdown's among them."""
+    return _provider.force_flush(int(timeout_s * 1000)) if _provider is not None else True
 
 
 @contextlib.contextmanager
