@@ -26,6 +26,7 @@ import logging
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 from fleetpilot.contracts import STREAMS, DecisionMade, FeedbackRecorded, ModelPublished, now
@@ -99,7 +100,8 @@ class LearnerMetrics:
                                 "Models stored under the key policies read", registry=registry)
         self.withdrawn = Counter("fleetpilot_learner_models_withdrawn_total",
                                  "Models taken from the key policies read: no better than the policy's own "
-                                 "confidence on the latest outcomes", registry=registry)
+                                 "confidence on the latest outcomes, or no model the learner can read",
+                                 registry=registry)
         self.brier = Gauge("fleetpilot_learner_held_out_brier",
                            "Weighted Brier score on the last round's held-out outcomes, of the model "
                            "and of the policy's own confidence", ["of"], registry=registry)
@@ -173,16 +175,28 @@ def assess(path: Path, settings: LearnerSettings, serving: OutcomeModel | None =
     return learn(examples, seed=settings.seed, min_examples=settings.min_examples, serving=serving)
 
 
-async def serving_model(bucket: KeyValue) -> tuple[OutcomeModel | None, int]:
-    """The promoted model the policies use now and its revision (``None``, 0: none, or one
-    they refuse too)."""
+class Serving(NamedTuple):
+    """What the key policies read holds now: the promoted ``model`` at revision ``version``;
+    ``unreadable`` (why, in one line) when it holds a value that is no model (``model`` is
+    then ``None``); ``None``, 0, ``None`` when it holds nothing."""
+
+    model: OutcomeModel | None
+    version: int
+    unreadable: str | None = None
+
+
+async def serving_model(bucket: KeyValue) -> Serving:
+    """What the policies read under ``outcome`` now (see ``Serving``)."""
     entry = await bucket.get(PROMOTED_KEY)
     if entry is None or not entry.value:
-        return None, 0
+        return Serving(None, 0)
     try:
-        return OutcomeModel.from_bytes(entry.value), entry.revision
-    except ValueError:
-        return None, 0
+        return Serving(OutcomeModel.from_bytes(entry.value), entry.revision)
+    except ValueError as exc:
+        # Taken as "none serving", such a value could never be withdrawn: the policies refuse
+        # it and keep the model they had, which sits at no key and was judged by no round, until
+        # a model was promoted at last. Its revision lets the round withdraw it.
+        return Serving(None, entry.revision, str(exc))
 
 
 def build(settings: LearnerSettings | None = None) -> ServiceHost:
@@ -227,8 +241,9 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             raise Reject(why)
         parts["store"].add_outcome(feedback)
 
-    async def withdraw(bucket: KeyValue, serving_version: int, assessment: Assessment) -> None:
-        """Take the model judged this round (``serving_version``) from the key policies read."""
+    async def withdraw(bucket: KeyValue, serving_version: int, assessment: Assessment, reason: str) -> None:
+        """Take what the round found under the key policies read (``serving_version``) from it,
+        announced with the round's figures and ``reason``."""
         try:
             # Compare-and-set on the revision the round judged, not a plain delete: another
             # replica may have promoted a newer model while this one trained, and that one
@@ -242,9 +257,8 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
         metrics.withdrawn.inc()
         await host.bus.publish(ModelPublished(  # type: ignore[union-attr]
             name=PROMOTED_KEY, version=serving_version, figures=assessment.figures, promoted=False,
-            reason=assessment.reason, published_at=now(), withdrawn=True))
-        log.warning("learner: model %s version %d withdrawn: %s", PROMOTED_KEY, serving_version,
-                    assessment.reason)
+            reason=reason, published_at=now(), withdrawn=True))
+        log.warning("learner: model %s version %d withdrawn: %s", PROMOTED_KEY, serving_version, reason)
 
     @host.every(settings.check_interval_s)
     async def learn_when_due() -> None:
@@ -260,10 +274,10 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             return
         started = time.perf_counter()
         bucket = await host.bus.kv("models")  # type: ignore[union-attr]
-        serving, serving_version = await serving_model(bucket)
+        serving = await serving_model(bucket)
         # Shielded: a service stopping mid-round stops waiting, and the round (a thread,
         # which cannot be cancelled) ends on its own before the store closes.
-        parts["training"] = asyncio.ensure_future(asyncio.to_thread(assess, path, settings, serving))
+        parts["training"] = asyncio.ensure_future(asyncio.to_thread(assess, path, settings, serving.model))
         try:
             assessment = await asyncio.shield(parts["training"])
         except Exception:
@@ -272,6 +286,17 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             store.mark_trained(joined)
             return
         seconds = time.perf_counter() - started
+        if serving.unreadable is not None and not assessment.promoted:
+            # A value no model (written by hand, by a learner of another version, damaged): the
+            # policies refuse it and keep serving the model they had, which no round can judge
+            # now that it sits at no key. Withdrawn at the first round that does not replace it
+            # (one that trained nothing too: no outcome is needed to find it unreadable), so
+            # that nothing unjudged serves beyond a round; the policies go back to their own
+            # confidence until a model is promoted. A promoted model simply overwrites it.
+            await withdraw(bucket, serving.version, assessment,
+                           f"the value under {PROMOTED_KEY!r} does not read ({serving.unreadable}): withdrawn, "
+                           f"so that the policies keep no model the learner cannot judge; this round: "
+                           f"{assessment.reason}")
         if assessment.model is None:
             if assessment.reason != parts.get("said"):
                 log.info("learner: no model yet: %s", assessment.reason)
@@ -280,7 +305,7 @@ def build(settings: LearnerSettings | None = None) -> ServiceHost:
             return
         metrics.trained(assessment, seconds)
         if assessment.withdraw:
-            await withdraw(bucket, serving_version, assessment)
+            await withdraw(bucket, serving.version, assessment, assessment.reason)
         key = PROMOTED_KEY if assessment.promoted else CANDIDATE_KEY
         version = await bucket.put(key, msgspec.json.encode(assessment.model))
         await host.bus.publish(ModelPublished(  # type: ignore[union-attr]

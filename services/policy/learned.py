@@ -3,10 +3,12 @@ bucket, gives the confidence of the placements this replica publishes.
 
 The policy's own (calibrated) confidence stays on the decision as ``prior_confidence`` and
 is the model's main input, so the learner never trains on its own output. The model is the
-one learned part of the decision path, and it must never take it down: a model that does not
-decode or check is not used, a prediction that fails or is not a probability leaves the
-policy's confidence in place, and after ``FAILURES_TO_DISABLE`` failures in a row the model
-is set aside until the learner publishes another version.
+one learned part of the decision path, and it must never take it down: a new version that does
+not decode or check is refused and the model in use (if any) goes on serving, a prediction
+that fails or is not a probability leaves the policy's confidence in place, and after
+``FAILURES_TO_DISABLE`` failures in a row the model is set aside until the learner publishes
+another version. An emptied key (the learner's withdrawal, or an operator's delete) takes the
+model away.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ class LearnedConfidence:
         self.fleet = fleet
         self.model: OutcomeModel | None = None
         self.version = 0
-        # The revision of the last model refused: a watch that starts again delivers it again,
-        # and it was refused, counted and logged again each time.
+        # The revision of the last model refused, and why: a watch that starts again delivers
+        # it again, and it was refused, counted and logged again each time.
         self.refused_version = 0
+        self.refused_reason = ""
         self.failures_in_a_row = 0
         self.used = Counter("fleetpilot_policy_learned_confidence_total",
                             "Placements published with the learned model's confidence, or left with the "
@@ -44,25 +47,40 @@ class LearnedConfidence:
         self.model_version = Gauge("fleetpilot_policy_learned_model_version",
                                    "Version of the outcome model in use (0: none, the policy's own confidence)",
                                    registry=registry)
+        self.refused_gauge = Gauge("fleetpilot_policy_learned_model_refused_version",
+                                   "Version of the outcome model last refused, while no later one was taken "
+                                   "(0: none); the model in use, if any, is older", registry=registry)
 
     def load(self, value: bytes | None, version: int) -> None:
-        """Take the model stored at ``version`` (``None`` or empty: the model was withdrawn)."""
-        self.failures_in_a_row = 0
+        """Take the model stored at ``version`` (``None`` or empty: the model was withdrawn);
+        one that does not decode or check is refused, and the model in use stays."""
         if not value:
-            self.model, self.version = None, 0
+            self.model, self.version, self.refused_version, self.refused_reason = None, 0, 0, ""
+            self.failures_in_a_row = 0
             log.info("learned confidence: no outcome model; the policy's own confidence is published")
         else:
             try:
                 model = OutcomeModel.from_bytes(value)
             except ValueError as exc:
-                self.model, self.version, self.refused_version = None, 0, version
+                # Hot reload keeps what serves when the new version is bad: dropping it swapped a
+                # model the learner had judged for no model at all, on every replica at once.
+                # The model kept goes unjudged meanwhile (the learner judges only what sits at
+                # the key): a learner that cannot read the value either withdraws it, or
+                # replaces it, at its next round, and the emptied key takes this one away too.
+                # One that reads it (a learner newer than this replica) judges that value, not
+                # this one, until it promotes or withdraws. A replica started meanwhile has none
+                # to keep: replicas may differ until then, each saying so in its gauges.
+                self.refused_version, self.refused_reason = version, str(exc)
                 self.used.labels("refused").inc()
-                log.error("learned confidence: outcome model version %d refused (%s); the policy's own "
-                          "confidence is published", version, exc)
+                log.error("learned confidence: outcome model version %d refused (%s); %s", version, exc,
+                          f"version {self.version} stays in use" if self.model is not None
+                          else "the policy's own confidence is published")
             else:
-                self.model, self.version = model, version
+                self.model, self.version, self.refused_version, self.refused_reason = model, version, 0, ""
+                self.failures_in_a_row = 0
                 log.info("learned confidence: outcome model version %d in use", version)
-        self.model_version.set(self.version)
+        self.model_version.set(self.version if self.model is not None else 0)  # 0: set aside, or none
+        self.refused_gauge.set(self.refused_version)
 
     async def follow(self, bus: Bus) -> None:
         """Load the promoted model now and every new version the learner stores."""

@@ -205,6 +205,35 @@ async def test_a_withdrawal_leaves_a_model_another_replica_promoted_during_the_r
     assert not any(e.withdrawn for e in published)
 
 
+UNREADABLE = b'{"features": "not a model"}'
+"""What a policy refuses at ``outcome`` (and keeps serving the model it had): the learner can
+judge it no more than the policies can use it."""
+
+
+@pytest.mark.parametrize("count, trains", [(160, True), (30, False)], ids=["a-round-that-trains", "too-few"])
+async def test_a_serving_value_that_does_not_read_is_withdrawn_at_the_next_round(
+        nats_url, tmp_path, nats_client, published, count, trains):
+    js = nats_client.jetstream()
+    bucket = await js.key_value("models")
+    unreadable = await bucket.put(PROMOTED_KEY, UNREADABLE)
+    host = build(settings_for(nats_url, tmp_path, min_examples=100, retrain_every=count))
+    await host.start()
+    try:
+        await publish_placements_the_policy_judges_right(js, count)  # nothing is promoted
+        await eventually(lambda: any(e.withdrawn for e in published), what="the withdrawal")
+        if trains:
+            await eventually(lambda: any(e.name == CANDIDATE_KEY for e in published), what="the round's model")
+        stored = await models(nats_url)
+        withdrawn = host.metrics.registry.get_sample_value("fleetpilot_learner_models_withdrawn_total")
+    finally:
+        await host.stop()
+    [withdrawal] = [e for e in published if e.withdrawn]
+    assert (withdrawal.name, withdrawal.version, withdrawal.promoted) == (PROMOTED_KEY, unreadable, False)
+    assert "does not read (not an outcome model" in withdrawal.reason
+    assert not stored.get(PROMOTED_KEY)  # emptied: the policies drop the older model they kept
+    assert withdrawn == 1
+
+
 async def test_a_duplicated_outcome_is_counted_once(nats_url, tmp_path, nats_client, published):
     count = 40
     host = build(settings_for(nats_url, tmp_path, min_examples=20, retrain_every=count))

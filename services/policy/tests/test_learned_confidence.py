@@ -137,3 +137,52 @@ async def test_a_refused_model_seen_again_by_a_watch_that_starts_again_is_not_re
     assert learned.model is None
     assert registry.get_sample_value("fleetpilot_policy_learned_confidence_total", {"outcome": "refused"}) == 1
 
+
+
+async def test_a_bad_new_version_keeps_the_model_serving_and_an_emptied_key_takes_it_away():
+    from fleetpilot.runtime import InMemoryBus
+    from prometheus_client import CollectorRegistry
+
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    kv = await bus.kv("models")
+    good = await kv.put("outcome", msgspec.json.encode(tight_holds_fail()))
+    registry = CollectorRegistry()
+    learned = LearnedConfidence(None, registry)
+    sample = registry.get_sample_value
+    follow = asyncio.ensure_future(learned.follow(bus))
+    try:
+        await asyncio.sleep(0.05)
+        serving = learned.model
+        assert serving is not None and learned.version == good
+        # A new version that does not check (a learner of another version, a hand-written
+        # value): the old one goes on serving, and the refusal shows.
+        bad = await kv.put("outcome", b'{"features": "not a model"}')
+        await asyncio.sleep(0.05)
+        assert learned.model is serving and learned.version == good
+        assert learned.apply(a_placement(9600)).prior_confidence == 0.9
+        assert (learned.refused_version, "not an outcome model" in learned.refused_reason) == (bad, True)
+        assert sample("fleetpilot_policy_learned_model_version") == good
+        assert sample("fleetpilot_policy_learned_model_refused_version") == bad
+        assert sample("fleetpilot_policy_learned_confidence_total", {"outcome": "refused"}) == 1
+        # The learner's withdrawal (an empty value) takes the model away all the same.
+        await kv.put("outcome", b"")
+        await asyncio.sleep(0.05)
+    finally:
+        follow.cancel()
+    assert learned.model is None and learned.version == 0
+    assert learned.apply(a_placement()).prior_confidence is None
+    assert sample("fleetpilot_policy_learned_model_version") == 0
+    assert sample("fleetpilot_policy_learned_model_refused_version") == 0
+
+
+def test_a_bad_version_after_the_model_was_set_aside_leaves_none_in_use():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    learned = LearnedConfidence(None, registry)
+    learned.load(msgspec.json.encode(tight_holds_fail()), 4)
+    learned.model = None  # set aside after failed predictions
+    learned.load(b"[]", 5)
+    assert learned.model is None and learned.refused_version == 5
+    assert registry.get_sample_value("fleetpilot_policy_learned_model_version") == 0  # none in use
