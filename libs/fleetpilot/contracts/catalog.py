@@ -292,6 +292,15 @@ BUCKETS: tuple[BucketSpec, ...] = (
 
 DLQ_PREFIX = "dlq."
 
+SUBJECT_MAX_BYTES = 2048
+"""The longest subject (UTF-8) Fleetpilot publishes on or subscribes to. nats-server closes
+the connection of a client whose command line (verb, subject, reply inbox, sizes) passes
+its ``max_control_line``, 4096 bytes by default: half of it leaves room for the rest."""
+
+TASK_ID_MAX_BYTES = 1024
+"""The longest task id (UTF-8): one token of ``task.lifecycle.<task>`` and the like, whose
+dead-letter subjects stay within ``SUBJECT_MAX_BYTES``."""
+
 
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS wildcard matching: ``*`` is one token, ``>`` one or more trailing tokens."""
@@ -324,6 +333,8 @@ def subject_problem(subject: str, *, wildcards: bool = True) -> str | None:
     Without ``wildcards``, ``*`` and ``>`` are refused too (a subject to publish on)."""
     if not subject:
         return "is empty"
+    if len(subject.encode()) > SUBJECT_MAX_BYTES:
+        return f"is longer than {SUBJECT_MAX_BYTES} bytes"
     if any(c.isspace() for c in subject):
         return "has white space"
     tokens = subject.split(".")
@@ -343,7 +354,10 @@ def subject_problem(subject: str, *, wildcards: bool = True) -> str | None:
 
 def task_id_problem(task_id: str) -> str | None:
     """Why ``task_id`` cannot be a task's id, ``None`` when it can: the id is one token of
-    the subjects that carry the task (``sla.offer.<task>``, ``task.lifecycle.<task>``)."""
+    the subjects that carry the task (``sla.offer.<task>``, ``task.lifecycle.<task>``), at
+    most ``TASK_ID_MAX_BYTES`` long."""
     if "." in task_id:
         return "has a dot"
+    if len(task_id.encode()) > TASK_ID_MAX_BYTES:
+        return f"is longer than {TASK_ID_MAX_BYTES} bytes"
     return subject_problem(task_id, wildcards=False)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 import yaml
 
 from . import ALL_EVENTS
@@ -35,10 +36,12 @@ from .catalog import (
     ENDPOINTS,
     ROUTES,
     STREAMS,
+    TASK_ID_MAX_BYTES,
     Route,
     StreamSpec,
     subject_matches,
 )
+from .deadletter import DeadLetter
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 ASYNCAPI_VERSION = "3.0.0"
@@ -52,7 +55,8 @@ ALL_SCHEMA_FILE = f"{JSONSCHEMA_DIR}/all.json"
 # Human descriptions of subject-template parameters; the payload location is added
 # automatically. A parameter missing here still gets a generic description.
 PARAMETER_DESCRIPTIONS: dict[str, str] = {
-    "task_id": "The client-chosen task id (one subject token: no dots, spaces, `*` or `>`).",
+    "task_id": ("The client-chosen task id (one subject token: no dots, spaces, `*` or `>`; at most "
+                f"{TASK_ID_MAX_BYTES} bytes in UTF-8). The SLA service rejects any other with code `invalid`."),
     "node": "The node name as reported by its collector (one subject token).",
     "subject": (
         "The full subject the dead message originally arrived on; it may span several "
@@ -68,7 +72,9 @@ PAYLOAD_NOTE = (
     "`<family>.<name>.v<N>` (e.g. `task.submitted.v1`). Consumers ignore fields they do "
     "not know, so producers may add fields with defaults; a breaking change gets a new "
     "tag (`.v2`) and both tags live side by side for a while. `bytes` fields are base64 "
-    "strings; times are seconds since the Unix epoch as JSON numbers."
+    "strings; times are seconds since the Unix epoch as JSON numbers. `integer` fields take "
+    "a JSON integer written without a fraction or an exponent (`2`, not `2.0` or `2e0`, "
+    "which JSON Schema's `integer` allows and Fleetpilot refuses)."
 )
 
 
@@ -164,6 +170,47 @@ def _closure(root: str, components: dict[str, Any]) -> list[str]:
     return sorted(seen)
 
 
+def _structs() -> list[Any]:
+    """``msgspec.inspect.StructType`` of every struct the events are made of, events first."""
+    found: dict[type, Any] = {}
+
+    def walk(t: Any) -> None:
+        if isinstance(t, mi.Metadata):
+            walk(t.type)
+        elif isinstance(t, mi.StructType):
+            if t.cls not in found:
+                found[t.cls] = t
+                for f in t.fields:
+                    walk(f.type)
+        elif isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+            walk(t.item_type)
+        elif isinstance(t, mi.DictType):
+            walk(t.key_type)
+            walk(t.value_type)
+        elif isinstance(t, mi.UnionType):
+            for member in t.types:
+                walk(member)
+
+    for info in mi.multi_type_info(ALL_EVENTS):
+        walk(info)
+    return list(found.values())
+
+
+def _components(ref_template: str) -> dict[str, Any]:
+    """msgspec's schema of every struct the events are made of, by name, with the default of
+    each field whose default a factory makes: msgspec shows only plain ones (and empty lists
+    and dicts), and a client that leaves such a field out must know what it then gets
+    (``StatsQuery.by``, a ``GpuSample``'s readings). A field left ``UNSET`` has none: it is
+    left out of the wire, not filled in."""
+    _, components = msgspec.json.schema_components(ALL_EVENTS, ref_template=ref_template)
+    for info in _structs():
+        for f in info.fields:
+            if f.default_factory is not mi.NODEFAULT:
+                shown = components[info.cls.__name__]["properties"][f.encode_name]
+                shown.setdefault("default", msgspec.json.decode(msgspec.json.encode(f.default_factory())))
+    return components
+
+
 # --------------------------------------------------------------------------- JSON Schema
 
 
@@ -173,7 +220,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     Each per-event file is self-contained (it carries only the ``$defs`` it needs), so a
     client can validate one message type with one file.
     """
-    _, components = msgspec.json.schema_components(ALL_EVENTS, ref_template="#/$defs/{name}")
+    components = _components("#/$defs/{name}")
     docs: dict[str, dict[str, Any]] = {}
     # One file per type, so a type with several roles (``task.admitted`` is published and
     # answers ``sla.negotiate``) names all of them in its one description.
@@ -220,6 +267,16 @@ def _headers_schema(route: Route) -> dict[str, Any]:
                 f"`{route.msg_id}`; publish retries must reuse it."
             ),
             "x-fleetpilot-template": route.msg_id,
+        }
+    elif route.event is DeadLetter:
+        # Not made from the payload: the runtime (``runtime.dispatch``) names the original.
+        properties["Nats-Msg-Id"] = {
+            "type": "string",
+            "description": (
+                "`dlq:<stream>:<consumer>:<sequence>`: where the original was when it was "
+                "dead-lettered, so that one original makes one dead letter, however often its "
+                "handling is retried; absent for a message that came on core NATS."
+            ),
         }
     properties["traceparent"] = {
         "type": "string",
@@ -314,9 +371,12 @@ def _operations(route: Route) -> dict[str, dict[str, Any]]:
     reply = {"messages": [{"$ref": f"#/channels/{cid}/messages/{r.__name__}"} for r in route.replies]} \
         if route.replies else None
     if route.replies:
+        # As ``runtime.dispatch.reply_handler`` answers.
         how = ("Served as a `nats.micro` endpoint (one replica answers): the answer goes to the "
-               "request's reply subject; a request that does not decode is answered "
-               "`{\"error\": ...}` and is not dead-lettered.")
+               "request's reply subject. A request that does not decode, or that the service "
+               "refuses, is answered `{\"error\": ...}` (one line, no `type`) and is not "
+               "dead-lettered; a failure of the service's own is answered with an empty body and "
+               "the `Nats-Service-Error` and `Nats-Service-Error-Code` headers.")
     elif consumers:
         how = "Through the durable pull consumer(s) " + ", ".join(f"`{c}`" for c in consumers) + "."
     elif route.durable:
@@ -387,7 +447,7 @@ def _bus_layout() -> dict[str, Any]:
 
 def asyncapi_document() -> dict[str, Any]:
     """The AsyncAPI 3.0 document of the whole bus, as plain data in a fixed order."""
-    _, components = msgspec.json.schema_components(ALL_EVENTS, ref_template="#/components/schemas/{name}")
+    components = _components("#/components/schemas/{name}")
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}

@@ -7,11 +7,11 @@ derived is documented in ``libs/fleetpilot/fleet/README.md``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from .base import Event, Record
+from .base import INT_KEYS, Event, Record
 
 
 class Reading(Record, frozen=True, kw_only=True):
@@ -106,7 +106,7 @@ class GpuSample(Record, frozen=True, kw_only=True):
     pcie_link_width_max: int = 0
     xid_last: int = 0
     xid_count: int = 0
-    xid_codes: dict[int, int] | msgspec.UnsetType = msgspec.UNSET
+    xid_codes: Annotated[dict[int, int], INT_KEYS] | msgspec.UnsetType = msgspec.UNSET
     cuda_context_switches_per_sec: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
     nvlink_bandwidth_utilization_ratio: Reading = msgspec.field(default_factory=lambda: Reading(value=0.0, uncertainty_score=1.0))
     processes: list[ProcessMemory] = msgspec.field(default_factory=list)

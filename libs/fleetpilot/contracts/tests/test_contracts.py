@@ -23,10 +23,12 @@ from fleetpilot.contracts import (
     ModelPublished,
     NodeTelemetry,
     SlaOffer,
+    SlaReply,
     TaskAdmitted,
     TaskLifecycle,
     TaskRejected,
     TaskSubmitted,
+    TaskTelemetry,
     TopologyReport,
     decode,
     dlq_subject,
@@ -45,6 +47,8 @@ TAGS_WITHOUT_NAME: set[str] = set()
 
 def _value(t: mi.Type, full: bool, token: str) -> Any:
     """A valid value of type ``t``; ``full`` also fills optional fields and prefers non-None."""
+    if isinstance(t, mi.Metadata):  # ``Annotated`` with schema-only metadata (``INT_KEYS``)
+        return _value(t.type, full, token)
     if isinstance(t, mi.StrType):
         return token
     if isinstance(t, mi.BoolType):
@@ -446,3 +450,37 @@ def test_readme_subjects_table_names_every_route_with_its_tag():
         assert route.event.__struct_config__.tag in rows[address], address
         for reply in route.replies:
             assert reply.__struct_config__.tag in rows[address], (address, reply.__name__)
+
+
+# --------------------------------------------------------------------------- subject tokens
+
+
+def test_a_task_id_too_long_for_the_servers_control_line_is_refused():
+    # The id is a token of ``sla.offer.<task>``, ``task.lifecycle.<task>`` and
+    # ``telemetry.task.<task>``: nats-server closes the connection of a client whose
+    # publish names a subject past its control line (4096 bytes by default), so one
+    # submission with a 5000-character id cut off, again and again, the SLA service, the
+    # executor and the collector that published for it.
+    from fleetpilot.contracts.catalog import SUBJECT_MAX_BYTES, TASK_ID_MAX_BYTES, task_id_problem
+
+    assert task_id_problem("a" * TASK_ID_MAX_BYTES) is None
+    for too_long in ("a" * 5000, "a" * (TASK_ID_MAX_BYTES + 1), "é" * (TASK_ID_MAX_BYTES // 2 + 1)):
+        why = task_id_problem(too_long)
+        assert why is not None and f"{TASK_ID_MAX_BYTES} bytes" in why and "\n" not in why
+    # The longest id taken still fits every subject that carries it, dead-lettered too.
+    longest = "é" * (TASK_ID_MAX_BYTES // 2)
+    for event_type in (TaskLifecycle, SlaOffer, TaskTelemetry, SlaReply):
+        event = msgspec.structs.replace(full(event_type), task_id=longest)
+        assert len(dlq_subject(subject_for(event)).encode()) <= SUBJECT_MAX_BYTES < 4096
+    # A client learns the bound from proto/.
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[4] / "proto" / "README.md").read_text().split())
+    assert f"at most {TASK_ID_MAX_BYTES} bytes" in readme
+
+
+def test_a_subject_past_the_limit_is_refused():
+    from fleetpilot.contracts.catalog import SUBJECT_MAX_BYTES, subject_problem
+
+    assert subject_problem("dlq." + "a" * (SUBJECT_MAX_BYTES - 4)) is None
+    assert f"{SUBJECT_MAX_BYTES} bytes" in (subject_problem("dlq." + "a" * (SUBJECT_MAX_BYTES - 3)) or "")

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from fleetpilot.contracts import ALL_EVENTS, DecisionMade, TaskSubmitted, decode
+from fleetpilot.contracts import ALL_EVENTS, DecisionMade, NodeTelemetry, TaskSubmitted, decode
 
 PROTO = Path(__file__).resolve().parents[4] / "proto"
 
@@ -53,7 +53,12 @@ def validate(instance: Any, node: dict[str, Any], root: dict[str, Any], path: st
             errors.append(f"{path}: {instance!r} below minimum {node['minimum']}")
         if "maximum" in node and instance > node["maximum"]:
             errors.append(f"{path}: {instance!r} above maximum {node['maximum']}")
+    if isinstance(instance, str) and "pattern" in node and re.search(node["pattern"], instance) is None:
+        errors.append(f"{path}: {instance!r} does not match {node['pattern']!r}")
     if isinstance(instance, dict):
+        for key in instance:
+            if "propertyNames" in node:
+                errors += validate(key, node["propertyNames"], root, f"{path}[{key!r}]")
         for name in node.get("required", []):
             if name not in instance:
                 errors.append(f"{path}: missing required {name!r}")
@@ -198,3 +203,49 @@ def _carries(got: Any, shown: Any) -> bool:
     if isinstance(shown, list):
         return isinstance(got, list) and len(got) == len(shown) and all(map(_carries, got, shown))
     return got == shown
+
+
+GPU_SAMPLE = {"node": "n1", "gpu": 0, "uuid": "GPU-0", "model": "H100", "at": 1767225600.0,
+              "utilization_gpu_pct": 50, "utilization_memory_pct": 20, "memory_total_mb": 81559,
+              "memory_used_mb": 1000, "memory_free_mb": 80559, "temperature_c": 60, "power_w": 300,
+              "power_limit_w": 700, "sm_clock_mhz": 1980, "pcie_tx_kbps": 1, "pcie_rx_kbps": 2}
+
+
+@pytest.mark.parametrize(("codes", "taken"), [
+    ({"48": 1, "45": 3}, True), ({"-1": 1}, True),
+    ({"xid48": 1}, False), ({"48.0": 1}, False), ({"048": 1}, False), ({"+48": 1}, False), ({"": 1}, False),
+])
+def test_schema_and_decoder_agree_on_the_keys_of_a_map_keyed_by_integers(codes, taken):
+    # ``xid_codes`` is ``dict[int, int]``: JSON keys are strings, and msgspec takes only a
+    # decimal integer's. The schema said only "object of integers", so a Go collector that
+    # validated against it had its telemetry dead-lettered; a generator made it map[string]int.
+    schema = load_schema("telemetry.gpu.v1")
+    doc = {"type": "telemetry.gpu.v1", "node": "n1", "at": 1767225600.0, "source": "nvml",
+           "gpus": [GPU_SAMPLE | {"xid_codes": codes}]}
+    errors = validate(doc, schema, schema)
+    assert (errors == []) == taken, errors
+    if taken:
+        assert decode(json.dumps(doc).encode(), NodeTelemetry).gpus[0].xid_codes == {int(k): v for k, v in codes.items()}
+    else:
+        assert any("$.gpus[0].xid_codes[" in e for e in errors), errors
+        with pytest.raises(msgspec.ValidationError, match="xid_codes"):
+            decode(json.dumps(doc).encode(), NodeTelemetry)
+
+
+def test_the_validator_checks_patterns_and_property_names():
+    node = {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}}
+    assert validate({"12": 1}, node, node) == []
+    assert validate({"a": 1}, node, node) == ["$['a']: 'a' does not match '^[0-9]+$'"]
+
+
+def test_an_integer_written_with_a_fraction_is_refused_and_proto_says_so():
+    # JSON Schema's ``integer`` takes ``2.0`` (a number whose fraction is zero), so a client
+    # that validates against proto/ finds it good; msgspec refuses it, and the event was
+    # dead-lettered with nothing in proto/ to say why.
+    doc = json.loads(HAND_WRITTEN_SUBMISSION) | {"gpus": 2.0}
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `int`, got `float` - at `\$.gpus`"):
+        decode(json.dumps(doc).encode(), TaskSubmitted)
+    everything = json.loads((PROTO / "jsonschema" / "all.json").read_text())
+    asyncapi = (PROTO / "asyncapi.yaml").read_text()
+    for text in (everything["description"], " ".join(asyncapi.replace("\n", " ").split())):
+        assert "`integer` fields take a JSON integer written without a fraction or an exponent" in " ".join(text.split())

@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 import yaml
-from fleetpilot.contracts import ALL_EVENTS, BUCKETS, CONSUMERS, ENDPOINTS, ROUTES, STREAMS, schema
+from fleetpilot.contracts import (
+    ALL_EVENTS,
+    BUCKETS,
+    CONSUMERS,
+    ENDPOINTS,
+    ROUTES,
+    STREAMS,
+    DeadLetter,
+    schema,
+)
 
 PROTO = Path(__file__).resolve().parents[4] / "proto"
 
@@ -142,7 +151,8 @@ def test_every_route_has_a_channel_message_and_operations(asyncapi):
         assert message["payload"] == {"$ref": f"#/components/schemas/{name}"}
         headers = message["headers"]["properties"]
         assert "traceparent" in headers
-        assert ("Nats-Msg-Id" in headers) == (route.msg_id is not None)
+        # A dead letter's id is not made from its payload: the runtime gives it its own.
+        assert ("Nats-Msg-Id" in headers) == (route.msg_id is not None or route.event is DeadLetter)
         actions = {
             op["action"]
             for op in asyncapi["operations"].values()
@@ -177,6 +187,18 @@ def test_every_served_endpoint_is_documented_with_its_replies(asyncapi, address)
             assert message["payload"]["$ref"].endswith("/" + message["title"])
 
 
+@pytest.mark.parametrize("address", sorted(SERVED_ENDPOINTS))
+def test_every_endpoint_says_how_it_answers_what_it_cannot_serve(asyncapi, address):
+    # A request the service refuses (``feedback.stats`` by a field it cannot group by) is
+    # answered ``{"error": ...}`` too, and a failure of the service's own with an empty body
+    # and nats.micro's error headers: the contract named only the request that does not
+    # decode, and a client generated from it decoded an empty body as an answer.
+    [cid] = [cid for cid, c in asyncapi["channels"].items() if c["address"] == address]
+    how = " ".join(asyncapi["operations"][f"receive_{cid}"]["summary"].split())
+    for said in ('`{"error": ...}`', "refuses", "empty body", "`Nats-Service-Error`", "`Nats-Service-Error-Code`"):
+        assert said in how, (said, how)
+
+
 def test_sla_negotiate_request_keeps_its_auth_header(asyncapi):
     channel = asyncapi["channels"]["sla_negotiate"]
     request = _resolve(asyncapi, channel["messages"]["TaskSubmitted"]["$ref"])
@@ -188,6 +210,16 @@ def test_task_submitted_documents_auth_and_idempotency(asyncapi):
     headers = asyncapi["components"]["messages"]["TaskSubmitted"]["headers"]["properties"]
     assert "Bearer" in headers["Authorization"]["description"]
     assert "submit:{task_id}:{submitted_at}" in headers["Nats-Msg-Id"]["description"]
+
+
+def test_a_dead_letters_id_is_documented(asyncapi):
+    # The runtime stores each dead letter under ``Nats-Msg-Id: dlq:<origin>`` (the original's
+    # place in its stream), so that one original makes one letter whatever the retries; the
+    # contract said a dead letter had no id, and a client that moves or copies letters could
+    # not keep that guarantee.
+    headers = asyncapi["components"]["messages"]["DeadLetter"]["headers"]["properties"]
+    described = headers["Nats-Msg-Id"]["description"]
+    assert "`dlq:<stream>:<consumer>:<sequence>`" in described and "core NATS" in described
 
 
 def test_dead_letter_channel_is_documented(asyncapi):
@@ -230,3 +262,61 @@ def test_bus_layout_extension_mirrors_the_catalog(asyncapi):
 )
 def test_subject_matching(pattern, subject, expected):
     assert schema.subject_matches(pattern, subject) is expected
+
+
+def _struct_fields() -> list[tuple[str, Any]]:
+    """``(struct name, inspect field)`` of every struct an event is made of."""
+    import msgspec.inspect as mi
+
+    found: dict[str, Any] = {}
+
+    def walk(t: Any) -> None:
+        if isinstance(t, mi.Metadata):
+            walk(t.type)
+        elif isinstance(t, mi.StructType) and t.cls.__name__ not in found:
+            found[t.cls.__name__] = t
+            for f in t.fields:
+                walk(f.type)
+        elif isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+            walk(t.item_type)
+        elif isinstance(t, mi.DictType):
+            walk(t.key_type)
+            walk(t.value_type)
+        elif isinstance(t, mi.UnionType):
+            for member in t.types:
+                walk(member)
+
+    for event in ALL_EVENTS:
+        walk(mi.type_info(event))
+    return [(name, f) for name, info in sorted(found.items()) for f in info.fields]
+
+
+def test_every_map_with_integer_keys_says_so_in_the_schema():
+    import msgspec.inspect as mi
+
+    components = json.loads((PROTO / "jsonschema" / "all.json").read_text())["$defs"]
+    keyed = 0
+    for name, f in _struct_fields():
+        t = f.type.type if isinstance(f.type, mi.Metadata) else f.type
+        if isinstance(t, mi.DictType) and not isinstance(t.key_type, mi.StrType):
+            keyed += 1
+            assert "propertyNames" in components[name]["properties"][f.encode_name], f"{name}.{f.name}"
+    assert keyed  # GpuSample.xid_codes at least
+
+
+def test_every_field_a_client_may_leave_out_shows_the_value_it_then_takes():
+    # A field with a default made by a factory got no ``default`` from msgspec: a Go or Rust
+    # client could not tell that a ``feedback.stats`` query without ``by`` groups by policy,
+    # shard, kind and GPU model, nor that a sample without its context-switch reading is
+    # taken as no information (``uncertainty_score`` 1).
+    import msgspec
+    import msgspec.inspect as mi
+
+    components = json.loads((PROTO / "jsonschema" / "all.json").read_text())["$defs"]
+    for name, f in _struct_fields():
+        if f.required or f.default is f.default_factory is mi.NODEFAULT:
+            continue  # an UNSET field (inspect shows no default): left out of the wire, not filled in
+        default = f.default if f.default is not mi.NODEFAULT else f.default_factory()
+        shown = components[name]["properties"][f.encode_name]
+        assert "default" in shown, f"{name}.{f.name} shows no default"
+        assert shown["default"] == msgspec.json.decode(msgspec.json.encode(default)), f"{name}.{f.name}"
