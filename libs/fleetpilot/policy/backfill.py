@@ -55,7 +55,9 @@ class Demand:
     """What a waiting request needs, for the monotone test a queue scan skips with: once a
     request found no node in a round, one that needs at least as much of everything, under
     the same business rules and without accepting any model it did not, cannot fit either
-    until something frees (as kube-scheduler parks unschedulable pods)."""
+    until something frees (as kube-scheduler parks unschedulable pods). A request bound to a
+    site (its contract's) bounds only those bound to the same site; one free to go anywhere
+    bounds them all."""
 
     gpus: int
     milli: int
@@ -65,15 +67,20 @@ class Demand:
     models: frozenset[str]
     kind: str
     driver: str
+    site: str = ""
 
     @classmethod
     def of(cls, request: TaskRequest, *, whole_gpus: bool = False) -> Demand:
         """The demand of ``request``; ``whole_gpus`` counts a share as a whole GPU (the
         device plugin's view)."""
-        milli = MILLI if (whole_gpus or not request.shares_gpu) else request.gpu_milli
-        return cls(gpus=request.gpus, milli=milli, gpu_memory_mb=request.gpu_memory_mb, cpu_milli=request.cpu_milli,
-                   memory_mb=request.memory_mb, models=frozenset(request.gpu_models), kind=request.kind,
-                   driver=request.labels.get(TASK_LABEL_DRIVER, ""))
+        # GPUs of no milli are no GPU to the policies (they place it on CPU only), so none here:
+        # counted as whole GPUs, it was skipped behind every whole-GPU request that waited.
+        gpus = request.gpus if request.gpus > 0 and request.gpu_milli > 0 else 0
+        milli = 0 if not gpus else MILLI if (whole_gpus or not request.shares_gpu) else request.gpu_milli
+        models = frozenset(request.gpu_models) if gpus else frozenset()
+        return cls(gpus=gpus, milli=milli, gpu_memory_mb=request.gpu_memory_mb if gpus else 0,
+                   cpu_milli=request.cpu_milli, memory_mb=request.memory_mb, models=models, kind=request.kind,
+                   driver=request.labels.get(TASK_LABEL_DRIVER, ""), site=request.site)
 
     def cannot_fit_after(self, failed: Demand) -> bool:
         """True when ``failed`` found no node and this needs at least as much (see above)."""
@@ -81,6 +88,8 @@ class Demand:
             return False  # business rules may open GPUs to one and not the other
         if failed.models and (not self.models or not self.models <= failed.models):
             return False
+        if failed.site and self.site != failed.site:
+            return False  # the failure saw one site's nodes; this may run on others
         return (self.gpus >= failed.gpus and self.milli >= failed.milli and self.gpu_memory_mb >= failed.gpu_memory_mb
                 and self.cpu_milli >= failed.cpu_milli and self.memory_mb >= failed.memory_mb)
 
@@ -236,15 +245,18 @@ def hidden(state: ClusterState, reservation: Reservation | None) -> Iterator[Clu
     is bumped both ways so derived-feature caches never serve the masked view afterwards.
     A reservation on a node the snapshot does not have hides nothing."""
     row = _row_of(state, reservation.node) if reservation is not None else None
-    if reservation is None or row is None:
+    # Slots the snapshot lacks (read on a later snapshot, the fleet's widest node gone) hold
+    # nothing to hide; indexed, they failed the round.
+    gpus = [g for g in reservation.gpus if 0 <= g < state.max_gpus] if reservation is not None else []
+    if row is None or not gpus:
         yield state
         return
-    before = state.gpu_maintenance[row, list(reservation.gpus)].copy()
-    state.set_condition(row, reservation.gpus, maintenance=True)
+    before = state.gpu_maintenance[row, gpus].copy()
+    state.set_condition(row, gpus, maintenance=True)
     try:
         yield state
     finally:
-        state.set_condition(row, reservation.gpus, maintenance=before)
+        state.set_condition(row, gpus, maintenance=before)
 
 
 def node_hidden(state: ClusterState, node: str) -> AbstractContextManager[ClusterState]:

@@ -20,6 +20,7 @@ applied on top of itself (the loop cannot wind up). Pure: no I/O and no clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 PRIOR_DECISIONS = 50.0
@@ -56,8 +57,13 @@ class ConfidenceCalibration:
         With ``count`` (how many actions the totals cover), the correction may raise a
         confidence only up to ``(successes + 1) / (count + 2)``, the policy's success rate by
         Laplace's rule: after 80 successes in 80 a 0.94 may become 0.99, never 1.0. (It never
-        lowers one below what the policy said: a short record caps the raise, not the policy.)"""
-        if count is not None and count >= 0:
+        lowers one below what the policy said: a short record caps the raise, not the policy.)
+        Totals that are not finite are ignored (the factor in force is returned)."""
+        if not (math.isfinite(expected_successes) and math.isfinite(successes)):
+            # A total that is no number (a broken stats reply) says nothing; folded in, a NaN
+            # stayed in the tally for good and every later confidence came out 0.
+            return self.factor(policy)
+        if count is not None and count >= 0 and math.isfinite(count):
             self._tallies.setdefault(policy, _PolicyTally()).ceiling = (successes + 1.0) / (count + 2.0)
         t = self._tallies.setdefault(policy, _PolicyTally())
         d_expected = expected_successes - t.totals[0]

@@ -208,7 +208,10 @@ def move_reason(
                 risk = float(lab.get(MAINTENANCE_RISK, MAINTENANCE_DEFAULT_RISK))
             except ValueError:
                 risk = MAINTENANCE_DEFAULT_RISK
-            stays_ok *= 1.0 - min(max(risk, 0.0), 1.0)
+            if not math.isfinite(risk):  # "nan" parses, and went on into a migrate's confidence
+                risk = MAINTENANCE_DEFAULT_RISK
+            risk = min(max(risk, 0.0), 1.0)
+            stays_ok *= 1.0 - risk
             why.append(f"GPU {gpu} pending maintenance (risk {risk:.2f})")
     if fp is not None and fp.predicted_peak_mb > 0:
         risk = oom_risk_in_place(task, topo, ledger, fp)

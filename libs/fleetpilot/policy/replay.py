@@ -95,13 +95,17 @@ def replay(snapshots: Iterable[Snapshot | tuple[ClusterState, TaskRequest]], pol
     """Decide every snapshot with A and B and report the differences and their effects."""
     items: list[DecisionDiff] = []
     table: FragTable | None = None
+    layout: tuple[tuple[str, ...], int] | None = None
     for snap in snapshots:
         if isinstance(snap, Snapshot):
             state, task = ClusterState.from_record(snap.state), snap.task
         else:
             state, task = snap
-        if typical and (table is None or table.table.shape[0] != len(state.models) + 1):
+        # The table is compiled against the fleet's model names and node width: kept for a
+        # snapshot of other models (or wider nodes), it measured it as the one before.
+        if typical and layout != (tuple(state.models), state.max_gpus):
             table = FragTable(typical, state.models, state.max_gpus)
+            layout = (tuple(state.models), state.max_gpus)
         a = policy_a(state.copy(), task)
         b = policy_b(state.copy(), task)
         fa, oa = _effect(state, task, a, table)

@@ -36,6 +36,9 @@ from typing import Any
 import msgspec
 
 KEYWORDS = {"and", "or", "not", "in", "true", "false", "none"}
+MAX_NESTING = 64
+"""How deep ``not``, parentheses and lists may nest: the parser recurses per level, and a
+condition past Python's stack failed with a ``RecursionError`` instead of a syntax error."""
 _OPS = ("==", "!=", "<=", ">=", "<", ">")
 
 
@@ -108,7 +111,9 @@ def tokenize(text: str) -> list[Token]:
 
 
 # AST nodes: plain tuples, ("lit", v) ("path", (names...)) ("list", [nodes]) ("not", x)
-# ("and", a, b) ("or", a, b) ("cmp", op, a, b).
+# ("and", [nodes]) ("or", [nodes]) ("cmp", op, a, b). A chain of ``and`` / ``or`` is one flat
+# node, evaluated in a loop: nested pairwise, a generated rule of a thousand alternatives
+# recursed once per term and every task routed through it raised ``RecursionError``.
 Node = tuple[Any, ...]
 
 
@@ -117,6 +122,7 @@ class _Parser:
         self.text = text
         self.toks = tokenize(text)
         self.i = 0
+        self.depth = 0
 
     def peek(self) -> Token:
         return self.toks[self.i]
@@ -145,24 +151,33 @@ class _Parser:
         return node
 
     def parse_or(self) -> Node:
-        node = self.parse_and()
+        terms = [self.parse_and()]
         while self.peek().kind == "keyword" and self.peek().value == "or":
             self.take()
-            node = ("or", node, self.parse_and())
-        return node
+            terms.append(self.parse_and())
+        return terms[0] if len(terms) == 1 else ("or", terms)
 
     def parse_and(self) -> Node:
-        node = self.parse_not()
+        terms = [self.parse_not()]
         while self.peek().kind == "keyword" and self.peek().value == "and":
             self.take()
-            node = ("and", node, self.parse_not())
-        return node
+            terms.append(self.parse_not())
+        return terms[0] if len(terms) == 1 else ("and", terms)
+
+    def nest(self, tok: Token) -> None:
+        """Enter one more level of ``not``, parentheses or a list (``MAX_NESTING``)."""
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise self.error(f"condition nested too deeply (more than {MAX_NESTING} levels)", tok)
 
     def parse_not(self) -> Node:
         tok = self.peek()
         if tok.kind == "keyword" and tok.value == "not":
             self.take()
-            return ("not", self.parse_not())
+            self.nest(tok)
+            node = ("not", self.parse_not())
+            self.depth -= 1
+            return node
         return self.parse_cmp()
 
     def parse_cmp(self) -> Node:
@@ -187,10 +202,13 @@ class _Parser:
         if tok.kind == "keyword" and tok.value in ("true", "false", "none"):
             return ("lit", {"true": True, "false": False, "none": None}[tok.value])
         if tok.kind == "punct" and tok.value == "(":
+            self.nest(tok)
             node = self.parse_or()
             self.expect("punct", ")")
+            self.depth -= 1
             return node
         if tok.kind == "punct" and tok.value == "[":
+            self.nest(tok)
             items: list[Node] = []
             if not (self.peek().kind == "punct" and self.peek().value == "]"):
                 items.append(self.parse_operand())
@@ -198,6 +216,7 @@ class _Parser:
                     self.take()
                     items.append(self.parse_operand())
             self.expect("punct", "]")
+            self.depth -= 1
             return ("list", items)
         if tok.kind == "name":
             if tok.value != "task":
@@ -267,9 +286,9 @@ def _evaluate(node: Node, task: Any) -> Any:
     if kind == "not":
         return not _truth(_evaluate(node[1], task))
     if kind == "and":
-        return _truth(_evaluate(node[1], task)) and _truth(_evaluate(node[2], task))
+        return all(_truth(_evaluate(x, task)) for x in node[1])
     if kind == "or":
-        return _truth(_evaluate(node[1], task)) or _truth(_evaluate(node[2], task))
+        return any(_truth(_evaluate(x, task)) for x in node[1])
     return _compare(node[1], _evaluate(node[2], task), _evaluate(node[3], task))
 
 

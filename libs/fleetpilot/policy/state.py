@@ -32,6 +32,15 @@ MILLI = 1000
 # by the NUMA/NVLink transformers (0 = same device).
 LINK_COST: dict[str, int] = {"X": 0, "NV": 1, "PIX": 2, "PXB": 3, "PHB": 4, "NODE": 5, "SYS": 6, "PSB": 6}
 UNKNOWN_LINK_COST = 4
+MAX_GPUS_PER_NODE = 64
+"""GPU indices a node may report (0 .. this - 1): every node's slots are padded to the widest,
+so one absurd index would size every per-GPU array of the fleet by it."""
+
+
+def _gpu_number(device: str) -> int | None:
+    """The index of a ``GPU<n>`` link end, ``None`` for another device or a malformed name."""
+    digits = device[3:]
+    return int(digits) if device.startswith("GPU") and digits.isdigit() else None
 
 
 PEAK_INTERVAL_SIGMAS = 4.0
@@ -201,6 +210,11 @@ class ClusterState:
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.node_names)}
+        if len(self._index) != len(self.node_names):
+            # Decisions and the ledger name the node: of two rows with one name, the holds go to
+            # one and the other shows its capacity free to be booked twice.
+            twice = next(name for i, name in enumerate(self.node_names) if self._index[name] != i)
+            raise ValueError(f"node {twice!r} appears twice in the fleet")
         if self.gpu_rule is None:  # no business rules known: every GPU has the default set
             self.gpu_rule = np.zeros(self.gpu_free.shape, dtype=np.int32)
         if self.node_ready is None:  # no node known to be out of service
@@ -329,11 +343,16 @@ class ClusterState:
         no task at all (``node_ready``).
         """
         topo = list(nodes)
+        # A node's GPU slots are the indices it reports, which placements name to its executor:
+        # a GPU missing from the report leaves its slot empty rather than shifting the next
+        # GPUs into it. An index that is negative or not below ``MAX_GPUS_PER_NODE`` names no
+        # slot; the first of a repeated index counts.
+        slots = [sorted({g.index for g in t.gpus if 0 <= g.index < MAX_GPUS_PER_NODE}) for t in topo]
         state = cls.build(
             names=[t.node for t in topo],
             cpu_milli=[t.cpu_milli for t in topo],
             memory_mb=[t.memory_mb for t in topo],
-            gpus=[len(t.gpus) for t in topo],
+            gpus=[s[-1] + 1 if s else 0 for s in slots],
             models=[next((g.model for g in t.gpus if g.model), "") for t in topo],
             sites=[t.site for t in topo],
         )
@@ -343,10 +362,16 @@ class ClusterState:
         roles: list[str] = [""]
         rule_index: dict[GpuRules, int] = {GpuRules(): 0}
         for i, t in enumerate(topo):
+            gap = state.gpu_exists[i].copy()
+            gap[slots[i]] = False
+            state.gpu_exists[i, gap] = state.gpu_healthy[i, gap] = False
+            state.gpu_free[i, gap] = 0
+            seen: set[int] = set()
             for gpu in t.gpus:
                 j = gpu.index
-                if j >= state.max_gpus:
+                if not 0 <= j < MAX_GPUS_PER_NODE or j in seen:
                     continue
+                seen.add(j)
                 state.gpu_rule[i, j] = rule_index.setdefault(gpu_rules(gpu.labels), len(rule_index))  # type: ignore[index]
                 state.gpu_mem_total[i, j] = state.gpu_mem_free[i, j] = gpu.memory_mb
                 if gpu.numa_node is not None:
@@ -361,18 +386,20 @@ class ClusterState:
                 state.gpu_link[i] = UNKNOWN_LINK_COST
                 np.fill_diagonal(state.gpu_link[i], 0)
                 for link in t.links:
-                    if link.a.startswith("GPU") and link.b.startswith("GPU"):
-                        a, b = int(link.a[3:]), int(link.b[3:])
+                    a, b = _gpu_number(link.a), _gpu_number(link.b)
+                    if a is not None and b is not None:
                         if a < state.max_gpus and b < state.max_gpus:
                             cost = LINK_COST.get(link.kind, UNKNOWN_LINK_COST)
                             state.gpu_link[i, a, b] = state.gpu_link[i, b, a] = cost
         state.roles = roles
         state.rule_sets = list(rule_index)
+        # A reading or condition for a slot the fleet lacks (telemetry of a GPU gone from the
+        # report) concerns no GPU here; indexed, it crashed the whole snapshot.
         for (node, j), temp in (temperatures or {}).items():
-            if node in state._index:
+            if node in state._index and 0 <= j < state.max_gpus:
                 state.gpu_temp_c[state._index[node], j] = temp
         for node, j in unhealthy:
-            if node in state._index:
+            if node in state._index and 0 <= j < state.max_gpus:
                 state.gpu_healthy[state._index[node], j] = False
         for node in maintenance:
             if node in state._index:
@@ -397,7 +424,9 @@ class ClusterState:
             self.cpu_free[node] -= int(getattr(hold, "cpu_milli", 0))
             self.mem_free[node] -= int(getattr(hold, "host_memory_mb", 0))
             gpu = int(getattr(hold, "gpu", -1))
-            if gpu >= 0:
+            # A hold on a slot the fleet lacks (a stale or corrupt ledger row) holds no GPU
+            # here, only its CPU and memory; indexed, it failed the whole snapshot.
+            if 0 <= gpu < self.max_gpus:
                 self.gpu_free[node, gpu] -= int(getattr(hold, "milli", 0))
                 self.gpu_mem_free[node, gpu] -= int(getattr(hold, "memory_mb", 0))
         self.version[node] += 1
@@ -467,13 +496,15 @@ class ClusterState:
         existed reads as a fleet without any)."""
         dtypes = {**_NODE_ARRAYS, **_GPU_ARRAYS, "gpu_link": np.int8}
         kwargs = {name: np.asarray(record.arrays[name], dtype=dt) for name, dt in dtypes.items()
-                  if name in record.arrays or name not in _OPTIONAL_ARRAYS}
+                  if name in record.arrays}
         if not record.node_names:
             # JSON keeps no shape for an empty list: a fleet without nodes has the one padded
             # GPU slot ``build`` gives it, else ``max_gpus`` and every policy fail on it.
             ndim = {name: 1 if name in _NODE_ARRAYS else 2 if name in _GPU_ARRAYS else 3 for name in kwargs}
             kwargs = {name: a.reshape((0,) + (1,) * (ndim[name] - 1)) if a.size == 0 else a
                       for name, a in kwargs.items()}
+        _check_arrays(kwargs, len(record.node_names), record.models, record.sites, record.roles,
+                      record.rule_sets)
         return cls(node_names=list(record.node_names), models=list(record.models),
                    sites=list(record.sites), roles=list(record.roles), rule_sets=list(record.rule_sets), **kwargs)
 
@@ -493,5 +524,37 @@ class ClusterState:
             names = msgspec.json.decode(z["_names"].tobytes())
             kwargs = {name: z[name].copy() for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link") if name in z}
         rules = msgspec.convert(names.get("rule_sets", [{}]), list[GpuRules])
+        _check_arrays(kwargs, len(names["node_names"]), names["models"], names["sites"], names["roles"],
+                      rules)
         return cls(node_names=names["node_names"], models=names["models"], sites=names["sites"],
                    roles=names["roles"], rule_sets=rules, **kwargs)
+
+
+# What each index array of a snapshot points into (``-1``: no model / no site).
+_INDEXES = {"node_model": "models", "node_site": "sites", "gpu_role": "roles", "gpu_rule": "rule_sets"}
+
+
+def _check_arrays(arrays: Mapping[str, np.ndarray], n: int, models: Sequence[str], sites: Sequence[str],
+                  roles: Sequence[str], rule_sets: Sequence[GpuRules]) -> None:
+    """Raise ``ValueError`` naming the first array of a read snapshot that is missing, not
+    shaped as ``n`` nodes of as many GPU slots as ``gpu_exists`` has, or that indexes past
+    the names it refers to: left to the policies, a short array was broadcast or read past."""
+    missing = [name for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link")
+               if name not in arrays and name not in _OPTIONAL_ARRAYS]
+    if missing:
+        raise ValueError(f"state record lacks the array {missing[0]!r}")
+    exists = arrays["gpu_exists"]
+    if exists.ndim != 2:
+        raise ValueError(f"state record: array 'gpu_exists' has shape {exists.shape}, "
+                         "expected (nodes, GPU slots)")
+    g = exists.shape[1]
+    for name, a in arrays.items():
+        want = (n,) if name in _NODE_ARRAYS else (n, g) if name in _GPU_ARRAYS else (n, g, g)
+        if a.shape != want:
+            raise ValueError(f"state record: array {name!r} has shape {a.shape}, expected {want}")
+    sizes = {"models": len(models), "sites": len(sites), "roles": len(roles), "rule_sets": len(rule_sets)}
+    for name, of in _INDEXES.items():
+        a = arrays.get(name)
+        lowest = -1 if name.startswith("node") else 0  # a node may have no model or site, a GPU no rule
+        if a is not None and a.size and (a.max() >= sizes[of] or a.min() < lowest):
+            raise ValueError(f"state record: array {name!r} points past its {sizes[of]} {of}")

@@ -295,3 +295,33 @@ def test_a_reservation_and_a_clearing_are_only_ever_on_gpus_the_task_may_use() -
         gpus=[GpuInfo(index=0, model="H100", labels={"task_kinds": "infer"})])])
     assert reserve(infer_only, TaskRequest(task_id="t", kind="train", gpus=1),
                    gpu_free_at(infer_only, [], now=0.0)) is None
+
+
+def test_a_failure_bound_to_one_site_skips_no_request_that_may_run_elsewhere() -> None:
+    # A request bound to eu found no node: one that may run anywhere (or only in us) can still
+    # start on another site's nodes. Skipped, it waited behind the eu task every round.
+    eu = Demand.of(TaskRequest(task_id="eu", gpus=1, site="eu"))
+    assert not Demand.of(TaskRequest(task_id="any", gpus=1, cpu_milli=100)).cannot_fit_after(eu)
+    assert not Demand.of(TaskRequest(task_id="us", gpus=1, cpu_milli=100, site="us")).cannot_fit_after(eu)
+    assert Demand.of(TaskRequest(task_id="eu2", gpus=1, cpu_milli=100, site="eu")).cannot_fit_after(eu)
+    # A failure free to go anywhere bounds a request bound to one site: it has fewer nodes.
+    anywhere = Demand.of(TaskRequest(task_id="any", gpus=1))
+    assert Demand.of(TaskRequest(task_id="eu", gpus=1, cpu_milli=100, site="eu")).cannot_fit_after(anywhere)
+
+
+def test_a_request_of_gpus_with_no_milli_needs_no_gpu_so_a_gpu_failure_does_not_skip_it() -> None:
+    # gpus=1, gpu_milli=0 asks no GPU (the policies place it on CPU only): it was counted as
+    # a whole GPU and skipped behind every whole-GPU request that found no node.
+    whole = Demand.of(TaskRequest(task_id="w", gpus=1))
+    no_gpu = TaskRequest(task_id="g0", gpus=1, gpu_milli=0, cpu_milli=100)
+    assert not Demand.of(no_gpu).cannot_fit_after(whole)
+    assert Demand.of(no_gpu) == Demand.of(msgspec.structs.replace(no_gpu, gpus=0))
+
+
+def test_a_reservation_naming_gpus_the_snapshot_lacks_hides_those_it_has() -> None:
+    # A reservation names its node, so it is read on later snapshots; one whose GPUs are past
+    # the snapshot's slots (the fleet's widest node gone) crashed the round with an IndexError.
+    state = ClusterState.build(names=["n0"], cpu_milli=[8000], memory_mb=[8000], gpus=[2], models=["H100"])
+    with hidden(state, Reservation(task_id="w", node="n0", gpus=(1, 5), start_s=0.0)) as masked:
+        assert masked.gpu_maintenance[0].tolist() == [False, True]
+    assert not state.gpu_maintenance.any()

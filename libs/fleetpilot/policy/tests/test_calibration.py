@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from fleetpilot.policy.calibration import ConfidenceCalibration
 
@@ -63,3 +65,17 @@ def test_with_counts_a_confidence_stays_under_the_policys_record() -> None:
     assert fresh.apply("p", 0.95) == 0.95
     cal.update("p", expected_successes=95.0, successes=80.0, count=100.0)  # failures since: lowered
     assert cal.apply("p", 0.9) < 0.9
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_totals_that_are_no_number_are_ignored_and_never_stick(bad: float) -> None:
+    # One NaN total (a broken stats reply) made the factor NaN for good: every later update
+    # added to a NaN, and every confidence of the policy came out 0.
+    cal = ConfidenceCalibration()
+    cal.update("p", 100.0, 90.0)
+    factor = cal.factor("p")
+    assert cal.update("p", bad, 95.0) == factor
+    assert cal.update("p", 110.0, bad) == factor
+    assert cal.update("p", 110.0, 99.0, count=bad) == cal.factor("p")
+    assert math.isfinite(cal.factor("p")) and cal.factor("p") != factor  # the good totals still count
+    assert 0.0 < cal.apply("p", 0.9) <= 1.0

@@ -411,3 +411,14 @@ def test_a_bridged_run_watched_by_its_envelope_waits_for_it_and_any_other_moves_
     # It holds its peak: nothing to wait for, the usual rules apply.
     full = Running("t", "x", (hold("t", 0, memory_mb=63_000),))
     assert not waits_for_its_envelope(full, topo, ledger, steps, (), 300.0, 2400.0, 240.0)
+
+
+@pytest.mark.parametrize("risk", ["nan", "NaN", "inf", "-inf", "soon"])
+def test_a_maintenance_risk_label_that_is_no_probability_reads_as_the_default(risk: str) -> None:
+    # ``float("nan")`` parses: the NaN went through the clamp into P(staying fails), and on
+    # into the confidence a migrate decision published.
+    topo = node("x", labels={0: {"maintenance_pending": "true", "maintenance_risk": risk}})
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0)])
+    why = move_reason(Running("t", "x", (ledger.allocations[0],)), topo, ledger, None, 0.5)
+    assert why is not None and why.p_stay_fails == pytest.approx(0.9)
+    assert "0.90" in why.why

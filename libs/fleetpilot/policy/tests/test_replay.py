@@ -42,3 +42,27 @@ def test_classify_kinds():
     assert classify(a, PolicyDecision(action="queue")) == "action"
     assert classify(a, msgspec.structs.replace(a, node_row=1)) == "node"
     assert classify(a, msgspec.structs.replace(a, placement=[GpuShare(node="a", gpu=1, milli=100)])) == "gpus"
+
+
+def test_each_snapshot_is_measured_on_its_own_fleets_models_and_width() -> None:
+    # The fragmentation table was kept while the next snapshot had as many models, so a fleet
+    # of other models (or wider nodes) was measured with the first one's: an effect that
+    # depended on which snapshot came before.
+    from fleetpilot.policy import FragTable
+
+    typical = [TaskShape(cpu_milli=0, gpu_milli=1000, gpus=1, models=("B",), weight=1.0)]
+
+    def snap(model: str, gpus: int) -> Snapshot:
+        state = ClusterState.build(names=["a"], cpu_milli=[8000], memory_mb=[8000], gpus=[gpus],
+                                   models=[model])
+        return record(state, TaskRequest(task_id=f"{model}{gpus}", gpus=1, gpu_milli=500))
+
+    later = [snap("C", 2), snap("B", 4)]
+    policy = build_policy("bestfit")
+    alone = [replay([s], policy, policy, typical=typical).items[0].frag_a for s in later]
+    after = replay([snap("B", 2), *later], policy, policy, typical=typical).items[1:]
+    assert [i.frag_a for i in after] == alone
+    # Both by what FGD itself measures: model C's half-used GPU is all fragment for a B task.
+    c = ClusterState.from_record(later[0].state)
+    c.allocate(0, [0], 500)
+    assert alone[0] == float(FragTable(typical, c.models, c.max_gpus).node_frag(c).sum()) == 1500.0

@@ -101,3 +101,19 @@ def test_hash_unit_is_uniform_in_unit_interval():
 def test_rule_weight_must_be_a_share():
     with pytest.raises(ValueError):
         Router([RouteRule(weight=1.5, policy="p")], default="d")
+
+
+def test_a_long_chain_of_alternatives_evaluates_without_recursing_per_term() -> None:
+    # A generated rule with a thousand alternatives parsed, then every task routed through it
+    # raised RecursionError (evaluation recursed once per ``or``).
+    teams = [f"t{i}" for i in range(3000)]
+    cond = parse_condition(" or ".join(f"task.labels.team == '{t}'" for t in teams))
+    assert cond({"labels": {"team": "t2999"}}) and not cond({"labels": {"team": "x"}})
+    both = parse_condition(" and ".join(["task.gpus >= 1"] * 3000))
+    assert both({"gpus": 2}) and not both({"gpus": 0})
+
+
+@pytest.mark.parametrize("text", ["not " * 3000 + "true", "(" * 3000 + "true" + ")" * 3000])
+def test_a_condition_nested_too_deeply_is_a_syntax_error(text: str) -> None:
+    with pytest.raises(ConditionSyntaxError, match="nested too deeply"):
+        parse_condition(text)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from fleetpilot.contracts import Allocation, GpuInfo, Link, NodeTopology, TaskSubmitted
 from fleetpilot.contracts.fingerprint import Fingerprint
-from fleetpilot.policy import ClusterState, ClusterStateRecord, TaskRequest
+from fleetpilot.policy import ClusterState, ClusterStateRecord, TaskRequest, build_policy
 
 
 def small() -> ClusterState:
@@ -157,3 +157,66 @@ def test_a_node_whose_first_gpu_is_lost_keeps_its_model():
     gpus = [GpuInfo(index=0, model="", memory_mb=0), GpuInfo(index=1, model="A100", memory_mb=40_000)]
     state = ClusterState.from_topology([NodeTopology(node="n", cpu_milli=8_000, memory_mb=64_000, gpus=gpus)])
     assert state.models[state.node_model[0]] == "A100"
+
+
+def test_a_nodes_gpu_slots_are_the_indices_it_reports():
+    """A node reporting GPUs 0 and 2 (GPU 1 gone from the report) had slots 0 and 1: a
+    placement on "GPU 1" named a device that is not there, GPU 2 was never offered, and a
+    condition on GPU 2 crashed the build. A negative or repeated index took another slot."""
+    from fleetpilot.contracts import GpuInfo, NodeTopology
+
+    gpus = [GpuInfo(index=0, model="A100", memory_mb=100), GpuInfo(index=2, model="A100", memory_mb=300),
+            GpuInfo(index=-1, model="A100", memory_mb=7), GpuInfo(index=0, model="A100", memory_mb=9)]
+    links = [Link(a="GPU0", b="GPU2", kind="SYS"), Link(a="GPUx", b="GPU0", kind="NV"),
+             Link(a="GPU-1", b="GPU2", kind="NV")]  # malformed ends: ignored, not a crash
+    nodes = [NodeTopology(node="n", cpu_milli=8000, memory_mb=8000, gpus=gpus, links=links),
+             NodeTopology(node="m", cpu_milli=8000, memory_mb=8000, gpus=gpus[:1])]
+    state = ClusterState.from_topology(nodes, unhealthy=[("n", 2), ("n", 9), ("m", 2)],
+                                       temperatures={("n", 9): 99.0})
+    assert state.gpu_exists.tolist() == [[True, False, True], [True, False, False]]
+    assert state.gpu_free.tolist() == [[1000, 0, 1000], [1000, 0, 0]]
+    assert state.gpu_mem_total.tolist() == [[100, 0, 300], [100, 0, 0]]
+    assert state.gpu_healthy.tolist() == [[True, False, False], [True, False, False]]
+    assert state.gpu_link[0, 0, 2] == state.gpu_link[0, 2, 0] == 6 and state.gpu_link[0, 1, 2] == 4
+    d = build_policy("bestfit").decide(state, TaskRequest(task_id="t", gpus=2))
+    assert d.action == "queue"  # node n has one usable GPU now, not two
+
+
+def test_a_hold_on_a_gpu_the_node_lacks_keeps_its_cpu_and_crashes_nothing():
+    """A ledger hold on a GPU index past the fleet's slots (a stale or corrupt row) made the
+    whole snapshot fail with an IndexError: no decision for any task."""
+    from fleetpilot.contracts import GpuInfo, NodeTopology
+
+    topo = NodeTopology(node="n", cpu_milli=8000, memory_mb=8000, gpus=[GpuInfo(index=0, model="A100")])
+    state = ClusterState.from_topology([topo], {"n": [Allocation(task_id="t", decision_id="t.assign", gpu=5,
+                                                                 milli=1000, cpu_milli=2000)]})
+    assert state.cpu_free.tolist() == [6000] and state.gpu_free.tolist() == [[1000]]
+
+
+def test_node_names_must_be_unique():
+    """Two rows of one name: decisions name the node, the ledger's holds went to the last row
+    only, and the first showed its whole capacity free (double booking)."""
+    from fleetpilot.contracts import NodeTopology
+
+    with pytest.raises(ValueError, match="node 'n' appears twice"):
+        ClusterState.from_topology([NodeTopology(node="n", cpu_milli=8000),
+                                    NodeTopology(node="n", cpu_milli=4000)])
+    with pytest.raises(ValueError, match="node 'a' appears twice"):
+        ClusterState.build(names=["a", "b", "a"], cpu_milli=[1, 1, 1], memory_mb=[1, 1, 1], gpus=[1, 1, 1],
+                           models=["X"] * 3)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda a: a.pop("gpu_temp_c"), "lacks the array 'gpu_temp_c'"),
+    (lambda a: a.__setitem__("cpu_free", [1, 2, 3]), "'cpu_free' has shape"),
+    (lambda a: a.__setitem__("gpu_free", [[1000]]), "'gpu_free' has shape"),
+    (lambda a: a.__setitem__("gpu_link", [[[0]]]), "'gpu_link' has shape"),
+])
+def test_a_state_record_with_a_missing_or_misshapen_array_says_which(edit, message):
+    """A replay file with an array left out was a bare ``KeyError``; one of the wrong length
+    loaded, and the policies then read past it or broadcast it."""
+    rec = small().to_record()
+    edit(rec.arrays)
+    back = msgspec.json.decode(msgspec.json.encode(rec), type=ClusterStateRecord)
+    with pytest.raises(ValueError, match=message):
+        ClusterState.from_record(back)
