@@ -18,8 +18,16 @@ WORKDIR /app
 # `pip install .` see the pin already satisfied.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
+# The project's dependencies next, read from pyproject.toml alone, so that this layer is built
+# again only when they change: installed by `pip install .` after the code was copied, every
+# one of them was downloaded again at each change of the code.
 # README is optional at build time (the glob keeps COPY from failing when it is absent).
 COPY pyproject.toml README.m[d] ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+# The code: `pip install .` finds every dependency installed above and downloads none.
 COPY libs ./libs
 COPY services ./services
 COPY proto ./proto

@@ -1,5 +1,5 @@
 """docker-compose.yml starts the whole system: NATS with JetStream, PostgreSQL 16 and the
-seven services, each healthy-checked on its own metrics port.
+eight services, each healthy-checked on its own metrics port.
 
 The structure is checked with PyYAML on every run; ``docker compose config`` (or the older
 ``docker-compose``) additionally validates the file against the Compose schema where a
@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,58 @@ def test_dockerfile_builds_one_image_for_every_service():
     assert "pip install ." in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignored)
+
+
+def _dockerfile_steps() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions in order, each as (keyword, arguments), continuation
+    lines joined and comments left out."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = "\n".join(lines).replace("\\\n", " ")
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+            for line in joined.splitlines() if line.strip()]
+
+
+def test_the_dependencies_are_installed_in_a_layer_before_the_code():
+    # Installed by `pip install .` after the code was copied, every dependency (numpy,
+    # matplotlib, asyncpg, OpenTelemetry...) was downloaded and installed again at every
+    # change of a line of code: a layer is rebuilt when anything copied before it changed.
+    # A layer built from pyproject.toml alone is rebuilt only when the dependencies change.
+    steps = _dockerfile_steps()
+    code = next(i for i, (keyword, args) in enumerate(steps)
+                if keyword == "COPY" and {"libs", "services"} & {Path(a).parts[0] for a in args.split()[:-1]})
+    copied_before = {a for keyword, args in steps[:code] if keyword == "COPY" for a in args.split()[:-1]}
+    assert copied_before <= {"pyproject.toml", "README.m[d]"}, copied_before
+    installs = [args for keyword, args in steps[:code] if keyword == "RUN" and "pyproject.toml" in args]
+    assert installs, "no layer before the code installs the dependencies pyproject.toml lists"
+    # The step's own Python, run here on the real pyproject.toml: it must list every dependency.
+    words = shlex.split(installs[0])
+    script = words[words.index("-c") + 1]
+    listed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    wanted = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert listed.stdout.split() == wanted
+    assert "pip install -r" in installs[0]
+
+
+def test_the_image_installs_the_cpu_torch_that_pyproject_pins():
+    # The CPU wheel is installed first, from its own index, so that the dependencies' step
+    # finds torch there. Were pyproject's pin moved alone, that step would install the pinned
+    # version from PyPI beside it: the CUDA build, gigabytes of libraries nothing here uses.
+    pinned = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                  if re.match(r"torch\b", d))
+    cpu = [args for keyword, args in _dockerfile_steps() if keyword == "RUN" and "download.pytorch.org/whl/cpu" in args]
+    assert cpu and pinned.replace(" ", "") in cpu[0].split(), (pinned, cpu)
+
+
+def test_a_gpu_host_keeps_its_node_name_across_new_containers(compose):
+    # On NVML the collector reports its GPUs under FLEETPILOT_COLLECTOR_NODE_NAME, else the
+    # host name, which in a container is the container's id: every `up --build` (a new
+    # container) brought the machine back as a new node, and left the old one in the fleet to
+    # go unreachable (FleetpilotNodeUnreachable, critical) with its learnt history under a
+    # name nothing reports again.
+    env = _env(compose["services"]["collector"])
+    assert env.get("FLEETPILOT_COLLECTOR_NODE_NAME"), "the collector's node name is its container's id"
+    assert "hostname" not in compose["services"]["collector"]  # one place says it
 
 
 def test_compose_config_validates():

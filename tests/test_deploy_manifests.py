@@ -179,6 +179,18 @@ def test_the_executor_runs_tasks_on_its_node_with_room_for_them():
     assert int(limits["memory"].removesuffix("Gi")) >= 16
 
 
+def test_an_upgrade_restarts_the_tasks_of_no_node_unasked():
+    # The executor's tasks run in its pod and end when it stops (evicted, placed again,
+    # restarted from their command). Rolled out by the DaemonSet, a new image (`kustomize edit
+    # set image`, then apply) restarted every task of the fleet, node after node; on OnDelete,
+    # a node's executor is updated when its pod is deleted, at a time chosen for that node.
+    # The collector holds no tasks and is rolled out as usual.
+    workloads = _workloads()
+    assert workloads["executor"]["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert workloads["collector"]["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert "OnDelete" in (DEPLOY / "README.md").read_text()  # and says how to update a node
+
+
 @pytest.mark.parametrize(("name", "variable", "field", "named"), [
     ("collector", "FLEETPILOT_COLLECTOR_NODE_NAME", "node_name", "gpu-node-7.ec2.internal"),  # its reader maps it
     ("executor", "FLEETPILOT_EXECUTOR_NODE", "node", "gpu-node-7_ec2_internal"),
