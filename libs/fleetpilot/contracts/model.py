@@ -25,7 +25,8 @@ class ModelPublished(Event, frozen=True, kw_only=True, tag="model.published.v1")
     ``version`` (the key's revision there), with its held-out ``figures``. Policies use it
     only when ``promoted``; ``reason`` says why in one line. With ``withdrawn``, the model
     stored under ``name`` at ``version`` was taken out of the bucket instead: on the latest
-    outcomes (the round of ``figures``) it no longer beat the policy's own confidence."""
+    outcomes (the round of ``figures``) it no longer beat the policy's own confidence, or the
+    value stored there was no model the learner could read (``reason`` says which)."""
 
     name: str
     version: int
