@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import msgspec
 
 from fleetpilot.contracts import Contract, Fingerprint, OfferOption, RejectCode, TaskSubmitted
-from fleetpilot.contracts.catalog import task_id_problem
+from fleetpilot.contracts.catalog import TASK_ID_MAX_BYTES, task_id_problem
 
 from .fleet import FleetView, GpuPool
 
@@ -240,6 +240,8 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float) -> Contract:
                     site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e))
 
 
+MAX_EXACT_INT = 2**53 - 1
+"""The largest integer every JSON reader holds exactly (a JavaScript number, a double)."""
 DEADLINE_READS_AS_MS = 1e11
 """A deadline at or past this (seconds since 1970: year 5138) is a time in milliseconds."""
 
@@ -250,7 +252,16 @@ def task_problem(task: TaskSubmitted) -> str | None:
     if (why := task_id_problem(task.task_id)) is not None:
         # The answer goes out on ``sla.offer.<task>`` and the client's on ``sla.reply.<task>``,
         # which the SLA stream takes one token deep: an offer to ``team.a`` is stored by nobody.
-        return f"task_id {task.task_id!r} {why}: it must be one subject token (no dots, spaces, * or >)"
+        # Quoted cut short: an id refused for its length would fill the rejection with itself.
+        shown = task.task_id if len(task.task_id) <= 80 else task.task_id[:80] + "..."
+        return (f"task_id {shown!r} {why}: it must be one subject token (no dots, spaces, * or >) "
+                f"of at most {TASK_ID_MAX_BYTES} bytes")
+    for name in ("gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb"):
+        if abs(getattr(task, name)) > MAX_EXACT_INT:
+            # JSON carries any integer, but a consumer in Go, Java or JavaScript reads at most 64
+            # bits (53 exactly): past that, the admission and decision it is copied into are
+            # events it cannot read at all.
+            return f"{name} must be at most {MAX_EXACT_INT} (2**53 - 1)"
     if task.gpus < 0:
         return "gpus must be >= 0"
     if not 1 <= task.gpu_milli <= 1000:

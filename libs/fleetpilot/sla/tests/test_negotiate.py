@@ -56,6 +56,9 @@ CASES = [
     # Date.now() of a JavaScript client: milliseconds, read as seconds some 50,000 years away,
     # met by every pool, so it was silently no deadline at all.
     ("deadline in milliseconds", task(sla={"deadline": 1_796_000_000_000.0}), Reject, "invalid"),
+    # Past 53 bits an integer is read inexactly, or not at all, by a consumer outside Python.
+    ("more GPUs than any reader holds", task(gpus=99_999_999_999_999_999_999), Reject, "invalid"),
+    ("host memory past 2**53", task(memory_mb=2**70), Reject, "invalid"),
     # The p95 reference label is read as a number: words crashed the negotiator (the service
     # retried the submission five times, then dead-lettered it; a quote got no answer), and
     # "nan" passed every latency bound, so the task was admitted whatever it asked.
