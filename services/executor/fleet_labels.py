@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 from fleetpilot.contracts import (
@@ -62,6 +62,9 @@ class FleetLabels:
         # Entries whose labels a write failed to put (``set`` raised): written again by
         # ``apply_pending``, on the health round.
         self._unapplied: set[str] = set()
+        # Called with a node's name when its key is deleted (the node was forgotten), for
+        # what other parts of the replica keep of it to go too.
+        self.on_forget: list[Callable[[str], None]] = []
 
     async def load(self) -> None:
         """Read every node once."""
@@ -139,7 +142,7 @@ class FleetLabels:
         as a background task)."""
         async for entry in self._kv.watch(">"):
             if entry.value is None:
-                self.nodes.pop(entry.key, None)
+                self._forget(entry.key)
                 continue
             try:
                 self.nodes[entry.key] = _NODE.decode(entry.value)
@@ -154,6 +157,18 @@ class FleetLabels:
                 except CasConflict:
                     log.warning("could not put labels back on %s; the next change retries", entry.key)
 
+    def _forget(self, key: str) -> None:
+        """The node's key was deleted: it was forgotten (``fleetpilot fleet forget``, or the
+        topology service's ``FORGET_AFTER_S``). What this replica labelled there goes with it,
+        and those told (``on_forget``) drop what they made of the node: back under its name,
+        it is a new node. Kept, its cordon came back with its first report."""
+        topo = self.nodes.pop(key, None)
+        self._wanted.pop(key, None)
+        self._written.pop(key, None)
+        self._unapplied.discard(key)
+        node = topo.node if topo is not None else key
+        for forget in self.on_forget:
+            forget(node)
 
     def _give_way(self, key: str, topo: NodeTopology) -> None:
         """Stop putting back the labels of ours that ``topo`` holds with another value.

@@ -84,6 +84,12 @@ class HealthWindows:
                 return kept.uuid
         return ""
 
+    def forget_node(self, node: str) -> None:
+        """Drop the windows of ``node``'s GPUs (the node left the fleet)."""
+        for key in [k for k in self.windows.keys() | self._heard_at.keys() if k[0] == node]:
+            self.windows.pop(key, None)
+            self._heard_at.pop(key, None)
+
     def forget_silent(self) -> None:
         """Drop the window of every GPU not heard from for ``window_s``."""
         silent_since = self.clock() - self._window_s
@@ -100,6 +106,12 @@ class GpuHealth(ExecutorReplica):
         super().__init__(settings)
         self.windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
         self.model = HealthModel(threshold=settings.health_threshold)
+
+    def forget_node(self, node: str) -> None:
+        """As the replica does, and the node's samples go too: assessed, the evidence of
+        the node before it was forgotten flagged the new one for maintenance."""
+        super().forget_node(node)
+        self.windows.forget_node(node)
 
     def tasks_on(self, node: str, gpu: int) -> list[str]:
         """Tasks holding a share of one GPU in the ledger view (reserved ones included:

@@ -119,6 +119,7 @@ class ExecutorReplica:
         self.locks = KvHookLock(await bus.kv("hook_locks"))
         self.hook = PreDecommissionHook(settings.replica, self.locks, rules=self.rules)
         self.business = TopologyBusiness(self.labels, self.hook)
+        self.labels.on_forget.append(self.forget_node)
         if settings.backend == "sim":
             self.backend = BusSimBackend(bus, settings.default_duration_s)
         else:
@@ -131,6 +132,12 @@ class ExecutorReplica:
                                           log_max_bytes=int(settings.process_log_max_mb * 1024 * 1024))
             if settings.node:
                 await self.reclaim_left_behind(bus)
+
+    def forget_node(self, node: str) -> None:
+        """``node`` left the fleet (its topology key was deleted): what the pre-decommission
+        hook made of its GPUs goes, for a node back under its name to start anew."""
+        if self.hook is not None:
+            self.hook.forget_node(node)
 
     def node_trouble(self) -> str:
         """Why no task can start on this node now, as its process backend saw its starts
@@ -148,20 +155,37 @@ class ExecutorReplica:
         """At the start of a node's executor, before it takes any decision: what the last
         one left behind. It died without giving its tasks back (killed, or its container
         restarted): their processes died with it, or run on untracked and are stopped now
-        (the backend's registry), and their holds, confirmed on this node, would stay in the
-        ledger for ever. Each such task's holds are released and ``evicted`` published, so
-        the policy places it again. A reserved hold is a decision still to come and stays.
-        One executor per node, as the DaemonSet runs them: every confirmed hold on the node
-        belonged to the last one."""
-        assert isinstance(self.backend, ProcessBackend) and self.ledger is not None
+        (the backend's registry), and their holds would stay in the ledger for ever. Each
+        such task's holds are released and ``evicted`` published, so the policy places it
+        again. One executor per node, as the DaemonSet runs them: every confirmed hold on the
+        node belonged to the last one, and so did a reserved hold whose decision the journal
+        records as carried out (it died between the record and the confirmation; carried
+        out, a move's source gave the task up, and its holds there go too). Any other
+        reserved hold is a decision still to come and stays."""
+        assert isinstance(self.backend, ProcessBackend)
+        assert self.ledger is not None and self.journal is not None
         node = self.settings.node
         stopped = await self.backend.stop_left_behind(self.settings.grace_s)
         held = await self.ledger.read(node)
         allocations = held.allocations if held else []
-        for task_id in sorted({a.task_id for a in allocations if a.state == "confirmed"}):
+        left = {a.task_id for a in allocations if a.state == "confirmed"}
+        moved: set[str] = set()
+        for decision_id, task_id in sorted({(a.decision_id, a.task_id) for a in allocations
+                                            if a.state == "reserved" and a.task_id not in left}):
+            result = await self.journal.result(decision_id)
+            if isinstance(result, ActionExecuted):
+                left.add(task_id)
+                if result.action == "migrate":
+                    moved.add(task_id)
+        for task_id in sorted(left):
             gpus = sorted({a.gpu for a in allocations if a.task_id == task_id and a.gpu >= 0})
             await self.recall(task_id)
             await self.release(task_id, node)
+            if task_id in moved:
+                elsewhere = {ledger.node for ledger in self.ledger.nodes.values()
+                             if any(a.task_id == task_id for a in ledger.allocations)}
+                for other in sorted(elsewhere - {node}):
+                    await self.release(task_id, other)
             how = "stopped now" if stopped.get(task_id) else "gone with it"
             log.warning("%s was left behind on %s by an executor that did not stop; its process was %s",
                         task_id, node, how)
@@ -295,11 +319,29 @@ class ExecutorReplica:
             await self.recall(decision.task_id, besides=decision.decision_id)  # the placement that ends here
         if isinstance(result, ActionExecuted):
             if decision.action == "assign" and node:
-                self.decisions[decision.task_id] = decision
-                await ledger.mutate(node_key(node),
-                                    lambda cur: confirmed(cur, decision.task_id, decision.decision_id) if cur else None)
-                out.append(self.lifecycle(decision.task_id, "started", node,
-                                          [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at))
+                still_held = False
+
+                def confirm(cur: NodeLedger | None) -> NodeLedger | None:
+                    nonlocal still_held  # set on every attempt: a lost compare-and-set runs it again
+                    still_held = cur is not None and any(a.decision_id == decision.decision_id
+                                                         for a in cur.allocations)
+                    if cur is None or not still_held:
+                        return None
+                    return confirmed(cur, decision.task_id, decision.decision_id)
+
+                await ledger.mutate(node_key(node), confirm)
+                if still_held:
+                    self.decisions[decision.task_id] = decision
+                    out.append(self.lifecycle(decision.task_id, "started", node,
+                                              [p.gpu for p in decision.placement if p.gpu >= 0],
+                                              at=result.executed_at))
+                else:
+                    # Its holds went back since it was carried out: the task ended, or was
+                    # given back (an executor of the node that died before confirming), and
+                    # that was told. A ``started`` now, from a copy delivered again after the
+                    # stream's duplicate window, had the policy take it as running for ever.
+                    log.info("%s: %s holds nothing on %s any more; no start to tell", decision.decision_id,
+                             decision.task_id, node)
             elif decision.action == "migrate" and node and not (held := await self.holds_of(decision)):
                 # Folded already, and the task moved on since (back to its source, say): the
                 # holds of its source and target now belong to a later decision. The recorded

@@ -172,6 +172,15 @@ class PreDecommissionHook:
                             sample.node, sample.gpu, error)
         return commands
 
+    def forget_node(self, node: str) -> None:
+        """Drop what this replica made of ``node``'s GPUs: the node left the fleet (its
+        topology key was deleted), and one back under its name is a new node. Kept, a GPU
+        that was cordoned refused every assign, and the next sample of an empty one pulled
+        it again."""
+        for key in [k for k in self._states.keys() | self._applied.keys() if k[0] == node]:
+            self._states.pop(key, None)
+            self._applied.pop(key, None)
+
     def accepts_work(self, node: str, gpu: int) -> bool:
         """Whether new work may go to this GPU (not cordoned, not decommissioned)."""
         return _RANK[self.state(node, gpu).stage] < _RANK["cordoned"]

@@ -289,3 +289,32 @@ async def test_business_labels_on_the_topology_are_enforced(observer, sim_fleet,
     assert "535" in reasons["d1"] and "550" in reasons["d1"] and "reserved" in reasons["d2"]
     assert [e.decision_id for e in executed] == ["d3"]
     assert [c.gpus for c in sim_fleet.verbs("place")] == [[0]]
+
+
+async def test_a_forgotten_node_that_reports_again_is_a_new_node(observer, sim_fleet, nats_url, tmp_path):
+    # A running replica kept what it had labelled on a node, what its hook made of the node's
+    # GPUs and their samples: forgotten (its key deleted, `fleetpilot fleet forget`) and back,
+    # the node came back cordoned, decommissioned and flagged for maintenance, and its GPU
+    # refused every assign.
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    host = build(settings(nats_url, tmp_path, "a", decommission_hot_for_s=0, health_interval_s=0.1))
+    await host.start()
+    try:
+        flagged = await flag_gpu_0_for_maintenance(observer, 1_000_000.0)
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 1, 1_000_000.0, 95.0)])
+        pulled = await wait_labels(observer, "n1", 1, "cordoned", "decommissioned")
+        topology = await observer.js.key_value("topology")
+        await topology.delete("n1")
+        await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+        await asyncio.sleep(1.0)  # the delete, the new node, and ten assessments
+        after = [await gpu_labels(observer, "n1", gpu) for gpu in (0, 1)]
+        await observer.js.publish("decision.made", encode(assign_to("d-back", 1)))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1, timeout_s=5.0)
+        failed = await observer.stored("action.failed", ActionFailed)
+    finally:
+        await host.stop()
+    assert flagged["maintenance_pending"] == "true"
+    assert pulled["cordoned"] == pulled["decommissioned"] == "true"
+    assert after == [{}, {}]
+    assert [f.error for f in failed] == []
+    assert [e.decision_id for e in executed] == ["d-back"]

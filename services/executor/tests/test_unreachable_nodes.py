@@ -18,7 +18,9 @@ from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
     Allocation,
+    DecisionMade,
     NodeLedger,
+    Placement,
     TaskLifecycle,
     TaskSubmitted,
     encode,
@@ -148,3 +150,84 @@ async def test_a_node_s_executor_reclaims_what_the_last_one_left_behind(observer
     how = {e.task_id: e.detail for e in life}
     assert how["t1"].endswith("its process was stopped now") and how["t0"].endswith("its process was gone with it")
     assert [(a.task_id, a.state) for a in n1.allocations] == [("t2", "reserved")]
+
+
+def executed(decision: DecisionMade, at: float) -> bytes:
+    """The journal's record of ``decision`` carried out at ``at`` (an ``executions`` value)."""
+    return encode(ActionExecuted(action_id=f"act-{decision.decision_id}", decision_id=decision.decision_id,
+                                 task_id=decision.task_id, action=decision.action,
+                                 placement=decision.placement, backend="process", latency_ms=1.0,
+                                 policy=decision.policy, executed_at=at))
+
+
+async def test_a_node_s_executor_gives_back_a_start_the_last_one_recorded_and_never_confirmed(
+    observer, nats_url, tmp_path
+):
+    # The last executor of n1 started t3, recorded it in its journal and was killed before it
+    # confirmed t3's hold: the next one stopped the process and kept the hold as a decision
+    # still to come; the redelivered decision got the recorded success, confirmed the hold
+    # and told `started`. A confirmed hold, for ever, with no process. t2's assign, reserved
+    # and not carried out yet, is still to come. t5 moved from n2 to n1 the same way: n2 gave
+    # it up (its hold there stays until the move is folded, and n2 would take the task back).
+    t3 = run("t3.assign", "t3", "n1", 1, seconds=60)
+    t5 = msgspec.structs.replace(run("t5.migrate", "t5", "n1", 3), action="migrate",
+                                 source=[Placement(node="n2", gpu=0, milli=1000, memory_mb=1000)])
+    await observer.kv_put("topology", "n1", encode(node_topology("n1", gpus=4)))
+    await observer.kv_put("ledger", "n1", holds("n1", ("t3", "t3.assign", 1), ("t2", "t2.assign", 2),
+                                                ("t5", "t5.migrate", 3)))
+    await observer.kv_put("ledger", "n2", encode(NodeLedger(node="n2", allocations=[
+        confirmed("t5", "t5.assign", 0), confirmed("t6", "t6.assign", 1)])))
+    await observer.kv_put("executions", "t3.assign", executed(t3, 1_000_000.0))
+    await observer.kv_put("executions", "t5.migrate", executed(t5, 1_000_000.0))
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        stat = Path(f"/proc/{orphan.pid}/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19])
+        (tmp_path / "executor-processes-n1.json").write_text(json.dumps({"t3": [orphan.pid, started]}))
+        host = build(settings(nats_url, tmp_path, backend="process", node="n1", grace_s=1.0))
+        await host.start()
+        try:
+            life = await observer.wait_stored("task.lifecycle.>", TaskLifecycle, 2)
+            await observer.js.publish("decision.made", encode(t3))  # its redelivery
+            republished = await observer.wait_stored("action.executed", ActionExecuted, 1)
+            await asyncio.sleep(0.5)
+            life = await observer.stored("task.lifecycle.>", TaskLifecycle)
+            n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
+        finally:
+            await host.stop()
+        assert orphan.wait(timeout=5) is not None  # stopped by the new executor
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+    assert sorted((e.task_id, e.state, e.gpus, e.decision_id) for e in life) == [
+        ("t3", "evicted", [1], "t3.assign"), ("t5", "evicted", [3], "t5.migrate")]
+    how = {e.task_id: e.detail for e in life}
+    assert how["t3"].endswith("its process was stopped now")
+    assert how["t5"].endswith("its process was gone with it")
+    assert [e.decision_id for e in republished] == ["t3.assign"]
+    assert [(a.task_id, a.state) for a in n1.allocations] == [("t2", "reserved")]
+    assert [(a.task_id, a.state) for a in n2.allocations] == [("t6", "confirmed")]
+
+
+async def test_an_assign_delivered_again_after_its_task_ended_tells_no_start(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # t4 ran and finished, its holds went back; its assign comes again after the stream's
+    # duplicate window (a redelivery, a replay): the recorded success is republished, and a
+    # `started` told now would have the policy take the finished task as running.
+    t4 = run("t4.assign", "t4", "n1", 0)
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1")))
+    await observer.kv_put("executions", "t4.assign", executed(t4, 1_000_000.0))
+    host = build(settings(nats_url, tmp_path, "a"))
+    await host.start()
+    try:
+        await observer.js.publish("decision.made", encode(t4))
+        republished = await observer.wait_stored("action.executed", ActionExecuted, 1)
+        await asyncio.sleep(0.5)
+        life = await observer.stored("task.lifecycle.>", TaskLifecycle)
+    finally:
+        await host.stop()
+    assert [e.decision_id for e in republished] == ["t4.assign"]
+    assert life == []
+    assert sim_fleet.commands == []
