@@ -290,12 +290,15 @@ class Negotiator:
             return msgspec.structs.replace(offer, offer_id=f"{task.task_id}/{uuid.uuid4().hex[:12]}")
         return _rejected(task.task_id, task.tenant, decision.code, decision.reason, now)
 
-    async def submitted(self, task: TaskSubmitted, redelivered: bool) -> Event:
-        """Answer a verified submission: reuse a stored answer for the same task, else negotiate.
+    async def submitted(self, task: TaskSubmitted, redelivered: bool) -> Event | None:
+        """Answer a verified submission: reuse a stored answer for the same task, else negotiate;
+        ``None`` when nothing is to be published.
 
         An admission is reused for any submission of the task id; a closed offer's outcome and
         a rejection only for a redelivery (of the same ask, for a rejection): a client may
-        resubmit a refused task, and the fleet may have changed since.
+        resubmit a refused task, and the fleet may have changed since. Once the admitted task
+        has ended, its id is spent: another submission of it is refused (``invalid``), and the
+        admitted one delivered again is answered by nothing, its admission having gone out.
 
         Done under the task's negotiation claim, so that copies of a submission handled by
         two replicas at once get one answer: without it, one replica could admit while the
@@ -306,11 +309,23 @@ class Negotiator:
         finally:
             await self.store.release(task.task_id, revision)
 
-    async def _answer(self, task: TaskSubmitted, redelivered: bool) -> Event:
+    async def _answer(self, task: TaskSubmitted, redelivered: bool) -> Event | None:
         stored = await self.store.admission(task.task_id)
         if stored is not None:
             _same_tenant(stored.tenant, task)
             return stored  # a redelivery or a resubmission: same admission, same msg id
+        # Before the offer: an ended task's accepted offer is deleted after its contract, and
+        # read in between it would store the contract again.
+        ended = await self.store.ended(task.task_id)
+        if ended is not None:
+            # Admitted afresh, the policy would decide nothing (the executor's journal holds
+            # the task's assign): "admitted", then silence, and a contract held for ever.
+            _same_tenant(ended.rejection.tenant, task)
+            if redelivered and task.submitted_at == ended.task.submitted_at:
+                return None  # its admission went out before the task could run
+            # Stamped now: a second resubmission gets an answer of its own, not one the
+            # stream's duplicate window drops.
+            return msgspec.structs.replace(ended.rejection, rejected_at=self.clock())
         existing = await self.store.offer(task.task_id)
         if existing is not None:
             record, revision = existing
@@ -465,7 +480,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         return fleet_known(task)
 
     @host.on(TaskSubmitted, consumer="sla-submitted")
-    async def on_submitted(task: TaskSubmitted, delivery: Delivery) -> Event:
+    async def on_submitted(task: TaskSubmitted, delivery: Delivery) -> Event | None:
         checked = verified(task, delivery)
         if isinstance(checked, TaskRejected):
             return checked
@@ -489,7 +504,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         # A contract lives as long as its task: the bucket and every negotiation's scan of
         # it would otherwise grow for ever.
         if life.state in ("finished", "oom_killed", "failed"):
-            await holder["n"].store.forget(life.task_id)
+            await holder["n"].store.end(life.task_id, life.state, life.at)
 
     @host.on(TaskRejected, consumer="sla-rejected")
     async def on_rejected(rejected: TaskRejected) -> None:
@@ -500,7 +515,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
         store = holder["n"].store
         adm = await store.admission(rejected.task_id)
         if adm is not None and ends_admission(adm, rejected):
-            await store.forget(rejected.task_id)
+            await store.end(rejected.task_id, f"given up: {rejected.reason}", rejected.rejected_at)
 
     @host.every(settings.expiry_interval_s)
     async def expire_offers() -> list[TaskRejected]:

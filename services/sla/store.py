@@ -24,7 +24,10 @@ build its fleet snapshot and the expiry job to find offers past their validity.
 
 A negotiated rejection is kept apart, in the ``rejections`` bucket (a day's time-to-live):
 a :class:`RejectionRecord` per task, so a redelivered submission (its acknowledgement lost,
-its replica gone) gets the rejection it was given, not a second answer that may differ.
+its replica gone) gets the rejection it was given, not a second answer that may differ. So
+is the end of an admitted task (``end``): its contract goes, and a record marked ``ended``
+takes its place there for a day, so that its id, which names that one run, is not admitted
+again (the policy would decide nothing for it: the executor's journal holds its assign).
 """
 
 from __future__ import annotations
@@ -70,10 +73,15 @@ class OfferRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RejectionRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A negotiated rejection with the submission (tenant from its token) it answered."""
+    """A negotiated rejection with the submission (tenant from its token) it answered.
+
+    ``ended`` marks the record of an admitted task that has ended (ran to its end, or was
+    given up): ``task`` is then the submission that was admitted, and ``rejection`` what any
+    other submission of its id is told."""
 
     task: TaskSubmitted
     rejection: TaskRejected
+    ended: bool = False
 
 
 class NegotiationClaim(msgspec.Struct, frozen=True, kw_only=True):
@@ -271,6 +279,31 @@ class ContractStore:
             self.claims.pop(key, None)
             self._claims_seen.pop(key, None)
 
+    async def end(self, task_id: str, how: str, at: float) -> None:
+        """Forget an admitted task that has ended (``how``: its lifecycle end, or its give-up),
+        keeping for a day what any later submission of its id is told: a task id names one run.
+
+        Kept before the contract goes: a submission read between the two must never find
+        neither, and be admitted afresh. A task this service never admitted is only forgotten."""
+        adm = await self.admission(task_id)
+        if adm is None:
+            found = await self.offer(task_id)
+            if found is not None and isinstance(found[0].outcome, TaskAdmitted):
+                adm = found[0].outcome  # accepted, its contract write lost
+        if adm is not None:
+            refusal = TaskRejected(
+                task_id=task_id, tenant=adm.tenant, code="invalid", rejected_at=at,
+                reason=f"task {task_id!r} was admitted and has ended ({how}); a task id names one run: "
+                       "submit a new run under a new task id")
+            await self._rejections.put(node_key(task_id),
+                                       encode(RejectionRecord(task=adm.task, rejection=refusal, ended=True)))
+        await self.forget(task_id)
+
+    async def ended(self, task_id: str) -> RejectionRecord | None:
+        """The record of the admitted task of this id that has ended (``end``), if kept."""
+        record = await self._record(task_id)
+        return record if record is not None and record.ended else None
+
     async def forget(self, task_id: str) -> None:
         """Drop the contract and any offer of a task that has ended."""
         await self._kv.delete(contract_key(task_id))
@@ -315,15 +348,18 @@ class ContractStore:
 
     async def rejection(self, task: TaskSubmitted) -> TaskRejected | None:
         """The rejection stored for exactly this submission (same task, same ask, same tenant)."""
-        entry = await self._rejections.get(node_key(task.task_id))
+        record = await self._record(task.task_id)
+        return record.rejection if record is not None and not record.ended and record.task == task else None
+
+    async def _record(self, task_id: str) -> RejectionRecord | None:
+        entry = await self._rejections.get(node_key(task_id))
         if entry is None or entry.value is None:
             return None
         try:
-            record = _REJECTION.decode(entry.value)
+            return _REJECTION.decode(entry.value)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("rejections bucket: ignoring unreadable %s: %s", task.task_id, exc)
+            log.warning("rejections bucket: ignoring unreadable %s: %s", task_id, exc)
             return None
-        return record.rejection if record.task == task else None
 
     async def offer(self, task_id: str) -> tuple[OfferRecord, int] | None:
         """The task's offer record and its revision, read from the bucket."""

@@ -31,6 +31,7 @@ from fleetpilot.contracts import (
     SlaReply,
     SlaRequest,
     TaskAdmitted,
+    TaskLifecycle,
     TaskRejected,
     TaskSubmitted,
     decode,
@@ -38,6 +39,7 @@ from fleetpilot.contracts import (
     msg_id_for,
 )
 from fleetpilot.ledger.store import node_key
+from fleetpilot.runtime import Reject
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
 from fleetpilot_services.policy.service import build as build_policy
@@ -773,3 +775,101 @@ async def test_one_submission_admitted_by_two_replicas_keeps_the_contract_stored
     stored = decode((await (await rig.bus.kv("contracts")).get(contract_key("t-race"))).value, TaskAdmitted)
     assert all(isinstance(a, TaskAdmitted) for a in answers)
     assert answers[0] == answers[1] == stored
+
+
+def ended_by(how: str, task_id: str, tenant: str, admitted_at: float):
+    """The event that ends an admitted task: the executor's lifecycle end, or the policy's
+    give-up (a task the executor refused again and again)."""
+    if how == "given up":
+        return TaskRejected(task_id=task_id, tenant=tenant, code="infeasible",
+                            reason="refused by the executor 3 times", rejected_at=admitted_at + 1)
+    return TaskLifecycle(task_id=task_id, state=how, node="a100-00", gpus=[0], decision_id=f"{task_id}.assign",
+                         at=admitted_at + 1)
+
+
+@pytest.mark.parametrize("how", ["finished", "oom_killed", "given up"])
+async def test_a_task_id_whose_task_ended_is_refused_not_admitted_again(rig, how):
+    """A task ran to its end (or was given up) and its contract was forgotten; its id came
+    again. It was negotiated afresh and admitted: the policy, finding the executor's journal
+    holding that task's ``<task>.assign``, decided nothing, so the client was told "admitted"
+    and nothing ever ran, and the new contract (a pinned model, no hold) stayed for ever,
+    its GPUs taken off the fleet's free ones in every later negotiation."""
+    await rig.start_sla()
+    task = TaskSubmitted(task_id="t-ran", gpus=1, gpu_memory_mb=20_000, gpu_models=["A100"],
+                         sla=SlaRequest(max_queue_s=60), submitted_at=rig.clock())
+    await rig.submit(task, rig.token("acme"))
+    first: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-ran")
+    contracts = await rig.bus.kv("contracts")
+    await rig.bus.publish(ended_by(how, "t-ran", "acme", first.admitted_at))
+
+    async def forgotten() -> bool:
+        return await contracts.get(contract_key("t-ran")) is None
+
+    await eventually(forgotten, what="t-ran's contract forgotten at its end")
+    await rig.submit(msgspec.structs.replace(task, submitted_at=task.submitted_at + 60), rig.token("acme"))
+
+    def answers() -> list[tuple[str, object]]:  # the give-up this test sent answers nothing
+        return [(s, e) for s, e in rig.recorder.about("t-ran") if getattr(e, "code", "") != "infeasible"]
+
+    await eventually(lambda: len(answers()) >= 2, timeout_s=5, what="the resubmission answered")
+    assert [s for s, _ in answers()] == ["task.admitted", "task.rejected"]
+    refused = answers()[1][1]
+    assert refused.code == "invalid" and refused.tenant == "acme"
+    assert "new task id" in refused.reason and how in refused.reason
+    assert await contracts.get(contract_key("t-ran")) is None
+    # Nothing waits on the A100s: both, within 5 s, can be promised at once.
+    await rig.submit(TaskSubmitted(task_id="t-both", gpus=2, gpu_memory_mb=20_000, gpu_models=["A100"],
+                                   sla=SlaRequest(max_queue_s=5)), rig.token("acme"))
+    assert isinstance(await rig.recorder.wait("task.admitted", "t-both"), TaskAdmitted)
+
+
+async def test_a_submission_of_an_ended_task_delivered_again_is_not_answered_again(rig):
+    """The submission's acknowledgement was lost (a server failover) and it came again after
+    its task had ended: its answer, the admission, went out before the task could run. A
+    redelivery of another submission of the id is refused like any resubmission; another
+    tenant's is dead-lettered, as while the task ran."""
+    await rig.start_sla()
+    task = TaskSubmitted(task_id="t-late", tenant="acme", gpus=1, submitted_at=rig.clock())
+    first = await (await negotiator_on(rig)).submitted(task, redelivered=False)
+    assert isinstance(first, TaskAdmitted)
+    await rig.bus.publish(ended_by("finished", "t-late", "acme", first.admitted_at))
+    contracts = await rig.bus.kv("contracts")
+
+    async def forgotten() -> bool:
+        return await contracts.get(contract_key("t-late")) is None
+
+    await eventually(forgotten, what="t-late's contract forgotten at its end")
+    replica = await negotiator_on(rig)
+    assert await replica.submitted(task, redelivered=True) is None
+    other = msgspec.structs.replace(task, submitted_at=task.submitted_at + 1)
+    refused = await replica.submitted(other, redelivered=True)
+    assert isinstance(refused, TaskRejected) and refused.code == "invalid"
+    assert isinstance(await replica.submitted(task, redelivered=False), TaskRejected)
+    with pytest.raises(Reject, match="another tenant"):
+        await replica.submitted(msgspec.structs.replace(task, tenant="mallory"), redelivered=False)
+    assert await contracts.get(contract_key("t-late")) is None
+
+
+async def test_an_ended_task_admitted_through_its_offer_is_refused_even_without_its_contract(rig):
+    """An accepted offer is the task's admission whether or not its contract write landed:
+    the end of such a task must spend its id too."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    task = h100_only("t-offered")
+    await rig.submit(task, rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-offered", "t-offered")
+    await rig.reply(SlaReply(offer_id=offer.offer_id, task_id="t-offered", accept=True,
+                             option_id=offer.options[0].option_id), rig.token("acme"))
+    adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-offered")
+    contracts = await rig.bus.kv("contracts")
+    await contracts.delete(contract_key("t-offered"))  # the reply's contract write, lost
+    await rig.bus.publish(ended_by("finished", "t-offered", "acme", adm.admitted_at))
+
+    async def forgotten() -> bool:
+        return "offer.t-offered" not in await contracts.keys()
+
+    await eventually(forgotten, what="t-offered's offer forgotten at its end")
+    await rig.submit(msgspec.structs.replace(task, submitted_at=task.submitted_at + 60), rig.token("acme"))
+    refused: TaskRejected = await rig.recorder.wait("task.rejected", "t-offered", timeout_s=5)
+    assert refused.code == "invalid" and "finished" in refused.reason
+    assert await contracts.get(contract_key("t-offered")) is None
