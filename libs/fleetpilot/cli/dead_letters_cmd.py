@@ -4,9 +4,12 @@ Every message a service refuses (malformed, rejected, or failing past its delive
 kept whole on ``dlq.<subject>`` for 30 days, with the reason. This lists them, newest last,
 and with ``--redrive`` publishes each one's original bytes and headers to its subject again
 (once the cause is fixed: a producer's bug, a consumer's), then removes it from the
-dead letters. A redriven message is de-duplicated by its dead letter's sequence, so a
-redrive cut short and run again publishes nothing twice. A message no stream takes (core
-NATS telemetry, whose moment has passed) is left where it is.
+dead letters. A message that several services refused (``task.submitted`` has two
+consumers) has a letter from each, and is sent back once: its subject takes it to every one
+of them again, and the letters of all of them are removed. A redriven message is
+de-duplicated by its place in its stream (else by its dead letter's sequence), so a redrive
+cut short and run again publishes nothing twice. A message no stream takes (core NATS
+telemetry, whose moment has passed) is left where it is.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ class Kept:
     sequence: int
     stored_at: float
     letter: DeadLetter | None
+    original: str = ""
+    """``<stream>:<sequence>`` of the message it is a letter of ("" when not known: a core
+    message, a letter put there by hand): every service that refused one message left a
+    letter with the same ``original``."""
+
+
+def original_place(headers: dict[str, str]) -> str:
+    """Where the original of a stored letter is, ``<stream>:<sequence>``, from the id the
+    runtime gives the letter (``dlq:<stream>:<consumer>:<sequence>``); "" when it has none."""
+    msg_id = headers.get("Nats-Msg-Id", "")
+    if not msg_id.startswith("dlq:"):
+        return ""
+    parts = msg_id.removeprefix("dlq:").split(":")
+    return f"{parts[0]}:{parts[-1]}" if len(parts) >= 3 and parts[0] and parts[-1].isdigit() else ""
 
 
 def kept(message: StoredMessage) -> Kept:
@@ -66,7 +83,7 @@ def kept(message: StoredMessage) -> Kept:
         letter = decode(message.data, DeadLetter)
     except (msgspec.DecodeError, msgspec.ValidationError):
         letter = None
-    return Kept(message.sequence, message.at, letter)
+    return Kept(message.sequence, message.at, letter, original_place(message.headers))
 
 
 def redrive_headers(letter: DeadLetter) -> dict[str, str]:
@@ -122,11 +139,17 @@ async def dead_letters(args, out=None, err=None) -> int:
         # pattern, merged, hold the latest overall; one deque over all patterns kept the last
         # pattern's letters, not the newest.
         found: dict[int, Kept] = {}
+        # Every letter read, shown or not, by the message it is of: sent back once, a message
+        # reaches each service on its subject, so each one's letter of it goes (one kept, the
+        # message was sent back again by the next redrive, to every service once more).
+        letters_of: dict[str, set[int]] = {}
         try:
             for pattern in dict.fromkeys(args.subjects):
                 latest: deque[Kept] = deque(maxlen=args.limit or None)
                 async for message in bus.stream_messages(DLQ_STREAM, DLQ_PREFIX + pattern, since=since):
                     item = kept(message)
+                    if item.original:
+                        letters_of.setdefault(item.original, set()).add(item.sequence)
                     if args.service and (item.letter is None or item.letter.service != args.service):
                         continue
                     latest.append(item)
@@ -144,16 +167,20 @@ async def dead_letters(args, out=None, err=None) -> int:
         if not args.redrive:
             print(f"{len(items)} dead letter{'s' * (len(items) != 1)}", file=err)
             return 0
-        return await redrive(bus, items, err)
+        return await redrive(bus, items, err, letters_of)
     finally:
         await bus.drain()
 
 
-async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
-    """Publish each dead letter's original to its subject and remove the letter once the
-    stream has it; say what was sent back and what was not, and why."""
-    sent, left = 0, 0
+async def redrive(bus: NatsBus, items: list[Kept], err, letters_of: dict[str, set[int]] | None = None) -> int:
+    """Publish each dead letter's original to its subject, once however many services left
+    a letter of it, and remove its letters (``letters_of``: by original, the letters' sequences)
+    once the stream has it; say what was sent back and what was not, and why."""
+    sent, left, removed = 0, 0, 0
+    sent_back: set[str] = set()
     for item in items:
+        if item.original in sent_back:
+            continue  # another service's letter of a message sent back above, and removed with it
         letter = item.letter
         if letter is None:
             left += 1
@@ -174,16 +201,24 @@ async def redrive(bus: NatsBus, items: list[Kept], err) -> int:
             data = whole.data
             headers = redrive_headers(msgspec.structs.replace(letter, headers=whole.headers))
         try:
-            # An id of the letter's own: a redrive cut short after the publish, run again,
-            # finds the stream holding it already and only removes the letter.
-            await bus.publish_stored(letter.subject, data, headers, msg_id=f"redrive-dlq-{item.sequence}")
+            # An id of the original's (else of the letter's): a redrive cut short after the
+            # publish, run again, finds the stream holding it already and only removes letters.
+            msg_id = f"redrive-{item.original}" if item.original else f"redrive-dlq-{item.sequence}"
+            await bus.publish_stored(letter.subject, data, headers, msg_id=msg_id)
         except LookupError as exc:
             left += 1
             print(f"#{item.sequence}: not sent back: {exc}", file=err)
             continue
-        await bus.delete_stored(DLQ_STREAM, item.sequence)
+        letters = (letters_of or {}).get(item.original, set()) | {item.sequence}
+        for sequence in sorted(letters):
+            await bus.delete_stored(DLQ_STREAM, sequence)
+        removed += len(letters)
         sent += 1
-    print(f"sent back {sent}, left {left}", file=err)
+        if item.original:
+            sent_back.add(item.original)
+    more = (f" ({removed} letters: a message several services refused is sent back once, to each of them)"
+            if removed > sent else "")
+    print(f"sent back {sent}, left {left}{more}", file=err)
     return 1 if left else 0
 
 

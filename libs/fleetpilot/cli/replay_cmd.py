@@ -145,22 +145,9 @@ def snapshot_problem(snapshot: Snapshot) -> str | None:
         return f"its state has no array {exc}"
     except (ValueError, TypeError, OverflowError) as exc:
         return f"its state's arrays do not read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    n = len(record.node_names)
-    for name in ("cpu_total", "cpu_free", "mem_total", "mem_free", "node_model", "node_site", "version"):
-        if getattr(state, name).shape != (n,):
-            return f"its state's {name} is not one value per node ({n} nodes)"
-    g = state.gpu_exists.shape[1] if state.gpu_exists.ndim == 2 else -1
-    for name in ("gpu_exists", "gpu_free", "gpu_mem_total", "gpu_mem_free", "gpu_healthy", "gpu_maintenance",
-                 "gpu_temp_c", "gpu_role", "gpu_numa", "gpu_nvlink_util", "gpu_rule"):
-        if getattr(state, name).shape != (n, g):
-            return f"its state's {name} is not one row of GPUs per node ({n} nodes)"
-    if state.gpu_link.shape != (n, g, g):
-        return f"its state's gpu_link is not a GPU-by-GPU matrix per node ({n} nodes)"
-    for name, names in (("node_model", record.models), ("node_site", record.sites), ("gpu_role", record.roles),
-                        ("gpu_rule", record.rule_sets)):
-        values = getattr(state, name)
-        if values.size and not (0 <= int(values.min()) and int(values.max()) < len(names)):
-            return f"its state's {name} indexes past its {len(names)} entries"
+    # Each array's shape, and each index into the names, ``from_record`` checks above, as the
+    # policy library reads them: a node with no GPU model or site (-1) is one it records. Checked
+    # here again, from 0, a record of a fleet with such a node was refused as not a snapshot.
     for name in ("gpu_temp_c", "gpu_nvlink_util"):
         if not np.isfinite(getattr(state, name)).all():
             return f"its state's {name} is not finite"

@@ -286,6 +286,10 @@ async def answer_offer(offer: SlaOffer, args, out) -> SlaReply:
             print(f"not an option: {raw!r}", file=out)
         choice = int(raw)
     else:
+        # Nobody to ask: declined, and said so. The rejection that follows says only that "the
+        # client declined every option", which a script's user never did.
+        print("fleetpilot submit: standard input is not a terminal: the counter-offer is declined "
+              "(--accept-offer accepts its first option)", file=sys.stderr)
         return SlaReply(offer_id=offer.offer_id, task_id=offer.task_id, accept=False)
     option = offer.options[choice - 1]
     print(f"accepting option {choice}", file=out)

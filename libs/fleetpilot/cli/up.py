@@ -236,6 +236,12 @@ class ServiceProcesses:
                 proc.kill()
                 proc.wait()
 
+    def why_ended(self, name: str) -> str:
+        """Why a service that exited ended, in one line: the signal that killed it (the OOM
+        killer's, an operator's), of which its log's last line says nothing, else its last words."""
+        code = self.procs[name].returncode
+        return f"killed by {signal_name(-code)}" if code is not None and code < 0 else self.last_words(name)
+
     def failed(self, already_said: set[str]) -> list[str]:
         """After ``stop_all``: one line for each service not in ``already_said`` that did not
         end as a drained service does (exit 0, or killed by the SIGTERM before it could take
@@ -247,9 +253,28 @@ class ServiceProcesses:
                 continue
             if code == -signal.SIGKILL:
                 lines.append(f"  {name}: did not stop in time and was killed")
+            elif code < 0:
+                lines.append(f"  {name}: {self.why_ended(name)}")
             else:
                 lines.append(f"  {name} (exit {code}): {self.last_words(name)}")
         return lines
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 64`` for a number that names no signal here."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def server_ended(server: EmbeddedNats | None) -> str | None:
+    """How this run's own nats-server ended (``killed by SIGKILL``, ``exit 1``); ``None``
+    while it runs, or when the bus is not this run's (``--nats-url``)."""
+    code = server.process.poll() if server is not None and server.process is not None else None
+    if code is None:
+        return None
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit {code}"
 
 
 def _where(d: DecisionMade, shown: int = 3) -> str:
@@ -695,7 +720,7 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             return args.duration is not None and time.monotonic() - started >= args.duration
 
         def given_up() -> bool:
-            return stop.is_set() or out_of_time() or bool(services.dead())
+            return stop.is_set() or out_of_time() or bool(services.dead()) or server_ended(server) is not None
 
         if args.demo and not stop.is_set():
             answered = await simulated_fleet_answers(bus, FLEET_ANSWER_TIMEOUT_S, given_up)  # type: ignore[arg-type]
@@ -711,8 +736,16 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             if dead:
                 print(f"fleetpilot up: service(s) exited: {', '.join(dead)}; see {state / 'logs'}", file=sys.stderr)
                 for name in dead:
-                    print(f"  {name}: {services.last_words(name)}", file=sys.stderr)
+                    print(f"  {name}: {services.why_ended(name)}", file=sys.stderr)
                 said_dead.update(dead)
+                rc = 1
+                break
+            ended = server_ended(server)
+            if ended is not None:
+                # Every service is cut off from the bus, and waits for it for ever: the run
+                # went on, said nothing but nats-py's "disconnected", and ended with exit 0.
+                print(f"fleetpilot up: the NATS server exited ({ended}); see "
+                      f"{server.store_dir / 'nats-server.log'}", file=sys.stderr)  # type: ignore[union-attr]
                 rc = 1
                 break
             try:

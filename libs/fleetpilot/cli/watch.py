@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import signal
 import sys
 
 import msgspec
 
+from fleetpilot.contracts import subject_matches
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from . import event_loop
@@ -37,10 +39,14 @@ async def watch(args, out=sys.stdout) -> int:
     seen = 0
     reader_gone = False
 
-    async def on_msg(msg) -> None:
+    async def on_msg(earlier: list[str], msg) -> None:
         nonlocal seen, reader_gone
         if done.is_set():
             return  # messages already on their way when the count was reached, or the reader left
+        if any(subject_matches(pattern, msg.subject) for pattern in earlier):
+            # A message comes once per subscription it matches: the first pattern it matches
+            # shows it. It was printed, and counted, once per pattern (`decision.made 'decision.*'`).
+            return
         try:
             payload = msgspec.json.decode(msg.data)
         except msgspec.DecodeError:
@@ -57,8 +63,9 @@ async def watch(args, out=sys.stdout) -> int:
         if args.count and seen >= args.count:
             done.set()
 
-    for subject in args.subjects:
-        await bus.subscribe(subject, on_msg)
+    patterns = list(dict.fromkeys(args.subjects))
+    for index, pattern in enumerate(patterns):
+        await bus.subscribe(pattern, functools.partial(on_msg, patterns[:index]))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)

@@ -153,7 +153,7 @@ def test_a_letter_holding_only_its_original_s_start_is_sent_back_whole_from_its_
     assert (rc, err) == (0, "sent back 1, left 0\n"), err
     tasks = asyncio.run(_stored(nats_url, "TASKS", "task.submitted"))
     assert [(m.data, m.headers.get("origin"), m.headers.get("Nats-Msg-Id")) for m in tasks] == [
-        (original, "test", "big-1"), (original, "test", "redrive-dlq-1")]
+        (original, "test", "big-1"), (original, "test", "redrive-TASKS:1")]  # by its original's place
 
 
 def test_a_cut_letter_whose_original_is_gone_is_not_sent_back_and_says_why(nats_url) -> None:

@@ -171,13 +171,13 @@ def _mutated(arrays=None, task=None, node_names=None):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (_mutated(arrays={"node_model": [5] * 6}), "node_model indexes past its 2 entries"),
-    (_mutated(arrays={"gpu_rule": [[9] * 4] * 6}), "gpu_rule indexes past its 1 entries"),
+    (_mutated(arrays={"node_model": [5] * 6}), "array 'node_model' points past its 2 models"),
+    (_mutated(arrays={"gpu_rule": [[9] * 4] * 6}), "array 'gpu_rule' points past its 1 rule_sets"),
     (_mutated(task={"gpu_milli": 10**30}), "task gpu_milli 10000000000000000000000000000"),
     (_mutated(task={"gpus": -1}), "task gpus -1 is out of range"),
     (_mutated(node_names=[]), "its state has no nodes"),
-    (_mutated(arrays={"cpu_total": [1]}), "cpu_total is not one value per node (6 nodes)"),
-    (lambda doc: doc["state"]["arrays"].pop("gpu_free"), "its state has no array 'gpu_free'"),
+    (_mutated(arrays={"cpu_total": [1]}), "array 'cpu_total' has shape (1,), expected (6,)"),
+    (lambda doc: doc["state"]["arrays"].pop("gpu_free"), "lacks the array 'gpu_free'"),
 ])
 def test_replay_refuses_a_snapshot_that_does_not_hold_together_in_one_line(tmp_path, capsys, change, message):
     # Valid JSON of the right shape, but an index past its list, a task count past int64 or
@@ -192,6 +192,20 @@ def test_replay_refuses_a_snapshot_that_does_not_hold_together_in_one_line(tmp_p
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "states.jsonl:2: not a recorded snapshot" in err and message in err, err
+
+
+def test_replay_takes_a_record_of_a_fleet_with_a_node_of_no_gpu_model(tmp_path, capsys):
+    # A node with no GPU model (none of its GPUs names one: fallen off the bus, or it has
+    # none) is recorded with model -1, which the policies take. Replay refused the record,
+    # exit 2, as "not a recorded snapshot (its state's node_model indexes past its 1 entries)".
+    state = ClusterState.build(names=["n0", "n1", "cpu-only"], cpu_milli=[64000] * 3, memory_mb=[256000] * 3,
+                               gpus=[4, 4, 0], models=["A100", "A100", ""], gpu_memory_mb=[40960, 40960, 0])
+    assert state.node_model.tolist() == [0, 0, -1]
+    path = tmp_path / "states.jsonl"
+    task = TaskRequest(task_id="t0", gpus=1, gpu_milli=500, gpu_memory_mb=8000)
+    path.write_bytes(msgspec.json.encode(record(state, task)) + b"\n")
+    assert main(["replay", "--states", str(path), "--policy", "fgd", "--against", "fleetpilot", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 1
 
 
 def test_bench_forwards_everything_after_the_suite(monkeypatch):
