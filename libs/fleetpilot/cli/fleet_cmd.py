@@ -424,7 +424,7 @@ async def forget_node(url: str, name: str, force: bool = False) -> list[str]:
         topology = await bucket("topology")
         entry = await asyncio.wait_for(topology.get(key), READ_TIMEOUT_S) if topology is not None else None
         if topology is None or entry is None or not entry.value:
-            raise ValueError(f"no node {name} in the fleet at {url}: nothing to forget")
+            raise ValueError(f"no node {name!r} in the fleet at {url}: nothing to forget")
         try:
             node: NodeTopology | None = msgspec.json.decode(entry.value, type=NodeTopology)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -434,7 +434,7 @@ async def forget_node(url: str, name: str, force: bool = False) -> list[str]:
             why = {"ready": "its collector reports", GPU_LABEL_NOT_READY: "silent a while, not given up yet",
                    "unreadable": "its entry is not a node topology"}[condition]
             raise ValueError(f"{name} is {condition} ({why}), not unreachable: not forgotten (the topology service "
-                             "gives a silent node up after its SILENT_AFTER_S; --force forgets it anyway)")
+                             "gives a silent node up after FLEETPILOT_TOPOLOGY_SILENT_AFTER_S; --force forgets it anyway)")
         back = await reported_since_given_up(js, node) if condition == GPU_LABEL_UNREACHABLE else None
         if back is not None and not force:
             raise ValueError(f"{name} has reported again since it was given up ({back:.0f} s ago): the topology "

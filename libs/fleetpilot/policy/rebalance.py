@@ -309,7 +309,7 @@ def resize_plan(
         p_over_hold=p_over,
         confidence=1.0 - normal_tail(fp.predicted_peak_mb, sigma, target),
         why=(
-            f"predicted peak {fp.predicted_peak_mb:.0f} MB (90% up to {fp.peak_high_mb:.0f} MB) above the "
+            f"predicted peak {fp.predicted_peak_mb:.0f} MB (+2 sd up to {fp.peak_high_mb:.0f} MB) above the "
             f"{min(holds.values())} MB held (P {p_over:.2f}); the GPU has room: hold grows to {target} MB"
         ),
     )

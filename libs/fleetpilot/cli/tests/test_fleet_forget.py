@@ -98,7 +98,7 @@ def test_an_unreachable_node_is_forgotten_with_its_labels_and_its_executor_s_key
     assert all(e["node"] != "a100-00" for e in doc["live"]["silent_executors"])
 
     # Forgotten already: nothing to forget, said in one line.
-    assert_refused(*run(capsys, "fleet", "forget", "a100-00", "--nats-url", nats_url), "no node a100-00")
+    assert_refused(*run(capsys, "fleet", "forget", "a100-00", "--nats-url", nats_url), "no node 'a100-00'")
 
 
 @pytest.mark.parametrize(("condition", "said"), [("", "ready"), ("not_ready", "not_ready")])
@@ -140,7 +140,7 @@ def test_a_name_with_characters_no_key_allows_is_forgotten_under_its_key(capsys,
 
 def test_an_unknown_node_and_no_fleet_are_one_line(capsys, nats_url, monkeypatch):
     asyncio.run(put_fleet(nats_url, [marked(FLEET.node("a100-00"), "unreachable")]))
-    assert_refused(*run(capsys, "fleet", "forget", "a100-0", "--nats-url", nats_url), "no node a100-0 ")
+    assert_refused(*run(capsys, "fleet", "forget", "a100-0", "--nats-url", nats_url), "no node 'a100-0' ")
     from fleetpilot.runtime.embedded import free_port
 
     assert_refused(*run(capsys, "fleet", "forget", "a100-00", "--nats-url", f"nats://127.0.0.1:{free_port()}"),
