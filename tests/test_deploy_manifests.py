@@ -433,3 +433,39 @@ def test_kustomize_builds():
     assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc]
     assert kinds.count("Deployment") == 4 and kinds.count("DaemonSet") == 2 and kinds.count("StatefulSet") == 3
+
+
+def test_the_nats_users_are_the_ones_the_catalog_generates():
+    # Regenerate with: python -m fleetpilot.contracts.permissions --nats-conf > deploy/k8s/nats-auth.conf
+    from fleetpilot.contracts.permissions import nats_conf
+
+    assert (K8S / "nats-auth.conf").read_text() == nats_conf(), "deploy/k8s/nats-auth.conf drifted from the catalog"
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert {"name": "nats-auth", "files": ["nats-auth.conf"]} in kustomization["configMapGenerator"]
+
+
+def test_nats_includes_the_users_and_takes_each_password_from_its_secret():
+    from fleetpilot.contracts.permissions import ROLES, password_variable
+
+    conf = _by_kind("ConfigMap")["nats-config"]["data"]["nats.conf"]
+    (include,) = [line.split()[1] for line in conf.splitlines() if line.strip().startswith("include ")]
+    (container,) = _by_kind("StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in _by_kind("StatefulSet")["nats"]["spec"]["template"]["spec"]["volumes"]}
+    # nats-server joins an include to the including file's folder (an absolute path too).
+    assert os.path.normpath(os.path.join(mounts["config"], include)) == f"{mounts['auth']}/nats-auth.conf"
+    assert volumes["auth"]["configMap"]["name"] == "nats-auth"
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert env == {password_variable(r): {"name": f"fleetpilot-nats-{r}", "key": "password"} for r in ROLES}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_PORTS))
+def test_each_service_connects_as_its_own_user(name):
+    from urllib.parse import urlsplit
+
+    (container,) = _workloads()[name]["spec"]["template"]["spec"]["containers"]
+    (url,) = [e for e in container["env"] if e["name"] == "FLEETPILOT_NATS_URL"]
+    assert url["valueFrom"]["secretKeyRef"] == {"name": f"fleetpilot-nats-{name}", "key": "url"}
+    secret = _by_kind("Secret")[f"fleetpilot-nats-{name}"]["stringData"]
+    parts = urlsplit(secret["url"])
+    assert (parts.username, parts.password, parts.hostname, parts.port) == (name, secret["password"], "nats", 4222)

@@ -367,7 +367,14 @@ class NatsBus(Bus):
                     # the missing stream the update looked for, the cause was hidden.
                     raise refused from None
                 config.num_replicas, config.placement = existing.num_replicas, existing.placement
-                await self._js.update_stream(config)
+                try:
+                    # The same stream as there, its replicas and placement included: a create
+                    # that changes nothing succeeds, and needs no right to update a stream,
+                    # which a service's NATS user may lack (the executor's, whose pod runs
+                    # user code: contracts.permissions).
+                    await self._js.add_stream(config)
+                except nats.js.errors.BadRequestError:
+                    await self._js.update_stream(config)
         for bucket in BUCKETS:
             with contextlib.suppress(nats.js.errors.BadRequestError):
                 await self._js.create_key_value(bucket=bucket.name, history=bucket.history,

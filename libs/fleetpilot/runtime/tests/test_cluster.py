@@ -65,3 +65,46 @@ async def test_set_up_keeps_the_replica_count_an_operator_gave_a_stream(cluster_
         assert (now.num_replicas, now.max_bytes) == (3, tasks.max_bytes)
     finally:
         await bus.drain()
+
+
+async def _settled(bus: NatsBus, streams: list[str], timeout_s: float = 20.0) -> None:
+    """Until each of ``streams`` has its two other replicas current (a request while the
+    cluster still moves them can go unanswered)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    js = bus._nc.jetstream(timeout=0.5)
+    for name in streams:
+        while True:
+            try:
+                info = await js.stream_info(name)
+                peers = info.cluster.replicas if info.cluster is not None else None
+                if peers is not None and len(peers) == 2 and all(p.current for p in peers):
+                    break
+            except Exception as exc:
+                if not bus.unreachable(exc):
+                    raise
+            if loop.time() > deadline:
+                raise TimeoutError(f"{name}'s replicas did not settle in {timeout_s:g} s")
+            await asyncio.sleep(0.1)
+
+
+async def test_set_up_of_streams_an_operator_raised_to_r3_asks_no_update(cluster_url):
+    # A stream the operator raised to R3, as the catalog has it otherwise: the create sent with
+    # one replica was refused, and the update that followed was one the executor's NATS user may
+    # not make (contracts.permissions: its pod runs user code), so it could not start at all.
+    bus = await NatsBus.connect(cluster_url, "service")
+    try:
+        await _set_up(bus)
+        for spec in STREAMS:
+            made = (await bus._js.stream_info(spec.name)).config
+            await bus._js.update_stream(dataclasses.replace(made, num_replicas=3))
+        await _settled(bus, [spec.name for spec in STREAMS])
+
+        async def refused(*args, **kwargs):
+            raise AssertionError("a stream update was asked")
+
+        bus._js.update_stream = refused  # the executor's user: no STREAM.UPDATE
+        await bus.ensure_topology()
+        assert {(await bus._js.stream_info(spec.name)).config.num_replicas for spec in STREAMS} == {3}
+    finally:
+        await bus.drain()
