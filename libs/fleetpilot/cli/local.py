@@ -50,13 +50,14 @@ CONNECT_TIMEOUT_S = 2.0
 async def connect_once(url: str, name: str):
     """A plain nats-py connection for a command that reads and leaves, tried once:
     ``ConnectionError`` with one line when no server answers (nats-py would retry a refused
-    first connect forever, and print a traceback per attempt)."""
+    first connect forever, and print a traceback per attempt). Its answers come on the inbox
+    of the URL's user, the only one that user may read (``inbox_prefix_of``)."""
     import asyncio
 
     import nats
     import nats.errors
 
-    from fleetpilot.runtime.nats_bus import cannot_connect
+    from fleetpilot.runtime.nats_bus import cannot_connect, inbox_prefix_of
 
     errors: list[BaseException] = []
 
@@ -64,11 +65,12 @@ async def connect_once(url: str, name: str):
         errors.append(exc)
 
     try:
-        return await asyncio.wait_for(nats.connect(servers=[url], name=name, connect_timeout=CONNECT_TIMEOUT_S,
+        return await asyncio.wait_for(nats.connect(servers=[url], name=name, inbox_prefix=inbox_prefix_of(url),
+                                                   connect_timeout=CONNECT_TIMEOUT_S,
                                                    max_reconnect_attempts=1, reconnect_time_wait=0,
                                                    error_cb=on_error),
                                       timeout=CONNECT_TIMEOUT_S * 2)
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
+    except (ValueError, TimeoutError, OSError, nats.errors.Error) as exc:
         raise cannot_connect(url, errors[-1] if errors else exc) from None
 
 

@@ -25,9 +25,13 @@ included, scoped as tightly as the API allows:
   code: an update can give ``DECISIONS`` a source with a subject transform, which is publishing
   ``decision.made`` by another road.
 
-Every role subscribes to ``_INBOX.>`` (JetStream's and the requests' answers). Endpoint
-servers answer with ``allow_responses`` (a reply to a request they received), never with a
-right to publish on ``_INBOX.>``.
+Every role subscribes to its own inbox, ``_INBOX_<role>.>`` (JetStream's and the requests'
+answers), never to ``_INBOX.>``, where it would see the answers sent to every other user (a
+service's ledger reads among them): a connection whose URL names a user takes that prefix
+(``NatsBus.connect``; a client of another language sets it as its NATS library allows,
+``inbox_prefix`` / ``CustomInboxPrefix`` / ``nats --inbox-prefix``). Endpoint servers answer
+with ``allow_responses`` (a reply to a request they received), never with a right to publish
+on an inbox.
 
 ``python -m fleetpilot.contracts.permissions --nats-conf`` prints the ``authorization`` block
 of a nats-server configuration; each password is a reference to an environment variable of
@@ -69,8 +73,8 @@ from .task import TaskAdmitted, TaskLifecycle, TaskRejected, TaskSubmitted
 from .telemetry import NodeTelemetry, TaskTelemetry
 from .topology import TopologyReport, TopologyUpdated
 
-INBOX = "_INBOX.>"
-"""Where answers come: JetStream's API and acknowledgements, requests' replies, KV watches."""
+DEFAULT_INBOX_PREFIX = "_INBOX"
+"""nats-py's inbox prefix, kept by a connection that names no user (local runs, tests)."""
 
 PASSWORD_VARIABLE_PREFIX = "FLEETPILOT_NATS_PASSWORD_"
 """``<prefix><ROLE>``: the nats-server's environment variable holding a role's password."""
@@ -190,6 +194,17 @@ SERVICE_ROLES = ("collector", "topology", "fingerprinter", "sla", "policy", "exe
 """The roles that are services (``services/<name>``), in ``fleetpilot up``'s order."""
 
 
+def inbox_prefix(user: str) -> str:
+    """``user``'s inbox prefix, ``_INBOX_<user>``: where its connection takes its answers
+    (JetStream's API and acknowledgements, requests' replies, KV watches), and the only inbox
+    its permissions let it subscribe to. ``ValueError`` in one line when ``user`` is not one
+    subject token (a ``.``, ``*``, ``>`` or space in it)."""
+    if not re.fullmatch(r"[^.*>\s]+", user):
+        raise ValueError(f"NATS user {user!r} cannot name an inbox: a user name must be one subject token "
+                         "(no '.', '*', '>' or space)")
+    return f"{DEFAULT_INBOX_PREFIX}_{user}"
+
+
 def _dedup(subjects: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(subjects))
 
@@ -205,7 +220,7 @@ def permissions(role: Role) -> Permissions:
     api = "$JS.API"
     pub: list[str] = [wildcard(route_for(event).subject) for event in role.publishes]
     pub += [wildcard(route.subject) for route in role.asks]
-    sub: list[str] = [INBOX, *role.listens]
+    sub: list[str] = [f"{inbox_prefix(role.name)}.>", *role.listens]
     if role.service:
         pub += _dead_letter_subjects(role)
     if role.sets_up:

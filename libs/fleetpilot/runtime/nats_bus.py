@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
+from urllib.parse import urlparse
 
 import nats
 import nats.errors
@@ -37,6 +38,7 @@ from fleetpilot.contracts import (
     subject_for,
 )
 from fleetpilot.contracts.catalog import RETIRED_CONSUMERS, stream_of
+from fleetpilot.contracts.permissions import DEFAULT_INBOX_PREFIX, inbox_prefix
 
 from .bus import Bus, CasConflict, Inbound, InboundHandler, KeyValue, KvEntry, RequestHandler, StoredMessage
 
@@ -250,6 +252,22 @@ def without_credentials(url: str) -> str:
     return ",".join(one(part) for part in url.split(","))
 
 
+def inbox_prefix_of(url: str) -> str:
+    """The inbox prefix of a connection to ``url``: ``_INBOX_<user>`` when the URL names a
+    user (``nats://user:pass@host``), the only inbox that user's permissions let it subscribe
+    to (``contracts.permissions``), so no other user sees its answers; nats-py's ``_INBOX``
+    when it names none (a local server, a token). ``ValueError`` in one line for a user that
+    is not one subject token."""
+    # Read as nats-py reads it (``Client._parse_server_uri``): a userinfo with a password is a
+    # user, one without is a token. A URL urllib cannot parse is left to nats-py to refuse.
+    try:
+        uri = urlparse(url if "://" in url else f"nats://{url}")
+        user, password = uri.username, uri.password
+    except ValueError:
+        return DEFAULT_INBOX_PREFIX
+    return inbox_prefix(user) if user and password is not None else DEFAULT_INBOX_PREFIX
+
+
 def cannot_connect(url: str, cause: BaseException) -> ConnectionError:
     """The one-line error for a first connection to ``url`` that never came, naming its
     cause (the first line of the error seen on the way, or its type when it says nothing).
@@ -278,7 +296,8 @@ class NatsBus(Bus):
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 5.0) -> NatsBus:
-        """Connect with unlimited reconnects, so a restarted server is picked up again."""
+        """Connect with unlimited reconnects, so a restarted server is picked up again; the
+        answers come on the inbox of the URL's user (``inbox_prefix_of``)."""
 
         closing = asyncio.Event()
 
@@ -298,12 +317,16 @@ class NatsBus(Bus):
             errors[:] = [exc]  # the latest: what to tell if the first connection never comes
             log.debug("%s: NATS error: %s", name, exc)
 
+        try:
+            inbox = inbox_prefix_of(url)
+        except ValueError as exc:
+            raise cannot_connect(url, exc) from None
         # Unlimited reconnects once connected; the first connection must succeed in time,
         # or the caller learns at once that there is no server.
         try:
             nc = await asyncio.wait_for(nats.connect(
-                servers=[url], name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25, allow_reconnect=True, ping_interval=PING_INTERVAL_S,
+                servers=[url], name=name, inbox_prefix=inbox, connect_timeout=connect_timeout_s,
+                max_reconnect_attempts=-1, reconnect_time_wait=0.25, allow_reconnect=True, ping_interval=PING_INTERVAL_S,
                 max_outstanding_pings=MAX_OUTSTANDING_PINGS, disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect, error_cb=on_error), timeout=connect_timeout_s * 2)
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:

@@ -392,3 +392,15 @@ def test_submit_refuses_a_task_file_nested_too_deep(name, content, tmp_path, cap
     line = one_line_error(["submit", "-f", str(task), "--nats-url", UNREACHABLE, "--state-dir", str(tmp_path)],
                           capsys)
     assert line.startswith(f"fleetpilot submit: {task}: not valid ") and "nested too deep" in line
+
+
+@pytest.mark.parametrize("argv", [["watch", "--count", "1"], ["dead-letters"], ["model"], ["fleet", "forget", "n1"],
+                                  ["submit", "--kind", "infer"]])
+def test_a_nats_user_that_cannot_name_an_inbox_is_one_line(argv, tmp_path, capsys) -> None:
+    # A connection that names a user takes its answers on `_INBOX_<user>`, the only inbox that
+    # user may read: a user with a dot in it names no such inbox, said before any connection.
+    url = "nats://ops.team:s3cret@127.0.0.1:1"
+    line = one_line_error([*argv, "--nats-url", url, "--state-dir", str(tmp_path)], capsys)
+    assert ("cannot connect to NATS at nats://ops.team:***@127.0.0.1:1: NATS user 'ops.team' cannot name "
+            "an inbox: a user name must be one subject token") in line, line
+    assert "s3cret" not in line

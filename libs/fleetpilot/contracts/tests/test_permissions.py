@@ -16,6 +16,7 @@ from fleetpilot.contracts.deadletter import DeadLetter
 from fleetpilot.contracts.permissions import (
     ROLES,
     SERVICE_ROLES,
+    inbox_prefix,
     nats_conf,
     password_variable,
     permissions,
@@ -65,6 +66,25 @@ def test_the_submitter_reaches_no_bucket_and_no_consumer_but_its_own_answers():
     assert not any(s.startswith(("$KV", "$JS")) for s in (*p.publish, *p.subscribe))
     assert not allowed(p.subscribe, "$KV.ledger.node-1")
     assert not p.allow_responses
+
+
+def test_each_role_takes_answers_on_its_own_inbox_only():
+    # `_INBOX.>` let any user (a submitter) read the answers sent to every other one: the
+    # services' ledger reads, JetStream's replies, the requests' replies.
+    for name, role in ROLES.items():
+        p = permissions(role)
+        assert allowed(p.subscribe, f"_INBOX_{name}.abc.1"), name
+        assert not allowed(p.subscribe, "_INBOX.abc.1"), name
+        others = [other for other in ROLES if other != name]
+        assert not any(allowed(p.subscribe, f"_INBOX_{other}.abc.1") for other in others), name
+        assert not any(s.startswith("_INBOX") for s in p.publish), name
+
+
+@pytest.mark.parametrize("user", ["a.b", "a*", ">", "a b", ""])
+def test_a_user_that_is_not_one_subject_token_names_no_inbox(user):
+    with pytest.raises(ValueError) as raised:
+        inbox_prefix(user)
+    assert "\n" not in str(raised.value) and "one subject token" in str(raised.value)
 
 
 def test_the_executor_writes_no_admitted_task_and_no_submission():

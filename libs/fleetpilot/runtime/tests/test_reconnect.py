@@ -10,7 +10,7 @@ import pytest
 from fleetpilot.contracts import TaskSubmitted
 from fleetpilot.runtime import ServiceHost, ServiceSettings
 from fleetpilot.runtime.embedded import EmbeddedNats, free_port
-from fleetpilot.runtime.nats_bus import NatsBus
+from fleetpilot.runtime.nats_bus import NatsBus, inbox_prefix_of
 from fleetpilot.runtime.testing import eventually as wait_for
 
 
@@ -327,6 +327,19 @@ async def test_a_first_connection_that_never_comes_keeps_the_url_s_credentials_o
     message = str(raised.value)
     assert "s3cret" not in message
     assert message.startswith(f"cannot connect to NATS at nats://{shown}127.0.0.1:{port}: ")
+
+
+@pytest.mark.parametrize(("url", "prefix"), [
+    ("nats://policy:s3cret@nats:4222", "_INBOX_policy"),
+    ("policy:s3cret@nats:4222", "_INBOX_policy"),  # nats-py takes a URL without its scheme
+    ("nats://s3cret-token@nats:4222", "_INBOX"),  # a token names no user
+    ("nats://127.0.0.1:4222", "_INBOX"),  # local runs and tests: nats-py's own
+    ("nats://[::1", "_INBOX"),  # left to nats-py to refuse in one line
+])
+def test_a_connection_that_names_a_user_takes_its_answers_on_that_user_s_inbox(url, prefix):
+    # The generated permissions let a user subscribe to `_INBOX_<user>.>` only: on `_INBOX.>`
+    # every client saw the answers sent to every service.
+    assert inbox_prefix_of(url) == prefix
 
 
 async def test_health_says_so_while_jetstream_serves_none_of_its_consumers(tmp_path, monkeypatch):
