@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import subprocess
 
+import nats.errors
 import pytest
 from fleetpilot.contracts import STREAMS
 from fleetpilot.runtime.embedded import free_port, nats_server_binary
@@ -67,6 +68,19 @@ async def test_set_up_keeps_the_replica_count_an_operator_gave_a_stream(cluster_
         await bus.drain()
 
 
+async def _patiently(call, timeout_s: float = 30.0):
+    """``call()`` again while a loaded cluster leaves its requests unanswered (each waits 5 s),
+    up to ``timeout_s``; any other failure is raised at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (TimeoutError, nats.errors.TimeoutError):
+            if loop.time() > deadline:
+                raise
+
+
 async def _settled(bus: NatsBus, streams: list[str], timeout_s: float = 20.0) -> None:
     """Until each of ``streams`` has its two other replicas current (a request while the
     cluster still moves them can go unanswered)."""
@@ -97,14 +111,14 @@ async def test_set_up_of_streams_an_operator_raised_to_r3_asks_no_update(cluster
         await _set_up(bus)
         for spec in STREAMS:
             made = (await bus._js.stream_info(spec.name)).config
-            await bus._js.update_stream(dataclasses.replace(made, num_replicas=3))
+            await _patiently(lambda made=made: bus._js.update_stream(dataclasses.replace(made, num_replicas=3)))
         await _settled(bus, [spec.name for spec in STREAMS])
 
         async def refused(*args, **kwargs):
             raise AssertionError("a stream update was asked")
 
         bus._js.update_stream = refused  # the executor's user: no STREAM.UPDATE
-        await bus.ensure_topology()
+        await _patiently(bus.ensure_topology)
         assert {(await bus._js.stream_info(spec.name)).config.num_replicas for spec in STREAMS} == {3}
     finally:
         await bus.drain()
