@@ -14,16 +14,6 @@ import pytest
 from .fleet_harness import Fleet
 
 
-@pytest.fixture
-async def fleet(tmp_path):
-    f = Fleet(tmp_path)
-    try:
-        await f.start()
-        yield f
-    finally:
-        await f.close()
-
-
 async def fleetpilot(fleet: Fleet, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     """Run the real command line in its own process, as a user would."""
     cmd = [sys.executable, "-m", "fleetpilot.cli.main", *args]

@@ -17,18 +17,6 @@ from pathlib import Path
 import pytest
 from fleetpilot.contracts import DeadLetter, decode
 
-from .fleet_harness import Fleet
-
-
-@pytest.fixture
-async def fleet(tmp_path):
-    f = Fleet(tmp_path)
-    try:
-        await f.start()
-        yield f
-    finally:
-        await f.close()
-
 
 def cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     """The real command line in its own process, with nothing at its standard input."""

@@ -32,16 +32,6 @@ def small_task(i: int, prefix: str) -> TaskSubmitted:
                          cpu_milli=500, memory_mb=2_048, expected_duration_s=3_600, submitted_at=time.time())
 
 
-@pytest.fixture
-async def fleet(tmp_path):
-    f = Fleet(tmp_path)
-    try:
-        await f.start()
-        yield f
-    finally:
-        await f.close()
-
-
 async def wait_until(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
