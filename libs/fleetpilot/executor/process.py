@@ -24,10 +24,17 @@
 - **Resize**: the new share is recorded and used at the next start; with
   ``limit_address_space`` the memory cap (the soft limit, so it can be raised without
   ``CAP_SYS_RESOURCE``) is changed live with ``prlimit``.
-- **OOM**: reported as ``oom_killed`` when the process dies by SIGKILL that we did not send
-  (exit 137 / -9: the kernel OOM killer) or it exits non-zero with an out-of-memory marker
-  on stderr (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``,
-  ``std::bad_alloc``, ``RESOURCE_EXHAUSTED: Out of memory``...).
+- **OOM**: reported as ``oom_killed`` when the process exits non-zero with an out-of-memory
+  marker on stderr (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``,
+  ``std::bad_alloc``, ``RESOURCE_EXHAUSTED: Out of memory``...), or dies by a SIGKILL that we
+  did not send (exit 137 / -9) while the ``oom_kill`` count in the ``memory.events`` of its
+  cgroup (v2, under ``cgroup_root``) moved since its start: the kernel's OOM killer. A SIGKILL
+  that count did not see (an operator's ``kill -9``, a node's watchdog) is ``failed``. Where
+  the count cannot be read (cgroup v1, no memory controller, the root cgroup, no permission)
+  such a SIGKILL is taken for an OOM, and its detail says it could not be told. The count is
+  the cgroup's, not the task's: tasks that share a cgroup (an executor's pod) see each other's
+  OOM kills, so a ``kill -9`` that comes as another task of the cgroup is OOM-killed is taken
+  for an OOM too.
   With ``limit_address_space=True`` a task given ``memory_mb`` also gets
   a soft ``RLIMIT_AS = memory_mb + headroom_mb`` (set by a launcher that then ``exec``s it): without a GPU-level memory limit on this machine
   the host address space stands in for it, so a leaking task fails as an OOM would. It is
@@ -126,13 +133,22 @@ _RLIMIT_LAUNCHER = (
 )
 
 StopReason = LifecycleState | None
+# The exits of a process killed by SIGKILL: its own (-9), or a shell's whose child it was (137).
+SIGKILLED = (128 + signal.SIGKILL, -signal.SIGKILL)
+# Where cgroup v2 is mounted (in a container with a cgroup namespace, its own part of the tree).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) -> tuple[LifecycleState, str]:
+def classify_exit(
+    returncode: int, stderr_tail: str, stop_reason: StopReason, oom_kill_moved: bool | None = None
+) -> tuple[LifecycleState, str]:
     """What a process exit means for its task: the lifecycle state and a short detail.
 
     ``stop_reason`` is the state we asked for when *we* stopped the process (``evicted`` or
     ``migrated``); an exit we caused is never mistaken for an OOM or a failure.
+    ``oom_kill_moved`` says whether the ``oom_kill`` count of the task's cgroup moved during
+    its run (``None``: it could not be read), which tells the OOM killer's SIGKILL from
+    another's.
     """
     if stop_reason is not None:
         return stop_reason, f"stopped by executor (exit {returncode})"
@@ -143,11 +159,16 @@ def classify_exit(returncode: int, stderr_tail: str, stop_reason: StopReason) ->
     marker = next((m for m in OOM_MARKERS if m in stderr_tail), None)
     if marker:
         return "oom_killed", f"out of memory: {marker!r} on stderr (exit {returncode})"
-    if returncode in (137, -signal.SIGKILL):
-        return (
-            "oom_killed",
-            f"killed by SIGKILL not sent by the executor (exit {returncode}), likely the OOM killer",
-        )
+    if returncode in SIGKILLED:
+        if oom_kill_moved is None:
+            return "oom_killed", (f"killed by SIGKILL not sent by the executor (exit {returncode}), taken "
+                                  f"for the OOM killer: whether it was could not be told (its cgroup's "
+                                  f"memory.events cannot be read)")
+        if oom_kill_moved:
+            return "oom_killed", (f"killed by the OOM killer (exit {returncode}: the cgroup's oom_kill count "
+                                  f"moved)")
+        return "failed", (f"killed by SIGKILL (exit {returncode}; not an OOM: the cgroup's oom_kill count "
+                          f"did not move)")
     tail = stderr_tail.strip().splitlines()[-1:] or [""]
     return "failed", f"exit {returncode}: {tail[0][:200]}"
 
@@ -202,6 +223,9 @@ class _Task:
         # carries the id in its environment and started since is the run's (``_signal_task``).
         self.run = ""
         self.since = 0
+        # The ``memory.events`` of the cgroup its process runs in and its ``oom_kill`` count
+        # at the start, or why they cannot be read (``_oom_kills``).
+        self.oom_kills: tuple[Path, int] | str = ""
 
     @property
     def marker(self) -> bytes:
@@ -228,6 +252,7 @@ class ProcessBackend:
         take_over: TakeOver | None = None,
         registry: Path | None = None,
         log_max_bytes: int = LOG_MAX_BYTES,
+        cgroup_root: Path = CGROUP_ROOT,
     ) -> None:
         """Configure the backend; see the module docstring for what each knob does."""
         self.node = node
@@ -246,6 +271,7 @@ class ProcessBackend:
         self._inherit_env = inherit_env
         self._log_dir = log_dir
         self._log_max_bytes = log_max_bytes
+        self._cgroup_root = cgroup_root
         self._clock = clock
         self._tasks: dict[str, _Task] = {}
         self._events: deque[TaskLifecycle] = deque()
@@ -321,6 +347,8 @@ class ProcessBackend:
         self._node_failures, self._node_failure = 0, ""
         task.stop_reason = None
         task.stderr = bytearray()
+        # Read at once: a count that moves before it is read hides this task's own OOM.
+        task.oom_kills = _oom_kills(self._cgroup_root, task.proc.pid)
         task.watcher = asyncio.create_task(self._watch(task, task.proc))
         self._tasks[task.task_id] = task
         self._save_registry()
@@ -421,9 +449,25 @@ class ProcessBackend:
             if task.stop_reason != "migrated":  # the migration reports its own event
                 del self._tasks[task.task_id]
                 self._save_registry()
-            state, detail = classify_exit(returncode, task.stderr.decode(errors="replace"), task.stop_reason)
+            state, detail = classify_exit(returncode, task.stderr.decode(errors="replace"), task.stop_reason,
+                                          self._oom_kill_moved(task)
+                                          if returncode in SIGKILLED and task.stop_reason is None else None)
             if task.stop_reason != "migrated":
                 self._emit(task, state, exit_code=returncode, detail=detail)
+
+    @staticmethod
+    def _oom_kill_moved(task: _Task) -> bool | None:
+        """Whether the ``oom_kill`` count of the task's cgroup moved since its start (``None``:
+        it cannot be read)."""
+        if isinstance(task.oom_kills, str):
+            log.info("cannot tell whether %s was OOM-killed: %s", task.task_id, task.oom_kills)
+            return None
+        events, at_start = task.oom_kills
+        try:
+            return _read_oom_kill(events) != at_start
+        except (OSError, ValueError) as error:
+            log.info("cannot tell whether %s was OOM-killed: %s", task.task_id, error)
+            return None
 
     async def start(
         self, task_id: str, placement: Sequence[Placement], command: Sequence[str], env: Mapping[str, str]
@@ -764,6 +808,31 @@ def _cut_log(path: Path) -> None:
     """Copy a task's log to its kept part, then empty it (``ProcessBackend.cap_logs``)."""
     shutil.copyfile(path, path.with_name(path.name + LOG_KEPT_SUFFIX))
     os.truncate(path, 0)
+
+
+def _oom_kills(cgroup_root: Path, pid: int) -> tuple[Path, int] | str:
+    """The ``memory.events`` of the cgroup (v2) process ``pid`` runs in, under ``cgroup_root``,
+    and its ``oom_kill`` count now; or why they cannot be read."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        # The v2 hierarchy is the one of id 0 and no controllers; cgroup v1 alone has none.
+        path = next((line[3:] for line in lines if line.startswith("0::")), None)
+        if path is None:
+            return f"process {pid} is in no cgroup v2"
+        events = cgroup_root / path.lstrip("/") / "memory.events"
+        return events, _read_oom_kill(events)
+    except (OSError, ValueError) as error:
+        return str(error)
+
+
+def _read_oom_kill(events: Path) -> int:
+    """The ``oom_kill`` count of a cgroup's ``memory.events``: the processes of the cgroup
+    (and of those below it) killed by an OOM killer."""
+    for line in events.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    raise ValueError(f"no oom_kill in {events}")
 
 
 def _exited(pid: int) -> bool:

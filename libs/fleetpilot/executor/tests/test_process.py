@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,6 @@ async def wait_for_file(path: Path, timeout: float = 10.0) -> str:
             "oom_killed",
             1,
         ),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "oom_killed", -9),
     ],
 )
 async def test_exit_is_reported(code: str, state: str, exit_code: int) -> None:
@@ -183,6 +183,56 @@ async def test_resize_caps_memory_live(tmp_path: Path) -> None:
 )
 def test_classify_exit(code: int, stderr: str, reason: str | None, expected: str) -> None:
     assert classify_exit(code, stderr, reason)[0] == expected  # type: ignore[arg-type]
+
+
+def fake_cgroup(root: Path, oom_kill: int) -> Path:
+    """A cgroup tree under ``root`` whose ``memory.events`` (that of the cgroup this test, and
+    so the tasks it starts, runs in) counts ``oom_kill`` kills; the file, to move the count."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is None:
+        pytest.skip("no cgroup v2 line in /proc/self/cgroup")
+    events = root / path.lstrip("/") / "memory.events"
+    events.parent.mkdir(parents=True, exist_ok=True)
+    events.write_text(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {oom_kill}\noom_group_kill 0\n")
+    return events
+
+
+async def killed_by_the_test(
+    backend: ProcessBackend, then: Callable[[], None] = lambda: None
+) -> TaskLifecycle:
+    """Start a task that sleeps, run ``then``, SIGKILL the task from here (an operator's
+    ``kill -9``, the OOM killer): its end."""
+    handle = await backend.start("k", GPU0, py("import time; time.sleep(60)"), {})
+    then()
+    os.kill(handle.pid, signal.SIGKILL)
+    events = await wait_for_state(backend, "k")
+    assert [e.state for e in events][:1] == ["started"] and len(events) == 2
+    assert events[-1].exit_code == -signal.SIGKILL
+    return events[-1]
+
+
+async def test_a_sigkill_that_is_not_the_oom_killer_s_is_a_failure_not_an_oom(tmp_path: Path) -> None:
+    fake_cgroup(tmp_path, oom_kill=2)
+    end = await killed_by_the_test(ProcessBackend(node="n1", cgroup_root=tmp_path))
+    # A false OOM taught the task's signature an OOM floor above what it needs.
+    assert end.state == "failed"
+    assert "not an OOM" in end.detail and "oom_kill" in end.detail
+
+
+async def test_a_sigkill_counted_by_the_cgroup_s_oom_kill_is_an_oom(tmp_path: Path) -> None:
+    events = fake_cgroup(tmp_path, oom_kill=2)
+    def oom_kill() -> None:
+        events.write_text(events.read_text().replace("oom_kill 2", "oom_kill 3"))
+
+    end = await killed_by_the_test(ProcessBackend(node="n1", cgroup_root=tmp_path), oom_kill)
+    assert end.state == "oom_killed" and "oom_kill count moved" in end.detail
+
+
+async def test_a_sigkill_whose_cgroup_cannot_be_read_is_taken_for_an_oom_and_says_so(tmp_path: Path) -> None:
+    # cgroup v1, a container without the file, no permission: today's reading, told as a guess.
+    end = await killed_by_the_test(ProcessBackend(node="n1", cgroup_root=tmp_path / "none"))
+    assert end.state == "oom_killed" and "could not be told" in end.detail
 
 
 async def test_migration_whose_restart_fails_reports_the_task_lost(tmp_path: Path) -> None:
