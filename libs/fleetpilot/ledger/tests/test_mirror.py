@@ -19,17 +19,6 @@ from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
 
 
-@pytest.fixture(params=["memory", "nats"])
-async def bus(request):
-    if request.param == "memory":
-        bus = InMemoryBus()
-    else:
-        bus = await NatsBus.connect(request.getfixturevalue("nats_server").url, "test")
-    await bus.ensure_topology()
-    yield bus
-    await bus.drain()
-
-
 def ledger(node: str, task: str) -> NodeLedger:
     return NodeLedger(node=node, allocations=[Allocation(task_id=task, decision_id=f"{task}.assign", gpu=0,
                                                          milli=500, memory_mb=8_000, state="confirmed")])

@@ -11,23 +11,9 @@ import asyncio
 import logging
 
 import msgspec
-import pytest
 from fleetpilot.contracts import Allocation, NodeLedger, encode
 from fleetpilot.ledger import LedgerStore, with_allocations, without_task
-from fleetpilot.runtime import InMemoryBus
-from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually
-
-
-@pytest.fixture(params=["memory", "nats"])
-async def bus(request):
-    if request.param == "memory":
-        bus = InMemoryBus()
-    else:
-        bus = await NatsBus.connect(request.getfixturevalue("nats_server").url, "test")
-    await bus.ensure_topology()
-    yield bus
-    await bus.drain()
 
 
 def hold(task: str, gpu: int = 0) -> Allocation:
