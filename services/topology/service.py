@@ -411,22 +411,31 @@ def with_condition(node: NodeTopology, condition: str, at: float | None = None) 
     return msgspec.structs.replace(node, gpus=gpus, labels=own)
 
 
+async def stored_node(kv: KeyValue, key: str) -> tuple[NodeTopology, int] | None:
+    """The node the ``topology`` bucket holds at ``key`` and its revision (``None``: no such
+    key, or a value that does not decode, which nothing here writes over)."""
+    entry = await kv.get(key)
+    if entry is None or entry.value is None:
+        return None
+    try:
+        return msgspec.json.decode(entry.value, type=NodeTopology), entry.revision
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> int | None:
     """Label (or unlabel) one node's GPUs with compare-and-set; the bucket revision written
     when it changed."""
     for _ in range(attempts):
-        entry = await kv.get(key)
-        if entry is None or entry.value is None:
+        found = await stored_node(kv, key)
+        if found is None:
             return None
-        try:
-            stored = msgspec.json.decode(entry.value, type=NodeTopology)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
+        stored, revision = found
         updated = with_condition(stored, condition)
         if updated == stored:
             return None
         try:
-            return await kv.update(key, encode(updated), entry.revision)
+            return await kv.update(key, encode(updated), revision)
         except CasConflict:
             continue
     raise CasConflict(f"topology of {key} kept changing")
@@ -452,13 +461,10 @@ async def forget_given_up(kv: KeyValue, executors: KeyValue, node: str, since: f
     unchanged revision would judge the node, back under its name, silent from the start.
     Whether the node is forgotten now. Followers of the bucket see the delete."""
     key = node_key(node)
-    entry = await kv.get(key)
-    if entry is None or entry.value is None:
+    found = await stored_node(kv, key)
+    if found is None:
         return False
-    try:
-        stored = msgspec.json.decode(entry.value, type=NodeTopology)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
+    stored, revision = found
     if labelled_condition(stored) != UNREACHABLE or unreachable_since(stored) != since:
         return False
     if executor_revision is not None:
@@ -467,7 +473,7 @@ async def forget_given_up(kv: KeyValue, executors: KeyValue, node: str, since: f
         except CasConflict:
             pass  # it writes on: an executor is there, and its key keeps changing
     try:
-        await kv.delete(key, revision=entry.revision)
+        await kv.delete(key, revision=revision)
     except CasConflict:
         return False
     return True
