@@ -346,6 +346,13 @@ def gone(pid: int) -> bool:
         return True
 
 
+async def until_gone(pid: int, within_s: float = 5.0) -> None:
+    """Wait up to ``within_s`` for ``pid`` to exit (``gone``); the caller asserts it did."""
+    deadline = time.monotonic() + within_s
+    while not gone(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 async def test_a_backend_stops_what_a_dead_one_left_behind(tmp_path: Path) -> None:
     registry = tmp_path / "processes.json"
     first = ProcessBackend(node="n1", registry=registry)
@@ -356,9 +363,7 @@ async def test_a_backend_stops_what_a_dead_one_left_behind(tmp_path: Path) -> No
     # The first backend dies without stopping its task; the next one on the node stops it.
     second = ProcessBackend(node="n1", registry=registry)
     assert await second.stop_left_behind(grace_s=1.0) == {"left": True}
-    deadline = time.monotonic() + 5
-    while not gone(left.pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await until_gone(left.pid)
     assert gone(left.pid)
     assert json.loads(registry.read_text()) == {}
     # A pid the kernel has given to another process since (another start time) is left alone.
@@ -389,9 +394,7 @@ async def test_a_task_s_end_is_reported_when_its_process_ends_and_what_it_left_i
     events = await wait_for_state(backend, "t", timeout=10.0)
     assert [e.state for e in events] == ["started", "finished"] and time.monotonic() - began < 10.0
     child = int((await wait_for_file(tmp_path / "child")).strip())
-    deadline = time.monotonic() + 5
-    while not gone(child) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await until_gone(child)
     assert gone(child)
     assert backend.running() == []
 
@@ -430,9 +433,7 @@ async def test_an_evicted_task_s_children_get_the_grace_then_are_killed(tmp_path
     child = int((await wait_for_file(tmp_path / "child")).strip())
     await asyncio.sleep(0.3)  # the child has set SIGTERM aside
     await backend.stop("t", grace_s=1.0)
-    deadline = time.monotonic() + 5
-    while not gone(child) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await until_gone(child)
     assert gone(child)
 
 
@@ -450,9 +451,7 @@ async def test_a_child_that_does_not_hold_stderr_is_killed_when_the_task_ends(tm
     assert [e.state for e in await wait_for_state(backend, "t")] == ["started", "finished"]
     child = int((await wait_for_file(tmp_path / "child")).strip())
     try:
-        deadline = time.monotonic() + 5
-        while not gone(child) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until_gone(child)
         assert gone(child)
     finally:
         if not gone(child):
@@ -581,9 +580,7 @@ async def test_a_task_whose_main_process_ended_while_no_executor_watched_has_its
         registry.write_text(json.dumps({"left": list(ours[:2]), "stranger": list(other[:2])}))
         backend = ProcessBackend(node="n1", registry=registry)
         assert await backend.stop_left_behind(grace_s=1.0) == {"left": True, "stranger": False}
-        deadline = time.monotonic() + 5
-        while not gone(ours[2]) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until_gone(ours[2])
         assert gone(ours[2]) and not gone(other[2])
     finally:
         for child in (ours[2], other[2]):
@@ -800,9 +797,7 @@ async def test_a_process_that_left_the_task_s_session_ends_with_the_task(tmp_pat
         if end == "evicted":
             await asyncio.wait_for(backend.stop("t", grace_s=0.5), timeout=15.0)
         assert (await wait_for_state(backend, "t"))[-1].state == end
-        deadline = time.monotonic() + 5
-        while not gone(child) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until_gone(child)
         assert gone(child)
     finally:
         if not gone(child):
@@ -822,9 +817,7 @@ async def test_a_process_that_left_the_session_of_a_task_left_behind_is_stopped(
     try:
         second = ProcessBackend(node="n1", registry=registry)
         assert await second.stop_left_behind(grace_s=0.5) == {"t": True}
-        deadline = time.monotonic() + 5
-        while not gone(child) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until_gone(child)
         assert gone(child)
         assert other.running() == ["t"] and [e.state for e in await other.poll()] == ["started"]
     finally:
