@@ -122,6 +122,15 @@ async def test_a_node_heard_again_voids_what_waited_for_it_and_stops_what_was_gi
     assert [(e.task_id, e.state) for e in life] == [("t6", "started")]
 
 
+def left_behind(tmp_path: Path, task_id: str) -> subprocess.Popen:
+    """A process of ``task_id`` that n1's last executor left running, as its registry says."""
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    stat = Path(f"/proc/{orphan.pid}/stat").read_text()
+    started = int(stat.rsplit(")", 1)[1].split()[19])
+    (tmp_path / "executor-processes-n1.json").write_text(json.dumps({task_id: [orphan.pid, started]}))
+    return orphan
+
+
 async def test_a_node_s_executor_reclaims_what_the_last_one_left_behind(observer, nats_url, tmp_path):
     # The last executor of n1 was killed: t1 (confirmed on GPU 0) runs on untracked, as its
     # registry says; t0 (confirmed on GPU 2) died with it; t2's assign (reserved on GPU 1)
@@ -130,11 +139,8 @@ async def test_a_node_s_executor_reclaims_what_the_last_one_left_behind(observer
     await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
         confirmed("t1", "t1.assign", 0), confirmed("t0", "t0.assign", 2),
         Allocation(task_id="t2", decision_id="t2.assign", gpu=1, milli=1000, memory_mb=1000)])))
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    orphan = left_behind(tmp_path, "t1")
     try:
-        stat = Path(f"/proc/{orphan.pid}/stat").read_text()
-        started = int(stat.rsplit(")", 1)[1].split()[19])
-        (tmp_path / "executor-processes-n1.json").write_text(json.dumps({"t1": [orphan.pid, started]}))
         host = build(settings(nats_url, tmp_path, backend="process", node="n1", grace_s=1.0))
         await host.start()
         try:
@@ -179,11 +185,8 @@ async def test_a_node_s_executor_gives_back_a_start_the_last_one_recorded_and_ne
         confirmed("t5", "t5.assign", 0), confirmed("t6", "t6.assign", 1)])))
     await observer.kv_put("executions", "t3.assign", executed(t3, 1_000_000.0))
     await observer.kv_put("executions", "t5.migrate", executed(t5, 1_000_000.0))
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    orphan = left_behind(tmp_path, "t3")
     try:
-        stat = Path(f"/proc/{orphan.pid}/stat").read_text()
-        started = int(stat.rsplit(")", 1)[1].split()[19])
-        (tmp_path / "executor-processes-n1.json").write_text(json.dumps({"t3": [orphan.pid, started]}))
         host = build(settings(nats_url, tmp_path, backend="process", node="n1", grace_s=1.0))
         await host.start()
         try:
