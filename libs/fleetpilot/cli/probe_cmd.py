@@ -85,6 +85,9 @@ class ProbeResult(msgspec.Struct, kw_only=True):
     unsupported: dict[int, list[str]]
     read_ms: list[float]
     slowest_calls: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    # How often a thread reads the PCIe byte counters (they wrap sooner than a reading
+    # period: 32-bit on an H200); None where they are not polled.
+    pcie_poll_ms: float | None = None
 
 
 def probe(reader: NvmlReader, *, samples: int, interval_s: float, sleep=time.sleep) -> ProbeResult:
@@ -106,8 +109,10 @@ def probe(reader: NvmlReader, *, samples: int, interval_s: float, sleep=time.sle
         if fields := s.labels.get("nvml_unsupported", ""):
             unsupported[s.gpu] = fields.split(",")
     xids = [{"gpu": e.gpu, "xid": e.value, "at": e.at} for e in reader.events() if e.kind == "xid"]
+    poll_s = reader.pcie_poll_s
     return ProbeResult(driver_version=topology.labels.get("driver_version", ""), topology=topology, rounds=rounds,
-                       tasks=tasks, xids=xids, unsupported=unsupported, read_ms=read_ms)
+                       tasks=tasks, xids=xids, unsupported=unsupported, read_ms=read_ms,
+                       pcie_poll_ms=round(poll_s * 1000.0, 2) if poll_s is not None else None)
 
 
 def _gb(mb: float) -> str:
@@ -150,6 +155,9 @@ def render_text(result: ProbeResult) -> str:
     if result.slowest_calls:
         lines.append("slowest NVML calls: " + ", ".join(
             f"{name} {c['mean_ms']:.2f} ms x{c['calls']:.0f}" for name, c in result.slowest_calls.items()))
+    if result.pcie_poll_ms is not None:
+        lines.append(f"PCIe byte counters read every {result.pcie_poll_ms:.1f} ms: they wrap sooner than a reading "
+                     "period at the link's top rate")
     for gpu, fields in sorted(result.unsupported.items()):
         lines.append(f"GPU{gpu} refuses: {', '.join(fields)} (published at their default)")
     return "\n".join(lines)

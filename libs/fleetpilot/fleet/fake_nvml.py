@@ -17,6 +17,7 @@ without their memory (``usedGpuMemory`` not available) unless ``mig_privileged``
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -52,6 +53,8 @@ NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
 NVML_FI_DEV_PCIE_COUNT_TX_BYTES = 197
 NVML_FI_DEV_PCIE_COUNT_RX_BYTES = 198
+NVML_VALUE_TYPE_UNSIGNED_INT = 1
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
 NVML_TOPOLOGY_INTERNAL = 0
 NVML_TOPOLOGY_SINGLE = 10
 NVML_TOPOLOGY_MULTIPLE = 20
@@ -148,6 +151,13 @@ class FakeGpu:
     pcie_rx_kbs: int = 0
     pcie_tx_bytes: int | None = None  # cumulative PCIe byte counters; None: the driver lacks them
     pcie_rx_bytes: int | None = None
+    # Their width: an H200 on driver 580 reports 32 (valueType UNSIGNED_INT); 64 reads as
+    # UNSIGNED_LONG_LONG. A counter is reported modulo 2**bits.
+    pcie_counter_bits: int = 64
+    # Traffic flowing in real time (time.monotonic) since the GPU was made: added to the
+    # counters whenever they are read, as the hardware's would count it.
+    pcie_bytes_per_s: tuple[float, float] = (0.0, 0.0)
+    pcie_since: float = field(default_factory=time.monotonic)
     ecc_corrected: int = 0
     ecc_uncorrected: int = 0
     retired_sbe: list[int] = field(default_factory=list)
@@ -156,6 +166,7 @@ class FakeGpu:
     pcie_replays: int = 0
     link_width: int = 16
     link_width_max: int = 16
+    link_gen_max: int = 4
     compute_procs: list[tuple[int, int]] = field(default_factory=list)
     graphics_procs: list[tuple[int, int]] = field(default_factory=list)
     proc_util: list[tuple[int, int, int]] = field(default_factory=list)  # (pid, timestamp_us, sm_util)
@@ -359,6 +370,10 @@ class FakeNvml:
         """Current PCIe lanes."""
         return self._gpu(h, "nvmlDeviceGetCurrPcieLinkWidth").link_width
 
+    def nvmlDeviceGetGpuMaxPcieLinkGeneration(self, h: Any) -> int:  # noqa: N802
+        """The GPU's top PCIe generation."""
+        return self._gpu(h, "nvmlDeviceGetGpuMaxPcieLinkGeneration").link_gen_max
+
     def nvmlDeviceGetMaxPcieLinkWidth(self, h: Any) -> int:  # noqa: N802
         """Maximum PCIe lanes."""
         return self._gpu(h, "nvmlDeviceGetMaxPcieLinkWidth").link_width_max
@@ -499,7 +514,7 @@ class FakeNvml:
         out = []
         for item in field_ids:
             fid, scope = item if isinstance(item, tuple) else (item, 0)
-            ret, ui, ull = NVML_SUCCESS, 0, 0
+            ret, ui, ull, value_type = NVML_SUCCESS, 0, 0, NVML_VALUE_TYPE_UNSIGNED_INT
             if f"field:{fid}" in g.unsupported:
                 ret = NVML_ERROR_NOT_SUPPORTED
             elif fid == NVML_FI_DEV_NVLINK_LINK_COUNT:
@@ -511,12 +526,23 @@ class FakeNvml:
                     ret = NVML_ERROR_INVALID_ARGUMENT
                 else:
                     ull = (g.nvlink_tx_kib if fid == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else g.nvlink_rx_kib)[scope]
+                    value_type = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             elif fid in (NVML_FI_DEV_PCIE_COUNT_TX_BYTES, NVML_FI_DEV_PCIE_COUNT_RX_BYTES):
-                count = g.pcie_tx_bytes if fid == NVML_FI_DEV_PCIE_COUNT_TX_BYTES else g.pcie_rx_bytes
-                ret, ull = (NVML_ERROR_NOT_SUPPORTED, 0) if count is None else (NVML_SUCCESS, count)
+                tx = fid == NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+                count = g.pcie_tx_bytes if tx else g.pcie_rx_bytes
+                if count is None:
+                    ret = NVML_ERROR_NOT_SUPPORTED
+                else:
+                    flowed = g.pcie_bytes_per_s[0 if tx else 1] * (time.monotonic() - g.pcie_since)
+                    ull = (count + int(flowed)) % (1 << g.pcie_counter_bits)
+                    ui = ull & 0xFFFFFFFF
+                    value_type = NVML_VALUE_TYPE_UNSIGNED_INT if g.pcie_counter_bits <= 32 \
+                        else NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             else:
                 ret = NVML_ERROR_NOT_SUPPORTED
-            out.append(SimpleNamespace(fieldId=fid, scopeId=scope, nvmlReturn=ret,
+            if value_type == NVML_VALUE_TYPE_UNSIGNED_INT:
+                ull = ui  # one union: the 32-bit member is the low half of the 64-bit one
+            out.append(SimpleNamespace(fieldId=fid, scopeId=scope, nvmlReturn=ret, valueType=value_type,
                                        value=SimpleNamespace(uiVal=ui, ullVal=ull, dVal=float(ull))))
         return out
 

@@ -60,6 +60,7 @@ from fleetpilot.contracts.topology import (
 
 from .bandwidth import IbPort
 from .catalogue import gpu_model
+from .pcie_counters import PcieCounterPoller, field_modulus, field_number, link_top_bytes_per_s
 from .reader import FleetEvent
 from .topology import make_link
 
@@ -347,6 +348,7 @@ class NvmlReader:
         self._xid_codes: list[dict[int, int]] = [{} for _ in self._handles]
         # Last (monotonic time it was read, tx, rx) of each cumulative counter pair, per (counter, GPU).
         self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
+        self._pcie = PcieCounterPoller(self._pcie_counts, self._pcie_top_rate, self._monotonic)
         self._proc_util_ts = [0] * len(self._handles)
         # MIG: GPUs found without it (never asked again), each MIG GPU's maximum of MIG
         # devices, its memory total (names the profiles) and what each MIG device is, by
@@ -572,20 +574,20 @@ class NvmlReader:
                          [nvml.NVML_FI_DEV_NVLINK_LINK_COUNT, nvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON])
         if head is None or head[0].nvmlReturn != 0:
             return Reading(value=0.0, uncertainty_score=1.0)
-        links = int(head[0].value.uiVal)
+        links = int(field_number(head[0]))
         if links == 0:
             return Reading(value=0.0, uncertainty_score=0.0)  # no NVLink: exactly zero
         # A common speed of 0 (no link trained: fabric manager down, links in reset) says
         # nothing about the links' capacity; it is taken as unread, not divided by.
-        speed_known = head[1].nvmlReturn == 0 and int(head[1].value.uiVal) > 0
-        speed_mbps = float(head[1].value.uiVal) if speed_known else 25_000.0
+        speed_known = head[1].nvmlReturn == 0 and int(field_number(head[1])) > 0
+        speed_mbps = float(field_number(head[1])) if speed_known else 25_000.0
         ids = [(f, link) for link in range(links)
                for f in (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)]
         values = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids)
         if values is None or any(v.nvmlReturn != 0 for v in values):
             return Reading(value=0.0, uncertainty_score=1.0)
-        tx = float(sum(v.value.ullVal for v in values[0::2]))
-        rx = float(sum(v.value.ullVal for v in values[1::2]))
+        tx = float(sum(field_number(v) for v in values[0::2]))
+        rx = float(sum(field_number(v) for v in values[1::2]))
         deltas = self._deltas("nvlink", index, tx, rx)
         if deltas is None:
             return Reading(value=0.0, uncertainty_score=1.0)  # first read: no rate yet
@@ -599,20 +601,41 @@ class NvmlReader:
         return Reading(value=round(min(kib_per_s / peak_kib_per_s, 1.0), 4),
                        uncertainty_score=0.1 if speed_known else 0.3)
 
-    def _pcie_kbps(self, index: int, handle: Any, missing: list[str]) -> tuple[float, float]:
-        # nvmlDeviceGetPcieThroughput samples the bus for 20 ms per call (21 ms measured on
-        # an H200, two calls per GPU per reading). Where the driver has the cumulative byte
-        # counters, the rate is their delta since the last reading instead: microseconds to
-        # read, and the average over the whole period rather than a 20 ms glimpse.
+    def _pcie_counts(self, handle: Any) -> tuple[int, int, int] | None:
+        """The GPU's cumulative PCIe byte counters and where they wrap; ``None`` where the
+        driver lacks them (``PcieCounterPoller`` calls this, from its own thread too)."""
         nvml = self._nvml
         ids = [getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None), getattr(nvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)]
         counts = self._try(nvml.nvmlDeviceGetFieldValues, handle, ids) if None not in ids else None
-        if counts is not None and all(c.nvmlReturn == 0 for c in counts):
-            deltas = self._deltas("pcie", index, float(counts[0].value.ullVal), float(counts[1].value.ullVal))
-            if deltas is not None and deltas[0] >= 0 and deltas[1] >= 0:
-                d_tx, d_rx, dt = deltas
-                return d_tx / dt / 1024.0, d_rx / dt / 1024.0
-        # The first reading, a counter that wrapped, or no counters: the 20 ms sampling call.
+        if counts is None or any(c.nvmlReturn != 0 for c in counts):
+            return None
+        modulus = field_modulus(counts[0])
+        if modulus is None or field_modulus(counts[1]) != modulus:
+            return None
+        return int(field_number(counts[0])), int(field_number(counts[1])), modulus
+
+    def _pcie_top_rate(self, handle: Any) -> float:
+        """The most bytes per second the GPU's PCIe link can carry each way: its own top
+        generation and lane count, where the link could train up to them."""
+        nvml = self._nvml
+        generations = [self._try(getattr(nvml, name), handle) for name in
+                       ("nvmlDeviceGetGpuMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkGeneration")
+                       if hasattr(nvml, name)]
+        known = [int(g) for g in generations if g]
+        width = self._try(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle)
+        return link_top_bytes_per_s(max(known) if known else None, int(width) if width else None)
+
+    def _pcie_kbps(self, index: int, handle: Any, missing: list[str]) -> tuple[float, float]:
+        # nvmlDeviceGetPcieThroughput samples the bus for 20 ms per call (21 ms measured on
+        # an H200, two calls per GPU per reading). Where the driver has the cumulative byte
+        # counters, the rate is what they counted since the last reading instead, kept exact
+        # across their wraps by ``PcieCounterPoller``: microseconds to read, and the average
+        # over the whole period rather than a 20 ms glimpse.
+        rates = self._pcie.rate(index, handle)
+        if rates is not None:
+            return rates[0] / 1024.0, rates[1] / 1024.0
+        # The first reading, a period whose count was lost, or no counters: the sampling call.
+        nvml = self._nvml
         return tuple(float(self._try(nvml.nvmlDeviceGetPcieThroughput, handle, counter, default=0, missing=missing,
                                      field="pcie_throughput"))
                      for counter in (nvml.NVML_PCIE_UTIL_TX_BYTES, nvml.NVML_PCIE_UTIL_RX_BYTES))  # type: ignore[return-value]
@@ -747,8 +770,15 @@ class NvmlReader:
         self._mig_max.update({g.index: g.mig.max_devices for g in topo.gpus if g.mig and g.mig.max_devices})
         return topo
 
+    @property
+    def pcie_poll_s(self) -> float | None:
+        """How often a thread reads this node's PCIe byte counters so that none of their
+        wraps is missed; ``None`` while none is polled (64-bit counters, or none at all)."""
+        return self._pcie.poll_s
+
     def close(self) -> None:
-        """Free the event set and shut NVML down."""
+        """Stop reading the PCIe counters, free the event set and shut NVML down."""
+        self._pcie.close()
         if self._event_set is not None:
             self._try(self._nvml.nvmlEventSetFree, self._event_set)
         self._try(self._nvml.nvmlShutdown)

@@ -84,3 +84,16 @@ def test_bad_arguments_are_one_line(argv, capsys) -> None:
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "fleetpilot probe: error: argument" in err
+
+
+def test_32_bit_pcie_counters_are_said_to_be_polled_and_how_often() -> None:
+    # As an H200 on driver 580 reports them: 32-bit, on a PCIe 5 x16 link (67 ms to wrap).
+    nvml = FakeNvml([FakeGpu(name="NVIDIA H200", pcie_tx_bytes=0, pcie_rx_bytes=0, pcie_counter_bits=32,
+                             link_gen_max=5)])
+    code, text = run(["--samples", "2", "--interval", "0"], nvml)
+    assert code == 0
+    assert "PCIe byte counters read every 16.8 ms: they wrap sooner than a reading period" in text
+    code, text = run(["--samples", "1", "--json"], nvml)
+    assert json.loads(text)["pcie_poll_ms"] == 16.78
+    wide = FakeNvml([FakeGpu(pcie_tx_bytes=0, pcie_rx_bytes=0, pcie_counter_bits=64)])
+    assert "PCIe byte counters read" not in run(["--samples", "2", "--interval", "0"], wide)[1]
