@@ -353,8 +353,8 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     chosen = _pick_options(estimates, policy.max_options)
     options = [_option(e, task, now, f"o{i + 1}") for i, e in enumerate(chosen)]
     acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
-    reason = _shortfall(task, acceptable_now) + "; options: " + " | ".join(
-        f"{o.option_id}: {o.why}" for o in options)
+    # The options travel as their own list: a reason listing them too was read twice.
+    reason = _shortfall(task, acceptable_now)
     valid_until = now + policy.offer_ttl_s
     if sla.deadline is not None:
         # An option starts at its not_before or at its acceptance, whichever is later, so it

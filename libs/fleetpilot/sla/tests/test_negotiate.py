@@ -117,6 +117,9 @@ def test_counter_offer_options_are_concrete_and_meetable():
     decision = negotiate(submitted, FLEET, now=NOW)
     assert isinstance(decision, CounterOffer)
     assert "warm-up within 250 ms is not possible on a free GPU now" in decision.reason
+    # The options travel as a list; a reason that listed them too was shown twice by
+    # ``fleetpilot submit`` (the reason, then each option).
+    assert not any(o.why in decision.reason for o in decision.options) and "options" not in decision.reason
     by_model = {o.gpu_model: o for o in decision.options}
     # A100 now, but the data crosses a 0.2 GB/s link: 2 GB -> 10 s of warm-up.
     assert by_model["A100"].expected_queue_s == 0 and by_model["A100"].warmup_ms == pytest.approx(10_000)
