@@ -307,7 +307,8 @@ class NvmlReader:
     ``/sys`` paths, ``clock`` gives wall time (injected for tests), ``monotonic`` the
     seconds that counter rates are taken over (default: ``time.monotonic``, or ``clock``
     when only that is injected), ``task_of_pid`` maps a PID to a task id (default:
-    ``FLEETPILOT_TASK_ID`` in ``<root>/proc/<pid>/environ``).
+    ``FLEETPILOT_TASK_ID`` in ``<root>/proc/<pid>/environ``), ``pcie_poll`` whether PCIe byte
+    counters that wrap within a reading period are read on a thread (``PcieCounterPoller``).
     """
 
     source: Literal["nvml"] = "nvml"
@@ -315,7 +316,7 @@ class NvmlReader:
     def __init__(self, nvml: ModuleType | Any = None, *, node: str | None = None, site: str = "default",
                  root: str | Path = "/", clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] | None = None,
-                 task_of_pid: Callable[[int], str | None] | None = None) -> None:
+                 task_of_pid: Callable[[int], str | None] | None = None, pcie_poll: bool = True) -> None:
         if nvml is None:
             import pynvml as nvml  # noqa: PLC0415 - the real module only when none is injected
         self._nvml = nvml
@@ -348,7 +349,7 @@ class NvmlReader:
         self._xid_codes: list[dict[int, int]] = [{} for _ in self._handles]
         # Last (monotonic time it was read, tx, rx) of each cumulative counter pair, per (counter, GPU).
         self._counters: dict[tuple[str, int], tuple[float, float, float]] = {}
-        self._pcie = PcieCounterPoller(self._pcie_counts, self._pcie_top_rate, self._monotonic)
+        self._pcie = PcieCounterPoller(self._pcie_counts, self._pcie_top_rate, self._monotonic, poll=pcie_poll)
         self._proc_util_ts = [0] * len(self._handles)
         # MIG: GPUs found without it (never asked again), each MIG GPU's maximum of MIG
         # devices, its memory total (names the profiles) and what each MIG device is, by

@@ -149,12 +149,14 @@ class PcieCounterPoller:
     ``top_rate(handle)`` its link's top bytes per second. ``rate(index, handle)`` gives
     the bytes per second each way since its last call for that GPU. A GPU whose counters
     would wrap within an hour at its link's top rate is also read by a thread of this
-    poller, every quarter of that wrap time; ``close`` stops it. NVML may be called from
-    several threads at once."""
+    poller, every quarter of that wrap time (unless ``poll`` is false: then such a GPU's
+    periods are lost and the reader samples instead); ``close`` stops it. NVML may be
+    called from several threads at once."""
 
     def __init__(self, read: Callable[[Any], tuple[int, int, int] | None], top_rate: Callable[[Any], float],
-                 monotonic: Callable[[], float]) -> None:
+                 monotonic: Callable[[], float], *, poll: bool = True) -> None:
         self._read = read
+        self._poll_enabled = poll
         self._top_rate = top_rate
         self._monotonic = monotonic
         self._pairs: dict[int, tuple[Any, CounterPair]] = {}
@@ -185,7 +187,7 @@ class PcieCounterPoller:
         pair.observe(self._monotonic(), counts[0], counts[1])
         pair.take()  # the first period starts here
         self._pairs[index] = (handle, pair)
-        if pair.wrap_s < POLLED_WRAP_S:
+        if self._poll_enabled and pair.wrap_s < POLLED_WRAP_S:
             poll_s = min(max(POLL_FRACTION * pair.wrap_s, POLL_MIN_S), POLL_MAX_S)
             self.poll_s = poll_s if self.poll_s is None else min(self.poll_s, poll_s)
             if self._thread is None:

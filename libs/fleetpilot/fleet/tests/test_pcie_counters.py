@@ -151,3 +151,19 @@ def test_a_poller_stops_its_thread_when_closed() -> None:
     assert done > 10  # the thread read on its own, without being asked for a rate
     time.sleep(0.05)
     assert len(reads) == done
+
+
+def test_without_polling_a_wrapping_counter_is_never_made_a_rate_and_the_sampling_call_is_used() -> None:
+    gpu = FakeGpu(pcie_tx_bytes=0, pcie_rx_bytes=WRAP32 - 1000, pcie_counter_bits=32, pcie_tx_kbs=11,
+                  pcie_rx_kbs=22, pcie_bytes_per_s=(2e9, 30e9), link_gen_max=5)
+    reader = NvmlReader(FakeNvml([gpu]), node="n1", pcie_poll=False)
+    try:
+        readings = []
+        for _ in range(3):
+            s = reader.sample("n1")[0]
+            readings.append((s.pcie_tx_kbps, s.pcie_rx_kbps))
+            time.sleep(0.1)  # 3 GB at 30 GB/s: a 32-bit counter could wrap in any such gap
+        assert readings == [(11.0, 22.0)] * 3
+        assert reader.pcie_poll_s is None
+    finally:
+        reader.close()
