@@ -25,7 +25,9 @@ never frees, as the policy will place nothing there:
   task's GPUs are all on one node, and a GPU out of service now may be back).
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
-  GPU with any holder of unknown duration never appears (no promise we cannot back).
+  GPU with any holder of unknown duration never appears (no promise we cannot back). A run
+  past its expected end frees in as long again as it has overrun, and no sooner than a
+  tenth of its expected duration (``frees_in``), not "now".
 - price and relative compute come from the GPU catalogue (relative to an A100-40GB, the
   device of ``reference_p95_ms``); an uncatalogued model gets ``default_price_per_gpu_hour``
   and relative compute 1.0.
@@ -67,6 +69,10 @@ def _catalogue_terms(model: str, knobs: SnapshotKnobs) -> tuple[float, float, in
     return entry.price_usd_per_hour, entry.compute_ratio, entry.memory_mb
 
 
+# What an overrunning run is expected to need at least, as a share of its expected duration.
+OVERRUN_FLOOR = 0.1
+
+
 @dataclass
 class _PoolTally:
     memory_mb: int = 0
@@ -74,7 +80,8 @@ class _PoolTally:
     free: int = 0
     free_milli: int = 0
     preemptible: int = 0
-    frees_at: list[float] = field(default_factory=list)
+    # (expected end, expected duration) of the holder that ends last, per busy GPU.
+    frees_at: list[tuple[float, float]] = field(default_factory=list)
     most_on_a_node: int = 0
 
     def add(self, other: _PoolTally) -> None:
@@ -118,7 +125,8 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
         if all(c is not None and c.contract.tier == "best_effort" for c in contracts):
             tally.preemptible += 1
         # A moved run ends by when it began (``run_at``), not by when its hold here was taken.
-        ends = [(a.run_at or a.at) + c.task.expected_duration_s for a, c in zip(holders, contracts, strict=True)
+        ends = [((a.run_at or a.at) + c.task.expected_duration_s, c.task.expected_duration_s)
+                for a, c in zip(holders, contracts, strict=True)
                 if c is not None and c.task.expected_duration_s is not None and a.at > 0]
         if len(ends) == len(holders):
             tally.frees_at.append(max(ends))
@@ -155,6 +163,17 @@ class SnapshotCache:
         """Forget the nodes no longer in the fleet."""
         for gone in set(self._by_node) - nodes:
             del self._by_node[gone]
+
+
+def frees_in(end: float, duration: float, now: float) -> float:
+    """Seconds from ``now`` until a run expected to end at ``end`` (after ``duration``) ends.
+
+    A run past its expected end is still running, and was promised as freeing "now" to
+    every request until it ended: it is expected to need as long again as it has overrun,
+    and at least ``OVERRUN_FLOOR`` of its expected duration more."""
+    if end > now:
+        return end - now
+    return max(now - end, OVERRUN_FLOOR * duration)
 
 
 def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
@@ -197,11 +216,11 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         tally.free -= taken
         ahead -= taken
         completions: dict[float, int] = defaultdict(int)
-        for end in sorted(tally.frees_at):
+        for in_s in sorted(frees_in(end, duration, now) for end, duration in tally.frees_at):
             if ahead > 0:  # this GPU goes to a task already waiting
                 ahead -= 1
                 continue
-            completions[round(max(end - now, 0.0), 3)] += 1
+            completions[round(in_s, 3)] += 1
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
                              price_per_gpu_hour=price, free_gpus=tally.free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,

@@ -188,3 +188,13 @@ def test_a_task_asking_more_gpus_than_any_node_has_is_refused_not_queued_for_eve
     # A node's GPUs out of service for now still count: they may be back.
     (pool,) = fleet_view([nodes[0], cordoned], [], {}, now=NOW).pools
     assert pool.most_gpus_on_a_node == 4
+
+
+def test_a_run_past_its_expected_end_is_not_promised_as_freeing_now():
+    # "be" began 40 s ago for 100 s: on time. "late" began 130 s ago for 100 s: 30 s over,
+    # so as long again; "just" is 1 s over a 100 s run: a tenth of its duration at least.
+    ledger = NodeLedger(node="n1", allocations=[hold("be", 0), hold("late", 1, at=NOW - 130),
+                                                hold("just", 2, at=NOW - 101)])
+    contracts = {**CONTRACTS, "late": admitted("late", "standard", 100.0), "just": admitted("just", "standard", 100.0)}
+    (pool,) = fleet_view([NODE], [ledger], contracts, now=NOW).pools
+    assert pool.completions == ((10.0, 1), (30.0, 1), (60.0, 1))
