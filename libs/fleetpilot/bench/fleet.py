@@ -179,6 +179,7 @@ from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
+from fleetpilot.sla.snapshot import frees_in
 from fleetpilot.workload.growth import MemoryGrowth
 
 from .fleet_report import Comparison, RunResult, plot, report
@@ -1238,7 +1239,9 @@ class FleetRun:
                 p["milli"] = max(p["milli"], int(part.max()))
         for j in self.jobs:
             if j.state == "running" and j.milli >= MILLI:
-                left = max(j.seg_start + j.task.declared_duration_s - j.progress_s - now, 0.0)
+                # As the service's snapshot: a run past its declared end is not freeing "now".
+                end = j.seg_start + j.task.declared_duration_s - j.progress_s
+                left = frees_in(end, j.task.declared_duration_s, now)
                 pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].append((left, len(j.gpus)))
         out = []
         for (site, model), p in pools.items():
