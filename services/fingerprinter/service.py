@@ -39,6 +39,11 @@
   is away is written again once it is back. A run is folded once (``learnt_runs``); the runs
   that ended in the last minutes and that no replica learnt (this one crashed within their
   grace) are learnt at start from what the streams keep (``recover_ended_runs``).
+- Restarts: every ``checkpoint_s`` and when it stops, a replica writes each run in progress
+  that changed to the ``fingerprint_series`` bucket (``fleetpilot.fingerprint.checkpoint``);
+  one that starts restores its tasks' runs before it takes a sample, and each goes on as one
+  series that began with its run (its end still teaches an envelope). A run's key is deleted
+  when it is learnt, and at the next round when it is forgotten or rejected.
 - Partitions: with ``partitions`` above 1, each replica owns the tasks whose id hashes to its
   ``partition`` and takes every message on consumers of its own, keeping its tasks'; a task's
   samples all reach its one model. What another partition's runs show reaches this one's
@@ -49,6 +54,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -71,9 +77,13 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.contracts.catalog import STREAMS, stream_of
 from fleetpilot.fingerprint import (
-    OnlineFingerprinter,
+    SeriesCheckpoint,
     SignatureStats,
+    TaskSeries,
     borrowed,
+    checkpoint_of,
+    decode_checkpoint,
+    encode_checkpoint,
     learnt,
     mark_learnt,
     merge,
@@ -83,11 +93,13 @@ from fleetpilot.fingerprint import (
     predict,
     prediction_changed,
     predicts_nothing,
+    restore,
     restore_tells,
     run_key,
     stored_stats,
     task_signature,
 )
+from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import CasConflict, KvEntry, Partition, Reject, ServiceHost, ServiceSettings, serve
 from prometheus_client import Gauge
 from pydantic import Field, model_validator
@@ -119,19 +131,6 @@ MOST_MB_PER_GPU = 1_048_576.0
 """More memory per GPU than any GPU holds (1 TiB; the largest hold under 300 GB): a sample
 above it is garbled at its source (bytes read as MB, say), and fitted it would teach its
 signature a peak no GPU holds, so that every later task of it is placed nowhere."""
-
-
-class TaskSeries(OnlineFingerprinter):
-    """One task's online model, with what the service keeps of the samples that fed it: the
-    latest one's time (``latest_at``, on the samples' clock) and when this replica last heard
-    of the task (``heard_at``, on its own clock)."""
-
-    def __init__(self, *args, latest_at: float = -math.inf, **kwargs) -> None:
-        """``OnlineFingerprinter``'s arguments; ``latest_at``: the series goes on from a sample
-        at that time (a series started again on the same process)."""
-        super().__init__(*args, **kwargs)
-        self.latest_at = latest_at
-        self.heard_at = time.monotonic()
 
 
 class NodeClocks:
@@ -211,6 +210,12 @@ class FingerprinterSettings(ServiceSettings):
     rolling update, a crash) resumes its consumers past the submissions it had read, and
     the runs it then hears of by their samples alone had no signature: long runs in progress
     across a restart taught nothing when they ended."""
+    checkpoint_s: float = Field(default=60.0, ge=0)
+    """How often each run in progress that changed since is written to the
+    ``fingerprint_series`` bucket (and once more when the replica stops cleanly), from which
+    the replica that owns its task next restores it at start: a restart (a rollout, a crash, a
+    rescale) costs a run the samples of at most this long, not its series so far (which, begun
+    again mid-run, taught no envelope). 0: no checkpoint written nor restored."""
     partitions: int = Field(default=1, ge=1)
     """How many replicas share the tasks, each owning the tasks whose id hashes to its
     partition (``fleetpilot.runtime.partition``); every replica is given the same count."""
@@ -273,6 +278,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # acks, the bucket's watch and the other consumers are not held up by them; one thread,
     # so one model is never fitted by two at once.
     fits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fingerprinter-fit")
+    # Tasks whose series a sample is being added to on that thread (a refit, a thinning): a
+    # checkpoint copies a series on the event loop, and one copied meanwhile could be torn.
+    fitting: set[str] = set()
 
     async def off_loop(call: Callable, *args, **kwargs):
         """``call(*args, **kwargs)`` on the fitting thread."""
@@ -520,7 +528,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         model = model_for(sample.task_id)
         model.latest_at = max(model.latest_at, sample.at)
         if model.refits_or_thins_on_next_add():
-            fp = await off_loop(model.add, sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+            fitting.add(sample.task_id)  # its series changes on the fitting thread: not copied meanwhile
+            try:
+                fp = await off_loop(model.add, sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+            finally:
+                fitting.discard(sample.task_id)
         else:
             fp = model.add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
         if fp is None:
@@ -637,6 +649,135 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         """Forget the series of the runs gone silent (``forget_silent``)."""
         forget_silent(time.monotonic() - settings.silent_forget_s)
 
+    # Runs in progress kept across a restart of this replica (``fleetpilot.fingerprint.checkpoint``):
+    # per task whose checkpoint this replica wrote or restored, what its run was then
+    # (``checkpoint_token``), so that a round writes only the runs that changed since and
+    # deletes the keys of the runs that are no longer in progress here. ``resumed``: the tasks
+    # whose run was restored at start, which ``recover_ended_runs`` learns from their series
+    # when their end was taken by the replica before this one.
+    written: dict[str, tuple] = {}
+    resumed: set[str] = set()
+
+    def checkpoint_token(task_id: str, model: TaskSeries) -> tuple:
+        return (id(model), model.samples, model.latest_at, model.signature, model.expected_duration_s,
+                peak_before.get(task_id), last_stop.get(task_id), last_start.get(task_id), stopped.get(task_id))
+
+    def checkpoint(task_id: str, model: TaskSeries) -> SeriesCheckpoint:
+        held = stopped.get(task_id)
+        return checkpoint_of(task_id, model, now_wall=time.time(), now_monotonic=time.monotonic(),
+                             peak_before_mb=peak_before.get(task_id, 0.0), last_stop=last_stop.get(task_id),
+                             last_start=last_start.get(task_id), stopped=(held[1], held[2]) if held else None)
+
+    async def checkpoint_runs() -> None:
+        """Write the runs in progress that changed since their last checkpoint, and delete the
+        checkpoints of the runs no longer in progress here (learnt, forgotten, rejected,
+        dropped past the task cap). While the server is away (or the bucket is refused), the
+        next round tries again: what it writes is each run as it is then."""
+        try:
+            kv = await host.bus.kv("fingerprint_series")  # type: ignore[union-attr]
+            for task_id in [t for t in written if not (t in models and models[t].samples)]:
+                await kv.delete(node_key(task_id))
+                written.pop(task_id, None)
+            for task_id, model in [(t, m) for t, m in models.items() if m.samples]:
+                token = checkpoint_token(task_id, model)
+                if written.get(task_id) == token or models.get(task_id) is not model or task_id in fitting:
+                    continue  # unchanged, gone meanwhile, or being added to on the fitting thread (a
+                    # copy now could be torn): the next round writes it
+                whole = checkpoint(task_id, model)  # copies, taken here: the model goes on taking samples
+                body = await off_loop(encode_checkpoint, whole)  # bounded (thinned) and encoded off the loop
+                if models.get(task_id) is not model:
+                    continue  # learnt or forgotten meanwhile: its key is deleted, not written again
+                await kv.put(node_key(task_id), body)
+                written[task_id] = token
+        except Exception as exc:  # noqa: BLE001 - the runs stay in memory; the next round writes them
+            log.warning("runs in progress not checkpointed now (%s: %s)", type(exc).__name__, exc)
+
+    async def drop_checkpoint(task_id: str) -> None:
+        """Delete the checkpoint of ``task_id``'s run, which is over here (learnt); one left
+        behind (the server away) goes with the bucket's time-to-live, and restored it would
+        be learnt no second time (``learnt_runs``)."""
+        resumed.discard(task_id)
+        if written.pop(task_id, None) is None:
+            return
+        try:
+            await (await host.bus.kv("fingerprint_series")).delete(node_key(task_id))  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001
+            log.warning("checkpoint of %s not deleted (%s: %s): it expires with the bucket's time-to-live",
+                        task_id, type(exc).__name__, exc)
+
+    if settings.checkpoint_s > 0:
+
+        @host.every(settings.checkpoint_s)
+        async def checkpoint_runs_in_progress() -> None:
+            """Checkpoint the runs in progress (``checkpoint_runs``)."""
+            await checkpoint_runs()
+
+        @host.on_stopping
+        async def checkpoint_at_stop() -> None:
+            """A replica that stops writes its runs in progress as they are, after the runs that
+            ended were learnt (their checkpoints deleted), for the replica that takes them on."""
+            await checkpoint_runs()
+
+        @host.on_startup
+        async def restore_runs(bus) -> None:
+            """Restore, before any sample is taken, the runs in progress of the tasks this
+            replica owns from their checkpoints, as the replica before it left them: each goes
+            on as one series that began with its run. A run not heard of for
+            ``silent_forget_s`` is not (it would be forgotten at once) and its key is deleted.
+            Run again whole after an outage cut it (a start-up hook), it restores the same."""
+            try:
+                kv = await bus.kv("fingerprint_series")
+                found: list[tuple[str, SeriesCheckpoint]] = []
+                for key in await kv.keys():
+                    entry = await kv.get(key)
+                    if entry is None or entry.value is None:
+                        continue
+                    try:
+                        kept = decode_checkpoint(entry.value)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        log.warning("checkpoint %s unreadable (%s): not restored", key, exc)
+                        continue
+                    if node_key(kept.task_id) == key and owned.owns(kept.task_id):
+                        found.append((key, kept))
+            except Exception as exc:
+                if bus.unreachable(exc) and not bus.connected:
+                    raise  # the start-up waits for the server, and runs this again
+                # Refused (a user without the bucket's rights gets no answer: a timeout while
+                # connected), or unreadable: the replica starts all the same, as it did before
+                # checkpoints, rather than wait out its start-up limit for what it may not read.
+                log.error("runs in progress not restored (%s: %s): each starts a series afresh at its next "
+                          "sample", type(exc).__name__, exc)
+                return
+            now_wall, now_mono = time.time(), time.monotonic()
+            silent = 0
+            # Least recently heard first, as ``models`` keeps them.
+            for key, kept in sorted(found, key=lambda found: found[1].heard_wall):
+                task_id = kept.task_id
+                if now_wall - kept.heard_wall > settings.silent_forget_s:
+                    silent += 1
+                    with contextlib.suppress(Exception):
+                        await kv.delete(key)
+                    continue
+                try:
+                    model = restore(kept, now_wall=now_wall, now_monotonic=now_mono)
+                except ValueError as exc:
+                    log.warning("%s: not restored", exc)
+                    continue
+                models.pop(task_id, None)
+                if len(models) >= settings.max_tracked_tasks:
+                    models.popitem(last=False)
+                models[task_id] = model
+                for held, value in ((peak_before, kept.peak_before_mb or None), (last_stop, kept.last_stop),
+                                    (last_start, kept.last_start)):
+                    if value is not None:
+                        keep_newest(held, task_id, value)
+                if kept.stopped_mb is not None and kept.stopped_at is not None and model.signature:
+                    keep_newest(stopped, task_id, (model.signature, kept.stopped_mb, kept.stopped_at))
+                written[task_id] = checkpoint_token(task_id, model)
+                resumed.add(task_id)
+            log.info("restored %d runs in progress from their checkpoints (%d silent for over %.0f s dropped)",
+                     len(resumed), silent, settings.silent_forget_s)
+
     @host.on_core("task.rejected", TaskRejected)
     async def on_rejected(rejection: TaskRejected) -> None:
         """Forget a task that will not run (rejected at submission, or given up by the policy):
@@ -658,6 +799,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     async def learn_end(life: TaskLifecycle) -> None:
         """Fold a run that ended into its signature's statistics."""
         model = models.pop(life.task_id, None)
+        await drop_checkpoint(life.task_id)  # the run is over: no replica is to go on with it
         # Its end delivered again finds no model: what the first learnt of it stays.
         keep_newest(ended, life.task_id, (model.signature, model.expected_duration_s) if model
                     else ended.get(life.task_id, ("", None)))
@@ -762,8 +904,10 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         (the signature's ``learnt_runs`` says), their series read again from the samples the
         server keeps. A replica that stops at the end of a run's grace, or crashes within it,
         had taken (acked) its end and held its series in memory alone: started again, it read
-        neither again, and the run was never learnt. Such a run is learnt as a series that did
-        not begin with it (no envelope): the server keeps its last minutes of samples."""
+        neither again, and the run was never learnt. Such a run is learnt on the series restored
+        from its checkpoint (``restore_runs``), topped up with the samples the server kept since;
+        without one, as a series that did not begin with it (no envelope): the server keeps its
+        last minutes of samples."""
         latest: dict[str, tuple[TaskLifecycle, float]] = {}  # task -> its latest event, when stored
         async for message in host.bus.stream_messages(  # type: ignore[union-attr]
                 STREAM_OF_LIFECYCLE, "task.lifecycle.>", since=now() - SAMPLES_KEPT_S):
@@ -778,13 +922,22 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         for task_id, (life, stored_at) in latest.items():
             signature, duration = recovered.get(task_id, ("", None))
             model = models.get(task_id)
+            # Its run restored from its checkpoint (``restore_runs``): learnt on that series, which
+            # began with the run, topped up with the samples the server kept since it was written.
+            goes_on = (task_id in resumed and model is not None and model.samples > 0
+                       and life.at >= last_start.get(task_id, -math.inf))
+            if goes_on and model is not None:
+                signature = signature or model.signature
             if (life.state not in TERMINAL_STATES or not signature or ended.get(task_id, ("",))[0]
-                    or (model is not None and model.samples)):
+                    or (model is not None and model.samples and not goes_on)):
                 continue  # not over, of no known program, or learnt (or being learnt) by this replica
             stats = await stored(signature)
             if stats is not None and learnt(stats, run_key(task_id, life.at)):
                 continue
-            series = TaskSeries(signature, expected_duration_s=duration, only_trusted=True, from_start=False)
+            series = model if goes_on and model is not None else TaskSeries(
+                signature, expected_duration_s=duration, only_trusted=True, from_start=False)
+            if not series.signature:
+                series.signature = signature
             async for message in host.bus.stream_messages(  # type: ignore[union-attr]
                     STREAM_OF_SAMPLES, f"telemetry.task.{task_id}", since=now() - SAMPLES_KEPT_S):
                 try:
@@ -797,10 +950,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     series.latest_at = sample.at
                     reading = (sample.at, sample.memory_used_mb / max(len(sample.gpus), 1))
                     if series.refits_or_thins_on_next_add():
-                        await off_loop(series.add, *reading, utilisation=sample.utilization_gpu_pct)
+                        fitting.add(task_id)
+                        try:
+                            await off_loop(series.add, *reading, utilisation=sample.utilization_gpu_pct)
+                        finally:
+                            fitting.discard(task_id)
                     else:
                         series.add(*reading, utilisation=sample.utilization_gpu_pct)
-            if ended.get(task_id, ("",))[0] or (task_id in models and models[task_id].samples):
+            if ended.get(task_id, ("",))[0] or (task_id in models and models[task_id].samples
+                                                 and models[task_id] is not series):
                 continue  # learnt by this replica meanwhile
             models[task_id] = series
             learnt_here += 1

@@ -5,6 +5,8 @@ Online: :class:`OnlineFingerprinter` with :func:`changed_materially`.
 Memory across runs: :func:`task_signature` and :class:`SignatureMemory` (peaks, patterns, OOM
 floors, how far runs spread: :func:`fit_peak`, and how runs come back from a checkpoint:
 :func:`merge_restore`).
+A run in progress kept across a restart of its fingerprinter: :func:`checkpoint_of`,
+:func:`encode_checkpoint` / :func:`decode_checkpoint`, :func:`restore` (a :class:`TaskSeries`).
 CLI: :func:`fingerprint_csv` behind ``fleetpilot fingerprint SERIES.csv --at 0.25``.
 """
 
@@ -15,6 +17,17 @@ from .analysis import (
     burstiness,
     context_switch_sensitivity,
     fingerprint_series,
+)
+from .checkpoint import (
+    CHECKPOINT_SAMPLES,
+    SeriesCheckpoint,
+    TaskSeries,
+    bounded,
+    checkpoint_of,
+    decode_checkpoint,
+    encode_checkpoint,
+    envelope_anchors,
+    restore,
 )
 from .envelope import ENVELOPE_POINTS, envelope_at, merge_envelopes, run_envelope
 from .online import (
@@ -57,6 +70,15 @@ from .signature import (
 )
 
 __all__ = [
+    "CHECKPOINT_SAMPLES",
+    "SeriesCheckpoint",
+    "TaskSeries",
+    "bounded",
+    "checkpoint_of",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "envelope_anchors",
+    "restore",
     "ENVELOPE_POINTS",
     "LevelPrior",
     "FIT_MIN_RUNS",

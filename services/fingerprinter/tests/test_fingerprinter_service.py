@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 from fleetpilot.contracts import (
+    BUCKETS,
     DeadLetter,
     TaskFingerprinted,
     TaskLifecycle,
@@ -1102,3 +1103,146 @@ async def test_a_run_whose_end_was_taken_by_a_replica_that_crashed_within_its_gr
         await asyncio.sleep(2.0)
         entry = await (await bus.kv("fingerprints")).get(task_signature(submitted))
         assert entry.revision == revision and msgspec.json.decode(entry.value, type=SignatureStats).count == 1
+
+
+def stepping(t: float) -> float:
+    """A step schedule over a declared 1,000 s: 10 GB, and 4 GB more at each quarter."""
+    return 10_000.0 + 4_000.0 * min(int(t // 250.0), 3) + 30.0 * math.sin(t / 13.0)
+
+
+async def feed(bus: NatsBus, task_id: str, start: float, times) -> None:
+    for t in times:
+        await bus.publish(TaskTelemetry(task_id=task_id, node="n1", gpus=[0], at=start + float(t),
+                                        memory_used_mb=stepping(float(t)), utilization_gpu_pct=60.0 + float(t) % 7))
+
+
+async def checkpointed(bus: NatsBus, task_id: str, samples: int) -> None:
+    """Return once the ``fingerprint_series`` bucket holds ``task_id``'s run with ``samples`` samples."""
+    kv = await bus.kv("fingerprint_series")
+
+    async def held() -> bool:
+        entry = await kv.get(task_id)
+        return entry is not None and msgspec.json.decode(entry.value)["samples"] == samples
+
+    await wait_for(held, what=f"{task_id}'s run checkpointed with {samples} samples")
+
+
+@pytest.mark.parametrize("stop", ["clean", "crash"])
+async def test_a_run_in_progress_across_a_restart_of_its_replica_teaches_what_it_would_have_uninterrupted(
+    nats_server, stop,
+):
+    # A replica restarted (a rollout, a crash) began every run in progress afresh at its next
+    # sample: a series that did not begin with its run, which taught no envelope, and a fit
+    # of its end alone. Its checkpoint now carries the run across, whichever way it stopped.
+    start = now()
+    times = np.arange(0.0, 1_000.0, 10.0)
+    cut = 40  # into the second level
+    uninterrupted = msgspec.structs.replace(task("whole-1"), labels={"model": "reference"})
+    async with one_replica(nats_server.url) as (_, bus, seen):
+        await bus.publish(uninterrupted)
+        await asyncio.sleep(0.5)
+        await feed(bus, "whole-1", start, times)
+        await samples_taken(bus, seen, "sync-whole-1")
+        await bus.publish(TaskLifecycle(task_id="whole-1", state="finished", at=start + 1_000.0))
+        reference = await remembered(bus, task_signature(uninterrupted))
+
+    interrupted = task("resumed-1")
+    async with one_replica(nats_server.url, checkpoint_s=0.2 if stop == "crash" else 60.0) as (host, bus, seen):
+        await bus.publish(interrupted)
+        await asyncio.sleep(0.5)
+        await feed(bus, "resumed-1", start, times[:cut])
+        await samples_taken(bus, seen, "sync-resumed-1a")
+        if stop == "crash":
+            await checkpointed(bus, "resumed-1", cut)
+            host._stopping_hooks.clear()  # noqa: SLF001 - killed: what a clean stop writes is not written
+    async with one_replica(nats_server.url) as (_, bus, seen):
+        await feed(bus, "resumed-1", start, times[cut:])
+        await samples_taken(bus, seen, "sync-resumed-1b")
+        await bus.publish(TaskLifecycle(task_id="resumed-1", state="finished", at=start + 1_000.0))
+        taught = await remembered(bus, task_signature(interrupted))
+        # Learnt, its run's checkpoint is gone.
+        assert await wait_for(lambda: _gone(bus, "resumed-1"), what="the learnt run's checkpoint deleted")
+
+    assert len(reference.envelope_mb) == 20 and reference.envelope_mb[-1] >= 22_000, reference
+    assert msgspec.structs.replace(taught, signature="", learnt_runs=()) == msgspec.structs.replace(
+        reference, signature="", learnt_runs=())
+
+
+async def _gone(bus: NatsBus, key: str) -> bool:
+    return await (await bus.kv("fingerprint_series")).get(key) is None
+
+
+async def test_a_run_whose_end_a_crashed_replica_had_taken_is_learnt_from_its_checkpoint_with_its_envelope(
+    nats_server,
+):
+    # Learnt from the samples the server keeps (its last 5 minutes), the run was a series that
+    # did not begin with it: no envelope. Its checkpoint holds the series from its start.
+    submitted = task("crashed-2")
+    start = now()
+    async with one_replica(nats_server.url, end_grace_s=60.0, checkpoint_s=0.2) as (host, bus, seen):
+        await bus.publish(submitted)
+        await asyncio.sleep(0.5)
+        await feed(bus, "crashed-2", start, np.arange(0.0, 1_000.0, 10.0))
+        await samples_taken(bus, seen, "sync-crashed-2")
+        await checkpointed(bus, "crashed-2", 100)
+        await bus.publish(TaskLifecycle(task_id="crashed-2", state="finished", at=start + 1_000.0))
+        consumer = bus._js.consumer_info  # noqa: SLF001 - what the server says it has delivered
+
+        async def end_taken() -> bool:
+            info = await consumer("TASKS", "fingerprinter-lifecycle")
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await wait_for(end_taken, what="the run's end taken")
+        host._stopping_hooks.clear()  # noqa: SLF001 - it crashes within the run's grace
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        stats = await remembered(bus, task_signature(submitted))
+        assert stats.count == 1 and len(stats.envelope_mb) == 20, stats
+        assert stats.envelope_mb[0] < 11_000 and stats.envelope_mb[-1] > 22_000, stats
+        assert await wait_for(lambda: _gone(bus, "crashed-2"), what="the learnt run's checkpoint deleted")
+
+
+async def test_a_run_silent_past_the_forget_limit_is_not_restored_and_its_checkpoint_goes(nats_server):
+    start = now()
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        await bus.publish(task("quiet-1"))
+        await asyncio.sleep(0.5)
+        await feed(bus, "quiet-1", start, np.arange(0.0, 400.0, 10.0))
+        await samples_taken(bus, seen, "sync-quiet-1")
+    probe = await NatsBus.connect(nats_server.url, "probe")
+    assert not await _gone(probe, "quiet-1")  # written when its replica stopped
+    await probe.drain()
+    await asyncio.sleep(1.5)
+    # Started again after longer than its runs may stay silent: they would be forgotten at once.
+    async with one_replica(nats_server.url, silent_forget_s=1.0) as (host, bus, seen):
+        assert registry_of(host)("modelled") == 0
+        assert await wait_for(lambda: _gone(bus, "quiet-1"), what="the silent run's checkpoint deleted")
+
+
+def test_a_run_s_checkpoint_outlives_the_default_silence_after_which_it_would_not_be_restored():
+    # A checkpoint is written only when its run changed: one that expired while its run was
+    # silent, but not yet forgotten, would be lost to a restart in between.
+    ttl_s = next(bucket.ttl_s for bucket in BUCKETS if bucket.name == "fingerprint_series")
+    defaults = FingerprinterSettings.model_fields
+    assert ttl_s >= defaults["silent_forget_s"].default + defaults["checkpoint_s"].default
+
+
+async def test_a_replica_restores_the_runs_of_the_tasks_it_owns_whatever_count_wrote_them(nats_server):
+    # Rescaled from one replica to two: each new one takes on its own share of the runs.
+    start = now()
+    tasks = [f"share-{i}" for i in range(8)]
+    async with one_replica(nats_server.url) as (_, bus, seen):
+        for task_id in tasks:
+            await bus.publish(task(task_id))
+        await asyncio.sleep(0.5)
+        for task_id in tasks:
+            await feed(bus, task_id, start, np.arange(0.0, 100.0, 10.0))
+        await samples_taken(bus, seen, "sync-share")
+    probe = await NatsBus.connect(nats_server.url, "probe")
+    kv = await probe.kv("fingerprint_series")
+    written = {msgspec.json.decode((await kv.get(key)).value)["task_id"] for key in await kv.keys()}
+    await probe.drain()
+    assert set(tasks) <= written
+    mine = {task_id for task_id in written if partition_of(task_id, 2) == 1}
+    assert 0 < len(mine & set(tasks)) < len(tasks)  # the test shares them out
+    async with one_replica(nats_server.url, partitions=2, partition=1) as (host, bus, seen):
+        assert registry_of(host)("modelled") == len(mine)
