@@ -8,7 +8,8 @@ and ledger buckets, agreed contracts, inter-site bandwidth, the GPU catalogue):
 
 - admitted -> ``task.admitted`` with the agreed contract, stored in the ``contracts`` bucket;
 - counter-offer -> ``sla.offer.<task>``, stored with the submission as an open offer so any
-  replica can answer the reply; the client answers on ``sla.reply.<task>``: accepting an
+  replica can answer the reply (while open, its first option's GPUs are counted as taken
+  in every other negotiation); the client answers on ``sla.reply.<task>``: accepting an
   option -> ``task.admitted`` under that option's terms, declining -> ``task.rejected``
   (``offer_declined``), silence past the validity -> ``task.rejected`` (``offer_expired``);
 - rejected -> ``task.rejected`` with the negotiator's code and reason.
@@ -59,12 +60,14 @@ from fleetpilot.sla import (
     negotiate,
     task_problem,
 )
+from fleetpilot.sla import Reject as SlaReject
 from fleetpilot.sla.snapshot import (
     SnapshotCache,
     SnapshotKnobs,
     as_named_by_fleet,
     bandwidth_table,
     fleet_view,
+    offers_hold_until,
 )
 from prometheus_client import Counter
 from pydantic import Field
@@ -278,9 +281,25 @@ class Negotiator:
         now = self.clock()
         if task.gpu_models:
             task = msgspec.structs.replace(task, gpu_models=as_named_by_fleet(task.gpu_models, self.fleet_models()))
+        # Other submissions' open offers hold their first option's GPUs; a task's own (a quote
+        # while it is open, or a view that has not seen it closed) never competes with it.
+        offers = [r for r in self.store.open_offers.values() if r.task.task_id != task.task_id]
         view = fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
-                          now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots)
-        decision = negotiate(task, view, now=now, fingerprint=await self.fingerprint(task), policy=self.policy)
+                          now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots,
+                          offers=offers)
+        fingerprint = await self.fingerprint(task)
+        decision = negotiate(task, view, now=now, fingerprint=fingerprint, policy=self.policy)
+        if (isinstance(decision, SlaReject) and decision.code == "infeasible"
+                and (until := offers_hold_until(offers, self.store.admitted, now)) is not None):
+            unheld = fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
+                                now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots)
+            if not isinstance(negotiate(task, unheld, now=now, fingerprint=fingerprint, policy=self.policy),
+                              SlaReject):
+                # Only the open offers' holds leave it nothing: offering their GPUs again would
+                # promise them twice; "no pool will free" would be untrue. Say when to ask again.
+                decision = SlaReject("infeasible", "every GPU that could run it is held for open counter-offers to "
+                                   f"other submissions until {until:.0f} (at most {until - now:.0f} s): "
+                                   "submit it again then", task.task_id)
         if isinstance(decision, Admit):
             return admission(task, decision, now)
         if isinstance(decision, CounterOffer):

@@ -21,6 +21,20 @@ never frees, as the policy will place nothing there:
   Its GPUs come off that pool's free ones first, then off the earliest completions, so a
   burst of submissions is not all promised the same GPUs and a queue shows as a wait.
   (A contract is forgotten when its task ends, so nothing finished counts.)
+- open offers: a counter-offer not yet answered and not past its ``valid_until`` holds the
+  capacity of its *first* option (``held_option``) the same way, after the waiting
+  admissions: while its client thinks it over, a burst of submissions is not all offered
+  the GPU that option promises. The first option is the one most likely taken: the options
+  are ranked by the negotiator's own preference (fewest relaxed terms, then the shortest
+  wait, the lowest cost), ``fleetpilot submit --accept-offer`` and ``fleetpilot up`` accept
+  it, and the benchmark models every submitter doing so. Holding every option would take
+  up to ``max_options`` pools' GPUs for one task that will run on one of them, and push
+  every later request to waits and refusals for capacity that is free. An offer holds
+  nothing once declined, expired (by the clock, before the expiry job closes it) or
+  accepted: accepted, its task is an admission on that option's model and site, counted
+  as waiting above, and an offer whose task is already admitted is not counted again.
+  Accepting another option than the first takes capacity nothing held for it (see the
+  sla README's limits).
 - ``most_gpus_on_a_node``: the most GPUs of the pool one node has, in service or not (a
   task's GPUs are all on one node, and a GPU out of service now may be back).
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
@@ -42,8 +56,18 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from fleetpilot.contracts import BandwidthEstimate, NodeLedger, NodeTopology, TaskAdmitted, in_service
+from fleetpilot.contracts import (
+    BandwidthEstimate,
+    NodeLedger,
+    NodeTopology,
+    OfferOption,
+    SlaOffer,
+    TaskAdmitted,
+    TaskSubmitted,
+    in_service,
+)
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
 
 from .fleet import FleetView, GpuPool
@@ -176,15 +200,75 @@ def frees_in(end: float, duration: float, now: float) -> float:
     return max(now - end, OVERRUN_FLOOR * duration)
 
 
+class OpenOffer(Protocol):
+    """A counter-offer as :func:`fleet_view` reads it: the offer, the submission it answers
+    (for its GPU count) and its state (``"open"`` until answered or expired). The sla
+    service's stored ``OfferRecord`` is one; a test may pass any plain record."""
+
+    @property
+    def offer(self) -> SlaOffer:
+        """The offer made: its options and ``valid_until``."""
+        ...
+
+    @property
+    def task(self) -> TaskSubmitted:
+        """The submission the offer answers."""
+        ...
+
+    @property
+    def state(self) -> str:
+        """``open``, ``accepted``, ``declined`` or ``expired``."""
+        ...
+
+
+def held_option(offer: SlaOffer) -> OfferOption | None:
+    """The option whose capacity an open offer holds for its client: the first (see the
+    module docstring), when it names a model and a site; ``None`` when it names no pool."""
+    if not offer.options:
+        return None
+    first = offer.options[0]
+    return first if first.gpu_model and first.site else None
+
+
+def _held_by_offers(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted],
+                    now: float) -> dict[tuple[str, str], int]:
+    """GPUs per (site, model) that open offers hold (their first option's) at ``now``."""
+    held: dict[tuple[str, str], int] = defaultdict(int)
+    for record in offers:
+        offer = record.offer
+        # Past valid_until a reply gets ``offer_expired`` whether or not the expiry job has
+        # closed it yet; an admitted task is counted as waiting (or in the ledger) already.
+        if record.state != "open" or now > offer.valid_until or record.task.task_id in admitted:
+            continue
+        option = held_option(offer)
+        if option is not None:
+            held[(option.site, option.gpu_model)] += max(record.task.gpus, 1)
+    return held
+
+
+def offers_hold_until(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted], now: float) -> float | None:
+    """When the last of the open offers that hold GPUs at ``now`` lapses unless accepted (its
+    ``valid_until``); ``None`` when none holds any.
+
+    The sla service names it when the holds alone leave a submission nothing: every GPU
+    that could run it is promised to another client for now, which is no lasting
+    infeasibility, so the refusal says when to ask again instead of "no pool will free"."""
+    holding = [record.offer.valid_until for record in offers if _held_by_offers([record], admitted, now)]
+    return max(holding) if holding else None
+
+
 def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                admitted: Mapping[str, TaskAdmitted], *, now: float,
                bandwidth_gbps: Mapping[tuple[str, str], float] | None = None,
-               knobs: SnapshotKnobs | None = None, cache: SnapshotCache | None = None) -> FleetView:
+               knobs: SnapshotKnobs | None = None, cache: SnapshotCache | None = None,
+               offers: Iterable[OpenOffer] = ()) -> FleetView:
     """The fleet as the negotiator sees it at ``now`` (see the module docstring).
 
     ``admitted`` maps task ids to their agreed admission (tier and expected duration of
     the holders); ``bandwidth_gbps`` is in GB/s, e.g. from :func:`bandwidth_table`. With a
     ``cache`` (kept between calls), nodes unchanged since the last call are not counted again.
+    ``offers`` are the counter-offers made to other submissions: each still open holds its
+    first option's GPUs (:func:`held_option`), as an admission waiting for them would.
     """
     knobs = knobs or SnapshotKnobs()
     holds = {ledger.node: ledger.allocations for ledger in ledgers}
@@ -207,6 +291,8 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         if adm.task.task_id in holding or contract.site is None or len(contract.gpu_models) != 1:
             continue
         waiting[(contract.site, contract.gpu_models[0])] += max(adm.task.gpus, 1)
+    for pool, gpus in _held_by_offers(offers, admitted, now).items():
+        waiting[pool] += gpus
     pools = []
     for (site, model), tally in sorted(tallies.items()):
         price, compute, _ = _catalogue_terms(model, knobs)

@@ -180,15 +180,20 @@ async def rig(nats_url, tmp_path):
         yield r
 
 
+async def hold_gpus(rig: Rig, node: str, task_id: str, gpus: list[int], memory_mb: int, free_in_s: float) -> None:
+    """``gpus`` of ``node`` held by the standard task ``task_id``, expected to end in ``free_in_s``."""
+    now = rig.clock()
+    run = TaskSubmitted(task_id=task_id, tenant="other", gpus=len(gpus), expected_duration_s=free_in_s)
+    await (await rig.bus.kv("contracts")).put(contract_key(task_id), encode(TaskAdmitted(
+        task=run, contract=Contract(tier="standard"), tenant="other", admitted_at=now)))
+    await (await rig.bus.kv("ledger")).put(node_key(node), encode(NodeLedger(node=node, allocations=[
+        Allocation(task_id=task_id, decision_id=f"{task_id}.assign", gpu=i, milli=1000, memory_mb=memory_mb, at=now)
+        for i in gpus])))
+
+
 async def fill_h100(rig: Rig, free_in_s: float) -> None:
     """Both H100s held by a standard task that is expected to end in ``free_in_s``."""
-    now = rig.clock()
-    busy = TaskSubmitted(task_id="busy", tenant="other", gpus=2, expected_duration_s=free_in_s)
-    await (await rig.bus.kv("contracts")).put(contract_key("busy"), encode(TaskAdmitted(
-        task=busy, contract=Contract(tier="standard"), tenant="other", admitted_at=now)))
-    await (await rig.bus.kv("ledger")).put(node_key("h100-00"), encode(NodeLedger(node="h100-00", allocations=[
-        Allocation(task_id="busy", decision_id="busy.assign", gpu=i, milli=1000, memory_mb=80_000, at=now)
-        for i in range(2)])))
+    await hold_gpus(rig, "h100-00", "busy", [0, 1], 80_000, free_in_s)
 
 
 def h100_only(task_id: str) -> TaskSubmitted:
@@ -382,6 +387,71 @@ async def test_offer_survives_a_restart_of_the_service(rig):
                              option_id=option.option_id), rig.token("acme"))
     adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-restart")
     assert adm.contract.offer_id == offer.offer_id and adm.task.gpu_models == [option.gpu_model]
+
+
+async def hold_one_a100(rig: Rig, free_in_s: float) -> None:
+    """The first A100 held by a standard task expected to end in ``free_in_s``: one A100 free."""
+    await hold_gpus(rig, "a100-00", "a-run", [0], 30_000, free_in_s)
+
+
+def one_h100_soon(task_id: str) -> TaskSubmitted:
+    """One H100 within 5 s: offered the free A100 now first, then an H100 when ``fill_h100`` ends."""
+    return TaskSubmitted(task_id=task_id, kind="train", gpus=1, gpu_memory_mb=20_000, gpu_models=["H100"],
+                         sla=SlaRequest(tier="standard", max_queue_s=5))
+
+
+def first_option(offer: SlaOffer) -> tuple[str | None, float]:
+    return offer.options[0].gpu_model, offer.options[0].expected_queue_s
+
+
+async def test_a_burst_is_not_offered_the_one_free_gpu_twice_while_an_offer_is_open(rig):
+    """Two submissions in a burst, one free GPU: both were offered "A100 now", the first to
+    accept took it, and the other accepted a start that could no longer be met. The open
+    offer now holds its first option's GPU until it is answered or expires."""
+    await fill_h100(rig, free_in_s=120)
+    await hold_one_a100(rig, free_in_s=300)
+    await rig.start_sla()
+    for task_id in ("t-burst-1", "t-burst-2"):
+        await rig.submit(one_h100_soon(task_id), rig.token("acme"))
+    first: SlaOffer = await rig.recorder.wait("sla.offer.t-burst-1", "t-burst-1")
+    second: SlaOffer = await rig.recorder.wait("sla.offer.t-burst-2", "t-burst-2")
+    assert first_option(first) == ("A100-40GB", 0)
+    # Not the same GPU now: the H100 when it frees, or the A100 when its busy one does.
+    assert all(o.expected_queue_s > 0 for o in second.options), second.options
+    assert 270 <= next(o for o in second.options if o.gpu_model == "A100-40GB").expected_queue_s <= 300
+
+    # Declined: the GPU it held is offered again.
+    await rig.reply(SlaReply(offer_id=first.offer_id, task_id="t-burst-1", accept=False), rig.token("acme"))
+    assert (await rig.recorder.wait("task.rejected", "t-burst-1")).code == "offer_declined"
+    await rig.submit(one_h100_soon("t-burst-3"), rig.token("acme"))
+    third: SlaOffer = await rig.recorder.wait("sla.offer.t-burst-3", "t-burst-3")
+    assert first_option(third) == ("A100-40GB", 0)
+
+    # Accepted: the admission waits for that GPU and is counted once, as waiting. Counted
+    # twice, the busy A100's completion would be taken too and no A100 offered at all.
+    await rig.reply(SlaReply(offer_id=third.offer_id, task_id="t-burst-3", accept=True,
+                             option_id=third.options[0].option_id), rig.token("acme"))
+    await rig.recorder.wait("task.admitted", "t-burst-3")
+    await rig.submit(one_h100_soon("t-burst-4"), rig.token("acme"))
+    fourth: SlaOffer = await rig.recorder.wait("sla.offer.t-burst-4", "t-burst-4")
+    assert all(o.expected_queue_s > 0 for o in fourth.options), fourth.options
+    assert 270 <= next(o for o in fourth.options if o.gpu_model == "A100-40GB").expected_queue_s <= 300
+
+
+async def test_a_submission_left_nothing_but_held_gpus_is_told_when_to_ask_again(rig):
+    """The first two of a burst hold every GPU that could run the third (two A100s now, the
+    two H100s when they free): it is refused with when the holds lapse, not offered them again
+    nor told that no pool will ever free enough GPUs."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    for task_id in ("t-held-1", "t-held-2", "t-held-3"):
+        await rig.submit(h100_only(task_id), rig.token("acme"))
+    first: SlaOffer = await rig.recorder.wait("sla.offer.t-held-1", "t-held-1")
+    second: SlaOffer = await rig.recorder.wait("sla.offer.t-held-2", "t-held-2")
+    assert first_option(first) == ("A100-40GB", 0) and first_option(second)[0] == "H100"
+    refused: TaskRejected = await rig.recorder.wait("task.rejected", "t-held-3")
+    assert refused.code == "infeasible" and "held for open counter-offers" in refused.reason
+    assert f"until {second.valid_until:.0f}" in refused.reason
 
 
 # (c) ------------------------------------------------------------------------------------
@@ -626,8 +696,10 @@ async def test_declined_and_expired_offers_leave_the_bucket_after_their_keep_tim
     await fill_h100(rig, free_in_s=120)
     await rig.start_sla(closed_offer_keep_s=3600.0)
     offers = {}
+    # One GPU each: three two-GPU asks in a row would find the third refused, every GPU held
+    # for the first two's open offers.
     for task_id in ("t-declined", "t-silent", "t-taken"):
-        await rig.submit(h100_only(task_id), rig.token("acme"))
+        await rig.submit(one_h100_soon(task_id), rig.token("acme"))
         offers[task_id] = await rig.recorder.wait(f"sla.offer.{task_id}", task_id)
     await rig.reply(SlaReply(offer_id=offers["t-declined"].offer_id, task_id="t-declined", accept=False),
                     rig.token("acme"))

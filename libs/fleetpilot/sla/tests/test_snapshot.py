@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import msgspec
 import pytest
 from fleetpilot.contracts import (
     Allocation,
@@ -10,10 +13,19 @@ from fleetpilot.contracts import (
     GpuInfo,
     NodeLedger,
     NodeTopology,
+    SlaOffer,
+    SlaRequest,
     TaskAdmitted,
     TaskSubmitted,
 )
-from fleetpilot.sla.snapshot import SnapshotKnobs, as_named_by_fleet, bandwidth_table, fleet_view
+from fleetpilot.sla import CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
+from fleetpilot.sla.snapshot import (
+    SnapshotKnobs,
+    as_named_by_fleet,
+    bandwidth_table,
+    fleet_view,
+    offers_hold_until,
+)
 
 NOW = 10_000.0
 
@@ -198,3 +210,110 @@ def test_a_run_past_its_expected_end_is_not_promised_as_freeing_now():
     contracts = {**CONTRACTS, "late": admitted("late", "standard", 100.0), "just": admitted("just", "standard", 100.0)}
     (pool,) = fleet_view([NODE], [ledger], contracts, now=NOW).pools
     assert pool.completions == ((10.0, 1), (30.0, 1), (60.0, 1))
+
+
+# Open counter-offers ------------------------------------------------------------------------
+# Two A100-40GB at s1, one of them busy for 300 s more; two H100 at s2, both busy for 120 s
+# more. A task asking one H100 within 5 s cannot have it: it is offered the free A100 now
+# (one relaxed term, no wait) first, then the H100 in 120 s.
+
+BURST_NODES = [
+    NodeTopology(node="a", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960) for i in range(2)]),
+    NodeTopology(node="h", site="s2", gpus=[GpuInfo(index=i, model="H100", memory_mb=81_920) for i in range(2)]),
+]
+BURST_LEDGERS = [NodeLedger(node="a", allocations=[hold("a-run", 0, at=NOW)]),
+                 NodeLedger(node="h", allocations=[hold("h-run", 0, at=NOW), hold("h-run", 1, at=NOW)])]
+BURST_CONTRACTS = {"a-run": admitted("a-run", "standard", 300.0), "h-run": admitted("h-run", "standard", 120.0)}
+
+
+@dataclass(frozen=True)
+class Offered:
+    """A counter-offer as the sla service stores it (``OfferRecord``), as a plain record."""
+
+    offer: SlaOffer
+    task: TaskSubmitted
+    state: str = "open"
+
+
+def h100_soon(task_id: str) -> TaskSubmitted:
+    return TaskSubmitted(task_id=task_id, gpus=1, gpu_memory_mb=20_000, gpu_models=["H100"],
+                         sla=SlaRequest(tier="standard", max_queue_s=5))
+
+
+def burst_view(offers=(), contracts=BURST_CONTRACTS, now=NOW):
+    return fleet_view(BURST_NODES, BURST_LEDGERS, contracts, now=now, offers=offers)
+
+
+def offered(task: TaskSubmitted, offers=(), now=NOW) -> Offered:
+    """Negotiate ``task`` against the burst fleet with ``offers`` open; its offer, as stored."""
+    counter = negotiate(task, burst_view(offers, now=now), now=now, policy=NegotiationPolicy(offer_ttl_s=30))
+    assert isinstance(counter, CounterOffer), counter
+    return Offered(offer=OfferBook(clock=lambda: now).open(task, counter), task=task)
+
+
+def pools(view) -> dict[str, object]:
+    return {p.gpu_model: p for p in view.pools}
+
+
+def test_a_burst_is_not_offered_the_gpu_an_open_offer_holds():
+    first = offered(h100_soon("first"))
+    assert [(o.gpu_model, o.expected_queue_s) for o in first.offer.options] == [("A100-40GB", 0), ("H100", 120)]
+    # The second, a moment later while the first's client thinks: the free A100 is held for
+    # the first; its next chance there is when the busy A100 frees, in 300 s.
+    second = offered(h100_soon("second"), [first], now=NOW + 1)
+    assert [(o.gpu_model, o.expected_queue_s) for o in second.offer.options] == [("H100", 119), ("A100-40GB", 299)]
+    # Its first option, a wait, holds the earliest completion: a third has the other H100
+    # then, and nothing of the A100 pool before the busy one frees.
+    view = burst_view([first, second], now=NOW + 2)
+    assert pools(view)["H100"].completions == ((118.0, 1),)
+    assert (pools(view)["A100-40GB"].free_gpus, pools(view)["A100-40GB"].completions) == (0, ((298.0, 1),))
+
+
+def test_an_offer_holds_its_first_option_only():
+    first = offered(h100_soon("first"))
+    view = burst_view([first])
+    assert pools(view)["A100-40GB"].free_gpus == 0
+    assert pools(view)["H100"].completions == ((120.0, 2),)  # its second option holds nothing
+
+
+@pytest.mark.parametrize("how", ["declined", "expired", "past_valid_until"])
+def test_a_declined_or_expired_offer_holds_nothing(how):
+    first = offered(h100_soon("first"))
+    now = NOW
+    if how == "past_valid_until":  # not closed yet by the expiry job, but a reply would be refused
+        now = first.offer.valid_until + 0.001
+    else:
+        first = Offered(offer=first.offer, task=first.task, state=how)
+    view = burst_view([first], now=now)
+    assert pools(view)["A100-40GB"].free_gpus == 1
+    again = negotiate(h100_soon("next"), view, now=now)
+    assert isinstance(again, CounterOffer) and (again.options[0].gpu_model, again.options[0].expected_queue_s) == (
+        "A100-40GB", 0)
+
+
+def test_an_open_offer_holds_until_its_valid_until():
+    first = offered(h100_soon("first"))
+    assert pools(burst_view([first], now=first.offer.valid_until))["A100-40GB"].free_gpus == 0
+
+
+def test_an_accepted_offer_is_counted_once_as_the_admission_it_became():
+    first = offered(h100_soon("first"))
+    # The admission the acceptance of o1 makes, pinned to the option's model and site.
+    option = first.offer.options[0]
+    contract = contract_for(first.task, option, first.offer.offer_id)
+    accepted = TaskAdmitted(task=msgspec.structs.replace(first.task, gpu_models=[option.gpu_model]),
+                            contract=contract, tenant="t", admitted_at=NOW)
+    contracts = {**BURST_CONTRACTS, "first": accepted}
+    # Whether a replica's view still has the offer open (the contract seen first) or closed.
+    for record in (first, Offered(offer=first.offer, task=first.task, state="accepted")):
+        a100 = pools(burst_view([record], contracts))["A100-40GB"]
+        assert (a100.free_gpus, a100.completions) == (0, ((300.0, 1),)), record.state
+
+
+def test_when_the_holds_lapse_is_the_last_holding_offers_valid_until():
+    first = offered(h100_soon("first"))
+    second = offered(h100_soon("second"), [first], now=NOW + 1)
+    assert offers_hold_until([first, second], BURST_CONTRACTS, NOW + 2) == second.offer.valid_until == NOW + 31
+    declined = Offered(offer=second.offer, task=second.task, state="declined")
+    assert offers_hold_until([first, declined], BURST_CONTRACTS, NOW + 2) == first.offer.valid_until
+    assert offers_hold_until([first, second], BURST_CONTRACTS, NOW + 40) is None  # both past valid_until
