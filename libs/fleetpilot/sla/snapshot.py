@@ -230,18 +230,21 @@ def held_option(offer: SlaOffer) -> OfferOption | None:
     return first if first.gpu_model and first.site else None
 
 
+def _holding(record: OpenOffer, admitted: Mapping[str, TaskAdmitted], now: float) -> OfferOption | None:
+    """The option whose GPUs ``record`` holds at ``now`` (its first), ``None`` if it holds none."""
+    # Past valid_until a reply gets ``offer_expired`` whether or not the expiry job has
+    # closed it yet; an admitted task is counted as waiting (or in the ledger) already.
+    if record.state != "open" or now > record.offer.valid_until or record.task.task_id in admitted:
+        return None
+    return held_option(record.offer)
+
+
 def _held_by_offers(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted],
                     now: float) -> dict[tuple[str, str], int]:
     """GPUs per (site, model) that open offers hold (their first option's) at ``now``."""
     held: dict[tuple[str, str], int] = defaultdict(int)
     for record in offers:
-        offer = record.offer
-        # Past valid_until a reply gets ``offer_expired`` whether or not the expiry job has
-        # closed it yet; an admitted task is counted as waiting (or in the ledger) already.
-        if record.state != "open" or now > offer.valid_until or record.task.task_id in admitted:
-            continue
-        option = held_option(offer)
-        if option is not None:
+        if (option := _holding(record, admitted, now)) is not None:
             held[(option.site, option.gpu_model)] += max(record.task.gpus, 1)
     return held
 
@@ -253,7 +256,7 @@ def offers_hold_until(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAd
     The sla service names it when the holds alone leave a submission nothing: every GPU
     that could run it is promised to another client for now, which is no lasting
     infeasibility, so the refusal says when to ask again instead of "no pool will free"."""
-    holding = [record.offer.valid_until for record in offers if _held_by_offers([record], admitted, now)]
+    holding = [record.offer.valid_until for record in offers if _holding(record, admitted, now) is not None]
     return max(holding) if holding else None
 
 
