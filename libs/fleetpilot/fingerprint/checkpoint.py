@@ -47,7 +47,7 @@ import msgspec
 from fleetpilot.contracts import Fingerprint
 
 from .envelope import ENVELOPE_POINTS
-from .online import MAX_HELD_SAMPLES, OnlineFingerprinter
+from .online import MAX_HELD_SAMPLES, HeldSeries, OnlineFingerprinter
 
 CHECKPOINT_SAMPLES = 2_000
 """The most samples a checkpoint keeps (about 50 kB as JSON): every in-progress run of a
@@ -112,15 +112,16 @@ def checkpoint_of(task_id: str, model: TaskSeries, *, now_wall: float, now_monot
     reading ``now_monotonic`` then), whole: copies of its series, so that the model may go on
     taking samples while the copy is bounded (``bounded``) and encoded elsewhere. ``stopped``:
     (MB per GPU held when last stopped, when), while its restore is not counted yet."""
-    coloc = model._coloc  # noqa: SLF001 - the model's own state, this module's to keep
+    held = model.held_series()
+    coloc = held.colocated
     return SeriesCheckpoint(
         task_id=task_id, written_wall=now_wall, heard_wall=now_wall - max(now_monotonic - model.heard_at, 0.0),
         signature=model.signature, expected_duration_s=model.expected_duration_s, from_start=model.from_start,
-        started_at=model._start, latest_at=_finite(model.latest_at), samples=model.samples,  # noqa: SLF001
-        t_s=tuple(model._t), used_mb=tuple(model._mb), utilisation=tuple(model._util),  # noqa: SLF001
+        started_at=held.started_at, latest_at=_finite(model.latest_at), samples=held.added,
+        t_s=held.t_s, used_mb=held.used_mb, utilisation=held.utilisation,
         colocated=tuple(None if math.isnan(c) else c for c in coloc) if any(not math.isnan(c) for c in coloc)
         else (),
-        fitted_at=model._fitted_at, published=model._published,  # noqa: SLF001
+        fitted_at=held.fitted_at, published=held.published,
         peak_before_mb=peak_before_mb, last_stop=last_stop, last_start=last_start,
         stopped_mb=stopped[0] if stopped else None, stopped_at=stopped[1] if stopped else None)
 
@@ -221,9 +222,7 @@ def restore(checkpoint: SeriesCheckpoint, *, now_wall: float, now_monotonic: flo
                        max_samples=MAX_HELD_SAMPLES,
                        latest_at=checkpoint.latest_at if checkpoint.latest_at is not None else -math.inf,
                        heard_at=now_monotonic - max(now_wall - checkpoint.heard_wall, 0.0))
-    model._t, model._mb, model._util = list(t), list(mb), list(util)  # noqa: SLF001
-    model._coloc = [math.nan if c is None else float(c) for c in coloc]  # noqa: SLF001
-    model._added = checkpoint.samples  # noqa: SLF001
-    model._fitted_at = min(checkpoint.fitted_at, len(t))  # noqa: SLF001
-    model._published = model._current = checkpoint.published  # noqa: SLF001
+    model.resume(HeldSeries(checkpoint.started_at, t, mb, util,
+                             tuple(math.nan if c is None else float(c) for c in coloc),
+                             checkpoint.samples, checkpoint.fitted_at, checkpoint.published))
     return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -29,6 +30,23 @@ TRUST_CONFIDENCE = 0.6
 # Python lists) and refit on all of them; past this, pairs of samples are thinned to the
 # higher of the two (peaks survive, and a fit leans to the safe side).
 MAX_HELD_SAMPLES = 20_000
+
+
+class HeldSeries(NamedTuple):
+    """What an :class:`OnlineFingerprinter` holds of its run (copies), for another to go on
+    with it (:meth:`OnlineFingerprinter.resume`): the run's start on the samples' clock, the
+    samples its fits read (seconds since that start, MB), the utilisation and co-location
+    readings (NaN: not reported), how many samples were added in all, at how many held
+    samples it last fitted, and the fingerprint it last returned."""
+
+    started_at: float | None
+    t_s: tuple[float, ...]
+    used_mb: tuple[float, ...]
+    utilisation: tuple[float, ...]
+    colocated: tuple[float, ...]
+    added: int
+    fitted_at: int
+    published: Fingerprint | None
 
 
 def trusted(fp: Fingerprint) -> bool:
@@ -132,6 +150,21 @@ class OnlineFingerprinter:
     def last_mb(self) -> float:
         """What the latest sample showed (0 before the first)."""
         return self._mb[-1] if self._mb else 0.0
+
+    def held_series(self) -> HeldSeries:
+        """A copy of the run as this model holds it: it may go on taking samples meanwhile."""
+        return HeldSeries(self._start, tuple(self._t), tuple(self._mb), tuple(self._util), tuple(self._coloc),
+                          self._added, self._fitted_at, self._published)
+
+    def resume(self, held: HeldSeries) -> None:
+        """Go on with the run ``held`` describes (another model's, or a checkpoint's), as that
+        model would: its next sample, refit and publication are the ones it would have made."""
+        self._start = held.started_at
+        self._t, self._mb = list(held.t_s), list(held.used_mb)
+        self._util, self._coloc = list(held.utilisation), list(held.colocated)
+        self._added = held.added
+        self._fitted_at = min(held.fitted_at, len(self._t))
+        self._published = self._current = held.published
 
     def refits_or_thins_on_next_add(self) -> bool:
         """Whether the next :meth:`add` refits or thins the series (milliseconds to tens of
