@@ -286,6 +286,18 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         """``call(*args, **kwargs)`` on the fitting thread."""
         return await asyncio.get_running_loop().run_in_executor(fits, partial(call, *args, **kwargs))
 
+    async def add_sample(task_id: str, model: TaskSeries, at: float, used_mb: float,
+                         utilisation: float) -> Fingerprint | None:
+        """``model.add`` of one sample: on the fitting thread when it refits or thins (the task
+        is in ``fitting`` meanwhile, so that no checkpoint copies a series being changed)."""
+        if not model.refits_or_thins_on_next_add():
+            return model.add(at, used_mb, utilisation=utilisation)
+        fitting.add(task_id)
+        try:
+            return await off_loop(model.add, at, used_mb, utilisation=utilisation)
+        finally:
+            fitting.discard(task_id)
+
     def keep_newest(cache: OrderedDict, key: str, value) -> None:
         """``value`` as the newest entry of ``cache``, the oldest dropped past the task cap."""
         cache[key] = value
@@ -527,14 +539,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             await fold_into(signature, lambda stats: merge_restore(stats, stopped_mb, per_gpu))
         model = model_for(sample.task_id)
         model.latest_at = max(model.latest_at, sample.at)
-        if model.refits_or_thins_on_next_add():
-            fitting.add(sample.task_id)  # its series changes on the fitting thread: not copied meanwhile
-            try:
-                fp = await off_loop(model.add, sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
-            finally:
-                fitting.discard(sample.task_id)
-        else:
-            fp = model.add(sample.at, per_gpu, utilisation=sample.utilization_gpu_pct)
+        fp = await add_sample(sample.task_id, model, sample.at, per_gpu, sample.utilization_gpu_pct)
         if fp is None:
             return None
         if model.signature:
@@ -949,14 +954,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 if refusal(sample) is None and series.latest_at < sample.at and not after_end:
                     series.latest_at = sample.at
                     reading = (sample.at, sample.memory_used_mb / max(len(sample.gpus), 1))
-                    if series.refits_or_thins_on_next_add():
-                        fitting.add(task_id)
-                        try:
-                            await off_loop(series.add, *reading, utilisation=sample.utilization_gpu_pct)
-                        finally:
-                            fitting.discard(task_id)
-                    else:
-                        series.add(*reading, utilisation=sample.utilization_gpu_pct)
+                    await add_sample(task_id, series, *reading, sample.utilization_gpu_pct)
             if ended.get(task_id, ("",))[0] or (task_id in models and models[task_id].samples
                                                  and models[task_id] is not series):
                 continue  # learnt by this replica meanwhile
