@@ -363,6 +363,17 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
     async def heartbeat() -> None:
         await publish_topology(host.bus)  # type: ignore[arg-type]
 
+    close_reader = getattr(reader, "close", None)  # NvmlReader's; the simulator holds nothing
+    if nvml is not None and close_reader is not None:
+        @host.on_shutdown
+        async def close_nvml() -> None:
+            """Stop the PCIe counter thread and shut NVML down, through the watchdog: behind a
+            read that hung, closing would hang too (NVML's global lock), so it is skipped."""
+            try:
+                await nvml.call("close", close_reader)
+            except NvmlHung:
+                log.warning("NVML not shut down: a read is still hung; the process exits without it")
+
     if hardware is not None:
         @host.endpoint("control", "sim.control", SimCommand)
         async def control(cmd: SimCommand) -> SimAck:

@@ -247,6 +247,31 @@ async def test_nvml_source_publishes_the_same_schema(nats_server, client):
         await host.stop()
 
 
+async def test_stopping_the_collector_stops_the_pcie_thread_and_shuts_nvml_down(nats_server, client):
+    """A collector that stopped left NVML initialised and the PCIe counter thread polling
+    (a daemon: it died only with the process, so a collector stopped in-process, as in
+    ``fleetpilot up``, kept reading the GPUs every 17 ms)."""
+    import threading
+
+    from fleetpilot.fleet.fake_nvml import FakeGpu, FakeNvml
+    from fleetpilot.fleet.nvml_reader import NvmlReader
+
+    fake = FakeNvml([FakeGpu(uuid="GPU-0", pcie_tx_bytes=0, pcie_rx_bytes=0, pcie_counter_bits=32)])
+    reader = NvmlReader(fake, node="gpu-node-1", root="/nonexistent-root")
+    seen = Recorder()
+    await seen.attach(client)
+    host = build(settings(nats_server.url, source="nvml", interval_s=0.05), reader=reader)
+    await host.start()
+    try:
+        await wait_for(lambda: len(seen.telemetry.get("gpu-node-1", [])) >= 2)
+        pollers = [t for t in threading.enumerate() if t.name == "pcie-counters"]
+        assert pollers and reader.pcie_poll_s is not None  # 32-bit counters: polled on a thread
+    finally:
+        await host.stop()
+    assert not fake.initialised
+    assert not any(t.is_alive() for t in pollers)
+
+
 async def test_the_node_s_heartbeat_goes_on_while_every_sample_fails(nats_server, client):
     """The topology re-sent is the node's heartbeat: a reading that fails every tick must not
     make a node whose collector runs look silent (then unreachable, its tasks given up)."""
