@@ -8,7 +8,7 @@ calibrating it needs real outcomes from the feedback store.
 
 Features over a window of :class:`~fleetpilot.contracts.GpuSample`. Cumulative hardware
 counters count their growth over the window (:func:`counter_increments`): a reading that dips
-and comes back is no growth, and a counter that restarted from zero counts from there; a
+or jumps and comes back is no growth, and a counter that restarted from zero counts from there; a
 field the collector could not read (named under the sample's ``nvml_unsupported`` label,
 sent as 0; every field but the XID count of a GPU NVML could not open, ``nvml_error``) is left
 out of that sample. Rates are per hour over the window's span, but over at least
@@ -48,6 +48,7 @@ independent signs of decay together.
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -190,12 +191,16 @@ def counter_increments(values: Sequence[int]) -> list[int]:
 
     Counters go down for two reasons that are no sign of decay, and neither may read as
     growth. A reading that dips and comes back (a field left out and decoded as 0, a garbage
-    value) is skipped: only growth above the highest reading so far counts. A counter that
+    value) is skipped: only growth above the highest reading so far counts. A reading that
+    jumps and comes back (a garbage value above the count) counts only as far as the
+    readings after it allow: a counter that never goes down cannot have read more than a
+    later reading that is still at or above where it rose from. A counter that
     restarted from zero (a driver reload, a collector restart) and never comes back up to
     its old high within the readings counts again from where it restarted; one that does
     come back counts only past its old high (an undercount, never a false alarm). The window
     starts from the median of its first three readings, so that one bad oldest reading does
-    not become the baseline that everything after it grows from.
+    not become the baseline that everything after it grows from. The newest reading has no
+    reading after it: a jump there counts until the next reading says otherwise.
     """
     if len(values) < 2:
         return [0] * len(values)
@@ -209,8 +214,16 @@ def counter_increments(values: Sequence[int]) -> list[int]:
     later_high = list(values)
     for i in range(len(values) - 2, -1, -1):
         later_high[i] = max(values[i], later_high[i + 1])
+    later = sorted(values[1:])  # the readings after the current one, in order of value
     for i in range(1, len(values)):
         value = values[i]
+        del later[bisect.bisect_left(later, value)]
+        if value > high:
+            # The lowest later reading at or above where it rose from bounds the rise: one
+            # jump that comes back is no growth, however high it read.
+            bound = bisect.bisect_left(later, high)
+            if bound < len(later) and later[bound] < value:
+                value = later[bound]
         if value > high:
             grown[i] = min(value - high, _MAX_GROWTH)
             high = value

@@ -44,6 +44,37 @@ def test_an_unlabelled_dip_to_zero_is_no_sign_of_decay(at: int) -> None:
     assert not HealthModel().assess(window).maintenance_pending
 
 
+@pytest.mark.parametrize("at", [1, 30, 59])
+def test_a_one_reading_jump_that_comes_back_is_no_sign_of_decay(at: int) -> None:
+    # A garbage value above the count for one reading (a bit flip on the wire, a driver bug):
+    # before, the jump counted as growth for the whole window, then the way back as a reset.
+    window = worn_window()
+    window[at] = msgspec.structs.replace(window[at], ecc_corrected=2**31, ecc_uncorrected=7, retired_pages=2**20,
+                                         pcie_replays=10**9, xid_count=500, xid_last=48)
+    assessment = HealthModel().assess(window)
+    clean = msgspec.structs.asdict(features_of(worn_window()))
+    assert msgspec.structs.asdict(assessment.features) == pytest.approx(clean, abs=1e-9)
+    assert not assessment.maintenance_pending
+
+
+def test_a_jump_counts_only_as_far_as_the_readings_after_it_allow() -> None:
+    # 5000 -> garbage -> 5040 -> 5100: the counter grew by 100, not by the garbage.
+    window = worn_window()
+    window[30] = msgspec.structs.replace(window[30], ecc_corrected=10**9)
+    window[31:] = [msgspec.structs.replace(s, ecc_corrected=5040) for s in window[31:]]
+    window[-1] = msgspec.structs.replace(window[-1], ecc_corrected=5100)
+    assert features_of(window).ecc_corrected == pytest.approx(math.log1p(100 / 2.0))
+
+
+def test_a_jump_then_a_restart_from_zero_counts_the_growth_after_the_restart() -> None:
+    # A garbage reading, the count back, then the collector restarted and saw two DBEs.
+    window = worn_window()
+    window[20] = msgspec.structs.replace(window[20], xid_count=10**6, xid_last=48)
+    window[40:] = [msgspec.structs.replace(s, xid_count=0) for s in window[40:]]
+    window[-1] = msgspec.structs.replace(window[-1], xid_count=2, xid_last=48)
+    assert features_of(window).xid == 2.0
+
+
 def test_a_counter_restarted_from_zero_counts_what_came_after() -> None:
     # The collector restarted (its XID count starts again) and then saw two DBEs.
     window = worn_window()
@@ -126,3 +157,23 @@ def test_the_tasks_to_migrate_off_a_gpu_that_fell_off_the_bus_are_those_it_last_
     assessment = HealthModel().assess(window)
     assert assessment.maintenance_pending
     assert assessment.tasks_to_migrate == ["train-a"]
+
+
+def test_garbage_readings_anywhere_but_the_newest_never_add_growth() -> None:
+    # A counter that only grows, some of its readings replaced by garbage (zero, far above,
+    # double, half): what is counted never exceeds what it really grew since the window's
+    # baseline (its second reading, the median of the first three when they are clean).
+    import random
+
+    from fleetpilot.maintenance.health import counter_increments
+
+    for seed in range(2000):
+        rng = random.Random(seed)
+        count, true = rng.randint(0, 10**6), []
+        for _ in range(rng.randint(5, 80)):
+            count += rng.choice([0, 0, 0, 1, 5, 100])
+            true.append(count)
+        read = list(true)
+        for i in rng.sample(range(3, len(read) - 1), k=min(rng.randint(1, 4), len(read) - 4)):
+            read[i] = rng.choice([0, rng.randint(0, 2**40), read[i] * 2 + 1, read[i] // 2])
+        assert sum(counter_increments(read)) <= true[-1] - true[1], (seed, read)
