@@ -10,8 +10,10 @@ and ledger buckets, agreed contracts, inter-site bandwidth, the GPU catalogue):
 - counter-offer -> ``sla.offer.<task>``, stored with the submission as an open offer so any
   replica can answer the reply (while open, its first option's GPUs are counted as taken
   in every other negotiation); the client answers on ``sla.reply.<task>``: accepting an
-  option -> ``task.admitted`` under that option's terms, declining -> ``task.rejected``
-  (``offer_declined``), silence past the validity -> ``task.rejected`` (``offer_expired``);
+  option -> ``task.admitted`` under that option's terms (``task.rejected``, ``infeasible``,
+  when the fleet can no longer meet them: only the first option is held), declining ->
+  ``task.rejected`` (``offer_declined``), silence past the validity -> ``task.rejected``
+  (``offer_expired``);
 - rejected -> ``task.rejected`` with the negotiator's code and reason.
 
 The policy places by ``task.gpu_models`` only, so the agreed model is written into the
@@ -54,10 +56,12 @@ from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, Servic
 from fleetpilot.sla import (
     Admit,
     CounterOffer,
+    FleetView,
     NegotiationPolicy,
     OfferBook,
     contract_for,
     negotiate,
+    option_lapsed,
     task_problem,
 )
 from fleetpilot.sla import Reject as SlaReject
@@ -219,13 +223,16 @@ def admission(task: TaskSubmitted, admit: Admit, at: float) -> TaskAdmitted:
     return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=at)
 
 
-def settle_reply(record: OfferRecord, reply: SlaReply, at: float) -> TaskAdmitted | TaskRejected:
+def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *,
+                 lapsed: str | None = None) -> TaskAdmitted | TaskRejected:
     """The outcome of the client's reply to an open offer (mirrors ``OfferBook.reply``).
 
     Accepting admits under the option's terms (``contract_for``) with the task pinned to the
-    option's GPU model; declining rejects with ``offer_declined``; a reply after
-    ``valid_until`` gets ``offer_expired``. An option the offer does not list raises
-    ``Reject`` (dead letter) and leaves the offer open for a correct answer.
+    option's GPU model, unless the fleet can no longer meet them (``lapsed`` says why): then
+    it is rejected as ``infeasible`` with that reason, to be submitted again for a fresh
+    offer. Declining rejects with ``offer_declined``; a reply after ``valid_until`` gets
+    ``offer_expired``. An option the offer does not list raises ``Reject`` (dead letter) and
+    leaves the offer open for a correct answer.
     """
     offer, task = record.offer, record.task
     if at > offer.valid_until:
@@ -235,6 +242,8 @@ def settle_reply(record: OfferRecord, reply: SlaReply, at: float) -> TaskAdmitte
     option = next((o for o in offer.options if o.option_id == reply.option_id), None)
     if option is None:
         raise Reject(f"offer {offer.offer_id} has no option {reply.option_id!r}")
+    if lapsed is not None:
+        return _rejected(task.task_id, task.tenant, "infeasible", f"{lapsed}; submit it again for a fresh offer", at)
     contract = contract_for(task, option, offer.offer_id)
     if option.gpu_model:
         task = msgspec.structs.replace(task, gpu_models=[option.gpu_model])
@@ -276,24 +285,42 @@ class Negotiator:
         stats = stored_stats(signature, entry.value if entry is not None else None)
         return predict(stats) if stats is not None else None
 
+    def offers_against(self, task_id: str) -> list[OfferRecord]:
+        """The open offers that hold GPUs against ``task_id``: every other submission's. A
+        task's own (a quote while it is open, or a view that has not seen it closed) never
+        competes with it."""
+        return [r for r in self.store.open_offers.values() if r.task.task_id != task_id]
+
+    def view(self, now: float, offers: list[OfferRecord] | None = None) -> FleetView:
+        """The fleet as negotiations see it at ``now``, ``offers`` holding their first
+        option's GPUs."""
+        return fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
+                          now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots,
+                          offers=offers or ())
+
+    async def lapsed(self, record: OfferRecord, reply: SlaReply) -> str | None:
+        """Why the option ``reply`` accepts can no longer be met (``option_lapsed``), on the
+        fleet as it is now, other open offers holding theirs; ``None`` while it can, and for
+        any reply that accepts no listed option."""
+        option = next((o for o in record.offer.options if o.option_id == reply.option_id), None)
+        if not reply.accept or option is None:
+            return None
+        now = self.clock()
+        return option_lapsed(record.task, option, self.view(now, self.offers_against(record.task.task_id)), now=now,
+                             fingerprint=await self.fingerprint(record.task))
+
     async def decide(self, task: TaskSubmitted) -> Event:
         """Negotiate ``task`` (tenant already verified); the event that answers it, unstored."""
         now = self.clock()
         if task.gpu_models:
             task = msgspec.structs.replace(task, gpu_models=as_named_by_fleet(task.gpu_models, self.fleet_models()))
-        # Other submissions' open offers hold their first option's GPUs; a task's own (a quote
-        # while it is open, or a view that has not seen it closed) never competes with it.
-        offers = [r for r in self.store.open_offers.values() if r.task.task_id != task.task_id]
-        view = fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
-                          now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots,
-                          offers=offers)
+        offers = self.offers_against(task.task_id)
+        view = self.view(now, offers)
         fingerprint = await self.fingerprint(task)
         decision = negotiate(task, view, now=now, fingerprint=fingerprint, policy=self.policy)
         if (isinstance(decision, SlaReject) and decision.code == "infeasible"
                 and (until := offers_hold_until(offers, self.store.admitted, now)) is not None):
-            unheld = fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
-                                now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots)
-            if not isinstance(negotiate(task, unheld, now=now, fingerprint=fingerprint, policy=self.policy),
+            if not isinstance(negotiate(task, self.view(now), now=now, fingerprint=fingerprint, policy=self.policy),
                               SlaReject):
                 # Only the open offers' holds leave it nothing: offering their GPUs again would
                 # promise them twice; "no pool will free" would be untrue. Say when to ask again.
@@ -385,9 +412,11 @@ class Negotiator:
             if record.state != "open" and record.outcome is not None:
                 outcome = record.outcome  # a redelivered or repeated reply: the same answer again
             else:
-                outcome = settle_reply(record, reply, self.clock())
+                lapsed = await self.lapsed(record, reply)
+                outcome = settle_reply(record, reply, self.clock(), lapsed=lapsed)
                 state = ("accepted" if isinstance(outcome, TaskAdmitted) else
-                         "expired" if outcome.code == "offer_expired" else "declined")
+                         "expired" if outcome.code == "offer_expired" else
+                         "lapsed" if lapsed is not None else "declined")
                 try:
                     await self.store.close_offer(msgspec.structs.replace(record, state=state, outcome=outcome),
                                                  revision)

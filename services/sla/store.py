@@ -44,7 +44,7 @@ from fleetpilot.runtime import Bus, CasConflict, KeyValue
 
 log = logging.getLogger("fleetpilot.sla.store")
 
-OfferState = Literal["open", "accepted", "declined", "expired"]
+OfferState = Literal["open", "accepted", "declined", "expired", "lapsed"]
 
 CONTRACT_PREFIX = "contract."
 OFFER_PREFIX = "offer."

@@ -16,13 +16,15 @@ from .negotiate import (
     NegotiationPolicy,
     Reject,
     admit_contract,
+    estimate,
     negotiate,
     task_problem,
 )
-from .offers import OfferBook, contract_for
+from .offers import QUEUE_SLACK_S, OfferBook, contract_for, option_lapsed
 
 __all__ = [
     "DATA_SITE_LABEL",
+    "QUEUE_SLACK_S",
     "P95_REFERENCE_LABEL",
     "Admit",
     "CounterOffer",
@@ -35,6 +37,8 @@ __all__ = [
     "Reject",
     "admit_contract",
     "contract_for",
+    "estimate",
     "negotiate",
+    "option_lapsed",
     "task_problem",
 ]

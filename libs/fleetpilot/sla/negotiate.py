@@ -119,8 +119,11 @@ def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str) -> float:
     return math.inf
 
 
-def _estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: Fingerprint | None,
-              now: float, preempt: bool) -> Estimate | None:
+def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: Fingerprint | None,
+             now: float, preempt: bool) -> Estimate | None:
+    """What ``task`` would get on ``pool`` at ``now`` and which asked bounds that breaks;
+    ``None`` where the pool can never hold it, or not before its deadline. With ``preempt``,
+    as if a vip request displaced the pool's best_effort work."""
     sla = task.sla
     if preempt:
         if pool.free_gpus + pool.preemptible_gpus < task.gpus:
@@ -326,13 +329,13 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     pools = [p for p in pools if p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus]
     if not pools:
         return Reject("infeasible", f"no node has {task.gpus} GPUs of {need_mb:.0f} MB or more", task.task_id)
-    estimates = [e for p in pools if (e := _estimate(task, p, fleet, fingerprint, now, preempt=False))]
+    estimates = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
     meeting = [e for e in estimates if not e.violations]
     if meeting:
         best = min(meeting, key=lambda e: (e.queue_s, e.cost_per_hour, e.warmup_ms))
         return Admit(admit_contract(task, best, now))
     if sla.tier == "vip":
-        preempting = [e for p in pools if (e := _estimate(task, p, fleet, fingerprint, now, preempt=True))]
+        preempting = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=True))]
         preempting = [e for e in preempting if not e.violations]
         if preempting:
             best = min(preempting, key=lambda e: (e.cost_per_hour, e.warmup_ms))
@@ -343,7 +346,7 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
         undated = msgspec.structs.replace(task, sla=msgspec.structs.replace(sla, deadline=None))
         if not any(_queue_s(p, task, sla.tier) < math.inf for p in pools):
             why = "no pool will free enough GPUs for this task"
-        elif sla.deadline is not None and any(_estimate(undated, p, fleet, fingerprint, now, preempt=False)
+        elif sla.deadline is not None and any(estimate(undated, p, fleet, fingerprint, now, preempt=False)
                                               for p in pools):
             why = "the deadline cannot be met on any pool"
         else:

@@ -11,9 +11,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fleetpilot.contracts import Contract, OfferOption, SlaOffer, SlaReply, TaskSubmitted
+from fleetpilot.contracts import Contract, Fingerprint, OfferOption, SlaOffer, SlaReply, TaskSubmitted
 
-from .negotiate import Admit, CounterOffer, Reject
+from .fleet import FleetView
+from .negotiate import Admit, CounterOffer, Reject, estimate
+
+QUEUE_SLACK_S = 1.0
+"""How much longer than its offered wait an accepted option may now wait and still hold:
+the offered figure is rounded, and a completion estimate moves a little between two views."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,34 @@ def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Con
         offer_id=offer_id,
         notes=f"accepted option {option.option_id}: {option.why}",
     )
+
+
+def option_lapsed(task: TaskSubmitted, option: OfferOption, fleet: FleetView, *, now: float,
+                  fingerprint: Fingerprint | None = None) -> str | None:
+    """Why ``option``, offered for ``task`` and being accepted at ``now``, can no longer be
+    met on ``fleet``; ``None`` while it can.
+
+    An open offer holds only its first option's GPUs: another option's pool may have been
+    taken in the meantime, a node may have gone. Accepted regardless, the contract would
+    promise a wait the fleet cannot give. What is checked is capacity, which is what moves:
+    the pool is still there, its GPUs still free in time for the deadline, and within the
+    wait the contract would agree (the offered one, ``contract_for``, with
+    :data:`QUEUE_SLACK_S`). Warm-up, latency and price are the option's own terms."""
+    if option.gpu_model is None or option.site is None:
+        return None  # not bound to a pool: nothing of the fleet's was promised
+    where = f"{option.gpu_model} at {option.site}"
+    pool = next((p for p in fleet.pools if p.gpu_model == option.gpu_model and p.site == option.site), None)
+    if pool is None:
+        return f"option {option.option_id} no longer holds: the fleet has no {where} now"
+    now_there = estimate(task, pool, fleet, fingerprint, now, preempt=False)
+    if now_there is None:
+        return (f"option {option.option_id} no longer holds: {where} can no longer free enough GPUs "
+                f"{'before its deadline' if task.sla.deadline is not None else 'for it'}")
+    agreed = contract_for(task, option, "").max_queue_s
+    if agreed is not None and now_there.queue_s > agreed + QUEUE_SLACK_S:
+        return (f"option {option.option_id} no longer holds: {where} is taken; it would start in "
+                f"{now_there.queue_s:.0f} s, not within the {agreed:.0f} s offered")
+    return None
 
 
 class OfferBook:

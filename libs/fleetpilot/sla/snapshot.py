@@ -33,8 +33,8 @@ never frees, as the policy will place nothing there:
   nothing once declined, expired (by the clock, before the expiry job closes it) or
   accepted: accepted, its task is an admission on that option's model and site, counted
   as waiting above, and an offer whose task is already admitted is not counted again.
-  Accepting another option than the first takes capacity nothing held for it (see the
-  sla README's limits).
+  Accepting another option than the first takes capacity nothing held for it: the sla
+  service checks it against the fleet then (``option_lapsed``) and refuses it if taken.
 - ``most_gpus_on_a_node``: the most GPUs of the pool one node has, in service or not (a
   task's GPUs are all on one node, and a GPU out of service now may be back).
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the

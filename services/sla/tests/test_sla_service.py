@@ -277,6 +277,36 @@ async def test_accepting_the_wait_option_sets_not_before(rig):
     assert adm.contract.max_queue_s == pytest.approx(wait.expected_queue_s)
 
 
+async def test_accepting_an_option_whose_gpus_were_taken_since_the_offer_is_refused(rig):
+    """Only the first option is held while an offer is open. Accepting the second after its
+    H100s went to other work for an hour admitted a contract to start within 120 s that the
+    fleet could not keep; it is now refused as infeasible, saying why, and nothing is stored."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla()
+    await rig.submit(h100_only("t-late"), rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-late", "t-late")
+    wait = next(o for o in offer.options if o.gpu_model == "H100")
+    assert wait.option_id != offer.options[0].option_id and wait.expected_queue_s <= 120
+    await hold_gpus(rig, "h100-00", "long-run", [0, 1], 80_000, free_in_s=3600)
+    headers = {"Authorization": f"Bearer {rig.token()}"}
+
+    async def h100_wait() -> float:
+        quote = decode(await rig.quote(h100_only("t-look"), headers), SlaOffer, TaskAdmitted, TaskRejected)
+        return next(o.expected_queue_s for o in quote.options if o.gpu_model == "H100")
+
+    deadline = time.monotonic() + 10
+    while await h100_wait() < 3000:  # the replica has seen the H100s taken
+        assert time.monotonic() < deadline, "the SLA replica never saw the H100s taken"
+        await asyncio.sleep(0.05)
+    await rig.reply(SlaReply(offer_id=offer.offer_id, task_id="t-late", accept=True, option_id=wait.option_id),
+                    rig.token("acme"))
+    refused: TaskRejected = await rig.recorder.wait("task.rejected", "t-late")
+    assert refused.code == "infeasible" and f"option {wait.option_id} no longer holds" in refused.reason
+    assert "H100 at site-b is taken" in refused.reason and "submit it again" in refused.reason
+    assert "task.admitted" not in [s for s, _ in rig.recorder.about("t-late")]
+    assert await (await rig.bus.kv("contracts")).get(contract_key("t-late")) is None
+
+
 async def test_declining_rejects_and_a_reply_from_another_tenant_changes_nothing(rig):
     await fill_h100(rig, free_in_s=120)
     await rig.start_sla()

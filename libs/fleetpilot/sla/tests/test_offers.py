@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgspec
 import pytest
 from fleetpilot.contracts import SlaReply, SlaRequest, TaskSubmitted
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, OfferBook, Reject, negotiate
@@ -118,3 +121,46 @@ def test_a_reply_naming_another_task_gets_nothing_of_a_closed_offer():
     out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="other-task", accept=False))
     assert isinstance(out, Reject) and out.code == "invalid" and out.task_id == "other-task"
     assert book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=False)) == accepted
+
+
+def _pools(h100: GpuPool | None) -> FleetView:
+    return FleetView(pools=tuple(p for p in (FLEET.pools[0], h100) if p is not None),
+                     bandwidth_gbps=FLEET.bandwidth_gbps, local_bandwidth_gbps=FLEET.local_bandwidth_gbps)
+
+
+def test_an_option_holds_while_its_pool_still_frees_in_the_wait_offered():
+    from fleetpilot.sla import option_lapsed
+
+    _, _, offer = _open()
+    h100 = next(o for o in offer.options if o.gpu_model == "H100")  # the H100 frees in 240 s
+    assert option_lapsed(TASK, h100, FLEET, now=T0) is None
+    # A minute later it frees in 180 s: sooner than offered is no reason to refuse.
+    later = _pools(dataclasses.replace(FLEET.pools[1], completions=((180.0, 1),)))
+    assert option_lapsed(TASK, h100, later, now=T0 + 60) is None
+
+
+def test_an_option_whose_pool_was_taken_or_left_the_fleet_lapses():
+    from fleetpilot.sla import option_lapsed
+
+    _, _, offer = _open()
+    h100 = next(o for o in offer.options if o.gpu_model == "H100")
+    # Another task took the H100 that was to free: the next frees in an hour.
+    taken = _pools(dataclasses.replace(FLEET.pools[1], completions=((3600.0, 1),)))
+    why = option_lapsed(TASK, h100, taken, now=T0 + 5)
+    assert why is not None and "H100 at us-1 is taken" in why and "3600 s, not within the 240 s offered" in why
+    never = _pools(dataclasses.replace(FLEET.pools[1], completions=()))
+    assert "can no longer free enough GPUs" in option_lapsed(TASK, h100, never, now=T0 + 5)
+    assert "no H100 at us-1 now" in option_lapsed(TASK, h100, _pools(None), now=T0 + 5)
+
+
+def test_an_unbounded_wait_never_lapses_for_a_longer_queue_but_a_deadline_does():
+    from fleetpilot.sla import option_lapsed
+
+    unbounded = msgspec.structs.replace(TASK, sla=msgspec.structs.replace(TASK.sla, max_queue_s=None))
+    _, _, offer = _open()
+    h100 = next(o for o in offer.options if o.gpu_model == "H100")
+    taken = _pools(dataclasses.replace(FLEET.pools[1], completions=((3600.0, 1),)))
+    assert option_lapsed(unbounded, h100, taken, now=T0 + 5) is None  # its contract bounds no wait
+    due = msgspec.structs.replace(unbounded, expected_duration_s=600.0,
+                                  sla=msgspec.structs.replace(unbounded.sla, deadline=T0 + 1800))
+    assert "before its deadline" in option_lapsed(due, h100, taken, now=T0 + 5)
