@@ -52,6 +52,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint.signature import predict, stored_stats, task_signature
 from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
+from fleetpilot.policy.backfill import queue_key
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings, serve
 from fleetpilot.sla import (
     Admit,
@@ -116,6 +117,9 @@ class SlaSettings(ServiceSettings):
     # it closed with for this long (as long as the ``rejections`` bucket keeps a rejection),
     # then leaves the contracts bucket: nothing else would ever remove it.
     closed_offer_keep_s: float = Field(default=86_400.0, gt=0.0, allow_inf_nan=False)
+    # The policy's FLEETPILOT_POLICY_QUEUE_AGING (set both alike): a request is estimated
+    # behind only the waiting tasks the policy's queue order serves before it.
+    queue_aging: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
 
 
 def bearer_token(headers: dict[str, str]) -> str | None:
@@ -262,7 +266,8 @@ class Negotiator:
                                    local_bandwidth_gbps=settings.local_bandwidth_gbps,
                                    default_bandwidth_gbps=settings.default_bandwidth_gbps,
                                    reference_p95_ms=settings.reference_p95_ms,
-                                   default_price_per_gpu_hour=settings.default_price_per_gpu_hour)
+                                   default_price_per_gpu_hour=settings.default_price_per_gpu_hour,
+                                   queue_aging=settings.queue_aging)
         self.policy = NegotiationPolicy(offer_ttl_s=settings.offer_validity_s, max_options=settings.max_options)
         # What each decision reads of the whole fleet, redone only for what changed since the
         # last: on the openb fleet a view from scratch costs 12.5 ms of CPU, with nothing held.
@@ -291,12 +296,13 @@ class Negotiator:
         competes with it."""
         return [r for r in self.store.open_offers.values() if r.task.task_id != task_id]
 
-    def view(self, now: float, offers: list[OfferRecord] | None = None) -> FleetView:
-        """The fleet as negotiations see it at ``now``, ``offers`` holding their first
-        option's GPUs."""
+    def view(self, task: TaskSubmitted, now: float, offers: list[OfferRecord] | None = None) -> FleetView:
+        """The fleet as ``task``'s negotiation sees it at ``now``: behind the waiting tasks the
+        policy's queue serves before it, ``offers`` holding their first option's GPUs."""
+        ahead_of = queue_key(task.sla.tier, now, task.expected_duration_s, self.knobs.queue_aging)
         return fleet_view(self.topology.nodes.values(), self.ledger.nodes.values(), self.store.admitted,
                           now=now, bandwidth_gbps=self.bandwidth, knobs=self.knobs, cache=self.snapshots,
-                          offers=offers or ())
+                          offers=offers or (), ahead_of=ahead_of)
 
     async def lapsed(self, record: OfferRecord, reply: SlaReply) -> str | None:
         """Why the option ``reply`` accepts can no longer be met (``option_lapsed``), on the
@@ -306,8 +312,8 @@ class Negotiator:
         if not reply.accept or option is None:
             return None
         now = self.clock()
-        return option_lapsed(record.task, option, self.view(now, self.offers_against(record.task.task_id)), now=now,
-                             fingerprint=await self.fingerprint(record.task))
+        view = self.view(record.task, now, self.offers_against(record.task.task_id))
+        return option_lapsed(record.task, option, view, now=now, fingerprint=await self.fingerprint(record.task))
 
     async def decide(self, task: TaskSubmitted) -> Event:
         """Negotiate ``task`` (tenant already verified); the event that answers it, unstored."""
@@ -315,12 +321,12 @@ class Negotiator:
         if task.gpu_models:
             task = msgspec.structs.replace(task, gpu_models=as_named_by_fleet(task.gpu_models, self.fleet_models()))
         offers = self.offers_against(task.task_id)
-        view = self.view(now, offers)
+        view = self.view(task, now, offers)
         fingerprint = await self.fingerprint(task)
         decision = negotiate(task, view, now=now, fingerprint=fingerprint, policy=self.policy)
         if (isinstance(decision, SlaReject) and decision.code == "infeasible"
                 and (until := offers_hold_until(offers, self.store.admitted, now)) is not None):
-            if not isinstance(negotiate(task, self.view(now), now=now, fingerprint=fingerprint, policy=self.policy),
+            if not isinstance(negotiate(task, self.view(task, now), now=now, fingerprint=fingerprint, policy=self.policy),
                               SlaReject):
                 # Only the open offers' holds leave it nothing: offering their GPUs again would
                 # promise them twice; "no pool will free" would be untrue. Say when to ask again.

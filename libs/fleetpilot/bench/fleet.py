@@ -18,9 +18,10 @@ the bus out of service. No preemption (no PriorityClasses are set).
 
 **fleetpilot** — the full loop:
 
-- SLA negotiation (``sla.negotiate``) at submission against the fleet as it is: admitted,
-  or counter-offered (the submitter is modelled as accepting the first option), or
-  rejected; the queue is ordered by tier (vip first), then by expected completion
+- SLA negotiation (``sla.negotiate``) at submission against the fleet as it is, behind the
+  admitted tasks still waiting that the queue serves first, as the sla service's snapshot
+  counts them (``play_queue``): admitted, or counter-offered (the submitter is modelled as
+  accepting the first option), or rejected; the queue is ordered by tier (vip first), then by expected completion
   (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
   around a reservation (EASY, ``policy.backfill``, as the policy service does): the
   whole-GPU task first in that order among those that found no place gets the GPUs that
@@ -179,7 +180,7 @@ from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
-from fleetpilot.sla.snapshot import frees_in
+from fleetpilot.sla.snapshot import frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
 from .fleet_report import Comparison, RunResult, plot, report
@@ -259,6 +260,7 @@ class _Job:
     run_at: float = 0.0  # when that run began, kept across moves (the policy service's ``Allocation.run_at``)
     run_peak_mb: float = 0.0  # the most its run held per GPU before its latest move or checkpoint
     died_alone: bool = False  # killed by an OOM alone on its GPUs: its program's spread does not cover it
+    agreed_pool: tuple[str, str] | None = None  # (site, model) its admission or accepted offer pinned
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -332,7 +334,7 @@ class FleetRun:
         # policy service does from the feedback store's totals (``policy.calibration``).
         self.calibration = ConfidenceCalibration()
         self._typical_at = 0
-        self._view: FleetView | None = None
+        self._view: dict[tuple[str, str], dict] | None = None  # ``_pool_base``, once a cycle
         self.reservation: Reservation | None = None
         self.blocked: set[str] = set()
         self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
@@ -499,20 +501,30 @@ class FleetRun:
             self._refresh_typical(len(self.jobs) - len(arrivals))
             if self._try_start(job, at, self.reservation, []):
                 self.pending.pop()  # ``_submit`` has just put it last
+                self._seen_started(job, at)
 
     def _submit(self, job: _Job, now: float) -> None:
         if self.smart:
             # The SLA negotiator reads the signature's statistics (the ``fingerprints`` bucket);
             # the policy is told a run in progress too (``_predict``), by the fingerprinter.
             learnt = self.memory.predict(job.signature)
-            decision = negotiate(job.submitted, self._fleet_view(now), now=now, fingerprint=learnt)
+            decision = negotiate(job.submitted, self._fleet_view(now, ahead_of=self._key(job)[:2]), now=now,
+                                 fingerprint=learnt)
             job.prediction = learnt or self._lent(job.signature)
+            # Every bench task bounds its wait, so its admission is pinned to the model and
+            # site it was negotiated on, as the sla service pins it (``admission``).
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
+                contract = decision.contract
+                if contract.site is not None and len(contract.gpu_models) == 1:
+                    job.agreed_pool = (contract.site, contract.gpu_models[0])
             elif isinstance(decision, CounterOffer):
                 # The submitter accepts the first option; the SLA is still measured as asked.
                 self.counts["counter_offers"] += 1
                 job.counter_offered = True
+                first = decision.options[0]
+                if first.site is not None and first.gpu_model is not None:
+                    job.agreed_pool = (first.site, first.gpu_model)
             else:
                 self.counts["rejected"] += 1
                 job.state = "rejected"
@@ -1219,10 +1231,35 @@ class FleetRun:
                     if not self._migrate(job, now, reason="maintenance"):
                         self._checkpoint(job, now)
 
-    def _fleet_view(self, now: float) -> FleetView:
-        """The SLA negotiator's snapshot: free GPUs, spare shares, completions per (site, model),
-        as the first arrival after a cycle finds the fleet; the arrivals until the next cycle
-        share it (the negotiator reads a snapshot that the collectors refresh, not the ledger)."""
+    def _fleet_view(self, now: float, ahead_of: tuple[int, float]) -> FleetView:
+        """The SLA negotiator's view at ``now`` of a request whose place in the queue is
+        ``ahead_of``, as the sla service's ``fleet_view`` builds it from the ledger and the
+        contracts: free GPUs, spare shares and completions per (site, model), then the tasks
+        admitted, still waiting and served before the request played through them in the
+        queue's order (``play_queue``). The running tasks are counted once a cycle and kept
+        up to date with the arrivals that start within it (``_seen_started``)."""
+        base = self._pool_base(now)
+        waiting: dict[tuple[str, str], list[tuple[int, int, float | None]]] = {}
+        for j in sorted(self.pending, key=self._key):
+            if j.agreed_pool is not None and j.agreed_pool in base and self._key(j)[:2] < ahead_of:
+                waiting.setdefault(j.agreed_pool, []).append(queued(j.submitted))
+        out = []
+        for (site, model), p in base.items():
+            free, frees = play_queue(p["free"], p["completions"], waiting.get((site, model), ()))
+            completions: dict[float, int] = {}
+            for in_s in frees[:256]:
+                completions[in_s] = completions.get(in_s, 0) + 1
+            m = gpu_model(model)
+            out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
+                               price_per_gpu_hour=m.price_usd_per_hour, free_gpus=free, free_milli=p["milli"],
+                               completions=tuple(sorted(completions.items())),
+                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"]))
+        return FleetView(pools=tuple(out))
+
+    def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:
+        """Per (site, model): GPUs free, the largest spare share, when each busy GPU frees
+        (seconds from ``now``) and the most GPUs a node has; counted at the first arrival
+        after a cycle and kept for the arrivals until the next."""
         if self._view is not None:
             return self._view
         s = self.state
@@ -1239,19 +1276,25 @@ class FleetRun:
                 p["milli"] = max(p["milli"], int(part.max()))
         for j in self.jobs:
             if j.state == "running" and j.milli >= MILLI:
-                # As the service's snapshot: a run past its declared end is not freeing "now".
-                end = j.seg_start + j.task.declared_duration_s - j.progress_s
-                left = frees_in(end, j.task.declared_duration_s, now)
-                pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].append((left, len(j.gpus)))
-        out = []
-        for (site, model), p in pools.items():
-            m = gpu_model(model)
-            out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
-                               price_per_gpu_hour=m.price_usd_per_hour, free_gpus=p["free"], free_milli=p["milli"],
-                               completions=tuple(sorted(p["completions"])[:256]),
-                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"]))
-        self._view = FleetView(pools=tuple(out))
-        return self._view
+                pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].extend(
+                    [self._frees_in(j, now)] * len(j.gpus))
+        self._view = pools
+        return pools
+
+    def _frees_in(self, job: _Job, now: float) -> float:
+        """When a running whole-GPU task frees its GPUs, as the service's snapshot says: a run
+        past its declared end is not freeing "now" (``frees_in``)."""
+        end = job.seg_start + job.task.declared_duration_s - job.progress_s
+        return frees_in(end, job.task.declared_duration_s, now)
+
+    def _seen_started(self, job: _Job, now: float) -> None:
+        """A task started at its arrival holds its GPUs in the ledger at once: the next
+        arrival's view no longer has them free, and has them free when it ends."""
+        if self._view is None or job.milli < MILLI:
+            return
+        pool = self._view[(self.node_site[job.row], self.node_model[job.row])]
+        pool["free"] = max(pool["free"] - len(job.gpus), 0)
+        pool["completions"].extend([self._frees_in(job, now)] * len(job.gpus))
 
     # -- figures ------------------------------------------------------------------------------
 

@@ -17,10 +17,15 @@ never frees, as the policy will place nothing there:
 - ``reserved_gpus``: a headroom of ``reserve_fraction`` of the pool's GPUs (rounded up, at
   most the free ones) kept for guaranteed tiers; ``best_effort`` requests never see it.
 - waiting: a task admitted on a pinned model and site that holds nothing in the ledger is
-  either on its way to the policy or queued there; either way it is ahead of a new request.
-  Its GPUs come off that pool's free ones first, then off the earliest completions, so a
-  burst of submissions is not all promised the same GPUs and a queue shows as a wait.
-  (A contract is forgotten when its task ends, so nothing finished counts.)
+  either on its way to the policy or queued there; it is ahead of a new request if the
+  policy's queue serves it first (``ahead_of``: a higher tier, or expected to end before
+  the request would; a short task is not estimated behind a long one it will overtake).
+  In the policy's order, each takes the pool's GPUs that free first (free ones,
+  then the earliest completions) and, when its expected duration is known, gives them back
+  once it has run (:func:`play_queue`), so a burst of submissions is not all promised the
+  same GPUs, a queue shows as a wait, and a backlog deeper than the running tasks is a
+  longer wait, not "no pool will free". (A contract is forgotten when its task ends, so
+  nothing finished counts.)
 - open offers: a counter-offer not yet answered and not past its ``valid_until`` holds the
   capacity of its *first* option (``held_option``) the same way, after the waiting
   admissions: while its client thinks it over, a burst of submissions is not all offered
@@ -52,6 +57,7 @@ strategy; the negotiator wants GB/s per (data site, site) pair, in both directio
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -69,6 +75,7 @@ from fleetpilot.contracts import (
     in_service,
 )
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
+from fleetpilot.policy.backfill import queue_key
 
 from .fleet import FleetView, GpuPool
 
@@ -82,6 +89,9 @@ class SnapshotKnobs:
     default_bandwidth_gbps: float = 1.0
     reference_p95_ms: float = 50.0
     default_price_per_gpu_hour: float = 1.0
+    # The policy's FLEETPILOT_POLICY_QUEUE_AGING: which waiting tasks the policy serves
+    # before a new request (``fleet_view``'s ``ahead_of``) depends on it.
+    queue_aging: float = 1.0
 
 
 def _catalogue_terms(model: str, knobs: SnapshotKnobs) -> tuple[float, float, int]:
@@ -240,13 +250,76 @@ def _holding(record: OpenOffer, admitted: Mapping[str, TaskAdmitted], now: float
 
 
 def _held_by_offers(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted],
-                    now: float) -> dict[tuple[str, str], int]:
-    """GPUs per (site, model) that open offers hold (their first option's) at ``now``."""
-    held: dict[tuple[str, str], int] = defaultdict(int)
-    for record in offers:
-        if (option := _holding(record, admitted, now)) is not None:
-            held[(option.site, option.gpu_model)] += max(record.task.gpus, 1)
-    return held
+                    now: float) -> list[tuple[OpenOffer, OfferOption]]:
+    """The open offers that hold GPUs at ``now``, each with the option it holds (its first)."""
+    return [(record, option) for record in offers if (option := _holding(record, admitted, now)) is not None]
+
+
+@dataclass
+class _SharedGpu:
+    """A GPU the waiting tasks asking shares of one are played onto, while their shares fit."""
+
+    start: float
+    milli: int
+    frees_at: float | None  # None: a task on it has no expected duration, it never frees
+
+
+def queued(task: TaskSubmitted) -> tuple[int, int, float | None]:
+    """How :func:`play_queue` seats ``task``: its GPUs (at least one: a CPU-only admission
+    pinned to a pool is counted as one), its share of each, its expected duration."""
+    return max(task.gpus, 1), task.gpu_milli, task.expected_duration_s
+
+
+def play_queue(free: int, frees_in_s: Iterable[float],
+               waiting: Iterable[tuple[int, int, float | None]]) -> tuple[int, list[float]]:
+    """What a pool offers a new request once the tasks ahead of it have had their turn.
+
+    ``free`` GPUs are free now and busy ones free in ``frees_in_s`` seconds; ``waiting`` is
+    ``(GPUs, share of each in milli, expected duration or None)`` per task ahead, in the
+    order they are served. Each takes the GPUs that free first, starts when the last of them
+    frees, and gives them back when its expected duration has run; one of unknown duration
+    keeps them (no promise we cannot back), as does one the pool cannot seat. Tasks asking a
+    share of one GPU (``milli < 1000``) that come one after another share a GPU while their
+    shares fit in it, as the policy packs them: counted a whole GPU each, they delayed every
+    task behind them by runs they need no GPU of their own for.
+
+    Before, a waiting task took a GPU and never gave it back: a queue deeper than the
+    running tasks' completions made every pool "never free enough GPUs", and a fleet with a
+    backlog refused new work as infeasible.
+
+    Returns the GPUs still free now and, sorted, when each other GPU frees (seconds from now).
+    """
+    gpus = [0.0] * free + list(frees_in_s)
+    heapq.heapify(gpus)
+    shared: _SharedGpu | None = None
+
+    def give_back(gpu: _SharedGpu | None) -> None:
+        if gpu is not None and gpu.frees_at is not None:
+            heapq.heappush(gpus, gpu.frees_at)
+
+    for need, milli, duration in waiting:
+        if need == 1 and milli < 1000:
+            if shared is not None and shared.milli + milli <= 1000:
+                shared.milli += milli
+                if shared.frees_at is not None:
+                    shared.frees_at = None if duration is None else max(shared.frees_at, shared.start + duration)
+                continue
+            give_back(shared)
+            shared = None
+            if gpus:
+                start = heapq.heappop(gpus)
+                shared = _SharedGpu(start, milli, None if duration is None else start + duration)
+            continue
+        give_back(shared)
+        shared = None
+        taken = [heapq.heappop(gpus) for _ in range(min(need, len(gpus)))]
+        if len(taken) == need and duration is not None:
+            start = max(taken)
+            for _ in taken:
+                heapq.heappush(gpus, start + duration)
+    give_back(shared)
+    at_once = sum(1 for t in gpus if t <= 0.0)
+    return at_once, sorted(t for t in gpus if t > 0.0)
 
 
 def offers_hold_until(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted], now: float) -> float | None:
@@ -264,7 +337,7 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                admitted: Mapping[str, TaskAdmitted], *, now: float,
                bandwidth_gbps: Mapping[tuple[str, str], float] | None = None,
                knobs: SnapshotKnobs | None = None, cache: SnapshotCache | None = None,
-               offers: Iterable[OpenOffer] = ()) -> FleetView:
+               offers: Iterable[OpenOffer] = (), ahead_of: tuple[int, float] | None = None) -> FleetView:
     """The fleet as the negotiator sees it at ``now`` (see the module docstring).
 
     ``admitted`` maps task ids to their agreed admission (tier and expected duration of
@@ -272,6 +345,10 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     ``cache`` (kept between calls), nodes unchanged since the last call are not counted again.
     ``offers`` are the counter-offers made to other submissions: each still open holds its
     first option's GPUs (:func:`held_option`), as an admission waiting for them would.
+    ``ahead_of`` is the request's own place in the policy's queue
+    (:func:`fleetpilot.policy.backfill.queue_key` of its tier, ``now`` and its expected
+    duration): only the waiting admissions the policy serves before it count, in the
+    policy's order. Without it, every waiting admission counts, in the order admitted.
     """
     knobs = knobs or SnapshotKnobs()
     holds = {ledger.node: ledger.allocations for ledger in ledgers}
@@ -288,30 +365,34 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     if cache is not None:
         cache.keep_only(seen)
     holding = {a.task_id for allocations in holds.values() for a in allocations}
-    waiting: dict[tuple[str, str], int] = defaultdict(int)
+    # (its place in the queue, the task) of each task ahead of a new request, per pool.
+    waiting: dict[tuple[str, str], list[tuple[tuple[float, ...], TaskSubmitted]]] = defaultdict(list)
     for adm in admitted.values():
         contract = adm.contract
         if adm.task.task_id in holding or contract.site is None or len(contract.gpu_models) != 1:
             continue
-        waiting[(contract.site, contract.gpu_models[0])] += max(adm.task.gpus, 1)
-    for pool, gpus in _held_by_offers(offers, admitted, now).items():
-        waiting[pool] += gpus
+        place = (*queue_key(contract.tier, adm.admitted_at, adm.task.expected_duration_s, knobs.queue_aging),
+                 adm.admitted_at)
+        if ahead_of is not None and place[:2] >= ahead_of:
+            continue  # the policy serves the request first: a shorter run, or a higher tier
+        waiting[(contract.site, contract.gpu_models[0])].append(
+            (place if ahead_of is not None else (adm.admitted_at,), adm.task))
+    for record, option in _held_by_offers(offers, admitted, now):
+        # After every admission: an offer's client has not said yes yet, and will be served
+        # in its turn only once it has.
+        waiting[(option.site, option.gpu_model)].append(((math.inf,), record.task))
     pools = []
     for (site, model), tally in sorted(tallies.items()):
         price, compute, _ = _catalogue_terms(model, knobs)
         reserved = min(tally.free, math.ceil(tally.total * knobs.reserve_fraction)) if knobs.reserve_fraction > 0 else 0
-        ahead = waiting.get((site, model), 0)
-        taken = min(ahead, tally.free)
-        tally.free -= taken
-        ahead -= taken
+        ahead = sorted(waiting.get((site, model), ()), key=lambda w: w[0])
+        free, frees = play_queue(tally.free, [frees_in(end, duration, now) for end, duration in tally.frees_at],
+                                 [queued(task) for _, task in ahead])
         completions: dict[float, int] = defaultdict(int)
-        for in_s in sorted(frees_in(end, duration, now) for end, duration in tally.frees_at):
-            if ahead > 0:  # this GPU goes to a task already waiting
-                ahead -= 1
-                continue
+        for in_s in frees:
             completions[round(in_s, 3)] += 1
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
-                             price_per_gpu_hour=price, free_gpus=tally.free, free_milli=tally.free_milli,
+                             price_per_gpu_hour=price, free_gpus=free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
                              completions=tuple(sorted(completions.items())), relative_compute=compute,
                              most_gpus_on_a_node=tally.most_on_a_node))

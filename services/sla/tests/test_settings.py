@@ -20,6 +20,7 @@ from fleetpilot_services.sla.service import SlaSettings
     ("REFERENCE_P95_MS", "inf"),
     ("DEFAULT_PRICE_PER_GPU_HOUR", "-2"),
     ("FLEET_WAIT_S", "nan"),
+    ("QUEUE_AGING", "0"),               # the queue's order is undefined at 0 (completion_order)
 ])
 def test_a_setting_out_of_its_range_is_refused_naming_it(monkeypatch, variable, value):
     monkeypatch.setenv(f"FLEETPILOT_SLA_{variable}", value)

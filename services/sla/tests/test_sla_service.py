@@ -277,6 +277,28 @@ async def test_accepting_the_wait_option_sets_not_before(rig):
     assert adm.contract.max_queue_s == pytest.approx(wait.expected_queue_s)
 
 
+async def test_a_short_task_is_estimated_behind_only_the_waiting_tasks_the_policy_serves_first(rig):
+    """A ten-hour run admitted a moment ago waits for the two H100s (free in 120 s). The
+    policy's queue serves a ten-minute run first (expected to end sooner): it is admitted to
+    start when they free, not offered a wait of ten hours behind the long one."""
+    await fill_h100(rig, free_in_s=120)
+    long_run = TaskSubmitted(task_id="long", tenant="other", gpus=2, gpu_models=["H100"], expected_duration_s=36_000)
+    await (await rig.bus.kv("contracts")).put(contract_key("long"), encode(TaskAdmitted(
+        task=long_run, contract=Contract(tier="standard", gpu_models=["H100"], site="site-b"), tenant="other",
+        admitted_at=rig.clock() - 1)))
+    await rig.start_sla()
+    short = msgspec.structs.replace(h100_only("t-short"), expected_duration_s=600.0,
+                                    sla=SlaRequest(tier="standard", max_queue_s=300))
+    await rig.submit(short, rig.token("acme"))
+    adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-short")
+    assert adm.contract.gpu_models == ["H100"] and adm.contract.not_before == pytest.approx(rig.clock() + 120, abs=5)
+    # A run longer than the waiting one is served after it: told the wait behind it.
+    await rig.submit(msgspec.structs.replace(short, task_id="t-longer", expected_duration_s=72_000.0),
+                     rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-longer", "t-longer")
+    assert next(o for o in offer.options if o.gpu_model == "H100").expected_queue_s > 36_000
+
+
 async def test_accepting_an_option_whose_gpus_were_taken_since_the_offer_is_refused(rig):
     """Only the first option is held while an offer is open. Accepting the second after its
     H100s went to other work for an hour admitted a contract to start within 120 s that the

@@ -18,7 +18,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
 )
-from fleetpilot.sla import CounterOffer, NegotiationPolicy, OfferBook, contract_for, negotiate
+from fleetpilot.sla import CounterOffer, NegotiationPolicy, OfferBook, Reject, contract_for, negotiate
 from fleetpilot.sla.snapshot import (
     SnapshotKnobs,
     as_named_by_fleet,
@@ -136,6 +136,74 @@ def test_a_queue_longer_than_the_free_gpus_takes_the_earliest_completions():
     # request's first chance is the one freeing at 1800 s.
     assert pool.free_gpus == 0
     assert pool.completions == ((1800.0, 1),)
+
+
+def test_a_backlog_deeper_than_the_running_completions_is_a_longer_wait_not_a_refusal():
+    """Two GPUs busy for 100 s more, three one-GPU tasks of 100 s queued for them: each
+    waiting task took a GPU and never gave it back, so the third found no completion left,
+    every pool read "never frees enough GPUs" and a fleet with a backlog refused new work."""
+    busy = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(2)])
+    admissions = {f"run{i}": admitted_on(f"run{i}", 1, "s1", duration_s=100) for i in range(2)}
+    admissions |= {f"wait{i}": admitted_on(f"wait{i}", 1, "s1", duration_s=100) for i in range(3)}
+    ledger = NodeLedger(node="n1", allocations=[
+        Allocation(task_id=f"run{i}", decision_id="d", gpu=i, milli=1000, at=NOW) for i in range(2)])
+    view = fleet_view([busy], [ledger], admissions, now=NOW)
+    # The waiting run at 100 s on both GPUs, the third at 200 s: they free at 200 s and 300 s.
+    assert (view.pools[0].free_gpus, view.pools[0].completions) == (0, ((200.0, 1), (300.0, 1)))
+    late = TaskSubmitted(task_id="late", gpus=1, gpu_models=["A100-40GB"], expected_duration_s=60,
+                         sla=SlaRequest(tier="standard", max_queue_s=600))
+    decision = negotiate(late, view, now=NOW)
+    assert not isinstance(decision, Reject), decision
+    assert decision.contract.not_before == NOW + 200
+
+
+def test_a_request_waits_only_behind_the_tasks_the_policy_serves_before_it():
+    """The policy's queue serves a short run before a long one that came a little earlier
+    (expected completion, ``queue_key``), and a vip before both. A short task with a
+    deadline was estimated behind every waiting admission and refused though the policy
+    would have started it first."""
+    from fleetpilot.policy.backfill import queue_key
+
+    busy = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=0, model="A100-40GB")])
+    ledger = NodeLedger(node="n1", allocations=[Allocation(task_id="run", decision_id="d", gpu=0, milli=1000,
+                                                           at=NOW)])
+    admissions = {"run": admitted_on("run", 1, "s1", duration_s=600),
+                  "long": admitted_on("long", 1, "s1", duration_s=36_000)}  # admitted 5 s ago
+    everyone = fleet_view([busy], [ledger], admissions, now=NOW).pools[0]
+    assert everyone.completions == ((36_600.0, 1),)
+    short = fleet_view([busy], [ledger], admissions, now=NOW, ahead_of=queue_key("standard", NOW, 600)).pools[0]
+    assert short.completions == ((600.0, 1),)  # served before the long one
+    longer = fleet_view([busy], [ledger], admissions, now=NOW, ahead_of=queue_key("standard", NOW, 72_000)).pools[0]
+    assert longer.completions == ((36_600.0, 1),)
+    vip = fleet_view([busy], [ledger], admissions, now=NOW, ahead_of=queue_key("vip", NOW, 72_000)).pools[0]
+    assert vip.completions == ((600.0, 1),)
+
+
+def test_play_queue_seats_each_waiting_task_on_the_gpus_that_free_first():
+    from fleetpilot.sla.snapshot import play_queue
+
+    # Two free, two freeing at 50 s and 80 s. A 3-GPU task of 100 s starts at 50 s (its
+    # third GPU) and frees all three at 150 s; a 1-GPU task of unknown length keeps the
+    # GPU freeing at 80 s; a new request is left the three at 150 s.
+    assert play_queue(2, [80.0, 50.0], [(3, 1000, 100.0), (1, 1000, None)]) == (0, [150.0, 150.0, 150.0])
+    assert play_queue(3, [10.0], []) == (3, [10.0])
+    # A task the pool cannot seat (5 GPUs of 4) waits for ever: it holds what there is.
+    assert play_queue(2, [10.0, 20.0], [(5, 1000, 30.0)]) == (0, [])
+
+
+def test_play_queue_packs_shares_of_one_gpu_as_the_policy_does():
+    from fleetpilot.sla.snapshot import play_queue
+
+    # Three tasks of 0.3 GPU share the one free GPU (it frees when the longest ends, at
+    # 90 s); the fourth does not fit beside them and takes the GPU freeing at 40 s. Counted a
+    # whole GPU each, they left a new request nothing before 70 s.
+    shares = [(1, 300, 60.0), (1, 300, 90.0), (1, 300, 30.0), (1, 300, 30.0)]
+    assert play_queue(1, [40.0, 200.0], shares) == (0, [70.0, 90.0, 200.0])
+    # One of unknown duration keeps the GPU it shares; a whole-GPU task between two shares
+    # closes the shared GPU (the policy places in order): the third share waits for the
+    # first's GPU, free at 10 s, and ends at 20 s with the whole-GPU task.
+    assert play_queue(2, [], [(1, 500, None), (1, 500, 10.0)]) == (1, [])
+    assert play_queue(2, [], [(1, 500, 10.0), (1, 1000, 20.0), (1, 500, 10.0)]) == (0, [20.0, 20.0])
 
 
 def test_gpus_out_of_service_are_no_capacity_to_promise():
