@@ -194,8 +194,13 @@ class Bus(abc.ABC):
         """Create the catalogued streams and buckets (idempotent)."""
 
     @abc.abstractmethod
+    async def stop_consuming(self) -> None:
+        """Stop taking new messages and let the handlers at work finish theirs; publishing,
+        requests and the buckets still work until :meth:`drain`. Idempotent."""
+
+    @abc.abstractmethod
     async def drain(self) -> None:
-        """Stop taking new messages, let in-flight handlers finish, close."""
+        """Stop consuming (:meth:`stop_consuming`, if not done yet), then close."""
 
     @property
     @abc.abstractmethod

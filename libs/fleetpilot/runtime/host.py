@@ -197,8 +197,11 @@ class ServiceHost:
         return hook
 
     def on_stopping(self, hook: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
-        """Run ``hook()`` when the service stops, after its periodic jobs and before the bus
-        drains; the events it returns are published (its last word: what it gives up)."""
+        """Run ``hook()`` when the service stops, once its periodic jobs have stopped and its
+        handlers have finished their last messages (no new one is taken), before the bus
+        closes; the events it returns are published (its last word: what it gives up). It
+        sees everything its handlers did: a sample or an end handled during the stop is not
+        lost to a checkpoint written before it, nor a process started after it gave its tasks up."""
         self._stopping_hooks.append(hook)
         return hook
 
@@ -455,14 +458,16 @@ class ServiceHost:
         return doc
 
     async def stop(self, step_timeout_s: float = 15.0) -> None:
-        """Stop periodic jobs, run the stopping hooks, drain the bus (in-flight handlers
-        finish), run shutdown hooks.
+        """Stop periodic jobs, stop consuming (in-flight handlers finish), run the stopping
+        hooks, drain the bus (publish what is left, close), run shutdown hooks.
 
         Every step is bounded: a service that cannot stop is worse than one that stops
         with a step cut short, and the step that overran is logged.
         """
         self._stopping = True  # a start-up still waiting for the server gives up
         await self._cancel(self._tasks, step_timeout_s, "at shutdown")
+        if self.bus is not None:
+            await self._bounded(self.bus.stop_consuming(), "stop consuming", step_timeout_s)
         for hook in self._stopping_hooks:
             await self._bounded(self._publish_from(hook), f"stopping hook {getattr(hook, '__name__', hook)}",
                                 step_timeout_s)

@@ -165,11 +165,17 @@ class InMemoryBus(Bus):
         self._buckets: dict[str, MemoryKeyValue] = {}
         self._revisions = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
+        self._consuming = True
         self._closed = False
 
     @property
     def connected(self) -> bool:
         return not self._closed
+
+    @property
+    def consuming(self) -> bool:
+        """Whether handlers are still handed new messages (until :meth:`stop_consuming`)."""
+        return self._consuming
 
     async def ensure_topology(self) -> None:
         for bucket in BUCKETS:
@@ -217,6 +223,8 @@ class InMemoryBus(Bus):
                                     headers=dict(kept.headers or {}), at=kept.at)
 
     def _fan_out(self, stored: _Stored) -> None:
+        if not self._consuming:
+            return  # as the real bus's drained subscriptions: nothing more is handed to them
         groups_done: set[str] = set()
         subs = [s for s in self._core if subject_matches(s[0], stored.subject)]
         turn = next(self._queue_rr)
@@ -246,7 +254,7 @@ class InMemoryBus(Bus):
 
         async def work() -> None:
             me = asyncio.current_task()
-            while not self._closed:
+            while self._consuming:
                 stored, deliveries = await consumer.queue.get()
                 consumer.busy.add(me)  # type: ignore[arg-type]
                 try:
@@ -297,8 +305,10 @@ class InMemoryBus(Bus):
             await asyncio.sleep(0.01)
         raise TimeoutError("bus did not settle")
 
-    async def drain(self, timeout_s: float = 10.0) -> None:
-        self._closed = True
+    async def stop_consuming(self, timeout_s: float = 10.0) -> None:
+        if not self._consuming:
+            return
+        self._consuming = False
         # As the real bus drains: a worker waiting for a message is stopped, one at work and
         # each core message being handled finish first (cancelled, they cut the handler).
         workers = [worker for consumer in self._consumers.values() for worker in consumer.workers]
@@ -313,3 +323,7 @@ class InMemoryBus(Bus):
                 task.cancel()
             if overdue:
                 await asyncio.wait(overdue, timeout=1.0)
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        await self.stop_consuming(timeout_s)
+        self._closed = True

@@ -710,9 +710,10 @@ class NatsBus(Bus):
             self._kv_cache[bucket] = NatsKeyValue(kv, self._js, bucket, self._reconnections, self.ensure_topology)
         return self._kv_cache[bucket]
 
-    async def drain(self) -> None:
+    async def stop_consuming(self) -> None:
+        if self._stopping.is_set():
+            return
         self._stopping.set()
-        self._closing.set()
         if self._loops:
             await asyncio.wait(self._loops, timeout=10)
         await self._remove_per_run()
@@ -732,6 +733,10 @@ class NatsBus(Bus):
         if self._micro is not None:
             with contextlib.suppress(Exception):  # its endpoints' subscriptions are drained already
                 await self._micro.stop()
+
+    async def drain(self) -> None:
+        await self.stop_consuming()
+        self._closing.set()
         # Every consumer loop has finished its messages by now. A NATS drain would wait on
         # the pull subscriptions' open requests; instead flush what we published and close.
         with contextlib.suppress(Exception):
