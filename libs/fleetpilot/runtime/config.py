@@ -84,7 +84,7 @@ class ServiceSettings(BaseSettings):
         try:
             settings = cls()
         except ValidationError as exc:
-            problems += [f"{_variable_of(str(e['loc'][0]), prefix)}={e.get('input')!r}: {e['msg']}" if e["loc"]
+            problems += [f"{_variable_of(str(e['loc'][0]), prefix)}={_shown(e.get('input'))!r}: {e['msg']}" if e["loc"]
                          else f"{prefix}*: {e['msg']}" for e in exc.errors()]
         except SettingsError as exc:
             # A list or dict setting is parsed as JSON before validation, and pydantic-settings
@@ -114,7 +114,16 @@ def _unparsable(exc: SettingsError, prefix: str) -> str:
         return f"{prefix}*: {cause}"
     var = prefix + field.group(1).upper()
     value = next((v for k, v in os.environ.items() if k.upper() == var), None)
-    return f"{var}={value!r}: {cause}".replace("\n", " ")
+    return f"{var}={_shown(value)!r}: {cause}".replace("\n", " ")
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^@/\s]+@")
+
+
+def _shown(value: object) -> object:
+    """``value`` as an error may show it: a URL's password (``scheme://user:secret@host``, a
+    database DSN, a NATS URL) masked, since the line goes to the logs."""
+    return _URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value
 
 
 def _closest(var: str, prefix: str, known: set[str]) -> str:

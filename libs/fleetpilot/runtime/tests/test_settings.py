@@ -135,3 +135,16 @@ def test_a_log_level_in_any_case_and_a_port_of_minus_one_are_still_taken(environ
     assert ExampleSettings.from_environment().log_level == "debug"
     environment({"FLEETPILOT_EXAMPLE_METRICS_PORT": "-1"})
     assert ExampleSettings.from_environment().metrics_port == -1
+
+
+def test_a_refused_url_is_named_without_its_password(environment):
+    # The line goes to the logs: a DSN refused for its scheme printed its password with it.
+    class WithStore(ServiceSettings):
+        model_config = SettingsConfigDict(env_prefix="FLEETPILOT_EXAMPLE_", extra="ignore")
+        store_port: int = 0
+
+    environment({"FLEETPILOT_EXAMPLE_STORE_PORT": "postgresql://fleet:hunter2@db:5432/x"})
+    with pytest.raises(BadSettings) as refused:
+        WithStore.from_environment()
+    assert "hunter2" not in str(refused.value)
+    assert "FLEETPILOT_EXAMPLE_STORE_PORT='postgresql://fleet:***@db:5432/x'" in str(refused.value)
