@@ -47,6 +47,7 @@ from fleetpilot.feedback import (
 )
 from fleetpilot.feedback.aggregates import validate_by
 from fleetpilot.feedback.postgres_store import COMMAND_TIMEOUT_S
+from fleetpilot.feedback.store import store_target
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import (
     Bus,
@@ -58,7 +59,7 @@ from fleetpilot.runtime import (
     ServiceSettings,
     serve,
 )
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 log = logging.getLogger("fleetpilot.feedback")
@@ -88,15 +89,28 @@ class FeedbackSettings(ServiceSettings):
     store_schema: str = "fleetpilot_feedback"
     store_command_timeout_s: float = Field(default=COMMAND_TIMEOUT_S, gt=0.0, allow_inf_nan=False)
 
+    # Refused with the settings, in one line naming the variable: found only when the store
+    # opens, after the bus connected, it stopped the service with a traceback.
+    @field_validator("store_dsn")
+    @classmethod
+    def _dsn_names_a_store(cls, dsn: str) -> str:
+        if dsn:
+            store_target(dsn)
+        return dsn
+
 
 async def open_store(settings: FeedbackSettings) -> FeedbackStore:
     """PostgreSQL in ``store_schema`` for a ``postgresql://`` DSN, else SQLite (default
-    ``<state_dir>/feedback.db``; its folder is created)."""
-    dsn = settings.store_dsn
-    if dsn.startswith(("postgresql://", "postgres://")):
-        return await PostgresFeedbackStore.open(dsn, schema=settings.store_schema,
+    ``<state_dir>/feedback.db``; its folder is created). A DSN of any other scheme is
+    refused (``ValueError``), not taken for a SQLite path (``store_target``)."""
+    if not settings.store_dsn:
+        kind, target = "sqlite", str(Path(settings.state_dir) / "feedback.db")
+    else:
+        kind, target = store_target(settings.store_dsn)
+    if kind == "postgresql":
+        return await PostgresFeedbackStore.open(target, schema=settings.store_schema,
                                                 command_timeout_s=settings.store_command_timeout_s)
-    path = Path(dsn.removeprefix("sqlite:///") if dsn else Path(settings.state_dir) / "feedback.db")
+    path = Path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     return SqliteFeedbackStore(path)
 

@@ -20,7 +20,7 @@ from .outcomes import ending_outcome, feedback_for, outcome_of, side_effects_of
 from .postgres_store import PostgresFeedbackStore
 from .retry import backoff_delay, is_retryable
 from .sqlite_store import SqliteFeedbackStore
-from .store import FeedbackStore, open_store
+from .store import FeedbackStore, open_store, store_target
 
 __all__ = [
     "KEY_FIELDS",
@@ -44,5 +44,6 @@ __all__ = [
     "recompute",
     "row_from_event",
     "side_effects_of",
+    "store_target",
     "weighted_nearest_rank",
 ]

@@ -85,6 +85,7 @@ class PostgresFeedbackStore:
         self, pool: asyncpg.Pool, schema: str, *, max_attempts: int = 50, rng: random.Random | None = None
     ) -> None:
         """Wrap an open pool whose ``search_path`` is ``schema``; prefer :meth:`open`."""
+        _check_attempts(max_attempts)
         self._pool = pool
         self.schema = schema
         self._max_attempts = max_attempts
@@ -105,6 +106,7 @@ class PostgresFeedbackStore:
     ) -> PostgresFeedbackStore:
         """Connect, create ``schema`` if needed and apply pending migrations idempotently.
         A statement that has not answered in ``command_timeout_s`` raises ``TimeoutError``."""
+        _check_attempts(max_attempts)  # before connecting: nothing to close on the way out
         if not _SCHEMA_NAME.match(schema):
             raise ValueError(f"schema must be a lower-case SQL identifier, got {schema!r}")
         if not (math.isfinite(command_timeout_s) and command_timeout_s > 0):
@@ -262,6 +264,13 @@ class PostgresFeedbackStore:
     async def close(self) -> None:
         """Close the connection pool."""
         await self._pool.close()
+
+
+def _check_attempts(max_attempts: int) -> None:
+    """``ValueError`` unless a transaction may run at least once: with none, every write
+    raised ``AssertionError("unreachable")``, which said nothing of the setting."""
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
 
 
 async def _retrying_counted(

@@ -17,7 +17,9 @@ def backoff_delay(
     uniform random share of the other half, so writers that collided once spread out
     instead of colliding again in lock-step, while every retry still waits a little.
     """
-    ceiling = min(cap_s, base_s * (2 ** max(attempt, 0)))
+    # The exponent is bounded: 2**1024 is no float, and the 1024th retry raised
+    # OverflowError instead of waiting (any cap is reached long before 2**64 times the base).
+    ceiling = min(cap_s, base_s * 2.0 ** min(max(attempt, 0), 64))
     draw = (rng or random).random()
     return ceiling / 2 + draw * ceiling / 2
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from fleetpilot.contracts import FeedbackRecorded
 
@@ -39,14 +40,44 @@ class FeedbackStore(Protocol):
         ...
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def store_target(url: str) -> tuple[Literal["postgresql", "sqlite"], str]:
+    """The backend a store URL names and what to open: ``("postgresql", dsn)`` for
+    ``postgresql://`` or ``postgres://`` (any case), ``("sqlite", path)`` for
+    ``sqlite:///relative.db``, ``sqlite:////abs/path.db`` (SQLAlchemy's convention) or a
+    bare path; ``ValueError`` for any other ``scheme://``.
+
+    Anything else used to be taken for a SQLite path: ``postgresql+asyncpg://...`` (how
+    SQLAlchemy spells it) or a typo opened a file like ``./postgresql+asyncpg:/user@db/x``
+    and kept every record there, on the container's disk, while the operator believed them
+    in PostgreSQL.
+    """
+    match = _SCHEME.match(url)
+    if match is None:
+        return "sqlite", url
+    scheme = match.group(1).lower()
+    rest = url[match.end():]
+    if scheme in ("postgresql", "postgres"):
+        # Schemes are case-insensitive (RFC 3986); asyncpg is handed the one it knows.
+        return "postgresql", f"{scheme}://{rest}"
+    if scheme == "sqlite" and rest.startswith("/") and len(rest) > 1:
+        return "sqlite", rest[1:]
+    raise ValueError(
+        f"feedback store URL {url.split('@')[-1]!r}: unknown scheme {match.group(1)!r} or no path; use "
+        "postgresql://user@host/db, postgres://..., sqlite:///relative.db, sqlite:////abs/path.db or a path"
+    )
+
+
 async def open_store(url: str, *, schema: str = "fleetpilot_feedback") -> FeedbackStore:
-    """Open the store a config URL names: ``postgresql://...`` (or ``postgres://``) for
-    PostgreSQL in ``schema``; for SQLite ``sqlite:///relative.db``, ``sqlite:////abs/path.db``
-    (SQLAlchemy's convention) or a bare path."""
-    if url.startswith(("postgresql://", "postgres://")):
+    """Open the store a config URL names (see :func:`store_target`): PostgreSQL in
+    ``schema``, or SQLite."""
+    kind, target = store_target(url)
+    if kind == "postgresql":
         from .postgres_store import PostgresFeedbackStore
 
-        return await PostgresFeedbackStore.open(url, schema=schema)
+        return await PostgresFeedbackStore.open(target, schema=schema)
     from .sqlite_store import SqliteFeedbackStore
 
-    return SqliteFeedbackStore(url.removeprefix("sqlite:///"))
+    return SqliteFeedbackStore(target)

@@ -434,3 +434,19 @@ async def test_statistics_too_large_for_one_message_get_an_error_reply_not_silen
     error = msgspec.json.decode(too_big.data)["error"]
     assert "4000 groups" in error and "group by fewer fields" in error
     assert len(decode(fits.data, FeedbackStats).groups) == 40  # the endpoint still serves
+
+
+@pytest.mark.parametrize("dsn", ["postgresql+asyncpg://postgres@127.0.0.1:5432/test", "sqlite://feedback.db"])
+async def test_a_store_dsn_of_another_scheme_is_refused_not_taken_for_a_sqlite_path(tmp_path, monkeypatch, dsn):
+    # FLEETPILOT_FEEDBACK_STORE_DSN=postgresql+asyncpg://... (SQLAlchemy's spelling) started
+    # the service on a SQLite file named after the DSN, in the working directory: every
+    # record went to the container's disk while the operator believed them in PostgreSQL.
+    from fleetpilot.runtime.config import BadSettings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLEETPILOT_FEEDBACK_STORE_DSN", dsn)
+    with pytest.raises(BadSettings) as refused:  # one line naming the variable, before any connection
+        FeedbackSettings.from_environment()
+    assert "FLEETPILOT_FEEDBACK_STORE_DSN" in str(refused.value) and "scheme" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert list(tmp_path.iterdir()) == []

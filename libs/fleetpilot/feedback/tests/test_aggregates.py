@@ -200,3 +200,10 @@ def test_retryable_sqlstates(sqlstate: str | None, retry: bool) -> None:
     error = Exception()
     error.sqlstate = sqlstate  # type: ignore[attr-defined]
     assert is_retryable(error) is retry
+
+
+@pytest.mark.parametrize("attempt", [1023, 1024, 5_000, 10**6])
+def test_a_late_attempt_waits_within_the_cap(attempt: int) -> None:
+    # 0.002 * 2**1024 is no float: the 1024th retry of a store opened with max_attempts above
+    # that raised OverflowError instead of waiting (and hid the conflict it was retrying).
+    assert 0.125 <= backoff_delay(attempt, rng=random.Random(1)) <= 0.25

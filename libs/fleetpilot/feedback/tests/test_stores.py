@@ -469,3 +469,42 @@ async def test_raw_yields_a_record_whose_action_id_is_empty(any_store: FeedbackS
     stored = [e async for e in any_store.raw()]
     assert [e.action_id for e in stored] == ["", "a", "b"]
     assert await any_store.aggregates() == recompute([row_from_event(e) for e in stored])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+asyncpg://postgres@127.0.0.1:5432/test",  # SQLAlchemy's spelling
+        "postgresq://postgres@127.0.0.1:5432/test",  # a typo
+        "sqlite://feedback.db",  # two slashes: no path in SQLAlchemy's convention either
+        "mysql://user@db/fleetpilot",
+    ],
+)
+async def test_a_url_of_another_scheme_is_refused_not_taken_for_a_sqlite_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    # Anything but postgresql:// or postgres:// was taken for a SQLite path: the store
+    # opened a file such as ./postgresql+asyncpg:/postgres@127.0.0.1:5432/test and kept
+    # every record there, on a container's disk, while the operator believed them in
+    # PostgreSQL.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="scheme"):
+        await open_store(url)
+    assert list(tmp_path.iterdir()) == []  # no file, no folder made
+
+
+async def test_a_postgres_url_is_known_whatever_the_case_of_its_scheme(pg_dsn: str) -> None:
+    # URL schemes are case-insensitive (RFC 3986): POSTGRESQL:// opened a SQLite file.
+    upper = pg_dsn.replace("postgresql://", "POSTGRESQL://", 1).replace("postgres://", "POSTGRES://", 1)
+    store = await open_store(upper, schema=f"fp_test_{uuid.uuid4().hex[:12]}")
+    try:
+        assert isinstance(store, PostgresFeedbackStore)
+    finally:
+        await store.drop_schema()
+        await store.close()
+
+
+async def test_a_store_that_may_not_try_even_once_is_refused(pg_dsn: str) -> None:
+    # max_attempts=0 ran no attempt and raised AssertionError("unreachable") on every write.
+    with pytest.raises(ValueError, match="max_attempts"):
+        await PostgresFeedbackStore.open(pg_dsn, schema=f"fp_test_{uuid.uuid4().hex[:12]}", max_attempts=0)
