@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import get_args
@@ -105,6 +106,9 @@ class ExecutorReplica:
         self.hook: PreDecommissionHook | None = None
         self.business: TopologyBusiness | None = None
         self.backend: ExecutorBackend | None = None
+        # What the backend told (``poll``) and ``backend_changes`` has not yet: kept across a
+        # failure, in order.
+        self._changes: deque[TaskLifecycle] = deque()
 
     async def open(self, bus: Bus, background: Background) -> None:
         """Open the journal, the ledger and topology views (followed by ``background``
@@ -473,21 +477,41 @@ class ExecutorReplica:
 
     async def backend_changes(self) -> list[Event]:
         """What the backend saw happen to its tasks since the last look; an ended task's
-        holds go back to the ledger."""
+        holds go back to the ledger. A change whose ledger write fails (the bus away for a
+        moment) is kept, with those after it, for the next look: ``poll`` gives each change
+        once, and raised, the error lost them all, each ended task's end untold and its holds
+        kept in the ledger for ever."""
         if self.backend is None:
             return []
+        self._changes.extend(await self.backend.poll())
         out: list[Event] = []
-        for change in await self.backend.poll():
-            if change.state in PUBLISHED_BY_HANDLER:
-                continue
-            await self.recall(change.task_id)
-            if change.state in ("finished", "oom_killed", "failed") and change.node:
-                await self.release(change.task_id, change.node)
-            out.append(self.lifecycle(change.task_id, change.state, change.node, change.gpus, change.detail,
-                                      change.exit_code, at=change.at))
-            if change.state in ("finished", "oom_killed", "failed"):
-                self.decisions.pop(change.task_id, None)
+        while self._changes:
+            change = self._changes[0]
+            try:
+                event = await self._told(change)
+            except Exception as error:  # noqa: BLE001 - kept, and told on the next look
+                log.warning("%s %s not told now (%s: %s); told on the next look, with %d changes after it",
+                            change.task_id, change.state, type(error).__name__, error, len(self._changes) - 1)
+                break
+            self._changes.popleft()
+            if event is not None:
+                out.append(event)
         return out
+
+    async def _told(self, change: TaskLifecycle) -> TaskLifecycle | None:
+        """The ``task.lifecycle`` event of one change the backend saw (``None``: its decision's
+        handler tells it), its holds given back for an end. Safe to run again after a failure:
+        the release and the recall are."""
+        if change.state in PUBLISHED_BY_HANDLER:
+            return None
+        await self.recall(change.task_id)
+        if change.state in ("finished", "oom_killed", "failed") and change.node:
+            await self.release(change.task_id, change.node)
+        event = self.lifecycle(change.task_id, change.state, change.node, change.gpus, change.detail,
+                               change.exit_code, at=change.at)
+        if change.state in ("finished", "oom_killed", "failed"):
+            self.decisions.pop(change.task_id, None)
+        return event
 
     async def give_up_tasks(self) -> list[Event]:
         """When the executor stops: the tasks it runs end with it. Children lead their own

@@ -46,6 +46,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import json
@@ -60,6 +61,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
 
@@ -226,6 +228,10 @@ class _Task:
         # The ``memory.events`` of the cgroup its process runs in and its ``oom_kill`` count
         # at the start, or why they cannot be read (``_oom_kills``).
         self.oom_kills: tuple[Path, int] | str = ""
+        # This run's log as the executor opened it for the task's stdout, kept open while the
+        # run lasts: the log is cut through it (``cap_logs``), whatever its name says now (an
+        # operator's ``rm`` or a rename left the task writing, uncapped, to a file no path named).
+        self.log: BinaryIO | None = None
 
     @property
     def marker(self) -> bytes:
@@ -301,7 +307,7 @@ class ProcessBackend:
         memory = sum(p.memory_mb for p in placement)
         return memory + self._headroom_mb if self._limit_as and memory > 0 else None
 
-    def _argv(self, task: _Task) -> list[str]:
+    def _argv(self, task: _Task, env: Mapping[str, str]) -> list[str]:
         """The command line to exec, behind the address-space launcher when a cap applies.
 
         The cap is set by a tiny Python launcher that calls ``setrlimit`` and then ``exec``s
@@ -311,6 +317,12 @@ class ProcessBackend:
         limit_mb = self._memory_limit_mb(task.placement)
         if limit_mb is None:
             return task.command
+        # Looked up as the launcher's ``execvp`` will (the task's ``PATH``): the launcher itself
+        # always starts, so a command that is not there was told ``started``, then ``failed``
+        # with exit 127, where without the cap its start is refused for good.
+        if shutil.which(task.command[0], path=env.get("PATH", os.defpath)) is None:
+            raise BackendError(f"cannot start {task.task_id}: no executable {task.command[0]!r} "
+                               f"(not found, or not executable, on the task's PATH)")
         inherited = resource.getrlimit(resource.RLIMIT_AS)[0]
         return [sys.executable, "-c", _RLIMIT_LAUNCHER, str(limit_mb * 1024 * 1024), str(inherited), *task.command]
 
@@ -318,6 +330,7 @@ class ProcessBackend:
         began = time.perf_counter()
         base = os.environ if self._inherit_env else {"PATH": os.environ.get("PATH", "")}
         stdout: int | object = asyncio.subprocess.DEVNULL
+        spawned = False
         try:
             try:
                 stdout = self._open_log(task.task_id)
@@ -325,14 +338,16 @@ class ProcessBackend:
                 # The log directory is the node's: whatever the task, it is at fault.
                 raise self._node_fault(f"cannot start {task.task_id}: its log: {error}") from error
             task.run, task.since = secrets.token_hex(8), _ticks_now()
+            env = child_env(base, task.env, task.task_id, task.placement, restore=restore, run=task.run)
             task.proc = await asyncio.create_subprocess_exec(
-                *self._argv(task),
-                env=child_env(base, task.env, task.task_id, task.placement, restore=restore, run=task.run),
+                *self._argv(task, env),
+                env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,  # type: ignore[arg-type]
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group, so eviction reaches its children
             )
+            spawned = True
         except OSError as error:
             if error.errno in NODE_FAULT_ERRNOS:
                 raise self._node_fault(f"cannot start {task.task_id}: {error}") from error
@@ -342,14 +357,20 @@ class ProcessBackend:
             # command can never start, wherever it is placed.
             raise BackendError(f"cannot start {task.task_id}: bad command or environment: {error}") from error
         finally:
-            if not isinstance(stdout, int):
+            if not spawned and not isinstance(stdout, int):
                 stdout.close()  # type: ignore[attr-defined]
+        # The run's watcher closes it when the run's process ends.
+        task.log = None if isinstance(stdout, int) else stdout  # type: ignore[assignment]
         self._node_failures, self._node_failure = 0, ""
+        # It runs here now (moved back, placed here again, taken back): a hand-over of it
+        # before is settled. Kept, the next hand-over was answered from it without stopping
+        # the task (run on two nodes), and ``take_back`` started it a second time here.
+        self._handed.pop(task.task_id, None)
         task.stop_reason = None
         task.stderr = bytearray()
         # Read at once: a count that moves before it is read hides this task's own OOM.
         task.oom_kills = _oom_kills(self._cgroup_root, task.proc.pid)
-        task.watcher = asyncio.create_task(self._watch(task, task.proc))
+        task.watcher = asyncio.create_task(self._watch(task, task.proc, task.log))
         self._tasks[task.task_id] = task
         self._save_registry()
         return TaskHandle(
@@ -367,7 +388,8 @@ class ProcessBackend:
         if self._log_dir is None:
             return asyncio.subprocess.DEVNULL
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        return open(self._log_dir / log_name(task_id), "ab")  # noqa: SIM115 - the child owns it
+        # Read as well as appended to: a log cut (``cap_logs``) keeps what it held.
+        return open(self._log_dir / log_name(task_id), "a+b")  # noqa: SIM115 - the run owns it
 
     def _node_fault(self, message: str) -> BackendError:
         """The retryable error of a start that failed for the node's fault, counted."""
@@ -414,13 +436,20 @@ class ProcessBackend:
             task.stderr.extend(chunk)
             del task.stderr[:-STDERR_TAIL_BYTES]  # keep only the tail: markers come last
 
-    async def _watch(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
-        """Report the task's end when its process exits.
+    async def _watch(self, task: _Task, proc: asyncio.subprocess.Process, log_file: BinaryIO | None) -> None:
+        """Report the task's end when its process exits, then close the run's log.
 
         The end is the task's process's exit, not the close of its stderr: a child it left
         running keeps stderr open (and ``proc.wait()`` waits for that too), which kept a
         finished task "running" and its eviction waiting for as long as the child lived.
         """
+        try:
+            await self._watch_run(task, proc)
+        finally:
+            if log_file is not None:
+                log_file.close()
+
+    async def _watch_run(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
         reader = asyncio.create_task(self._read_stderr(task, proc))
         while proc.returncode is None and not reader.done():
             await asyncio.wait({reader}, timeout=EXIT_POLL_S)
@@ -651,7 +680,15 @@ class ProcessBackend:
             raise BackendError(f"task {task_id} was not handed over from {self.node or 'this node'}")
         _, command, env, placement = handed
         task = _Task(task_id, placement, command, env)
-        handle = await self._spawn(task, restore=True)
+        try:
+            handle = await self._spawn(task, restore=True)
+        except BackendError as error:
+            # Stopped for its move and not started again here: told as lost (its holds here
+            # go back then), as a move whose restart failed is. Untold, its hold stayed in the
+            # ledger for ever and the policy took it as running.
+            self._emit(task, "failed", detail=f"restart from its checkpoint after a move that never took it "
+                                              f"failed: {error}")
+            raise
         self._emit(task, "started", detail=f"pid {handle.pid}: taken back from its checkpoint, its move never "
                                             "took it")
         return handle
@@ -661,6 +698,10 @@ class ProcessBackend:
         task = self._tasks.get(task_id)
         if task is None:
             raise BackendError(f"task {task_id} is not running here")
+        if task.proc is not None and (task.proc.returncode is not None or _exited(task.proc.pid)):
+            # It ended by itself (its exit not yet told by ``poll``): resized and executed, the
+            # resize was told after (or before) the task's own end, as if it ran on.
+            raise BackendError(f"task {task_id} ended before its resize")
         task.placement = [
             Placement(node=p.node, gpu=p.gpu, milli=milli, memory_mb=memory_mb) if p.gpu >= 0 else p
             for p in task.placement
@@ -695,14 +736,28 @@ class ProcessBackend:
         logrotate's ``copytruncate``)."""
         if self._log_dir is None or self._log_max_bytes <= 0:
             return
-        for task_id in list(self._tasks):
-            path = self._log_dir / log_name(task_id)
+        for task in list(self._tasks.values()):
+            log_file = task.log
+            if log_file is None or log_file.closed:
+                continue
+            path = self._log_dir / log_name(task.task_id)
             try:
-                if path.stat().st_size <= self._log_max_bytes:
+                # The file the task writes to, by its descriptor: the path may name another
+                # file now (removed or renamed by an operator, or logrotate) or none.
+                if os.fstat(log_file.fileno()).st_size <= self._log_max_bytes:
                     continue
-                await asyncio.to_thread(_cut_log, path)
+                # A descriptor of its own for the thread: the run's watcher may close the
+                # log meanwhile, and its number be given to another file.
+                fd = os.dup(log_file.fileno())
+            except (OSError, ValueError) as error:
+                log.warning("cannot cut the log %s of %s: %s", path, task.task_id, error)
+                continue
+            try:
+                await asyncio.to_thread(_cut_log, fd, path)
             except OSError as error:
-                log.warning("cannot cut the log %s of %s: %s", path, task_id, error)
+                log.warning("cannot cut the log %s of %s: %s", path, task.task_id, error)
+            finally:
+                os.close(fd)
 
     def running(self) -> list[str]:
         """Ids of the tasks with a live process."""
@@ -804,10 +859,24 @@ def log_name(task_id: str) -> str:
     return f"{head}~{digest}.out"
 
 
-def _cut_log(path: Path) -> None:
-    """Copy a task's log to its kept part, then empty it (``ProcessBackend.cap_logs``)."""
-    shutil.copyfile(path, path.with_name(path.name + LOG_KEPT_SUFFIX))
-    os.truncate(path, 0)
+def _cut_log(fd: int, path: Path) -> None:
+    """Copy the log open as ``fd`` (named ``path``) to its kept part, then empty it
+    (``ProcessBackend.cap_logs``). The log is emptied even when its kept part cannot be
+    written (a full disk, a kept part that is not a file): the cap is what keeps the node's
+    disk, and a copy that failed left the log growing for ever."""
+    kept = path.with_name(path.name + LOG_KEPT_SUFFIX)
+    size = os.fstat(fd).st_size  # no more: a task that writes faster than this copies is not followed
+    try:
+        with open(kept, "wb") as out:
+            offset = 0
+            while offset < size and (chunk := os.pread(fd, min(1 << 20, size - offset), offset)):
+                out.write(chunk)
+                offset += len(chunk)
+    except OSError as error:
+        log.warning("the log %s is cut without keeping its content in %s: %s", path, kept, error)
+        with contextlib.suppress(OSError):
+            kept.unlink()  # part of a copy: the room it takes is what a full disk lacks
+    os.ftruncate(fd, 0)
 
 
 def _oom_kills(cgroup_root: Path, pid: int) -> tuple[Path, int] | str:

@@ -507,16 +507,22 @@ async def test_a_stop_that_comes_after_the_task_exited_by_itself_reports_its_own
     assert [(e.state, e.exit_code) for e in await backend.poll()] == [("started", None), ("finished", 0)]
 
 
-async def test_a_move_that_comes_after_the_task_exited_by_itself_does_not_run_it_again() -> None:
-    """The task exits 0 just before its move reaches it: it finished, is told so, and is not
-    started again on the target (a finished job run a second time from its checkpoint)."""
-    backend = ProcessBackend(node="n1", checkpoint_s=0.2)
-    handle = await backend.start("t", GPU0, py("pass"), {})
+async def exited_unseen(backend: ProcessBackend, task_id: str) -> None:
+    """Start ``task_id`` as a process that exits at once, and wait until it has, blocking the
+    event loop meanwhile: its exit is not yet processed (``poll`` has not seen it)."""
+    handle = await backend.start(task_id, GPU0, py("pass"), {})
     assert handle.pid is not None
     deadline = time.monotonic() + 10
     while not gone(handle.pid) and time.monotonic() < deadline:
         time.sleep(0.01)  # blocks the event loop: the exit is not processed yet
     assert gone(handle.pid)
+
+
+async def test_a_move_that_comes_after_the_task_exited_by_itself_does_not_run_it_again() -> None:
+    """The task exits 0 just before its move reaches it: it finished, is told so, and is not
+    started again on the target (a finished job run a second time from its checkpoint)."""
+    backend = ProcessBackend(node="n1", checkpoint_s=0.2)
+    await exited_unseen(backend, "t")
     with pytest.raises(BackendError, match="ended before its move") as raised:
         await backend.migrate("t", [Placement(node="n1", gpu=1, milli=1000)], grace_s=1.0)
     assert not raised.value.retryable
@@ -857,3 +863,136 @@ async def test_a_chatty_task_s_log_is_kept_within_its_cap(tmp_path: Path) -> Non
         assert b"line 0 " not in both()
     finally:
         await backend.stop("chatty", grace_s=0.5)
+
+
+async def test_a_resize_that_comes_after_the_task_exited_by_itself_fails_and_tells_no_resize() -> None:
+    """The task exits 0 just before its resize reaches it, its exit not yet seen by the event
+    loop: the resize is refused for good (the task ended), and no ``resized`` is told beside
+    its ``finished`` (it was, and the resize counted as executed on a task that ran no more)."""
+    backend = ProcessBackend(node="n1")
+    await exited_unseen(backend, "t")
+    with pytest.raises(BackendError, match="ended before its resize") as raised:
+        await backend.resize("t", milli=500, memory_mb=1024)
+    assert not raised.value.retryable
+    events = await wait_for_state(backend, "t")
+    assert [(e.state, e.exit_code) for e in events] == [("started", None), ("finished", 0)]
+
+
+async def test_a_command_that_is_not_there_is_refused_at_its_start_under_a_memory_cap(tmp_path: Path) -> None:
+    """With ``limit_address_space`` the task runs behind a launcher, which always starts: a
+    command that is not there was told ``started``, then ``failed`` (exit 127), where without
+    the cap its start is refused for good. Refused the same now, with nothing told."""
+    backend = ProcessBackend(node="n1", limit_address_space=True)
+    placement = [Placement(node="n1", gpu=0, milli=1000, memory_mb=1024)]
+    with pytest.raises(BackendError, match="no executable") as raised:
+        await backend.start("t", placement, [str(tmp_path / "no-such-binary"), "--x"], {})
+    assert not raised.value.retryable
+    assert await backend.poll() == [] and backend.running() == []
+    # A command found on the task's own PATH (not the executor's) starts behind the launcher.
+    tool = tmp_path / "bin" / "mytool"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    await backend.start("u", placement, ["mytool"], {"PATH": f"{tool.parent}:{os.environ['PATH']}"})
+    assert [e.state for e in await wait_for_state(backend, "u")] == ["started", "finished"]
+
+
+async def test_a_task_handed_over_whose_take_back_cannot_start_is_told_lost(tmp_path: Path) -> None:
+    """A task handed over for a move that never took it is restarted where it was; a restart
+    that fails there too left it stopped everywhere, told nothing (its hold kept in the ledger
+    for ever, the policy taking it as running). It is told ``failed``, on its placement, so
+    the executor gives its holds back, as for a move whose restart failed."""
+    script = tmp_path / "task.sh"
+    script.write_text("#!/bin/sh\nexec sleep 30\n")
+    script.chmod(0o755)
+    backend = ProcessBackend(node="n1", checkpoint_s=0.2)
+    placement = [Placement(node="n1", gpu=2, milli=1000)]
+    await backend.start("h", placement, [str(script)], {})
+    assert await backend.hand_over("h", grace_s=0.5) == ([str(script)], {})
+    script.unlink()  # the command went meanwhile (a shared volume unmounted, a redeploy)
+    with pytest.raises(BackendError):
+        await backend.take_back("h")
+    events = [e for e in await backend.poll() if e.state != "started"]
+    assert [(e.state, e.node, e.gpus) for e in events] == [("failed", "n1", [2])]
+    assert "never took it" in events[0].detail
+    assert backend.running() == []
+
+
+CHATTY = (  # 200 KB in bursts of 20 KB, then quiet
+    "import sys, time\n"
+    "for i in range(200):\n"
+    "    sys.stdout.write(f'line {i} ' + 'x' * 1000 + '\\n'); sys.stdout.flush()\n"
+    "    if i % 20 == 19: time.sleep(0.2)\n"
+    "sys.stdout.write('last\\n'); sys.stdout.flush(); time.sleep(60)\n"
+)
+
+
+async def test_a_log_is_kept_within_its_cap_when_its_kept_part_cannot_be_written(tmp_path: Path) -> None:
+    """The kept part of a log (``.out.1``) cannot be written (a full disk, a quota, a path
+    that is not a file): the copy failed, and the log was never cut, growing for ever. It is
+    cut all the same, its content lost rather than the node's disk."""
+    logs, cap = tmp_path / "logs", 64 * 1024
+    logs.mkdir()
+    (logs / "chatty.out.1").mkdir()  # not a file: no copy can be written there
+    backend = ProcessBackend(node="n1", log_dir=logs, log_max_bytes=cap)
+    handle = await backend.start("chatty", GPU0, py(CHATTY), {})
+    log = logs / "chatty.out"
+    try:
+        deadline = time.monotonic() + 20
+        while b"last\n" not in log.read_bytes() and time.monotonic() < deadline:
+            await backend.poll()  # the executor polls its backend every second
+            await asyncio.sleep(0.05)
+        await backend.poll()
+        assert b"last\n" in log.read_bytes()
+        assert log.stat().st_size <= cap
+        assert handle.pid is not None and backend.running() == ["chatty"]
+    finally:
+        await backend.stop("chatty", grace_s=0.5)
+
+
+async def test_a_log_removed_while_its_task_runs_is_still_kept_within_its_cap(tmp_path: Path) -> None:
+    """An operator removes a running task's log (``rm *.out`` on a full disk): the task goes
+    on writing to the file no name reaches, which the cap no longer cut (it looked the log up
+    by its name, and warned every second that it was not there) and whose room the disk never
+    got back. The cap follows the file the task writes to."""
+    logs, cap = tmp_path / "logs", 64 * 1024
+    go = tmp_path / "go"
+    code = f"import pathlib, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.02)\n" + CHATTY
+    backend = ProcessBackend(node="n1", log_dir=logs, log_max_bytes=cap)
+    handle = await backend.start("chatty", GPU0, py(code), {})
+    assert handle.pid is not None
+    (logs / "chatty.out").unlink()
+    go.write_text("go")
+    kept = logs / "chatty.out.1"
+    stdout = Path(f"/proc/{handle.pid}/fd/1")
+    try:
+        deadline = time.monotonic() + 20
+        while not (kept.exists() and b"last\n" in kept.read_bytes() + stdout.read_bytes()) \
+                and time.monotonic() < deadline:
+            await backend.poll()
+            await asyncio.sleep(0.05)
+        await backend.poll()
+        assert os.stat(stdout).st_size <= cap  # the file the task writes to
+        assert b"last\n" in kept.read_bytes() + stdout.read_bytes()
+    finally:
+        await backend.stop("chatty", grace_s=0.5)
+
+
+async def test_a_task_moved_away_and_back_is_stopped_when_it_moves_away_again(tmp_path: Path) -> None:
+    """A task moves n1 → n2 → n1 → n2 within minutes (a rebalancer). n1 kept its first
+    hand-over to answer a repeat: the third move was answered from it, the task not stopped
+    on n1 and started on n2 as well (run twice), and n1 took it as stranded and started it
+    a second time there. A task started on a node settles what that node handed over of it."""
+    ready, checkpoint, restored = tmp_path / "ready", tmp_path / "ckpt", tmp_path / "restored"
+    nodes = two_nodes()
+    n1, n2 = GPU0, [Placement(node="n2", gpu=1, milli=1000)]
+    await nodes["n1"].start("m", n1, checkpointing(ready, checkpoint, restored), {})
+    await wait_for_file(ready)
+    for source, target, here, there in ((n1, n2, "n2", "n1"), (n2, n1, "n1", "n2"), (n1, n2, "n2", "n1")):
+        ready.unlink()
+        await nodes[here].migrate("m", target, source=source, grace_s=1)
+        await wait_for_file(ready)
+        assert (nodes[here].running(), nodes[there].running()) == (["m"], [])
+        # Nothing handed over from where it runs waits to be taken back there.
+        assert nodes[here].handed_over_before(time.time() + 1) == []
+    await nodes["n2"].stop("m", grace_s=1)
