@@ -63,6 +63,9 @@ class PluginDirectory:
     path: Path
     loaded: dict[str, _Loaded] = field(default_factory=dict)
     failed: dict[str, tuple[tuple[int, int], str]] = field(default_factory=dict)
+    # The stat at which each unreadable file was last reported: it is read again at every
+    # poll (a permission fixed changes no mtime), but said once. Before, a WARNING every poll.
+    unreadable: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def poll(self) -> bool:
         """Reload what changed on disk; ``True`` when the set of profiles changed."""
@@ -75,6 +78,8 @@ class PluginDirectory:
                     continue
                 seen[file.name] = (st.st_mtime_ns, st.st_size)
         changed = False
+        for name in [n for n in self.unreadable if n not in seen]:
+            del self.unreadable[name]
         for name in [n for n in self.loaded if n not in seen]:
             log.info("policy module %s removed; its profiles are withdrawn", name)
             del self.loaded[name]
@@ -98,8 +103,12 @@ class PluginDirectory:
         try:
             source = file.read_bytes()
         except OSError as exc:
-            log.warning("policy module %s unreadable (%s); keeping the previous version", name, exc)
+            if self.unreadable.get(name) != stat:
+                self.unreadable[name] = stat
+                log.warning("policy module %s unreadable (%s); %s", name, exc,
+                            "the previous version keeps serving" if name in self.loaded else "it serves nothing")
             return False
+        self.unreadable.pop(name, None)
         digest = hashlib.sha256(source).hexdigest()[:10]
         old = self.loaded.get(name)
         if old is not None and old.digest == digest:

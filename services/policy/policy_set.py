@@ -17,9 +17,12 @@ starts closed) reports it closed (``on_breaker``), so the operators' gauge does 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from typing import Any
 
 import msgspec
 from fleetpilot.policy import (
+    REGISTRY,
     BreakerConfig,
     CircuitBreaker,
     FallbackScheduler,
@@ -42,7 +46,8 @@ from fleetpilot.policy import (
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
 from fleetpilot.policy.fallback import BreakerState, Outcome
 from fleetpilot.policy.fragmentation import TaskShape, typical_tasks
-from fleetpilot.policy.state import TaskRequest
+from fleetpilot.policy.framework import PolicyDecision
+from fleetpilot.policy.state import ClusterState, TaskRequest
 
 log = logging.getLogger("fleetpilot.policy.config")
 
@@ -156,6 +161,138 @@ def check_breaker(breaker: BreakerConfig) -> None:
         raise ValueError(f"invalid policy config: {'; '.join(problems)}")
 
 
+HANG_LIMIT_MIN_S = 1.0
+HANG_LIMIT_BUDGETS = 10.0
+"""A primary still deciding after ``HANG_LIMIT_BUDGETS`` times its breaker's time budget (at
+least ``HANG_LIMIT_MIN_S``) is given up on (``hang_limit_s``)."""
+
+
+def hang_limit_s(breaker: BreakerConfig) -> float:
+    """How long a decision waits for a primary before the fallback decides it instead."""
+    return max(HANG_LIMIT_MIN_S, HANG_LIMIT_BUDGETS * breaker.time_budget_s)
+
+
+class PolicyHung(TimeoutError):
+    """A primary that has not answered within its hang limit, or is still deciding an earlier
+    task it did not answer in time (the breaker reads it as a ``timeout``)."""
+
+
+class PlacementShort(ValueError):
+    """A primary's ``assign`` that holds short of the request (``replica.placement_problem``)."""
+
+
+@dataclass
+class _Call:
+    """One primary call handed to the worker thread, and what became of it."""
+
+    fn: Callable[[], PolicyDecision]
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    value: PolicyDecision | None = None
+    error: BaseException | None = None
+    finished: bool = False
+    abandoned: Callable[[], None] | None = None
+
+
+class PrimaryRunner:
+    """Runs primary policies on a worker thread and waits for each at most its hang limit.
+
+    Decisions run on the event loop: a primary (a module's plugin) that never returns stopped
+    the replica's every decision, message and heartbeat for good, since the breaker judges a
+    call only once it has returned. Given up on, the call is left to its thread (a daemon:
+    nothing in-process can stop Python code), the next call gets a fresh thread, and the same
+    policy is not called again until that call has returned (``PolicyHung`` meanwhile): its
+    policy object is never used by two threads at once, and a policy that hangs every time
+    holds one thread, not one per probe. Only the policies that use a module's plugins run
+    here (``runs_operator_code``); the library's own decide on the caller's thread.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Call] | None = None
+        # Keys of the primaries whose call was given up on and has not returned yet.
+        self._stuck: set[object] = set()
+
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue[_Call]) -> None:
+        while True:
+            call = jobs.get()
+            try:
+                value, error = call.fn(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who judges it
+                value, error = None, exc
+            with call.lock:
+                call.value, call.error, call.finished = value, error, True
+                abandoned = call.abandoned
+            call.done.set()
+            if abandoned is not None:
+                abandoned()
+                return  # the caller has a fresh thread by now; this one is done
+
+    def call(self, key: object, limit_s: float, fn: Callable[[], PolicyDecision], name: str) -> PolicyDecision:
+        """``fn()`` on the worker thread; ``PolicyHung`` when it has not returned within
+        ``limit_s``, or the primary ``key`` is still in a call given up on."""
+        if key in self._stuck:
+            raise PolicyHung(f"policy {name} is still deciding a task it was given up on")
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(self._jobs,), name=f"policy-{name}", daemon=True).start()
+        # In the caller's context: the plugins' log lines keep the decision's trace.
+        call = _Call(functools.partial(contextvars.copy_context().run, fn))
+        self._jobs.put(call)
+        if not call.done.wait(limit_s):
+            with call.lock:
+                if not call.finished:
+                    self._stuck.add(key)
+                    call.abandoned = functools.partial(self._stuck.discard, key)
+                    self._jobs = None
+                    log.error("policy %s has not answered in %.1f s; given up on, the fallback scheduler decides "
+                              "until it has", name, limit_s)
+                    raise PolicyHung(f"policy {name} did not answer in {limit_s:g} s")
+        if isinstance(call.error, Exception):
+            raise call.error
+        if call.error is not None:
+            # SystemExit (a plugin that calls sys.exit, or argparse on the service's arguments)
+            # went past the breaker, which catches failures, and out of the event loop.
+            raise RuntimeError(f"policy {name} raised {type(call.error).__name__}: {call.error}") from call.error
+        return call.value  # type: ignore[return-value]
+
+
+def runs_operator_code(profile: ProfileConfig) -> bool:
+    """Whether ``profile`` uses a plugin that is not the library's own (one a policy module
+    registered): only such a policy may hang, and only it pays the hop to the worker thread
+    (~0.15 ms a decision on a busy host, the state's arrays read from another core)."""
+    points = {"filter": profile.filters, "score": profile.scores, "normalise": [profile.normalise],
+              "select": [profile.select], "devices": [profile.devices], "confidence": [profile.confidence]}
+    return any(not getattr(REGISTRY[point].get(spec.name), "__module__", "").startswith("fleetpilot.")
+               for point, specs in points.items() for spec in specs)
+
+
+def _primary(runner: PrimaryRunner | None, name: str, decide: Callable[[ClusterState, TaskRequest], PolicyDecision],
+             key: object, limit_s: float) -> Callable[[ClusterState, TaskRequest], PolicyDecision]:
+    """The primary a breaker guards: ``decide`` (run by ``runner`` within ``limit_s``, when
+    given), and an ``assign`` that holds short of the request raised as ``PlacementShort``.
+
+    Judged after the guarded call (``replica.checked_decide``), a short placement was recorded
+    as a failure right after the breaker had recorded the same call as a success: the ``ok``
+    reset the count, so with a threshold above 1 the breaker never opened (every decision went
+    to the fallback, the gauge said closed), and a half-open probe closed it before the failure
+    was counted."""
+
+    def primary(state: ClusterState, task: TaskRequest) -> PolicyDecision:
+        choice = (decide(state, task) if runner is None
+                  else runner.call(key, limit_s, functools.partial(decide, state, task), name))
+        if choice.action == "assign":
+            from .replica import placement_problem  # replica imports this module
+
+            problem = placement_problem(choice, task)
+            if problem is not None:
+                log.warning("policy %s: %s: %s; the fallback scheduler decides it", name, task.task_id, problem)
+                raise PlacementShort(problem)
+        return choice
+
+    return primary
+
+
 @dataclass(frozen=True)
 class PluginProfile:
     """A profile exported by a hot-reloaded module, with the module content's version."""
@@ -205,6 +342,7 @@ class ActivePolicies:
     refused: tuple[PolicyConfig, str] | None = None
     _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
     _generation: int = 0
+    _runner: PrimaryRunner = field(default_factory=PrimaryRunner)
 
     def __post_init__(self) -> None:
         self.current = self._compile(self.config, self.source, self.plugins, self.stats)
@@ -350,7 +488,11 @@ class ActivePolicies:
             if breaker is None:
                 breaker = self._breakers[(name, config.breaker)] = CircuitBreaker(
                     config.breaker, on_change=functools.partial(self._breaker_changed, name))
-            guarded[name] = GuardedPolicy(policy.decide, fallback, breaker)
+            # Keyed as its breaker, which outlives swaps: a policy given up on is not called
+            # again, rebuilt or not, until its stuck call has returned.
+            runner = self._runner if runs_operator_code(profiles[name][0]) else None
+            primary = _primary(runner, name, policy.decide, (name, config.breaker), hang_limit_s(config.breaker))
+            guarded[name] = GuardedPolicy(primary, fallback, breaker)
         self._generation += 1
         return PolicySet(
             default=default,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 from fleetpilot.policy import Router
+from fleetpilot.policy.builtin import BUILTIN_POLICIES
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.runtime import ServiceSettings
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from .policy_set import PolicyConfig, load_config
@@ -27,13 +29,14 @@ class PolicySettings(ServiceSettings):
     pending_retry_s: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     claim_timeout_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False, description="A pending entry claimed longer ago than this "
                                    "was left by a replica that died placing it: another replica takes it")
+    # Before ``profile`` and the rules: they are checked against it (pydantic validates in order).
+    plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
     profile: str = "fleetpilot"
     # Traffic shaping: a JSON list of {"condition", "weight", "policy"} rules.
     shaping_rules: list[dict] = []
     breaker: dict = Field(default_factory=dict, description="BreakerConfig fields as JSON")
     seed: int = 0
     hostname: str = Field(default_factory=socket.gethostname, description="Selects policies.<hostname>")
-    plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
     plugin_poll_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
     stats_refresh_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     stats_timeout_s: float = Field(default=2.0, gt=0.0, allow_inf_nan=False)
@@ -100,9 +103,20 @@ class PolicySettings(ServiceSettings):
     # and a bad condition or weight stopped the replica only once connected, with a traceback.
     @field_validator("shaping_rules")
     @classmethod
-    def _rules_make_sense(cls, rules: list[dict]) -> list[dict]:
-        Router(load_config({"shaping": rules}).shaping, default="")
+    def _rules_make_sense(cls, rules: list[dict], info: ValidationInfo) -> list[dict]:
+        shaping = load_config({"shaping": rules}).shaping
+        Router(shaping, default="")
+        for i, rule in enumerate(shaping):
+            _known_policy(rule.policy, info.data.get("plugin_dir", ""), f"rule {i}: ")
         return rules
+
+    # A policy name that is no built-in, with no module directory to define it, was taken
+    # here and stopped the replica only once connected, with a traceback.
+    @field_validator("profile")
+    @classmethod
+    def _profile_exists(cls, profile: str, info: ValidationInfo) -> str:
+        _known_policy(profile, info.data.get("plugin_dir", ""))
+        return profile
 
     @field_validator("breaker")
     @classmethod
@@ -120,3 +134,14 @@ class PolicySettings(ServiceSettings):
                 "seed": self.seed,
             }
         )
+
+
+def _known_policy(name: str, plugin_dir: str, where: str = "") -> None:
+    """``ValueError`` unless ``name`` is a built-in policy or may be a profile of a module in
+    ``plugin_dir`` (an existing directory: its modules are loaded only once connected)."""
+    if name in BUILTIN_POLICIES or (plugin_dir and Path(plugin_dir).is_dir()):
+        return
+    modules = (f"and FLEETPILOT_POLICY_PLUGIN_DIR {plugin_dir!r} is no directory" if plugin_dir
+               else "and no FLEETPILOT_POLICY_PLUGIN_DIR is set to define it")
+    raise ValueError(f"{where}unknown policy {name!r}: not a built-in ({', '.join(sorted(BUILTIN_POLICIES))}) "
+                     f"{modules}")

@@ -83,6 +83,10 @@ class CircuitBreaker:
         """The outcome of one primary call."""
         if isinstance(error, PolicyUnavailable):
             return "unavailable"
+        if isinstance(error, TimeoutError):
+            # A primary that did not answer in time (its caller gave up on it, a remote scorer
+            # timed out) is a timeout, not a fault of its code: operators read the difference.
+            return "timeout"
         if error is not None:
             return "exception"
         if elapsed_s > self.config.time_budget_s:

@@ -21,9 +21,12 @@ A bad condition raises ``ConditionSyntaxError`` with the character position. A p
 does not exist on the task evaluates to ``None`` (so ``task.labels.team == 'x'`` is simply
 false for a task without that label); comparing incompatible types is false, not an error.
 
-Routing: ``Router(rules)`` sends a task to the first rule whose condition holds and whose
-weight covers the task's hash bucket: ``u = sha256(salt + task_id)`` mapped to [0, 1) — so a
-task always lands in the same shard, and about ``weight`` of matching tasks take the rule.
+Routing: ``Router(rules)`` maps each task to one number ``u = sha256(salt + task_id)`` in
+[0, 1) and walks the rules in order; each rule whose condition holds takes the next ``weight``
+of the unit interval, and the task goes to the rule whose slice holds ``u`` — so a task always
+lands in the same shard, and ``weight`` of the tasks matching a rule take it, whatever other
+rules they match before it (as long as the weights of the rules one task matches add up to
+no more than 1; past that, the later rules get what is left).
 """
 
 from __future__ import annotations
@@ -329,15 +332,21 @@ class RouteRule(msgspec.Struct, frozen=True, kw_only=True):
 def hash_unit(task_id: str, salt: str = "") -> float:
     """A uniform number in [0, 1) from ``sha256(salt + task_id)``: the same task, the same u."""
     digest = hashlib.sha256((salt + task_id).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+    # 53 bits, exactly representable: 64 bits divided by 2**64 rounded the top 1024 values
+    # to 1.0, a task no rule of weight 1 would take.
+    return (int.from_bytes(digest[:8], "big") >> 11) / 2.0**53
 
 
 class Router:
     """Deterministic traffic shaping over ordered rules; the default policy takes the rest.
 
-    Each rule owns its own slice of the hash space, so rules do not steal each other's share:
-    a task matching rule ``r`` goes there when ``hash_unit(task_id, salt + r's index) <
-    weight``. Returns ``(policy, shard_id)``; the default's shard is ``"primary"``.
+    One hash per task, ``u = hash_unit(task_id, salt + "0:")``; the rules whose condition
+    holds for the task lay their weights end to end over [0, 1) in order, and the task goes
+    to the rule whose slice holds ``u``. So each rule takes ``weight`` of the tasks it
+    matches even when an earlier rule matches them too. Before, each rule drew its own hash
+    and only saw the tasks the earlier rules had left: two canaries of 10% on one condition
+    got 10% and 9%, a 50/50 split 50% and 25%. A single rule routes as it did then. Returns
+    ``(policy, shard_id)``; the default's shard is ``"primary"``.
     """
 
     def __init__(self, rules: Sequence[RouteRule], default: str, salt: str = "") -> None:
@@ -351,7 +360,14 @@ class Router:
     def route(self, task: Any) -> tuple[str, str]:
         """The policy name and shard id for ``task`` (which needs a ``task_id``)."""
         task_id = str(_resolve(task, ["task_id"]) or "")
-        for i, (cond, rule) in enumerate(self.rules):
-            if cond(task) and hash_unit(task_id, f"{self.salt}{i}:") < rule.weight:
+        u = hash_unit(task_id, f"{self.salt}0:")
+        start = 0.0
+        for cond, rule in self.rules:
+            if not cond(task):
+                continue
+            if start <= u < start + rule.weight:
                 return rule.policy, rule.shard or rule.policy
+            start += rule.weight
+            if start >= 1.0:
+                break
         return self.default, "primary"

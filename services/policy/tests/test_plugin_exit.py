@@ -43,3 +43,18 @@ def test_a_module_that_exits_on_import_is_refused_and_the_previous_version_serve
     # What the half-run module registered is taken back, as for any other failure.
     assert not any("half-loaded-by-an-exiting-module" in names for names in REGISTRY.values())
     assert plugins.poll() is False  # not tried again until the file changes
+
+
+def test_an_unreadable_module_is_reported_once_and_read_again_when_it_can_be(tmp_path: Path, caplog) -> None:
+    (tmp_path / "mine.py").mkdir()  # a module path that cannot be read (as a permission denied)
+    plugins = PluginDirectory(tmp_path)
+    with caplog.at_level("WARNING", logger="fleetpilot.policy.plugins"):
+        for _ in range(5):
+            assert plugins.poll() is False
+    # Before: one WARNING every poll (twice a second, for as long as it stayed), saying "keeping
+    # the previous version" of a module that had none.
+    unreadable = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(unreadable) == 1 and "it serves nothing" in unreadable[0], unreadable
+    (tmp_path / "mine.py").rmdir()
+    (tmp_path / "mine.py").write_text(GOOD)
+    assert plugins.poll() and "mine" in plugins.profiles()

@@ -91,6 +91,15 @@ REFUSED_POLICIES = [
 ]
 
 
+# A policy name no built-in has, with no module directory to define it: taken before, and the
+# replica stopped only once connected, with a traceback ("unknown policy 'bestfitt'").
+REFUSED_POLICIES += [
+    ("PROFILE", "bestfitt"),
+    ("PROFILE", ""),
+    ("SHAPING_RULES", '[{"condition": "true", "weight": 0.05, "policy": "fgd-v2"}]'),
+]
+
+
 @pytest.mark.parametrize(("name", "value"), REFUSED_POLICIES)
 def test_a_shaping_rule_or_breaker_that_makes_no_sense_is_refused_in_one_line(monkeypatch, name: str,
                                                                                value: str) -> None:
@@ -108,3 +117,21 @@ def test_sensible_shaping_rules_and_breaker_are_accepted(monkeypatch) -> None:
     monkeypatch.setenv("FLEETPILOT_POLICY_BREAKER", '{"failure_threshold": 1, "cooldown_s": 0, "time_budget_s": 2}')
     got = PolicySettings.from_environment().policy_config()
     assert (got.shaping[0].weight, got.breaker.cooldown_s, got.breaker.time_budget_s) == (0.0, 0.0, 2.0)
+
+
+def test_a_policy_name_is_refused_when_the_module_directory_is_not_there(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("FLEETPILOT_POLICY_PROFILE", "mine")
+    monkeypatch.setenv("FLEETPILOT_POLICY_PLUGIN_DIR", str(tmp_path / "polcies"))
+    with pytest.raises(BadSettings) as caught:
+        PolicySettings.from_environment()
+    assert "FLEETPILOT_POLICY_PROFILE" in str(caught.value) and "polcies" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_module_profile_name_is_accepted_with_a_module_directory(monkeypatch, tmp_path) -> None:
+    # Its modules are loaded once connected: the name may be one of theirs.
+    monkeypatch.setenv("FLEETPILOT_POLICY_PROFILE", "mine")
+    monkeypatch.setenv("FLEETPILOT_POLICY_SHAPING_RULES", '[{"condition": "true", "weight": 0.1, "policy": "theirs"}]')
+    monkeypatch.setenv("FLEETPILOT_POLICY_PLUGIN_DIR", str(tmp_path))
+    got = PolicySettings.from_environment()
+    assert (got.profile, got.shaping_rules[0]["policy"]) == ("mine", "theirs")

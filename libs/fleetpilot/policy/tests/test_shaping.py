@@ -117,3 +117,16 @@ def test_a_long_chain_of_alternatives_evaluates_without_recursing_per_term() -> 
 def test_a_condition_nested_too_deeply_is_a_syntax_error(text: str) -> None:
     with pytest.raises(ConditionSyntaxError, match="nested too deeply"):
         parse_condition(text)
+
+
+def test_hash_unit_stays_below_one_for_the_largest_digests(monkeypatch) -> None:
+    # 64 bits over 2**64 rounded the top 1024 values to 1.0: a task no rule of weight 1 took.
+    import hashlib
+
+    class Top:
+        def digest(self) -> bytes:
+            return b"\xff" * 32
+
+    monkeypatch.setattr(hashlib, "sha256", lambda data: Top())
+    assert hash_unit("any") < 1.0
+    assert Router([RouteRule(weight=1.0, policy="canary")], default="d").route({"task_id": "any"})[0] == "canary"
