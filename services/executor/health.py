@@ -156,10 +156,30 @@ class GpuHealth(ExecutorReplica):
             self.decisions.pop(task_id, None)
             return event
 
-        evicted = await asyncio.gather(*(evict(t) for t in command.evict))
+        # A task that only holds a reservation here (a move's target) and runs elsewhere is not
+        # on this GPU: stopped, it was stopped where it runs (or, on another node's executor,
+        # told evicted while it ran on, and placed a second time). Its move is refused by the
+        # labels (``LabelGate``) and its reservation goes back on that path.
+        running = [t for t in command.evict if not self.only_reserved_here(t, command.node, command.gpu)]
+        for task_id in sorted(set(command.evict) - set(running)):
+            log.info("%s only holds a reservation on %s/%d and runs elsewhere: not evicted with it",
+                     task_id, command.node, command.gpu)
+        evicted = await asyncio.gather(*(evict(t) for t in running))
         await self._label(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
-        log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(command.evict))
+        log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(running))
         return [e for e in evicted if e is not None]
+
+    def only_reserved_here(self, task_id: str, node: str, gpu: int) -> bool:
+        """Whether ``task_id`` holds only reservations on ``node``/``gpu`` and runs, its hold
+        confirmed, on another GPU (of this node or another)."""
+        if self.ledger is None:
+            return False
+        held = self.ledger.nodes.get(node_key(node))
+        here = [a for a in (held.allocations if held else ()) if a.task_id == task_id and a.gpu == gpu]
+        if not here or any(a.state == "confirmed" for a in here):
+            return False
+        return any(a.task_id == task_id and a.state == "confirmed" and (key != node_key(node) or a.gpu != gpu)
+                   for key, other in self.ledger.nodes.items() for a in other.allocations)
 
     async def _label(self, node: str, gpu: int, wanted: dict[str, str]) -> None:
         """Label a GPU for the hook. The hook emits each command once: a write that fails

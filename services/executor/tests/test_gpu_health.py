@@ -120,6 +120,38 @@ async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_compet
     assert [a.task_id for a in ledger.allocations] == ["elsewhere"]
 
 
+async def test_a_decommission_leaves_a_task_that_only_holds_a_reservation_on_the_gpu_and_runs_elsewhere(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    """``mover`` runs on GPU 1 and holds a reservation on GPU 0, a move's target. Evicted with
+    GPU 0, it was stopped where it runs (the simulator removed it) and told evicted: the
+    policy placed it again while its first run, on another node's executor, went on."""
+    await observer.kv_put("topology", "n1", encode(node_topology("n1")))
+    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+        Allocation(task_id="busy", decision_id="d0", gpu=0, milli=1000, state="confirmed"),
+        Allocation(task_id="mover", decision_id="d1", gpu=1, milli=1000, state="confirmed"),
+        Allocation(task_id="mover", decision_id="d2", gpu=0, milli=500, state="reserved"),
+    ])))
+    host = build(settings(nats_url, tmp_path, "a"))
+    await host.start()
+    try:
+        t0 = 1_000_000.0
+        for at in (t0, t0 + 300, t0 + 300 + 1800):  # hot, cordoned, decommissioned
+            await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, at, 95.0)])
+            await asyncio.sleep(0.1)
+        await wait_labels(observer, "n1", 0, "decommissioned")
+        evicted = await observer.wait_stored("task.lifecycle.*", TaskLifecycle, 1)
+        await asyncio.sleep(0.3)
+        evicted = await observer.stored("task.lifecycle.*", TaskLifecycle)
+        ledger = await observer.ledger("n1")
+    finally:
+        await host.stop()
+    assert [(e.task_id, e.state) for e in evicted] == [("busy", "evicted")]
+    assert [c.task_id for c in sim_fleet.verbs("remove")] == ["busy"]
+    assert sorted((a.task_id, a.gpu, a.state) for a in ledger.allocations) == [
+        ("mover", 0, "reserved"), ("mover", 1, "confirmed")]
+
+
 async def test_gpu_with_decaying_hardware_is_labelled_maintenance_pending(observer, nats_url, tmp_path):
     await observer.kv_put("topology", "n1", encode(node_topology("n1")))
     host = build(settings(nats_url, tmp_path, "a", health_interval_s=0.1))
