@@ -36,6 +36,12 @@ class PolicyMetrics:
         self.config_errors = Counter(
             "fleetpilot_policy_config_errors_total", "Config documents refused", registry=registry
         )
+        self.module_errors = Counter(
+            "fleetpilot_policy_module_errors_total",
+            "Policy modules that failed to load or could not be read (once per version of the file)",
+            ["module"],
+            registry=registry,
+        )
         self.breaker_open = Gauge(
             "fleetpilot_policy_breaker_open",
             "1 while the policy's circuit breaker is open or probing (its decisions go to the fallback)",

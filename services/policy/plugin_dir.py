@@ -35,6 +35,7 @@ import hashlib
 import importlib.util
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,9 @@ class PluginDirectory:
     # The stat at which each unreadable file was last reported: it is read again at every
     # poll (a permission fixed changes no mtime), but said once. Before, a WARNING every poll.
     unreadable: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Told the file name of each module that fails to load or cannot be read, once per
+    # version of the file (the service counts them: a log line alone is missed).
+    on_failure: Callable[[str], None] | None = None
 
     def poll(self) -> bool:
         """Reload what changed on disk; ``True`` when the set of profiles changed."""
@@ -98,6 +102,10 @@ class PluginDirectory:
             out.update(loaded.profiles)
         return out
 
+    def _failed(self, name: str) -> None:
+        if self.on_failure is not None:
+            self.on_failure(name)
+
     def _load(self, name: str, stat: tuple[int, int]) -> bool:
         file = self.path / name
         try:
@@ -105,6 +113,7 @@ class PluginDirectory:
         except OSError as exc:
             if self.unreadable.get(name) != stat:
                 self.unreadable[name] = stat
+                self._failed(name)
                 log.warning("policy module %s unreadable (%s); %s", name, exc,
                             "the previous version keeps serving" if name in self.loaded else "it serves nothing")
             return False
@@ -126,6 +135,7 @@ class PluginDirectory:
                 REGISTRY[point].clear()
                 REGISTRY[point].update(plugins)
             self.failed[name] = (stat, digest)
+            self._failed(name)
             log.error(
                 "policy module %s (%s) failed to load: %s: %s; %s",
                 name,

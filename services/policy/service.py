@@ -151,7 +151,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         return metrics.decided(learned.apply(decision))
     holder: dict[str, object] = {}
     host_key = config_key(settings.hostname)
-    plugins = PluginDirectory(Path(settings.plugin_dir)) if settings.plugin_dir else None
+    plugins = PluginDirectory(Path(settings.plugin_dir),
+                              on_failure=lambda name: metrics.module_errors.labels(module=name).inc()
+                              ) if settings.plugin_dir else None
 
     def state() -> PolicyState:
         return holder["state"]  # type: ignore[return-value]

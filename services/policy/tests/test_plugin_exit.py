@@ -33,7 +33,8 @@ sys.exit(2)
 def test_a_module_that_exits_on_import_is_refused_and_the_previous_version_serves(tmp_path: Path) -> None:
     module = tmp_path / "mine.py"
     module.write_text(GOOD)
-    plugins = PluginDirectory(tmp_path)
+    failures: list[str] = []
+    plugins = PluginDirectory(tmp_path, on_failure=failures.append)
     assert plugins.poll()
     before = plugins.profiles()["mine"].version
 
@@ -43,11 +44,13 @@ def test_a_module_that_exits_on_import_is_refused_and_the_previous_version_serve
     # What the half-run module registered is taken back, as for any other failure.
     assert not any("half-loaded-by-an-exiting-module" in names for names in REGISTRY.values())
     assert plugins.poll() is False  # not tried again until the file changes
+    assert failures == ["mine.py"]  # counted once (fleetpilot_policy_module_errors_total), not only logged
 
 
 def test_an_unreadable_module_is_reported_once_and_read_again_when_it_can_be(tmp_path: Path, caplog) -> None:
     (tmp_path / "mine.py").mkdir()  # a module path that cannot be read (as a permission denied)
-    plugins = PluginDirectory(tmp_path)
+    failures: list[str] = []
+    plugins = PluginDirectory(tmp_path, on_failure=failures.append)
     with caplog.at_level("WARNING", logger="fleetpilot.policy.plugins"):
         for _ in range(5):
             assert plugins.poll() is False
@@ -55,6 +58,7 @@ def test_an_unreadable_module_is_reported_once_and_read_again_when_it_can_be(tmp
     # the previous version" of a module that had none.
     unreadable = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert len(unreadable) == 1 and "it serves nothing" in unreadable[0], unreadable
+    assert failures == ["mine.py"]
     (tmp_path / "mine.py").rmdir()
     (tmp_path / "mine.py").write_text(GOOD)
     assert plugins.poll() and "mine" in plugins.profiles()
