@@ -119,9 +119,16 @@ class ExampleStore:
         return added
 
     def add_outcome(self, feedback: FeedbackRecorded) -> bool:
-        """Keep an action's outcome; ``False`` when it was kept already, cannot teach, or is
-        older than every joined outcome the store keeps (pruned already, or it would be)."""
+        """Keep an action's outcome; ``False`` when it was kept already, cannot teach (no
+        placement's, or a record of weight 0), or is older than every joined outcome the store
+        keeps (pruned already, or it would be)."""
         if not feedback.decision_id or not learns_from(feedback):
+            return False
+        # A record of weight 0 (judged without the action's result) is no example to the
+        # model (``learnable``). Kept, it counted as a new outcome (enough of them started a
+        # round that learnt from nothing new and stored the same model again as a new
+        # version) and took a place among the MAX_EXAMPLES latest, leaving fewer to learn from.
+        if outcome_weight(feedback) <= 0.0:
             return False
         # A pruned outcome delivered again (a replica's consumers made anew replay 7 days;
         # the feedback service announces a stored record again under a new message id) found

@@ -418,3 +418,25 @@ async def test_malformed_placements_and_outcomes_are_dead_lettered_with_their_re
         assert store.sizes() == {"joined": 0, "decisions_waiting": 1, "outcomes_waiting": 1}
     finally:
         store.close()
+
+
+def test_outcomes_that_cannot_teach_are_not_kept_counted_or_read(tmp_path):
+    """A record judged without its action's result weighs 0, and the model never learns from
+    it (``learnable``). Kept, it was counted as a new outcome (50 of them started a round that
+    learnt from nothing new and stored the same model again, under a new version) and took a
+    place among the ``MAX_EXAMPLES`` latest, which then held fewer outcomes to learn from."""
+    path = tmp_path / "learner.db"
+    store = ExampleStore(path)
+    t = now()
+    try:
+        for i in range(6):
+            store.add_decision(decision(i, at=t - 100 + i))
+            weightless = i % 2 == 1  # judged from the task's end alone: latency unknown
+            ended = outcome(i, at=t - 50 + i)
+            if weightless:
+                ended = msgspec.structs.replace(ended, latency_ms=Measured(value=0.0, uncertainty_score=1.0))
+            assert store.add_outcome(ended) is not weightless
+        assert (store.counter(JOINED), store.sizes()["joined"]) == (3, 3)
+        assert [e.decision.decision_id for e in read_examples(path, 3)] == ["d4", "d2", "d0"]
+    finally:
+        store.close()
