@@ -91,10 +91,14 @@ class LearnedConfidence:
             self.load(entry.value, entry.revision)
 
     def gpu_model(self, decision: DecisionMade) -> str:
-        """The model of the first GPU ``decision`` places on ("" when the fleet view lacks it)."""
-        if self.fleet is None or not decision.placement:
+        """The model of the first GPU ``decision`` places on ("" when the fleet view lacks it).
+
+        A CPU-only entry (``gpu`` -1) names no GPU and is passed over, as the executor does
+        when it tells the model the outcome is learnt under: read as "other" here, the same
+        placement was scored on another input than it was trained on."""
+        first = next((p for p in decision.placement if p.gpu >= 0), None)
+        if self.fleet is None or first is None:
             return ""
-        first = decision.placement[0]
         topo = self.fleet.nodes.get(node_key(first.node))
         return next((g.model for g in topo.gpus if g.index == first.gpu), "") if topo else ""
 

@@ -186,3 +186,19 @@ def test_a_bad_version_after_the_model_was_set_aside_leaves_none_in_use():
     learned.load(b"[]", 5)
     assert learned.model is None and learned.refused_version == 5
     assert registry.get_sample_value("fleetpilot_policy_learned_model_version") == 0  # none in use
+
+
+def test_the_gpu_model_is_that_of_the_first_gpu_placed_on_as_the_executor_tells_it():
+    # A placement whose first entry is CPU-only was scored as "other", while the executor
+    # (and so the learner's training row) names the model of its first GPU.
+    from types import SimpleNamespace
+
+    from fleetpilot.contracts import GpuInfo, NodeTopology
+    from fleetpilot.ledger.store import node_key
+
+    fleet = SimpleNamespace(nodes={node_key("n0"): NodeTopology(node="n0", gpus=[GpuInfo(index=0, model="H100")])})
+    learned = LearnedConfidence(fleet)  # type: ignore[arg-type]
+    d = msgspec.structs.replace(a_placement(), placement=[Placement(node="n0", gpu=-1, milli=0, memory_mb=0),
+                                                          Placement(node="n0", gpu=0, milli=1000, memory_mb=8000)])
+    assert learned.gpu_model(d) == "H100"
+    assert learned.gpu_model(msgspec.structs.replace(d, placement=d.placement[:1])) == ""
