@@ -476,7 +476,9 @@ class Report:
             lines.append(f"  {g.key.get('policy', '?')} {g.key.get('action') or '(judged without its result)'}: "
                          f"{g.count} record{'s' * (g.count != 1)}, success {g.success_rate:.2f}{weighted}, {latency}, "
                          f"{g.expected_successes:.1f} successes expected, {g.successes} met, "
-                         f"Brier {g.brier_score:.3f}")
+                         f"Brier {g.brier_score:.3f}"
+                         + (f", {g.mean_resource_saving_mb / 1024:.1f} GB of GPU memory left free per record against whole "
+                            "GPUs" if g.mean_resource_saving_mb > 0 else ""))
         return lines
 
     def learnt(self) -> str:

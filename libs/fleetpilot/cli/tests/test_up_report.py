@@ -332,7 +332,7 @@ async def test_the_closing_report_gives_the_feedback_store_s_own_figures(nats_cl
         groups = [
             StatsGroup(key={"policy": "fleetpilot@1", "action": "assign"}, count=40, successes=38, success_rate=0.95,
                        weighted_success_rate=0.96, measured=40, p95_latency_ms=12.4, expected_successes=37.6,
-                       brier_score=0.041),
+                       brier_score=0.041, mean_resource_saving_mb=30_720.0),
             StatsGroup(key={"policy": "fleetpilot@1", "action": ""}, count=3, successes=1, success_rate=1 / 3,
                        measured=0, p95_latency_ms=None, expected_successes=2.7, brier_score=0.3),
         ]
@@ -353,7 +353,7 @@ async def test_the_closing_report_gives_the_feedback_store_s_own_figures(nats_cl
     start = lines.index("feedback store, every run it holds (feedback.stats, by policy and action):")
     assert lines[start + 1:start + 3] == [
         "  fleetpilot@1 assign: 40 records, success 0.95 (weighted 0.96), p95 latency 12 ms over 40 measured, "
-        "37.6 successes expected, 38 met, Brier 0.041",
+        "37.6 successes expected, 38 met, Brier 0.041, 30.0 GB of GPU memory left free per record against whole GPUs",
         "  fleetpilot@1 (judged without its result): 3 records, success 0.33, no latency measured, "
         "2.7 successes expected, 1 met, Brier 0.300",
     ]
