@@ -9,6 +9,7 @@ from fleetpilot.policy import Router
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.runtime import ServiceSettings
+from fleetpilot.runtime.config import queue_aging_default
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -53,7 +54,7 @@ class PolicySettings(ServiceSettings):
         "for the GPU its spread asks (policy.spread); off: never ask below the spread",
     )
     queue_aging: float = Field(
-        default=1.0, gt=0.0, allow_inf_nan=False,
+        default_factory=queue_aging_default, validate_default=True, gt=0.0, allow_inf_nan=False,
         description="How much a task's admission time weighs in the queue's order against the run it has "
         "left (backfill.completion_order): 1, a later task goes first only if expected to end before the "
         "waiting one would have; below 1, short work goes first more often; must be above 0",

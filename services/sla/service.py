@@ -54,6 +54,7 @@ from fleetpilot.ledger import FleetView as TopologyView
 from fleetpilot.ledger import LedgerStore
 from fleetpilot.policy.backfill import queue_key
 from fleetpilot.runtime import Bus, CasConflict, Delivery, Reject, Retry, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime.config import queue_aging_default
 from fleetpilot.sla import (
     Admit,
     CounterOffer,
@@ -117,9 +118,11 @@ class SlaSettings(ServiceSettings):
     # it closed with for this long (as long as the ``rejections`` bucket keeps a rejection),
     # then leaves the contracts bucket: nothing else would ever remove it.
     closed_offer_keep_s: float = Field(default=86_400.0, gt=0.0, allow_inf_nan=False)
-    # The policy's FLEETPILOT_POLICY_QUEUE_AGING (set both alike): a request is estimated
-    # behind only the waiting tasks the policy's queue order serves before it.
-    queue_aging: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    # The policy's queue aging (FLEETPILOT_QUEUE_AGING sets both; a prefixed one, this
+    # service's alone): a request is estimated behind only the waiting tasks the policy's
+    # queue order serves before it.
+    queue_aging: float = Field(default_factory=queue_aging_default, validate_default=True, gt=0.0,
+                               allow_inf_nan=False)
 
 
 def bearer_token(headers: dict[str, str]) -> str | None:

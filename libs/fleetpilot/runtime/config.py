@@ -31,7 +31,19 @@ def _shared(name: str, default: str | None) -> str | None:
 STARTUP_TIMEOUT_VARIABLE = "FLEETPILOT_STARTUP_TIMEOUT_S"
 """The start-up limit every service shares unless it sets its own prefixed one."""
 
-_SHARED_VARIABLES = {"startup_timeout_s": STARTUP_TIMEOUT_VARIABLE, "log_level": "FLEETPILOT_LOG_LEVEL"}
+QUEUE_AGING_VARIABLE = "FLEETPILOT_QUEUE_AGING"
+"""The queue's aging (``backfill.completion_order``), shared by the policy, which orders its
+queue by it, and the SLA negotiator, which estimates a request's wait by the same order:
+set once here, they cannot disagree (each may still set its own prefixed one)."""
+
+
+def queue_aging_default() -> str:
+    """The default of a service's ``queue_aging``: :data:`QUEUE_AGING_VARIABLE`, else 1."""
+    return _shared(QUEUE_AGING_VARIABLE, "1") or "1"
+
+
+_SHARED_VARIABLES = {"startup_timeout_s": STARTUP_TIMEOUT_VARIABLE, "log_level": "FLEETPILOT_LOG_LEVEL",
+                     "queue_aging": QUEUE_AGING_VARIABLE}
 """Settings validated from a shared variable: a bad value there is named by that variable."""
 
 

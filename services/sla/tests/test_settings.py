@@ -32,3 +32,19 @@ def test_a_setting_out_of_its_range_is_refused_naming_it(monkeypatch, variable, 
 def test_the_defaults_are_accepted():
     settings = SlaSettings()
     assert settings.offer_validity_s == 30.0 and settings.max_options == 4
+
+
+def test_the_queue_aging_is_shared_with_the_policy_unless_set_for_one(monkeypatch):
+    # The negotiator estimates a wait by the policy's queue order: set apart, the two could
+    # disagree on which tasks come first. FLEETPILOT_QUEUE_AGING sets both.
+    from fleetpilot_services.policy.settings import PolicySettings
+
+    monkeypatch.setenv("FLEETPILOT_QUEUE_AGING", "0.25")
+    assert SlaSettings.from_environment().queue_aging == PolicySettings.from_environment().queue_aging == 0.25
+    monkeypatch.setenv("FLEETPILOT_SLA_QUEUE_AGING", "2")
+    assert SlaSettings.from_environment().queue_aging == 2.0
+    monkeypatch.delenv("FLEETPILOT_SLA_QUEUE_AGING")
+    monkeypatch.setenv("FLEETPILOT_QUEUE_AGING", "-1")
+    with pytest.raises(BadSettings) as caught:  # named by the shared variable, which set it
+        SlaSettings.from_environment()
+    assert str(caught.value).startswith("FLEETPILOT_QUEUE_AGING='-1'")
