@@ -75,7 +75,9 @@ async def published_decision(bus: Bus, decision_id: str, since: float) -> Decisi
 
 
 def expiry(decision: DecisionMade, node: str, waited_s: float, at: float) -> ActionFailed:
-    """The ``action.failed`` that ends ``decision``: no executor took it in ``waited_s``."""
+    """The ``action.failed`` that ends ``decision``: no executor took it in ``waited_s``, which
+    is how long the action took to fail (its ``latency_ms``; left at 0, the feedback store
+    counted a measured 0 ms, and a node whose executor is down read as the fastest)."""
     return ActionFailed(
         action_id=action_id_for(decision.decision_id),
         decision_id=decision.decision_id,
@@ -90,6 +92,7 @@ def expiry(decision: DecisionMade, node: str, waited_s: float, at: float) -> Act
         shard_id=decision.shard_id,
         confidence=decision.confidence,
         task_kind=decision.task.kind if decision.task else "",
+        latency_ms=max(waited_s, 0.0) * 1000.0,
         failed_at=at,
     )
 

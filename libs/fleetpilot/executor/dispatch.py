@@ -94,6 +94,7 @@ async def execute_decision(
     recorded = await journal.result(decision.decision_id)
     if recorded is not None:
         return recorded
+    checked = time.perf_counter()  # a refusal's latency is its checks': it took them to fail
     # The checks come before the claim: they read the ledger and run the business's hooks,
     # either of which may raise (a KV read timing out, a hook's bug). Raised after the
     # claim, that left the decision claimed with no result, and every redelivery was told
@@ -122,7 +123,8 @@ async def execute_decision(
     )
     result: ActionResult
     if refusal:
-        result = ActionFailed(**common, placement=decision.placement, error=refusal, retryable=False, failed_at=clock())
+        result = ActionFailed(**common, placement=decision.placement, error=refusal, retryable=False,
+                              latency_ms=(time.perf_counter() - checked) * 1000.0, failed_at=clock())
         await journal.record(decision.decision_id, result)
         return result
     began = time.perf_counter()

@@ -86,6 +86,7 @@ async def test_a_decision_no_executor_takes_expires_and_its_task_goes_elsewhere(
     assert (node_key(other), "t.assign.2", "reserved") in holds(ledgers)
     expired = decode(recorded, ActionFailed)
     assert expired.retryable and expired.error.startswith(f"expired: not taken by the executor of {gone}")
+    assert expired.latency_ms >= 1000.0  # it took the expiry to fail, not 0 ms
     assert [p.node for p in expired.placement] == [gone] and expired.policy == first.policy
     assert told == [expired]  # published once (the stream keeps one copy)
 

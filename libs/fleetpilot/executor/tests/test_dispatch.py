@@ -91,6 +91,7 @@ async def test_business_rules(context: GpuContext, kind: str, labels: dict, allo
     assert bool(backend.actions) is allowed
     if not allowed:
         assert isinstance(result, ActionFailed) and not result.retryable and "business rule" in result.error
+        assert result.latency_ms > 0.0  # the checks it took to refuse, timed: not a measured 0 ms
 
 
 async def test_backend_failure_becomes_action_failed() -> None:
