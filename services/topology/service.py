@@ -29,6 +29,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_UNREACHABLE,
     NODE_LABEL_UNREACHABLE_SINCE,
     OPERATIONAL_GPU_LABELS,
+    Allocation,
     BandwidthEstimate,
     ExecutorPresence,
     GpuInfo,
@@ -213,8 +214,14 @@ def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None)
                 return {}  # another GPU than the one this index named before
         return {k: v for k, v in then.labels.items() if k in OPERATIONAL_GPU_LABELS} if then is not None else {}
 
-    gpus = [msgspec.structs.replace(g, labels={**{k: v for k, v in g.labels.items() if k not in NODE_CONDITION_LABELS},
-                                               **kept(g)})
+    # The node's condition goes on every GPU, one new in this report included: carried GPU
+    # by GPU, a replaced or added GPU of a node `not_ready` or `unreachable` came in without
+    # it, and took new work (placed by the GPU's labels) until the next check.
+    condition = marked_condition(stored) if stored is not None else ""
+    gpus = [msgspec.structs.replace(g, labels={
+        **{k: v for k, v in g.labels.items() if k not in NODE_CONDITION_LABELS},
+        **{k: v for k, v in kept(g).items() if k not in NODE_CONDITION_LABELS},
+        **({condition: "true"} if condition else {})})
             for g in reported.gpus]
     # The node's own labels carry its condition too (a node without GPUs has nowhere else),
     # from ``stored`` alone as on the GPUs.
@@ -441,16 +448,45 @@ async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int =
     raise CasConflict(f"topology of {key} kept changing")
 
 
+UNREADABLE_HOLD = "(a hold that does not decode)"
+"""Stands in ``held_tasks`` for what the ledger holds on a node but cannot be read."""
+
+
+class _LedgerHolds(msgspec.Struct):
+    """A ledger value read hold by hold (``LedgerStore.rebuilt`` reads it so too)."""
+
+    allocations: list[msgspec.Raw] = []
+
+
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError)
+
+
 async def held_tasks(ledger: KeyValue, node: str) -> list[str]:
-    """The tasks the ``ledger`` still holds on ``node`` (an unreadable entry holds none that
-    can be told)."""
+    """The tasks the ``ledger`` still holds on ``node``; what it holds there but cannot be
+    read counts as ``UNREADABLE_HOLD``.
+
+    A value that did not decode whole (one hold written by another version, a hand edit)
+    read as holding nothing: the node was forgotten while its holds stayed, and the executor,
+    which gives a node's tasks up only while the node is in the bucket, never released them.
+    The executor's next write of the ledger rebuilds the value (``LedgerStore.rebuilt``)."""
     entry = await ledger.get(node_key(node))
     if entry is None or not entry.value:
         return []
     try:
         return sorted({a.task_id for a in msgspec.json.decode(entry.value, type=NodeLedger).allocations})
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return []
+    except _UNDECODABLE:
+        pass
+    try:
+        holds = msgspec.json.decode(entry.value, type=_LedgerHolds).allocations
+    except _UNDECODABLE:
+        return [UNREADABLE_HOLD]
+    held: set[str] = set()
+    for raw in holds:
+        try:
+            held.add(msgspec.json.decode(raw, type=Allocation).task_id)
+        except _UNDECODABLE:
+            held.add(UNREADABLE_HOLD)
+    return sorted(held)
 
 
 async def forget_given_up(kv: KeyValue, executors: KeyValue, node: str, since: float,
@@ -549,6 +585,14 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         return True
 
     async def listening_since(bus: Bus) -> None:
+        # Every known node's last report is read now, before listening is counted: first
+        # read by the first check (one ``liveness_check_s`` later), a report older than this
+        # replica counted as heard then, and once listened through ``not_ready_after_s`` a
+        # node silent all along read as heard within it: ``ready``, its `unreachable` (set by
+        # the replica before) or another replica's `not_ready` lifted with no report.
+        for node in await stored_nodes(await bus.kv("topology")):
+            subject = f"topology.report.{node.node}"
+            sightings.no_earlier_than_seen(subject, await bus.last_stored_at(subject), now())
         started["at"] = now()
 
     host.on_startup(listening_since)

@@ -858,3 +858,62 @@ def test_unreachable_since_is_set_once_kept_while_given_up_and_goes_with_the_mar
     echoed = msgspec.structs.replace(node, labels={**node.labels, "unreachable_since": "1"})
     assert topology_service.with_operational_labels(echoed, None).labels == node.labels
     assert topology_service.with_operational_labels(echoed, given_up).labels["unreachable_since"] == "100"
+
+
+async def test_a_fresh_replica_does_not_lift_the_mark_of_a_node_silent_since_before_it_started(nats_server, client):
+    """A replica's first check comes one ``liveness_check_s`` after its start, and a stamp older
+    than the replica read as heard when that check first saw it: once listened through
+    ``not_ready_after_s`` it took a node silent all along for heard within it, ``ready``, and
+    lifted the `unreachable` the replica before it had set (or another replica's `not_ready`),
+    with no report: the node was back in service, new work went to it, to be marked again
+    at the next checks."""
+    given_up, waiting = NODES[0], NODES[1]
+    await client.publish(report(given_up, 1.0))
+    await client.publish(report(waiting, 1.0))
+    await asyncio.sleep(0.2)
+    kv = await client.kv("topology")
+    # As the replicas before this one left them: both silent since.
+    await kv.put(given_up.node, topology_service.encode(with_condition(given_up, "unreachable", at=1.0)))
+    await kv.put(waiting.node, topology_service.encode(with_condition(waiting, "not_ready")))
+    host = build(settings(nats_server.url, not_ready_after_s=0.6, silent_after_s=60, liveness_check_s=0.3))
+    await host.start()
+    seen = []
+    try:
+        for _ in range(25):
+            await asyncio.sleep(0.1)
+            seen.append((await condition_labels(kv, given_up), await condition_labels(kv, waiting)))
+    finally:
+        await host.stop()
+    assert seen == [({"unreachable"}, {"not_ready"})] * len(seen), seen
+
+
+async def test_a_node_whose_ledger_entry_does_not_decode_is_not_forgotten(nats_server, client):
+    """A ledger value that does not decode whole (a hold written by another version) read as
+    holding nothing: the node was forgotten while its readable holds stayed in the ledger,
+    and the executor, which gives a node's tasks up only while it is in the bucket, never
+    released them: capacity held by nobody, the tasks never placed again."""
+    node = NODES[0]
+    ledger = await client.kv("ledger")
+    await ledger.put(node.node, msgspec.json.encode({"node": node.node, "allocations": [
+        {"task_id": "t", "decision_id": "t.assign", "gpu": 0, "milli": 1000, "at": 1.0, "state": "confirmed"},
+        {"task_id": "u", "gpu": "zero", "future_field": True}]}))
+    assert "t" in await topology_service.held_tasks(ledger, node.node)
+    await ledger.put(node.node, b"not a ledger")
+    assert await topology_service.held_tasks(ledger, node.node)  # cannot tell: kept, not taken as empty
+    await ledger.put(node.node, msgspec.json.encode({"node": node.node, "allocations": []}))
+    assert await topology_service.held_tasks(ledger, node.node) == []
+
+
+def test_a_gpu_new_on_a_marked_node_is_marked_with_it():
+    """A node's condition was carried GPU by GPU: a GPU new in a report (replaced, added)
+    came into the bucket without the node's `not_ready` (an executor in a crash loop) or
+    `unreachable`, and took new work, which is placed by the GPU's labels, until the next check."""
+    node = NODES[3]
+    for condition in ("not_ready", "unreachable"):
+        stored = with_condition(node, condition, at=100.0)
+        replaced = msgspec.structs.replace(node.gpus[0], uuid="GPU-new-0000")
+        added = msgspec.structs.replace(node.gpus[-1], index=len(node.gpus), uuid="GPU-new-0001")
+        reported = msgspec.structs.replace(node, gpus=[replaced, *node.gpus[1:], added])
+        kept = topology_service.with_operational_labels(reported, stored)
+        assert [g.labels.get(condition) for g in kept.gpus] == ["true"] * len(kept.gpus), condition
+        assert kept.labels.get(condition) == "true"
