@@ -93,3 +93,37 @@ def duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
     return value * unit
+
+
+def path_text(text: str) -> str:
+    """A path as given, refused when empty: ``-f "$TASK"`` with the variable unset read as the
+    flag left out, and the command went on with its default (the shipped fleet, another state
+    directory, a task without its file)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
+def nats_url(text: str) -> str:
+    """A NATS server URL, refused when empty: an empty ``--nats-url`` fell back to the default
+    bus (``$FLEETPILOT_NATS_URL``, the running ``up``'s, else :4222), another fleet's perhaps."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty URL (leave the flag out for the default bus)")
+    return text
+
+
+def model_names(text: str) -> str:
+    """Comma-separated GPU models, at least one named (``A100,H100``): ``,,`` asked for no model,
+    which reads as any GPU."""
+    if not any(name.strip() for name in text.split(",")):
+        raise argparse.ArgumentTypeError(f"names no GPU model, got {text!r}")
+    return text
+
+
+def probe_interval(text: str) -> float:
+    """Seconds between two readings: 0 to a day. Longer is no probe anyone waits for, and over
+    about 3e11 s ``time.sleep`` refuses it with an ``OverflowError`` after the first reading."""
+    value = non_negative_float(text)
+    if value > 86400:
+        raise argparse.ArgumentTypeError(f"must be at most 86400 (a day), got {text}")
+    return value

@@ -17,10 +17,12 @@ import numpy as np
 
 from fleetpilot.fingerprint.series_csv import fingerprint_csv
 
+from .arguments import path_text
+
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot fingerprint``."""
-    parser.add_argument("series", help="CSV of one task's memory over time: timestamp_s,used_bytes per line "
+    parser.add_argument("series", type=path_text, help="CSV of one task's memory over time: timestamp_s,used_bytes per line "
                                        "(seconds and bytes; a header line is optional)")
     parser.add_argument("--at", type=float, default=0.25,
                         help="fraction of the series the fingerprinter sees, in (0, 1] (default 0.25)")

@@ -53,6 +53,7 @@ from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import Fleet, Site, load_fleet_spec, load_openb_fleet
 
 from . import event_loop
+from .arguments import nats_url, path_text
 from .local import announced_nats_url, connect_once, local_nats_url, no_jetstream
 
 READ_TIMEOUT_S = 10.0
@@ -60,13 +61,13 @@ READ_TIMEOUT_S = 10.0
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot fleet``."""
-    parser.add_argument("--nats-url", default=None,
+    parser.add_argument("--nats-url", type=nats_url, default=None,
                         help="a running fleet's NATS (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` "
                              "runs from --state-dir; none: the spec only)")
-    parser.add_argument("--state-dir", default=None, help="where a running `fleetpilot up` keeps its state")
+    parser.add_argument("--state-dir", type=path_text, default=None, help="where a running `fleetpilot up` keeps its state")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--spec", help="fleet spec YAML (default: the shipped three-site fleet)")
-    source.add_argument("--openb", metavar="NODES.csv", help="openb node list CSV")
+    source.add_argument("--spec", type=path_text, help="fleet spec YAML (default: the shipped three-site fleet)")
+    source.add_argument("--openb", type=path_text, metavar="NODES.csv", help="openb node list CSV")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     actions = parser.add_subparsers(dest="fleet_action", metavar="forget")
     forget = actions.add_parser(
@@ -79,10 +80,10 @@ def add_arguments(parser) -> None:
                         help="forget a node still reporting (its next report brings it back, without its labels) "
                              "or whose tasks the ledger still holds (they stay held)")
     # SUPPRESS: given before `forget`, the flag keeps its value (a default here replaced it).
-    forget.add_argument("--nats-url", default=argparse.SUPPRESS,
+    forget.add_argument("--nats-url", type=nats_url, default=argparse.SUPPRESS,
                         help="the running fleet's NATS (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` "
                              "runs from --state-dir)")
-    forget.add_argument("--state-dir", default=argparse.SUPPRESS, help="where a running `fleetpilot up` keeps its state")
+    forget.add_argument("--state-dir", type=path_text, default=argparse.SUPPRESS, help="where a running `fleetpilot up` keeps its state")
 
 
 @dataclass
@@ -125,9 +126,9 @@ def load_fleet_file(path: str, *, openb: bool | None = None) -> Fleet:
 
 def load_spec(args) -> tuple[Fleet, str]:
     """The fleet named by the flags and a word on where it came from."""
-    if args.openb:
+    if args.openb is not None:
         return load_fleet_file(args.openb, openb=True), f"openb node list {args.openb}"
-    if args.spec:
+    if args.spec is not None:
         return load_fleet_file(args.spec, openb=False), f"spec {args.spec}"
     return load_fleet_spec(), "shipped three-site spec"
 

@@ -42,13 +42,13 @@ from fleetpilot.policy import (
 )
 from fleetpilot.policy.fragmentation import TaskShape
 
-from .arguments import non_negative_int
+from .arguments import non_negative_int, path_text
 
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot replay``."""
     parser.add_argument(
-        "--states", required=True, help="JSONL of recorded snapshots (the policy service's record)"
+        "--states", required=True, type=path_text, help="JSONL of recorded snapshots (the policy service's record)"
     )
     parser.add_argument(
         "--no-rotated", action="store_true",
@@ -56,8 +56,8 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--policy", required=True, help="policy A: a built-in or a --plugin-dir profile")
     parser.add_argument("--against", required=True, help="policy B, compared with A")
-    parser.add_argument("--plugin-dir", help="directory of policy modules (PROFILES / profile())")
-    parser.add_argument("--against-plugin-dir", help="B's modules, when comparing two versions of one policy")
+    parser.add_argument("--plugin-dir", type=path_text, help="directory of policy modules (PROFILES / profile())")
+    parser.add_argument("--against-plugin-dir", type=path_text, help="B's modules, when comparing two versions of one policy")
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
     )
@@ -269,8 +269,8 @@ def main(args, out=None) -> int:
     files = record_files(Path(args.states), rotated=not args.no_rotated)
     snapshots = read_record(files)
     typical = typical_tasks([s.task for s in snapshots])
-    plugins_a = module_profiles(Path(args.plugin_dir)) if args.plugin_dir else {}
-    plugins_b = module_profiles(Path(args.against_plugin_dir)) if args.against_plugin_dir else plugins_a
+    plugins_a = module_profiles(Path(args.plugin_dir)) if args.plugin_dir is not None else {}
+    plugins_b = module_profiles(Path(args.against_plugin_dir)) if args.against_plugin_dir is not None else plugins_a
     policy_a = resolve(args.policy, plugins_a, args.seed, typical)
     policy_b = resolve(args.against, plugins_b, args.seed, typical)
     report = replay(snapshots, policy_a.decide, policy_b.decide, typical=typical)

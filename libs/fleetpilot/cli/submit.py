@@ -38,7 +38,7 @@ from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.sla import task_problem
 
 from . import event_loop
-from .arguments import positive_float
+from .arguments import model_names, nats_url, path_text, positive_float
 from .local import local_nats_url, local_token, state_dir
 
 
@@ -48,7 +48,7 @@ class UsageError(ValueError):
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot submit``."""
-    parser.add_argument("--file", "-f", help="task as JSON or YAML (flags override its fields)")
+    parser.add_argument("--file", "-f", type=path_text, help="task as JSON or YAML (flags override its fields)")
     parser.add_argument("--task-id", default=None,
                         help="the task's id, one subject token: no dots, spaces, * or > (default: a new one)")
     parser.add_argument("--tenant", default="local", help="tenant of the local token (ignored with --token or $FLEETPILOT_TOKEN)")
@@ -56,7 +56,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gpus", type=int)
     parser.add_argument("--gpu-milli", type=int)
     parser.add_argument("--gpu-memory-mb", type=int)
-    parser.add_argument("--gpu-models", help="comma-separated acceptable models")
+    parser.add_argument("--gpu-models", type=model_names, help="comma-separated acceptable models")
     parser.add_argument("--cpu-milli", type=int)
     parser.add_argument("--memory-mb", type=int)
     parser.add_argument("--size-gb", type=float)
@@ -73,11 +73,11 @@ def add_arguments(parser) -> None:
     # Checked by the parser: a timeout of 0 or less would publish the task, then give up at once.
     parser.add_argument("--timeout", type=positive_float, default=30.0,
                         help="seconds to wait for the decision (default 30)")
-    parser.add_argument("--nats-url", default=None,
+    parser.add_argument("--nats-url", type=nats_url, default=None,
                         help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs, else :4222)")
     parser.add_argument("--token", default=os.environ.get("FLEETPILOT_TOKEN"),
                         help="bearer JWT (default: $FLEETPILOT_TOKEN, else one for --tenant from the local key)")
-    parser.add_argument("--state-dir", default=None)
+    parser.add_argument("--state-dir", type=path_text, default=None)
 
 
 TASK_FIELDS = frozenset(f.encode_name for f in msgspec.structs.fields(TaskSubmitted))
@@ -128,14 +128,14 @@ def _load_file(path: str) -> dict:
 
 def build_task(args) -> TaskSubmitted:
     """The task from the file and flags, validated against the contract."""
-    doc = _load_file(args.file) if args.file else {}
+    doc = _load_file(args.file) if args.file is not None else {}
     sla = dict(doc.get("sla") or {})
     for flag in ("kind", "gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb", "size_gb",
                  "expected_duration_s", "command"):
         value = getattr(args, flag)
         if value is not None:
             doc[flag] = value
-    if args.gpu_models:
+    if args.gpu_models is not None:
         doc["gpu_models"] = [m.strip() for m in args.gpu_models.split(",") if m.strip()]
     for flag, field in (("tier", "tier"), ("max_queue_s", "max_queue_s"), ("warmup_ms", "warmup_ms"),
                         ("p95_latency_ms", "p95_latency_ms")):
@@ -143,8 +143,10 @@ def build_task(args) -> TaskSubmitted:
         if value is not None:
             sla[field] = value
     doc["sla"] = sla
-    doc.setdefault("task_id", args.task_id or f"task-{uuid.uuid4().hex[:10]}")
-    if args.task_id:
+    # An empty --task-id is the user's (refused below, as an empty one in a file is), not a
+    # call for a new one: it took a new id without a word.
+    doc.setdefault("task_id", f"task-{uuid.uuid4().hex[:10]}" if args.task_id is None else args.task_id)
+    if args.task_id is not None:
         doc["task_id"] = args.task_id
     doc["submitted_at"] = time.time()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fleetpilot.auth import edit_keyring, mint_token
 
-from .arguments import positive_float
+from .arguments import path_text, positive_float
 from .local import AUDIENCE, ISSUER, state_dir
 
 
@@ -14,7 +14,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ttl", type=positive_float, default=3600.0,
                         help="lifetime in seconds, at most the key overlap window (86400 by default)")
     parser.add_argument("--rotate", action="store_true", help="rotate the signing key first")
-    parser.add_argument("--state-dir", default=None)
+    parser.add_argument("--state-dir", type=path_text, default=None)
 
 
 def main(args) -> int:

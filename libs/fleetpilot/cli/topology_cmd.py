@@ -15,10 +15,12 @@ from pathlib import Path
 
 from fleetpilot.fleet.topology import render_nvidia_smi
 
+from .arguments import path_text
+
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot topology``."""
-    parser.add_argument("file", help="saved output of `nvidia-smi topo -m` (- for stdin)")
+    parser.add_argument("file", type=path_text, help="saved output of `nvidia-smi topo -m` (- for stdin)")
     parser.add_argument("--node", default="local", help="node name to put in the graph")
     parser.add_argument("--site", default="default", help="site name to put in the graph")
     parser.add_argument("--compact", action="store_true", help="one line of JSON instead of indented")
