@@ -122,7 +122,7 @@ def model_names(text: str) -> str:
 
 def probe_interval(text: str) -> float:
     """Seconds between two readings: 0 to a day. Longer is no probe anyone waits for, and over
-    about 3e11 s ``time.sleep`` refuses it with an ``OverflowError`` after the first reading."""
+    about 9.2e9 s (292 years) ``time.sleep`` refuses it with an ``OverflowError`` after the first reading."""
     value = non_negative_float(text)
     if value > 86400:
         raise argparse.ArgumentTypeError(f"must be at most 86400 (a day), got {text}")

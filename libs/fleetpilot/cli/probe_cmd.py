@@ -23,7 +23,7 @@ import msgspec
 from fleetpilot.contracts import GpuSample, NodeTopology, TaskTelemetry
 from fleetpilot.fleet.nvml_reader import NvmlReader
 
-from .arguments import non_negative_float, positive_int
+from .arguments import positive_int, probe_interval
 
 MB_PER_GB = 1024.0
 
@@ -31,8 +31,8 @@ MB_PER_GB = 1024.0
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot probe``."""
     parser.add_argument("--samples", type=positive_int, default=1, help="readings of every GPU (default 1)")
-    parser.add_argument("--interval", type=non_negative_float, default=1.0,
-                        help="seconds between readings (default 1)")
+    parser.add_argument("--interval", type=probe_interval, default=1.0,
+                        help="seconds between readings, at most 86400 (default 1)")
     parser.add_argument("--node", default=None, help="node name to report under (default: the host name)")
     parser.add_argument("--site", default="default", help="site label (default: default)")
     parser.add_argument("--host-root", default="/",

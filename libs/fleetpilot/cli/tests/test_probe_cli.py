@@ -97,3 +97,14 @@ def test_32_bit_pcie_counters_are_said_to_be_polled_and_how_often() -> None:
     assert json.loads(text)["pcie_poll_ms"] == 16.78
     wide = FakeNvml([FakeGpu(pcie_tx_bytes=0, pcie_rx_bytes=0, pcie_counter_bits=64)])
     assert "PCIe byte counters read" not in run(["--samples", "2", "--interval", "0"], wide)[1]
+
+
+@pytest.mark.parametrize("interval", ["1e300", "86401"])
+def test_an_interval_over_a_day_is_refused_before_any_reading(interval, capsys) -> None:
+    # 1e300 read the GPUs once, then time.sleep's OverflowError came out as a traceback.
+    # Parsed only: a day and a second was taken, and slept.
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["probe", "--samples", "2", "--interval", interval])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --interval: must be at most 86400 (a day)" in err
