@@ -5,23 +5,8 @@ shipped fleet, the default bus or state directory, a new task id, a task with no
 from __future__ import annotations
 
 import pytest
-from fleetpilot.cli.main import main
 
-UNREACHABLE = "nats://127.0.0.1:1"
-
-
-def one_line_error(argv: list[str], capsys) -> str:
-    """Run ``fleetpilot ARGV`` in-process; assert exit 2 with one stderr line; return it."""
-    try:
-        rc = main(argv)
-    except SystemExit as exit_:  # the parser's refusals
-        rc = exit_.code
-    captured = capsys.readouterr()
-    assert rc == 2, captured
-    assert "Traceback" not in captured.err
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]
+from .test_bad_input import UNREACHABLE, one_line_error
 
 
 @pytest.fixture(autouse=True)
