@@ -54,7 +54,15 @@ from fleetpilot.runtime.embedded import EmbeddedNats
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from . import event_loop
-from .arguments import existing_file, non_negative_int, port_base, positive_float, positive_int
+from .arguments import (
+    existing_file,
+    nats_url,
+    non_negative_int,
+    path_text,
+    port_base,
+    positive_float,
+    positive_int,
+)
 from .fleet_cmd import load_fleet_file
 from .local import NATS_URL_FILE, local_keyring, local_token, no_jetstream, state_dir
 from .workload import demo_tasks
@@ -74,9 +82,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=positive_float, default=None, help="stop after this many seconds")
     parser.add_argument("--demo", type=non_negative_int, default=0, metavar="N", help="submit N demo tasks")
     parser.add_argument("--rate", type=positive_float, default=20.0, help="demo submissions per second")
-    parser.add_argument("--nats-url", default=os.environ.get("FLEETPILOT_NATS_URL"),
+    # An empty variable names no bus, as every other command reads it (an empty *flag* is refused).
+    parser.add_argument("--nats-url", type=nats_url, default=os.environ.get("FLEETPILOT_NATS_URL") or None,
                         help="use this NATS instead of starting one")
-    parser.add_argument("--state-dir", default=None,
+    parser.add_argument("--state-dir", type=path_text, default=None,
                         help="where data, keys and logs go (default: $FLEETPILOT_STATE_DIR, else .fleetpilot)")
     parser.add_argument("--speed", type=positive_float, default=10.0, help="virtual seconds per real second in the sim")
     parser.add_argument("--fleet", type=fleet_file, default=None,

@@ -69,3 +69,26 @@ def test_submit_gpu_models_flag_still_replaces_the_files(tmp_path) -> None:
     args = build_parser().parse_args(["submit", "-f", str(task_file), "--gpu-models", " A100, H100 ,"])
     assert isinstance(args, argparse.Namespace)
     assert build_task(args).gpu_models == ["A100", "H100"]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--nats-url", "argument --nats-url: an empty URL"),
+    ("--state-dir", "argument --state-dir: an empty path"),
+])
+def test_up_refuses_an_empty_bus_or_state_directory(flag, message, capsys) -> None:
+    """Checked on the parser alone: taken for the flag left out, ``up`` went on to start a
+    NATS server and the eight services of its own (or ran from the default state directory)."""
+    from fleetpilot.cli.main import build_parser  # noqa: PLC0415
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", flag, ""])
+    assert message in capsys.readouterr().err
+
+
+def test_up_reads_an_empty_environment_url_as_unset(monkeypatch) -> None:
+    """``FLEETPILOT_NATS_URL=`` is no bus named, as every other command reads it: ``up``
+    starts its own NATS rather than refusing a flag that was never given."""
+    from fleetpilot.cli.main import build_parser  # noqa: PLC0415
+
+    monkeypatch.setenv("FLEETPILOT_NATS_URL", "")
+    assert build_parser().parse_args(["up"]).nats_url is None
