@@ -113,6 +113,11 @@ class SqliteFeedbackStore:
             str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
         _switch_to_wal(self._db, busy_timeout_s)
+        # In WAL mode NORMAL syncs at checkpoints, not at every commit: a committed record
+        # survives the process (a crash, a kill, a restart), but a power cut or a kernel
+        # crash can take the last commits back, after their messages were acknowledged.
+        # FULL would fsync each record; the store for a fleet that cannot lose one is
+        # PostgreSQL (its own ``synchronous_commit``).
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
 
