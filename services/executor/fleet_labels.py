@@ -10,6 +10,11 @@ Labels are written with compare-and-set on the entry's revision. The topology se
 rewrites a node's entry when its collector reports a *changed* topology, which drops our
 labels; :meth:`FleetLabels.follow` watches the bucket and puts back the labels this replica
 set. Labels are sticky: an operator removes them when the GPU is back in service.
+
+The labels this replica sets follow the *board* (its NVML uuid) where it is known, as the
+topology service carries them over: GPU indices renumber when a GPU falls off the bus or a
+board is swapped, and put back by index, a cordon went back onto the healthy board that
+took the hot one's number. See :func:`gpu_of` for how a board is found in an entry.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from fleetpilot.contracts import (
     GPU_LABEL_MAINTENANCE_PENDING,
     GPU_LABEL_UNREACHABLE,
     DecisionMade,
+    GpuInfo,
     NodeTopology,
     TaskLifecycle,
     encode,
@@ -43,6 +49,31 @@ UNREACHABLE = GPU_LABEL_UNREACHABLE
 _NODE = msgspec.json.Decoder(NodeTopology)
 
 
+def gpu_of(topo: NodeTopology, gpu: int, uuid: str = "") -> GpuInfo | None:
+    """The GPU of ``topo`` that is the board ``uuid`` (read at index ``gpu`` by its latest
+    sample): the one the entry names by that uuid, else the one at index ``gpu`` unless the
+    entry names another board there (``None``: the board is not in the entry, which is
+    behind the samples or ahead of them). Without a uuid, the GPU at index ``gpu``. The same
+    rule as the topology service's for carrying labels over."""
+    if uuid:
+        named = next((g for g in topo.gpus if g.uuid == uuid), None)
+        if named is not None:
+            return named
+    info = next((g for g in topo.gpus if g.index == gpu), None)
+    if info is not None and uuid and info.uuid and info.uuid != uuid:
+        return None
+    return info
+
+
+class _Wanted(msgspec.Struct, kw_only=True):
+    """Labels this replica keeps on one GPU: the board ``uuid`` (``""``: unknown, then the
+    GPU at ``index``), read at ``index`` when they were last set."""
+
+    index: int
+    uuid: str
+    labels: dict[str, str]
+
+
 class FleetLabels:
     """A view of the ``topology`` bucket plus the GPU labels this replica keeps there."""
 
@@ -50,8 +81,10 @@ class FleetLabels:
         """Use ``kv`` (the ``topology`` bucket); call :meth:`load`, then run :meth:`follow`."""
         self._kv = kv
         self.nodes: dict[str, NodeTopology] = {}
-        # Labels we set, by KV key and GPU index, to put back after a topology rewrite.
-        self._wanted: dict[str, dict[int, dict[str, str]]] = {}
+        # Labels we set, by KV key and board (its uuid, or ``#<index>`` where none is known),
+        # to put back after a topology rewrite; in the order they were last set, so that of
+        # two that land on one GPU (an entry without uuids) the later wins.
+        self._wanted: dict[str, dict[str, _Wanted]] = {}
         # (node, GPU, label, value) of each label of ours that someone else set otherwise
         # since (an operator's "false", another replica's): theirs stands, and the health
         # model reads its GPU's history anew (``GpuHealth.take_overrides``).
@@ -73,10 +106,11 @@ class FleetLabels:
             if entry and entry.value:
                 self.nodes[key] = _NODE.decode(entry.value)
 
-    def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
-        """The labels of one GPU as last seen (empty for an unknown GPU)."""
+    def labels_of(self, node: str, gpu: int, uuid: str = "") -> Mapping[str, str]:
+        """The labels of one GPU as last seen (empty for an unknown GPU): of the board
+        ``uuid`` when given (:func:`gpu_of`), else of the GPU at index ``gpu``."""
         topo = self.nodes.get(node_key(node))
-        info = next((g for g in topo.gpus if g.index == gpu), None) if topo else None
+        info = gpu_of(topo, gpu, uuid) if topo else None
         return info.labels if info else {}
 
     def model_of(self, node: str, gpu: int) -> str:
@@ -85,11 +119,16 @@ class FleetLabels:
         info = next((g for g in topo.gpus if g.index == gpu), None) if topo else None
         return info.model if info else ""
 
-    async def set(self, node: str, gpu: int, labels: Mapping[str, str]) -> bool:
-        """Add ``labels`` to one GPU; ``True`` if the entry was written now. A node not in
-        the bucket yet is labelled when it appears (see :meth:`follow`)."""
+    async def set(self, node: str, gpu: int, labels: Mapping[str, str], uuid: str = "") -> bool:
+        """Add ``labels`` to one GPU: the board ``uuid``, which reads at index ``gpu`` now
+        (``""``: not known, the GPU at ``gpu``); ``True`` if the entry was written now. A node
+        not in the bucket yet, or whose entry does not hold the board yet, is labelled when it
+        does (see :meth:`follow`)."""
         key = node_key(node)
-        self._wanted.setdefault(key, {}).setdefault(gpu, {}).update(labels)
+        wanted = self._wanted.setdefault(key, {})
+        board = uuid or f"#{gpu}"
+        kept = wanted.pop(board, None)
+        wanted[board] = _Wanted(index=gpu, uuid=uuid, labels={**(kept.labels if kept else {}), **labels})
         try:
             return await self._apply(key)
         except Exception:
@@ -117,8 +156,9 @@ class FleetLabels:
                 return False
             topo = _NODE.decode(entry.value)
             gpus, changed = [], False
+            extras = self._extras(topo, wanted)
             for info in topo.gpus:
-                extra = wanted.get(info.index, {})
+                extra = extras.get(info.index, {})
                 if any(info.labels.get(k) != v for k, v in extra.items()):
                     info = msgspec.structs.replace(info, labels={**info.labels, **extra})
                     changed = True
@@ -133,9 +173,19 @@ class FleetLabels:
                 await asyncio.sleep(0.005 * (attempt + 1))
                 continue
             self.nodes[key] = updated
-            log.info("labelled %s: %s", key, {g: wanted[g] for g in wanted})
+            log.info("labelled %s: %s", key, extras)
             return True
         raise CasConflict(f"topology entry {key} kept changing under us")
+
+    @staticmethod
+    def _extras(topo: NodeTopology, wanted: Mapping[str, _Wanted]) -> dict[int, dict[str, str]]:
+        """The labels we want on each GPU of ``topo``, by its index there."""
+        extras: dict[int, dict[str, str]] = {}
+        for want in wanted.values():
+            info = gpu_of(topo, want.index, want.uuid)
+            if info is not None and want.labels:
+                extras.setdefault(info.index, {}).update(want.labels)
+        return extras
 
     async def follow(self) -> None:
         """Keep the view current and put our labels back when a rewrite dropped them (run
@@ -181,12 +231,14 @@ class FleetLabels:
         wanted = self._wanted.get(key)
         if not wanted:
             return
+        extras = self._extras(topo, wanted)
         for info in topo.gpus:
-            ours = wanted.get(info.index)
-            for label, value in list((ours or {}).items()):
+            for label, value in extras.get(info.index, {}).items():
                 theirs = info.labels.get(label)
                 if theirs is not None and theirs != value:
-                    del ours[label]  # type: ignore[union-attr]
+                    for want in wanted.values():
+                        if gpu_of(topo, want.index, want.uuid) is info:
+                            want.labels.pop(label, None)
                     self.overridden.append((topo.node, info.index, label, theirs))
                     log.warning("%s/%d: %s set to %r by someone else; left so", topo.node, info.index, label, theirs)
 

@@ -125,7 +125,11 @@ class GpuHealth(ExecutorReplica):
         out: list[Event] = []
         for sample in batch.gpus:
             self.windows.add(sample)
-            if self.labels.labels_of(sample.node, sample.gpu).get(DECOMMISSIONED) == "true":
+            # The board's labels, wherever the topology entry has it: an entry behind a
+            # renumbering holds another board at this index. A sample NVML could not read is
+            # of the board last read at its index.
+            board = sample.uuid or self.hook.boards.get((sample.node, sample.gpu), "")
+            if self.labels.labels_of(sample.node, sample.gpu, uuid=board).get(DECOMMISSIONED) == "true":
                 continue  # out of service: nothing left to do, even for a replica started since
             for command in await self.hook.observe(sample, self.tasks_on(sample.node, sample.gpu)):
                 out.extend(await self.decommission(command))
@@ -136,8 +140,8 @@ class GpuHealth(ExecutorReplica):
         assert self.labels is not None and self.backend is not None
         backend = self.backend
         if isinstance(command, Cordon):
-            await self._label(command.node, command.gpu, {CORDONED: "true"})
-            log.warning("cordoned %s/%d: %s", command.node, command.gpu, command.reason)
+            await self._label(command.node, command.gpu, {CORDONED: "true"}, command.uuid)
+            log.warning("cordoned %s/%d (%s): %s", command.node, command.gpu, command.uuid or "no uuid", command.reason)
             return []
 
         async def evict(task_id: str) -> TaskLifecycle | None:
@@ -165,8 +169,9 @@ class GpuHealth(ExecutorReplica):
             log.info("%s only holds a reservation on %s/%d and runs elsewhere: not evicted with it",
                      task_id, command.node, command.gpu)
         evicted = await asyncio.gather(*(evict(t) for t in running))
-        await self._label(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"})
-        log.warning("decommissioned %s/%d (%d tasks evicted)", command.node, command.gpu, len(running))
+        await self._label(command.node, command.gpu, {CORDONED: "true", DECOMMISSIONED: "true"}, command.uuid)
+        log.warning("decommissioned %s/%d (%s; %d tasks evicted)", command.node, command.gpu,
+                    command.uuid or "no uuid", len(running))
         return [e for e in evicted if e is not None]
 
     def only_reserved_here(self, task_id: str, node: str, gpu: int) -> bool:
@@ -181,13 +186,14 @@ class GpuHealth(ExecutorReplica):
         return any(a.task_id == task_id and a.state == "confirmed" and (key != node_key(node) or a.gpu != gpu)
                    for key, other in self.ledger.nodes.items() for a in other.allocations)
 
-    async def _label(self, node: str, gpu: int, wanted: dict[str, str]) -> None:
-        """Label a GPU for the hook. The hook emits each command once: a write that fails
-        now is kept and written again on the next health round (``apply_pending``), and the
-        evictions already done are told rather than lost with a raised error."""
+    async def _label(self, node: str, gpu: int, wanted: dict[str, str], uuid: str = "") -> None:
+        """Label a GPU (the board ``uuid``, at index ``gpu`` now) for the hook. The hook emits
+        each command once: a write that fails now is kept and written again on the next
+        health round (``apply_pending``), and the evictions already done are told rather
+        than lost with a raised error."""
         assert self.labels is not None
         try:
-            await self.labels.set(node, gpu, wanted)
+            await self.labels.set(node, gpu, wanted, uuid=uuid)
         except Exception as error:  # noqa: BLE001 - kept to be written again
             log.error("labels %s of %s/%d not written now (%s: %s); written again on the next round",
                       wanted, node, gpu, type(error).__name__, error)
@@ -203,7 +209,10 @@ class GpuHealth(ExecutorReplica):
         for (node, gpu), window in list(self.windows.windows.items()):
             if len(window) < 2:
                 continue
-            current = labels.labels_of(node, gpu)
+            # The labels of the window's board: by index alone, a topology entry behind a
+            # renumbering gave the board now at this index another board's flag, taken for
+            # a replaced board's and lifted (``_clear_if_replaced``).
+            current = labels.labels_of(node, gpu, uuid=HealthWindows.board(window))
             if current.get(MAINTENANCE_PENDING) == "true":
                 await self._clear_if_replaced(node, gpu, window, current)
                 continue
@@ -231,7 +240,7 @@ class GpuHealth(ExecutorReplica):
         if not flagged or not board or board == flagged:
             return
         assert self.labels is not None
-        if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "false", MAINTENANCE_BOARD: board}):
+        if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "false", MAINTENANCE_BOARD: board}, uuid=board):
             log.warning("%s/%d: board %s replaced by %s; back in service", node, gpu, flagged, board)
 
     async def _label_if_at_risk(self, node: str, gpu: int, window: list[GpuSample]) -> None:
@@ -245,7 +254,7 @@ class GpuHealth(ExecutorReplica):
         flagged = {MAINTENANCE_PENDING: "true", "maintenance_risk": risk}
         if board := HealthWindows.board(window):
             flagged[MAINTENANCE_BOARD] = board
-        if await self.labels.set(node, gpu, flagged):
+        if await self.labels.set(node, gpu, flagged, uuid=board):
             top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
             log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
                         assessment.failure_probability, top)

@@ -106,7 +106,7 @@ async def test_overheating_gpu_is_cordoned_and_decommissioned_once_by_two_compet
         await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 4000, 95.0)])
         await asyncio.sleep(0.5)
         evicted = await observer.stored("task.lifecycle.*", TaskLifecycle)
-        done_marker = await observer.kv_get("hook_locks", lock_key("n1", 0) + ".done")
+        done_marker = await observer.kv_get("hook_locks", lock_key("n1", 0, "GPU-n1-0") + ".done")
         ledger = await observer.ledger("n1")
     finally:
         for host in hosts:

@@ -53,13 +53,13 @@ class Labels:
         self.written: dict[tuple[str, int], dict[str, str]] = {}
         self.overridden: list[tuple[str, int, str, str]] = []  # nobody else writes here
 
-    def labels_of(self, node: str, gpu: int) -> Mapping[str, str]:
+    def labels_of(self, node: str, gpu: int, uuid: str = "") -> Mapping[str, str]:
         return self.written.get((node, gpu), {})
 
     async def apply_pending(self) -> None:
         """Nothing is kept to write again here: ``set`` either writes or raises."""
 
-    async def set(self, node: str, gpu: int, labels: Mapping[str, str]) -> bool:
+    async def set(self, node: str, gpu: int, labels: Mapping[str, str], uuid: str = "") -> bool:
         if node == self.failing:
             raise CasConflict(f"topology entry {node} kept changing under us")
         self.written.setdefault((node, gpu), {}).update(labels)

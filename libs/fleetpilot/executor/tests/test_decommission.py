@@ -18,6 +18,7 @@ from fleetpilot.executor import (
     check_pre_decommission,
     step,
 )
+from fleetpilot.executor.decommission import lock_key
 from fleetpilot.maintenance.faults import gpu_reading
 
 RULES = DecommissionRules()
@@ -208,3 +209,125 @@ async def test_a_failed_done_marker_does_not_lose_the_decommission() -> None:
         done += [(hook.owner, c) for c in await hook.observe(sample(clock.now, 91), ["t1"])]
     assert [type(c) for _, c in done] == [Cordon, Decommission]
     assert isinstance(done[1][1], Decommission) and done[1][1].evict == ["t1"]
+
+
+# ---- renumbering: the procedure follows the board (NVML uuid), not its index -------------
+
+HOT, HEALTHY, NEW = "GPU-hot-board", "GPU-healthy-board", "GPU-swapped-in"
+
+
+def board(at: float, gpu: int, uuid: str, temp: float, node: str = "n1") -> GpuSample:
+    """A sample of the board ``uuid`` read at index ``gpu``."""
+    return gpu_reading(node, gpu, at, temperature_c=temp, uuid=uuid)
+
+
+def assign(gpu: int, node: str = "n1") -> DecisionMade:
+    """An assign of one task to ``node``/``gpu``."""
+    return DecisionMade(decision_id=f"d-{node}-{gpu}", task_id="x", action="assign",
+                        placement=[Placement(node=node, gpu=gpu, milli=500)], confidence=1,
+                        policy=PolicyRef(name="p"), decided_at=0)
+
+
+async def cordon_hot_board_at_index_2(hook: PreDecommissionHook, clock: FakeClock) -> list[object]:
+    """The hot board at index 2 for 6 minutes, with a task draining: cordoned; index 1 healthy."""
+    done: list[object] = []
+    for minute in range(0, 6):
+        clock.now = minute * 60.0
+        done += await hook.observe(board(clock.now, 1, HEALTHY, 60.0), [])
+        done += await hook.observe(board(clock.now, 2, HOT, 95.0), ["t-hot"])
+    return done
+
+
+async def test_a_cordoned_board_renumbered_from_index_2_to_1_stays_cordoned_and_index_2_takes_work() -> None:
+    # The board at index 1 fell off the bus; at the next enumeration the hot board reads as 1
+    # and a healthy board as 2. Keyed by index, the cordon stayed on 2 (the healthy board was
+    # refused, then drained and pulled) while the hot board started over as healthy at 1.
+    clock = FakeClock()
+    hook = PreDecommissionHook("exec-a", InMemoryHookLock(clock), clock=clock)
+    assert [type(c) for c in await cordon_hot_board_at_index_2(hook, clock)] == [Cordon]
+    clock.now = 6 * 60.0
+    assert await hook.observe(board(clock.now, 1, HOT, 95.0), ["t-hot"]) == []
+    assert await hook.observe(board(clock.now, 2, NEW, 60.0), ["t-new"]) == []
+    assert hook.state("n1", 1).stage == "cordoned"
+    assert hook.state("n1", 2).stage == "healthy"
+    refused = await check_before_assign(StaticBusinessContext(hooks=[hook]), assign(1))
+    assert not refused.allow and "n1/1" in refused.reason and "cordoned" in refused.reason
+    assert (await check_before_assign(StaticBusinessContext(hooks=[hook]), assign(2))).allow
+    assert not (await check_pre_decommission(StaticBusinessContext(hooks=[hook]), "n1", 1, ["t-hot"])).allow
+    assert (await check_pre_decommission(StaticBusinessContext(hooks=[hook]), "n1", 2, ["t-new"])).allow
+
+
+async def test_after_a_renumbering_the_drain_ends_with_the_hot_board_pulled_at_its_new_index_only() -> None:
+    clock = FakeClock()
+    hook = PreDecommissionHook("exec-a", InMemoryHookLock(clock), clock=clock)
+    await cordon_hot_board_at_index_2(hook, clock)
+    done: list[object] = []
+    for minute in range(6, 60):
+        clock.now = minute * 60.0
+        done += await hook.observe(board(clock.now, 1, HOT, 95.0), ["t-hot"])
+        done += await hook.observe(board(clock.now, 2, NEW, 60.0), ["t-new"])
+    # Once, for the hot board at the index it reads at now; no second cordon at its new index.
+    assert done == [Decommission(node="n1", gpu=1, uuid=HOT, evict=["t-hot"], reason="drained or drain time over")]
+    assert hook.state("n1", 2).stage == "healthy"
+
+
+async def test_a_board_nvml_cannot_read_any_more_keeps_its_cordon() -> None:
+    # A board falling off the bus reads no uuid (until it is swapped): it is still the board
+    # last known at its index, not a new one to start over with.
+    clock = FakeClock()
+    hook = PreDecommissionHook("exec-a", InMemoryHookLock(clock), clock=clock)
+    await cordon_hot_board_at_index_2(hook, clock)
+    clock.now = 6 * 60.0
+    assert await hook.observe(board(clock.now, 2, "", 0.0), ["t-hot"]) == []
+    assert hook.state("n1", 2).stage == "cordoned"
+    assert not (await check_before_assign(StaticBusinessContext(hooks=[hook]), assign(2))).allow
+
+
+async def test_a_gpu_without_a_uuid_is_followed_by_its_index() -> None:
+    # Collectors that cannot read uuids at all: the procedure runs by index, as it always did,
+    # under the lock key earlier versions used.
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    hook = PreDecommissionHook("exec-a", lock, clock=clock)
+    done: list[object] = []
+    for minute in range(0, 6):
+        clock.now = minute * 60.0
+        done += await hook.observe(board(clock.now, 2, "", 95.0), ["t"])
+    assert done == [Cordon(node="n1", gpu=2, reason="above threshold since 0.0")]
+    assert hook.state("n1", 2).stage == "cordoned"
+    assert await lock.holder("decommission.n1.2") == "exec-a"
+
+
+async def test_the_lock_is_the_board_s_so_two_replicas_do_not_both_run_it_across_a_renumbering() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    a = PreDecommissionHook("exec-a", lock, clock=clock)
+    await cordon_hot_board_at_index_2(a, clock)
+    assert await lock.holder(lock_key("n1", 2, HOT)) == "exec-a"
+    assert await lock.holder(lock_key("n1", 1, HOT)) == "exec-a"  # the key names the board alone
+    assert lock_key("n1", 2, HOT) != lock_key("n1", 2, NEW) != lock_key("n1", 2)
+    # a replica started after the renumbering sees the hot board at index 1 only
+    b = PreDecommissionHook("exec-b", lock, clock=clock)
+    done: list[object] = []
+    for minute in range(6, 30):
+        clock.now = minute * 60.0
+        done += await b.observe(board(clock.now, 1, HOT, 95.0), ["t-hot"])
+    assert done == []  # a's lock on the board holds b off
+
+
+async def test_lock_entries_an_earlier_version_left_by_index_are_still_honoured() -> None:
+    clock = FakeClock()
+    lock = InMemoryHookLock(clock)
+    # An earlier version's replica runs the procedure of the GPU at index 2 (its lock is
+    # keyed by the index): this one waits for it instead of running it a second time.
+    assert await lock.acquire("decommission.n1.2", "old-replica", RULES.lock_ttl_s)
+    hook = PreDecommissionHook("exec-a", lock, clock=clock)
+    assert await cordon_hot_board_at_index_2(hook, clock) == []
+    # It finished (its marker keyed by the index too) and let its lock go: not repeated.
+    assert await lock.acquire("decommission.n1.2.done", "old-replica", RULES.done_ttl_s)
+    assert await lock.release("decommission.n1.2", "old-replica")
+    done: list[object] = []
+    for minute in range(6, 60):
+        clock.now = minute * 60.0
+        done += await hook.observe(board(clock.now, 2, HOT, 95.0), [])
+    assert done == []
