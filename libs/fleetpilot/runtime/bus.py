@@ -26,6 +26,15 @@ class Delivery:
     """How many messages the consumer had still to deliver after this one when it was
     delivered (0: it was the last one stored then); ``None`` when not known (a core message,
     the in-memory bus)."""
+    stream_seq: int | None = None
+    """The message's sequence in the stream that keeps it, the same at every delivery: of two
+    messages on one subject, the one stored later has the higher. ``None`` for a core message
+    (and a request), which no stream keeps for it. A stream made again (a server that lost
+    its store) numbers from 1 again: compare it with ``stored_at`` too where that matters."""
+    stored_at: float | None = None
+    """When the stream stored the message (epoch seconds, the server's clock, not this
+    process's), the same at every delivery: when it was sent, give or take the trip to the
+    server, however long it waited for its handler. ``None`` where ``stream_seq`` is."""
 
 
 class Retry(Exception):
@@ -95,6 +104,10 @@ class Inbound(abc.ABC):
     deliveries: int
     pending: int | None = None
     """Messages the consumer had still to deliver after this one (``Delivery.pending``)."""
+    stream_seq: int | None = None
+    """The message's sequence in its stream (``Delivery.stream_seq``)."""
+    stored_at: float | None = None
+    """When its stream stored it, the server's clock (``Delivery.stored_at``)."""
     origin: str | None = None
     """Where a stream keeps the message and who reads it (``<stream>:<consumer>:<sequence>``),
     the same at every delivery; ``None`` for one nothing keeps. Its dead letter's idempotency

@@ -143,7 +143,8 @@ class Dispatcher:
             await self._dead_letter(msg, "undecodable", str(exc))
             return
         delivery = Delivery(subject=msg.subject, headers=dict(msg.headers), deliveries=msg.deliveries,
-                            msg_id=msg.headers.get("Nats-Msg-Id"), pending=msg.pending)
+                            msg_id=msg.headers.get("Nats-Msg-Id"), pending=msg.pending,
+                            stream_seq=msg.stream_seq, stored_at=msg.stored_at)
         with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
             try:
                 # Kept in progress while at work only: a beat after the nak below would

@@ -2,7 +2,9 @@
 
 Durable consumers see every stored message on their filter (even those published before
 they started), are shared by all handlers bound to the same durable name, redeliver on
-``nak`` with the asked delay and de-duplicate publishes by ``Nats-Msg-Id``. JetStream
+``nak`` with the asked delay and de-duplicate publishes by ``Nats-Msg-Id``. A stored message
+has a sequence in its stream and the time it was stored (the bus's clock), handed to its
+handler as JetStream's are (``Delivery.stream_seq``, ``Delivery.stored_at``). JetStream
 behaviour that matters in production is tested against the real server, never here.
 """
 
@@ -12,7 +14,7 @@ import asyncio
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fleetpilot.contracts import (
@@ -45,12 +47,15 @@ class _Stored:
     data: bytes
     headers: dict[str, str]
     at: float = field(default_factory=time.time)
+    sequence: int | None = None  # in its stream; None: no stream keeps it (a core message)
 
 
 class _MemoryInbound(Inbound):
     def __init__(self, consumer: _MemoryConsumer, stored: _Stored, deliveries: int, durable: bool) -> None:
         self.subject, self.data, self.headers = stored.subject, stored.data, dict(stored.headers)
         self.deliveries = deliveries
+        if durable:  # as JetStream's metadata: a core subscriber is told neither
+            self.stream_seq, self.stored_at = stored.sequence, stored.at
         self._consumer, self._stored, self._durable = consumer, stored, durable
         self._settled = False
 
@@ -153,9 +158,12 @@ class MemoryKeyValue(KeyValue):
 
 
 class InMemoryBus(Bus):
-    """All services of a test in one event loop, talking through this object."""
+    """All services of a test in one event loop, talking through this object; ``clock``
+    (epoch seconds) stamps what a stream stores, as the server's clock does (tests move it
+    to store a message "earlier" than its handler runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
         self._streams: dict[str, list[_Stored]] = defaultdict(list)
         self._consumers: dict[str, _MemoryConsumer] = {}
         self._core: list[tuple[str, str | None, InboundHandler]] = []
@@ -193,10 +201,12 @@ class InMemoryBus(Bus):
         hdrs = dict(headers or {})
         msg_id = hdrs.get("Nats-Msg-Id")
         stream = stream_of(subject)
-        stored = _Stored(subject, data, hdrs)
+        stored = _Stored(subject, data, hdrs, at=self._clock())
         if stream is not None and not (msg_id and msg_id in self._seen_ids):
             if msg_id:
                 self._seen_ids.add(msg_id)
+            # Numbered per stream from 1, as JetStream does; nothing is ever removed here.
+            stored.sequence = len(self._streams[stream]) + 1
             self._streams[stream].append(stored)
             for consumer in self._consumers.values():
                 if consumer.spec.stream == stream and subject_matches(consumer.spec.filter_subject, subject):
@@ -217,9 +227,9 @@ class InMemoryBus(Bus):
 
     async def stream_messages(self, stream: str, subject: str, *, since: float | None = None
                               ) -> AsyncIterator[StoredMessage]:
-        for sequence, kept in enumerate(list(self._streams.get(stream, [])), start=1):
+        for kept in list(self._streams.get(stream, [])):
             if subject_matches(subject, kept.subject) and (since is None or kept.at >= since):
-                yield StoredMessage(sequence=sequence, subject=kept.subject, data=kept.data,
+                yield StoredMessage(sequence=kept.sequence or 0, subject=kept.subject, data=kept.data,
                                     headers=dict(kept.headers or {}), at=kept.at)
 
     def _fan_out(self, stored: _Stored) -> None:

@@ -81,6 +81,10 @@ class _NatsInbound(Inbound):
             # Per consumer: two services that both refuse one message each keep a letter.
             self.origin = f"{msg.metadata.stream}:{msg.metadata.consumer}:{msg.metadata.sequence.stream}"
             self.pending = msg.metadata.num_pending
+            self.stream_seq = msg.metadata.sequence.stream
+            # The ack subject's timestamp is the stored message's (nats-py's docstring calls
+            # it the delivery's): the same at every delivery, as the stream's own get says.
+            self.stored_at = msg.metadata.timestamp.timestamp()
 
     async def ack(self) -> None:
         if self._durable:

@@ -412,3 +412,36 @@ async def test_a_periodic_job_s_events_the_bus_refused_go_out_on_the_next_tick_i
 ])
 def test_a_periodic_job_keeps_its_period(due, now, expected):
     assert next_tick(due, 1.0, now) == expected
+
+
+async def test_a_handler_is_told_its_message_s_stream_sequence_and_stored_time(bus):
+    """The place and time the stream stored a message, the same at every delivery (what a
+    handler orders late or redelivered messages by); a core message has neither."""
+    host = ServiceHost("sla", settings())
+    seen: list[tuple[str, int, int | None, float | None]] = []
+    core: list[tuple[int | None, float | None]] = []
+
+    @host.on(TaskSubmitted, consumer="sla-submitted")
+    async def once_more(task: TaskSubmitted, delivery: Delivery) -> None:
+        seen.append((task.task_id, delivery.deliveries, delivery.stream_seq, delivery.stored_at))
+        if task.task_id == "first" and delivery.deliveries == 1:
+            raise Retry("again", delay_s=1.2)  # the next delivery's own time is past any rounding
+
+    @host.on_core("telemetry.task.>", TaskTelemetry)
+    async def sample(event: TaskTelemetry, delivery: Delivery) -> None:
+        core.append((delivery.stream_seq, delivery.stored_at))
+
+    await host.start(bus)
+    before = time.time()
+    await bus.publish(submitted("first"))
+    await asyncio.sleep(0.05)
+    await bus.publish(submitted("second"))
+    await bus.publish(TaskTelemetry(task_id="t1", node="n0", gpus=[0], at=1.0, memory_used_mb=1.0))
+    after = time.time()
+    await wait_for(lambda: len(seen) == 3 and core, timeout_s=10)
+    by = {(task_id, n): (seq, at) for task_id, n, seq, at in seen}
+    (seq1, at1), (again_seq, again_at), (seq2, at2) = by["first", 1], by["first", 2], by["second", 1]
+    assert isinstance(seq1, int) and isinstance(seq2, int) and seq1 < seq2
+    assert (again_seq, again_at) == (seq1, at1)  # redelivered: stored once, where and when it was
+    assert before - 1.0 <= at1 < at2 <= after + 1.0 and at2 - at1 >= 0.04
+    assert core == [(None, None)]
