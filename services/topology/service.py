@@ -232,6 +232,76 @@ def with_operational_labels(reported: NodeTopology, stored: NodeTopology | None)
     return msgspec.structs.replace(reported, gpus=gpus, labels=labels)
 
 
+class ReportPlace(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the topology stream keeps a report and when it stored it (the server's clock):
+    which of two reports of one node is the newer. Either may be unknown (``None``)."""
+
+    sequence: int | None = None
+    stored_at: float | None = None
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> ReportPlace | None:
+        """The place of the report ``delivery`` hands over; ``None`` when nothing is known."""
+        if delivery.stream_seq is None and delivery.stored_at is None:
+            return None
+        return cls(sequence=delivery.stream_seq, stored_at=delivery.stored_at)
+
+
+class KeptNode(NodeTopology, frozen=True, kw_only=True):
+    """A node as this service writes it to the bucket: the node, and the place of the report
+    it was written from in a member of its own (``applied_report``).
+
+    Every reader decodes the value as a ``NodeTopology``, which ignores that member: what
+    they read is unchanged, and a value written before it (or rewritten by another writer,
+    the executor's labels, which drops it) reads as a node whose report's place is unknown.
+    """
+
+    applied_report: ReportPlace | None = None
+
+
+class _AppliedReport(msgspec.Struct):
+    """The one member of a stored value that says which report wrote it."""
+
+    applied_report: ReportPlace | None = None
+
+
+def applied_report(value: bytes | None) -> ReportPlace | None:
+    """The place of the report a stored value was written from (``None``: not known, or a
+    value that does not decode)."""
+    if not value:
+        return None
+    try:
+        return msgspec.json.decode(value, type=_AppliedReport).applied_report
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def kept_value(node: NodeTopology, place: ReportPlace | None) -> bytes:
+    """The bucket value of ``node`` written from the report at ``place``."""
+    if place is None:
+        return encode(node)
+    return encode(KeptNode(**msgspec.structs.asdict(node), applied_report=place))
+
+
+def superseded(report: ReportPlace, applied: ReportPlace) -> bool:
+    """Whether the report at ``report`` is older than the one at ``applied`` (of one node).
+
+    The stream's sequence decides: it grows with every message stored. A lower one stored
+    later by the server's clock is no older report, but a stream made again (a server that
+    lost its store numbers from 1 again): taken as older, the node would take no report until
+    the new numbers passed the old. Only where a sequence is unknown does the stored time
+    decide alone. Nothing known on either side: not older (as before the places were kept).
+    """
+    if report.sequence is not None and applied.sequence is not None:
+        if report.sequence >= applied.sequence:
+            return False  # the same report again (its write is a no-op) or a newer one
+        return not (report.stored_at is not None and applied.stored_at is not None
+                    and report.stored_at > applied.stored_at)
+    if report.stored_at is not None and applied.stored_at is not None:
+        return report.stored_at < applied.stored_at
+    return False
+
+
 class StoredNode(NamedTuple):
     """Where a report left its node in the ``topology`` bucket."""
 
@@ -239,15 +309,25 @@ class StoredNode(NamedTuple):
     """The bucket revision that holds the node as reported."""
     written: bool
     """Whether this report wrote it (``False``: the bucket held it already)."""
+    superseded: bool = False
+    """Whether the bucket holds the node as a newer report left it, which this one, older,
+    did not replace (then ``written`` is ``False``)."""
 
 
-async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10) -> StoredNode:
+async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, attempts: int = 10,
+                                           place: ReportPlace | None = None) -> StoredNode:
     """Write a reported node with compare-and-set so that a label the executor sets at the
     same moment is neither lost nor overwritten; ``written`` is ``False`` when the bucket
     already holds what the node reports.
 
     The bucket, not what this replica last saw, says what is unchanged: replicas share the
     reports, and a report that undoes another replica's write looks unchanged to this one.
+
+    ``place`` is where the stream keeps this report: the value keeps the place of the report
+    it was written from, and a report older than that one (a late or redelivered one) leaves
+    the value as it is (``superseded``), whichever replica wrote the newer. The compare-and-
+    set makes the check and the write one step: a newer report written between them by
+    another replica is read on the next attempt.
     """
     key = node_key(node.node)
     for _ in range(attempts):
@@ -258,10 +338,18 @@ async def write_keeping_operational_labels(kv: KeyValue, node: NodeTopology, att
                 stored = msgspec.json.decode(entry.value, type=NodeTopology)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 stored = None
+        applied = applied_report(entry.value) if entry is not None and stored is not None else None
+        if entry is not None and place is not None and applied is not None and superseded(place, applied):
+            return StoredNode(entry.revision, written=False, superseded=True)
         updated = with_operational_labels(node, stored)
         if updated == stored and entry is not None:
+            # Not written again for the place alone: a write every 30 s per node would move
+            # every bucket watcher. A newer report that changed nothing is told from the
+            # stream instead (``on_report``).
             return StoredNode(entry.revision, written=False)
-        body = encode(updated)
+        # A report whose place is unknown keeps the place of the one before: still no older
+        # report than that one replaces it.
+        body = kept_value(updated, place if place is not None else applied)
         try:
             if entry is None:
                 revision = await kv.create(key, body)
@@ -421,28 +509,36 @@ def with_condition(node: NodeTopology, condition: str, at: float | None = None) 
 async def stored_node(kv: KeyValue, key: str) -> tuple[NodeTopology, int] | None:
     """The node the ``topology`` bucket holds at ``key`` and its revision (``None``: no such
     key, or a value that does not decode, which nothing here writes over)."""
+    found = await _stored_entry(kv, key)
+    return None if found is None else (found[0], found[1])
+
+
+async def _stored_entry(kv: KeyValue, key: str) -> tuple[NodeTopology, int, ReportPlace | None] | None:
+    """``stored_node`` with the place of the report the value was written from."""
     entry = await kv.get(key)
     if entry is None or entry.value is None:
         return None
     try:
-        return msgspec.json.decode(entry.value, type=NodeTopology), entry.revision
+        node = msgspec.json.decode(entry.value, type=NodeTopology)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    return node, entry.revision, applied_report(entry.value)
 
 
 async def mark_condition(kv: KeyValue, key: str, condition: str, attempts: int = 10) -> int | None:
     """Label (or unlabel) one node's GPUs with compare-and-set; the bucket revision written
     when it changed."""
     for _ in range(attempts):
-        found = await stored_node(kv, key)
+        found = await _stored_entry(kv, key)
         if found is None:
             return None
-        stored, revision = found
+        stored, revision, place = found
         updated = with_condition(stored, condition)
         if updated == stored:
             return None
         try:
-            return await kv.update(key, encode(updated), revision)
+            # The place of the report it holds stays: a mark is no report.
+            return await kv.update(key, kept_value(updated, place), revision)
         except CasConflict:
             continue
     raise CasConflict(f"topology of {key} kept changing")
@@ -526,6 +622,19 @@ def executor_trouble(value: bytes | None) -> str:
         return ""
 
 
+async def newer_report_stored(bus: Bus, delivery: Delivery) -> bool:
+    """Whether the stream keeps a report on ``delivery``'s subject (one node's) stored after
+    the one it hands over, both by the server's clock; ``False`` when that cannot be told.
+
+    What the bucket's value says of the report that wrote it (``superseded``) misses a newer
+    report that changed nothing, which writes nothing: a late report with a change of its own
+    undid the node as that one left it. The stream keeps every report's time."""
+    if delivery.stored_at is None or not delivery.subject:
+        return False
+    last = await bus.last_stored_at(delivery.subject)
+    return last is not None and last > delivery.stored_at
+
+
 def build(settings: TopologySettings | None = None) -> ServiceHost:
     """Wire the topology service; raises ``BadFleetConfig`` for an unreadable spec."""
     settings = settings or TopologySettings.from_environment()
@@ -545,8 +654,29 @@ def build(settings: TopologySettings | None = None) -> ServiceHost:
         if problem is not None:
             # To the dead letters with its reason, not into the bucket every policy reads.
             raise Reject(f"topology report of {node.node or 'a node'} from {report.source or 'a collector'}: {problem}")
-        kv = await host.bus.kv("topology")  # type: ignore[union-attr]
-        stored = await write_keeping_operational_labels(kv, in_index_order(node))
+        bus = host.bus
+        assert bus is not None
+        kv = await bus.kv("topology")
+        place = ReportPlace.of(delivery)
+        if await newer_report_stored(bus, delivery):
+            # A late or redelivered report: a newer one of the node is in the stream, applied
+            # already or to be. Written now, this one would undo it until the next report
+            # (30 s), and the newer one, if it changed nothing, would not put it back.
+            stored = StoredNode(0, written=False, superseded=True)
+        else:
+            stored = await write_keeping_operational_labels(kv, in_index_order(node), place=place)
+        if stored.superseded:
+            log.info("topology report of %s (stream sequence %s) not applied: a newer one of the node is stored",
+                     node.node, delivery.stream_seq)
+            if delivery.deliveries <= 1:
+                return None
+            # An earlier delivery of it may have written the node and failed to announce it;
+            # the newer report, finding nothing changed, announced nothing: announce what the
+            # bucket holds now (the stream drops it as a duplicate when it went out).
+            entry = await kv.get(node_key(node.node))
+            if entry is None:
+                return None
+            return TopologyUpdated(revision=entry.revision, nodes=[node.node], bandwidth=estimates, at=now())
         if not stored.written and delivery.deliveries <= 1:
             return None  # unchanged: collectors re-send periodically for late joiners
         # Written now, or by an earlier delivery of this report whose update may not have

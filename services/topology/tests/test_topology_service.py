@@ -15,17 +15,23 @@ import pytest
 from fleetpilot.contracts import NodeTopology, TopologyReport, TopologyUpdated, decode
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
+from fleetpilot.runtime import InMemoryBus, Retry
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.topology import service as topology_service
 from fleetpilot_services.topology.service import (
     BadFleetConfig,
+    ReportPlace,
     Sightings,
     TopologySettings,
+    applied_report,
     bandwidth_estimates,
     build,
+    mark_condition,
     node_condition,
+    superseded,
     with_condition,
+    write_keeping_operational_labels,
 )
 
 THREE_SITE = load_fleet_spec()
@@ -917,3 +923,120 @@ def test_a_gpu_new_on_a_marked_node_is_marked_with_it():
         kept = topology_service.with_operational_labels(reported, stored)
         assert [g.labels.get(condition) for g in kept.gpus] == ["true"] * len(kept.gpus), condition
         assert kept.labels.get(condition) == "true"
+
+
+def stored_version(entry) -> NodeTopology:
+    return msgspec.json.decode(entry.value, type=NodeTopology)
+
+
+async def test_a_late_report_never_replaces_a_newer_one_another_replica_applied(nats_server, client, monkeypatch):
+    """Two replicas. An older report of a node is held up inside its handler (a slow KV, a
+    paused process) while the other replica applies the node's next report; once it goes
+    on, the bucket must keep the newer one: it held the older for a whole report period."""
+    old = NODES[0]
+    new = msgspec.structs.replace(old, memory_mb=old.memory_mb // 2)  # a memory module lost meanwhile
+    original = topology_service.write_keeping_operational_labels
+    entered, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held_for_the_old_report(kv, node, *args, **kwargs):
+        if node == old:
+            entered.set()
+            await go_on.wait()  # its check of the stream is done: only the bucket can tell now
+        return await original(kv, node, *args, **kwargs)
+
+    monkeypatch.setattr(topology_service, "write_keeping_operational_labels", held_for_the_old_report)
+    replicas = [build(settings(nats_server.url)) for _ in range(2)]
+    for replica in replicas:
+        await replica.start()
+    kv = await client.kv("topology")
+    try:
+        await client.publish(report(old, at=1.0))
+        await asyncio.wait_for(entered.wait(), 10)
+        await client.publish(report(new, at=2.0))  # handled by the other replica
+
+        async def newer_applied() -> bool:
+            entry = await kv.get(old.node)
+            return entry is not None and stored_version(entry) == new
+
+        await wait_for(newer_applied, timeout_s=10, what="the newer report applied")
+        go_on.set()
+        await asyncio.sleep(1.0)
+        assert stored_version(await kv.get(old.node)) == new
+    finally:
+        go_on.set()
+        for replica in replicas:
+            await replica.stop()
+
+
+async def test_a_redelivered_old_report_does_not_undo_a_newer_one_that_changed_nothing(nats_server, client, monkeypatch):
+    """The node is stored as ``current``. Its next report (half its memory lost) fails once
+    and comes again a second later; meanwhile its collector reports ``current`` again, which
+    changes nothing and so writes nothing. The redelivered report is the older: it must not
+    write the loss back over what the node now reports."""
+    current = NODES[1]
+    lost_gpu = msgspec.structs.replace(current, memory_mb=current.memory_mb // 2)
+    original = topology_service.report_problem
+    failed: list[NodeTopology] = []
+
+    def fails_once(sent: TopologyReport, subject: str) -> str | None:
+        if sent.node == lost_gpu:  # counts each delivery, at the start of its handling
+            failed.append(sent.node)
+            if len(failed) == 1:
+                raise Retry("the bucket timed out", delay_s=1.0)
+        return original(sent, subject)
+
+    monkeypatch.setattr(topology_service, "report_problem", fails_once)
+    host = build(settings(nats_server.url))
+    await host.start()
+    kv = await client.kv("topology")
+    try:
+        await client.publish(report(current, at=1.0))
+        await wait_for(lambda: kv.get(current.node), timeout_s=10, what="the node stored")
+        await client.publish(report(lost_gpu, at=2.0))
+        await wait_for(lambda: failed, timeout_s=10, what="the report's first delivery failed")
+        await client.publish(report(current, at=3.0))
+        await wait_for(lambda: len(failed) == 2, timeout_s=10, what="the failed report delivered again")
+        await asyncio.sleep(0.3)
+        assert stored_version(await kv.get(current.node)) == current
+    finally:
+        await host.stop()
+
+
+def place(sequence: int | None, stored_at: float | None) -> ReportPlace:
+    return ReportPlace(sequence=sequence, stored_at=stored_at)
+
+
+@pytest.mark.parametrize(("report_at", "applied", "older"), [
+    (place(5, 100.0), place(9, 130.0), True),  # late or redelivered
+    (place(9, 130.0), place(9, 130.0), False),  # the same report again
+    (place(12, 160.0), place(9, 130.0), False),  # newer
+    (place(3, 500.0), place(9, 130.0), False),  # the stream made again: numbered from 1, stored later
+    (place(None, 100.0), place(9, 130.0), True),  # no sequence: the stored time alone
+    (place(None, 160.0), place(None, 130.0), False),
+    (place(5, None), place(None, 130.0), False),  # nothing to compare: applied, as before
+])
+def test_which_of_two_reports_is_older(report_at, applied, older):
+    assert superseded(report_at, applied) is older
+
+
+async def test_the_bucket_keeps_the_newest_report_s_place_and_old_values_still_read():
+    """What the bucket holds says which report wrote it, in a member every other reader
+    ignores; a value written before (no member) takes any report, and a mark keeps it."""
+    bus = InMemoryBus()
+    await bus.ensure_topology()
+    kv = await bus.kv("topology")
+    node = NODES[2]
+    await kv.put(node.node, msgspec.json.encode(node))  # written by an earlier version
+    changed = msgspec.structs.replace(node, site="site-z")
+    first = await write_keeping_operational_labels(kv, changed, place=place(7, 70.0))
+    assert first.written and not first.superseded
+    entry = await kv.get(node.node)
+    assert stored_version(entry) == changed and applied_report(entry.value) == place(7, 70.0)
+    assert msgspec.json.decode(entry.value) == {**msgspec.to_builtins(changed),
+                                                "applied_report": {"sequence": 7, "stored_at": 70.0}}
+    late = await write_keeping_operational_labels(kv, node, place=place(6, 60.0))
+    assert late.superseded and not late.written and stored_version(await kv.get(node.node)) == changed
+    assert await mark_condition(kv, node.node, "not_ready") is not None
+    assert applied_report((await kv.get(node.node)).value) == place(7, 70.0)
+    late = await write_keeping_operational_labels(kv, node, place=place(6, 60.0))
+    assert late.superseded and stored_version(await kv.get(node.node)).site == "site-z"
