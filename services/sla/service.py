@@ -100,6 +100,13 @@ class SlaSettings(ServiceSettings):
     # offers that never expire (NaN validity), offers without options, or a warm-up divided
     # by a bandwidth of 0 (every submission with data retried, then dead-lettered).
     offer_validity_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    # How long past its validity an unanswered offer stays open for a reply the stream stored
+    # in time that this service has not handled yet (a backlog of replies: the reply is judged
+    # by when it was stored, ``reply_received_at``); closed at once, the expiry job answered
+    # such a reply ``offer_expired``. A reply stored after the validity is expired whenever it
+    # is handled, and the offer stops holding its GPUs at its validity either way; what grows
+    # with it is how late the client hears of an unanswered offer's expiry.
+    reply_grace_s: float = Field(default=10.0, ge=0.0, allow_inf_nan=False)
     max_options: int = Field(default=4, ge=1)
     expiry_interval_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
     reserve_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
@@ -230,19 +237,40 @@ def admission(task: TaskSubmitted, admit: Admit, at: float) -> TaskAdmitted:
     return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=at)
 
 
-def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *,
-                 lapsed: str | None = None) -> TaskAdmitted | TaskRejected:
+def reply_received_at(stored_at: float | None, handled_at: float) -> float:
+    """When a reply reached the bus, to judge its lateness by: when its stream stored it
+    (``Delivery.stored_at``), capped at ``handled_at`` (this service's clock, now); ``now``
+    alone when the stored time is not known.
+
+    A reply sent in time must not expire because this service handled it late (a backlog).
+    The stored time is the server's clock and ``valid_until`` this service's, so a skew
+    between them moves the deadline, and the choice is which way it may move:
+
+    - the server's clock ahead: the cap keeps the judgement no stricter than by the handling
+      time (what it was before the stored time was read); only a reply handled late and
+      stored within the skew of ``valid_until`` is expired while it came in time;
+    - the server's clock behind: a reply up to the skew late is taken as in time, but only
+      while the offer is open: the expiry job closes it ``reply_grace_s`` after
+      ``valid_until`` by this service's clock, so no reply is admitted later than that,
+      whatever the skew. NTP keeps the skew to milliseconds, against a validity of seconds.
+    """
+    return handled_at if stored_at is None else min(stored_at, handled_at)
+
+
+def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *, lapsed: str | None = None,
+                 received_at: float | None = None) -> TaskAdmitted | TaskRejected:
     """The outcome of the client's reply to an open offer (mirrors ``OfferBook.reply``).
 
     Accepting admits under the option's terms (``contract_for``) with the task pinned to the
     option's GPU model, unless the fleet can no longer meet them (``lapsed`` says why): then
     it is rejected as ``infeasible`` with that reason, to be submitted again for a fresh
-    offer. Declining rejects with ``offer_declined``; a reply after ``valid_until`` gets
-    ``offer_expired``. An option the offer does not list raises ``Reject`` (dead letter) and
-    leaves the offer open for a correct answer.
+    offer. Declining rejects with ``offer_declined``; a reply received after ``valid_until``
+    gets ``offer_expired``: received at ``received_at`` (``reply_received_at``; ``at``, the
+    time of the outcome, when not given). An option the offer does not list raises
+    ``Reject`` (dead letter) and leaves the offer open for a correct answer.
     """
     offer, task = record.offer, record.task
-    if at > offer.valid_until:
+    if (at if received_at is None else received_at) > offer.valid_until:
         return _rejected(task.task_id, task.tenant, "offer_expired", "the offer expired before the answer came", at)
     if not reply.accept:
         return _rejected(task.task_id, task.tenant, "offer_declined", "the client declined every option", at)
@@ -409,8 +437,11 @@ class Negotiator:
             answer = record.offer if record.state == "open" else record.outcome  # type: ignore[assignment]
         return answer
 
-    async def replied(self, reply: SlaReply, tenant: str | None) -> TaskAdmitted | TaskRejected:
-        """Close the offer ``reply`` answers, once across replicas (CAS on the offer's revision)."""
+    async def replied(self, reply: SlaReply, tenant: str | None, stored_at: float | None = None
+                      ) -> TaskAdmitted | TaskRejected:
+        """Close the offer ``reply`` answers, once across replicas (CAS on the offer's revision);
+        ``stored_at``: when the stream stored the reply (``Delivery.stored_at``), what its
+        lateness is judged by (``reply_received_at``)."""
         for _ in range(5):
             found = await self.store.offer(reply.task_id)
             if found is None or found[0].offer.offer_id != reply.offer_id:
@@ -422,7 +453,9 @@ class Negotiator:
                 outcome = record.outcome  # a redelivered or repeated reply: the same answer again
             else:
                 lapsed = await self.lapsed(record, reply)
-                outcome = settle_reply(record, reply, self.clock(), lapsed=lapsed)
+                now = self.clock()
+                outcome = settle_reply(record, reply, now, lapsed=lapsed,
+                                       received_at=reply_received_at(stored_at, now))
                 state = ("accepted" if isinstance(outcome, TaskAdmitted) else
                          "expired" if outcome.code == "offer_expired" else
                          "lapsed" if lapsed is not None else "declined")
@@ -437,18 +470,23 @@ class Negotiator:
         raise Retry("offer kept changing", 0.2)
 
     async def expire(self) -> list[TaskRejected]:
-        """Close every open offer past its validity with ``offer_expired``; the rejections to publish."""
+        """Close every open offer past its validity and ``reply_grace_s`` with
+        ``offer_expired``; the rejections to publish.
+
+        The grace leaves a reply sent in time but not handled yet (a backlog) to close the
+        offer, judged by when it was stored (``settle_reply``)."""
         now = self.clock()
+        grace = self.settings.reply_grace_s
         out = []
         for task_id, seen in list(self.store.open_offers.items()):
-            if now <= seen.offer.valid_until:
+            if now <= seen.offer.valid_until + grace:
                 continue
             found = await self.store.offer(task_id)
             if found is None or found[0].state != "open":
                 self.store.open_offers.pop(task_id, None)
                 continue
             record, revision = found
-            if now <= record.offer.valid_until:
+            if now <= record.offer.valid_until + grace:
                 # The view lags: the bucket holds a newer offer (a resubmission answered by
                 # another replica), still valid. Closing it would expire a live offer.
                 self.store.open_offers[task_id] = record
@@ -554,7 +592,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
             except AuthError as exc:
                 # Dead-lettered, not rejected: a bad reply must not close someone's offer.
                 raise Reject(f"reply to {reply.offer_id}: {exc}") from exc
-        return await holder["n"].replied(reply, tenant)
+        return await holder["n"].replied(reply, tenant, delivery.stored_at)
 
     @host.on(TaskLifecycle, consumer="sla-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:

@@ -7,6 +7,8 @@ subject, which contract, and how the admitted task is shaped for the policy.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from fleetpilot.auth import KeyRing, mint_token, save_jwks
@@ -29,7 +31,7 @@ from fleetpilot.contracts import (
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import InMemoryBus, Reject
 from fleetpilot.sla import Admit
-from fleetpilot_services.sla.service import SlaSettings, admission, build, settle_reply
+from fleetpilot_services.sla.service import SlaSettings, admission, build, reply_received_at, settle_reply
 from fleetpilot_services.sla.store import OfferRecord, offer_key
 
 
@@ -73,6 +75,76 @@ def test_accepting_the_wait_keeps_the_model_and_sets_not_before():
 def test_declined_or_late_answers_reject(answer, at, code):
     out = settle_reply(RECORD, answer, at)
     assert isinstance(out, TaskRejected) and out.code == code and out.task_id == "t1"
+
+
+@pytest.mark.parametrize(("received_at", "code"), [
+    (T0 + 29, None),  # stored in time, handled late (at T0 + 31): admitted
+    (T0 + 30, None),  # at the last moment of its validity
+    (T0 + 30.5, "offer_expired"),  # stored late: expired, however soon it is handled
+])
+def test_a_reply_is_late_by_when_it_was_received_not_when_it_is_handled(received_at, code):
+    out = settle_reply(RECORD, reply(True, "o1"), T0 + 31, received_at=received_at)
+    assert (out.code if isinstance(out, TaskRejected) else None) == code
+    assert (out.rejected_at if isinstance(out, TaskRejected) else out.admitted_at) == T0 + 31
+
+
+@pytest.mark.parametrize(("stored_at", "handled_at", "received"), [
+    (T0 + 29, T0 + 31, T0 + 29),  # a backlog: the server's stored time
+    (T0 + 33, T0 + 31, T0 + 31),  # a server clock ahead: never later than handled
+    (None, T0 + 31, T0 + 31),  # not known (a core message): when handled
+])
+def test_when_a_reply_was_received(stored_at, handled_at, received):
+    assert reply_received_at(stored_at, handled_at) == received
+
+
+class MovedClock:
+    """Wall-clock time moved by hand, shared by the bus (its stored times) and the service."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+async def test_on_the_in_memory_bus_a_reply_waiting_past_the_validity_is_admitted_one_sent_late_expired(tmp_path):
+    clock = MovedClock()
+    ring = KeyRing()
+    ring.signing_key()
+    save_jwks(ring.public_jwks(), tmp_path / "jwks.json")
+    bus = InMemoryBus(clock=clock)
+    await bus.ensure_topology()
+    await (await bus.kv("topology")).put(node_key("n1"), encode(NodeTopology(node="n1", site="a", gpus=[
+        GpuInfo(index=i, model="A100-40GB", memory_mb=40_960) for i in range(2)])))  # one per open offer
+    host = build(SlaSettings(nats_url="unused", metrics_port=-1, jwks_path=str(tmp_path / "jwks.json"),
+                             issuer="iss", offer_validity_s=30, reply_grace_s=10), clock=clock)
+    await host.start(bus)
+    auth = {"Authorization": f"Bearer {mint_token(ring, tenant='acme', audience='fleetpilot', issuer='iss', ttl_s=3600)}"}
+    try:
+        for task_id in ("waited", "late"):
+            await bus.publish(TaskSubmitted(task_id=task_id, gpus=1, sla=SlaRequest(max_queue_s=0, warmup_ms=1),
+                                            size_gb=1.0), headers=auth)
+        await bus.settle()
+        offers = {e.task_id: e for s, e in published(bus, "SLA") if isinstance(e, SlaOffer)}
+        assert set(offers) == {"waited", "late"}
+
+        def accept(task_id: str) -> SlaReply:
+            return SlaReply(offer_id=offers[task_id].offer_id, task_id=task_id, accept=True,
+                            option_id=offers[task_id].options[0].option_id)
+
+        await bus.publish(accept("waited"), headers=auth)  # stored now, in time...
+        clock.offset += 35  # ...and handled 35 s later, past the validity (not the grace)
+        await bus.settle()
+        clock.offset += 1
+        await bus.publish(accept("late"), headers=auth)  # stored past the validity
+        await bus.settle()
+        answers = {(e.task.task_id if isinstance(e, TaskAdmitted) else e.task_id): e
+                   for s, e in published(bus, "TASKS") if s in ("task.admitted", "task.rejected")}
+        assert isinstance(answers["waited"], TaskAdmitted)
+        assert answers["waited"].contract.offer_id == offers["waited"].offer_id
+        assert isinstance(answers["late"], TaskRejected) and answers["late"].code == "offer_expired"
+    finally:
+        await host.stop()
 
 
 def test_an_option_the_offer_does_not_list_is_dead_lettered():
@@ -268,7 +340,7 @@ async def test_the_expiry_job_leaves_a_newer_offer_open_when_its_view_still_hold
     bus = InMemoryBus()
     await bus.ensure_topology()
     store = ContractStore(await bus.kv("contracts"), await bus.kv("rejections"))  # not watching: a lagging view
-    negotiator = Negotiator(bus, SlaSettings(nats_url="unused", metrics_port=-1), lambda: T0 + 31,
+    negotiator = Negotiator(bus, SlaSettings(nats_url="unused", metrics_port=-1, reply_grace_s=0.0), lambda: T0 + 31,
                             await TopologyView.open(bus), await LedgerStore.open(bus), store)
     newer = OfferRecord(offer=msgspec.structs.replace(OFFER, offer_id="t1/y", at=T0 + 20, valid_until=T0 + 50),
                         task=TASK)

@@ -410,7 +410,7 @@ async def test_an_answer_refused_for_its_token_can_be_sent_again_with_a_good_one
 
 async def test_unanswered_offer_expires_after_its_validity(rig):
     await fill_h100(rig, free_in_s=120)
-    await rig.start_sla(offer_validity_s=1.0)
+    await rig.start_sla(offer_validity_s=1.0, reply_grace_s=0.0)
     await rig.submit(h100_only("t-silent"), rig.token("acme"))
     offer: SlaOffer = await rig.recorder.wait("sla.offer.t-silent", "t-silent")
     rejected: TaskRejected = await rig.recorder.wait("task.rejected", "t-silent", timeout_s=5)
@@ -439,6 +439,42 @@ async def test_offer_survives_a_restart_of_the_service(rig):
                              option_id=option.option_id), rig.token("acme"))
     adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-restart")
     assert adm.contract.offer_id == offer.offer_id and adm.task.gpu_models == [option.gpu_model]
+
+
+async def test_a_reply_stored_in_time_but_handled_after_the_validity_is_admitted(rig):
+    """The service falls behind (here: stopped) while the client's acceptance waits in the
+    stream; it is handled after the offer's validity. Sent in time, it is admitted: judged by
+    when the server stored it, not by when a backlogged handler got to it. The expiry job
+    leaves the offer open for it meanwhile (``reply_grace_s``)."""
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla(offer_validity_s=2.0, reply_grace_s=30.0)
+    await rig.submit(h100_only("t-backlog"), rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-backlog", "t-backlog")
+    await rig.sla.stop()
+    rig.hosts.remove(rig.sla)
+    option = offer.options[0]
+    await rig.reply(SlaReply(offer_id=offer.offer_id, task_id="t-backlog", accept=True,
+                             option_id=option.option_id), rig.token("acme"))
+    while rig.clock() <= offer.valid_until + 0.5:
+        await asyncio.sleep(0.1)
+    await rig.start_sla(offer_validity_s=2.0, reply_grace_s=30.0)
+    adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-backlog")
+    assert adm.contract.offer_id == offer.offer_id and adm.admitted_at > offer.valid_until
+    assert "task.rejected" not in [s for s, _ in rig.recorder.about("t-backlog")]
+
+
+async def test_a_reply_stored_after_the_validity_is_expired_while_the_offer_is_still_open(rig):
+    await fill_h100(rig, free_in_s=120)
+    await rig.start_sla(offer_validity_s=1.0, reply_grace_s=30.0)
+    await rig.submit(h100_only("t-late"), rig.token("acme"))
+    offer: SlaOffer = await rig.recorder.wait("sla.offer.t-late", "t-late")
+    while rig.clock() <= offer.valid_until + 0.3:
+        await asyncio.sleep(0.1)
+    await rig.reply(SlaReply(offer_id=offer.offer_id, task_id="t-late", accept=True,
+                             option_id=offer.options[0].option_id), rig.token("acme"))
+    rejected: TaskRejected = await rig.recorder.wait("task.rejected", "t-late")
+    assert rejected.code == "offer_expired" and "answer came" in rejected.reason  # the reply's, not the job's
+    assert "task.admitted" not in [s for s, _ in rig.recorder.about("t-late")]
 
 
 async def hold_one_a100(rig: Rig, free_in_s: float) -> None:
