@@ -193,6 +193,10 @@ def child_env(
     full.update(env)
     gpus = gpus_of(placement)
     full["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    # Those are NVML's indices (the collector's, the ledger's), which follow the PCI bus;
+    # CUDA numbers devices fastest first unless told otherwise, so on a node of mixed boards
+    # the task ran on others than it was given. Set over the task's own, as its GPUs are.
+    full["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     full["FLEETPILOT_TASK_ID"] = task_id
     shares = [p.milli for p in placement if p.gpu >= 0]
     if shares and max(shares) < 1000:

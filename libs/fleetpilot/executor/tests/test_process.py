@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fleetpilot.contracts import Placement, TaskLifecycle
 from fleetpilot.executor import BackendError, ProcessBackend, classify_exit
+from fleetpilot.executor.process import child_env
 
 PY = sys.executable
 GPU0 = [Placement(node="n1", gpu=0, milli=1000)]
@@ -996,3 +997,14 @@ async def test_a_task_moved_away_and_back_is_stopped_when_it_moves_away_again(tm
         # Nothing handed over from where it runs waits to be taken back there.
         assert nodes[here].handed_over_before(time.time() + 1) == []
     await nodes["n2"].stop("m", grace_s=1)
+
+
+def test_a_task_numbers_its_gpus_as_nvml_does_whatever_its_own_environment_says() -> None:
+    """``CUDA_VISIBLE_DEVICES`` holds NVML's indices (the collector's, the ledger's); CUDA
+    numbers devices fastest first unless told the PCI bus order NVML uses, so on a node of
+    mixed boards a task given GPU 1 ran on another board. A task's own ``FASTEST_FIRST``
+    would do the same."""
+    placement = [Placement(node="n1", gpu=1, milli=1000)]
+    for given in ({}, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}):
+        env = child_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, given, "t", placement, restore=False)
+        assert (env["CUDA_DEVICE_ORDER"], env["CUDA_VISIBLE_DEVICES"]) == ("PCI_BUS_ID", "1")
