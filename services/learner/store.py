@@ -69,10 +69,17 @@ within its bound: an outcome recorded then or before is older than every one kep
 log = logging.getLogger("fleetpilot.learner")
 
 
-def outcome_weight(feedback: FeedbackRecorded) -> float:
-    """How far an outcome's record can be trusted: ``1 - uncertainty_score``, within 0..1
-    (the feedback store's weighting; a record judged without its result weighs 0)."""
-    return min(1.0, max(0.0, 1.0 - float(feedback.latency_ms.uncertainty_score)))
+OUTCOME_WEIGHT = 1.0
+"""What one recorded outcome weighs among the model's examples: each counts once.
+
+The model learns whether a placement met its goal, and every record observes that, whether
+it was judged with the action's result or from the task's end alone. The uncertainty a
+record carries is its *latency's* (how well the action was timed, what the feedback store
+weighs its latency figures by), and says nothing of the outcome. Weighed by it, a record
+judged from the task's end alone (latency unknown: weight 0) taught nothing, and those are
+the placements that failed before their result was handled (a task OOM-killed as it
+started): the model learnt from a sample leaning to success. Examples keep a weight of their
+own (``outcomes.weight``) for rows stored so by earlier versions."""
 
 
 def learns_from(feedback: FeedbackRecorded) -> bool:
@@ -119,16 +126,10 @@ class ExampleStore:
         return added
 
     def add_outcome(self, feedback: FeedbackRecorded) -> bool:
-        """Keep an action's outcome; ``False`` when it was kept already, cannot teach (no
-        placement's, or a record of weight 0), or is older than every joined outcome the store
-        keeps (pruned already, or it would be)."""
+        """Keep an action's outcome (weighing ``OUTCOME_WEIGHT``); ``False`` when it was kept
+        already, cannot teach (no placement's), or is older than every joined outcome the
+        store keeps (pruned already, or it would be)."""
         if not feedback.decision_id or not learns_from(feedback):
-            return False
-        # A record of weight 0 (judged without the action's result) is no example to the
-        # model (``learnable``). Kept, it counted as a new outcome (enough of them started a
-        # round that learnt from nothing new and stored the same model again as a new
-        # version) and took a place among the MAX_EXAMPLES latest, leaving fewer to learn from.
-        if outcome_weight(feedback) <= 0.0:
             return False
         # A pruned outcome delivered again (a replica's consumers made anew replay 7 days;
         # the feedback service announces a stored record again under a new message id) found
@@ -141,7 +142,7 @@ class ExampleStore:
                 "INSERT OR IGNORE INTO outcomes (action_id, decision_id, success, weight, gpu_model, recorded_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (feedback.action_id, feedback.decision_id, 1 if feedback.outcome == "success" else 0,
-                 outcome_weight(feedback), feedback.gpu_model, float(feedback.recorded_at))).rowcount == 1
+                 OUTCOME_WEIGHT, feedback.gpu_model, float(feedback.recorded_at))).rowcount == 1
             if added and self._db.execute("SELECT 1 FROM decisions WHERE decision_id = ?",
                                           (feedback.decision_id,)).fetchone():
                 self._bump(JOINED, 1)

@@ -8,8 +8,8 @@ by the training set's means and spreads. The correction starts at zero (``w₂ =
 ``b₂ = 0``), so an untrained model says what the policy said, and weight decay pulls it back
 there wherever the outcomes do not push, the harder the fewer outcomes there are (a
 Gaussian prior on the weights but the output bias, worth ``prior_outcomes``; the learner
-chooses how many, ``promotion.choose_prior``). Each outcome's loss is weighted by how far
-its record can be trusted (``1 - uncertainty_score``, the feedback store's weighting).
+chooses how many, ``promotion.choose_prior``). Each outcome's loss is weighted by its
+example's weight (the learner service gives every recorded outcome 1: ``OUTCOME_WEIGHT``).
 
 Training needs torch (the learner service); prediction needs only numpy, and the model
 travels as plain numbers (msgspec JSON), so the policy service neither imports torch nor

@@ -420,23 +420,24 @@ async def test_malformed_placements_and_outcomes_are_dead_lettered_with_their_re
         store.close()
 
 
-def test_outcomes_that_cannot_teach_are_not_kept_counted_or_read(tmp_path):
-    """A record judged without its action's result weighs 0, and the model never learns from
-    it (``learnable``). Kept, it was counted as a new outcome (50 of them started a round that
-    learnt from nothing new and stored the same model again, under a new version) and took a
-    place among the ``MAX_EXAMPLES`` latest, which then held fewer outcomes to learn from."""
+def test_an_outcome_judged_from_the_task_s_end_alone_is_learnt_from_as_any_other(tmp_path):
+    """A record judged from the task's end alone (its action's result handled after it: a
+    task OOM-killed as it started) has an unknown latency (uncertainty 1). It weighed 0 and
+    was dropped, so the model learnt from a sample leaning to success: the outcome is
+    observed all the same, and counts as fully as one judged with its result."""
     path = tmp_path / "learner.db"
     store = ExampleStore(path)
     t = now()
     try:
         for i in range(6):
             store.add_decision(decision(i, at=t - 100 + i))
-            weightless = i % 2 == 1  # judged from the task's end alone: latency unknown
-            ended = outcome(i, at=t - 50 + i)
-            if weightless:
+            ended = outcome(i, tight=i % 2 == 1, at=t - 50 + i)
+            if i % 2 == 1:  # judged from the task's end alone: an OOM, latency unknown
                 ended = msgspec.structs.replace(ended, latency_ms=Measured(value=0.0, uncertainty_score=1.0))
-            assert store.add_outcome(ended) is not weightless
-        assert (store.counter(JOINED), store.sizes()["joined"]) == (3, 3)
-        assert [e.decision.decision_id for e in read_examples(path, 3)] == ["d4", "d2", "d0"]
+            assert store.add_outcome(ended)
+        assert (store.counter(JOINED), store.sizes()["joined"]) == (6, 6)
+        examples = read_examples(path, 6)
+        assert [(e.decision.decision_id, e.success, e.weight) for e in examples] == [
+            (f"d{i}", i % 2 == 0, 1.0) for i in reversed(range(6))]
     finally:
         store.close()
