@@ -152,7 +152,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     holder: dict[str, object] = {}
     host_key = config_key(settings.hostname)
     plugins = PluginDirectory(Path(settings.plugin_dir),
-                              on_failure=lambda name: metrics.module_errors.labels(module=name).inc()
+                              on_failure=lambda name: metrics.module_errors.labels(module=name).inc(),
+                              import_timeout_s=settings.plugin_import_timeout_s,
                               ) if settings.plugin_dir else None
 
     def state() -> PolicyState:
@@ -180,7 +181,9 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             log.error("%s; starting from the settings", exc)
             config, source = settings.policy_config(), "settings"
         if plugins is not None:
-            plugins.poll()
+            # Vetted in child processes first: a module that hangs at import delays the start
+            # by at most plugin_import_timeout_s and is refused, rather than stop it for good.
+            await plugins.poll()
         profiles = plugins.profiles() if plugins else {}
         try:
             active = ActivePolicies(config, source, profiles)
@@ -244,10 +247,15 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         assert plugins is not None
         while True:
             await asyncio.sleep(settings.plugin_poll_s)
-            # Import and compile run on the event loop between two decisions: the swap is
-            # atomic without a lock, and a decision is delayed by at most one reload.
+            # A changed module is first vetted in a child process (the loop decides on
+            # meanwhile): one that hangs at import is refused there, not here.
+            changes = await plugins.vet()
+            # Import and compile of what passed run on the event loop between two decisions:
+            # the swap is atomic without a lock (the registry is never touched from another
+            # thread), and a decision is delayed by at most one reload. The vetting is not
+            # part of the reload time.
             started = time.perf_counter()
-            if plugins.poll():
+            if plugins.apply(changes):
                 state().active.apply_plugins(plugins.profiles(), started)
 
     async def refresh_stats(bus: Bus) -> None:

@@ -13,6 +13,7 @@ from fleetpilot.runtime.config import queue_aging_default
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from .plugin_dir import DEFAULT_IMPORT_TIMEOUT_S
 from .policy_set import PolicyConfig, load_config
 
 
@@ -39,6 +40,11 @@ class PolicySettings(ServiceSettings):
     seed: int = 0
     hostname: str = Field(default_factory=socket.gethostname, description="Selects policies.<hostname>")
     plugin_poll_s: float = Field(default=0.5, gt=0.0, allow_inf_nan=False)
+    plugin_import_timeout_s: float = Field(
+        default=DEFAULT_IMPORT_TIMEOUT_S, gt=0.0, allow_inf_nan=False,
+        description="A changed policy module is first run in a child interpreter: one that has not finished "
+        "importing and compiling its profiles by then is refused as hanging (its previous version serves)",
+    )
     stats_refresh_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     stats_timeout_s: float = Field(default=2.0, gt=0.0, allow_inf_nan=False)
     rebalance_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)

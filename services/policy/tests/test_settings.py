@@ -18,6 +18,9 @@ REFUSED = [
     ("STATS_REFRESH_S", "nan"),
     ("STATS_TIMEOUT_S", "0"),
     ("PLUGIN_POLL_S", "0"),
+    # A module's vetting limit: 0 refused every module, NaN never refused a hanging one.
+    ("PLUGIN_IMPORT_TIMEOUT_S", "0"),
+    ("PLUGIN_IMPORT_TIMEOUT_S", "nan"),
     ("WORKLOAD_REFRESH_S", "0"),
     ("WORKLOAD_WINDOW", "0"),
     ("OOM_MIGRATE_RISK", "nan"),
