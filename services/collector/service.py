@@ -63,10 +63,14 @@ class CollectorSettings(ServiceSettings):
     source: Literal["auto", "nvml", "sim"] = "auto"
     fleet_spec: str = ""
     openb_nodes: str = ""
-    interval_s: float = 1.0
-    speed: float = 1.0
-    topology_every_s: float = 30.0
-    seed: int = 0
+    # Periods above 0 and finite: 0, a negative or NaN period made the job a busy loop (over
+    # NVML, on a real node). The simulator's clock only moves forward, at a finite pace (a
+    # negative speed failed every tick, an infinite one made every reading NaN); numpy takes
+    # no negative seed.
+    interval_s: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    speed: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    topology_every_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0)
     # NVML only: the name and site this node reports under, and where the host's /proc and
     # /sys are mounted (a container sees the host's at e.g. /host).
     node_name: str = ""
@@ -160,8 +164,22 @@ class SimulatedHardware:
         if not cmd.gpus or any(not 0 <= g < len(topo.gpus) for g in cmd.gpus) or len(set(cmd.gpus)) != len(cmd.gpus):
             raise ValueError(f"bad GPU list {list(cmd.gpus)!r} for node {cmd.node!r} with {len(topo.gpus)} GPUs")
 
+    @staticmethod
+    def _check_figures(cmd: SimCommand) -> None:
+        # The wire only says "a float": a figure no task can have is refused with its name,
+        # not played out (a negative utilisation was read back as such, with less than idle
+        # power) nor bent into another (a negative duration ran for a second). A peak of 0 is
+        # "not known" (placed as 1 MB); the executor never sends a duration of 0.
+        if not 0.0 <= cmd.utilization_pct <= 100.0:
+            raise ValueError(f"utilization_pct {cmd.utilization_pct!r} is not within 0..100")
+        if not cmd.peak_memory_mb >= 0.0:
+            raise ValueError(f"peak_memory_mb {cmd.peak_memory_mb!r} is below 0")
+        if not cmd.duration_s > 0.0:
+            raise ValueError(f"duration_s {cmd.duration_s!r} is not above 0")
+
     def command(self, cmd: SimCommand) -> SimAck:
-        """Apply one executor command; a refused one leaves the fleet as it was."""
+        """Apply one executor command; a refused one (an unknown node, a bad GPU list, a
+        figure no task can have) leaves the fleet as it was, its ack saying why."""
         try:
             running = cmd.task_id in self.fleet.running()
             if cmd.verb == "remove":
@@ -174,6 +192,7 @@ class SimulatedHardware:
                 return SimAck(ok=True, detail="" if running else "not running")
             if cmd.verb == "place" and running:
                 return SimAck(ok=True, detail="already running")
+            self._check_figures(cmd)
             self._check_target(cmd)
             moving = cmd.verb == "move" and running
             done = self._progress(cmd.task_id) if moving else self.done_s.pop(cmd.task_id, 0.0)

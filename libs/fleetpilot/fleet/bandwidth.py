@@ -43,15 +43,16 @@ RELAY_UNCERTAINTY = 0.2  # added when the path goes through another site
 
 
 class IbPort(msgspec.Struct, frozen=True, kw_only=True):
-    """One InfiniBand/RoCE port as sysfs shows it; byte counters already converted from words."""
+    """One InfiniBand/RoCE port as sysfs shows it; byte counters already converted from
+    words, ``None`` where a counter could not be read (not 0: that is a count)."""
 
     device: str
     port: int
     rate_gbps: float
     link_layer: Literal["InfiniBand", "Ethernet"]
     state: str
-    xmit_bytes: int
-    rcv_bytes: int
+    xmit_bytes: int | None
+    rcv_bytes: int | None
 
 
 # A port's measured rates are published as they are computed: the wire record is the type.
@@ -62,13 +63,15 @@ def port_rates(before: list[IbPort], after: list[IbPort], dt_s: float) -> list[P
     """Rates per port from two counter snapshots ``dt_s`` apart.
 
     A counter that went backwards (reset, or a driver reload) gives no rate (value 0,
-    uncertainty 1) rather than a huge negative or wrapped one.
+    uncertainty 1) rather than a huge negative or wrapped one; so does one unread at either
+    end (``None``): read as 0, the period after it counted the port's whole lifetime.
     """
     earlier = {(p.device, p.port): p for p in before}
     out = []
     for p in after:
         prev = earlier.get((p.device, p.port))
-        if prev is None or dt_s <= 0 or p.xmit_bytes < prev.xmit_bytes or p.rcv_bytes < prev.rcv_bytes:
+        if (prev is None or dt_s <= 0 or p.xmit_bytes is None or p.rcv_bytes is None or prev.xmit_bytes is None
+                or prev.rcv_bytes is None or p.xmit_bytes < prev.xmit_bytes or p.rcv_bytes < prev.rcv_bytes):
             out.append(PortRate(device=p.device, port=p.port, tx_gbps=0.0, rx_gbps=0.0, utilisation=0.0,
                                 uncertainty_score=1.0))
             continue

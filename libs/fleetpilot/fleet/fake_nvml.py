@@ -33,6 +33,7 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
 NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
@@ -108,6 +109,7 @@ NVMLError_DriverNotLoaded = _error_class("NVMLError_DriverNotLoaded", NVML_ERROR
 NVMLError_Timeout = _error_class("NVMLError_Timeout", NVML_ERROR_TIMEOUT)
 NVMLError_LibraryNotFound = _error_class("NVMLError_LibraryNotFound", NVML_ERROR_LIBRARY_NOT_FOUND)
 NVMLError_FunctionNotFound = _error_class("NVMLError_FunctionNotFound", NVML_ERROR_FUNCTION_NOT_FOUND)
+NVMLError_GpuIsLost = _error_class("NVMLError_GpuIsLost", NVML_ERROR_GPU_IS_LOST)
 
 
 class NVMLLibraryMismatchError(Exception):
@@ -183,6 +185,9 @@ class FakeGpu:
     mig_max_devices: int = 7
     mig_devices: list[FakeMigDevice | None] = field(default_factory=list)
     mig_privileged: bool = False  # the caller holds the MIG monitor capability (root, CAP_SYS_ADMIN)
+    # Fallen off the bus since NVML opened it (Xid 79): every call on its handle fails with
+    # NVMLError_GpuIsLost, as the driver's do until the GPU is reset.
+    lost: bool = False
 
     @property
     def mig_enabled(self) -> bool:
@@ -237,6 +242,8 @@ class FakeNvml:
         if getattr(handle, "mig", None) is not None:
             raise NVMLError_NotSupported()  # a call NVML does not answer for a MIG device
         gpu = self.gpus[handle.index]
+        if gpu.lost:
+            raise NVMLError_GpuIsLost()
         if fn in gpu.unsupported:
             raise NVMLError_NotSupported()
         return gpu
@@ -246,6 +253,8 @@ class FakeNvml:
         self.calls_by_name[fn] = self.calls_by_name.get(fn, 0) + 1
         if not self.initialised:
             raise NVMLError_Uninitialized()
+        if self.gpus[handle.index].lost:
+            raise NVMLError_GpuIsLost()  # its slices went with it
         slots = self.gpus[handle.index].mig_devices
         device = slots[handle.mig] if handle.mig < len(slots) else None
         if device is None:

@@ -77,6 +77,9 @@ _NVML_ERROR_INVALID_ARGUMENT = 2
 _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_NOT_FOUND = 6
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
+# A GPU fallen off the bus (Xid 79) after NVML opened it: every call on its handle fails so
+# until the GPU is reset, so the first read that says so ends that GPU's reading for the tick.
+_NVML_ERROR_GPU_IS_LOST = 15
 # nvmlDeviceGetMigMode refused with these: a GPU without MIG, or a driver without the call.
 _NO_MIG = frozenset({_NVML_ERROR_NOT_SUPPORTED, _NVML_ERROR_FUNCTION_NOT_FOUND})
 # nvmlDeviceGetMigDeviceHandleByIndex: NotFound is an index with no MIG device (indices are
@@ -115,7 +118,8 @@ def read_ib_ports(root: str | Path = "/") -> list[IbPort]:
     """Every port under ``<root>/sys/class/infiniband``.
 
     ``port_xmit_data`` / ``port_rcv_data`` count 4-byte words (per the IB spec, divided by
-    the lane count), so they are multiplied by 4. The rate file reads "200 Gb/sec (4X HDR)".
+    the lane count), so they are multiplied by 4; one that cannot be read is ``None``. The
+    rate file reads "200 Gb/sec (4X HDR)".
     """
     base = Path(root) / "sys/class/infiniband"
     ports: list[IbPort] = []
@@ -130,10 +134,17 @@ def read_ib_ports(root: str | Path = "/") -> list[IbPort]:
                 device=dev.name, port=int(port_dir.name), rate_gbps=float(rate.group(1)) if rate else 0.0,
                 link_layer="Ethernet" if layer == "Ethernet" else "InfiniBand",
                 state=state.split(":", 1)[-1].strip() or "UNKNOWN",
-                xmit_bytes=int(_read(port_dir / "counters/port_xmit_data", "0") or 0) * 4,
-                rcv_bytes=int(_read(port_dir / "counters/port_rcv_data", "0") or 0) * 4,
+                xmit_bytes=_words_as_bytes(port_dir / "counters/port_xmit_data"),
+                rcv_bytes=_words_as_bytes(port_dir / "counters/port_rcv_data"),
             ))
     return ports
+
+
+def _words_as_bytes(path: Path) -> int | None:
+    # An unreadable counter (EIO while the HCA resets, a missing or garbled file) is None,
+    # not 0: as 0 it made the next period's rate the port's whole lifetime of traffic.
+    text = _read(path)
+    return int(text) * 4 if text.isdigit() else None
 
 
 def read_driver_params(root: str | Path = "/") -> dict[str, str]:
@@ -289,6 +300,10 @@ def _mig_layout(nvml: Any, handle: Any, gpu_total_bytes: int) -> MigLayout | msg
     return MigLayout(enabled=True, change_pending=pending, max_devices=count, devices=devices)
 
 
+class _GpuLost(Exception):
+    """Raised inside ``NvmlReader.sample`` when a GPU's read says it is lost: the reason."""
+
+
 def _cpu_ranges(mask_words: Any) -> str:
     cpus = [w * 64 + b for w, word in enumerate(mask_words) for b in range(64) if int(word) >> b & 1]
     ranges: list[str] = []
@@ -359,6 +374,10 @@ class NvmlReader:
         self._mig_max: dict[int, int] = {}
         self._gpu_total: dict[int, int] = {}
         self._mig_info: dict[str, MigDeviceInfo] = {}
+        # GPUs found lost while read (index -> NVML's reason), and each GPU's uuid and name as
+        # last read, so that a lost GPU is still reported under the uuid it had.
+        self._lost: dict[int, str] = {}
+        self._identity: dict[int, tuple[str, str]] = {}
         self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
         self._event_set = self._register_xid_events()
 
@@ -641,86 +660,116 @@ class NvmlReader:
                                      field="pcie_throughput"))
                      for counter in (nvml.NVML_PCIE_UTIL_TX_BYTES, nvml.NVML_PCIE_UTIL_RX_BYTES))  # type: ignore[return-value]
 
-    def _unopened_sample(self, index: int, now: float) -> GpuSample:
-        # What a GPU that falls off the bus while read reports too (every call fails):
-        # nothing known, no memory, the reason under ``nvml_error``.
-        return GpuSample(node=self.node, gpu=index, uuid="", model="", at=now, utilization_gpu_pct=0.0,
+    def _unopened_sample(self, index: int, now: float, reason: str | None = None) -> GpuSample:
+        # A GPU NVML could not open, or one that fell off the bus while read (``reason``):
+        # nothing known, no memory, the reason under ``nvml_error``; a lost GPU keeps the
+        # uuid and name it was last read with, so it is still known as the same GPU.
+        uuid, model = self._identity.get(index, ("", ""))
+        return GpuSample(node=self.node, gpu=index, uuid=uuid, model=model, at=now, utilization_gpu_pct=0.0,
                          utilization_memory_pct=0.0, memory_total_mb=0.0, memory_used_mb=0.0, memory_free_mb=0.0,
                          temperature_c=0.0, power_w=0.0, power_limit_w=0.0, sm_clock_mhz=0.0, pcie_tx_kbps=0.0,
                          pcie_rx_kbps=0.0, xid_last=self._xid_last[index], xid_count=self._xid_count[index],
                          xid_codes=self._xid_codes_of(index),
                          labels={"driver_version": self._driver, "site": self.site,
-                                 "nvml_error": self._unopened[index]})
+                                 "nvml_error": reason if reason is not None else self._unopened[index]})
 
     def sample(self, node: str) -> list[GpuSample]:
         """One reading of every local GPU; unsupported fields default and are labelled
-        (``nvml_unsupported``); a GPU NVML could not open reads empty with ``nvml_error``."""
+        (``nvml_unsupported``); a GPU NVML could not open, or one lost since (``GpuIsLost``),
+        reads empty with the reason under ``nvml_error``."""
         self._check_node(node)
         self._drain_xids()
-        nvml = self._nvml
         now = self._clock()
         out = []
         for index, handle in enumerate(self._handles):
             if handle is None:
                 out.append(self._unopened_sample(index, now))
                 continue
-            missing: list[str] = []
-
-            def call(fn: Callable[..., Any], *args: Any, default: Any = None, field: str = "",
-                     _missing: list[str] = missing) -> Any:
-                return self._try(fn, *args, default=default, missing=_missing, field=field)
-
-            util = call(nvml.nvmlDeviceGetUtilizationRates, handle, field="utilization")
-            mem = call(nvml.nvmlDeviceGetMemoryInfo, handle, field="memory")
-            util_gpu = float(util.gpu) if util is not None else 0.0
-            corrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                             nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
-            uncorrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                               nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
-            retired = sum(len(call(nvml.nvmlDeviceGetRetiredPages, handle, cause, default=[], field="retired_pages") or [])
-                          for cause in (nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
-                                        nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
-            remap = call(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0), field="remapped_rows")
-            if mem is not None:
-                self._gpu_total[index] = int(mem.total)
-            mig, mig_rows = self._mig(index, handle, missing)
-            processes = self._processes(handle, missing, rows=mig_rows)
-            pcie_tx, pcie_rx = self._pcie_kbps(index, handle, missing)
-            total_mb = mem.total / MB if mem is not None else 0.0
-            used_mb = mem.used / MB if mem is not None else 0.0
-            out.append(GpuSample(
-                node=self.node, gpu=index,
-                uuid=_text(call(nvml.nvmlDeviceGetUUID, handle, default="", field="uuid")),
-                model=_text(call(nvml.nvmlDeviceGetName, handle, default="", field="name")),
-                at=now,
-                utilization_gpu_pct=util_gpu,
-                utilization_memory_pct=float(util.memory) if util is not None else 0.0,
-                memory_total_mb=round(total_mb, 1), memory_used_mb=round(used_mb, 1),
-                memory_free_mb=round(mem.free / MB, 1) if mem is not None else 0.0,
-                temperature_c=float(call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU,
-                                         default=0, field="temperature")),
-                power_w=float(call(nvml.nvmlDeviceGetPowerUsage, handle, default=0, field="power")) / 1000.0,
-                power_limit_w=float(call(nvml.nvmlDeviceGetEnforcedPowerLimit, handle, default=0,
-                                         field="power_limit")) / 1000.0,
-                sm_clock_mhz=float(call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM, default=0,
-                                        field="sm_clock")),
-                pcie_tx_kbps=pcie_tx, pcie_rx_kbps=pcie_rx,
-                ecc_corrected=int(corrected), ecc_uncorrected=int(uncorrected),
-                retired_pages=retired, remapped_rows=int(remap[0]) + int(remap[1]),
-                pcie_replays=int(call(nvml.nvmlDeviceGetPcieReplayCounter, handle, default=0, field="pcie_replays")),
-                pcie_link_width=int(call(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle, default=0, field="pcie_link_width")),
-                pcie_link_width_max=int(call(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle, default=0,
-                                             field="pcie_link_width")),
-                xid_last=self._xid_last[index], xid_count=self._xid_count[index],
-                xid_codes=self._xid_codes_of(index),
-                cuda_context_switches_per_sec=self._context_switches(index, handle, util_gpu, len(processes)),
-                nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle),
-                processes=processes,
-                labels={"driver_version": self._driver, "site": self.site,
-                        **({"nvml_unsupported": ",".join(sorted(set(missing)))} if missing else {})},
-                mig=mig,
-            ))
+            try:
+                out.append(self._sample_gpu(index, handle, now))
+            except _GpuLost as lost:
+                # Not "every field unsupported" on a healthy GPU: the GPU is gone. Its other
+                # reads would each fail the same way (and can be slow on a dead device).
+                reason = str(lost)
+                if index not in self._lost:
+                    log.error("GPU %d of %s is lost (%s): reported empty with nvml_error until it answers again",
+                              index, self.node, reason)
+                self._lost[index] = reason
+                out.append(self._unopened_sample(index, now, reason))
+                continue
+            if self._lost.pop(index, None) is not None:
+                log.warning("GPU %d of %s answers NVML again; read as before", index, self.node)
         return out
+
+    def _sample_gpu(self, index: int, handle: Any, now: float) -> GpuSample:
+        """One GPU's reading; raises ``_GpuLost`` when a read of its own says it is lost."""
+        nvml = self._nvml
+        missing: list[str] = []
+
+        def call(fn: Callable[..., Any], *args: Any, default: Any = None, field: str = "",
+                 _missing: list[str] = missing) -> Any:
+            try:
+                return fn(*args)
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) == _NVML_ERROR_GPU_IS_LOST:
+                    raise _GpuLost(str(exc)) from None
+                if field:
+                    _missing.append(field)
+                return default
+
+        util = call(nvml.nvmlDeviceGetUtilizationRates, handle, field="utilization")
+        mem = call(nvml.nvmlDeviceGetMemoryInfo, handle, field="memory")
+        util_gpu = float(util.gpu) if util is not None else 0.0
+        corrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                         nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
+        uncorrected = call(nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                           nvml.NVML_AGGREGATE_ECC, default=0, field="ecc")
+        retired = sum(len(call(nvml.nvmlDeviceGetRetiredPages, handle, cause, default=[], field="retired_pages") or [])
+                      for cause in (nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+                                    nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR))
+        remap = call(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0), field="remapped_rows")
+        if mem is not None:
+            self._gpu_total[index] = int(mem.total)
+        mig, mig_rows = self._mig(index, handle, missing)
+        processes = self._processes(handle, missing, rows=mig_rows)
+        pcie_tx, pcie_rx = self._pcie_kbps(index, handle, missing)
+        total_mb = mem.total / MB if mem is not None else 0.0
+        used_mb = mem.used / MB if mem is not None else 0.0
+        sample = GpuSample(
+            node=self.node, gpu=index,
+            uuid=_text(call(nvml.nvmlDeviceGetUUID, handle, default="", field="uuid")),
+            model=_text(call(nvml.nvmlDeviceGetName, handle, default="", field="name")),
+            at=now,
+            utilization_gpu_pct=util_gpu,
+            utilization_memory_pct=float(util.memory) if util is not None else 0.0,
+            memory_total_mb=round(total_mb, 1), memory_used_mb=round(used_mb, 1),
+            memory_free_mb=round(mem.free / MB, 1) if mem is not None else 0.0,
+            temperature_c=float(call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU,
+                                     default=0, field="temperature")),
+            power_w=float(call(nvml.nvmlDeviceGetPowerUsage, handle, default=0, field="power")) / 1000.0,
+            power_limit_w=float(call(nvml.nvmlDeviceGetEnforcedPowerLimit, handle, default=0,
+                                     field="power_limit")) / 1000.0,
+            sm_clock_mhz=float(call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM, default=0,
+                                    field="sm_clock")),
+            pcie_tx_kbps=pcie_tx, pcie_rx_kbps=pcie_rx,
+            ecc_corrected=int(corrected), ecc_uncorrected=int(uncorrected),
+            retired_pages=retired, remapped_rows=int(remap[0]) + int(remap[1]),
+            pcie_replays=int(call(nvml.nvmlDeviceGetPcieReplayCounter, handle, default=0, field="pcie_replays")),
+            pcie_link_width=int(call(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle, default=0, field="pcie_link_width")),
+            pcie_link_width_max=int(call(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle, default=0,
+                                         field="pcie_link_width")),
+            xid_last=self._xid_last[index], xid_count=self._xid_count[index],
+            xid_codes=self._xid_codes_of(index),
+            cuda_context_switches_per_sec=self._context_switches(index, handle, util_gpu, len(processes)),
+            nvlink_bandwidth_utilization_ratio=self._nvlink_ratio(index, handle),
+            processes=processes,
+            labels={"driver_version": self._driver, "site": self.site,
+                    **({"nvml_unsupported": ",".join(sorted(set(missing)))} if missing else {})},
+            mig=mig,
+        )
+        if sample.uuid:
+            self._identity[index] = (sample.uuid, sample.model)
+        return sample
 
     def task_samples(self, node: str) -> list[TaskTelemetry]:
         """Per task (or ``pid-<pid>`` for processes without a task id): memory over its GPUs.
@@ -737,8 +786,8 @@ class NvmlReader:
         # so no sample is sent for them at all.
         blind: set[str] = set()
         for index, handle in enumerate(self._handles):
-            if handle is None:
-                continue  # a GPU NVML could not open: no process is known on it
+            if handle is None or index in self._lost:
+                continue  # a GPU NVML could not open, or lost at this tick's sample: no process is known on it
             # Timestamp 0 asks for every sample NVML still buffers; keep each PID's latest.
             latest: dict[int, tuple[int, float]] = {}
             for s in self._try(nvml.nvmlDeviceGetProcessUtilization, handle, 0, default=[]) or []:

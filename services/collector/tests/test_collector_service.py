@@ -572,3 +572,31 @@ async def test_a_node_whose_reading_is_nan_sends_nothing_undecodable_and_the_oth
     told = [r.getMessage() for r in caplog.records if r.name == "fleetpilot.collector" and r.levelname == "ERROR"]
     # Told once, not at every tick.
     assert len(told) == 1 and "a100-00 GPU 0" in told[0] and "$.power_w is nan" in told[0]
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("INTERVAL_S", "0"), ("INTERVAL_S", "-1"), ("INTERVAL_S", "nan"), ("INTERVAL_S", "inf"),
+    ("TOPOLOGY_EVERY_S", "0"), ("TOPOLOGY_EVERY_S", "-30"), ("TOPOLOGY_EVERY_S", "nan"),
+    ("SPEED", "-1"), ("SPEED", "0"), ("SPEED", "inf"), ("SPEED", "nan"),
+    ("SEED", "-1"),
+])
+def test_nonsense_timing_settings_are_a_one_line_error(monkeypatch, variable, value):
+    """Before, these were taken: an interval of 0 (or below, or NaN) spun the sampling job in a
+    busy loop over NVML; a negative speed raised "time only moves forward" every tick, so the
+    simulator never ran; an infinite one made every reading NaN; a negative seed crashed the
+    start with numpy's traceback instead of the one-line settings error."""
+    from fleetpilot.runtime.config import BadSettings
+
+    name = f"FLEETPILOT_COLLECTOR_{variable}"
+    monkeypatch.setenv(name, value)
+    with pytest.raises(BadSettings) as bad:
+        CollectorSettings.from_environment()
+    message = str(bad.value)
+    assert message.startswith(f"{name}={value!r}") and "\n" not in message, message
+
+
+def test_sensible_timing_settings_are_taken(monkeypatch):
+    for variable, value in (("INTERVAL_S", "0.05"), ("TOPOLOGY_EVERY_S", "5"), ("SPEED", "60"), ("SEED", "7")):
+        monkeypatch.setenv(f"FLEETPILOT_COLLECTOR_{variable}", value)
+    got = CollectorSettings.from_environment()
+    assert (got.interval_s, got.topology_every_s, got.speed, got.seed) == (0.05, 5.0, 60.0, 7)

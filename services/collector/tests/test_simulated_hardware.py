@@ -147,3 +147,32 @@ def test_a_moved_step_task_keeps_its_level_and_its_end(hw):
     assert memory_of(hw, "h100-00") == pytest.approx(held, rel=0.02)
     assert kinds(hw.advance(230.0)) == []
     assert kinds(hw.advance(20.0)) == ["finished"]  # at 600 s, as if it had not moved
+
+
+@pytest.mark.parametrize("fields", [
+    {"utilization_pct": -40.0},          # read back as -40 % utilisation and power below idle
+    {"peak_memory_mb": -1000.0},
+    {"duration_s": -5.0},
+    {"duration_s": 0.0},
+])
+def test_a_command_with_a_nonsense_figure_is_refused_with_the_reason_and_changes_nothing(hw, fields):
+    """Before, a ``place`` with a negative utilisation was taken and the node's telemetry
+    said -40 % utilisation and less than idle power (outside every physical range the
+    consumers assume); a negative or zero duration or peak was quietly bent into something
+    else. A refused command leaves the fleet as it was, and its ack says why."""
+    assert place(hw, task_id="keep").ok
+    (field, value), = fields.items()
+    ack = hw.command(SimCommand(verb="place", task_id="t1", node="a100-00", gpus=[1], **{"peak_memory_mb": 4000.0,
+                                                                                          "duration_s": 100.0,
+                                                                                          **fields}))
+    assert not ack.ok and field in ack.detail, ack.detail
+    assert hw.fleet.running() == ["keep"] and "t1" not in hw.ends_at
+    moved = hw.command(SimCommand(verb="move", task_id="keep", node="a100-00", gpus=[2], **{"peak_memory_mb": 4000.0,
+                                                                                             "duration_s": 100.0,
+                                                                                             **fields}))
+    assert not moved.ok
+    hw.advance(1.0)
+    assert hw.fleet.running() == ["keep"]
+    samples = hw.fleet.sample("a100-00")
+    assert [p.task_id for p in samples[0].processes] == ["keep"]
+    assert all(0.0 <= s.utilization_gpu_pct <= 100.0 for s in samples)

@@ -61,7 +61,7 @@ def test_fake_constants_and_errors_match_the_real_module() -> None:
     for name in CONSTANT_NAMES:
         assert getattr(pynvml, name) == getattr(fake_nvml, name), name
     for name in ("NVMLError_NotSupported", "NVMLError_Timeout", "NVMLError_NotFound", "NVMLError_LibraryNotFound",
-                 "NVMLError_FunctionNotFound"):
+                 "NVMLError_FunctionNotFound", "NVMLError_GpuIsLost"):
         real, fake = getattr(pynvml, name), getattr(fake_nvml, name)
         assert real().value == fake().value
         assert issubclass(fake, fake_nvml.NVMLError)
@@ -684,3 +684,57 @@ def test_topology_without_host_files_reports_this_machines_cpus_and_memory(tmp_p
     topo = reader.topology("n1")
     assert topo.cpu_milli == (os.cpu_count() or 0) * 1000 > 0
     assert topo.memory_mb > 0
+
+
+def test_a_gpu_lost_while_read_is_reported_lost_under_its_uuid_and_asked_once_per_tick() -> None:
+    """A GPU that falls off the bus after NVML opened it (Xid 79) answers every call with
+    GpuIsLost. Before, its sample went out with every field at 0 and all of them listed as
+    ``nvml_unsupported`` (as if a healthy GPU merely lacked the features), no uuid, and ~25
+    calls a tick into a dead device; it must read as lost (``nvml_error``), keep the uuid it
+    had, cost one call, leave the other GPUs read, and read normally again once it answers."""
+    gpus = [rich_gpu(i) for i in range(3)]
+    reader, fake, _ = make_reader(gpus)
+    reader.sample("n1")
+    gpus[1].lost = True
+    before = fake.calls
+    samples = reader.sample("n1")
+    assert [s.gpu for s in samples] == [0, 1, 2]
+    lost = samples[1]
+    assert lost.labels.get("nvml_error") == str(fake_nvml.NVMLError_GpuIsLost())
+    assert "nvml_unsupported" not in lost.labels
+    assert lost.uuid == gpus[1].uuid and lost.model == gpus[1].name
+    assert lost.memory_total_mb == 0 and lost.processes == []
+    assert "nvml_error" not in samples[0].labels and samples[2].memory_total_mb > 0
+    # Only one call reached the lost GPU (the first read told it was lost).
+    calls_per_healthy = (fake.calls - before - 1) / 2
+    assert fake.calls - before < 2 * calls_per_healthy + 3
+    assert set().union(*(t.gpus for t in reader.task_samples("n1"))) == {0, 2}
+    gpus[1].lost = False  # reset (nvidia-smi -r) brought it back on the same handle
+    again = reader.sample("n1")[1]
+    assert "nvml_error" not in again.labels and again.memory_total_mb > 0
+    reader.close()
+
+
+def test_an_ib_counter_that_cannot_be_read_once_makes_no_rate_and_no_spike_after(tmp_path: Path) -> None:
+    """A counter file that cannot be read (EIO while the HCA resets its firmware, a missing
+    or garbled file) was read as 0: that period looked like a counter reset, and the next one,
+    back at the real count, as the port's whole lifetime of traffic in one interval (here
+    ~3,200 Gbit/s on a 200 Gbit/s port, with the 0.05 uncertainty of an exact counter)."""
+    from fleetpilot.fleet.bandwidth import port_rates
+
+    sysfs(tmp_path)
+    counters = tmp_path / "sys/class/infiniband/mlx5_0/ports/1/counters"
+    (counters / "port_xmit_data").write_text(f"{100 * 10**9}\n")
+    first = read_ib_ports(tmp_path)
+    (counters / "port_xmit_data").write_text("")  # unreadable this once
+    blind = read_ib_ports(tmp_path)
+    (counters / "port_xmit_data").write_text(f"{100 * 10**9 + 1000}\n")
+    back = read_ib_ports(tmp_path)
+    during = {r.device: r for r in port_rates(first, blind, 1.0)}["mlx5_0"]
+    after = {r.device: r for r in port_rates(blind, back, 1.0)}["mlx5_0"]
+    assert during.uncertainty_score == 1.0 and during.tx_gbps == 0.0
+    assert after.uncertainty_score == 1.0 and after.tx_gbps == 0.0, after
+    # The other port, and the next interval of this one, are measured as before.
+    assert {r.device: r for r in port_rates(blind, back, 1.0)}["mlx5_1"].uncertainty_score == 0.05
+    again = {r.device: r for r in port_rates(back, read_ib_ports(tmp_path), 1.0)}["mlx5_0"]
+    assert again.uncertainty_score == 0.05 and again.tx_gbps == 0.0
