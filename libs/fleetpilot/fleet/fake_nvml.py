@@ -504,12 +504,17 @@ class FakeNvml:
         event_set.registered.add(h.index)
 
     def nvmlEventSetWait(self, event_set: Any, timeout_ms: int) -> Any:  # noqa: N802
-        """Pop the next pending XID of a registered GPU, or raise Timeout."""
+        """Pop the next pending XID of a registered GPU, or raise Timeout. As a real driver
+        after Xid 79, a set holding a lost GPU delivers that GPU's own pending XIDs (its 79),
+        then answers GpuIsLost to every wait, whatever the other GPUs have pending."""
+        lost = {index for index in event_set.registered if self.gpus[index].lost}
         for k, (gpu, xid) in enumerate(self.pending_xids):
-            if gpu in event_set.registered:
+            if gpu in event_set.registered and (not lost or gpu in lost):
                 del self.pending_xids[k]
                 return SimpleNamespace(device=SimpleNamespace(index=gpu), eventType=nvmlEventTypeXidCriticalError,
                                        eventData=xid)
+        if lost:
+            raise NVMLError_GpuIsLost()
         raise NVMLError_Timeout()
 
     def nvmlEventSetFree(self, event_set: Any) -> None:  # noqa: N802

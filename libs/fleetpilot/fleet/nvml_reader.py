@@ -31,7 +31,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -378,6 +378,7 @@ class NvmlReader:
         # last read, so that a lost GPU is still reported under the uuid it had.
         self._lost: dict[int, str] = {}
         self._identity: dict[int, tuple[str, str]] = {}
+        self._listened: set[int] = set()
         self._driver = _text(self._try(nvml.nvmlSystemGetDriverVersion, default=""))
         self._event_set = self._register_xid_events()
 
@@ -392,15 +393,30 @@ class NvmlReader:
                 missing.append(field)
             return default
 
-    def _register_xid_events(self) -> Any:
+    def _register_xid_events(self, lost: Iterable[int] = ()) -> Any:
+        """A new XID event set holding every opened GPU but the ``lost`` ones and those
+        sampling found lost (``_listened`` names them); ``None`` where NVML gives none."""
         nvml = self._nvml
+        self._listened = set()
         event_set = self._try(nvml.nvmlEventSetCreate)
         if event_set is None:
             return None
-        for handle in self._handles:
-            if handle is not None:
-                self._try(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+        skip = set(lost) | set(self._lost)
+        for index, handle in enumerate(self._handles):
+            if handle is None or index in skip:
+                continue
+            try:
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+            except nvml.NVMLError:
+                continue  # no XID events from it (unsupported, or lost: sampling says which)
+            self._listened.add(index)
         return event_set
+
+    def _listen_again(self, lost: Iterable[int] = ()) -> None:
+        """Make the XID event set again: without the GPUs lost since, with those back."""
+        if self._event_set is not None:
+            self._try(self._nvml.nvmlEventSetFree, self._event_set)
+        self._event_set = self._register_xid_events(lost)
 
     def _xid_codes_of(self, index: int) -> dict[int, int] | msgspec.UnsetType:
         """A copy of the GPU's XID counts by code (``UNSET`` before its first XID)."""
@@ -410,11 +426,21 @@ class NvmlReader:
         if self._event_set is None:
             return
         nvml = self._nvml
+        made_again = False
         for _ in range(1024):  # bounded: a storm of XIDs must not stall sampling
             try:
                 data = nvml.nvmlEventSetWait(self._event_set, 0)
-            except nvml.NVMLError:  # Timeout: nothing pending (or events unsupported)
-                return
+            except nvml.NVMLError as exc:
+                # After Xid 79 the driver answers every wait on a set that holds the lost GPU
+                # with GpuIsLost: taken for "nothing pending", the node's other GPUs' XIDs
+                # were never read again while it stayed lost. The set is made again without
+                # it (once a tick: a driver that fails the new set too costs no more).
+                if getattr(exc, "value", None) == _NVML_ERROR_GPU_IS_LOST and not made_again:
+                    made_again = True
+                    self._listen_again(self._lost_listened())
+                    if self._event_set is not None:
+                        continue
+                return  # Timeout: nothing pending (or events unsupported)
             # ctypes handles compare by identity, so ask NVML for the index of the device.
             index = self._try(nvml.nvmlDeviceGetIndex, data.device)
             if index is None or not 0 <= index < len(self._handles):
@@ -426,6 +452,17 @@ class NvmlReader:
             codes[xid] = codes.get(xid, 0) + 1
             self._events.append(FleetEvent(kind="xid", node=self.node, gpu=index, at=self._clock(),
                                            value=xid, detail=f"Xid {xid}"))
+
+    def _lost_listened(self) -> set[int]:
+        """The listened GPUs that are lost (the wait does not say which): one call each."""
+        lost = set()
+        for index in sorted(self._listened):
+            try:
+                self._nvml.nvmlDeviceGetUUID(self._handles[index])
+            except self._nvml.NVMLError as exc:
+                if getattr(exc, "value", None) == _NVML_ERROR_GPU_IS_LOST:
+                    lost.add(index)
+        return lost
 
     def _task_from_environ(self, pid: int) -> str | None:
         try:
@@ -699,6 +736,8 @@ class NvmlReader:
                 continue
             if self._lost.pop(index, None) is not None:
                 log.warning("GPU %d of %s answers NVML again; read as before", index, self.node)
+                if index not in self._listened:
+                    self._listen_again()  # and its XIDs listened to again
         return out
 
     def _sample_gpu(self, index: int, handle: Any, now: float) -> GpuSample:

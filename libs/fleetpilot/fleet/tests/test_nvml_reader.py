@@ -738,3 +738,26 @@ def test_an_ib_counter_that_cannot_be_read_once_makes_no_rate_and_no_spike_after
     assert {r.device: r for r in port_rates(blind, back, 1.0)}["mlx5_1"].uncertainty_score == 0.05
     again = {r.device: r for r in port_rates(back, read_ib_ports(tmp_path), 1.0)}["mlx5_0"]
     assert again.uncertainty_score == 0.05 and again.tx_gbps == 0.0
+
+
+def test_the_other_gpus_xids_are_still_read_while_one_gpu_is_lost() -> None:
+    """After Xid 79 a driver answers every wait on an event set that holds the lost GPU with
+    GpuIsLost. Read as "nothing pending", the node's other GPUs' XIDs were never read again
+    for as long as the lost GPU stayed (until a reboot): their health model went blind. The
+    set is made again without it, and with it once it answers again."""
+    gpus = [rich_gpu(i) for i in range(3)]
+    reader, fake, _ = make_reader(gpus)
+    reader.sample("n1")
+    gpus[1].lost = True
+    fake.push_xid(1, 79)
+    reader.sample("n1")
+    fake.push_xid(2, 48)
+    fake.push_xid(0, 94)
+    for _ in range(2):
+        samples = reader.sample("n1")
+    assert [(s.xid_count, s.xid_last) for s in samples] == [(1, 94), (1, 79), (1, 48)]
+    gpus[1].lost = False  # reset: it answers again, and is listened to again
+    reader.sample("n1")
+    fake.push_xid(1, 31)
+    assert [(s.xid_count, s.xid_last) for s in reader.sample("n1")][1] == (2, 31)
+    reader.close()
