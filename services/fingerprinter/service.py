@@ -42,7 +42,8 @@
 - Restarts: every ``checkpoint_s`` and when it stops, a replica writes each run in progress
   that changed to the ``fingerprint_series`` bucket (``fleetpilot.fingerprint.checkpoint``);
   one that starts restores its tasks' runs before it takes a sample, and each goes on as one
-  series that began with its run (its end still teaches an envelope). A run's key is deleted
+  series that began with its run (its end still teaches an envelope); so does a run stopped
+  that waits for its restore (what it held before, when it stopped). A run's key is deleted
   when it is learnt, and at the next round when it is forgotten or rejected.
 - Partitions: with ``partitions`` above 1, each replica owns the tasks whose id hashes to its
   ``partition`` and takes every message on consumers of its own, keeping its tasks'; a task's
@@ -75,7 +76,7 @@ from fleetpilot.contracts import (
     encode,
     now,
 )
-from fleetpilot.contracts.catalog import STREAMS, stream_of
+from fleetpilot.contracts.catalog import BUCKETS, STREAMS, stream_of
 from fleetpilot.fingerprint import (
     SeriesCheckpoint,
     SignatureStats,
@@ -126,6 +127,10 @@ PARTITION_REPLAY_S = 60.0
 """How far back a partition's own consumers start when first made (the fingerprinter
 partitioned anew, or scaled out): the submissions and lifecycle events of the moments its
 tasks had no replica, while the replicas of the old count were replaced by the new."""
+
+CHECKPOINT_REFRESH_S = next(bucket.ttl_s for bucket in BUCKETS if bucket.name == "fingerprint_series") / 2
+"""How long a run's checkpoint may go unwritten while its run is unchanged (a run stopped that
+waits for its restore): half the bucket's time-to-live, which would otherwise take it."""
 
 MOST_MB_PER_GPU = 1_048_576.0
 """More memory per GPU than any GPU holds (1 TiB; the largest hold under 300 GB): a sample
@@ -195,22 +200,25 @@ class FingerprinterSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEETPILOT_FINGERPRINTER_", extra="ignore")
 
-    max_tracked_tasks: int = 100_000
-    end_grace_s: float = 2.0
+    # Bounded, and finite where a time: 0 tasks made every sample's handler pop a model from an
+    # empty table, and an infinite time made a job that never runs (no end learnt, no checkpoint
+    # written) or one that fails at every start (a recovery from before any date).
+    max_tracked_tasks: int = Field(default=100_000, ge=1)
+    end_grace_s: float = Field(default=2.0, ge=0, allow_inf_nan=False)
     """How long after a run's terminal ``task.lifecycle`` its end is learnt: its last samples
     (core NATS) may still be on their way when the event (JetStream) arrives."""
-    silent_forget_s: float = Field(default=1800.0, gt=0)
+    silent_forget_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False)
     """How long a run's samples may stop, with no lifecycle event, before its series is
     forgotten: its node is gone, or its end was never told (a process the collector names
     ``pid-<pid>`` has none), and kept it would hold up to 20,000 samples until the task cap.
     A run of a known task keeps its signature and the most it held, as after a move."""
-    recover_s: float = Field(default=86_400.0, ge=0)
+    recover_s: float = Field(default=86_400.0, ge=0, le=366 * 86_400.0, allow_inf_nan=False)
     """How far back, at start, the submissions kept in the ``TASKS`` stream are read again for
     the signatures of the runs in progress (0: not at all). A replica started again (a
     rolling update, a crash) resumes its consumers past the submissions it had read, and
     the runs it then hears of by their samples alone had no signature: long runs in progress
     across a restart taught nothing when they ended."""
-    checkpoint_s: float = Field(default=60.0, ge=0)
+    checkpoint_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     """How often each run in progress that changed since is written to the
     ``fingerprint_series`` bucket (and once more when the replica stops cleanly), from which
     the replica that owns its task next restores it at start: a restart (a rollout, a crash, a
@@ -662,6 +670,17 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
     # when their end was taken by the replica before this one.
     written: dict[str, tuple] = {}
     resumed: set[str] = set()
+    # When each was last written (monotonic): an unchanged one is written again before the
+    # bucket's time-to-live takes it (a run stopped that waits hours for its restore).
+    written_at: dict[str, float] = {}
+
+    def in_progress(task_id: str, model: TaskSeries) -> bool:
+        """Whether ``task_id``'s run is in progress here, to be checkpointed: a series held, or
+        a run stopped (moved, evicted) that waits for its restore with no sample since, whose
+        model holds nothing but beside it what it held before and when it stopped. Deleted as
+        a run with no series, a restart while it waited lost them: it taught the peak of its
+        restored process alone (a leak started over lower), and its restore went uncounted."""
+        return bool(model.samples) or task_id in last_stop
 
     def checkpoint_token(task_id: str, model: TaskSeries) -> tuple:
         return (id(model), model.samples, model.latest_at, model.signature, model.expected_duration_s,
@@ -680,12 +699,14 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         next round tries again: what it writes is each run as it is then."""
         try:
             kv = await host.bus.kv("fingerprint_series")  # type: ignore[union-attr]
-            for task_id in [t for t in written if not (t in models and models[t].samples)]:
+            for task_id in [t for t in written if not (t in models and in_progress(t, models[t]))]:
                 await kv.delete(node_key(task_id))
                 written.pop(task_id, None)
-            for task_id, model in [(t, m) for t, m in models.items() if m.samples]:
+                written_at.pop(task_id, None)
+            for task_id, model in [(t, m) for t, m in models.items() if in_progress(t, m)]:
                 token = checkpoint_token(task_id, model)
-                if written.get(task_id) == token or models.get(task_id) is not model or task_id in fitting:
+                fresh = time.monotonic() - written_at.get(task_id, -math.inf) < CHECKPOINT_REFRESH_S
+                if (written.get(task_id) == token and fresh) or models.get(task_id) is not model or task_id in fitting:
                     continue  # unchanged, gone meanwhile, or being added to on the fitting thread (a
                     # copy now could be torn): the next round writes it
                 whole = checkpoint(task_id, model)  # copies, taken here: the model goes on taking samples
@@ -694,6 +715,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                     continue  # learnt or forgotten meanwhile: its key is deleted, not written again
                 await kv.put(node_key(task_id), body)
                 written[task_id] = token
+                written_at[task_id] = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - the runs stay in memory; the next round writes them
             log.warning("runs in progress not checkpointed now (%s: %s)", type(exc).__name__, exc)
 
@@ -702,6 +724,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         behind (the server away) goes with the bucket's time-to-live, and restored it would
         be learnt no second time (``learnt_runs``)."""
         resumed.discard(task_id)
+        written_at.pop(task_id, None)
         if written.pop(task_id, None) is None:
             return
         try:
@@ -758,7 +781,9 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             # Least recently heard first, as ``models`` keeps them.
             for key, kept in sorted(found, key=lambda found: found[1].heard_wall):
                 task_id = kept.task_id
-                if now_wall - kept.heard_wall > settings.silent_forget_s:
+                # A run stopped that waits for its restore reports nothing, and is not silent:
+                # kept in memory for as long, it is restored however long it has waited.
+                if kept.samples and now_wall - kept.heard_wall > settings.silent_forget_s:
                     silent += 1
                     with contextlib.suppress(Exception):
                         await kv.delete(key)
@@ -779,6 +804,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
                 if kept.stopped_mb is not None and kept.stopped_at is not None and model.signature:
                     keep_newest(stopped, task_id, (model.signature, kept.stopped_mb, kept.stopped_at))
                 written[task_id] = checkpoint_token(task_id, model)
+                written_at[task_id] = now_mono - max(now_wall - kept.written_wall, 0.0)
                 resumed.add(task_id)
             log.info("restored %d runs in progress from their checkpoints (%d silent for over %.0f s dropped)",
                      len(resumed), silent, settings.silent_forget_s)

@@ -11,11 +11,13 @@ CLI: :func:`fingerprint_csv` behind ``fleetpilot fingerprint SERIES.csv --at 0.2
 """
 
 from .analysis import (
+    LONGEST_LIFE_S,
     LevelPrior,
     SeriesAnalysis,
     analyse_series,
     burstiness,
     context_switch_sensitivity,
+    declared_life,
     fingerprint_series,
 )
 from .checkpoint import (
@@ -95,7 +97,9 @@ __all__ = [
     "borrowed",
     "TRUST_CONFIDENCE",
     "TRUST_SAMPLES",
+    "LONGEST_LIFE_S",
     "analyse_series",
+    "declared_life",
     "burstiness",
     "changed_materially",
     "context_switch_sensitivity",

@@ -67,6 +67,20 @@ _ALTERNATIVE_WEIGHT = 0.05
 LEAK_MARGIN = 4.0
 # Confidence of "steps" read from a level that has not stepped yet.
 _FIRST_LEVEL_CONFIDENCE = 0.55
+LONGEST_LIFE_S = 1e9
+"""The longest life a task may declare (about 32 years): a longer one is garbled (an epoch time
+given as a duration, say), and read as no declared life (``declared_life``)."""
+
+
+def declared_life(expected_duration_s: float | None) -> float | None:
+    """``expected_duration_s`` as a life a fit may be carried to, ``None`` when it says nothing:
+    none declared, or not a number of seconds a task can live (zero or negative, infinite,
+    NaN, beyond ``LONGEST_LIFE_S``). Taken as they came, an infinite or huge one made every
+    fit of the task raise (infinities in its sums: no fingerprint, every sample dead-lettered)
+    or predict a peak no GPU holds, and a NaN one cut the run's envelope at no time."""
+    if expected_duration_s is None or not 0.0 < expected_duration_s <= LONGEST_LIFE_S:
+        return None
+    return float(expected_duration_s)
 
 
 @dataclass(frozen=True)
@@ -208,10 +222,14 @@ def _teeth_candidate(fit: ToothFit, sigma: float, now: float) -> _Candidate:
     high = float(tops.max()) + 2 * sigma
     drops = np.asarray((0.0, *fit.drop_s))
     period = float(np.median(np.diff(drops)))
-    next_drop = fit.drop_s[-1] + period
-    while next_drop < now:
-        next_drop += period
-    return _Candidate("sawtooth", "sawtooth", 0.0, peak, low, high, fit.slope, next_drop - now, 0.0)
+    # The first drop after now, counted in whole periods, not stepped to: teeth of no length
+    # (readings stamped alike, drops microseconds apart) made a step of nothing, and the
+    # fitting thread, every task's, looped for ever.
+    ahead = now - fit.drop_s[-1]
+    # The least whole number of periods after the last drop that reaches now, one at least.
+    periods = max(math.ceil(ahead / period), 1) if period > 0 and math.isfinite(ahead / period) else 1
+    next_drop = fit.drop_s[-1] + periods * period if period > 0 else now
+    return _Candidate("sawtooth", "sawtooth", 0.0, peak, low, high, fit.slope, max(next_drop - now, 0.0), 0.0)
 
 
 def _level_candidate(fit: LevelFit, n: int, sigma: float, prior: LevelPrior, *, lived: bool = False) -> _Candidate:
@@ -236,7 +254,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     peak (flat), not the first level of a step schedule that may still step up.
 
     ``expected_duration_s`` is the task's whole life when known; the peak is then the
-    fitted shape at end of life. ``utilisation`` (0..1 or percent, one per sample or any
+    fitted shape at end of life. One that is no life (``declared_life``) is not known. ``utilisation`` (0..1 or percent, one per sample or any
     length) gives burstiness; with ``colocated`` (process count sharing the GPU, aligned
     with ``utilisation``) it gives the context-switch sensitivity.
     Raises ``ValueError`` for an empty series, mismatched lengths, or a time or memory value
@@ -244,6 +262,7 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     """
     t = np.asarray(t_s, dtype=np.float64)
     y = np.asarray(used_mb, dtype=np.float64)
+    expected_duration_s = declared_life(expected_duration_s)
     if t.size == 0 or t.size != y.size:
         raise ValueError(f"need matching, non-empty series (got {t.size} times, {y.size} values)")
     if not (np.isfinite(t).all() and np.isfinite(y).all()):

@@ -31,7 +31,7 @@ def run_envelope(t_s: Sequence[float], used_mb: Sequence[float], declared_s: flo
 
     A sample stands for the whole gap since the sample before it: a step seen at one sample
     may have been taken just after the previous one, so it counts from there."""
-    if not len(t_s) or declared_s <= 0:
+    if not len(t_s) or not declared_s > 0:  # NaN too: no twentieth of it is a time
         return ()
     out: list[float] = []
     i, most = 0, float(used_mb[0])
@@ -58,7 +58,7 @@ def envelope_at(envelope: Sequence[float], at_s: float, declared_s: float) -> fl
     declared end); 0 for an empty envelope."""
     if not envelope:
         return 0.0
-    if declared_s <= 0:
+    if not declared_s > 0:  # NaN too (its twentieths are no index)
         return float(envelope[-1])
     k = math.ceil(max(at_s, 0.0) / declared_s * ENVELOPE_POINTS)
     return float(envelope[min(max(k, 1), len(envelope)) - 1])

@@ -10,7 +10,7 @@ import numpy as np
 
 from fleetpilot.contracts import Fingerprint
 
-from .analysis import MIN_SAMPLES, LevelPrior, SeriesAnalysis, analyse_series
+from .analysis import MIN_SAMPLES, LevelPrior, SeriesAnalysis, analyse_series, declared_life
 from .envelope import run_envelope
 
 # Defaults of :func:`changed_materially`: a peak that moved more than 10%, or an interval
@@ -115,6 +115,16 @@ class OnlineFingerprinter:
         self._current: Fingerprint | None = prior
         self._analysis: SeriesAnalysis | None = None
         self._ended = False  # ``finish`` was called: the series is the run's whole life
+
+    @property
+    def expected_duration_s(self) -> float | None:
+        """The life the task declared, ``None`` when unknown or not a life (``declared_life``:
+        a NaN one would cut the run's envelope at no time, an infinite one break every fit)."""
+        return self._declared
+
+    @expected_duration_s.setter
+    def expected_duration_s(self, value: float | None) -> None:
+        self._declared = declared_life(value)
 
     @property
     def current(self) -> Fingerprint | None:

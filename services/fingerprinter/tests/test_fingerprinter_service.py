@@ -586,6 +586,24 @@ def test_a_partition_beyond_the_count_is_a_one_line_error(monkeypatch):
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("variable,value", [
+    ("MAX_TRACKED_TASKS", "0"),     # every sample's handler popped a model from an empty table
+    ("MAX_TRACKED_TASKS", "-5"),
+    ("END_GRACE_S", "-1"),
+    ("END_GRACE_S", "nan"),         # a periodic job every NaN seconds
+    ("END_GRACE_S", "inf"),         # no run's end ever learnt
+    ("CHECKPOINT_S", "inf"),        # checkpoints "on" that are never written
+    ("RECOVER_S", "inf"),           # a start time before any date: the recovery job failed at each start
+    ("RECOVER_S", "1e12"),
+    ("SILENT_FORGET_S", "inf"),     # no run forgotten, yet each restored one dropped by the bucket's TTL
+])
+def test_a_setting_that_is_nonsense_is_a_one_line_error(monkeypatch, variable, value):
+    monkeypatch.setenv(f"FLEETPILOT_FINGERPRINTER_{variable}", value)
+    with pytest.raises(BadSettings, match=f"FLEETPILOT_FINGERPRINTER_{variable}") as raised:
+        FingerprinterSettings.from_environment()
+    assert "\n" not in str(raised.value)
+
+
 async def test_a_partition_s_replica_holds_only_its_own_tasks_and_says_which_partition_it_is(nats_server):
     host = build(FingerprinterSettings(nats_url=nats_server.url, metrics_port=-1, partitions=2, partition=1))
     await host.start()
@@ -1246,3 +1264,39 @@ async def test_a_replica_restores_the_runs_of_the_tasks_it_owns_whatever_count_w
     assert 0 < len(mine & set(tasks)) < len(tasks)  # the test shares them out
     async with one_replica(nats_server.url, partitions=2, partition=1) as (host, bus, seen):
         assert registry_of(host)("modelled") == len(mine)
+
+
+async def test_a_run_stopped_to_be_restored_keeps_across_a_restart_of_its_replica_what_it_held_before(nats_server):
+    # Evicted, a run's model starts afresh with no sample; only beside it are what it held
+    # before and when it stopped. Its checkpoint was deleted as a run with no series, so a
+    # replica restarted while the task waited to be restored (hours, for eight big GPUs) lost
+    # both: the run taught the peak of its restored process alone (a leak that starts over
+    # lower: half what it needed), and its restore went uncounted.
+    submitted = task("moved-1")
+    start = now() - 1_000.0
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        await bus.publish(submitted)
+        await asyncio.sleep(0.5)
+        for t in np.arange(0.0, 300.0, 10.0):  # 5 GB to 30 GB
+            await bus.publish(TaskTelemetry(task_id="moved-1", node="n1", gpus=[0], at=start + float(t),
+                                            memory_used_mb=5_000.0 + 25_000.0 * float(t) / 290.0))
+        await samples_taken(bus, seen, "sync-moved-1a")
+        await bus.publish(TaskLifecycle(task_id="moved-1", state="evicted", node="n1", at=start + 300.0))
+        await asyncio.sleep(1.0)  # the eviction handled (JetStream, its own consumer)
+    # Stopped cleanly: its runs in progress written; then started again, restored from them.
+    async with one_replica(nats_server.url) as (host, bus, seen):
+        for t in np.arange(400.0, 700.0, 10.0):  # restored lower: 5 GB to 15 GB
+            await bus.publish(TaskTelemetry(task_id="moved-1", node="n2", gpus=[0], at=start + float(t),
+                                            memory_used_mb=5_000.0 + 10_000.0 * (float(t) - 400.0) / 290.0))
+        await samples_taken(bus, seen, "sync-moved-1b")
+        await bus.publish(TaskLifecycle(task_id="moved-1", state="finished", node="n2", at=start + 700.0))
+        kv = await bus.kv("fingerprints")
+
+        async def learnt() -> SignatureStats | None:
+            entry = await kv.get(task_signature(submitted))
+            stats = msgspec.json.decode(entry.value, type=SignatureStats) if entry is not None else None
+            return stats if stats is not None and stats.count else None  # its restore is written first
+
+        stats = await wait_for(learnt, what="the run learnt")
+    assert stats.run_peaks_mb == (30_000.0,)
+    assert (stats.restores_kept, stats.restores_reset) == (0, 1)

@@ -177,3 +177,41 @@ def test_fingerprint_survives_the_wire(pattern, extra, duration):
                             colocated=np.arange(t.size) % 3)
     event = TaskFingerprinted(task_id="t", fingerprint=fp, source="observed", at=1.0)
     assert decode(encode(event), TaskFingerprinted) == event
+
+
+
+def _within(seconds: float, call):
+    """``call()``'s answer, failing the test (not hanging it) when it takes over ``seconds``."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(call).result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        pytest.fail(f"no answer within {seconds} s")
+    finally:
+        pool.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("t,y", [
+    # Two readings stamped alike (a log at whole seconds), the drop between them: a tooth of no length.
+    ([0.0, 0.0, *np.arange(1.0, 12.0)], [5_000.0, 100.0, *(100.0 + 10.0 * np.arange(1.0, 12.0))]),
+    # Drops microseconds apart (two samplers of one task, interleaved), then a long climb.
+    ([0.0, 1e-6, 2e-6, 3e-6, *np.arange(1.0, 2_000.0, 100.0)],
+     [9_000.0, 100.0, 9_000.0, 100.0, *(100.0 + np.arange(1.0, 2_000.0, 100.0))]),
+], ids=["repeated-stamp", "drops-microseconds-apart"])
+def test_a_sawtooth_whose_teeth_have_no_length_is_answered_not_looped_on(t, y):
+    fp = _within(5.0, lambda: fingerprint_series(t, y))
+    assert fp.pattern == "sawtooth"
+    assert np.isfinite(fp.predicted_peak_mb) and fp.time_to_peak_s is not None and fp.time_to_peak_s >= 0.0
+
+
+@pytest.mark.parametrize("declared", [float("inf"), 1e200, float("nan"), -60.0, 0.0, 1.7e12])
+@pytest.mark.parametrize("pattern,extra", [("steps", {"n_steps": 5}), ("linear", {})])
+def test_a_declared_life_that_is_no_life_reads_as_none_declared(declared, pattern, extra):
+    # Garbled at its source (an epoch time in ms given as a duration, an overflow read as
+    # infinity): carried to it, every fit raised or predicted a peak no GPU holds.
+    g, t, y = _series(pattern, extra, 0.3, 100.0)
+    fp = fingerprint_series(t, y, expected_duration_s=declared)
+    assert fp == fingerprint_series(t, y)
+    assert fp.pattern == pattern and fp.predicted_peak_mb < 10 * g.peak_mb

@@ -76,3 +76,8 @@ def test_only_a_run_seen_from_its_start_teaches_an_envelope_and_the_signature_ke
     predicted = memory.predict("sig-s")
     assert predicted is not None and predicted.envelope_mb == stats.envelope_mb
     assert msgspec.json.decode(msgspec.json.encode(stats), type=type(stats)) == stats
+
+
+def test_a_declared_duration_that_is_not_a_number_gives_no_envelope_and_reads_its_last_point():
+    assert run_envelope([0.0, 10.0], [1_000.0, 2_000.0], float("nan")) == ()
+    assert envelope_at((1.0,) * 19 + (2.0,), 50.0, float("nan")) == 2.0

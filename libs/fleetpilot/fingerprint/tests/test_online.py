@@ -192,3 +192,17 @@ def test_a_reading_that_is_not_a_number_is_refused_and_leaves_the_series_as_it_w
     final = fp.finish()
     assert final is not None and final.pattern == "linear" and final.samples == 39
     assert np.isfinite([final.predicted_peak_mb, final.peak_low_mb, final.peak_high_mb, final.burstiness]).all()
+
+
+@pytest.mark.parametrize("declared", [float("nan"), float("inf"), -1.0])
+def test_a_declared_life_that_is_no_life_is_none_and_cuts_no_envelope(declared):
+    g = MemoryGrowth(pattern="steps", base_mb=8_000.0, peak_mb=20_000.0, duration_s=1_000.0, n_steps=3)
+    t = np.arange(0.0, 1_000.0, 10.0)
+    model = OnlineFingerprinter("s", expected_duration_s=declared)
+    for at in t:
+        model.add(float(at), float(g.memory_at(at)))
+    assert model.expected_duration_s is None
+    # A NaN life cut the envelope at no time: the first level held "to the end" but for the last point.
+    assert model.finish().envelope_mb == ()
+    model.expected_duration_s = 1_000.0  # told later by its submission: a life it is
+    assert model.expected_duration_s == 1_000.0
