@@ -10,11 +10,15 @@ errs on the slow side for both).
 **k8s-default** — the default scheduler with the NVIDIA device plugin: whole GPUs only (a
 task asking for a share still holds a whole GPU), LeastAllocated node scoring, first free
 device indices, no notion of GPU memory. Pending pods are retried every cycle in queue order
-(FIFO by the time the pod was created: every task has the same priority) with backfill: a
-pod that does not fit does not block the ones behind it. A pod killed by an OOM or by a
-failed GPU is recreated by its Job controller (a new pod at the back of the queue, from
-scratch) up to the Job's ``backoffLimit`` of 6; the device plugin takes a GPU that fell off
-the bus out of service. No preemption (no PriorityClasses are set).
+(kube-scheduler's PrioritySort: each tier is a PriorityClass, vip highest, then FIFO by the
+time the pod was created) with backfill: a pod that does not fit does not block the ones
+behind it. A pod killed by an OOM or by a failed GPU is recreated by its Job controller (a
+new pod at the back of its priority's queue, from scratch) up to the Job's ``backoffLimit``
+of 6; the device plugin takes a GPU that fell off the bus out of service. Priority
+preemption (``DefaultPreemption``) is not modelled: a vip pod waits for room as the others
+do, which errs on the weak side for the baseline's vip waits. (Before, every pod had the
+same priority: a team with tiers that had set no PriorityClass, and its vip work queued
+behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
 
 **fleetpilot** — the full loop:
 
@@ -120,7 +124,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -152,6 +156,7 @@ from fleetpilot.maintenance import HealthModel
 from fleetpilot.policy import ClusterState, Policy, TaskRequest, build_policy, typical_tasks
 from fleetpilot.policy.backfill import (
     MAKE_WAY_PER_ROUND,
+    TIER_RANK,
     Demand,
     Move,
     Reservation,
@@ -260,7 +265,8 @@ class _Job:
     run_at: float = 0.0  # when that run began, kept across moves (the policy service's ``Allocation.run_at``)
     run_peak_mb: float = 0.0  # the most its run held per GPU before its latest move or checkpoint
     died_alone: bool = False  # killed by an OOM alone on its GPUs: its program's spread does not cover it
-    agreed_pool: tuple[str, str] | None = None  # (site, model) its admission or accepted offer pinned
+    agreed_pool: tuple[str, str] | None = None  # (site, model) its admission or accepted offer was estimated on
+    bound_site: str = ""  # the site an accepted offer binds it to (the policy's ``contract_site``); "": any
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -324,8 +330,7 @@ class FleetRun:
         self.first_placements: dict[str, tuple[DecisionMade, str]] = {}
         self.denominators: list[float] = []
         self.memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
-        self.largest = {t.gpu_models: max((self.memory_of.get(m, 0.0) for m in t.gpu_models or self.memory_of),
-                                          default=0.0) for t in workload.tasks}
+        self.largest: dict[tuple[str, ...], float] = {}  # by the models a task accepts (``_largest``)
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
                        "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
@@ -379,8 +384,8 @@ class FleetRun:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
                                gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb,
                                                  self._envelope_ask(job)),
-                               cpu_milli=t.cpu_milli,
-                               memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier, role=ROLE_OF_KIND[t.kind])
+                               cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier,
+                               role=ROLE_OF_KIND[t.kind], site=job.bound_site)
         if not self.smart:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
                                memory_mb=t.memory_mb, gpu_models=t.gpu_models)
@@ -395,7 +400,7 @@ class FleetRun:
         return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
                            gpu_memory_mb=reserve, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_models=models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
-                           predicted_peak_mb=peak, peak_sigma_mb=sigma)
+                           predicted_peak_mb=peak, peak_sigma_mb=sigma, site=job.bound_site)
 
     def _hold(self, job: _Job, row: int, gpus: list[int]) -> int:
         """The reservation, but never more than the GPUs a bridged task sits on."""
@@ -415,7 +420,7 @@ class FleetRun:
         if self.knows_peaks:
             # The run's own curve's peak, its CUDA context and three sigmas of its noise.
             g = job.task.growth
-            return int(min(g.peak_mb + CONTEXT_MB + 3.0 * g.noise_mb, self.largest[job.task.gpu_models]))
+            return int(min(g.peak_mb + CONTEXT_MB + 3.0 * g.noise_mb, self._largest(job.task.gpu_models)))
         stats = self.memory.stats(job.signature)
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
@@ -427,7 +432,7 @@ class FleetRun:
                                  at_least_mb=job.stopped_at_mb)
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
-        return int(min(want, self.largest[job.task.gpu_models]))
+        return int(min(want, self._largest(job.task.gpu_models)))
 
     # -- main loop -------------------------------------------------------------------------
 
@@ -511,18 +516,23 @@ class FleetRun:
             decision = negotiate(job.submitted, self._fleet_view(now, ahead_of=self._key(job)[:2]), now=now,
                                  fingerprint=learnt)
             job.prediction = learnt or self._lent(job.signature)
-            # Every bench task bounds its wait, so its admission is pinned to the model and
-            # site it was negotiated on, as the sla service pins it (``admission``).
+            # Every bench task bounds its wait, so its admission runs on the models its
+            # contract lists, as the sla service shapes the task (``admission``): the model it
+            # was estimated on and every other that keeps its terms; an accepted offer on the
+            # option's model, at the option's site (the policy's ``contract_site``).
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
                 contract = decision.contract
-                if contract.site is not None and len(contract.gpu_models) == 1:
+                self._bind(job, contract.gpu_models)
+                if contract.site is not None and contract.gpu_models:
                     job.agreed_pool = (contract.site, contract.gpu_models[0])
             elif isinstance(decision, CounterOffer):
                 # The submitter accepts the first option; the SLA is still measured as asked.
                 self.counts["counter_offers"] += 1
                 job.counter_offered = True
                 first = decision.options[0]
+                if first.gpu_model is not None:
+                    self._bind(job, [first.gpu_model], site=first.site or "")
                 if first.site is not None and first.gpu_model is not None:
                     job.agreed_pool = (first.site, first.gpu_model)
             else:
@@ -530,6 +540,21 @@ class FleetRun:
                 job.state = "rejected"
                 return
         self._enqueue(job, now)
+
+    @staticmethod
+    def _bind(job: _Job, models: Sequence[str], site: str = "") -> None:
+        """Hold ``job`` to what its contract says: the models it may run on, and the site an
+        accepted offer binds it to (as the sla service rewrites the admitted task)."""
+        if models:
+            job.task = replace(job.task, gpu_models=tuple(models))
+            job.submitted = msgspec.structs.replace(job.submitted, gpu_models=list(models))
+        job.bound_site = site
+
+    def _largest(self, models: tuple[str, ...]) -> float:
+        """The most memory a GPU of ``models`` has (any model's, for none)."""
+        if models not in self.largest:
+            self.largest[models] = max((self.memory_of.get(m, 0.0) for m in models or self.memory_of), default=0.0)
+        return self.largest[models]
 
     def _enqueue(self, job: _Job, now: float) -> None:
         job.state = "pending"
@@ -544,7 +569,8 @@ class FleetRun:
             # aging of 1, a later arrival overtakes a task only while it is expected to end
             # before that task would).
             return (*queue_key(job.task.tier, job.task.arrival_s, self._remaining(job), self.queue_aging), job.seq)
-        return (job.queued_since, job.seq)
+        # PrioritySort: the pod's PriorityClass (its tier), then the time it was created.
+        return (TIER_RANK.get(job.task.tier, 1), job.queued_since, job.seq)
 
     def _schedule(self, now: float) -> None:
         if not self.pending:

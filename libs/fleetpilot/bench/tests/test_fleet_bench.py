@@ -336,10 +336,13 @@ A100_AND_H100 = {"name": "two", "sites": [{"name": "s", "groups": [
 
 def grower_behind_a_busy_h100(pattern: str, peak: float, request: float, duration: float,
                               busy_s: float) -> tuple[BenchTask, BenchTask]:
-    """A task holding the H100 for ``busy_s``, and a grower that accepts the A100 or the H100."""
+    """A task holding the H100 for ``busy_s``, and a grower that accepts the A100 or the H100
+    and may wait for the H100: admitted on it, with the A100 (which holds its ask) among its
+    contract's models, so the policy may start it sooner there. (Unable to wait, it is
+    counter-offered the H100 and, accepting, held to it, as the sla service holds it.)"""
     busy = BenchTask(**{**task(0, duration=busy_s).__dict__, "gpu_models": ("H100",)})
     grower = BenchTask(**{**task(1, pattern=pattern, peak=peak, request=request, duration=duration).__dict__,
-                          "gpu_models": ("A100-40GB", "H100")})
+                          "gpu_models": ("A100-40GB", "H100"), "max_queue_s": busy_s + 600.0})
     return busy, grower
 
 
@@ -679,9 +682,12 @@ def test_after_a_long_wait_for_the_h100_a_program_most_of_whose_runs_fit_the_a10
     # share is worth risking (``policy.spread``), so it starts on the A100 at once.
     def runs(*, waited: bool) -> FleetRun:
         busy = BenchTask(**{**task(0, duration=2400.0).__dict__, "gpu_models": ("H100",)})
-        bound = BenchTask(**{**task(1, duration=2400.0).__dict__, "gpu_models": ("H100",)})
+        # Its SLA lets it wait the 40 minutes (not, refused that, move to an A100 offered it).
+        bound = BenchTask(**{**task(1, duration=2400.0).__dict__, "gpu_models": ("H100",), "max_queue_s": 3000.0})
+        # Its SLA may wait for the H100: admitted on it, the A100 among its contract's models.
         mine = BenchTask(**{**task(2, peak=39_000.0, request=20_000.0, program="ft",
-                                   arrival=2460.0 if waited else 60.0).__dict__, "gpu_models": ("A100-40GB", "H100")})
+                                   arrival=2460.0 if waited else 60.0).__dict__, "gpu_models": ("A100-40GB", "H100"),
+                            "max_queue_s": 6000.0})
         run = FleetRun(build_fleet(A100_AND_H100), workload(busy, bound, mine, hours=2.0), "fleetpilot", seed=1)
         run.memory.observe(Fingerprint(signature=run.jobs[2].signature, pattern="flat", pattern_confidence=1.0,
                                        growth_rate_mb_per_s=0.0, predicted_peak_mb=40_000.0, peak_low_mb=39_000.0,

@@ -149,8 +149,29 @@ def test_fingerprint_peak_and_warmup_count():
     fp = Fingerprint(signature="s", pattern="leak", pattern_confidence=0.9, growth_rate_mb_per_s=1.0,
                      predicted_peak_mb=30_000, peak_low_mb=25_000, peak_high_mb=35_000, warmup_s=1.5)
     decision = negotiate(task(kind="train"), FLEET, now=NOW, fingerprint=fp)
-    assert isinstance(decision, Admit) and decision.contract.gpu_models == ["A100"]  # V100 too small
+    # Estimated on A100 (free now), not on the V100, too small for the peak; the V100 holds
+    # the ask, so it stays among the models: which holds the growth is the policy's to judge.
+    assert isinstance(decision, Admit) and decision.contract.gpu_models == ["A100", "H100", "V100"]
+    assert "A100" in decision.contract.notes
     assert "warm-up 1500 ms" in decision.contract.notes
+
+
+def test_an_admission_may_run_on_every_model_that_keeps_its_terms_the_estimated_one_first():
+    """Pinned to the one model it was estimated on, an admitted task waited for that model
+    while others it asked for stood free. It keeps every model whose own terms (acceptable,
+    its latency, its price) the ask allows; a model too dear for its cost ceiling is not one."""
+    asked = task(gpus=1, gpu_models=["A100", "H100", "V100"], sla={"max_queue_s": 600})
+    admitted = negotiate(asked, FLEET, now=NOW)
+    assert isinstance(admitted, Admit)
+    assert admitted.contract.gpu_models[0] == admitted.contract.notes.split()[2]  # "estimated on <model> at"
+    assert sorted(admitted.contract.gpu_models) == ["A100", "H100", "V100"]
+    prices = {p.gpu_model: p.price_per_gpu_hour for p in FLEET.pools}
+    ceiling = sorted(set(prices.values()))[-2]  # the dearest model breaks it
+    capped = negotiate(task(gpus=1, gpu_models=["A100", "H100", "V100"],
+                            sla={"max_queue_s": 600, "cost_ceiling_per_hour": ceiling}), FLEET, now=NOW)
+    assert isinstance(capped, Admit)
+    dearest = max(prices, key=prices.get)
+    assert dearest not in capped.contract.gpu_models and len(capped.contract.gpu_models) == 2
 
 
 def test_an_offer_under_a_deadline_closes_before_accepting_it_would_miss_the_deadline():

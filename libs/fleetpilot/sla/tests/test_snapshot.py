@@ -125,6 +125,19 @@ def test_admissions_without_holds_take_their_pinned_gpus():
     assert pool.free_gpus == 2  # 5 GPUs, one held, two waiting
 
 
+def test_an_admission_that_may_run_on_several_models_waits_where_it_was_estimated():
+    """A contract lists every model that keeps its terms, the estimated one first: it is
+    counted in that pool's queue. Skipped for listing more than one, it was in no queue,
+    and the GPUs it will take were promised again."""
+    a100 = NodeTopology(node="n3", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(3)])
+    h100 = NodeTopology(node="n4", site="s1", gpus=[GpuInfo(index=i, model="H100") for i in range(3)])
+    task = TaskSubmitted(task_id="two", gpus=2, gpu_models=["A100-40GB", "H100"])
+    admissions = {"two": TaskAdmitted(task=task, contract=Contract(gpu_models=["A100-40GB", "H100"], site="s1"),
+                                      tenant="t", admitted_at=NOW - 5)}
+    pools = {p.gpu_model: p.free_gpus for p in fleet_view([a100, h100], [], admissions, now=NOW).pools}
+    assert pools == {"A100-40GB": 1, "H100": 3}
+
+
 def test_a_queue_longer_than_the_free_gpus_takes_the_earliest_completions():
     busy = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(3)])
     admissions = {f"run{i}": admitted_on(f"run{i}", 1, "s1", duration_s=600 * (i + 1)) for i in range(3)}
