@@ -276,9 +276,10 @@ BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec("gpu_state", ttl_s=120, description="Latest sample per GPU, for late joiners."),
     BucketSpec("fingerprints", history=3,
                description="Statistics by task signature: fingerprints, OOM floors, restores."),
-    # Rewritten every minute while a run reports; a key left behind (its run ended while no
-    # replica ran, its task forgotten) goes after an hour, twice the default silent-forget
-    # limit past which no replica restores it anyway.
+    # Rewritten every minute while a run reports, and every half hour while a stopped run
+    # waits for its restore; a key left behind (its run ended while no replica ran, its task
+    # forgotten) goes after an hour, twice the default silent-forget limit past which no
+    # replica restores a run that reports.
     BucketSpec("fingerprint_series", ttl_s=3600,
                description="Each run in progress's memory series by task, for the fingerprinter replica that "
                            "takes it on after a restart."),
