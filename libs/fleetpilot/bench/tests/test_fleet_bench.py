@@ -721,3 +721,14 @@ def test_while_no_run_of_a_program_has_ended_its_next_task_asks_what_a_run_in_pr
     given = run.live[run.jobs[1].signature]
     assert given.pattern == "linear" and abs(given.predicted_peak_mb - (45_000.0 + CONTEXT_MB)) < 2_000.0
     assert (result.figures["oom_events"], result.breakdown["completed"]) == (0, 2)
+
+
+@pytest.mark.parametrize(("name", "ratio", "shown"), [
+    ("mean_queue_s", 0.2016, "-79.8%"),  # a miss: never printed as "-80%" beside MISSED
+    ("mean_queue_s", 0.1995, "-80.0%"),
+    ("utilisation", 1.07, "+7.0%"),
+])
+def test_a_target_s_figure_is_printed_to_a_tenth_of_a_percent(name, ratio, shown):
+    from fleetpilot.bench.fleet_report import _target_text  # noqa: PLC0415
+
+    assert _target_text(name, ratio).startswith(shown + ",")
