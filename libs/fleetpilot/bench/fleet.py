@@ -25,7 +25,9 @@ behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
 - SLA negotiation (``sla.negotiate``) at submission against the fleet as it is, behind the
   admitted tasks still waiting that the queue serves first, as the sla service's snapshot
   counts them (``play_queue``): admitted, or counter-offered (the submitter is modelled as
-  accepting the first option), or rejected; the queue is ordered by tier (vip first), then by expected completion
+  accepting the first option), or rejected; an admitted task then runs only on its
+  contract's models, an accepted offer on its option's model and site (``_bind``), as the
+  sla service shapes the task for the policy; the queue is ordered by tier (vip first), then by expected completion
   (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
   around a reservation (EASY, ``policy.backfill``, as the policy service does): the
   whole-GPU task first in that order among those that found no place gets the GPUs that
