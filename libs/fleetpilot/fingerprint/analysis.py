@@ -254,9 +254,10 @@ def analyse_series(t_s: np.ndarray | list[float], used_mb: np.ndarray | list[flo
     peak (flat), not the first level of a step schedule that may still step up.
 
     ``expected_duration_s`` is the task's whole life when known; the peak is then the
-    fitted shape at end of life. One that is no life (``declared_life``) is not known. ``utilisation`` (0..1 or percent, one per sample or any
-    length) gives burstiness; with ``colocated`` (process count sharing the GPU, aligned
-    with ``utilisation``) it gives the context-switch sensitivity.
+    fitted shape at end of life (one that is no life, ``declared_life``, is not known).
+    ``utilisation`` (0..1 or percent, one per sample or any length) gives burstiness; with
+    ``colocated`` (process count sharing the GPU, aligned with ``utilisation``) it gives the
+    context-switch sensitivity.
     Raises ``ValueError`` for an empty series, mismatched lengths, or a time or memory value
     that is not a finite number.
     """
