@@ -224,9 +224,9 @@ def _model_bound(task: TaskSubmitted) -> bool:
 def admission(task: TaskSubmitted, admit: Admit, at: float) -> TaskAdmitted:
     """The ``task.admitted`` of an :class:`Admit`, shaped so the policy honours the contract.
 
-    When the ask depends on the GPU model (any bound, or a list of models) the task is
-    pinned to the model the contract was estimated on, because the policy places by
-    ``task.gpu_models``. An unbounded ask keeps its own (possibly empty) list: any GPU
+    When the ask depends on the GPU model (any bound, or a list of models) the task is held
+    to the contract's models (the one it was estimated on first, then every other that keeps
+    its terms: ``negotiate.admit_contract``), because the policy places by ``task.gpu_models``. An unbounded ask keeps its own (possibly empty) list: any GPU
     satisfies it, and pinning would only stop the policy from packing.
     """
     contract = admit.contract
@@ -261,8 +261,8 @@ def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *, lapsed: str
                  received_at: float | None = None) -> TaskAdmitted | TaskRejected:
     """The outcome of the client's reply to an open offer (mirrors ``OfferBook.reply``).
 
-    Accepting admits under the option's terms (``contract_for``) with the task pinned to the
-    option's GPU model, unless the fleet can no longer meet them (``lapsed`` says why): then
+    Accepting admits under the option's terms (``contract_for``) with the task held to the
+    option's GPU model and the others its terms hold on (``OfferOption.gpu_models``), unless the fleet can no longer meet them (``lapsed`` says why): then
     it is rejected as ``infeasible`` with that reason, to be submitted again for a fresh
     offer. Declining rejects with ``offer_declined``; a reply received after ``valid_until``
     gets ``offer_expired``: received at ``received_at`` (``reply_received_at``; ``at``, the
@@ -281,7 +281,8 @@ def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *, lapsed: str
         return _rejected(task.task_id, task.tenant, "infeasible", f"{lapsed}; submit it again for a fresh offer", at)
     contract = contract_for(task, option, offer.offer_id)
     if option.gpu_model:
-        task = msgspec.structs.replace(task, gpu_models=[option.gpu_model])
+        # The option's model, and every other its terms hold on (``OfferOption.gpu_models``).
+        task = msgspec.structs.replace(task, gpu_models=list(contract.gpu_models))
     return TaskAdmitted(task=task, contract=contract, tenant=task.tenant, admitted_at=at)
 
 

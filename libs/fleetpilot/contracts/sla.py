@@ -20,6 +20,9 @@ class OfferOption(Record, frozen=True, kw_only=True):
     cost_per_hour: float | None = None
     not_before: float | None = None
     why: str = ""
+    gpu_models: list[str] = msgspec.field(default_factory=list)
+    """The models the option's terms hold on, ``gpu_model`` first: accepted, the task may run on
+    any of them (at ``site``). Empty: ``gpu_model`` alone (an offer of an earlier version)."""
 
 
 class SlaOffer(Event, frozen=True, kw_only=True, tag="sla.offer.v1"):

@@ -224,12 +224,41 @@ def _shortfall(task: TaskSubmitted, acceptable_now: list[Estimate]) -> str:
     return "; ".join(lines) or "the asked terms cannot all be met together now"
 
 
-def _option(e: Estimate, task: TaskSubmitted, now: float, option_id: str) -> OfferOption:
+def _option(e: Estimate, task: TaskSubmitted, now: float, option_id: str,
+            others: Iterable[Estimate] = ()) -> OfferOption:
+    p95 = None if e.p95_ms is None else round(e.p95_ms, 1)
+    cost = round(e.cost_per_hour, 4)
+    # Accepted, the option's terms are the ask relaxed to its own (``offers.contract_for``):
+    # every other model that keeps those runs it as well, as for an admission.
+    sla = task.sla
+    models = models_keeping(task, e.pool.gpu_model, others,
+                            p95_ms=None if sla.p95_latency_ms is None else max(sla.p95_latency_ms, p95 or 0.0),
+                            cost_per_hour=None if sla.cost_ceiling_per_hour is None
+                            else max(sla.cost_ceiling_per_hour, cost))
     return OfferOption(option_id=option_id, gpu_model=e.pool.gpu_model, site=e.pool.site,
                        warmup_ms=round(e.warmup_ms, 1), expected_queue_s=round(e.queue_s, 1),
-                       p95_latency_ms=None if e.p95_ms is None else round(e.p95_ms, 1),
-                       cost_per_hour=round(e.cost_per_hour, 4),
-                       not_before=now + e.queue_s if e.queue_s > 0 else None, why=_why(e, task))
+                       p95_latency_ms=p95, cost_per_hour=cost,
+                       not_before=now + e.queue_s if e.queue_s > 0 else None, why=_why(e, task),
+                       gpu_models=models)
+
+
+def models_keeping(task: TaskSubmitted, first: str, others: Iterable[Estimate], *,
+                   p95_ms: float | None, cost_per_hour: float | None) -> list[str]:
+    """``first``, then every other model among the ``others`` estimates that keeps the terms a
+    model alone decides (``MODEL_TERMS``) under the given bounds: one ``task`` accepts (or
+    ``first`` itself, a model an accepted option adds), its p95 within ``p95_ms``, its price
+    within ``cost_per_hour`` (``None``: no bound)."""
+    models = [first]
+    for other in sorted(others, key=lambda o: o.pool.gpu_model):
+        model = other.pool.gpu_model
+        if model in models or (task.gpu_models and model not in task.gpu_models):
+            continue
+        if p95_ms is not None and other.p95_ms is not None and other.p95_ms > p95_ms:
+            continue
+        if cost_per_hour is not None and other.cost_per_hour > cost_per_hour:
+            continue
+        models.append(model)
+    return models
 
 
 def _notes(e: Estimate) -> str:
@@ -251,10 +280,8 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float, others: Iterabl
     the openb fleet, admitted tasks waited four times longer than under the default scheduler).
     ``site`` stays the estimate's (the queue the negotiator counts the task in)."""
     sla = task.sla
-    models = [e.pool.gpu_model]
-    for other in sorted(others, key=lambda o: o.pool.gpu_model):
-        if other.pool.gpu_model not in models and not MODEL_TERMS.intersection(other.violations):
-            models.append(other.pool.gpu_model)
+    models = models_keeping(task, e.pool.gpu_model, others, p95_ms=sla.p95_latency_ms,
+                            cost_per_hour=sla.cost_ceiling_per_hour)
     return Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, warmup_ms=sla.warmup_ms,
                     p95_latency_ms=sla.p95_latency_ms, deadline=sla.deadline,
                     cost_ceiling_per_hour=sla.cost_ceiling_per_hour, gpu_models=models,
@@ -348,14 +375,15 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     if not pools:
         return Reject("infeasible", f"no node has {task.gpus} GPUs of {need_mb:.0f} MB or more", task.task_id)
     estimates = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
+    # Every model that holds the ask may run it under a contract that its terms allow: which
+    # holds the task's growth is the policy's to judge (it starts a known leak on a smaller
+    # GPU and moves it up before the peak).
+    asked = [e for p in fleet.pools if p.memory_mb_per_gpu >= task.gpu_memory_mb
+             and (p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus)
+             and (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
     meeting = [e for e in estimates if not e.violations]
     if meeting:
         best = min(meeting, key=lambda e: (e.queue_s, e.cost_per_hour, e.warmup_ms))
-        # Every model that holds the ask may run it: which holds its growth is the policy's to
-        # judge (it starts a known leak on a smaller GPU and moves it up before the peak).
-        asked = [e for p in fleet.pools if p.memory_mb_per_gpu >= task.gpu_memory_mb
-                 and (p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus)
-                 and (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
         return Admit(admit_contract(task, best, now, asked))
     if sla.tier == "vip":
         preempting = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=True))]
@@ -377,7 +405,7 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
                    "(its size or p95_ref_ms is too large)")
         return Reject("infeasible", why, task.task_id)
     chosen = _pick_options(estimates, policy.max_options)
-    options = [_option(e, task, now, f"o{i + 1}") for i, e in enumerate(chosen)]
+    options = [_option(e, task, now, f"o{i + 1}", asked) for i, e in enumerate(chosen)]
     acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
     # The options travel as their own list: a reason listing them too was read twice.
     reason = _shortfall(task, acceptable_now)

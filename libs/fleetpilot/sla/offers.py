@@ -43,7 +43,7 @@ def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Con
         p95_latency_ms=relaxed(sla.p95_latency_ms, option.p95_latency_ms),
         deadline=sla.deadline,
         cost_ceiling_per_hour=relaxed(sla.cost_ceiling_per_hour, option.cost_per_hour),
-        gpu_models=[option.gpu_model] if option.gpu_model else list(task.gpu_models),
+        gpu_models=(list(option.gpu_models) or [option.gpu_model]) if option.gpu_model else list(task.gpu_models),
         site=option.site,
         not_before=option.not_before,
         offer_id=offer_id,

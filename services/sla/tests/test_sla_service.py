@@ -255,9 +255,10 @@ async def test_full_model_gets_counter_offer_and_accepting_it_is_placed_as_agree
                     rig.token("acme"))
     adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-full")
     assert adm.tenant == "acme" and adm.contract.offer_id == offer.offer_id
-    assert adm.contract.gpu_models == ["A100-40GB"] and adm.contract.site == "site-a"
-    # The policy only reads task.gpu_models: the agreed model must be written there.
-    assert adm.task.gpu_models == ["A100-40GB"]
+    # The offered model first, then the H100 the task asked for (its terms hold there too).
+    assert adm.contract.gpu_models == ["A100-40GB", "H100"] and adm.contract.site == "site-a"
+    # The policy only reads task.gpu_models: the agreed models must be written there.
+    assert adm.task.gpu_models == ["A100-40GB", "H100"]
     decision: DecisionMade = await rig.recorder.wait("decision.made", "t-full")
     assert decision.action == "assign" and {p.node for p in decision.placement} == {"a100-00"}
     assert decision.contract == adm.contract
@@ -438,7 +439,8 @@ async def test_offer_survives_a_restart_of_the_service(rig):
     await rig.reply(SlaReply(offer_id=offer.offer_id, task_id="t-restart", accept=True,
                              option_id=option.option_id), rig.token("acme"))
     adm: TaskAdmitted = await rig.recorder.wait("task.admitted", "t-restart")
-    assert adm.contract.offer_id == offer.offer_id and adm.task.gpu_models == [option.gpu_model]
+    assert adm.contract.offer_id == offer.offer_id and adm.task.gpu_models == option.gpu_models
+    assert option.gpu_models[0] == option.gpu_model
 
 
 async def test_a_reply_stored_in_time_but_handled_after_the_validity_is_admitted(rig):

@@ -249,3 +249,20 @@ def test_an_infeasible_task_is_told_the_reason_that_applies(pools, sla, says, no
     decision = negotiate(task(kind="train", sla=sla), FleetView(pools=pools), now=NOW)
     assert isinstance(decision, Reject) and decision.code == "infeasible"
     assert says in decision.reason and not_says not in decision.reason, decision.reason
+
+
+def test_an_option_runs_on_every_model_its_terms_hold_on_its_own_first():
+    """Accepted, an option is the ask relaxed to its terms: the models the task asked for that
+    keep them run it too, the option's own first. Held to the option's model alone, an
+    accepted offer of another model now never took the model it asked for, freeing later."""
+    asked = task(kind="train", gpu_models=["H100"], gpu_memory_mb=20_000, sla={"max_queue_s": 60})
+    offer = negotiate(asked, FLEET, now=NOW)
+    assert isinstance(offer, CounterOffer)
+    by_model = {o.gpu_model: o for o in offer.options}
+    assert by_model["A100"].gpu_models == ["A100", "H100"]  # another model now, or the H100 asked
+    assert by_model["H100"].gpu_models == ["H100"]  # the wait: the V100 is too small, the A100 not asked
+    # Under a cost ceiling the H100 breaks, the A100 option keeps it: the H100 is not one of its models.
+    capped = negotiate(task(kind="train", gpu_models=["H100"], gpu_memory_mb=20_000,
+                            sla={"max_queue_s": 60, "cost_ceiling_per_hour": 3.0}), FLEET, now=NOW)
+    assert isinstance(capped, CounterOffer)
+    assert {o.gpu_model: o.gpu_models for o in capped.options}["A100"] == ["A100"]

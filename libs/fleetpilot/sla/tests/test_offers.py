@@ -51,7 +51,9 @@ def test_accept_makes_contract_with_relaxed_terms():
     out = book.reply(SlaReply(offer_id=offer.offer_id, task_id="t9", accept=True, option_id=h100.option_id))
     assert isinstance(out, Admit)
     c = out.contract
-    assert (c.gpu_models, c.site, c.offer_id) == (["H100"], "us-1", offer.offer_id)
+    # The option's model first, then the others its terms hold on (the A100 the task asked too).
+    assert (c.gpu_models, c.site, c.offer_id) == (h100.gpu_models, "us-1", offer.offer_id)
+    assert c.gpu_models[0] == "H100" and "A100" in c.gpu_models
     assert c.max_queue_s == 240 and c.warmup_ms == 250 and c.not_before == T0 + 240
     assert book.pending == []
 
