@@ -40,9 +40,6 @@ P95_REFERENCE_LABEL = "p95_ref_ms"
 
 Term = str  # one of TERMS
 TERMS = ("gpu_model", "queue", "warmup", "latency", "cost")
-MODEL_TERMS: frozenset[Term] = frozenset({"gpu_model", "latency", "cost"})
-"""The terms that depend on the GPU model alone (its name, its compute, its price): a model
-whose estimate breaks none of them keeps the contract wherever the policy finds it room."""
 
 
 @dataclass(frozen=True)
@@ -245,9 +242,11 @@ def _option(e: Estimate, task: TaskSubmitted, now: float, option_id: str,
 def models_keeping(task: TaskSubmitted, first: str, others: Iterable[Estimate], *,
                    p95_ms: float | None, cost_per_hour: float | None) -> list[str]:
     """``first``, then every other model among the ``others`` estimates that keeps the terms a
-    model alone decides (``MODEL_TERMS``) under the given bounds: one ``task`` accepts (or
-    ``first`` itself, a model an accepted option adds), its p95 within ``p95_ms``, its price
-    within ``cost_per_hour`` (``None``: no bound)."""
+    model alone decides (its name, its compute, its price) under the given bounds: one
+    ``task`` accepts (or ``first`` itself, a model an accepted option adds), its p95 within
+    ``p95_ms``, its price within ``cost_per_hour`` (``None``: no bound). Warm-up and the wait
+    depend on where and when, not on the model: a model that keeps these keeps the contract
+    wherever the policy finds it room."""
     models = [first]
     for other in sorted(others, key=lambda o: o.pool.gpu_model):
         model = other.pool.gpu_model
@@ -272,13 +271,14 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float, others: Iterabl
     """The contract for running ``task`` as estimated in ``e``: the asked bounds, placed.
 
     ``gpu_models`` is the model estimated on first, then every other model among ``others``
-    (the estimates on the pools that hold the ask) that breaks none of the terms the model
-    alone decides (``MODEL_TERMS``): the policy may place the task on any of them and keep the
+    (the estimates on the pools that hold the ask) that keeps the terms the model alone
+    decides (``models_keeping``): the policy may place the task on any of them and keep the
     contract, and on one that frees sooner than the estimate's it only waits less; which of
-    them holds the task's growth is the policy's to judge, as for a task with no contract. Pinned to the one model
-    estimated on, a task waited for that model while others it had asked for stood free (on
-    the openb fleet, admitted tasks waited four times longer than under the default scheduler).
-    ``site`` stays the estimate's (the queue the negotiator counts the task in)."""
+    them holds the task's growth is the policy's to judge, as for a task with no contract.
+    Pinned to the one model estimated on, a task waited for that model while others it had
+    asked for stood free (on the openb fleet, admitted tasks waited four times longer than
+    under the default scheduler). ``site`` stays the estimate's (the queue the negotiator
+    counts the task in)."""
     sla = task.sla
     models = models_keeping(task, e.pool.gpu_model, others, p95_ms=sla.p95_latency_ms,
                             cost_per_hour=sla.cost_ceiling_per_hour)
@@ -374,13 +374,13 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     pools = [p for p in pools if p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus]
     if not pools:
         return Reject("infeasible", f"no node has {task.gpus} GPUs of {need_mb:.0f} MB or more", task.task_id)
-    estimates = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
-    # Every model that holds the ask may run it under a contract that its terms allow: which
-    # holds the task's growth is the policy's to judge (it starts a known leak on a smaller
-    # GPU and moves it up before the peak).
+    # Every model that holds the ask may run it under a contract its terms allow (``asked``):
+    # which holds the task's growth is the policy's to judge (it starts a known leak on a
+    # smaller GPU and moves it up before the peak). Estimated on, only those that hold it.
     asked = [e for p in fleet.pools if p.memory_mb_per_gpu >= task.gpu_memory_mb
              and (p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus)
              and (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
+    estimates = [e for e in asked if e.pool.memory_mb_per_gpu >= need_mb]
     meeting = [e for e in estimates if not e.violations]
     if meeting:
         best = min(meeting, key=lambda e: (e.queue_s, e.cost_per_hour, e.warmup_ms))
