@@ -56,16 +56,23 @@ async def labels_by_board(observer) -> dict[str, dict[str, str]]:
     return {g.uuid: dict(g.labels) for g in topo.gpus} if topo else {}
 
 
-async def test_a_cordoned_board_renumbered_from_index_2_to_1_stays_cordoned_and_the_board_now_at_2_takes_work(
-    observer, sim_fleet, nats_url, tmp_path
-):
-    # Keyed by index, the executor put its cordon back on index 2 after the topology service
-    # had carried it over to the hot board at 1, and its hook refused the healthy board at 2.
+async def started_with_a_busy_board_at_2(observer, nats_url, tmp_path):
+    """An executor started on boards A, B and HOT (at 0, 1, 2), a task ``busy`` held on 2 and
+    the hook's hot time 0: HOT is cordoned at its first hot sample."""
     await observer.kv_put("topology", "n1", encode(topology(A, B, HOT)))
     await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
         Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed")])))
     host = build(settings(nats_url, tmp_path, decommission_hot_for_s=0))
     await host.start()
+    return host
+
+
+async def test_a_cordoned_board_renumbered_from_index_2_to_1_stays_cordoned_and_the_board_now_at_2_takes_work(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # Keyed by index, the executor put its cordon back on index 2 after the topology service
+    # had carried it over to the hot board at 1, and its hook refused the healthy board at 2.
+    host = await started_with_a_busy_board_at_2(observer, nats_url, tmp_path)
     try:
         t0 = 1_000_000.0
         await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0, uuid=A), gpu_sample("n1", 1, t0, uuid=B),
@@ -103,11 +110,7 @@ async def test_a_cordoned_board_renumbered_from_index_2_to_1_stays_cordoned_and_
 
 
 async def test_the_pull_after_a_renumbering_labels_the_hot_board_at_its_new_index(observer, nats_url, tmp_path):
-    await observer.kv_put("topology", "n1", encode(topology(A, B, HOT)))
-    await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
-        Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed")])))
-    host = build(settings(nats_url, tmp_path, decommission_hot_for_s=0))
-    await host.start()
+    host = await started_with_a_busy_board_at_2(observer, nats_url, tmp_path)
     try:
         t0 = 1_000_000.0
         await publish_telemetry(observer, "n1", [gpu_sample("n1", 2, t0, 95.0, uuid=HOT)])
