@@ -53,6 +53,7 @@ from fleetpilot.policy.rebalance import (
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
+from fleetpilot.sla import site_bound
 
 from .admissions import Admissions
 from .metrics import PolicyMetrics
@@ -529,11 +530,15 @@ class ReplicaState:
     def contract_site(self, task_id: str) -> str:
         """The site the task's contract binds it to, else ``""``.
 
-        Only an accepted counter-offer binds: the client chose that option's pool, and its
-        warm-up and latency figures hold there. A task admitted as asked carries the site
-        of the estimate it was admitted on, which is no term: any site meets its ask."""
+        Only an accepted counter-offer binds, and only where a term of its contract depends
+        on the site: a warm-up bound, or a deadline (the warm-up counts towards it). The
+        option's figures hold at its site; another may be farther from the data. Without such
+        a term any site keeps the contract (its models keep the rest), and bound all the same,
+        a task that took "an A100 now" at one site waited there while A100s stood free at
+        another. A task admitted as asked carries the site of the estimate it was admitted
+        on, which is no term: any site meets its ask."""
         adm = self.admissions.of(task_id) if self.admissions is not None else None
-        if adm is None or not adm.contract.offer_id:
+        if adm is None or not adm.contract.offer_id or not site_bound(adm.contract):
             return ""
         return adm.contract.site or ""
 

@@ -26,7 +26,8 @@ behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
   admitted tasks still waiting that the queue serves first, as the sla service's snapshot
   counts them (``play_queue``): admitted, or counter-offered (the submitter is modelled as
   accepting the first option), or rejected; an admitted task then runs only on its
-  contract's models, an accepted offer on its option's models at its site (``_bind``), as the
+  contract's models, an accepted offer on its option's models, at its site where a term of
+  its contract depends on the site (``_bind``), as the
   sla service shapes the task for the policy; the queue is ordered by tier (vip first), then by expected completion
   (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
   around a reservation (EASY, ``policy.backfill``, as the policy service does): the
@@ -186,7 +187,7 @@ from fleetpilot.policy.rebalance import (
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
-from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, negotiate
+from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, contract_for, negotiate, site_bound
 from fleetpilot.sla.snapshot import frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -521,7 +522,8 @@ class FleetRun:
             # Every bench task bounds its wait, so its admission runs on the models its
             # contract lists, as the sla service shapes the task (``admission``): the model it
             # was estimated on and every other that keeps its terms; an accepted offer on the
-            # option's models (its own first), at the option's site (the policy's ``contract_site``).
+            # option's models (its own first), at the option's site where a term depends on the
+            # site (the policy's ``contract_site``).
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
                 contract = decision.contract
@@ -534,7 +536,10 @@ class FleetRun:
                 job.counter_offered = True
                 first = decision.options[0]
                 if first.gpu_model is not None:
-                    self._bind(job, first.gpu_models or [first.gpu_model], site=first.site or "")
+                    # At the option's site only where a term depends on it (``site_bound``).
+                    terms = contract_for(job.submitted, first, "bench")
+                    self._bind(job, first.gpu_models or [first.gpu_model],
+                               site=(first.site or "") if site_bound(terms) else "")
                 if first.site is not None and first.gpu_model is not None:
                     job.agreed_pool = (first.site, first.gpu_model)
             else:

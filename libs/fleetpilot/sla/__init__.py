@@ -20,7 +20,7 @@ from .negotiate import (
     negotiate,
     task_problem,
 )
-from .offers import QUEUE_SLACK_S, OfferBook, contract_for, option_lapsed
+from .offers import QUEUE_SLACK_S, OfferBook, contract_for, option_lapsed, site_bound
 
 __all__ = [
     "DATA_SITE_LABEL",
@@ -40,5 +40,6 @@ __all__ = [
     "estimate",
     "negotiate",
     "option_lapsed",
+    "site_bound",
     "task_problem",
 ]

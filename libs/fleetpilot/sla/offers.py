@@ -51,6 +51,13 @@ def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Con
     )
 
 
+def site_bound(contract: Contract) -> bool:
+    """Whether a term of ``contract`` depends on the site it runs at: a warm-up bound (the
+    data's trip there), or a deadline (the warm-up counts towards it). An accepted offer's
+    site binds its task only then; its other terms are its models' (``OfferOption.gpu_models``)."""
+    return contract.warmup_ms is not None or contract.deadline is not None
+
+
 def option_lapsed(task: TaskSubmitted, option: OfferOption, fleet: FleetView, *, now: float,
                   fingerprint: Fingerprint | None = None) -> str | None:
     """Why ``option``, offered for ``task`` and being accepted at ``now``, can no longer be

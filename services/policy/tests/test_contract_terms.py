@@ -1,6 +1,7 @@
 """The terms of an accepted counter-offer, over a real nats-server: the site of the option
-the client chose binds the task; the site and start of the estimate a task was admitted on
-as asked do not, nor does an option's expected start (``not_before``)."""
+the client chose binds the task where a term depends on the site (a warm-up bound, a
+deadline); the site and start of the estimate a task was admitted on as asked do not, nor
+does an option's expected start (``not_before``)."""
 
 from __future__ import annotations
 
@@ -31,15 +32,19 @@ async def test_a_contract_that_names_a_site_is_placed_there(observer, nats_url, 
     try:
         await observer.admit(bound("free"))  # no site: where bestfit likes it
         await wait_for(lambda: len(observer.decisions) == 1, what="the free task placed")
-        await observer.admit(bound("bound", site="site-b"))
+        await observer.admit(bound("bound", site="site-b", warmup_ms=500.0))
         await wait_for(lambda: len(observer.decisions) == 2, what="the bound task placed")
+        # An option's site that no term depends on binds nothing: any site keeps the contract.
+        await observer.admit(bound("unbound", site="site-b"))
+        await wait_for(lambda: len(observer.decisions) == 3, what="the unbound task placed")
         # Admitted as asked: the site of its estimate is no term.
         await observer.admit(as_asked("estimated", site="site-b"))
-        await wait_for(lambda: len(observer.decisions) == 3, what="the estimated task placed")
+        await wait_for(lambda: len(observer.decisions) == 4, what="the estimated task placed")
     finally:
         await policy.stop()
     where = {d.task_id: (d.action, d.placement[0].node) for d in observer.decisions}
-    assert where == {"free": ("assign", "a-0"), "bound": ("assign", "b-0"), "estimated": ("assign", "a-0")}
+    assert where == {"free": ("assign", "a-0"), "bound": ("assign", "b-0"), "unbound": ("assign", "a-0"),
+                     "estimated": ("assign", "a-0")}
 
 
 async def test_a_contract_that_names_a_site_without_room_waits_for_it(observer, nats_url, tmp_path):
@@ -49,7 +54,7 @@ async def test_a_contract_that_names_a_site_without_room_waits_for_it(observer, 
     policy = build(settings(nats_url, tmp_path, profile="bestfit"))
     await policy.start()
     try:
-        await observer.admit(bound("bound", site="site-b"))
+        await observer.admit(bound("bound", site="site-b", deadline=now() + 86_400))
         await wait_for(lambda: len(observer.decisions) == 1, what="a decision")
     finally:
         await policy.stop()

@@ -166,3 +166,16 @@ def test_an_unbounded_wait_never_lapses_for_a_longer_queue_but_a_deadline_does()
     due = msgspec.structs.replace(unbounded, expected_duration_s=600.0,
                                   sla=msgspec.structs.replace(unbounded.sla, deadline=T0 + 1800))
     assert "before its deadline" in option_lapsed(due, h100, taken, now=T0 + 5)
+
+
+@pytest.mark.parametrize(("terms", "bound"), [
+    ({}, False),  # a wait, a price, a p95: the models' or the clock's, not the site's
+    ({"max_queue_s": 60.0, "cost_ceiling_per_hour": 3.0, "p95_latency_ms": 20.0}, False),
+    ({"warmup_ms": 500.0}, True),  # the data's trip to the site
+    ({"deadline": T0 + 3600}, True),  # the warm-up counts towards it
+])
+def test_an_accepted_offer_s_site_binds_only_where_a_term_depends_on_it(terms, bound):
+    from fleetpilot.contracts import Contract  # noqa: PLC0415
+    from fleetpilot.sla import site_bound  # noqa: PLC0415
+
+    assert site_bound(Contract(site="us-1", offer_id="o", **terms)) is bound
