@@ -226,7 +226,8 @@ def admission(task: TaskSubmitted, admit: Admit, at: float) -> TaskAdmitted:
 
     When the ask depends on the GPU model (any bound, or a list of models) the task is held
     to the contract's models (the one it was estimated on first, then every other that keeps
-    its terms: ``negotiate.admit_contract``), because the policy places by ``task.gpu_models``. An unbounded ask keeps its own (possibly empty) list: any GPU
+    its terms: ``negotiate.admit_contract``), because the policy places by
+    ``task.gpu_models``. An unbounded ask keeps its own (possibly empty) list: any GPU
     satisfies it, and pinning would only stop the policy from packing.
     """
     contract = admit.contract
@@ -262,9 +263,9 @@ def settle_reply(record: OfferRecord, reply: SlaReply, at: float, *, lapsed: str
     """The outcome of the client's reply to an open offer (mirrors ``OfferBook.reply``).
 
     Accepting admits under the option's terms (``contract_for``) with the task held to the
-    option's GPU model and the others its terms hold on (``OfferOption.gpu_models``), unless the fleet can no longer meet them (``lapsed`` says why): then
-    it is rejected as ``infeasible`` with that reason, to be submitted again for a fresh
-    offer. Declining rejects with ``offer_declined``; a reply received after ``valid_until``
+    option's GPU model and the others its terms hold on (``OfferOption.gpu_models``), unless
+    the fleet can no longer meet them (``lapsed`` says why): then it is rejected as
+    ``infeasible`` with that reason, to be submitted again for a fresh offer. Declining rejects with ``offer_declined``; a reply received after ``valid_until``
     gets ``offer_expired``: received at ``received_at`` (``reply_received_at``; ``at``, the
     time of the outcome, when not given). An option the offer does not list raises
     ``Reject`` (dead letter) and leaves the offer open for a correct answer.

@@ -536,10 +536,10 @@ class FleetRun:
                 job.counter_offered = True
                 first = decision.options[0]
                 if first.gpu_model is not None:
-                    # At the option's site only where a term depends on it (``site_bound``).
+                    # The contract accepting it makes, as the sla service makes it: its models,
+                    # and its site only where a term depends on it (``site_bound``).
                     terms = contract_for(job.submitted, first, "bench")
-                    self._bind(job, first.gpu_models or [first.gpu_model],
-                               site=(first.site or "") if site_bound(terms) else "")
+                    self._bind(job, terms.gpu_models, site=(terms.site or "") if site_bound(terms) else "")
                 if first.site is not None and first.gpu_model is not None:
                     job.agreed_pool = (first.site, first.gpu_model)
             else:
