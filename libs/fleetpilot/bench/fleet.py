@@ -99,8 +99,10 @@ Figures (printed side by side with the ratio Fleetpilot / baseline, and ``--json
 utilisation = ``sum(memory used) / sum(memory total)`` over GPUs not failed nor in
 maintenance, averaged over the ticks of the arrival window (and the part of it not held by
 runs that were killed later: memory a doomed run holds is used, but not usefully); mean and p95 queue time (all
-time a task spent waiting, over its restarts; a task still waiting at the end counts its
-wait so far); OOM events; tasks that missed their asked SLA (max queue time or deadline;
+time a task spent waiting, over its restarts, and the checkpoint-and-restore pause of every
+move of it, which stalls its work as much; a task still waiting at the end counts its wait
+so far; a task Fleetpilot's negotiator rejected is left out of both runs' queue figures,
+which compare the same tasks, and counts as a missed SLA); OOM events; tasks that missed their asked SLA (max queue time or deadline;
 counter-offers do not relax the measure; rejected and failed tasks count); fleet cost
 (catalogue price of every GPU over the run) per useful GPU-hour (the GPU share times the
 run time of completed work, plus the progress of tasks still running at the end; killed
@@ -334,6 +336,7 @@ class FleetRun:
         self.denominators: list[float] = []
         self.memory_of = {n.gpus[0].model: float(n.gpus[0].memory_mb) for n in gpu_nodes}
         self.largest: dict[tuple[str, ...], float] = {}  # by the models a task accepts (``_largest``)
+        self.waits_by_task: dict[str, float] = {}  # each task's queue time, once the run is over
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
                        "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
@@ -1178,6 +1181,9 @@ class FleetRun:
             self.counts["migrations_no_target"] += 1
             return False
         growth, pause = self._resumed(job, now)
+        # The task's work stalls for its checkpoint and restore as it would waiting: the user
+        # sees the same delay, so it counts as queue time.
+        job.queue_s += pause
         job.bridged = bridge
         if bridge:
             self.bridged_ids.add(t.task_id)
@@ -1333,12 +1339,12 @@ class FleetRun:
 
     def _result(self, now: float, times: list[float], utils: list[float], queue: list[int], wall: float) -> RunResult:
         w = self.workload
-        waits = []
         missed = stuck = never = 0
         useful_h = 0.0
+        self.waits_by_task.clear()
         for j in self.jobs:
             wait = j.queue_s + (now - j.queued_since if j.state == "pending" else 0.0)
-            waits.append(wait)
+            self.waits_by_task[j.task.task_id] = wait
             if j.state == "pending" and j.attempts == 0:
                 never += 1
             stuck += wait > STUCK_S
@@ -1347,7 +1353,6 @@ class FleetRun:
                 or (j.finished_at is None and now > j.task.deadline_s))
             missed += j.state in ("failed", "rejected") or wait > j.task.max_queue_s or late
             useful_h += j.task.gpu_work * j.useful_until(now) / 3600.0
-        waits_a = np.asarray(waits)
         in_window = np.asarray(times) <= w.span_s / 3600.0
         util = np.asarray(utils)
         cost = self.price_per_h * now / 3600.0
@@ -1358,8 +1363,7 @@ class FleetRun:
         figures = {
             "utilisation": utilisation,
             "useful_utilisation": utilisation - killed,
-            "mean_queue_s": float(waits_a.mean()),
-            "p95_queue_s": float(np.percentile(waits_a, 95)),
+            **self.queue_figures(left_out=self.rejected_ids()),
             "oom_events": float(c["oom_events"]),
             "sla_missed": float(missed),
             "cost_per_useful_gpu_hour": cost / useful_h if useful_h > 0 else math.inf,
@@ -1388,6 +1392,21 @@ class FleetRun:
         }
         return RunResult(mode=self.mode, figures=figures, breakdown=breakdown, times_h=times, utilisation=utils,
                          queue_length=queue, wall_s=wall)
+
+    def rejected_ids(self) -> frozenset[str]:
+        """The tasks this run's negotiator rejected (none under ``k8s-default``)."""
+        return frozenset(j.task.task_id for j in self.jobs if j.state == "rejected")
+
+    def queue_figures(self, left_out: frozenset[str] = frozenset()) -> dict[str, float]:
+        """Mean and p95 queue time of the finished run over its tasks but ``left_out``.
+
+        A rejected task waited nothing: counted, it would lower the mean of the run that
+        rejected it, and its wait in the other run would raise that one's. Both runs' figures
+        leave out the tasks either rejected, so that they compare the same tasks."""
+        waits = np.asarray([w for t, w in self.waits_by_task.items() if t not in left_out])
+        if waits.size == 0:
+            return {"mean_queue_s": 0.0, "p95_queue_s": 0.0}
+        return {"mean_queue_s": float(waits.mean()), "p95_queue_s": float(np.percentile(waits, 95))}
 
     def _judged(self) -> tuple[float, float, float, int, float, float]:
         """How honest the confidence of first placements was so far: its mean, the share of
@@ -1498,10 +1517,17 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, pea
     ``peaks_known``, Fleetpilot's loop a second time told each run's true peak: a bound on
     what better memory prediction could give, not a scheduler). ``queue_aging``: Fleetpilot's
     queue order (``backfill.completion_order``)."""
-    base = FleetRun(fleet, workload, "k8s-default", seed).run()
-    ours = FleetRun(fleet, workload, "fleetpilot", seed, queue_aging=queue_aging).run()
-    known = (FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, queue_aging=queue_aging).run()
-             if peaks_known else None)
+    runs = [FleetRun(fleet, workload, "k8s-default", seed),
+            FleetRun(fleet, workload, "fleetpilot", seed, queue_aging=queue_aging)]
+    if peaks_known:
+        runs.append(FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, queue_aging=queue_aging))
+    results = [run.run() for run in runs]
+    # Queue figures over the same tasks in every run: those no negotiator rejected.
+    rejected = frozenset().union(*(run.rejected_ids() for run in runs))
+    for run, result in zip(runs, results, strict=True):
+        result.figures.update(run.queue_figures(left_out=rejected))
+    base, ours = results[0], results[1]
+    known = results[2] if peaks_known else None
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,
                       peaks_known=known,
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),

@@ -135,6 +135,21 @@ def test_a_task_that_never_starts_counts_its_wait_until_the_end() -> None:
     assert result.breakdown["never_started"] == 1
 
 
+def test_a_task_the_negotiator_rejects_is_left_out_of_both_runs_queue_figures() -> None:
+    # One GPU: t0 runs 600 s; t1, a vip that must end by 100 s, cannot: Fleetpilot's
+    # negotiator rejects it, and the baseline makes it wait for t0 (600 s).
+    impossible = dataclasses.replace(task(1, tier="vip"), deadline_s=100.0)
+    both = compare(tiny_fleet(), workload(task(0), impossible), fleet_name="tiny", seed=1)
+    assert both.fleetpilot.breakdown["rejected"] == 1
+    assert both.fleetpilot.figures["sla_missed"] == 1  # rejected: missed, whatever the queue says
+    # Only t0 is compared: it waited for nothing in either run.
+    assert both.baseline.figures["mean_queue_s"] == 0.0
+    assert both.fleetpilot.figures["mean_queue_s"] == 0.0
+    # Alone, the baseline's run still counts the wait it made t1 sit through.
+    alone = FleetRun(tiny_fleet(), workload(task(0), impossible), "k8s-default", seed=1).run()
+    assert alone.figures["mean_queue_s"] == pytest.approx(300.0)
+
+
 def test_shares_hold_a_whole_gpu_in_the_baseline_and_a_fraction_in_fleetpilot() -> None:
     pair = workload(task(0, milli=500, peak=6000.0), task(1, milli=500, peak=6000.0))
     base = FleetRun(tiny_fleet(), pair, "k8s-default", seed=1).run()
@@ -476,6 +491,10 @@ def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere
     assert tenants == {"t6"}
     # It waits for the longest checkpoint of the moved tasks (8 GB: 30 s + 2 s per GB).
     assert bench.MIGRATION_BASE_S <= job.queue_s <= bench.MIGRATION_BASE_S + 60.0
+    # Each moved tenant stalls for its own checkpoint and restore, counted as its waiting.
+    moved = [j for j in run.jobs[:6] if j.migrations == 1]
+    assert len(moved) == 2
+    assert all(bench.MIGRATION_BASE_S <= j.queue_s <= bench.MIGRATION_BASE_S + 60.0 for j in moved)
 
 
 def test_fleetpilot_never_clears_a_node_by_pausing_a_task_past_its_deadline() -> None:
