@@ -1571,6 +1571,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=Path, default=None, help=f"openb node list, for --fleet openb (default: {found})")
     p.add_argument("--peaks-known", action="store_true",
                    help="also run Fleetpilot told each run's true peak: what better memory prediction could add")
+    p.add_argument("--estimate-spread", type=float, default=None,
+                   help="declared durations log-normal around x1.1 the true ones with this sigma, the rest of the "
+                   "workload unchanged (default: x0.9-1.3): how much Fleetpilot leans on good estimates")
     p.add_argument("--queue-aging", type=float, default=1.0,
                    help="how much arrival weighs against the run left in Fleetpilot's queue order "
                    "(backfill.completion_order; default 1, above 0)")
@@ -1592,6 +1595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "--fleet-fraction in (0, 1]")
     if not 0 < args.queue_aging < math.inf:
         raise SystemExit(f"fleet bench: --queue-aging must be above 0 and finite, got {args.queue_aging:g}")
+    if args.estimate_spread is not None and not 0 < args.estimate_spread < math.inf:
+        raise SystemExit(f"fleet bench: --estimate-spread must be above 0 and finite, got {args.estimate_spread:g}")
     data = find_data_dir() if args.trace is None or args.nodes is None else None
     trace_csv = args.trace or (data / TRACES["default"] if data else None)
     nodes_csv = args.nodes or (data / NODES_FILE if data else None)
@@ -1605,7 +1610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = load_trace(trace_csv) if args.arrivals == "trace" else None
     try:
         workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
-                                     trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None)
+                                     trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None,
+                                     estimate_spread=args.estimate_spread)
     except ValueError as exc:
         raise SystemExit(f"fleet bench: {exc}") from None
     name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"

@@ -11,7 +11,9 @@ scheduler the benchmark compares. It is made of:
   Tasks are draws of programs, so the same signature recurs, as nightly re-runs do;
 - **tasks**: a program, a jittered true peak, a duration, an arrival time, an SLA tier
   (vip / standard / best_effort with a maximum queue time and, for guaranteed tiers, a
-  deadline) and the duration the user declares (an over-estimate, as users make);
+  deadline) and the duration the user declares: the true one x0.9-1.3 by default, or, with
+  ``estimate_spread``, log-normal around x1.1 (users' estimates are often far off: a
+  sensitivity run, with everything else of the workload unchanged);
 - **faults**: a few GPUs that degrade (rising corrected ECC, remapped rows, PCIe replays)
   and then fall off the bus (XID 79) at a known time, and one that fails without warning.
 
@@ -49,6 +51,8 @@ MAX_QUEUE_S: dict[str, float] = {"vip": 300.0, "standard": 1800.0, "best_effort"
 DEADLINE_SLACK: dict[str, float] = {"vip": 1.5, "standard": 2.0}
 """Guaranteed tiers also ask to finish by ``arrival + max queue + slack x declared duration``."""
 MIN_DURATION_S = 300.0
+ESTIMATE_BIAS = 1.1
+"""With ``estimate_spread``, the median declared duration over the true one (users pad)."""
 EDGE_MODELS: frozenset[str] = frozenset({"Jetson-Orin"})
 """Models too weak for training: train and finetune programs never list them."""
 
@@ -138,13 +142,16 @@ class Workload:
     load: float
     source: str
     programs: int
+    estimate_spread: float | None = None  # the declared durations' log-normal sigma; None: x0.9-1.3
 
     def describe(self) -> str:
         """One line for the report."""
         share = sum(t.shares_gpu for t in self.tasks) / max(len(self.tasks), 1)
+        declared = ("x0.9-1.3 the true ones" if self.estimate_spread is None
+                    else f"log-normal around x{ESTIMATE_BIAS:g} the true ones, sigma {self.estimate_spread:g}")
         return (f"{len(self.tasks)} tasks from {self.programs} programs ({share:.0%} GPU shares), "
                 f"arrivals over {self.span_s / 3600:.1f} h from {self.source}, run {self.horizon_s / 3600:.1f} h, "
-                f"whole-GPU load {self.load:.2f}, {len(self.faults)} GPU faults")
+                f"whole-GPU load {self.load:.2f}, {len(self.faults)} GPU faults, declared durations {declared}")
 
 
 @dataclass(frozen=True)
@@ -353,7 +360,7 @@ def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) ->
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
                       drain: float = 0.5, trace: list[TracePod] | None = None, use_trace_shapes: bool = False,
-                      n_programs: int = 48, n_faults: int = 4) -> Workload:
+                      n_programs: int = 48, n_faults: int = 4, estimate_spread: float | None = None) -> Workload:
     """A seeded workload for ``fleet`` (see the module docstring).
 
     ``load`` is the whole-GPU load over the arrival window ``span_s``. By default it is
@@ -364,10 +371,19 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
     ``span_s * (1 + drain)``. With ``trace``, arrival times and relative durations come from
     a seeded sample of its pods; ``use_trace_shapes`` also takes their GPU shapes, CPU,
     memory and model constraints (for the fleet the trace was recorded on).
+
+    ``estimate_spread``: each declared duration is the true one times a log-normal factor of
+    median ``ESTIMATE_BIAS`` and this sigma (1.0: a fifth of users off by more than x2.6),
+    drawn from a generator of its own, so that the tasks, arrivals, curves and faults stay
+    those of the same seed without it. Deadlines follow the declared durations, as a user
+    sets them by what they believe.
     """
     if n_tasks <= 0 or (load is not None and load <= 0) or span_s <= 0:
         raise ValueError("n_tasks, load and span_s must be positive")
+    if estimate_spread is not None and not 0 < estimate_spread < math.inf:
+        raise ValueError(f"the estimates' spread must be above 0 and finite, got {estimate_spread:g}")
     rng = np.random.default_rng(seed)
+    estimates = np.random.default_rng([seed, 1]) if estimate_spread is not None else None
     models = fleet_models(fleet)
     programs = make_programs(fleet, rng, n_programs)
     # Popular programs run far more often than rare ones (Zipf-like), as in real clusters.
@@ -414,7 +430,9 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
         p = chosen[int(i)]
         duration = float(durations[i])
         tier = TIERS[int(rng.choice(len(TIERS), p=TIER_SHARE))]
-        declared = duration * float(rng.uniform(0.9, 1.3))
+        declared = duration * float(rng.uniform(0.9, 1.3))  # drawn either way: the seed's other draws stay put
+        if estimates is not None:
+            declared = duration * ESTIMATE_BIAS * math.exp(float(estimates.normal(0.0, estimate_spread)))
         arrival = float(arrivals[i])
         deadline = (arrival + MAX_QUEUE_S[tier] + DEADLINE_SLACK[tier] * declared) if tier in DEADLINE_SLACK else None
         tasks.append(BenchTask(task_id=f"t{k:05d}", program=p.name, kind=p.kind, gpus=p.gpus, gpu_milli=p.gpu_milli,
@@ -424,7 +442,8 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
                                declared_duration_s=declared))
     horizon = span_s * (1.0 + drain)
     return Workload(tasks=tuple(tasks), faults=tuple(plan_faults(fleet, rng, n_faults, span_s)), span_s=span_s,
-                    horizon_s=horizon, load=load, source=source, programs=len({t.program for t in tasks}))
+                    horizon_s=horizon, load=load, source=source, programs=len({t.program for t in tasks}),
+                    estimate_spread=estimate_spread)
 
 
 def plan_faults(fleet: Fleet, rng: np.random.Generator, count: int, span_s: float) -> list[FaultPlan]:

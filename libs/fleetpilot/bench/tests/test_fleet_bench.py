@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fleetpilot.bench import fleet as bench
+from fleetpilot.bench import fleet_workload as bench_workload
 from fleetpilot.bench.fleet import (
     BACKOFF_LIMIT,
     FleetRun,
@@ -219,6 +220,33 @@ def test_the_default_load_is_the_packed_demand_at_95_percent() -> None:
         generate_workload(fleet, seed=5, n_tasks=3, load=1.3, span_s=3600.0)
 
 
+def test_a_spread_of_estimates_changes_the_declared_durations_and_deadlines_only() -> None:
+    fleet = load_fleet_spec()
+    exact = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0)
+    loose = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, estimate_spread=1.0)
+    assert loose == generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, estimate_spread=1.0)
+    assert exact.faults == loose.faults
+    unchanged = ("task_id", "program", "gpus", "gpu_milli", "request_mb", "growth", "arrival_s", "tier",
+                 "duration_s", "gpu_models")
+    for a, b in zip(exact.tasks, loose.tasks, strict=True):
+        assert all(getattr(a, f) == getattr(b, f) for f in unchanged)
+    ratios = np.array([t.declared_duration_s / t.duration_s for t in loose.tasks])
+    assert not np.all((ratios >= 0.9) & (ratios <= 1.3))  # no longer within x0.9-1.3
+    assert np.median(ratios) == pytest.approx(bench_workload.ESTIMATE_BIAS, rel=0.15)
+    assert np.mean(ratios < 1.0) > 0.3 and np.mean(ratios > 2.6 * 1.1) > 0.1  # off both ways, often far
+    # A guaranteed tier's deadline follows what its user believes the run takes.
+    vip = next(t for t in loose.tasks if t.tier == "vip")
+    assert vip.deadline_s == pytest.approx(vip.arrival_s + bench_workload.MAX_QUEUE_S["vip"]
+                                           + bench_workload.DEADLINE_SLACK["vip"] * vip.declared_duration_s)
+    assert "sigma 1" in loose.describe() and "x0.9-1.3" in exact.describe()
+
+
+@pytest.mark.parametrize("spread", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_spread_of_estimates_that_is_no_spread_is_refused(spread: float) -> None:
+    with pytest.raises(ValueError, match="spread"):
+        generate_workload(tiny_fleet(), seed=1, n_tasks=5, span_s=3600.0, estimate_spread=spread)
+
+
 def test_sharing_bound() -> None:
     # Half the whole-GPU time is quarter shares: at most 1 / (1 - 0.5 * 0.75) = 1.6x.
     w = workload(task(0, milli=250), task(1))
@@ -314,7 +342,8 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--hours", "nan"], ["--hours", "inf"], ["--load", "nan"], ["--load", "inf"],
-                                  ["--queue-aging", "nan"], ["--queue-aging", "inf"]])
+                                  ["--queue-aging", "nan"], ["--queue-aging", "inf"], ["--estimate-spread", "nan"],
+                                  ["--estimate-spread", "0"], ["--estimate-spread", "inf"]])
 def test_numbers_that_are_no_amount_are_refused_before_anything_runs(argv: list[str]) -> None:
     # Every comparison with NaN is false: a check written as "refuse if <= 0" let it through.
     with pytest.raises(SystemExit) as err:
