@@ -115,6 +115,10 @@ without being killed; and the Brier score).
 ``--peaks-known`` plays Fleetpilot's loop a third time with each run asking for its true peak
 (its own curve's, which no scheduler sees): not a scheduler, but how much of what is left
 better memory prediction could give, and how much is the fleet's capacity.
+``--estimate-spread`` and ``--peak-spread`` play the same workload with users' declared
+durations further from the truth, or with each program's runs further apart in their peaks
+(``fleet_workload.generate_workload``): sensitivity runs, for what Fleetpilot's figures owe
+to good estimates and to programs that repeat.
 
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
 --plot-dir out/``.
@@ -1574,6 +1578,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--estimate-spread", type=float, default=None,
                    help="declared durations log-normal around x1.1 the true ones with this sigma, the rest of the "
                    "workload unchanged (default: x0.9-1.3): how much Fleetpilot leans on good estimates")
+    p.add_argument("--peak-spread", type=float, default=None,
+                   help="each run's peak within this fraction of its program's, either way, the rest of the workload "
+                   "unchanged (default 0.05): how much Fleetpilot leans on programs that repeat")
     p.add_argument("--queue-aging", type=float, default=1.0,
                    help="how much arrival weighs against the run left in Fleetpilot's queue order "
                    "(backfill.completion_order; default 1, above 0)")
@@ -1597,6 +1604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"fleet bench: --queue-aging must be above 0 and finite, got {args.queue_aging:g}")
     if args.estimate_spread is not None and not 0 < args.estimate_spread < math.inf:
         raise SystemExit(f"fleet bench: --estimate-spread must be above 0 and finite, got {args.estimate_spread:g}")
+    if args.peak_spread is not None and not 0 < args.peak_spread < 1:
+        raise SystemExit(f"fleet bench: --peak-spread must be above 0 and below 1, got {args.peak_spread:g}")
     data = find_data_dir() if args.trace is None or args.nodes is None else None
     trace_csv = args.trace or (data / TRACES["default"] if data else None)
     nodes_csv = args.nodes or (data / NODES_FILE if data else None)
@@ -1611,7 +1620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
                                      trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None,
-                                     estimate_spread=args.estimate_spread)
+                                     estimate_spread=args.estimate_spread, peak_spread=args.peak_spread)
     except ValueError as exc:
         raise SystemExit(f"fleet bench: {exc}") from None
     name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"

@@ -283,6 +283,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also run Fleetpilot told each run's true peak (a bound on better memory prediction)")
     p.add_argument("--estimate-spread", type=float, default=None,
                    help="the fleet benchmark's --estimate-spread in every run (declared durations log-normal)")
+    p.add_argument("--peak-spread", type=float, default=None,
+                   help="the fleet benchmark's --peak-spread in every run (runs' peaks farther from their program's)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
     p.add_argument("--markdown", action="store_true",
                    help="also print the README's table of these runs (changes cut to the whole percent)")
@@ -304,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"fleet sweep: --queue-aging must be above 0 and finite, got {args.queue_aging:g}")
     if args.estimate_spread is not None and not 0 < args.estimate_spread < math.inf:
         raise SystemExit(f"fleet sweep: --estimate-spread must be above 0 and finite, got {args.estimate_spread:g}")
+    if args.peak_spread is not None and not 0 < args.peak_spread < 1:
+        raise SystemExit(f"fleet sweep: --peak-spread must be above 0 and below 1, got {args.peak_spread:g}")
     if args.against is not None and not args.against.is_dir():
         raise SystemExit(f"fleet sweep: no such folder {args.against}")
     if args.no_run and not args.out.is_dir():
@@ -317,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--arrivals", args.arrivals] if args.arrivals is not None else []),
                  *(["--queue-aging", repr(args.queue_aging)] if args.queue_aging is not None else []),
                  *(["--peaks-known"] if args.peaks_known else []),
-                 *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else [])]
+                 *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else []),
+                 *(["--peak-spread", repr(args.peak_spread)] if args.peak_spread is not None else [])]
         print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)
         try:
             run_all(runs, args.out, args.jobs, extra)

@@ -143,6 +143,7 @@ class Workload:
     source: str
     programs: int
     estimate_spread: float | None = None  # the declared durations' log-normal sigma; None: x0.9-1.3
+    peak_spread: float | None = None  # how far a run's peak is from its program's, either way; None: 5%
 
     def describe(self) -> str:
         """One line for the report."""
@@ -151,7 +152,8 @@ class Workload:
                     else f"log-normal around x{ESTIMATE_BIAS:g} the true ones, sigma {self.estimate_spread:g}")
         return (f"{len(self.tasks)} tasks from {self.programs} programs ({share:.0%} GPU shares), "
                 f"arrivals over {self.span_s / 3600:.1f} h from {self.source}, run {self.horizon_s / 3600:.1f} h, "
-                f"whole-GPU load {self.load:.2f}, {len(self.faults)} GPU faults, declared durations {declared}")
+                f"whole-GPU load {self.load:.2f}, {len(self.faults)} GPU faults, declared durations {declared}, "
+                f"peaks within {self.peak_spread if self.peak_spread is not None else 0.05:.0%} of their program's")
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,15 @@ def make_programs(fleet: Fleet, rng: np.random.Generator, count: int) -> list[Pr
     return programs
 
 
-def _growth(p: Program, rng: np.random.Generator, duration: float) -> MemoryGrowth:
-    peak = p.request_mb * p.peak_ratio * float(rng.uniform(0.95, 1.05))
+def _growth(p: Program, rng: np.random.Generator, duration: float,
+            spread: tuple[np.random.Generator, float, float] | None = None) -> MemoryGrowth:
+    """A task's true memory curve: its program's, its peak within 5% of the program's
+    (``spread``: a generator of its own, the half-width of the peak's variation, and the most
+    the largest GPU the program accepts holds, which no peak goes past)."""
+    peak = p.request_mb * p.peak_ratio * float(rng.uniform(0.95, 1.05))  # drawn either way: the seed's other draws stay put
+    if spread is not None:
+        draws, half_width, ceiling = spread
+        peak = min(p.request_mb * p.peak_ratio * float(draws.uniform(1.0 - half_width, 1.0 + half_width)), ceiling)
     base = peak * float(rng.uniform(0.2, 0.5))
     return MemoryGrowth(pattern=p.pattern, base_mb=base, peak_mb=peak, duration_s=duration,
                         warmup_s=duration * float(rng.uniform(0.02, 0.08)), n_steps=int(rng.integers(3, 6)),
@@ -360,7 +369,8 @@ def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) ->
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
                       drain: float = 0.5, trace: list[TracePod] | None = None, use_trace_shapes: bool = False,
-                      n_programs: int = 48, n_faults: int = 4, estimate_spread: float | None = None) -> Workload:
+                      n_programs: int = 48, n_faults: int = 4, estimate_spread: float | None = None,
+                      peak_spread: float | None = None) -> Workload:
     """A seeded workload for ``fleet`` (see the module docstring).
 
     ``load`` is the whole-GPU load over the arrival window ``span_s``. By default it is
@@ -377,13 +387,21 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
     drawn from a generator of its own, so that the tasks, arrivals, curves and faults stay
     those of the same seed without it. Deadlines follow the declared durations, as a user
     sets them by what they believe.
+
+    ``peak_spread``: each run's peak is its program's within this fraction either way
+    (uniform; 0.05 without it), from a generator of its own, never past what the largest GPU
+    its program accepts holds (less the CUDA context): runs of one signature differ more, as
+    the same program on other data or batch sizes does, and are harder to predict.
     """
     if n_tasks <= 0 or (load is not None and load <= 0) or span_s <= 0:
         raise ValueError("n_tasks, load and span_s must be positive")
     if estimate_spread is not None and not 0 < estimate_spread < math.inf:
         raise ValueError(f"the estimates' spread must be above 0 and finite, got {estimate_spread:g}")
     rng = np.random.default_rng(seed)
+    if peak_spread is not None and not 0 < peak_spread < 1:
+        raise ValueError(f"the peaks' spread must be above 0 and below 1, got {peak_spread:g}")
     estimates = np.random.default_rng([seed, 1]) if estimate_spread is not None else None
+    peaks = np.random.default_rng([seed, 2]) if peak_spread is not None else None
     models = fleet_models(fleet)
     programs = make_programs(fleet, rng, n_programs)
     # Popular programs run far more often than rare ones (Zipf-like), as in real clusters.
@@ -433,17 +451,22 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
         declared = duration * float(rng.uniform(0.9, 1.3))  # drawn either way: the seed's other draws stay put
         if estimates is not None:
             declared = duration * ESTIMATE_BIAS * math.exp(float(estimates.normal(0.0, estimate_spread)))
+        spread = None
+        if peaks is not None and peak_spread is not None:
+            # The most the ±5% of the default lets a peak reach: the largest GPU still holds it.
+            ceiling = 1.05 * (0.95 * max(models[m] for m in (p.gpu_models or models) if m in models) - CONTEXT_MB)
+            spread = (peaks, peak_spread, ceiling)
         arrival = float(arrivals[i])
         deadline = (arrival + MAX_QUEUE_S[tier] + DEADLINE_SLACK[tier] * declared) if tier in DEADLINE_SLACK else None
         tasks.append(BenchTask(task_id=f"t{k:05d}", program=p.name, kind=p.kind, gpus=p.gpus, gpu_milli=p.gpu_milli,
                                request_mb=p.request_mb, cpu_milli=p.cpu_milli, memory_mb=p.memory_mb,
-                               gpu_models=p.gpu_models, growth=_growth(p, rng, duration), util=p.util,
+                               gpu_models=p.gpu_models, growth=_growth(p, rng, duration, spread), util=p.util,
                                arrival_s=arrival, tier=tier, max_queue_s=MAX_QUEUE_S[tier], deadline_s=deadline,
                                declared_duration_s=declared))
     horizon = span_s * (1.0 + drain)
     return Workload(tasks=tuple(tasks), faults=tuple(plan_faults(fleet, rng, n_faults, span_s)), span_s=span_s,
                     horizon_s=horizon, load=load, source=source, programs=len({t.program for t in tasks}),
-                    estimate_spread=estimate_spread)
+                    estimate_spread=estimate_spread, peak_spread=peak_spread)
 
 
 def plan_faults(fleet: Fleet, rng: np.random.Generator, count: int, span_s: float) -> list[FaultPlan]:

@@ -241,6 +241,34 @@ def test_a_spread_of_estimates_changes_the_declared_durations_and_deadlines_only
     assert "sigma 1" in loose.describe() and "x0.9-1.3" in exact.describe()
 
 
+def test_a_spread_of_peaks_changes_the_peaks_only_and_every_run_still_fits_a_gpu_it_accepts() -> None:
+    fleet = load_fleet_spec()
+    tight = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0)
+    loose = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, peak_spread=0.3)
+    assert loose == generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, peak_spread=0.3)
+    assert tight.faults == loose.faults
+    for a, b in zip(tight.tasks, loose.tasks, strict=True):
+        assert (a.program, a.arrival_s, a.duration_s, a.declared_duration_s, a.request_mb, a.growth.pattern) == (
+            b.program, b.arrival_s, b.duration_s, b.declared_duration_s, b.request_mb, b.growth.pattern)
+    memory = {g.model: g.memory_mb for n in fleet.nodes for g in n.gpus}
+
+    def spread(w: Workload) -> float:
+        by_program: dict[str, list[float]] = {}
+        for t in w.tasks:
+            by_program.setdefault(t.program, []).append(t.growth.peak_mb)
+        return max(max(p) / min(p) for p in by_program.values())
+
+    assert spread(tight) <= 1.05 / 0.95 + 1e-9 < 1.3 < spread(loose)
+    assert all(t.growth.peak_mb + CONTEXT_MB <= max(memory[m] for m in t.gpu_models) for t in loose.tasks)
+    assert "within 30%" in loose.describe() and "within 5%" in tight.describe()
+
+
+@pytest.mark.parametrize("spread", [0.0, -1.0, 1.0, float("nan")])
+def test_a_spread_of_peaks_that_is_no_spread_is_refused(spread: float) -> None:
+    with pytest.raises(ValueError, match="spread"):
+        generate_workload(tiny_fleet(), seed=1, n_tasks=5, span_s=3600.0, peak_spread=spread)
+
+
 @pytest.mark.parametrize("spread", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_spread_of_estimates_that_is_no_spread_is_refused(spread: float) -> None:
     with pytest.raises(ValueError, match="spread"):
@@ -343,7 +371,8 @@ def test_bad_arguments_exit_with_one_line(argv: list[str]) -> None:
 
 @pytest.mark.parametrize("argv", [["--hours", "nan"], ["--hours", "inf"], ["--load", "nan"], ["--load", "inf"],
                                   ["--queue-aging", "nan"], ["--queue-aging", "inf"], ["--estimate-spread", "nan"],
-                                  ["--estimate-spread", "0"], ["--estimate-spread", "inf"]])
+                                  ["--estimate-spread", "0"], ["--estimate-spread", "inf"], ["--peak-spread", "1"],
+                                  ["--peak-spread", "nan"]])
 def test_numbers_that_are_no_amount_are_refused_before_anything_runs(argv: list[str]) -> None:
     # Every comparison with NaN is false: a check written as "refuse if <= 0" let it through.
     with pytest.raises(SystemExit) as err:

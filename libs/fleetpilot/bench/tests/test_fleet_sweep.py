@@ -116,10 +116,12 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep"
     assert main(["--out", str(out), "--fleet", "three-site", "--seeds", "3-4", "--tasks", "150", "--hours", "0.5",
-                 "--arrivals", "generated", "--jobs", "2", "--estimate-spread", "0.5"]) == 0
+                 "--arrivals", "generated", "--jobs", "2", "--estimate-spread", "0.5",
+                 "--peak-spread", "0.2"]) == 0
     assert sorted(p.name for p in out.glob("*.json")) == ["three-site-3.json", "three-site-4.json"]
     # The runs were given the sweep's settings.
-    assert "sigma 0.5" in json.loads((out / "three-site-3.json").read_text())["workload"]
+    described = json.loads((out / "three-site-3.json").read_text())["workload"]
+    assert "sigma 0.5" in described and "within 20%" in described
     text = capsys.readouterr().out
     assert sum(line.startswith("three-site ") for line in text.splitlines()) == 2
     assert "three-site: met utilisation" in text
@@ -136,6 +138,7 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
     (["--out", "x", "--queue-aging", "nan"], "--queue-aging must be above 0"),
     (["--out", "x", "--estimate-spread", "0"], "--estimate-spread must be above 0"),
     (["--out", "x", "--estimate-spread", "nan"], "--estimate-spread must be above 0"),
+    (["--out", "x", "--peak-spread", "1.5"], "--peak-spread must be above 0 and below 1"),
     (["--out", "x", "--hours", "nan"], "must be positive"),
     (["--out", "x", "--hours", "inf"], "must be positive"),
     (["--out", "/nonexistent/folder", "--no-run"], "no such folder"),
