@@ -11,6 +11,9 @@ rules of ``fleetpilot.feedback.outcomes``:
   replaces (``replaces_decision_id``) as ``success``: the task left it alive, and the move
   is judged in turn by how its own placement ends. Until then the executed action waits in
   the ``open_placements`` bucket, so every replica can judge it and a restart loses nothing.
+  An end handled before its action's result is judged from the lifecycle alone, its latency
+  unknown; the late result then gives the stored record its latency, once
+  (``FeedbackStore.amend_latency``).
 
 Records go to the store (SQLite by default, PostgreSQL when ``store_dsn`` is a
 ``postgresql://`` URL), then out as ``feedback.recorded``. Statistics are served on the
@@ -70,7 +73,8 @@ ENDINGS = frozenset({"finished", "oom_killed", "failed", "evicted"})
 """Lifecycle states that end a task's placement (and its life there)."""
 JUDGED = b"judged"
 """The ``open_placements`` value left when a placement's end was judged before its action's
-result arrived: the late result is then dropped instead of waiting forever."""
+result arrived (the record's latency unknown): the late result then gives the stored record
+its latency (``FeedbackStore.amend_latency``) instead of waiting forever."""
 LEFT = b"left"
 """The ``open_placements`` value left when a migration ended a placement whose result had
 not arrived yet: the late result is then judged at once, as a placement left alive."""
@@ -78,6 +82,12 @@ EXECUTOR_LATENCY_UNCERTAINTY = 0.05
 """How far the executor's action latency can be trusted (it times the backend call)."""
 MAX_REPLY_BYTES = 1024 * 1024
 """A NATS server's default ``max_payload``, for a bus that does not tell its own."""
+
+
+class EndNotStoredYet(Exception):
+    """A late result found its placement's end judged (``JUDGED``) but the record of that end
+    not stored yet: the lifecycle's handler marks the end before it writes the record. The
+    result is delivered again on the consumer's back-off, to give the record its latency."""
 
 
 class FeedbackSettings(ServiceSettings):
@@ -151,10 +161,27 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
         return await record(feedback_for(result, ending, recorded_at=now(),
                                          latency_uncertainty=EXECUTOR_LATENCY_UNCERTAINTY))
 
-    async def open_placement(action: ActionExecuted) -> FeedbackRecorded | None:
+    async def amend(action: ActionExecuted) -> FeedbackRecorded | None:
+        """Give the stored record of ``action``, judged without its result, the executor's
+        latency; the record as amended, ``None`` when it had one already (or none is stored)."""
+        latency = Measured(value=action.latency_ms, uncertainty_score=EXECUTOR_LATENCY_UNCERTAINTY)
+        try:
+            return await parts["store"].amend_latency(action.action_id, latency)
+        except ValueError as error:
+            raise Reject(str(error)) from None  # a latency no store can keep: no redelivery helps
+
+    async def open_placement(action: ActionExecuted, delivery: Delivery) -> FeedbackRecorded | None:
         """Keep an executed placement until its end is known (or judge it, if it came first)."""
         placements: KeyValue = parts["open"]
         key = node_key(action.decision_id)
+        if (stored := await stored_before(action.action_id, delivery)) is not None:
+            # Judged already, and this result delivered again: an earlier delivery may have
+            # stopped before it gave the record its latency, or before it cleared the marker.
+            amended = await amend(action)
+            entry = await placements.get(key)
+            if entry is not None and entry.value in (JUDGED, LEFT):
+                await placements.delete(key)
+            return amended or stored
         try:
             await placements.create(key, encode(action))
             return None
@@ -162,11 +189,18 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             entry = await placements.get(key)
         if entry is None or entry.value not in (JUDGED, LEFT):
             return None  # a redelivery of a result already waiting
-        # The placement ended before its result arrived: judged already (from the lifecycle
-        # alone), or left alive by a migration and judged now.
-        out = None if entry.value == JUDGED else await judge(action)
+        if entry.value == LEFT:
+            # Left alive by a migration before its result arrived: judged now.
+            out = await judge(action)
+            await placements.delete(key)
+            return out
+        # Judged already from the lifecycle alone, its latency unknown: the result brings it
+        # (once; a record that has one is left alone). Not announced again: the record was,
+        # and its consumers key on ``action_id`` (the learner reads no latency).
+        if await amend(action) is None and await parts["store"].get(action.action_id) is None:
+            raise EndNotStoredYet(f"{action.action_id}: its end is judged but its record not stored yet")
         await placements.delete(key)
-        return out
+        return None
 
     async def close_placement(decision_id: str, ending: TaskLifecycle | None,
                               life: TaskLifecycle) -> FeedbackRecorded | None:
@@ -229,10 +263,10 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
 
     @host.on(ActionExecuted, ActionFailed, consumer="feedback-executed")
     async def on_action(action: ActionExecuted | ActionFailed, delivery: Delivery) -> FeedbackRecorded | None:
+        if isinstance(action, ActionExecuted) and action.action in PLACEMENTS:
+            return await open_placement(action, delivery)
         if (stored := await stored_before(action.action_id, delivery)) is not None:
             return stored
-        if isinstance(action, ActionExecuted) and action.action in PLACEMENTS:
-            return await open_placement(action)
         return await judge(action)
 
     @host.on(TaskLifecycle, consumer="feedback-lifecycle")

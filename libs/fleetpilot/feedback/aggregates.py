@@ -44,7 +44,7 @@ from typing import Literal
 
 import msgspec
 
-from fleetpilot.contracts import FeedbackRecorded
+from fleetpilot.contracts import FeedbackRecorded, Measured
 
 KeyField = Literal["policy", "shard_id", "task_kind", "gpu_model", "action"]
 KEY_FIELDS: tuple[KeyField, ...] = ("policy", "shard_id", "task_kind", "gpu_model", "action")
@@ -185,6 +185,40 @@ def totals_of(row: FeedbackRow) -> Totals:
         side_effects=row.side_effects,
         measured=measured,
     )
+
+
+class LatencyAmendment(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored record given the latency it was judged without (``latency_amendment``)."""
+
+    event: FeedbackRecorded
+    """The record as it is to be stored now: the stored one with the measured latency."""
+    row: FeedbackRow
+    """Its raw row (only ``weight_units`` and ``latency_us`` differ from the stored one)."""
+    delta: Totals
+    """What its key's sums gain: the new row's contribution less the stored row's."""
+
+
+def latency_amendment(stored: FeedbackRecorded, latency: Measured) -> LatencyAmendment | None:
+    """The amendment of ``stored`` by a latency measured after it was judged, or ``None``
+    when there is nothing to amend: ``stored`` has a measured latency (weight above 0), or
+    ``latency`` is no measurement either (weight 0).
+
+    A placement whose end was handled before the executor's result is judged from the end
+    alone, its latency unknown (weight 0); the result, when it comes, brings the latency.
+    Only the latency changes, so the key, the outcome and the calibration bin stay: the
+    delta touches the latency sums alone, and applying it once (only to a stored row that
+    still weighs 0) keeps the sums equal to a recomputation from the amended raw rows.
+    """
+    old = row_from_event(stored)
+    if old.weight_units > 0:
+        return None
+    event = msgspec.structs.replace(stored, latency_ms=latency)
+    row = row_from_event(event)
+    if row.weight_units == 0:
+        return None
+    before, after = totals_of(old), totals_of(row)
+    delta = Totals(**{f: getattr(after, f) - getattr(before, f) for f in TOTALS_FIELDS})
+    return LatencyAmendment(event=event, row=row, delta=delta)
 
 
 class BinTotals(msgspec.Struct, kw_only=True):

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from fleetpilot.contracts import FeedbackRecorded, decode
+from fleetpilot.contracts import FeedbackRecorded, Measured, decode
 
 from .aggregates import (
     KEY_FIELDS,
@@ -34,11 +34,12 @@ from .aggregates import (
     BinTotals,
     Totals,
     assemble,
+    latency_amendment,
     row_from_event,
     totals_of,
     validate_by,
 )
-from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending, raw_values
+from .migrations import MIGRATIONS_TABLE, POSTGRES_MIGRATIONS, pending, raw_values, stored_payload
 from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 from .retry import backoff_delay, is_retryable
 
@@ -69,6 +70,17 @@ _RECORD = (
     " confidence_units = feedback_calibration.confidence_units + excluded.confidence_units,"
     " successes = feedback_calibration.successes + excluded.successes)"
     " SELECT count(*) FROM ins"
+)
+_SELECT_UNMEASURED = "SELECT payload FROM feedback_raw WHERE action_id = $1 AND weight_units = 0"
+# A latency amendment (``amend_latency``): the raw row, only while its latency is unknown
+# (``weight_units = 0``), and its key's latency sums, in one statement.
+_AMEND = (
+    "WITH amended AS (UPDATE feedback_raw SET weight_units = $2, latency_us = $3, payload = $4"
+    f" WHERE action_id = $1 AND weight_units = 0 RETURNING {_KEYS})"
+    " UPDATE feedback_aggregate SET "
+    + ", ".join(f"{f} = feedback_aggregate.{f} + ${i + 5}::numeric" for i, f in enumerate(TOTALS_FIELDS))
+    + " FROM amended WHERE "
+    + " AND ".join(f"feedback_aggregate.{k} = amended.{k}" for k in KEY_FIELDS)
 )
 
 COMMAND_TIMEOUT_S = 30.0
@@ -186,6 +198,31 @@ class PostgresFeedbackStore:
 
         async def body(conn: asyncpg.Connection) -> bool:
             return await conn.fetchval(_RECORD, *args) == 1
+
+        return await self._transaction(body)
+
+    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
+        """Give the record of ``action_id``, stored with its latency unknown, the measured
+        ``latency``, once (SERIALIZABLE, retried); the record as amended, ``None`` when
+        nothing changed (no record, one whose latency is measured already, or ``latency``
+        no measurement either)."""
+        if "\x00" in action_id:
+            return None  # never stored (``raw_values`` refuses it); PostgreSQL would raise on it
+
+        async def body(conn: asyncpg.Connection) -> FeedbackRecorded | None:
+            # Read and written in one SERIALIZABLE transaction: a concurrent amendment of the
+            # row, or a record of its key, makes one of the two fail with 40001 and run again
+            # (then this read finds the row measured, and nothing is added twice).
+            found = await conn.fetchrow(_SELECT_UNMEASURED, action_id)
+            if found is None:
+                return None
+            amendment = latency_amendment(decode(found["payload"].encode(), FeedbackRecorded), latency)
+            if amendment is None:
+                return None
+            row = amendment.row
+            await conn.execute(_AMEND, action_id, row.weight_units, row.latency_us, stored_payload(amendment.event),
+                               *(getattr(amendment.delta, f) for f in TOTALS_FIELDS))
+            return amendment.event
 
         return await self._transaction(body)
 

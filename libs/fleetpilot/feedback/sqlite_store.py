@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from fleetpilot.contracts import FeedbackRecorded, decode
+from fleetpilot.contracts import FeedbackRecorded, Measured, decode
 
 from .aggregates import (
     KEY_FIELDS,
@@ -31,12 +31,13 @@ from .aggregates import (
     BinTotals,
     Totals,
     assemble,
+    latency_amendment,
     p95_by_group,
     row_from_event,
     totals_of,
     validate_by,
 )
-from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending, raw_values
+from .migrations import MIGRATIONS_TABLE, SQLITE_MIGRATIONS, pending, raw_values, stored_payload
 from .migrations import RAW_COLUMNS as _RAW_COLUMNS
 
 T = TypeVar("T")
@@ -59,6 +60,12 @@ _UPSERT_AGGREGATE = (
     f" VALUES ({_KEY_MARKS}, {', '.join('?' for _ in TOTALS_FIELDS)})"
     f" ON CONFLICT ({_KEYS}) DO UPDATE SET "
     + ", ".join(f"{f} = excluded.{f}" for f in TOTALS_FIELDS)
+)
+_SELECT_UNMEASURED = f"SELECT {_KEYS}, payload FROM feedback_raw WHERE action_id = ? AND weight_units = 0"
+# ``weight_units = 0`` again: the row is amended once, only while its latency is unknown.
+_AMEND_RAW = (
+    "UPDATE feedback_raw SET weight_units = ?, latency_us = ?, payload = ?"
+    " WHERE action_id = ? AND weight_units = 0"
 )
 _UPSERT_BIN = (
     f"INSERT INTO feedback_calibration ({_KEYS}, bin, count,"
@@ -175,6 +182,36 @@ class SqliteFeedbackStore:
                     _require_integers("feedback_calibration", bin_sums)
                 self._db.execute("COMMIT")
                 return inserted
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+        return await self._run(write)
+
+    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
+        """Give the record of ``action_id``, stored with its latency unknown, the measured
+        ``latency``, once; the record as amended, ``None`` when nothing changed (no record,
+        one whose latency is measured already, or ``latency`` no measurement either)."""
+
+        def write() -> FeedbackRecorded | None:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                # BEGIN IMMEDIATE holds the write lock from this read to COMMIT: the row and
+                # its key's sums cannot change in between (another amendment, a record).
+                found = self._db.execute(_SELECT_UNMEASURED, (action_id,)).fetchone()
+                amendment = None
+                if found is not None:
+                    amendment = latency_amendment(decode(found[_N_KEYS].encode(), FeedbackRecorded), latency)
+                if amendment is not None:
+                    row, key = amendment.row, tuple(found[:_N_KEYS])
+                    self._db.execute(_AMEND_RAW, (row.weight_units, row.latency_us,
+                                                  stored_payload(amendment.event), action_id))
+                    stored = self._db.execute(_SELECT_AGGREGATE, key).fetchone()
+                    sums = Totals() if stored is None else _totals_from_text(stored)
+                    sums.add(amendment.delta)
+                    self._db.execute(_UPSERT_AGGREGATE, (*key, *(str(getattr(sums, f)) for f in TOTALS_FIELDS)))
+                self._db.execute("COMMIT")
+                return None if amendment is None else amendment.event
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise

@@ -6,7 +6,7 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-from fleetpilot.contracts import FeedbackRecorded
+from fleetpilot.contracts import FeedbackRecorded, Measured
 
 from .aggregates import KEY_FIELDS, Aggregate
 
@@ -21,6 +21,13 @@ class FeedbackStore(Protocol):
 
     async def record(self, event: FeedbackRecorded) -> bool:
         """Store one outcome; ``False`` when its ``action_id`` was already stored (no change)."""
+        ...
+
+    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
+        """Give the record of ``action_id``, stored with its latency unknown (weight 0: judged
+        before its action's result came), the measured ``latency``: its raw row and its key's
+        sums in one transaction, once (a row measured already is left alone, so a redelivered
+        result adds nothing). The record as amended; ``None`` when nothing changed."""
         ...
 
     async def get(self, action_id: str) -> FeedbackRecorded | None:

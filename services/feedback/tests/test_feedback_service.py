@@ -15,6 +15,7 @@ from fleetpilot.contracts import (
     DeadLetter,
     FeedbackRecorded,
     FeedbackStats,
+    Measured,
     PolicyRef,
     StatsQuery,
     TaskLifecycle,
@@ -189,6 +190,132 @@ async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_come
     assert (record.action_id, record.outcome, record.policy.name) == ("act-d7", "failure", "fgd")
     # The executor's latency was not known yet when the end was judged: marked untrustworthy.
     assert record.latency_ms.uncertainty_score == 1.0
+
+
+async def test_a_result_that_comes_after_its_end_was_judged_gives_the_record_its_latency(
+    feedback_settings, nats_client, announced
+):
+    """The end came first and was judged from the lifecycle, the latency unknown. The late
+    result was dropped with its latency: the record kept weight 0 in every latency figure."""
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        await js.publish("task.lifecycle.t-d7", encode(ended("d7", "failed", "fgd")))
+        [blind] = await _wait_records(feedback_settings, 1)
+        await js.publish("action.executed", encode(executed("d7", "assign", "fgd")))
+        record = await _wait_measured(feedback_settings, "act-d7")
+        await wait_for(_nothing_open(feedback_settings), what="the late result's marker cleared")
+        reply = await nats_client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
+        await asyncio.sleep(0.3)  # room for another announcement to arrive
+    finally:
+        await host.stop()
+    assert blind.latency_ms == Measured(value=0.0, uncertainty_score=1.0)
+    # Only the latency changed: the outcome is the end's, the key the record was filed under.
+    assert record == msgspec.structs.replace(blind, latency_ms=Measured(value=12.0, uncertainty_score=0.05))
+    [group] = decode(reply.data, FeedbackStats).groups
+    assert (group.count, group.measured, group.p95_latency_ms) == (1, 1, 12.0)
+    assert [(f.action_id, f.latency_ms.uncertainty_score) for f in announced] == [("act-d7", 1.0)]
+
+
+async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_settings, nats_client, monkeypatch):
+    """The first handling of the late result stops after the store gave the record its
+    latency (a timeout on the way back): delivered again, it adds nothing and clears the
+    marker."""
+    import fleetpilot_services.feedback.service as feedback_service
+
+    stores, amended = [], []
+    real_open_store = feedback_service.open_store
+
+    async def store_failing_after_the_first_amendment(settings):
+        store = await real_open_store(settings)
+        real_amend = store.amend_latency
+
+        async def amend_latency(action_id, latency):
+            amended.append(await real_amend(action_id, latency))
+            if len(amended) == 1:
+                raise TimeoutError("the reply was lost after the commit")
+            return amended[-1]
+
+        store.amend_latency = amend_latency
+        stores.append(store)
+        return store
+
+    monkeypatch.setattr(feedback_service, "open_store", store_failing_after_the_first_amendment)
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        await js.publish("task.lifecycle.t-d7", encode(ended("d7", "evicted", "fgd")))
+        await _wait_records(feedback_settings, 1)
+        await js.publish("action.executed", encode(executed("d7", "assign", "fgd")))
+        await wait_for(lambda: len(amended) >= 2, timeout_s=10, what="the result delivered again")
+        await wait_for(_nothing_open(feedback_settings), what="the marker cleared")
+        [group] = await stores[0].aggregates(("policy",))
+    finally:
+        await host.stop()
+    assert [a is not None for a in amended] == [True, False]
+    assert (group.count, group.measured, group.weighted_mean_latency_ms) == (1, 1, 12.0)
+
+
+async def test_a_result_that_finds_the_end_marked_but_not_yet_stored_comes_back_for_it(
+    feedback_settings, nats_client, monkeypatch
+):
+    """The lifecycle's handler marks the end judged, then writes its record: a result handled
+    between the two found no record to give its latency to."""
+    import fleetpilot_services.feedback.service as feedback_service
+
+    real_open_store = feedback_service.open_store
+    release = asyncio.Event()
+
+    async def store_holding_the_end_s_record(settings):
+        store = await real_open_store(settings)
+        real_record = store.record
+
+        async def record(event):
+            await release.wait()  # the end's record, held until the result was handled once
+            return await real_record(event)
+
+        store.record = record
+        return store
+
+    monkeypatch.setattr(feedback_service, "open_store", store_holding_the_end_s_record)
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    try:
+        await js.publish("task.lifecycle.t-d7", encode(ended("d7", "oom_killed", "fgd")))
+        await _wait_open(feedback_settings, "d7")  # the JUDGED marker, the record held back
+        await js.publish("action.executed", encode(executed("d7", "assign", "fgd")))
+        await asyncio.sleep(0.3)
+        release.set()
+        record = await _wait_measured(feedback_settings, "act-d7", timeout_s=20)
+        await wait_for(_nothing_open(feedback_settings), what="the marker cleared")
+    finally:
+        await host.stop()
+    assert (record.outcome, record.latency_ms) == ("oom", Measured(value=12.0, uncertainty_score=0.05))
+
+
+def _nothing_open(settings: FeedbackSettings):
+    async def nothing_open() -> bool:
+        return await _open_placements(settings) == []
+
+    return nothing_open
+
+
+async def _wait_measured(settings: FeedbackSettings, action_id: str, timeout_s: float = 10) -> FeedbackRecorded:
+    """The record of ``action_id`` once it has a measured latency."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        store = await open_store(settings)
+        try:
+            record = await store.get(action_id)
+        finally:
+            await store.close()
+        if record is not None and record.latency_ms.uncertainty_score < 1.0:
+            return record
+        assert asyncio.get_running_loop().time() < deadline, f"{action_id}: {record}"
+        await asyncio.sleep(0.1)
 
 
 async def test_a_placement_judged_by_its_end_alone_is_filed_under_its_policy_s_version_and_action(

@@ -10,7 +10,9 @@ import asyncio
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+from fleetpilot.contracts import FeedbackRecorded, Measured
 from fleetpilot.feedback import (
     KEY_FIELDS,
     PostgresFeedbackStore,
@@ -58,10 +60,61 @@ async def _prove(store: FeedbackStore) -> dict[str, float]:
     return {"seconds": elapsed, "records_per_s": WRITERS * PER_WRITER / elapsed}
 
 
+def late_latency(action_id: str) -> Measured:
+    """The latency a late result brings for ``action_id`` (the same for every writer)."""
+    return Measured(value=1.0 + sum(action_id.encode()) % 997 / 7, uncertainty_score=0.05)
+
+
+def unmeasured(event: FeedbackRecorded) -> bool:
+    """Whether ``event`` was stored with its latency unknown (weight 0): amendable."""
+    return row_from_event(event).weight_units == 0
+
+
+async def _prove_amendments(store: FeedbackStore) -> int:
+    """As ``_prove``, each writer amending every record it just stored with its latency
+    unknown: amendments race with records of the same keys and, for the shared ids, with
+    the seven other writers' amendments of the same row. Returns how many were amended."""
+    streams = [writer_stream(w, PER_WRITER // 2, seed=43, shared_every=10) for w in range(WRITERS)]
+    for w, stream in enumerate(streams):
+        if w % 2:
+            stream.reverse()
+
+    async def write(stream: list) -> int:
+        amended = 0
+        for event in stream:
+            await store.record(event)  # stored by now, by this writer or another
+            if unmeasured(event):
+                amended += await store.amend_latency(event.action_id, late_latency(event.action_id)) is not None
+        return amended
+
+    amended = await asyncio.gather(*(write(s) for s in streams))
+
+    truth = {e.action_id: e for s in streams for e in s}
+    blind = [a for a, e in truth.items() if unmeasured(e)]
+    assert sum(amended) == len(blind) > 100  # each row amended exactly once
+    truth = {a: msgspec.structs.replace(e, latency_ms=late_latency(a)) if a in blind else e
+             for a, e in truth.items()}
+    stored = {e.action_id: e async for e in store.raw()}
+    assert stored == truth
+    raw_rows = [row_from_event(e) for e in stored.values()]
+    truth_rows = [row_from_event(e) for e in truth.values()]
+    for by in GROUPINGS:
+        incremental = await store.aggregates(by)
+        assert incremental == recompute(raw_rows, by), by
+        assert incremental == recompute(truth_rows, by), by
+    return len(blind)
+
+
 async def test_postgres_concurrent_writers(pg_store: PostgresFeedbackStore) -> None:
     figures = await _prove(pg_store)
     print(f"postgres: {figures}, serialization retries: {pg_store.retries}")
     assert pg_store.retries > 0, "writers never conflicted: the proof did not exercise SERIALIZABLE retries"
+
+
+async def test_postgres_concurrent_amendments(pg_store: PostgresFeedbackStore) -> None:
+    amended = await _prove_amendments(pg_store)
+    print(f"postgres: {amended} amended, serialization retries: {pg_store.retries}")
+    assert pg_store.retries > 0
 
 
 async def test_sqlite_concurrent_writers(tmp_path: Path) -> None:
@@ -77,6 +130,10 @@ async def test_sqlite_concurrent_writers(tmp_path: Path) -> None:
         async def record(self, event) -> bool:  # type: ignore[no-untyped-def]
             self.n += 1
             return await (first if self.n % 2 else second).record(event)
+
+        async def amend_latency(self, action_id, latency):  # type: ignore[no-untyped-def]
+            self.n += 1
+            return await (first if self.n % 2 else second).amend_latency(action_id, latency)
 
         def raw(self):  # type: ignore[no-untyped-def]
             return first.raw()
@@ -94,6 +151,33 @@ async def test_sqlite_concurrent_writers(tmp_path: Path) -> None:
         print(f"sqlite: {figures}")
     finally:
         await store.close()
+
+
+async def test_sqlite_concurrent_amendments(tmp_path: Path) -> None:
+    # Two connections on one file, as in the records' proof.
+    first, second = SqliteFeedbackStore(tmp_path / "a.db"), SqliteFeedbackStore(tmp_path / "a.db")
+    turn = iter(range(10**9))
+
+    class Alternating:
+        """Sends each call through one of the two connections in turn."""
+
+        async def record(self, event) -> bool:  # type: ignore[no-untyped-def]
+            return await (first if next(turn) % 2 else second).record(event)
+
+        async def amend_latency(self, action_id, latency):  # type: ignore[no-untyped-def]
+            return await (first if next(turn) % 2 else second).amend_latency(action_id, latency)
+
+        def raw(self):  # type: ignore[no-untyped-def]
+            return first.raw()
+
+        async def aggregates(self, by=KEY_FIELDS):  # type: ignore[no-untyped-def]
+            return await second.aggregates(by)
+
+    try:
+        print(f"sqlite: {await _prove_amendments(Alternating())} amended")  # type: ignore[arg-type]
+    finally:
+        await first.close()
+        await second.close()
 
 
 if __name__ == "__main__":  # pragma: no cover

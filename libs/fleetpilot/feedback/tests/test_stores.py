@@ -508,3 +508,40 @@ async def test_a_store_that_may_not_try_even_once_is_refused(pg_dsn: str) -> Non
     # max_attempts=0 ran no attempt and raised AssertionError("unreachable") on every write.
     with pytest.raises(ValueError, match="max_attempts"):
         await PostgresFeedbackStore.open(pg_dsn, schema=f"fp_test_{uuid.uuid4().hex[:12]}", max_attempts=0)
+
+
+async def test_a_latency_measured_after_the_judgement_amends_the_record_once(any_store: FeedbackStore) -> None:
+    """A placement whose end was handled before its result is stored with its latency
+    unknown (0, uncertainty 1: weight 0); the late result's latency amends it, once, and the
+    sums stay those of a recomputation from the raw rows."""
+    events = writer_stream(0, 40, seed=5)
+    blind = [msgspec.structs.replace(e, latency_ms=Measured(value=0.0, uncertainty_score=1.0)) for e in events[:20]]
+    events = blind + events[20:]
+    for e in events:
+        assert await any_store.record(e)
+    timed = Measured(value=37.5, uncertainty_score=0.05)
+    before = await any_store.aggregates()
+
+    amended = await any_store.amend_latency(blind[3].action_id, timed)
+
+    assert amended == msgspec.structs.replace(blind[3], latency_ms=timed)
+    assert await any_store.get(blind[3].action_id) == amended  # get and raw read it amended
+    truth = [amended if e.action_id == amended.action_id else e for e in events]
+    for by in (KEY_FIELDS, ("policy",), ()):
+        assert await any_store.aggregates(by) == recompute([row_from_event(e) for e in truth], by), by
+        assert await any_store.aggregates(by) == recompute([row_from_event(e) async for e in any_store.raw()], by)
+    after = {tuple(a.key.values()): a for a in await any_store.aggregates()}
+    key = tuple(row_from_event(amended).key)
+    old = next(a for a in before if tuple(a.key.values()) == key)
+    assert (after[key].measured, after[key].count) == (old.measured + 1, old.count)
+
+    # Once: a redelivered result, another latency, adds nothing.
+    assert await any_store.amend_latency(blind[3].action_id, timed) is None
+    assert await any_store.amend_latency(blind[3].action_id, Measured(value=99.0, uncertainty_score=0.0)) is None
+    # A record measured already, one not stored, a latency that is no measurement: unchanged.
+    measured = next(e for e in events[20:] if row_from_event(e).weight_units > 0)
+    assert await any_store.amend_latency(measured.action_id, timed) is None
+    assert await any_store.amend_latency("act-never-stored", timed) is None
+    assert await any_store.amend_latency(blind[4].action_id, Measured(value=5.0, uncertainty_score=1.0)) is None
+    assert await any_store.get(blind[4].action_id) == blind[4]
+    assert await any_store.aggregates() == recompute([row_from_event(e) for e in truth])
