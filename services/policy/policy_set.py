@@ -48,6 +48,7 @@ from fleetpilot.policy.fallback import BreakerState, Outcome
 from fleetpilot.policy.fragmentation import TaskShape, typical_tasks
 from fleetpilot.policy.framework import PolicyDecision
 from fleetpilot.policy.state import ClusterState, TaskRequest
+from fleetpilot.policy.vetting import DEFAULT_IMPORT_TIMEOUT_S
 
 log = logging.getLogger("fleetpilot.policy.config")
 
@@ -257,14 +258,64 @@ class PrimaryRunner:
         return call.value  # type: ignore[return-value]
 
 
+def _plugins_of(profile: ProfileConfig) -> list[Any]:
+    """The plugin classes a profile names, as registered now (``None`` for an unknown one)."""
+    points = {"filter": profile.filters, "score": profile.scores, "normalise": [profile.normalise],
+              "select": [profile.select], "devices": [profile.devices], "confidence": [profile.confidence]}
+    return [REGISTRY[point].get(spec.name) for point, specs in points.items() for spec in specs]
+
+
 def runs_operator_code(profile: ProfileConfig) -> bool:
     """Whether ``profile`` uses a plugin that is not the library's own (one a policy module
     registered): only such a policy may hang, and only it pays the hop to the worker thread
     (~0.15 ms a decision on a busy host, the state's arrays read from another core)."""
-    points = {"filter": profile.filters, "score": profile.scores, "normalise": [profile.normalise],
-              "select": [profile.select], "devices": [profile.devices], "confidence": [profile.confidence]}
-    return any(not getattr(REGISTRY[point].get(spec.name), "__module__", "").startswith("fleetpilot.")
-               for point, specs in points.items() for spec in specs)
+    return any(not getattr(cls, "__module__", "").startswith("fleetpilot.") for cls in _plugins_of(profile))
+
+
+class PolicyBuilds:
+    """Builds the policies that use a module's plugins on a thread of their own, waited for at
+    most ``limit_s``: a plugin constructor (or its ``Args``) that never returns on the
+    arguments a profile gives it stopped the swap, on the event loop, and with it the replica
+    for good. Such a build is refused (``PolicyHung``: the swap fails, the previous set
+    serves); the same profile with the same plugin classes is refused at once until that
+    build has returned, so a stuck build holds one thread, not one per swap."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stuck: set[object] = set()
+
+    def build(self, profile: ProfileConfig, limit_s: float) -> Policy:
+        """``build_policy(profile)``, on a thread when it runs operator code."""
+        if not runs_operator_code(profile):
+            return build_policy(profile)
+        key = (msgspec.json.encode(profile), tuple(id(cls) for cls in _plugins_of(profile)))
+        with self._lock:
+            if key in self._stuck:
+                raise PolicyHung(f"policy {profile.name}: an earlier build of it has not returned")
+        done, box = threading.Event(), {}
+
+        def work() -> None:
+            try:
+                box["policy"] = build_policy(profile)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            with self._lock:
+                done.set()
+                self._stuck.discard(key)
+
+        threading.Thread(target=work, name=f"policy-build-{profile.name}", daemon=True).start()
+        if not done.wait(limit_s):
+            with self._lock:
+                if not done.is_set():
+                    self._stuck.add(key)
+                    raise PolicyHung(f"policy {profile.name} was not built within {limit_s:g} s "
+                                     "(a plugin's constructor did not return)")
+        error = box.get("error")
+        if isinstance(error, Exception):
+            raise error
+        if error is not None:  # SystemExit: a failure of this build, not the replica's exit
+            raise RuntimeError(f"policy {profile.name}: building it raised {type(error).__name__}: {error}")
+        return box["policy"]
 
 
 def _primary(runner: PrimaryRunner | None, name: str, decide: Callable[[ClusterState, TaskRequest], PolicyDecision],
@@ -341,8 +392,11 @@ class ActivePolicies:
     # again when the plugin modules change (it may name a profile of a module not loaded yet).
     refused: tuple[PolicyConfig, str] | None = None
     _breakers: dict[tuple[str, BreakerConfig], CircuitBreaker] = field(default_factory=dict)
+    # A policy that uses a module's plugins not built within this is refused (``PolicyBuilds``).
+    build_limit_s: float = DEFAULT_IMPORT_TIMEOUT_S
     _generation: int = 0
     _runner: PrimaryRunner = field(default_factory=PrimaryRunner)
+    _builds: PolicyBuilds = field(default_factory=PolicyBuilds)
 
     def __post_init__(self) -> None:
         self.current = self._compile(self.config, self.source, self.plugins, self.stats)
@@ -481,7 +535,7 @@ class ActivePolicies:
         check_breaker(config.breaker)  # a document built by hand, not only one read from JSON
         router = Router(config.shaping, default=default)  # validates conditions and weights
         fallback = FallbackScheduler(stats)
-        policies = {name: build_policy(prof) for name, (prof, _) in profiles.items()}
+        policies = {name: self._builds.build(prof, self.build_limit_s) for name, (prof, _) in profiles.items()}
         guarded = {}
         for name, policy in policies.items():
             breaker = self._breakers.get((name, config.breaker))

@@ -12,16 +12,20 @@ predicted OOM risk of the chosen GPUs. ``--json`` prints the same as one JSON do
 
 A and B are built-in policies or profiles exported by the policy modules of
 ``--plugin-dir`` (the service's hot-reload directory); ``--against-plugin-dir`` loads B's
-modules from another directory, to compare two versions of one policy.
+modules from another directory, to compare two versions of one policy. Each module is vetted
+as the service vets it (run first in a child interpreter, within ``--import-timeout``): one
+that hangs, ends its interpreter or fails is a one-line error naming it.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
+import functools
 import json
 import sys
 from collections import Counter
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ import numpy as np
 
 from fleetpilot.policy import (
     BUILTIN_POLICIES,
+    REGISTRY,
     ClusterState,
     DiffReport,
     Policy,
@@ -41,8 +46,20 @@ from fleetpilot.policy import (
     typical_tasks,
 )
 from fleetpilot.policy.fragmentation import TaskShape
+from fleetpilot.policy.vetting import (
+    DEFAULT_IMPORT_TIMEOUT_S,
+    MODULE_PREFIX,
+    VETTING_AT_ONCE,
+    Sibling,
+    Verdict,
+    digest_of,
+    execute,
+    in_order,
+    module_name,
+    vet,
+)
 
-from .arguments import non_negative_int, path_text
+from .arguments import non_negative_int, path_text, positive_float
 
 
 def add_arguments(parser) -> None:
@@ -58,6 +75,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--against", required=True, help="policy B, compared with A")
     parser.add_argument("--plugin-dir", type=path_text, help="directory of policy modules (PROFILES / profile())")
     parser.add_argument("--against-plugin-dir", type=path_text, help="B's modules, when comparing two versions of one policy")
+    parser.add_argument(
+        "--import-timeout", type=positive_float, default=DEFAULT_IMPORT_TIMEOUT_S, metavar="SECONDS",
+        help="a module not imported within this (vetted in a child interpreter, as the policy service "
+        f"does) is refused (default {DEFAULT_IMPORT_TIMEOUT_S:g})",
+    )
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="tie-breaking seed of the built-in policies (default 0)"
     )
@@ -154,37 +176,79 @@ def snapshot_problem(snapshot: Snapshot) -> str | None:
     return None
 
 
-def module_profiles(directory: Path) -> dict[str, ProfileConfig]:
-    """Profiles exported by the ``*.py`` modules of a directory (the service's format)."""
+def module_profiles(directory: Path, import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S) -> dict[str, ProfileConfig]:
+    """Profiles exported by the ``*.py`` modules of a directory (the service's format), each
+    module vetted first as the policy service vets it (``fleetpilot.policy.vetting``): run in
+    a child interpreter within ``import_timeout_s``, the directory's other modules importable
+    under the names the service gives them. A module that hangs, ends its interpreter or
+    fails is a ``ValueError`` naming it, in one line; before, one that hung hung the command
+    and one that called ``os._exit`` ended it with no word."""
     if not directory.is_dir():
         raise ValueError(f"{directory}: not a directory")
+    return asyncio.run(_load_directory(directory, import_timeout_s))
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+async def _load_directory(directory: Path, import_timeout_s: float) -> dict[str, ProfileConfig]:
+    """Vet the modules, then run those that passed here, siblings first, in rounds: one
+    vetted against a sibling that has run since is vetted again (``vetting.in_order``)."""
+    files = sorted(directory.glob("*.py"))
+    pending = {module_name(file): (file, file.read_bytes()) for file in files}
+    siblings: dict[str, Sibling] = {}
     out: dict[str, ProfileConfig] = {}
-    for file in sorted(directory.glob("*.py")):
-        name = f"fleetpilot_replay_plugin_{abs(hash(str(file.resolve())))}_{file.stem}"
-        spec = importlib.util.spec_from_file_location(name, file)
-        if spec is None or spec.loader is None:
-            continue
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - report which module is broken, in one line
-            raise ValueError(f"{file}: cannot load ({type(exc).__name__}: {exc})") from None
-        try:
-            exported: list[Any] = [
-                {**(v if isinstance(v, dict) else msgspec.to_builtins(v)), "name": k}
-                for k, v in dict(getattr(module, "PROFILES", {}) or {}).items()
-            ]
-            if callable(getattr(module, "profile", None)):
-                made = module.profile()
-                exported += list(made) if isinstance(made, list | tuple) else [made]
-            for prof in exported:
-                config = prof if isinstance(prof, ProfileConfig) else msgspec.convert(prof, ProfileConfig)
-                out[config.name] = config
-        except Exception as exc:  # noqa: BLE001 - operator code: name the module, in one line
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            raise ValueError(f"{file}: not a policy profile ({type(exc).__name__}: {text})") from None
+    gate = asyncio.Semaphore(VETTING_AT_ONCE)
+
+    async def vet_one(file: Path, source: bytes) -> Verdict:
+        async with gate:
+            return await vet(file, source, siblings, import_timeout_s)
+
+    for _ in range(len(files)):
+        if not pending:
+            break
+        verdicts = await asyncio.gather(*(vet_one(file, source) for file, source in pending.values()))
+        again: dict[str, tuple[Path, bytes]] = {}
+        for verdict, now in in_order(verdicts, lambda: siblings):
+            file, source = pending[verdict.module]
+            if not now:
+                again[verdict.module] = (file, source)
+                continue
+            if verdict.refused is not None:
+                what = "not a policy profile" if verdict.stage == "profiles" else "cannot load"
+                raise ValueError(f"{file}: {what} ({_first_line(verdict.refused)})")
+            stage = ["import"]
+            try:
+                executed = execute(file, source, verdict.module, ran=functools.partial(stage.append, "profiles"))
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - operator code: name the module, in one line
+                what = "not a policy profile" if stage[-1] == "profiles" else "cannot load"
+                raise ValueError(f"{file}: {what} ({type(exc).__name__}: {_first_line(str(exc))})") from None
+            siblings[verdict.module] = Sibling(file, source, digest_of(source), executed.plugins)
+            out.update((prof.name, prof) for prof in executed.profiles)
+        pending = again
+    if pending:  # each round settles one module at least: not reached, but never dropped silently
+        raise ValueError(f"{next(iter(pending.values()))[0]}: cannot load (its siblings did not settle)")
     return out
+
+
+@contextmanager
+def _own_modules() -> Iterator[None]:
+    """Around one directory's modules and the policies built of them: the plugin registry and
+    the modules' ``sys.modules`` names are put back afterwards, so that ``--against-plugin-dir``
+    starts as a fresh service would. Before, B's modules replaced A's plugins of the same
+    name in the registry before A's policy was built: A was built of B's plugins."""
+    registry = {point: dict(plugins) for point, plugins in REGISTRY.items()}
+    modules = {name: module for name, module in sys.modules.items() if name.startswith(MODULE_PREFIX)}
+    try:
+        yield
+    finally:
+        for point, plugins in registry.items():
+            REGISTRY[point].clear()
+            REGISTRY[point].update(plugins)
+        for name in [n for n in sys.modules if n.startswith(MODULE_PREFIX)]:
+            del sys.modules[name]
+        sys.modules.update(modules)
 
 
 def resolve(name: str, plugins: dict[str, ProfileConfig], seed: int, typical: list[TaskShape]) -> Policy:
@@ -269,10 +333,17 @@ def main(args, out=None) -> int:
     files = record_files(Path(args.states), rotated=not args.no_rotated)
     snapshots = read_record(files)
     typical = typical_tasks([s.task for s in snapshots])
-    plugins_a = module_profiles(Path(args.plugin_dir)) if args.plugin_dir is not None else {}
-    plugins_b = module_profiles(Path(args.against_plugin_dir)) if args.against_plugin_dir is not None else plugins_a
-    policy_a = resolve(args.policy, plugins_a, args.seed, typical)
-    policy_b = resolve(args.against, plugins_b, args.seed, typical)
+    # Each directory's policies are built while its modules are the registry's (``_own_modules``).
+    with _own_modules():
+        plugins_a = module_profiles(Path(args.plugin_dir), args.import_timeout) if args.plugin_dir is not None else {}
+        policy_a = resolve(args.policy, plugins_a, args.seed, typical)
+        if args.against_plugin_dir is None:
+            plugins_b = plugins_a
+            policy_b = resolve(args.against, plugins_b, args.seed, typical)
+    if args.against_plugin_dir is not None:
+        with _own_modules():
+            plugins_b = module_profiles(Path(args.against_plugin_dir), args.import_timeout)
+            policy_b = resolve(args.against, plugins_b, args.seed, typical)
     report = replay(snapshots, policy_a.decide, policy_b.decide, typical=typical)
     label_b = (
         args.against

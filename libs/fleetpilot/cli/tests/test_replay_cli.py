@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import msgspec
@@ -247,3 +248,87 @@ def test_a_suite_refusing_its_arguments_exits_2_with_its_one_line(capsys, argv, 
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2 and err == message + "\n"
+
+
+# --- policy modules vetted as the policy service vets them ----------------------------------
+
+PROFILE = 'PROFILES = {"mine": {"filters": [{"name": "node-resources"}], "scores": [{"name": "packing"}]}}\n'
+
+
+def _replay_with_modules(tmp_path, module: str, *extra: str, timeout_s: float = 60.0):
+    """``fleetpilot replay`` in a process of its own over a directory holding ``module``
+    (``mine.py``) and a good module: a module that ends its interpreter ends that process,
+    not the test's. Old code that hangs is stopped at ``timeout_s`` (``TimeoutExpired``)."""
+    path = recorded(tmp_path, 2)
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "good.py").write_text(PROFILE)
+    (plugins / "mine.py").write_text(module)
+    argv = [sys.executable, "-m", "fleetpilot.cli.main", "replay", "--states", str(path), "--policy", "mine",
+            "--against", "fgd", "--plugin-dir", str(plugins), *extra]
+    return plugins, subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.timeout(120)
+def test_replay_refuses_a_module_that_hangs_at_import_in_one_line(tmp_path):
+    # Before: the replay imported it in its own process and never returned.
+    plugins, done = _replay_with_modules(tmp_path, "while True:\n    pass\n", "--import-timeout", "3")
+    assert done.returncode == 2, done
+    assert done.stderr == (f"fleetpilot replay: {plugins / 'mine.py'}: cannot load "
+                           "(did not finish importing within 3 s (stopped))\n"), done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_replay_refuses_a_module_that_ends_its_interpreter_in_one_line(tmp_path):
+    # Before: exit code 3 and not a word on stderr (the replay's own interpreter ended).
+    plugins, done = _replay_with_modules(tmp_path, "import os\nos._exit(3)\n")
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(f"fleetpilot replay: {plugins / 'mine.py'}: cannot load (its interpreter exited "
+                                  "with status 3 before it finished importing")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_replay_loads_a_module_that_imports_its_sibling_as_the_service_names_it(tmp_path, capsys):
+    # The policy service runs a directory's modules as fleetpilot_policy_plugin_<stem>: a module
+    # may import another by that name. Before, the replay named them otherwise, and refused it.
+    path = recorded(tmp_path, 4)
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "a_user.py").write_text(
+        "import fleetpilot_policy_plugin_z_shared as shared\n"
+        'PROFILES = {"mine": {"filters": [{"name": "node-resources"}], "scores": [{"name": shared.SCORE}]}}\n')
+    (plugins / "z_shared.py").write_text('SCORE = "packing"\n')
+    assert main(["replay", "--states", str(path), "--policy", "mine", "--against", "packing",
+                 "--plugin-dir", str(plugins), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["differing"] == 0
+
+
+# A module of each version registers a plugin of one name: v1 prefers the first node, v2 the last.
+NAMED_PLUGIN = """
+from fleetpilot.policy import register
+from fleetpilot.policy.framework import ScorePlugin
+
+@register
+class Pick(ScorePlugin):
+    name = "pick-by-row"
+    def score(self, cycle):
+        return cycle.rows * {sign}1.0
+
+PROFILES = {{"mine": {{"filters": [{{"name": "node-resources"}}], "scores": [{{"name": "pick-by-row"}}],
+                      "select": {{"name": "first"}}}}}}
+"""
+
+
+def test_replay_builds_each_version_of_a_plugin_from_its_own_directory(tmp_path, capsys):
+    # Before: both directories' modules were loaded before either policy was built, so A was
+    # built of B's plugin of the same name, and the two versions never differed.
+    path = recorded(tmp_path, 6)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    v1.mkdir()
+    v2.mkdir()
+    (v1 / "mine.py").write_text(NAMED_PLUGIN.format(sign="-"))
+    (v2 / "mine.py").write_text(NAMED_PLUGIN.format(sign="+"))
+    assert main(["replay", "--states", str(path), "--policy", "mine", "--against", "mine", "--plugin-dir", str(v1),
+                 "--against-plugin-dir", str(v2), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["differing"] == 6 and data["by_kind"].get("node") == 6, data
