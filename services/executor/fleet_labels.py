@@ -15,6 +15,12 @@ The labels this replica sets follow the *board* (its NVML uuid) where it is know
 topology service carries them over: GPU indices renumber when a GPU falls off the bus or a
 board is swapped, and put back by index, a cordon went back onto the healthy board that
 took the hot one's number. See :func:`gpu_of` for how a board is found in an entry.
+
+A label write changes the GPUs' ``labels`` and nothing else of the stored value
+(:func:`with_gpu_labels`): the entry may hold members this replica's ``NodeTopology`` does
+not know, such as the topology service's ``applied_report`` (which report wrote the entry,
+so that no late report overwrites a newer one) or a field of a newer contract. Re-encoded
+from the decoded ``NodeTopology``, a label write dropped them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 from fleetpilot.contracts import (
@@ -33,7 +40,6 @@ from fleetpilot.contracts import (
     GpuInfo,
     NodeTopology,
     TaskLifecycle,
-    encode,
 )
 from fleetpilot.executor import ALLOW, HookVerdict
 from fleetpilot.ledger.store import node_key
@@ -47,6 +53,22 @@ MAINTENANCE_PENDING = GPU_LABEL_MAINTENANCE_PENDING
 UNREACHABLE = GPU_LABEL_UNREACHABLE
 
 _NODE = msgspec.json.Decoder(NodeTopology)
+_MEMBERS = msgspec.json.Decoder(dict[str, Any])
+
+
+def with_gpu_labels(value: bytes, labels: Mapping[int, Mapping[str, str]]) -> bytes:
+    """The stored entry ``value`` with the GPU at each position of its ``gpus`` list given
+    ``labels[position]`` as its labels, every other member kept as it is.
+
+    Only the labels are ours to write: a member this replica does not know (the topology
+    service's ``applied_report``, a field a newer contract added, on the node or on a GPU)
+    stays, where encoding the decoded ``NodeTopology`` again dropped it.
+    """
+    members = _MEMBERS.decode(value)
+    gpus = members["gpus"]
+    for position, gpu_labels in labels.items():
+        gpus[position]["labels"] = dict(gpu_labels)
+    return msgspec.json.encode(members)
 
 
 def gpu_of(topo: NodeTopology, gpu: int, uuid: str = "") -> GpuInfo | None:
@@ -155,20 +177,21 @@ class FleetLabels:
             if entry is None or not entry.value:
                 return False
             topo = _NODE.decode(entry.value)
-            gpus, changed = [], False
+            gpus, relabelled = [], {}
             extras = self._extras(topo, wanted)
-            for info in topo.gpus:
+            for position, info in enumerate(topo.gpus):
                 extra = extras.get(info.index, {})
                 if any(info.labels.get(k) != v for k, v in extra.items()):
                     info = msgspec.structs.replace(info, labels={**info.labels, **extra})
-                    changed = True
+                    relabelled[position] = info.labels
                 gpus.append(info)
-            if not changed:
+            if not relabelled:
                 self.nodes[key] = topo
                 return False
             updated = msgspec.structs.replace(topo, gpus=gpus)
             try:
-                self._written[key] = await self._kv.update(key, encode(updated), entry.revision)
+                self._written[key] = await self._kv.update(key, with_gpu_labels(entry.value, relabelled),
+                                                           entry.revision)
             except CasConflict:
                 await asyncio.sleep(0.005 * (attempt + 1))
                 continue

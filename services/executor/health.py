@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from fleetpilot.contracts import Event, GpuSample, NodeTelemetry, TaskLifecycle, marked_condition
 from fleetpilot.executor import BackendError, Command, Cordon
+from fleetpilot.ledger.accounting import on_board
 from fleetpilot.ledger.store import node_key
 from fleetpilot.maintenance import HealthModel
 
@@ -37,35 +38,68 @@ MAINTENANCE_BOARD = "maintenance_board"
 """The label naming the board (NVML uuid) that ``maintenance_pending`` was set for."""
 
 
+BoardKey = tuple[str, str]
+"""(node, board): the board is its uuid, or ``#<index>`` for a GPU no uuid was read for."""
+
+
 class HealthWindows:
     """The recent samples of every GPU, thinned to one per ``every_s`` and at most
     ``window_s`` old, so a large fleet's windows stay small (240 samples per GPU by default).
 
-    A window holds one board: a sample with another uuid than the last one the window knows
-    (the GPU was replaced, even behind samples NVML could not read, which carry none) or from
-    before the window's newest one (its node's clock stepped back) starts it again. A GPU
-    nothing was heard from for ``window_s`` (by ``clock``, this process's monotonic clock:
-    collectors' clocks may be wrong) is forgotten by :meth:`forget_silent`, so nodes that
-    leave the fleet do not stay in memory, and in every assessment, for good.
+    A window is a *board*'s (its NVML uuid), not an index's: indices renumber when a GPU falls
+    off the bus or a board is swapped, and by index a renumbered board started its history
+    over while the board that took its number went on with the old one's. A sample without a
+    uuid (NVML could not read it: a board falling off the bus) goes to the window of the board
+    last read at its index; a GPU no uuid was ever read for is followed by its index until
+    one is, and its window then goes with the uuid (the same GPU, read at last). So a board
+    swapped in at an index starts a window of its own. A sample from before the window's
+    newest one (its node's clock stepped back) starts it again. A board nothing was heard from
+    for ``window_s`` (by ``clock``, this process's monotonic clock: collectors' clocks may be
+    wrong) is forgotten by :meth:`forget_silent`, so boards and nodes that leave the fleet do
+    not stay in memory, and in every assessment, for good. Only the boards reading at an
+    index now are assessed (:meth:`current`): one swapped out, or not read anywhere since its
+    index went to another board, keeps its window until it reads again or goes silent.
     """
 
     def __init__(self, window_s: float, every_s: float) -> None:
         """Keep ``window_s`` of history, one sample per ``every_s``."""
         self._window_s = window_s
         self._every_s = every_s
-        self.windows: dict[tuple[str, int], deque[GpuSample]] = {}
+        self.windows: dict[BoardKey, deque[GpuSample]] = {}
+        # The board last read at each (node, index): whose a sample without a uuid is, and
+        # which window an index names now.
+        self.boards: dict[tuple[str, int], str] = {}
         self.clock: Callable[[], float] = time.monotonic
-        self._heard_at: dict[tuple[str, int], float] = {}
+        self._heard_at: dict[BoardKey, float] = {}
+
+    def key_at(self, node: str, gpu: int) -> BoardKey:
+        """The key of the board that reads at ``node``/``gpu`` now (the index itself when no
+        uuid was read there)."""
+        return node, self.boards.get((node, gpu)) or f"#{gpu}"
+
+    def _seen(self, sample: GpuSample) -> BoardKey:
+        """Note where ``sample``'s board reads now; returns its key."""
+        node, gpu, uuid = sample.node, sample.gpu, sample.uuid
+        if not uuid:
+            return self.key_at(node, gpu)
+        for at in [k for k, there in self.boards.items() if k[0] == node and there == uuid and k[1] != gpu]:
+            del self.boards[at]  # renumbered: the board left that index
+        self.boards[(node, gpu)] = uuid
+        key, by_index = (node, uuid), (node, f"#{gpu}")
+        if key not in self.windows and by_index in self.windows:
+            # The uuid read for the first time at an index followed so far by its number (a
+            # collector that could not read it before): the same GPU, its history goes with it.
+            self.windows[key] = self.windows.pop(by_index)
+            self._heard_at.pop(by_index, None)
+        return key
 
     def add(self, sample: GpuSample) -> None:
-        """Keep ``sample`` if enough time passed since the last one kept."""
-        key = (sample.node, sample.gpu)
+        """Keep ``sample`` in its board's window if enough time passed since the last one kept."""
+        key = self._seen(sample)
         self._heard_at[key] = self.clock()
         window = self.windows.setdefault(key, deque())
-        board = self.board(window)
-        if window and (sample.at < window[-1].at or (sample.uuid and board and sample.uuid != board)):
-            # Another board's counters and temperatures say nothing about this one, and
-            # samples older than the newest kept would all be thinned away until the clock
+        if window and sample.at < window[-1].at:
+            # Samples older than the newest kept would all be thinned away until the clock
             # caught up with it.
             window.clear()
         if window and sample.at - window[-1].at < self._every_s:
@@ -74,11 +108,29 @@ class HealthWindows:
         while window and window[0].at < sample.at - self._window_s:
             window.popleft()
 
+    def of(self, node: str, gpu: int) -> deque[GpuSample] | None:
+        """The window of the board that reads at ``node``/``gpu`` now (``None``: none kept)."""
+        return self.windows.get(self.key_at(node, gpu))
+
+    def current(self) -> list[tuple[str, int, deque[GpuSample]]]:
+        """(node, index, window) of each board that reads at an index now, at that index."""
+        out = [(node, gpu, self.windows[(node, uuid)]) for (node, gpu), uuid in self.boards.items()
+               if (node, uuid) in self.windows]
+        for (node, board), window in self.windows.items():
+            if board.startswith("#") and (node, int(board[1:])) not in self.boards:
+                out.append((node, int(board[1:]), window))
+        return out
+
+    def drop(self, node: str, gpu: int, uuid: str = "") -> None:
+        """Start the history of the board ``uuid`` afresh (``""``: of the board that reads at
+        ``node``/``gpu`` now)."""
+        self.windows.pop((node, uuid) if uuid else self.key_at(node, gpu), None)
+
     @staticmethod
     def board(window: deque[GpuSample] | list[GpuSample]) -> str:
         """The uuid of the board a window holds ("" while none is known). Samples NVML could
         not read carry no uuid (a GPU fallen off the bus reads so until it is swapped), so the
-        newest sample alone may not say which board came before the one arriving."""
+        newest sample alone may not say which board it is."""
         for kept in reversed(window):
             if kept.uuid:
                 return kept.uuid
@@ -89,13 +141,19 @@ class HealthWindows:
         for key in [k for k in self.windows.keys() | self._heard_at.keys() if k[0] == node]:
             self.windows.pop(key, None)
             self._heard_at.pop(key, None)
+        for at in [k for k in self.boards if k[0] == node]:
+            del self.boards[at]
 
     def forget_silent(self) -> None:
-        """Drop the window of every GPU not heard from for ``window_s``."""
+        """Drop the window of every board not heard from for ``window_s``, and the index it
+        was last read at with it."""
         silent_since = self.clock() - self._window_s
-        for key in [k for k, heard in self._heard_at.items() if heard < silent_since]:
+        silent = {k for k, heard in self._heard_at.items() if heard < silent_since}
+        for key in silent:
             del self._heard_at[key]
             self.windows.pop(key, None)
+        for at in [k for k, uuid in self.boards.items() if (k[0], uuid) in silent]:
+            del self.boards[at]
 
 
 class GpuHealth(ExecutorReplica):
@@ -113,11 +171,13 @@ class GpuHealth(ExecutorReplica):
         super().forget_node(node)
         self.windows.forget_node(node)
 
-    def tasks_on(self, node: str, gpu: int) -> list[str]:
+    def tasks_on(self, node: str, gpu: int, uuid: str = "") -> list[str]:
         """Tasks holding a share of one GPU in the ledger view (reserved ones included:
-        they are about to run there)."""
+        they are about to run there): of the board ``uuid``, which reads at index ``gpu`` now,
+        by the board their holds name, wherever they were reserved (``on_board``; by index for
+        holds that name none)."""
         ledger = self.ledger.nodes.get(node_key(node)) if self.ledger is not None else None
-        return sorted({a.task_id for a in ledger.allocations if a.gpu == gpu}) if ledger else []
+        return sorted({a.task_id for a in ledger.allocations if on_board(a, gpu, uuid)}) if ledger else []
 
     async def observe(self, batch: NodeTelemetry) -> list[Event]:
         """Keep a node's samples and run the pre-decommission hook on each GPU."""
@@ -131,7 +191,9 @@ class GpuHealth(ExecutorReplica):
             board = sample.uuid or self.hook.boards.get((sample.node, sample.gpu), "")
             if self.labels.labels_of(sample.node, sample.gpu, uuid=board).get(DECOMMISSIONED) == "true":
                 continue  # out of service: nothing left to do, even for a replica started since
-            for command in await self.hook.observe(sample, self.tasks_on(sample.node, sample.gpu)):
+            # Its drain counts, and its pull evicts, the tasks held on the board: by index, a
+            # hot board renumbered counted those of the board that took its number.
+            for command in await self.hook.observe(sample, self.tasks_on(sample.node, sample.gpu, board)):
                 out.extend(await self.decommission(command))
         return out
 
@@ -164,7 +226,8 @@ class GpuHealth(ExecutorReplica):
         # on this GPU: stopped, it was stopped where it runs (or, on another node's executor,
         # told evicted while it ran on, and placed a second time). Its move is refused by the
         # labels (``LabelGate``) and its reservation goes back on that path.
-        running = [t for t in command.evict if not self.only_reserved_here(t, command.node, command.gpu)]
+        running = [t for t in command.evict
+                   if not self.only_reserved_here(t, command.node, command.gpu, command.uuid)]
         for task_id in sorted(set(command.evict) - set(running)):
             log.info("%s only holds a reservation on %s/%d and runs elsewhere: not evicted with it",
                      task_id, command.node, command.gpu)
@@ -174,16 +237,18 @@ class GpuHealth(ExecutorReplica):
                     command.uuid or "no uuid", len(running))
         return [e for e in evicted if e is not None]
 
-    def only_reserved_here(self, task_id: str, node: str, gpu: int) -> bool:
-        """Whether ``task_id`` holds only reservations on ``node``/``gpu`` and runs, its hold
-        confirmed, on another GPU (of this node or another)."""
+    def only_reserved_here(self, task_id: str, node: str, gpu: int, uuid: str = "") -> bool:
+        """Whether ``task_id`` holds only reservations on ``node``/``gpu`` (the board ``uuid``
+        reading there now, as ``tasks_on`` finds its holds) and runs, its hold confirmed, on
+        another GPU (of this node or another)."""
         if self.ledger is None:
             return False
         held = self.ledger.nodes.get(node_key(node))
-        here = [a for a in (held.allocations if held else ()) if a.task_id == task_id and a.gpu == gpu]
+        here = [a for a in (held.allocations if held else ()) if a.task_id == task_id and on_board(a, gpu, uuid)]
         if not here or any(a.state == "confirmed" for a in here):
             return False
-        return any(a.task_id == task_id and a.state == "confirmed" and (key != node_key(node) or a.gpu != gpu)
+        return any(a.task_id == task_id and a.state == "confirmed"
+                   and (key != node_key(node) or not on_board(a, gpu, uuid))
                    for key, other in self.ledger.nodes.items() for a in other.allocations)
 
     async def _label(self, node: str, gpu: int, wanted: dict[str, str], uuid: str = "") -> None:
@@ -206,7 +271,7 @@ class GpuHealth(ExecutorReplica):
         self.windows.forget_silent()
         await labels.apply_pending()
         self.take_overrides()
-        for (node, gpu), window in list(self.windows.windows.items()):
+        for node, gpu, window in self.windows.current():
             if len(window) < 2:
                 continue
             # The labels of the window's board: by index alone, a topology entry behind a
@@ -225,13 +290,16 @@ class GpuHealth(ExecutorReplica):
     def take_overrides(self) -> None:
         """Read afresh the history of each GPU whose ``maintenance_pending`` someone else set
         otherwise (an operator's ``"false"``): the evidence that flagged it is spent, and
-        assessed again it would flag the GPU again at once."""
+        assessed again it would flag the GPU again at once. The GPU is the topology entry's at
+        that index: the board the entry names there, wherever the samples read it now."""
         if self.labels is None:
             return
         overridden, self.labels.overridden = self.labels.overridden, []
         for node, gpu, label, _ in overridden:
             if label == MAINTENANCE_PENDING:
-                self.windows.windows.pop((node, gpu), None)
+                topo = self.labels.nodes.get(node_key(node))
+                uuid = next((g.uuid for g in topo.gpus if g.index == gpu), "") if topo else ""
+                self.windows.drop(node, gpu, uuid)
 
     async def _clear_if_replaced(self, node: str, gpu: int, window, current) -> None:
         """Take a GPU flagged for maintenance back into service once its board was replaced:

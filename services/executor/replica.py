@@ -31,10 +31,12 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.executor import (
+    ALLOW,
     BackendError,
     DecommissionRules,
     ExecutorBackend,
     GpuContext,
+    HookVerdict,
     LifecycleHook,
     PreDecommissionHook,
     ProcessBackend,
@@ -46,7 +48,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, Retry
 
 from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal
-from .fleet_labels import FleetLabels, LabelGate
+from .fleet_labels import CORDONED, DECOMMISSIONED, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
 from .settings import ExecutorSettings
 
@@ -63,15 +65,76 @@ SIM_ENDINGS = {"finished": ("finished", 0), "oom_killed": ("oom_killed", 137), "
 Background = Callable[[Callable[[], Awaitable[None]], str], None]
 
 
+class HeldBoardGate:
+    """A :class:`fleetpilot.executor.LifecycleHook` that follows an ``assign``'s or a move's
+    holds to the boards they name (``Allocation.gpu_uuid``, the board the policy's topology
+    had at the index): it refuses one whose board is cordoned or decommissioned wherever it
+    reads now (by this replica's hook state, or by the board's labels for a replica started
+    since), or whose index another board reads at now
+    (:meth:`~fleetpilot.executor.PreDecommissionHook.held_board_refusal`). The hook and the
+    label gate judge the index alone, the board reading there now: after a renumbering the
+    policy's topology had not caught up with, the task ran on that board while its hold named
+    the hot one, whose drain waited for it and whose pull evicted it. Holds that name no board
+    (an earlier version's) are judged by their index only."""
+
+    def __init__(self, ledger: LedgerStore, hook: PreDecommissionHook, labels: FleetLabels) -> None:
+        """Read the holds from ``ledger``, the boards' states from ``hook`` and ``labels``."""
+        self._ledger = ledger
+        self._hook = hook
+        self._labels = labels
+
+    async def boards_held(self, decision: DecisionMade) -> dict[tuple[str, int], str]:
+        """The board each of ``decision``'s holds names, by (node, index): from the ledger
+        view, or the bucket where the view has none of them yet (it follows the bucket, which
+        the policy wrote just before it published the decision)."""
+        out: dict[tuple[str, int], str] = {}
+        for node in sorted({p.node for p in decision.placement if p.gpu >= 0}):
+            view = self._ledger.nodes.get(node_key(node))
+            mine = [a for a in (view.allocations if view else ()) if a.decision_id == decision.decision_id]
+            if not mine:
+                current = await self._ledger.read(node)
+                mine = [a for a in (current.allocations if current else ()) if a.decision_id == decision.decision_id]
+            out.update({(node, a.gpu): a.gpu_uuid for a in mine if a.task_id == decision.task_id and a.gpu_uuid})
+        return out
+
+    async def before_assign(self, decision: DecisionMade) -> HookVerdict:
+        """Refuse a placement whose hold names a board taken out of service, or another board
+        than the one reading at its index now."""
+        held = await self.boards_held(decision)
+        for p in decision.placement:
+            uuid = held.get((p.node, p.gpu), "")
+            if p.gpu < 0 or not uuid:
+                continue
+            refusal = self._hook.held_board_refusal(p.node, p.gpu, uuid)
+            labels = self._labels.labels_of(p.node, p.gpu, uuid=uuid)
+            flagged = next((label for label in (DECOMMISSIONED, CORDONED) if labels.get(label) == "true"), "")
+            if not refusal and flagged:
+                refusal = f"{p.node}/{p.gpu}: the board its hold names, {uuid}, is labelled {flagged}"
+            if refusal:
+                return HookVerdict(allow=False, reason=refusal)
+        return ALLOW
+
+    async def after_finish(self, event: TaskLifecycle) -> None:
+        """Nothing to do."""
+
+    async def pre_decommission(self, node: str, gpu: int, running_tasks: Sequence[str]) -> HookVerdict:
+        """Not this gate's business."""
+        return ALLOW
+
+
 class TopologyBusiness:
     """The business context from the topology bucket (GPU model and ``role`` label) with
-    the pre-decommission hook and the label gate, so that assigns to a cordoned GPU are
-    refused (by this replica's hook state, and by the labels for a replica started since)."""
+    the pre-decommission hook, the label gate and, with the ledger, the gate of the boards the
+    holds name, so that assigns to a cordoned GPU are refused (by this replica's hook state,
+    and by the labels for a replica started since), by its index and by its board."""
 
-    def __init__(self, labels: FleetLabels, hook: LifecycleHook) -> None:
-        """Read the rules from ``labels``; ``hook`` is the pre-decommission hook."""
+    def __init__(self, labels: FleetLabels, hook: PreDecommissionHook, ledger: LedgerStore | None = None) -> None:
+        """Read the rules from ``labels``; ``hook`` is the pre-decommission hook; ``ledger``
+        the holds whose boards are followed (none: by index only)."""
         self._labels = labels
-        self._hooks = [hook, LabelGate(labels)]
+        self._hooks: list[LifecycleHook] = [hook, LabelGate(labels)]
+        if ledger is not None:
+            self._hooks.append(HeldBoardGate(ledger, hook, labels))
 
     def gpu_context(self, node: str, gpu: int) -> GpuContext:
         """Role, driver and allowed kinds (``contracts.gpu_rules`` of the GPU's labels) and
@@ -81,7 +144,7 @@ class TopologyBusiness:
                           task_kinds=list(rules.task_kinds), model=self._labels.model_of(node, gpu))
 
     def hooks(self) -> Sequence[LifecycleHook]:
-        """The pre-decommission hook, then the label gate."""
+        """The pre-decommission hook, the label gate, then the gate of the held boards."""
         return self._hooks
 
 
@@ -122,7 +185,7 @@ class ExecutorReplica:
         background(self.labels.follow, "topology-labels")
         self.locks = KvHookLock(await bus.kv("hook_locks"))
         self.hook = PreDecommissionHook(settings.replica, self.locks, rules=self.rules)
-        self.business = TopologyBusiness(self.labels, self.hook)
+        self.business = TopologyBusiness(self.labels, self.hook, self.ledger)
         self.labels.on_forget.append(self.forget_node)
         if settings.backend == "sim":
             self.backend = BusSimBackend(bus, settings.default_duration_s)

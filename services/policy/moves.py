@@ -632,6 +632,9 @@ class Moves(ReplicaState):
         decision id, which the executor folds into the task's hold once done), then decide."""
         decision_id = resize_decision_id(running, plan.memory_mb)
         held = {a.gpu: a for a in running.allocations if a.gpu >= 0}
+        # The extra is on the board of the task's hold it grows (the topology's board at that
+        # index for a hold written before holds named theirs), for the executor to follow.
+        boards = {g.index: g.uuid for g in topo.gpus}
         extra = [
             Allocation(
                 task_id=running.task_id,
@@ -641,6 +644,7 @@ class Moves(ReplicaState):
                 memory_mb=more,
                 at=now(),
                 run_at=run_began_at(running),
+                gpu_uuid=(held[gpu].gpu_uuid if gpu in held else "") or boards.get(gpu, ""),
             )
             for gpu, more in sorted(plan.extra.items())
         ]
@@ -769,7 +773,7 @@ class Moves(ReplicaState):
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
             return None
-        holds = allocations_for(req, decision_id, target, run_began_at(running))
+        holds = allocations_for(req, decision_id, target, run_began_at(running), topo=topo)
 
         def reserve(current: NodeLedger | None) -> NodeLedger | None:
             if current is not None and any(a.decision_id == decision_id for a in current.allocations):

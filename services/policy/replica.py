@@ -53,7 +53,7 @@ from fleetpilot.policy.rebalance import (
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
-from fleetpilot.sla import site_bound
+from fleetpilot.sla import bound_sites
 
 from .admissions import Admissions
 from .metrics import PolicyMetrics
@@ -108,12 +108,15 @@ def calibration_key(policy: str, action: str) -> str:
 
 def allocations_for(
     task: TaskSubmitted | TaskRequest, decision_id: str, placement: list[Placement], run_at: float = 0.0,
-    decided: DecidedBy | None = None,
+    decided: DecidedBy | None = None, topo: NodeTopology | None = None,
 ) -> list[Allocation]:
     """The ledger holds of a placement (of a new task, or the target of a move); CPU and
     host memory are charged once, and so is ``decided`` recorded (``Allocation.decided``: who
     decided an assign, to publish it again as decided). ``run_at`` is when the run they carry
-    began (``Allocation.run_at``): now for a first placement, the source's for a move."""
+    began (``Allocation.run_at``): now for a first placement, the source's for a move. Each
+    hold names the board ``topo`` (the node placed on, as placed by) has at its index
+    (``Allocation.gpu_uuid``), which the executor follows through a renumbering."""
+    boards = {g.index: g.uuid for g in topo.gpus} if topo is not None else {}
     return [
         Allocation(
             task_id=task.task_id,
@@ -126,6 +129,7 @@ def allocations_for(
             at=now(),
             run_at=run_at,
             decided=decided if i == 0 else None,
+            gpu_uuid=boards.get(p.gpu, "") if p.gpu >= 0 else "",
         )
         for i, p in enumerate(placement)
     ]
@@ -477,7 +481,10 @@ class ReplicaState:
         placements).
         """
         fp = self.fingerprints.get(task.task_id)
-        req = msgspec.structs.replace(TaskRequest.from_submitted(task, fp), site=self.contract_site(task.task_id))
+        # At the first of its contract's sites (``requests`` adds the others): what is asked
+        # for here is a placement, and a task being placed holds nothing yet.
+        req = msgspec.structs.replace(TaskRequest.from_submitted(task, fp),
+                                      site=next(iter(self.contract_sites(task.task_id)), ""))
         if fp is None or fp.predicted_peak_mb <= 0 or req.gpus <= 0 or req.gpu_milli <= 0:
             return req
         want = int(math.ceil(fp.predicted_peak_mb * PEAK_HEADROOM))
@@ -527,30 +534,47 @@ class ReplicaState:
             return None
         return msgspec.structs.replace(TaskRequest.from_submitted(task), site=plain.site, gpu_memory_mb=ask)
 
-    def contract_site(self, task_id: str) -> str:
-        """The site the task's contract binds it to, else ``""``.
+    def contract_sites(self, task_id: str) -> list[str]:
+        """The sites the task's contract binds it to, the one it was estimated at first;
+        empty: any site (``fleetpilot.sla.bound_sites``).
 
-        Only an accepted counter-offer binds, and only where a term of its contract depends
-        on the site: a warm-up bound, or a deadline (the warm-up counts towards it). The
-        option's figures hold at its site; another may be farther from the data. Without such
-        a term any site keeps the contract (its models keep the rest), and bound all the same,
-        a task that took "an A100 now" at one site waited there while A100s stood free at
-        another. A task admitted as asked carries the site of the estimate it was admitted
-        on, which is no term: any site meets its ask."""
+        A contract binds only where a term of it depends on the site: a warm-up bound, or a
+        deadline (the warm-up counts towards it); then to every site that keeps those terms,
+        an admission's as an accepted offer's. Bound to none, an admission was placed where
+        its data's trip broke its warm-up; bound to its one site, an accepted offer waited
+        there while another site that kept its terms stood free. Without such a term any site
+        keeps the contract (its models keep the rest)."""
         adm = self.admissions.of(task_id) if self.admissions is not None else None
-        if adm is None or not adm.contract.offer_id or not site_bound(adm.contract):
-            return ""
-        return adm.contract.site or ""
+        return bound_sites(adm.contract) if adm is not None else []
+
+    def contract_site(self, task_id: str) -> str:
+        """The one site a running task's move names (``TaskRequest.site``), else ``""``: the
+        only site of its contract (``contract_sites``); of several, the one it holds capacity
+        at (it stays there: a move names one site) or else the first."""
+        sites = self.contract_sites(task_id)
+        if len(sites) <= 1:
+            return sites[0] if sites else ""
+        held = self.ledger.holds_of(task_id)
+        topo = self.fleet.nodes.get(held[0]) if held is not None else None
+        return topo.site if topo is not None and topo.site in sites else sites[0]
 
     def requests(self, task: TaskSubmitted, requeue: Requeue | None = None) -> list[TaskRequest]:
         """What ``place`` tries for the task, in order: its request, then its bridge if any
         (no less than a checkpointed task's ``requeue.bridge_floor_mb``). A checkpointed task
         needs no floor on its request: it was stopped because its fingerprint predicts more
-        than it could have there, and the request asks for that."""
+        than it could have there, and the request asks for that.
+
+        A task whose contract binds it to several sites (``contract_sites``) is tried at each,
+        in the contract's order, its request at every site before its bridge at any: a request
+        names one site, and the task may run at any of them."""
         plain = self.request(task)
         bridge = self.bridge_request(task, plain, requeue.bridge_floor_mb if requeue is not None else 0,
                                      from_start=requeue is None)
-        return [plain] if bridge is None else [plain, bridge]
+        tried = [plain] if bridge is None else [plain, bridge]
+        sites = self.contract_sites(task.task_id)
+        if len(sites) <= 1:
+            return tried
+        return [msgspec.structs.replace(req, site=site) for req in tried for site in sites]
 
     def gpu_memory_by_model(self) -> dict[str, int]:
         """The memory of the largest GPU of each model in the fleet, worked out again only
@@ -701,7 +725,9 @@ class ReplicaState:
             else:
                 return None, name, shard_id
             plain = requests[0]
-            bridged = req is not plain
+            # A bridge asks less than the peak; the request at another of the contract's sites
+            # asks the same (``requests``) and is no bridge.
+            bridged = req.gpu_memory_mb < plain.gpu_memory_mb
             memory_mb = self.bridge_hold_mb(state, choice, plain, req.gpu_memory_mb) if bridged else req.gpu_memory_mb
             placement = choice.placements(memory_mb=memory_mb)
             node = placement[0].node
@@ -735,7 +761,8 @@ class ReplicaState:
                 # A first placement starts the run; a re-placement restores one from where its
                 # checkpoint left it, unknown (0) when the checkpoint did not say.
                 run_at = now() if requeue is None else requeue.run_began_at(now())
-                return with_allocations(current, node, allocations_for(task, decision_id, placement, run_at, decided))
+                holds = allocations_for(task, decision_id, placement, run_at, decided, topo)
+                return with_allocations(current, node, holds)
 
             try:
                 written = await self.ledger.mutate(node_key(node), reserve)

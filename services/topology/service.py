@@ -252,8 +252,9 @@ class KeptNode(NodeTopology, frozen=True, kw_only=True):
     it was written from in a member of its own (``applied_report``).
 
     Every reader decodes the value as a ``NodeTopology``, which ignores that member: what
-    they read is unchanged, and a value written before it (or rewritten by another writer,
-    the executor's labels, which drops it) reads as a node whose report's place is unknown.
+    they read is unchanged, and a value written before it reads as a node whose report's
+    place is unknown. The executor's label writes keep it (they change the GPUs' labels and
+    nothing else of the stored value).
     """
 
     applied_report: ReportPlace | None = None

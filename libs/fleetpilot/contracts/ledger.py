@@ -48,6 +48,12 @@ class Allocation(Record, frozen=True, kw_only=True):
     # can be published again as decided. ``None`` in holds written before it was recorded,
     # and in the holds of moves and resizes, which are never published again.
     decided: DecidedBy | None = None
+    # The board (NVML uuid) the hold is on, as the policy's topology named the GPU at ``gpu``
+    # when it reserved. Indices renumber under running tasks (a GPU falls off the bus and the
+    # driver numbers the rest again); by index alone, a hot board's drain counted and evicted
+    # the tasks of the board that took its number. "" when unknown: holds written before it was
+    # recorded, a topology without uuids, a CPU-only hold; those are followed by ``gpu``.
+    gpu_uuid: str = ""
 
 
 class NodeLedger(Record, frozen=True, kw_only=True):

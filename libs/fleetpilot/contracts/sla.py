@@ -22,7 +22,12 @@ class OfferOption(Record, frozen=True, kw_only=True):
     why: str = ""
     gpu_models: list[str] = msgspec.field(default_factory=list)
     """The models the option's terms hold on, ``gpu_model`` first: accepted, the task may run on
-    any of them (at ``site``). Empty: ``gpu_model`` alone (an offer of an earlier version)."""
+    any of them (at ``site``, or another of ``sites``). Empty: ``gpu_model`` alone (an offer of an
+    earlier version)."""
+    sites: list[str] = msgspec.field(default_factory=list)
+    """The sites that keep the option's terms that a site decides (its warm-up, a deadline),
+    ``site`` first: accepted, the task may run at any of them. Empty where no such term binds
+    a site, or an offer of an earlier version (accepted, bound to ``site`` alone)."""
 
 
 class SlaOffer(Event, frozen=True, kw_only=True, tag="sla.offer.v1"):

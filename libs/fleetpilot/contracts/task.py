@@ -65,6 +65,11 @@ class Contract(Record, frozen=True, kw_only=True):
     not_before: float | None = None
     offer_id: str | None = None
     notes: str = ""
+    sites: list[str] = msgspec.field(default_factory=list)
+    """The sites that keep the terms a site decides (a warm-up bound, a deadline the warm-up
+    counts towards), ``site`` first: the task runs at one of them. Empty: any site keeps the
+    contract (no term depends on the site), or a contract of an earlier version, which bound
+    an accepted offer to ``site`` alone (``fleetpilot.sla.bound_sites``)."""
 
 
 class TaskAdmitted(Event, frozen=True, kw_only=True, tag="task.admitted.v1"):

@@ -273,6 +273,36 @@ class PreDecommissionHook:
         decommissioned)."""
         return _RANK[self.state(node, gpu).stage] < _RANK["cordoned"]
 
+    def accepts_board(self, node: str, uuid: str) -> bool:
+        """Whether new work may go to the board ``uuid`` of ``node``, wherever it reads now
+        (not cordoned, not decommissioned; a board never seen hot is)."""
+        return _RANK[self.board_state(node, uuid).stage] < _RANK["cordoned"]
+
+    def held_board_refusal(self, node: str, gpu: int, uuid: str) -> str:
+        """Why a placement at ``node``/``gpu`` whose ledger hold names the board ``uuid`` (the
+        one the policy's topology had at that index) must not go ahead; ``""``: nothing
+        against it. The placement's index alone names the board that reads there now
+        (:meth:`before_assign`); the hold names the board the policy placed on, which after
+        a renumbering the policy's topology had not caught up with may be another one:
+
+        - that board is cordoned or decommissioned, wherever it reads now: the policy placed
+          on it before it knew, or by a topology behind a renumbering;
+        - another board reads at the index now (as the latest samples say): carried out, the
+          task runs on that board while its hold names the other, whose drain then counts
+          it and whose pull evicts it, and the board it runs on is pulled without evicting it.
+
+        A hold that names no board (an earlier version's) and an index no board was read at
+        say nothing here."""
+        if not uuid:
+            return ""
+        if not self.accepts_board(node, uuid):
+            return f"{node}/{gpu}: the board its hold names, {uuid}, is {self.board_state(node, uuid).stage}"
+        there = self.boards.get((node, gpu))
+        if there and there != uuid:
+            return (f"{node}/{gpu} reads board {there} now, not {uuid}, which its hold names (placed by a "
+                    "topology behind a renumbering)")
+        return ""
+
     async def before_assign(self, decision: DecisionMade) -> HookVerdict:
         """Refuse placements on cordoned or decommissioned GPUs: a placement's index names
         the board that reads there now."""

@@ -34,6 +34,17 @@ def free_capacity(node: NodeTopology, ledger: NodeLedger | None) -> FreeCapacity
     return FreeCapacity(node.node, tuple(milli), tuple(memory), cpu, host_mem)
 
 
+def on_board(hold: Allocation, gpu: int, uuid: str = "") -> bool:
+    """Whether ``hold`` is on the board ``uuid``, which reads at index ``gpu`` now (``""``:
+    not known). By the board the hold names where both are known: indices renumber under
+    running tasks, and by index a hot board's drain counted, and evicted, the tasks of the
+    board that took its number. By index otherwise: a hold written before holds named their
+    board (``Allocation.gpu_uuid``), or a board whose uuid NVML never read."""
+    if hold.gpu_uuid and uuid:
+        return hold.gpu_uuid == uuid
+    return hold.gpu == gpu
+
+
 def with_allocations(ledger: NodeLedger | None, node: str, allocations: list[Allocation]) -> NodeLedger:
     """A new ledger with ``allocations`` added (replacing the same task's earlier holds).
 

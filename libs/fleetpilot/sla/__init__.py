@@ -20,7 +20,7 @@ from .negotiate import (
     negotiate,
     task_problem,
 )
-from .offers import QUEUE_SLACK_S, OfferBook, contract_for, option_lapsed, site_bound
+from .offers import QUEUE_SLACK_S, OfferBook, bound_sites, contract_for, option_lapsed, site_bound
 
 __all__ = [
     "DATA_SITE_LABEL",
@@ -36,6 +36,7 @@ __all__ = [
     "OfferBook",
     "Reject",
     "admit_contract",
+    "bound_sites",
     "contract_for",
     "estimate",
     "negotiate",

@@ -8,7 +8,8 @@ warm-up), p95 latency for inference (reference latency over relative compute) an
 Each estimate is compared with the asked bounds:
 
 - nothing violated on an acceptable GPU model -> :class:`Admit` (fastest, then cheapest),
-  on every model whose own terms it meets (``admit_contract``);
+  on every model whose own terms it meets, at every site whose own terms it meets where a
+  term depends on the site (``admit_contract``, ``sites_keeping``);
 - a vip request that only fits by preempting best_effort work -> :class:`Admit` with
   ``may_preempt`` (and a note in the contract);
 - otherwise every estimate that breaks some bounds (but never the deadline) is a concrete
@@ -135,9 +136,7 @@ def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: 
         queue = _queue_s(pool, task, sla.tier)
     if math.isinf(queue):
         return None
-    bandwidth = fleet.bandwidth(task.labels.get(DATA_SITE_LABEL), pool.site)
-    warmup = (task.size_gb / bandwidth * 1000.0 if task.size_gb > 0 else 0.0)
-    warmup += (fingerprint.warmup_s * 1000.0 if fingerprint is not None else 0.0)
+    warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)
     p95 = None
     if task.kind == "infer":
         reference = float(task.labels.get(P95_REFERENCE_LABEL, fleet.reference_p95_ms))
@@ -165,6 +164,49 @@ def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: 
         violations.append("cost")
     return Estimate(pool=pool, queue_s=queue, warmup_ms=warmup, p95_ms=p95, cost_per_hour=cost,
                     violations=tuple(violations), preempts=preempt)
+
+
+def warmup_ms_at(task: TaskSubmitted, site: str, fleet: FleetView, fingerprint: Fingerprint | None) -> float:
+    """The warm-up ``task`` would have at ``site``, in ms: its data's trip there (its size over
+    the link from ``DATA_SITE_LABEL``'s site) plus the fingerprint's warm-up. The site alone
+    decides it, whatever the model."""
+    bandwidth = fleet.bandwidth(task.labels.get(DATA_SITE_LABEL), site)
+    warmup = (task.size_gb / bandwidth * 1000.0 if task.size_gb > 0 else 0.0)
+    return warmup + (fingerprint.warmup_s * 1000.0 if fingerprint is not None else 0.0)
+
+
+def sites_keeping(task: TaskSubmitted, first: str, models: Iterable[str], fleet: FleetView | None,
+                  fingerprint: Fingerprint | None, *, start: float, warmup_ms: float | None,
+                  deadline: float | None) -> list[str]:
+    """``first``, then every other site with a pool of one of ``models`` that holds the ask
+    and keeps the terms a site decides: its warm-up (``warmup_ms_at``) within ``warmup_ms``,
+    and, started at ``start`` (the latest start the terms were judged on), the run over by
+    ``deadline`` (``None``: no bound); the closest first. Empty when neither term binds
+    (``offers.site_bound``): any site keeps the contract then.
+
+    The wait is not judged here, as in ``models_keeping``: it depends on when, and a site
+    that frees sooner than the estimate's only makes the task wait less. Held to the one site
+    estimated on, a task waited there while another site that met its terms stood free;
+    held to none, it could be placed where its data's trip broke its warm-up or deadline."""
+    if warmup_ms is None and deadline is None:
+        return []
+    if fleet is None:
+        return [first]
+    wanted = set(models)
+    duration = task.expected_duration_s or 0.0
+    kept: dict[str, float] = {}
+    for pool in fleet.pools:
+        if (pool.site == first or pool.site in kept or pool.gpu_model not in wanted
+                or pool.memory_mb_per_gpu < task.gpu_memory_mb
+                or (pool.most_gpus_on_a_node is not None and pool.most_gpus_on_a_node < task.gpus)):
+            continue
+        warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)
+        if not math.isfinite(warmup) or (warmup_ms is not None and warmup > warmup_ms):
+            continue
+        if deadline is not None and start + warmup / 1000.0 + duration > deadline:
+            continue
+        kept[pool.site] = warmup
+    return [first, *sorted(kept, key=lambda site: (kept[site], site))]
 
 
 def _where(e: Estimate) -> str:
@@ -222,21 +264,29 @@ def _shortfall(task: TaskSubmitted, acceptable_now: list[Estimate]) -> str:
 
 
 def _option(e: Estimate, task: TaskSubmitted, now: float, option_id: str,
-            others: Iterable[Estimate] = ()) -> OfferOption:
+            others: Iterable[Estimate] = (), *, fleet: FleetView | None = None,
+            fingerprint: Fingerprint | None = None, closes: float | None = None) -> OfferOption:
     p95 = None if e.p95_ms is None else round(e.p95_ms, 1)
     cost = round(e.cost_per_hour, 4)
+    warmup = round(e.warmup_ms, 1)
     # Accepted, the option's terms are the ask relaxed to its own (``offers.contract_for``):
-    # every other model that keeps those runs it as well, as for an admission.
+    # every other model that keeps those runs it as well, as for an admission, and every
+    # other site that keeps the terms a site decides. Accepted as late as the offer stays
+    # open (``closes``), it starts no sooner than then.
     sla = task.sla
     models = models_keeping(task, e.pool.gpu_model, others,
                             p95_ms=None if sla.p95_latency_ms is None else max(sla.p95_latency_ms, p95 or 0.0),
                             cost_per_hour=None if sla.cost_ceiling_per_hour is None
                             else max(sla.cost_ceiling_per_hour, cost))
+    sites = sites_keeping(task, e.pool.site, models, fleet, fingerprint,
+                          start=max(now + e.queue_s, closes if closes is not None else now),
+                          warmup_ms=None if sla.warmup_ms is None else max(sla.warmup_ms, warmup),
+                          deadline=sla.deadline)
     return OfferOption(option_id=option_id, gpu_model=e.pool.gpu_model, site=e.pool.site,
-                       warmup_ms=round(e.warmup_ms, 1), expected_queue_s=round(e.queue_s, 1),
+                       warmup_ms=warmup, expected_queue_s=round(e.queue_s, 1),
                        p95_latency_ms=p95, cost_per_hour=cost,
                        not_before=now + e.queue_s if e.queue_s > 0 else None, why=_why(e, task),
-                       gpu_models=models)
+                       gpu_models=models, sites=sites)
 
 
 def models_keeping(task: TaskSubmitted, first: str, others: Iterable[Estimate], *,
@@ -267,7 +317,8 @@ def _notes(e: Estimate) -> str:
     return text
 
 
-def admit_contract(task: TaskSubmitted, e: Estimate, now: float, others: Iterable[Estimate] = ()) -> Contract:
+def admit_contract(task: TaskSubmitted, e: Estimate, now: float, others: Iterable[Estimate] = (), *,
+                   fleet: FleetView | None = None, fingerprint: Fingerprint | None = None) -> Contract:
     """The contract for running ``task`` as estimated in ``e``: the asked bounds, placed.
 
     ``gpu_models`` is the model estimated on first, then every other model among ``others``
@@ -278,14 +329,20 @@ def admit_contract(task: TaskSubmitted, e: Estimate, now: float, others: Iterabl
     Pinned to the one model estimated on, a task waited for that model while others it had
     asked for stood free (on the openb fleet, admitted tasks waited four times longer than
     under the default scheduler). ``site`` stays the estimate's (the queue the negotiator
-    counts the task in)."""
+    counts the task in). Where a term depends on the site (a warm-up bound, a deadline),
+    ``sites`` is that site first, then every other site of ``fleet`` that keeps those terms,
+    started when the estimate starts it (``sites_keeping``): placed at a site its data's
+    trip to broke its warm-up, the task broke its contract, since the site was no term."""
     sla = task.sla
     models = models_keeping(task, e.pool.gpu_model, others, p95_ms=sla.p95_latency_ms,
                             cost_per_hour=sla.cost_ceiling_per_hour)
+    sites = sites_keeping(task, e.pool.site, models, fleet, fingerprint, start=now + e.queue_s,
+                          warmup_ms=sla.warmup_ms, deadline=sla.deadline)
     return Contract(tier=sla.tier, max_queue_s=sla.max_queue_s, warmup_ms=sla.warmup_ms,
                     p95_latency_ms=sla.p95_latency_ms, deadline=sla.deadline,
                     cost_ceiling_per_hour=sla.cost_ceiling_per_hour, gpu_models=models,
-                    site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e))
+                    site=e.pool.site, not_before=now + e.queue_s if e.queue_s > 0 else None, notes=_notes(e),
+                    sites=sites)
 
 
 MAX_EXACT_INT = 2**53 - 1
@@ -384,13 +441,13 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
     meeting = [e for e in estimates if not e.violations]
     if meeting:
         best = min(meeting, key=lambda e: (e.queue_s, e.cost_per_hour, e.warmup_ms))
-        return Admit(admit_contract(task, best, now, asked))
+        return Admit(admit_contract(task, best, now, asked, fleet=fleet, fingerprint=fingerprint))
     if sla.tier == "vip":
         preempting = [e for p in pools if (e := estimate(task, p, fleet, fingerprint, now, preempt=True))]
         preempting = [e for e in preempting if not e.violations]
         if preempting:
             best = min(preempting, key=lambda e: (e.cost_per_hour, e.warmup_ms))
-            return Admit(admit_contract(task, best, now), may_preempt=True)
+            return Admit(admit_contract(task, best, now, fleet=fleet, fingerprint=fingerprint), may_preempt=True)
     if not estimates:
         # The deadline is named only when it is what ruled every pool out: a fleet that never
         # frees a GPU was reported as a deadline missed, however far the deadline was.
@@ -405,10 +462,6 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
                    "(its size or p95_ref_ms is too large)")
         return Reject("infeasible", why, task.task_id)
     chosen = _pick_options(estimates, policy.max_options)
-    options = [_option(e, task, now, f"o{i + 1}", asked) for i, e in enumerate(chosen)]
-    acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
-    # The options travel as their own list: a reason listing them too was read twice.
-    reason = _shortfall(task, acceptable_now)
     valid_until = now + policy.offer_ttl_s
     if sla.deadline is not None:
         # An option starts at its not_before or at its acceptance, whichever is later, so it
@@ -416,6 +469,11 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
         # offer closes when the first option's slack runs out, not after the ttl regardless.
         duration = task.expected_duration_s or 0.0
         valid_until = min([valid_until, *(sla.deadline - e.warmup_ms / 1000.0 - duration for e in chosen)])
+    options = [_option(e, task, now, f"o{i + 1}", asked, fleet=fleet, fingerprint=fingerprint, closes=valid_until)
+               for i, e in enumerate(chosen)]
+    acceptable_now = [e for e in estimates if "gpu_model" not in e.violations and "queue" not in e.violations]
+    # The options travel as their own list: a reason listing them too was read twice.
+    reason = _shortfall(task, acceptable_now)
     return CounterOffer(options=options, reason=reason, valid_until=valid_until)
 
 

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from fleetpilot.contracts import Contract, Fingerprint, OfferOption, SlaOffer, SlaReply, TaskSubmitted
 
 from .fleet import FleetView
@@ -28,7 +30,11 @@ class _Open:
 
 
 def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Contract:
-    """The contract an accepted option makes: the asked terms, relaxed to what the option states."""
+    """The contract an accepted option makes: the asked terms, relaxed to what the option states.
+
+    Its ``sites`` are the option's (its site first, then every other that keeps the terms a
+    site decides), only where such a term binds (``site_bound``); an option of an earlier
+    version lists none, and its contract binds ``site`` alone (``bound_sites``)."""
     sla = task.sla
 
     def relaxed(asked: float | None, offered: float | None) -> float | None:
@@ -36,7 +42,7 @@ def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Con
             return asked
         return max(asked, offered)
 
-    return Contract(
+    contract = Contract(
         tier=sla.tier,
         max_queue_s=relaxed(sla.max_queue_s, option.expected_queue_s),
         warmup_ms=relaxed(sla.warmup_ms, option.warmup_ms),
@@ -49,13 +55,31 @@ def contract_for(task: TaskSubmitted, option: OfferOption, offer_id: str) -> Con
         offer_id=offer_id,
         notes=f"accepted option {option.option_id}: {option.why}",
     )
+    if option.sites and site_bound(contract):
+        contract = msgspec.structs.replace(contract, sites=list(option.sites))
+    return contract
 
 
 def site_bound(contract: Contract) -> bool:
     """Whether a term of ``contract`` depends on the site it runs at: a warm-up bound (the
-    data's trip there), or a deadline (the warm-up counts towards it). An accepted offer's
-    site binds its task only then; its other terms are its models' (``OfferOption.gpu_models``)."""
+    data's trip there), or a deadline (the warm-up counts towards it). A contract's sites
+    bind its task only then (``bound_sites``); its other terms are its models'."""
     return contract.warmup_ms is not None or contract.deadline is not None
+
+
+def bound_sites(contract: Contract) -> list[str]:
+    """The sites ``contract`` binds its task to, the one it was estimated at first; empty:
+    any site keeps it.
+
+    Only where a term depends on the site (``site_bound``): then its ``sites``, every site
+    that keeps those terms (an admission's as an accepted offer's). A contract written before
+    contracts listed sites binds an accepted offer to its ``site`` and an admission to none,
+    as it did then."""
+    if not site_bound(contract):
+        return []
+    if contract.sites:
+        return list(contract.sites)
+    return [contract.site] if contract.offer_id and contract.site else []
 
 
 def option_lapsed(task: TaskSubmitted, option: OfferOption, fleet: FleetView, *, now: float,

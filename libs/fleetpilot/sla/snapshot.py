@@ -369,8 +369,9 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     waiting: dict[tuple[str, str], list[tuple[tuple[float, ...], TaskSubmitted]]] = defaultdict(list)
     for adm in admitted.values():
         contract = adm.contract
-        # Counted where it was estimated: the contract's site and first model (it may start on
-        # another of its models, if one frees first; then it waits less than counted here).
+        # Counted where it was estimated: the contract's site (the first of its ``sites``, where
+        # it lists them) and first model (it may start on another of its models, or at another
+        # of its sites, if one frees first; then it waits less than counted here).
         if adm.task.task_id in holding or contract.site is None or not contract.gpu_models:
             continue
         place = (*queue_key(contract.tier, adm.admitted_at, adm.task.expected_duration_s, knobs.queue_aging),

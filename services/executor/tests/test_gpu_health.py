@@ -295,7 +295,7 @@ def test_health_windows_keep_one_sample_per_interval_within_the_window():
     windows = HealthWindows(window_s=300, every_s=30)
     for at in range(0, 601, 10):
         windows.add(gpu_sample("n1", 0, float(at)))
-    kept = [s.at for s in windows.windows[("n1", 0)]]
+    kept = [s.at for s in windows.of("n1", 0)]
     assert kept == [float(t) for t in range(300, 601, 30)]
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
-from fleetpilot.contracts import NodeTopology, encode
+from fleetpilot.contracts import GpuInfo, NodeTopology, encode
 from fleetpilot.executor import Cordon
 from fleetpilot.runtime import CasConflict
 from fleetpilot_services.executor.health import GpuHealth, HealthWindows
@@ -33,7 +33,7 @@ def test_a_replaced_gpu_starts_a_window_of_its_own() -> None:
         windows.add(gpu_sample("n1", 0, float(at), xid_count=at // 600, xid_last=79, uuid="GPU-old"))
     windows.add(gpu_sample("n1", 0, 3600.0, uuid="GPU-new"))
     windows.add(gpu_sample("n1", 0, 3660.0, uuid="GPU-new"))
-    assert [s.uuid for s in windows.windows[("n1", 0)]] == ["GPU-new", "GPU-new"]
+    assert [s.uuid for s in windows.of("n1", 0)] == ["GPU-new", "GPU-new"]
 
 
 def test_a_clock_stepped_back_does_not_blind_the_window() -> None:
@@ -42,7 +42,7 @@ def test_a_clock_stepped_back_does_not_blind_the_window() -> None:
         windows.add(gpu_sample("n1", 0, at))
     for at in (96_500.0, 96_560.0, 96_620.0):
         windows.add(gpu_sample("n1", 0, at))
-    assert [s.at for s in windows.windows[("n1", 0)]] == [96_500.0, 96_560.0, 96_620.0]
+    assert [s.at for s in windows.of("n1", 0)] == [96_500.0, 96_560.0, 96_620.0]
 
 
 class Labels:
@@ -104,7 +104,8 @@ async def test_a_gpu_silent_for_longer_than_the_window_is_forgotten(tmp_path: Pa
     clock.now = 7200.0 + 61.0
     replica.windows.add(gpu_sample("here", 0, 1_007_261.0))
     await replica.assess_health()
-    assert list(replica.windows.windows) == [("here", 0)]
+    assert list(replica.windows.windows) == [("here", "GPU-here-0")]
+    assert replica.windows.of("gone", 0) is None  # the index no longer names the board either
 
 
 async def test_a_board_swapped_after_it_fell_off_the_bus_starts_a_window_of_its_own(tmp_path: Path) -> None:
@@ -123,7 +124,7 @@ async def test_a_board_swapped_after_it_fell_off_the_bus_starts_a_window_of_its_
                                        labels={"nvml_unsupported": lost}))  # type: ignore[arg-type]
     for i in range(35, 60):
         replica.windows.add(gpu_sample("n1", 0, t0 + i * 60.0, uuid="GPU-spare", **worn))
-    assert {s.uuid for s in replica.windows.windows[("n1", 0)]} == {"GPU-spare"}
+    assert {s.uuid for s in replica.windows.of("n1", 0)} == {"GPU-spare"}
     await replica.assess_health()
     assert "maintenance_pending" not in labels.labels_of("n1", 0)
 
@@ -161,3 +162,55 @@ async def test_a_label_write_that_failed_is_written_again_on_the_next_round(tmp_
     await replica.assess_health()
     stored = msgspec.json.decode((await kv.get("n1")).value, type=NodeTopology)
     assert stored.gpus[1].labels.get("cordoned") == "true"
+
+
+async def test_a_renumbered_board_keeps_its_history_and_the_board_now_at_its_old_index_starts_fresh(
+    tmp_path: Path,
+) -> None:
+    # The decaying board read quiet at 2, then (its neighbour fell off the bus) at 1, with an
+    # uncorrected ECC error and XID 48; a new board reads at 2. By index, the new board's first
+    # sample wiped the decaying board's history at 2, and at 1 it started over: one sample,
+    # never assessed, never flagged.
+    labels = Labels()
+    replica = health(tmp_path, labels)
+    quiet, failing = decaying("n1")
+    replica.windows.add(msgspec.structs.replace(quiet, gpu=2, uuid="GPU-hot"))
+    replica.windows.add(msgspec.structs.replace(failing, gpu=1, uuid="GPU-hot"))
+    replica.windows.add(msgspec.structs.replace(quiet, gpu=2, uuid="GPU-new", at=failing.at))
+    assert [(s.gpu, s.uuid) for s in replica.windows.of("n1", 1)] == [(2, "GPU-hot"), (1, "GPU-hot")]
+    assert [(s.gpu, s.uuid) for s in replica.windows.of("n1", 2)] == [(2, "GPU-new")]
+    await replica.assess_health()
+    assert labels.written[("n1", 1)]["maintenance_pending"] == "true"
+    assert labels.written[("n1", 1)]["maintenance_board"] == "GPU-hot"
+    assert ("n1", 2) not in labels.written
+
+
+def test_a_sample_without_a_uuid_goes_to_the_board_last_read_at_its_index() -> None:
+    windows = HealthWindows(window_s=7200, every_s=30)
+    windows.add(gpu_sample("n1", 2, 0.0, uuid="GPU-hot"))
+    windows.add(gpu_sample("n1", 1, 60.0, uuid="GPU-hot"))  # renumbered
+    windows.add(gpu_sample("n1", 2, 60.0, uuid="GPU-new"))
+    windows.add(gpu_sample("n1", 1, 120.0, uuid=""))  # NVML could not read it
+    windows.add(gpu_sample("n1", 2, 120.0, uuid=""))
+    windows.add(gpu_sample("n1", 3, 120.0, uuid=""))  # no uuid ever read at 3: its index
+    assert [(s.gpu, s.uuid) for s in windows.of("n1", 1)] == [(2, "GPU-hot"), (1, "GPU-hot"), (1, "")]
+    assert [(s.gpu, s.uuid) for s in windows.of("n1", 2)] == [(2, "GPU-new"), (2, "")]
+    assert [(s.gpu, s.uuid) for s in windows.of("n1", 3)] == [(3, "")]
+    # Its uuid read at last: the same GPU, its window goes with it.
+    windows.add(gpu_sample("n1", 3, 180.0, uuid="GPU-late"))
+    assert [(s.gpu, s.uuid) for s in windows.of("n1", 3)] == [(3, ""), (3, "GPU-late")]
+    assert sorted(windows.windows) == [("n1", "GPU-hot"), ("n1", "GPU-late"), ("n1", "GPU-new")]
+
+
+async def test_an_operator_s_override_restarts_the_history_of_the_board_it_was_set_on(tmp_path: Path) -> None:
+    # An operator's "false" on the topology entry's GPU 2, which is the board GPU-hot there.
+    labels = Labels()
+    replica = health(tmp_path, labels)
+    replica.labels.nodes = {"n1": NodeTopology(node="n1", gpus=[  # type: ignore[attr-defined]
+        GpuInfo(index=i, model="A100", uuid=u) for i, u in enumerate(("GPU-a", "GPU-b", "GPU-hot"))])}
+    for sample in decaying("n1"):
+        replica.windows.add(msgspec.structs.replace(sample, gpu=1, uuid="GPU-hot"))  # the samples ahead
+        replica.windows.add(msgspec.structs.replace(sample, gpu=2, uuid="GPU-new"))
+    labels.overridden = [("n1", 2, "maintenance_pending", "false")]
+    replica.take_overrides()
+    assert replica.windows.of("n1", 1) is None and len(replica.windows.of("n1", 2)) == 2

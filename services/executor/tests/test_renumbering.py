@@ -18,6 +18,7 @@ from fleetpilot.contracts import (
     NodeTopology,
     Placement,
     PolicyRef,
+    TaskLifecycle,
     TaskSubmitted,
     encode,
     now,
@@ -57,11 +58,11 @@ async def labels_by_board(observer) -> dict[str, dict[str, str]]:
 
 
 async def started_with_a_busy_board_at_2(observer, nats_url, tmp_path):
-    """An executor started on boards A, B and HOT (at 0, 1, 2), a task ``busy`` held on 2 and
-    the hook's hot time 0: HOT is cordoned at its first hot sample."""
+    """An executor started on boards A, B and HOT (at 0, 1, 2), a task ``busy`` held on HOT
+    (at 2) and the hook's hot time 0: HOT is cordoned at its first hot sample."""
     await observer.kv_put("topology", "n1", encode(topology(A, B, HOT)))
     await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
-        Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed")])))
+        Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed", gpu_uuid=HOT)])))
     host = build(settings(nats_url, tmp_path, decommission_hot_for_s=0))
     await host.start()
     return host
@@ -102,10 +103,8 @@ async def test_a_cordoned_board_renumbered_from_index_2_to_1_stays_cordoned_and_
     assert [(g.index, g.uuid, g.labels.get("cordoned")) for g in stored.gpus] == [
         (0, A, None), (1, HOT, "true"), (2, NEW, None)]
     assert [e.decision_id for e in executed] == ["d-new"]
-    # The hot board is refused by its new index. (Cordoned or already pulled: the ledger names
-    # its task's hold by the index of the time, 2, so at 1 it has none left to drain.)
-    assert [f.decision_id for f in failed] == ["d-hot"] and "n1/1 (board GPU-hot)" in failed[0].error
-    assert "cordoned" in failed[0].error or "decommissioned" in failed[0].error
+    # The hot board is refused by its new index, still draining: its task's hold names it.
+    assert [f.decision_id for f in failed] == ["d-hot"] and "n1/1 (board GPU-hot) is cordoned" in failed[0].error
     assert [c.gpus for c in sim_fleet.verbs("place")] == [[2]]
 
 
@@ -163,3 +162,93 @@ async def test_labels_set_for_a_board_go_to_it_wherever_it_reads(tmp_path: Path)
     assert labels.labels_of("n1", 1, uuid=HOT) == {"cordoned": "true"}
     assert labels.labels_of("n1", 2, uuid=NEW) == {}  # another board than the one read there now
     assert labels.labels_of("n1", 2) == {"cordoned": "true"}  # by index alone: the entry's GPU 2
+
+
+async def cordoned_hot_board(observer, nats_url, tmp_path, t0: float):
+    """``started_with_a_busy_board_at_2``, with HOT's first hot sample (at 2) taken and its
+    cordon labelled."""
+    host = await started_with_a_busy_board_at_2(observer, nats_url, tmp_path)
+    await publish_telemetry(observer, "n1", [gpu_sample("n1", 2, t0, 95.0, uuid=HOT)])
+    deadline = asyncio.get_running_loop().time() + 10
+    while (await labels_by_board(observer)).get(HOT, {}).get("cordoned") != "true":
+        assert asyncio.get_running_loop().time() < deadline, await labels_by_board(observer)
+        await asyncio.sleep(0.05)
+    return host
+
+
+async def test_after_a_renumbering_the_hot_board_s_drain_counts_its_own_task_at_its_new_index(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # By index, the hot board at 1 held nothing (its task's hold said 2): the drain ended at
+    # once, the board was pulled with nothing evicted and its task ran on on it.
+    t0 = 1_000_000.0
+    host = await cordoned_hot_board(observer, nats_url, tmp_path, t0)
+    try:
+        await observer.kv_put("topology", "n1", encode(topology(A, HOT, NEW, labels={HOT: {"cordoned": "true"}})))
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 1, t0 + 60, 95.0, uuid=HOT),
+                                                 gpu_sample("n1", 2, t0 + 60, uuid=NEW)])
+        await asyncio.sleep(0.5)
+        draining = await labels_by_board(observer)
+        evicted = await observer.stored("task.lifecycle.*", TaskLifecycle, settle_s=0.1)
+    finally:
+        await host.stop()
+    assert draining[HOT] == {"cordoned": "true"} and draining[NEW] == {}
+    assert evicted == [] and sim_fleet.verbs("remove") == []
+
+
+async def test_after_a_renumbering_the_hot_board_s_pull_evicts_its_own_task_not_the_one_at_its_new_index(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # Board A fell off the bus: B reads at 0 and the hot board at 1, where B's task is held by
+    # the index of its time. By index, the pull evicted B's task and left the hot board's own.
+    t0 = 1_000_000.0
+    host = await cordoned_hot_board(observer, nats_url, tmp_path, t0)
+    try:
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+            Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed", gpu_uuid=HOT),
+            Allocation(task_id="neighbour", decision_id="d1", gpu=1, milli=1000, state="confirmed", gpu_uuid=B)])))
+        await observer.kv_put("topology", "n1", encode(topology(B, HOT, labels={HOT: {"cordoned": "true"}})))
+        await asyncio.sleep(0.3)  # the ledger and the rewrite seen
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 1800, uuid=B),
+                                                 gpu_sample("n1", 1, t0 + 1800, 95.0, uuid=HOT)])
+        evicted = await observer.wait_stored("task.lifecycle.*", TaskLifecycle, 1)
+        ledger = await observer.ledger("n1")
+        labels = await labels_by_board(observer)
+    finally:
+        await host.stop()
+    assert [(e.task_id, e.state, e.gpus) for e in evicted] == [("busy", "evicted", [1])]
+    assert [c.task_id for c in sim_fleet.verbs("remove")] == ["busy"]
+    assert ledger is not None and [a.task_id for a in ledger.allocations] == ["neighbour"]
+    assert labels[HOT] == {"cordoned": "true", "decommissioned": "true"} and labels[B] == {}
+
+
+async def test_an_assign_whose_hold_names_the_cordoned_board_is_refused_at_the_index_it_left(
+    observer, sim_fleet, nats_url, tmp_path
+):
+    # The policy placed by a topology behind the renumbering: at 2, its hold naming the hot
+    # board. Index 2 reads the new board now, which by index took the task, and the ledger said
+    # it ran on the hot board (whose drain waited for it, whose pull evicted it).
+    t0 = 1_000_000.0
+    host = await cordoned_hot_board(observer, nats_url, tmp_path, t0)
+    try:
+        await observer.kv_put("topology", "n1", encode(topology(A, HOT, NEW, labels={HOT: {"cordoned": "true"}})))
+        await publish_telemetry(observer, "n1", [gpu_sample("n1", 0, t0 + 60, uuid=A),
+                                                 gpu_sample("n1", 1, t0 + 60, 95.0, uuid=HOT),
+                                                 gpu_sample("n1", 2, t0 + 60, uuid=NEW)])
+        await observer.kv_put("ledger", "n1", encode(NodeLedger(node="n1", allocations=[
+            Allocation(task_id="busy", decision_id="d0", gpu=2, milli=1000, state="confirmed", gpu_uuid=HOT),
+            Allocation(task_id="t-d-stale", decision_id="d-stale", gpu=2, milli=500, gpu_uuid=HOT),
+            Allocation(task_id="t-d-fresh", decision_id="d-fresh", gpu=2, milli=500, gpu_uuid=NEW)])))
+        await asyncio.sleep(0.5)  # the samples, the rewrite and the holds seen
+        for decision_id in ("d-stale", "d-fresh"):
+            await observer.js.publish("decision.made", encode(assign_to(decision_id, 2)))
+        executed = await observer.wait_stored("action.executed", ActionExecuted, 1)
+        failed = await observer.wait_stored("action.failed", ActionFailed, 1)
+        ledger = await observer.ledger("n1")
+    finally:
+        await host.stop()
+    assert [e.decision_id for e in executed] == ["d-fresh"]
+    assert [f.decision_id for f in failed] == ["d-stale"] and not failed[0].retryable
+    assert "n1/2" in failed[0].error and HOT in failed[0].error and "cordoned" in failed[0].error
+    assert [c.gpus for c in sim_fleet.verbs("place")] == [[2]]
+    assert ledger is not None and sorted(a.task_id for a in ledger.allocations) == ["busy", "t-d-fresh"]

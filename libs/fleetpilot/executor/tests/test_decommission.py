@@ -331,3 +331,27 @@ async def test_lock_entries_an_earlier_version_left_by_index_are_still_honoured(
         clock.now = minute * 60.0
         done += await hook.observe(board(clock.now, 2, HOT, 95.0), [])
     assert done == []
+
+
+async def test_a_placement_whose_hold_names_the_cordoned_board_is_refused_wherever_that_board_reads_now() -> None:
+    # The policy reserved the hot board at 2, its topology behind the renumbering (or the
+    # cordon): the hold names HOT. At 2 now reads NEW, which by index alone takes the task, and
+    # the ledger then said it ran on HOT: HOT's drain counted it, and its pull evicted it.
+    clock = FakeClock()
+    hook = PreDecommissionHook("exec-a", InMemoryHookLock(clock), clock=clock)
+    await cordon_hot_board_at_index_2(hook, clock)
+    clock.now = 6 * 60.0
+    await hook.observe(board(clock.now, 1, HOT, 95.0), ["t-hot"])
+    await hook.observe(board(clock.now, 2, NEW, 60.0), [])
+    assert not hook.accepts_board("n1", HOT) and hook.accepts_board("n1", NEW)
+    assert hook.accepts_board("n1", "GPU-never-seen")
+    refusal = hook.held_board_refusal("n1", 2, HOT)
+    assert "n1/2" in refusal and HOT in refusal and "cordoned" in refusal
+    assert hook.held_board_refusal("n1", 2, NEW) == ""
+    assert hook.held_board_refusal("n1", 2, "") == ""  # a hold of an earlier version: by index
+    # A hold naming another board than the one reading at its index now: placed by a topology
+    # behind the samples; carried out, the ledger would name the wrong board for the task.
+    stale = hook.held_board_refusal("n1", 2, HEALTHY)
+    assert "n1/2" in stale and NEW in stale and HEALTHY in stale
+    # No board known at the index (no sample read yet): nothing to say against the hold.
+    assert hook.held_board_refusal("n1", 5, "GPU-other") == ""

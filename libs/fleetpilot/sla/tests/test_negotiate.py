@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 from fleetpilot.contracts import Fingerprint, SlaOffer, SlaRequest, TaskSubmitted, encode
-from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, NegotiationPolicy, Reject, negotiate
+from fleetpilot.sla import (
+    Admit,
+    CounterOffer,
+    FleetView,
+    GpuPool,
+    NegotiationPolicy,
+    Reject,
+    bound_sites,
+    contract_for,
+    negotiate,
+)
 
 NOW = 10_000.0
 
@@ -266,3 +276,59 @@ def test_an_option_runs_on_every_model_its_terms_hold_on_its_own_first():
                             sla={"max_queue_s": 60, "cost_ceiling_per_hour": 3.0}), FLEET, now=NOW)
     assert isinstance(capped, CounterOffer)
     assert {o.gpu_model: o.gpu_models for o in capped.options}["A100"] == ["A100"]
+
+
+# Three A100 pools whose data lies at "near": local (200 ms for 2 GB), over a fast link to
+# "mid" (400 ms) and a slow one to "far" (4 s). "near" is busy for a minute.
+SITES = FleetView(pools=(
+    GpuPool(site="near", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, completions=((60.0, 1),)),
+    GpuPool(site="mid", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=1),
+    GpuPool(site="far", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=2),
+), bandwidth_gbps={("near", "mid"): 5.0, ("near", "far"): 0.5}, local_bandwidth_gbps=10.0)
+
+
+def near_data(**sla) -> TaskSubmitted:
+    """A 2 GB task whose data lies at "near", asking ``sla``."""
+    return task(kind="train", size_gb=2.0, labels={"data_site": "near"}, expected_duration_s=600.0, sla=sla)
+
+
+def test_an_admission_whose_warmup_differs_by_site_is_held_to_the_sites_that_keep_it():
+    """The site was no term of an admission: estimated at "mid", a task bound to a 500 ms
+    warm-up could be placed at "far", 4 s from its data. Its contract lists the sites whose
+    warm-up keeps the bound, the estimated one first, then the closest."""
+    admitted = negotiate(near_data(warmup_ms=500.0), SITES, now=NOW)
+    assert isinstance(admitted, Admit)
+    assert admitted.contract.site == "mid"  # free now; "near" frees in a minute
+    assert admitted.contract.sites == ["mid", "near"]
+    assert bound_sites(admitted.contract) == ["mid", "near"]
+
+
+def test_an_admission_under_a_deadline_is_held_to_the_sites_whose_warmup_it_allows():
+    """A deadline counts the warm-up: started when the estimate starts it, the 4 s trip to
+    "far" ends the run after a deadline 2 s past the run at "mid"."""
+    admitted = negotiate(near_data(deadline=NOW + 602.0), SITES, now=NOW)
+    assert isinstance(admitted, Admit)
+    assert admitted.contract.sites == ["mid", "near"]
+
+
+def test_a_contract_without_site_dependent_terms_binds_no_site():
+    """A wait, a price: no term the site decides. Any site keeps the contract: it lists none,
+    admitted or offered."""
+    admitted = negotiate(near_data(max_queue_s=600.0, cost_ceiling_per_hour=3.0), SITES, now=NOW)
+    assert isinstance(admitted, Admit) and admitted.contract.site == "mid"
+    assert admitted.contract.sites == [] and bound_sites(admitted.contract) == []
+    offer = negotiate(task(kind="train", gpu_models=["H100"], sla={"max_queue_s": 60}), FLEET, now=NOW)
+    assert isinstance(offer, CounterOffer) and all(o.sites == [] for o in offer.options)
+
+
+def test_an_option_lists_every_site_that_keeps_its_relaxed_warmup():
+    """Accepted, an option binds its task to the sites that keep its warm-up (the asked bound
+    relaxed to the option's), its own first: offered "mid" at 400 ms, the task may run at
+    "near" (200 ms) as well, never at "far" (4 s)."""
+    offer = negotiate(near_data(warmup_ms=300.0, max_queue_s=10.0), SITES, now=NOW)
+    assert isinstance(offer, CounterOffer)
+    by_site = {o.site: o for o in offer.options}
+    assert by_site["mid"].sites == ["mid", "near"]
+    assert by_site["near"].sites == ["near"]  # the wait: its 300 ms asked holds nowhere else
+    accepted = contract_for(near_data(warmup_ms=300.0, max_queue_s=10.0), by_site["mid"], "o")
+    assert accepted.sites == ["mid", "near"] and bound_sites(accepted) == ["mid", "near"]

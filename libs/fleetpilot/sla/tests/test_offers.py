@@ -179,3 +179,33 @@ def test_an_accepted_offer_s_site_binds_only_where_a_term_depends_on_it(terms, b
     from fleetpilot.sla import site_bound  # noqa: PLC0415
 
     assert site_bound(Contract(site="us-1", offer_id="o", **terms)) is bound
+
+
+def test_an_option_of_an_earlier_version_binds_its_site_alone():
+    """An offer made before options listed sites, accepted now: its contract lists none, and
+    its warm-up bound holds it to the option's site, as it did then."""
+    from fleetpilot.sla import bound_sites, contract_for  # noqa: PLC0415
+
+    _, _, offer = _open()
+    h100 = next(o for o in offer.options if o.gpu_model == "H100")
+    old = msgspec.structs.replace(h100, sites=[])
+    contract = contract_for(TASK, old, offer.offer_id)
+    assert contract.sites == [] and bound_sites(contract) == ["us-1"]
+    # Made now, the option lists its sites, and its contract takes them.
+    assert contract_for(TASK, h100, offer.offer_id).sites == h100.sites == ["us-1"]
+
+
+def test_an_old_contract_without_sites_decodes_and_binds_as_it_did():
+    """Stored admissions and decisions from before contracts listed sites: they decode, list
+    none, and bind an accepted offer with a warm-up bound to its site, an admission to none."""
+    from fleetpilot.contracts import TaskAdmitted, decode  # noqa: PLC0415
+    from fleetpilot.sla import bound_sites  # noqa: PLC0415
+
+    def stored(contract: str) -> bytes:
+        return (b'{"type":"task.admitted.v1","task":{"type":"task.submitted.v1","task_id":"t"},'
+                b'"tenant":"acme","admitted_at":1.0,"contract":' + contract.encode() + b"}")
+
+    offered = decode(stored('{"warmup_ms":500.0,"site":"us-1","offer_id":"o"}'), TaskAdmitted)
+    asked = decode(stored('{"warmup_ms":500.0,"site":"us-1"}'), TaskAdmitted)
+    assert offered.contract.sites == [] and asked.contract.sites == []
+    assert bound_sites(offered.contract) == ["us-1"] and bound_sites(asked.contract) == []
