@@ -26,8 +26,8 @@ behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
   admitted tasks still waiting that the queue serves first, as the sla service's snapshot
   counts them (``play_queue``): admitted, or counter-offered (the submitter is modelled as
   accepting the first option), or rejected; an admitted task then runs only on its
-  contract's models, an accepted offer on its option's models, at its site where a term of
-  its contract depends on the site (``_bind``), as the
+  contract's models, an accepted offer on its option's models, at the sites that keep its
+  contract's terms where one depends on the site (``sla.bound_sites``, ``_bind``), as the
   sla service shapes the task for the policy; the queue is ordered by tier (vip first), then by expected completion
   (``backfill.completion_order``: arrival plus the declared run still to do), with backfill
   around a reservation (EASY, ``policy.backfill``, as the policy service does): the
@@ -193,7 +193,7 @@ from fleetpilot.policy.rebalance import (
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
-from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, contract_for, negotiate, site_bound
+from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, bound_sites, contract_for, negotiate
 from fleetpilot.sla.snapshot import frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -275,7 +275,7 @@ class _Job:
     run_peak_mb: float = 0.0  # the most its run held per GPU before its latest move or checkpoint
     died_alone: bool = False  # killed by an OOM alone on its GPUs: its program's spread does not cover it
     agreed_pool: tuple[str, str] | None = None  # (site, model) its admission or accepted offer was estimated on
-    bound_site: str = ""  # the site an accepted offer binds it to (the policy's ``contract_site``); "": any
+    bound_sites: tuple[str, ...] = ()  # the sites its contract binds it to (``sla.bound_sites``); (): any
 
     def useful_until(self, now: float) -> float:
         """Seconds of the task's own run done by ``now`` (pauses excluded)."""
@@ -385,8 +385,19 @@ class FleetRun:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _request(self, job: _Job, *, bridge: bool = False) -> TaskRequest:
+    def _site(self, job: _Job) -> str:
+        """The site a request of ``job`` names when none is given: where it runs, if its
+        contract binds it there (a move stays at its site), else the first its contract names
+        (the one it was estimated at); "" for any."""
+        if not job.bound_sites:
+            return ""
+        if job.state == "running" and self.node_site[job.row] in job.bound_sites:
+            return self.node_site[job.row]
+        return job.bound_sites[0]
+
+    def _request(self, job: _Job, *, bridge: bool = False, site: str | None = None) -> TaskRequest:
         t = job.task
+        site = self._site(job) if site is None else site
         if bridge:
             # Start on what it asked for (a checkpointed run: on what it held, ``_checkpoint``;
             # a step schedule: what its envelope says it holds for a while, ``_envelope_ask``);
@@ -395,7 +406,7 @@ class FleetRun:
                                gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb,
                                                  self._envelope_ask(job)),
                                cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier,
-                               role=ROLE_OF_KIND[t.kind], site=job.bound_site)
+                               role=ROLE_OF_KIND[t.kind], site=site)
         if not self.smart:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
                                memory_mb=t.memory_mb, gpu_models=t.gpu_models)
@@ -410,7 +421,7 @@ class FleetRun:
         return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
                            gpu_memory_mb=reserve, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_models=models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
-                           predicted_peak_mb=peak, peak_sigma_mb=sigma, site=job.bound_site)
+                           predicted_peak_mb=peak, peak_sigma_mb=sigma, site=site)
 
     def _hold(self, job: _Job, row: int, gpus: list[int]) -> int:
         """The reservation, but never more than the GPUs a bridged task sits on."""
@@ -529,12 +540,12 @@ class FleetRun:
             # Every bench task bounds its wait, so its admission runs on the models its
             # contract lists, as the sla service shapes the task (``admission``): the model it
             # was estimated on and every other that keeps its terms; an accepted offer on the
-            # option's models (its own first), at the option's site where a term depends on the
-            # site (the policy's ``contract_site``).
+            # option's models (its own first); either at the sites its contract lists where a
+            # term depends on the site (``bound_sites``, the policy's ``contract_sites``).
             if isinstance(decision, Admit):
                 self.counts["admitted"] += 1
                 contract = decision.contract
-                self._bind(job, contract.gpu_models)
+                self._bind(job, contract.gpu_models, bound_sites(contract))
                 if contract.site is not None and contract.gpu_models:
                     job.agreed_pool = (contract.site, contract.gpu_models[0])
             elif isinstance(decision, CounterOffer):
@@ -544,9 +555,9 @@ class FleetRun:
                 first = decision.options[0]
                 if first.gpu_model is not None:
                     # The contract accepting it makes, as the sla service makes it: its models,
-                    # and its site only where a term depends on it (``site_bound``).
+                    # and its sites only where a term depends on the site (``bound_sites``).
                     terms = contract_for(job.submitted, first, "bench")
-                    self._bind(job, terms.gpu_models, site=(terms.site or "") if site_bound(terms) else "")
+                    self._bind(job, terms.gpu_models, bound_sites(terms))
                 if first.site is not None and first.gpu_model is not None:
                     job.agreed_pool = (first.site, first.gpu_model)
             else:
@@ -556,13 +567,13 @@ class FleetRun:
         self._enqueue(job, now)
 
     @staticmethod
-    def _bind(job: _Job, models: Sequence[str], site: str = "") -> None:
-        """Hold ``job`` to what its contract says: the models it may run on, and the site an
-        accepted offer binds it to (as the sla service rewrites the admitted task)."""
+    def _bind(job: _Job, models: Sequence[str], sites: Sequence[str] = ()) -> None:
+        """Hold ``job`` to what its contract says: the models it may run on, and the sites it
+        binds it to (as the sla service rewrites the admitted task)."""
         if models:
             job.task = replace(job.task, gpu_models=tuple(models))
             job.submitted = msgspec.structs.replace(job.submitted, gpu_models=list(models))
-        job.bound_site = site
+        job.bound_sites = tuple(sites)
 
     def _largest(self, models: tuple[str, ...]) -> float:
         """The most memory a GPU of ``models`` has (any model's, for none)."""
@@ -632,13 +643,16 @@ class FleetRun:
         request when the policy itself finds it no node (before the bridge is tried).
         ``pause``: it runs only that much later (a tenant is being moved off its GPU), which
         counts as queue time."""
-        requests = [self._request(job)]
-        if self._bridgeable(job):
-            requests.append(self._request(job, bridge=True))
+        # As the policy service tries a contract bound to sites: the plain request at each of
+        # them in the contract's order, then the bridge at each (``bridge``: its second kind).
+        sites = job.bound_sites or ("",)
+        kinds = [False, True] if self._bridgeable(job) else [False]
+        requests = [(bridge, self._request(job, bridge=bridge, site=site)) for bridge in kinds for site in sites]
         # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
         # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
         hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
-        for k, req in enumerate(requests):
+        for first, (bridge, req) in enumerate(requests):
+            k = int(bridge)
             demand = Demand.of(req, whole_gpus=not self.smart)
             # A failure with the reservation hidden says nothing about a task that may use it.
             if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
@@ -650,7 +664,7 @@ class FleetRun:
             if decision.action != "assign":
                 failed.append((demand, hide))
                 self._note_blocked(job, k)
-                if k == 0 and on_refused is not None:
+                if first == 0 and on_refused is not None:
                     on_refused(req)
                 continue
             gpus = [p.gpu for p in decision.placement if p.gpu >= 0]

@@ -570,6 +570,31 @@ def test_fleetpilot_never_clears_a_node_by_pausing_a_task_past_its_deadline() ->
     assert run.by_id["t6"].state == "pending" and run.counts["clearings"] == 0
 
 
+def two_sites() -> Fleet:
+    """Sites ``a`` and ``b``, one node of one A100 each."""
+    shape = {"gpu_model": "A100-40GB", "gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}
+    return build_fleet({"name": "two", "sites": [
+        {"name": name, "groups": [{"prefix": f"{name}n", "count": 1, "shape": shape}]} for name in ("a", "b")]})
+
+
+def test_a_task_bound_to_sites_starts_at_any_of_them_and_nowhere_else() -> None:
+    # Site a's GPU is taken (by a task whose deadline allows no pause to make way): a task
+    # whose contract lists a and b starts at b; one bound to a alone waits for a, though b is free.
+    busy = dataclasses.replace(task(0, duration=3600.0), deadline_s=3600.0 + 10.0)
+    run = FleetRun(two_sites(), workload(busy, task(1), task(2), hours=2.0), "fleetpilot", seed=1)
+    first, either, only_a = run.jobs
+    at_a = run.node_site.index("a")
+    first.state = "pending"
+    run._start(first, at_a, [0], 1000, 0.0)
+    run._bind(either, either.task.gpu_models, ("a", "b"))
+    run._bind(only_a, only_a.task.gpu_models, ("a",))
+    run._enqueue(only_a, 0.0)
+    run._enqueue(either, 0.0)
+    run._schedule(60.0)
+    assert either.state == "running" and run.node_site[either.row] == "b"
+    assert only_a.state == "pending"
+
+
 def test_a_known_step_schedule_starts_on_a_small_gpu_by_its_envelope_and_leaves_it_before_its_step() -> None:
     # 31 GB, then 37.5 GB from 15 minutes, 44 GB from 30, 50 GB from 45 of its hour. The H100
     # is busy for 40 minutes: by its envelope, the run holds 38 GB for its first half hour,
