@@ -102,7 +102,8 @@ runs that were killed later: memory a doomed run holds is used, but not usefully
 time a task spent waiting, over its restarts, and the checkpoint-and-restore pause of every
 move of it, which stalls its work as much; a task still waiting at the end counts its wait
 so far; a task Fleetpilot's negotiator rejected is left out of both runs' queue figures,
-which compare the same tasks, and counts as a missed SLA); OOM events; tasks that missed their asked SLA (max queue time or deadline;
+which compare the same tasks, and counts as a missed SLA); OOM events; tasks that missed
+their asked SLA (max queue time or deadline;
 counter-offers do not relax the measure; rejected and failed tasks count); fleet cost
 (catalogue price of every GPU over the run) per useful GPU-hour (the GPU share times the
 run time of completed work, plus the progress of tasks still running at the end; killed
@@ -644,7 +645,7 @@ class FleetRun:
         ``pause``: it runs only that much later (a tenant is being moved off its GPU), which
         counts as queue time."""
         # As the policy service tries a contract bound to sites: the plain request at each of
-        # them in the contract's order, then the bridge at each (``bridge``: its second kind).
+        # them in the contract's order, then the bridge at each.
         sites = job.bound_sites or ("",)
         kinds = [False, True] if self._bridgeable(job) else [False]
         requests = [(bridge, self._request(job, bridge=bridge, site=site)) for bridge in kinds for site in sites]
