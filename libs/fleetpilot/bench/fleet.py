@@ -646,9 +646,12 @@ class FleetRun:
         counts as queue time."""
         # As the policy service tries a contract bound to sites: the plain request at each of
         # them in the contract's order, then the bridge at each.
+        # Each is built once (its ask is worked out there) and named at every site.
         sites = job.bound_sites or ("",)
-        kinds = [False, True] if self._bridgeable(job) else [False]
-        requests = [(bridge, self._request(job, bridge=bridge, site=site)) for bridge in kinds for site in sites]
+        built = [(bridge, self._request(job, bridge=bridge, site=sites[0]))
+                 for bridge in ([False, True] if self._bridgeable(job) else [False])]
+        requests = [(bridge, req if site == req.site else msgspec.structs.replace(req, site=site))
+                    for bridge, req in built for site in sites]
         # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
         # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
         hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)

@@ -23,11 +23,16 @@ def as_asked(task_id: str, **terms) -> object:
     return msgspec.structs.replace(admitted(task_id, gpu_milli=1000), contract=Contract(**terms))
 
 
+async def take_first_gpu(observer, node_name: str) -> None:
+    """Hold GPU 0 of ``node_name`` in the ledger for another, confirmed task."""
+    taken = Allocation(task_id="old", decision_id="old.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed")
+    await observer.kv_put("ledger", node_name, encode(NodeLedger(node=node_name, allocations=[taken])))
+
+
 async def test_a_contract_that_names_a_site_is_placed_there(observer, nats_url, tmp_path):
     # bestfit prefers the fuller node: a-0 (one of its four GPUs taken) over b-0 (four free).
     await observer.put_fleet([node("a-0", gpus=4, site="site-a"), node("b-0", gpus=4, site="site-b")])
-    taken = Allocation(task_id="old", decision_id="old.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed")
-    await observer.kv_put("ledger", "a-0", encode(NodeLedger(node="a-0", allocations=[taken])))
+    await take_first_gpu(observer, "a-0")
     policy = build(settings(nats_url, tmp_path, profile="bestfit"))
     await policy.start()
     try:
@@ -50,8 +55,7 @@ async def test_a_contract_that_names_a_site_is_placed_there(observer, nats_url, 
 
 async def test_a_contract_that_names_a_site_without_room_waits_for_it(observer, nats_url, tmp_path):
     await observer.put_fleet([node("a-0", site="site-a"), node("b-0", gpus=1, site="site-b")])
-    taken = Allocation(task_id="old", decision_id="old.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed")
-    await observer.kv_put("ledger", "b-0", encode(NodeLedger(node="b-0", allocations=[taken])))
+    await take_first_gpu(observer, "b-0")
     policy = build(settings(nats_url, tmp_path, profile="bestfit"))
     await policy.start()
     try:
@@ -68,8 +72,7 @@ async def test_an_admission_whose_warmup_depends_on_the_site_is_held_to_the_site
     trip to "site-a" is too long): the site was no term of an admission, and bestfit put it on
     a-0, the fuller node, where its warm-up broke its contract."""
     await observer.put_fleet([node("a-0", gpus=4, site="site-a"), node("b-0", gpus=4, site="site-b")])
-    taken = Allocation(task_id="old", decision_id="old.assign", gpu=0, milli=1000, memory_mb=1000, state="confirmed")
-    await observer.kv_put("ledger", "a-0", encode(NodeLedger(node="a-0", allocations=[taken])))
+    await take_first_gpu(observer, "a-0")
     policy = build(settings(nats_url, tmp_path, profile="bestfit"))
     await policy.start()
     try:
