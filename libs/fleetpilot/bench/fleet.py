@@ -69,7 +69,7 @@ behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
   from the runs fingerprinted from their start) keeps it below its peak for a quarter hour
   (a step schedule before its big step) may start on GPUs that hold what the envelope says
   for that while, and is moved up (or checkpointed) when the envelope, read four minutes past
-  its progress, would overflow them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``);
+  its progress and lifted to the predicted peak where that is higher, would overflow them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``);
   a smooth grower bridged from its start whose signature has an envelope is watched by both
   its rate and its envelope (``rebalance.bridge_overflow``: the fingerprinter's vote can name
   a line for a schedule of a few steps, which its rate alone lets die at its next step);
@@ -149,7 +149,6 @@ from fleetpilot.fingerprint import (
     SignatureMemory,
     borrowed,
     changed_materially,
-    envelope_at,
     keep_signature_knowledge,
     prediction_changed,
     predicts_nothing,
@@ -188,6 +187,7 @@ from fleetpilot.policy.rebalance import (
     bridge_watches,
     could_take,
     envelope_bridge_mb,
+    envelope_level_mb,
     models_below,
     move_down_ask,
 )
@@ -1115,7 +1115,7 @@ class FleetRun:
             if p is None or not self._by_envelope(job):
                 continue
             # Its progress as the policy service reads it: the time since its run began.
-            ahead = envelope_at(p.envelope_mb, now - job.run_at + GROWTH_LOOKAHEAD_S, job.task.declared_duration_s)
+            ahead = envelope_level_mb(p, now - job.run_at + GROWTH_LOOKAHEAD_S, job.task.declared_duration_s)
             glob = self.offset[job.row] + np.asarray(job.gpus)
             own = self._held(job, now) + CONTEXT_MB
             if bool(np.any(g.memory_used_mb[glob] - own + ahead > OVERFLOW_FILL * g.memory_total_mb[glob])):

@@ -37,6 +37,7 @@ from fleetpilot.policy.rebalance import (
     Running,
     bridge_overflow,
     envelope_bridge_mb,
+    envelope_level_mb,
     envelope_overflow,
     envelope_progress_s,
     generation,
@@ -310,6 +311,28 @@ def test_envelope_overflow_reads_the_envelope_ahead_of_the_progress_against_the_
     assert envelope_overflow(run, topo, crowded, steps, 0.0, 2400.0, 240.0) is not None
     assert envelope_overflow(run, topo, ledger, msgspec.structs.replace(steps, envelope_mb=()), 1000.0, 2400.0,
                              240.0) is None
+
+
+def test_a_program_whose_predicted_peak_is_above_its_envelope_is_read_at_that_height():
+    # Its runs so far topped out at 40,000 MB, under the 40,141 MB a lone A100 holds at 98%; an
+    # OOM since taught that its runs can need 44,000 MB (its floor, folded into the peak).
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=40960)])
+    run = Running("t", "x", (ledger.allocations[0],))
+    steps = msgspec.structs.replace(fingerprint(40_000), pattern="steps",
+                                    envelope_mb=(20_000.0,) * 10 + (40_000.0,) * 10)
+    assert envelope_level_mb(steps, 2000.0, 2400.0) == 40_000.0
+    assert envelope_overflow(run, topo, ledger, steps, 1000.0, 2400.0, 240.0) is None
+    higher = msgspec.structs.replace(steps, predicted_peak_mb=44_000.0)
+    # The step comes as the envelope says, to the height the peak says; before it, in proportion.
+    assert envelope_level_mb(higher, 2000.0, 2400.0) == 44_000.0
+    assert envelope_level_mb(higher, 600.0, 2400.0) == 22_000.0
+    why = envelope_overflow(run, topo, ledger, higher, 1000.0, 2400.0, 240.0)
+    assert why is not None and "44000 MB per GPU by 21 min" in why
+    assert envelope_bridge_mb(higher, 2400.0, 240.0) == math.ceil(22_000 / 0.98)
+    # A peak below the envelope's top lowers nothing: the envelope is what runs were seen to hold.
+    lower = msgspec.structs.replace(steps, predicted_peak_mb=30_000.0)
+    assert envelope_level_mb(lower, 2000.0, 2400.0) == 40_000.0
 
 
 def test_a_bridge_is_watched_by_its_envelope_whatever_pattern_was_voted_and_by_its_rate_when_smooth():
