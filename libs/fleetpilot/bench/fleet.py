@@ -69,7 +69,8 @@ behind best-effort work, 264 SLA misses against 53 on three-site seed 7.)
   from the runs fingerprinted from their start) keeps it below its peak for a quarter hour
   (a step schedule before its big step) may start on GPUs that hold what the envelope says
   for that while, and is moved up (or checkpointed) when the envelope, read four minutes past
-  its progress and lifted to the predicted peak where that is higher, would overflow them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``);
+  its progress (its top lifted to the predicted peak where that is higher), would overflow
+  them (``rebalance.envelope_bridge_mb``, ``envelope_overflow``, ``envelope_level_mb``);
   a smooth grower bridged from its start whose signature has an envelope is watched by both
   its rate and its envelope (``rebalance.bridge_overflow``: the fingerprinter's vote can name
   a line for a schedule of a few steps, which its rate alone lets die at its next step);

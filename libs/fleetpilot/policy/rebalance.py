@@ -323,23 +323,25 @@ def resize_decision_id(task: Running, memory_mb: int) -> str:
 
 def envelope_level_mb(fp: Fingerprint, at_s: float, declared_s: float) -> float:
     """What a run of ``fp``'s program is expected to hold per GPU by ``at_s`` seconds into a run
-    declared at ``declared_s``: its envelope there (``envelope_at``), lifted in proportion when
-    the predicted peak is above the envelope's top. The envelope says when a program grows;
-    the peak says how far: runs of one program differ in height, and a run that died of an
-    OOM (its floor is folded into the predicted peak) or one still growing past the runs the
-    envelope was learnt from shows the program can go higher than every run it holds. Read
-    unlifted, a program whose peak straddles a GPU was let run on it to its last step."""
+    declared at ``declared_s``: its envelope there (``envelope_at``), and where the envelope
+    has reached its top, the predicted peak when that is higher. The envelope says when a
+    program reaches its peak; the peak says how high: a run that died of an OOM (its floor is
+    folded into the predicted peak), or one still growing past the runs the envelope was learnt
+    from, shows the program can go higher than every run it holds. Read alone, the envelope let
+    a program whose peak straddles a GPU run on it to its last step, and die there. The phases
+    before the top are read as they were seen: lifting them too held back bridges that the
+    watch on the top keeps safe (measured on the 46 fleet-benchmark runs)."""
     level = envelope_at(fp.envelope_mb, at_s, declared_s)
     top = float(fp.envelope_mb[-1]) if fp.envelope_mb else 0.0
-    if top > 0.0 and fp.predicted_peak_mb > top:
-        level *= fp.predicted_peak_mb / top
+    if top > 0.0 and level >= top:
+        level = max(level, float(fp.predicted_peak_mb))
     return level
 
 
 def envelope_stay_mb(fp: Fingerprint | None, declared_s: float | None, progress_s: float, lookahead_s: float) -> int:
     """What a run ``progress_s`` into its declared run must have per GPU to stay where it is for
-    ``MIN_BRIDGE_STAY_S`` (and ``lookahead_s``), by its signature's envelope lifted to its
-    predicted peak (``envelope_level_mb``), whatever pattern its fingerprint names; 0 when the
+    ``MIN_BRIDGE_STAY_S`` (and ``lookahead_s``), by its signature's envelope, its top lifted to
+    its predicted peak (``envelope_level_mb``), whatever pattern its fingerprint names; 0 when the
     envelope or the declared duration is unknown."""
     if fp is None or not fp.envelope_mb or not declared_s:
         return 0
@@ -438,7 +440,7 @@ def models_below(tenant_models: Sequence[str], tenant_ask_mb: int, waiter_models
 def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
                       progress_s: float, declared_s: float | None, lookahead_s: float) -> str | None:
     """Why a bridged run from its start must be checkpointed now, or ``None``: what its
-    signature's envelope (lifted to its predicted peak, ``envelope_level_mb``) says it holds
+    signature's envelope (its top lifted to its predicted peak, ``envelope_level_mb``) says it holds
     ``lookahead_s`` past ``progress_s`` into its declared run would fill more than ``OVERFLOW_FILL`` of what it can have on one of its GPUs
     (``room_in_place``). A step is a jump that no measured rate announces; the envelope of the
     program's earlier runs does. It is read whatever pattern the fingerprint names: a schedule

@@ -324,12 +324,15 @@ def test_a_program_whose_predicted_peak_is_above_its_envelope_is_read_at_that_he
     assert envelope_level_mb(steps, 2000.0, 2400.0) == 40_000.0
     assert envelope_overflow(run, topo, ledger, steps, 1000.0, 2400.0, 240.0) is None
     higher = msgspec.structs.replace(steps, predicted_peak_mb=44_000.0)
-    # The step comes as the envelope says, to the height the peak says; before it, in proportion.
+    # The last step comes when the envelope says, to the height the peak says; before it, the
+    # phases are read as they were seen.
     assert envelope_level_mb(higher, 2000.0, 2400.0) == 44_000.0
-    assert envelope_level_mb(higher, 600.0, 2400.0) == 22_000.0
+    assert envelope_level_mb(higher, 600.0, 2400.0) == 20_000.0
     why = envelope_overflow(run, topo, ledger, higher, 1000.0, 2400.0, 240.0)
     assert why is not None and "44000 MB per GPU by 21 min" in why
-    assert envelope_bridge_mb(higher, 2400.0, 240.0) == math.ceil(22_000 / 0.98)
+    assert envelope_overflow(run, topo, ledger, higher, 500.0, 2400.0, 240.0) is None
+    assert envelope_bridge_mb(higher, 2400.0, 240.0) == math.ceil(20_000 / 0.98)
+    assert envelope_bridge_mb(higher, 1800.0, 240.0) == math.ceil(44_000 / 0.98)
     # A peak below the envelope's top lowers nothing: the envelope is what runs were seen to hold.
     lower = msgspec.structs.replace(steps, predicted_peak_mb=30_000.0)
     assert envelope_level_mb(lower, 2000.0, 2400.0) == 40_000.0
