@@ -440,13 +440,14 @@ def models_below(tenant_models: Sequence[str], tenant_ask_mb: int, waiter_models
 def envelope_overflow(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
                       progress_s: float, declared_s: float | None, lookahead_s: float) -> str | None:
     """Why a bridged run from its start must be checkpointed now, or ``None``: what its
-    signature's envelope (its top lifted to its predicted peak, ``envelope_level_mb``) says it holds
-    ``lookahead_s`` past ``progress_s`` into its declared run would fill more than ``OVERFLOW_FILL`` of what it can have on one of its GPUs
-    (``room_in_place``). A step is a jump that no measured rate announces; the envelope of the
-    program's earlier runs does. It is read whatever pattern the fingerprint names: a schedule
-    of three to five steps can be voted a line, and a run bridged by its rate is then watched
-    by both (``bridge_overflow``). ``progress_s`` may be overstated (the time since its hold was
-    reserved): the envelope only grows, so that errs early."""
+    signature's envelope (its top lifted to its predicted peak, ``envelope_level_mb``) says
+    it holds ``lookahead_s`` past ``progress_s`` into its declared run would fill more than
+    ``OVERFLOW_FILL`` of what it can have on one of its GPUs (``room_in_place``). A step is a
+    jump that no measured rate announces; the envelope of the program's earlier runs does. It
+    is read whatever pattern the fingerprint names: a schedule of three to five steps can be
+    voted a line, and a run bridged by its rate is then watched by both (``bridge_overflow``).
+    ``progress_s`` may be overstated (the time since its hold was reserved): the envelope only
+    grows, so that errs early."""
     if fp is None or not fp.envelope_mb or not declared_s or not task.gpus:
         return None
     ahead = envelope_level_mb(fp, progress_s + lookahead_s, declared_s)
