@@ -215,6 +215,13 @@ def test_pending_entries_carry_the_requeue_note_and_stay_readable_as_admissions(
     assert decode_pending(encode_pending(adm, note)) == (adm, note)
 
 
+def alone_on_an_a100() -> tuple[NodeTopology, NodeLedger, Running]:
+    """A node of one A100 of 40,960 MB, and task ``t`` holding all of it."""
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=40960)])
+    return topo, ledger, Running("t", "x", (ledger.allocations[0],))
+
+
 def fingerprint(peak_mb: float, spread_mb: float = 500) -> Fingerprint:
     return Fingerprint(
         signature="s",
@@ -316,9 +323,7 @@ def test_envelope_overflow_reads_the_envelope_ahead_of_the_progress_against_the_
 def test_a_program_whose_predicted_peak_is_above_its_envelope_is_read_at_that_height():
     # Its runs so far topped out at 40,000 MB, under the 40,141 MB a lone A100 holds at 98%; an
     # OOM since taught that its runs can need 44,000 MB (its floor, folded into the peak).
-    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
-    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=40960)])
-    run = Running("t", "x", (ledger.allocations[0],))
+    topo, ledger, run = alone_on_an_a100()
     steps = msgspec.structs.replace(fingerprint(40_000), pattern="steps",
                                     envelope_mb=(20_000.0,) * 10 + (40_000.0,) * 10)
     assert envelope_level_mb(steps, 2000.0, 2400.0) == 40_000.0
@@ -424,9 +429,7 @@ def test_a_tenant_moves_down_only_to_models_that_hold_it_and_that_the_waiter_can
 
 
 def test_a_bridged_run_watched_by_its_envelope_waits_for_it_and_any_other_moves_on_its_peak():
-    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
-    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=40960)])
-    run = Running("t", "x", (ledger.allocations[0],))
+    topo, ledger, run = alone_on_an_a100()
     steps = msgspec.structs.replace(fingerprint(60_000), pattern="steps",
                                     envelope_mb=(30_000.0,) * 10 + (60_000.0,) * 10)
     assert waits_for_its_envelope(run, topo, ledger, steps, (), 300.0, 2400.0, 240.0)
