@@ -199,6 +199,7 @@ from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, bound_sites,
 from fleetpilot.sla.snapshot import frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
+from .default_preemption import NO_POD, PRIORITY_CLASS, TERMINATION_GRACE_S, RunningPod, preempt
 from .fleet_report import Comparison, RunResult, plot, report
 from .fleet_workload import (
     PACKED_LOAD,
@@ -295,11 +296,13 @@ class FleetRun:
     """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
 
     def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False,
-                 queue_aging: float = 1.0) -> None:
+                 queue_aging: float = 1.0, preempts: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
         if knows_peaks and mode != "fleetpilot":
             raise ValueError("only Fleetpilot's loop can be told each run's true peak")
+        if preempts and mode != "k8s-default":
+            raise ValueError("only the baseline plays kube-scheduler's DefaultPreemption")
         self.fleet, self.workload, self.mode, self.seed = fleet, workload, mode, seed
         self.smart = mode == "fleetpilot"
         # An analysis, not a scheduler: each run asks for its true peak (``_reservation``), to
@@ -308,6 +311,9 @@ class FleetRun:
         # Fleetpilot's queue order (``backfill.completion_order``; the policy service's
         # ``FLEETPILOT_POLICY_QUEUE_AGING``).
         self.queue_aging = queue_aging
+        # The baseline's PriorityClasses preempt lower ones (``default_preemption``); without,
+        # they are non-preempting (``preemptionPolicy: Never``): priority orders the queue only.
+        self.preempts = preempts
         # The simulator's noise stream is seeded from the workload seed in both runs.
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
         gpu_nodes = [n for n in fleet.nodes if n.gpus]
@@ -321,6 +327,8 @@ class FleetRun:
         self.node_site = [n.site for n in gpu_nodes]
         self.node_model = [n.gpus[0].model for n in gpu_nodes]
         self.excluded = np.zeros(self.sim.gpu.count, dtype=bool)
+        # The priority of the baseline's pod holding each GPU (``default_preemption``).
+        self.holder_priority = np.full(self.state.gpu_free.shape, NO_POD, dtype=np.int64)
         self.price_per_h = float(sum(gpu_model(g.model).price_usd_per_hour for n in gpu_nodes for g in n.gpus))
         self.jobs = [self._job(t, i) for i, t in enumerate(workload.tasks)]
         self.by_id = {j.task.task_id: j for j in self.jobs}
@@ -345,7 +353,7 @@ class FleetRun:
         self.waits_by_task: dict[str, float] = {}  # each task's queue time, once the run is over
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
                        "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "checkpointed": 0,
-                       "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0}
+                       "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0, "preempted": 0}
         self.policy = self._policy([])
         # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
         # policy service does from the feedback store's totals (``policy.calibration``).
@@ -527,8 +535,8 @@ class FleetRun:
             if job.state != "pending":
                 continue
             self._refresh_typical(len(self.jobs) - len(arrivals))
-            if self._try_start(job, at, self.reservation, []):
-                self.pending.pop()  # ``_submit`` has just put it last
+            if self._try_start(job, at, self.reservation, []) or self._preempt_for(job, at):
+                self.pending.remove(job)  # ``_submit`` queued it (a preemption's victims behind it)
                 self._seen_started(job, at)
 
     def _submit(self, job: _Job, now: float) -> None:
@@ -626,8 +634,10 @@ class FleetRun:
             reservation = reserve(self.state, refused, free_at)
             self.counts["reservations"] += reservation is not None
 
+        # A pod preempted in this pass is queued again at once (its Job's replacement pod),
+        # at the end of the list, and decided in the same pass.
         for job in self.pending:
-            if not self._try_start(job, now, reservation, failed, on_refused=hold_for):
+            if not (self._try_start(job, now, reservation, failed, on_refused=hold_for) or self._preempt_for(job, now)):
                 keep.append(job)
         self.pending = keep
         self.reservation = reservation
@@ -684,6 +694,30 @@ class FleetRun:
             self._start(job, decision.node_row, gpus, decision.placement[0].milli, now, pause=pause)
             return True
         return False
+
+    def _preempt_for(self, job: _Job, now: float) -> bool:
+        """kube-scheduler's ``DefaultPreemption`` for a pod of the baseline that found no node
+        (``default_preemption``): the lower-priority pods it picks are evicted (each a failed
+        attempt of its Job, which counts toward the backoff limit and starts again from
+        scratch), and the pod starts there after their grace period (counted as its queue
+        time); whether it started."""
+        priority = PRIORITY_CLASS.get(job.task.tier, 0)
+        if not self.preempts or priority <= min(PRIORITY_CLASS.values()):
+            return False
+        plan = preempt(self.state, self._request(job), priority, self.holder_priority, self._pods_on)
+        if plan is None:
+            return False
+        for pod in plan.victims:
+            self._kill(self.by_id[pod.pod_id], now, "preempted")
+        # The only node that changed is the one it fits now, so the policy places it there.
+        return self._try_start(job, now, None, [], pause=TERMINATION_GRACE_S)
+
+    def _pods_on(self, row: int) -> list[RunningPod]:
+        """The baseline's pods running on node ``row``, as preemption sees them."""
+        ids = set().union(*(self.on_gpu.get((row, g), set()) for g in range(self.state.max_gpus)))
+        return [RunningPod(pod_id=j.task.task_id, priority=PRIORITY_CLASS.get(j.task.tier, 0), started_s=j.seg_start,
+                           gpus=tuple(j.gpus), cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb)
+                for j in (self.by_id[t] for t in sorted(ids)) if j.state == "running"]
 
     def _may_pause(self, job: _Job, now: float) -> bool:
         """A running task may be paused for a checkpoint unless the pause would make it miss
@@ -887,14 +921,23 @@ class FleetRun:
 
     def _start(self, job: _Job, row: int, gpus: list[int], milli: int, now: float, *,
                growth: MemoryGrowth | None = None, pause: float = 0.0) -> None:
+        """Start ``job`` on ``gpus`` of node ``row``. A waiting task given a ``pause`` (the
+        checkpoints of the tenants it replaces, a preemption's grace period) begins its run
+        only then; a moved one (``growth``: its restored curve) plays its ``pause`` in it."""
         t = job.task
+        # A waiting task's run begins after the pause it was given, and after that its restore
+        # (a checkpointed one's curve plays it).
+        delay = pause if job.state == "pending" else 0.0
         reserve = self._hold(job, row, gpus) if self.smart else 0
         self.state.allocate(row, gpus, milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_memory_mb=reserve)
+        if not self.smart:
+            self.holder_priority[row, gpus] = PRIORITY_CLASS.get(t.tier, 0)
         if job.state == "pending" and self.smart:
             self.waits.started(float(self.state.gpu_mem_total[row, gpus[0]]), now - job.queued_since)
         if job.state == "pending" and job.resume is not None:
             job.queue_s += now - job.queued_since
-            growth, pause = job.resume
+            growth, restore = job.resume
+            pause = delay + restore
             if job.restored_from is not None:
                 # What it holds as it is restored (a collector samples every few seconds; this
                 # loop's samples come a minute apart, long enough for a short rest to grow):
@@ -931,7 +974,7 @@ class FleetRun:
         job.seg_start, job.seg_pause = now, pause
         node = self.state.node_names[row]
         job.curve = growth or t.growth
-        self.sim.place(t.task_id, node, gpus, job.curve, util=t.util, start_s=max(now, self.sim.now_s))
+        self.sim.place(t.task_id, node, gpus, job.curve, util=t.util, start_s=max(now, self.sim.now_s) + delay)
         for g in gpus:
             self.on_gpu.setdefault((row, g), set()).add(t.task_id)
 
@@ -939,6 +982,8 @@ class FleetRun:
         t = job.task
         self.state.release(job.row, job.gpus, job.milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_memory_mb=job.reserved_mb)
+        if not self.smart:
+            self.holder_priority[job.row, job.gpus] = NO_POD
         for g in job.gpus:
             self.on_gpu.get((job.row, g), set()).discard(t.task_id)
 
@@ -971,24 +1016,33 @@ class FleetRun:
                     self.memory.observe_run_peak(job.signature, max(job.run_peak_mb, ev.value))
                     self.learnt.add(job.signature)
             elif ev.kind in ("oom", "task_failed"):
-                self._stop(job)
-                self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
-                job.progress_s, job.run_peak_mb = 0.0, 0.0
                 if ev.kind == "oom":
                     self.counts["oom_events"] += 1
                     self._learn_from_oom(job, ev.value)
                 else:
                     self.counts["gpu_failure_kills"] += 1
-                if job.attempts > BACKOFF_LIMIT:
-                    job.state = "failed"
-                    self.counts["backoff_failed"] += 1
-                    continue
-                if ev.kind == "oom":
-                    self.counts["oom_restarts"] += 1
-                if self.smart:
-                    job.prediction = self._predict(job.signature) or job.prediction
-                job.fingerprinter = None
-                self._enqueue(job, now)
+                self._kill(job, now, ev.kind)
+
+    def _kill(self, job: _Job, now: float, cause: str) -> None:
+        """A run killed by ``cause`` (``oom``, ``task_failed``: its GPU failed; ``preempted``):
+        its work is lost, and its Job starts it again from scratch unless that was its last
+        attempt (``BACKOFF_LIMIT``)."""
+        self._stop(job)
+        if cause == "preempted":
+            self.sim.remove(job.task.task_id)
+            self.counts["preempted"] += 1
+        self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
+        job.progress_s, job.run_peak_mb = 0.0, 0.0
+        if job.attempts > BACKOFF_LIMIT:
+            job.state = "failed"
+            self.counts["backoff_failed"] += 1
+            return
+        if cause == "oom":
+            self.counts["oom_restarts"] += 1
+        if self.smart:
+            job.prediction = self._predict(job.signature) or job.prediction
+        job.fingerprinter = None
+        self._enqueue(job, now)
 
     # -- Fleetpilot: fingerprints, rebalancing, maintenance -----------------------------------
 
@@ -1535,12 +1589,13 @@ def load_bench_fleet(name: str, nodes_csv: Path | None = None, *, fraction: floa
 
 
 def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, peaks_known: bool = False,
-            queue_aging: float = 1.0) -> Comparison:
+            queue_aging: float = 1.0, baseline_preempts: bool = False) -> Comparison:
     """Play ``workload`` with both schedulers on fresh copies of the fleet (and, with
     ``peaks_known``, Fleetpilot's loop a second time told each run's true peak: a bound on
     what better memory prediction could give, not a scheduler). ``queue_aging``: Fleetpilot's
-    queue order (``backfill.completion_order``)."""
-    runs = [FleetRun(fleet, workload, "k8s-default", seed),
+    queue order (``backfill.completion_order``); ``baseline_preempts``: the baseline's
+    PriorityClasses preempt (``default_preemption``)."""
+    runs = [FleetRun(fleet, workload, "k8s-default", seed, preempts=baseline_preempts),
             FleetRun(fleet, workload, "fleetpilot", seed, queue_aging=queue_aging)]
     if peaks_known:
         runs.append(FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, queue_aging=queue_aging))
@@ -1556,7 +1611,7 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, pea
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
                       sm_use_bound=workload_sm_use_bound(workload),
                       largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest(),
-                      environment=run_environment(), queue_aging=queue_aging)
+                      environment=run_environment(), queue_aging=queue_aging, baseline_preempts=baseline_preempts)
 
 
 def workload_sharing_bound(workload: Workload) -> float:
@@ -1603,6 +1658,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-aging", type=float, default=1.0,
                    help="how much arrival weighs against the run left in Fleetpilot's queue order "
                    "(backfill.completion_order; default 1, above 0)")
+    p.add_argument("--baseline-preempts", action="store_true",
+                   help="the baseline's PriorityClasses preempt lower ones (kube-scheduler's DefaultPreemption; "
+                   "default: non-preempting, which waits less on these workloads)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     return p
@@ -1646,7 +1704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fleet {name}: {len([n for n in fleet.nodes if n.gpus])} nodes, {fleet.gpu_count} GPUs; seed {args.seed}",
           flush=True)
     result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed, peaks_known=args.peaks_known,
-                     queue_aging=args.queue_aging)
+                     queue_aging=args.queue_aging, baseline_preempts=args.baseline_preempts)
     print(report(result))
     if args.plot_dir is not None:
         for path in plot(result, args.plot_dir):

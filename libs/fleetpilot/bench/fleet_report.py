@@ -49,6 +49,7 @@ class Comparison:
     code: str = ""  # the digest of the code that ran (``outputs.code_digest``)
     environment: dict[str, str] = field(default_factory=dict)  # ``outputs.run_environment``
     queue_aging: float = 1.0  # Fleetpilot's queue order (``backfill.completion_order``, ``--queue-aging``)
+    baseline_preempts: bool = False  # the baseline's PriorityClasses preempt (``--baseline-preempts``)
 
     def ratios(self, run: RunResult | None = None) -> dict[str, float]:
         """Fleetpilot (or ``run``) / baseline per figure (inf when the baseline is 0 and the
@@ -70,6 +71,7 @@ class Comparison:
         """Everything the report shows, as plain data."""
         return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload, "code_digest": self.code,
                 "environment": self.environment, "queue_aging": self.queue_aging,
+                "baseline_preempts": self.baseline_preempts,
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
                 "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
@@ -98,7 +100,8 @@ def report(c: Comparison) -> str:
     """The side-by-side table with ratios and the target verdicts."""
     r = c.ratios()
     aging = "" if c.queue_aging == 1.0 else f"; Fleetpilot's queue aging {c.queue_aging:g}"
-    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}", f"workload: {c.workload}",
+    preempts = "; the baseline's PriorityClasses preempt" if c.baseline_preempts else ""
+    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}{preempts}", f"workload: {c.workload}",
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
              *([c.largest_load.describe()] if c.largest_load else []),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fleetpilot.bench import fleet as bench
 from fleetpilot.bench import fleet_workload as bench_workload
+from fleetpilot.bench.default_preemption import TERMINATION_GRACE_S
 from fleetpilot.bench.fleet import (
     BACKOFF_LIMIT,
     FleetRun,
@@ -693,6 +694,8 @@ def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_c
     assert result.figures["oom_events"] == 0
     first, waiter = run.jobs
     assert waiter.queue_s < 240.0  # the checkpoint pause (30 s + 2 s per GB) and a cycle
+    # Its run begins once that pause is over, not when it was decided.
+    assert waiter.finished_at is not None and waiter.finished_at >= short.arrival_s + waiter.queue_s + short.duration_s
     assert 500.0 <= first.progress_s <= 720.0  # kept: checkpointed at about ten minutes in
     assert first.finished_at is not None and first.finished_at < 5 * 3600.0 + 1800.0
     # Without making way the task waits for the run's five hours.
@@ -834,3 +837,28 @@ def test_a_target_s_figure_is_printed_to_a_tenth_of_a_percent(name, ratio, shown
     from fleetpilot.bench.fleet_report import _target_text  # noqa: PLC0415
 
     assert _target_text(name, ratio).startswith(shown + ",")
+
+
+@pytest.mark.parametrize("preempts", [True, False])
+def test_a_baseline_whose_priority_classes_preempt_starts_a_vip_pod_at_once_and_the_evicted_job_from_scratch(
+        preempts: bool) -> None:
+    # One GPU, a 2-hour best_effort job on it; a 10-minute vip pod arrives at 600 s.
+    tasks = (task(0, duration=7200.0, tier="best_effort"), task(1, duration=600.0, arrival=600.0, tier="vip"))
+    run = FleetRun(tiny_fleet(), workload(*tasks, hours=5.0), "k8s-default", seed=1, preempts=preempts)
+    result = run.run()
+    evicted, vip = run.jobs
+    assert evicted.state == vip.state == "done"
+    if preempts:
+        # It waits only for its victim's grace period; the victim's Job starts it again from
+        # scratch once the vip pod is done: its first 600 s are lost, and the attempt counts.
+        assert vip.queue_s == TERMINATION_GRACE_S
+        assert evicted.attempts == 2 and evicted.finished_at >= 600.0 + TERMINATION_GRACE_S + 600.0 + 7200.0
+        assert result.breakdown["preempted"] == 1
+    else:
+        assert vip.queue_s >= 7200.0 - 600.0
+        assert evicted.attempts == 1 and result.breakdown["preempted"] == 0
+
+
+def test_only_the_baseline_plays_kube_schedulers_preemption() -> None:
+    with pytest.raises(ValueError, match="DefaultPreemption"):
+        FleetRun(tiny_fleet(), workload(task(0)), "fleetpilot", seed=1, preempts=True)
