@@ -49,7 +49,7 @@ class Comparison:
     code: str = ""  # the digest of the code that ran (``outputs.code_digest``)
     environment: dict[str, str] = field(default_factory=dict)  # ``outputs.run_environment``
     queue_aging: float = 1.0  # Fleetpilot's queue order (``backfill.completion_order``, ``--queue-aging``)
-    baseline_preempts: bool = False  # the baseline's PriorityClasses preempt (``--baseline-preempts``)
+    baseline_preempts: bool = True  # the baseline's PriorityClasses preempt (not: ``--baseline-never-preempts``)
 
     def ratios(self, run: RunResult | None = None) -> dict[str, float]:
         """Fleetpilot (or ``run``) / baseline per figure (inf when the baseline is 0 and the
@@ -100,7 +100,7 @@ def report(c: Comparison) -> str:
     """The side-by-side table with ratios and the target verdicts."""
     r = c.ratios()
     aging = "" if c.queue_aging == 1.0 else f"; Fleetpilot's queue aging {c.queue_aging:g}"
-    preempts = "; the baseline's PriorityClasses preempt" if c.baseline_preempts else ""
+    preempts = "" if c.baseline_preempts else "; the baseline's PriorityClasses never preempt"
     lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}{preempts}", f"workload: {c.workload}",
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",

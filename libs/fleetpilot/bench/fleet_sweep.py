@@ -285,8 +285,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fleet benchmark's --estimate-spread in every run (declared durations log-normal)")
     p.add_argument("--peak-spread", type=float, default=None,
                    help="the fleet benchmark's --peak-spread in every run (runs' peaks farther from their program's)")
-    p.add_argument("--baseline-preempts", action="store_true",
-                   help="the fleet benchmark's --baseline-preempts in every run (its PriorityClasses preempt)")
+    p.add_argument("--baseline-never-preempts", action="store_true",
+                   help="the fleet benchmark's --baseline-never-preempts in every run (non-preempting PriorityClasses)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
     p.add_argument("--markdown", action="store_true",
                    help="also print the README's table of these runs (changes cut to the whole percent)")
@@ -323,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--arrivals", args.arrivals] if args.arrivals is not None else []),
                  *(["--queue-aging", repr(args.queue_aging)] if args.queue_aging is not None else []),
                  *(["--peaks-known"] if args.peaks_known else []),
-                 *(["--baseline-preempts"] if args.baseline_preempts else []),
+                 *(["--baseline-never-preempts"] if args.baseline_never_preempts else []),
                  *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else []),
                  *(["--peak-spread", repr(args.peak_spread)] if args.peak_spread is not None else [])]
         print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)

@@ -139,16 +139,17 @@ def test_a_task_that_never_starts_counts_its_wait_until_the_end() -> None:
 
 def test_a_task_the_negotiator_rejects_is_left_out_of_both_runs_queue_figures() -> None:
     # One GPU: t0 runs 600 s; t1, a vip that must end by 100 s, cannot: Fleetpilot's
-    # negotiator rejects it, and the baseline makes it wait for t0 (600 s).
+    # negotiator rejects it, and the baseline makes it wait for t0 (600 s; its PriorityClasses
+    # non-preempting, or t1 would evict t0).
     impossible = dataclasses.replace(task(1, tier="vip"), deadline_s=100.0)
-    both = compare(tiny_fleet(), workload(task(0), impossible), fleet_name="tiny", seed=1)
+    both = compare(tiny_fleet(), workload(task(0), impossible), fleet_name="tiny", seed=1, baseline_preempts=False)
     assert both.fleetpilot.breakdown["rejected"] == 1
     assert both.fleetpilot.figures["sla_missed"] == 1  # rejected: missed, whatever the queue says
     # Only t0 is compared: it waited for nothing in either run.
     assert both.baseline.figures["mean_queue_s"] == 0.0
     assert both.fleetpilot.figures["mean_queue_s"] == 0.0
     # Alone, the baseline's run still counts the wait it made t1 sit through.
-    alone = FleetRun(tiny_fleet(), workload(task(0), impossible), "k8s-default", seed=1).run()
+    alone = FleetRun(tiny_fleet(), workload(task(0), impossible), "k8s-default", seed=1, preempts=False).run()
     assert alone.figures["mean_queue_s"] == pytest.approx(300.0)
 
 
@@ -350,6 +351,7 @@ def test_main_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data["seed"] == 3 and data["fleet"] == "three-site"
     assert data["code_digest"] == code_digest()  # the code that ran, so the figures can be traced to it
     assert data["queue_aging"] == 1.0  # and the queue order it ran with
+    assert data["baseline_preempts"] is True  # and whether the baseline's PriorityClasses preempt
     for key in ("utilisation", "useful_utilisation", "mean_queue_s", "p95_queue_s", "oom_events", "sla_missed", "cost_per_useful_gpu_hour",
                 "interventions"):
         assert key in data["baseline"] and key in data["fleetpilot"] and key in data["ratio"]
@@ -839,16 +841,16 @@ def test_a_target_s_figure_is_printed_to_a_tenth_of_a_percent(name, ratio, shown
     assert _target_text(name, ratio).startswith(shown + ",")
 
 
-@pytest.mark.parametrize("preempts", [True, False])
-def test_a_baseline_whose_priority_classes_preempt_starts_a_vip_pod_at_once_and_the_evicted_job_from_scratch(
-        preempts: bool) -> None:
+@pytest.mark.parametrize("preempts", [None, False])
+def test_the_baselines_priority_classes_preempt_unless_told_not_to_a_vip_pod_starts_at_once_and_its_victim_from_scratch(
+        preempts: bool | None) -> None:
     # One GPU, a 2-hour best_effort job on it; a 10-minute vip pod arrives at 600 s.
     tasks = (task(0, duration=7200.0, tier="best_effort"), task(1, duration=600.0, arrival=600.0, tier="vip"))
     run = FleetRun(tiny_fleet(), workload(*tasks, hours=5.0), "k8s-default", seed=1, preempts=preempts)
     result = run.run()
     evicted, vip = run.jobs
     assert evicted.state == vip.state == "done"
-    if preempts:
+    if preempts is None:
         # It waits only for its victim's grace period; the victim's Job starts it again from
         # scratch once the vip pod is done: its first 600 s are lost, and the attempt counts.
         assert vip.queue_s == TERMINATION_GRACE_S
