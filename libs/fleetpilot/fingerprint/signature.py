@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 from collections.abc import Callable
 
 import msgspec
@@ -292,9 +293,9 @@ def restores_start_over(stats: SignatureStats | None) -> bool:
 
 
 def predicts_nothing(stats: SignatureStats | None) -> bool:
-    """Whether ``predict`` says nothing of these statistics: no run of the signature has been
-    fingerprinted to its end and no OOM has set it a floor."""
-    return stats is None or (stats.count == 0 and stats.oom_floor_mb <= 0)
+    """Whether ``predict`` says nothing of these statistics: no run of the signature has
+    ended (fingerprinted or not) and no OOM has set it a floor."""
+    return stats is None or (stats.count == 0 and stats.oom_floor_mb <= 0 and not stats.run_peaks_mb)
 
 
 def predict(stats: SignatureStats) -> Fingerprint | None:
@@ -310,10 +311,17 @@ def predict(stats: SignatureStats) -> Fingerprint | None:
     floor = stats.oom_floor_mb
     peaks = known_run_peaks(stats)
     if stats.count == 0:
-        # Only OOMs are known: it needs more than the floor, nothing more is claimed.
+        # No run was fingerprinted to its end (each was moved or restored, its series begun
+        # mid-run), but the peaks of the runs that ended say how high it goes, and an OOM that
+        # it needs more than its floor; its pattern is not known.
+        ran = stats.run_peaks_mb
+        mean = statistics.fmean(ran) if ran else 0.0
+        sd = statistics.stdev(ran) if len(ran) > 1 else 0.0  # one peak (an OOM's alone: the floor) is all it says
         return Fingerprint(signature=stats.signature, pattern="unknown", pattern_confidence=0.0,
-                           growth_rate_mb_per_s=0.0, predicted_peak_mb=floor, peak_low_mb=floor,
-                           peak_high_mb=floor, samples=0, fit_peak_mb=_fit_peak_of(peaks), run_peaks_mb=peaks)
+                           growth_rate_mb_per_s=0.0, predicted_peak_mb=max(mean, floor),
+                           peak_low_mb=max(min(min(ran, default=0.0), mean - 2 * sd), floor, 0.0),
+                           peak_high_mb=max(max(ran, default=0.0), mean + 2 * sd, floor),
+                           samples=0, fit_peak_mb=_fit_peak_of(peaks), run_peaks_mb=peaks)
     total = sum(stats.votes.values()) or 1.0
     pattern, vote = max(stats.votes.items(), key=lambda kv: kv[1])
     n = stats.count

@@ -12,6 +12,7 @@ from fleetpilot.fingerprint import (
     SignatureStats,
     fit_peak,
     load_stats,
+    predicts_nothing,
     task_signature,
 )
 
@@ -99,6 +100,21 @@ def test_an_oom_sets_a_floor_that_no_prediction_goes_under():
     mem.observe(_fp("sig-a", "leak", 44_000))
     assert mem.predict("sig-a").predicted_peak_mb == pytest.approx((24_000 + 40_000 + 44_000) / 3)
     assert mem.stats("sig-a").count == 3 and mem.stats("sig-a").oom_floor_mb == 30_000
+
+
+def test_runs_that_ended_without_a_fingerprint_from_their_start_still_say_how_high_it_goes():
+    # Every run was moved before it ended (its series begun mid-run), so none was fingerprinted
+    # to its end; the peaks of those that ended are known all the same.
+    mem = SignatureMemory()
+    for peak in (53_000, 55_000, 57_000):
+        mem.observe_run_peak("sig-a", peak)
+    assert not predicts_nothing(mem.stats("sig-a"))
+    fp = mem.predict("sig-a")
+    assert (fp.pattern, fp.pattern_confidence) == ("unknown", 0.0)
+    assert fp.predicted_peak_mb == pytest.approx(55_000)
+    assert fp.peak_low_mb == pytest.approx(51_000) and fp.peak_high_mb == pytest.approx(59_000)  # +-2 sd
+    mem.observe_oom("sig-a", 60_000)  # and a run that needed more than 60 GB lifts it there
+    assert mem.predict("sig-a").predicted_peak_mb == 60_000
 
 
 def test_the_runs_spread_says_what_held_all_but_a_few_of_them_once_enough_are_known():
