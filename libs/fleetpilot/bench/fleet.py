@@ -22,8 +22,7 @@ limit, as without a ``podFailurePolicy``), and starts there after their grace pe
 counted as its queue time. ``--baseline-never-preempts`` makes them non-preempting
 (``preemptionPolicy: Never``): a vip pod waits for room as the others do. Preempting
 shortens the baseline's mean queue on most of the table's workloads and its SLA misses on
-three-site (the benchmark's log). Fleetpilot's loop here plays no vip preemption (its policy
-service does: ``policy.preempt``), which errs against it. (Before PriorityClasses, every pod had the same priority: a team
+three-site (the benchmark's log). (Before PriorityClasses, every pod had the same priority: a team
 with tiers that had set none, and its vip work queued behind best-effort work, 264 SLA misses
 against 53 on three-site seed 7.)
 
@@ -93,6 +92,13 @@ against 53 on three-site seed 7.)
   and the tenant has at least three times the waiter's run and its pause left
   (``backfill.makes_way``: shortest remaining work first, made preemptive; the policy
   service's ``Moves.make_way``);
+- vip preemption: a vip task that fits nowhere evicts the cheapest set of best-effort tasks
+  on one node (their work so far and a restart: ``policy.preempt``), once the policy
+  confirms it then places the vip there, and starts there after their grace period (30 s,
+  as the baseline's; the executor's default is 10 s), counted as its queue time; the evicted
+  tasks are queued again and start over (they keep no checkpoint), as the policy service's
+  ``evict`` decisions and the executor do; an eviction is no failure of the task and counts
+  toward no backoff limit;
 - calibration: the confidence of fleetpilot's placements is corrected by the outcomes of
   the placements judged so far (``policy.calibration``, read every ``FEEDBACK_EVERY`` ticks),
   as the policy service corrects it from the feedback store's totals;
@@ -141,7 +147,8 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
@@ -149,7 +156,17 @@ from typing import NoReturn
 import msgspec
 import numpy as np
 
-from fleetpilot.contracts import DecisionMade, Fingerprint, Placement, PolicyRef, TaskSubmitted
+from fleetpilot.contracts import (
+    Allocation,
+    Contract,
+    DecisionMade,
+    Fingerprint,
+    NodeLedger,
+    Placement,
+    PolicyRef,
+    TaskAdmitted,
+    TaskSubmitted,
+)
 from fleetpilot.contracts.task import SlaRequest
 from fleetpilot.fingerprint import (
     TRUST_SAMPLES,
@@ -187,11 +204,13 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
+from fleetpilot.policy.preempt import Victim, eviction_cost, preemptions
 from fleetpilot.policy.rebalance import (
     GROWTH_LOOKAHEAD_S,
     MOVE_DOWN_TRIES,
     OVERFLOW_FILL,
     SMOOTH_GROWTH,
+    Running,
     bridge_watches,
     could_take,
     envelope_bridge_mb,
@@ -259,6 +278,7 @@ class _Job:
     queued_since: float = 0.0
     queue_s: float = 0.0
     attempts: int = 0
+    evictions: int = 0  # runs Fleetpilot's policy evicted for a vip: they count toward no backoff limit
     migrations: int = 0
     row: int = -1
     gpus: list[int] = field(default_factory=list)
@@ -323,7 +343,7 @@ class FleetRun:
         self.preempts = mode == "k8s-default" if preempts is None else preempts
         # The simulator's noise stream is seeded from the workload seed in both runs.
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
-        gpu_nodes = [n for n in fleet.nodes if n.gpus]
+        self.gpu_nodes = gpu_nodes = [n for n in fleet.nodes if n.gpus]
         self.state = ClusterState.from_topology(gpu_nodes)
         # Row of the policy's state -> first GPU of that node in the simulator's arrays.
         sim_offset, k = {}, 0
@@ -662,14 +682,7 @@ class FleetRun:
         request when the policy itself finds it no node (before the bridge is tried).
         ``pause``: it runs only that much later (a tenant is being moved off its GPU), which
         counts as queue time."""
-        # As the policy service tries a contract bound to sites: the plain request at each of
-        # them in the contract's order, then the bridge at each.
-        # Each is built once (its ask is worked out there) and named at every site.
-        sites = job.bound_sites or ("",)
-        built = [(bridge, self._request(job, bridge=bridge, site=sites[0]))
-                 for bridge in ([False, True] if self._bridgeable(job) else [False])]
-        requests = [(bridge, req if site == req.site else msgspec.structs.replace(req, site=site))
-                    for bridge, req in built for site in sites]
+        requests = self._requests(job)
         # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
         # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
         hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
@@ -702,12 +715,27 @@ class FleetRun:
             return True
         return False
 
+    def _requests(self, job: _Job) -> list[tuple[bool, TaskRequest]]:
+        """What the policy is asked for ``job``, in order, each with whether it is its bridge:
+        as the policy service tries a contract bound to sites, the plain request at each of
+        them in the contract's order, then the bridge at each (``ReplicaState.requests``)."""
+        # Each is built once (its ask is worked out there) and named at every site.
+        sites = job.bound_sites or ("",)
+        built = [(bridge, self._request(job, bridge=bridge, site=sites[0]))
+                 for bridge in ([False, True] if self._bridgeable(job) else [False])]
+        return [(bridge, req if site == req.site else msgspec.structs.replace(req, site=site))
+                for bridge, req in built for site in sites]
+
     def _preempt_for(self, job: _Job, now: float) -> bool:
-        """kube-scheduler's ``DefaultPreemption`` for a pod of the baseline that found no node
-        (``default_preemption``): the lower-priority pods it picks are evicted (each a failed
-        attempt of its Job, which counts toward the backoff limit and starts again from
-        scratch), and the pod starts there after their grace period (counted as its queue
-        time); whether it started."""
+        """A preemption for a waiting task that found no node; whether it started.
+
+        The baseline plays kube-scheduler's ``DefaultPreemption`` (``default_preemption``):
+        the lower-priority pods it picks are evicted (each a failed attempt of its Job, which
+        counts toward the backoff limit and starts again from scratch), and the pod starts
+        there after their grace period (counted as its queue time). Fleetpilot plays its
+        policy service's vip preemption (``_vip_preempts``)."""
+        if self.smart:
+            return self._vip_preempts(job, now)
         priority = PRIORITY_CLASS.get(job.task.tier, 0)
         if not self.preempts or priority <= min(PRIORITY_CLASS.values()):
             return False
@@ -718,6 +746,83 @@ class FleetRun:
             self._kill(self.by_id[pod.pod_id], now, "preempted")
         # The only node that changed is the one it fits now, so the policy places it there.
         return self._try_start(job, now, None, [], pause=TERMINATION_GRACE_S)
+
+    def _vip_preempts(self, job: _Job, now: float) -> bool:
+        """The policy service's vip preemption (``Evictions.preemption_for``): for each of
+        the vip's requests in order, the cheapest best-effort tasks on one node whose eviction
+        lets it fit (``policy.preempt.preemptions``: the work they have done plus a restart),
+        among the three cheapest nodes the first where the policy, those tasks gone, places
+        it. They are evicted (queued again, from scratch) and it starts there after their
+        grace period, counted as its queue time; whether it started."""
+        if job.task.tier != "vip":
+            return False
+        victims = [j for j in self.jobs if j.state == "running" and j.task.tier == "best_effort"]
+        if not victims:
+            return False
+        rows = {j.row for j in victims}
+        for _, req in self._requests(job):
+            wanted = msgspec.structs.replace(job.submitted, gpu_memory_mb=req.gpu_memory_mb,
+                                             gpu_models=list(req.gpu_models))
+            # A contract bound to a site frees room on that site only; a node of no model the
+            # request takes frees nothing it could use.
+            candidates = {r for r in rows if (not req.site or self.node_site[r] == req.site)
+                          and (not req.gpu_models or self.node_model[r] in req.gpu_models)}
+            if not candidates:
+                continue
+            nodes = {self.state.node_names[r]: self.gpu_nodes[r] for r in candidates}
+            ledgers = {name: self._ledger(self.state.node_index(name)) for name in nodes}
+            chosen = []
+            for j in victims:
+                if j.row in candidates:
+                    node = self.state.node_names[j.row]
+                    holds = tuple(a for a in ledgers[node].allocations if a.task_id == j.task.task_id)
+                    running = Running(task_id=j.task.task_id, node=node, allocations=holds)
+                    chosen.append(Victim(running=running, admitted=self._admitted(j), cost=eviction_cost(running, now)))
+            for plan in preemptions(wanted, nodes, ledgers, chosen)[:3]:
+                leaving = [self.by_id[v.task_id] for v in plan.victims]
+                row = self.state.node_index(plan.node)
+                with self._without(leaving):
+                    decision = self.policy.decide(self.state, req)
+                if decision.action != "assign" or decision.node_row != row:
+                    continue  # the pure fit check and the policy rarely disagree
+                for victim in leaving:
+                    self._kill(victim, now, "preempted")
+                return self._try_start(job, now, None, [], pause=TERMINATION_GRACE_S)
+        return False
+
+    def _ledger(self, row: int) -> NodeLedger:
+        """The holds on node ``row`` as the policy service's ledger has them: one per GPU of
+        each task running there, its CPU and host memory on the first."""
+        ids = set().union(*(self.on_gpu.get((row, g), set()) for g in range(self.state.max_gpus)))
+        holds = []
+        for j in (self.by_id[t] for t in sorted(ids)):
+            if j.state != "running":
+                continue
+            for i, g in enumerate(j.gpus):
+                holds.append(Allocation(task_id=j.task.task_id, decision_id=f"{j.task.task_id}.assign", gpu=g,
+                                        milli=j.milli, memory_mb=j.reserved_mb, state="confirmed", at=j.seg_start,
+                                        cpu_milli=j.task.cpu_milli if i == 0 else 0,
+                                        host_memory_mb=j.task.memory_mb if i == 0 else 0))
+        return NodeLedger(node=self.state.node_names[row], allocations=holds)
+
+    @staticmethod
+    def _admitted(job: _Job) -> TaskAdmitted:
+        """``job`` as the policy service knows a running task: its admission."""
+        return TaskAdmitted(task=job.submitted, contract=Contract(tier=job.task.tier), tenant=job.submitted.tenant,
+                            admitted_at=job.task.arrival_s)
+
+    @contextmanager
+    def _without(self, jobs: Sequence[_Job]) -> Iterator[None]:
+        """The state as if ``jobs`` had released their holds, for a decision within."""
+        for j in jobs:
+            self.state.release(j.row, j.gpus, j.milli, cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb,
+                               gpu_memory_mb=j.reserved_mb)
+        try:
+            yield
+        finally:
+            for j in jobs:
+                self.state.allocate(j.row, j.gpus, j.milli, cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb,
+                                    gpu_memory_mb=j.reserved_mb)
 
     def _pods_on(self, row: int) -> list[RunningPod]:
         """The baseline's pods running on node ``row``, as preemption sees them."""
@@ -1033,14 +1138,16 @@ class FleetRun:
     def _kill(self, job: _Job, now: float, cause: str) -> None:
         """A run killed by ``cause`` (``oom``, ``task_failed``: its GPU failed; ``preempted``):
         its work is lost, and its Job starts it again from scratch unless that was its last
-        attempt (``BACKOFF_LIMIT``)."""
+        attempt (``BACKOFF_LIMIT``). Fleetpilot's evictions for a vip count toward no limit:
+        the policy stopped the task, it did not fail."""
         self._stop(job)
         if cause == "preempted":
             self.sim.remove(job.task.task_id)
             self.counts["preempted"] += 1
+            job.evictions += self.smart
         self.killed_runs.append((job.seg_start, now, job.curve or job.task.growth, len(job.gpus)))
         job.progress_s, job.run_peak_mb = 0.0, 0.0
-        if job.attempts > BACKOFF_LIMIT:
+        if job.attempts - job.evictions > BACKOFF_LIMIT:
             job.state = "failed"
             self.counts["backoff_failed"] += 1
             return

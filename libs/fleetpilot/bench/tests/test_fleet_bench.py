@@ -864,3 +864,38 @@ def test_the_baselines_priority_classes_preempt_unless_told_not_to_a_vip_pod_sta
 def test_only_the_baseline_plays_kube_schedulers_preemption() -> None:
     with pytest.raises(ValueError, match="DefaultPreemption"):
         FleetRun(tiny_fleet(), workload(task(0)), "fleetpilot", seed=1, preempts=True)
+
+
+@pytest.mark.parametrize("tenant_tier", ["best_effort", "standard"])
+def test_fleetpilots_vip_evicts_best_effort_work_only_and_the_eviction_counts_toward_no_backoff_limit(
+        tenant_tier: str) -> None:
+    # One GPU, a 2-hour task on it; a 10-minute vip task arrives at 600 s. As the policy
+    # service does, the vip evicts a best-effort tenant (which starts over once the vip is
+    # done) and waits only for its grace period; a standard tenant it does not evict (the
+    # standard one is checkpointed to make way for it at a later cycle: its work is kept).
+    tasks = (task(0, duration=7200.0, tier=tenant_tier), task(1, duration=600.0, arrival=600.0, tier="vip"))
+    run = FleetRun(tiny_fleet(), workload(*tasks, hours=5.0), "fleetpilot", seed=1)
+    result = run.run()
+    tenant, vip = run.jobs
+    assert tenant.state == vip.state == "done"
+    if tenant_tier == "best_effort":
+        assert vip.queue_s == TERMINATION_GRACE_S
+        assert tenant.evictions == 1 and tenant.finished_at >= 600.0 + TERMINATION_GRACE_S + 600.0 + 7200.0
+        assert result.breakdown["preempted"] == 1 and result.breakdown["backoff_failed"] == 0
+    else:
+        assert vip.queue_s > TERMINATION_GRACE_S
+        assert tenant.evictions == 0 and result.breakdown["preempted"] == 0
+        assert tenant.finished_at < 600.0 + vip.queue_s + 600.0 + 7200.0  # it went on where it was stopped
+
+
+def test_fleetpilots_vip_evicts_the_best_effort_task_that_has_done_the_least_work() -> None:
+    # Two one-GPU nodes, each running a 2-hour best-effort task, one started 5 minutes after
+    # the other; the vip arriving at 10 minutes evicts the younger (``policy.preempt``: the
+    # work thrown away plus a restart), and the older runs on untouched.
+    tasks = (task(0, duration=7200.0, tier="best_effort"), task(1, duration=7200.0, arrival=300.0, tier="best_effort"),
+             task(2, duration=600.0, arrival=600.0, tier="vip"))
+    run = FleetRun(tiny_fleet(nodes=2), workload(*tasks, hours=5.0), "fleetpilot", seed=1)
+    run.run()
+    older, younger, vip = run.jobs
+    assert (older.evictions, younger.evictions) == (0, 1)
+    assert vip.queue_s == TERMINATION_GRACE_S and older.finished_at < younger.finished_at
