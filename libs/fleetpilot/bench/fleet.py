@@ -793,11 +793,8 @@ class FleetRun:
     def _ledger(self, row: int) -> NodeLedger:
         """The holds on node ``row`` as the policy service's ledger has them: one per GPU of
         each task running there, its CPU and host memory on the first."""
-        ids = set().union(*(self.on_gpu.get((row, g), set()) for g in range(self.state.max_gpus)))
         holds = []
-        for j in (self.by_id[t] for t in sorted(ids)):
-            if j.state != "running":
-                continue
+        for j in self._running_on(row):
             for i, g in enumerate(j.gpus):
                 holds.append(Allocation(task_id=j.task.task_id, decision_id=f"{j.task.task_id}.assign", gpu=g,
                                         milli=j.milli, memory_mb=j.reserved_mb, state="confirmed", at=j.seg_start,
@@ -824,12 +821,16 @@ class FleetRun:
                 self.state.allocate(j.row, j.gpus, j.milli, cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb,
                                     gpu_memory_mb=j.reserved_mb)
 
+    def _running_on(self, row: int) -> list[_Job]:
+        """The tasks running on node ``row``, by task id."""
+        ids = set().union(*(self.on_gpu.get((row, g), set()) for g in range(self.state.max_gpus)))
+        return [j for j in (self.by_id[t] for t in sorted(ids)) if j.state == "running"]
+
     def _pods_on(self, row: int) -> list[RunningPod]:
         """The baseline's pods running on node ``row``, as preemption sees them."""
-        ids = set().union(*(self.on_gpu.get((row, g), set()) for g in range(self.state.max_gpus)))
         return [RunningPod(pod_id=j.task.task_id, priority=PRIORITY_CLASS.get(j.task.tier, 0), started_s=j.seg_start,
                            gpus=tuple(j.gpus), cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb)
-                for j in (self.by_id[t] for t in sorted(ids)) if j.state == "running"]
+                for j in self._running_on(row)]
 
     def _may_pause(self, job: _Job, now: float) -> bool:
         """A running task may be paused for a checkpoint unless the pause would make it miss
