@@ -1420,7 +1420,9 @@ class FleetRun:
         was outgrowing its GPUs, it is bridged again only onto GPUs with more than they have
         (``bridge_floor_mb``): on no more room it would be stopped again at once, or, a step
         away from the end, die of OOM. A signature whose restores have come back low
-        (``restores_start_over``), as a leak's do, needs neither."""
+        (``restores_start_over``), as a leak's do, needs neither, though a run of it that
+        outgrew its GPUs sooner than ``GROWTH_LOOKAHEAD_S`` after being placed there is still bridged
+        only onto more room."""
         self._stop(job)
         held = self._held(job, now)
         started = float((job.curve or job.task.growth).memory_at(0.0))  # what NVML showed as it started
@@ -1430,7 +1432,7 @@ class FleetRun:
             job.stopped_at_mb = int(math.ceil(held + CONTEXT_MB))
         if outgrown:
             gpus_mb = float(self.state.gpu_mem_total[job.row, np.asarray(job.gpus)].min())
-            job.bridge_floor_mb = bridge_floor_mb(stats, gpus_mb)
+            job.bridge_floor_mb = bridge_floor_mb(stats, gpus_mb, now - job.seg_start, GROWTH_LOOKAHEAD_S)
         job.resume = self._resumed(job, now)
         job.bridged = False
         job.history = None

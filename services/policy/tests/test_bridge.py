@@ -206,18 +206,16 @@ async def test_a_bridged_task_about_to_overflow_with_nowhere_to_go_is_checkpoint
     assert [p.node for p in again.placement] == ["big"]  # a GPU that holds its peak
 
 
-async def bridge_and_checkpoint(observer, task_id: str) -> tuple[str, float]:
+async def bridge_and_checkpoint(observer, task_id: str, stayed_s: float = 0.0) -> tuple[str, float]:
     """Admit a linear grower, let it be bridged onto an A100 (the H100 held) and confirmed
-    there, then grow it 12 GB a minute from 18 GB to 30 GB until it is checkpointed; its node
-    and the time of its last sample."""
+    there as if started ``stayed_s`` ago, then grow it 12 GB a minute from 18 GB to 30 GB until
+    it is checkpointed; its node and the time of its last sample."""
     before = len(observer.decisions)
     await fingerprinted(observer, {task_id: fingerprint("linear")})
     await observer.admit(task(task_id))
     await wait_for(lambda: len(observer.decisions) == before + 1, timeout_s=3.0, what=f"{task_id} bridged")
     where = observer.decisions[-1].placement[0].node
-    ledgers = await observer.ledgers()
-    held = [msgspec.structs.replace(a, state="confirmed") for a in ledgers[where].allocations]
-    await observer.kv_put("ledger", where, encode(NodeLedger(node=where, allocations=held)))
+    await started_ago(observer, where, stayed_s)
     t = now()
     for at, used_mb in ((t - 60, 18_000), (t - 30, 24_000), (t, 30_000)):
         await sample(observer, task_id, where, at, used_mb)
@@ -249,12 +247,11 @@ async def test_a_checkpointed_grower_is_not_bridged_again_onto_a_gpu_no_larger_t
     assert (again.action, [p.node for p in again.placement]) == ("assign", ["big"])
 
 
-async def test_a_signature_whose_restores_started_over_may_be_bridged_again_onto_the_same_room(
-    observer, nats_url, tmp_path
-):
-    # The fingerprinter has counted the program's restores: they came back low (a leak, a
-    # cache). A run of it checkpointed on an A100 may then start again on an A100 (a program
-    # whose restores are not known to start over may not: the test above).
+async def checkpoint_a_leak_that_stayed(observer, nats_url, tmp_path, stayed_s: float):
+    """Bridge a run of a program whose restores the fingerprinter counted as started over
+    (a leak, a cache) onto an A100, started ``stayed_s`` ago, and let it be checkpointed there
+    for outgrowing it; then free both A100s, and after a few retry rounds the H100: its
+    requeue note and its placements."""
     await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100), node("small1", gpus=1, **A100)])
     await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
     leak = task_signature(task("leak").task)
@@ -264,16 +261,39 @@ async def test_a_signature_whose_restores_started_over_may_be_bridged_again_onto
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await bridge_and_checkpoint(observer, "leak")
-        _, starts_over = decode_pending((await pending.get("leak")).value)
+        await bridge_and_checkpoint(observer, "leak", stayed_s)
+        _, note = decode_pending((await pending.get("leak")).value)
         await observer.kv_put("ledger", "small0", encode(NodeLedger(node="small0", allocations=[])))
         await observer.kv_put("ledger", "small1", encode(NodeLedger(node="small1", allocations=[])))
+        await asyncio.sleep(1.0)  # several retry rounds
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
         await wait_for(lambda: len(observer.by_task()["leak"]) == 3, timeout_s=3.0, what="leak placed again")
     finally:
         await policy.stop()
-    assert starts_over is not None and starts_over.bridge_floor_mb == 0
-    again = observer.by_task()["leak"][2]
+    return note, observer.by_task()["leak"]
+
+
+async def test_a_signature_whose_restores_started_over_may_be_bridged_again_onto_the_same_room(
+    observer, nats_url, tmp_path
+):
+    # A run of it that stayed 20 minutes on an A100 before it outgrew it may start again on an
+    # A100, where starting over buys it about as long again (a program whose restores are not
+    # known to start over may not: the test above).
+    note, placements = await checkpoint_a_leak_that_stayed(observer, nats_url, tmp_path, stayed_s=1200.0)
+    assert note is not None and note.bridge_floor_mb == 0
+    again = placements[2]
     assert again.action == "assign" and again.placement[0].node in ("small0", "small1")  # the room it outgrew
+
+
+async def test_a_run_that_outgrew_its_room_within_minutes_is_not_bridged_again_onto_it_though_it_starts_over(
+    observer, nats_url, tmp_path
+):
+    # Started over on the same A100 it would be stopped again as soon, a pause each time,
+    # until it outgrew it between two samples: it waits for more room instead.
+    note, placements = await checkpoint_a_leak_that_stayed(observer, nats_url, tmp_path, stayed_s=60.0)
+    assert note is not None and note.bridge_floor_mb == A100["memory_mb"] + 1
+    again = placements[2]
+    assert (again.action, [p.node for p in again.placement]) == ("assign", ["big"])
 
 
 async def test_a_step_schedule_is_bridged_by_its_envelope_and_checkpointed_before_the_step_that_outgrows_it(

@@ -16,6 +16,7 @@ from fleetpilot.bench import fleet_workload as bench_workload
 from fleetpilot.bench.default_preemption import TERMINATION_GRACE_S
 from fleetpilot.bench.fleet import (
     BACKOFF_LIMIT,
+    TICK_S,
     FleetRun,
     compare,
     main,
@@ -29,6 +30,7 @@ from fleetpilot.contracts import Fingerprint
 from fleetpilot.fingerprint import restores_start_over, run_envelope
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.fleet.simulator import CONTEXT_MB
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.workload.growth import MemoryGrowth
 
 
@@ -477,6 +479,11 @@ def test_a_leak_comes_back_low_from_its_checkpoint_and_may_then_be_bridged_onto_
     run._start(job, 0, [0], 1000, 0.0)
     run._checkpoint(job, 1000.0, outgrown=True)
     assert (job.bridge_floor_mb, job.stopped_at_mb) == (0, 0)
+    # One that outgrew the A100 sooner than a lookahead would only be stopped there again as soon.
+    run._enqueue(job, 1000.0)
+    run._start(job, 0, [0], 1000, 1000.0)
+    run._checkpoint(job, 1000.0 + GROWTH_LOOKAHEAD_S - TICK_S, outgrown=True)
+    assert job.bridge_floor_mb == int(run.state.gpu_mem_total[0, 0]) + 1
 
 
 def test_a_checkpointed_run_asks_no_less_than_it_held_until_it_starts_again() -> None:

@@ -13,13 +13,14 @@ from fleetpilot.fingerprint import (
     restore_tells,
     restores_start_over,
 )
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.policy.restores import bridge_floor_mb
 
 
 def test_an_unknown_signature_is_taken_to_come_back_where_it_was() -> None:
     assert not restores_start_over(None)
     assert not restores_start_over(SignatureStats(signature="sig-a"))
-    assert bridge_floor_mb(None, 40_960) == 40_961
+    assert bridge_floor_mb(None, 40_960, 3600.0, GROWTH_LOOKAHEAD_S) == 40_961
 
 
 def test_a_signature_whose_restores_came_back_low_starts_over_and_carries_no_floor() -> None:
@@ -27,8 +28,19 @@ def test_a_signature_whose_restores_came_back_low_starts_over_and_carries_no_flo
     stats = memory.observe_restore("sig-leak", stopped_mb=38_000.0, restored_mb=15_000.0)
     assert (stats.restores_kept, stats.restores_reset) == (0, 1)
     assert restores_start_over(memory.stats("sig-leak"))
-    assert bridge_floor_mb(memory.stats("sig-leak"), 40_960) == 0
+    assert bridge_floor_mb(memory.stats("sig-leak"), 40_960, 3600.0, GROWTH_LOOKAHEAD_S) == 0
     assert not restores_start_over(memory.stats("sig-other"))
+
+
+def test_a_run_that_outgrew_its_room_sooner_than_a_lookahead_keeps_the_floor_though_it_starts_over() -> None:
+    # Started over there, it would be stopped again as soon, and near its end outgrow the room
+    # between two samples.
+    memory = SignatureMemory()
+    starts_over = memory.observe_restore("sig-leak", stopped_mb=38_000.0, restored_mb=15_000.0)
+    assert restores_start_over(starts_over)
+    assert bridge_floor_mb(starts_over, 32_768, 120.0, GROWTH_LOOKAHEAD_S) == 32_769
+    assert bridge_floor_mb(starts_over, 32_768, GROWTH_LOOKAHEAD_S - 1.0, GROWTH_LOOKAHEAD_S) == 32_769
+    assert bridge_floor_mb(starts_over, 32_768, GROWTH_LOOKAHEAD_S, GROWTH_LOOKAHEAD_S) == 0
 
 
 def test_the_majority_of_restores_decides_and_a_tie_keeps_the_floor() -> None:
@@ -36,7 +48,7 @@ def test_the_majority_of_restores_decides_and_a_tie_keeps_the_floor() -> None:
     assert (stats.restores_kept, stats.restores_reset) == (1, 0)
     stats = merge_restore(stats, stopped_mb=30_000.0, restored_mb=10_000.0)
     assert not restores_start_over(stats)  # one each: not known to start over
-    assert bridge_floor_mb(stats, 40_960) == 40_961
+    assert bridge_floor_mb(stats, 40_960, 3600.0, GROWTH_LOOKAHEAD_S) == 40_961
     stats = merge_restore(stats, stopped_mb=30_000.0, restored_mb=9_000.0)
     assert restores_start_over(stats)
 
