@@ -12,8 +12,8 @@ rules of ``fleetpilot.feedback.outcomes``:
   is judged in turn by how its own placement ends. Until then the executed action waits in
   the ``open_placements`` bucket, so every replica can judge it and a restart loses nothing.
   An end handled before its action's result is judged from the lifecycle alone, its latency
-  unknown; the late result then gives the stored record its latency, once
-  (``FeedbackStore.amend_latency``).
+  and resource saving unknown; the late result then gives the stored record both, once
+  (``FeedbackStore.amend_late_result``).
 
 Records go to the store (SQLite by default, PostgreSQL when ``store_dsn`` is a
 ``postgresql://`` URL), then out as ``feedback.recorded``. Statistics are served on the
@@ -46,6 +46,7 @@ from fleetpilot.feedback import (
     SqliteFeedbackStore,
     ending_outcome,
     feedback_for,
+    resource_saving_of,
     side_effects_of,
 )
 from fleetpilot.feedback.aggregates import validate_by
@@ -74,7 +75,7 @@ ENDINGS = frozenset({"finished", "oom_killed", "failed", "evicted"})
 JUDGED = b"judged"
 """The ``open_placements`` value left when a placement's end was judged before its action's
 result arrived (the record's latency unknown): the late result then gives the stored record
-its latency (``FeedbackStore.amend_latency``) instead of waiting forever."""
+its latency and saving (``FeedbackStore.amend_late_result``) instead of waiting forever."""
 LEFT = b"left"
 """The ``open_placements`` value left when a migration ended a placement whose result had
 not arrived yet: the late result is then judged at once, as a placement left alive."""
@@ -163,10 +164,12 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
 
     async def amend(action: ActionExecuted) -> FeedbackRecorded | None:
         """Give the stored record of ``action``, judged without its result, the executor's
-        latency; the record as amended, ``None`` when it had one already (or none is stored)."""
+        latency and, if it was a success, the GPU memory its placement left to other work;
+        the record as amended, ``None`` when it had them already (or none is stored)."""
         latency = Measured(value=action.latency_ms, uncertainty_score=EXECUTOR_LATENCY_UNCERTAINTY)
         try:
-            return await parts["store"].amend_latency(action.action_id, latency)
+            return await parts["store"].amend_late_result(action.action_id, latency,
+                                                          resource_saving_of(action, "success"))
         except ValueError as error:
             raise Reject(str(error)) from None  # a latency no store can keep: no redelivery helps
 
@@ -181,6 +184,10 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             entry = await placements.get(key)
             if entry is not None and entry.value in (JUDGED, LEFT):
                 await placements.delete(key)
+            if entry is not None and entry.value == JUDGED:
+                # The end's handler stored the record and announced it; this result only
+                # amends it (its first delivery may have found the record not stored yet).
+                return None
             return amended or stored
         try:
             await placements.create(key, encode(action))

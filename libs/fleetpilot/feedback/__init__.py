@@ -16,7 +16,7 @@ from .aggregates import (
     weighted_nearest_rank,
 )
 from .migrations import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, Migration, pending
-from .outcomes import ending_outcome, feedback_for, outcome_of, side_effects_of
+from .outcomes import ending_outcome, feedback_for, outcome_of, resource_saving_of, side_effects_of
 from .postgres_store import PostgresFeedbackStore
 from .retry import backoff_delay, is_retryable
 from .sqlite_store import SqliteFeedbackStore
@@ -42,6 +42,7 @@ __all__ = [
     "outcome_of",
     "pending",
     "recompute",
+    "resource_saving_of",
     "row_from_event",
     "side_effects_of",
     "store_target",

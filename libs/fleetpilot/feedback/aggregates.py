@@ -187,38 +187,46 @@ def totals_of(row: FeedbackRow) -> Totals:
     )
 
 
-class LatencyAmendment(msgspec.Struct, frozen=True, kw_only=True):
-    """A stored record given the latency it was judged without (``latency_amendment``)."""
+class LateResultAmendment(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored record given what the result it was judged without brings
+    (``late_result_amendment``)."""
 
     event: FeedbackRecorded
-    """The record as it is to be stored now: the stored one with the measured latency."""
+    """The record as it is to be stored now: the stored one with the measured latency and,
+    for a success, the memory its placement left to other work."""
     row: FeedbackRow
-    """Its raw row (only ``weight_units`` and ``latency_us`` differ from the stored one)."""
+    """Its raw row (only ``weight_units``, ``latency_us`` and ``saving_milli_mb`` differ from
+    the stored one)."""
     delta: Totals
     """What its key's sums gain: the new row's contribution less the stored row's."""
 
 
-def latency_amendment(stored: FeedbackRecorded, latency: Measured) -> LatencyAmendment | None:
-    """The amendment of ``stored`` by a latency measured after it was judged, or ``None``
+def late_result_amendment(stored: FeedbackRecorded, latency: Measured,
+                          saving_if_success_mb: float = 0.0) -> LateResultAmendment | None:
+    """The amendment of ``stored`` by its action's result, come after it was judged: the
+    result's ``latency`` and, where ``stored`` is a success, ``saving_if_success_mb`` (the
+    GPU memory its placement left to other work, ``outcomes.resource_saving_of``); ``None``
     when there is nothing to amend: ``stored`` has a measured latency (weight above 0), or
     ``latency`` is no measurement either (weight 0).
 
     A placement whose end was handled before the executor's result is judged from the end
-    alone, its latency unknown (weight 0); the result, when it comes, brings the latency.
-    Only the latency changes, so the key, the outcome and the calibration bin stay: the
-    delta touches the latency sums alone, and applying it once (only to a stored row that
-    still weighs 0) keeps the sums equal to a recomputation from the amended raw rows.
+    alone: its latency unknown (weight 0), and its saving unknown (0), as the end names no
+    GPU share. The result, when it comes, brings both. Neither changes the key, the outcome
+    nor the calibration bin: the delta touches the latency and saving sums alone, and
+    applying it once (only to a stored row that still weighs 0) keeps the sums equal to a
+    recomputation from the amended raw rows.
     """
     old = row_from_event(stored)
     if old.weight_units > 0:
         return None
-    event = msgspec.structs.replace(stored, latency_ms=latency)
+    saving = saving_if_success_mb if stored.outcome == "success" else stored.resource_saving_mb
+    event = msgspec.structs.replace(stored, latency_ms=latency, resource_saving_mb=saving)
     row = row_from_event(event)
     if row.weight_units == 0:
         return None
     before, after = totals_of(old), totals_of(row)
     delta = Totals(**{f: getattr(after, f) - getattr(before, f) for f in TOTALS_FIELDS})
-    return LatencyAmendment(event=event, row=row, delta=delta)
+    return LateResultAmendment(event=event, row=row, delta=delta)
 
 
 class BinTotals(msgspec.Struct, kw_only=True):

@@ -34,7 +34,7 @@ from .aggregates import (
     BinTotals,
     Totals,
     assemble,
-    latency_amendment,
+    late_result_amendment,
     row_from_event,
     totals_of,
     validate_by,
@@ -72,13 +72,13 @@ _RECORD = (
     " SELECT count(*) FROM ins"
 )
 _SELECT_UNMEASURED = "SELECT payload FROM feedback_raw WHERE action_id = $1 AND weight_units = 0"
-# A latency amendment (``amend_latency``): the raw row, only while its latency is unknown
-# (``weight_units = 0``), and its key's latency sums, in one statement.
+# A late result's amendment (``amend_late_result``): the raw row, only while its latency is
+# unknown (``weight_units = 0``), and its key's latency and saving sums, in one statement.
 _AMEND = (
-    "WITH amended AS (UPDATE feedback_raw SET weight_units = $2, latency_us = $3, payload = $4"
-    f" WHERE action_id = $1 AND weight_units = 0 RETURNING {_KEYS})"
+    "WITH amended AS (UPDATE feedback_raw SET weight_units = $2, latency_us = $3, saving_milli_mb = $4,"
+    f" payload = $5 WHERE action_id = $1 AND weight_units = 0 RETURNING {_KEYS})"
     " UPDATE feedback_aggregate SET "
-    + ", ".join(f"{f} = feedback_aggregate.{f} + ${i + 5}::numeric" for i, f in enumerate(TOTALS_FIELDS))
+    + ", ".join(f"{f} = feedback_aggregate.{f} + ${i + 6}::numeric" for i, f in enumerate(TOTALS_FIELDS))
     + " FROM amended WHERE "
     + " AND ".join(f"feedback_aggregate.{k} = amended.{k}" for k in KEY_FIELDS)
 )
@@ -201,11 +201,12 @@ class PostgresFeedbackStore:
 
         return await self._transaction(body)
 
-    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
-        """Give the record of ``action_id``, stored with its latency unknown, the measured
-        ``latency``, once (SERIALIZABLE, retried); the record as amended, ``None`` when
-        nothing changed (no record, one whose latency is measured already, or ``latency``
-        no measurement either)."""
+    async def amend_late_result(self, action_id: str, latency: Measured,
+                                saving_if_success_mb: float = 0.0) -> FeedbackRecorded | None:
+        """Give the record of ``action_id``, stored with its latency unknown, what its late
+        result brings (``late_result_amendment``), once (SERIALIZABLE, retried); the record
+        as amended, ``None`` when nothing changed (no record, one whose latency is measured
+        already, or ``latency`` no measurement either)."""
         if "\x00" in action_id:
             return None  # never stored (``raw_values`` refuses it); PostgreSQL would raise on it
 
@@ -216,12 +217,13 @@ class PostgresFeedbackStore:
             found = await conn.fetchrow(_SELECT_UNMEASURED, action_id)
             if found is None:
                 return None
-            amendment = latency_amendment(decode(found["payload"].encode(), FeedbackRecorded), latency)
+            amendment = late_result_amendment(decode(found["payload"].encode(), FeedbackRecorded), latency,
+                                              saving_if_success_mb)
             if amendment is None:
                 return None
             row = amendment.row
-            await conn.execute(_AMEND, action_id, row.weight_units, row.latency_us, stored_payload(amendment.event),
-                               *(getattr(amendment.delta, f) for f in TOTALS_FIELDS))
+            await conn.execute(_AMEND, action_id, row.weight_units, row.latency_us, row.saving_milli_mb,
+                               stored_payload(amendment.event), *(getattr(amendment.delta, f) for f in TOTALS_FIELDS))
             return amendment.event
 
         return await self._transaction(body)

@@ -31,7 +31,7 @@ from .aggregates import (
     BinTotals,
     Totals,
     assemble,
-    latency_amendment,
+    late_result_amendment,
     p95_by_group,
     row_from_event,
     totals_of,
@@ -64,7 +64,7 @@ _UPSERT_AGGREGATE = (
 _SELECT_UNMEASURED = f"SELECT {_KEYS}, payload FROM feedback_raw WHERE action_id = ? AND weight_units = 0"
 # ``weight_units = 0`` again: the row is amended once, only while its latency is unknown.
 _AMEND_RAW = (
-    "UPDATE feedback_raw SET weight_units = ?, latency_us = ?, payload = ?"
+    "UPDATE feedback_raw SET weight_units = ?, latency_us = ?, saving_milli_mb = ?, payload = ?"
     " WHERE action_id = ? AND weight_units = 0"
 )
 _UPSERT_BIN = (
@@ -188,10 +188,12 @@ class SqliteFeedbackStore:
 
         return await self._run(write)
 
-    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
-        """Give the record of ``action_id``, stored with its latency unknown, the measured
-        ``latency``, once; the record as amended, ``None`` when nothing changed (no record,
-        one whose latency is measured already, or ``latency`` no measurement either)."""
+    async def amend_late_result(self, action_id: str, latency: Measured,
+                                saving_if_success_mb: float = 0.0) -> FeedbackRecorded | None:
+        """Give the record of ``action_id``, stored with its latency unknown, what its late
+        result brings (``late_result_amendment``), once; the record as amended, ``None`` when
+        nothing changed (no record, one whose latency is measured already, or ``latency`` no
+        measurement either)."""
 
         def write() -> FeedbackRecorded | None:
             self._db.execute("BEGIN IMMEDIATE")
@@ -201,10 +203,11 @@ class SqliteFeedbackStore:
                 found = self._db.execute(_SELECT_UNMEASURED, (action_id,)).fetchone()
                 amendment = None
                 if found is not None:
-                    amendment = latency_amendment(decode(found[_N_KEYS].encode(), FeedbackRecorded), latency)
+                    amendment = late_result_amendment(decode(found[_N_KEYS].encode(), FeedbackRecorded), latency,
+                                                      saving_if_success_mb)
                 if amendment is not None:
                     row, key = amendment.row, tuple(found[:_N_KEYS])
-                    self._db.execute(_AMEND_RAW, (row.weight_units, row.latency_us,
+                    self._db.execute(_AMEND_RAW, (row.weight_units, row.latency_us, row.saving_milli_mb,
                                                   stored_payload(amendment.event), action_id))
                     stored = self._db.execute(_SELECT_AGGREGATE, key).fetchone()
                     sums = Totals() if stored is None else _totals_from_text(stored)

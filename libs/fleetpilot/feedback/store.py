@@ -23,11 +23,14 @@ class FeedbackStore(Protocol):
         """Store one outcome; ``False`` when its ``action_id`` was already stored (no change)."""
         ...
 
-    async def amend_latency(self, action_id: str, latency: Measured) -> FeedbackRecorded | None:
+    async def amend_late_result(self, action_id: str, latency: Measured,
+                                saving_if_success_mb: float = 0.0) -> FeedbackRecorded | None:
         """Give the record of ``action_id``, stored with its latency unknown (weight 0: judged
-        before its action's result came), the measured ``latency``: its raw row and its key's
-        sums in one transaction, once (a row measured already is left alone, so a redelivered
-        result adds nothing). The record as amended; ``None`` when nothing changed."""
+        before its action's result came), what the result brings: the measured ``latency``
+        and, if the record is a success, ``saving_if_success_mb``
+        (``aggregates.late_result_amendment``). Its raw row and its key's sums in one
+        transaction, once (a row measured already is left alone, so a redelivered result adds
+        nothing). The record as amended; ``None`` when nothing changed."""
         ...
 
     async def get(self, action_id: str) -> FeedbackRecorded | None:

@@ -16,6 +16,7 @@ from fleetpilot.contracts import (
     FeedbackRecorded,
     FeedbackStats,
     Measured,
+    Placement,
     PolicyRef,
     StatsQuery,
     TaskLifecycle,
@@ -24,6 +25,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.feedback import PostgresFeedbackStore
 from fleetpilot.feedback.synthetic import feedback_event
+from fleetpilot.fleet.catalogue import gpu_model
 from fleetpilot.runtime.nats_bus import NatsBus
 from fleetpilot.runtime.testing import eventually as wait_for
 from fleetpilot_services.feedback.service import FeedbackSettings, build, open_store
@@ -218,6 +220,34 @@ async def test_a_result_that_comes_after_its_end_was_judged_gives_the_record_its
     assert [(f.action_id, f.latency_ms.uncertainty_score) for f in announced] == [("act-d7", 1.0)]
 
 
+async def test_a_late_result_of_a_shared_gpu_success_gives_the_record_the_memory_it_left_free(
+    feedback_settings, nats_client
+):
+    """The end says the task finished, but not what share of its GPU it held: judged from
+    the end alone, the record saved nothing. The late result names the share (half an H100,
+    20 GB of it), so the record and its key's sums gain what was left to other work."""
+    js = nats_client.jetstream()
+    host = build(feedback_settings)
+    await host.start()
+    share = Placement(node="n1", gpu=0, milli=500, memory_mb=20_000)
+    try:
+        await js.publish("task.lifecycle.t-d8", encode(ended("d8", "finished", "fgd")))
+        [blind] = await _wait_records(feedback_settings, 1)
+        result = msgspec.structs.replace(executed("d8", "assign", "fgd"), placement=[share])
+        await js.publish("action.executed", encode(result))
+        record = await _wait_measured(feedback_settings, "act-d8")
+        await wait_for(_nothing_open(feedback_settings), what="the late result's marker cleared")
+        reply = await nats_client.request("feedback.stats", encode(StatsQuery(by=["policy"])), timeout=5)
+    finally:
+        await host.stop()
+    left_free = float(gpu_model("H100").memory_mb - share.memory_mb)
+    assert (blind.outcome, blind.resource_saving_mb) == ("success", 0.0)
+    assert record == msgspec.structs.replace(blind, latency_ms=Measured(value=12.0, uncertainty_score=0.05),
+                                             resource_saving_mb=left_free)
+    [group] = decode(reply.data, FeedbackStats).groups
+    assert (group.count, group.mean_resource_saving_mb) == (1, pytest.approx(left_free))
+
+
 async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_settings, nats_client, monkeypatch):
     """The first handling of the late result stops after the store gave the record its
     latency (a timeout on the way back): delivered again, it adds nothing and clears the
@@ -229,15 +259,15 @@ async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_set
 
     async def store_failing_after_the_first_amendment(settings):
         store = await real_open_store(settings)
-        real_amend = store.amend_latency
+        real_amend = store.amend_late_result
 
-        async def amend_latency(action_id, latency):
-            amended.append(await real_amend(action_id, latency))
+        async def amend_late_result(action_id, latency, saving=0.0):
+            amended.append(await real_amend(action_id, latency, saving))
             if len(amended) == 1:
                 raise TimeoutError("the reply was lost after the commit")
             return amended[-1]
 
-        store.amend_latency = amend_latency
+        store.amend_late_result = amend_late_result
         stores.append(store)
         return store
 
@@ -259,10 +289,11 @@ async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_set
 
 
 async def test_a_result_that_finds_the_end_marked_but_not_yet_stored_comes_back_for_it(
-    feedback_settings, nats_client, monkeypatch
+    feedback_settings, nats_client, monkeypatch, announced
 ):
     """The lifecycle's handler marks the end judged, then writes its record: a result handled
-    between the two found no record to give its latency to."""
+    between the two found no record to give its latency to. Delivered again, it amends the
+    record the end's handler stored and announced, and announces nothing itself."""
     import fleetpilot_services.feedback.service as feedback_service
 
     real_open_store = feedback_service.open_store
@@ -291,9 +322,11 @@ async def test_a_result_that_finds_the_end_marked_but_not_yet_stored_comes_back_
         release.set()
         record = await _wait_measured(feedback_settings, "act-d7", timeout_s=20)
         await wait_for(_nothing_open(feedback_settings), what="the marker cleared")
+        await asyncio.sleep(0.3)  # room for another announcement to arrive
     finally:
         await host.stop()
     assert (record.outcome, record.latency_ms) == ("oom", Measured(value=12.0, uncertainty_score=0.05))
+    assert [f.action_id for f in announced] == ["act-d7"]
 
 
 def _nothing_open(settings: FeedbackSettings):

@@ -65,6 +65,11 @@ def late_latency(action_id: str) -> Measured:
     return Measured(value=1.0 + sum(action_id.encode()) % 997 / 7, uncertainty_score=0.05)
 
 
+def late_saving(action_id: str) -> float:
+    """The GPU memory a late result says its placement left to other work, if it succeeded."""
+    return float(sum(action_id.encode()) % 40_000)
+
+
 def unmeasured(event: FeedbackRecorded) -> bool:
     """Whether ``event`` was stored with its latency unknown (weight 0): amendable."""
     return row_from_event(event).weight_units == 0
@@ -84,7 +89,8 @@ async def _prove_amendments(store: FeedbackStore) -> int:
         for event in stream:
             await store.record(event)  # stored by now, by this writer or another
             if unmeasured(event):
-                amended += await store.amend_latency(event.action_id, late_latency(event.action_id)) is not None
+                amended += await store.amend_late_result(event.action_id, late_latency(event.action_id),
+                                                         late_saving(event.action_id)) is not None
         return amended
 
     amended = await asyncio.gather(*(write(s) for s in streams))
@@ -92,7 +98,9 @@ async def _prove_amendments(store: FeedbackStore) -> int:
     truth = {e.action_id: e for s in streams for e in s}
     blind = [a for a, e in truth.items() if unmeasured(e)]
     assert sum(amended) == len(blind) > 100  # each row amended exactly once
-    truth = {a: msgspec.structs.replace(e, latency_ms=late_latency(a)) if a in blind else e
+    truth = {a: msgspec.structs.replace(e, latency_ms=late_latency(a),
+                                        resource_saving_mb=late_saving(a) if e.outcome == "success"
+                                        else e.resource_saving_mb) if a in blind else e
              for a, e in truth.items()}
     stored = {e.action_id: e async for e in store.raw()}
     assert stored == truth
@@ -131,9 +139,9 @@ async def test_sqlite_concurrent_writers(tmp_path: Path) -> None:
             self.n += 1
             return await (first if self.n % 2 else second).record(event)
 
-        async def amend_latency(self, action_id, latency):  # type: ignore[no-untyped-def]
+        async def amend_late_result(self, action_id, latency, saving=0.0):  # type: ignore[no-untyped-def]
             self.n += 1
-            return await (first if self.n % 2 else second).amend_latency(action_id, latency)
+            return await (first if self.n % 2 else second).amend_late_result(action_id, latency, saving)
 
         def raw(self):  # type: ignore[no-untyped-def]
             return first.raw()
@@ -164,8 +172,8 @@ async def test_sqlite_concurrent_amendments(tmp_path: Path) -> None:
         async def record(self, event) -> bool:  # type: ignore[no-untyped-def]
             return await (first if next(turn) % 2 else second).record(event)
 
-        async def amend_latency(self, action_id, latency):  # type: ignore[no-untyped-def]
-            return await (first if next(turn) % 2 else second).amend_latency(action_id, latency)
+        async def amend_late_result(self, action_id, latency, saving=0.0):  # type: ignore[no-untyped-def]
+            return await (first if next(turn) % 2 else second).amend_late_result(action_id, latency, saving)
 
         def raw(self):  # type: ignore[no-untyped-def]
             return first.raw()

@@ -510,38 +510,47 @@ async def test_a_store_that_may_not_try_even_once_is_refused(pg_dsn: str) -> Non
         await PostgresFeedbackStore.open(pg_dsn, schema=f"fp_test_{uuid.uuid4().hex[:12]}", max_attempts=0)
 
 
-async def test_a_latency_measured_after_the_judgement_amends_the_record_once(any_store: FeedbackStore) -> None:
+async def test_a_result_come_after_the_judgement_amends_the_record_once(any_store: FeedbackStore) -> None:
     """A placement whose end was handled before its result is stored with its latency
-    unknown (0, uncertainty 1: weight 0); the late result's latency amends it, once, and the
-    sums stay those of a recomputation from the raw rows."""
+    unknown (0, uncertainty 1: weight 0) and no resource saving (the end names no GPU share);
+    the late result's latency, and a success's saving, amend it, once, and the sums stay
+    those of a recomputation from the raw rows."""
     events = writer_stream(0, 40, seed=5)
-    blind = [msgspec.structs.replace(e, latency_ms=Measured(value=0.0, uncertainty_score=1.0)) for e in events[:20]]
+    blind = [msgspec.structs.replace(e, latency_ms=Measured(value=0.0, uncertainty_score=1.0), resource_saving_mb=0.0)
+             for e in events[:20]]
     events = blind + events[20:]
     for e in events:
         assert await any_store.record(e)
     timed = Measured(value=37.5, uncertainty_score=0.05)
     before = await any_store.aggregates()
+    success = next(e for e in blind if e.outcome == "success")
+    failure = next(e for e in blind if e.outcome != "success")
 
-    amended = await any_store.amend_latency(blind[3].action_id, timed)
+    amended = await any_store.amend_late_result(success.action_id, timed, 12_345.0)
+    amended_failure = await any_store.amend_late_result(failure.action_id, timed, 12_345.0)
 
-    assert amended == msgspec.structs.replace(blind[3], latency_ms=timed)
-    assert await any_store.get(blind[3].action_id) == amended  # get and raw read it amended
-    truth = [amended if e.action_id == amended.action_id else e for e in events]
+    assert amended == msgspec.structs.replace(success, latency_ms=timed, resource_saving_mb=12_345.0)
+    assert amended_failure == msgspec.structs.replace(failure, latency_ms=timed)  # saved nothing
+    assert await any_store.get(success.action_id) == amended  # get and raw read it amended
+    truth = [{amended.action_id: amended, failure.action_id: amended_failure}.get(e.action_id, e) for e in events]
     for by in (KEY_FIELDS, ("policy",), ()):
         assert await any_store.aggregates(by) == recompute([row_from_event(e) for e in truth], by), by
         assert await any_store.aggregates(by) == recompute([row_from_event(e) async for e in any_store.raw()], by)
     after = {tuple(a.key.values()): a for a in await any_store.aggregates()}
     key = tuple(row_from_event(amended).key)
     old = next(a for a in before if tuple(a.key.values()) == key)
-    assert (after[key].measured, after[key].count) == (old.measured + 1, old.count)
+    assert (after[key].measured, after[key].count) == (old.measured + 1 + (row_from_event(failure).key == key),
+                                                       old.count)
+    assert after[key].total_resource_saving_mb == pytest.approx(old.total_resource_saving_mb + 12_345.0)
 
     # Once: a redelivered result, another latency, adds nothing.
-    assert await any_store.amend_latency(blind[3].action_id, timed) is None
-    assert await any_store.amend_latency(blind[3].action_id, Measured(value=99.0, uncertainty_score=0.0)) is None
+    assert await any_store.amend_late_result(success.action_id, timed, 12_345.0) is None
+    assert await any_store.amend_late_result(success.action_id, Measured(value=99.0, uncertainty_score=0.0)) is None
     # A record measured already, one not stored, a latency that is no measurement: unchanged.
     measured = next(e for e in events[20:] if row_from_event(e).weight_units > 0)
-    assert await any_store.amend_latency(measured.action_id, timed) is None
-    assert await any_store.amend_latency("act-never-stored", timed) is None
-    assert await any_store.amend_latency(blind[4].action_id, Measured(value=5.0, uncertainty_score=1.0)) is None
-    assert await any_store.get(blind[4].action_id) == blind[4]
+    assert await any_store.amend_late_result(measured.action_id, timed, 12_345.0) is None
+    assert await any_store.amend_late_result("act-never-stored", timed) is None
+    untouched = next(e for e in blind if e.action_id not in (success.action_id, failure.action_id))
+    assert await any_store.amend_late_result(untouched.action_id, Measured(value=5.0, uncertainty_score=1.0)) is None
+    assert await any_store.get(untouched.action_id) == untouched
     assert await any_store.aggregates() == recompute([row_from_event(e) for e in truth])
