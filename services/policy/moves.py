@@ -73,6 +73,7 @@ from fleetpilot.policy.rebalance import (
     models_below,
     move_down_ask,
     move_reason,
+    placed_at,
     resize_decision_id,
     resize_plan,
     room_in_place,
@@ -591,11 +592,10 @@ class Moves(ReplicaState):
             return None
         # Bridged again, it is given more room than it is outgrowing here, unless its
         # signature's restores have mostly started over (the fingerprinter counts them) and
-        # it stayed here longer than a lookahead. Its holds here were reserved as it was
-        # placed here.
+        # it stayed here at least a lookahead.
         floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)),
                                 min(room_in_place(running, topo, ledger).values()),
-                                now() - min(a.at for a in running.allocations), self.settings.growth_lookahead_s)
+                                now() - placed_at(running), self.settings.growth_lookahead_s)
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_decision_id(running), at=now(),
                        reason=f"checkpointed: {why}", bridge_floor_mb=floor,
                        progress_s=run_progress_s(running, now()) or 0.0)

@@ -202,7 +202,7 @@ class LateResultAmendment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def late_result_amendment(stored: FeedbackRecorded, latency: Measured,
-                          saving_if_success_mb: float = 0.0) -> LateResultAmendment | None:
+                          saving_if_success_mb: float) -> LateResultAmendment | None:
     """The amendment of ``stored`` by its action's result, come after it was judged: the
     result's ``latency`` and, where ``stored`` is a success, ``saving_if_success_mb`` (the
     GPU memory its placement left to other work, ``outcomes.resource_saving_of``); ``None``

@@ -189,7 +189,7 @@ class SqliteFeedbackStore:
         return await self._run(write)
 
     async def amend_late_result(self, action_id: str, latency: Measured,
-                                saving_if_success_mb: float = 0.0) -> FeedbackRecorded | None:
+                                saving_if_success_mb: float) -> FeedbackRecorded | None:
         """Give the record of ``action_id``, stored with its latency unknown, what its late
         result brings (``late_result_amendment``), once; the record as amended, ``None`` when
         nothing changed (no record, one whose latency is measured already, or ``latency`` no

@@ -24,7 +24,7 @@ class FeedbackStore(Protocol):
         ...
 
     async def amend_late_result(self, action_id: str, latency: Measured,
-                                saving_if_success_mb: float = 0.0) -> FeedbackRecorded | None:
+                                saving_if_success_mb: float) -> FeedbackRecorded | None:
         """Give the record of ``action_id``, stored with its latency unknown (weight 0: judged
         before its action's result came), what the result brings: the measured ``latency``
         and, if the record is a success, ``saving_if_success_mb``

@@ -359,19 +359,24 @@ def envelope_bridge_mb(fp: Fingerprint | None, declared_s: float | None, lookahe
     return envelope_stay_mb(fp, declared_s, 0.0, lookahead_s)
 
 
+def placed_at(task: Running) -> float:
+    """When a running task was placed where it runs now: when its holds there were reserved."""
+    return min(a.at for a in task.allocations)
+
+
 def run_began_at(task: Running) -> float:
     """When the run a running task carries began: its first placement's hold (reserved as the
     run started, or just before), else what its holds carry (``Allocation.run_at``, written by
     its moves and, for a run restored from a checkpoint, by its restore); 0 when unknown."""
     if is_first_placement(task):
-        return min(a.at for a in task.allocations)
+        return placed_at(task)
     return min((a.run_at for a in task.allocations if a.run_at > 0), default=0.0)
 
 
 def run_counted_from(task: Running) -> float:
     """When a running task's declared duration is counted from, to tell when it ends: when its
     run began (``run_began_at``), else when its holds were reserved."""
-    return run_began_at(task) or min(a.at for a in task.allocations)
+    return run_began_at(task) or placed_at(task)
 
 
 def run_progress_s(task: Running, at: float) -> float | None:

@@ -261,7 +261,7 @@ async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_set
         store = await real_open_store(settings)
         real_amend = store.amend_late_result
 
-        async def amend_late_result(action_id, latency, saving=0.0):
+        async def amend_late_result(action_id, latency, saving):
             amended.append(await real_amend(action_id, latency, saving))
             if len(amended) == 1:
                 raise TimeoutError("the reply was lost after the commit")

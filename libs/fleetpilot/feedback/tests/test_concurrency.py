@@ -139,7 +139,7 @@ async def test_sqlite_concurrent_writers(tmp_path: Path) -> None:
             self.n += 1
             return await (first if self.n % 2 else second).record(event)
 
-        async def amend_late_result(self, action_id, latency, saving=0.0):  # type: ignore[no-untyped-def]
+        async def amend_late_result(self, action_id, latency, saving):  # type: ignore[no-untyped-def]
             self.n += 1
             return await (first if self.n % 2 else second).amend_late_result(action_id, latency, saving)
 
@@ -172,7 +172,7 @@ async def test_sqlite_concurrent_amendments(tmp_path: Path) -> None:
         async def record(self, event) -> bool:  # type: ignore[no-untyped-def]
             return await (first if next(turn) % 2 else second).record(event)
 
-        async def amend_late_result(self, action_id, latency, saving=0.0):  # type: ignore[no-untyped-def]
+        async def amend_late_result(self, action_id, latency, saving):  # type: ignore[no-untyped-def]
             return await (first if next(turn) % 2 else second).amend_late_result(action_id, latency, saving)
 
         def raw(self):  # type: ignore[no-untyped-def]

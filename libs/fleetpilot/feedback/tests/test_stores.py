@@ -545,12 +545,12 @@ async def test_a_result_come_after_the_judgement_amends_the_record_once(any_stor
 
     # Once: a redelivered result, another latency, adds nothing.
     assert await any_store.amend_late_result(success.action_id, timed, 12_345.0) is None
-    assert await any_store.amend_late_result(success.action_id, Measured(value=99.0, uncertainty_score=0.0)) is None
+    assert await any_store.amend_late_result(success.action_id, Measured(value=99.0, uncertainty_score=0.0), 0.0) is None
     # A record measured already, one not stored, a latency that is no measurement: unchanged.
     measured = next(e for e in events[20:] if row_from_event(e).weight_units > 0)
     assert await any_store.amend_late_result(measured.action_id, timed, 12_345.0) is None
-    assert await any_store.amend_late_result("act-never-stored", timed) is None
+    assert await any_store.amend_late_result("act-never-stored", timed, 0.0) is None
     untouched = next(e for e in blind if e.action_id not in (success.action_id, failure.action_id))
-    assert await any_store.amend_late_result(untouched.action_id, Measured(value=5.0, uncertainty_score=1.0)) is None
+    assert await any_store.amend_late_result(untouched.action_id, Measured(value=5.0, uncertainty_score=1.0), 0.0) is None
     assert await any_store.get(untouched.action_id) == untouched
     assert await any_store.aggregates() == recompute([row_from_event(e) for e in truth])
