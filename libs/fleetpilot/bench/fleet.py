@@ -759,26 +759,27 @@ class FleetRun:
         victims = [j for j in self.jobs if j.state == "running" and j.task.tier == "best_effort"]
         if not victims:
             return False
-        rows = {j.row for j in victims}
+        # The ledgers and the victims as the policy service reads them, once for every request.
+        ledgers = {row: self._ledger(row) for row in sorted({j.row for j in victims})}
+        all_chosen = []
+        for j in victims:
+            holds = tuple(a for a in ledgers[j.row].allocations if a.task_id == j.task.task_id)
+            running = Running(task_id=j.task.task_id, node=self.state.node_names[j.row], allocations=holds)
+            all_chosen.append((j.row, Victim(running=running, admitted=self._admitted(j),
+                                             cost=eviction_cost(running, now))))
         for _, req in self._requests(job):
             wanted = msgspec.structs.replace(job.submitted, gpu_memory_mb=req.gpu_memory_mb,
                                              gpu_models=list(req.gpu_models))
             # A contract bound to a site frees room on that site only; a node of no model the
             # request takes frees nothing it could use.
-            candidates = {r for r in rows if (not req.site or self.node_site[r] == req.site)
+            candidates = {r for r in ledgers if (not req.site or self.node_site[r] == req.site)
                           and (not req.gpu_models or self.node_model[r] in req.gpu_models)}
             if not candidates:
                 continue
             nodes = {self.state.node_names[r]: self.gpu_nodes[r] for r in candidates}
-            ledgers = {name: self._ledger(self.state.node_index(name)) for name in nodes}
-            chosen = []
-            for j in victims:
-                if j.row in candidates:
-                    node = self.state.node_names[j.row]
-                    holds = tuple(a for a in ledgers[node].allocations if a.task_id == j.task.task_id)
-                    running = Running(task_id=j.task.task_id, node=node, allocations=holds)
-                    chosen.append(Victim(running=running, admitted=self._admitted(j), cost=eviction_cost(running, now)))
-            for plan in preemptions(wanted, nodes, ledgers, chosen)[:3]:
+            chosen = [v for r, v in all_chosen if r in candidates]
+            for plan in preemptions(wanted, nodes, {self.state.node_names[r]: ledgers[r] for r in candidates},
+                                    chosen)[:3]:
                 leaving = [self.by_id[v.task_id] for v in plan.victims]
                 row = self.state.node_index(plan.node)
                 with self._without(leaving):
