@@ -194,11 +194,22 @@ class Moves(ReplicaState):
             return None
         return max(declared - (now() - run_counted_from(running)), 0.0)
 
+    def resumes(self, task_id: str) -> bool:
+        """Whether a task goes on from its checkpoint when started again
+        (``TaskSubmitted.resumable``); a task this replica does not know is taken to, as
+        every task is unless its submitter says otherwise."""
+        task = self.submitted(task_id)
+        return task is None or task.resumable
+
     def may_pause(self, running: Running, pause_s: float) -> bool:
-        """Whether a clearing may pause ``running`` for ``pause_s``: not when the pause would
-        make it miss the deadline its contract carries (its expected end, by the duration it
-        declared, plus the pause; an unknown end with a deadline counts as too late). A
-        queue-time SLA is not touched by a pause, whatever the tier."""
+        """Whether a move made for others (clearing a node, moving down, making way) may pause
+        ``running`` for ``pause_s``: not when it cannot resume (stopped, it would lose its
+        run), nor when the pause would make it miss the deadline its contract carries (its
+        expected end, by the duration it declared, plus the pause; an unknown end with a
+        deadline counts as too late). A queue-time SLA is not touched by a pause, whatever
+        the tier."""
+        if not self.resumes(running.task_id):
+            return False
         adm = self.admissions.of(running.task_id) if self.admissions is not None else None
         deadline = adm.contract.deadline if adm is not None else None
         if deadline is None:
@@ -241,6 +252,10 @@ class Moves(ReplicaState):
                 continue  # cheaper than a move; a lost race is tried again next round
             reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
             if reason is None:
+                continue
+            if not self.resumes(running.task_id) and not gpus_going_away(running, topo):
+                # Moved, it would start over: its run is lost for sure, where an OOM takes it
+                # only if it comes, and then no later than a restart now would have.
                 continue
             if not gpus_going_away(running, topo) and waits_for_its_envelope(
                     running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
@@ -598,7 +613,7 @@ class Moves(ReplicaState):
                                 now() - placed_at(running), self.settings.growth_lookahead_s)
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_decision_id(running), at=now(),
                        reason=f"checkpointed: {why}", bridge_floor_mb=floor,
-                       progress_s=run_progress_s(running, now()) or 0.0)
+                       progress_s=(run_progress_s(running, now()) or 0.0) if adm.task.resumable else 0.0)
         return await self.stop_and_queue(running, adm, note, "checkpoint",
                                          float(reason.p_stay_fails * self.settings.evict_success),
                                          f"checkpoint and queue again: {reason.why}; no GPU can take it now, and {why}")
@@ -776,7 +791,9 @@ class Moves(ReplicaState):
         topo = self.fleet.nodes.get(node_key(node))
         if topo is None:
             return None
-        holds = allocations_for(req, decision_id, target, run_began_at(running), topo=topo)
+        # A task that cannot resume starts its run over on the target.
+        began = run_began_at(running) if self.resumes(running.task_id) else now()
+        holds = allocations_for(req, decision_id, target, began, topo=topo)
 
         def reserve(current: NodeLedger | None) -> NodeLedger | None:
             if current is not None and any(a.decision_id == decision_id for a in current.allocations):

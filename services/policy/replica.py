@@ -515,13 +515,14 @@ class ReplicaState:
         for that while (``envelope_bridge_mb``; ``envelope_overflow`` checkpoints it before it
         outgrows that); ``None`` for any other task.
 
-        A task that asks no GPU memory is not bridged: nothing says what it needs at the start,
-        so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
+        A task that cannot resume (``TaskSubmitted.resumable``) is not bridged: moved up as it
+        grows, it would start over. A task that asks no GPU memory is not bridged: nothing says
+        what it needs at the start, so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
         service receives carries none (the fingerprinter folds the signature's floor into the
         predicted peak), and the ask is what the submitter says the task starts with.
         """
         fp = self.fingerprints.get(task.task_id)
-        if fp is None or task.gpu_memory_mb <= 0:
+        if fp is None or task.gpu_memory_mb <= 0 or not task.resumable:
             return None
         if fp.pattern in BRIDGE_PATTERNS:
             ask = max(task.gpu_memory_mb, floor_mb)

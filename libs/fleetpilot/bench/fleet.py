@@ -133,7 +133,11 @@ better memory prediction could give, and how much is the fleet's capacity.
 ``--estimate-spread`` and ``--peak-spread`` play the same workload with users' declared
 durations further from the truth, or with each program's runs further apart in their peaks
 (``fleet_workload.generate_workload``): sensitivity runs, for what Fleetpilot's figures owe
-to good estimates and to programs that repeat.
+to good estimates and to programs that repeat. ``--resumable-share`` makes only that share of
+the programs go on from a checkpoint: a task of the others loses its run when it is moved,
+and Fleetpilot's loop, as its policy service, never bridges it, never pauses it for another
+task and moves it only off a failing GPU (where it starts over). By default every task
+resumes, and every move keeps its progress: what the figures owe to that.
 
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
 --plot-dir out/``.
@@ -400,7 +404,8 @@ class FleetRun:
             gpu_memory_mb=int(t.request_mb), gpu_models=list(t.gpu_models), cpu_milli=t.cpu_milli,
             memory_mb=t.memory_mb, sla=SlaRequest(tier=t.tier, max_queue_s=t.max_queue_s, deadline=t.deadline_s),  # type: ignore[arg-type]
             labels={"model": t.program, "role": ROLE_OF_KIND[t.kind]}, image=f"registry.local/{t.program}:1",
-            command=["python", "-m", t.program], expected_duration_s=t.declared_duration_s, submitted_at=t.arrival_s)
+            command=["python", "-m", t.program], expected_duration_s=t.declared_duration_s, submitted_at=t.arrival_s,
+            resumable=t.resumable)
         return _Job(task=t, submitted=sub, signature=task_signature(sub), seq=seq)
 
     def _policy(self, seen: Sequence[TaskRequest]) -> Policy:
@@ -834,9 +839,12 @@ class FleetRun:
                 for j in self._running_on(row)]
 
     def _may_pause(self, job: _Job, now: float) -> bool:
-        """A running task may be paused for a checkpoint unless the pause would make it miss
-        the deadline it asked for (its expected end, by its declared duration, plus the pause);
-        a queue-time SLA is not touched by a pause, whatever the tier."""
+        """A running task may be paused for a checkpoint (to clear a node, move down, make
+        way) if it resumes from one, unless the pause would make it miss the deadline it asked
+        for (its expected end, by its declared duration, plus the pause); a queue-time SLA is
+        not touched by a pause, whatever the tier."""
+        if not job.task.resumable:
+            return False
         deadline = job.task.deadline_s
         return deadline is None or max(self._expected_end(job), now) + self._pause(job, now) <= deadline
 
@@ -1016,8 +1024,8 @@ class FleetRun:
         before its big steps) may start on GPUs that hold that much, and is moved (or
         checkpointed) before the envelope says it outgrows them (``_enveloped``)."""
         p = job.prediction
-        if not self.smart or p is None:
-            return False
+        if not self.smart or p is None or not job.task.resumable:
+            return False  # one that cannot resume would start over when it moved up
         return p.pattern in SMOOTH_GROWTH or self._envelope_ask(job) > 0
 
     def _envelope_ask(self, job: _Job) -> int:
@@ -1344,7 +1352,10 @@ class FleetRun:
     def _rebalance(self, job: _Job, now: float) -> None:
         # Move whoever on the GPU outgrew its plan the most: that is the allocation that fails.
         tenants = {tid for g in job.gpus for tid in self.on_gpu.get((job.row, g), set())}
-        victims = sorted((self.by_id[t] for t in tenants), key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
+        # One that cannot resume is not moved for memory: it would lose its run for sure, where
+        # the OOM takes it only if it comes (the policy service's ``rebalance_round``).
+        victims = sorted((self.by_id[t] for t in tenants if self.by_id[t].task.resumable),
+                         key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
             if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now, outgrown=True)
@@ -1387,6 +1398,9 @@ class FleetRun:
         job.migrations += 1
         self.counts["migrations_" + reason] += 1
         self._start(job, row, gpus, milli, now, growth=growth, pause=pause)
+        if not t.resumable:
+            # Its run begins again there (the policy service's target holds say so).
+            job.from_start, job.run_at = True, now
         return True
 
     def _pause(self, job: _Job, now: float) -> float:
@@ -1404,10 +1418,14 @@ class FleetRun:
         a step schedule comes back at the level it reached, other growth starts over with the
         process; the true peak is the same, so a move never makes a task look smaller. The
         pause is the checkpoint and restore time (``MIGRATION_BASE_S`` plus
-        ``MIGRATION_S_PER_GB`` per GB held).
+        ``MIGRATION_S_PER_GB`` per GB held). A task that cannot resume starts over: its whole
+        curve, after a pause as long (its stop and its start, loading what it loads).
         """
         t = job.task
         pause = self._pause(job, now)
+        if not t.resumable:
+            job.progress_s = 0.0
+            return msgspec.structs.replace(t.growth, duration_s=t.duration_s + pause), pause
         job.progress_s = job.useful_until(now)
         remaining = max(t.duration_s - job.progress_s, 1.0)
         return t.growth.restored(job.progress_s, remaining + pause), pause
@@ -1773,6 +1791,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-spread", type=float, default=None,
                    help="each run's peak within this fraction of its program's, either way, the rest of the workload "
                    "unchanged (default 0.05): how much Fleetpilot leans on programs that repeat")
+    p.add_argument("--resumable-share", type=float, default=None,
+                   help="the share of programs that go on from a checkpoint when started again, the rest of the "
+                   "workload unchanged (default: all): how much Fleetpilot leans on every task resuming")
     p.add_argument("--queue-aging", type=float, default=1.0,
                    help="how much arrival weighs against the run left in Fleetpilot's queue order "
                    "(backfill.completion_order; default 1, above 0)")
@@ -1801,6 +1822,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"fleet bench: --estimate-spread must be above 0 and finite, got {args.estimate_spread:g}")
     if args.peak_spread is not None and not 0 < args.peak_spread < 1:
         raise SystemExit(f"fleet bench: --peak-spread must be above 0 and below 1, got {args.peak_spread:g}")
+    if args.resumable_share is not None and not 0 <= args.resumable_share <= 1:
+        raise SystemExit(f"fleet bench: --resumable-share must be within [0, 1], got {args.resumable_share:g}")
     data = find_data_dir() if args.trace is None or args.nodes is None else None
     trace_csv = args.trace or (data / TRACES["default"] if data else None)
     nodes_csv = args.nodes or (data / NODES_FILE if data else None)
@@ -1815,7 +1838,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         workload = generate_workload(fleet, args.seed, n_tasks=tasks, load=args.load, span_s=hours * 3600.0,
                                      trace=trace, use_trace_shapes=args.fleet == "openb" and trace is not None,
-                                     estimate_spread=args.estimate_spread, peak_spread=args.peak_spread)
+                                     estimate_spread=args.estimate_spread, peak_spread=args.peak_spread,
+                                     resumable_share=args.resumable_share)
     except ValueError as exc:
         raise SystemExit(f"fleet bench: {exc}") from None
     name = args.fleet if fraction >= 1 else f"{args.fleet} ({fraction:g} of its nodes)"

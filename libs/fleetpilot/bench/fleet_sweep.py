@@ -285,6 +285,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fleet benchmark's --estimate-spread in every run (declared durations log-normal)")
     p.add_argument("--peak-spread", type=float, default=None,
                    help="the fleet benchmark's --peak-spread in every run (runs' peaks farther from their program's)")
+    p.add_argument("--resumable-share", type=float, default=None,
+                   help="the fleet benchmark's --resumable-share in every run (only that share of programs resume)")
     p.add_argument("--baseline-never-preempts", action="store_true",
                    help="the fleet benchmark's --baseline-never-preempts in every run (non-preempting PriorityClasses)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
@@ -310,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"fleet sweep: --estimate-spread must be above 0 and finite, got {args.estimate_spread:g}")
     if args.peak_spread is not None and not 0 < args.peak_spread < 1:
         raise SystemExit(f"fleet sweep: --peak-spread must be above 0 and below 1, got {args.peak_spread:g}")
+    if args.resumable_share is not None and not 0 <= args.resumable_share <= 1:
+        raise SystemExit(f"fleet sweep: --resumable-share must be within [0, 1], got {args.resumable_share:g}")
     if args.against is not None and not args.against.is_dir():
         raise SystemExit(f"fleet sweep: no such folder {args.against}")
     if args.no_run and not args.out.is_dir():
@@ -325,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--peaks-known"] if args.peaks_known else []),
                  *(["--baseline-never-preempts"] if args.baseline_never_preempts else []),
                  *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else []),
-                 *(["--peak-spread", repr(args.peak_spread)] if args.peak_spread is not None else [])]
+                 *(["--peak-spread", repr(args.peak_spread)] if args.peak_spread is not None else []),
+                 *(["--resumable-share", repr(args.resumable_share)] if args.resumable_share is not None else [])]
         print(f"fleet sweep: {len(runs)} runs, {args.jobs} at a time, into {args.out}", flush=True)
         try:
             run_all(runs, args.out, args.jobs, extra)

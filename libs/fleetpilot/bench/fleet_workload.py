@@ -13,7 +13,11 @@ scheduler the benchmark compares. It is made of:
   (vip / standard / best_effort with a maximum queue time and, for guaranteed tiers, a
   deadline) and the duration the user declares: the true one x0.9-1.3 by default, or, with
   ``estimate_spread``, log-normal around x1.1 (users' estimates are often far off: a
-  sensitivity run, with everything else of the workload unchanged);
+  sensitivity run, with everything else of the workload unchanged); and whether its program
+  goes on from a checkpoint when started again: every one does by default, or, with
+  ``resumable_share``, that share of the programs (another sensitivity run: a task that does
+  not resume loses its run when it is moved, and Fleetpilot's policy moves it only off a
+  failing GPU);
 - **faults**: a few GPUs that degrade (rising corrected ECC, remapped rows, PCIe replays)
   and then fall off the bus (XID 79) at a known time, and one that fails without warning.
 
@@ -103,6 +107,7 @@ class BenchTask:
     max_queue_s: float
     deadline_s: float | None
     declared_duration_s: float
+    resumable: bool = True  # its program goes on from a checkpoint when started again
 
     @property
     def duration_s(self) -> float:
@@ -144,6 +149,7 @@ class Workload:
     programs: int
     estimate_spread: float | None = None  # the declared durations' log-normal sigma; None: x0.9-1.3
     peak_spread: float | None = None  # how far a run's peak is from its program's, either way; None: 5%
+    resumable_share: float | None = None  # the share of programs that resume from a checkpoint; None: all
 
     def describe(self) -> str:
         """One line for the report."""
@@ -153,7 +159,9 @@ class Workload:
         return (f"{len(self.tasks)} tasks from {self.programs} programs ({share:.0%} GPU shares), "
                 f"arrivals over {self.span_s / 3600:.1f} h from {self.source}, run {self.horizon_s / 3600:.1f} h, "
                 f"whole-GPU load {self.load:.2f}, {len(self.faults)} GPU faults, declared durations {declared}, "
-                f"peaks within {self.peak_spread if self.peak_spread is not None else 0.05:.0%} of their program's")
+                f"peaks within {self.peak_spread if self.peak_spread is not None else 0.05:.0%} of their program's"
+                + ("" if self.resumable_share is None else
+                   f", {self.resumable_share:.0%} of the programs resuming from a checkpoint (the others start over)"))
 
 
 @dataclass(frozen=True)
@@ -370,7 +378,7 @@ def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) ->
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
                       drain: float = 0.5, trace: list[TracePod] | None = None, use_trace_shapes: bool = False,
                       n_programs: int = 48, n_faults: int = 4, estimate_spread: float | None = None,
-                      peak_spread: float | None = None) -> Workload:
+                      peak_spread: float | None = None, resumable_share: float | None = None) -> Workload:
     """A seeded workload for ``fleet`` (see the module docstring).
 
     ``load`` is the whole-GPU load over the arrival window ``span_s``. By default it is
@@ -392,6 +400,10 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
     (uniform; 0.05 without it), from a generator of its own, never past what the largest GPU
     its program accepts holds (less the CUDA context): runs of one signature differ more, as
     the same program on other data or batch sizes does, and are harder to predict.
+
+    ``resumable_share``: each program goes on from a checkpoint with this probability (every
+    task of it alike, as a program either saves its state or not), from a generator of its
+    own; without it every program does.
     """
     if n_tasks <= 0 or (load is not None and load <= 0) or span_s <= 0:
         raise ValueError("n_tasks, load and span_s must be positive")
@@ -400,6 +412,8 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
     rng = np.random.default_rng(seed)
     if peak_spread is not None and not 0 < peak_spread < 1:
         raise ValueError(f"the peaks' spread must be above 0 and below 1, got {peak_spread:g}")
+    if resumable_share is not None and not 0 <= resumable_share <= 1:
+        raise ValueError(f"the resumable share must be within [0, 1], got {resumable_share:g}")
     estimates = np.random.default_rng([seed, 1]) if estimate_spread is not None else None
     peaks = np.random.default_rng([seed, 2]) if peak_spread is not None else None
     models = fleet_models(fleet)
@@ -443,6 +457,12 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
         raise ValueError(f"{n_tasks} tasks cannot make a whole-GPU load of {load:.2f} on {_capacity(fleet)} GPUs "
                          f"over {span_s / 3600:.1f} h (at most {reached:.2f}): use more tasks or a smaller fleet")
     order = np.argsort(arrivals, kind="stable")
+    names = sorted({p.name for p in chosen})
+    if resumable_share is None:
+        resumes = dict.fromkeys(names, True)
+    else:
+        draws = np.random.default_rng([seed, 3]).random(len(names))
+        resumes = {name: bool(u < resumable_share) for name, u in zip(names, draws, strict=True)}
     tasks = []
     for k, i in enumerate(order):
         p = chosen[int(i)]
@@ -462,11 +482,11 @@ def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | No
                                request_mb=p.request_mb, cpu_milli=p.cpu_milli, memory_mb=p.memory_mb,
                                gpu_models=p.gpu_models, growth=_growth(p, rng, duration, spread), util=p.util,
                                arrival_s=arrival, tier=tier, max_queue_s=MAX_QUEUE_S[tier], deadline_s=deadline,
-                               declared_duration_s=declared))
+                               declared_duration_s=declared, resumable=resumes[p.name]))
     horizon = span_s * (1.0 + drain)
     return Workload(tasks=tuple(tasks), faults=tuple(plan_faults(fleet, rng, n_faults, span_s)), span_s=span_s,
                     horizon_s=horizon, load=load, source=source, programs=len({t.program for t in tasks}),
-                    estimate_spread=estimate_spread, peak_spread=peak_spread)
+                    estimate_spread=estimate_spread, peak_spread=peak_spread, resumable_share=resumable_share)
 
 
 def plan_faults(fleet: Fleet, rng: np.random.Generator, count: int, span_s: float) -> list[FaultPlan]:

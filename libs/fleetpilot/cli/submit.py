@@ -66,6 +66,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--p95-latency-ms", type=float)
     parser.add_argument("--duration-s", type=float, dest="expected_duration_s")
     parser.add_argument("--command", nargs="+", default=None, help="command to run (process backend)")
+    parser.add_argument("--not-resumable", dest="resumable", action="store_false", default=None,
+                        help="the task does not go on from a checkpoint when started again: it is never "
+                             "moved to make room for others, only off a GPU going away")
     # Both at once would silently decline: the parser refuses the pair instead.
     answer = parser.add_mutually_exclusive_group()
     answer.add_argument("--accept-offer", action="store_true", help="accept the first counter-option without asking")
@@ -131,7 +134,7 @@ def build_task(args) -> TaskSubmitted:
     doc = _load_file(args.file) if args.file is not None else {}
     sla = dict(doc.get("sla") or {})
     for flag in ("kind", "gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb", "size_gb",
-                 "expected_duration_s", "command"):
+                 "expected_duration_s", "command", "resumable"):
         value = getattr(args, flag)
         if value is not None:
             doc[flag] = value

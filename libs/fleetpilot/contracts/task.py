@@ -30,6 +30,11 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="task.submitted.v1"):
 
     ``gpus`` is the GPU count (0 for CPU-only); a task with ``gpus == 1`` and
     ``gpu_milli < 1000`` shares one GPU; ``gpu_models`` lists acceptable models (empty: any).
+    ``resumable``: the task saves its state on the executor's checkpoint signal and goes on
+    from it when started again. One that does not (``False``) loses its run when it is
+    stopped, so the policy never moves it to serve others (making way, moving down, clearing a
+    node), never starts it on GPUs smaller than its predicted peak (a bridge), and moves it
+    only off GPUs going away, where it would lose its run anyway.
     """
 
     task_id: str
@@ -49,6 +54,7 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="task.submitted.v1"):
     image: str | None = None
     expected_duration_s: float | None = None
     submitted_at: float = 0.0
+    resumable: bool = True
 
 
 class Contract(Record, frozen=True, kw_only=True):

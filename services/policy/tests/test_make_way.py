@@ -3,7 +3,7 @@ holds, declaring ten minutes, waits behind a run with hours left on it; the reba
 checkpoints that run and queues it again with its progress, and once the executor has
 stopped it, the waiter takes the GPU while the run waits behind it. A run with too little
 left to make the trade worth it is left alone, and so is one the queue's order (with its
-aging setting) puts before the waiter."""
+aging setting) puts before the waiter, and one that cannot resume from its checkpoint."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from .test_bridge import started_ago
 from .test_move_down import FLAT, PEAK_MB
 
 
-async def long_run_and_a_short_waiter(observer, declared_s: float, started_s: float) -> None:
+async def long_run_and_a_short_waiter(observer, declared_s: float, started_s: float, resumable: bool = True) -> None:
     """A run declaring ``declared_s`` placed on the only GPU and started ``started_s`` ago,
     then a 60 GB task declaring ten minutes that only that GPU holds."""
     await fingerprinted(observer, {"waiter": FLAT})
-    await observer.admit(admitted("long", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=declared_s))
+    await observer.admit(admitted("long", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=declared_s,
+                                  resumable=resumable))
     await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
     await started_ago(observer, "big", started_s)
     await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
@@ -61,20 +62,34 @@ async def test_a_run_with_hours_left_is_checkpointed_to_make_way_for_a_short_tas
     assert still_queued is not None and still_queued.value
 
 
-async def test_a_run_with_too_little_left_does_not_make_way(observer, nats_url, tmp_path):
-    # 20 minutes left: under three times the waiter's ten minutes and the checkpoint pause.
+async def rounds_with_a_waiter(observer, nats_url, tmp_path, declared_s: float, started_s: float,
+                               resumable: bool = True) -> dict[str, list[str]]:
+    """The actions decided for ``long`` and the waiter (``long_run_and_a_short_waiter``)
+    after several rebalance rounds."""
     await observer.put_fleet([node("big", gpus=1)])
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await long_run_and_a_short_waiter(observer, declared_s=3600.0, started_s=2400.0)
+        await long_run_and_a_short_waiter(observer, declared_s, started_s, resumable)
         await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
         await asyncio.sleep(1.2)  # several rebalance rounds
     finally:
         await policy.stop()
-    by_task = observer.by_task()
-    assert [d.action for d in by_task["long"]] == ["assign"]
-    assert [d.action for d in by_task["waiter"]] == ["queue"]
+    return {task_id: [d.action for d in decisions] for task_id, decisions in observer.by_task().items()}
+
+
+async def test_a_run_with_too_little_left_does_not_make_way(observer, nats_url, tmp_path):
+    # 20 minutes left: under three times the waiter's ten minutes and the checkpoint pause.
+    actions = await rounds_with_a_waiter(observer, nats_url, tmp_path, declared_s=3600.0, started_s=2400.0)
+    assert actions == {"long": ["assign"], "waiter": ["queue"]}
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_only_a_run_that_resumes_makes_way(observer, nats_url, tmp_path, resumable):
+    # Hours left, as in the first test: one that cannot resume would start over, so it stays.
+    actions = await rounds_with_a_waiter(observer, nats_url, tmp_path, declared_s=36_000.0, started_s=3600.0,
+                                         resumable=resumable)
+    assert actions["long"] == (["assign", "evict"] if resumable else ["assign"])
 
 
 async def test_one_run_makes_way_for_a_waiter_while_its_eviction_is_under_way(observer, nats_url, tmp_path):

@@ -906,3 +906,62 @@ def test_fleetpilots_vip_evicts_the_best_effort_task_that_has_done_the_least_wor
     older, younger, vip = run.jobs
     assert (older.evictions, younger.evictions) == (0, 1)
     assert vip.queue_s == TERMINATION_GRACE_S and older.finished_at < younger.finished_at
+
+
+def not_resumable(t: BenchTask) -> BenchTask:
+    """``t`` of a program that does not go on from a checkpoint."""
+    return BenchTask(**{**t.__dict__, "resumable": False})
+
+
+def test_a_run_that_cannot_resume_does_not_make_way_and_the_short_task_waits_for_it() -> None:
+    long, short = task(0, duration=5 * 3600.0), task(1, duration=600.0, arrival=600.0)
+    run = FleetRun(tiny_fleet(), workload(not_resumable(long), short, hours=8.0), "fleetpilot", seed=1)
+    result = run.run()
+    assert result.breakdown["made_way"] == 0 and result.breakdown["completed"] == 2
+    assert run.jobs[1].queue_s > 4 * 3600.0
+
+
+def test_a_leak_that_cannot_resume_is_not_bridged_and_waits_for_the_gpu_that_holds_its_peak() -> None:
+    # The run of ``test_a_known_leak_starts_on_a_small_gpu_and_moves_up_before_it_overflows``:
+    # moved up, it would start over, so it waits for the H100 instead of starting on the A100.
+    busy, leak = grower_behind_a_busy_h100("leak", 50_000.0, 30_000.0, 2400.0, busy_s=1200.0)
+    run = known(FleetRun(build_fleet(A100_AND_H100), workload(busy, not_resumable(leak), hours=1.5), "fleetpilot",
+                         seed=1), "leak", 50_300.0)
+    result = run.run()
+    assert result.breakdown["bridged"] == 0 and result.breakdown["migrations_bridge"] == 0
+    assert result.figures["oom_events"] == 0 and result.breakdown["completed"] == 2
+    assert run.jobs[1].queue_s >= 1200.0 - 60.0
+
+
+def test_a_run_that_cannot_resume_is_moved_off_a_failing_gpu_and_starts_over() -> None:
+    fault = FaultPlan(node="n00", gpu=0, kind="degrading", onset_s=600.0, fails_s=600.0 + 2.5 * 3600)
+    spans = {}
+    for resumable in (True, False):
+        long_task = task(0, duration=4 * 3600.0, peak=8000.0)
+        run = FleetRun(tiny_fleet(gpus=2), workload(long_task if resumable else not_resumable(long_task), hours=6.0,
+                                                    faults=(fault,)), "fleetpilot", seed=1)
+        result = run.run()
+        assert result.breakdown["migrations_maintenance"] == 1 and result.breakdown["gpu_failure_kills"] == 0
+        [job] = run.jobs
+        assert job.finished_at is not None
+        spans[resumable] = job.finished_at
+    # Started over where it was moved, it ends later by about the run it had done.
+    moved_at = spans[True] - 4 * 3600.0  # the resumable run lost only its pause
+    assert spans[False] - spans[True] > 0.5 * moved_at
+
+
+def test_a_share_of_resumable_programs_changes_that_flag_only_program_by_program() -> None:
+    fleet = load_fleet_spec()
+    every = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0)
+    half = generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, resumable_share=0.5)
+    assert half == generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, resumable_share=0.5)
+    assert all(t.resumable for t in every.tasks)
+    for a, b in zip(every.tasks, half.tasks, strict=True):
+        assert BenchTask(**{**b.__dict__, "resumable": True}) == a
+    by_program = {}
+    for t in half.tasks:
+        assert by_program.setdefault(t.program, t.resumable) == t.resumable  # a program resumes or not, every run
+    assert 0.2 < np.mean(list(by_program.values())) < 0.8
+    assert "50% of the programs resuming" in half.describe() and "resuming" not in every.describe()
+    with pytest.raises(ValueError, match="resumable share"):
+        generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, resumable_share=1.5)

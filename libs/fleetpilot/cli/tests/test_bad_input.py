@@ -321,9 +321,24 @@ def test_submit_takes_a_task_saved_from_the_bus(tmp_path) -> None:
                                            sla=SlaRequest(tier="vip", max_queue_s=60.0))))
     flags = {name: None for name in ("kind", "gpus", "gpu_milli", "gpu_memory_mb", "cpu_milli", "memory_mb", "size_gb",
                                      "expected_duration_s", "command", "gpu_models", "tier", "max_queue_s",
-                                     "warmup_ms", "p95_latency_ms", "task_id")}
+                                     "warmup_ms", "p95_latency_ms", "task_id", "resumable")}
     task = build_task(argparse.Namespace(file=str(saved), **flags))
     assert (task.task_id, task.gpu_memory_mb, task.sla.tier, task.sla.max_queue_s) == ("t1", 40_000, "vip", 60.0)
+
+
+@pytest.mark.parametrize(("content", "flags", "resumable"), [
+    ("kind: train\n", [], True),
+    ("kind: train\n", ["--not-resumable"], False),
+    ("kind: train\nresumable: false\n", [], False),
+])
+def test_submit_says_whether_the_task_resumes(content, flags, resumable, tmp_path) -> None:
+    """Left out, a task resumes (the contract's default); the flag or the file says it does not."""
+    from fleetpilot.cli.main import build_parser  # noqa: PLC0415
+    from fleetpilot.cli.submit import build_task  # noqa: PLC0415
+
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(content)
+    assert build_task(build_parser().parse_args(["submit", "-f", str(task_file), *flags])).resumable is resumable
 
 
 def test_submit_names_a_task_file_that_is_not_text(tmp_path, capsys) -> None:

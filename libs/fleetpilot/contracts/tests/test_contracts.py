@@ -80,7 +80,9 @@ def _value(t: mi.Type, full: bool, token: str) -> Any:
 
 
 def _build(info: mi.StructType, full: bool, token: str) -> Any:
-    kwargs = {f.name: _value(f.type, full, token) for f in info.fields if f.required or full}
+    # A flag that defaults to true (``TaskSubmitted.resumable``) is set to false when full.
+    kwargs = {f.name: (not f.default if full and isinstance(f.default, bool) else _value(f.type, full, token))
+              for f in info.fields if f.required or full}
     return info.cls(**kwargs)
 
 
