@@ -34,7 +34,9 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="task.submitted.v1"):
     from it when started again. One that does not (``False``) loses its run when it is
     stopped, so the policy never moves it to serve others (making way, moving down, clearing a
     node), never starts it on GPUs smaller than its predicted peak (a bridge), and moves it
-    only off GPUs going away, where it would lose its run anyway.
+    only off GPUs going away, where it would lose its run anyway (the executor moves it as it
+    moves any task: the checkpoint signal, a stop, a start with ``FLEETPILOT_RESTORE=1``, which
+    such a task ignores).
     """
 
     task_id: str
