@@ -517,9 +517,10 @@ class ReplicaState:
 
         A task that cannot resume (``TaskSubmitted.resumable``) is not bridged: moved up as it
         grows, it would start over. A task that asks no GPU memory is not bridged: nothing says
-        what it needs at the start, so the bridge would put it anywhere. No OOM floor applies: the ``Fingerprint`` the
-        service receives carries none (the fingerprinter folds the signature's floor into the
-        predicted peak), and the ask is what the submitter says the task starts with.
+        what it needs at the start, so the bridge would put it anywhere. No OOM floor applies:
+        the ``Fingerprint`` the service receives carries none (the fingerprinter folds the
+        signature's floor into the predicted peak), and the ask is what the submitter says the
+        task starts with.
         """
         fp = self.fingerprints.get(task.task_id)
         if fp is None or task.gpu_memory_mb <= 0 or not task.resumable:
