@@ -198,6 +198,10 @@ class SimulatedHardware:
             done = self._progress(cmd.task_id) if moving else self.done_s.pop(cmd.task_id, 0.0)
             if moving:
                 self.fleet.remove(cmd.task_id)
+            if not cmd.resumable:
+                # It cannot go on from a checkpoint: moved or placed again, its run starts over.
+                done = 0.0
+                self.ends_at.pop(cmd.task_id, None)
             peak = max(cmd.peak_memory_mb, 1.0)
             growth = MemoryGrowth(pattern=cmd.pattern if cmd.pattern != "unknown" else "flat",
                                   base_mb=peak * 0.3, peak_mb=peak, duration_s=cmd.duration_s,

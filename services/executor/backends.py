@@ -75,11 +75,12 @@ class BusSimBackend:
     def __init__(self, bus: Bus, default_duration_s: float = 120.0) -> None:
         self._bus = bus
         self._default_duration_s = default_duration_s
-        self.task_meta: dict[str, tuple[float, str, float]] = {}
+        self.task_meta: dict[str, tuple[float, str, float, bool]] = {}
 
-    def describe(self, task_id: str, peak_mb: float, pattern: str, duration_s: float | None) -> None:
+    def describe(self, task_id: str, peak_mb: float, pattern: str, duration_s: float | None,
+                 resumable: bool = True) -> None:
         """Tell the backend how the task will behave (from its submission and fingerprint)."""
-        self.task_meta[task_id] = (peak_mb, pattern, duration_s or self._default_duration_s)
+        self.task_meta[task_id] = (peak_mb, pattern, duration_s or self._default_duration_s, resumable)
 
     async def _send(self, cmd: SimCommand) -> float:
         began = time.perf_counter()
@@ -104,16 +105,18 @@ class BusSimBackend:
     async def migrate(
         self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
     ) -> TaskHandle:
-        """Move the task: restored on the target from its checkpoint (``SimulatedHardware``)."""
+        """Move the task: restored on the target from its checkpoint, or started over there
+        when it cannot resume (``SimulatedHardware``)."""
         return await self._put("move", task_id, target)
 
     async def _put(self, verb: str, task_id: str, placement: Sequence[Placement]) -> TaskHandle:
-        peak, pattern, duration = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s))
+        peak, pattern, duration, resumable = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s, True))
         gpus = [p.gpu for p in placement if p.gpu >= 0]
         latency = 0.0
         if gpus:
             latency = await self._send(SimCommand(verb=verb, task_id=task_id, node=placement[0].node, gpus=gpus,
-                                                  peak_memory_mb=peak, pattern=pattern, duration_s=duration))
+                                                  peak_memory_mb=peak, pattern=pattern, duration_s=duration,
+                                                  resumable=resumable))
         return TaskHandle(task_id=task_id, backend=self.name, node=placement[0].node if placement else "",
                           gpus=gpus, started_at=time.time(), latency_ms=latency)
 

@@ -362,6 +362,7 @@ class ExecutorReplica:
                 float(task.gpu_memory_mb or 1000),
                 task.labels.get("growth", "flat"),
                 task.expected_duration_s,
+                task.resumable,
             )
         result = await execute_decision(
             decision,

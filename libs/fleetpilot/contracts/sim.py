@@ -21,7 +21,9 @@ SimEventKind = Literal["finished", "oom_killed", "task_failed", "xid", "ecc", "o
 
 
 class SimCommand(Event, frozen=True, kw_only=True, tag="sim.command.v1"):
-    """Start, stop or move a task on the simulated fleet (request/reply on ``sim.control``)."""
+    """Start, stop or move a task on the simulated fleet (request/reply on ``sim.control``).
+    A task that is not ``resumable`` (``TaskSubmitted.resumable``) starts its run over when it
+    is moved or placed again; any other goes on from where it was stopped."""
 
     verb: SimVerb
     task_id: str
@@ -31,6 +33,7 @@ class SimCommand(Event, frozen=True, kw_only=True, tag="sim.command.v1"):
     pattern: GrowthPattern = "flat"
     duration_s: float = 600.0
     utilization_pct: float = 80.0
+    resumable: bool = True
 
 
 class SimAck(Event, frozen=True, kw_only=True, tag="sim.ack.v1"):

@@ -77,6 +77,23 @@ def test_move_keeps_the_end_time_and_reports_the_new_node(hw):
     assert kinds(ended) == ["finished"] and ended[0].node == "h100-00"
 
 
+def test_a_task_that_cannot_resume_starts_its_run_over_when_moved_or_placed_again(hw):
+    def command(verb: str, node: str, gpu: int) -> bool:
+        return hw.command(SimCommand(verb=verb, task_id="t1", node=node, gpus=[gpu], peak_memory_mb=4000.0,
+                                     duration_s=100.0, resumable=False)).ok
+
+    assert command("place", "a100-00", 0)
+    hw.advance(60.0)
+    assert command("move", "h100-00", 3)
+    assert kinds(hw.advance(45.0)) == []  # 60 s done before the move count for nothing
+    hw.advance(30.0)
+    assert hw.command(SimCommand(verb="remove", task_id="t1")).ok
+    assert command("place", "a100-00", 1)
+    assert kinds(hw.advance(95.0)) == []  # nor the 75 s done before it was stopped
+    ended = hw.advance(10.0)
+    assert kinds(ended) == ["finished"] and ended[0].node == "a100-00"
+
+
 @pytest.mark.parametrize(("node", "gpus"), [("a100-00", (8,)), ("nowhere", (0,)), ("a100-00", ()),
                                             ("a100-00", (1, 1))])
 def test_move_to_a_bad_target_leaves_the_task_running(hw, node, gpus):

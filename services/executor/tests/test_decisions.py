@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
@@ -96,6 +97,22 @@ async def test_a_decision_delivered_twice_is_executed_once(observer, sim_fleet, 
     assert await observer.stored("action.failed", ActionFailed) == []
     ledger = await observer.ledger("n1")
     assert [a.state for a in ledger.allocations] == ["confirmed"]
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_the_simulated_fleet_is_told_whether_the_task_resumes(observer, sim_fleet, nats_url, tmp_path,
+                                                                   resumable):
+    await observer.kv_put("ledger", "n1", reserved("t1", "d1"))
+    host = build(settings(nats_url, tmp_path))
+    await host.start()
+    try:
+        decision = msgspec.structs.replace(assign("d1", "t1"),
+                                           task=TaskSubmitted(task_id="t1", kind="train", resumable=resumable))
+        await observer.js.publish("decision.made", encode(decision))
+        await wait_for(lambda: len(sim_fleet.commands) >= 1)
+    finally:
+        await host.stop()
+    assert [c.resumable for c in sim_fleet.verbs("place")] == [resumable]
 
 
 async def test_two_replicas_given_the_same_decision_start_it_once(observer, sim_fleet, nats_url, tmp_path):
