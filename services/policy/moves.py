@@ -253,11 +253,12 @@ class Moves(ReplicaState):
             reason = move_reason(running, topo, ledger, fp, self.settings.oom_migrate_risk)
             if reason is None:
                 continue
-            if not self.resumes(running.task_id) and not gpus_going_away(running, topo):
+            going_away = gpus_going_away(running, topo)
+            if not going_away and not self.resumes(running.task_id):
                 # Moved, it would start over: its run is lost for sure, where an OOM takes it
                 # only if it comes, and then no later than a restart now would have.
                 continue
-            if not gpus_going_away(running, topo) and waits_for_its_envelope(
+            if not going_away and waits_for_its_envelope(
                     running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
                     envelope_progress_s(running, now()), self.declared_s(running.task_id),
                     self.settings.growth_lookahead_s):

@@ -1354,8 +1354,8 @@ class FleetRun:
         tenants = {tid for g in job.gpus for tid in self.on_gpu.get((job.row, g), set())}
         # One that cannot resume is not moved for memory: it would lose its run for sure, where
         # the OOM takes it only if it comes (the policy service's ``rebalance_round``).
-        victims = sorted((self.by_id[t] for t in tenants if self.by_id[t].task.resumable),
-                         key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
+        movable = (j for j in map(self.by_id.__getitem__, tenants) if j.task.resumable)
+        victims = sorted(movable, key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
             if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now, outgrown=True)
