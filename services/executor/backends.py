@@ -48,9 +48,11 @@ class BusTakeOver:
         self._checkpoint_s = checkpoint_s
         self._attempts = attempts
 
-    async def __call__(self, node: str, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
-        """The command and environment of ``task_id``, once stopped on ``node``."""
-        request = HandOver(task_id=task_id, node=node, grace_s=grace_s)
+    async def __call__(self, node: str, task_id: str, grace_s: float,
+                       resumes: bool = True) -> tuple[list[str], dict[str, str]]:
+        """The command and environment of ``task_id``, once stopped on ``node`` (after its
+        checkpoint signal when it ``resumes``)."""
+        request = HandOver(task_id=task_id, node=node, grace_s=grace_s, resumable=resumes)
         # The source signals, waits for the checkpoint, then stops with grace.
         timeout_s = hand_over_wait_s(self._checkpoint_s, grace_s, attempts=1)
         last = ""
@@ -103,14 +105,16 @@ class BusSimBackend:
         await self._send(SimCommand(verb="remove", task_id=task_id))
 
     async def migrate(
-        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0,
+        resumes: bool = True,
     ) -> TaskHandle:
         """Move the task: restored on the target from its checkpoint, or started over there
-        when it cannot resume (``SimulatedHardware``)."""
-        return await self._put("move", task_id, target)
+        when it cannot resume (``SimulatedHardware``), as the move or the task described says."""
+        return await self._put("move", task_id, target, resumes=resumes)
 
-    async def _put(self, verb: str, task_id: str, placement: Sequence[Placement]) -> TaskHandle:
+    async def _put(self, verb: str, task_id: str, placement: Sequence[Placement], *, resumes: bool = True) -> TaskHandle:
         peak, pattern, duration, resumable = self.task_meta.get(task_id, (1000.0, "flat", self._default_duration_s, True))
+        resumable = resumable and resumes
         gpus = [p.gpu for p in placement if p.gpu >= 0]
         latency = 0.0
         if gpus:

@@ -480,7 +480,7 @@ class ExecutorReplica:
             return HandedOver(task_id=request.task_id, ok=False,
                               error=f"the {self.settings.backend} backend hands no task over")
         try:
-            command, env = await self.backend.hand_over(request.task_id, request.grace_s)
+            command, env = await self.backend.hand_over(request.task_id, request.grace_s, resumes=request.resumable)
         except BackendError as error:
             return HandedOver(task_id=request.task_id, ok=False, error=str(error))
         self.decisions.pop(request.task_id, None)
@@ -515,12 +515,11 @@ class ExecutorReplica:
             except BackendError as error:
                 log.error("%s: handed over and never taken, and not restarted here: %s", task_id, error)
                 continue
-            log.warning("%s was handed over from %s for a move that never took it: restarted here from its "
-                        "checkpoint", task_id, node)
+            log.warning("%s was handed over from %s for a move that never took it: restarted here (from its "
+                        "checkpoint, if it resumes)", task_id, node)
             await self.recall(task_id)
             out.append(self.lifecycle(task_id, "started", node, handle.gpus,
-                                      detail=f"pid {handle.pid}: taken back from its checkpoint, its move never "
-                                             "took it"))
+                                      detail=f"pid {handle.pid}: taken back, its move never took it"))
         return out
 
     # ---- the ends of tasks -----------------------------------------------------------------

@@ -16,11 +16,14 @@ from .base import Event
 
 class HandOver(Event, frozen=True, kw_only=True, tag="executor.hand_over.v1"):
     """Checkpoint and stop ``task_id``, which runs on ``node`` and moves to another node
-    (request on ``executor.handover.<node>``); a repeated request is answered the same."""
+    (request on ``executor.handover.<node>``); a repeated request is answered the same.
+    ``resumable`` false (``TaskSubmitted.resumable``): the task is stopped without the
+    checkpoint signal, to start over at the target."""
 
     task_id: str
     node: str
     grace_s: float = 10.0
+    resumable: bool = True
 
 
 class HandedOver(Event, frozen=True, kw_only=True, tag="executor.handed_over.v1"):

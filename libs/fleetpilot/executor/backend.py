@@ -64,11 +64,14 @@ class ExecutorBackend(Protocol):
         ...
 
     async def migrate(
-        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0,
+        resumes: bool = True,
     ) -> TaskHandle:
         """Checkpoint, stop and restart the task on ``target``; ``source`` is where it runs
         now (a backend of one node takes a task over from another node there). A task still
-        running once its checkpoint window is over is stopped as by ``stop`` with ``grace_s``."""
+        running once its checkpoint window is over is stopped as by ``stop`` with ``grace_s``.
+        A task that cannot resume (``resumes`` false: ``TaskSubmitted.resumable``) is asked for
+        no checkpoint: it is stopped as by ``stop`` and started over on the target."""
         ...
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:

@@ -58,7 +58,10 @@ async def _run(
         handle = await backend.start(decision.task_id, decision.placement, command, full_env)
         return handle.latency_ms or (time.perf_counter() - began) * 1000.0
     if decision.action == "migrate":
-        handle = await backend.migrate(decision.task_id, decision.placement, source=decision.source, grace_s=grace_s)
+        # A task the decision does not carry is taken to resume, as the policy takes it.
+        resumes = decision.task.resumable if decision.task is not None else True
+        handle = await backend.migrate(decision.task_id, decision.placement, source=decision.source, grace_s=grace_s,
+                                       resumes=resumes)
         return handle.latency_ms or (time.perf_counter() - began) * 1000.0
     if decision.action == "evict":
         await backend.stop(decision.task_id, grace_s)

@@ -16,7 +16,9 @@
 - **Migrate**: the checkpoint signal (SIGUSR1) first, ``checkpoint_s`` for the task to save
   its state (it may exit by itself), then stop with grace and start again on the target
   with ``FLEETPILOT_RESTORE=1``. A task that does not handle SIGUSR1 is terminated by it
-  (the signal's default action) and simply restarts from scratch. An eviction that comes
+  (the signal's default action) and simply restarts from scratch. A task that cannot resume
+  (``resumes`` false) gets neither the signal nor the window: it is stopped with grace and
+  started over, without ``FLEETPILOT_RESTORE``. An eviction that comes
   during the move wins: the move fails, and the task is not started on the target. Between nodes, the
   target's backend asks the source's (``take_over``, over the bus in the executor service)
   to do the first half (``hand_over``) and starts the task itself; its checkpoint must be
@@ -91,9 +93,10 @@ STDERR_DRAIN_S = 2.0
 # How long a backend answers a repeated hand-over of a task with what it handed over.
 HANDED_OVER_KEPT_S = 900.0
 
-TakeOver = Callable[[str, str, float], Awaitable[tuple[list[str], dict[str, str]]]]
-"""``take_over(source_node, task_id, grace_s)``: have the task stopped on its node, after its
-checkpoint signal, and return its command and environment; raises ``BackendError``."""
+TakeOver = Callable[[str, str, float, bool], Awaitable[tuple[list[str], dict[str, str]]]]
+"""``take_over(source_node, task_id, grace_s, resumes)``: have the task stopped on its node,
+after its checkpoint signal when it ``resumes``, and return its command and environment;
+raises ``BackendError``."""
 # Why the OS may refuse to start a process on this node whatever the command: out of memory,
 # processes or file handles, its disk full or read-only, an I/O error. Trying elsewhere may
 # work; the task is not at fault. (A command missing or not executable fails anywhere.)
@@ -208,6 +211,11 @@ def child_env(
     return full
 
 
+def _started_over(resumes: bool) -> str:
+    """What a move's event adds for a task that cannot resume."""
+    return "" if resumes else ": started over, it cannot resume"
+
+
 class _Task:
     """One running process and what we know about it."""
 
@@ -271,9 +279,9 @@ class ProcessBackend:
         # died without stopping them (``stop_left_behind``).
         self._registry = registry
         self._closed = False
-        # Tasks handed over to another node: (when, command, env, placement here), to answer
-        # a repeat, and to take one back that no move took (``take_back``).
-        self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str], list[Placement]]] = OrderedDict()
+        # Tasks handed over to another node: (when, command, env, placement here, whether it
+        # resumes), to answer a repeat, and to take one back that no move took (``take_back``).
+        self._handed: OrderedDict[str, tuple[float, list[str], dict[str, str], list[Placement], bool]] = OrderedDict()
         self._limit_as = limit_address_space
         self._headroom_mb = headroom_mb
         self._checkpoint_signal = checkpoint_signal
@@ -558,8 +566,10 @@ class ProcessBackend:
         *,
         source: Sequence[Placement] = (),
         grace_s: float = 5.0,
+        resumes: bool = True,
     ) -> TaskHandle:
-        """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``.
+        """Checkpoint signal, stop, restart on ``target`` with ``FLEETPILOT_RESTORE=1``; for a
+        task that cannot resume (``resumes`` false), a stop and a start over.
 
         The new process starts on this machine. A task running here moves within the node
         only: a target on another node is refused with the task left running (a restart
@@ -569,15 +579,15 @@ class ProcessBackend:
         (``hand_over``), and it restarts here from that checkpoint."""
         task = self._tasks.get(task_id)
         if task is None or task.proc is None or task.watcher is None:
-            return await self._take_over(task_id, target, source, grace_s)
+            return await self._take_over(task_id, target, source, grace_s, resumes)
         origin = list(task.placement)
         if node_of(target) != node_of(origin):
             raise BackendError(f"task {task_id} runs on {node_of(origin)}: the process backend moves a task "
                                f"within its node only, not to {node_of(target)}")
-        await self._checkpoint_and_stop(task, grace_s)
+        await self._checkpoint_and_stop(task, grace_s, resumes=resumes)
         task.placement = list(target)
         try:
-            handle = await self._spawn(task, restore=True)
+            handle = await self._spawn(task, restore=resumes)
         except BackendError as error:
             # The old process is gone and the new one did not start: the task is lost.
             del self._tasks[task_id]
@@ -588,14 +598,14 @@ class ProcessBackend:
             # Evicted while it restarted (told evicted, its holds given back): not run here.
             await self._terminate(task, grace_s, "evicted")
             raise BackendError(f"task {task_id} was evicted during its move")
-        self._emit(
-            task, "migrated", detail=f"from {_describe(origin)} to {_describe(target)}, pid {handle.pid}"
-        )
+        self._emit(task, "migrated", detail=f"from {_describe(origin)} to {_describe(target)}, pid {handle.pid}"
+                                            f"{_started_over(resumes)}")
         return handle
 
-    async def _checkpoint_and_stop(self, task: _Task, grace_s: float) -> None:
+    async def _checkpoint_and_stop(self, task: _Task, grace_s: float, *, resumes: bool) -> None:
         """The checkpoint signal, ``checkpoint_s`` to save (the task may exit by itself),
-        then a stop with grace; the exit is the move's, not the end of the task."""
+        then a stop with grace; only the stop for a task that cannot resume. The exit is the
+        move's, not the end of the task."""
         assert task.proc is not None and task.watcher is not None
         if task.proc.returncode is not None or _exited(task.proc.pid):
             # It ended by itself before its move reached it (its exit perhaps not yet seen
@@ -603,11 +613,12 @@ class ProcessBackend:
             await task.watcher
             raise BackendError(f"task {task.task_id} ended before its move")
         task.stop_reason = "migrated"
-        try:
-            os.kill(task.proc.pid, self._checkpoint_signal)
-            await asyncio.wait_for(asyncio.shield(task.watcher), timeout=self._checkpoint_s)
-        except (ProcessLookupError, TimeoutError):
-            pass  # gone already, or still saving: the stop below finishes it
+        if resumes:
+            try:
+                os.kill(task.proc.pid, self._checkpoint_signal)
+                await asyncio.wait_for(asyncio.shield(task.watcher), timeout=self._checkpoint_s)
+            except (ProcessLookupError, TimeoutError):
+                pass  # gone already, or still saving: the stop below finishes it
         await self._terminate(task, grace_s, "migrated")
         if task.evicted:
             # An eviction reached it during its move (its GPU decommissioned, a preemption,
@@ -622,7 +633,7 @@ class ProcessBackend:
             raise BackendError(f"task {task.task_id} was evicted during its move")
 
     async def _take_over(
-        self, task_id: str, target: Sequence[Placement], source: Sequence[Placement], grace_s: float
+        self, task_id: str, target: Sequence[Placement], source: Sequence[Placement], grace_s: float, resumes: bool
     ) -> TaskHandle:
         """Restart here a task that ran on ``source``'s node, stopped there by its backend."""
         self._refuse_when_closed(task_id)
@@ -632,10 +643,10 @@ class ProcessBackend:
                                f"within its node only)")
         if self.node and where != self.node:
             raise BackendError(f"task {task_id} moves to {where}, and this backend runs on {self.node}")
-        command, env = await self._take_over_from(origin, task_id, grace_s)
+        command, env = await self._take_over_from(origin, task_id, grace_s, resumes)
         task = _Task(task_id, list(target), list(command), dict(env))
         try:
-            handle = await self._spawn(task, restore=True)
+            handle = await self._spawn(task, restore=resumes)
         except BackendError as error:
             # Stopped at the source and not started here: the task is lost, and what it
             # held at the source goes with it (the event names the source).
@@ -644,23 +655,25 @@ class ProcessBackend:
             self._emit(_Task(task_id, list(source), task.command, task.env), "failed",
                        detail=f"migration restart on {where} failed: {error}")
             raise
-        self._emit(task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}")
+        self._emit(task, "migrated", detail=f"from {_describe(source)} to {_describe(target)}, pid {handle.pid}"
+                                            f"{_started_over(resumes)}")
         return handle
 
-    async def hand_over(self, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
-        """Checkpoint and stop a task that moves to another node, and give what restarts it
-        there: its command and environment. Its life goes on there, so nothing is reported
-        here. Asked again (an answer lost on the way), it gives the same."""
+    async def hand_over(self, task_id: str, grace_s: float, *, resumes: bool = True) -> tuple[list[str], dict[str, str]]:
+        """Checkpoint and stop a task that moves to another node (only stop one that cannot
+        resume, ``resumes`` false), and give what restarts it there: its command and
+        environment. Its life goes on there, so nothing is reported here. Asked again (an
+        answer lost on the way), it gives the same."""
         handed = self._handed.get(task_id)
         if handed is not None and self._clock() - handed[0] <= HANDED_OVER_KEPT_S:
             return list(handed[1]), dict(handed[2])
         task = self._tasks.get(task_id)
         if task is None or task.proc is None or task.watcher is None:
             raise BackendError(f"task {task_id} is not running on {self.node or 'this node'}")
-        await self._checkpoint_and_stop(task, grace_s)
+        await self._checkpoint_and_stop(task, grace_s, resumes=resumes)
         self._tasks.pop(task_id, None)
         self._save_registry()
-        self._handed[task_id] = (self._clock(), list(task.command), dict(task.env), list(task.placement))
+        self._handed[task_id] = (self._clock(), list(task.command), dict(task.env), list(task.placement), resumes)
         while len(self._handed) > 10_000:
             self._handed.popitem(last=False)
         return list(task.command), dict(task.env)
@@ -677,15 +690,16 @@ class ProcessBackend:
     async def take_back(self, task_id: str) -> TaskHandle:
         """Restart here, on the placement it had, a task handed over for a move that never
         took it (every answer lost, or the target gave up after the task was stopped): from
-        the checkpoint it saved, with ``FLEETPILOT_RESTORE=1``, told ``started``."""
+        the checkpoint it saved, with ``FLEETPILOT_RESTORE=1`` (over, for a task that cannot
+        resume), told ``started``."""
         self._refuse_when_closed(task_id)
         handed = self._handed.pop(task_id, None)
         if handed is None:
             raise BackendError(f"task {task_id} was not handed over from {self.node or 'this node'}")
-        _, command, env, placement = handed
+        _, command, env, placement, resumes = handed
         task = _Task(task_id, placement, command, env)
         try:
-            handle = await self._spawn(task, restore=True)
+            handle = await self._spawn(task, restore=resumes)
         except BackendError as error:
             # Stopped for its move and not started again here: told as lost (its holds here
             # go back then), as a move whose restart failed is. Untold, its hold stayed in the
@@ -693,8 +707,8 @@ class ProcessBackend:
             self._emit(task, "failed", detail=f"restart from its checkpoint after a move that never took it "
                                               f"failed: {error}")
             raise
-        self._emit(task, "started", detail=f"pid {handle.pid}: taken back from its checkpoint, its move never "
-                                            "took it")
+        how = "from its checkpoint" if resumes else "and started over"
+        self._emit(task, "started", detail=f"pid {handle.pid}: taken back {how}, its move never took it")
         return handle
 
     async def resize(self, task_id: str, milli: int, memory_mb: int) -> None:

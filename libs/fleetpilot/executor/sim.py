@@ -159,15 +159,17 @@ class SimBackend:
         self._emit(task, "evicted", detail=f"grace {grace_s:g}s")
 
     async def migrate(
-        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0
+        self, task_id: str, target: Sequence[Placement], *, source: Sequence[Placement] = (), grace_s: float = 5.0,
+        resumes: bool = True,
     ) -> TaskHandle:
-        """Move the task to ``target`` and report ``migrated``."""
+        """Move the task to ``target`` and report ``migrated`` (started over, for a task that
+        cannot resume)."""
         task = self._running(task_id)
         if self._adapter is not None:
             self._adapter.on_migrate(task_id, task.placement, target)
         latency = await self._take("migrate", task_id, target)
         task.placement = list(target)
-        self._emit(task, "migrated")
+        self._emit(task, "migrated", detail="" if resumes else "started over: it cannot resume")
         return TaskHandle(
             task_id=task_id,
             backend=self.name,

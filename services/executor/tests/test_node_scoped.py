@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 import msgspec
+import pytest
 from fleetpilot.contracts import (
     ActionExecuted,
     ActionFailed,
@@ -87,20 +88,23 @@ async def test_each_node_s_executor_carries_out_the_decisions_for_its_node(obser
             assert (logs[node] / f"{t}.out").read_text().strip() == str(g)
 
 
-def move(task_id: str, to: str, gpu: int, source: str = "n1") -> DecisionMade:
-    """The migrate decision of ``task_id`` from GPU 0 of ``source`` to ``to``'s GPU ``gpu``."""
+def move(task_id: str, to: str, gpu: int, source: str = "n1", resumable: bool = True) -> DecisionMade:
+    """The migrate decision of ``task_id`` (which resumes or not) from GPU 0 of ``source`` to
+    ``to``'s GPU ``gpu``."""
     return DecisionMade(decision_id=f"{task_id}.migrate.1", task_id=task_id, action="migrate",
                         placement=[Placement(node=to, gpu=gpu, milli=1000, memory_mb=1000)],
                         source=[Placement(node=source, gpu=0, milli=1000, memory_mb=1000)], confidence=0.7,
                         policy=PolicyRef(name="fleetpilot"), decided_at=now(),
-                        task=TaskSubmitted(task_id=task_id, kind="train"))
+                        task=TaskSubmitted(task_id=task_id, kind="train", resumable=resumable))
 
 
 def checkpointing(tmp_path) -> list[str]:
-    """A task that saves ``step=42`` on SIGUSR1 and, restored, writes it and its GPUs."""
-    ckpt, restored = tmp_path / "ckpt", tmp_path / "restored"
+    """A task that notes each start's GPUs in ``starts``, saves ``step=42`` on SIGUSR1 and,
+    restored, writes it and its GPUs."""
+    ckpt, restored, starts = tmp_path / "ckpt", tmp_path / "restored", tmp_path / "starts"
     code = ("import os, signal, sys, time, pathlib\n"
             f"ckpt, restored = pathlib.Path({str(ckpt)!r}), pathlib.Path({str(restored)!r})\n"
+            f"with open({str(starts)!r}, 'a') as f: f.write(os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
             "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
             "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'])\n"
             "def save(*_):\n"
@@ -129,23 +133,27 @@ async def two_nodes_holding_t1_on_n1(observer) -> None:
     await observer.kv_put("ledger", "n1", holds("n1", ("t1", "t1.assign", 0)))
 
 
-async def start_t1_on_n1_then_move_it_to_n2(observer, tmp_path) -> None:
-    """t1 (a task that checkpoints) started on n1, then decided to move to n2's GPU 1."""
+async def start_t1_on_n1_then_move_it_to_n2(observer, tmp_path, resumable: bool = True) -> None:
+    """t1 (a task that checkpoints, and resumes or not) started on n1, then decided to move to
+    n2's GPU 1."""
     started = msgspec.structs.replace(run("t1.assign", "t1", "n1", 0), task=TaskSubmitted(
         task_id="t1", kind="train", command=checkpointing(tmp_path)))
     await observer.js.publish("decision.made", encode(started))
     await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
     await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
-    await observer.js.publish("decision.made", encode(move("t1", "n2", 1)))
+    await observer.js.publish("decision.made", encode(move("t1", "n2", 1, resumable=resumable)))
 
 
-async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_url, tmp_path):
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_a_task_moves_to_another_node_from_its_checkpoint_or_over_when_it_cannot_resume(
+    observer, nats_url, tmp_path, resumable
+):
     await two_nodes_holding_t1_on_n1(observer)
     hosts = await node_executors(nats_url, tmp_path)
     try:
-        await start_t1_on_n1_then_move_it_to_n2(observer, tmp_path)
+        await start_t1_on_n1_then_move_it_to_n2(observer, tmp_path, resumable)
         executed = await observer.wait_stored("action.executed", ActionExecuted, 2)
-        await wait_for(lambda: (tmp_path / "restored").exists() and (tmp_path / "restored").read_text() != "")
+        await wait_for(lambda: (tmp_path / "starts").exists() and (tmp_path / "starts").read_text() == "0\n1\n")
         await asyncio.sleep(1.5)  # a backend poll: its own copy of the move must not be republished
         life = await observer.stored("task.lifecycle.t1", TaskLifecycle)
         n1, n2 = await observer.ledger("n1"), await observer.ledger("n2")
@@ -153,7 +161,10 @@ async def test_a_task_moves_to_another_node_from_its_checkpoint(observer, nats_u
         for host in hosts.values():
             await host.stop()
     assert [e.action_id for e in executed] == ["act-t1.assign", "act-t1.migrate.1"]
-    assert (tmp_path / "restored").read_text() == "step=42 gpus=1"
+    if resumable:
+        assert (tmp_path / "restored").read_text() == "step=42 gpus=1"
+    else:  # no checkpoint signal, no restore: it started over on n2
+        assert not (tmp_path / "ckpt").exists() and not (tmp_path / "restored").exists()
     assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("migrated", "n2", [1])]
     assert n1.allocations == []
     assert [(a.task_id, a.state, a.gpu) for a in n2.allocations] == [("t1", "confirmed", 1)]
@@ -167,8 +178,8 @@ async def test_a_task_handed_over_for_a_move_that_never_took_it_is_taken_back_fr
 
     real = backends.BusTakeOver.__call__
 
-    async def answers_lost(self, node: str, task_id: str, grace_s: float):
-        await real(self, node, task_id, grace_s)  # the source checkpoints and stops the task
+    async def answers_lost(self, node: str, task_id: str, grace_s: float, resumes: bool = True):
+        await real(self, node, task_id, grace_s, resumes)  # the source checkpoints and stops the task
         raise BackendError(f"{node} did not hand {task_id} over: nats: timeout", retryable=True)
 
     monkeypatch.setattr(backends.BusTakeOver, "__call__", answers_lost)
@@ -185,7 +196,7 @@ async def test_a_task_handed_over_for_a_move_that_never_took_it_is_taken_back_fr
             await host.stop()
     assert failed[0].retryable and "did not hand t1 over" in failed[0].error
     assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("started", "n1", [0])]
-    assert "taken back from its checkpoint" in life[1].detail
+    assert "taken back, its move never took it" in life[1].detail
     assert (tmp_path / "restored").read_text() == "step=42 gpus=0"
     assert [(a.task_id, a.gpu) for a in n1.allocations] == [("t1", 0)]
     assert n2.allocations == []

@@ -113,6 +113,19 @@ async def test_other_verbs(action: str) -> None:
     assert [a.verb for a in backend.actions] == expected
 
 
+@pytest.mark.parametrize("resumable", [True, False])
+async def test_a_move_tells_the_backend_whether_its_task_resumes(resumable: bool) -> None:
+    backend, journal = SimBackend(), InMemoryExecutionJournal()
+    await execute_decision(decision("assign", "d0"), backend, journal, owner="e1")
+    await backend.poll()
+    move = decision("migrate", "d1", placement=[Placement(node="n1", gpu=1, milli=1000, memory_mb=8000)])
+    move = msgspec.structs.replace(move, task=msgspec.structs.replace(move.task, resumable=resumable))
+    result = await execute_decision(move, backend, journal, owner="e1")
+    assert isinstance(result, ActionExecuted)
+    [moved] = await backend.poll()
+    assert moved.state == "migrated" and ("started over" in moved.detail) is not resumable
+
+
 async def test_backend_bug_is_recorded_not_left_claimed() -> None:
     class Broken(SimBackend):
         async def start(self, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -290,8 +290,8 @@ def two_nodes() -> dict[str, ProcessBackend]:
     executor service does it over the bus)."""
     backends: dict[str, ProcessBackend] = {}
 
-    async def take_over(node: str, task_id: str, grace_s: float) -> tuple[list[str], dict[str, str]]:
-        return await backends[node].hand_over(task_id, grace_s)
+    async def take_over(node: str, task_id: str, grace_s: float, resumes: bool) -> tuple[list[str], dict[str, str]]:
+        return await backends[node].hand_over(task_id, grace_s, resumes=resumes)
 
     for node in ("n1", "n2"):
         backends[node] = ProcessBackend(node=node, checkpoint_s=5, take_over=take_over)
@@ -316,6 +316,52 @@ async def test_a_task_moves_between_nodes_from_its_checkpoint(tmp_path: Path) ->
     assert command == checkpointing(ready, checkpoint, restored) and env == {"STEP_EVERY": "9"}
     await nodes["n2"].stop("m", grace_s=2)
     assert (await wait_for_state(nodes["n2"], "m"))[-1].state == "evicted"
+
+
+def noting_starts(log: Path) -> list[str]:
+    """A task that notes in ``log`` each start (and whether it was told to restore) and the
+    checkpoint signal, on which it exits."""
+    return py(
+        "import os, signal, sys, time, pathlib\n"
+        f"log = pathlib.Path({str(log)!r})\n"
+        "def note(line):\n"
+        "    with log.open('a') as f: f.write(line + '\\n')\n"
+        "def save(*_):\n"
+        "    note('checkpoint'); sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, save)\n"
+        "note('start restore=' + os.environ.get('FLEETPILOT_RESTORE', ''))\n"
+        "time.sleep(60)\n"
+    )
+
+
+async def wait_for_lines(path: Path, count: int, timeout: float = 10.0) -> list[str]:
+    """The lines of ``path`` once it has at least ``count``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return lines
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{path} never had {count} lines")
+
+
+@pytest.mark.parametrize(("resumes", "to_node"), [(True, "n1"), (False, "n1"), (False, "n2")])
+async def test_a_task_that_cannot_resume_moves_without_the_checkpoint_signal_and_starts_over(
+    tmp_path: Path, resumes: bool, to_node: str
+) -> None:
+    log = tmp_path / "log"
+    nodes = two_nodes()
+    await nodes["n1"].start("m", GPU0, noting_starts(log), {})
+    await wait_for_lines(log, 1)
+    backend = nodes[to_node]
+    await backend.migrate("m", [Placement(node=to_node, gpu=1, milli=1000)], source=GPU0, grace_s=2, resumes=resumes)
+    lines = await wait_for_lines(log, 3 if resumes else 2)
+    assert lines == (["start restore=", "checkpoint", "start restore=1"] if resumes
+                     else ["start restore=", "start restore="])
+    [moved] = [e for e in await backend.poll() if e.state == "migrated"]
+    assert ("started over" in moved.detail) is not resumes
+    await backend.stop("m", grace_s=2)
+    assert (await wait_for_state(backend, "m"))[-1].state == "evicted"
 
 
 async def test_a_take_over_of_a_task_not_running_at_its_source_starts_nothing() -> None:
