@@ -136,7 +136,8 @@ durations further from the truth, or with each program's runs further apart in t
 to good estimates and to programs that repeat. ``--resumable-share`` makes only that share of
 the programs go on from a checkpoint: a task of the others loses its run when it is moved,
 and Fleetpilot's loop, as its policy service, never bridges it, never pauses it for another
-task and moves it only off a failing GPU (where it starts over). By default every task
+task, and moves it (where it starts over) off a failing GPU, or away from a predicted OOM
+when starting over costs less than the OOM would (``rebalance.restart_pays``). By default every task
 resumes, and every move keeps its progress: what the figures owe to that.
 
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
