@@ -73,11 +73,9 @@ from fleetpilot.policy.rebalance import (
     models_below,
     move_down_ask,
     move_reason,
-    oom_comes_in_s,
     placed_at,
     resize_decision_id,
     resize_plan,
-    restart_pays,
     room_in_place,
     run_began_at,
     run_counted_from,
@@ -219,19 +217,6 @@ class Moves(ReplicaState):
         remaining = self.remaining_s(running)
         return remaining is not None and now() + remaining + pause_s <= deadline
 
-    def restart_pays(self, running: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint | None,
-                     p_oom: float) -> bool:
-        """Whether a run that cannot resume, an OOM predicted where it is with probability
-        ``p_oom``, should start over elsewhere (``rebalance.restart_pays``): its run so far
-        against when the OOM would come on the least room it can have (``oom_comes_in_s``).
-        Not when its progress, its fingerprint or its declared run is unknown."""
-        progress = run_progress_s(running, now())
-        rooms = [room for room in room_in_place(running, topo, ledger).values() if room > 0]
-        if progress is None or fp is None or not rooms:
-            return False
-        oom_in = oom_comes_in_s(fp, progress, self.declared_s(running.task_id), min(rooms))
-        return oom_in is not None and restart_pays(p_oom, progress, oom_in)
-
     def checkpoint_pause_s(self, memory_mb: float) -> float:
         """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
         checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
@@ -269,19 +254,17 @@ class Moves(ReplicaState):
             if reason is None:
                 continue
             going_away = gpus_going_away(running, topo)
-            starts_over = not going_away and not self.resumes(running.task_id)
-            if starts_over:
-                # Moved, it loses its run so far, the more the later: it moves now or not at all.
-                if not self.restart_pays(running, topo, ledger, fp, reason.p_stay_fails):
-                    continue
-            elif not going_away and waits_for_its_envelope(
+            if not going_away and not self.resumes(running.task_id):
+                # Moved, it would start over: its run is lost for sure, where an OOM takes it
+                # only if it comes, and then no later than a restart now would have.
+                continue
+            if not going_away and waits_for_its_envelope(
                     running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
                     envelope_progress_s(running, now()), self.declared_s(running.task_id),
                     self.settings.growth_lookahead_s):
                 continue  # below its peak, but its envelope says it fits here a while yet
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
-            # Queued again, a run that cannot resume would lose its run and wait besides.
-            if decision is None and fp is not None and not starts_over:
+            if decision is None and fp is not None:
                 decision = await self.checkpoint(running, topo, ledger, reason)
             if decision is not None:
                 out.append(decision)

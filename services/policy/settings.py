@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fleetpilot.policy import Router
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OOM_MOVE_RISK
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.runtime import ServiceSettings
 from fleetpilot.runtime.config import queue_aging_default
 from pydantic import Field, ValidationInfo, field_validator
@@ -52,7 +52,7 @@ class PolicySettings(ServiceSettings):
     # tasks, fleetpilot's demand), and how many recent admissions count.
     workload_refresh_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     workload_window: int = Field(default=5000, ge=1)
-    oom_migrate_risk: float = Field(default=OOM_MOVE_RISK, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
+    oom_migrate_risk: float = Field(default=0.5, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = Field(default=10, ge=0)
     wait_risk: bool = Field(
         default=True,

@@ -136,8 +136,7 @@ durations further from the truth, or with each program's runs further apart in t
 to good estimates and to programs that repeat. ``--resumable-share`` makes only that share of
 the programs go on from a checkpoint: a task of the others loses its run when it is moved,
 and Fleetpilot's loop, as its policy service, never bridges it, never pauses it for another
-task, and moves it (where it starts over) off a failing GPU, or away from a predicted OOM
-when starting over costs less than the OOM would (``rebalance.restart_pays``). By default every task
+task and moves it only off a failing GPU (where it starts over). By default every task
 resumes, and every move keeps its progress: what the figures owe to that.
 
 Run: ``python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet.json
@@ -213,7 +212,6 @@ from fleetpilot.policy.preempt import Victim, eviction_cost, preemptions
 from fleetpilot.policy.rebalance import (
     GROWTH_LOOKAHEAD_S,
     MOVE_DOWN_TRIES,
-    OOM_MOVE_RISK,
     OVERFLOW_FILL,
     SMOOTH_GROWTH,
     Running,
@@ -223,9 +221,6 @@ from fleetpilot.policy.rebalance import (
     envelope_level_mb,
     models_below,
     move_down_ask,
-    normal_tail,
-    oom_comes_in_s,
-    restart_pays,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
@@ -1357,29 +1352,13 @@ class FleetRun:
     def _rebalance(self, job: _Job, now: float) -> None:
         # Move whoever on the GPU outgrew its plan the most: that is the allocation that fails.
         tenants = {tid for g in job.gpus for tid in self.on_gpu.get((job.row, g), set())}
-        # One that cannot resume would lose its run for sure, where the OOM takes it only if it
-        # comes: it moves only when starting over pays, and is not queued again (the policy
-        # service's ``rebalance_round``).
-        movable = (j for j in map(self.by_id.__getitem__, tenants) if j.task.resumable or self._restart_pays(j, now))
+        # One that cannot resume is not moved for memory: it would lose its run for sure, where
+        # the OOM takes it only if it comes (the policy service's ``rebalance_round``).
+        movable = (j for j in map(self.by_id.__getitem__, tenants) if j.task.resumable)
         victims = sorted(movable, key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
-            if not self._migrate(victim, now, reason="oom") and victim.task.resumable:
+            if not self._migrate(victim, now, reason="oom"):
                 self._checkpoint(victim, now, outgrown=True)
-
-    def _restart_pays(self, job: _Job, now: float) -> bool:
-        """Whether a running job that cannot resume should start over elsewhere rather than stay
-        where its predicted peak may not fit (``rebalance.restart_pays``), as the policy service
-        weighs it: the OOM's probability on the least room its holds leave it (the GPU less the
-        other tenants' holds), at least ``OOM_MOVE_RISK``, and when it would come by its
-        envelope, against its run so far."""
-        p = job.prediction
-        if p is None or job.state != "running":
-            return False
-        room = float(np.min(self.state.gpu_mem_free[job.row, np.asarray(job.gpus)])) + job.reserved_mb
-        p_oom = normal_tail(p.predicted_peak_mb, peak_sigma_mb(p), room)
-        progress = now - job.run_at
-        oom_in = oom_comes_in_s(p, progress, job.task.declared_duration_s, room)
-        return p_oom >= OOM_MOVE_RISK and oom_in is not None and restart_pays(p_oom, progress, oom_in)
 
     def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None,
                  bridge: bool = False) -> bool:

@@ -68,8 +68,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--command", nargs="+", default=None, help="command to run (process backend)")
     parser.add_argument("--not-resumable", dest="resumable", action="store_false", default=None,
                         help="the task does not go on from a checkpoint when started again: it is never "
-                             "moved to make room for others; it is moved off a GPU going away, and away from "
-                             "a predicted OOM only when starting over costs less than the OOM would")
+                             "moved to make room for others, only off a GPU going away")
     # Both at once would silently decline: the parser refuses the pair instead.
     answer = parser.add_mutually_exclusive_group()
     answer.add_argument("--accept-offer", action="store_true", help="accept the first counter-option without asking")

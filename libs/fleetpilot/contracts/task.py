@@ -34,9 +34,8 @@ class TaskSubmitted(Event, frozen=True, kw_only=True, tag="task.submitted.v1"):
     from it when started again. One that does not (``False``) loses its run when it is
     stopped, so the policy never moves it to serve others (making way, moving down, clearing a
     node), never starts it on GPUs smaller than its predicted peak (a bridge), and moves it
-    off GPUs going away, where it would lose its run anyway, or away from a predicted OOM when
-    starting over costs less than the OOM would (``rebalance.restart_pays``). The executor
-    stops it without the checkpoint signal and starts it over on the target, without
+    only off GPUs going away, where it would lose its run anyway. The executor stops it
+    without the checkpoint signal and starts it over on the target, without
     ``FLEETPILOT_RESTORE``.
     """
 

@@ -36,11 +36,6 @@ and it was not restored from a checkpoint (``envelope_progress_s``: its holds ca
 run began across moves and restores, ``run_progress_s``) and by its measured rate
 (``bridge_watches``), and moved up or checkpointed when they say it outgrows its GPU
 (``bridge_overflow``, ``waits_for_its_envelope``).
-
-**A run that cannot resume** (``TaskSubmitted.resumable`` false) starts over when moved, so a
-move away from a predicted OOM costs its run so far for sure, where the OOM costs it only if it
-comes, and later. It is moved only when that pays (``restart_pays``, with when the OOM would
-come: ``oom_comes_in_s``).
 """
 
 from __future__ import annotations
@@ -87,10 +82,6 @@ or move a task before it gets there (the policy service's default, the fleet ben
 SMOOTH_GROWTH = frozenset({"linear", "leak"})
 """Patterns whose memory rises smoothly: a task bridged onto less than its peak is moved up by
 its measured rate (``growth_overflow``); any other pattern only by its envelope."""
-OOM_MOVE_RISK = 0.5
-"""P(OOM in place) from which a task is moved (``move_reason``'s threshold): the policy
-service's default (``oom_migrate_risk``), and the fleet benchmark's for a run that cannot
-resume."""
 MIN_BRIDGE_STAY_S = 900.0
 """A run whose signature's envelope lets it hold less than its peak for at least this long
 (a step schedule before the step that outgrows a GPU) may start on a GPU that holds that
@@ -230,35 +221,6 @@ def move_reason(
     if not why:
         return None
     return MoveReason(p_stay_fails=1.0 - stays_ok, why="; ".join(why))
-
-
-def oom_comes_in_s(fp: Fingerprint, progress_s: float, declared_s: float | None, room_mb: float) -> float | None:
-    """Seconds until a run ``progress_s`` into its declared run would meet a predicted OOM on
-    ``room_mb`` per GPU: when its program's envelope first passes that room or reaches its top,
-    whichever comes first (the predicted peak, and with it the risk of its normal tail, comes
-    with the top); 0 when it is there already. Without an envelope, half of what is left of its declared run: nothing says where
-    in it the peak comes. ``None`` when its declared run is unknown."""
-    if not declared_s or declared_s <= 0:
-        return None
-    if not fp.envelope_mb:
-        return max(declared_s - progress_s, 0.0) / 2.0
-    # The k-th point (from 0) covers the run from k / n of its declared duration on; the top
-    # always ends the search.
-    top = fp.envelope_mb[-1]
-    k = next(k for k, point in enumerate(fp.envelope_mb) if point > room_mb or point >= top)
-    return max(k / len(fp.envelope_mb) * declared_s - progress_s, 0.0)
-
-
-def restart_pays(p_oom: float, run_so_far_s: float, oom_in_s: float) -> bool:
-    """Whether a run that cannot resume should start over elsewhere now rather than stay where
-    an OOM comes with probability ``p_oom`` in ``oom_in_s`` seconds. Moved now, it ends a whole
-    run from now. Left, it ends the rest of its run with probability 1 - p, or a whole run after
-    the OOM with probability p: moving pays when ``p * oom_in_s > (1 - p) * run_so_far_s``.
-
-    The wait for a place again after the OOM is left out of the stay's cost (in the product an
-    OOM kill is not retried at all): it would only make moving pay more, so the rule errs
-    toward leaving the run where it is, as a task that cannot resume was left before."""
-    return p_oom * oom_in_s > (1.0 - p_oom) * run_so_far_s
 
 
 def is_first_placement(task: Running) -> bool:

@@ -933,18 +933,6 @@ def test_a_leak_that_cannot_resume_is_not_bridged_and_waits_for_the_gpu_that_hol
     assert run.jobs[1].queue_s >= 1200.0 - 60.0
 
 
-def test_a_run_that_cannot_resume_heading_for_an_oom_early_in_its_run_starts_over_where_its_peak_fits() -> None:
-    # The leak (50 GB at the end of 40 minutes, asking 30 GB) starts on the A100 while the H100
-    # is busy; its fingerprint, learnt as it runs, says it outgrows the A100. Minutes into its
-    # run, starting over on the H100 costs less than the OOM would (``rebalance.restart_pays``).
-    busy, leak = grower_behind_a_busy_h100("leak", 50_000.0, 30_000.0, 2400.0, busy_s=300.0)
-    run = FleetRun(build_fleet(A100_AND_H100), workload(busy, not_resumable(leak), hours=2.0), "fleetpilot", seed=1)
-    result = run.run()
-    assert result.figures["oom_events"] == 0 and result.breakdown["migrations_oom"] == 1
-    job = run.jobs[1]
-    assert job.state == "done" and job.run_at > 300.0 and job.finished_at >= job.run_at + 2400.0  # a whole run
-
-
 def test_a_run_that_cannot_resume_is_moved_off_a_failing_gpu_and_starts_over() -> None:
     fault = FaultPlan(node="n00", gpu=0, kind="degrading", onset_s=600.0, fails_s=600.0 + 2.5 * 3600)
     spans = {}

@@ -47,10 +47,8 @@ from fleetpilot.policy.rebalance import (
     models_below,
     move_down_ask,
     move_reason,
-    oom_comes_in_s,
     resize_decision_id,
     resize_plan,
-    restart_pays,
     run_counted_from,
     run_progress_s,
     waits_for_its_envelope,
@@ -453,32 +451,3 @@ def test_a_maintenance_risk_label_that_is_no_probability_reads_as_the_default(ri
     why = move_reason(Running("t", "x", (ledger.allocations[0],)), topo, ledger, None, 0.5)
     assert why is not None and why.p_stay_fails == pytest.approx(0.9)
     assert "0.90" in why.why
-
-
-def test_an_oom_comes_when_the_envelope_passes_the_room_or_reaches_its_top():
-    # A 2-hour run whose program holds 10 GB, then 30 GB from a quarter in, then 50 GB (its top)
-    # from three quarters in.
-    steps = msgspec.structs.replace(fingerprint(50_000), envelope_mb=(10_000.0,) * 5 + (30_000.0,) * 10 + (50_000.0,) * 5)
-    assert oom_comes_in_s(steps, 600.0, 7200.0, 40_000.0) == 5400.0 - 600.0  # the top, past the room
-    assert oom_comes_in_s(steps, 600.0, 7200.0, 20_000.0) == 1800.0 - 600.0  # the 30 GB step outgrows 20 GB
-    assert oom_comes_in_s(steps, 6000.0, 7200.0, 40_000.0) == 0.0  # at its top already
-    flat_top = msgspec.structs.replace(steps, envelope_mb=(50_000.0,) * 20)
-    assert oom_comes_in_s(flat_top, 600.0, 7200.0, 60_000.0) == 0.0  # its peak from the start
-    # No envelope: half of what is left; no declared run: nothing to weigh.
-    assert oom_comes_in_s(fingerprint(50_000), 1200.0, 7200.0, 40_000.0) == 3000.0
-    assert oom_comes_in_s(steps, 600.0, None, 40_000.0) is None
-    assert oom_comes_in_s(steps, 600.0, 0.0, 40_000.0) is None
-
-
-@pytest.mark.parametrize(("p_oom", "run_so_far_s", "oom_in_s", "pays"), [
-    (0.9, 600.0, 4800.0, True),
-    (0.9, 3600.0, 300.0, False),  # 270 s expected lost by staying against an hour for sure
-    (1.0, 3600.0, 60.0, True),  # a sure OOM loses more than the run so far
-    (1.0, 3600.0, 0.0, False),  # it comes now: the restart gains nothing
-    (0.5, 600.0, 600.0, False),  # even: it stays
-    (0.5, 600.0, 601.0, True),
-    (0.0, 0.0, 4800.0, False),
-])
-def test_a_run_that_cannot_resume_starts_over_only_when_that_loses_less_than_the_expected_oom(
-        p_oom, run_so_far_s, oom_in_s, pays):
-    assert restart_pays(p_oom, run_so_far_s, oom_in_s) is pays
