@@ -434,9 +434,11 @@ class ExecutorReplica:
                 if left is not None and left.decision_id == decision.decision_id:
                     left = None
                 self.decisions[decision.task_id] = decision
+                over = decision.task is not None and not decision.task.resumable
                 out.append(self.lifecycle(decision.task_id, "migrated", node,
-                                          [p.gpu for p in decision.placement if p.gpu >= 0], at=result.executed_at,
-                                          replaces=left))
+                                          [p.gpu for p in decision.placement if p.gpu >= 0],
+                                          "started over: it cannot resume" if over else "",
+                                          at=result.executed_at, replaces=left))
             elif decision.action == "evict":
                 # Its process may have ended by itself a moment before, its end not yet told
                 # by the backend's poll (once a second), which gives the holds back and tells
@@ -488,8 +490,8 @@ class ExecutorReplica:
         return HandedOver(task_id=request.task_id, ok=True, command=command, env=env)
 
     async def take_back_stranded(self) -> list[Event]:
-        """Restart here, from its checkpoint, a task handed over for a move that never took
-        it: ``hand_over_taken_within_s`` later, its hold on this node is still in the ledger
+        """Restart here, from its checkpoint (over, for one that cannot resume), a task handed
+        over for a move that never took it: ``hand_over_taken_within_s`` later, its hold on this node is still in the ledger
         (a move that took it released that). Without this, a target that gave up after the
         task was stopped here (its answers lost) left the task stopped everywhere, and the
         policy, which places again only failed assigns, believing it ran here. One whose

@@ -759,7 +759,9 @@ class Moves(ReplicaState):
         calibration of the default policy's own moves (which feedback judges by their OOMs).
         """
         policies = self.active.current
-        known = self.tasks.get(running.task_id)
+        # As its admission has it, when this replica did not place it (a restart, another
+        # replica): the executor reads from it whether the task resumes from its checkpoint.
+        known = self.submitted(running.task_id)
         req = self.move_request(running, source_topo, fp)
         if target is None:
             state = self.snapshot()

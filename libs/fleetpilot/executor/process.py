@@ -576,7 +576,8 @@ class ProcessBackend:
         here under the other node's GPU numbers would run it on the wrong GPUs). A task
         that runs on another node (``source``) is taken over from there, when this backend
         was given ``take_over``: the source's backend checkpoints and stops it
-        (``hand_over``), and it restarts here from that checkpoint."""
+        (``hand_over``), and it restarts here from that checkpoint (over, when it cannot
+        resume)."""
         task = self._tasks.get(task_id)
         if task is None or task.proc is None or task.watcher is None:
             return await self._take_over(task_id, target, source, grace_s, resumes)
@@ -704,8 +705,7 @@ class ProcessBackend:
             # Stopped for its move and not started again here: told as lost (its holds here
             # go back then), as a move whose restart failed is. Untold, its hold stayed in the
             # ledger for ever and the policy took it as running.
-            self._emit(task, "failed", detail=f"restart from its checkpoint after a move that never took it "
-                                              f"failed: {error}")
+            self._emit(task, "failed", detail=f"restart after a move that never took it failed: {error}")
             raise
         how = "from its checkpoint" if resumes else "and started over"
         self._emit(task, "started", detail=f"pid {handle.pid}: taken back {how}, its move never took it")

@@ -104,12 +104,12 @@ def checkpointing(tmp_path) -> list[str]:
     ckpt, restored, starts = tmp_path / "ckpt", tmp_path / "restored", tmp_path / "starts"
     code = ("import os, signal, sys, time, pathlib\n"
             f"ckpt, restored = pathlib.Path({str(ckpt)!r}), pathlib.Path({str(restored)!r})\n"
-            f"with open({str(starts)!r}, 'a') as f: f.write(os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
-            "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
-            "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'])\n"
             "def save(*_):\n"
             "    ckpt.write_text('step=42'); sys.exit(0)\n"
             "signal.signal(signal.SIGUSR1, save)\n"
+            "if os.environ.get('FLEETPILOT_RESTORE') == '1':\n"
+            "    restored.write_text(ckpt.read_text().strip() + ' gpus=' + os.environ['CUDA_VISIBLE_DEVICES'])\n"
+            f"with open({str(starts)!r}, 'a') as f: f.write(os.environ['CUDA_VISIBLE_DEVICES'] + '\\n')\n"
             "time.sleep(60)\n")
     return [sys.executable, "-c", code]
 
@@ -140,6 +140,8 @@ async def start_t1_on_n1_then_move_it_to_n2(observer, tmp_path, resumable: bool 
         task_id="t1", kind="train", command=checkpointing(tmp_path)))
     await observer.js.publish("decision.made", encode(started))
     await observer.wait_stored("task.lifecycle.t1", TaskLifecycle, 1)
+    # Moved once it runs (its handler set): a move in its first instants would find no handler.
+    await wait_for(lambda: (tmp_path / "starts").exists() and (tmp_path / "starts").read_text() == "0\n")
     await observer.kv_put("ledger", "n2", holds("n2", ("t1", "t1.migrate.1", 1)))
     await observer.js.publish("decision.made", encode(move("t1", "n2", 1, resumable=resumable)))
 
@@ -166,6 +168,7 @@ async def test_a_task_moves_to_another_node_from_its_checkpoint_or_over_when_it_
     else:  # no checkpoint signal, no restore: it started over on n2
         assert not (tmp_path / "ckpt").exists() and not (tmp_path / "restored").exists()
     assert [(s.state, s.node, s.gpus) for s in life] == [("started", "n1", [0]), ("migrated", "n2", [1])]
+    assert ("started over" in life[1].detail) is not resumable
     assert n1.allocations == []
     assert [(a.task_id, a.state, a.gpu) for a in n2.allocations] == [("t1", "confirmed", 1)]
 

@@ -72,9 +72,10 @@ async def test_only_a_run_that_resumes_moves_away_from_a_predicted_oom(observer,
     assert moves == ([("a0", 1)] if resumable else [])
 
 
+@pytest.mark.parametrize("restarted", [False, True])
 @pytest.mark.parametrize("resumable", [True, False])
 async def test_a_run_is_moved_off_a_gpu_going_away_and_one_that_cannot_resume_begins_again(
-    observer, nats_url, tmp_path, resumable
+    observer, nats_url, tmp_path, resumable, restarted
 ):
     await observer.put_fleet([node("h0", gpus=1), node("h1", gpus=1)])
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3))
@@ -82,6 +83,14 @@ async def test_a_run_is_moved_off_a_gpu_going_away_and_one_that_cannot_resume_be
     try:
         await place_then_hold(observer, "m1", "h0", 0, [], resumable, gpu_milli=1000, expected_duration_s=7200.0)
         await started_ago(observer, "h0", 600.0)
+        if restarted:
+            # Moved by a replica that did not place it (a restart, another replica): it knows
+            # the task from the contract the sla service stored.
+            contract = admitted("m1", resumable=resumable, gpu_milli=1000, expected_duration_s=7200.0)
+            await observer.kv_put("contracts", "contract.m1", encode(contract))
+            await policy.stop()
+            policy = build(settings(nats_url, tmp_path, rebalance_s=0.3))
+            await policy.start()
         asked = now()
         await observer.put_fleet([node("h0", gpus=1, labels={0: {"maintenance_pending": "true"}}), node("h1", gpus=1)])
         await wait_for(lambda: any(d.action == "migrate" for d in observer.decisions), timeout_s=4.0, what="the move")
@@ -90,6 +99,8 @@ async def test_a_run_is_moved_off_a_gpu_going_away_and_one_that_cannot_resume_be
         await policy.stop()
     [move] = [d for d in observer.decisions if d.action == "migrate"]
     assert [(p.node, p.gpu) for p in move.placement] == [("h1", 0)]
+    # The executor reads from the decision's task whether to send the checkpoint signal.
+    assert move.task is not None and move.task.resumable is resumable
     [target] = [a for a in ledgers["h1"].allocations if a.decision_id == move.decision_id]
     if resumable:
         assert asked - 620.0 < target.run_at < asked - 590.0  # its run goes on from where it was
