@@ -150,6 +150,7 @@ async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerpr
     first = task("leak-1")
     # A leak killed at 38 GB, a third of the way through its declared life.
     await run_for(bus, first, 340, lambda t: 8_000 + 30_000 * (t / 330.0) ** 2)
+    await samples_taken(bus, seen, "sync-leak-1")
     await bus.publish(TaskLifecycle(task_id="leak-1", state="oom_killed", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
@@ -166,6 +167,7 @@ async def test_a_multi_gpu_task_is_fingerprinted_per_gpu(fingerprinter):
     # Two GPUs holding 16 GB each for the task's whole life: the samples sum them (32 GB), as
     # NVML's per-process figures summed over the task's GPUs do.
     await run_for(bus, first, 1_000, lambda t: 2 * (16_000.0 + 50.0 * math.sin(t)), gpus=[0, 1])
+    await samples_taken(bus, seen, "sync-wide-1")
     await bus.publish(TaskLifecycle(task_id="wide-1", state="finished", at=now()))
     await remembered(bus, task_signature(first))
     await bus.publish(task("wide-2"))
@@ -205,6 +207,7 @@ async def test_an_evicted_task_teaches_nothing_until_its_run_again_ends(fingerpr
         await bus.publish(TaskTelemetry(task_id="evicted-1", node="n2", gpus=[0], at=start + float(t),
                                         memory_used_mb=10_000.0 + 20.0 * math.sin(float(t))))
     await asyncio.sleep(0.5)
+    await samples_taken(bus, seen, "sync-evicted-1")
     await bus.publish(TaskLifecycle(task_id="evicted-1", state="finished", at=now()))
     stats = await remembered(bus, task_signature(first))
     # One run, the whole one: not the partial run's guess (a first level read as a step
@@ -226,6 +229,7 @@ async def test_statistics_in_the_units_of_before_per_gpu_memory_are_replaced_not
     await kv.put(signature, msgspec.json.encode(legacy))
     await run_for(bus, first, 1_000, lambda t: 4 * (16_000.0 + 50.0 * math.sin(t)), gpus=[0, 1, 2, 3])
     assert not [f for f in seen if f.task_id == "old-1" and f.source == "signature"]  # nothing from old units
+    await samples_taken(bus, seen, "sync-old-1")
     await bus.publish(TaskLifecycle(task_id="old-1", state="finished", at=now()))
 
     async def replaced() -> SignatureStats | None:
@@ -245,6 +249,7 @@ async def test_a_short_flat_run_is_remembered_at_its_level_and_no_guess_goes_out
     # at 9.3 GB. Mid-life that reads as a step schedule's first level (twice as high).
     first = msgspec.structs.replace(task("serve-1"), kind="infer", expected_duration_s=90.0)
     await run_for(bus, first, 80, lambda t: 9_300.0 + 30.0 * math.sin(t))
+    await samples_taken(bus, seen, "sync-serve-1")
     await bus.publish(TaskLifecycle(task_id="serve-1", state="finished", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert abs(stats.mean_peak_mb - 9_300) < 500, stats  # its level, not the ~18.5 GB guess
@@ -266,6 +271,7 @@ async def test_a_run_that_ends_before_its_declared_end_is_remembered_at_what_it_
         await bus.publish(TaskTelemetry(task_id="early-1", node="n1", gpus=[0], at=start + float(t),
                                         memory_used_mb=8_000.0 + 30.0 * float(t) + 20.0 * math.sin(t)))
     await asyncio.sleep(0.5)
+    await samples_taken(bus, seen, "sync-early-1")
     await bus.publish(TaskLifecycle(task_id="early-1", state="finished", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert abs(stats.mean_peak_mb - (8_000 + 30.0 * 305)) < 500, stats
@@ -399,11 +405,12 @@ async def test_a_sample_of_negative_memory_is_dead_lettered_with_its_reason_not_
 
 
 async def test_a_run_that_failed_partway_teaches_no_envelope(fingerprinter):
-    bus, _ = fingerprinter
+    bus, seen = fingerprinter
     first = task("crash-1")
     # A step schedule (8 GB, then 20 GB from 250 s of its 1,000) that crashes at 400 s: its
     # series would read as 20 GB to the end of its life.
     await run_for(bus, first, 400, lambda t: 8_000.0 if t < 250 else 20_000.0)
+    await samples_taken(bus, seen, "sync-crash-1")
     await bus.publish(TaskLifecycle(task_id="crash-1", state="failed", at=now()))
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 1 and stats.envelope_mb == ()
