@@ -663,7 +663,7 @@ class NatsBus(Bus):
             while True:
                 try:
                     msgs = await sub.fetch(batch, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py's own or the builtin one, by where its wait ran out
                     return  # nothing (more) stored
                 for msg in msgs:
                     meta = msg.metadata
