@@ -53,8 +53,9 @@ class BusTakeOver:
         """The command and environment of ``task_id``, once stopped on ``node`` (after its
         checkpoint signal when it ``resumes``)."""
         request = HandOver(task_id=task_id, node=node, grace_s=grace_s, resumable=resumes)
-        # The source signals, waits for the checkpoint, then stops with grace.
-        timeout_s = hand_over_wait_s(self._checkpoint_s, grace_s, attempts=1)
+        # The source signals, waits for the checkpoint, then stops with grace; a task that
+        # cannot resume it only stops.
+        timeout_s = hand_over_wait_s(self._checkpoint_s if resumes else 0.0, grace_s, attempts=1)
         last = ""
         for _ in range(self._attempts):
             try:
