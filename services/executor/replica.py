@@ -32,6 +32,7 @@ from fleetpilot.contracts import (
 )
 from fleetpilot.executor import (
     ALLOW,
+    STARTED_OVER,
     BackendError,
     DecommissionRules,
     ExecutorBackend,
@@ -41,6 +42,7 @@ from fleetpilot.executor import (
     PreDecommissionHook,
     ProcessBackend,
     execute_decision,
+    resumes,
 )
 from fleetpilot.ledger import LedgerStore, without_task
 from fleetpilot.ledger.accounting import confirmed, moved_here, resized, without_decision
@@ -434,10 +436,9 @@ class ExecutorReplica:
                 if left is not None and left.decision_id == decision.decision_id:
                     left = None
                 self.decisions[decision.task_id] = decision
-                over = decision.task is not None and not decision.task.resumable
                 out.append(self.lifecycle(decision.task_id, "migrated", node,
                                           [p.gpu for p in decision.placement if p.gpu >= 0],
-                                          "started over: it cannot resume" if over else "",
+                                          "" if resumes(decision) else STARTED_OVER,
                                           at=result.executed_at, replaces=left))
             elif decision.action == "evict":
                 # Its process may have ended by itself a moment before, its end not yet told

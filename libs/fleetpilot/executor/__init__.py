@@ -7,7 +7,7 @@
   :class:`PreDecommissionHook`, guarded by a :class:`HookLock` with a time-to-live.
 """
 
-from .backend import BackendError, ExecutorBackend, ProcessSample, TaskHandle
+from .backend import STARTED_OVER, BackendError, ExecutorBackend, ProcessSample, TaskHandle, resumes
 from .business import (
     ALLOW,
     BusinessContextProvider,
@@ -36,6 +36,7 @@ from .sim import SimAdapter, SimBackend
 
 __all__ = [
     "ALLOW",
+    "STARTED_OVER",
     "ActionResult",
     "BackendError",
     "BusinessContextProvider",
@@ -68,5 +69,6 @@ __all__ = [
     "execute_decision",
     "notify_after_finish",
     "recorded_result",
+    "resumes",
     "step",
 ]

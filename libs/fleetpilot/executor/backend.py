@@ -13,7 +13,16 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from fleetpilot.contracts import Placement, TaskLifecycle
+from fleetpilot.contracts import DecisionMade, Placement, TaskLifecycle
+
+STARTED_OVER = "started over: it cannot resume"
+"""What the ``migrated`` event of a task that cannot resume says (``TaskSubmitted.resumable``)."""
+
+
+def resumes(decision: DecisionMade) -> bool:
+    """Whether the task a move decision carries goes on from its checkpoint; a decision that
+    carries no task is taken to, as the policy takes a task it does not know."""
+    return decision.task is None or decision.task.resumable
 
 
 class TaskHandle(msgspec.Struct, frozen=True, kw_only=True):

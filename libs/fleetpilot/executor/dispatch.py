@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from fleetpilot.contracts import ActionExecuted, ActionFailed, DecisionMade
 
-from .backend import BackendError, ExecutorBackend
+from .backend import BackendError, ExecutorBackend, resumes
 from .business import BusinessContextProvider, check_before_assign
 from .journal import ActionResult, ExecutionJournal
 from .locks import Clock
@@ -58,10 +58,8 @@ async def _run(
         handle = await backend.start(decision.task_id, decision.placement, command, full_env)
         return handle.latency_ms or (time.perf_counter() - began) * 1000.0
     if decision.action == "migrate":
-        # A task the decision does not carry is taken to resume, as the policy takes it.
-        resumes = decision.task.resumable if decision.task is not None else True
         handle = await backend.migrate(decision.task_id, decision.placement, source=decision.source, grace_s=grace_s,
-                                       resumes=resumes)
+                                       resumes=resumes(decision))
         return handle.latency_ms or (time.perf_counter() - began) * 1000.0
     if decision.action == "evict":
         await backend.stop(decision.task_id, grace_s)

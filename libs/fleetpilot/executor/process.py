@@ -67,7 +67,7 @@ from typing import BinaryIO
 
 from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
 
-from .backend import BackendError, ProcessSample, TaskHandle, gpus_of, node_of
+from .backend import STARTED_OVER, BackendError, ProcessSample, TaskHandle, gpus_of, node_of
 from .locks import Clock
 
 log = logging.getLogger("fleetpilot.executor")
@@ -213,7 +213,7 @@ def child_env(
 
 def _started_over(resumes: bool) -> str:
     """What a move's event adds for a task that cannot resume."""
-    return "" if resumes else ": started over, it cannot resume"
+    return "" if resumes else f": {STARTED_OVER}"
 
 
 class _Task:

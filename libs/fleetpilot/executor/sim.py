@@ -23,7 +23,7 @@ import msgspec
 
 from fleetpilot.contracts import LifecycleState, Placement, TaskLifecycle
 
-from .backend import BackendError, TaskHandle, gpus_of, node_of
+from .backend import STARTED_OVER, BackendError, TaskHandle, gpus_of, node_of
 from .locks import Clock
 
 Verb = Literal["start", "stop", "migrate", "resize"]
@@ -169,7 +169,7 @@ class SimBackend:
             self._adapter.on_migrate(task_id, task.placement, target)
         latency = await self._take("migrate", task_id, target)
         task.placement = list(target)
-        self._emit(task, "migrated", detail="" if resumes else "started over: it cannot resume")
+        self._emit(task, "migrated", detail="" if resumes else STARTED_OVER)
         return TaskHandle(
             task_id=task_id,
             backend=self.name,
