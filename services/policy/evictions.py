@@ -7,11 +7,15 @@
   whose assign the executor failed or refused are queued again under their next
   ``<task>.assign.<g>`` (``requeue``); a task refused more than ``refused_replacements`` times
   is given up (``given_up``: ``task.rejected``).
+* A task killed by an OOM is queued again the same way, to start over asking more than it
+  held, up to ``oom_restarts`` placements; killed on a later one, it is given up
+  (``restart_after_oom``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 from fleetpilot.contracts import (
@@ -40,7 +44,7 @@ from fleetpilot.policy.preempt import (
 from fleetpilot.policy.rebalance import generation
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
-from .replica import ReplicaState
+from .replica import PEAK_HEADROOM, ReplicaState
 
 log = logging.getLogger("fleetpilot.policy")
 
@@ -81,7 +85,7 @@ class Evictions(ReplicaState):
         hold. A passing failure (``retryable``: the backend did not answer) is retried every
         time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
         retried ``refused_replacements`` times (``given_up`` says when no more)."""
-        if failed.action != "assign" or self.given_up(failed) is not None:
+        if failed.action != "assign" or await self.given_up(failed) is not None:
             return None
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
@@ -89,7 +93,57 @@ class Evictions(ReplicaState):
             pending, ledger, avoid_node=next((p.node for p in failed.placement), ""),
         )
 
-    def given_up(self, failed: ActionFailed) -> TaskRejected | None:
+    async def oom_given_up(self, life: TaskLifecycle) -> TaskRejected | None:
+        """The ``task.rejected`` that tells the submitter a task an OOM killed will not be
+        placed again (which also ends its contract): it died on a placement past
+        ``oom_restarts``; ``None`` for any other event."""
+        g = generation(life.task_id, life.decision_id) if life.decision_id else 1
+        if life.state != "oom_killed" or g <= self.settings.oom_restarts:
+            return None
+        return await self.rejection(
+            life.task_id, life.at,
+            f"killed by an OOM on {life.node} on its placement {g}, past the "
+            f"{self.settings.oom_restarts} restarts allowed (oom_restarts): not placed again",
+        )
+
+    async def rejection(self, task_id: str, at: float, reason: str) -> TaskRejected:
+        """The ``task.rejected`` (code ``infeasible``) that gives up an admitted task, naming
+        its contract's tenant: the sla service ends only the contract of the tenant a
+        rejection names: read fresh (``Admissions.fetch``) when the bucket's watch has not
+        delivered the contract yet."""
+        adm = await self.admissions.fetch(task_id) if self.admissions is not None else None
+        return TaskRejected(task_id=task_id, tenant=adm.tenant if adm else "", code="infeasible", reason=reason,
+                            rejected_at=at)
+
+    async def restart_after_oom(self, life: TaskLifecycle, pending: KeyValue, ledger: KeyValue) -> Requeue | None:
+        """Queue a task an OOM killed (not given up: ``oom_given_up``) to start over, as its
+        Job would restart it, asking at least ``oom_floor_mb``; read before its samples are
+        forgotten. The rest is ``requeue``'s: a task already waiting in ``pending`` (evicted,
+        its end overtaking its eviction) is placed again by that entry, and a redelivered or
+        stale kill queues nothing."""
+        floor = self.oom_floor_mb(life)
+        return await self.requeue(
+            life.task_id, life.decision_id, life.at,
+            f"killed by an OOM on {life.node} {life.gpus}: started over asking at least {floor} MB per GPU",
+            pending, ledger, oom_floor_mb=floor,
+        )
+
+    def oom_floor_mb(self, life: TaskLifecycle) -> int:
+        """What a task killed by an OOM asks at least per GPU, placed again: the most it was
+        seen to hold per GPU and, if no other task held its GPUs (nobody else took the
+        memory: it needs more than they have), their memory, with ``PEAK_HEADROOM`` over it,
+        as the fingerprinter folds the kill into its signature's floor. 0 when neither is
+        known."""
+        samples = self.usage.get(life.task_id) or ()
+        held = max((mb for _, mb in samples), default=0.0) / max(len(life.gpus), 1)
+        topo = self.fleet.nodes.get(life.node)
+        tenants = self.ledger.nodes.get(life.node)
+        others = {a.gpu for a in tenants.allocations if a.task_id != life.task_id} if tenants else set()
+        alone = topo is not None and bool(life.gpus) and not others & set(life.gpus)
+        room = min((g.memory_mb for g in topo.gpus if g.index in life.gpus), default=0) if alone else 0
+        return int(math.ceil(max(held, room) * PEAK_HEADROOM))
+
+    async def given_up(self, failed: ActionFailed) -> TaskRejected | None:
         """The ``task.rejected`` that tells the submitter a task will not run: its assign was
         refused again after ``refused_replacements`` placements. The policy applies the same
         rules as the executor, from the topology's labels, so a placement made after the
@@ -99,23 +153,19 @@ class Evictions(ReplicaState):
             return None
         if generation(failed.task_id, failed.decision_id) <= self.settings.refused_replacements:
             return None
-        adm = self.admissions.of(failed.task_id) if self.admissions else None
-        return TaskRejected(
-            task_id=failed.task_id,
-            tenant=adm.tenant if adm else "",
-            code="infeasible",
-            reason=f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
+        return await self.rejection(
+            failed.task_id, failed.failed_at,
+            f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
             f"{failed.decision_id}: {failed.error}",
-            rejected_at=failed.failed_at,
         )
 
     async def requeue(
         self, task_id: str, decision_id: str, at: float, reason: str,
-        pending: KeyValue, ledger: KeyValue, avoid_node: str = "",
+        pending: KeyValue, ledger: KeyValue, avoid_node: str = "", oom_floor_mb: int = 0,
     ) -> Requeue | None:
         """Queue ``task_id``, whose placement ``decision_id`` ended at ``at``, for a new one:
         its admission goes to ``pending`` with a ``requeue`` note naming
-        ``<task>.assign.<g+1>`` (and ``avoid_node``), created only if the task has no entry
+        ``<task>.assign.<g+1>`` (and ``avoid_node``, ``oom_floor_mb``), created only if the task has no entry
         (create-only: a redelivered event, or another replica, finds it and stops). The
         note, or ``None`` when there is nothing to do:
 
@@ -163,7 +213,8 @@ class Evictions(ReplicaState):
             log.warning("%s (%s): its admission is unknown, not queued again", task_id, reason)
             return None
         note = Requeue(decision_id=assign_id(task_id, g + 1), at=now(), reason=reason,
-                       bridge_floor_mb=await self.restore_floor_mb(adm.task), avoid_node=avoid_node)
+                       bridge_floor_mb=await self.restore_floor_mb(adm.task), avoid_node=avoid_node,
+                       oom_floor_mb=oom_floor_mb)
         try:
             await pending.create(key, encode_pending(adm, note))
         except CasConflict:

@@ -494,9 +494,7 @@ class ReplicaState:
             want = int(spread_ask_mb(min(want, largest), sizes, fp.fit_peak_mb,
                                      fp.run_peaks_mb if self.settings.wait_risk else (), self.recent_waits,
                                      task.expected_duration_s or 0.0))
-        memory_mb = max(want, req.gpu_memory_mb)
-        models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
-        return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
+        return self.at_least(req, want)
 
     def workload(self, seen: Iterable[TaskSubmitted]) -> list[TaskRequest]:
         """The tasks seen, as the policies' typical tasks and demand count them: each as it is
@@ -566,17 +564,30 @@ class ReplicaState:
         needs no floor on its request: it was stopped because its fingerprint predicts more
         than it could have there, and the request asks for that.
 
+        A task an OOM killed asks at least its note's ``oom_floor_mb``, its bridge too.
+
         A task whose contract binds it to several sites (``contract_sites``) is tried at each,
         in the contract's order, its request at every site before its bridge at any: a request
         names one site, and the task may run at any of them."""
         plain = self.request(task)
-        bridge = self.bridge_request(task, plain, requeue.bridge_floor_mb if requeue is not None else 0,
+        oom_floor = requeue.oom_floor_mb if requeue is not None else 0
+        if oom_floor > plain.gpu_memory_mb:
+            plain = self.at_least(plain, oom_floor)
+        bridge = self.bridge_request(task, plain, max(requeue.bridge_floor_mb, oom_floor) if requeue is not None else 0,
                                      from_start=requeue is None)
         tried = [plain] if bridge is None else [plain, bridge]
         sites = self.contract_sites(task.task_id)
         if len(sites) <= 1:
             return tried
         return [msgspec.structs.replace(req, site=site) for req in tried for site in sites]
+
+    def at_least(self, req: TaskRequest, memory_mb: int) -> TaskRequest:
+        """``req`` asking ``memory_mb`` per GPU, never more than the largest GPU of a model it
+        accepts, on the models whose GPUs hold that much (as ``request`` asks a peak)."""
+        largest = self.largest_gpu_mb(req.gpu_models)
+        memory_mb = max(min(memory_mb, largest) if largest > 0 else memory_mb, req.gpu_memory_mb)
+        models = tuple(m for m in req.gpu_models if self.largest_gpu_mb((m,)) >= memory_mb) or req.gpu_models
+        return msgspec.structs.replace(req, gpu_memory_mb=memory_mb, gpu_models=models)
 
     def gpu_memory_by_model(self) -> dict[str, int]:
         """The memory of the largest GPU of each model in the fleet, worked out again only

@@ -84,7 +84,7 @@ from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy.preempt import claim_of, decode_pending, encode_pending
-from fleetpilot.runtime import Bus, CasConflict, Delivery, Retry, ServiceHost, serve
+from fleetpilot.runtime import Bus, CasConflict, Delivery, KeyValue, Retry, ServiceHost, serve
 
 from .admissions import Admissions
 from .evictions import Evictions
@@ -398,7 +398,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     @host.on(ActionFailed, consumer="policy-failed")
     async def on_action_failed(failed: ActionFailed) -> TaskRejected | None:
         bus = opened()
-        given_up = state().given_up(failed)
+        given_up = await state().given_up(failed)
         if given_up is not None:
             log.warning("%s will not run: %s", failed.task_id, given_up.reason)
             return given_up
@@ -412,23 +412,33 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             state().observe(sample)
 
     @host.on(TaskLifecycle, consumer="policy-lifecycle")
-    async def on_lifecycle(life: TaskLifecycle) -> None:
+    async def on_lifecycle(life: TaskLifecycle) -> TaskRejected | None:
         bus = opened()
         pending = await bus.kv("pending")
+        given_up = await state().oom_given_up(life)
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again (its
             # note's floor from its last sample, so before its samples go). Our own evictions
             # already wait in ``pending`` with their requeue note.
             await state().requeue_evicted(life, pending, await bus.kv("ledger"))
+        elif life.state == "oom_killed" and given_up is None:
+            # Started over, as its Job would, asking more than it held (so before its samples go).
+            await state().restart_after_oom(life, pending, await bus.kv("ledger"))
         if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
             state().forget_run(life.task_id)
-        if life.state == "evicted":
-            return
-        # An evicted task waits in ``pending`` for its re-placement; if it ended on its own
-        # instead (the eviction failed or never went out), it must not be started again. An
-        # OOM kill is the task's outcome: it is not retried.
+        if life.state == "evicted" or (life.state == "oom_killed" and given_up is None):
+            return None
         if life.state not in ("finished", "oom_killed", "failed"):
-            return
+            return None
+        await drop_ended(life, pending)
+        if given_up is not None:
+            log.warning("%s will not run again: %s", life.task_id, given_up.reason)
+        return given_up
+
+    async def drop_ended(life: TaskLifecycle, pending: KeyValue) -> None:
+        """An evicted task waits in ``pending`` for its re-placement; if it ended on its own
+        instead (the eviction failed or never went out), it must not be started again (an
+        OOM-killed one is started again by that entry, unless it was given up)."""
         entry = await pending.get(node_key(life.task_id))
         if entry is None or not entry.value:
             return

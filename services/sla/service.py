@@ -599,14 +599,16 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     @host.on(TaskLifecycle, consumer="sla-lifecycle")
     async def on_lifecycle(life: TaskLifecycle) -> None:
         # A contract lives as long as its task: the bucket and every negotiation's scan of
-        # it would otherwise grow for ever.
-        if life.state in ("finished", "oom_killed", "failed"):
+        # it would otherwise grow for ever. An OOM kill does not end it: the policy starts the
+        # task over (``oom_restarts``), and gives it up with a ``task.rejected`` (below) when
+        # it will not.
+        if life.state in ("finished", "failed"):
             await holder["n"].store.end(life.task_id, life.state, life.at)
 
     @host.on(TaskRejected, consumer="sla-rejected")
     async def on_rejected(rejected: TaskRejected) -> None:
         # A task given up after its admission (the policy's rejection of a task the executor
-        # refused again and again) ends here, as one that finished: its contract goes. Only
+        # refused again and again, or one killed by an OOM past its restarts) ends here, as one that finished: its contract goes. Only
         # for the tenant that holds it: our own rejection of a bad resubmission of the same
         # task id (another tenant, no token) must not end a running task's contract.
         store = holder["n"].store

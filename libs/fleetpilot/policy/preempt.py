@@ -251,6 +251,11 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     (``Allocation.run_at``) and what is left of it orders the queue and counts its end (its
     program's envelope is not read for it: ``rebalance.envelope_progress_s``)."""
 
+    oom_floor_mb: int = 0
+    """What its request asks at least per GPU, placed again after an OOM killed it
+    (``Evictions.restart_after_oom``): more than it held when it died, and, killed alone on
+    its GPUs, more than they have. 0 for any other stop."""
+
     def run_began_at(self, restored_at: float) -> float:
         """When the run restored at ``restored_at`` began, as its new holds carry it
         (``Allocation.run_at``): ``progress_s`` before; 0 when its progress is unknown."""

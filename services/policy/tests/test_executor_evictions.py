@@ -1,7 +1,7 @@
 """Tasks the executor evicts on its own (its GPU was decommissioned, its node went silent)
 are queued again by the policy and placed elsewhere under the next ``<task>.assign.<g>``,
-exactly once however often the ``evicted`` event is delivered; an OOM-killed task is not
-retried. Real nats-server."""
+exactly once however often the ``evicted`` event is delivered (an OOM-killed task is
+started over the same way: ``test_oom_restarts``). Real nats-server."""
 
 from __future__ import annotations
 
@@ -64,10 +64,11 @@ async def publish_lifecycle(observer, life: TaskLifecycle, copy: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def loop_on_simulated_fleet(observer, nats_url, tmp_path, task_id: str, **executor_settings):
-    """The policy (bestfit, retry rounds of 0.2 s) and an executor over a stand-in for the
-    collector's simulated fleet that acknowledges every command; yields the lifecycle events
-    of ``task_id`` as they arrive."""
+async def loop_on_simulated_fleet(observer, nats_url, tmp_path, task_id: str, policy_settings: dict | None = None,
+                                  **executor_settings):
+    """The policy (bestfit, retry rounds of 0.2 s, and ``policy_settings``) and an executor
+    over a stand-in for the collector's simulated fleet that acknowledges every command;
+    yields the lifecycle events of ``task_id`` as they arrive."""
 
     async def answer(msg) -> None:
         await msg.respond(encode(SimAck(ok=True)))
@@ -79,7 +80,7 @@ async def loop_on_simulated_fleet(observer, nats_url, tmp_path, task_id: str, **
         events.append(msgspec.json.decode(msg.data, type=TaskLifecycle))
 
     lives = await observer.nc.subscribe(f"task.lifecycle.{task_id}", cb=on_life)
-    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2, **(policy_settings or {})))
     execu = build_executor(ExecutorSettings(nats_url=nats_url, metrics_port=-1, replica="x",
                                             state_dir=str(tmp_path / "ex"), **executor_settings))
     await policy.start()
@@ -152,7 +153,7 @@ async def test_a_task_evicted_by_a_gpu_decommission_is_placed_again_once(observe
     assert [e.state for e in events if e.state != "evicted"] == ["started", "started", "finished"]
 
 
-async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_oom_is_not_retried(
+async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_an_oom_past_its_restarts_is_not(
     observer, nats_url, tmp_path
 ):
     """Neither replica placed t2 or t5: their admissions come from ``contract.<task>``. The
@@ -181,7 +182,8 @@ async def test_redelivered_evictions_on_two_replicas_queue_the_task_once_and_oom
         ),
     )
     hosts = [
-        build(settings(nats_url, tmp_path, replica=r, profile="bestfit", pending_retry_s=0.2)) for r in "ab"
+        build(settings(nats_url, tmp_path, replica=r, profile="bestfit", pending_retry_s=0.2, oom_restarts=0))
+        for r in "ab"
     ]
     for host in hosts:
         await host.start()

@@ -949,7 +949,7 @@ def ended_by(how: str, task_id: str, tenant: str, admitted_at: float):
                          at=admitted_at + 1)
 
 
-@pytest.mark.parametrize("how", ["finished", "oom_killed", "given up"])
+@pytest.mark.parametrize("how", ["finished", "failed", "given up"])
 async def test_a_task_id_whose_task_ended_is_refused_not_admitted_again(rig, how):
     """A task ran to its end (or was given up) and its contract was forgotten; its id came
     again. It was negotiated afresh and admitted: the policy, finding the executor's journal
@@ -983,6 +983,34 @@ async def test_a_task_id_whose_task_ended_is_refused_not_admitted_again(rig, how
     await rig.submit(TaskSubmitted(task_id="t-both", gpus=2, gpu_memory_mb=20_000, gpu_models=["A100"],
                                    sla=SlaRequest(max_queue_s=5)), rig.token("acme"))
     assert isinstance(await rig.recorder.wait("task.admitted", "t-both"), TaskAdmitted)
+
+
+async def test_an_oom_kill_keeps_the_contract_until_the_policy_gives_the_task_up(rig):
+    """The policy starts a task an OOM killed over (``oom_restarts``): its contract must
+    outlive the kill, or the restart finds no admission to place. The policy's give-up
+    (``task.rejected`` past its restarts) ends it."""
+    await rig.start_sla()
+    contracts = await rig.bus.kv("contracts")
+    admissions = {}
+    for task_id in ("t-oom", "t-done"):
+        await rig.submit(TaskSubmitted(task_id=task_id, gpus=1, gpu_memory_mb=20_000, gpu_models=["A100"],
+                                       sla=SlaRequest(max_queue_s=60), submitted_at=rig.clock()), rig.token("acme"))
+        admissions[task_id] = await rig.recorder.wait("task.admitted", task_id)
+    await rig.bus.publish(ended_by("oom_killed", "t-oom", "acme", admissions["t-oom"].admitted_at))
+    # Handled in order by the same consumer: once t-done's end is, t-oom's kill was.
+    await rig.bus.publish(ended_by("finished", "t-done", "acme", admissions["t-done"].admitted_at))
+
+    async def done_forgotten() -> bool:
+        return await contracts.get(contract_key("t-done")) is None
+
+    await eventually(done_forgotten, what="t-done's contract forgotten at its end")
+    assert await contracts.get(contract_key("t-oom")) is not None
+    await rig.bus.publish(ended_by("given up", "t-oom", "acme", admissions["t-oom"].admitted_at))
+
+    async def oom_forgotten() -> bool:
+        return await contracts.get(contract_key("t-oom")) is None
+
+    await eventually(oom_forgotten, what="t-oom's contract forgotten once given up")
 
 
 async def test_a_submission_of_an_ended_task_delivered_again_is_not_answered_again(rig):

@@ -1,0 +1,106 @@
+"""A task an OOM killed is started over, as its Job would restart it: queued again under its
+next ``<task>.assign.<g>``, asking more than it held (and, killed alone on its GPU, more than
+that GPU has), once however often the kill is delivered; killed on a placement past
+``oom_restarts``, it is given up with ``task.rejected``. Real nats-server, the policy and an
+executor over a stand-in for the simulated fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from fleetpilot.contracts import SimEvent, TaskLifecycle, TaskRejected, TaskTelemetry, encode, now
+from fleetpilot.runtime.testing import eventually
+
+from .conftest import admitted, node, wait_for
+from .test_executor_evictions import loop_on_simulated_fleet, publish_lifecycle
+
+A10_MB, H100_MB = 24_576, 81_920
+
+
+async def held(observer, task_id: str) -> list[tuple[str, str, int]]:
+    """(node, decision, GPU memory held) of each of ``task_id``'s holds in the ledger."""
+    return [(n, a.decision_id, a.memory_mb) for n, ledger in (await observer.ledgers()).items()
+            for a in ledger.allocations if a.task_id == task_id]
+
+
+async def killed_by_oom(observer, events: list[TaskLifecycle], task_id: str, where: str, mb: float) -> TaskLifecycle:
+    """``task_id`` is seen holding ``mb`` on ``where``'s GPU 0, then the simulated fleet kills
+    it for running out of memory there; the executor's ``oom_killed`` event."""
+    await observer.nc.publish(f"telemetry.task.{task_id}", encode(TaskTelemetry(
+        task_id=task_id, node=where, gpus=[0], at=now(), memory_used_mb=mb)))
+    await observer.nc.flush()
+    await asyncio.sleep(0.3)  # the policy's samples are core NATS: taken before the kill
+    ends = sum(e.state == "oom_killed" for e in events)
+    await observer.nc.publish(f"sim.event.{where}", encode(SimEvent(
+        kind="oom_killed", node=where, gpu=0, task_id=task_id, detail="CUDA out of memory", at=now())))
+    await wait_for(lambda: sum(e.state == "oom_killed" for e in events) > ends, what=f"{task_id} killed")
+    return [e for e in events if e.state == "oom_killed"][-1]
+
+
+async def test_a_task_killed_by_an_oom_alone_on_its_gpu_starts_over_on_a_bigger_one_once(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=1, model="A10", memory_mb=A10_MB),
+                              node("n1", gpus=1, model="H100", memory_mb=H100_MB)])
+    adm = admitted("t1", gpu_milli=1000, gpu_memory_mb=8_000, gpu_models=["A10", "H100"])
+    await observer.kv_put("contracts", "contract.t1", encode(adm))
+
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t1") as events:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t1 started")
+        assert [(n, d) for n, d, _ in await held(observer, "t1")] == [("n0", "t1.assign")]  # best fit: the A10
+
+        oom = await killed_by_oom(observer, events, "t1", "n0", 23_000.0)
+
+        async def started_over() -> bool:
+            return [(n, d) for n, d, _ in await held(observer, "t1")] == [("n1", "t1.assign.2")]
+
+        await eventually(started_over, what="t1 placed again on the H100")
+        await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started"],
+                       what="t1 started again")
+        (_, _, memory_mb), = await held(observer, "t1")
+        # Alone on the A10 when it died: it needs more than the A10 has (with the headroom
+        # a predicted peak gets), which only the H100 holds.
+        assert memory_mb >= A10_MB * 1.05
+        restart = next(d for d in observer.decisions if d.decision_id == "t1.assign.2")
+        assert restart.action == "assign" and restart.placement[0].node == "n1"
+
+        # The kill delivered again, while t1 runs again: nothing more is placed.
+        await publish_lifecycle(observer, oom, 1)
+        await asyncio.sleep(0.8)
+        assert sorted(d.decision_id for d in observer.decisions) == ["t1.assign", "t1.assign.2"]
+        assert await observer.live_keys("pending") == []
+
+
+async def test_a_task_killed_by_an_oom_past_its_restarts_is_given_up(observer, nats_url, tmp_path):
+    await observer.put_fleet([node("n0", gpus=2, model="H100", memory_mb=H100_MB)])
+    adm = msgspec.structs.replace(admitted("t2", gpu_milli=500, gpu_memory_mb=8_000), tenant="acme")
+    await observer.kv_put("contracts", "contract.t2", encode(adm))
+    rejected: list[TaskRejected] = []
+
+    async def on_rejected(msg) -> None:
+        rejected.append(msgspec.json.decode(msg.data, type=TaskRejected))
+
+    sub = await observer.nc.subscribe("task.rejected", cb=on_rejected)
+    try:
+        async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t2", {"oom_restarts": 1}) as events:
+            await observer.admit(adm)
+            await wait_for(lambda: any(e.state == "started" for e in events), what="t2 started")
+            await killed_by_oom(observer, events, "t2", "n0", 30_000.0)
+            await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started"],
+                           what="t2 started over")
+            # Alone on an H100, the largest GPU there is: it asks a whole one.
+            assert [(d, mb) for _, d, mb in await held(observer, "t2")] == [("t2.assign.2", H100_MB)]
+            assert rejected == []
+
+            last = await killed_by_oom(observer, events, "t2", "n0", 31_000.0)
+            await wait_for(lambda: bool(rejected), what="t2 given up")
+            await asyncio.sleep(0.8)  # nothing placed after it
+            assert sorted(d.decision_id for d in observer.decisions) == ["t2.assign", "t2.assign.2"]
+            assert await observer.live_keys("pending") == []
+            assert await held(observer, "t2") == []
+    finally:
+        await sub.unsubscribe()
+    (given_up,) = rejected
+    assert given_up.task_id == "t2" and given_up.tenant == "acme" and given_up.code == "infeasible"
+    assert given_up.rejected_at == last.at
+    assert "placement 2" in given_up.reason and "oom_restarts" in given_up.reason
