@@ -7,6 +7,7 @@ executor over a stand-in for the simulated fleet."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import msgspec
 from fleetpilot.contracts import SimEvent, TaskLifecycle, TaskRejected, TaskTelemetry, encode, now
@@ -104,3 +105,29 @@ async def test_a_task_killed_by_an_oom_past_its_restarts_is_given_up(observer, n
     assert given_up.task_id == "t2" and given_up.tenant == "acme" and given_up.code == "infeasible"
     assert given_up.rejected_at == last.at
     assert "placement 2" in given_up.reason and "oom_restarts" in given_up.reason
+
+
+async def test_a_real_process_that_ran_out_of_gpu_memory_runs_again_and_finishes(observer, nats_url, tmp_path):
+    """The whole loop with the process backend: the task's first run dies on a CUDA
+    out-of-memory error (its stderr), the executor reports it ``oom_killed``, the policy
+    places it again and the executor starts its command again, which finishes."""
+    runs = tmp_path / "runs"
+    code = ("import pathlib, sys\n"
+            f"runs = pathlib.Path({str(runs)!r})\n"
+            "n = len(runs.read_text().splitlines()) if runs.exists() else 0\n"
+            "runs.write_text(runs.read_text() + 'run\\n' if runs.exists() else 'run\\n')\n"
+            "if n == 0:\n"
+            "    sys.exit('RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB')\n")
+    await observer.put_fleet([node("n0", gpus=1)])
+    adm = admitted("t3", gpu_milli=1000, gpu_memory_mb=8_000, command=[sys.executable, "-c", code])
+    await observer.kv_put("contracts", "contract.t3", encode(adm))
+
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t3", backend="process", node="n0",
+                                       process_log_dir=str(tmp_path / "logs")) as events:
+        await observer.admit(adm)
+        await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started", "finished"],
+                       timeout_s=20, what="t3 killed, started over, finished")
+    assert runs.read_text().splitlines() == ["run", "run"]
+    assert [(e.state, e.decision_id) for e in events] == [
+        ("started", "t3.assign"), ("oom_killed", "t3.assign"), ("started", "t3.assign.2"), ("finished", "t3.assign.2")]
+    assert "out of memory" in events[1].detail
