@@ -845,6 +845,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             held = max(model.peak_so_far_mb, before)
             if held <= 0:
                 return
+            # The policy starts it over (``oom_restarts``): waiting again, it is told what its
+            # signature says once this kill is folded in, so its restart is judged by that
+            # floor, not by the prediction it outgrew. Its next start, first sample or give-up
+            # (``task.rejected``) ends the wait.
+            now_waiting(life.task_id, model.signature, None)
 
             def fold_run(stats: SignatureStats) -> SignatureStats:
                 return merge_oom(stats, held)

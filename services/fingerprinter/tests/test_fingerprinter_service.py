@@ -145,7 +145,7 @@ async def test_observed_then_remembered_then_predicted(fingerprinter):
     assert abs(predicted[0].fingerprint.predicted_peak_mb - latest.predicted_peak_mb) < 0.15 * 32_000
 
 
-async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerprinter):
+async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak_and_its_restart_is_told_it(fingerprinter):
     bus, seen = fingerprinter
     first = task("leak-1")
     # A leak killed at 38 GB, a third of the way through its declared life.
@@ -155,6 +155,9 @@ async def test_an_oom_killed_run_teaches_a_floor_not_its_truncated_peak(fingerpr
     stats = await remembered(bus, task_signature(first))
     assert stats.count == 0 and stats.oom_floor_mb == 38_000  # not a fingerprint: a floor
     assert stats.run_peaks_mb == (38_000,)  # one run known, that needed more than it held
+    # The policy starts leak-1 over: it is told its signature's floor, as a waiting task is.
+    told = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-1" and f.source == "signature"]))[0]
+    assert told.fingerprint.predicted_peak_mb >= 38_000
     await bus.publish(task("leak-2"))
     predicted = (await wait_for(lambda: [f for f in seen if f.task_id == "leak-2"]))[0]
     assert predicted.source == "signature" and predicted.fingerprint.predicted_peak_mb >= 38_000
