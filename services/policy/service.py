@@ -422,7 +422,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             # already wait in ``pending`` with their requeue note.
             await state().requeue_evicted(life, pending, await bus.kv("ledger"))
         elif life.state == "oom_killed" and given_up is None:
-            # Started over, as its Job would, asking more than it held (so before its samples go).
+            # Started over, as its Job would; killed alone, asking more than its GPUs have and
+            # than it held (so before its samples go).
             await state().restart_after_oom(life, pending, await bus.kv("ledger"))
         if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
             state().forget_run(life.task_id)

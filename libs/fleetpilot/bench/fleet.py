@@ -308,7 +308,6 @@ class _Job:
     run_at: float = 0.0  # when that run began, kept across moves (the policy service's ``Allocation.run_at``)
     run_peak_mb: float = 0.0  # the most its run held per GPU before its latest move or checkpoint
     died_alone: bool = False  # killed by an OOM alone on its GPUs: its program's spread does not cover it
-    oom_floor_mb: int = 0  # its restart after an OOM asks at least this (the policy service's ``Requeue.oom_floor_mb``)
     agreed_pool: tuple[str, str] | None = None  # (site, model) its admission or accepted offer was estimated on
     bound_sites: tuple[str, ...] = ()  # the sites its contract binds it to (``sla.bound_sites``); (): any
 
@@ -447,7 +446,7 @@ class FleetRun:
             # the peak is handled by a move before it arrives.
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli,
                                gpu_memory_mb=max(int(t.request_mb + CONTEXT_MB), job.stopped_at_mb, job.bridge_floor_mb,
-                                                 job.oom_floor_mb, self._envelope_ask(job)),
+                                                 self._envelope_ask(job)),
                                cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_models=t.gpu_models, tier=t.tier,
                                role=ROLE_OF_KIND[t.kind], site=site)
         if not self.smart:
@@ -475,8 +474,8 @@ class FleetRun:
 
     def _reservation(self, job: _Job) -> int:
         """GPU memory the ledger holds per GPU: the predicted peak plus 5% (the ask plus the
-        CUDA context when nothing is predicted), at least the signature's OOM floor, what a
-        checkpointed run held when it was stopped and a restart's ``oom_floor_mb``; at most the smallest GPU the task accepts
+        CUDA context when nothing is predicted), at least the signature's OOM floor and what a
+        checkpointed run held when it was stopped; at most the smallest GPU the task accepts
         that held nearly all of its program's runs (``fit_peak_mb``), or a smaller one whose
         share of runs not held the recent wait for that size makes worth risking
         (``policy.spread``), as the policy service's request asks; unless this run died of OOM
@@ -489,11 +488,11 @@ class FleetRun:
         floor = stats.oom_floor_mb if stats is not None else 0.0
         p = job.prediction
         want = job.task.request_mb + CONTEXT_MB if p is None or p.predicted_peak_mb <= 0 else p.predicted_peak_mb * 1.05
-        want = max(want, job.stopped_at_mb, floor, job.oom_floor_mb)
+        want = max(want, job.stopped_at_mb, floor)
         if p is not None and not job.died_alone:
             sizes = [mb for m in job.task.gpu_models or tuple(self.memory_of) if (mb := self.memory_of.get(m, 0.0)) > 0]
             want = spread_ask_mb(want, sizes, p.fit_peak_mb, p.run_peaks_mb, self.waits, job.task.declared_duration_s,
-                                 at_least_mb=max(job.stopped_at_mb, job.oom_floor_mb))
+                                 at_least_mb=job.stopped_at_mb)
         # Nothing can hold more than the largest GPU the task accepts: a prediction above it
         # is treated as "needs a whole one of those" rather than as unplaceable.
         return int(min(want, self._largest(job.task.gpu_models)))
@@ -1070,7 +1069,6 @@ class FleetRun:
         elif job.state == "pending":
             job.queue_s += now - job.queued_since
             job.attempts += 1
-            job.oom_floor_mb = 0  # the restart's note is spent on its placement
             if job.attempts == 1:
                 self._first_placement(job, row, gpus, milli, reserve, now)
             job.progress_s = 0.0
@@ -1189,15 +1187,12 @@ class FleetRun:
 
     def _learn_from_oom(self, job: _Job, held_mb: float) -> None:
         """A task killed while alone on its GPUs needed more than the GPU: a floor for its
-        signature, known even when the run was too short to fingerprint. Its restart asks
-        more than it held, and alone, more than its GPUs have (``oom_floor_mb``, as the policy
-        service's restart asks, with the headroom a predicted peak gets)."""
+        signature, known even when the run was too short to fingerprint."""
         if not self.smart:
             return
         alone = all(self.on_gpu.get((job.row, g), set()) <= {job.task.task_id} for g in job.gpus)
-        total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
-        job.oom_floor_mb = int(math.ceil(max(held_mb + CONTEXT_MB, total if alone else 0.0) * 1.05))
         if alone:
+            total = float(self.state.gpu_mem_total[job.row, job.gpus[0]])
             floor = max(total, held_mb + CONTEXT_MB) * 1.05
             self.memory.observe_oom(job.signature, floor)
             self.learnt.add(job.signature)

@@ -252,9 +252,9 @@ class Requeue(msgspec.Struct, frozen=True, kw_only=True):
     program's envelope is not read for it: ``rebalance.envelope_progress_s``)."""
 
     oom_floor_mb: int = 0
-    """What its request asks at least per GPU, placed again after an OOM killed it
-    (``Evictions.restart_after_oom``): more than it held when it died, and, killed alone on
-    its GPUs, more than they have. 0 for any other stop."""
+    """What its request asks at least per GPU, placed again after an OOM killed it alone on
+    its GPUs (``Evictions.oom_floor_mb``): more than they have and than it held. 0 for a
+    task killed beside others, and for any other stop."""
 
     def run_began_at(self, restored_at: float) -> float:
         """When the run restored at ``restored_at`` began, as its new holds carry it

@@ -1,6 +1,6 @@
 """A task an OOM killed is started over, as its Job would restart it: queued again under its
-next ``<task>.assign.<g>``, asking more than it held (and, killed alone on its GPU, more than
-that GPU has), once however often the kill is delivered; killed on a placement past
+next ``<task>.assign.<g>`` (killed alone on its GPU, asking more than that GPU has and than
+it held; beside another task, what it asked before), once however often the kill is delivered; killed on a placement past
 ``oom_restarts``, it is given up with ``task.rejected``. Real nats-server, the policy and an
 executor over a stand-in for the simulated fleet."""
 
@@ -10,7 +10,16 @@ import asyncio
 import sys
 
 import msgspec
-from fleetpilot.contracts import SimEvent, TaskLifecycle, TaskRejected, TaskTelemetry, encode, now
+from fleetpilot.contracts import (
+    Allocation,
+    NodeLedger,
+    SimEvent,
+    TaskLifecycle,
+    TaskRejected,
+    TaskTelemetry,
+    encode,
+    now,
+)
 from fleetpilot.runtime.testing import eventually
 
 from .conftest import admitted, node, wait_for
@@ -70,6 +79,28 @@ async def test_a_task_killed_by_an_oom_alone_on_its_gpu_starts_over_on_a_bigger_
         await asyncio.sleep(0.8)
         assert sorted(d.decision_id for d in observer.decisions) == ["t1.assign", "t1.assign.2"]
         assert await observer.live_keys("pending") == []
+
+
+async def test_a_task_killed_by_an_oom_beside_another_asks_what_it_asked_before(observer, nats_url, tmp_path):
+    """The other task may have taken the memory: no floor of its own (its fingerprint, told
+    its signature's floor by the fingerprinter, asks for more where it knows more)."""
+    await observer.put_fleet([node("n0", gpus=1, model="H100", memory_mb=H100_MB)])
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[
+        Allocation(task_id="other", decision_id="other.assign", gpu=0, milli=500, memory_mb=40_000,
+                   state="confirmed")])))
+    adm = admitted("t4", gpu_milli=500, gpu_memory_mb=8_000)
+    await observer.kv_put("contracts", "contract.t4", encode(adm))
+
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t4") as events:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t4 started")
+        first = await held(observer, "t4")
+        await killed_by_oom(observer, events, "t4", "n0", 30_000.0)
+        await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started"],
+                       what="t4 started over")
+        again = await held(observer, "t4")
+    assert [(n, mb) for n, _, mb in again] == [(n, mb) for n, _, mb in first] == [("n0", 8_000)]
+    assert [d for _, d, _ in again] == ["t4.assign.2"]
 
 
 async def test_a_task_killed_by_an_oom_past_its_restarts_is_given_up(observer, nats_url, tmp_path):
