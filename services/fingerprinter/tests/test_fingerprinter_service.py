@@ -662,6 +662,8 @@ async def test_past_its_cap_the_model_forgotten_is_the_one_least_recently_fed_no
         await bus.publish(task("queued-c"))  # a fourth task: one model goes, not the running one's
         await asyncio.sleep(0.3)
         await samples(400, 600)
+        # A fifth (the marker that says every sample was taken): again a waiting model goes.
+        await samples_taken(bus, seen, "sync-busy-1")
         await bus.publish(TaskLifecycle(task_id="busy-1", state="finished", at=start + 600))
         stats = await remembered(bus, task_signature(first))
         assert stats.count == 1 and abs(stats.mean_peak_mb - (10_000 + 20.0 * 590)) < 1_000, stats
