@@ -1273,7 +1273,10 @@ class FleetRun:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):
                 self._checkpoint(job, now, outgrown=True)
         for task_id in changed:
-            self._reserve_again(self.by_id[task_id])
+            # Not one stopped just now (moved up or checkpointed: its bridge): its holds went back
+            # with the stop, and moving them again left a hold nobody had on the GPUs it left.
+            if self.by_id[task_id].state == "running":
+                self._reserve_again(self.by_id[task_id])
         for task_id, held in changed.items():
             job = self.by_id[task_id]
             if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
