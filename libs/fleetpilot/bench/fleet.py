@@ -1273,10 +1273,7 @@ class FleetRun:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):
                 self._checkpoint(job, now, outgrown=True)
         for task_id in changed:
-            # Not one stopped just now (moved up or checkpointed: its bridge): its holds went back
-            # with the stop, and moving them again left a hold nobody had on the GPUs it left.
-            if self.by_id[task_id].state == "running":
-                self._reserve_again(self.by_id[task_id])
+            self._reserve_again(self.by_id[task_id])
         for task_id, held in changed.items():
             job = self.by_id[task_id]
             if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
@@ -1328,7 +1325,12 @@ class FleetRun:
                            > OVERFLOW_FILL * g.memory_total_mb[glob]))
 
     def _reserve_again(self, job: _Job) -> None:
-        """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged)."""
+        """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged).
+        Not the hold of a job stopped since its fingerprint changed (moved up or checkpointed
+        off its bridge in the same cycle): its holds went back with the stop, and moving them
+        again left a hold nobody had, for ever, on the GPUs it left."""
+        if job.state != "running":
+            return
         new = self._hold(job, job.row, job.gpus)
         if new == job.reserved_mb:
             return

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -965,3 +966,22 @@ def test_a_share_of_resumable_programs_changes_that_flag_only_program_by_program
     assert "50% of the programs resuming" in half.describe() and "resuming" not in every.describe()
     with pytest.raises(ValueError, match="resumable share"):
         generate_workload(fleet, seed=5, n_tasks=400, load=1.3, span_s=3600.0, resumable_share=1.5)
+
+
+def test_a_task_stopped_in_the_cycle_its_fingerprint_changed_leaves_no_hold_behind() -> None:
+    """A bridged run checkpointed off its GPUs in the cycle its fingerprint changed: its
+    holds went back with the stop, and its hold moved again after it (to the new peak) left
+    a phantom on the GPUs it had left, which no task held and none could use."""
+    run = FleetRun(tiny_fleet(gpus=2), workload(task(0, pattern="linear", peak=20_000.0, duration=3600.0)),
+                   "fleetpilot", seed=1)
+    run._arrivals_until(deque(run.jobs), 60.0)
+    (job,) = run.jobs
+    assert job.state == "running"
+    run._checkpoint(job, 60.0)
+    free = run.state.gpu_mem_free.copy()
+    job.prediction = Fingerprint(signature=job.signature, pattern="linear", pattern_confidence=0.9,
+                                 growth_rate_mb_per_s=5.0, predicted_peak_mb=30_000.0, peak_low_mb=28_000.0,
+                                 peak_high_mb=32_000.0)
+    run._reserve_again(job)
+    assert (run.state.gpu_mem_free == run.state.gpu_mem_total).all()
+    assert (run.state.gpu_mem_free == free).all()
