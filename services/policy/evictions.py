@@ -85,7 +85,7 @@ class Evictions(ReplicaState):
         hold. A passing failure (``retryable``: the backend did not answer) is retried every
         time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
         retried ``refused_replacements`` times (``given_up`` says when no more)."""
-        if failed.action != "assign" or await self.given_up(failed) is not None:
+        if failed.action != "assign" or self.refused_too_often(failed):
             return None
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
@@ -152,15 +152,19 @@ class Evictions(ReplicaState):
         rules as the executor, from the topology's labels, so a placement made after the
         labels changed avoids the refusing GPU; a refusal that repeats beyond that comes from a
         rule the labels do not carry, and placing again would only be refused again."""
-        if failed.action != "assign" or failed.retryable:
-            return None
-        if generation(failed.task_id, failed.decision_id) <= self.settings.refused_replacements:
+        if not self.refused_too_often(failed):
             return None
         return await self.rejection(
             failed.task_id, failed.failed_at,
             f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
             f"{failed.decision_id}: {failed.error}",
         )
+
+    def refused_too_often(self, failed: ActionFailed) -> bool:
+        """Whether ``failed`` is an assign refused on a placement past ``refused_replacements``
+        (``given_up`` tells the submitter; ``requeue_failed`` queues nothing)."""
+        return (failed.action == "assign" and not failed.retryable
+                and generation(failed.task_id, failed.decision_id) > self.settings.refused_replacements)
 
     async def requeue(
         self, task_id: str, decision_id: str, at: float, reason: str,

@@ -416,20 +416,19 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         bus = opened()
         pending = await bus.kv("pending")
         given_up = await state().oom_given_up(life)
+        restarted = life.state == "oom_killed" and given_up is None
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again (its
             # note's floor from its last sample, so before its samples go). Our own evictions
             # already wait in ``pending`` with their requeue note.
             await state().requeue_evicted(life, pending, await bus.kv("ledger"))
-        elif life.state == "oom_killed" and given_up is None:
+        elif restarted:
             # Started over, as its Job would; killed alone, asking more than its GPUs have and
             # than it held (so before its samples go).
             await state().restart_after_oom(life, pending, await bus.kv("ledger"))
         if life.state in ("finished", "oom_killed", "failed", "evicted", "migrated"):
             state().forget_run(life.task_id)
-        if life.state == "evicted" or (life.state == "oom_killed" and given_up is None):
-            return None
-        if life.state not in ("finished", "oom_killed", "failed"):
+        if restarted or life.state not in ("finished", "oom_killed", "failed"):
             return None
         await drop_ended(life, pending)
         if given_up is not None:

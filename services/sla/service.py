@@ -608,9 +608,10 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     @host.on(TaskRejected, consumer="sla-rejected")
     async def on_rejected(rejected: TaskRejected) -> None:
         # A task given up after its admission (the policy's rejection of a task the executor
-        # refused again and again, or one killed by an OOM past its restarts) ends here, as one that finished: its contract goes. Only
-        # for the tenant that holds it: our own rejection of a bad resubmission of the same
-        # task id (another tenant, no token) must not end a running task's contract.
+        # refused again and again, or of one killed by an OOM past its restarts) ends here, as
+        # one that finished: its contract goes. Only for the tenant that holds it: our own
+        # rejection of a bad resubmission of the same task id (another tenant, no token) must
+        # not end a running task's contract.
         store = holder["n"].store
         adm = await store.admission(rejected.task_id)
         if adm is not None and ends_admission(adm, rejected):
