@@ -1502,7 +1502,7 @@ class FleetRun:
                 waiting.setdefault(j.agreed_pool, []).append(queued(j.submitted))
         out = []
         for (site, model), p in base.items():
-            free, frees = play_queue(p["free"], p["completions"], waiting.get((site, model), ()))
+            free, frees, gaps = play_queue(p["free"], p["completions"], waiting.get((site, model), ()))
             completions: dict[float, int] = {}
             for in_s in frees[:256]:
                 completions[in_s] = completions.get(in_s, 0) + 1
@@ -1510,7 +1510,7 @@ class FleetRun:
             out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=free, free_milli=p["milli"],
                                completions=tuple(sorted(completions.items())),
-                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"]))
+                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"], gaps=tuple(gaps)))
         return FleetView(pools=tuple(out))
 
     def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:

@@ -6,6 +6,7 @@ topology; the negotiator only reads it, so one snapshot gives one answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -33,6 +34,10 @@ class GpuPool:
     most_gpus_on_a_node: int | None = None
     """The most GPUs of the pool any one node has (a task's GPUs are all on one node);
     ``None`` when not known, and then no request is refused for its count."""
+    gaps: tuple[tuple[float, float], ...] = ()
+    """``(from_s, until_s)`` spans, seconds from now, in which one GPU stands idle until a
+    task waiting for it starts (``snapshot.play_queue``): a request whose run ends within
+    one may start there, as the policy backfills it."""
 
 
 @dataclass(frozen=True)
@@ -57,3 +62,16 @@ class FleetView:
         if data_site is None or data_site == site:
             return self.bandwidth_gbps.get((site, site), self.local_bandwidth_gbps)
         return self.bandwidth_gbps.get((data_site, site), self.default_bandwidth_gbps)
+
+
+def earliest_in_windows(windows: Sequence[tuple[float, float]], need: int, hold_s: float,
+                        before: float) -> tuple[float, list[int]] | None:
+    """The earliest start before ``before`` at which ``need`` of ``windows`` (each ``(from_s,
+    until_s)`` a GPU is idle) are all idle for ``hold_s`` seconds, and which (their indices,
+    the tightest first: a window that closes soonest is of least use to anyone else);
+    ``None`` when no start before ``before`` has that many."""
+    for at in sorted({w[0] for w in windows if w[0] < before and w[1] - w[0] >= hold_s}):
+        fitting = [i for i, (since, until) in enumerate(windows) if since <= at and until >= at + hold_s]
+        if len(fitting) >= need:
+            return at, sorted(fitting, key=lambda i: (windows[i][1], i))[:need]
+    return None

@@ -2,7 +2,8 @@
 
 For every pool that can hold the task (enough GPU memory per GPU for the asked memory or
 the fingerprint's predicted peak), the negotiator estimates what the task would get there:
-queue time (from free GPUs visible to its tier, then running tasks' expected completions),
+queue time (from free GPUs visible to its tier, then running tasks' expected completions, or
+GPUs idle until a waiting wide task starts, where its run ends by then),
 warm-up (data size over the link bandwidth from the data's site, plus the fingerprint's
 warm-up), p95 latency for inference (reference latency over relative compute) and cost.
 Each estimate is compared with the asked bounds:
@@ -33,7 +34,7 @@ import msgspec
 from fleetpilot.contracts import Contract, Fingerprint, OfferOption, RejectCode, TaskSubmitted
 from fleetpilot.contracts.catalog import TASK_ID_MAX_BYTES, task_id_problem
 
-from .fleet import FleetView, GpuPool
+from .fleet import FleetView, GpuPool, earliest_in_windows
 
 # Labels a submission may carry to inform the estimates.
 DATA_SITE_LABEL = "data_site"
@@ -108,18 +109,29 @@ def _visible_free(pool: GpuPool, tier: str) -> int:
     return pool.free_gpus
 
 
-def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str) -> float:
-    """Seconds until enough GPUs free up for the task; ``inf`` if running work never frees them."""
+def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str, hold_s: float | None = None) -> float:
+    """Seconds until enough GPUs free up for the task; ``inf`` if running work never frees them.
+
+    With ``hold_s`` (how long the task holds its GPUs: its warm-up and expected run), it may
+    also start sooner in the pool's ``gaps``, GPUs idle until a waiting task takes them, if
+    the run ends within them: the policy backfills there."""
     if task.gpus == 1 and task.gpu_milli < 1000 and pool.free_milli >= task.gpu_milli:
         return 0.0
-    have = _visible_free(pool, tier)
-    if have >= task.gpus:
+    free = _visible_free(pool, tier)
+    if free >= task.gpus:
         return 0.0
+    have, queue = free, math.inf
     for in_s, gpus in sorted(pool.completions):
         have += gpus
         if have >= task.gpus:
-            return max(float(in_s), 0.0)
-    return math.inf
+            queue = max(float(in_s), 0.0)
+            break
+    if hold_s is None or not pool.gaps:
+        return queue
+    for_good = [(0.0, math.inf)] * free + [(max(float(in_s), 0.0), math.inf) for in_s, gpus in pool.completions
+                                           if in_s < queue for _ in range(gpus)]
+    early = earliest_in_windows([*pool.gaps, *for_good], task.gpus, hold_s, queue)
+    return queue if early is None else early[0]
 
 
 def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: Fingerprint | None,
@@ -132,11 +144,12 @@ def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: 
         if pool.free_gpus + pool.preemptible_gpus < task.gpus:
             return None
         queue = 0.0
-    else:
-        queue = _queue_s(pool, task, sla.tier)
+    warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)
+    if not preempt:
+        hold = None if task.expected_duration_s is None else warmup / 1000.0 + task.expected_duration_s
+        queue = _queue_s(pool, task, sla.tier, hold)
     if math.isinf(queue):
         return None
-    warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)
     p95 = None
     if task.kind == "infer":
         reference = float(task.labels.get(P95_REFERENCE_LABEL, fleet.reference_p95_ms))

@@ -21,7 +21,9 @@ never frees, as the policy will place nothing there:
   policy's queue serves it first (``ahead_of``: a higher tier, or expected to end before
   the request would; a short task is not estimated behind a long one it will overtake).
   In the policy's order, each takes the pool's GPUs that free first (free ones,
-  then the earliest completions) and, when its expected duration is known, gives them back
+  then the earliest completions), or sooner the idle ones a wide task ahead of it leaves
+  until it starts, if its run ends by then (the policy backfills there), and, when its
+  expected duration is known, gives them back
   once it has run (:func:`play_queue`), so a burst of submissions is not all promised the
   same GPUs, a queue shows as a wait, and a backlog deeper than the running tasks is a
   longer wait, not "no pool will free". (A contract is forgotten when its task ends, so
@@ -62,7 +64,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from fleetpilot.contracts import (
     BandwidthEstimate,
@@ -77,7 +79,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
 from fleetpilot.policy.backfill import queue_key
 
-from .fleet import FleetView, GpuPool
+from .fleet import FleetView, GpuPool, earliest_in_windows
 
 
 @dataclass(frozen=True)
@@ -270,32 +272,56 @@ def queued(task: TaskSubmitted) -> tuple[int, int, float | None]:
     return max(task.gpus, 1), task.gpu_milli, task.expected_duration_s
 
 
+class PlayedQueue(NamedTuple):
+    """What :func:`play_queue` leaves a new request: GPUs ``free`` now, when each other GPU
+    frees for good (``frees``, seconds from now, sorted) and the ``gaps`` before then: each
+    ``(from_s, until_s)`` a GPU stands idle, held for a waiting task that starts later."""
+
+    free: int
+    frees: list[float]
+    gaps: list[tuple[float, float]]
+
+
+MAX_GAPS = 128
+"""The most idle windows :func:`play_queue` keeps (the longest): a deep queue of wide tasks
+leaves one per GPU each, and every later task scans them."""
+
+
 def play_queue(free: int, frees_in_s: Iterable[float],
-               waiting: Iterable[tuple[int, int, float | None]]) -> tuple[int, list[float]]:
+               waiting: Iterable[tuple[int, int, float | None]]) -> PlayedQueue:
     """What a pool offers a new request once the tasks ahead of it have had their turn.
 
     ``free`` GPUs are free now and busy ones free in ``frees_in_s`` seconds; ``waiting`` is
     ``(GPUs, share of each in milli, expected duration or None)`` per task ahead, in the
-    order they are served. Each takes the GPUs that free first, starts when the last of them
-    frees, and gives them back when its expected duration has run; one of unknown duration
-    keeps them (no promise we cannot back), as does one the pool cannot seat. Tasks asking a
-    share of one GPU (``milli < 1000``) that come one after another share a GPU while their
-    shares fit in it, as the policy packs them: counted a whole GPU each, they delayed every
-    task behind them by runs they need no GPU of their own for.
+    order they are served. Each whole-GPU task is given the earliest start that delays none
+    before it (conservative backfilling, Mu'alem and Feitelson 2001): on the GPUs that free
+    first, starting when the last of them frees, unless as many GPUs stand idle for its whole
+    run sooner, in the gaps those before it leave while they wait for their last GPU; it
+    gives them back when its expected duration has run. One of unknown duration keeps its
+    GPUs and fits no gap (no promise we cannot back), as does one the pool cannot seat.
+    Tasks asking a share of one GPU (``milli < 1000``) that come one after another share a
+    GPU while their shares fit in it, as the policy packs them: counted a whole GPU each,
+    they delayed every task behind them by runs they need no GPU of their own for.
 
     Before, a waiting task took a GPU and never gave it back: a queue deeper than the
     running tasks' completions made every pool "never free enough GPUs", and a fleet with a
-    backlog refused new work as infeasible.
-
-    Returns the GPUs still free now and, sorted, when each other GPU frees (seconds from now).
+    backlog refused new work as infeasible. Then, a wide task waiting for its last GPU held
+    the others idle from the negotiator's view, while the policy backfills them with work
+    that ends before it starts (``policy.backfill``): short tasks behind a wide one were
+    refused deadlines the fleet met.
     """
     gpus = [0.0] * free + list(frees_in_s)
     heapq.heapify(gpus)
+    gaps: list[tuple[float, float]] = []
     shared: _SharedGpu | None = None
 
     def give_back(gpu: _SharedGpu | None) -> None:
         if gpu is not None and gpu.frees_at is not None:
             heapq.heappush(gpus, gpu.frees_at)
+
+    def idle(since: float, until: float) -> None:
+        if until > since:
+            gaps.append((since, until))
 
     for need, milli, duration in waiting:
         if need == 1 and milli < 1000:
@@ -313,13 +339,37 @@ def play_queue(free: int, frees_in_s: Iterable[float],
         give_back(shared)
         shared = None
         taken = [heapq.heappop(gpus) for _ in range(min(need, len(gpus)))]
-        if len(taken) == need and duration is not None:
-            start = max(taken)
-            for _ in taken:
-                heapq.heappush(gpus, start + duration)
+        if len(taken) < need:
+            continue  # it waits for ever on what there is
+        start = max(taken)
+        early = (earliest_in_windows([*gaps, *((t, math.inf) for t in taken)], need, duration, start)
+                 if duration is not None and gaps else None)
+        if early is None:
+            for t in taken:
+                idle(t, start)
+                if duration is not None:
+                    heapq.heappush(gpus, start + duration)
+            continue
+        at, chosen = early
+        kept = [w for i, w in enumerate(gaps) if i not in chosen]
+        for i in chosen:
+            if i < len(gaps):  # a gap: idle before and after the run
+                since, until = gaps[i]
+                kept += [w for w in ((since, at), (at + duration, until)) if w[1] > w[0]]
+            else:  # a GPU that frees for good: idle until the run, free after it
+                t = taken[i - len(gaps)]
+                if at > t:
+                    kept.append((t, at))
+                heapq.heappush(gpus, at + duration)
+        for i, t in enumerate(taken):
+            if i + len(gaps) not in chosen:
+                heapq.heappush(gpus, t)
+        gaps = kept
+        if len(gaps) > MAX_GAPS:
+            gaps = sorted(gaps, key=lambda w: w[0] - w[1])[:MAX_GAPS]
     give_back(shared)
     at_once = sum(1 for t in gpus if t <= 0.0)
-    return at_once, sorted(t for t in gpus if t > 0.0)
+    return PlayedQueue(at_once, sorted(t for t in gpus if t > 0.0), sorted(gaps))
 
 
 def offers_hold_until(offers: Iterable[OpenOffer], admitted: Mapping[str, TaskAdmitted], now: float) -> float | None:
@@ -389,8 +439,8 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         price, compute, _ = _catalogue_terms(model, knobs)
         reserved = min(tally.free, math.ceil(tally.total * knobs.reserve_fraction)) if knobs.reserve_fraction > 0 else 0
         ahead = sorted(waiting.get((site, model), ()), key=lambda w: w[0])
-        free, frees = play_queue(tally.free, [frees_in(end, duration, now) for end, duration in tally.frees_at],
-                                 [queued(task) for _, task in ahead])
+        free, frees, gaps = play_queue(tally.free, [frees_in(end, duration, now) for end, duration in tally.frees_at],
+                                       [queued(task) for _, task in ahead])
         completions: dict[float, int] = defaultdict(int)
         for in_s in frees:
             completions[round(in_s, 3)] += 1
@@ -398,7 +448,7 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                              price_per_gpu_hour=price, free_gpus=free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
                              completions=tuple(sorted(completions.items())), relative_compute=compute,
-                             most_gpus_on_a_node=tally.most_on_a_node))
+                             most_gpus_on_a_node=tally.most_on_a_node, gaps=tuple(gaps)))
     return FleetView(pools=tuple(pools), bandwidth_gbps=dict(bandwidth_gbps or {}),
                      local_bandwidth_gbps=knobs.local_bandwidth_gbps,
                      default_bandwidth_gbps=knobs.default_bandwidth_gbps,

@@ -332,3 +332,25 @@ def test_an_option_lists_every_site_that_keeps_its_relaxed_warmup():
     assert by_site["near"].sites == ["near"]  # the wait: its 300 ms asked holds nowhere else
     accepted = contract_for(near_data(warmup_ms=300.0, max_queue_s=10.0), by_site["mid"], "o")
     assert accepted.sites == ["mid", "near"] and bound_sites(accepted) == ["mid", "near"]
+
+
+def test_a_short_task_is_admitted_into_the_gap_a_waiting_wide_task_leaves():
+    """Four A100s idle until an 8-GPU task waiting for them starts in an hour: a 1-GPU run of
+    20 minutes ends before then, so the policy backfills it now and its deadline in 40
+    minutes is met. Without the gaps its only start was after the wide task, two hours away:
+    it was rejected, and a deadline missed the fleet could keep."""
+    waiting_wide = GpuPool(site="eu-1", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0,
+                           completions=((10_800.0, 8),), gaps=((0.0, 3_600.0),) * 4)
+    fleet = FleetView(pools=(waiting_wide,))
+    short = task(kind="train", expected_duration_s=1_200, sla={"deadline": NOW + 2_400})
+    decision = negotiate(short, fleet, now=NOW)
+    assert isinstance(decision, Admit) and decision.contract.not_before is None
+    # A run that would outlast the gap waits for the wide task's end, and misses the deadline.
+    longer = task(kind="train", expected_duration_s=3_900, sla={"deadline": NOW + 5_000})
+    assert isinstance(negotiate(longer, fleet, now=NOW), Reject)
+    # Wider than the gaps there are: the same.
+    wide = task(kind="train", gpus=5, expected_duration_s=1_200, sla={"deadline": NOW + 2_400})
+    assert isinstance(negotiate(wide, fleet, now=NOW), Reject)
+    # A run of unknown length is never promised a gap.
+    unknown = task(kind="train", sla={"max_queue_s": 60})
+    assert not isinstance(negotiate(unknown, fleet, now=NOW), Admit)

@@ -18,7 +18,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
 )
-from fleetpilot.sla import CounterOffer, NegotiationPolicy, OfferBook, Reject, contract_for, negotiate
+from fleetpilot.sla import Admit, CounterOffer, NegotiationPolicy, OfferBook, Reject, contract_for, negotiate
 from fleetpilot.sla.snapshot import (
     SnapshotKnobs,
     as_named_by_fleet,
@@ -170,6 +170,24 @@ def test_a_backlog_deeper_than_the_running_completions_is_a_longer_wait_not_a_re
     assert decision.contract.not_before == NOW + 200
 
 
+def test_a_short_deadline_behind_a_waiting_wide_task_is_admitted_into_its_gap():
+    """A 4-GPU node with three GPUs free and one busy for an hour more; a 4-GPU task of two
+    hours waits for it. A 20-minute run with a deadline in 40 minutes fits on the idle GPUs
+    before the wide task starts, where the policy backfills it: the view shows those gaps,
+    and the negotiator admits it to start now. Played behind the wide task, it was refused."""
+    node = NodeTopology(node="n1", site="s1", gpus=[GpuInfo(index=i, model="A100-40GB") for i in range(4)])
+    ledger = NodeLedger(node="n1", allocations=[Allocation(task_id="run", decision_id="d", gpu=3, milli=1000,
+                                                           at=NOW)])
+    admissions = {"run": admitted_on("run", 1, "s1", duration_s=3_600),
+                  "wide": admitted_on("wide", 4, "s1", duration_s=7_200)}
+    pool = fleet_view([node], [ledger], admissions, now=NOW).pools[0]
+    assert (pool.free_gpus, pool.completions, pool.gaps) == (0, ((10_800.0, 4),), ((0.0, 3_600.0),) * 3)
+    short = TaskSubmitted(task_id="short", gpus=1, gpu_models=["A100-40GB"], expected_duration_s=1_200,
+                          sla=SlaRequest(tier="standard", deadline=NOW + 2_400))
+    decision = negotiate(short, fleet_view([node], [ledger], admissions, now=NOW), now=NOW)
+    assert isinstance(decision, Admit) and decision.contract.not_before is None, decision
+
+
 def test_a_request_waits_only_behind_the_tasks_the_policy_serves_before_it():
     """The policy's queue serves a short run before a long one that came a little earlier
     (expected completion, ``queue_key``), and a vip before both. A short task with a
@@ -196,12 +214,32 @@ def test_play_queue_seats_each_waiting_task_on_the_gpus_that_free_first():
     from fleetpilot.sla.snapshot import play_queue
 
     # Two free, two freeing at 50 s and 80 s. A 3-GPU task of 100 s starts at 50 s (its
-    # third GPU) and frees all three at 150 s; a 1-GPU task of unknown length keeps the
-    # GPU freeing at 80 s; a new request is left the three at 150 s.
-    assert play_queue(2, [80.0, 50.0], [(3, 1000, 100.0), (1, 1000, None)]) == (0, [150.0, 150.0, 150.0])
-    assert play_queue(3, [10.0], []) == (3, [10.0])
+    # third GPU) and frees all three at 150 s, the two free ones idle until it starts; a
+    # 1-GPU task of unknown length fits no gap and keeps the GPU freeing at 80 s; a new
+    # request is left the three at 150 s and the two gaps.
+    played = play_queue(2, [80.0, 50.0], [(3, 1000, 100.0), (1, 1000, None)])
+    assert played == (0, [150.0, 150.0, 150.0], [(0.0, 50.0), (0.0, 50.0)])
+    assert play_queue(3, [10.0], []) == (3, [10.0], [])
     # A task the pool cannot seat (5 GPUs of 4) waits for ever: it holds what there is.
-    assert play_queue(2, [10.0, 20.0], [(5, 1000, 30.0)]) == (0, [])
+    assert play_queue(2, [10.0, 20.0], [(5, 1000, 30.0)]) == (0, [], [])
+
+
+def test_play_queue_backfills_short_tasks_before_a_wide_one_starts():
+    from fleetpilot.sla.snapshot import play_queue
+
+    # An 8-GPU task of 2 h waits for its eighth GPU (free at 3,600 s): five are free now and
+    # two free at 600 s and 1,200 s, idle until it starts. A 1-GPU task of 10 minutes and a
+    # 2-GPU task of 15 run in those gaps now, as the policy backfills them, ending before the
+    # wide task starts; they delay nothing, so the GPUs still free for good at 10,800 s.
+    # Played in turn instead, both waited for the wide task's end, three hours away.
+    played = play_queue(5, [600.0, 1200.0, 3600.0], [(8, 1000, 7200.0), (1, 1000, 600.0), (2, 1000, 900.0)])
+    assert played.free == 0
+    assert played.frees == [10_800.0] * 8
+    assert played.gaps == [(0.0, 3600.0)] * 2 + [(600.0, 3600.0)] * 2 + [(900.0, 3600.0)] * 2 + [(1200.0, 3600.0)]
+    # A task too long for every gap waits for the wide task's end, and delays it not.
+    longer = play_queue(5, [600.0, 1200.0, 3600.0], [(8, 1000, 7200.0), (1, 1000, 4000.0)])
+    assert longer.frees == [10_800.0] * 7 + [14_800.0]
+    assert len(longer.gaps) == 7
 
 
 def test_play_queue_packs_shares_of_one_gpu_as_the_policy_does():
@@ -211,12 +249,12 @@ def test_play_queue_packs_shares_of_one_gpu_as_the_policy_does():
     # 90 s); the fourth does not fit beside them and takes the GPU freeing at 40 s. Counted a
     # whole GPU each, they left a new request nothing before 70 s.
     shares = [(1, 300, 60.0), (1, 300, 90.0), (1, 300, 30.0), (1, 300, 30.0)]
-    assert play_queue(1, [40.0, 200.0], shares) == (0, [70.0, 90.0, 200.0])
+    assert play_queue(1, [40.0, 200.0], shares) == (0, [70.0, 90.0, 200.0], [])
     # One of unknown duration keeps the GPU it shares; a whole-GPU task between two shares
     # closes the shared GPU (the policy places in order): the third share waits for the
     # first's GPU, free at 10 s, and ends at 20 s with the whole-GPU task.
-    assert play_queue(2, [], [(1, 500, None), (1, 500, 10.0)]) == (1, [])
-    assert play_queue(2, [], [(1, 500, 10.0), (1, 1000, 20.0), (1, 500, 10.0)]) == (0, [20.0, 20.0])
+    assert play_queue(2, [], [(1, 500, None), (1, 500, 10.0)]) == (1, [], [])
+    assert play_queue(2, [], [(1, 500, 10.0), (1, 1000, 20.0), (1, 500, 10.0)]) == (0, [20.0, 20.0], [])
 
 
 def test_gpus_out_of_service_are_no_capacity_to_promise():
