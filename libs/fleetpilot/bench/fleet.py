@@ -226,6 +226,7 @@ from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, bound_sites, contract_for, negotiate
+from fleetpilot.sla.fleet import node_frontier
 from fleetpilot.sla.snapshot import frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -1510,12 +1511,14 @@ class FleetRun:
             out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=free, free_milli=p["milli"],
                                completions=tuple(sorted(completions.items())),
-                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"], gaps=tuple(gaps)))
+                               relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"],
+                               node_shapes=node_frontier(p["shapes"]), gaps=tuple(gaps)))
         return FleetView(pools=tuple(out))
 
     def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:
         """Per (site, model): GPUs free, the largest spare share, when each busy GPU frees
-        (seconds from ``now``) and the most GPUs a node has; counted at the first arrival
+        (seconds from ``now``), the most GPUs a node has and each node's GPUs, CPU and memory
+        (``node_frontier``); counted at the first arrival
         after a cycle and kept for the arrivals until the next."""
         if self._view is not None:
             return self._view
@@ -1524,9 +1527,10 @@ class FleetRun:
         pools: dict[tuple[str, str], dict] = {}
         for row in range(s.n_nodes):
             key = (self.node_site[row], self.node_model[row])
-            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0})
+            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0, "shapes": set()})
             f = free[row][s.gpu_exists[row]]
             p["most"] = max(p["most"], int(f.size))  # every GPU of the node, in service or not
+            p["shapes"].add((int(f.size), int(s.cpu_total[row]), int(s.mem_total[row])))
             p["free"] += int((f >= MILLI).sum())
             part = f[(f > 0) & (f < MILLI)]
             if part.size:

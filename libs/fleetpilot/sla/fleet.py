@@ -6,7 +6,7 @@ topology; the negotiator only reads it, so one snapshot gives one answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -34,10 +34,22 @@ class GpuPool:
     most_gpus_on_a_node: int | None = None
     """The most GPUs of the pool any one node has (a task's GPUs are all on one node);
     ``None`` when not known, and then no request is refused for its count."""
+    node_shapes: tuple[tuple[int, int, int], ...] = ()
+    """``(GPUs, CPU milli, host memory MB)`` of the pool's nodes (``node_frontier``: those no
+    other node outdoes in all three), in service or not: a task's GPUs, CPU and memory are
+    all on one node. Empty when not known, and then only ``most_gpus_on_a_node`` is checked."""
     gaps: tuple[tuple[float, float], ...] = ()
     """``(from_s, until_s)`` spans, seconds from now, in which one GPU stands idle until a
     task waiting for it starts (``snapshot.play_queue``): a request whose run ends within
     one may start there, as the policy backfills it."""
+
+    def holds(self, gpus: int, cpu_milli: int = 0, memory_mb: int = 0) -> bool:
+        """Whether one node of the pool has ``gpus`` GPUs and the CPU and host memory asked
+        besides: where none does, a task admitted to the pool would wait for ever."""
+        if self.most_gpus_on_a_node is not None and self.most_gpus_on_a_node < gpus:
+            return False
+        return not self.node_shapes or any(g >= gpus and c >= cpu_milli and m >= memory_mb
+                                           for g, c, m in self.node_shapes)
 
 
 @dataclass(frozen=True)
@@ -75,3 +87,14 @@ def earliest_in_windows(windows: Sequence[tuple[float, float]], need: int, hold_
         if len(fitting) >= need:
             return at, sorted(fitting, key=lambda i: (windows[i][1], i))[:need]
     return None
+
+
+def node_frontier(shapes: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The ``(GPUs, CPU milli, host memory MB)`` node shapes no other outdoes in all three,
+    sorted: what ``GpuPool.holds`` needs to know of a pool of thousands of nodes."""
+    unique = sorted(set(shapes), reverse=True)
+    kept: list[tuple[int, int, int]] = []
+    for shape in unique:
+        if not any(all(k >= v for k, v in zip(other, shape, strict=True)) for other in kept):
+            kept.append(shape)
+    return tuple(sorted(kept))

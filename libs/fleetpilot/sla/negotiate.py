@@ -211,7 +211,7 @@ def sites_keeping(task: TaskSubmitted, first: str, models: Iterable[str], fleet:
     for pool in fleet.pools:
         if (pool.site == first or pool.site in kept or pool.gpu_model not in wanted
                 or pool.memory_mb_per_gpu < task.gpu_memory_mb
-                or (pool.most_gpus_on_a_node is not None and pool.most_gpus_on_a_node < task.gpus)):
+                or not pool.holds(task.gpus, task.cpu_milli, task.memory_mb)):
             continue
         warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)
         if not math.isfinite(warmup) or (warmup_ms is not None and warmup > warmup_ms):
@@ -439,16 +439,20 @@ def negotiate(task: TaskSubmitted, fleet: FleetView, *, now: float, fingerprint:
         # A fleet of CPU nodes only has no pool at all: "no GPU model has 0 MB" said nothing.
         why = f"no GPU model has {need_mb:.0f} MB per GPU" if fleet.pools else "the fleet has no GPUs"
         return Reject("infeasible", why, task.task_id)
-    # A task's GPUs are all on one node: admitted where no node has that many, it would be
-    # queued for ever, every pool's free GPUs summed across nodes looking like room.
-    pools = [p for p in pools if p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus]
-    if not pools:
+    # A task's GPUs are all on one node, with its CPU and host memory: admitted where no node
+    # has that many, or that much besides, it would be queued for ever, every pool's free
+    # GPUs summed across nodes looking like room.
+    if not any(p.holds(task.gpus) for p in pools):
         return Reject("infeasible", f"no node has {task.gpus} GPUs of {need_mb:.0f} MB or more", task.task_id)
+    pools = [p for p in pools if p.holds(task.gpus, task.cpu_milli, task.memory_mb)]
+    if not pools:
+        return Reject("infeasible", f"no node with {task.gpus} GPUs of {need_mb:.0f} MB or more also has "
+                      f"{task.cpu_milli} CPU milli and {task.memory_mb} MB of memory", task.task_id)
     # Every model that holds the ask may run it under a contract its terms allow (``asked``):
     # which holds the task's growth is the policy's to judge (it starts a known leak on a
     # smaller GPU and moves it up before the peak). Estimated on, only those that hold it.
     asked = [e for p in fleet.pools if p.memory_mb_per_gpu >= task.gpu_memory_mb
-             and (p.most_gpus_on_a_node is None or p.most_gpus_on_a_node >= task.gpus)
+             and p.holds(task.gpus, task.cpu_milli, task.memory_mb)
              and (e := estimate(task, p, fleet, fingerprint, now, preempt=False))]
     estimates = [e for e in asked if e.pool.memory_mb_per_gpu >= need_mb]
     meeting = [e for e in estimates if not e.violations]

@@ -43,7 +43,9 @@ never frees, as the policy will place nothing there:
   Accepting another option than the first takes capacity nothing held for it: the sla
   service checks it against the fleet then (``option_lapsed``) and refuses it if taken.
 - ``most_gpus_on_a_node``: the most GPUs of the pool one node has, in service or not (a
-  task's GPUs are all on one node, and a GPU out of service now may be back).
+  task's GPUs are all on one node, and a GPU out of service now may be back); and
+  ``node_shapes``, each node's GPUs of the pool with its CPU and host memory (a task's
+  CPU and memory are on that node too), those no other node outdoes.
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
   GPU with any holder of unknown duration never appears (no promise we cannot back). A run
@@ -79,7 +81,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
 from fleetpilot.policy.backfill import queue_key
 
-from .fleet import FleetView, GpuPool, earliest_in_windows
+from .fleet import FleetView, GpuPool, earliest_in_windows, node_frontier
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class _PoolTally:
     # (expected end, expected duration) of the holder that ends last, per busy GPU.
     frees_at: list[tuple[float, float]] = field(default_factory=list)
     most_on_a_node: int = 0
+    # (GPUs of the pool, CPU milli, host memory MB) of each node.
+    shapes: set[tuple[int, int, int]] = field(default_factory=set)
 
     def add(self, other: _PoolTally) -> None:
         """Fold another node's tally of the same pool into this one."""
@@ -130,6 +134,7 @@ class _PoolTally:
         self.preemptible += other.preemptible
         self.frees_at.extend(other.frees_at)
         self.most_on_a_node = max(self.most_on_a_node, other.most_on_a_node)
+        self.shapes |= other.shapes
 
 
 NodeTallies = dict[tuple[str, str], _PoolTally]
@@ -169,6 +174,7 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
     for tally in tallies.values():
         # Every GPU it has, in service or not: a GPU out of service for now may be back.
         tally.most_on_a_node = tally.total
+        tally.shapes = {(tally.total, node.cpu_milli, node.memory_mb)}
     return tallies
 
 
@@ -448,7 +454,8 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
                              price_per_gpu_hour=price, free_gpus=free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
                              completions=tuple(sorted(completions.items())), relative_compute=compute,
-                             most_gpus_on_a_node=tally.most_on_a_node, gaps=tuple(gaps)))
+                             most_gpus_on_a_node=tally.most_on_a_node, node_shapes=node_frontier(tally.shapes),
+                             gaps=tuple(gaps)))
     return FleetView(pools=tuple(pools), bandwidth_gbps=dict(bandwidth_gbps or {}),
                      local_bandwidth_gbps=knobs.local_bandwidth_gbps,
                      default_bandwidth_gbps=knobs.default_bandwidth_gbps,

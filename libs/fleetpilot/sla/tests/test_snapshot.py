@@ -321,6 +321,33 @@ def test_a_task_asking_more_gpus_than_any_node_has_is_refused_not_queued_for_eve
     assert pool.most_gpus_on_a_node == 4
 
 
+def test_a_task_no_node_has_the_cpu_or_memory_for_is_not_admitted_to_its_pool():
+    """A task's CPU and host memory are on the node of its GPUs. On openb a vip asking 8
+    GPUs, 120 cores and 640 GB was admitted to the G2 pool, whose 8-GPU nodes have 96 cores:
+    the policy found it no node for three hours, to the end of the run. Now only a pool
+    with a node that has all three is estimated on; where none has, the task is refused."""
+    from fleetpilot.sla import Admit, Reject, negotiate  # noqa: PLC0415
+    from fleetpilot.sla.fleet import node_frontier  # noqa: PLC0415
+
+    def eight(name: str, model: str, cpu_milli: int, memory_mb: int) -> NodeTopology:
+        return NodeTopology(node=name, site="s1", cpu_milli=cpu_milli, memory_mb=memory_mb,
+                            gpus=[GpuInfo(index=i, model=model, memory_mb=32_768) for i in range(8)])
+
+    nodes = [eight("g2a", "G2", 96_000, 393_216), eight("g2b", "G2", 64_000, 524_288),
+             eight("g3", "G3", 128_000, 786_432)]
+    pools = {p.gpu_model: p for p in fleet_view(nodes, [], {}, now=NOW).pools}
+    assert pools["G2"].node_shapes == ((8, 64_000, 524_288), (8, 96_000, 393_216))
+    assert pools["G2"].holds(8, 90_000, 300_000) and not pools["G2"].holds(8, 90_000, 400_000)
+    big = TaskSubmitted(task_id="big", gpus=8, gpu_models=["G2", "G3"], cpu_milli=120_200, memory_mb=640_000)
+    verdict = negotiate(big, fleet_view(nodes, [], {}, now=NOW), now=NOW)
+    assert isinstance(verdict, Admit) and verdict.contract.gpu_models == ["G3"], verdict
+    only_g2 = fleet_view(nodes[:2], [], {}, now=NOW)
+    assert negotiate(big, only_g2, now=NOW) == Reject(
+        "infeasible", "no node with 8 GPUs of 0 MB or more also has 120200 CPU milli and 640000 MB of memory", "big")
+    # A node outdone in all three by another says nothing more.
+    assert node_frontier([(8, 96_000, 393_216), (4, 48_000, 196_608), (8, 96_000, 393_216)]) == ((8, 96_000, 393_216),)
+
+
 def test_a_run_past_its_expected_end_is_not_promised_as_freeing_now():
     # "be" began 40 s ago for 100 s: on time. "late" began 130 s ago for 100 s: 30 s over,
     # so as long again; "just" is 1 s over a 100 s run: a tenth of its duration at least.
