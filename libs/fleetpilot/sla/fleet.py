@@ -34,6 +34,10 @@ class GpuPool:
     most_gpus_on_a_node: int | None = None
     """The most GPUs of the pool any one node has (a task's GPUs are all on one node);
     ``None`` when not known, and then no request is refused for its count."""
+    most_clearable_on_a_node: int | None = None
+    """The most GPUs one node of the pool has free or running only best_effort work: what a
+    vip's preemption can clear for it on one node (a task's GPUs are all on one node);
+    ``None`` when not known, and then the pool's ``free_gpus + preemptible_gpus``."""
     node_shapes: tuple[tuple[int, int, int], ...] = ()
     """``(GPUs, CPU milli, host memory MB)`` of the pool's nodes (``node_frontier``: those no
     other node outdoes in all three), in service or not: a task's GPUs, CPU and memory are

@@ -141,7 +141,12 @@ def estimate(task: TaskSubmitted, pool: GpuPool, fleet: FleetView, fingerprint: 
     as if a vip request displaced the pool's best_effort work."""
     sla = task.sla
     if preempt:
-        if pool.free_gpus + pool.preemptible_gpus < task.gpus:
+        # Summed over the pool, two half-free nodes read as room for a task as wide as a
+        # node that no preemption could clear.
+        room = pool.free_gpus + pool.preemptible_gpus
+        if pool.most_clearable_on_a_node is not None:
+            room = min(room, pool.most_clearable_on_a_node)
+        if room < task.gpus:
             return None
         queue = 0.0
     warmup = warmup_ms_at(task, pool.site, fleet, fingerprint)

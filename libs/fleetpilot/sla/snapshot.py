@@ -11,7 +11,9 @@ never frees, as the policy will place nothing there:
 
 - ``free_gpus``: GPUs nobody holds any share of; ``free_milli``: the largest spare share on
   a GPU that is already shared (what a fractional request can still get without a free GPU).
-- ``preemptible_gpus``: busy GPUs whose every holder runs under a ``best_effort`` contract.
+- ``preemptible_gpus``: busy GPUs whose every holder runs under a ``best_effort`` contract;
+  ``most_clearable_on_a_node``, the most one node has free or preemptible (what a vip's
+  preemption can clear for it: its GPUs are all on one node).
   A holder without a known contract counts as guaranteed: never offer to preempt work we
   cannot prove is preemptible.
 - ``reserved_gpus``: a headroom of ``reserve_fraction`` of the pool's GPUs (rounded up, at
@@ -123,6 +125,8 @@ class _PoolTally:
     most_on_a_node: int = 0
     # (GPUs of the pool, CPU milli, host memory MB) of each node.
     shapes: set[tuple[int, int, int]] = field(default_factory=set)
+    # The most GPUs of the pool one node has free or running only best_effort work.
+    most_clearable: int = 0
 
     def add(self, other: _PoolTally) -> None:
         """Fold another node's tally of the same pool into this one."""
@@ -135,6 +139,7 @@ class _PoolTally:
         self.frees_at.extend(other.frees_at)
         self.most_on_a_node = max(self.most_on_a_node, other.most_on_a_node)
         self.shapes |= other.shapes
+        self.most_clearable = max(self.most_clearable, other.most_clearable)
 
 
 NodeTallies = dict[tuple[str, str], _PoolTally]
@@ -175,6 +180,7 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
         # Every GPU it has, in service or not: a GPU out of service for now may be back.
         tally.most_on_a_node = tally.total
         tally.shapes = {(tally.total, node.cpu_milli, node.memory_mb)}
+        tally.most_clearable = tally.free + tally.preemptible
     return tallies
 
 
@@ -453,6 +459,7 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
                              price_per_gpu_hour=price, free_gpus=free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
+                             most_clearable_on_a_node=tally.most_clearable,
                              completions=tuple(sorted(completions.items())), relative_compute=compute,
                              most_gpus_on_a_node=tally.most_on_a_node, node_shapes=node_frontier(tally.shapes),
                              gaps=tuple(gaps)))

@@ -51,6 +51,28 @@ CONTRACTS = {"be": admitted("be", "best_effort", 100.0), "be2": admitted("be2", 
              "std": admitted("std", "standard", None)}
 
 
+def test_a_vip_is_promised_a_preemption_only_where_one_node_can_be_cleared():
+    """Two 4-GPU nodes, each running best_effort work on three GPUs and something else on
+    the fourth: the pool has 6 preemptible GPUs, and a vip asking 4 now was admitted to
+    preempt, though no node has more than 3 to clear. Where one node runs best_effort work
+    alone, a vip asking 4 is admitted to preempt it."""
+    from fleetpilot.sla import Admit, negotiate  # noqa: PLC0415
+
+    nodes = [NodeTopology(node=n, site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960)
+                                                   for i in range(4)]) for n in ("n1", "n2")]
+    vip = TaskSubmitted(task_id="vip", gpus=4, sla=SlaRequest(tier="vip", max_queue_s=0))
+    contracts = {"be": admitted("be", "best_effort", None), "std": admitted("std", "standard", None)}
+    split = [NodeLedger(node=n, allocations=[*(hold("be", g) for g in range(3)), hold("std", 3)])
+             for n in ("n1", "n2")]
+    (pool,) = fleet_view(nodes, split, contracts, now=NOW).pools
+    assert (pool.free_gpus, pool.preemptible_gpus, pool.most_clearable_on_a_node) == (0, 6, 3)
+    assert not isinstance(negotiate(vip, fleet_view(nodes, split, contracts, now=NOW), now=NOW), Admit)
+    apart = [NodeLedger(node="n1", allocations=[hold("be", g) for g in range(4)]),
+             NodeLedger(node="n2", allocations=[hold("std", g) for g in range(4)])]
+    decision = negotiate(vip, fleet_view(nodes, apart, contracts, now=NOW), now=NOW)
+    assert isinstance(decision, Admit) and decision.may_preempt, decision
+
+
 def test_pool_counts_free_shared_preemptible_and_completions():
     (pool,) = fleet_view([NODE], [LEDGER], CONTRACTS, now=NOW).pools
     assert (pool.site, pool.gpu_model, pool.memory_mb_per_gpu) == ("s1", "A100-40GB", 40_960)
