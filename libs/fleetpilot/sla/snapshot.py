@@ -299,6 +299,29 @@ MAX_GAPS = 128
 leaves one per GPU each, and every later task scans them."""
 
 
+def _backfilled(gaps: list[tuple[float, float]], taken: list[float], at: float, chosen: list[int],
+                duration: float, gpus: list[float]) -> list[tuple[float, float]]:
+    """The gaps once a task of ``duration`` runs from ``at`` on the ``chosen`` windows of
+    ``earliest_in_windows`` over ``gaps`` and then ``taken`` (GPUs free for good from those
+    times): a gap it runs in leaves what is idle before and after the run; a GPU free for
+    good is idle until the run and, pushed back on the ``gpus`` heap, free after it; the
+    ``taken`` GPUs it leaves go back on the heap as they were."""
+    kept = [w for i, w in enumerate(gaps) if i not in chosen]
+    for i in chosen:
+        if i < len(gaps):
+            since, until = gaps[i]
+            kept += [w for w in ((since, at), (at + duration, until)) if w[1] > w[0]]
+        else:
+            t = taken[i - len(gaps)]
+            if at > t:
+                kept.append((t, at))
+            heapq.heappush(gpus, at + duration)
+    for i, t in enumerate(taken):
+        if i + len(gaps) not in chosen:
+            heapq.heappush(gpus, t)
+    return kept
+
+
 def play_queue(free: int, frees_in_s: Iterable[float],
                waiting: Iterable[tuple[int, int, float | None]]) -> PlayedQueue:
     """What a pool offers a new request once the tasks ahead of it have had their turn.
@@ -331,10 +354,6 @@ def play_queue(free: int, frees_in_s: Iterable[float],
         if gpu is not None and gpu.frees_at is not None:
             heapq.heappush(gpus, gpu.frees_at)
 
-    def idle(since: float, until: float) -> None:
-        if until > since:
-            gaps.append((since, until))
-
     for need, milli, duration in waiting:
         if need == 1 and milli < 1000:
             if shared is not None and shared.milli + milli <= 1000:
@@ -356,27 +375,14 @@ def play_queue(free: int, frees_in_s: Iterable[float],
         start = max(taken)
         early = (earliest_in_windows([*gaps, *((t, math.inf) for t in taken)], need, duration, start)
                  if duration is not None and gaps else None)
-        if early is None:
+        if early is not None and duration is not None:
+            gaps = _backfilled(gaps, taken, *early, duration, gpus)
+        else:
             for t in taken:
-                idle(t, start)
+                if start > t:
+                    gaps.append((t, start))
                 if duration is not None:
                     heapq.heappush(gpus, start + duration)
-            continue
-        at, chosen = early
-        kept = [w for i, w in enumerate(gaps) if i not in chosen]
-        for i in chosen:
-            if i < len(gaps):  # a gap: idle before and after the run
-                since, until = gaps[i]
-                kept += [w for w in ((since, at), (at + duration, until)) if w[1] > w[0]]
-            else:  # a GPU that frees for good: idle until the run, free after it
-                t = taken[i - len(gaps)]
-                if at > t:
-                    kept.append((t, at))
-                heapq.heappush(gpus, at + duration)
-        for i, t in enumerate(taken):
-            if i + len(gaps) not in chosen:
-                heapq.heappush(gpus, t)
-        gaps = kept
         if len(gaps) > MAX_GAPS:
             gaps = sorted(gaps, key=lambda w: w[0] - w[1])[:MAX_GAPS]
     give_back(shared)
