@@ -1512,7 +1512,7 @@ class FleetRun:
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=free, free_milli=p["milli"],
                                completions=tuple(sorted(completions.items())),
                                relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"],
-                               node_shapes=node_frontier(p["shapes"]), gaps=tuple(gaps)))
+                               node_shapes=p["shapes"], gaps=tuple(gaps)))
         return FleetView(pools=tuple(out))
 
     def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:
@@ -1539,6 +1539,8 @@ class FleetRun:
             if j.state == "running" and j.milli >= MILLI:
                 pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].extend(
                     [self._frees_in(j, now)] * len(j.gpus))
+        for p in pools.values():
+            p["shapes"] = node_frontier(p["shapes"])  # once a cycle, not once per arrival's view
         self._view = pools
         return pools
 
