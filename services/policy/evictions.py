@@ -8,8 +8,12 @@
   ``<task>.assign.<g>`` (``requeue``); a task refused more than ``refused_replacements`` times
   is given up (``given_up``: ``task.rejected``).
 * A task killed by an OOM is queued again the same way, to start over (killed alone on its
-  GPUs, asking more than they have), up to ``oom_restarts`` placements; killed on a later one, it is given up
-  (``restart_after_oom``).
+  GPUs, asking more than they have), up to ``oom_restarts`` times; killed once more, it is given
+  up (``restart_after_oom``, ``oom_given_up``).
+
+Both limits count their own failures (``count_failure``, the ``placement_failures`` bucket:
+``restart_limits``), not placements: a task preempted or moved off a failing GPU is placed
+again through no fault of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from fleetpilot.policy.preempt import (
     reassign_decision_id,
 )
 from fleetpilot.policy.rebalance import generation
+from fleetpilot.policy.restart_limits import FailureKind, PlacementFailures, decode_failures, encode_failures
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
 from .replica import PEAK_HEADROOM, ReplicaState
@@ -84,8 +89,9 @@ class Evictions(ReplicaState):
         """Queue again a task whose assign the executor could not carry out; it released the
         hold. A passing failure (``retryable``: the backend did not answer) is retried every
         time. A refusal (a business rule, a GPU cordoned or reserved since the decision) is
-        retried ``refused_replacements`` times (``given_up`` says when no more)."""
-        if failed.action != "assign" or self.refused_too_often(failed):
+        retried ``refused_replacements`` times: called once ``given_up`` has said it is not
+        given up."""
+        if failed.action != "assign":
             return None
         what = "failed" if failed.retryable else "refused"
         return await self.requeue(
@@ -93,18 +99,52 @@ class Evictions(ReplicaState):
             pending, ledger, avoid_node=next((p.node for p in failed.placement), ""),
         )
 
-    async def oom_given_up(self, life: TaskLifecycle) -> TaskRejected | None:
+    async def oom_given_up(self, life: TaskLifecycle, failures: KeyValue) -> TaskRejected | None:
         """The ``task.rejected`` that tells the submitter a task an OOM killed will not be
-        placed again (which also ends its contract): it died on a placement past
-        ``oom_restarts``; ``None`` for any other event."""
-        g = generation(life.task_id, life.decision_id) if life.decision_id else 1
-        if life.state != "oom_killed" or g <= self.settings.oom_restarts:
+        placed again (which also ends its contract): this kill, counted in ``failures``, is
+        one more than ``oom_restarts``; ``None`` for any other event."""
+        if life.state != "oom_killed":
             return None
+        # A kill the executor could not tie to a decision is named by where and when it
+        # happened, which a redelivery repeats.
+        kills = await self.count_failure(failures, life.task_id, "oom_killed",
+                                         life.decision_id or f"{life.node}@{life.at:.6f}")
+        if kills <= self.settings.oom_restarts:
+            return None
+        g = generation(life.task_id, life.decision_id) if life.decision_id else 1
         return await self.rejection(
             life.task_id, life.at,
-            f"killed by an OOM on {life.node} on its placement {g}, past the "
+            f"killed by an OOM {kills} times, last on {life.node} (placement {g}), past the "
             f"{self.settings.oom_restarts} restarts allowed (oom_restarts): not placed again",
         )
+
+    async def count_failure(self, failures: KeyValue, task_id: str, kind: FailureKind, placement: str) -> int:
+        """Count ``placement`` of ``task_id`` as ended by ``kind`` in the
+        ``placement_failures`` bucket; how many of its placements ended so, this one
+        included. Once however often its event is delivered, and by compare-and-set, so two
+        replicas counting at once lose neither. A value that does not decode (a hand edit) is
+        counted again from this failure, with a warning."""
+        key = node_key(task_id)
+        for _ in range(20):
+            entry = await failures.get(key)
+            known = PlacementFailures()
+            if entry is not None and entry.value:
+                try:
+                    known = decode_failures(entry.value)
+                except msgspec.DecodeError as exc:
+                    log.warning("placement_failures %s unreadable (%s): counted again from now", key, exc)
+            updated = known.with_failure(kind, placement)
+            if updated is None:
+                return len(known.of(kind))
+            try:
+                if entry is None or not entry.value:
+                    await failures.create(key, encode_failures(updated))
+                else:
+                    await failures.update(key, encode_failures(updated), entry.revision)
+            except CasConflict:
+                continue
+            return len(updated.of(kind))
+        raise Retry(f"placement_failures {key} kept changing", 0.2)
 
     async def rejection(self, task_id: str, at: float, reason: str) -> TaskRejected:
         """The ``task.rejected`` (code ``infeasible``) that gives up an admitted task, naming
@@ -146,25 +186,22 @@ class Evictions(ReplicaState):
         held = max((mb for _, mb in samples), default=0.0) / len(life.gpus)
         return int(math.ceil(max(held, room) * PEAK_HEADROOM))
 
-    async def given_up(self, failed: ActionFailed) -> TaskRejected | None:
+    async def given_up(self, failed: ActionFailed, failures: KeyValue) -> TaskRejected | None:
         """The ``task.rejected`` that tells the submitter a task will not run: its assign was
-        refused again after ``refused_replacements`` placements. The policy applies the same
+        refused (counted in ``failures``) once more than ``refused_replacements`` allows; a
+        passing failure (``retryable``) counts toward nothing. The policy applies the same
         rules as the executor, from the topology's labels, so a placement made after the
         labels changed avoids the refusing GPU; a refusal that repeats beyond that comes from a
         rule the labels do not carry, and placing again would only be refused again."""
-        if not self.refused_too_often(failed):
+        if failed.action != "assign" or failed.retryable:
+            return None
+        refusals = await self.count_failure(failures, failed.task_id, "refused", failed.decision_id)
+        if refusals <= self.settings.refused_replacements:
             return None
         return await self.rejection(
             failed.task_id, failed.failed_at,
-            f"refused by the executor {generation(failed.task_id, failed.decision_id)} times, last as "
-            f"{failed.decision_id}: {failed.error}",
+            f"refused by the executor {refusals} times, last as {failed.decision_id}: {failed.error}",
         )
-
-    def refused_too_often(self, failed: ActionFailed) -> bool:
-        """Whether ``failed`` is an assign refused on a placement past ``refused_replacements``
-        (``given_up`` tells the submitter; ``requeue_failed`` queues nothing)."""
-        return (failed.action == "assign" and not failed.retryable
-                and generation(failed.task_id, failed.decision_id) > self.settings.refused_replacements)
 
     async def requeue(
         self, task_id: str, decision_id: str, at: float, reason: str,

@@ -398,7 +398,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     @host.on(ActionFailed, consumer="policy-failed")
     async def on_action_failed(failed: ActionFailed) -> TaskRejected | None:
         bus = opened()
-        given_up = await state().given_up(failed)
+        given_up = await state().given_up(failed, await bus.kv("placement_failures"))
         if given_up is not None:
             log.warning("%s will not run: %s", failed.task_id, given_up.reason)
             return given_up
@@ -415,7 +415,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
     async def on_lifecycle(life: TaskLifecycle) -> TaskRejected | None:
         bus = opened()
         pending = await bus.kv("pending")
-        given_up = await state().oom_given_up(life)
+        failures = await bus.kv("placement_failures")
+        given_up = await state().oom_given_up(life, failures)
         restarted = life.state == "oom_killed" and given_up is None
         if life.state == "evicted":
             # Evicted without a decision of ours (a decommissioned GPU): queue it again (its
@@ -431,6 +432,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         if restarted or life.state not in ("finished", "oom_killed", "failed"):
             return None
         await drop_ended(life, pending)
+        if life.state == "finished" and await failures.get(node_key(life.task_id)) is not None:
+            await failures.delete(node_key(life.task_id))  # its restart limits are behind it
         if given_up is not None:
             log.warning("%s will not run again: %s", life.task_id, given_up.reason)
         return given_up

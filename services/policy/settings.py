@@ -83,8 +83,9 @@ class PolicySettings(ServiceSettings):
     oom_restarts: int = Field(
         default=6, ge=0,
         description="How many times a task killed by an OOM is placed again from scratch (Kubernetes' "
-        "backoffLimit, 6), killed alone on its GPUs asking more than they have; counted by its placements, "
-        "as refusals are: killed on a later one, it is given up with task.rejected (0 = an OOM ends the task)",
+        "backoffLimit, 6), killed alone on its GPUs asking more than they have; its kills are counted, not "
+        "its placements (placement_failures): killed once more, it is given up with task.rejected "
+        "(0 = an OOM ends the task)",
     )
     untaken_expiry_s: float = Field(
         default=600.0, ge=0.0, allow_inf_nan=False,

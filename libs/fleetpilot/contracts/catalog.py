@@ -294,6 +294,10 @@ BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec("pending", description="Admitted tasks waiting for capacity, by task id."),
     BucketSpec("open_placements", ttl_s=14 * 24 * 3600,
                description="Executed assigns and migrations awaiting the end of their placement, by decision id."),
+    # As long as an admitted task may still be placed again; a finished task's key is deleted.
+    BucketSpec("placement_failures", ttl_s=14 * 24 * 3600,
+               description="The placements an OOM killed and the assigns the executor refused, by task: "
+                           "what the restart limits count."),
     BucketSpec("models", history=5, description="Learned models by name (msgspec JSON); the revision is the version."),
 )
 

@@ -162,7 +162,7 @@ ROLES: dict[str, Role] = {role.name: role for role in (
          instance_consumers=("policy-fingerprints",), listens=("telemetry.task.*",),
          asks=(route_for(StatsQuery),),
          reads=("topology", "executions", "fingerprints", "contracts", "models", "executors"),
-         writes=("ledger", "pending", "config"),
+         writes=("ledger", "pending", "config", "placement_failures"),
          scans=(_scan("decision.made"), _scan("task.fingerprinted"))),
     Role("executor", "carries out its node's decisions; its pod runs user code",
          publishes=(ActionExecuted, ActionFailed, TaskLifecycle),

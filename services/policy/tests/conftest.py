@@ -20,6 +20,7 @@ from fleetpilot.contracts import (
     NodeTopology,
     TaskAdmitted,
     TaskFingerprinted,
+    TaskRejected,
     TaskSubmitted,
     decode,
     encode,
@@ -129,6 +130,16 @@ class Observer:
             self.decisions.append(decode(msg.data, DecisionMade))
 
         self._sub = await self.js.subscribe("decision.made", ordered_consumer=True, cb=on_msg)
+
+    async def follow_rejections(self) -> list[TaskRejected]:
+        """The ``task.rejected`` events published from now on, collected as they come."""
+        rejected: list[TaskRejected] = []
+
+        async def on_msg(msg) -> None:
+            rejected.append(decode(msg.data, TaskRejected))
+
+        await self.nc.subscribe("task.rejected", cb=on_msg)
+        return rejected
 
     async def put_fleet(self, nodes: list[NodeTopology]) -> None:
         """Write the topology bucket as the topology service would."""

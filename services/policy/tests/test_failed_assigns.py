@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetpilot.contracts import ActionFailed, NodeLedger, PolicyRef, TaskRejected, decode, encode, now
+from fleetpilot.contracts import ActionFailed, NodeLedger, PolicyRef, encode, now
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
@@ -30,12 +30,7 @@ async def fail(observer, decision_id: str, retryable: bool) -> None:
 
 async def test_a_failed_assign_is_placed_again_and_a_refused_one_twice(observer, nats_url, tmp_path):
     await observer.put_fleet([node("n0")])
-    rejected: list[TaskRejected] = []
-
-    async def on_rejected(msg) -> None:
-        rejected.append(decode(msg.data, TaskRejected))
-
-    await observer.nc.subscribe("task.rejected", cb=on_rejected)
+    rejected = await observer.follow_rejections()
     policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
     await policy.start()
     try:
@@ -94,3 +89,39 @@ async def test_an_admission_delivered_again_after_its_assign_failed_reserves_not
     finally:
         await policy.stop()
     assert [a.decision_id for a in ledger.allocations] == ["t.assign.2"]
+
+
+async def test_only_refusals_count_toward_the_refusal_limit(observer, nats_url, tmp_path):
+    """Two passing failures, then refusals: the limit counts the refusals alone. Counted by
+    placements, as it was, the first refusal (on placement 3) gave the task up."""
+    await observer.put_fleet([node("n0")])
+    rejected = await observer.follow_rejections()
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(admitted("t", gpu_milli=500))
+
+        async def placed(decision_id: str) -> None:
+            await wait_for(lambda: decision_id in {d.decision_id for d in observer.decisions}, what=decision_id)
+
+        await placed("t.assign")
+        await fail(observer, "t.assign", retryable=True)
+        await placed("t.assign.2")
+        await fail(observer, "t.assign.2", retryable=True)
+        await placed("t.assign.3")
+        for refused in ("t.assign.3", "t.assign.4"):
+            await fail(observer, refused, retryable=False)
+            await placed(f"t.assign.{int(refused[-1]) + 1}")
+        # The first refusal delivered again (the executor's publish retried): counted once.
+        await observer.js.publish("action.failed", encode(failure("t.assign.3", retryable=False)),
+                                  headers={"Nats-Msg-Id": "again:t.assign.3"})
+        await asyncio.sleep(0.6)
+        assert rejected == []
+        await fail(observer, "t.assign.5", retryable=False)
+        await wait_for(lambda: rejected, what="t given up")
+        await asyncio.sleep(0.6)
+    finally:
+        await policy.stop()
+    assert sorted(d.decision_id for d in observer.decisions) == [f"t.assign{s}" for s in ("", ".2", ".3", ".4", ".5")]
+    assert [r.task_id for r in rejected] == ["t"]
+    assert "refused by the executor 3 times, last as t.assign.5" in rejected[0].reason

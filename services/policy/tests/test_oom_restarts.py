@@ -15,7 +15,6 @@ from fleetpilot.contracts import (
     NodeLedger,
     SimEvent,
     TaskLifecycle,
-    TaskRejected,
     TaskTelemetry,
     encode,
     now,
@@ -107,31 +106,23 @@ async def test_a_task_killed_by_an_oom_past_its_restarts_is_given_up(observer, n
     await observer.put_fleet([node("n0", gpus=2, model="H100", memory_mb=H100_MB)])
     adm = msgspec.structs.replace(admitted("t2", gpu_milli=500, gpu_memory_mb=8_000), tenant="acme")
     await observer.kv_put("contracts", "contract.t2", encode(adm))
-    rejected: list[TaskRejected] = []
+    rejected = await observer.follow_rejections()
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t2", {"oom_restarts": 1}) as events:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t2 started")
+        await killed_by_oom(observer, events, "t2", "n0", 30_000.0)
+        await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started"],
+                       what="t2 started over")
+        # Alone on an H100, the largest GPU there is: it asks a whole one.
+        assert [(d, mb) for _, d, mb in await held(observer, "t2")] == [("t2.assign.2", H100_MB)]
+        assert rejected == []
 
-    async def on_rejected(msg) -> None:
-        rejected.append(msgspec.json.decode(msg.data, type=TaskRejected))
-
-    sub = await observer.nc.subscribe("task.rejected", cb=on_rejected)
-    try:
-        async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t2", {"oom_restarts": 1}) as events:
-            await observer.admit(adm)
-            await wait_for(lambda: any(e.state == "started" for e in events), what="t2 started")
-            await killed_by_oom(observer, events, "t2", "n0", 30_000.0)
-            await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started"],
-                           what="t2 started over")
-            # Alone on an H100, the largest GPU there is: it asks a whole one.
-            assert [(d, mb) for _, d, mb in await held(observer, "t2")] == [("t2.assign.2", H100_MB)]
-            assert rejected == []
-
-            last = await killed_by_oom(observer, events, "t2", "n0", 31_000.0)
-            await wait_for(lambda: bool(rejected), what="t2 given up")
-            await asyncio.sleep(0.8)  # nothing placed after it
-            assert sorted(d.decision_id for d in observer.decisions) == ["t2.assign", "t2.assign.2"]
-            assert await observer.live_keys("pending") == []
-            assert await held(observer, "t2") == []
-    finally:
-        await sub.unsubscribe()
+        last = await killed_by_oom(observer, events, "t2", "n0", 31_000.0)
+        await wait_for(lambda: bool(rejected), what="t2 given up")
+        await asyncio.sleep(0.8)  # nothing placed after it
+        assert sorted(d.decision_id for d in observer.decisions) == ["t2.assign", "t2.assign.2"]
+        assert await observer.live_keys("pending") == []
+        assert await held(observer, "t2") == []
     (given_up,) = rejected
     assert given_up.task_id == "t2" and given_up.tenant == "acme" and given_up.code == "infeasible"
     assert given_up.rejected_at == last.at
@@ -162,3 +153,40 @@ async def test_a_real_process_that_ran_out_of_gpu_memory_runs_again_and_finishes
     assert [(e.state, e.decision_id) for e in events] == [
         ("started", "t3.assign"), ("oom_killed", "t3.assign"), ("started", "t3.assign.2"), ("finished", "t3.assign.2")]
     assert "out of memory" in events[1].detail
+
+
+async def test_a_task_moved_off_a_failing_node_has_all_its_oom_restarts_still(observer, nats_url, tmp_path):
+    """oom_restarts counts the kills, not the placements: a task the executor evicted from a
+    node gone silent (placed again through no fault of its own) and then killed by an OOM is
+    started over; killed a second time, it is given up. Counted by placements, as it was,
+    its first kill (on placement 2) gave it up."""
+    await observer.put_fleet([node("n0", gpus=1, model="H100", memory_mb=H100_MB),
+                              node("n1", gpus=1, model="H100", memory_mb=H100_MB)])
+    adm = msgspec.structs.replace(admitted("t3", gpu_milli=1000, gpu_memory_mb=8_000), tenant="acme")
+    await observer.kv_put("contracts", "contract.t3", encode(adm))
+    rejected = await observer.follow_rejections()
+    async with loop_on_simulated_fleet(observer, nats_url, tmp_path, "t3", {"oom_restarts": 1},
+                                       silent_check_s=0.2) as events:
+        await observer.admit(adm)
+        await wait_for(lambda: any(e.state == "started" for e in events), what="t3 started")
+        ((first, _, _),) = await held(observer, "t3")
+        other = "n1" if first == "n0" else "n0"
+        await observer.put_fleet([node(first, gpus=1, model="H100", memory_mb=H100_MB,
+                                       labels={0: {"unreachable": "true"}})])
+        await wait_for(lambda: [e.state for e in events] == ["started", "evicted", "started"],
+                       what="t3 placed again off the silent node")
+
+        await killed_by_oom(observer, events, "t3", other, 30_000.0)
+        await wait_for(lambda: [e.state for e in events][-2:] == ["oom_killed", "started"],
+                       what="t3 started over after its first kill")
+        assert [d for _, d, _ in await held(observer, "t3")] == ["t3.assign.3"]
+        assert rejected == []
+
+        await killed_by_oom(observer, events, "t3", other, 31_000.0)
+        await wait_for(lambda: bool(rejected), what="t3 given up at its second kill")
+        await asyncio.sleep(0.8)  # nothing placed after it
+        assert sorted(d.decision_id for d in observer.decisions) == ["t3.assign", "t3.assign.2", "t3.assign.3"]
+        assert await held(observer, "t3") == []
+    (given_up,) = rejected
+    assert given_up.tenant == "acme" and "killed by an OOM 2 times" in given_up.reason
+    assert "(placement 3)" in given_up.reason
