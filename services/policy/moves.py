@@ -66,6 +66,7 @@ from fleetpilot.policy.rebalance import (
     ResizePlan,
     Running,
     bridge_overflow,
+    climbs_within_its_gpu,
     could_take,
     envelope_progress_s,
     gpus_going_away,
@@ -258,11 +259,14 @@ class Moves(ReplicaState):
                 # Moved, it would start over: its run is lost for sure, where an OOM takes it
                 # only if it comes, and then no later than a restart now would have.
                 continue
+            samples = tuple(self.usage.get(running.task_id, ()))
             if not going_away and waits_for_its_envelope(
-                    running, topo, ledger, fp, tuple(self.usage.get(running.task_id, ())),
-                    envelope_progress_s(running, now()), self.declared_s(running.task_id),
-                    self.settings.growth_lookahead_s):
+                    running, topo, ledger, fp, samples, envelope_progress_s(running, now()),
+                    self.declared_s(running.task_id), self.settings.growth_lookahead_s):
                 continue  # below its peak, but its envelope says it fits here a while yet
+            if not going_away and climbs_within_its_gpu(running, topo, ledger, fp, samples,
+                                                        self.settings.growth_lookahead_s):
+                continue  # a climb its measured rate says fits here a while yet
             decision = await self.migrate(running, topo, fp, reason.p_stay_fails, reason.why)
             if decision is None and fp is not None:
                 decision = await self.checkpoint(running, topo, ledger, reason)

@@ -386,3 +386,35 @@ async def test_a_checkpointed_step_schedule_is_restored_with_its_progress_on_its
     assert requeue is not None and 1000.0 <= requeue.progress_s < 1010.0
     assert [(a.task_id, a.decision_id) for a in restored] == [("steps", "steps.assign.2")]
     assert restored[0].run_at == pytest.approx(restored[0].at - requeue.progress_s, abs=0.5)
+
+
+async def test_a_steady_climb_moves_up_when_its_measured_rate_nears_the_edge_not_on_its_fitted_line(
+    observer, nats_url, tmp_path
+):
+    """A line fitted to a run's first minutes (its predicted 60 GB peak) cannot tell a warm-up
+    ramp from a climb: while its measured rate, carried ``growth_lookahead_s`` ahead, fits its
+    A100, it stays, though a GPU that holds the peak is free; once the rate says it passes the
+    A100 within the lookahead, it moves up."""
+    await observer.put_fleet([node("big", gpus=1), node("small0", gpus=1, **A100)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"climb": fingerprint("linear")})
+        await observer.admit(task("climb"))
+        await wait_for(lambda: "climb" in observer.by_task(), timeout_s=3.0, what="climb decided")
+        await started_ago(observer, "small0", 120.0)
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        t0 = now() - 120.0
+        for at, used_mb in ((t0, 10_000.0), (t0 + 60.0, 10_500.0), (t0 + 120.0, 11_000.0)):
+            await sample(observer, "climb", "small0", at, used_mb)  # +500 MB a minute
+        await asyncio.sleep(1.2)  # four rounds: 13 GB in four minutes fits the A100
+        assert [d.action for d in observer.by_task()["climb"]] == ["assign"]
+        await sample(observer, "climb", "small0", t0 + 180.0, 25_000.0)  # +5 GB a minute since the first
+        await wait_for(lambda: len(observer.by_task()["climb"]) == 2, timeout_s=3.0, what="climb moved up")
+    finally:
+        await policy.stop()
+    assign, move = observer.by_task()["climb"]
+    assert assign.placement[0].node == "small0"
+    assert move.action == "migrate" and move.placement[0].node == "big"
+    assert "predicted OOM in place" in move.reason

@@ -36,6 +36,7 @@ from fleetpilot.policy.preempt import (
 from fleetpilot.policy.rebalance import (
     Running,
     bridge_overflow,
+    climbs_within_its_gpu,
     envelope_bridge_mb,
     envelope_level_mb,
     envelope_overflow,
@@ -272,6 +273,21 @@ def test_move_reasons_and_migration_ids():
     assert migrate_decision_id(stay) == "t.migrate.1"
     assert migrate_decision_id(leave) == "u.migrate.3"
     assert migrate_decision_id(leave, tried=2) == "u.migrate.5"  # .3 and .4 failed
+
+
+def test_only_a_steady_climb_waits_on_its_measured_rate_and_only_while_it_fits():
+    topo = node("x", gpus=1, model="A100-40GB", memory_mb=40960)
+    ledger = NodeLedger(node="x", allocations=[hold("t", 0, memory_mb=20000)])
+    run = Running("t", "x", tuple(ledger.allocations))
+    line = msgspec.structs.replace(fingerprint(60_000), pattern="linear")
+    slow = [(0.0, 10_000.0), (60.0, 10_500.0)]  # +500 MB a minute: 12.5 GB in four minutes
+    fast = [(0.0, 10_000.0), (60.0, 20_000.0)]  # +10 GB a minute: 60 GB in four minutes
+    assert climbs_within_its_gpu(run, topo, ledger, line, slow, 240.0)
+    assert not climbs_within_its_gpu(run, topo, ledger, line, fast, 240.0)
+    assert not climbs_within_its_gpu(run, topo, ledger, line, slow[-1:], 240.0)  # no rate yet
+    for pattern in ("leak", "steps", "unknown"):  # a leak outruns its average rate; no rate announces a step
+        assert not climbs_within_its_gpu(run, topo, ledger, msgspec.structs.replace(line, pattern=pattern), slow, 240.0)
+    assert not climbs_within_its_gpu(run, topo, ledger, None, slow, 240.0)
 
 
 def test_growth_overflow_carries_the_measured_slope_per_gpu_against_the_room_left_by_neighbours():
