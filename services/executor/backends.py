@@ -3,6 +3,8 @@ the take-over of a task from another node's executor, and the KV-backed executio
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -16,6 +18,7 @@ from fleetpilot.contracts import (
     SimAck,
     SimCommand,
     TaskLifecycle,
+    TaskSubmitted,
     decode,
     encode,
     subject_for,
@@ -23,6 +26,9 @@ from fleetpilot.contracts import (
 from fleetpilot.executor import BackendError, TaskHandle, recorded_result
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, CasConflict, KeyValue
+from fleetpilot.workload import SIM_PEAK_LABEL
+
+log = logging.getLogger("fleetpilot.executor")
 
 HAND_OVER_ATTEMPTS = 3
 """How many times a target asks the source for a task (an answer lost on the way)."""
@@ -68,6 +74,20 @@ class BusTakeOver:
                 raise BackendError(f"{node} did not hand {task_id} over: {answer.error}")
             return answer.command, answer.env
         raise BackendError(f"{node} did not hand {task_id} over: {last}", retryable=True)
+
+
+def simulated_peak_mb(task: TaskSubmitted) -> float:
+    """The per-GPU peak the simulated fleet plays ``task``'s program to: its ``SIM_PEAK_LABEL``
+    where it carries a positive number, else what it asks (1000 MB when it asks nothing)."""
+    asked = float(task.gpu_memory_mb or 1000)
+    label = task.labels.get(SIM_PEAK_LABEL)
+    try:
+        peak = float(label) if label is not None else asked
+    except ValueError:
+        log.warning("%s: label %s=%r is no number; its program peaks at what it asks", task.task_id,
+                    SIM_PEAK_LABEL, label)
+        return asked
+    return peak if math.isfinite(peak) and peak > 0 else asked
 
 
 class BusSimBackend:

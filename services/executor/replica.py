@@ -48,8 +48,9 @@ from fleetpilot.ledger import LedgerStore, without_task
 from fleetpilot.ledger.accounting import confirmed, moved_here, resized, without_decision
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, Retry
+from fleetpilot.workload import GROWTH_LABEL
 
-from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal
+from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal, simulated_peak_mb
 from .fleet_labels import CORDONED, DECOMMISSIONED, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
 from .settings import ExecutorSettings
@@ -361,8 +362,8 @@ class ExecutorReplica:
             task = decision.task
             backend.describe(
                 task.task_id,
-                float(task.gpu_memory_mb or 1000),
-                task.labels.get("growth", "flat"),
+                simulated_peak_mb(task),
+                task.labels.get(GROWTH_LABEL, "flat"),
                 task.expected_duration_s,
                 task.resumable,
             )

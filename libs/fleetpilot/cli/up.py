@@ -40,6 +40,7 @@ from fleetpilot.contracts import (
     SlaReply,
     StatsQuery,
     TaskFingerprinted,
+    TaskLifecycle,
     TaskRejected,
     TaskSubmitted,
     decode,
@@ -47,6 +48,7 @@ from fleetpilot.contracts import (
     msg_id_for,
     now,
 )
+from fleetpilot.fingerprint import MODEL_LABEL
 from fleetpilot.learner import STORE_FILE
 from fleetpilot.runtime import partition_of
 from fleetpilot.runtime.children import ended_with_this_process
@@ -73,6 +75,10 @@ STOP_TIMEOUT_S = 15.0
 """How long the services have to drain once told to stop, beyond the executor's grace for its tasks."""
 FLEET_ANSWER_TIMEOUT_S = 60.0
 """How long ``--demo`` waits for the simulated fleet to answer before it submits anyway."""
+
+POLICY_REBALANCE_S = 30.0
+"""The policy service's rebalance period on a real fleet (its ``rebalance_s``); on a
+simulated one, divided by ``--speed``."""
 UP_LOCK_FILE = "up.lock"
 """Held by the ``fleetpilot up`` that runs from a state directory, for as long as it runs."""
 
@@ -175,6 +181,12 @@ class ServiceProcesses:
                "FLEETPILOT_COLLECTOR_SOURCE": os.environ.get("FLEETPILOT_COLLECTOR_SOURCE", "sim"),
                "FLEETPILOT_COLLECTOR_SPEED": str(self.args.speed),
                f"FLEETPILOT_{service.upper()}_METRICS_PORT": str(self.metrics_port(name))}
+        if service == "policy" and env["FLEETPILOT_COLLECTOR_SOURCE"] == "sim":
+            # The rebalancer watches running tasks grow, and the simulated fleet plays them
+            # ``--speed`` times faster than real time: at its real-time period it saw one round
+            # in a demo task's whole run, and a leak outgrew its GPU unseen. Scaled, it sees as
+            # many rounds of a run as on a real fleet.
+            env.setdefault("FLEETPILOT_POLICY_REBALANCE_S", f"{POLICY_REBALANCE_S / self.args.speed:g}")
         if partition:
             env["FLEETPILOT_FINGERPRINTER_PARTITIONS"] = str(self.fingerprinter_partitions)
             env["FLEETPILOT_FINGERPRINTER_PARTITION"] = partition
@@ -324,6 +336,14 @@ class Report:
         self.after_queue_s: list[float] = []
         self.queued: set[str] = set()
         self.submitted_at: dict[str, float] = {}
+        # What happened to the tasks as they ran (task.lifecycle), and each task's program (its
+        # ``model`` label), which the OOM kills are told by: a program that outgrows what its
+        # users ask is killed until its fingerprint, learnt from the kills, asks enough.
+        self.lifecycle: Counter = Counter()
+        self.program_of: dict[str, str] = {}
+        self.tasks_of: Counter = Counter()
+        self.oom_killed: dict[str, set[str]] = {}
+        self.ended_after_oom: set[str] = set()
         # (policy, action) -> [sum of confidences, actions that met their goal, actions judged]
         self.judged: dict[tuple[str, str], list[float]] = {}
         # The decisions whose confidence was the learner's model's, and the same tally of theirs.
@@ -377,6 +397,21 @@ class Report:
             except msgspec.DecodeError:
                 return  # the SLA service dead-letters it; the report only counts
             self.submitted_at.setdefault(t.task_id, t.submitted_at)
+            if t.task_id not in self.program_of:
+                self.program_of[t.task_id] = program = t.labels.get(MODEL_LABEL) or t.kind
+                self.tasks_of[program] += 1
+        elif subject.startswith("task.lifecycle."):
+            life = decode(msg.data, TaskLifecycle)
+            if not self.first_time(f"life:{life.task_id}:{life.state}:{life.at}"):
+                return
+            self.lifecycle[life.state] += 1
+            killed = any(life.task_id in tasks for tasks in self.oom_killed.values())
+            if life.state == "oom_killed":
+                program = self.program_of.get(life.task_id, "?")
+                self.oom_killed.setdefault(program, set()).add(life.task_id)
+                self.line(f"oom-killed {life.task_id} ({program}) on {life.node} {life.gpus}: {life.detail[:70]}")
+            elif life.state == "finished" and killed:
+                self.ended_after_oom.add(life.task_id)
         elif subject == "decision.made":
             d = decode(msg.data, DecisionMade)
             if not self.first_time(d.decision_id):
@@ -463,10 +498,25 @@ class Report:
                   f"over {len(w)} tasks ({len(self.queued)} still queued)" if w
                   else f"submit-to-assign, after a queue: none placed yet ({len(self.queued)} still queued)"
                   if self.queued else "submit-to-assign, after a queue: no task queued"),
+                 "lifecycle: " + (", ".join(f"{state} {n}" for state, n in sorted(self.lifecycle.items()))
+                                  or "no task started"),
+                 self.oom_line(),
                  "confidence vs outcome: " + (self.calibration() or "nothing judged yet"),
                  *self.stored(),
                  "learner: " + self.learnt()]
         return "\n".join(lines)
+
+    def oom_line(self) -> str:
+        """The OOM kills by program: how many of its tasks died so, and how many of those
+        finished on a later placement (started over, asking more)."""
+        if not self.oom_killed:
+            return "OOM kills: none"
+        parts = []
+        for program, killed in sorted(self.oom_killed.items()):
+            finished = len(killed & self.ended_after_oom)
+            parts.append(f"{program}: {len(killed)} of its {self.tasks_of.get(program, 0)} tasks, "
+                         f"{finished} of them finished on a later placement")
+        return f"OOM kills: {self.lifecycle['oom_killed']} ({'; '.join(parts)})"
 
     def stored(self) -> list[str]:
         """The feedback store's statistics per policy and action, as its endpoint serves
@@ -715,7 +765,7 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             services.nats_url = url
             services.start_all()
             for subject in ("task.submitted", "decision.made", "action.>", "feedback.recorded", "task.fingerprinted",
-                            "task.rejected", "sla.offer.*", "model.published"):
+                            "task.rejected", "sla.offer.*", "model.published", "task.lifecycle.*"):
                 await bus.subscribe(subject, report.on_message)
             print(f"services: {', '.join(f'{n} (pid {p.pid})' for n, p in services.procs.items())}", flush=True)
         except asyncio.CancelledError:

@@ -26,6 +26,16 @@ import numpy as np
 PatternName = Literal["flat", "linear", "steps", "sawtooth", "leak"]
 GROWTH_PATTERNS: tuple[PatternName, ...] = ("flat", "linear", "steps", "sawtooth", "leak")
 
+# Two task labels describe to the simulated fleet how a task's program behaves, as a real
+# program would behave on a real GPU; only the executor's simulated backend reads them. The
+# policy and the fingerprinter know a task by what it asks and what it is seen to do.
+GROWTH_LABEL = "growth"
+"""The pattern (``GROWTH_PATTERNS``) the simulated fleet plays the task's memory by."""
+SIM_PEAK_LABEL = "sim.peak_mb"
+"""The per-GPU peak, in MB, the task's program really reaches in the simulated fleet, where
+it is not what the task asks (a user who asked for less than the program grows to: killed by
+an OOM where its GPU is too small). Without it the program peaks at what it asks."""
+
 
 class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
     """A memory-growth curve; ``memory_at(t)`` gives used MB at ``t`` seconds after start."""

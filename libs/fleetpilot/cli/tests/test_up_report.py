@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from fleetpilot.cli.main import main as cli_main
 from fleetpilot.cli.up import (
+    POLICY_REBALANCE_S,
     SERVICES,
     Report,
     ServiceProcesses,
@@ -34,6 +35,7 @@ from fleetpilot.contracts import (
     StatsGroup,
     StatsQuery,
     TaskFingerprinted,
+    TaskLifecycle,
     TaskSubmitted,
     decode,
     encode,
@@ -360,3 +362,41 @@ async def test_the_closing_report_gives_the_feedback_store_s_own_figures(nats_cl
     assert silent is None
     report.store_stats = silent
     assert "feedback store: no answer from feedback.stats" in report.render(1.0).splitlines()
+
+
+async def test_the_closing_report_tells_the_oom_kills_by_program_and_what_became_of_the_killed_tasks() -> None:
+    report = Report(quiet=True)
+    assert "OOM kills: none" in report.render(1.0)
+
+    async def heard(subject: str, event) -> None:
+        await report.on_message(SimpleNamespace(subject=subject, data=encode(event)))
+
+    for task_id, program in [("t1", "feature-etl"), ("t2", "feature-etl"), ("t3", "feature-etl"), ("t4", "resnet")]:
+        await heard("task.submitted", TaskSubmitted(task_id=task_id, kind="batch", gpus=1, submitted_at=0.0,
+                                                    labels={"model": program}))
+    lives = [("t1", "started", 1.0), ("t1", "oom_killed", 2.0), ("t1", "started", 3.0), ("t1", "finished", 4.0),
+             ("t2", "started", 1.0), ("t2", "oom_killed", 2.0), ("t2", "started", 3.0), ("t2", "oom_killed", 4.0),
+             ("t3", "started", 1.0), ("t3", "finished", 5.0), ("t4", "started", 1.0), ("t4", "finished", 2.0)]
+    for task_id, state, at in lives + lives[:2]:  # the first two heard again (a redelivery): counted once
+        await heard(f"task.lifecycle.{task_id}", TaskLifecycle(task_id=task_id, state=state, node="n0", gpus=[0],
+                                                               at=at))
+    text = report.render(1.0)
+    assert "lifecycle: finished 3, oom_killed 3, started 6\n" in text
+    assert "OOM kills: 3 (feature-etl: 2 of its 3 tasks, 1 of them finished on a later placement)" in text
+
+
+def test_up_scales_the_policy_s_rebalance_period_by_the_simulated_fleet_s_speed(monkeypatch, tmp_path) -> None:
+    from fleetpilot_services.policy.settings import PolicySettings
+
+    assert PolicySettings.model_fields["rebalance_s"].default == POLICY_REBALANCE_S
+    for name in ("FLEETPILOT_COLLECTOR_SOURCE", "FLEETPILOT_POLICY_REBALANCE_S"):
+        monkeypatch.delenv(name, raising=False)
+    processes = ServiceProcesses(tmp_path, "nats://127.0.0.1:4222", SimpleNamespace(metrics_port_base=0, speed=10.0,
+                                                                                    fleet=None))
+    assert processes.env_for("policy")["FLEETPILOT_POLICY_REBALANCE_S"] == "3"
+    assert "FLEETPILOT_POLICY_REBALANCE_S" not in processes.env_for("executor")
+    monkeypatch.setenv("FLEETPILOT_POLICY_REBALANCE_S", "7")  # the user's own is kept
+    assert processes.env_for("policy")["FLEETPILOT_POLICY_REBALANCE_S"] == "7"
+    monkeypatch.delenv("FLEETPILOT_POLICY_REBALANCE_S")
+    monkeypatch.setenv("FLEETPILOT_COLLECTOR_SOURCE", "nvml")  # real GPUs run in real time
+    assert "FLEETPILOT_POLICY_REBALANCE_S" not in processes.env_for("policy")
