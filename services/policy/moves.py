@@ -55,7 +55,7 @@ from fleetpilot.policy.backfill import (
     hidden,
     makes_way,
     queue_key,
-    reserve,
+    reserve_earliest,
     wide_hosts,
 )
 from fleetpilot.policy.preempt import Requeue, encode_pending, evict_decision_id, reassign_decision_id
@@ -126,11 +126,24 @@ class Moves(ReplicaState):
     node for the task the backfill reservation is for."""
 
     def reservation_for(self, adm: TaskAdmitted) -> Reservation | None:
-        """Where and when a blocked whole-GPU task can start earliest (``backfill.reserve``),
-        judged by the durations the running tasks declared: a hold whose task declared none,
-        or that this replica cannot name, is taken never to end."""
+        """Where and when a blocked whole-GPU task can start earliest, at any site its
+        contract binds it to (``backfill.reserve_earliest``), judged by the durations the
+        running tasks declared: a hold whose task declared none, or that this replica cannot
+        name, is taken never to end."""
+        made = self.reserved_with_request(adm)
+        return made[0] if made is not None else None
+
+    def reserved_with_request(self, adm: TaskAdmitted) -> tuple[Reservation, TaskRequest] | None:
+        """``reservation_for``, with the request (at the reserved node's site) it was made for."""
         state = self.snapshot()
-        return reserve(state, self.request(adm.task), gpu_free_at(state, self.running_ends(state), now()))
+        return reserve_earliest(state, self.site_requests(adm.task), gpu_free_at(state, self.running_ends(state), now()))
+
+    def site_requests(self, task: TaskSubmitted) -> list[TaskRequest]:
+        """The task's request (``request``) at each site its contract binds it to, in the
+        contract's order; the request alone for a task bound to none or one."""
+        plain = self.request(task)
+        sites = self.contract_sites(task.task_id)
+        return [plain] if len(sites) <= 1 else [msgspec.structs.replace(plain, site=site) for site in sites]
 
     def running_ends(self, state: ClusterState) -> list[tuple[int, list[int], float]]:
         """``(row, gpus, expected end)`` of every GPU hold in the ledger.
@@ -311,11 +324,11 @@ class Moves(ReplicaState):
         # The queue round's reservation may be a round old: judged again on this view, a
         # task that can start now is left to the queue round (a clearing would move tenants
         # onto the very GPUs that freed for it), and the wait weighed is the one of now.
-        held = self.reservation_for(adm)
-        if held is None or held.start_s <= now():
+        made = self.reserved_with_request(adm)
+        if made is None or made[0].start_s <= now():
             return []
+        held, request = made
         state = self.snapshot()
-        request = self.request(adm.task)
         # Only tasks on nodes the waiting task could use can be in its way.
         hosts = wide_hosts(state, request)
         tenants: dict[str, tuple[Tenant, Running, NodeTopology]] = {}

@@ -204,7 +204,7 @@ from fleetpilot.policy.backfill import (
     hidden,
     makes_way,
     queue_key,
-    reserve,
+    reserve_earliest,
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
@@ -654,7 +654,7 @@ class FleetRun:
         head = self._first_blocked()
         if head is not None:
             free_at = gpu_free_at(self.state, self._running_ends(), now)
-            reservation = reserve(self.state, self._request(head), free_at)
+            reservation = self._reserve(head, free_at)
         self.blocked = set()
 
         def hold_for(refused: TaskRequest) -> None:
@@ -664,7 +664,7 @@ class FleetRun:
                 return
             if free_at is None:
                 free_at = gpu_free_at(self.state, self._running_ends(), now)
-            reservation = reserve(self.state, refused, free_at)
+            reservation = self._reserve(self.by_id[refused.task_id], free_at)
             self.counts["reservations"] += reservation is not None
 
         # A pod preempted in this pass is queued again at once (its Job's replacement pod),
@@ -853,6 +853,18 @@ class FleetRun:
         if self.smart and k == 0 and job.task.gpu_milli >= 1000:
             self.blocked.add(job.task.task_id)
 
+    def _reserve(self, job: _Job, free_at: np.ndarray) -> Reservation | None:
+        """The reservation for a blocked ``job``: the earliest of its plain requests at each
+        site its contract binds it to (``backfill.reserve_earliest``), as the policy service
+        reserves (``Moves.reservation_for``)."""
+        made = reserve_earliest(self.state, self._plain_requests(job), free_at)
+        return made[0] if made is not None else None
+
+    def _plain_requests(self, job: _Job) -> list[TaskRequest]:
+        """``job``'s plain request at each site its contract binds it to (one, anywhere, for
+        a task bound to none)."""
+        return [req for bridge, req in self._requests(job) if not bridge]
+
     def _first_blocked(self) -> _Job | None:
         """The reservation's owner: of the whole-GPU tasks that found no place since the last
         cycle, the first in the queue's order. Expected completion bounds how long anything
@@ -866,7 +878,9 @@ class FleetRun:
         taken (their longest pause, counted as its queue time)."""
         if job.state != "pending":
             return
-        req = self._request(job)
+        # At the reserved node's site: the task may run at any of its contract's sites.
+        site = self.node_site[self.state.node_index(reservation.node)]
+        req = next((r for r in self._plain_requests(job) if r.site in ("", site)), self._request(job))
         # Only tasks on nodes the request could use can be in the way: the others are not
         # described (thousands of them, every cycle).
         hosts = wide_hosts(self.state, req)

@@ -272,3 +272,33 @@ async def test_a_clearing_never_pauses_a_task_past_its_deadline(observer, nats_u
     finally:
         await policy.stop()
     assert not any(d.action == "migrate" for d in observer.decisions)
+
+
+async def test_a_wide_task_bound_to_two_sites_is_reserved_at_the_one_that_can_take_it(
+    observer, nats_url, tmp_path
+):
+    """Its contract binds it to site-a, then site-b; only site-b has the H100s it accepts.
+    Reserved at its contract's first site only, as before, it got no reservation at all, and
+    a long task took the GPU that freed for it at site-b."""
+    await observer.put_fleet([node("a0", site="site-a", model="A100-40GB", memory_mb=40960),
+                              node("b0", site="site-b", model="H100")])
+    # b0's GPU 0 frees in about a minute (c); its GPU 1 is idle.
+    await seed(observer, {"b0": [tenant("c", [0], 540, 600)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        wide = whole("wide", 2, 3600, gpu_models=["H100"])
+        await observer.admit(msgspec.structs.replace(wide, contract=Contract(
+            offer_id="o-1", site="site-a", sites=["site-a", "site-b"], warmup_ms=500.0)))
+        await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
+        await asyncio.sleep(0.6)  # retry rounds: the reservation is made
+        await observer.admit(whole("long", 1, 3600, gpu_models=["H100"]))  # would take b0's idle GPU for an hour
+        await observer.admit(whole("short", 1, 30, gpu_models=["H100"]))  # done before c: may use it meanwhile
+        await wait_for(lambda: len(observer.by_task()) == 3, what="a decision for every task")
+        await asyncio.sleep(0.6)
+    finally:
+        await policy.stop()
+    first = {task: ds[0] for task, ds in observer.by_task().items()}
+    assert first["wide"].action == "queue" and first["long"].action == "queue"
+    assert first["short"].action == "assign" and [(p.node, p.gpu) for p in first["short"].placement] == [("b0", 1)]
+    assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["short"]

@@ -21,6 +21,7 @@ from fleetpilot.policy.backfill import (
     hidden,
     queue_key,
     reserve,
+    reserve_earliest,
 )
 
 
@@ -74,6 +75,23 @@ def test_a_task_bound_to_a_site_reserves_there_only() -> None:
     assert reserve(state, TaskRequest(task_id="w", gpus=2, site="a"), free_at) == Reservation(
         task_id="w", node="n1", gpus=(0, 3), start_s=200.0)
     assert reserve(state, TaskRequest(task_id="w", gpus=2, site="nowhere"), free_at) is None
+
+
+def test_a_task_bound_to_several_sites_is_reserved_at_the_one_where_it_starts_first() -> None:
+    # Sites in the contract's order "nowhere" (no node), "a" (n1 at 200), "b" (n2 at 100).
+    state = ClusterState.build(names=["n0", "n1", "n2"], cpu_milli=[64000, 64000, 4000], memory_mb=[512000] * 3,
+                               gpus=[4, 4, 2], models=["A100-40GB", "H100", "H100"], sites=["a", "a", "b"],
+                               gpu_memory_mb=[40960, 81920, 81920])
+    free_at = gpu_free_at(state, RUNNING, now=100.0)
+    at = {site: TaskRequest(task_id="w", gpus=2, site=site) for site in ("nowhere", "a", "b")}
+    assert reserve_earliest(state, [at["nowhere"], at["a"], at["b"]], free_at) == (
+        Reservation(task_id="w", node="n2", gpus=(0, 1), start_s=100.0), at["b"])
+    assert reserve_earliest(state, [at["nowhere"], at["a"]], free_at) == (
+        Reservation(task_id="w", node="n1", gpus=(0, 3), start_s=200.0), at["a"])
+    # On a tie the contract's order decides: both sites' requests reserve the same node.
+    assert reserve_earliest(state, [at["a"], msgspec.structs.replace(at["a"], task_id="w")], free_at)[1] is at["a"]
+    assert reserve_earliest(state, [at["nowhere"]], free_at) is None
+    assert reserve_earliest(state, [], free_at) is None
 
 
 @pytest.mark.parametrize("request_", [TaskRequest(task_id="s", gpus=1, gpu_milli=500),  # a share
