@@ -45,7 +45,7 @@ from fleetpilot.policy.preempt import (
     preemptions,
     reassign_decision_id,
 )
-from fleetpilot.policy.rebalance import generation
+from fleetpilot.policy.rebalance import generation, run_progress_s
 from fleetpilot.policy.restart_limits import FailureKind, PlacementFailures, decode_failures, encode_failures
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
@@ -338,6 +338,9 @@ class Evictions(ReplicaState):
                 for_task=adm.task.task_id,
                 at=now(),
                 bridge_floor_mb=await self.restore_floor_mb(v.admitted.task),
+                # Stopped with SIGTERM, a run that resumes goes on from its checkpoint: its
+                # queue order and its restored hold count what it has done (as a checkpoint's).
+                progress_s=(run_progress_s(v.running, now()) or 0.0) if v.admitted.task.resumable else 0.0,
             )
             # Queued before the decision goes out: the entry waits until the executor has
             # released the victim's holds, so it can never be placed twice. Create-only, as

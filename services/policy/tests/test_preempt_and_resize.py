@@ -237,6 +237,7 @@ async def test_a_preempting_vip_waits_for_the_evictions_and_requeued_tasks_wait_
         "vip1",
     )
     assert requeue.bridge_floor_mb == 30_000  # a bridge for it asks no less than it held
+    assert 5.0 <= requeue.progress_s < 8.0  # it resumes: the 5 s it had run count (0 before)
 
 
 async def test_two_waiting_vips_preempt_different_tasks_and_each_eviction_goes_out_once(
