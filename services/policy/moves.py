@@ -111,7 +111,7 @@ class DownTenant:
 class WayTenant:
     """A running task that may be checkpointed to make way for a waiter (``Moves.make_way``):
     its queue key as if it waited with the run it has left, that run, its checkpoint pause,
-    its admission, where it runs."""
+    its admission, where it runs (its GPU, its node's site)."""
 
     key: tuple[int, float]
     left_s: float
@@ -119,6 +119,7 @@ class WayTenant:
     adm: TaskAdmitted
     running: Running
     gpu: GpuInfo
+    site: str = ""
 
 
 class Moves(ReplicaState):
@@ -418,7 +419,7 @@ class Moves(ReplicaState):
             if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
-            need = self.request(waiter)
+            need, sites = self.request(waiter), self.contract_sites(waiter.task_id)
             # One view per waiter: ``hidden`` gives back what it masks, and only a move (which
             # ends this waiter's turn) changes the ledger.
             state = self.snapshot()
@@ -426,7 +427,7 @@ class Moves(ReplicaState):
             for tenant in tenants:
                 if tried >= MOVE_DOWN_TRIES:
                     break
-                if not could_take(need, tenant.gpu.model, tenant.gpu.memory_mb):
+                if not could_take(need, tenant.gpu.model, tenant.gpu.memory_mb, tenant.topo.site, sites):
                     continue
                 models = models_below(tenant.models, tenant.ask, need.gpu_models, need.gpu_memory_mb, model_memory)
                 if not models:
@@ -513,12 +514,12 @@ class Moves(ReplicaState):
             if len(out) >= budget or not tenants:
                 break
             waiter = adm.task
-            need = self.request(waiter)
+            need, sites = self.request(waiter), self.contract_sites(waiter.task_id)
             left = self.blocked_left_s(adm)
             first = queue_key(adm.contract.tier, adm.admitted_at, left, self.settings.queue_aging)
             best: WayTenant | None = None
             for tenant in tenants:
-                if (could_take(need, tenant.gpu.model, tenant.gpu.memory_mb)
+                if (could_take(need, tenant.gpu.model, tenant.gpu.memory_mb, tenant.site, sites)
                         and (best is None or tenant.left_s > best.left_s)
                         and makes_way(first, left, tenant.key, tenant.left_s, tenant.pause_s)):
                     best = tenant
@@ -566,7 +567,7 @@ class Moves(ReplicaState):
         alone on their GPU, a hold at or above its predicted peak (a run below it is a bridge,
         watched to move up), a known admission with a declared run, and a pause it may take."""
         out = []
-        for running, hold, _, gpu in self.whole_gpu_tenants(moved, in_flight):
+        for running, hold, topo, gpu in self.whole_gpu_tenants(moved, in_flight):
             ledger = self.ledger.nodes.get(node_key(running.node))
             if ledger is None or any(a.gpu == hold.gpu and a.task_id != running.task_id for a in ledger.allocations):
                 continue
@@ -578,7 +579,7 @@ class Moves(ReplicaState):
                     or not self.may_pause(running, pause)):
                 continue
             out.append(WayTenant(key=queue_key(adm.contract.tier, adm.admitted_at, left, self.settings.queue_aging), left_s=left,
-                                 pause_s=pause, adm=adm, running=running, gpu=gpu))
+                                 pause_s=pause, adm=adm, running=running, gpu=gpu, site=topo.site))
         return out
 
     def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:

@@ -945,7 +945,8 @@ class FleetRun:
                 if tried >= MOVE_DOWN_TRIES:
                     break
                 total = int(self.state.gpu_mem_total[tenant.row, tenant.gpus[0]])
-                if not could_take(need, self.node_model[tenant.row], total):
+                if not could_take(need, self.node_model[tenant.row], total, self.node_site[tenant.row],
+                                  waiter.bound_sites):
                     continue
                 models = models_below(tenant.task.gpu_models, ask, need.gpu_models, need.gpu_memory_mb, model_memory)
                 if not models or tenant.state != "running":
@@ -1005,7 +1006,7 @@ class FleetRun:
             chosen, most = None, 0.0
             for tenant in tenants:
                 _, its_left, key, pause, model, memory_mb = tenant
-                if (its_left > most and could_take(need, model, memory_mb)
+                if (its_left > most and could_take(need, model, memory_mb, self.node_site[tenant[0].row], waiter.bound_sites)
                         and makes_way(first, left, key, its_left, pause)):
                     chosen, most = tenant, its_left
             if chosen is None:

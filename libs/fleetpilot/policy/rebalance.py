@@ -422,10 +422,13 @@ def move_down_ask(fp: Fingerprint | None, declared_s: float | None, progress_s: 
     return envelope_stay_mb(fp, declared_s, progress_s, lookahead_s)
 
 
-def could_take(need: TaskRequest, model: str, memory_mb: int) -> bool:
-    """Whether a waiter asking ``need`` could take a GPU of ``model`` with ``memory_mb`` once its
-    tenant leaves it: a model it accepts (any when it names none), room for what it asks."""
-    return (not need.gpu_models or model in need.gpu_models) and memory_mb >= need.gpu_memory_mb
+def could_take(need: TaskRequest, model: str, memory_mb: int, site: str = "", sites: Sequence[str] = ()) -> bool:
+    """Whether a waiter asking ``need`` could take a GPU of ``model`` with ``memory_mb`` at
+    ``site`` once its tenant leaves it: a model it accepts (any when it names none), room for
+    what it asks, at a site its contract binds it to (``sites``; any when empty). A tenant
+    moved down or checkpointed at a site the waiter may not run at made it no room."""
+    return ((not need.gpu_models or model in need.gpu_models) and memory_mb >= need.gpu_memory_mb
+            and (not sites or site in sites))
 
 
 def models_below(tenant_models: Sequence[str], tenant_ask_mb: int, waiter_models: Sequence[str],

@@ -11,6 +11,7 @@ import asyncio
 
 import msgspec
 import pytest
+from fleetpilot.contracts import Contract
 from fleetpilot.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
@@ -129,6 +130,29 @@ async def test_making_way_reads_the_queue_aging(observer, nats_url, tmp_path, ag
         await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
         await started_ago(observer, "big", 3600.0)
         await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
+        await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
+        await asyncio.sleep(1.2)  # several rebalance rounds
+    finally:
+        await policy.stop()
+    assert [d.action for d in observer.by_task()["long"]] == (["assign", "evict"] if makes_way else ["assign"])
+
+
+@pytest.mark.parametrize(("sites", "makes_way"), [(["site-a"], True), (["site-b"], False)])
+async def test_only_a_run_at_a_site_the_waiter_may_use_makes_way(observer, nats_url, tmp_path, sites, makes_way):
+    """The large GPU is at site-a. A waiter whose contract binds it to site-b could not take
+    it: checkpointing the run there, as before, made it no room."""
+    await observer.put_fleet([node("big", gpus=1, site="site-a"),
+                              node("small", gpus=1, site="site-b", model="A10", memory_mb=24_576)])
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await fingerprinted(observer, {"waiter": FLAT})
+        await observer.admit(admitted("long", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=36_000.0))
+        await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
+        await started_ago(observer, "big", 3600.0)
+        waiter = admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0)
+        await observer.admit(msgspec.structs.replace(waiter, contract=Contract(
+            offer_id="o-1", site=sites[0], sites=sites, warmup_ms=500.0)))
         await wait_for(lambda: "waiter" in observer.by_task(), timeout_s=3.0, what="waiter queued")
         await asyncio.sleep(1.2)  # several rebalance rounds
     finally:

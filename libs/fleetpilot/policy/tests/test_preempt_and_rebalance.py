@@ -19,6 +19,7 @@ from fleetpilot.contracts import (
     TaskAdmitted,
     TaskSubmitted,
 )
+from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.preempt import (
     EXACT_LIMIT,
     Requeue,
@@ -37,6 +38,7 @@ from fleetpilot.policy.rebalance import (
     Running,
     bridge_overflow,
     climbs_within_its_gpu,
+    could_take,
     envelope_bridge_mb,
     envelope_level_mb,
     envelope_overflow,
@@ -273,6 +275,15 @@ def test_move_reasons_and_migration_ids():
     assert migrate_decision_id(stay) == "t.migrate.1"
     assert migrate_decision_id(leave) == "u.migrate.3"
     assert migrate_decision_id(leave, tried=2) == "u.migrate.5"  # .3 and .4 failed
+
+
+def test_a_waiter_could_take_a_gpu_of_a_model_it_accepts_with_room_at_a_site_it_may_use():
+    need = TaskRequest(task_id="w", gpus=1, gpu_memory_mb=60_000, gpu_models=("H100",))
+    assert could_take(need, "H100", 81_920)
+    assert not could_take(need, "A100-40GB", 81_920) and not could_take(need, "H100", 40_960)
+    assert could_take(need, "H100", 81_920, "b", ["a", "b"])
+    assert not could_take(need, "H100", 81_920, "c", ["a", "b"])  # a site its contract does not bind it to
+    assert could_take(need, "H100", 81_920, "c", [])  # bound to none: any site
 
 
 def test_only_a_steady_climb_waits_on_its_measured_rate_and_only_while_it_fits():
