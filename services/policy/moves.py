@@ -55,6 +55,7 @@ from fleetpilot.policy.backfill import (
     hidden,
     makes_way,
     queue_key,
+    reserve_apart,
     reserve_earliest,
     wide_hosts,
 )
@@ -138,6 +139,16 @@ class Moves(ReplicaState):
         """``reservation_for``, with the request (at the reserved node's site) it was made for."""
         state = self.snapshot()
         return reserve_earliest(state, self.site_requests(adm.task), gpu_free_at(state, self.running_ends(state), now()))
+
+    def reservations_apart_for(self, owner: TaskAdmitted, others: list[TaskAdmitted],
+                               reserved: Reservation) -> list[Reservation]:
+        """Reservations for the blocked tasks after ``owner`` (``others``, in the queue's
+        order), each on nodes that no earlier reserved task could use
+        (``backfill.reserve_apart``), as the fleet benchmark reserves."""
+        state = self.snapshot()
+        return reserve_apart(state, self.site_requests(owner.task), reserved,
+                             [(a.task.task_id, self.site_requests(a.task)) for a in others],
+                             gpu_free_at(state, self.running_ends(state), now()))
 
     def site_requests(self, task: TaskSubmitted) -> list[TaskRequest]:
         """The task's request (``request``) at each site its contract binds it to, in the

@@ -39,7 +39,7 @@ from fleetpilot.ledger import FleetView, LedgerStore, free_capacity, with_alloca
 from fleetpilot.ledger.accounting import without_decision
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, GuardedPolicy, PolicyDecision, TaskRequest, record
-from fleetpilot.policy.backfill import Reservation, hidden, node_hidden
+from fleetpilot.policy.backfill import Reservation, hidden_from, node_hidden
 from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Requeue, run_left_s
 from fleetpilot.policy.rebalance import (
@@ -257,6 +257,9 @@ class ReplicaState:
         # EASY backfill: GPUs kept for the first blocked whole-GPU task of the last queue
         # round; a task expected to outlast their release is placed as if they were taken.
         self.reservation: Reservation | None = None
+        # Reservations for later blocked tasks, each on nodes no earlier reserved task could
+        # use (``backfill.reserve_apart``): kept off the same way.
+        self.reservations_apart: list[Reservation] = []
         # The tasks the last queue round found no place for, in the queue's order: the
         # rebalancer may move a tenant down to make room for one (``Moves.move_down``).
         self.blocked: list[TaskAdmitted] = []
@@ -715,16 +718,14 @@ class ReplicaState:
             policies = self.active.current  # one set for the whole decision, swaps fall between
             name, shard_id = policies.route(task)
             state = self.snapshot()
-            held = self.reservation
-            if held is not None and not held.delayed_by(task.task_id, task.expected_duration_s, now()):
-                held = None
+            kept = (self.reservation, *self.reservations_apart)
             # The request with the predicted peak first; a smooth grower that finds no GPU for
             # its peak may then start on its ask (a bridge), under the same policy and rules.
             requests = self.requests(task, requeue)
             fp = self.fingerprints.get(task.task_id)  # the one the requests were built from
             avoid = requeue.avoid_node if requeue is not None else ""
             for req in requests:
-                with hidden(state, held):
+                with hidden_from(state, kept, task.task_id, task.expected_duration_s, now()):
                     # Elsewhere than the node that failed or never took its last placement,
                     # if anywhere; else there again (it may be the only node that holds it).
                     with node_hidden(state, avoid):

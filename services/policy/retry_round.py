@@ -198,9 +198,9 @@ class RetryRound:
                 # Space is being freed for a vip: nothing else may take it half-freed (an
                 # evicted task would otherwise come straight back where it was).
                 continue
-            held = ps.reservation
             left = run_left_s(adm, self.progress.get(adm.task.task_id, 0.0))
-            hide = held is not None and held.delayed_by(adm.task.task_id, left, now())
+            hide = any(held is not None and held.delayed_by(adm.task.task_id, left, now())
+                       for held in (ps.reservation, *ps.reservations_apart))
             # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
             demands = [Demand.of(r) for r in ps.requests(adm.task, w.requeue)]
             if adm.contract.tier != "vip" and all(
@@ -253,5 +253,9 @@ class RetryRound:
         """The task the reservation goes to: the whole-GPU task first in the queue's order
         among those that found no place (expected completion bounds how long anything is
         overtaken, wide tasks included)."""
-        wide = [a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI]
-        return min(wide, key=self.position, default=None)
+        return next(iter(self.reservation_owners()), None)
+
+    def reservation_owners(self) -> list[TaskAdmitted]:
+        """The whole-GPU tasks that found no place, in the queue's order: the first owns the
+        reservation, the others may get one apart (``Moves.reservations_apart_for``)."""
+        return sorted((a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI), key=self.position)

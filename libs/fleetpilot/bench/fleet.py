@@ -202,8 +202,10 @@ from fleetpilot.policy.backfill import (
     clearing,
     gpu_free_at,
     hidden,
+    hidden_from,
     makes_way,
     queue_key,
+    reserve_apart,
     reserve_earliest,
     wide_hosts,
 )
@@ -393,6 +395,8 @@ class FleetRun:
         self._typical_at = 0
         self._view: dict[tuple[str, str], dict] | None = None  # ``_pool_base``, once a cycle
         self.reservation: Reservation | None = None
+        # The cycle's reservations after the first, each on nodes no earlier one's task could use.
+        self.reservations_apart: list[Reservation] = []
         self.blocked: set[str] = set()
         self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
         self.waits = RecentWaits()  # how long the latest starts on each GPU size waited (``policy.spread``)
@@ -652,9 +656,16 @@ class FleetRun:
         free_at: np.ndarray | None = None
         reservation: Reservation | None = None
         head = self._first_blocked()
+        self.reservations_apart = []
         if head is not None:
             free_at = gpu_free_at(self.state, self._running_ends(), now)
             reservation = self._reserve(head, free_at)
+            if reservation is not None:
+                waiters = sorted((j for j in self.pending if j.task.task_id in self.blocked and j is not head),
+                                 key=self._key)
+                self.reservations_apart = reserve_apart(
+                    self.state, self._plain_requests(head), reservation,
+                    [(j.task.task_id, self._plain_requests(j)) for j in waiters], free_at)
         self.blocked = set()
 
         def hold_for(refused: TaskRequest) -> None:
@@ -691,7 +702,8 @@ class FleetRun:
         requests = self._requests(job)
         # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
         # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
-        hide = reservation is not None and reservation.delayed_by(job.task.task_id, self._remaining(job), now)
+        hiding = (reservation, *self.reservations_apart)
+        hide = any(r is not None and r.delayed_by(job.task.task_id, self._remaining(job), now) for r in hiding)
         for first, (bridge, req) in enumerate(requests):
             k = int(bridge)
             demand = Demand.of(req, whole_gpus=not self.smart)
@@ -700,7 +712,7 @@ class FleetRun:
                 self._note_blocked(job, k)
                 continue
             self.counts["decisions"] += 1
-            with hidden(self.state, reservation if hide else None):
+            with hidden_from(self.state, hiding, job.task.task_id, self._remaining(job), now):
                 decision = self.policy.decide(self.state, req)
             if decision.action != "assign":
                 failed.append((demand, hide))

@@ -274,6 +274,17 @@ async def test_a_clearing_never_pauses_a_task_past_its_deadline(observer, nats_u
     assert not any(d.action == "migrate" for d in observer.decisions)
 
 
+async def long_then_short_on_the_h100s(observer, decided: int) -> dict:
+    """Once the reservations are made: an hour-long and a 30-second task that take H100s
+    only, then each task's first decision, once ``decided`` tasks have one."""
+    await asyncio.sleep(0.6)  # retry rounds: the reservations are made
+    await observer.admit(whole("long", 1, 3600, gpu_models=["H100"]))  # would take b0's idle GPU for an hour
+    await observer.admit(whole("short", 1, 30, gpu_models=["H100"]))  # done before b0's GPU 0 frees
+    await wait_for(lambda: len(observer.by_task()) == decided, what="a decision for every task")
+    await asyncio.sleep(0.6)
+    return {task: ds[0] for task, ds in observer.by_task().items()}
+
+
 async def test_a_wide_task_bound_to_two_sites_is_reserved_at_the_one_that_can_take_it(
     observer, nats_url, tmp_path
 ):
@@ -291,14 +302,32 @@ async def test_a_wide_task_bound_to_two_sites_is_reserved_at_the_one_that_can_ta
         await observer.admit(msgspec.structs.replace(wide, contract=Contract(
             offer_id="o-1", site="site-a", sites=["site-a", "site-b"], warmup_ms=500.0)))
         await wait_for(lambda: any(d.task_id == "wide" for d in observer.decisions), what="wide queued")
-        await asyncio.sleep(0.6)  # retry rounds: the reservation is made
-        await observer.admit(whole("long", 1, 3600, gpu_models=["H100"]))  # would take b0's idle GPU for an hour
-        await observer.admit(whole("short", 1, 30, gpu_models=["H100"]))  # done before c: may use it meanwhile
-        await wait_for(lambda: len(observer.by_task()) == 3, what="a decision for every task")
-        await asyncio.sleep(0.6)
+        first = await long_then_short_on_the_h100s(observer, 3)
     finally:
         await policy.stop()
-    first = {task: ds[0] for task, ds in observer.by_task().items()}
     assert first["wide"].action == "queue" and first["long"].action == "queue"
+    assert first["short"].action == "assign" and [(p.node, p.gpu) for p in first["short"].placement] == [("b0", 1)]
+    assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["short"]
+
+
+async def test_a_blocked_task_that_only_other_nodes_can_take_gets_a_reservation_of_its_own(
+    observer, nats_url, tmp_path
+):
+    """"wide" (A100s only) owns the reservation on a0; "big" (H100s only) can use none of the
+    nodes "wide" can, so it gets one apart, on b0, and an hour-long task is kept off b0's idle
+    GPU. With one reservation, "big" waited without one and the long task took that GPU."""
+    await observer.put_fleet([node("a0", model="A100-40GB", memory_mb=40960), node("b0", model="H100")])
+    # Each node's GPU 0 frees in about a minute; its GPU 1 is idle.
+    await seed(observer, {"a0": [tenant("c", [0], 540, 600)], "b0": [tenant("d", [0], 540, 600)]})
+    policy = build(settings(nats_url, tmp_path, profile="bestfit", pending_retry_s=0.2))
+    await policy.start()
+    try:
+        await observer.admit(whole("wide", 2, 3600, gpu_models=["A100-40GB"]))
+        await observer.admit(whole("big", 2, 3600, gpu_models=["H100"]))
+        await wait_for(lambda: {"wide", "big"} <= set(observer.by_task()), what="both queued")
+        first = await long_then_short_on_the_h100s(observer, 4)
+    finally:
+        await policy.stop()
+    assert first["wide"].action == first["big"].action == first["long"].action == "queue"
     assert first["short"].action == "assign" and [(p.node, p.gpu) for p in first["short"].placement] == [("b0", 1)]
     assert [d.task_id for d in observer.decisions if d.action == "assign"] == ["short"]

@@ -19,8 +19,10 @@ from fleetpilot.policy.backfill import (
     completion_order,
     gpu_free_at,
     hidden,
+    hidden_from,
     queue_key,
     reserve,
+    reserve_apart,
     reserve_earliest,
 )
 
@@ -92,6 +94,35 @@ def test_a_task_bound_to_several_sites_is_reserved_at_the_one_where_it_starts_fi
     assert reserve_earliest(state, [at["a"], msgspec.structs.replace(at["a"], task_id="w")], free_at)[1] is at["a"]
     assert reserve_earliest(state, [at["nowhere"]], free_at) is None
     assert reserve_earliest(state, [], free_at) is None
+
+
+def test_more_reservations_only_on_nodes_no_earlier_reserved_task_could_use() -> None:
+    state = fleet()  # n0: A100s; n1 and n2: H100s (n2 with little CPU)
+    free_at = gpu_free_at(state, RUNNING, now=100.0)
+    a100 = TaskRequest(task_id="a", gpus=2, gpu_models=("A100-40GB",))
+    first = reserve(state, a100, free_at)
+    h100 = [("h", [TaskRequest(task_id="h", gpus=2, gpu_models=("H100",))])]
+    anywhere = [("any", [TaskRequest(task_id="any", gpus=2)])]
+    # The H100 task shares no node with the A100 one: reserved apart, on n2 at 100.
+    assert reserve_apart(state, [a100], first, h100, free_at) == [
+        Reservation(task_id="h", node="n2", gpus=(0, 1), start_s=100.0)]
+    # One that could use n0 too would wait on the first's GPUs: none; nor past the limit.
+    assert reserve_apart(state, [a100], first, anywhere + h100, free_at) == [
+        Reservation(task_id="h", node="n2", gpus=(0, 1), start_s=100.0)]
+    assert reserve_apart(state, [a100], first, h100, free_at, limit=0) == []
+    # A later task sharing nodes with an earlier one apart gets none either.
+    assert len(reserve_apart(state, [a100], first, h100 + [("h2", h100[0][1])], free_at)) == 1
+
+
+def test_a_task_is_kept_off_every_reservation_it_would_delay_and_only_those() -> None:
+    state = fleet()
+    early = Reservation(task_id="x", node="n0", gpus=(0,), start_s=150.0)
+    late = Reservation(task_id="y", node="n1", gpus=(0,), start_s=1000.0)
+    with hidden_from(state, [early, late, None], "t", 200.0, now=100.0):  # ends at 300
+        assert state.gpu_maintenance[0, 0] and not state.gpu_maintenance[1, 0]
+    assert not state.gpu_maintenance.any()
+    with hidden_from(state, [early, late], "y", None, now=100.0):  # y owns late; runs for ever
+        assert state.gpu_maintenance[0, 0] and not state.gpu_maintenance[1, 0]
 
 
 @pytest.mark.parametrize("request_", [TaskRequest(task_id="s", gpus=1, gpu_milli=500),  # a share
