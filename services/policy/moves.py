@@ -14,7 +14,7 @@
   fits a smaller model for a while (``move_down``).
 
 Every target or extra share is reserved in the ledger with compare-and-set before the
-decision is returned. The reservation itself (``reservation_for``) is judged by when the
+decision is returned. The reservation itself (``reservations_for``) is judged by when the
 running tasks are expected to end (``running_ends``), which is why it lives here.
 """
 
@@ -127,28 +127,29 @@ class Moves(ReplicaState):
     """What the rebalancer does to running tasks: resize, migrate, checkpoint, and clear a
     node for the task the backfill reservation is for."""
 
-    def reservation_for(self, adm: TaskAdmitted) -> Reservation | None:
-        """Where and when a blocked whole-GPU task can start earliest, at any site its
-        contract binds it to (``backfill.reserve_earliest``), judged by the durations the
-        running tasks declared: a hold whose task declared none, or that this replica cannot
-        name, is taken never to end."""
-        made = self.reserved_with_request(adm)
-        return made[0] if made is not None else None
+    def reservations_for(self, owners: list[TaskAdmitted]) -> tuple[Reservation | None, list[Reservation]]:
+        """The reservations of a round's blocked whole-GPU tasks (``owners``, in the queue's
+        order): the first's, where and when it can start earliest at any site its contract
+        binds it to (``backfill.reserve_earliest``), and, when it has one, those of the others
+        whose nodes no earlier reserved task could use (``backfill.reserve_apart``), as the
+        fleet benchmark reserves; one view of the fleet for all of them. Judged by the
+        durations the running tasks declared: a hold whose task declared none, or that this
+        replica cannot name, is taken never to end."""
+        if not owners:
+            return None, []
+        state = self.snapshot()
+        free_at = gpu_free_at(state, self.running_ends(state), now())
+        first = self.site_requests(owners[0].task)
+        made = reserve_earliest(state, first, free_at)
+        if made is None:
+            return None, []
+        return made[0], reserve_apart(state, first, [self.site_requests(a.task) for a in owners[1:]], free_at)
 
     def reserved_with_request(self, adm: TaskAdmitted) -> tuple[Reservation, TaskRequest] | None:
-        """``reservation_for``, with the request (at the reserved node's site) it was made for."""
+        """Where and when ``adm`` can start earliest (``reservations_for``), with the request
+        (at the reserved node's site) it was made for."""
         state = self.snapshot()
         return reserve_earliest(state, self.site_requests(adm.task), gpu_free_at(state, self.running_ends(state), now()))
-
-    def reservations_apart_for(self, owner: TaskAdmitted, others: list[TaskAdmitted],
-                               reserved: Reservation) -> list[Reservation]:
-        """Reservations for the blocked tasks after ``owner`` (``others``, in the queue's
-        order), each on nodes that no earlier reserved task could use
-        (``backfill.reserve_apart``), as the fleet benchmark reserves."""
-        state = self.snapshot()
-        return reserve_apart(state, self.site_requests(owner.task), reserved,
-                             [(a.task.task_id, self.site_requests(a.task)) for a in others],
-                             gpu_free_at(state, self.running_ends(state), now()))
 
     def site_requests(self, task: TaskSubmitted) -> list[TaskRequest]:
         """The task's request (``request``) at each site its contract binds it to, in the

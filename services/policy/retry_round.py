@@ -22,7 +22,7 @@ from typing import Self
 
 import msgspec
 from fleetpilot.contracts import DecisionMade, TaskAdmitted, now
-from fleetpilot.policy.backfill import Demand, queue_key
+from fleetpilot.policy.backfill import Demand, delays_any, queue_key
 from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending, run_left_s
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, KvEntry, Retry
@@ -199,8 +199,7 @@ class RetryRound:
                 # evicted task would otherwise come straight back where it was).
                 continue
             left = run_left_s(adm, self.progress.get(adm.task.task_id, 0.0))
-            hide = any(held is not None and held.delayed_by(adm.task.task_id, left, now())
-                       for held in (ps.reservation, *ps.reservations_apart))
+            hide = delays_any((ps.reservation, *ps.reservations_apart), adm.task.task_id, left, now())
             # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
             demands = [Demand.of(r) for r in ps.requests(adm.task, w.requeue)]
             if adm.contract.tier != "vip" and all(
@@ -257,5 +256,5 @@ class RetryRound:
 
     def reservation_owners(self) -> list[TaskAdmitted]:
         """The whole-GPU tasks that found no place, in the queue's order: the first owns the
-        reservation, the others may get one apart (``Moves.reservations_apart_for``)."""
+        reservation, the others may get one apart (``Moves.reservations_for``)."""
         return sorted((a for a in self.blocked if a.task.gpus >= 1 and a.task.gpu_milli >= MILLI), key=self.position)

@@ -382,10 +382,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # Only the whole round says who the reservation's owner is, so this round (and the
         # arrivals decided while it awaits, which must not find the reserved GPUs unguarded)
         # ran against the last round's reservation, at most ``pending_retry_s`` old.
-        owners = round_.reservation_owners()
-        ps.reservation = ps.reservation_for(owners[0]) if owners else None
-        ps.reservations_apart = (ps.reservations_apart_for(owners[0], owners[1:], ps.reservation)
-                                 if ps.reservation is not None else [])
+        ps.reservation, ps.reservations_apart = ps.reservations_for(round_.reservation_owners())
         ps.blocked = round_.blocked
         ps.blocked_progress = round_.progress
         ps.leaving = round_.leaving

@@ -200,6 +200,7 @@ from fleetpilot.policy.backfill import (
     Reservation,
     Tenant,
     clearing,
+    delays_any,
     gpu_free_at,
     hidden,
     hidden_from,
@@ -664,8 +665,8 @@ class FleetRun:
                 waiters = sorted((j for j in self.pending if j.task.task_id in self.blocked and j is not head),
                                  key=self._key)
                 self.reservations_apart = reserve_apart(
-                    self.state, self._plain_requests(head), reservation,
-                    [(j.task.task_id, self._plain_requests(j)) for j in waiters], free_at)
+                    self.state, self._plain_requests(head),
+                    [self._plain_requests(j) for j in waiters], free_at)
         self.blocked = set()
 
         def hold_for(refused: TaskRequest) -> None:
@@ -703,7 +704,7 @@ class FleetRun:
         # Fleetpilot backfills around a reservation for the first blocked whole-GPU task
         # (EASY): a task expected to outlast the reservation's start may not use its GPUs.
         hiding = (reservation, *self.reservations_apart)
-        hide = any(r is not None and r.delayed_by(job.task.task_id, self._remaining(job), now) for r in hiding)
+        hide = delays_any(hiding, job.task.task_id, self._remaining(job), now)
         for first, (bridge, req) in enumerate(requests):
             k = int(bridge)
             demand = Demand.of(req, whole_gpus=not self.smart)
@@ -868,7 +869,7 @@ class FleetRun:
     def _reserve(self, job: _Job, free_at: np.ndarray) -> Reservation | None:
         """The reservation for a blocked ``job``: the earliest of its plain requests at each
         site its contract binds it to (``backfill.reserve_earliest``), as the policy service
-        reserves (``Moves.reservation_for``)."""
+        reserves (``Moves.reservations_for``)."""
         made = reserve_earliest(self.state, self._plain_requests(job), free_at)
         return made[0] if made is not None else None
 

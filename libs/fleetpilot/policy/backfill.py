@@ -260,12 +260,12 @@ MORE_RESERVATIONS = 3
 nodes that no earlier reserved task could use (``reserve_apart``)."""
 
 
-def reserve_apart(state: ClusterState, first: Sequence[TaskRequest], reserved: Reservation,
-                  waiters: Sequence[tuple[str, Sequence[TaskRequest]]], free_at: np.ndarray,
+def reserve_apart(state: ClusterState, first: Sequence[TaskRequest],
+                  waiters: Sequence[Sequence[TaskRequest]], free_at: np.ndarray,
                   limit: int = MORE_RESERVATIONS) -> list[Reservation]:
-    """Reservations for blocked tasks after the first (``first``: its requests, ``reserved``:
-    its reservation), in the queue's order (``waiters``: each task's id and its requests at
-    each of its sites), for each whose nodes (``wide_hosts`` at any of its
+    """Reservations for the blocked tasks after the first (``first``: its requests; it holds
+    the reservation), in the queue's order (``waiters``: each task's requests at each of its
+    sites), for each whose nodes (``wide_hosts`` at any of its
     sites) no earlier reserved task could use, at most ``limit``: one backfill reservation per
     pool of nodes, as a cluster of partitions keeps one per partition. A task that shares
     nodes with the first would wait on the GPUs the first waits on: reserving those too
@@ -277,11 +277,9 @@ def reserve_apart(state: ClusterState, first: Sequence[TaskRequest], reserved: R
     for request in first:
         used |= wide_hosts(state, request)
     out: list[Reservation] = []
-    for task_id, requests in waiters:
+    for requests in waiters:
         if len(out) >= limit:
             break
-        if task_id == reserved.task_id:
-            continue
         hosts = np.zeros(state.n_nodes, dtype=bool)
         for request in requests:
             hosts |= wide_hosts(state, request)
@@ -292,6 +290,12 @@ def reserve_apart(state: ClusterState, first: Sequence[TaskRequest], reserved: R
         if made is not None:
             out.append(made[0])
     return out
+
+
+def delays_any(reservations: Iterable[Reservation | None], task_id: str, run_s: float | None, now: float) -> bool:
+    """Whether a task ``task_id`` starting ``now`` and running ``run_s`` would delay any of
+    ``reservations`` (``Reservation.delayed_by``): it is decided with them hidden."""
+    return any(r is not None and r.delayed_by(task_id, run_s, now) for r in reservations)
 
 
 @contextmanager

@@ -100,18 +100,17 @@ def test_more_reservations_only_on_nodes_no_earlier_reserved_task_could_use() ->
     state = fleet()  # n0: A100s; n1 and n2: H100s (n2 with little CPU)
     free_at = gpu_free_at(state, RUNNING, now=100.0)
     a100 = TaskRequest(task_id="a", gpus=2, gpu_models=("A100-40GB",))
-    first = reserve(state, a100, free_at)
-    h100 = [("h", [TaskRequest(task_id="h", gpus=2, gpu_models=("H100",))])]
-    anywhere = [("any", [TaskRequest(task_id="any", gpus=2)])]
+    h100 = [[TaskRequest(task_id="h", gpus=2, gpu_models=("H100",))]]
+    anywhere = [[TaskRequest(task_id="any", gpus=2)]]
     # The H100 task shares no node with the A100 one: reserved apart, on n2 at 100.
-    assert reserve_apart(state, [a100], first, h100, free_at) == [
+    assert reserve_apart(state, [a100], h100, free_at) == [
         Reservation(task_id="h", node="n2", gpus=(0, 1), start_s=100.0)]
     # One that could use n0 too would wait on the first's GPUs: none; nor past the limit.
-    assert reserve_apart(state, [a100], first, anywhere + h100, free_at) == [
+    assert reserve_apart(state, [a100], anywhere + h100, free_at) == [
         Reservation(task_id="h", node="n2", gpus=(0, 1), start_s=100.0)]
-    assert reserve_apart(state, [a100], first, h100, free_at, limit=0) == []
+    assert reserve_apart(state, [a100], h100, free_at, limit=0) == []
     # A later task sharing nodes with an earlier one apart gets none either.
-    assert len(reserve_apart(state, [a100], first, h100 + [("h2", h100[0][1])], free_at)) == 1
+    assert len(reserve_apart(state, [a100], h100 + [[msgspec.structs.replace(h100[0][0], task_id="h2")]], free_at)) == 1
 
 
 def test_a_task_is_kept_off_every_reservation_it_would_delay_and_only_those() -> None:
