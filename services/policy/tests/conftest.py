@@ -36,12 +36,14 @@ from fleetpilot_services.policy.settings import PolicySettings
 from prometheus_client import CollectorRegistry
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; fail the test when it does not in time."""
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0,
+                   what: str | Callable[[], str] = "condition") -> None:
+    """Poll ``predicate`` until it holds; fail the test when it does not in time, saying
+    ``what`` (called then, when it is a function: what was seen by the end)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} not met in {timeout_s} s")
+            raise AssertionError(f"{what() if callable(what) else what} not met in {timeout_s} s")
         await asyncio.sleep(0.02)
 
 

@@ -33,6 +33,11 @@ async def held(observer, task_id: str) -> list[tuple[str, str, int]]:
             for a in ledger.allocations if a.task_id == task_id]
 
 
+def told(events: list[TaskLifecycle]) -> list[tuple[str, str, str]]:
+    """(state, decision, detail) of each lifecycle event seen: what a failed wait says."""
+    return [(e.state, e.decision_id, e.detail) for e in events]
+
+
 async def killed_by_oom(observer, events: list[TaskLifecycle], task_id: str, where: str, mb: float) -> TaskLifecycle:
     """``task_id`` is seen holding ``mb`` on ``where``'s GPU 0, then the simulated fleet kills
     it for running out of memory there; the executor's ``oom_killed`` event."""
@@ -148,7 +153,7 @@ async def test_a_real_process_that_ran_out_of_gpu_memory_runs_again_and_finishes
                                        process_log_dir=str(tmp_path / "logs")) as events:
         await observer.admit(adm)
         await wait_for(lambda: [e.state for e in events] == ["started", "oom_killed", "started", "finished"],
-                       timeout_s=20, what="t3 killed, started over, finished")
+                       timeout_s=20, what=lambda: f"t3 killed, started over, finished (events: {told(events)})")
     assert runs.read_text().splitlines() == ["run", "run"]
     assert [(e.state, e.decision_id) for e in events] == [
         ("started", "t3.assign"), ("oom_killed", "t3.assign"), ("started", "t3.assign.2"), ("finished", "t3.assign.2")]
