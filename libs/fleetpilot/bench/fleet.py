@@ -771,8 +771,8 @@ class FleetRun:
         the vip's requests in order, the cheapest best-effort tasks on one node whose eviction
         lets it fit (``policy.preempt.preemptions``: the work they have done plus a restart),
         among the three cheapest nodes the first where the policy, those tasks gone, places
-        it. They are evicted (queued again, from scratch) and it starts there after their
-        grace period, counted as its queue time; whether it started."""
+        it. They are evicted (``_evict_for_vip``) and it starts there after their grace
+        period, counted as its queue time; whether it started."""
         if job.task.tier != "vip":
             return False
         victims = [j for j in self.jobs if j.state == "running" and j.task.tier == "best_effort"]
@@ -806,9 +806,21 @@ class FleetRun:
                 if decision.action != "assign" or decision.node_row != row:
                     continue  # the pure fit check and the policy rarely disagree
                 for victim in leaving:
-                    self._kill(victim, now, "preempted")
+                    self._evict_for_vip(victim, now)
                 return self._try_start(job, now, None, [], pause=TERMINATION_GRACE_S)
         return False
+
+    def _evict_for_vip(self, victim: _Job, now: float) -> None:
+        """A vip's victim stopped, as the executor stops it (SIGTERM, then SIGKILL after the
+        grace) and the policy service queues it again (``Evictions.preemption_for``): a run
+        that resumes checkpoints on the SIGTERM and goes on from there, its progress kept
+        (``Requeue.progress_s``); any other starts over from scratch."""
+        if not victim.task.resumable:
+            self._kill(victim, now, "preempted")
+            return
+        self.counts["preempted"] += 1
+        victim.evictions += 1
+        self._checkpoint(victim, now)
 
     def _ledger(self, row: int) -> NodeLedger:
         """The holds on node ``row`` as the policy service's ledger has them: one per GPU of

@@ -874,21 +874,30 @@ def test_only_the_baseline_plays_kube_schedulers_preemption() -> None:
         FleetRun(tiny_fleet(), workload(task(0)), "fleetpilot", seed=1, preempts=True)
 
 
-@pytest.mark.parametrize("tenant_tier", ["best_effort", "standard"])
+@pytest.mark.parametrize(("tenant_tier", "resumes"), [("best_effort", True), ("best_effort", False),
+                                                      ("standard", True)])
 def test_fleetpilots_vip_evicts_best_effort_work_only_and_the_eviction_counts_toward_no_backoff_limit(
-        tenant_tier: str) -> None:
+        tenant_tier: str, resumes: bool) -> None:
     # One GPU, a 2-hour task on it; a 10-minute vip task arrives at 600 s. As the policy
-    # service does, the vip evicts a best-effort tenant (which starts over once the vip is
-    # done) and waits only for its grace period; a standard tenant it does not evict (the
-    # standard one is checkpointed to make way for it at a later cycle: its work is kept).
-    tasks = (task(0, duration=7200.0, tier=tenant_tier), task(1, duration=600.0, arrival=600.0, tier="vip"))
+    # service does, the vip evicts a best-effort tenant and waits only for its grace period;
+    # the tenant goes on from the checkpoint it takes on the SIGTERM once the vip is done (a
+    # program that does not resume starts over). A standard tenant it does not evict (it is
+    # checkpointed to make way for the vip at a later cycle: its work is kept).
+    tenant_task = task(0, duration=7200.0, tier=tenant_tier)
+    tasks = (tenant_task if resumes else not_resumable(tenant_task), task(1, duration=600.0, arrival=600.0, tier="vip"))
     run = FleetRun(tiny_fleet(), workload(*tasks, hours=5.0), "fleetpilot", seed=1)
     result = run.run()
     tenant, vip = run.jobs
     assert tenant.state == vip.state == "done"
     if tenant_tier == "best_effort":
         assert vip.queue_s == TERMINATION_GRACE_S
-        assert tenant.evictions == 1 and tenant.finished_at >= 600.0 + TERMINATION_GRACE_S + 600.0 + 7200.0
+        over = 600.0 + TERMINATION_GRACE_S + 600.0 + 7200.0  # the vip's end, then the whole run again
+        if resumes:
+            # Its first 600 s are kept: it ends 600 s sooner than over, give or take its pause.
+            assert over - 600.0 <= tenant.finished_at < over - 300.0
+        else:
+            assert tenant.finished_at >= over
+        assert tenant.evictions == 1
         assert result.breakdown["preempted"] == 1 and result.breakdown["backoff_failed"] == 0
     else:
         assert vip.queue_s > TERMINATION_GRACE_S
