@@ -43,8 +43,9 @@ class SimAdapter(Protocol):
         """A task was evicted."""
         ...
 
-    def on_migrate(self, task_id: str, source: Sequence[Placement], target: Sequence[Placement]) -> None:
-        """A task moved."""
+    def on_migrate(self, task_id: str, source: Sequence[Placement], target: Sequence[Placement],
+                   resumes: bool) -> None:
+        """A task moved: going on from its checkpoint (``resumes``), or started over there."""
         ...
 
     def on_resize(self, task_id: str, milli: int, memory_mb: int) -> None:
@@ -166,7 +167,7 @@ class SimBackend:
         cannot resume)."""
         task = self._running(task_id)
         if self._adapter is not None:
-            self._adapter.on_migrate(task_id, task.placement, target)
+            self._adapter.on_migrate(task_id, task.placement, target, resumes)
         latency = await self._take("migrate", task_id, target)
         task.placement = list(target)
         self._emit(task, "migrated", detail="" if resumes else STARTED_OVER)

@@ -26,8 +26,9 @@ class RecordingAdapter:
     def on_stop(self, task_id: str) -> None:
         self.calls.append(("stop", task_id))
 
-    def on_migrate(self, task_id: str, source: Sequence[Placement], target: Sequence[Placement]) -> None:
-        self.calls.append(("migrate", task_id, source[0].node, target[0].node))
+    def on_migrate(self, task_id: str, source: Sequence[Placement], target: Sequence[Placement],
+                   resumes: bool) -> None:
+        self.calls.append(("migrate", task_id, source[0].node, target[0].node, resumes))
 
     def on_resize(self, task_id: str, milli: int, memory_mb: int) -> None:
         self.calls.append(("resize", task_id, milli, memory_mb))
@@ -47,20 +48,22 @@ async def test_full_lifecycle_with_adapter() -> None:
     assert handle.latency_ms == 10.0 and handle.node == "n1"
     moved = await backend.migrate("t", B)
     assert moved.node == "n2" and backend.tasks["t"].placement == B
+    await backend.migrate("t", A, resumes=False)  # a program that starts over: the simulator is told
     await backend.resize("t", 250, 800)
     assert backend.tasks["t"].placement[0].milli == 250
     await backend.stop("t", grace_s=3)
     await backend.stop("t", grace_s=3)  # idempotent
     states = [e.state for e in await backend.poll()]
-    assert states == ["started", "migrated", "resized", "evicted"]
+    assert states == ["started", "migrated", "migrated", "resized", "evicted"]
     assert await backend.poll() == []
     assert adapter.calls == [
         ("start", "t", "n1"),
-        ("migrate", "t", "n1", "n2"),
+        ("migrate", "t", "n1", "n2", True),
+        ("migrate", "t", "n2", "n1", False),
         ("resize", "t", 250, 800),
         ("stop", "t"),
     ]
-    assert [a.verb for a in backend.actions] == ["start", "migrate", "resize", "stop"]
+    assert [a.verb for a in backend.actions] == ["start", "migrate", "migrate", "resize", "stop"]
 
 
 @pytest.mark.parametrize(("exit_code", "state"), [(0, "finished"), (2, "failed")])
