@@ -92,6 +92,10 @@ against 53 on three-site seed 7.)
   and the tenant has at least three times the waiter's run and its pause left
   (``backfill.makes_way``: shortest remaining work first, made preemptive; the policy
   service's ``Moves.make_way``);
+- making room: for each blocked task of a share of one GPU, the running task of one GPU
+  whose going would leave room for the share on its GPU and node (``backfill.leaves_room``),
+  with the most run left, is checkpointed and queued again on the same terms (the policy
+  service's ``Moves.make_way``, which serves both);
 - vip preemption: a vip task that fits nowhere evicts the cheapest set of best-effort tasks
   on one node (their work so far and a restart: ``policy.preempt``), once the policy
   confirms it then places the vip there, and starts there after their grace period (30 s,
@@ -198,12 +202,14 @@ from fleetpilot.policy.backfill import (
     Demand,
     Move,
     Reservation,
+    Room,
     Tenant,
     clearing,
     delays_any,
     gpu_free_at,
     hidden,
     hidden_from,
+    leaves_room,
     makes_way,
     queue_key,
     reserve_apart,
@@ -387,7 +393,7 @@ class FleetRun:
         self.largest: dict[tuple[str, ...], float] = {}  # by the models a task accepts (``_largest``)
         self.waits_by_task: dict[str, float] = {}  # each task's queue time, once the run is over
         self.counts = {"oom_events": 0, "oom_restarts": 0, "backoff_failed": 0, "gpu_failure_kills": 0,
-                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "checkpointed": 0,
+                       "migrations_oom": 0, "migrations_bridge": 0, "bridged": 0, "migrations_maintenance": 0, "migrations_no_target": 0, "migrations_clearing": 0, "clearings": 0, "migrations_down": 0, "made_way": 0, "made_room": 0, "checkpointed": 0,
                        "admitted": 0, "counter_offers": 0, "rejected": 0, "decisions": 0, "reservations": 0, "preempted": 0}
         self.policy = self._policy([])
         # Fleetpilot corrects its confidence by the outcomes of its placements so far, as the
@@ -399,6 +405,8 @@ class FleetRun:
         # The cycle's reservations after the first, each on nodes no earlier one's task could use.
         self.reservations_apart: list[Reservation] = []
         self.blocked: set[str] = set()
+        # The waiting tasks of a share of one GPU that found no place this cycle (``_make_room``).
+        self.blocked_shares: set[str] = set()
         self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
         self.waits = RecentWaits()  # how long the latest starts on each GPU size waited (``policy.spread``)
 
@@ -648,7 +656,7 @@ class FleetRun:
     def _schedule(self, now: float) -> None:
         if not self.pending:
             # Nothing waits: no reservation (the policy service's retry round finds no owner).
-            self.reservation, self.blocked = None, set()
+            self.reservation, self.blocked, self.blocked_shares = None, set(), set()
             return
         self.pending.sort(key=self._key)
         # (demand, decided with the reservation hidden) of the requests that found no node.
@@ -667,7 +675,7 @@ class FleetRun:
                 self.reservations_apart = reserve_apart(
                     self.state, self._plain_requests(head),
                     [self._plain_requests(j) for j in waiters], free_at)
-        self.blocked = set()
+        self.blocked, self.blocked_shares = set(), set()
 
         def hold_for(refused: TaskRequest) -> None:
             # With no reservation yet this cycle, the first task the policy refuses gets one.
@@ -691,6 +699,7 @@ class FleetRun:
         if self.smart:
             self._move_down(now, reservation)
             self._make_way(now, reservation)
+            self._make_room(now, reservation)
 
     def _try_start(self, job: _Job, now: float, reservation: Reservation | None, failed: list[tuple[Demand, bool]],
                    *, on_refused: Callable[[TaskRequest], None] | None = None, pause: float = 0.0) -> bool:
@@ -875,8 +884,12 @@ class FleetRun:
         return deadline is None or max(self._expected_end(job), now) + self._pause(job, now) <= deadline
 
     def _note_blocked(self, job: _Job, k: int) -> None:
-        if self.smart and k == 0 and job.task.gpu_milli >= 1000:
+        if not self.smart or k != 0:
+            return
+        if job.task.gpu_milli >= MILLI:
             self.blocked.add(job.task.task_id)
+        elif job.task.gpus == 1:
+            self.blocked_shares.add(job.task.task_id)
 
     def _reserve(self, job: _Job, free_at: np.ndarray) -> Reservation | None:
         """The reservation for a blocked ``job``: the earliest of its plain requests at each
@@ -1008,42 +1021,77 @@ class FleetRun:
         that ``backfill.makes_way`` says should give way is checkpointed and queued again
         (progress kept), and the waiter starts where the policy places it after that pause. At
         most ``MAKE_WAY_PER_ROUND`` a cycle."""
-        waiters = self._blocked_single_gpu_waiters()
+        waiters = sorted(self._blocked_single_gpu_waiters(), key=self._key)
+        if waiters:
+            tenants = [c for c in self._way_tenants(now) if c[0].milli >= MILLI
+                       and self.on_gpu.get((c[0].row, c[0].gpus[0]), set()) == {c[0].task.task_id}]
+            self._give_way(waiters, tenants, now, reservation, made="made_way", blocked=self.blocked)
+
+    def _make_room(self, now: float, reservation: Reservation | None) -> None:
+        """Making room for a share of a GPU, on the same terms (``Moves.make_way`` serves both):
+        for each blocked task of a share of one GPU, of the running tasks of one GPU whose going
+        would leave room for it on their GPU and node (``backfill.leaves_room``), the one with
+        the most run left that should give way is checkpointed and queued again."""
+        waiters = sorted((j for j in self.pending if j.task.task_id in self.blocked_shares), key=self._key)
         if not waiters:
             return
-        # (task, run left, its queue key by that, checkpoint pause, GPU model, GPU memory): once
-        # a cycle, not once per waiter.
-        tenants = []
+        state = self.state
+
+        def room(need: TaskRequest, j: _Job) -> bool:
+            row, g = j.row, j.gpus[0]
+            free = Room(milli=int(state.gpu_free[row, g]), gpu_memory_mb=int(state.gpu_mem_free[row, g]),
+                        cpu_milli=int(state.cpu_free[row]), memory_mb=int(state.mem_free[row]))
+            held = Room(milli=j.milli, gpu_memory_mb=j.reserved_mb, cpu_milli=j.task.cpu_milli,
+                        memory_mb=j.task.memory_mb)
+            return leaves_room(free, held, need)
+
+        self._give_way(waiters, self._way_tenants(now), now, reservation, made="made_room",
+                       blocked=self.blocked_shares, room=room)
+
+    def _way_tenants(self, now: float) -> list[tuple[_Job, float, tuple[int, float], float]]:
+        """``(task, run left, its queue key by that, checkpoint pause)`` of every running task
+        of one GPU that may give way: settled (not bridged), on a GPU in service, free to pause."""
+        out = []
         for j in self.jobs:
-            if (j.state == "running" and len(j.gpus) == 1 and j.milli >= MILLI and not j.bridged
-                    and not self.excluded[self.offset[j.row] + j.gpus[0]]
-                    and self.on_gpu.get((j.row, j.gpus[0]), set()) == {j.task.task_id} and self._may_pause(j, now)):
+            if (j.state == "running" and len(j.gpus) == 1 and not j.bridged
+                    and not self.excluded[self.offset[j.row] + j.gpus[0]] and self._may_pause(j, now)):
                 its_left = max(self._expected_end(j) - now, 0.0)
-                tenants.append((j, its_left, queue_key(j.task.tier, j.task.arrival_s, its_left, self.queue_aging), self._pause(j, now),
-                                self.node_model[j.row], int(self.state.gpu_mem_total[j.row, j.gpus[0]])))
-        made = 0
-        for waiter in sorted(waiters, key=self._key):
-            if made >= MAKE_WAY_PER_ROUND or not tenants:
+                out.append((j, its_left, queue_key(j.task.tier, j.task.arrival_s, its_left, self.queue_aging),
+                            self._pause(j, now)))
+        return out
+
+    def _give_way(self, waiters: list[_Job], tenants: list[tuple[_Job, float, tuple[int, float], float]], now: float,
+                  reservation: Reservation | None, *, made: str, blocked: set[str],
+                  room: Callable[[TaskRequest, _Job], bool] | None = None) -> None:
+        """For each of ``waiters``, in order, checkpoint the tenant with the most run left on a
+        GPU the waiter could take (and where ``room`` says its going leaves enough) that
+        ``backfill.makes_way`` says should give way, then start the waiter after that pause;
+        at most ``MAKE_WAY_PER_ROUND``, counted under ``made``."""
+        done = 0
+        for waiter in waiters:
+            if done >= MAKE_WAY_PER_ROUND or not tenants:
                 return
             need = self._request(waiter)
             left = self._remaining(waiter)
             first = queue_key(waiter.task.tier, waiter.task.arrival_s, left, self.queue_aging)
             chosen, most = None, 0.0
             for tenant in tenants:
-                _, its_left, key, pause, model, memory_mb = tenant
-                if (its_left > most and could_take(need, model, memory_mb, self.node_site[tenant[0].row], waiter.bound_sites)
+                j, its_left, key, pause = tenant
+                row, g = j.row, j.gpus[0]
+                if (its_left > most and (room is None or room(need, j))
+                        and could_take(need, self.node_model[row], int(self.state.gpu_mem_total[row, g]),
+                                       self.node_site[row], waiter.bound_sites)
                         and makes_way(first, left, key, its_left, pause)):
                     chosen, most = tenant, its_left
             if chosen is None:
                 continue
-            best, pause = chosen[0], chosen[3]
             tenants.remove(chosen)
-            self._checkpoint(best, now)
-            self.counts["made_way"] += 1
-            made += 1
-            if self._try_start(waiter, now, reservation, [], pause=pause):
+            self._checkpoint(chosen[0], now)
+            self.counts[made] += 1
+            done += 1
+            if self._try_start(waiter, now, reservation, [], pause=chosen[3]):
                 self.pending.remove(waiter)
-                self.blocked.discard(waiter.task.task_id)
+                blocked.discard(waiter.task.task_id)
 
     def _remaining(self, job: _Job) -> float:
         """What is left of the run the user declared (a checkpointed task keeps its progress)."""

@@ -120,6 +120,7 @@ def report(c: Comparison) -> str:
                  f"{f['clearings']:.0f} clearings for a blocked whole-GPU task ({f['migrations_clearing']:.0f} moves), "
                  f"{f['migrations_down']:.0f} moved down to make room for one, "
                  f"{f['made_way']:.0f} checkpointed to make way for a shorter one, "
+                 f"{f['made_room']:.0f} to make room for a shorter share of a GPU, "
                  f"{f['migrations_no_target']:.0f} without a target ({f['checkpointed']:.0f} checkpointed and requeued "
                  f"in all); "
                  f"failures seen coming "

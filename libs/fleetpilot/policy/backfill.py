@@ -160,8 +160,8 @@ MAKE_WAY_PER_ROUND = 10
 def makes_way(waiter: tuple[int, float], waiter_left_s: float | None, tenant: tuple[int, float],
               tenant_left_s: float | None, pause_s: float) -> bool:
     """Whether a running task (``tenant``: its ``queue_key`` as if it waited, with the run it
-    has left) should be checkpointed so that a blocked task of one whole GPU (``waiter``)
-    starts on its GPU now: shortest remaining work first, made preemptive.
+    has left) should be checkpointed so that a blocked task of one GPU, whole or a share
+    (``waiter``), starts on its GPU now: shortest remaining work first, made preemptive.
 
     Only when the queue's own order puts the waiter first (its key before the tenant's: a
     higher tier, or expected to end before the tenant would) and the tenant has at least
@@ -172,6 +172,28 @@ def makes_way(waiter: tuple[int, float], waiter_left_s: float | None, tenant: tu
     if waiter_left_s is None or tenant_left_s is None or waiter >= tenant:
         return False
     return tenant_left_s >= MAKE_WAY_FACTOR * (waiter_left_s + pause_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Capacity on one GPU and its node: what is free there, or what a tenant holds there."""
+
+    milli: int
+    gpu_memory_mb: int
+    cpu_milli: int
+    memory_mb: int
+
+
+def leaves_room(free: Room, tenant: Room, share: TaskRequest) -> bool:
+    """Whether a tenant's going would leave room on its GPU and node for ``share`` (a task of
+    part of one GPU): what is ``free`` there now plus what the ``tenant`` holds there covers
+    the share's SM, GPU memory, CPU and host memory. Making room (``makes_way`` for a share)
+    stops a tenant only where this holds: on a GPU that other shares keep busy, stopping one
+    tenant may free too little, and its run would be lost for no start."""
+    return (free.milli + tenant.milli >= share.gpu_milli
+            and free.gpu_memory_mb + tenant.gpu_memory_mb >= share.gpu_memory_mb
+            and free.cpu_milli + tenant.cpu_milli >= share.cpu_milli
+            and free.memory_mb + tenant.memory_mb >= share.memory_mb)
 
 
 def gpu_free_at(state: ClusterState, ends: Iterable[tuple[int, Sequence[int], float]], now: float) -> np.ndarray:

@@ -714,6 +714,50 @@ def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_c
     assert without.breakdown["made_way"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
 
 
+def test_a_run_with_hours_left_makes_room_on_its_gpu_for_a_short_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A five-hour run holds the only GPU when a ten-minute task asking for half a GPU arrives:
+    # the run is checkpointed, the share runs after the pause, and the run goes on from where
+    # it stood. (The share bounds its wait loosely: the negotiator does not count on room
+    # being made, and would refuse five minutes.)
+    long = task(0, duration=5 * 3600.0)
+    short = dataclasses.replace(task(1, duration=600.0, arrival=600.0, milli=500), max_queue_s=6 * 3600.0)
+
+    def play() -> tuple[FleetRun, RunResult]:
+        run = FleetRun(tiny_fleet(), workload(long, short, hours=8.0), "fleetpilot", seed=1)
+        return run, run.run()
+
+    run, result = play()
+    assert result.breakdown["made_room"] == 1 and result.breakdown["made_way"] == 0
+    assert result.breakdown["completed"] == 2 and result.figures["oom_events"] == 0
+    first, waiter = run.jobs
+    assert waiter.queue_s < 240.0
+    assert 500.0 <= first.progress_s <= 720.0
+    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    late, without = play()
+    assert without.breakdown["made_room"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
+
+
+@pytest.mark.parametrize(("asks", "stopped"), [(700, None), (500, "t1")])
+def test_room_is_made_only_where_a_tenants_going_leaves_enough(asks: int, stopped: str | None) -> None:
+    # Two runs of 500 thousandths share the GPU, the second with more left. A waiting share
+    # of 700 would not fit with either gone: neither is stopped. One of 500 would: the run
+    # with the most left makes room, and the share starts on the GPU.
+    first, second = task(0, duration=2 * 3600.0, milli=500), task(1, duration=5 * 3600.0, milli=500)
+    waiter = task(2, duration=600.0, milli=asks)
+    run = FleetRun(tiny_fleet(), workload(first, second, waiter, hours=8.0), "fleetpilot", seed=1)
+    tenants, share = run.jobs[:2], run.jobs[2]
+    for job in tenants:
+        job.state = "pending"
+        run._start(job, 0, [0], 500, 0.0)
+    run._enqueue(share, 600.0)
+    run.blocked_shares = {share.task.task_id}
+    run._make_room(600.0, None)
+    assert [j.task.task_id for j in run.jobs if j.state == "pending"] == ([share.task.task_id] if stopped is None
+                                                                          else [stopped])
+    assert run.counts["made_room"] == (stopped is not None)
+    assert (share.state == "running") == (stopped is not None)
+
+
 def test_a_program_whose_runs_nearly_all_fit_a_gpu_runs_there_and_a_run_that_outgrew_it_does_not_again() -> None:
     # The H100 is busy for 40 minutes. The program's mean peak, 40 GB with its context, plus 5%
     # is more than the A100's 40,960 MB, but its 40 known runs held at most 40.6 GB.

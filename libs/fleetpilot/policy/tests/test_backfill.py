@@ -14,12 +14,14 @@ from fleetpilot.policy.backfill import (
     UNDECLARED_S,
     Demand,
     Reservation,
+    Room,
     Tenant,
     clearing,
     completion_order,
     gpu_free_at,
     hidden,
     hidden_from,
+    leaves_room,
     queue_key,
     reserve,
     reserve_apart,
@@ -373,3 +375,21 @@ def test_a_reservation_naming_gpus_the_snapshot_lacks_hides_those_it_has() -> No
     with hidden(state, Reservation(task_id="w", node="n0", gpus=(1, 5), start_s=0.0)) as masked:
         assert masked.gpu_maintenance[0].tolist() == [False, True]
     assert not state.gpu_maintenance.any()
+
+
+@pytest.mark.parametrize(
+    ("free", "short"),
+    [
+        (Room(milli=300, gpu_memory_mb=20_000, cpu_milli=8000, memory_mb=65536), None),
+        (Room(milli=0, gpu_memory_mb=20_000, cpu_milli=8000, memory_mb=65536), "SM"),
+        (Room(milli=300, gpu_memory_mb=5_000, cpu_milli=8000, memory_mb=65536), "GPU memory"),
+        (Room(milli=300, gpu_memory_mb=20_000, cpu_milli=0, memory_mb=65536), "CPU"),
+        (Room(milli=300, gpu_memory_mb=20_000, cpu_milli=8000, memory_mb=0), "host memory"),
+    ],
+)
+def test_a_tenants_going_leaves_room_for_a_share_only_when_every_resource_adds_up(free: Room, short: str | None) -> None:
+    # The tenant holds 500 thousandths, 10 GB, 2 cores and 8 GB of host memory; the share asks
+    # for 700, 16 GB, 4 cores and 16 GB.
+    tenant = Room(milli=500, gpu_memory_mb=10_000, cpu_milli=2000, memory_mb=8192)
+    share = TaskRequest(task_id="s", gpus=1, gpu_milli=700, gpu_memory_mb=16_000, cpu_milli=4000, memory_mb=16384)
+    assert leaves_room(free, tenant, share) == (short is None), short
