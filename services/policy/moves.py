@@ -49,10 +49,12 @@ from fleetpilot.policy.backfill import (
     MAKE_WAY_PER_ROUND,
     Demand,
     Reservation,
+    Room,
     Tenant,
     clearing,
     gpu_free_at,
     hidden,
+    leaves_room,
     makes_way,
     queue_key,
     reserve_apart,
@@ -112,7 +114,8 @@ class DownTenant:
 class WayTenant:
     """A running task that may be checkpointed to make way for a waiter (``Moves.make_way``):
     its queue key as if it waited with the run it has left, that run, its checkpoint pause,
-    its admission, where it runs (its GPU, its node's site)."""
+    its admission, where it runs (its GPU, its node's site); for making room for a share,
+    what is free on its GPU and node and what it holds there (``backfill.leaves_room``)."""
 
     key: tuple[int, float]
     left_s: float
@@ -121,6 +124,8 @@ class WayTenant:
     running: Running
     gpu: GpuInfo
     site: str = ""
+    free: Room | None = None
+    held: Room | None = None
 
 
 class Moves(ReplicaState):
@@ -307,6 +312,9 @@ class Moves(ReplicaState):
         budget = min(self.settings.max_migrations_per_round - len(out), MAKE_WAY_PER_ROUND)
         if budget > 0:
             out.extend(await self.make_way(budget, {d.task_id for d in out}))
+        budget = min(self.settings.max_migrations_per_round - len(out), MAKE_WAY_PER_ROUND)
+        if budget > 0:
+            out.extend(await self.make_way(budget, {d.task_id for d in out}, shares=True))
         return out
 
     async def clear_for_reservation(self, budget: int, moved: set[str]) -> list[DecisionMade]:
@@ -474,15 +482,17 @@ class Moves(ReplicaState):
                 break
         return out
 
-    def waiting_for_room(self, in_flight: dict[str, tuple[str, float]]) -> list[TaskAdmitted]:
+    def waiting_for_room(self, in_flight: dict[str, tuple[str, float]], *, shares: bool = False) -> list[TaskAdmitted]:
         """The blocked tasks a round may make room for, in the queue's order: a single whole
-        GPU each, not placed since the last retry round, no room coming for it yet. Read once
-        per round, before the tenants are described: with no such waiter, nobody is."""
-        whole = [adm for adm in self.blocked if adm.task.gpus == 1 and adm.task.gpu_milli >= MILLI]
-        if not whole:
+        GPU each (with ``shares``, a share of one GPU each), not placed since the last retry
+        round, no room coming for it yet. Read once per round, before the tenants are
+        described: with no such waiter, nobody is."""
+        one_gpu = [adm for adm in self.blocked if adm.task.gpus == 1 and adm.task.gpu_milli > 0
+                   and (adm.task.gpu_milli < MILLI) == shares]
+        if not one_gpu:
             return []
         holding = {a.task_id for ledger in self.ledger.nodes.values() for a in ledger.allocations}
-        return [adm for adm in whole
+        return [adm for adm in one_gpu
                 if adm.task.task_id not in holding and not self.room_coming(adm.task.task_id, in_flight)]
 
     def room_coming(self, waiter_id: str, in_flight: dict[str, tuple[str, float]]) -> bool:
@@ -500,7 +510,7 @@ class Moves(ReplicaState):
         return (held is not None and any(a.decision_id == stopped for a in held[1])
                 and now() - at < self.settings.evict_timeout_s)
 
-    async def make_way(self, budget: int, moved: set[str]) -> list[DecisionMade]:
+    async def make_way(self, budget: int, moved: set[str], *, shares: bool = False) -> list[DecisionMade]:
         """``evict`` decisions that make way for whole-GPU tasks the last queue round found no
         place for (``blocked``): for each, in the queue's order, of the running tasks alone on
         a GPU it could take, the one with the most run left that ``backfill.makes_way`` says
@@ -515,12 +525,18 @@ class Moves(ReplicaState):
         their runs and a checkpoint pause. The waiting task is not placed here: once the
         executor has stopped the tenant and released its GPU, the next queue round places it
         (the queue's order puts it before the tenant). Until then no other tenant gives way,
-        or moves down, for it on this replica (``room_coming``)."""
+        or moves down, for it on this replica (``room_coming``).
+
+        With ``shares``, the same for the tasks of a share of one GPU (making room): the
+        tenants are the running tasks of one GPU, whole or a share, whose going would leave
+        room for the waiter on their GPU and node (``backfill.leaves_room``), by the ledger.
+        One stop a GPU a round: the room it leaves is only taken at the next queue round, and
+        two waiters counting the same free share would each be short of it."""
         if self.pending is None or self.admissions is None:
             return []
         in_flight = self.moves_in_flight()
-        waiting = self.waiting_for_room(in_flight)
-        tenants = self.way_tenants(moved, in_flight) if waiting else []
+        waiting = self.waiting_for_room(in_flight, shares=shares)
+        tenants = self.way_tenants(moved, in_flight, alone=not shares) if waiting else []
         out: list[DecisionMade] = []
         for adm in waiting:
             if len(out) >= budget or not tenants:
@@ -533,18 +549,21 @@ class Moves(ReplicaState):
             for tenant in tenants:
                 if (could_take(need, tenant.gpu.model, tenant.gpu.memory_mb, tenant.site, sites)
                         and (best is None or tenant.left_s > best.left_s)
+                        and (tenant.free is None or tenant.held is None or leaves_room(tenant.free, tenant.held, need))
                         and makes_way(first, left, tenant.key, tenant.left_s, tenant.pause_s)):
                     best = tenant
             if best is None:
                 continue
-            why = (f"checkpointed to make way for {waiter.task_id}, which waits for a GPU that holds "
-                   f"{need.gpu_memory_mb} MB and declares {left:.0f} s of run: this run has {best.left_s:.0f} s left")
+            wants = (f"{need.gpu_milli}/{MILLI} of a GPU with {need.gpu_memory_mb} MB" if shares
+                     else f"a GPU that holds {need.gpu_memory_mb} MB")
+            why = (f"checkpointed to {'make room' if shares else 'make way'} for {waiter.task_id}, which waits for "
+                   f"{wants} and declares {left:.0f} s of run: this run has {best.left_s:.0f} s left")
             note = Requeue(decision_id=reassign_decision_id(best.running), evict_id=evict_decision_id(best.running),
                            at=now(), reason=why,
                            bridge_floor_mb=await self.restore_floor_mb(best.adm.task),
                            progress_s=run_progress_s(best.running, now()) or 0.0)
-            decision = await self.stop_and_queue(best.running, best.adm, note, "make-way", self.settings.evict_success,
-                                                 why)
+            decision = await self.stop_and_queue(best.running, best.adm, note, "make-room" if shares else "make-way",
+                                                 self.settings.evict_success, why)
             if decision is None:
                 continue
             log.info("%s: %s", best.running.task_id, why)
@@ -552,20 +571,21 @@ class Moves(ReplicaState):
             self.remember(self.making_room, waiter.task_id,
                           (best.running.task_id, best.running.allocations[0].decision_id, now()), limit=10_000)
             out.append(decision)
-            tenants = [t for t in tenants if t is not best]
+            tenants = [t for t in tenants if t is not best
+                       and (t.running.node, t.gpu.index) != (best.running.node, best.gpu.index)]
         return out
 
-    def whole_gpu_tenants(
-        self, moved: set[str], in_flight: dict[str, tuple[str, float]]
+    def one_gpu_tenants(
+        self, moved: set[str], in_flight: dict[str, tuple[str, float]], *, whole: bool = True
     ) -> Iterator[tuple[Running, Allocation, NodeTopology, GpuInfo]]:
         """The running tasks room may be made with (``move_down``, ``make_way``), with their
-        hold, node and GPU: one whole GPU in service that is not going away, a settled hold,
-        not moving, not queued again already (``leaving``), no decision this round
-        (``moved``)."""
+        hold, node and GPU: one whole GPU (or, not ``whole``, one GPU whole or a share of it)
+        in service that is not going away, a settled hold, not moving, not queued again
+        already (``leaving``), no decision this round (``moved``)."""
         for running in self.running():
             gpu_allocs = [a for a in running.allocations if a.gpu >= 0]
             if (running.task_id in moved or running.task_id in in_flight or running.task_id in self.leaving
-                    or len(gpu_allocs) != 1 or gpu_allocs[0].milli < MILLI):
+                    or len(gpu_allocs) != 1 or (whole and gpu_allocs[0].milli < MILLI)):
                 continue
             hold = gpu_allocs[0]
             topo = self.fleet.nodes.get(node_key(running.node))
@@ -574,14 +594,18 @@ class Moves(ReplicaState):
                 continue
             yield running, hold, topo, gpu
 
-    def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[WayTenant]:
-        """The tasks that may give way to some waiter (``make_way``), of ``whole_gpu_tenants``:
-        alone on their GPU, a hold at or above its predicted peak (a run below it is a bridge,
-        watched to move up), a known admission with a declared run, and a pause it may take."""
+    def way_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]], *,
+                    alone: bool = True) -> list[WayTenant]:
+        """The tasks that may give way to some waiter (``make_way``), of ``one_gpu_tenants``:
+        alone on a whole GPU (or, not ``alone``, on one GPU whole or a share of it, with what
+        is free there and what it holds), a hold at or above its predicted peak (a run below it
+        is a bridge, watched to move up), a known admission with a declared run, and a pause it
+        may take."""
         out = []
-        for running, hold, topo, gpu in self.whole_gpu_tenants(moved, in_flight):
+        for running, hold, topo, gpu in self.one_gpu_tenants(moved, in_flight, whole=alone):
             ledger = self.ledger.nodes.get(node_key(running.node))
-            if ledger is None or any(a.gpu == hold.gpu and a.task_id != running.task_id for a in ledger.allocations):
+            if ledger is None or (alone and any(a.gpu == hold.gpu and a.task_id != running.task_id
+                                                for a in ledger.allocations)):
                 continue
             fp = self.fingerprints.get(running.task_id)
             adm = self.admissions.of(running.task_id) if self.admissions is not None else None
@@ -590,16 +614,24 @@ class Moves(ReplicaState):
             if (adm is None or left is None or (fp is not None and hold.memory_mb < fp.predicted_peak_mb)
                     or not self.may_pause(running, pause)):
                 continue
+            free = held = None
+            if not alone:
+                room = free_capacity(topo, ledger)
+                free = Room(milli=room.gpu_milli[hold.gpu], gpu_memory_mb=room.gpu_memory_mb[hold.gpu],
+                            cpu_milli=room.cpu_milli, memory_mb=room.memory_mb)
+                held = Room(milli=hold.milli, gpu_memory_mb=hold.memory_mb,
+                            cpu_milli=sum(a.cpu_milli for a in running.allocations),
+                            memory_mb=sum(a.host_memory_mb for a in running.allocations))
             out.append(WayTenant(key=queue_key(adm.contract.tier, adm.admitted_at, left, self.settings.queue_aging), left_s=left,
-                                 pause_s=pause, adm=adm, running=running, gpu=gpu, site=topo.site))
+                                 pause_s=pause, adm=adm, running=running, gpu=gpu, site=topo.site, free=free, held=held))
         return out
 
     def move_down_tenants(self, moved: set[str], in_flight: dict[str, tuple[str, float]]) -> list[DownTenant]:
         """The tasks that may move down for some waiter (``move_down``), of
-        ``whole_gpu_tenants``, smallest ask first: a known admission (its model constraints),
+        ``one_gpu_tenants``, smallest ask first: a known admission (its model constraints),
         an ask by its envelope (``rebalance.move_down_ask``) and a pause it may take."""
         out = []
-        for running, hold, topo, gpu in self.whole_gpu_tenants(moved, in_flight):
+        for running, hold, topo, gpu in self.one_gpu_tenants(moved, in_flight):
             known = self.submitted(running.task_id)
             if known is None:
                 continue  # its model constraints are unknown: it stays on its model
