@@ -47,6 +47,8 @@ Around that core (see ``README.md``):
   such a GPU with at least three times the waiter's run (and its pause) left, that the queue's
   order puts after the waiter, is checkpointed and queued again with its progress
   (``Moves.make_way``, ``backfill.makes_way``);
+* a blocked task of a share of one GPU gets room the same way from a running task of one GPU
+  whose going leaves it room on that GPU and node (``backfill.leaves_room``);
 * every Nth decision input is recorded for ``fleetpilot replay``.
 
 Decision ids are derived from the task (``<task>.assign``, ``<task>.migrate.<n>``,
