@@ -1605,9 +1605,10 @@ class FleetRun:
 
     def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:
         """Per (site, model): GPUs free, the largest spare share, when each busy GPU frees
-        (seconds from ``now``), the most GPUs a node has and each node's GPUs, CPU and memory
-        (``node_frontier``); counted at the first arrival
-        after a cycle and kept for the arrivals until the next."""
+        (seconds from ``now``: when its last holder ends, whole or a share, as the sla
+        service's ``fleet_view`` counts it), the most GPUs a node has and each node's GPUs,
+        CPU and memory (``node_frontier``); counted at the first arrival after a cycle and
+        kept for the arrivals until the next."""
         if self._view is not None:
             return self._view
         s = self.state
@@ -1623,29 +1624,43 @@ class FleetRun:
             part = f[(f > 0) & (f < MILLI)]
             if part.size:
                 p["milli"] = max(p["milli"], int(part.max()))
+        # Each busy GPU's last holder: (its end, its declared run), the larger first.
+        last: dict[tuple[int, int], tuple[float, float]] = {}
         for j in self.jobs:
-            if j.state == "running" and j.milli >= MILLI:
-                pools[(self.node_site[j.row], self.node_model[j.row])]["completions"].extend(
-                    [self._frees_in(j, now)] * len(j.gpus))
+            if j.state == "running":
+                ends = self._ends(j)
+                for g in j.gpus:
+                    last[(j.row, g)] = max(last.get((j.row, g), ends), ends)
+        for (row, _), (end, declared) in last.items():
+            pools[(self.node_site[row], self.node_model[row])]["completions"].append(frees_in(end, declared, now))
         for p in pools.values():
             p["shapes"] = node_frontier(p["shapes"])  # once a cycle, not once per arrival's view
         self._view = pools
         return pools
 
+    def _ends(self, job: _Job) -> tuple[float, float]:
+        """When a running task is expected to end, as the sla service's snapshot counts it
+        (when its run began plus its declared run), with that declared run."""
+        return job.seg_start + job.task.declared_duration_s - job.progress_s, job.task.declared_duration_s
+
     def _frees_in(self, job: _Job, now: float) -> float:
-        """When a running whole-GPU task frees its GPUs, as the service's snapshot says: a run
-        past its declared end is not freeing "now" (``frees_in``)."""
-        end = job.seg_start + job.task.declared_duration_s - job.progress_s
-        return frees_in(end, job.task.declared_duration_s, now)
+        """When a running task frees its GPUs, as the service's snapshot says: a run past its
+        declared end is not freeing "now" (``frees_in``)."""
+        return frees_in(*self._ends(job), now)
 
     def _seen_started(self, job: _Job, now: float) -> None:
         """A task started at its arrival holds its GPUs in the ledger at once: the next
-        arrival's view no longer has them free, and has them free when it ends."""
-        if self._view is None or job.milli < MILLI:
+        arrival's view no longer has them free, and has them free when it ends. (A share on
+        a GPU others already share is not counted again: its end may come later than theirs,
+        which the next cycle's view counts.)"""
+        if self._view is None:
+            return
+        taken = [g for g in job.gpus if self.on_gpu.get((job.row, g), set()) == {job.task.task_id}]
+        if not taken:
             return
         pool = self._view[(self.node_site[job.row], self.node_model[job.row])]
-        pool["free"] = max(pool["free"] - len(job.gpus), 0)
-        pool["completions"].extend([self._frees_in(job, now)] * len(job.gpus))
+        pool["free"] = max(pool["free"] - len(taken), 0)
+        pool["completions"].extend([self._frees_in(job, now)] * len(taken))
 
     # -- figures ------------------------------------------------------------------------------
 

@@ -737,6 +737,20 @@ def test_a_run_with_hours_left_makes_room_on_its_gpu_for_a_short_share(monkeypat
     assert without.breakdown["made_room"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
 
 
+def test_the_negotiator_counts_a_gpu_held_by_shares_as_freeing_when_its_last_share_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run of 700 thousandths holds the only GPU for five hours when a task of half a GPU
+    # that may wait six arrives. As the sla service's view has it, the GPU frees when the run
+    # ends: the task is admitted and waits for it (not refused as if the GPU never freed).
+    long = task(0, duration=5 * 3600.0, milli=700)
+    patient = dataclasses.replace(task(1, duration=600.0, arrival=600.0, milli=500), max_queue_s=6 * 3600.0)
+    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)  # no room made: it waits for the run's end
+    run = FleetRun(tiny_fleet(), workload(long, patient, hours=8.0), "fleetpilot", seed=1)
+    result = run.run()
+    assert result.breakdown["rejected"] == 0 and result.breakdown["admitted"] == 2
+    assert run.jobs[1].state == "done" and run.jobs[1].queue_s > 4 * 3600.0
+
+
 @pytest.mark.parametrize(("asks", "stopped"), [(700, None), (500, "t1")])
 def test_room_is_made_only_where_a_tenants_going_leaves_enough(asks: int, stopped: str | None) -> None:
     # Two runs of 500 thousandths share the GPU, the second with more left. A waiting share
