@@ -126,6 +126,12 @@ def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str, hold_s: float | None
         if have >= task.gpus:
             queue = max(float(in_s), 0.0)
             break
+    if math.isinf(queue) and free < pool.free_gpus and pool.free_gpus + (have - free) >= task.gpus:
+        # The headroom kept for guaranteed tiers delays a best_effort task; it never refuses
+        # one the pool can hold: such a task may take the headroom once the pool's known work
+        # has ended (at once on an idle pool, whose every GPU was headroom: a best_effort
+        # task on an idle one-GPU pool was refused as if no GPU would ever free).
+        queue = max((max(float(in_s), 0.0) for in_s, _ in pool.completions), default=0.0)
     if hold_s is None or not pool.gaps:
         return queue
     for_good = [(0.0, math.inf)] * free + [(max(float(in_s), 0.0), math.inf) for in_s, gpus in pool.completions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from fleetpilot.contracts import Fingerprint, SlaOffer, SlaRequest, TaskSubmitted, encode
 from fleetpilot.sla import (
@@ -153,6 +154,23 @@ def test_best_effort_options_avoid_reserved_capacity():
     assert isinstance(decision, CounterOffer)
     a100 = [o for o in decision.options if o.gpu_model == "A100"]
     assert a100 and all(o.expected_queue_s >= 600 for o in a100)
+
+
+@pytest.mark.parametrize(("completions", "queue_s"), [((), 0.0), (((600.0, 1), (1800.0, 1)), 1800.0)])
+def test_the_headroom_delays_a_best_effort_task_the_pool_can_hold_but_never_refuses_it(completions, queue_s):
+    # Four A100s, one free and kept as headroom for guaranteed tiers. A best_effort task of
+    # every GPU the pool will have is not refused: it may take the headroom once the pool's
+    # known work has ended (at once where nothing runs, as on an idle one-GPU pool).
+    gpus = 1 + sum(n for _, n in completions)
+    pool = GpuPool(site="eu-1", gpu_model="A100", memory_mb_per_gpu=81_920, price_per_gpu_hour=2.0, free_gpus=1,
+                   reserved_gpus=1, completions=completions)
+    request = task(gpus=gpus, gpu_models=["A100"], expected_duration_s=600.0, sla={"tier": "best_effort"})
+    decision = negotiate(request, FleetView(pools=(pool,)), now=NOW)
+    assert isinstance(decision, Admit), decision
+    assert (decision.contract.not_before or NOW) - NOW == queue_s
+    # One GPU more than the pool will ever have is still refused.
+    wider = negotiate(msgspec.structs.replace(request, gpus=gpus + 1), FleetView(pools=(pool,)), now=NOW)
+    assert isinstance(wider, Reject) and wider.code == "infeasible"
 
 
 def test_fingerprint_peak_and_warmup_count():
