@@ -236,7 +236,7 @@ from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, bound_sites, contract_for, negotiate
 from fleetpilot.sla.fleet import node_frontier
-from fleetpilot.sla.snapshot import frees_in, play_queue, queued
+from fleetpilot.sla.snapshot import SnapshotKnobs, frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
 from .default_preemption import NO_POD, PRIORITY_CLASS, TERMINATION_GRACE_S, RunningPod, preempt
@@ -275,6 +275,9 @@ MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
 """A signature seen this many times is trusted; its tasks are no longer fingerprinted online."""
 ROLE_OF_KIND = {"train": "train", "finetune": "train", "infer": "infer", "encode": "encode"}
+SLA_KNOBS = SnapshotKnobs()
+"""The sla service's default view settings: the benchmark's negotiator view keeps its headroom
+for guaranteed tiers (``reserve_fraction``)."""
 
 
 # ---- one job across its attempts ---------------------------------------------------------
@@ -1580,7 +1583,8 @@ class FleetRun:
     def _fleet_view(self, now: float, ahead_of: tuple[int, float]) -> FleetView:
         """The SLA negotiator's view at ``now`` of a request whose place in the queue is
         ``ahead_of``, as the sla service's ``fleet_view`` builds it from the ledger and the
-        contracts: free GPUs, spare shares and completions per (site, model), then the tasks
+        contracts: free GPUs (with the headroom kept for guaranteed tiers), spare shares,
+        preemptible GPUs and completions per (site, model), then the tasks
         admitted, still waiting and served before the request played through them in the
         queue's order (``play_queue``). The running tasks are counted once a cycle and kept
         up to date with the arrivals that start within it (``_seen_started``)."""
@@ -1596,8 +1600,13 @@ class FleetRun:
             for in_s in frees[:256]:
                 completions[in_s] = completions.get(in_s, 0) + 1
             m = gpu_model(model)
+            # The headroom kept for guaranteed tiers (best_effort requests never see it), as the
+            # service keeps it: a share of the pool's GPUs, at most those free now.
+            reserved = min(p["free"], math.ceil(p["total"] * SLA_KNOBS.reserve_fraction))
             out.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=m.memory_mb,
                                price_per_gpu_hour=m.price_usd_per_hour, free_gpus=free, free_milli=p["milli"],
+                               reserved_gpus=reserved, preemptible_gpus=p["preemptible"],
+                               most_clearable_on_a_node=p["clearable"],
                                completions=tuple(sorted(completions.items())),
                                relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"],
                                node_shapes=p["shapes"], gaps=tuple(gaps)))
@@ -1616,11 +1625,19 @@ class FleetRun:
         pools: dict[tuple[str, str], dict] = {}
         for row in range(s.n_nodes):
             key = (self.node_site[row], self.node_model[row])
-            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0, "shapes": set()})
+            p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0, "shapes": set(),
+                                       "total": 0, "preemptible": 0, "clearable": 0})
             f = free[row][s.gpu_exists[row]]
             p["most"] = max(p["most"], int(f.size))  # every GPU of the node, in service or not
+            p["total"] += int(f.size)
             p["shapes"].add((int(f.size), int(s.cpu_total[row]), int(s.mem_total[row])))
             p["free"] += int((f >= MILLI).sum())
+            # GPUs in service whose holders are all best_effort: what a vip may preempt.
+            preemptible = sum(1 for g in np.flatnonzero(s.gpu_exists[row])
+                              if not self.excluded[self.offset[row] + g] and self.on_gpu.get((row, int(g)))
+                              and all(self.by_id[t].task.tier == "best_effort" for t in self.on_gpu[(row, int(g))]))
+            p["preemptible"] += preemptible
+            p["clearable"] = max(p["clearable"], int((f >= MILLI).sum()) + preemptible)
             part = f[(f > 0) & (f < MILLI)]
             if part.size:
                 p["milli"] = max(p["milli"], int(part.max()))

@@ -751,6 +751,20 @@ def test_the_negotiator_counts_a_gpu_held_by_shares_as_freeing_when_its_last_sha
     assert run.jobs[1].state == "done" and run.jobs[1].queue_s > 4 * 3600.0
 
 
+def test_the_negotiators_view_keeps_the_services_headroom_and_counts_preemptible_gpus() -> None:
+    # Four GPUs on one node: a best_effort run on one, a standard run on another. As the sla
+    # service's view has it: two free, one of them headroom for guaranteed tiers, one
+    # preemptible, three a vip could clear on the node, and both busy GPUs freeing.
+    runs = (task(0, duration=3600.0, tier="best_effort"), task(1, duration=7200.0))
+    run = FleetRun(tiny_fleet(gpus=4), workload(*runs, hours=3.0), "fleetpilot", seed=1)
+    for gpu, job in enumerate(run.jobs):
+        job.state = "pending"
+        run._start(job, 0, [gpu], 1000, 0.0)
+    (pool,) = run._fleet_view(60.0, ahead_of=(0, 0.0)).pools
+    assert (pool.free_gpus, pool.reserved_gpus, pool.preemptible_gpus, pool.most_clearable_on_a_node) == (2, 1, 1, 3)
+    assert sorted(in_s for in_s, _ in pool.completions) == pytest.approx([3540.0, 7140.0])
+
+
 @pytest.mark.parametrize(("asks", "stopped"), [(700, None), (500, "t1")])
 def test_room_is_made_only_where_a_tenants_going_leaves_enough(asks: int, stopped: str | None) -> None:
     # Two runs of 500 thousandths share the GPU, the second with more left. A waiting share
