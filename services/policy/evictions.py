@@ -278,8 +278,7 @@ class Evictions(ReplicaState):
             adm = self.admissions.of(running.task_id)
             if adm is None or adm.contract.tier != "best_effort":
                 continue
-            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s,
-                                                          resumes=adm.task.resumable)))
+            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s)))
         return out
 
     def preemption_for(self, adm: TaskAdmitted, leaving: frozenset[str] = frozenset()

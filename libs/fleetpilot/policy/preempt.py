@@ -19,10 +19,8 @@ tier is unknown is never evicted.
 **Cheapest set.** On each node, the set of victims whose removal lets the vip task fit
 (``fits``: CPU, host memory, and ``gpus`` healthy GPUs of an accepted model with the milli
 and GPU memory it asks) with the least lost work. A victim's cost is
-``Σ milli/1000 × (age_s + restart_s)`` over its GPU holds: a task that does not resume from a
-checkpoint throws away what it has run so far plus a restart. One that resumes
-(``TaskSubmitted.resumable``) checkpoints on the executor's SIGTERM and is queued again with
-its progress, so it loses its restart only: ``Σ milli/1000 × restart_s``. Up to
+``Σ milli/1000 × (age_s + restart_s)`` over its GPU holds: a best_effort task is assumed not
+to checkpoint, so evicting it throws away what it has run so far plus a restart. Up to
 ``EXACT_LIMIT`` victims on a node every subset is tried (the optimum; a superset always
 costs more, so no victim is superfluous); beyond that, a greedy choice by cost per freed
 milli, then every victim that is not needed dropped again. The cheapest node wins.
@@ -112,12 +110,10 @@ class Preemption:
         return sum(v.cost for v in self.victims)
 
 
-def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S, *, resumes: bool = False) -> float:
-    """``Σ milli/1000 × (age + restart_s)`` over the task's GPU holds, or for a task that
-    ``resumes`` from its checkpoint ``Σ milli/1000 × restart_s`` (module docstring)."""
+def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S) -> float:
+    """``Σ milli/1000 × (age + restart_s)`` over the task's GPU holds (module docstring)."""
     return (
-        sum(a.milli / 1000.0 * ((0.0 if resumes else max(0.0, at - a.at)) + restart_s)
-            for a in task.allocations if a.gpu >= 0)
+        sum(a.milli / 1000.0 * (max(0.0, at - a.at) + restart_s) for a in task.allocations if a.gpu >= 0)
         or restart_s / 1000.0
     )
 

@@ -178,8 +178,6 @@ def test_the_cheapest_node_wins():
 def test_eviction_cost_is_lost_work_plus_a_restart():
     task = Running("t", "n", (hold("t", 0, 500, at=100.0), hold("t", 1, 1000, at=100.0)))
     assert eviction_cost(task, at=160.0, restart_s=60.0) == pytest.approx(0.5 * 120 + 1.0 * 120)
-    # A task that resumes from its checkpoint loses its restart only, however long it ran.
-    assert eviction_cost(task, at=3700.0, restart_s=60.0, resumes=True) == pytest.approx(0.5 * 60 + 1.0 * 60)
     assert evict_confidence(2, 0.97) == pytest.approx(0.9409)
 
 
