@@ -45,7 +45,7 @@ from fleetpilot.policy.preempt import (
     preemptions,
     reassign_decision_id,
 )
-from fleetpilot.policy.rebalance import generation, run_progress_s
+from fleetpilot.policy.rebalance import generation, run_counted_from, run_progress_s
 from fleetpilot.policy.restart_limits import FailureKind, PlacementFailures, decode_failures, encode_failures
 from fleetpilot.runtime import CasConflict, KeyValue, Retry
 
@@ -278,7 +278,10 @@ class Evictions(ReplicaState):
             adm = self.admissions.of(running.task_id)
             if adm is None or adm.contract.tier != "best_effort":
                 continue
-            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s)))
+            declared = adm.task.expected_duration_s or 0.0
+            left = max(declared - (at - run_counted_from(running)), 0.0) if declared else 0.0
+            out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s,
+                                                          resumes=adm.task.resumable), left_s=left))
         return out
 
     def preemption_for(self, adm: TaskAdmitted, leaving: frozenset[str] = frozenset()

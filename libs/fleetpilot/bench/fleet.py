@@ -797,7 +797,8 @@ class FleetRun:
             holds = tuple(a for a in ledgers[j.row].allocations if a.task_id == j.task.task_id)
             running = Running(task_id=j.task.task_id, node=self.state.node_names[j.row], allocations=holds)
             all_chosen.append((j.row, Victim(running=running, admitted=self._admitted(j),
-                                             cost=eviction_cost(running, now))))
+                                             cost=eviction_cost(running, now, resumes=j.task.resumable),
+                                             left_s=max(self._expected_end(j) - now, 0.0))))
         for _, req in self._requests(job):
             wanted = msgspec.structs.replace(job.submitted, gpu_memory_mb=req.gpu_memory_mb,
                                              gpu_models=list(req.gpu_models))

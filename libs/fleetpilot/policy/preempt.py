@@ -19,8 +19,14 @@ tier is unknown is never evicted.
 **Cheapest set.** On each node, the set of victims whose removal lets the vip task fit
 (``fits``: CPU, host memory, and ``gpus`` healthy GPUs of an accepted model with the milli
 and GPU memory it asks) with the least lost work. A victim's cost is
-``Σ milli/1000 × (age_s + restart_s)`` over its GPU holds: a best_effort task is assumed not
-to checkpoint, so evicting it throws away what it has run so far plus a restart. Up to
+``Σ milli/1000 × (age_s + restart_s)`` over its GPU holds: a task that does not resume from a
+checkpoint throws away what it has run so far plus a restart. One that resumes
+(``TaskSubmitted.resumable``) checkpoints on the executor's SIGTERM and is queued again with
+its progress, so it loses its restart only: ``Σ milli/1000 × restart_s``. Between sets
+that lose as much (resumable victims mostly do), the one that frees the most run still to do
+wins, of as few victims (``Victim.left_s``): those hours go back to the queue behind the higher tiers, where a
+run near its end would have released its GPU soon anyway, and evicting it frees nothing
+later. Up to
 ``EXACT_LIMIT`` victims on a node every subset is tried (the optimum; a superset always
 costs more, so no victim is superfluous); beyond that, a greedy choice by cost per freed
 milli, then every victim that is not needed dropped again. The cheapest node wins.
@@ -90,11 +96,18 @@ class Victim:
     running: Running
     admitted: TaskAdmitted
     cost: float
+    # The run it has left by its declared duration (0 when it declared none).
+    left_s: float = 0.0
 
     @property
     def task_id(self) -> str:
         """The victim's task id."""
         return self.running.task_id
+
+    @property
+    def frees(self) -> float:
+        """GPU-seconds of run its eviction sends back to the queue: ``Σ milli/1000 × left_s``."""
+        return sum(a.milli / 1000.0 for a in self.running.allocations if a.gpu >= 0) * self.left_s
 
 
 @dataclass(frozen=True)
@@ -109,11 +122,20 @@ class Preemption:
         """The work thrown away."""
         return sum(v.cost for v in self.victims)
 
+    @property
+    def rank(self) -> tuple[float, int, float]:
+        """How it compares with another: the work thrown away (to the microsecond: sums of
+        restarts tie), then the fewest victims, then the most run sent back to the queue
+        (``Victim.frees``)."""
+        return round(self.cost, 6), len(self.victims), -sum(v.frees for v in self.victims)
 
-def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S) -> float:
-    """``Σ milli/1000 × (age + restart_s)`` over the task's GPU holds (module docstring)."""
+
+def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S, *, resumes: bool = False) -> float:
+    """``Σ milli/1000 × (age + restart_s)`` over the task's GPU holds, or for a task that
+    ``resumes`` from its checkpoint ``Σ milli/1000 × restart_s`` (module docstring)."""
     return (
-        sum(a.milli / 1000.0 * (max(0.0, at - a.at) + restart_s) for a in task.allocations if a.gpu >= 0)
+        sum(a.milli / 1000.0 * ((0.0 if resumes else max(0.0, at - a.at)) + restart_s)
+            for a in task.allocations if a.gpu >= 0)
         or restart_s / 1000.0
     )
 
@@ -166,14 +188,13 @@ def cheapest_on_node(
         return None  # even evicting every best_effort task here is not enough
     ordered = sorted(victims, key=lambda v: (v.cost, v.task_id))
     if len(ordered) <= EXACT_LIMIT:
-        best: tuple[Victim, ...] | None = None
-        best_cost = float("inf")
+        best: Preemption | None = None
         for size in range(1, len(ordered) + 1):
             for combo in itertools.combinations(ordered, size):
-                cost = sum(v.cost for v in combo)
-                if cost < best_cost and fits_without(combo):
-                    best, best_cost = combo, cost
-        return Preemption(topo.node, best) if best else None
+                plan = Preemption(topo.node, combo)
+                if (best is None or plan.rank < best.rank) and fits_without(combo):
+                    best = plan
+        return best
     freed = {v.task_id: sum(a.milli for a in v.running.allocations if a.gpu >= 0) or 1 for v in ordered}
     chosen: list[Victim] = []
     for v in sorted(ordered, key=lambda v: (v.cost / freed[v.task_id], v.task_id)):
@@ -213,7 +234,7 @@ def preemptions(
         plan = cheapest_on_node(task, topo, ledger, vs)
         if plan is not None:
             out.append(plan)
-    return sorted(out, key=lambda p: (p.cost, len(p.victims), p.node))
+    return sorted(out, key=lambda p: (*p.rank, p.node))
 
 
 def evict_confidence(victims: int, success: float = EVICT_SUCCESS) -> float:

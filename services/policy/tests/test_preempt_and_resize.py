@@ -48,9 +48,10 @@ def running(task_id: str, gpu: int, milli: int, age_s: float, memory_mb: int = 1
     )
 
 
-def contract_of(task_id: str, tier: str, milli: int, age_s: float) -> TaskAdmitted:
-    """What the sla service stores under ``contract.<task>``."""
-    task = TaskSubmitted(task_id=task_id, kind="train", gpu_milli=milli, gpu_models=["H100"])
+def contract_of(task_id: str, tier: str, milli: int, age_s: float, resumable: bool = False) -> TaskAdmitted:
+    """What the sla service stores under ``contract.<task>``: by default a task that does not
+    resume, whose eviction costs the work it has done (its age) plus a restart."""
+    task = TaskSubmitted(task_id=task_id, kind="train", gpu_milli=milli, gpu_models=["H100"], resumable=resumable)
     return TaskAdmitted(task=task, contract=Contract(tier=tier), tenant="t", admitted_at=now() - age_s)
 
 
@@ -167,6 +168,32 @@ async def test_a_vip_waiter_preempts_exactly_the_cheapest_best_effort_tasks_and_
     assert {d.task_id for d in observer.decisions if d.action == "assign"} == {"vip1", "be3", "be4"}
 
 
+async def test_a_vip_stops_an_old_run_that_resumes_rather_than_a_young_one_that_starts_over(
+    observer, nats_url, tmp_path
+):
+    # n0's GPU 1 holds a best_effort run an hour old that resumes from its checkpoint; n1's a
+    # best_effort run five minutes old that starts over. Evicting the first loses its restart
+    # (60 s of a GPU), the second its five minutes and a restart: the old one gives way.
+    await observer.put_fleet([node("n0"), node("n1")])
+    holds = {"n0": [running("std0", 0, 1000, age_s=1), running("be_old", 1, 1000, age_s=3600)],
+             "n1": [running("std1", 0, 1000, age_s=1), running("be_young", 1, 1000, age_s=300)]}
+    for name, allocs in holds.items():
+        await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=allocs)))
+    contracts = [contract_of("std0", "standard", 1000, 1000), contract_of("std1", "standard", 1000, 1000),
+                 contract_of("be_old", "best_effort", 1000, 4000, resumable=True),
+                 contract_of("be_young", "best_effort", 1000, 1000)]
+    for adm in contracts:
+        await observer.kv_put("contracts", f"contract.{adm.task.task_id}", encode(adm))
+    async with policy_and_executor(observer, nats_url, tmp_path, pending_retry_s=0.2):
+        await observer.admit(tiered("vip1", "vip", gpu_milli=1000, gpu_models=["H100"]))
+        await wait_for(lambda: any(d.action == "evict" for d in observer.decisions), what="an eviction")
+        await asyncio.sleep(0.6)  # more rounds: no other eviction
+        pending = await observer.js.key_value("pending")
+        _, requeue = decode_pending((await pending.get("be_old")).value)
+    assert [d.decision_id for d in observer.decisions if d.action == "evict"] == ["be_old.evict.1"]
+    assert requeue is not None and requeue.progress_s >= 3600.0  # it goes on from its checkpoint
+
+
 async def test_a_fingerprinted_vip_preempts_for_its_predicted_peak_not_its_ask(observer, nats_url, tmp_path):
     await observer.put_fleet([node("n0", gpus=1)])
     # The GPU has 400 milli and 20 GB free. Evicting be_small (young, 10 GB) is the cheapest
@@ -190,7 +217,8 @@ async def test_a_fingerprinted_vip_preempts_for_its_predicted_peak_not_its_ask(o
 
 
 async def two_nodes_each_running_a_best_effort_task(observer) -> None:
-    """n0 runs be1 (5 s old, the cheaper victim) and n1 runs be2 (50 s old), each on its one GPU."""
+    """n0 runs be1 (5 s old, resuming from its checkpoint: the cheaper victim) and n1 runs be2
+    (50 s old, starting over), each on its one GPU."""
     await observer.put_fleet([node("n0", gpus=1), node("n1", gpus=1)])
     await observer.kv_put(
         "ledger", "n0", encode(NodeLedger(node="n0", allocations=[running("be1", 0, 1000, 5)]))
@@ -198,9 +226,9 @@ async def two_nodes_each_running_a_best_effort_task(observer) -> None:
     await observer.kv_put(
         "ledger", "n1", encode(NodeLedger(node="n1", allocations=[running("be2", 0, 1000, 50)]))
     )
-    for task_id in ("be1", "be2"):
+    for task_id, resumable in (("be1", True), ("be2", False)):
         await observer.kv_put(
-            "contracts", f"contract.{task_id}", encode(contract_of(task_id, "best_effort", 1000, 9))
+            "contracts", f"contract.{task_id}", encode(contract_of(task_id, "best_effort", 1000, 9, resumable))
         )
 
 

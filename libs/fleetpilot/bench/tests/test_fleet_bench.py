@@ -977,17 +977,24 @@ def test_fleetpilots_vip_evicts_best_effort_work_only_and_the_eviction_counts_to
         assert tenant.finished_at < 600.0 + vip.queue_s + 600.0 + 7200.0  # it went on where it was stopped
 
 
-def test_fleetpilots_vip_evicts_the_best_effort_task_that_has_done_the_least_work() -> None:
-    # Two one-GPU nodes, each running a 2-hour best-effort task, one started 5 minutes after
-    # the other; the vip arriving at 10 minutes evicts the younger (``policy.preempt``: the
-    # work thrown away plus a restart), and the older runs on untouched.
-    tasks = (task(0, duration=7200.0, tier="best_effort"), task(1, duration=7200.0, arrival=300.0, tier="best_effort"),
+@pytest.mark.parametrize("older_resumes", [False, True])
+def test_fleetpilots_vip_evicts_the_best_effort_task_that_loses_the_least_work(older_resumes: bool) -> None:
+    # Two one-GPU nodes, each running a 2-hour best-effort task that starts over, one started
+    # 5 minutes after the other; the vip arriving at 10 minutes evicts the younger
+    # (``policy.preempt``: the work thrown away plus a restart), and the older runs on
+    # untouched. An older one that resumes from its checkpoint loses its restart only: it is
+    # the one evicted.
+    older = task(0, duration=7200.0, tier="best_effort")
+    tasks = (older if older_resumes else not_resumable(older),
+             not_resumable(task(1, duration=7200.0, arrival=300.0, tier="best_effort")),
              task(2, duration=600.0, arrival=600.0, tier="vip"))
     run = FleetRun(tiny_fleet(nodes=2), workload(*tasks, hours=5.0), "fleetpilot", seed=1)
     run.run()
-    older, younger, vip = run.jobs
-    assert (older.evictions, younger.evictions) == (0, 1)
-    assert vip.queue_s == TERMINATION_GRACE_S and older.finished_at < younger.finished_at
+    first, second, vip = run.jobs
+    assert (first.evictions, second.evictions) == ((1, 0) if older_resumes else (0, 1))
+    assert vip.queue_s == TERMINATION_GRACE_S
+    if not older_resumes:
+        assert first.finished_at < second.finished_at
 
 
 def not_resumable(t: BenchTask) -> BenchTask:

@@ -5,6 +5,7 @@ growth would overflow its GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgspec
@@ -175,9 +176,28 @@ def test_the_cheapest_node_wins():
     assert [(p.node, [v.task_id for v in p.victims]) for p in plans] == [("n1", ["d"]), ("n0", ["a"])]
 
 
+def test_between_victims_that_lose_as_much_the_one_with_the_most_run_left_is_evicted():
+    # Two nodes, each with one GPU held by a best_effort run that resumes (each loses one
+    # restart): evicting the one with two hours left sends them back to the queue; the one
+    # with ten minutes left would have freed its GPU soon anyway.
+    ledgers = {"n0": NodeLedger(node="n0", allocations=[hold("near_end", 0)]),
+               "n1": NodeLedger(node="n1", allocations=[hold("hours_left", 0)])}
+    nodes = {"n0": node("n0", gpus=1), "n1": node("n1", gpus=1)}
+    left = {"near_end": 600.0, "hours_left": 7200.0}
+    victims = [dataclasses.replace(victim(t, ledgers[n], 60.0), left_s=left[t])
+               for n, t in (("n0", "near_end"), ("n1", "hours_left"))]
+    plans = preemptions(vip(), nodes, ledgers, victims)
+    assert [(p.node, [v.task_id for v in p.victims]) for p in plans] == [("n1", ["hours_left"]), ("n0", ["near_end"])]
+    # A lower cost still comes first, whatever is left.
+    cheaper = [dataclasses.replace(v, cost=30.0) if v.task_id == "near_end" else v for v in victims]
+    assert preemptions(vip(), nodes, ledgers, cheaper)[0].node == "n0"
+
+
 def test_eviction_cost_is_lost_work_plus_a_restart():
     task = Running("t", "n", (hold("t", 0, 500, at=100.0), hold("t", 1, 1000, at=100.0)))
     assert eviction_cost(task, at=160.0, restart_s=60.0) == pytest.approx(0.5 * 120 + 1.0 * 120)
+    # A task that resumes from its checkpoint loses its restart only, however long it ran.
+    assert eviction_cost(task, at=3700.0, restart_s=60.0, resumes=True) == pytest.approx(0.5 * 60 + 1.0 * 60)
     assert evict_confidence(2, 0.97) == pytest.approx(0.9409)
 
 
