@@ -42,7 +42,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.fingerprint import task_signature
-from fleetpilot.ledger import free_capacity
+from fleetpilot.ledger import FreeCapacity, free_capacity
 from fleetpilot.ledger.store import node_key
 from fleetpilot.policy import ClusterState, TaskRequest
 from fleetpilot.policy.backfill import (
@@ -602,6 +602,7 @@ class Moves(ReplicaState):
         is a bridge, watched to move up), a known admission with a declared run, and a pause it
         may take."""
         out = []
+        rooms: dict[str, FreeCapacity] = {}  # what is free on each node, once per node
         for running, hold, topo, gpu in self.one_gpu_tenants(moved, in_flight, whole=alone):
             ledger = self.ledger.nodes.get(node_key(running.node))
             if ledger is None or (alone and any(a.gpu == hold.gpu and a.task_id != running.task_id
@@ -616,7 +617,9 @@ class Moves(ReplicaState):
                 continue
             free = held = None
             if not alone:
-                room = free_capacity(topo, ledger)
+                if topo.node not in rooms:
+                    rooms[topo.node] = free_capacity(topo, ledger)
+                room = rooms[topo.node]
                 free = Room(milli=room.gpu_milli[hold.gpu], gpu_memory_mb=room.gpu_memory_mb[hold.gpu],
                             cpu_milli=room.cpu_milli, memory_mb=room.memory_mb)
                 held = Room(milli=hold.milli, gpu_memory_mb=hold.memory_mb,

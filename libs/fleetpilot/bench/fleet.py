@@ -1632,13 +1632,14 @@ class FleetRun:
             p["most"] = max(p["most"], int(f.size))  # every GPU of the node, in service or not
             p["total"] += int(f.size)
             p["shapes"].add((int(f.size), int(s.cpu_total[row]), int(s.mem_total[row])))
-            p["free"] += int((f >= MILLI).sum())
+            idle = int((f >= MILLI).sum())
+            p["free"] += idle
             # GPUs in service whose holders are all best_effort: what a vip may preempt.
             preemptible = sum(1 for g in np.flatnonzero(s.gpu_exists[row])
                               if not self.excluded[self.offset[row] + g] and self.on_gpu.get((row, int(g)))
                               and all(self.by_id[t].task.tier == "best_effort" for t in self.on_gpu[(row, int(g))]))
             p["preemptible"] += preemptible
-            p["clearable"] = max(p["clearable"], int((f >= MILLI).sum()) + preemptible)
+            p["clearable"] = max(p["clearable"], idle + preemptible)
             part = f[(f > 0) & (f < MILLI)]
             if part.size:
                 p["milli"] = max(p["milli"], int(part.max()))

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fleetpilot.policy.preempt import decode_pending
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, node, settings, wait_for
 from .test_bridge import started_ago
+from .test_make_way import long_stopped_for_the_waiter
 
 
 def share(task_id: str, milli: int, declared_s: float):
@@ -24,24 +24,13 @@ def share(task_id: str, milli: int, declared_s: float):
 
 async def test_a_run_with_hours_left_on_a_share_is_checkpointed_to_make_room_for_a_short_share(
         observer, nats_url, tmp_path):
-    await observer.put_fleet([node("big", gpus=1)])
-    pending = await observer.js.key_value("pending")
-    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
-    await policy.start()
-    try:
+    async def place_both() -> None:
         await observer.admit(share("long", 600, 36_000.0))
         await wait_for(lambda: "long" in observer.by_task(), timeout_s=3.0, what="long placed")
         await started_ago(observer, "big", 3600.0)
         await observer.admit(share("waiter", 500, 600.0))
-        await wait_for(lambda: len(observer.by_task()["long"]) == 2, timeout_s=4.0, what="long checkpointed")
-        await asyncio.sleep(0.7)  # more rounds: one stop while it is under way
-        under_way = [d.action for d in observer.by_task()["long"]]
-        _, requeue = decode_pending((await pending.get("long")).value)
-        # The executor stops it and releases its hold: the waiter takes its share.
-        await observer.kv_put("ledger", "big", b'{"node":"big","allocations":[]}')
-        await wait_for(lambda: len(observer.by_task()["waiter"]) == 2, timeout_s=3.0, what="waiter placed")
-    finally:
-        await policy.stop()
+
+    under_way, requeue, _ = await long_stopped_for_the_waiter(observer, nats_url, tmp_path, place_both)
     by_task = observer.by_task()
     placed, evict = by_task["long"]
     assert under_way == ["assign", "evict"]

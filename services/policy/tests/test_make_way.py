@@ -8,12 +8,14 @@ aging setting) puts before the waiter, and one that cannot resume from its check
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
 from fleetpilot.contracts import Contract
-from fleetpilot.policy.preempt import decode_pending
+from fleetpilot.policy.preempt import Requeue, decode_pending
 from fleetpilot_services.policy.service import build
+from nats.js.kv import KeyValue
 
 from .conftest import admitted, fingerprinted, node, settings, wait_for
 from .test_bridge import started_ago
@@ -31,13 +33,19 @@ async def long_run_and_a_short_waiter(observer, declared_s: float, started_s: fl
     await observer.admit(admitted("waiter", gpu_milli=1000, gpu_memory_mb=PEAK_MB, expected_duration_s=600.0))
 
 
-async def test_a_run_with_hours_left_is_checkpointed_to_make_way_for_a_short_task(observer, nats_url, tmp_path):
+async def long_stopped_for_the_waiter(observer, nats_url, tmp_path, place_both: Callable[[], Awaitable[None]]
+                                      ) -> tuple[list[str], Requeue | None, KeyValue.Entry]:
+    """On the only GPU, of node ``big``: ``place_both`` places ``long`` and admits a waiter; a
+    rebalance round checkpoints ``long``, and no more while that is under way; the executor
+    stops it and releases its hold, and the waiter is placed. ``long``'s actions while its
+    stop was under way, the requeue note of its ``pending`` entry, and that entry a while
+    after the waiter was placed."""
     await observer.put_fleet([node("big", gpus=1)])
     pending = await observer.js.key_value("pending")
     policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
     await policy.start()
     try:
-        await long_run_and_a_short_waiter(observer, declared_s=36_000.0, started_s=3600.0)
+        await place_both()
         await wait_for(lambda: len(observer.by_task()["long"]) == 2, timeout_s=4.0, what="long checkpointed")
         await asyncio.sleep(0.7)  # more rounds: one eviction while it is under way
         under_way = [d.action for d in observer.by_task()["long"]]
@@ -49,6 +57,13 @@ async def test_a_run_with_hours_left_is_checkpointed_to_make_way_for_a_short_tas
         still_queued = await pending.get("long")
     finally:
         await policy.stop()
+    return under_way, requeue, still_queued
+
+
+async def test_a_run_with_hours_left_is_checkpointed_to_make_way_for_a_short_task(observer, nats_url, tmp_path):
+    under_way, requeue, still_queued = await long_stopped_for_the_waiter(
+        observer, nats_url, tmp_path,
+        lambda: long_run_and_a_short_waiter(observer, declared_s=36_000.0, started_s=3600.0))
     by_task = observer.by_task()
     placed, evict = by_task["long"]
     assert under_way == ["assign", "evict"]
