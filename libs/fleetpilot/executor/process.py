@@ -29,10 +29,11 @@
 - **OOM**: reported as ``oom_killed`` when the process exits non-zero with an out-of-memory
   marker on stderr (``CUDA out of memory``, ``OutOfMemoryError``, ``MemoryError``,
   ``std::bad_alloc``, ``RESOURCE_EXHAUSTED: Out of memory``...), or dies by a SIGKILL that we
-  did not send (exit 137 / -9) while the ``oom_kill`` count in the ``memory.events`` of its
-  cgroup (v2, under ``cgroup_root``) moved since its start: the kernel's OOM killer. A SIGKILL
-  that count did not see (an operator's ``kill -9``, a node's watchdog) is ``failed``. Where
-  the count cannot be read (cgroup v1, no memory controller, the root cgroup, no permission)
+  did not send (exit 137 / -9) while the ``oom_kill`` count of its cgroup (under
+  ``cgroup_root``: v2's ``memory.events``, v1's ``memory/.../memory.oom_control``) moved since
+  its start: the kernel's OOM killer. A SIGKILL that count did not see (an operator's
+  ``kill -9``, a node's watchdog) is ``failed``. Where the count cannot be read (no memory
+  controller, the root cgroup of v2, a v1 kernel before 4.13, no permission)
   such a SIGKILL is taken for an OOM, and its detail says it could not be told. The count is
   the cgroup's, not the task's: tasks that share a cgroup (an executor's pod) see each other's
   OOM kills, so a ``kill -9`` that comes as another task of the cgroup is OOM-killed is taken
@@ -140,7 +141,8 @@ _RLIMIT_LAUNCHER = (
 StopReason = LifecycleState | None
 # The exits of a process killed by SIGKILL: its own (-9), or a shell's whose child it was (137).
 SIGKILLED = (128 + signal.SIGKILL, -signal.SIGKILL)
-# Where cgroup v2 is mounted (in a container with a cgroup namespace, its own part of the tree).
+# Where cgroups are mounted: v2 at the top, each v1 controller below it (``memory``); in a
+# container with a cgroup namespace, its own part of the tree.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -168,7 +170,7 @@ def classify_exit(
         if oom_kill_moved is None:
             return "oom_killed", (f"killed by SIGKILL not sent by the executor (exit {returncode}), taken "
                                   f"for the OOM killer: whether it was could not be told (its cgroup's "
-                                  f"memory.events cannot be read)")
+                                  f"oom_kill count cannot be read)")
         if oom_kill_moved:
             return "oom_killed", (f"killed by the OOM killer (exit {returncode}: the cgroup's oom_kill count "
                                   f"moved)")
@@ -237,7 +239,7 @@ class _Task:
         # carries the id in its environment and started since is the run's (``_signal_task``).
         self.run = ""
         self.since = 0
-        # The ``memory.events`` of the cgroup its process runs in and its ``oom_kill`` count
+        # The file that counts the OOM kills of the cgroup its process runs in and that count
         # at the start, or why they cannot be read (``_oom_kills``).
         self.oom_kills: tuple[Path, int] | str = ""
         # This run's log as the executor opened it for the task's stdout, kept open while the
@@ -897,24 +899,40 @@ def _cut_log(fd: int, path: Path) -> None:
     os.ftruncate(fd, 0)
 
 
+def oom_kill_counter(cgroup_root: Path, proc_cgroup: str) -> Path:
+    """The file that counts the OOM kills of a process's cgroup, under ``cgroup_root``, given
+    its ``/proc/<pid>/cgroup`` (``proc_cgroup``); ``ValueError`` where it has none.
+
+    The memory controller is bound to one hierarchy. Under cgroup v1 (or a hybrid tree, whose
+    v2 part then has no memory controller) that is the line naming ``memory``, counted in
+    ``<root>/memory/<path>/memory.oom_control`` (kernel 4.13 and later); under v2 alone, the
+    ``0::`` line, counted in ``<root>/<path>/memory.events``."""
+    lines = [line.split(":", 2) for line in proc_cgroup.splitlines() if line.strip()]
+    if any(len(parts) != 3 for parts in lines):
+        raise ValueError(f"not a /proc/<pid>/cgroup: {proc_cgroup[:200]!r}")
+    for _, controllers, path in lines:
+        if "memory" in controllers.split(","):
+            return cgroup_root / "memory" / path.lstrip("/") / "memory.oom_control"
+    for hierarchy, controllers, path in lines:
+        if hierarchy == "0" and not controllers:
+            return cgroup_root / path.lstrip("/") / "memory.events"
+    raise ValueError("in no cgroup with a memory controller")
+
+
 def _oom_kills(cgroup_root: Path, pid: int) -> tuple[Path, int] | str:
-    """The ``memory.events`` of the cgroup (v2) process ``pid`` runs in, under ``cgroup_root``,
-    and its ``oom_kill`` count now; or why they cannot be read."""
+    """The file that counts the OOM kills of the cgroup process ``pid`` runs in
+    (``oom_kill_counter``) and its ``oom_kill`` count now; or why they cannot be read."""
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-        # The v2 hierarchy is the one of id 0 and no controllers; cgroup v1 alone has none.
-        path = next((line[3:] for line in lines if line.startswith("0::")), None)
-        if path is None:
-            return f"process {pid} is in no cgroup v2"
-        events = cgroup_root / path.lstrip("/") / "memory.events"
-        return events, _read_oom_kill(events)
+        counter = oom_kill_counter(cgroup_root, Path(f"/proc/{pid}/cgroup").read_text())
+        return counter, _read_oom_kill(counter)
     except (OSError, ValueError) as error:
-        return str(error)
+        return f"process {pid}: {error}"
 
 
 def _read_oom_kill(events: Path) -> int:
-    """The ``oom_kill`` count of a cgroup's ``memory.events``: the processes of the cgroup
-    (and of those below it) killed by an OOM killer."""
+    """The ``oom_kill`` count of a cgroup's ``memory.events`` (v2) or ``memory.oom_control``
+    (v1), both lines of ``key value``: the processes of the cgroup (and, v2, of those below
+    it) killed by an OOM killer."""
     for line in events.read_text().splitlines():
         key, _, value = line.partition(" ")
         if key == "oom_kill":

@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from fleetpilot.contracts import Placement, TaskLifecycle
 from fleetpilot.executor import BackendError, ProcessBackend, classify_exit
-from fleetpilot.executor.process import child_env
+from fleetpilot.executor.process import child_env, oom_kill_counter
 
 PY = sys.executable
 GPU0 = [Placement(node="n1", gpu=0, milli=1000)]
@@ -187,16 +187,41 @@ def test_classify_exit(code: int, stderr: str, reason: str | None, expected: str
 
 
 def fake_cgroup(root: Path, oom_kill: int) -> Path:
-    """A cgroup tree under ``root`` whose ``memory.events`` (that of the cgroup this test, and
-    so the tasks it starts, runs in) counts ``oom_kill`` kills; the file, to move the count."""
-    lines = Path("/proc/self/cgroup").read_text().splitlines()
-    path = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if path is None:
-        pytest.skip("no cgroup v2 line in /proc/self/cgroup")
-    events = root / path.lstrip("/") / "memory.events"
-    events.parent.mkdir(parents=True, exist_ok=True)
-    events.write_text(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {oom_kill}\noom_group_kill 0\n")
-    return events
+    """A cgroup tree under ``root`` whose OOM-kill counter (that of the cgroup this test, and
+    so the tasks it starts, runs in: ``memory.events`` under v2, ``memory.oom_control`` under
+    v1) counts ``oom_kill`` kills; the file, to move the count."""
+    try:
+        counter = oom_kill_counter(root, Path("/proc/self/cgroup").read_text())
+    except ValueError as error:
+        pytest.skip(f"this process has no cgroup to count its OOM kills: {error}")
+    counter.parent.mkdir(parents=True, exist_ok=True)
+    counter.write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {oom_kill}\n"
+                       if counter.name == "memory.oom_control" else
+                       f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {oom_kill}\noom_group_kill 0\n")
+    return counter
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "counter"),
+    [
+        # cgroup v2 alone (a unified host, a container with a cgroup namespace).
+        ("0::/system.slice/fleetpilot-executor.service\n",
+         "system.slice/fleetpilot-executor.service/memory.events"),
+        # cgroup v1: the memory controller has its own hierarchy.
+        ("12:pids:/docker/abc\n4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n",
+         "memory/docker/abc/memory.oom_control"),
+        # hybrid: a v2 line without the memory controller, which v1 holds.
+        ("4:memory:/process_api/x\n1:name=systemd:/\n0::/\n", "memory/process_api/x/memory.oom_control"),
+    ],
+)
+def test_the_oom_kill_counter_is_read_where_the_memory_controller_is(proc_cgroup: str, counter: str) -> None:
+    assert oom_kill_counter(Path("/cg"), proc_cgroup) == Path("/cg") / counter
+
+
+@pytest.mark.parametrize("proc_cgroup", ["3:cpu:/a\n1:name=systemd:/a\n", "not a cgroup file", ""])
+def test_a_process_without_a_memory_controller_has_no_oom_kill_counter(proc_cgroup: str) -> None:
+    with pytest.raises(ValueError):
+        oom_kill_counter(Path("/cg"), proc_cgroup)
 
 
 async def killed_by_the_test(
@@ -234,6 +259,76 @@ async def test_a_sigkill_whose_cgroup_cannot_be_read_is_taken_for_an_oom_and_say
     # cgroup v1, a container without the file, no permission: today's reading, told as a guess.
     end = await killed_by_the_test(ProcessBackend(node="n1", cgroup_root=tmp_path / "none"))
     assert end.state == "oom_killed" and "could not be told" in end.detail
+
+
+@contextlib.contextmanager
+def memory_limited_cgroup(limit_mb: int) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """A real cgroup v1 memory cgroup below this process's own, limited to ``limit_mb``; what
+    it gives, ``inside()``, puts this process in it for a ``with`` block, so that what starts
+    there (a task) is born in it and stays when this process goes back. Skips where this
+    process may not make one (not root, no v1 memory controller, a read-only tree)."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        counter = oom_kill_counter(root, Path("/proc/self/cgroup").read_text())
+    except ValueError as error:
+        pytest.skip(f"no memory cgroup: {error}")
+    if counter.name != "memory.oom_control":
+        pytest.skip("the memory controller is on cgroup v2 here")
+    home = counter.parent
+    cgroup = home / f"fleetpilot-test-{os.getpid()}"
+    try:
+        cgroup.mkdir()
+        (cgroup / "memory.limit_in_bytes").write_text(str(limit_mb << 20))
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            cgroup.rmdir()
+        pytest.skip(f"cannot make a memory cgroup here: {error}")
+
+    @contextlib.contextmanager
+    def inside() -> Iterator[None]:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            (home / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        yield inside
+    finally:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+# Allocates until its cgroup's limit stops it, the first process the OOM killer picks.
+MEMORY_HOG = ("open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+              "held = []\n"
+              "while True:\n    held.append(b'x' * (8 << 20))")
+
+
+async def test_the_kernel_s_oom_kill_and_an_operator_s_kill_9_are_told_apart_on_a_real_cgroup() -> None:
+    backend = ProcessBackend(node="n1")
+    with memory_limited_cgroup(128) as inside:
+        with inside():
+            await backend.start("hog", GPU0, py(MEMORY_HOG), {})
+        hog = (await wait_for_state(backend, "hog"))[-1]
+        assert hog.state == "oom_killed" and hog.exit_code == -signal.SIGKILL
+        assert "OOM killer" in hog.detail and "oom_kill count moved" in hog.detail
+        # In the same cgroup, killed by hand: the count moved before this task started, not since.
+        with inside():
+            sleeper = await backend.start("sleeper", GPU0, py("import time; time.sleep(60)"), {})
+        os.kill(sleeper.pid, signal.SIGKILL)
+        killed = (await wait_for_state(backend, "sleeper"))[-1]
+        assert killed.state == "failed" and "not an OOM" in killed.detail
 
 
 async def test_migration_whose_restart_fails_reports_the_task_lost(tmp_path: Path) -> None:
