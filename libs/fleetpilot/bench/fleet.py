@@ -235,7 +235,7 @@ from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
 from fleetpilot.policy.state import MILLI, peak_sigma_mb
 from fleetpilot.sla import Admit, CounterOffer, FleetView, GpuPool, bound_sites, contract_for, negotiate
-from fleetpilot.sla.fleet import node_frontier, one_node_free_in
+from fleetpilot.sla.fleet import node_frontier
 from fleetpilot.sla.snapshot import SnapshotKnobs, frees_in, play_queue, queued
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -1585,8 +1585,7 @@ class FleetRun:
         """The SLA negotiator's view at ``now`` of a request whose place in the queue is
         ``ahead_of``, as the sla service's ``fleet_view`` builds it from the ledger and the
         contracts: free GPUs (with the headroom kept for guaranteed tiers), spare shares,
-        preemptible GPUs, completions and when one node has each number of GPUs free
-        (``one_node_free_in``) per (site, model), then the tasks
+        preemptible GPUs and completions per (site, model), then the tasks
         admitted, still waiting and served before the request played through them in the
         queue's order (``play_queue``). The running tasks are counted once a cycle and kept
         up to date with the arrivals that start within it (``_seen_started``)."""
@@ -1611,16 +1610,15 @@ class FleetRun:
                                most_clearable_on_a_node=p["clearable"],
                                completions=tuple(sorted(completions.items())),
                                relative_compute=m.compute_ratio, most_gpus_on_a_node=p["most"],
-                               node_shapes=p["shapes"], gaps=tuple(gaps), node_free_in=p["one_node"]))
+                               node_shapes=p["shapes"], gaps=tuple(gaps)))
         return FleetView(pools=tuple(out))
 
     def _pool_base(self, now: float) -> dict[tuple[str, str], dict]:
         """Per (site, model): GPUs free, the largest spare share, when each busy GPU frees
         (seconds from ``now``: when its last holder ends, whole or a share, as the sla
-        service's ``fleet_view`` counts it), the same per node (``nodes``, and from them
-        ``one_node``: when one node has each number of GPUs free), the most GPUs a node has
-        and each node's GPUs, CPU and memory (``node_frontier``); counted at the first
-        arrival after a cycle and kept for the arrivals until the next."""
+        service's ``fleet_view`` counts it), the most GPUs a node has and each node's GPUs,
+        CPU and memory (``node_frontier``); counted at the first arrival after a cycle and
+        kept for the arrivals until the next."""
         if self._view is not None:
             return self._view
         s = self.state
@@ -1629,14 +1627,13 @@ class FleetRun:
         for row in range(s.n_nodes):
             key = (self.node_site[row], self.node_model[row])
             p = pools.setdefault(key, {"free": 0, "milli": 0, "completions": [], "most": 0, "shapes": set(),
-                                       "total": 0, "preemptible": 0, "clearable": 0, "nodes": {}})
+                                       "total": 0, "preemptible": 0, "clearable": 0})
             f = free[row][s.gpu_exists[row]]
             p["most"] = max(p["most"], int(f.size))  # every GPU of the node, in service or not
             p["total"] += int(f.size)
             p["shapes"].add((int(f.size), int(s.cpu_total[row]), int(s.mem_total[row])))
             idle = int((f >= MILLI).sum())
             p["free"] += idle
-            p["nodes"][row] = [0.0] * idle  # then, when each busy GPU frees (below)
             # GPUs in service whose holders are all best_effort: what a vip may preempt.
             preemptible = sum(1 for g in np.flatnonzero(s.gpu_exists[row])
                               if not self.excluded[self.offset[row] + g] and self.on_gpu.get((row, int(g)))
@@ -1654,12 +1651,9 @@ class FleetRun:
                 for g in j.gpus:
                     last[(j.row, g)] = max(last.get((j.row, g), ends), ends)
         for (row, _), (end, declared) in last.items():
-            p = pools[(self.node_site[row], self.node_model[row])]
-            p["completions"].append(frees_in(end, declared, now))
-            p["nodes"][row].append(p["completions"][-1])
+            pools[(self.node_site[row], self.node_model[row])]["completions"].append(frees_in(end, declared, now))
         for p in pools.values():
             p["shapes"] = node_frontier(p["shapes"])  # once a cycle, not once per arrival's view
-            p["one_node"] = one_node_free_in(p["nodes"].values())
         self._view = pools
         return pools
 
@@ -1686,12 +1680,6 @@ class FleetRun:
         pool = self._view[(self.node_site[job.row], self.node_model[job.row])]
         pool["free"] = max(pool["free"] - len(taken), 0)
         pool["completions"].extend([self._frees_in(job, now)] * len(taken))
-        node = pool["nodes"][job.row]
-        for _ in taken:
-            if 0.0 in node:
-                node.remove(0.0)
-            node.append(self._frees_in(job, now))
-        pool["one_node"] = one_node_free_in(pool["nodes"].values())
 
     # -- figures ------------------------------------------------------------------------------
 

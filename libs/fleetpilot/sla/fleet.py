@@ -46,13 +46,6 @@ class GpuPool:
     """``(from_s, until_s)`` spans, seconds from now, in which one GPU stands idle until a
     task waiting for it starts (``snapshot.play_queue``): a request whose run ends within
     one may start there, as the policy backfills it."""
-    node_free_in: tuple[float, ...] = ()
-    """``node_free_in[g - 1]``: seconds from now until one node of the pool has ``g`` GPUs
-    free for good, free now or freed as their holders' expected runs end, before any waiting
-    task takes them (``one_node_free_in``). A task's GPUs are all on one node: two half-free
-    nodes are no room for a task as wide as a node, which the pooled ``free_gpus`` and
-    ``completions`` would read as free. Empty when not known, and then a wide request is
-    estimated on the pool's GPUs pooled."""
 
     def holds(self, gpus: int, cpu_milli: int = 0, memory_mb: int = 0) -> bool:
         """Whether one node of the pool has ``gpus`` GPUs and the CPU and host memory asked
@@ -109,19 +102,3 @@ def node_frontier(shapes: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, in
         if not any(all(k >= v for k, v in zip(other, shape, strict=True)) for other in kept):
             kept.append(shape)
     return tuple(sorted(kept))
-
-
-def one_node_free_in(nodes: Iterable[Iterable[float]]) -> tuple[float, ...]:
-    """``GpuPool.node_free_in`` from each node's GPUs of the pool, given as the seconds until
-    each frees for good (0: free now); a GPU that never frees by what is known (out of
-    service, a holder of unknown duration) is left out. Entry ``g - 1`` is the earliest time
-    any one node has ``g`` of them free, ``math.inf`` where no node will; the tuple is as long
-    as the most GPUs a node of the pool has that way."""
-    best: list[float] = []
-    for node in nodes:
-        for g, at in enumerate(sorted(node)):
-            if g == len(best):
-                best.append(at)
-            elif at < best[g]:
-                best[g] = at
-    return tuple(best)

@@ -114,18 +114,7 @@ def _queue_s(pool: GpuPool, task: TaskSubmitted, tier: str, hold_s: float | None
 
     With ``hold_s`` (how long the task holds its GPUs: its warm-up and expected run), it may
     also start sooner in the pool's ``gaps``, GPUs idle until a waiting task takes them, if
-    the run ends within them: the policy backfills there. A task of several GPUs waits at
-    least until one node has that many free (``GpuPool.node_free_in``): the pool's GPUs,
-    pooled, are counted wherever they are."""
-    pooled = _pooled_queue_s(pool, task, tier, hold_s)
-    if task.gpus <= 1 or not pool.node_free_in:
-        return pooled
-    one_node = pool.node_free_in[task.gpus - 1] if task.gpus <= len(pool.node_free_in) else math.inf
-    return max(pooled, one_node)
-
-
-def _pooled_queue_s(pool: GpuPool, task: TaskSubmitted, tier: str, hold_s: float | None) -> float:
-    """``_queue_s`` with the pool's GPUs counted as if on one node."""
+    the run ends within them: the policy backfills there."""
     if task.gpus == 1 and task.gpu_milli < 1000 and pool.free_milli >= task.gpu_milli:
         return 0.0
     free = _visible_free(pool, tier)

@@ -48,9 +48,6 @@ never frees, as the policy will place nothing there:
   task's GPUs are all on one node, and a GPU out of service now may be back); and
   ``node_shapes``, each node's GPUs of the pool with its CPU and host memory (a task's
   CPU and memory are on that node too), those no other node outdoes.
-- ``node_free_in``: per width, when one node first has that many GPUs free for good (free
-  now, or as its holders' runs end; ``one_node_free_in``), before the queue's turn: a task
-  of several GPUs waits at least that long, however many are free across the pool.
 - ``completions``: when busy GPUs free up, from each holder's reservation time plus the
   ``expected_duration_s`` of its admitted task. A GPU frees when its *last* holder ends; a
   GPU with any holder of unknown duration never appears (no promise we cannot back). A run
@@ -86,7 +83,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fleet.catalogue import UnknownGpuModel, gpu_model
 from fleetpilot.policy.backfill import queue_key
 
-from .fleet import FleetView, GpuPool, earliest_in_windows, node_frontier, one_node_free_in
+from .fleet import FleetView, GpuPool, earliest_in_windows, node_frontier
 
 
 @dataclass(frozen=True)
@@ -130,8 +127,6 @@ class _PoolTally:
     shapes: set[tuple[int, int, int]] = field(default_factory=set)
     # The most GPUs of the pool one node has free or running only best_effort work.
     most_clearable: int = 0
-    # Per node: its GPUs of the pool free now, and ``frees_at`` of its busy ones.
-    nodes: list[tuple[int, list[tuple[float, float]]]] = field(default_factory=list)
 
     def add(self, other: _PoolTally) -> None:
         """Fold another node's tally of the same pool into this one."""
@@ -145,7 +140,6 @@ class _PoolTally:
         self.most_on_a_node = max(self.most_on_a_node, other.most_on_a_node)
         self.shapes |= other.shapes
         self.most_clearable = max(self.most_clearable, other.most_clearable)
-        self.nodes.extend(other.nodes)
 
 
 NodeTallies = dict[tuple[str, str], _PoolTally]
@@ -187,7 +181,6 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
         tally.most_on_a_node = tally.total
         tally.shapes = {(tally.total, node.cpu_milli, node.memory_mb)}
         tally.most_clearable = tally.free + tally.preemptible
-        tally.nodes = [(tally.free, list(tally.frees_at))]
     return tallies
 
 
@@ -469,15 +462,13 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
         completions: dict[float, int] = defaultdict(int)
         for in_s in frees:
             completions[round(in_s, 3)] += 1
-        on_one_node = one_node_free_in([0.0] * idle + [frees_in(end, duration, now) for end, duration in busy]
-                                       for idle, busy in tally.nodes)
         pools.append(GpuPool(site=site, gpu_model=model, memory_mb_per_gpu=tally.memory_mb,
                              price_per_gpu_hour=price, free_gpus=free, free_milli=tally.free_milli,
                              reserved_gpus=reserved, preemptible_gpus=tally.preemptible,
                              most_clearable_on_a_node=tally.most_clearable,
                              completions=tuple(sorted(completions.items())), relative_compute=compute,
                              most_gpus_on_a_node=tally.most_on_a_node, node_shapes=node_frontier(tally.shapes),
-                             gaps=tuple(gaps), node_free_in=on_one_node))
+                             gaps=tuple(gaps)))
     return FleetView(pools=tuple(pools), bandwidth_gbps=dict(bandwidth_gbps or {}),
                      local_bandwidth_gbps=knobs.local_bandwidth_gbps,
                      default_bandwidth_gbps=knobs.default_bandwidth_gbps,

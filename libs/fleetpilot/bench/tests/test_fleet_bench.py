@@ -763,28 +763,6 @@ def test_the_negotiators_view_keeps_the_services_headroom_and_counts_preemptible
     (pool,) = run._fleet_view(60.0, ahead_of=(0, 0.0)).pools
     assert (pool.free_gpus, pool.reserved_gpus, pool.preemptible_gpus, pool.most_clearable_on_a_node) == (2, 1, 1, 3)
     assert sorted(in_s for in_s, _ in pool.completions) == pytest.approx([3540.0, 7140.0])
-    assert pool.node_free_in == pytest.approx((0.0, 0.0, 3540.0, 7140.0))
-
-
-def test_the_negotiators_view_has_a_wide_task_wait_for_one_node_as_the_services_does() -> None:
-    # Two nodes of two GPUs, running a one-hour run and a two-hour run on one GPU each: the
-    # pool has two GPUs free, but no node has two before an hour. A three-hour run started
-    # on the first node within the cycle (``_seen_started``) leaves the second node's run as
-    # the first to give a node both its GPUs.
-    runs = (task(0, duration=3600.0), task(1, duration=7200.0), task(2, duration=3 * 3600.0))
-    run = FleetRun(tiny_fleet(gpus=2, nodes=2), workload(*runs, hours=3.0), "fleetpilot", seed=1)
-    for row, job in enumerate(run.jobs[:2]):
-        job.state = "pending"
-        run._start(job, row, [0], 1000, 0.0)
-    one_hour, two_hours = (run._frees_in(job, 60.0) for job in run.jobs[:2])
-    (pool,) = run._fleet_view(60.0, ahead_of=(0, 0.0)).pools
-    assert pool.free_gpus == 2 and pool.node_free_in == pytest.approx((0.0, one_hour))
-    late = run.jobs[2]
-    late.state = "pending"
-    run._start(late, 0, [1], 1000, 60.0)
-    run._seen_started(late, 60.0)
-    (pool,) = run._fleet_view(60.0, ahead_of=(0, 0.0)).pools
-    assert pool.free_gpus == 1 and pool.node_free_in == pytest.approx((0.0, two_hours))
 
 
 @pytest.mark.parametrize(("asks", "stopped"), [(700, None), (500, "t1")])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import pytest
 from fleetpilot.contracts import Fingerprint, SlaOffer, SlaRequest, TaskSubmitted, encode
@@ -18,7 +16,6 @@ from fleetpilot.sla import (
     contract_for,
     negotiate,
 )
-from fleetpilot.sla.fleet import one_node_free_in
 
 NOW = 10_000.0
 
@@ -375,18 +372,3 @@ def test_a_short_task_is_admitted_into_the_gap_a_waiting_wide_task_leaves():
     # A run of unknown length is never promised a gap.
     unknown = task(kind="train", sla={"max_queue_s": 60})
     assert not isinstance(negotiate(unknown, fleet, now=NOW), Admit)
-
-
-@pytest.mark.parametrize(
-    ("nodes", "expected"),
-    [
-        ([], ()),
-        ([[0.0, 0.0, 50.0]], (0.0, 0.0, 50.0)),
-        # The earliest node for each width: n2 gives 2 soonest, n1 gives 3 and 4.
-        ([[0.0, 100.0, 200.0, 300.0], [0.0, 10.0]], (0.0, 10.0, 200.0, 300.0)),
-        # A GPU that never frees sorts last: a width only it would complete is never free.
-        ([[5.0], [math.inf, 0.0]], (0.0, math.inf)),
-    ],
-)
-def test_one_node_free_in_is_per_width_the_earliest_node(nodes, expected):
-    assert one_node_free_in(nodes) == expected

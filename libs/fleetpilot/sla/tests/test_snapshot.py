@@ -343,30 +343,6 @@ def test_a_task_asking_more_gpus_than_any_node_has_is_refused_not_queued_for_eve
     assert pool.most_gpus_on_a_node == 4
 
 
-def test_a_wide_task_waits_until_one_node_has_its_gpus_not_until_the_pool_has_them():
-    """Two 4-GPU nodes, each with two GPUs free and two busy for the next hour: the pool has
-    4 GPUs free, and a 4-GPU task asking to start within 10 minutes was admitted to start
-    now, then waited an hour for a node to empty. One node's run ending in 5 minutes is what
-    it waits for."""
-    nodes = [NodeTopology(node=n, site="s1", gpus=[GpuInfo(index=i, model="A100-40GB", memory_mb=40_960)
-                                                   for i in range(4)]) for n in ("n1", "n2")]
-    contracts = {"long": admitted("long", "standard", 3_640.0), "short": admitted("short", "standard", 340.0)}
-    ledgers = [NodeLedger(node=n, allocations=[hold("long", 0), hold("long", 1)]) for n in ("n1", "n2")]
-    wide = TaskSubmitted(task_id="wide", gpus=4, gpu_memory_mb=1000, expected_duration_s=600.0,
-                         sla=SlaRequest(tier="standard", max_queue_s=600))
-    (pool,) = fleet_view(nodes, ledgers, contracts, now=NOW).pools
-    assert (pool.free_gpus, pool.node_free_in) == (4, (0.0, 0.0, 3_600.0, 3_600.0))
-    verdict = negotiate(wide, fleet_view(nodes, ledgers, contracts, now=NOW), now=NOW)
-    assert isinstance(verdict, CounterOffer), verdict
-    assert verdict.options[0].expected_queue_s == pytest.approx(3_600.0)
-    # A pair of GPUs still fits at once; a whole node once the short run on n2 ends.
-    assert isinstance(negotiate(msgspec.structs.replace(wide, gpus=2), fleet_view(nodes, ledgers, contracts, now=NOW),
-                                now=NOW), Admit)
-    ledgers[1] = NodeLedger(node="n2", allocations=[hold("short", 0), hold("short", 1)])
-    verdict = negotiate(wide, fleet_view(nodes, ledgers, contracts, now=NOW), now=NOW)
-    assert isinstance(verdict, Admit), verdict
-
-
 def test_a_task_no_node_has_the_cpu_or_memory_for_is_not_admitted_to_its_pool():
     """A task's CPU and host memory are on the node of its GPUs. On openb a vip asking 8
     GPUs, 120 cores and 640 GB was admitted to the G2 pool, whose 8-GPU nodes have 96 cores:
