@@ -99,6 +99,7 @@ from fleetpilot.fingerprint import (
     run_key,
     stored_stats,
     task_signature,
+    within_its_programs_runs,
 )
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import CasConflict, KvEntry, Partition, Reject, ServiceHost, ServiceSettings, serve
@@ -550,6 +551,11 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         fp = await add_sample(sample.task_id, model, sample.at, per_gpu, sample.utilization_gpu_pct)
         if fp is None:
             return None
+        if model.signature and fp.pattern == "steps":
+            # A step fit carried through a long run's life is held to what its program's
+            # ended runs reached (``within_its_programs_runs``): read as it is, it stopped runs
+            # for an OOM that could not come and moved them onto the largest GPUs.
+            fp = within_its_programs_runs(fp, await stored(model.signature), per_gpu)
         if model.signature:
             await learn_live(model.signature, fp)
         return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())

@@ -189,6 +189,7 @@ from fleetpilot.fingerprint import (
     restores_start_over,
     task_signature,
     trusted,
+    within_its_programs_runs,
 )
 from fleetpilot.fleet.catalogue import gpu_model
 from fleetpilot.fleet.inventory import Fleet, load_fleet_spec, load_openb_fleet
@@ -1358,7 +1359,9 @@ class FleetRun:
                 if current is None or not trusted(current):
                     continue
                 if fresh is not None or job.prediction is None or job.prediction.samples < TRUST_SAMPLES:
-                    job.prediction = keep_signature_knowledge(current, job.prediction)
+                    # As the fingerprinter service publishes it: a step fit held to its program's runs.
+                    own = within_its_programs_runs(current, self.memory.stats(job.signature), held)
+                    job.prediction = keep_signature_knowledge(own, job.prediction)
                     changed[job.task.task_id] = s.memory_used_mb / max(len(s.gpus), 1)
                 self._learn_live(job.signature, current)
         bridging.extend(j for j in self._enveloped(now) if j not in bridging)

@@ -69,6 +69,7 @@ from .signature import (
     run_key,
     stored_stats,
     task_signature,
+    within_its_programs_runs,
 )
 
 __all__ = [
@@ -111,6 +112,7 @@ __all__ = [
     "learnt",
     "mark_learnt",
     "keep_signature_knowledge",
+    "within_its_programs_runs",
     "load_stats",
     "merge",
     "merge_envelopes",

@@ -129,6 +129,34 @@ def keep_signature_knowledge(new: Fingerprint, old: Fingerprint | None) -> Finge
     return msgspec.structs.replace(new, envelope_mb=envelope, fit_peak_mb=fit, run_peaks_mb=peaks)
 
 
+STEP_PEAK_MIN_RUNS = 3
+"""Ended runs of a program, their peaks known, before they bound a run's own step fit."""
+STEP_PEAK_MARGIN = 0.05
+"""How far above the highest of those peaks a run of the program may still be heading."""
+
+
+def within_its_programs_runs(fp: Fingerprint, stats: SignatureStats | None, held_mb: float) -> Fingerprint:
+    """``fp``, a running task's own fingerprint, with a step schedule's predicted peak held to
+    what its program's ended runs reached (the highest of their known peaks plus
+    ``STEP_PEAK_MARGIN``, once ``STEP_PEAK_MIN_RUNS`` are known), and never below ``held_mb``,
+    what the run holds now.
+
+    A step fit carries the steps it has seen through the run's declared life: a few steps
+    early in a long run read as many more to come. But a step schedule's top is the
+    program's (its model, its batches), not the run length's: runs of the same program that
+    peaked at 34-36 GB were read at 40-42 GB and stopped for an OOM that could not come,
+    moved onto the largest GPUs ahead of the work only those hold. A line or a leak is left as
+    it is: its peak does grow with the run's length."""
+    peaks = stats.run_peaks_mb if stats is not None else ()
+    if fp.pattern != "steps" or len(peaks) < STEP_PEAK_MIN_RUNS:
+        return fp
+    top = max(max(peaks) * (1.0 + STEP_PEAK_MARGIN), held_mb)
+    if fp.predicted_peak_mb <= top:
+        return fp
+    return msgspec.structs.replace(fp, predicted_peak_mb=top, peak_high_mb=min(fp.peak_high_mb, top),
+                                   peak_low_mb=min(fp.peak_low_mb, top))
+
+
 def borrowed(fp: Fingerprint) -> Fingerprint:
     """``fp``, the fingerprint of a run in progress, as the prediction another task of its
     signature is given while no run of it has ended: none of that task's own samples are in

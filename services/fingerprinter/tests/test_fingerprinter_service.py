@@ -316,6 +316,24 @@ async def test_a_leak_restored_low_after_its_checkpoint_teaches_that_its_signatu
     assert (stats.restores_kept, stats.restores_reset, stats.count) == (0, 1, 0)
 
 
+async def test_a_long_runs_step_fit_is_held_to_what_its_programs_runs_reached(fingerprinter):
+    """Three runs of the program ended at 21-22 GB. A run declared ten times as long steps
+    8 -> 14 -> 20 GB in its first 300 s: its fit carries those steps through its life, and it
+    was published far above what any run of its program held (and stopped for that OOM)."""
+    bus, seen = fingerprinter
+    long = msgspec.structs.replace(task("long-1"), expected_duration_s=10_000)
+    signature = task_signature(long)
+    known = SignatureStats(signature=signature, count=3, votes={"steps": 3.0}, mean_peak_mb=21_500,
+                           min_peak_mb=21_000, max_peak_mb=22_000, run_peaks_mb=(21_000.0, 21_500.0, 22_000.0))
+    kv = await bus.kv("fingerprints")
+    await kv.put(signature, msgspec.json.encode(known))
+    await run_for(bus, long, 300, lambda t: [8_000, 14_000, 20_000][min(int(t // 100), 2)])
+    steps = await wait_for(lambda: [f.fingerprint for f in seen if f.task_id == "long-1" and f.source == "observed"
+                                    and f.fingerprint.pattern == "steps"], what="a step fit of the long run")
+    assert max(f.predicted_peak_mb for f in steps) == pytest.approx(22_000 * 1.05)
+    assert all(f.peak_high_mb <= 22_000 * 1.05 + 1e-6 for f in steps)
+
+
 async def test_a_step_schedule_moved_on_its_level_comes_back_where_it_was_and_an_early_stop_tells_nothing(
     fingerprinter,
 ):

@@ -14,6 +14,7 @@ from fleetpilot.fingerprint import (
     load_stats,
     predicts_nothing,
     task_signature,
+    within_its_programs_runs,
 )
 
 BASE = dict(task_id="t1", kind="finetune", image="reg/clip:1", command=["python", "ft.py"],
@@ -171,3 +172,32 @@ def test_a_run_folded_is_known_as_learnt_through_later_folds_and_the_record_stay
     # Statistics written before the record read as no run learnt.
     old = msgspec.json.encode({"memory": "per_gpu", "signature": "sig-x", "count": 3})
     assert load_stats(old).learnt_runs == ()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "peaks", "held", "expected"),
+    [
+        # Runs of the program peaked at 34-36 GB: a step fit reading 42 GB is held to 36 GB + 5%.
+        ("steps", (34_000.0, 35_000.0, 36_000.0), 30_000.0, 37_800.0),
+        # ... never below what the run holds already.
+        ("steps", (34_000.0, 35_000.0, 36_000.0), 39_000.0, 39_000.0),
+        # Two known runs are not enough to say where the program tops out.
+        ("steps", (34_000.0, 36_000.0), 30_000.0, 42_000.0),
+        # A line's or a leak's peak grows with its run's length: left as it is.
+        ("linear", (34_000.0, 35_000.0, 36_000.0), 30_000.0, 42_000.0),
+        ("leak", (34_000.0, 35_000.0, 36_000.0), 30_000.0, 42_000.0),
+    ],
+)
+def test_a_runs_own_step_fit_is_held_to_what_its_programs_runs_reached(pattern, peaks, held, expected):
+    own = _fp("sig-s", pattern, 42_000.0)
+    stats = SignatureStats(signature="sig-s", run_peaks_mb=peaks)
+    bounded = within_its_programs_runs(own, stats, held)
+    assert bounded.predicted_peak_mb == pytest.approx(expected)
+    assert bounded.peak_low_mb <= bounded.predicted_peak_mb <= bounded.peak_high_mb
+    assert bounded.peak_high_mb == pytest.approx(expected if expected < 42_000.0 else own.peak_high_mb)
+
+
+def test_a_step_fit_below_its_programs_runs_or_of_an_unknown_program_is_left_as_it_is():
+    own = _fp("sig-s", "steps", 30_000.0)
+    assert within_its_programs_runs(own, SignatureStats(signature="sig-s", run_peaks_mb=(34_000.0,) * 3), 0.0) is own
+    assert within_its_programs_runs(_fp("sig-s", "steps", 42_000.0), None, 0.0).predicted_peak_mb == 42_000.0
