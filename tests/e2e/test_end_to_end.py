@@ -17,6 +17,7 @@ from fleetpilot.contracts import (
     FeedbackRecorded,
     ModelPublished,
     TaskFingerprinted,
+    TaskLifecycle,
     TaskSubmitted,
     decode,
 )
@@ -70,6 +71,22 @@ async def decided_once_each(fleet: Fleet, ids: list[str], timeout_s: float = 90)
         d = decode(m.data, DecisionMade)
         if d.task_id in doubled:
             doubled[d.task_id].append((d.decision_id, d.action, d.reason[:160]))
+    if doubled:
+        # What the executor said of each doubled task, to tell a lost action.failed, an
+        # eviction of its own (requeued under the next assign id) and a real double apart.
+        for m in await fleet.stream("ACTIONS", "action.>", idle_s=0.5):
+            if m.subject == "action.failed":
+                a = decode(m.data, ActionFailed)
+                told = (a.decision_id, "action.failed", a.error[:160])
+            else:
+                a = decode(m.data, ActionExecuted)
+                told = (a.decision_id, "action.executed", "")
+            if a.task_id in doubled:
+                doubled[a.task_id].append(told)
+        for task_id in doubled:
+            for m in await fleet.stream("TASKS", f"task.lifecycle.{task_id}", idle_s=0.5):
+                life = decode(m.data, TaskLifecycle)
+                doubled[task_id].append((life.decision_id, f"lifecycle {life.state}", life.detail[:160]))
     assert not doubled, f"decided more than once (id, action, reason): {doubled}"
 
 
