@@ -43,16 +43,16 @@ async def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def decisions_by_task(fleet: Fleet) -> Counter:
-    msgs = await fleet.stream("DECISIONS", "decision.made", idle_s=0.5)
+async def decisions_by_task(fleet: Fleet, idle_s: float = 0.5) -> Counter:
+    msgs = await fleet.stream("DECISIONS", "decision.made", idle_s=idle_s)
     return Counter(decode(m.data, DecisionMade).task_id for m in msgs)
 
 
-async def failed_assigns(fleet: Fleet) -> Counter:
+async def failed_assigns(fleet: Fleet, idle_s: float = 0.5) -> Counter:
     """Assigns the executor failed, per task: on a loaded machine the simulated backend may not
     answer in time, and the policy then places the task again under its next assign id."""
     return Counter(decode(m.data, ActionFailed).task_id
-                   for m in await fleet.stream("ACTIONS", "action.failed", idle_s=0.5))
+                   for m in await fleet.stream("ACTIONS", "action.failed", idle_s=idle_s))
 
 
 async def decided_once_each(fleet: Fleet, ids: list[str], timeout_s: float = 90) -> None:
@@ -65,7 +65,9 @@ async def decided_once_each(fleet: Fleet, ids: list[str], timeout_s: float = 90)
 
     await wait_until(all_decided, timeout_s, "a decision for every task")
     await asyncio.sleep(1)  # anything doubled would show up by now
-    got, failed = await decisions_by_task(fleet), await failed_assigns(fleet)
+    # Read to the end: a fetch idle for half a second on a loaded machine ended the read
+    # before the action.failed that explained a re-placement (twice in seven runs).
+    got, failed = await decisions_by_task(fleet, idle_s=3.0), await failed_assigns(fleet, idle_s=3.0)
     doubled: dict[str, list[tuple[str, str, str]]] = {t: [] for t in ids if got[t] - failed[t] != 1}
     for m in await fleet.stream("DECISIONS", "decision.made"):
         d = decode(m.data, DecisionMade)
@@ -108,7 +110,7 @@ async def test_200_tasks_each_get_one_decision_and_one_action(fleet):
     # (``action.failed``) and the policy places the task again under a new decision. Any
     # decision beyond one per task must be such a retry, never a double.
     failed = Counter(decode(m.data, ActionFailed).task_id
-                     for m in await fleet.stream("ACTIONS", "action.failed", idle_s=0.5))
+                     for m in await fleet.stream("ACTIONS", "action.failed", idle_s=3.0))
     assert sorted(decisions) == ids and all(decisions[t] - failed[t] == 1 for t in ids), (decisions, failed)
     assert sorted(actions) == ids and set(actions.values()) == {1}
     for m in await fleet.stream("DECISIONS", "decision.made"):
