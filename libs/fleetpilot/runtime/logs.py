@@ -8,6 +8,7 @@ import sys
 import time
 
 from opentelemetry import trace
+from typing_extensions import override
 
 
 class JsonFormatter(logging.Formatter):
@@ -17,6 +18,7 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self.service = service
 
+    @override
     def format(self, record: logging.LogRecord) -> str:
         span = trace.get_current_span().get_span_context()
         doc = {

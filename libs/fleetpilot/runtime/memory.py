@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from typing_extensions import override
+
 from fleetpilot.contracts import (
     BUCKETS,
     ConsumerSpec,
@@ -107,6 +109,7 @@ class MemoryKeyValue(KeyValue):
         self._bus = bus
         self._watchers: list[tuple[str, asyncio.Queue]] = []
 
+    @override
     async def get(self, key: str) -> KvEntry | None:
         entry = self._data.get(key)
         return entry if entry is not None and entry.value is not None else None
@@ -120,20 +123,24 @@ class MemoryKeyValue(KeyValue):
                 queue.put_nowait(entry)
         return revision
 
+    @override
     async def put(self, key: str, value: bytes) -> int:
         return self._write(key, value)
 
+    @override
     async def create(self, key: str, value: bytes) -> int:
         if await self.get(key) is not None:
             raise CasConflict(f"key {key!r} exists")
         return self._write(key, value)
 
+    @override
     async def update(self, key: str, value: bytes, revision: int) -> int:
         current = self._data.get(key)
         if current is None or current.revision != revision:
             raise CasConflict(f"key {key!r} is not at revision {revision}")
         return self._write(key, value)
 
+    @override
     async def delete(self, key: str, revision: int | None = None) -> None:
         current = self._data.get(key)
         if revision is not None and (current is None or current.revision != revision):
@@ -141,9 +148,11 @@ class MemoryKeyValue(KeyValue):
         if current is not None:
             self._write(key, None)
 
+    @override
     async def keys(self) -> list[str]:
         return [k for k, e in self._data.items() if e.value is not None]
 
+    @override
     async def watch(self, pattern: str = ">") -> AsyncIterator[KvEntry]:
         queue: asyncio.Queue = asyncio.Queue()
         for entry in list(self._data.values()):
@@ -177,6 +186,7 @@ class InMemoryBus(Bus):
         self._closed = False
 
     @property
+    @override
     def connected(self) -> bool:
         return not self._closed
 
@@ -185,10 +195,12 @@ class InMemoryBus(Bus):
         """Whether handlers are still handed new messages (until :meth:`stop_consuming`)."""
         return self._consuming
 
+    @override
     async def ensure_topology(self) -> None:
         for bucket in BUCKETS:
             self._buckets.setdefault(bucket.name, MemoryKeyValue(self))
 
+    @override
     async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
         hdrs = dict(headers or {})
         msg_id = msg_id_for(event)
@@ -196,6 +208,7 @@ class InMemoryBus(Bus):
             hdrs["Nats-Msg-Id"] = msg_id
         await self.publish_raw(subject_for(event), encode(event), headers=hdrs, durable=route_for(type(event)).durable)
 
+    @override
     async def publish_raw(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
                           durable: bool = True) -> None:
         hdrs = dict(headers or {})
@@ -213,6 +226,7 @@ class InMemoryBus(Bus):
                     consumer.offer(stored)
         self._fan_out(stored)
 
+    @override
     async def last_stored_at(self, subject: str) -> float | None:
         stream = stream_of(subject)
         for stored in reversed(self._streams.get(stream, []) if stream else []):
@@ -220,11 +234,13 @@ class InMemoryBus(Bus):
                 return stored.at
         return None
 
+    @override
     async def first_stored_at(self, subject: str) -> float | None:
         stream = stream_of(subject)
         kept = self._streams.get(stream, []) if stream else []
         return kept[0].at if kept else None
 
+    @override
     async def stream_messages(self, stream: str, subject: str, *, since: float | None = None
                               ) -> AsyncIterator[StoredMessage]:
         for kept in list(self._streams.get(stream, [])):
@@ -253,6 +269,7 @@ class InMemoryBus(Bus):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    @override
     async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
         consumer = self._consumers.get(spec.durable)
         if consumer is None:
@@ -274,12 +291,15 @@ class InMemoryBus(Bus):
 
         consumer.workers.append(asyncio.ensure_future(work()))
 
+    @override
     async def subscribe(self, subject: str, handler: InboundHandler, *, queue: str | None = None) -> None:
         self._core.append((subject, queue, handler))
 
+    @override
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
         self._endpoints[subject] = handler
 
+    @override
     async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
                       headers: dict[str, str] | None = None) -> bytes:
         for pattern, handler in self._endpoints.items():
@@ -292,6 +312,7 @@ class InMemoryBus(Bus):
                     raise RuntimeError(f"{subject} failed (500): {exc!r}") from exc
         raise TimeoutError(f"no responder on {subject}")
 
+    @override
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._buckets:
             await self.ensure_topology()
@@ -315,6 +336,7 @@ class InMemoryBus(Bus):
             await asyncio.sleep(0.01)
         raise TimeoutError("bus did not settle")
 
+    @override
     async def stop_consuming(self, timeout_s: float = 10.0) -> None:
         if not self._consuming:
             return
@@ -334,6 +356,7 @@ class InMemoryBus(Bus):
             if overdue:
                 await asyncio.wait(overdue, timeout=1.0)
 
+    @override
     async def drain(self, timeout_s: float = 10.0) -> None:
         await self.stop_consuming(timeout_s)
         self._closed = True

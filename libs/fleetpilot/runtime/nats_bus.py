@@ -26,6 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
+from typing_extensions import override
 
 from fleetpilot.contracts import (
     BUCKETS,
@@ -143,6 +144,7 @@ class NatsKeyValue(KeyValue):
         self._reconnections = reconnections or Reconnections()
         self._recreate = recreate
 
+    @override
     async def get(self, key: str) -> KvEntry | None:
         try:
             entry = await self._kv.get(key)
@@ -150,21 +152,25 @@ class NatsKeyValue(KeyValue):
             return None
         return KvEntry(key, entry.value, entry.revision)
 
+    @override
     async def put(self, key: str, value: bytes) -> int:
         return await self._kv.put(key, value)
 
+    @override
     async def create(self, key: str, value: bytes) -> int:
         try:
             return await self._kv.create(key, value)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise CasConflict(f"key {key!r} exists") from exc
 
+    @override
     async def update(self, key: str, value: bytes, revision: int) -> int:
         try:
             return await self._kv.update(key, value, last=revision)
         except nats.js.errors.KeyWrongLastSequenceError as exc:
             raise CasConflict(f"key {key!r} is not at revision {revision}") from exc
 
+    @override
     async def delete(self, key: str, revision: int | None = None) -> None:
         if revision is None:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
@@ -179,6 +185,7 @@ class NatsKeyValue(KeyValue):
                 raise CasConflict(f"key {key!r} is not at revision {revision}") from exc
             raise
 
+    @override
     async def keys(self) -> list[str]:
         live = []
         for key in await bucket_subject_keys(self._js, self._bucket):
@@ -347,17 +354,21 @@ class NatsBus(Bus):
         return bus
 
     @property
+    @override
     def connected(self) -> bool:
         return self._nc.is_connected
 
     @property
+    @override
     def max_payload(self) -> int | None:
         return self._nc.max_payload
 
+    @override
     def consumers_failing(self) -> dict[str, float]:
         now = time.monotonic()
         return {durable: now - since for durable, since in self._failing_since.items()}
 
+    @override
     def unreachable(self, error: BaseException) -> bool:
         if isinstance(error, nats.js.errors.APIError):
             # A JetStream answer without a code is nats-py's rendering of "no responders": the
@@ -370,9 +381,11 @@ class NatsBus(Bus):
         # is taken for an outage, retried until the start-up limit, then reported.
         return isinstance(error, _UNREACHABLE)
 
+    @override
     def refused(self, error: BaseException) -> bool:
         return isinstance(error, nats.errors.Error) and not self.unreachable(error)
 
+    @override
     async def ensure_topology(self) -> None:
         for spec in STREAMS:
             config = api.StreamConfig(
@@ -410,6 +423,7 @@ class NatsBus(Bus):
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(stream, durable)
 
+    @override
     async def publish(self, event: Event, *, headers: dict[str, str] | None = None) -> None:
         hdrs = dict(headers or {})
         msg_id = msg_id_for(event)
@@ -418,6 +432,7 @@ class NatsBus(Bus):
         await self.publish_raw(subject_for(event), encode(event), headers=hdrs,
                                durable=route_for(type(event)).durable)
 
+    @override
     async def publish_raw(self, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
                           durable: bool = True) -> None:
         if durable:
@@ -492,6 +507,7 @@ class NatsBus(Bus):
                          spec.idle_limit_s or 0, str(exc) or type(exc).__name__)
         self._per_run.clear()
 
+    @override
     async def consume(self, spec: ConsumerSpec, handler: InboundHandler) -> None:
         if spec.per_run:
             # This run's first bind: a consumer of that name is the last run's (the same
@@ -551,6 +567,7 @@ class NatsBus(Bus):
                     log.exception("consumer %s: a message was left unsettled; it comes again after %gs",
                                   spec.durable, spec.ack_wait_s)
 
+    @override
     async def subscribe(self, subject: str, handler: InboundHandler, *, queue: str | None = None) -> None:
         async def on_msg(msg: Msg) -> None:
             try:
@@ -580,6 +597,7 @@ class NatsBus(Bus):
         with contextlib.suppress(Exception):
             await sub.drain()
 
+    @override
     async def serve(self, service: str, name: str, subject: str, handler: RequestHandler) -> None:
         # Safe to call again after it failed (start-up does, across an outage): the service and
         # each endpoint are made once, and only their reaching the server is waited for again.
@@ -611,6 +629,7 @@ class NatsBus(Bus):
         await self._nc._flush_pending(force_flush=True)  # nats-py has no public way to wait for its queue
         await self._nc.flush()
 
+    @override
     async def request(self, subject: str, data: bytes, *, timeout_s: float = 2.0,
                       headers: dict[str, str] | None = None) -> bytes:
         try:
@@ -627,6 +646,7 @@ class NatsBus(Bus):
             raise RuntimeError(f"{subject} failed ({code}): {error}")
         return msg.data
 
+    @override
     async def last_stored_at(self, subject: str) -> float | None:
         stream = stream_of(subject)
         if stream is None:
@@ -637,6 +657,7 @@ class NatsBus(Bus):
             return None
         return msg.time.timestamp() if msg.time is not None else None
 
+    @override
     async def first_stored_at(self, subject: str) -> float | None:
         stream = stream_of(subject)
         if stream is None:
@@ -650,6 +671,7 @@ class NatsBus(Bus):
             return None  # discarded meanwhile: the next look sees the new first
         return msg.time.timestamp() if msg.time is not None else None
 
+    @override
     async def stream_messages(self, stream: str, subject: str, *, since: float | None = None,
                               batch: int = 256) -> AsyncIterator[StoredMessage]:
         # Read through an ephemeral consumer that acknowledges nothing: no consumer of the
@@ -704,6 +726,7 @@ class NatsBus(Bus):
             raise LookupError(f"no stream takes {subject}") from exc
         return not ack.duplicate
 
+    @override
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv_cache:
             try:
@@ -714,6 +737,7 @@ class NatsBus(Bus):
             self._kv_cache[bucket] = NatsKeyValue(kv, self._js, bucket, self._reconnections, self.ensure_topology)
         return self._kv_cache[bucket]
 
+    @override
     async def stop_consuming(self) -> None:
         if self._stopping.is_set():
             return
@@ -738,6 +762,7 @@ class NatsBus(Bus):
             with contextlib.suppress(Exception):  # its endpoints' subscriptions are drained already
                 await self._micro.stop()
 
+    @override
     async def drain(self) -> None:
         await self.stop_consuming()
         self._closing.set()
