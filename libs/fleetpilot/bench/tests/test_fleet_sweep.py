@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
+from fleetpilot.bench import fleet_sweep
 from fleetpilot.bench.fleet_sweep import (
+    HELD_OUT_SEEDS,
     TABLE_ROWS,
     TABLE_SEEDS,
     SweepRun,
@@ -143,6 +145,7 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
     (["--out", "x", "--hours", "inf"], "must be positive"),
     (["--out", "/nonexistent/folder", "--no-run"], "no such folder"),
     (["--fleet", "moon"], "invalid choice"),
+    (["--out", "x", "--held-out", "--seeds", "7"], "--held-out names its own seeds"),
 ])
 def test_bad_arguments_get_one_line(argv: list[str], says: str) -> None:
     with pytest.raises(SystemExit) as refused:
@@ -190,3 +193,21 @@ def test_a_sweep_told_the_true_peaks_prints_that_bound_beside_each_run(tmp_path:
     assert f"openb, told each run's true peak: mean_queue_s 1/2; mean-queue ratio geometric mean {math.sqrt(0.15 * 0.35):.4f}" in text
     figures(tmp_path, "openb", 3, queue=0.3)  # a run without the bound: no column, no total for it
     assert "mean_queue_s 1/2;" in summary(read_all(tmp_path))
+
+
+def test_held_out_runs_the_held_out_seeds_of_each_fleet_asked_and_none_of_the_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    played: list[tuple[str, int]] = []
+
+    def play(runs, out, jobs, extra):
+        played.extend(runs)
+        for fleet, seed in runs:
+            figures(out, fleet, seed, queue=0.15)
+
+    monkeypatch.setattr(fleet_sweep, "run_all", play)
+    assert main(["--out", str(tmp_path), "--held-out"]) == 0
+    assert played == [(f, s) for f in ("three-site", "openb") for s in HELD_OUT_SEEDS]
+    assert not set(HELD_OUT_SEEDS) & {s for seeds in TABLE_SEEDS.values() for s in seeds}
+    played.clear()
+    assert main(["--out", str(tmp_path / "openb"), "--held-out", "--fleet", "openb"]) == 0
+    assert played == [("openb", s) for s in HELD_OUT_SEEDS]
