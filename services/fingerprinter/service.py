@@ -358,14 +358,15 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         fp = live.get(signature)
         return borrowed(fp) if fp is not None else None
 
-    async def learn_live(signature: str, fp: Fingerprint) -> None:
+    async def learn_live(signature: str, fp: Fingerprint, stats: SignatureStats | None) -> None:
         """Keep ``fp``, a trusted fingerprint of a run in progress, as what the signature's
-        tasks expect while its statistics predict nothing (no run of it has ended), and tell
-        its waiting tasks. A run seen for fewer samples than the one kept does not replace it."""
+        tasks expect while its statistics (``stats``, as stored) predict nothing (no run of it
+        has ended), and tell its waiting tasks. A run seen for fewer samples than the one kept
+        does not replace it."""
         known = live.get(signature)
         if known is not None and fp.samples < known.samples:
             return
-        if not predicts_nothing(await stored(signature)):
+        if not predicts_nothing(stats):
             live.pop(signature, None)
             return
         keep_newest(live, signature, fp)
@@ -551,13 +552,14 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
         fp = await add_sample(sample.task_id, model, sample.at, per_gpu, sample.utilization_gpu_pct)
         if fp is None:
             return None
-        if model.signature and fp.pattern == "steps":
-            # A step fit carried through a long run's life is held to what its program's
-            # ended runs reached (``within_its_programs_runs``): read as it is, it stopped runs
-            # for an OOM that could not come and moved them onto the largest GPUs.
-            fp = within_its_programs_runs(fp, await stored(model.signature), per_gpu)
         if model.signature:
-            await learn_live(model.signature, fp)
+            # One read of the signature's statistics serves both: a step fit carried through a
+            # long run's life is held to what its program's ended runs reached
+            # (``within_its_programs_runs``: read as it is, it stopped runs for an OOM that
+            # could not come), and the run in progress is kept while they predict nothing.
+            stats = await stored(model.signature)
+            fp = within_its_programs_runs(fp, stats, per_gpu)
+            await learn_live(model.signature, fp, stats)
         return TaskFingerprinted(task_id=sample.task_id, fingerprint=fp, source="observed", at=now())
 
     @host.on(TaskLifecycle, consumer="fingerprinter-lifecycle", instance=instance,
@@ -895,7 +897,7 @@ def build(settings: FingerprinterSettings | None = None) -> ServiceHost:
             """Keep what another partition's run in progress shows (``learn_live``)."""
             fp = event.fingerprint
             if event.source == "observed" and fp.signature and not owned.owns(event.task_id):
-                await learn_live(fp.signature, fp)
+                await learn_live(fp.signature, fp, await stored(fp.signature))
 
         async def learnt_elsewhere(entry: KvEntry) -> None:
             """Tell this replica's waiting tasks of ``entry``'s signature what a run's end

@@ -109,8 +109,7 @@ async def test_200_tasks_each_get_one_decision_and_one_action(fleet):
     # On a loaded machine the simulated backend may not answer in time: that assign fails
     # (``action.failed``) and the policy places the task again under a new decision. Any
     # decision beyond one per task must be such a retry, never a double.
-    failed = Counter(decode(m.data, ActionFailed).task_id
-                     for m in await fleet.stream("ACTIONS", "action.failed", idle_s=3.0))
+    failed = await failed_assigns(fleet, idle_s=3.0)
     assert sorted(decisions) == ids and all(decisions[t] - failed[t] == 1 for t in ids), (decisions, failed)
     assert sorted(actions) == ids and set(actions.values()) == {1}
     for m in await fleet.stream("DECISIONS", "decision.made"):
