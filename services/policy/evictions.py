@@ -3,6 +3,8 @@
 * A ``vip`` task that fits nowhere preempts the cheapest set of ``best_effort`` tasks on one
   node (``preempt.preemptions``, confirmed with the routed policy): their ``pending`` entries
   are written first, each with its re-placement id, then the ``evict`` decisions go out.
+  Where no such set makes room and ``vip_evicts_standard`` is on, ``standard`` tasks whose
+  contracts spare an eviction (``preempt.spares_an_eviction``) are candidates too.
 * A task the executor evicted without a decision of ours (a decommissioned GPU) and a task
   whose assign the executor failed or refused are queued again under their next
   ``<task>.assign.<g>`` (``requeue``); a task refused more than ``refused_replacements`` times
@@ -44,6 +46,7 @@ from fleetpilot.policy.preempt import (
     eviction_cost,
     preemptions,
     reassign_decision_id,
+    spares_an_eviction,
 )
 from fleetpilot.policy.rebalance import generation, run_counted_from, run_progress_s
 from fleetpilot.policy.restart_limits import FailureKind, PlacementFailures, decode_failures, encode_failures
@@ -267,8 +270,11 @@ class Evictions(ReplicaState):
         return note
 
     # ---- preemption -------------------------------------------------------------------------
-    def victims(self, exclude: set[str]) -> list[Victim]:
-        """Running tasks that a vip may preempt: tier known to be ``best_effort``."""
+    def victims(self, exclude: set[str], *, standard: bool = False) -> list[Victim]:
+        """Running tasks that a vip may preempt: tier known to be ``best_effort``, and with
+        ``standard`` the ``standard`` ones whose contract spares an eviction
+        (``spares_an_eviction``: a run that resumes, its deadline kept through its pause and a
+        whole queue-time SLA's wait)."""
         assert self.admissions is not None
         at = now()
         out = []
@@ -276,19 +282,26 @@ class Evictions(ReplicaState):
             if running.task_id in exclude:
                 continue
             adm = self.admissions.of(running.task_id)
-            if adm is None or adm.contract.tier != "best_effort":
+            if adm is None or adm.contract.tier not in ("best_effort", "standard"):
                 continue
             declared = adm.task.expected_duration_s or 0.0
-            left = max(declared - (at - run_counted_from(running)), 0.0) if declared else 0.0
+            left = max(declared - (at - run_counted_from(running)), 0.0) if declared else None
+            if adm.contract.tier == "standard" and not (standard and spares_an_eviction(
+                    at=at, resumes=adm.task.resumable, left_s=left,
+                    pause_s=self.checkpoint_pause_s(max((a.memory_mb for a in running.allocations), default=0)),
+                    deadline=adm.contract.deadline, max_queue_s=adm.contract.max_queue_s)):
+                continue
             out.append(Victim(running, adm, eviction_cost(running, at, self.settings.preempt_restart_s,
-                                                          resumes=adm.task.resumable), left_s=left))
+                                                          resumes=adm.task.resumable), left_s=left or 0.0))
         return out
 
     def preemption_for(self, adm: TaskAdmitted, leaving: frozenset[str] = frozenset()
                        ) -> tuple[Preemption, PolicyDecision] | None:
         """The cheapest preemption after which the routed policy places the vip task, among
         tasks not ``leaving`` already (evicted for another vip, or by the executor): their
-        room is promised elsewhere, and evicting them again frees nothing.
+        room is promised elsewhere, and evicting them again frees nothing. Among best_effort
+        tasks first; then, with ``vip_evicts_standard``, among them and the standard tasks
+        whose contracts spare an eviction.
 
         Tried for what ``place`` asks, in its order: the predicted peak first, then a smooth
         grower's ask (its bridge). The victims are chosen for that same memory: chosen for
@@ -296,18 +309,24 @@ class Evictions(ReplicaState):
         the vip would never preempt."""
         policies = self.active.current
         name, _ = policies.route(adm.task)
-        victims = self.victims({adm.task.task_id} | leaving)
-        for req in self.requests(adm.task):
-            wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
-                                             gpu_models=list(req.gpu_models))
-            # A contract bound to a site frees room on that site only.
-            nodes = {k: t for k, t in self.fleet.nodes.items() if not req.site or t.site == req.site}
-            plans = preemptions(wanted, nodes, self.ledger.nodes, victims)
-            for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
-                state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
-                choice = policies.guarded[name].decide(state, req)
-                if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
-                    return plan, choice
+        exclude = {adm.task.task_id} | leaving
+        # best_effort work first; standard work spared by its contract only where that fails
+        # and the operator allows it.
+        rounds = [self.victims(exclude)]
+        if self.settings.vip_evicts_standard:
+            rounds.append(self.victims(exclude, standard=True))
+        for victims in rounds:
+            for req in self.requests(adm.task):
+                wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
+                                                 gpu_models=list(req.gpu_models))
+                # A contract bound to a site frees room on that site only.
+                nodes = {k: t for k, t in self.fleet.nodes.items() if not req.site or t.site == req.site}
+                plans = preemptions(wanted, nodes, self.ledger.nodes, victims)
+                for plan in plans[:3]:  # the pure fit check and the policy rarely disagree
+                    state = self.snapshot(without=frozenset(v.task_id for v in plan.victims))
+                    choice = policies.guarded[name].decide(state, req)
+                    if choice.action == "assign" and choice.placement and choice.placement[0].node == plan.node:
+                        return plan, choice
         return None
 
     @staticmethod

@@ -249,12 +249,6 @@ class Moves(ReplicaState):
         remaining = self.remaining_s(running)
         return remaining is not None and now() + remaining + pause_s <= deadline
 
-    def checkpoint_pause_s(self, memory_mb: float) -> float:
-        """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
-        checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
-        holds sets the pause, not the sum over the task's GPUs."""
-        return self.settings.checkpoint_base_s + self.settings.checkpoint_s_per_gb * memory_mb / 1024.0
-
     async def rebalance_round(self) -> list[DecisionMade]:
         """One rebalancing round (``rebalance``): a ``resize`` for a task whose predicted
         peak is above its hold where its GPU has room, else ``migrate`` for a task that should

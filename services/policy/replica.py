@@ -282,6 +282,12 @@ class ReplicaState:
         self._running: list[Running] = []
         self._running_at = -1
 
+    def checkpoint_pause_s(self, memory_mb: float) -> float:
+        """Seconds a task holding ``memory_mb`` per GPU makes no progress when moved: its
+        checkpoint and restore. Each GPU's state is written in parallel, so what one GPU
+        holds sets the pause, not the sum over the task's GPUs."""
+        return self.settings.checkpoint_base_s + self.settings.checkpoint_s_per_gb * memory_mb / 1024.0
+
     def observe(self, sample: TaskTelemetry) -> None:
         """Keep a task's memory sample, and only those of the last ``growth_lookahead_s``."""
         kept = self.usage.get(sample.task_id)

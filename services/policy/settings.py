@@ -71,6 +71,13 @@ class PolicySettings(ServiceSettings):
     checkpoint_base_s: float = Field(default=30.0, ge=0.0, allow_inf_nan=False, description="Pause of a checkpoint and restore, fixed part")
     checkpoint_s_per_gb: float = Field(default=2.0, ge=0.0, allow_inf_nan=False, description="Pause of a checkpoint and restore per GB held")
     preempt_restart_s: float = Field(default=60.0, ge=0.0, allow_inf_nan=False, description="Work an evicted task loses on top of its age (all it loses, if it resumes from its checkpoint)")
+    vip_evicts_standard: bool = Field(
+        default=False,
+        description="A vip that no best_effort work can make room for may also evict standard work that "
+        "resumes from its checkpoint and whose contract's deadline holds after its pause and a whole "
+        "queue-time SLA's wait (policy.preempt.spares_an_eviction): vip waits end sooner, the mean wait may "
+        "not (the fleet benchmark's log)",
+    )
     evict_success: float = Field(default=0.97, gt=0.0, le=1.0, description="P(one eviction is carried out), for confidence")
     evict_timeout_s: float = Field(
         default=60.0, gt=0.0, allow_inf_nan=False, description="An eviction not carried out by then is given up"

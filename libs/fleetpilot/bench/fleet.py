@@ -218,7 +218,7 @@ from fleetpilot.policy.backfill import (
     wide_hosts,
 )
 from fleetpilot.policy.calibration import ConfidenceCalibration
-from fleetpilot.policy.preempt import Victim, eviction_cost, preemptions
+from fleetpilot.policy.preempt import Victim, eviction_cost, preemptions, spares_an_eviction
 from fleetpilot.policy.rebalance import (
     GROWTH_LOOKAHEAD_S,
     MOVE_DOWN_TRIES,
@@ -341,13 +341,15 @@ class FleetRun:
     """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
 
     def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False,
-                 queue_aging: float = 1.0, preempts: bool | None = None) -> None:
+                 queue_aging: float = 1.0, preempts: bool | None = None, vip_evicts_standard: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
         if knows_peaks and mode != "fleetpilot":
             raise ValueError("only Fleetpilot's loop can be told each run's true peak")
         if preempts and mode != "k8s-default":
             raise ValueError("only the baseline plays kube-scheduler's DefaultPreemption")
+        if vip_evicts_standard and mode != "fleetpilot":
+            raise ValueError("only Fleetpilot's vips may evict standard work its contract spares")
         self.fleet, self.workload, self.mode, self.seed = fleet, workload, mode, seed
         self.smart = mode == "fleetpilot"
         # An analysis, not a scheduler: each run asks for its true peak (``_reservation``), to
@@ -356,6 +358,9 @@ class FleetRun:
         # Fleetpilot's queue order (``backfill.completion_order``; the policy service's
         # ``FLEETPILOT_POLICY_QUEUE_AGING``).
         self.queue_aging = queue_aging
+        # A vip that no best-effort work makes room for may evict standard work its contract
+        # spares (the policy service's ``FLEETPILOT_POLICY_VIP_EVICTS_STANDARD``).
+        self.vip_evicts_standard = vip_evicts_standard
         # The baseline's PriorityClasses preempt lower ones (``default_preemption``), unless told
         # they are non-preempting (``preemptionPolicy: Never``): priority orders the queue only.
         self.preempts = mode == "k8s-default" if preempts is None else preempts
@@ -784,11 +789,29 @@ class FleetRun:
         the vip's requests in order, the cheapest best-effort tasks on one node whose eviction
         lets it fit (``policy.preempt.preemptions``: the work they have done plus a restart),
         among the three cheapest nodes the first where the policy, those tasks gone, places
-        it. They are evicted (``_evict_for_vip``) and it starts there after their grace
-        period, counted as its queue time; whether it started."""
+        it; then, with ``vip_evicts_standard``, the same among them and the standard tasks
+        whose contracts spare an eviction (``policy.preempt.spares_an_eviction``). They are
+        evicted (``_evict_for_vip``) and it starts there after their grace period, counted as
+        its queue time; whether it started."""
         if job.task.tier != "vip":
             return False
-        victims = [j for j in self.jobs if j.state == "running" and j.task.tier == "best_effort"]
+        running = [j for j in self.jobs if j.state == "running"]
+        best_effort = [j for j in running if j.task.tier == "best_effort"]
+        if self._vip_preempts_among(job, best_effort, now):
+            return True
+        spared = [j for j in running if j.task.tier == "standard" and self._spares_an_eviction(j, now)]
+        return bool(self.vip_evicts_standard and spared) and self._vip_preempts_among(job, best_effort + spared, now)
+
+    def _spares_an_eviction(self, job: _Job, now: float) -> bool:
+        """Whether a running standard task's contract lets a vip evict it now
+        (``policy.preempt.spares_an_eviction``, as ``Evictions.victims`` reads it)."""
+        t = job.task
+        return spares_an_eviction(at=now, resumes=t.resumable,
+                                  left_s=max(self._expected_end(job) - now, 0.0) if t.declared_duration_s else None,
+                                  pause_s=self._pause(job, now), deadline=t.deadline_s, max_queue_s=t.max_queue_s)
+
+    def _vip_preempts_among(self, job: _Job, victims: list[_Job], now: float) -> bool:
+        """``_vip_preempts`` with these candidate ``victims``; whether the vip started."""
         if not victims:
             return False
         # The ledgers and the victims as the policy service reads them, once for every request.
@@ -1861,16 +1884,19 @@ def load_bench_fleet(name: str, nodes_csv: Path | None = None, *, fraction: floa
 
 
 def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, peaks_known: bool = False,
-            queue_aging: float = 1.0, baseline_preempts: bool = True) -> Comparison:
+            queue_aging: float = 1.0, baseline_preempts: bool = True, vip_evicts_standard: bool = False) -> Comparison:
     """Play ``workload`` with both schedulers on fresh copies of the fleet (and, with
     ``peaks_known``, Fleetpilot's loop a second time told each run's true peak: a bound on
     what better memory prediction could give, not a scheduler). ``queue_aging``: Fleetpilot's
     queue order (``backfill.completion_order``); ``baseline_preempts``: whether the baseline's
-    PriorityClasses preempt (``default_preemption``), as they do unless set not to."""
+    PriorityClasses preempt (``default_preemption``), as they do unless set not to;
+    ``vip_evicts_standard``: whether Fleetpilot's vips may evict standard work its contract
+    spares (the policy service's setting of that name)."""
+    ours = {"queue_aging": queue_aging, "vip_evicts_standard": vip_evicts_standard}
     runs = [FleetRun(fleet, workload, "k8s-default", seed, preempts=baseline_preempts),
-            FleetRun(fleet, workload, "fleetpilot", seed, queue_aging=queue_aging)]
+            FleetRun(fleet, workload, "fleetpilot", seed, **ours)]
     if peaks_known:
-        runs.append(FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, queue_aging=queue_aging))
+        runs.append(FleetRun(fleet, workload, "fleetpilot", seed, knows_peaks=True, **ours))
     results = [run.run() for run in runs]
     # Queue figures over the same tasks in every run: those no negotiator rejected.
     rejected = frozenset().union(*(run.rejected_ids() for run in runs))
@@ -1883,7 +1909,8 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, pea
                       span_h=workload.span_s / 3600.0, sharing_bound=workload_sharing_bound(workload),
                       sm_use_bound=workload_sm_use_bound(workload),
                       largest_load=largest_gpu_load(fleet, workload.tasks, workload.span_s), code=code_digest(),
-                      environment=run_environment(), queue_aging=queue_aging, baseline_preempts=baseline_preempts)
+                      environment=run_environment(), queue_aging=queue_aging, baseline_preempts=baseline_preempts,
+                      vip_evicts_standard=vip_evicts_standard)
 
 
 def workload_sharing_bound(workload: Workload) -> float:
@@ -1936,6 +1963,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-never-preempts", action="store_true",
                    help="the baseline's PriorityClasses are non-preempting (preemptionPolicy: Never; default: they "
                    "preempt lower ones, as kube-scheduler's DefaultPreemption does)")
+    p.add_argument("--vip-evicts-standard", action="store_true",
+                   help="a vip that no best-effort work makes room for may evict standard work whose contract "
+                   "spares it (the policy service's FLEETPILOT_POLICY_VIP_EVICTS_STANDARD; default: off)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     return p
@@ -1982,7 +2012,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fleet {name}: {len([n for n in fleet.nodes if n.gpus])} nodes, {fleet.gpu_count} GPUs; seed {args.seed}",
           flush=True)
     result = compare(fleet, workload, fleet_name=args.fleet, seed=args.seed, peaks_known=args.peaks_known,
-                     queue_aging=args.queue_aging, baseline_preempts=not args.baseline_never_preempts)
+                     queue_aging=args.queue_aging, baseline_preempts=not args.baseline_never_preempts,
+                     vip_evicts_standard=args.vip_evicts_standard)
     print(report(result))
     if args.plot_dir is not None:
         for path in plot(result, args.plot_dir):

@@ -50,6 +50,7 @@ class Comparison:
     environment: dict[str, str] = field(default_factory=dict)  # ``outputs.run_environment``
     queue_aging: float = 1.0  # Fleetpilot's queue order (``backfill.completion_order``, ``--queue-aging``)
     baseline_preempts: bool = True  # the baseline's PriorityClasses preempt (not: ``--baseline-never-preempts``)
+    vip_evicts_standard: bool = False  # Fleetpilot's vips may evict standard work (``--vip-evicts-standard``)
 
     def ratios(self, run: RunResult | None = None) -> dict[str, float]:
         """Fleetpilot (or ``run``) / baseline per figure (inf when the baseline is 0 and the
@@ -71,7 +72,7 @@ class Comparison:
         """Everything the report shows, as plain data."""
         return {"fleet": self.fleet, "seed": self.seed, "workload": self.workload, "code_digest": self.code,
                 "environment": self.environment, "queue_aging": self.queue_aging,
-                "baseline_preempts": self.baseline_preempts,
+                "baseline_preempts": self.baseline_preempts, "vip_evicts_standard": self.vip_evicts_standard,
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
                 "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
@@ -101,7 +102,8 @@ def report(c: Comparison) -> str:
     r = c.ratios()
     aging = "" if c.queue_aging == 1.0 else f"; Fleetpilot's queue aging {c.queue_aging:g}"
     preempts = "" if c.baseline_preempts else "; the baseline's PriorityClasses never preempt"
-    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}{preempts}", f"workload: {c.workload}",
+    vips = "; Fleetpilot's vips may evict standard work its contract spares" if c.vip_evicts_standard else ""
+    lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}{preempts}{vips}", f"workload: {c.workload}",
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
              *([c.largest_load.describe()] if c.largest_load else []),

@@ -295,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fleet benchmark's --resumable-share in every run (only that share of programs resume)")
     p.add_argument("--baseline-never-preempts", action="store_true",
                    help="the fleet benchmark's --baseline-never-preempts in every run (non-preempting PriorityClasses)")
+    p.add_argument("--vip-evicts-standard", action="store_true",
+                   help="the fleet benchmark's --vip-evicts-standard in every run (vips may evict standard work)")
     p.add_argument("--no-run", action="store_true", help="only read what --out holds")
     p.add_argument("--markdown", action="store_true",
                    help="also print the README's table of these runs (changes cut to the whole percent)")
@@ -338,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--queue-aging", repr(args.queue_aging)] if args.queue_aging is not None else []),
                  *(["--peaks-known"] if args.peaks_known else []),
                  *(["--baseline-never-preempts"] if args.baseline_never_preempts else []),
+                 *(["--vip-evicts-standard"] if args.vip_evicts_standard else []),
                  *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else []),
                  *(["--peak-spread", repr(args.peak_spread)] if args.peak_spread is not None else []),
                  *(["--resumable-share", repr(args.resumable_share)] if args.resumable_share is not None else [])]

@@ -14,7 +14,11 @@ on free capacity that someone else took before the policy placed it is just as e
 **Who may be evicted.** Only tasks whose tier is known to be ``best_effort`` (from the
 ``contracts`` bucket, else from the admissions this replica placed) and that run settled on
 one node (every hold confirmed, one decision: see ``rebalance.running_tasks``). A task whose
-tier is unknown is never evicted.
+tier is unknown is never evicted. An operator who puts vip queue-time SLAs before the mean
+wait may let a vip that no best_effort work can make room for evict ``standard`` work too
+(the policy service's ``vip_evicts_standard``, off by default): only a run that resumes from
+its checkpoint and whose contract's deadline still holds after its checkpoint pause and a
+whole queue-time SLA's wait behind the queue (``spares_an_eviction``).
 
 **Cheapest set.** On each node, the set of victims whose removal lets the vip task fit
 (``fits``: CPU, host memory, and ``gpus`` healthy GPUs of an accepted model with the milli
@@ -91,7 +95,8 @@ def assign_id(task_id: str, generation: int) -> str:
 
 @dataclass(frozen=True)
 class Victim:
-    """A running best_effort task that could be evicted, and what that costs."""
+    """A running task a vip could evict (best_effort, or standard work its contract spares),
+    and what that costs."""
 
     running: Running
     admitted: TaskAdmitted
@@ -138,6 +143,20 @@ def eviction_cost(task: Running, at: float, restart_s: float = RESTART_S, *, res
             for a in task.allocations if a.gpu >= 0)
         or restart_s / 1000.0
     )
+
+
+def spares_an_eviction(*, at: float, resumes: bool, left_s: float | None, pause_s: float,
+                       deadline: float | None, max_queue_s: float | None) -> bool:
+    """Whether a running ``standard`` task may be evicted for a vip at ``at`` without its
+    contract being broken: it ``resumes`` from its checkpoint, and its ``deadline`` still holds
+    after the run it has left by its declared duration (``left_s``), its checkpoint pause
+    (``pause_s``) and a whole wait of its queue-time SLA (``max_queue_s``), which the queue
+    keeps for it once it waits again. A run that starts over loses what it has done, and one
+    with no deadline, no queue-time bound or no declared run gives nothing to check: neither is
+    evicted."""
+    if not resumes or deadline is None or max_queue_s is None or left_s is None:
+        return False
+    return at + left_s + pause_s + max_queue_s <= deadline
 
 
 def fits(task: TaskSubmitted, topo: NodeTopology, allocations: Iterable[Allocation]) -> bool:

@@ -1,6 +1,7 @@
 """The policy and executor services together over a real nats-server: a vip task that fits
-nowhere preempts exactly the cheapest best_effort work (never standard or vip work, and
-never for a best_effort waiter), is then assigned, and the evicted tasks come back under new
+nowhere preempts exactly the cheapest best_effort work (never vip work, never standard work
+unless the operator allows it and its contract spares it, never for a best_effort waiter), is
+then assigned, and the evicted tasks come back under new
 assign ids; a predicted OOM with room on its GPU becomes a ``resize`` (the ledger shows the
 new memory), without room a ``migrate``."""
 
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 
 import msgspec
+import pytest
 from fleetpilot.contracts import (
     Allocation,
     Contract,
@@ -192,6 +194,59 @@ async def test_a_vip_stops_an_old_run_that_resumes_rather_than_a_young_one_that_
         _, requeue = decode_pending((await pending.get("be_old")).value)
     assert [d.decision_id for d in observer.decisions if d.action == "evict"] == ["be_old.evict.1"]
     assert requeue is not None and requeue.progress_s >= 3600.0  # it goes on from its checkpoint
+
+
+def standard_contract(task_id: str, age_s: float, deadline_in_s: float | None, resumable: bool = True
+                      ) -> TaskAdmitted:
+    """A running standard task of one GPU, declared to run an hour and started ``age_s`` ago,
+    whose contract bounds its wait to 300 s and its end to ``deadline_in_s`` from now."""
+    task = TaskSubmitted(task_id=task_id, kind="train", gpu_milli=1000, gpu_models=["H100"], resumable=resumable,
+                         expected_duration_s=3600.0)
+    deadline = now() + deadline_in_s if deadline_in_s is not None else None
+    return TaskAdmitted(task=task, contract=Contract(tier="standard", max_queue_s=300.0, deadline=deadline),
+                        tenant="t", admitted_at=now() - age_s)
+
+
+@pytest.mark.parametrize("with_best_effort", [False, True])
+async def test_a_vip_may_evict_standard_work_only_when_allowed_and_only_work_its_contract_spares(
+    observer, nats_url, tmp_path, with_best_effort
+):
+    # Each one-GPU node runs a standard task with 50 minutes of its hour left. std_roomy's
+    # deadline is 2 hours away: its pause and a whole 300-s wait fit. std_tight's is 53
+    # minutes away, std_open has none, std_restarts would start over. Allowed, the vip evicts
+    # std_roomy alone; with a best_effort task running it evicts that one instead, though it
+    # loses its hour (best_effort work first).
+    nodes = ["n0", "n1", "n2", "n3"] + (["n4"] if with_best_effort else [])
+    await observer.put_fleet([node(n, gpus=1) for n in nodes])
+    contracts = [standard_contract("std_roomy", 600, 7200), standard_contract("std_tight", 600, 53 * 60),
+                 standard_contract("std_open", 600, None), standard_contract("std_restarts", 600, 7200, resumable=False)]
+    if with_best_effort:
+        contracts.append(contract_of("be_old", "best_effort", 1000, 3600))
+    for name, adm in zip(nodes, contracts, strict=True):
+        allocs = [running(adm.task.task_id, 0, 1000, age_s=3600 if adm.contract.tier == "best_effort" else 600)]
+        await observer.kv_put("ledger", name, encode(NodeLedger(node=name, allocations=allocs)))
+        await observer.kv_put("contracts", f"contract.{adm.task.task_id}", encode(adm))
+    async with policy_and_executor(observer, nats_url, tmp_path, pending_retry_s=0.2, vip_evicts_standard=True):
+        await observer.admit(tiered("vip1", "vip", gpu_milli=1000, gpu_models=["H100"]))
+        await wait_for(lambda: any(d.action == "evict" for d in observer.decisions), what="an eviction")
+        await asyncio.sleep(0.6)  # more rounds: no other eviction
+    evicted = "be_old" if with_best_effort else "std_roomy"
+    assert [d.decision_id for d in observer.decisions if d.action == "evict"] == [f"{evicted}.evict.1"]
+
+
+async def test_by_default_a_vip_evicts_no_standard_work_even_where_its_contract_spares_it(
+    observer, nats_url, tmp_path
+):
+    await observer.put_fleet([node("n0", gpus=1)])
+    adm = standard_contract("std_roomy", 600, 7200)
+    await observer.kv_put("ledger", "n0", encode(NodeLedger(node="n0", allocations=[running("std_roomy", 0, 1000, 600)])))
+    await observer.kv_put("contracts", "contract.std_roomy", encode(adm))
+    async with policy_and_executor(observer, nats_url, tmp_path, pending_retry_s=0.2):
+        await observer.admit(tiered("vip1", "vip", gpu_milli=1000, gpu_models=["H100"]))
+        await wait_for(lambda: any(d.task_id == "vip1" and d.action == "queue" for d in observer.decisions),
+                       what="the vip queued")
+        await asyncio.sleep(1.0)  # five retry rounds
+    assert [d.action for d in observer.decisions] == ["queue"]
 
 
 async def test_a_fingerprinted_vip_preempts_for_its_predicted_peak_not_its_ask(observer, nats_url, tmp_path):

@@ -997,6 +997,48 @@ def test_fleetpilots_vip_evicts_the_best_effort_task_that_loses_the_least_work(o
         assert first.finished_at < second.finished_at
 
 
+@pytest.mark.parametrize(("allowed", "deadline", "resumes", "evicted"), [
+    (True, 20000.0, True, True),  # its deadline holds through the pause and a whole 300-s wait
+    (False, 20000.0, True, False),  # the operator keeps standard work from vips (the default)
+    (True, 7400.0, True, False),  # its run ends by 7200 s, but not with a pause and a wait on top
+    (True, None, True, False),  # no deadline: nothing says an eviction spares it
+    (True, 20000.0, False, False),  # it would start over
+])
+def test_fleetpilots_vip_evicts_standard_work_only_when_allowed_and_its_contract_spares_it(
+        allowed: bool, deadline: float | None, resumes: bool, evicted: bool) -> None:
+    # One GPU, a 2-hour standard task on it; a 10-minute vip task arrives at 600 s.
+    tenant = dataclasses.replace(task(0, duration=7200.0), deadline_s=deadline)
+    tasks = (tenant if resumes else not_resumable(tenant), task(1, duration=600.0, arrival=600.0, tier="vip"))
+    run = FleetRun(tiny_fleet(), workload(*tasks, hours=5.0), "fleetpilot", seed=1, vip_evicts_standard=allowed)
+    result = run.run()
+    standard, vip = run.jobs
+    assert standard.state == vip.state == "done"
+    assert (standard.evictions, result.breakdown["preempted"]) == ((1, 1) if evicted else (0, 0))
+    if evicted:
+        assert vip.queue_s == TERMINATION_GRACE_S
+        assert standard.finished_at <= deadline  # the contract it was evicted under still holds
+    else:
+        assert vip.queue_s > TERMINATION_GRACE_S
+
+
+def test_fleetpilots_vip_evicts_best_effort_work_before_standard_work_its_contract_spares() -> None:
+    # Two one-GPU nodes: a 2-hour standard task whose deadline spares an eviction, a 1-hour
+    # best-effort one; both resume, so either loses only a restart, and among equals the one
+    # with the most run left would go (``Preemption.rank``). The best-effort one goes first.
+    standard = dataclasses.replace(task(0, duration=7200.0), deadline_s=20000.0)
+    tasks = (standard, task(1, duration=3600.0, tier="best_effort"), task(2, duration=600.0, arrival=600.0, tier="vip"))
+    run = FleetRun(tiny_fleet(nodes=2), workload(*tasks, hours=5.0), "fleetpilot", seed=1, vip_evicts_standard=True)
+    run.run()
+    standard_job, best_effort, vip = run.jobs
+    assert (standard_job.evictions, best_effort.evictions) == (0, 1)
+    assert vip.queue_s == TERMINATION_GRACE_S
+
+
+def test_only_fleetpilots_vips_may_evict_standard_work() -> None:
+    with pytest.raises(ValueError, match="standard work"):
+        FleetRun(tiny_fleet(), workload(task(0)), "k8s-default", seed=1, vip_evicts_standard=True)
+
+
 def not_resumable(t: BenchTask) -> BenchTask:
     """``t`` of a program that does not go on from a checkpoint."""
     return BenchTask(**{**t.__dict__, "resumable": False})

@@ -34,6 +34,7 @@ from fleetpilot.policy.preempt import (
     fits,
     preemptions,
     reassign_decision_id,
+    spares_an_eviction,
 )
 from fleetpilot.policy.rebalance import (
     Running,
@@ -191,6 +192,20 @@ def test_between_victims_that_lose_as_much_the_one_with_the_most_run_left_is_evi
     # A lower cost still comes first, whatever is left.
     cheaper = [dataclasses.replace(v, cost=30.0) if v.task_id == "near_end" else v for v in victims]
     assert preemptions(vip(), nodes, ledgers, cheaper)[0].node == "n0"
+
+
+@pytest.mark.parametrize(("resumes", "left_s", "deadline", "max_queue_s", "spared"), [
+    (True, 3000.0, 1000.0 + 3000.0 + 60.0 + 300.0, 300.0, True),  # exactly room for pause and wait
+    (True, 3000.0, 1000.0 + 3000.0 + 60.0 + 299.0, 300.0, False),  # a second short
+    (False, 3000.0, 100000.0, 300.0, False),  # it would start over
+    (True, None, 100000.0, 300.0, False),  # no declared run: its end is unknown
+    (True, 3000.0, None, 300.0, False),  # no deadline to keep
+    (True, 3000.0, 100000.0, None, False),  # no bound on how long it would wait again
+])
+def test_a_standard_run_is_spared_an_eviction_only_with_room_for_its_pause_and_a_whole_wait(
+        resumes, left_s, deadline, max_queue_s, spared):
+    assert spares_an_eviction(at=1000.0, resumes=resumes, left_s=left_s, pause_s=60.0, deadline=deadline,
+                              max_queue_s=max_queue_s) is spared
 
 
 def test_eviction_cost_is_lost_work_plus_a_restart():
