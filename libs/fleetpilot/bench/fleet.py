@@ -797,10 +797,14 @@ class FleetRun:
             return False
         running = [j for j in self.jobs if j.state == "running"]
         best_effort = [j for j in running if j.task.tier == "best_effort"]
-        if self._vip_preempts_among(job, best_effort, now):
-            return True
+        started = self._vip_preempts_among(job, best_effort, now)
+        # A preemption carried out ends this try, whether or not the vip then started (as the
+        # service's round publishes its evictions and waits for them); only where none was
+        # found does the search go on among the standard work its contract spares.
+        if started is not None or not self.vip_evicts_standard:
+            return bool(started)
         spared = [j for j in running if j.task.tier == "standard" and self._spares_an_eviction(j, now)]
-        return bool(self.vip_evicts_standard and spared) and self._vip_preempts_among(job, best_effort + spared, now)
+        return bool(spared and self._vip_preempts_among(job, best_effort + spared, now))
 
     def _spares_an_eviction(self, job: _Job, now: float) -> bool:
         """Whether a running standard task's contract lets a vip evict it now
@@ -810,10 +814,11 @@ class FleetRun:
                                   left_s=max(self._expected_end(job) - now, 0.0) if t.declared_duration_s else None,
                                   pause_s=self._pause(job, now), deadline=t.deadline_s, max_queue_s=t.max_queue_s)
 
-    def _vip_preempts_among(self, job: _Job, victims: list[_Job], now: float) -> bool:
-        """``_vip_preempts`` with these candidate ``victims``; whether the vip started."""
+    def _vip_preempts_among(self, job: _Job, victims: list[_Job], now: float) -> bool | None:
+        """``_vip_preempts`` with these candidate ``victims``: whether the vip started after
+        the evictions it chose, ``None`` when it found none to choose."""
         if not victims:
-            return False
+            return None
         # The ledgers and the victims as the policy service reads them, once for every request.
         ledgers = {row: self._ledger(row) for row in sorted({j.row for j in victims})}
         all_chosen = []
@@ -845,7 +850,7 @@ class FleetRun:
                 for victim in leaving:
                     self._evict_for_vip(victim, now)
                 return self._try_start(job, now, None, [], pause=TERMINATION_GRACE_S)
-        return False
+        return None
 
     def _evict_for_vip(self, victim: _Job, now: float) -> None:
         """A vip's victim stopped, as the executor stops it (SIGTERM, then SIGKILL after the
