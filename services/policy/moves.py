@@ -389,7 +389,8 @@ class Moves(ReplicaState):
                           memory_mb=tenant.request.gpu_memory_mb)
                 for g in move.gpus
             ]
-            decision = await self.migrate(running, topo, self.fingerprints.get(move.task_id), 0.0, why, target)
+            decision = await self.migrate(running, topo, self.fingerprints.get(move.task_id), 0.0, why, target,
+                                          planned_confidence=move.confidence)
             if decision is None:
                 break
             out.append(decision)
@@ -466,7 +467,8 @@ class Moves(ReplicaState):
                        f"{(MIN_BRIDGE_STAY_S + self.settings.growth_lookahead_s) / 60:.0f} min, which a "
                        f"{'/'.join(models)} GPU holds; moved up when it says it outgrows it")
                 decision = await self.migrate(tenant.running, tenant.topo, self.fingerprints.get(tenant.running.task_id),
-                                              0.0, why, target, planned_by="move-down")
+                                              0.0, why, target, planned_by="move-down",
+                                              planned_confidence=choice.confidence)
                 if decision is None:
                     continue
                 log.info("%s: %s", tenant.running.task_id, why)
@@ -801,6 +803,7 @@ class Moves(ReplicaState):
         why: str,
         target: list[Placement] | None = None,
         planned_by: str = "clearing",
+        planned_confidence: float = 0.0,
     ) -> DecisionMade | None:
         """Choose a target for one task with the default policy (or take ``target``, planned
         by a clearing or a move down: ``planned_by`` names it), reserve it, decide. The target
@@ -810,12 +813,16 @@ class Moves(ReplicaState):
         (the task is expected to run past the reservation's start, or declared no duration):
         a move is a placement like any other, and backfill keeps those GPUs for the wide task.
 
-        **Confidence of a clearing move** (``target`` given) is 0.0, under the ``clearing``
-        policy name (a move down's, under ``move-down``). A migrate's goal is that the moved task's latency improves by more than
-        15% and no OOM follows; a clearing moves a task that was fine where it was, for
-        another task's sake, and it only loses its checkpoint pause: the goal is not met,
-        whatever the target. Published under its own name, these records never raise the
-        calibration of the default policy's own moves (which feedback judges by their OOMs).
+        **Confidence of a planned move** (``target`` given) is ``planned_confidence``, the
+        default policy's confidence in the target placement when the plan chose it, under the
+        ``clearing`` policy name (a move down's, under ``move-down``) and calibrated by that
+        name's own record. Its goal is not the latency gain a migrate away from an OOM aims
+        at: it moves a task that was fine where it was, for another task's sake, and what it
+        promises is that the task runs on at its target without an OOM or a failure, which is
+        what feedback judges a move by. Before, it was published as 0.0 (that latency goal,
+        never met), and the closing report of every run set 0.00 predicted beside 1.00 met.
+        Under its own name, these records never move the calibration of the default policy's
+        own moves.
         """
         policies = self.active.current
         # As its admission has it, when this replica did not place it (a restart, another
@@ -844,7 +851,8 @@ class Moves(ReplicaState):
                 confidence = self.calibration.apply(calibration_key(ref.name, "migrate"), confidence)
             fallback, why = choice.fallback, f"{why}; target: {choice.reason}"
         else:
-            ref, confidence, fallback = PolicyRef(name=planned_by), 0.0, False
+            ref, fallback = PolicyRef(name=planned_by), False
+            confidence = self.calibration.apply(calibration_key(planned_by, "migrate"), planned_confidence)
         tried = 0
         while await self.journaled(migrate_decision_id(running, tried)):
             tried += 1  # that move failed (a done one would have changed the hold): a new id

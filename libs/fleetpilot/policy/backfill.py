@@ -397,6 +397,8 @@ class Move:
     row: int
     gpus: tuple[int, ...]
     milli: int
+    # The policy's confidence in that placement: that the tenant runs on there (``decide``).
+    confidence: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -505,7 +507,8 @@ def _evacuate(state: ClusterState, request: TaskRequest, row: int, gpus: tuple[i
             if d.action != "assign" or not d.placement:
                 return None
             move = Move(task_id=t.request.task_id, row=d.node_row,
-                        gpus=tuple(p.gpu for p in d.placement if p.gpu >= 0), milli=d.placement[0].milli)
+                        gpus=tuple(p.gpu for p in d.placement if p.gpu >= 0), milli=d.placement[0].milli,
+                        confidence=d.confidence)
             state.allocate(move.row, move.gpus, move.milli, **t._hold())
             placed.append((t, move))
         if state.cpu_free[row] < request.cpu_milli or state.mem_free[row] < request.memory_mb:

@@ -208,7 +208,9 @@ async def test_a_rebalance_round_clears_a_node_for_a_blocked_wide_task(observer,
         assert [p.node for p in d.source] == ["n0"]
         assert {p.node for p in d.placement} == {"n2"}, d.placement
         assert d.reason.startswith("clearing n0 for wide"), d.reason
-        assert d.policy.name == "clearing" and d.confidence == 0.0
+        # The policy's confidence in the target (the same for four alike shares), not 0.0.
+        assert d.policy.name == "clearing" and 0.5 < d.confidence <= 1.0
+    assert len({d.confidence for d in moves}) == 1
     assert {(a.task_id, a.decision_id) for a in ledgers["n2"].allocations} == {(s, f"{s}.migrate.1") for s in small}
     assert len([d for d in observer.decisions if d.action == "migrate"]) == 4
     # The queue round places wide on the cleared node; filler, which would outlast the
@@ -240,7 +242,7 @@ async def test_a_clearing_weighs_the_wait_on_the_view_it_plans_on(tmp_path, shar
     ps.reservation = Reservation(task_id="wide", node="n1", gpus=(0, 1, 2, 3), start_s=now() + 4900)
     planned: list[tuple[str, str]] = []
 
-    async def migrate(running, topo, fp, p_stay_fails, why, target=None):
+    async def migrate(running, topo, fp, p_stay_fails, why, target=None, planned_confidence=0.0):
         planned.append((running.task_id, why))
         return None  # taken by a race: the clearing stops there
 

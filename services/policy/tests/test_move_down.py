@@ -79,7 +79,8 @@ async def test_a_tenant_in_its_low_phase_moves_down_for_a_task_only_its_gpu_hold
     placed, down, evict = observer.by_task()["steps"]
     assert placed.action == "assign" and [p.node for p in placed.placement] == ["big"]
     assert in_flight == stayed == ["assign", "migrate"]
-    assert (down.action, down.policy.name, down.confidence) == ("migrate", "move-down", 0.0)
+    assert (down.action, down.policy.name) == ("migrate", "move-down")
+    assert 0.5 < down.confidence <= 1.0  # the policy's confidence in its target, not 0.0
     assert [(p.node, p.gpu) for p in down.source] == [("big", 0)]
     assert [(p.node, p.gpu, p.memory_mb) for p in down.placement] == [("small0", 0, 40960)]
     assert down.reason.startswith("moved down for waiter"), down.reason

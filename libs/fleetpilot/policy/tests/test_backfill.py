@@ -260,6 +260,21 @@ def test_clearing_moves_the_cheapest_tenants_off_one_node_and_leaves_the_state_a
     assert all(np.array_equal(x, y) for x, y in zip(held(state), before, strict=True))
 
 
+def test_each_move_of_a_clearing_carries_the_policys_confidence_in_its_target() -> None:
+    # The service publishes a clearing's moves with the confidence the policy gave each
+    # target when the plan chose it (not 0.0, a goal no clearing meets).
+    state = two_nodes()
+    tenants = [tenant(state, "a", 0, (0,), cost=60.0), tenant(state, "b", 0, (1,), cost=90.0)]
+    given = {"a": 0.71, "b": 0.83}
+    policy = build_policy("bestfit")
+
+    def decide(st: ClusterState, req: TaskRequest):
+        return msgspec.structs.replace(policy.decide(st, req), confidence=given[req.task_id])
+
+    plan = clearing(state, TaskRequest(task_id="w", gpus=4, gpu_models=("H100",)), tenants, decide, wait_s=1000.0)
+    assert plan is not None and {m.task_id: m.confidence for m in plan.moves} == given
+
+
 def test_no_clearing_when_it_costs_more_than_the_wait_it_saves_or_nothing_can_move() -> None:
     state = two_nodes()
     tenants = [tenant(state, "a", 0, (0,), cost=60.0), tenant(state, "b", 1, (0,), cost=90.0)]
