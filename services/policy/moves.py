@@ -75,6 +75,7 @@ from fleetpilot.policy.rebalance import (
     gpus_going_away,
     migrate_decision_id,
     models_below,
+    most_room_mb,
     move_down_ask,
     move_reason,
     placed_at,
@@ -667,11 +668,20 @@ class Moves(ReplicaState):
             log.warning("%s will outgrow its GPU with nowhere to go, but its admission is unknown: not "
                         "checkpointed (%s)", running.task_id, why)
             return None
+        # Queued again, it would come back to no more room than it has: every checkpoint
+        # would cost a restart and gain nothing. On the fallback scheduler, which places it
+        # whatever its fingerprint says, that was a loop: placed, checkpointed, placed again
+        # on the same GPUs every round. It runs on; an OOM, if it comes, is the OOM rule's.
+        room = min(room_in_place(running, topo, ledger).values())
+        if not gpus_going_away(running, topo) and room >= most_room_mb(self.fleet.nodes.values(),
+                                                                       adm.task.gpu_models):
+            log.info("%s will outgrow its GPU, but no GPU it accepts has more than the %d MB it has there: "
+                     "left to run (%s)", running.task_id, room, why)
+            return None
         # Bridged again, it is given more room than it is outgrowing here, unless its
         # signature's restores have mostly started over (the fingerprinter counts them) and
         # it stayed here at least a lookahead.
-        floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)),
-                                min(room_in_place(running, topo, ledger).values()),
+        floor = bridge_floor_mb(await self.signature_stats(task_signature(adm.task)), room,
                                 now() - placed_at(running), self.settings.growth_lookahead_s)
         note = Requeue(decision_id=reassign_decision_id(running), evict_id=evict_decision_id(running), at=now(),
                        reason=f"checkpointed: {why}", bridge_floor_mb=floor,

@@ -1486,8 +1486,18 @@ class FleetRun:
         movable = (j for j in map(self.by_id.__getitem__, tenants) if j.task.resumable)
         victims = sorted(movable, key=lambda j: (j.planned_mb - j.reserved_mb, j.seq))
         for victim in victims[:1]:
-            if not self._migrate(victim, now, reason="oom"):
+            # Queued again, a run that has the most room any GPU it accepts gives would come
+            # back to no more: it runs on (the policy service's ``checkpoint``).
+            if not self._migrate(victim, now, reason="oom") and \
+                    self._room_in_place(victim) < self._largest(victim.task.gpu_models):
                 self._checkpoint(victim, now, outgrown=True)
+
+    def _room_in_place(self, job: _Job) -> float:
+        """The memory ``job`` can have on its GPUs: the smallest of them less what the other
+        tasks on it hold (``rebalance.room_in_place``)."""
+        return min(float(self.state.gpu_mem_total[job.row, g])
+                   - sum(self.by_id[t].reserved_mb for t in self.on_gpu.get((job.row, g), set()) if t != job.task.task_id)
+                   for g in job.gpus)
 
     def _migrate(self, job: _Job, now: float, *, reason: str, target: Move | None = None,
                  bridge: bool = False) -> bool:

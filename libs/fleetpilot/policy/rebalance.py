@@ -57,6 +57,7 @@ from fleetpilot.contracts import (
     NodeLedger,
     NodeTopology,
     Placement,
+    in_service,
     marked_condition,
 )
 from fleetpilot.fingerprint import envelope_at
@@ -183,6 +184,14 @@ def room_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger) -> dict
     return {gpu: memory.get(gpu, 0) - sum(a.memory_mb for a in ledger.allocations
                                           if a.gpu == gpu and a.task_id != task.task_id)
             for gpu in task.gpus}
+
+
+def most_room_mb(nodes: Iterable[NodeTopology], models: Sequence[str]) -> int:
+    """The most memory one in-service GPU of ``models`` (of any model, for none) has in
+    ``nodes``: more room than that no placement can give a task that accepts them."""
+    wanted = set(models)
+    return max((g.memory_mb for topo in nodes for g in topo.gpus
+                if (not wanted or g.model in wanted) and in_service(g.labels)), default=0)
 
 
 def oom_risk_in_place(task: Running, topo: NodeTopology, ledger: NodeLedger, fp: Fingerprint) -> float:

@@ -418,3 +418,41 @@ async def test_a_steady_climb_moves_up_when_its_measured_rate_nears_the_edge_not
     assert assign.placement[0].node == "small0"
     assert move.action == "migrate" and move.placement[0].node == "big"
     assert "predicted OOM in place" in move.reason
+
+
+@pytest.mark.parametrize("bigger_gpu_in_fleet", [True, False])
+async def test_a_run_outgrowing_the_largest_gpu_it_accepts_is_not_checkpointed_to_come_back_to_no_more_room(
+    observer, nats_url, tmp_path, bigger_gpu_in_fleet
+):
+    # "grow" runs alone on the whole 80 GB H100 and will pass it (fingerprint: 90 GB; measured:
+    # 8 GB a minute from 60 GB). With a 141 GB H200 in the fleet (busy now), it is checkpointed
+    # to wait for one. Without, queued again it could only come back to an 80 GB GPU: before,
+    # on the fallback scheduler, it was placed there, checkpointed and placed again every round.
+    fleet = [node("big", gpus=1), node("small", gpus=1, **A100)]
+    if bigger_gpu_in_fleet:
+        fleet.append(node("huge", gpus=1, model="H200", memory_mb=143_771))
+        huge = msgspec.structs.replace(blocker("held"), memory_mb=143_771)
+        await observer.kv_put("ledger", "huge", encode(NodeLedger(node="huge", allocations=[huge])))
+    await observer.put_fleet(fleet)
+    adm = admitted("grow", gpu_milli=1000, gpu_memory_mb=ASK_MB, gpu_models=["H100", "H200"])
+    await observer.kv_put("contracts", "contract.grow", encode(adm))
+    hold = Allocation(task_id="grow", decision_id="grow.assign", gpu=0, milli=1000, memory_mb=81920,
+                      state="confirmed", at=now() - 600)
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[hold])))
+    policy = build(settings(nats_url, tmp_path, rebalance_s=0.3, pending_retry_s=0.2))
+    await policy.start()
+    try:
+        grower = msgspec.structs.replace(fingerprint("leak"), predicted_peak_mb=90_000, peak_low_mb=89_500,
+                                         peak_high_mb=90_500)
+        await fingerprinted(observer, {"grow": grower})
+        t = now()
+        for at, used_mb in ((t - 60, 60_000), (t - 30, 64_000), (t, 68_000)):
+            await sample(observer, "grow", "big", at, used_mb)
+        if bigger_gpu_in_fleet:
+            await wait_for(lambda: "grow" in observer.by_task(), timeout_s=3.0, what="grow checkpointed")
+        else:
+            await asyncio.sleep(1.5)  # five rebalance rounds
+    finally:
+        await policy.stop()
+    decisions = [(d.action, d.policy.name) for d in observer.by_task().get("grow", [])]
+    assert decisions == ([("evict", "checkpoint")] if bigger_gpu_in_fleet else [])

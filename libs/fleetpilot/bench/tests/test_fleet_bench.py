@@ -1115,3 +1115,23 @@ def test_a_task_stopped_in_the_cycle_its_fingerprint_changed_leaves_no_hold_behi
     run._reserve_again(job)
     assert (run.state.gpu_mem_free == run.state.gpu_mem_total).all()
     assert (run.state.gpu_mem_free == free).all()
+
+
+@pytest.mark.parametrize(("models", "checkpointed"), [(("A100-40GB", "H100"), True), (("A100-40GB",), False)])
+def test_a_run_heading_past_its_gpu_is_checkpointed_only_when_a_bigger_gpu_it_accepts_exists(
+        models: tuple[str, ...], checkpointed: bool) -> None:
+    # Alone on a whole A100 (the H100 busy), a run predicted to pass 40 GB is checkpointed to
+    # wait for the H100 it accepts; one that accepts only A100s would come back to no more
+    # room than it has, and runs on (the policy service's ``checkpoint``).
+    grower = BenchTask(**{**task(0, peak=30_000.0, duration=3600.0).__dict__, "gpu_models": models})
+    blocker = BenchTask(**{**task(1, duration=7200.0).__dict__, "gpu_models": ("H100",)})
+    run = FleetRun(build_fleet(A100_AND_H100), workload(grower, blocker, hours=2.0), "fleetpilot", seed=1)
+    job, busy = run.jobs
+    for j, model in ((busy, "H100"), (job, "A100-40GB")):
+        j.state = "pending"
+        run._start(j, run.node_model.index(model), [0], 1000, 0.0)
+    job.prediction = Fingerprint(signature=job.signature, pattern="flat", pattern_confidence=0.9,
+                                 growth_rate_mb_per_s=0.0, predicted_peak_mb=45_000.0, peak_low_mb=44_000.0,
+                                 peak_high_mb=46_000.0)
+    run._rebalance(job, 600.0)
+    assert (job.state, run.counts["checkpointed"]) == (("pending", 1) if checkpointed else ("running", 0))
