@@ -309,12 +309,11 @@ class Evictions(ReplicaState):
         the vip would never preempt."""
         policies = self.active.current
         name, _ = policies.route(adm.task)
-        exclude = {adm.task.task_id} | leaving
-        # best_effort work first; standard work spared by its contract only where that fails
-        # and the operator allows it.
-        rounds = [self.victims(exclude)]
-        if self.settings.vip_evicts_standard:
-            rounds.append(self.victims(exclude, standard=True))
+        # One read of the candidates: best_effort work first; standard work spared by its
+        # contract (there only when the operator allows it) only where that fails.
+        candidates = self.victims({adm.task.task_id} | leaving, standard=self.settings.vip_evicts_standard)
+        best_effort = [v for v in candidates if v.admitted.contract.tier == "best_effort"]
+        rounds = [best_effort] if len(best_effort) == len(candidates) else [best_effort, candidates]
         for victims in rounds:
             for req in self.requests(adm.task):
                 wanted = msgspec.structs.replace(adm.task, gpu_memory_mb=req.gpu_memory_mb,
