@@ -59,7 +59,10 @@ against 53 on three-site seed 7.)
   (so the policy's model-demand pressure keeps flexible work off the big GPUs);
 - rebalancing: when the memory predicted on a GPU exceeds it, the task that outgrew its
   plan is migrated to a GPU where its predicted peak fits, before the OOM, if the policy
-  finds one; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
+  finds one (a run whose fingerprint names a steady climb only once its measured rate over
+  the last four minutes, carried four minutes ahead, passes 98% of its room, as the policy
+  service's ``rebalance.climbs_within_its_gpu`` has it: a line fitted to a long run's first
+  minutes reads a warm-up ramp as a climb); the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
   which the task makes no progress; restored, it plays the rest of its memory curve
   (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
   growth starts over with the process); with no target it is checkpointed and queued again
@@ -418,6 +421,10 @@ class FleetRun:
         self.blocked_shares: set[str] = set()
         self.bridged_ids: set[str] = set()  # the bridged tasks ``_enveloped`` reads
         self.waits = RecentWaits()  # how long the latest starts on each GPU size waited (``policy.spread``)
+        # Each running task's memory samples (per GPU) of the last ``GROWTH_LOOKAHEAD_S``, and the
+        # climbs held back from a move last cycle (``_climbs_within_its_gpu``).
+        self.usage: dict[str, deque[tuple[float, float]]] = {}
+        self.climbing: set[str] = set()
 
     # -- construction --------------------------------------------------------------------
 
@@ -1375,6 +1382,7 @@ class FleetRun:
                     continue
                 online = job.fingerprinter
                 held = s.memory_used_mb / max(len(s.gpus), 1)
+                self._keep_usage(job, s.at, held)
                 fresh = online.add(s.at, held)
                 if job.bridged and job.history is not None and self._by_rate(job):
                     job.history.append((s.at, held))
@@ -1398,10 +1406,39 @@ class FleetRun:
                 self._checkpoint(job, now, outgrown=True)
         for task_id in changed:
             self._reserve_again(self.by_id[task_id])
-        for task_id, held in changed.items():
+        # As the service's rebalance round checks every run each round: a climb held back
+        # last cycle is looked at again whether or not its fingerprint changed.
+        looked_at = [*changed.items(), *((t, self.usage[t][-1][1]) for t in sorted(self.climbing - changed.keys()))]
+        self.climbing.clear()
+        for task_id, held in looked_at:
             job = self.by_id[task_id]
             if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
+                if self._climbs_within_its_gpu(job):
+                    self.climbing.add(task_id)
+                    continue
                 self._rebalance(job, now)
+
+    def _keep_usage(self, job: _Job, at: float, held_mb: float) -> None:
+        """Keep a running task's memory sample (per GPU), and only those of the last
+        ``GROWTH_LOOKAHEAD_S``, as the policy service keeps them (``Replica.observe``)."""
+        kept = self.usage.setdefault(job.task.task_id, deque())
+        kept.append((at, held_mb))
+        while kept[0][0] < at - GROWTH_LOOKAHEAD_S:
+            kept.popleft()
+
+    def _climbs_within_its_gpu(self, job: _Job) -> bool:
+        """A run whose fingerprint names a steady climb stays where it is, though its predicted
+        peak would not fit there, while its measured rate carried ``GROWTH_LOOKAHEAD_S`` ahead
+        still fits its room (the policy service's ``rebalance.climbs_within_its_gpu``): a line
+        fitted to a long run's first minutes cannot tell a warm-up ramp from a climb."""
+        kept = self.usage.get(job.task.task_id)
+        if job.prediction is None or job.prediction.pattern != "linear" or kept is None or len(kept) < 2:
+            return False
+        (t0, m0), (t1, m1) = kept[0], kept[-1]
+        if t1 <= t0:
+            return False
+        ahead = m1 + max((m1 - m0) / (t1 - t0), 0.0) * GROWTH_LOOKAHEAD_S
+        return ahead <= OVERFLOW_FILL * self._room_in_place(job)
 
     def _enveloped(self, now: float) -> list[_Job]:
         """Runs bridged by their envelope (``_envelope_ask``) that it, read

@@ -1135,3 +1135,55 @@ def test_a_run_heading_past_its_gpu_is_checkpointed_only_when_a_bigger_gpu_it_ac
                                  peak_high_mb=46_000.0)
     run._rebalance(job, 600.0)
     assert (job.state, run.counts["checkpointed"]) == (("pending", 1) if checkpointed else ("running", 0))
+
+
+def _run_alone_on_the_a100(pattern: str, samples: list[tuple[float, float]]) -> tuple[FleetRun, object]:
+    """A run alone on the A100-40GB, the H100 free, predicted (``pattern``) at 45 GB, with the
+    memory ``samples`` the service would have kept of it; not watched by a fingerprinter, so
+    that a cycle reads no sample of the simulator's."""
+    ramp = BenchTask(**{**task(0, peak=4_000.0, duration=10_000.0).__dict__, "gpu_models": ("A100-40GB", "H100")})
+    run = FleetRun(build_fleet(A100_AND_H100), workload(ramp, hours=3.0), "fleetpilot", seed=1)
+    (job,) = run.jobs
+    job.state = "pending"
+    run._start(job, run.node_model.index("A100-40GB"), [0], 1000, 0.0)
+    job.fingerprinter = None
+    job.prediction = Fingerprint(signature=job.signature, pattern=pattern, pattern_confidence=0.9,
+                                 growth_rate_mb_per_s=4.0, predicted_peak_mb=45_000.0, peak_low_mb=43_000.0,
+                                 peak_high_mb=47_000.0, time_to_peak_s=9_000.0)
+    for at, held in samples:
+        run._keep_usage(job, at, held)
+    return run, job
+
+
+LEVELLED_OFF = [(300.0 + 60.0 * k, 4_000.0) for k in range(5)]  # a warm-up ramp that levelled off at 4 GB
+
+
+@pytest.mark.parametrize(("pattern", "samples", "stays"), [
+    ("linear", LEVELLED_OFF, True),   # its rate, carried 240 s ahead, fits: the 45-GB line is not believed yet
+    ("leak", LEVELLED_OFF, False),    # an accelerating leak outruns its average rate: moved on its prediction
+    ("linear", LEVELLED_OFF[:1], False),  # one sample measures no rate
+])
+def test_a_line_is_moved_up_for_its_predicted_peak_only_once_its_measured_rate_says_so(pattern, samples, stays):
+    # As the policy service's ``rebalance.climbs_within_its_gpu``: a line fitted to a long run's
+    # first minutes reads a warm-up ramp as a climb to 45 GB; the run stays on its A100 while
+    # its measured rate fits there, and is looked at again every cycle.
+    run, job = _run_alone_on_the_a100(pattern, samples)
+    run.climbing = {job.task.task_id}
+    run._observe_tasks(540.0)
+    on = run.node_model[job.row]
+    assert (on, run.counts["migrations_oom"]) == (("A100-40GB", 0) if stays else ("H100", 1))
+    assert (job.task.task_id in run.climbing) is stays
+
+
+def test_a_line_whose_measured_rate_outruns_its_gpu_is_not_held_back() -> None:
+    # 50 MB/s from 20 GB, at 32 GB now: within 240 s it would pass 98% of the A100's 40 GB.
+    climbing = [(300.0 + 60.0 * k, 20_000.0 + 3_000.0 * k) for k in range(5)]
+    run, job = _run_alone_on_the_a100("linear", climbing)
+    assert not run._climbs_within_its_gpu(job)
+    run, job = _run_alone_on_the_a100("linear", LEVELLED_OFF)
+    assert run._climbs_within_its_gpu(job)
+
+
+def test_a_sample_older_than_the_lookahead_is_not_kept() -> None:
+    run, job = _run_alone_on_the_a100("linear", [(0.0, 1_000.0), (100.0, 2_000.0), (400.0, 4_000.0)])
+    assert list(run.usage[job.task.task_id]) == [(400.0, 4_000.0)]
