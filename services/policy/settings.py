@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fleetpilot.policy import Router
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
+from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OOM_MIGRATE_RISK, RESIZE_MARGIN_MB
 from fleetpilot.runtime import ServiceSettings
 from fleetpilot.runtime.config import queue_aging_default
 from pydantic import Field, ValidationInfo, field_validator
@@ -52,7 +52,7 @@ class PolicySettings(ServiceSettings):
     # tasks, fleetpilot's demand), and how many recent admissions count.
     workload_refresh_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     workload_window: int = Field(default=5000, ge=1)
-    oom_migrate_risk: float = Field(default=0.5, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
+    oom_migrate_risk: float = Field(default=OOM_MIGRATE_RISK, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
     max_migrations_per_round: int = Field(default=10, ge=0)
     wait_risk: bool = Field(
         default=True,
@@ -65,7 +65,7 @@ class PolicySettings(ServiceSettings):
         "left (backfill.completion_order): 1, a later task goes first only if expected to end before the "
         "waiting one would have; below 1, short work goes first more often; must be above 0",
     )
-    resize_margin_mb: float = Field(default=512.0, ge=0.0, allow_inf_nan=False, description="Head room above the peak's 90% bound")
+    resize_margin_mb: float = Field(default=RESIZE_MARGIN_MB, ge=0.0, allow_inf_nan=False, description="Head room above the peak's 90% bound")
     # What moving a running task costs (checkpoint and restore): the pause a clearing prices
     # its moves with, and how soon a task being moved releases the GPUs it leaves.
     checkpoint_base_s: float = Field(default=30.0, ge=0.0, allow_inf_nan=False, description="Pause of a checkpoint and restore, fixed part")

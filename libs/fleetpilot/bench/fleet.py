@@ -62,7 +62,9 @@ against 53 on three-site seed 7.)
   finds one (a run whose fingerprint names a steady climb only once its measured rate over
   the last four minutes, carried four minutes ahead, passes 98% of its room, as the policy
   service's ``rebalance.climbs_within_its_gpu`` has it: a line fitted to a long run's first
-  minutes reads a warm-up ramp as a climb); the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
+  minutes reads a warm-up ramp as a climb); a run's ledger hold grows as the service's
+  rebalance round resizes it, when its new fingerprint's peak likely passes it and its GPUs
+  have the room (``rebalance.resize_target_mb``), and never shrinks; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
   which the task makes no progress; restored, it plays the rest of its memory curve
   (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
   growth starts over with the process); with no target it is checkpointed and queued again
@@ -234,6 +236,7 @@ from fleetpilot.policy.rebalance import (
     envelope_level_mb,
     models_below,
     move_down_ask,
+    resize_target_mb,
 )
 from fleetpilot.policy.restores import bridge_floor_mb
 from fleetpilot.policy.spread import RecentWaits, spread_ask_mb
@@ -1486,19 +1489,22 @@ class FleetRun:
                            > OVERFLOW_FILL * g.memory_total_mb[glob]))
 
     def _reserve_again(self, job: _Job) -> None:
-        """Move the job's ledger hold to its new predicted peak (compute and CPU unchanged).
-        Not the hold of a job stopped since its fingerprint changed (moved up or checkpointed
-        off its bridge in the same cycle): its holds went back with the stop, and moving them
-        again left a hold nobody had, for ever, on the GPUs it left."""
-        if job.state != "running":
-            return
-        new = self._hold(job, job.row, job.gpus)
-        if new == job.reserved_mb:
-            return
+        """Grow the job's ledger hold as the policy service's rebalance round resizes it: to the
+        top of its new predicted peak's interval plus a margin, when that peak passes the hold
+        with probability ``OOM_MIGRATE_RISK`` or more (``rebalance.resize_target_mb``) and every
+        GPU of the job has that much free (``resize_plan``); never down, and not on a GPU going
+        out of service. Where it cannot grow, the predicted-OOM check decides (a move, or the
+        run stays). Not the hold of a job stopped since its fingerprint changed (moved up or
+        checkpointed off its bridge in the same cycle): its holds went back with the stop."""
+        if self.knows_peaks or job.state != "running" or any(self.excluded[self.offset[job.row] + g] for g in job.gpus):
+            return  # told its true peak, a run holds it from its start
+        target = resize_target_mb(job.prediction, job.reserved_mb)
         idx = np.asarray(job.gpus)
-        self.state.gpu_mem_free[job.row, idx] += job.reserved_mb - new
+        if target is None or int(self.state.gpu_mem_free[job.row, idx].min()) < target - job.reserved_mb:
+            return
+        self.state.gpu_mem_free[job.row, idx] -= target - job.reserved_mb
         self.state.version[job.row] += 1
-        job.reserved_mb = new
+        job.reserved_mb = target
 
     def _heading_for_oom(self, job: _Job, held_mb: float) -> bool:
         """True when what the job's GPUs hold now (as NVML reports it) plus the growth still

@@ -288,6 +288,29 @@ def gpus_going_away(task: Running, topo: NodeTopology) -> bool:
     )
 
 
+OOM_MIGRATE_RISK = 0.5
+"""P(a run's peak passes what it holds, or what it can have in place) from which its hold
+grows (``resize_target_mb``) or it is moved: the policy service's ``oom_migrate_risk``."""
+
+RESIZE_MARGIN_MB = 512.0
+"""Head room a grown hold keeps above the top of its peak's interval: the policy service's
+``resize_margin_mb``."""
+
+
+def resize_target_mb(fp: Fingerprint | None, held_mb: float, threshold: float = OOM_MIGRATE_RISK,
+                     margin_mb: float = RESIZE_MARGIN_MB) -> int | None:
+    """What a running task's hold of ``held_mb`` per GPU grows to when its fingerprint says
+    its peak passes it with probability ``threshold`` or more: the top of the peak's interval
+    (at least the peak) plus ``margin_mb``; ``None`` when it need not grow. A hold never
+    shrinks here: a prediction that falls leaves it as it is."""
+    if fp is None or fp.predicted_peak_mb <= 0:
+        return None
+    if normal_tail(fp.predicted_peak_mb, peak_sigma_mb(fp), held_mb) < threshold:
+        return None
+    target = int(math.ceil(max(fp.predicted_peak_mb, fp.peak_high_mb) + margin_mb))
+    return target if target > held_mb else None
+
+
 def resize_plan(
     task: Running,
     topo: NodeTopology,
@@ -296,19 +319,17 @@ def resize_plan(
     threshold: float,
     margin_mb: float,
 ) -> ResizePlan | None:
-    """A resize when the fingerprint's peak is above the hold and every GPU of the task has
-    room for the difference plus ``margin_mb`` (module docstring); ``None`` otherwise."""
+    """A resize when the fingerprint's peak is above the hold (``resize_target_mb``) and every
+    GPU of the task has room for the difference (module docstring); ``None`` otherwise."""
     if fp is None or fp.predicted_peak_mb <= 0 or not task.gpus or gpus_going_away(task, topo):
         return None
     sigma = peak_sigma_mb(fp)
     holds = {a.gpu: a.memory_mb for a in task.allocations if a.gpu >= 0}
     p_over = max(normal_tail(fp.predicted_peak_mb, sigma, mb) for mb in holds.values())
-    if p_over < threshold:
+    target = resize_target_mb(fp, min(holds.values()), threshold, margin_mb)
+    if target is None:
         return None
-    target = int(math.ceil(max(fp.predicted_peak_mb, fp.peak_high_mb) + margin_mb))
     extra = {gpu: target - mb for gpu, mb in holds.items() if target > mb}
-    if not extra:
-        return None
     free = free_capacity(topo, ledger).gpu_memory_mb
     if any(gpu >= len(free) or free[gpu] < more for gpu, more in extra.items()):
         return None

@@ -1187,3 +1187,24 @@ def test_a_line_whose_measured_rate_outruns_its_gpu_is_not_held_back() -> None:
 def test_a_sample_older_than_the_lookahead_is_not_kept() -> None:
     run, job = _run_alone_on_the_a100("linear", [(0.0, 1_000.0), (100.0, 2_000.0), (400.0, 4_000.0)])
     assert list(run.usage[job.task.task_id]) == [(400.0, 4_000.0)]
+
+
+@pytest.mark.parametrize(("peak", "held_after"), [
+    (20_000.0, 21_012),  # grows to the interval's top plus the margin: the GPU has room
+    (5_000.0, 10_000),   # a prediction that falls leaves the hold: the service never shrinks one
+    (60_000.0, 10_000),  # more than its A100 has free: not grown, the predicted-OOM check decides
+])
+def test_a_running_task_s_hold_moves_as_the_service_resizes_it(peak: float, held_after: int) -> None:
+    run = FleetRun(tiny_fleet(gpus=1), workload(task(0, peak=8_000.0, duration=3600.0)), "fleetpilot", seed=1)
+    (job,) = run.jobs
+    job.state = "pending"
+    run._start(job, 0, [0], 1000, 0.0)
+    total = int(run.state.gpu_mem_total[0, 0])
+    run.state.gpu_mem_free[0, 0] += job.reserved_mb - 10_000  # held at 10 GB, whatever its ask was
+    job.reserved_mb = 10_000
+    job.prediction = Fingerprint(signature=job.signature, pattern="flat", pattern_confidence=0.9,
+                                 growth_rate_mb_per_s=0.0, predicted_peak_mb=peak, peak_low_mb=peak - 500.0,
+                                 peak_high_mb=peak + 500.0)
+    run._reserve_again(job)
+    assert job.reserved_mb == held_after
+    assert int(run.state.gpu_mem_free[0, 0]) == total - held_after

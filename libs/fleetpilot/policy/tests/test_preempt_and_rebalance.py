@@ -54,6 +54,7 @@ from fleetpilot.policy.rebalance import (
     move_reason,
     resize_decision_id,
     resize_plan,
+    resize_target_mb,
     run_counted_from,
     run_progress_s,
     waits_for_its_envelope,
@@ -294,6 +295,19 @@ def test_a_peak_above_the_hold_becomes_a_resize_only_with_room(held, neighbour, 
         assert plan is not None and plan.memory_mb == expected
         assert plan.extra == {0: expected - held}
         assert 0.99 < plan.confidence <= 1.0
+
+
+@pytest.mark.parametrize(("held", "peak", "expected"), [
+    (5000, 20000, 21012),   # the interval's top (20,500) plus the 512-MB margin
+    (21012, 20000, None),   # the hold covers it
+    (19900, 20000, 21012),  # just under the peak: P(over) above a half
+    (30000, 20000, None),   # a prediction that falls never shrinks a hold
+])
+def test_a_hold_grows_to_the_top_of_its_peak_s_interval_and_never_shrinks(held, peak, expected):
+    assert resize_target_mb(fingerprint(peak), held) == expected
+    # A peak that passes the hold with probability under the threshold leaves it.
+    assert resize_target_mb(fingerprint(peak, spread_mb=4000), peak + 100, threshold=0.6) is None
+    assert resize_target_mb(None, held) is None
 
 
 def test_move_reasons_and_migration_ids():
