@@ -234,6 +234,7 @@ from fleetpilot.policy.rebalance import (
     could_take,
     envelope_bridge_mb,
     envelope_level_mb,
+    measured_rate_mb_per_s,
     models_below,
     move_down_ask,
     resize_target_mb,
@@ -1434,14 +1435,11 @@ class FleetRun:
         peak would not fit there, while its measured rate carried ``GROWTH_LOOKAHEAD_S`` ahead
         still fits its room (the policy service's ``rebalance.climbs_within_its_gpu``): a line
         fitted to a long run's first minutes cannot tell a warm-up ramp from a climb."""
-        kept = self.usage.get(job.task.task_id)
-        if job.prediction is None or job.prediction.pattern != "linear" or kept is None or len(kept) < 2:
+        kept = self.usage.get(job.task.task_id, ())
+        rate = measured_rate_mb_per_s(kept)
+        if job.prediction is None or job.prediction.pattern != "linear" or rate is None:
             return False
-        (t0, m0), (t1, m1) = kept[0], kept[-1]
-        if t1 <= t0:
-            return False
-        ahead = m1 + max((m1 - m0) / (t1 - t0), 0.0) * GROWTH_LOOKAHEAD_S
-        return ahead <= OVERFLOW_FILL * self._room_in_place(job)
+        return kept[-1][1] + rate * GROWTH_LOOKAHEAD_S <= OVERFLOW_FILL * self._room_in_place(job)
 
     def _enveloped(self, now: float) -> list[_Job]:
         """Runs bridged by their envelope (``_envelope_ask``) that it, read

@@ -563,23 +563,30 @@ def climbs_within_its_gpu(task: Running, topo: NodeTopology, ledger: NodeLedger,
     return growth_overflow(task, topo, ledger, samples, lookahead_s) is None
 
 
+def measured_rate_mb_per_s(samples: Sequence[tuple[float, float]]) -> float | None:
+    """How fast a run's memory grows by its ``(time, MB)`` samples: the slope from the first
+    to the last, never below 0; ``None`` for fewer than two samples or none apart in time."""
+    if len(samples) < 2:
+        return None
+    (t0, m0), (t1, m1) = samples[0], samples[-1]
+    return max((m1 - m0) / (t1 - t0), 0.0) if t1 > t0 else None
+
+
 def growth_overflow(
     task: Running, topo: NodeTopology, ledger: NodeLedger, samples: Sequence[tuple[float, float]], lookahead_s: float
 ) -> str | None:
-    """Why ``task`` must be checkpointed now, or ``None``: its measured growth (the slope
-    from the first to the last of ``samples``, ``(time, MB used over all its GPUs)``), carried
+    """Why ``task`` must be checkpointed now, or ``None``: its measured growth
+    (``measured_rate_mb_per_s`` of ``samples``, ``(time, MB used over all its GPUs)``), carried
     ``lookahead_s`` ahead, would fill more than ``OVERFLOW_FILL`` of what it can have on one of
     its GPUs (``room_in_place``). Fewer than two samples say nothing."""
-    if len(samples) < 2 or not task.gpus:
-        return None
-    (t0, m0), (t1, m1) = samples[0], samples[-1]
-    if t1 <= t0:
+    rate = measured_rate_mb_per_s(samples)
+    if rate is None or not task.gpus:
         return None
     n = len(task.gpus)
-    slope = max((m1 - m0) / (t1 - t0), 0.0) / n
-    ahead = m1 / n + slope * lookahead_s
+    slope = rate / n
+    ahead = samples[-1][1] / n + slope * lookahead_s
     for gpu, room in room_in_place(task, topo, ledger).items():
         if ahead > OVERFLOW_FILL * room:
-            return (f"its memory grows {slope * 60:.0f} MB/min per GPU ({m1 / n:.0f} MB now): within "
+            return (f"its memory grows {slope * 60:.0f} MB/min per GPU ({samples[-1][1] / n:.0f} MB now): within "
                     f"{lookahead_s:.0f} s it would pass the {room} MB it can have on GPU {gpu}")
     return None
