@@ -63,9 +63,10 @@ against 53 on three-site seed 7.)
   the last four minutes, carried four minutes ahead, passes 98% of its room, as the policy
   service's ``rebalance.climbs_within_its_gpu`` has it: a line fitted to a long run's first
   minutes reads a warm-up ramp as a climb); a run's ledger hold grows as the service's
-  rebalance round resizes it, when its new fingerprint's peak likely passes it and its GPUs
-  have the room (``rebalance.resize_target_mb``), and never shrinks; the migration costs ``30 s + 2 s per GB`` held (checkpoint and restore), during
-  which the task makes no progress; restored, it plays the rest of its memory curve
+  rebalance round resizes it, when its fingerprint's peak likely passes it and its GPUs
+  have the room (``rebalance.resize_target_mb``; looked at every cycle, as the round looks
+  at every run), and never shrinks; the migration costs ``30 s + 2 s per GB`` held
+  (checkpoint and restore), during which the task makes no progress; restored, it plays the rest of its memory curve
   (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
   growth starts over with the process); with no target it is checkpointed and queued again
   (progress kept) instead of being left to die, and asks no less than it held when stopped;
@@ -1408,8 +1409,10 @@ class FleetRun:
         for job in bridging:
             if job.state == "running" and not self._migrate(job, now, reason="bridge"):
                 self._checkpoint(job, now, outgrown=True)
-        for task_id in changed:
-            self._reserve_again(self.by_id[task_id])
+        # As the service's rebalance round looks at every run each round: a hold that could not
+        # grow when its fingerprint changed grows once a neighbour's leaving gives it the room.
+        for job in [j for j in self.jobs if j.state == "running"]:
+            self._reserve_again(job)
         # As the service's rebalance round checks every run each round: a climb held back
         # last cycle is looked at again whether or not its fingerprint changed.
         looked_at = [*changed.items(), *((t, self.usage[t][-1][1]) for t in sorted(self.climbing - changed.keys()))]
@@ -1492,8 +1495,8 @@ class FleetRun:
         with probability ``OOM_MIGRATE_RISK`` or more (``rebalance.resize_target_mb``) and every
         GPU of the job has that much free (``resize_plan``); never down, and not on a GPU going
         out of service. Where it cannot grow, the predicted-OOM check decides (a move, or the
-        run stays). Not the hold of a job stopped since its fingerprint changed (moved up or
-        checkpointed off its bridge in the same cycle): its holds went back with the stop."""
+        run stays), and the next cycle tries again. Not the hold of a job stopped this cycle
+        (moved up or checkpointed off its bridge): its holds went back with the stop."""
         if self.knows_peaks or job.state != "running" or any(self.excluded[self.offset[job.row] + g] for g in job.gpus):
             return  # told its true peak, a run holds it from its start
         target = resize_target_mb(job.prediction, job.reserved_mb)

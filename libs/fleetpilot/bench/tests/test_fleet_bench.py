@@ -1208,3 +1208,24 @@ def test_a_running_task_s_hold_moves_as_the_service_resizes_it(peak: float, held
     run._reserve_again(job)
     assert job.reserved_mb == held_after
     assert int(run.state.gpu_mem_free[0, 0]) == total - held_after
+
+
+def test_a_hold_that_found_no_room_grows_in_a_later_cycle_once_room_frees() -> None:
+    # The service's rebalance round looks at every run each round, not only at runs whose
+    # fingerprint changed: a neighbour's hold given back lets the resize through.
+    run = FleetRun(tiny_fleet(gpus=1), workload(task(0, peak=8_000.0, duration=3600.0)), "fleetpilot", seed=1)
+    (job,) = run.jobs
+    job.state = "pending"
+    run._start(job, 0, [0], 1000, 0.0)
+    run.state.gpu_mem_free[0, 0] += job.reserved_mb - 10_000
+    job.reserved_mb = 10_000
+    job.prediction = Fingerprint(signature=job.signature, pattern="flat", pattern_confidence=0.9,
+                                 growth_rate_mb_per_s=0.0, predicted_peak_mb=20_000.0, peak_low_mb=19_500.0,
+                                 peak_high_mb=20_500.0)
+    neighbour = int(run.state.gpu_mem_free[0, 0]) - 5_000  # what another tenant holds: 5 GB left free
+    run.state.gpu_mem_free[0, 0] -= neighbour
+    run._observe_tasks(60.0)
+    assert job.reserved_mb == 10_000  # 11 GB more does not fit in 5 GB
+    run.state.gpu_mem_free[0, 0] += neighbour  # the neighbour ended
+    run._observe_tasks(120.0)
+    assert job.reserved_mb == 21_012
