@@ -276,9 +276,10 @@ BACKOFF_LIMIT = 6
 """Restarts a Job allows before it fails (Kubernetes' default ``backoffLimit``)."""
 STUCK_S = 3600.0
 """A task waiting longer than this is a stuck queue: someone would have stepped in."""
-MOVES_PER_CYCLE = 20
-"""Moves down per cycle: the policy service's rebalance rounds come every 30 s with at most 10
-moves each (``max_migrations_per_round``), two to a cycle of ``TICK_S``."""
+ROUNDS_PER_CYCLE = 2
+"""The policy service's rebalance rounds in a cycle of ``TICK_S``: one every 30 s (``rebalance_s``)."""
+MOVES_PER_CYCLE = 10 * ROUNDS_PER_CYCLE
+"""Moves down per cycle: at most 10 decisions a round (``max_migrations_per_round``)."""
 MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
@@ -430,6 +431,7 @@ class FleetRun:
         # climbs held back from a move last cycle (``_climbs_within_its_gpu``).
         self.usage: dict[str, deque[tuple[float, float]]] = {}
         self.climbing: set[str] = set()
+        self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE  # checkpoints left to make way this cycle (``_give_way``)
 
     # -- construction --------------------------------------------------------------------
 
@@ -719,6 +721,7 @@ class FleetRun:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
         if self.smart:
             self._move_down(now, reservation)
+            self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE
             self._make_way(now, reservation)
             self._make_room(now, reservation)
 
@@ -1065,7 +1068,7 @@ class FleetRun:
         tasks alone on a GPU it could take and that may pause, the one with the most run left
         that ``backfill.makes_way`` says should give way is checkpointed and queued again
         (progress kept), and the waiter starts where the policy places it after that pause. At
-        most ``MAKE_WAY_PER_ROUND`` a cycle."""
+        most ``MAKE_WAY_PER_ROUND`` a round, with making room (``_give_way``)."""
         waiters = sorted(self._blocked_single_gpu_waiters(), key=self._key)
         if waiters:
             tenants = [c for c in self._way_tenants(now) if c[0].milli >= MILLI
@@ -1076,7 +1079,8 @@ class FleetRun:
         """Making room for a share of a GPU, on the same terms (``Moves.make_way`` serves both):
         for each blocked task of a share of one GPU, of the running tasks of one GPU whose going
         would leave room for it on their GPU and node (``backfill.leaves_room``), the one with
-        the most run left that should give way is checkpointed and queued again."""
+        the most run left that should give way is checkpointed and queued again, with what
+        making way left of the cycle's rounds (``_give_way``)."""
         waiters = sorted((j for j in self.pending if j.task.task_id in self.blocked_shares), key=self._key)
         if not waiters:
             return
@@ -1111,10 +1115,11 @@ class FleetRun:
         """For each of ``waiters``, in order, checkpoint the tenant with the most run left on a
         GPU the waiter could take (and where ``room`` says its going leaves enough) that
         ``backfill.makes_way`` says should give way, then start the waiter after that pause;
-        at most ``MAKE_WAY_PER_ROUND``, counted under ``made``."""
-        done = 0
+        counted under ``made``. As the policy service's rounds budget making way and making room
+        together (at most ``MAKE_WAY_PER_ROUND`` a round, ``ROUNDS_PER_CYCLE`` rounds a cycle),
+        both share ``ways_left``, which each cycle's ``_schedule`` fills again."""
         for waiter in waiters:
-            if done >= MAKE_WAY_PER_ROUND or not tenants:
+            if self.ways_left <= 0 or not tenants:
                 return
             need = self._request(waiter)
             left = self._remaining(waiter)
@@ -1133,7 +1138,7 @@ class FleetRun:
             tenants.remove(chosen)
             self._checkpoint(chosen[0], now)
             self.counts[made] += 1
-            done += 1
+            self.ways_left -= 1
             if self._try_start(waiter, now, reservation, [], pause=chosen[3]):
                 self.pending.remove(waiter)
                 blocked.discard(waiter.task.task_id)

@@ -1229,3 +1229,22 @@ def test_a_hold_that_found_no_room_grows_in_a_later_cycle_once_room_frees() -> N
     run.state.gpu_mem_free[0, 0] += neighbour  # the neighbour ended
     run._observe_tasks(120.0)
     assert job.reserved_mb == 21_012
+
+
+def test_making_way_and_making_room_share_the_cycle_s_two_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three five-hour runs hold the node's three GPUs when three ten-minute tasks and a
+    # ten-minute share wait. At one checkpoint a round, the cycle's two rounds make way for
+    # two of them; the third task and the share wait for the next cycle.
+    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 1)
+    runs = [task(k, duration=5 * 3600.0) for k in range(3)]
+    waiters = [task(3 + k, duration=600.0, arrival=600.0) for k in range(3)]
+    share = dataclasses.replace(task(6, duration=600.0, arrival=600.0, milli=500), max_queue_s=6 * 3600.0)
+    run = FleetRun(tiny_fleet(gpus=3), workload(*runs, *waiters, share, hours=8.0), "fleetpilot", seed=1)
+    for gpu, job in enumerate(run.jobs[:3]):
+        job.state = "pending"
+        run._start(job, 0, [gpu], 1000, 0.0)
+    for job in run.jobs[3:]:
+        run._enqueue(job, 600.0)
+    run._schedule(600.0)
+    assert (run.counts["made_way"], run.counts["made_room"]) == (2, 0)
+    assert [j.state for j in run.jobs[3:]] == ["running", "running", "pending", "pending"]
