@@ -7,7 +7,12 @@ from pathlib import Path
 
 from fleetpilot.policy import Router
 from fleetpilot.policy.builtin import BUILTIN_POLICIES
-from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S, OOM_MIGRATE_RISK, RESIZE_MARGIN_MB
+from fleetpilot.policy.rebalance import (
+    GROWTH_LOOKAHEAD_S,
+    MAX_MIGRATIONS_PER_ROUND,
+    OOM_MIGRATE_RISK,
+    RESIZE_MARGIN_MB,
+)
 from fleetpilot.runtime import ServiceSettings
 from fleetpilot.runtime.config import queue_aging_default
 from pydantic import Field, ValidationInfo, field_validator
@@ -53,7 +58,7 @@ class PolicySettings(ServiceSettings):
     workload_refresh_s: float = Field(default=60.0, gt=0.0, allow_inf_nan=False)
     workload_window: int = Field(default=5000, ge=1)
     oom_migrate_risk: float = Field(default=OOM_MIGRATE_RISK, gt=0.0, le=1.0, description="P(OOM in place) from which a task is moved")
-    max_migrations_per_round: int = Field(default=10, ge=0)
+    max_migrations_per_round: int = Field(default=MAX_MIGRATIONS_PER_ROUND, ge=0)
     wait_risk: bool = Field(
         default=True,
         description="Weigh a smaller GPU's share of a program's runs that did not fit against the recent wait "

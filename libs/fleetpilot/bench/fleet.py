@@ -227,6 +227,7 @@ from fleetpilot.policy.calibration import ConfidenceCalibration
 from fleetpilot.policy.preempt import Victim, eviction_cost, preemptions, spares_an_eviction
 from fleetpilot.policy.rebalance import (
     GROWTH_LOOKAHEAD_S,
+    MAX_MIGRATIONS_PER_ROUND,
     MOVE_DOWN_TRIES,
     OVERFLOW_FILL,
     SMOOTH_GROWTH,
@@ -278,8 +279,8 @@ STUCK_S = 3600.0
 """A task waiting longer than this is a stuck queue: someone would have stepped in."""
 ROUNDS_PER_CYCLE = 2
 """The policy service's rebalance rounds in a cycle of ``TICK_S``: one every 30 s (``rebalance_s``)."""
-MOVES_PER_CYCLE = 10 * ROUNDS_PER_CYCLE
-"""Moves down per cycle: at most 10 decisions a round (``max_migrations_per_round``)."""
+MOVES_PER_CYCLE = MAX_MIGRATIONS_PER_ROUND * ROUNDS_PER_CYCLE
+"""Moves down per cycle: at most ``MAX_MIGRATIONS_PER_ROUND`` decisions a round."""
 MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
@@ -1416,8 +1417,8 @@ class FleetRun:
                 self._checkpoint(job, now, outgrown=True)
         # As the service's rebalance round looks at every run each round: a hold that could not
         # grow when its fingerprint changed grows once a neighbour's leaving gives it the room.
-        for job in [j for j in self.jobs if j.state == "running"]:
-            self._reserve_again(job)
+        for job in self.jobs:
+            self._reserve_again(job)  # a job not running is left
         # As the service's rebalance round checks every run each round: a climb held back
         # last cycle is looked at again whether or not its fingerprint changed.
         looked_at = [*changed.items(), *((t, self.usage[t][-1][1]) for t in sorted(self.climbing - changed.keys()))]
@@ -1487,8 +1488,7 @@ class FleetRun:
         h = job.history
         if h is None or len(h) < 2:
             return False
-        (t0, m0), (t1, m1) = h[0], h[-1]
-        slope = max((m1 - m0) / max(t1 - t0, 1e-9), 0.0)
+        slope = measured_rate_mb_per_s(h) or 0.0
         glob = self.offset[job.row] + np.asarray(job.gpus)
         g = self.sim.gpu
         return bool(np.any(g.memory_used_mb[glob] + slope * GROWTH_LOOKAHEAD_S

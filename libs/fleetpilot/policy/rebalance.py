@@ -296,6 +296,10 @@ RESIZE_MARGIN_MB = 512.0
 """Head room a grown hold keeps above the top of its peak's interval: the policy service's
 ``resize_margin_mb``."""
 
+MAX_MIGRATIONS_PER_ROUND = 10
+"""Decisions a rebalance round makes at most (resizes, moves, checkpoints): the policy
+service's ``max_migrations_per_round``."""
+
 
 def resize_target_mb(fp: Fingerprint | None, held_mb: float, threshold: float = OOM_MIGRATE_RISK,
                      margin_mb: float = RESIZE_MARGIN_MB) -> int | None:
