@@ -279,8 +279,9 @@ STUCK_S = 3600.0
 """A task waiting longer than this is a stuck queue: someone would have stepped in."""
 ROUNDS_PER_CYCLE = 2
 """The policy service's rebalance rounds in a cycle of ``TICK_S``: one every 30 s (``rebalance_s``)."""
-MOVES_PER_CYCLE = MAX_MIGRATIONS_PER_ROUND * ROUNDS_PER_CYCLE
-"""Moves down per cycle: at most ``MAX_MIGRATIONS_PER_ROUND`` decisions a round."""
+DECISIONS_PER_CYCLE = MAX_MIGRATIONS_PER_ROUND * ROUNDS_PER_CYCLE
+"""The rebalance rounds' decisions in a cycle: resizes, moves, checkpoints, clearings, moves
+down and making way all draw on ``MAX_MIGRATIONS_PER_ROUND`` a round (``decisions_left``)."""
 MIGRATION_BASE_S = 30.0
 MIGRATION_S_PER_GB = 2.0
 CONFIDENT_COUNT = 4
@@ -432,7 +433,10 @@ class FleetRun:
         # climbs held back from a move last cycle (``_climbs_within_its_gpu``).
         self.usage: dict[str, deque[tuple[float, float]]] = {}
         self.climbing: set[str] = set()
-        self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE  # checkpoints left to make way this cycle (``_give_way``)
+        # What is left of the cycle's rebalance rounds: decisions of any kind, and checkpoints
+        # to make way or room (``_new_cycle``).
+        self.decisions_left = DECISIONS_PER_CYCLE
+        self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE
 
     # -- construction --------------------------------------------------------------------
 
@@ -566,6 +570,7 @@ class FleetRun:
                     self.sim.inject_xid(f.node, f.gpu, 79)
                     self._events(now)
             if self.smart:
+                self._new_cycle()
                 self._tell_waiting()
                 self._observe_tasks(now)
                 if tick % HEALTH_EVERY == 0:
@@ -580,6 +585,13 @@ class FleetRun:
             queue.append(len(self.pending))
             self._arrivals_until(arrivals, now + TICK_S)
         return self._result(now, times, utils, queue, time.perf_counter() - start)
+
+    def _new_cycle(self) -> None:
+        """Give the cycle its rebalance rounds' budgets, as each of the policy service's rounds
+        starts with ``max_migrations_per_round`` decisions, at most ``MAKE_WAY_PER_ROUND`` of
+        them to make way or room (``Moves.rebalance_round``)."""
+        self.decisions_left = DECISIONS_PER_CYCLE
+        self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE
 
     def _utilisation(self) -> float:
         g = self.sim.gpu
@@ -722,7 +734,6 @@ class FleetRun:
             self._clear_for(self.by_id[reservation.task_id], reservation, now)
         if self.smart:
             self._move_down(now, reservation)
-            self.ways_left = MAKE_WAY_PER_ROUND * ROUNDS_PER_CYCLE
             self._make_way(now, reservation)
             self._make_room(now, reservation)
 
@@ -878,7 +889,7 @@ class FleetRun:
             return
         self.counts["preempted"] += 1
         victim.evictions += 1
-        self._checkpoint(victim, now)
+        self._checkpoint(victim, now, by_round=False)
 
     def _ledger(self, row: int) -> NodeLedger:
         """The holds on node ``row`` as the policy service's ledger has them: one per GPU of
@@ -976,8 +987,8 @@ class FleetRun:
                    for j in self.jobs
                    if j.state == "running" and hosts[j.row] and not j.bridged and self._may_pause(j, now)}
         plan = clearing(self.state, req, list(tenants.values()), self.policy.decide, wait_s=reservation.start_s - now)
-        if plan is None:
-            return
+        if plan is None or len(plan.moves) > self.decisions_left:
+            return  # a plan the round's budget cannot carry out whole waits (``clear_for_reservation``)
         wait = max(tenants[m.task_id].pause_s for m in plan.moves)
         moved = [self._migrate(self.by_id[move.task_id], now, reason="clearing", target=move) for move in plan.moves]
         if not all(moved):
@@ -1005,8 +1016,9 @@ class FleetRun:
         (bridged: watched by its envelope, moved up when it says), the smallest ask of up to
         ``MOVE_DOWN_TRIES`` that the policy finds a target for. The waiter then starts where
         the policy places it, after the tenant's checkpoint pause (the service's next queue
-        round, once the executor has moved the tenant). At most ``MOVES_PER_CYCLE`` moves; a
-        request that found no target spares the cycle any other that needs at least as much."""
+        round, once the executor has moved the tenant), with what the cycle's rounds have left
+        (``decisions_left``); a request that found no target spares the cycle any other that
+        needs at least as much."""
         waiters = self._blocked_single_gpu_waiters()
         if not waiters:
             return
@@ -1022,9 +1034,8 @@ class FleetRun:
         tenants.sort(key=lambda c: (c[0], c[1]))
         failed: list[tuple[Demand, bool]] = []  # what found no target spares any that needs as much
         model_memory = {m: int(mb) for m, mb in self.memory_of.items()}
-        moves = 0
         for waiter in waiters:
-            if moves >= MOVES_PER_CYCLE or not tenants:
+            if self.decisions_left <= 0 or not tenants:
                 return
             need = self._request(waiter)
             tried = 0
@@ -1056,7 +1067,6 @@ class FleetRun:
                               milli=decision.placement[0].milli)
                 if not self._migrate(tenant, now, reason="down", target=target, bridge=True):
                     continue
-                moves += 1
                 tenants = [c for c in tenants if c[1] != task_id]
                 if self._try_start(waiter, now, reservation, [], pause=pause):
                     self.pending.remove(waiter)
@@ -1118,9 +1128,10 @@ class FleetRun:
         ``backfill.makes_way`` says should give way, then start the waiter after that pause;
         counted under ``made``. As the policy service's rounds budget making way and making room
         together (at most ``MAKE_WAY_PER_ROUND`` a round, ``ROUNDS_PER_CYCLE`` rounds a cycle),
-        both share ``ways_left``, which each cycle's ``_schedule`` fills again."""
+        with what the round's other decisions left, both share ``ways_left`` and
+        ``decisions_left``, which ``_new_cycle`` fills again."""
         for waiter in waiters:
-            if self.ways_left <= 0 or not tenants:
+            if self.ways_left <= 0 or self.decisions_left <= 0 or not tenants:
                 return
             need = self._request(waiter)
             left = self._remaining(waiter)
@@ -1413,7 +1424,8 @@ class FleetRun:
                 self._learn_live(job.signature, current)
         bridging.extend(j for j in self._enveloped(now) if j not in bridging)
         for job in bridging:
-            if job.state == "running" and not self._migrate(job, now, reason="bridge"):
+            # Past the rounds' budget, a bridge still outgrowing is seen again next cycle.
+            if job.state == "running" and self.decisions_left > 0 and not self._migrate(job, now, reason="bridge"):
                 self._checkpoint(job, now, outgrown=True)
         # As the service's rebalance round looks at every run each round: a hold that could not
         # grow when its fingerprint changed grows once a neighbour's leaving gives it the room.
@@ -1426,8 +1438,8 @@ class FleetRun:
         for task_id, held in looked_at:
             job = self.by_id[task_id]
             if job.state == "running" and not job.bridged and self._heading_for_oom(job, held):
-                if self._climbs_within_its_gpu(job):
-                    self.climbing.add(task_id)
+                if self._climbs_within_its_gpu(job) or self.decisions_left <= 0:
+                    self.climbing.add(task_id)  # looked at again next cycle
                     continue
                 self._rebalance(job, now)
 
@@ -1506,11 +1518,13 @@ class FleetRun:
             return  # told its true peak, a run holds it from its start
         target = resize_target_mb(job.prediction, job.reserved_mb)
         idx = np.asarray(job.gpus)
-        if target is None or int(self.state.gpu_mem_free[job.row, idx].min()) < target - job.reserved_mb:
+        if (target is None or self.decisions_left <= 0
+                or int(self.state.gpu_mem_free[job.row, idx].min()) < target - job.reserved_mb):
             return
         self.state.gpu_mem_free[job.row, idx] -= target - job.reserved_mb
         self.state.version[job.row] += 1
         job.reserved_mb = target
+        self.decisions_left -= 1
 
     def _heading_for_oom(self, job: _Job, held_mb: float) -> bool:
         """True when what the job's GPUs hold now (as NVML reports it) plus the growth still
@@ -1585,6 +1599,7 @@ class FleetRun:
         job.fingerprinter = None
         job.migrations += 1
         self.counts["migrations_" + reason] += 1
+        self.decisions_left -= 1
         self._start(job, row, gpus, milli, now, growth=growth, pause=pause)
         if not t.resumable:
             # Its run begins again there (the policy service's target holds say so).
@@ -1618,7 +1633,7 @@ class FleetRun:
         remaining = max(t.duration_s - job.progress_s, 1.0)
         return t.growth.restored(job.progress_s, remaining + pause), pause
 
-    def _checkpoint(self, job: _Job, now: float, *, outgrown: bool = False) -> None:
+    def _checkpoint(self, job: _Job, now: float, *, outgrown: bool = False, by_round: bool = True) -> None:
         """No GPU can take the task's predicted peak now: checkpoint it and queue it again
         (progress kept) rather than let it run into the OOM that would lose everything.
 
@@ -1629,7 +1644,8 @@ class FleetRun:
         away from the end, die of OOM. A signature whose restores have come back low
         (``restores_start_over``), as a leak's do, needs neither, though a run of it that
         outgrew its GPUs sooner than ``GROWTH_LOOKAHEAD_S`` after being placed there is still bridged
-        only onto more room."""
+        only onto more room. ``by_round``: a rebalance round's decision, drawn on
+        ``decisions_left`` (a vip's eviction is the queue round's)."""
         self._stop(job)
         held = self._held(job, now)
         started = float((job.curve or job.task.growth).memory_at(0.0))  # what NVML showed as it started
@@ -1646,6 +1662,8 @@ class FleetRun:
         self._take_off(job)
         job.fingerprinter = None
         self.counts["checkpointed"] += 1
+        if by_round:
+            self.decisions_left -= 1
         self._enqueue(job, now)
 
     def _watch_health(self, now: float) -> None:

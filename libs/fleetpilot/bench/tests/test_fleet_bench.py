@@ -1231,6 +1231,35 @@ def test_a_hold_that_found_no_room_grows_in_a_later_cycle_once_room_frees() -> N
     assert job.reserved_mb == 21_012
 
 
+def test_a_resize_and_making_way_draw_on_one_budget_of_the_cycle_s_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the service's round stops at ``max_migrations_per_round`` decisions of every kind: at
+    # two decisions a cycle, a resize leaves room to make way for one waiting task, not two.
+    monkeypatch.setattr(bench, "DECISIONS_PER_CYCLE", 2)
+    runs = [task(k, duration=5 * 3600.0) for k in range(3)]
+    waiters = [task(3 + k, duration=600.0, arrival=600.0) for k in range(2)]
+    run = FleetRun(tiny_fleet(gpus=3), workload(*runs, *waiters, hours=8.0), "fleetpilot", seed=1)
+    for gpu, job in enumerate(run.jobs[:3]):
+        job.state = "pending"
+        run._start(job, 0, [gpu], 1000, 0.0)
+    grows = run.jobs[0]
+    run.state.gpu_mem_free[0, 0] += grows.reserved_mb - 10_000
+    grows.reserved_mb = 10_000
+    grows.prediction = Fingerprint(signature=grows.signature, pattern="flat", pattern_confidence=0.9,
+                                   growth_rate_mb_per_s=0.0, predicted_peak_mb=20_000.0, peak_low_mb=19_500.0,
+                                   peak_high_mb=20_500.0)
+    for job in run.jobs[3:]:
+        run._enqueue(job, 600.0)
+    run._new_cycle()
+    run._observe_tasks(600.0)
+    run._schedule(600.0)
+    assert grows.reserved_mb == 21_012
+    assert run.counts["made_way"] == 1
+    assert [j.state for j in run.jobs[3:]] == ["running", "pending"]
+    run._new_cycle()  # the next cycle has its budget again
+    run._schedule(660.0)
+    assert [j.state for j in run.jobs[3:]] == ["running", "running"]
+
+
 def test_making_way_and_making_room_share_the_cycle_s_two_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three five-hour runs hold the node's three GPUs when three ten-minute tasks and a
     # ten-minute share wait. At one checkpoint a round, the cycle's two rounds make way for
