@@ -258,6 +258,7 @@ from .fleet_workload import (
     generate_workload,
     largest_gpu_load,
     load_trace,
+    only_largest_hold,
     sharing_bound,
     sm_use_bound,
 )
@@ -1862,6 +1863,20 @@ class FleetRun:
             return {"mean_queue_s": 0.0, "p95_queue_s": 0.0}
         return {"mean_queue_s": float(waits.mean()), "p95_queue_s": float(np.percentile(waits, 95))}
 
+    def queue_split(self, only_largest: frozenset[str], left_out: frozenset[str] = frozenset()) -> dict[str, float]:
+        """The mean queue of the runs only the fleet's largest GPUs can hold (``only_largest``,
+        from ``fleet_workload.only_largest_hold``) apart from the rest's, and how many of the
+        former completed, over the tasks but ``left_out``. Where those GPUs are loaded past
+        what they give, a run that holds such work back until one is free queues it, and one
+        that starts it on smaller GPUs, where it is killed at its peak, does not."""
+        tasks = frozenset(self.waits_by_task)
+        largest = self.queue_figures(left_out=left_out | (tasks - only_largest))
+        rest = self.queue_figures(left_out=left_out | only_largest)
+        done = sum(j.state == "done" for j in self.jobs
+                   if j.task.task_id in only_largest and j.task.task_id not in left_out)
+        return {"mean_queue_s_only_largest": largest["mean_queue_s"], "mean_queue_s_rest": rest["mean_queue_s"],
+                "completed_only_largest": float(done)}
+
     def _judged(self) -> tuple[float, float, float, int, float, float]:
         """How honest the confidence of first placements was so far: its mean, the share of
         those placements that met their goal (the task ran to completion without being
@@ -1982,8 +1997,10 @@ def compare(fleet: Fleet, workload: Workload, *, fleet_name: str, seed: int, pea
     results = [run.run() for run in runs]
     # Queue figures over the same tasks in every run: those no negotiator rejected.
     rejected = frozenset().union(*(run.rejected_ids() for run in runs))
+    _, only_largest = only_largest_hold(fleet, workload.tasks)
     for run, result in zip(runs, results, strict=True):
         result.figures.update(run.queue_figures(left_out=rejected))
+        result.breakdown.update(run.queue_split(only_largest, left_out=rejected))
     base, ours = results[0], results[1]
     known = results[2] if peaks_known else None
     return Comparison(fleet=fleet_name, seed=seed, workload=workload.describe(), baseline=base, fleetpilot=ours,

@@ -61,6 +61,18 @@ class Comparison:
             out[k] = f / b if b else (1.0 if f == 0 else math.inf)
         return out
 
+    def queue_by_work(self) -> dict[str, float]:
+        """Fleetpilot / baseline of the mean queue of the runs only the largest GPUs can hold
+        (``only_largest``) and of the rest (``FleetRun.queue_split``): a breakdown of the mean
+        queue's ratio, never a target of its own. A group with no queue in either run is 1."""
+        out = {}
+        for name in ("only_largest", "rest"):
+            key = f"mean_queue_s_{name}"
+            b, f = self.baseline.breakdown.get(key), self.fleetpilot.breakdown.get(key)
+            if b is not None and f is not None:
+                out[name] = f / b if b else (1.0 if f == 0 else math.inf)
+        return out
+
     def targets(self) -> dict[str, bool]:
         """Whether each target (``TARGETS``) is met."""
         r = self.ratios()
@@ -80,7 +92,8 @@ class Comparison:
                              "wall_s": self.baseline.wall_s},
                 "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
                                "wall_s": self.fleetpilot.wall_s},
-                "ratio": self.ratios(), "targets": {"wanted": TARGETS, "met": self.targets()},
+                "ratio": self.ratios(), "queue_by_work": self.queue_by_work(),
+                "targets": {"wanted": TARGETS, "met": self.targets()},
                 **({"peaks_known": {**self.peaks_known.figures, "details": self.peaks_known.breakdown,
                                     "ratio": self.ratios(self.peaks_known)}} if self.peaks_known else {})}
 
@@ -107,6 +120,7 @@ def report(c: Comparison) -> str:
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
              *([c.largest_load.describe()] if c.largest_load else []),
+             *_queue_by_work_lines(c),
              f"{'figure':<40} {'k8s-default':>14} {'fleetpilot':>14} {'ratio':>8}"]
     for k, (label, fmt) in _LABELS.items():
         lines.append(f"{label:<40} {fmt(c.baseline.figures[k]):>14} {fmt(c.fleetpilot.figures[k]):>14} {r[k]:>8.2f}")
@@ -147,6 +161,20 @@ def report(c: Comparison) -> str:
     lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
                  f"code {c.code or 'unknown'} on {describe_environment(c.environment) or 'an unnamed machine'}")
     return "\n".join(lines)
+
+
+def _queue_by_work_lines(c: Comparison) -> list[str]:
+    """The mean queue of the runs only the largest GPUs can hold and of the rest, each run's
+    and their ratio, with how many of the former completed (none when no run needs them)."""
+    split = c.queue_by_work()
+    if not (c.largest_load and c.largest_load.tasks and "rest" in split):
+        return []
+    b, f = c.baseline.breakdown, c.fleetpilot.breakdown
+    return [f"  their mean queue: k8s-default {b['mean_queue_s_only_largest'] / 60:.1f} min, fleetpilot "
+            f"{f['mean_queue_s_only_largest'] / 60:.1f} min (ratio {split['only_largest']:.2f}); completed "
+            f"{b['completed_only_largest']:.0f} / {f['completed_only_largest']:.0f}",
+            f"  the other runs' mean queue: k8s-default {b['mean_queue_s_rest'] / 60:.1f} min, fleetpilot "
+            f"{f['mean_queue_s_rest'] / 60:.1f} min (ratio {split['rest']:.2f})"]
 
 
 def _target_text(name: str, ratio: float) -> str:

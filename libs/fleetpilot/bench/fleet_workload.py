@@ -340,39 +340,50 @@ class LargestGpuLoad:
     models: tuple[str, ...]  # the models with the most memory (several when they tie)
     memory_mb: float
     gpus: int
-    work_gpu_h: float  # GPU-hours of the runs no other model they accept can hold
+    tasks: int  # how many runs no other model they accept can hold
+    work_gpu_h: float  # those runs' GPU-hours
     load: float  # that work over the largest GPUs' hours in the arrival window
 
     def describe(self) -> str:
         """One line for the report."""
         return (f"work only the largest GPUs ({', '.join(self.models)}, {self.memory_mb / 1024:.0f} GB) can hold: "
-                f"{self.work_gpu_h:.0f} GPU-h, x{self.load:.2f} what their {self.gpus} GPUs give over the arrival "
-                f"window")
+                f"{self.tasks} runs, {self.work_gpu_h:.0f} GPU-h, x{self.load:.2f} what their {self.gpus} GPUs give "
+                f"over the arrival window")
 
 
-def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) -> LargestGpuLoad:
-    """How loaded a fleet's largest GPUs are by the runs that fit nothing smaller: a task whose
-    true peak (its curve's, plus the CUDA context) is above every other model it accepts needs
-    one of them to reach that peak, whoever schedules it. Counted for its whole run: a run
-    may spend its low start on a smaller GPU, so this is the demand, not a bound. Well above
-    1, more of that work arrives than those GPUs can run in the window, and it queues by the
-    window's end unless most of it runs elsewhere. The ground truth is read, as the other
-    workload figures do; no scheduler sees it."""
+def only_largest_hold(fleet: Fleet, tasks: Sequence[BenchTask]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The models with the most memory (several when they tie), and the tasks that need one of
+    them to reach their peak: a task whose true peak (its curve's, plus the CUDA context) is
+    above every other model it accepts. The ground truth is read, as the other workload
+    figures do; no scheduler sees it."""
     models = fleet_models(fleet)
     if not models:
-        return LargestGpuLoad(models=(), memory_mb=0.0, gpus=0, work_gpu_h=0.0, load=0.0)
+        return (), frozenset()
     top = max(models.values())
     largest = tuple(sorted(m for m, mb in models.items() if mb == top))
-    count = sum(1 for n in fleet.nodes for g in n.gpus if g.model in largest)
-    work_s = 0.0
+    needing = set()
     for t in tasks:
         need = t.growth.peak_mb + CONTEXT_MB
         accepted = [m for m in (t.gpu_models or tuple(models)) if m in models]
         if any(m in largest for m in accepted) and not any(models[m] >= need for m in accepted if m not in largest):
-            work_s += t.gpus * t.duration_s
+            needing.add(t.task_id)
+    return largest, frozenset(needing)
+
+
+def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) -> LargestGpuLoad:
+    """How loaded a fleet's largest GPUs are by the runs that fit nothing smaller
+    (``only_largest_hold``): those need one of them to reach their peak, whoever schedules
+    them. Counted for its whole run: a run may spend its low start on a smaller GPU, so this
+    is the demand, not a bound. Well above 1, more of that work arrives than those GPUs can
+    run in the window, and it queues by the window's end unless most of it runs elsewhere."""
+    largest, needing = only_largest_hold(fleet, tasks)
+    if not largest:
+        return LargestGpuLoad(models=(), memory_mb=0.0, gpus=0, tasks=0, work_gpu_h=0.0, load=0.0)
+    count = sum(1 for n in fleet.nodes for g in n.gpus if g.model in largest)
+    work_s = sum(t.gpus * t.duration_s for t in tasks if t.task_id in needing)
     capacity_s = count * span_s
-    return LargestGpuLoad(models=largest, memory_mb=top, gpus=count, work_gpu_h=work_s / 3600.0,
-                          load=work_s / capacity_s if capacity_s > 0 else 0.0)
+    return LargestGpuLoad(models=largest, memory_mb=fleet_models(fleet)[largest[0]], gpus=count, tasks=len(needing),
+                          work_gpu_h=work_s / 3600.0, load=work_s / capacity_s if capacity_s > 0 else 0.0)
 
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,

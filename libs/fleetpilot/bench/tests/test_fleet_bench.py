@@ -307,7 +307,44 @@ def test_largest_gpu_load_counts_the_runs_nothing_smaller_holds() -> None:
     assert load.models == ("A100-80GB",) and load.gpus == 2
     assert load.work_gpu_h == pytest.approx(3.5)
     assert load.load == pytest.approx(3.5 / 2.0)
-    assert "x1.75 what their 2 GPUs give" in load.describe()
+    assert load.tasks == 4
+    assert "4 runs, 4 GPU-h, x1.75 what their 2 GPUs give" in load.describe()
+
+
+def two_sizes() -> Fleet:
+    """One node of a 40 GB GPU and one of an 80 GB GPU."""
+    shape = {"gpus": 1, "cpu_milli": 64000, "memory_mb": 262144}
+    return build_fleet({"name": "two", "sites": [{"name": "s", "groups": [
+        {"prefix": "small", "count": 1, "shape": {**shape, "gpu_model": "A100-40GB"}},
+        {"prefix": "large", "count": 1, "shape": {**shape, "gpu_model": "A100-80GB"}}]}]})
+
+
+def test_the_queue_is_split_between_the_runs_only_the_largest_gpus_hold_and_the_rest() -> None:
+    both = ("A100-40GB", "A100-80GB")
+    tasks = [dataclasses.replace(task(0, peak=60_000.0, duration=3600.0), gpu_models=both),
+             dataclasses.replace(task(1, peak=60_000.0, duration=600.0), gpu_models=both),
+             dataclasses.replace(task(2, peak=30_000.0, duration=600.0), gpu_models=both)]
+    fleet, w = two_sizes(), workload(*tasks, hours=3.0)
+    assert bench_workload.only_largest_hold(fleet, tasks) == (("A100-80GB",), frozenset({"t0", "t1"}))
+    run = FleetRun(fleet, w, "fleetpilot", seed=1)
+    run.run()
+    waits = run.waits_by_task
+    # The two 60 GB runs take the 80 GB GPU one after the other; the 30 GB run never waits for it.
+    assert waits["t2"] == 0.0 and max(waits["t0"], waits["t1"]) >= 600.0
+    split = run.queue_split(frozenset({"t0", "t1"}))
+    assert split == {"mean_queue_s_only_largest": pytest.approx((waits["t0"] + waits["t1"]) / 2),
+                     "mean_queue_s_rest": 0.0, "completed_only_largest": 2.0}
+    # Left out, a task counts in neither group.
+    assert run.queue_split(frozenset({"t0", "t1"}), left_out=frozenset({"t1"}))["mean_queue_s_only_largest"] == (
+        pytest.approx(waits["t0"]))
+    result = compare(fleet, w, fleet_name="two", seed=1)
+    assert result.fleetpilot.breakdown["mean_queue_s_only_largest"] == pytest.approx(split["mean_queue_s_only_largest"])
+    base = result.baseline.breakdown
+    by_work = result.queue_by_work()
+    assert by_work["rest"] == (0.0 if base["mean_queue_s_rest"] else 1.0)
+    assert by_work["only_largest"] == pytest.approx(split["mean_queue_s_only_largest"] / base["mean_queue_s_only_largest"])
+    assert result.to_json()["queue_by_work"] == by_work
+    assert "their mean queue: k8s-default" in bench.report(result)
 
 
 def test_sm_use_bound() -> None:

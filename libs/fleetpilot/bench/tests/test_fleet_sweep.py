@@ -27,7 +27,8 @@ from fleetpilot.bench.outputs import code_digest, describe_environment, run_envi
 
 
 def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0.05, events: float = 3.0,
-            code: str = "c0de", cpu: str = "EPYC", known_queue: float | None = None) -> None:
+            code: str = "c0de", cpu: str = "EPYC", known_queue: float | None = None,
+            by_work: dict[str, float] | None = None) -> None:
     """A run's ``--json`` as the fleet benchmark writes it, with the ratios given."""
     ratio = {"utilisation": 1.1, "useful_utilisation": 1.3, "mean_queue_s": queue, "p95_queue_s": 0.5,
              "oom_events": oom}
@@ -35,6 +36,8 @@ def figures(folder: Path, fleet: str, seed: int, *, queue: float, oom: float = 0
     doc = {"fleet": fleet, "seed": seed, "ratio": ratio, "targets": {"met": met},
            "fleetpilot": {"oom_events": events}, "largest_gpu_load": {"load": 1.5}, "code_digest": code,
            "environment": {"cpu": cpu, "cpu_flags": "f1a9", "python": "3.11.7", "numpy": "2.4.6"}}
+    if by_work is not None:
+        doc["queue_by_work"] = by_work
     if known_queue is not None:
         doc["peaks_known"] = {"ratio": {**ratio, "mean_queue_s": known_queue}}
     (folder / f"{fleet}-{seed}.json").write_text(json.dumps(doc))
@@ -60,6 +63,16 @@ def test_the_table_counts_targets_met_and_averages_ratios_geometrically(tmp_path
     row = next(line for line in text.splitlines() if line.startswith("openb") and " 2 " in line)
     assert "-60.0%*" in row and "-80.0%*" in row  # the queue and OOM targets missed, marked
     assert geometric_mean([]) != geometric_mean([])  # nan: nothing to average
+
+
+def test_the_queue_split_by_work_is_summed_up_per_fleet_and_left_out_where_no_run_kept_it(tmp_path: Path) -> None:
+    figures(tmp_path, "openb", 1, queue=0.5, by_work={"only_largest": 2.0, "rest": 0.1})
+    figures(tmp_path, "openb", 2, queue=0.3, by_work={"only_largest": 0.5, "rest": 0.4})
+    figures(tmp_path, "three-site", 1, queue=0.05)  # written before the split was kept
+    text = summary(read_all(tmp_path))
+    assert ("openb, mean queue by work: runs other than those only the largest GPUs can hold 1/2 within the target, "
+            f"geometric mean {math.sqrt(0.1 * 0.4):.4f}; the runs only they can hold, geometric mean 1.0000") in text
+    assert "three-site, mean queue by work" not in text
 
 
 def test_a_change_is_cut_toward_zero_never_rounded_up_to_a_target() -> None:
