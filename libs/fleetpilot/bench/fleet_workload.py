@@ -343,12 +343,18 @@ class LargestGpuLoad:
     tasks: int  # how many runs no other model they accept can hold
     work_gpu_h: float  # those runs' GPU-hours
     load: float  # that work over the largest GPUs' hours in the arrival window
+    # Of those GPU-hours, the ones spent above what a smaller GPU they accept holds
+    # (``hours_above``): all the largest GPUs would carry if every low phase ran elsewhere.
+    above_smaller_gpu_h: float = 0.0
 
     def describe(self) -> str:
         """One line for the report."""
+        capacity_h = self.work_gpu_h / self.load if self.load > 0 else 0.0
+        above = self.above_smaller_gpu_h / capacity_h if capacity_h > 0 else 0.0
         return (f"work only the largest GPUs ({', '.join(self.models)}, {self.memory_mb / 1024:.0f} GB) can hold: "
                 f"{self.tasks} runs, {self.work_gpu_h:.0f} GPU-h, x{self.load:.2f} what their {self.gpus} GPUs give "
-                f"over the arrival window")
+                f"over the arrival window ({self.above_smaller_gpu_h:.0f} GPU-h above what a smaller GPU holds, "
+                f"x{above:.2f})")
 
 
 def only_largest_hold(fleet: Fleet, tasks: Sequence[BenchTask]) -> tuple[tuple[str, ...], frozenset[str]]:
@@ -370,6 +376,17 @@ def only_largest_hold(fleet: Fleet, tasks: Sequence[BenchTask]) -> tuple[tuple[s
     return largest, frozenset(needing)
 
 
+def hours_above(task: BenchTask, room_mb: float, samples: int = 2001) -> float:
+    """GPU-hours ``task``'s noiseless curve, plus the CUDA context, spends above ``room_mb``
+    per GPU, read at ``samples`` evenly spaced instants of its run; a ``sawtooth``'s whole run
+    once it goes above at all (it comes back to its peak every period, too often to move)."""
+    used = task.growth.memory_at(np.linspace(0.0, task.duration_s, samples)) + CONTEXT_MB
+    share = float((used > room_mb).mean())
+    if task.growth.pattern == "sawtooth" and share > 0:
+        share = 1.0
+    return task.gpus * task.duration_s * share / 3600.0
+
+
 def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) -> LargestGpuLoad:
     """How loaded a fleet's largest GPUs are by the runs that fit nothing smaller
     (``only_largest_hold``): those need one of them to reach their peak, whoever schedules
@@ -379,11 +396,18 @@ def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) ->
     largest, needing = only_largest_hold(fleet, tasks)
     if not largest:
         return LargestGpuLoad(models=(), memory_mb=0.0, gpus=0, tasks=0, work_gpu_h=0.0, load=0.0)
+    models = fleet_models(fleet)
     count = sum(1 for n in fleet.nodes for g in n.gpus if g.model in largest)
     work_s = sum(t.gpus * t.duration_s for t in tasks if t.task_id in needing)
+    above_h = 0.0
+    for t in tasks:
+        if t.task_id in needing:
+            smaller = [models[m] for m in (t.gpu_models or tuple(models)) if m in models and m not in largest]
+            above_h += hours_above(t, max(smaller, default=0.0))
     capacity_s = count * span_s
-    return LargestGpuLoad(models=largest, memory_mb=fleet_models(fleet)[largest[0]], gpus=count, tasks=len(needing),
-                          work_gpu_h=work_s / 3600.0, load=work_s / capacity_s if capacity_s > 0 else 0.0)
+    return LargestGpuLoad(models=largest, memory_mb=models[largest[0]], gpus=count, tasks=len(needing),
+                          work_gpu_h=work_s / 3600.0, load=work_s / capacity_s if capacity_s > 0 else 0.0,
+                          above_smaller_gpu_h=above_h)
 
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,

@@ -308,7 +308,21 @@ def test_largest_gpu_load_counts_the_runs_nothing_smaller_holds() -> None:
     assert load.work_gpu_h == pytest.approx(3.5)
     assert load.load == pytest.approx(3.5 / 2.0)
     assert load.tasks == 4
-    assert "4 runs, 4 GPU-h, x1.75 what their 2 GPUs give" in load.describe()
+    # Flat after a 30 s warm-up: above the 40 GB within seconds, and task 3 all its run.
+    assert 3.4 < load.above_smaller_gpu_h < 3.5
+    assert "4 runs, 4 GPU-h, x1.75 what their 2 GPUs give over the arrival window (3 GPU-h above" in load.describe()
+
+
+def test_the_hours_above_a_smaller_gpu_are_those_the_curve_spends_over_its_room() -> None:
+    # A line from 30 GB to 60 GB over an hour is over a 40 GB room, its context included, for
+    # the last (60 - (40 - context)) / 30 of it; a sawtooth that goes over at all counts whole.
+    line = task(0, pattern="linear", peak=60_000.0, duration=3600.0)
+    room = 40_000.0
+    share = (60_000.0 - (room - CONTEXT_MB)) / 30_000.0
+    assert bench_workload.hours_above(line, room) == pytest.approx(share, abs=1e-3)
+    assert bench_workload.hours_above(line, 61_000.0 + CONTEXT_MB) == 0.0
+    saw = task(1, pattern="sawtooth", peak=60_000.0, duration=3600.0, gpus=2)
+    assert bench_workload.hours_above(saw, room) == 2.0
 
 
 def two_sizes() -> Fleet:
