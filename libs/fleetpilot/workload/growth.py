@@ -48,6 +48,9 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
     n_steps: int = 4
     period_s: float = 60.0
     noise_mb: float = 0.0
+    # ``steps``: how long the first level lasts, the others evenly spaced over the rest (a
+    # schedule restored between two of its steps); 0: each lasts ``duration_s / n_steps``.
+    first_step_s: float = 0.0
 
     def memory_at(self, t: np.ndarray | float, rng: np.random.Generator | None = None) -> np.ndarray:
         """Used memory (MB) at times ``t``; noise is added only when ``rng`` is given."""
@@ -60,9 +63,7 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
         elif self.pattern == "linear":
             mem = self.base_mb + span * (t / life)
         elif self.pattern == "steps":
-            steps = max(self.n_steps, 1)
-            level = np.minimum(np.floor(t / life * steps) + 1, steps)
-            mem = self.base_mb + span * level / steps
+            mem = self.base_mb + span * self._level(t) / max(self.n_steps, 1)
         elif self.pattern == "sawtooth":
             phase = np.mod(t, max(self.period_s, 1e-9)) / max(self.period_s, 1e-9)
             mem = self.base_mb + span * phase
@@ -74,25 +75,44 @@ class MemoryGrowth(msgspec.Struct, frozen=True, kw_only=True):
             mem = mem + rng.normal(0.0, self.noise_mb, size=np.shape(mem))
         return np.maximum(mem, 0.0)
 
+    def _stride(self) -> float:
+        """How long each ``steps`` level after the first lasts."""
+        steps = max(self.n_steps, 1)
+        if self.first_step_s > 0 and steps > 1:
+            return (self.duration_s - self.first_step_s) / (steps - 1)
+        return self.duration_s / steps
+
+    def _level(self, t: np.ndarray) -> np.ndarray:
+        """The ``steps`` level (1 to ``n_steps``) the schedule stands on at ``t``."""
+        steps = max(self.n_steps, 1)
+        if self.first_step_s <= 0 or steps == 1:
+            return np.minimum(np.floor(t / max(self.duration_s, 1e-9) * steps) + 1, steps)
+        after = np.floor((t - self.first_step_s) / max(self._stride(), 1e-9)) + 2
+        return np.where(t < self.first_step_s, 1.0, np.minimum(after, steps))
+
     def restored(self, progress_s: float, duration_s: float) -> MemoryGrowth:
         """The curve of this run restored from a checkpoint taken ``progress_s`` into it, played
         over ``duration_s`` (what is left of the run, plus the restore).
 
         ``steps`` follow the run's progress (a batch-size or resolution schedule): restored, the
-        run comes back at the level it had reached and steps on to the same peak. The other
-        patterns follow the process (a warm-up, the caching allocator's growth, a period, a
-        leak): a new process starts them over, to the same peak.
+        run comes back at the level it had reached, holds it through the restore and until its
+        progress reaches the next step, and steps on at the same points of its progress to the
+        same peak (when ``duration_s`` is shorter than the steps left, they are spread evenly
+        over it). The other patterns follow the process (a warm-up, the caching allocator's
+        growth, a period, a leak): a new process starts them over, to the same peak.
         """
-        base, steps = self.base_mb, self.n_steps
+        base, steps, first = self.base_mb, self.n_steps, 0.0
         if self.pattern == "steps":
-            # The levels left, the one reached among them, spread over what is left of the run.
             n = max(steps, 1)
-            reached = min(int(progress_s / max(self.duration_s, 1e-9) * n) + 1, n)
+            reached = int(self._level(np.asarray(float(progress_s))))
             steps = n - reached + 1
             level = float(self.memory_at(progress_s))
             base = self.peak_mb if steps == 1 else (steps * level - self.peak_mb) / (steps - 1)
+            # The levels after this one last as long as they did; this one, the rest.
+            first = duration_s - (steps - 1) * self._stride() if steps > 1 else 0.0
+            first = max(first, 0.0)
         return msgspec.structs.replace(self, base_mb=base, n_steps=steps, duration_s=duration_s,
-                                       warmup_s=min(self.warmup_s, duration_s))
+                                       warmup_s=min(self.warmup_s, duration_s), first_step_s=first)
 
     def highest_until(self, t: float) -> float:
         """The most the noiseless curve holds at any instant of its first ``t`` seconds: where
