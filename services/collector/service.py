@@ -136,7 +136,8 @@ class SimulatedHardware:
     The executor stops a task with SIGTERM, on which a trainer checkpoints: a task it removed
     and places again later, or moves, goes on from where it was (its end comes after the rest
     of its run, a move keeps its end time) and plays the rest of its memory curve
-    (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached). A
+    (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached and steps
+    on at the same points of its progress). A
     task the simulator killed starts from scratch.
     """
 

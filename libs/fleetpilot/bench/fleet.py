@@ -67,8 +67,8 @@ against 53 on three-site seed 7.)
   have the room (``rebalance.resize_target_mb``; looked at every cycle, as the round looks
   at every run), and never shrinks; the migration costs ``30 s + 2 s per GB`` held
   (checkpoint and restore), during which the task makes no progress; restored, it plays the rest of its memory curve
-  (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached, other
-  growth starts over with the process); with no target it is checkpointed and queued again
+  (``MemoryGrowth.restored``: a step schedule comes back at the level it had reached and
+  steps on at the same points of its progress, other growth starts over with the process); with no target it is checkpointed and queued again
   (progress kept) instead of being left to die, and asks no less than it held when stopped;
   bridged, it is bridged again only onto more room than it outgrew, unless the restores of
   its signature have come back low (the signature's statistics count its restores, as the
