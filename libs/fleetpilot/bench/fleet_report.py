@@ -171,8 +171,8 @@ def _queue_by_work_lines(c: Comparison) -> list[str]:
         return []
     b, f = c.baseline.breakdown, c.fleetpilot.breakdown
     return [f"  their mean queue: k8s-default {b['mean_queue_s_only_largest'] / 60:.1f} min, fleetpilot "
-            f"{f['mean_queue_s_only_largest'] / 60:.1f} min (ratio {split['only_largest']:.2f}); completed "
-            f"{b['completed_only_largest']:.0f} / {f['completed_only_largest']:.0f}",
+            f"{f['mean_queue_s_only_largest'] / 60:.1f} min (ratio {split['only_largest']:.2f}); completed: "
+            f"k8s-default {b['completed_only_largest']:.0f}, fleetpilot {f['completed_only_largest']:.0f}",
             f"  the other runs' mean queue: k8s-default {b['mean_queue_s_rest'] / 60:.1f} min, fleetpilot "
             f"{f['mean_queue_s_rest'] / 60:.1f} min (ratio {split['rest']:.2f})"]
 

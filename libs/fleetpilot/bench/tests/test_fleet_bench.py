@@ -358,7 +358,10 @@ def test_the_queue_is_split_between_the_runs_only_the_largest_gpus_hold_and_the_
     assert by_work["rest"] == (0.0 if base["mean_queue_s_rest"] else 1.0)
     assert by_work["only_largest"] == pytest.approx(split["mean_queue_s_only_largest"] / base["mean_queue_s_only_largest"])
     assert result.to_json()["queue_by_work"] == by_work
-    assert "their mean queue: k8s-default" in bench.report(result)
+    text = bench.report(result)
+    assert "their mean queue: k8s-default" in text
+    assert (f"completed: k8s-default {base['completed_only_largest']:.0f}, fleetpilot 2\n"
+            "  the other runs' mean queue: k8s-default") in text
 
 
 def test_sm_use_bound() -> None:
