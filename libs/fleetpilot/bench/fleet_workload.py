@@ -346,15 +346,14 @@ class LargestGpuLoad:
     # Of those GPU-hours, the ones spent above what a smaller GPU they accept holds
     # (``hours_above``): all the largest GPUs would carry if every low phase ran elsewhere.
     above_smaller_gpu_h: float = 0.0
+    above_load: float = 0.0  # those hours over the largest GPUs' hours in the arrival window
 
     def describe(self) -> str:
         """One line for the report."""
-        capacity_h = self.work_gpu_h / self.load if self.load > 0 else 0.0
-        above = self.above_smaller_gpu_h / capacity_h if capacity_h > 0 else 0.0
         return (f"work only the largest GPUs ({', '.join(self.models)}, {self.memory_mb / 1024:.0f} GB) can hold: "
                 f"{self.tasks} runs, {self.work_gpu_h:.0f} GPU-h, x{self.load:.2f} what their {self.gpus} GPUs give "
                 f"over the arrival window ({self.above_smaller_gpu_h:.0f} GPU-h above what a smaller GPU holds, "
-                f"x{above:.2f})")
+                f"x{self.above_load:.2f})")
 
 
 def only_largest_hold(fleet: Fleet, tasks: Sequence[BenchTask]) -> tuple[tuple[str, ...], frozenset[str]]:
@@ -407,7 +406,7 @@ def largest_gpu_load(fleet: Fleet, tasks: Sequence[BenchTask], span_s: float) ->
     capacity_s = count * span_s
     return LargestGpuLoad(models=largest, memory_mb=models[largest[0]], gpus=count, tasks=len(needing),
                           work_gpu_h=work_s / 3600.0, load=work_s / capacity_s if capacity_s > 0 else 0.0,
-                          above_smaller_gpu_h=above_h)
+                          above_smaller_gpu_h=above_h, above_load=above_h * 3600.0 / capacity_s if capacity_s > 0 else 0.0)
 
 
 def generate_workload(fleet: Fleet, seed: int, *, n_tasks: int, load: float | None = None, span_s: float = 8 * 3600.0,
