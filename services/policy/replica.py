@@ -223,6 +223,9 @@ class ReplicaState:
         self.tasks: OrderedDict[str, TaskSubmitted] = OrderedDict()
         # Contracts (tiers) of the running tasks: set at start-up, before any decision.
         self.admissions: Admissions | None = None
+        # What kept a task's request off every node, the last time the policy found none for
+        # it (``place``, ``PolicyDecision.shortfall``): its ``queue`` decision tells an operator.
+        self.refusals: OrderedDict[str, str] = OrderedDict()
         # Resizes this replica proposed: one that failed is not proposed again under its id.
         self.resizes: OrderedDict[str, float] = OrderedDict()
         # The executor's journal (``executions``): which decision ids it has already taken.
@@ -730,6 +733,7 @@ class ReplicaState:
             requests = self.requests(task, requeue)
             fp = self.fingerprints.get(task.task_id)  # the one the requests were built from
             avoid = requeue.avoid_node if requeue is not None else ""
+            refusal = ""
             for req in requests:
                 with hidden_from(state, kept, task.task_id, task.expected_duration_s, now()):
                     # Elsewhere than the node that failed or never took its last placement,
@@ -742,7 +746,10 @@ class ReplicaState:
                     self.record_input(state, req)
                 if choice.action == "assign" and choice.placement:
                     break
+                if req is requests[0]:
+                    refusal = choice.shortfall
             else:
+                self.remember(self.refusals, task.task_id, refusal, limit=10_000)
                 return None, name, shard_id
             plain = requests[0]
             # A bridge asks less than the peak; the request at another of the contract's sites

@@ -336,6 +336,8 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             decision, name, shard_id = await ps.place(adm)
         if decision is not None:
             return outgoing(decision)
+        # What kept it off every node, as the policy counted it, for whoever asks why it waits.
+        shortfall = f" ({ps.refusals[adm.task.task_id]})" if ps.refusals.get(adm.task.task_id) else ""
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         try:
             await pending.create(node_key(adm.task.task_id), encode_pending(adm))
@@ -358,7 +360,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
                 reason=("no fleet topology known yet; queued until the nodes report" if unknown_fleet
                         else f"this replica started {now() - ps.started_at:.0f} s ago and reads back the recent "
                         "fingerprints; queued until it has" if reading
-                        else "no node has room now; queued until capacity frees"),
+                        else f"no node has room now{shortfall}; queued until capacity frees"),
                 decided_at=now(),
                 task=adm.task,
                 contract=adm.contract,

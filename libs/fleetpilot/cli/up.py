@@ -335,6 +335,9 @@ class Report:
         self.at_once_s: list[float] = []
         self.after_queue_s: list[float] = []
         self.queued: set[str] = set()
+        # Why each task was queued, as its latest ``queue`` decision says (what kept it off
+        # the nodes): the report names what the tasks still waiting at the end wait for.
+        self.queued_why: dict[str, str] = {}
         self.submitted_at: dict[str, float] = {}
         # What happened to the tasks as they ran (task.lifecycle), and each task's program (its
         # ``model`` label), which the OOM kills are told by: a program that outgrows what its
@@ -422,6 +425,7 @@ class Report:
             self.policies["fallback" if d.fallback else d.policy.name] += 1
             if d.task_id in self.submitted_at and d.action == "queue":
                 self.queued.add(d.task_id)
+                self.queued_why[d.task_id] = d.reason
             if d.task_id in self.submitted_at and d.action == "assign":
                 waited = max(0.0, d.decided_at - self.submitted_at.pop(d.task_id))
                 if d.task_id in self.queued:
@@ -498,6 +502,7 @@ class Report:
                   f"over {len(w)} tasks ({len(self.queued)} still queued)" if w
                   else f"submit-to-assign, after a queue: none placed yet ({len(self.queued)} still queued)"
                   if self.queued else "submit-to-assign, after a queue: no task queued"),
+                 *self.still_queued(),
                  "lifecycle: " + (", ".join(f"{state} {n}" for state, n in sorted(self.lifecycle.items()))
                                   or "no task started"),
                  self.oom_line(),
@@ -505,6 +510,16 @@ class Report:
                  *self.stored(),
                  "learner: " + self.learnt()]
         return "\n".join(lines)
+
+    def still_queued(self, shown: int = 5) -> list[str]:
+        """The tasks queued on their first decision and not placed by the end, the longest
+        waiting first, each with why (its ``queue`` decision's reason: on a fleet with room
+        somewhere, what each node lacked); at most ``shown`` of them, then how many more."""
+        waiting = sorted(self.queued, key=lambda t: (self.submitted_at.get(t, 0.0), t))
+        lines = [f"  {t}: {self.queued_why.get(t) or 'no reason given'}" for t in waiting[:shown]]
+        if len(waiting) > shown:
+            lines.append(f"  and {len(waiting) - shown} more")
+        return [f"still queued at the end, longest waiting first: {len(waiting)}", *lines] if waiting else []
 
     def oom_line(self) -> str:
         """The OOM kills by program: how many of its tasks died so, and how many of those

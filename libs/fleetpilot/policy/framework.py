@@ -77,6 +77,13 @@ class FilterPlugin(Plugin):
         """The feasibility mask ``(N,)``."""
         raise NotImplementedError
 
+    def shortfalls(self, cycle: Cycle) -> list[tuple[str, np.ndarray]]:
+        """Why nodes fail this filter, for the reason of a decision that finds no node: pairs
+        of what a node lacks and the mask ``(N,)`` of the nodes that lack it (a node may lack
+        several things). By default one pair: the plugin's name and the nodes it filters out;
+        a filter that checks several things names each."""
+        return [(self.name, ~self.filter(cycle))]
+
 
 class ScorePlugin(Plugin):
     """Scores the feasible rows (``cycle.rows``); higher is better."""
@@ -188,6 +195,8 @@ class PolicyDecision(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = ""
     node_row: int = -1
     fallback: bool = False
+    # When no node passes the filters: what keeps the task off them (``Policy.shortfall_summary``).
+    shortfall: str = ""
 
     def placements(self, memory_mb: int = 0) -> list[Placement]:
         """The placement as wire ``contracts.decision.Placement`` records."""
@@ -246,8 +255,9 @@ class Policy:
             mask &= f.filter(cycle)
         cycle.rows = np.flatnonzero(mask)
         if cycle.rows.size == 0:
+            shortfall = self.shortfall_summary(cycle)
             return PolicyDecision(action=self.config.no_fit_action, confidence=0.95, policy=self.name,
-                                  reason="no node passes the filters")
+                                  reason=f"no node passes the filters ({shortfall})", shortfall=shortfall)
         total = np.zeros(cycle.rows.size, dtype=np.float64)
         for plugin, weight in self.scores:
             raw = plugin.score(cycle)
@@ -271,6 +281,24 @@ class Policy:
             reason += "; " + "; ".join(cycle.notes)
         return PolicyDecision(action="assign", placement=placement, confidence=conf, reason=reason,
                               policy=self.name, node_row=row)
+
+    def shortfall_summary(self, cycle: Cycle) -> str:
+        """What keeps the task off the nodes, as kube-scheduler's ``0/N nodes are available``
+        says it: ``0 of N nodes: a lack X, b lack Y``, most common first, a node counted under
+        everything it lacks (out of service, off the contract's site, then each filter's
+        ``shortfalls``). Worked out only when no node passes, so it costs a placement nothing;
+        an operator reading a queued task's reason sees which resource to add or free."""
+        state, task = cycle.state, cycle.task
+        counts: dict[str, int] = {}
+        found = [("out of service", ~state.node_ready), ("off its site", ~state.on_site(task))]
+        for f in self.filters:
+            found.extend(f.shortfalls(cycle))
+        for what, lacking in found:
+            n = int(np.count_nonzero(lacking))
+            if n:
+                counts[what] = counts.get(what, 0) + n
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        return f"0 of {state.n_nodes} nodes: " + (", ".join(f"{n} {what}" for what, n in ranked) or "none to place on")
 
 
 PolicyFn = Callable[[ClusterState, TaskRequest], PolicyDecision]

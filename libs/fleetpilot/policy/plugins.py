@@ -86,6 +86,21 @@ class NodeResources(FilterPlugin):
             ok &= fitting_gpus(cycle, self.args.whole_gpus_only).sum(axis=1) >= task.gpus
         return ok
 
+    def shortfalls(self, cycle: Cycle) -> list[tuple[str, np.ndarray]]:
+        """Free CPU, free memory, free GPUs (whole, or one with the share's milli; a GPU the
+        task's business rules bar counts as not free) and, on nodes with enough of those, free
+        GPU memory, each on its own."""
+        state, task = cycle.state, cycle.task
+        found = [("lack free CPU", state.cpu_free < task.cpu_milli),
+                 ("lack free memory", state.mem_free < task.memory_mb)]
+        if uses_gpu(task):
+            whole = self.args.whole_gpus_only or not task.shares_gpu
+            enough = (cycle.free >= (MILLI if whole else task.gpu_milli)).sum(axis=1) >= task.gpus
+            fit = fitting_gpus(cycle, self.args.whole_gpus_only).sum(axis=1) >= task.gpus
+            found += [("lack free GPUs" if whole else "lack a GPU with the share free", ~enough),
+                      ("lack free GPU memory", enough & ~fit)]
+        return found
+
 
 @register
 class GpuModel(FilterPlugin):
@@ -96,6 +111,10 @@ class GpuModel(FilterPlugin):
     def filter(self, cycle: Cycle) -> np.ndarray:
         """Model mask over nodes."""
         return model_mask(cycle.state, cycle.task)
+
+    def shortfalls(self, cycle: Cycle) -> list[tuple[str, np.ndarray]]:
+        """The nodes whose GPUs are of a model the task does not list."""
+        return [("not of a GPU model it accepts", ~self.filter(cycle))]
 
 
 # ---------------------------------------------------------------------------------------

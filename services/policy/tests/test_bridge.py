@@ -88,7 +88,10 @@ async def test_a_leaking_task_starts_on_its_ask_where_a_flat_one_of_the_same_pea
     # It holds the whole A100 it will grow into, so nothing else is placed into that room.
     assert held == 40960
     assert [(a.task_id, a.memory_mb, a.state) for a in ledgers[where].allocations] == [("grow", 40960, "reserved")]
-    assert [d.action for d in by_task["flat"]] == ["queue"]
+    [flat] = by_task["flat"]
+    # The queue decision says what keeps the task off each node, as the policy counted it.
+    assert (flat.action, flat.reason) == ("queue", "no node has room now (0 of 3 nodes: 2 lack free GPUs, "
+                                          "1 lack free GPU memory); queued until capacity frees")
 
 
 async def test_a_queued_grower_is_bridged_by_the_retry_round_behind_a_flat_task_that_found_no_node(

@@ -135,6 +135,32 @@ async def test_any_submitters_task_counts_towards_submit_to_assign_at_once_or_af
     assert "submit-to-assign, after a queue: mean 60.0 s, longest 60.0 s over 1 tasks (0 still queued)" in rendered
 
 
+async def test_the_tasks_still_queued_at_the_end_are_named_longest_waiting_first_with_why() -> None:
+    report = Report(quiet=True)
+    for i in range(8):
+        task = TaskSubmitted(task_id=f"q{i}", tenant="acme", kind="train", gpus=1, gpu_milli=1000,
+                             submitted_at=100.0 - i)
+        await report.on_message(SimpleNamespace(subject="task.submitted", data=encode(task)))
+        made = DecisionMade(decision_id=f"q{i}.queue", task_id=f"q{i}", action="queue", confidence=0.95,
+                            policy=PolicyRef(name="fleetpilot"), decided_at=100.0,
+                            reason=f"no node has room now (0 of 4 nodes: {i % 4 + 1} lack free GPUs); queued")
+        await report.on_message(SimpleNamespace(subject="decision.made", data=encode(made)))
+    placed = DecisionMade(decision_id="q7.assign", task_id="q7", action="assign", confidence=0.9,
+                          policy=PolicyRef(name="fleetpilot"), decided_at=130.0)
+    await report.on_message(SimpleNamespace(subject="decision.made", data=encode(placed)))
+    lines = report.render(1.0).splitlines()
+    at = lines.index("still queued at the end, longest waiting first: 7")
+    assert lines[at + 1:at + 7] == [
+        "  q6: no node has room now (0 of 4 nodes: 3 lack free GPUs); queued",
+        "  q5: no node has room now (0 of 4 nodes: 2 lack free GPUs); queued",
+        "  q4: no node has room now (0 of 4 nodes: 1 lack free GPUs); queued",
+        "  q3: no node has room now (0 of 4 nodes: 4 lack free GPUs); queued",
+        "  q2: no node has room now (0 of 4 nodes: 3 lack free GPUs); queued",
+        "  and 2 more",
+    ]
+    assert not any(line.startswith("still queued") for line in Report(quiet=True).render(1.0).splitlines())
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--demo", "-5"], "argument --demo: must be 0 or more, got -5"),
     (["--rate", "0"], "argument --rate: must be more than 0, got 0"),

@@ -85,6 +85,54 @@ def test_no_fit_queues_or_rejects_and_state_untouched(policy):
     np.testing.assert_array_equal(state.gpu_free, before)
 
 
+def short_fleet() -> ClusterState:
+    """Five G2 nodes of 4 GPUs (32 GB each) and two T4 nodes, each node short of something
+    else for a task of one whole G2 GPU with 16 GB, 4 CPUs and 8 GB of memory."""
+    names = ["cpu", "gpus", "gpu-mem", "down", "fits-but-down", "t4-a", "t4-b"]
+    state = ClusterState.build(names=names, cpu_milli=[32000] * 7, memory_mb=[64000] * 7, gpus=[4] * 7,
+                               models=["G2"] * 5 + ["T4"] * 2, gpu_memory_mb=[32768] * 5 + [16384] * 2)
+    state.cpu_free[0] = 2000                    # cpu: too little CPU free
+    state.gpu_free[1] = 300                     # gpus: every GPU partly held
+    state.gpu_mem_free[2] = 8000                # gpu-mem: whole GPUs free, their memory held
+    state.gpu_free[3], state.mem_free[3] = 0, 0  # down: out of service, its GPUs and memory held too
+    state.node_ready[3] = state.node_ready[4] = False
+    return state
+
+
+ONE_G2 = TaskRequest(task_id="g2", gpus=1, gpu_milli=1000, gpu_memory_mb=16000, cpu_milli=4000, memory_mb=8000,
+                     gpu_models=("G2",))
+
+
+@pytest.mark.parametrize("policy", ["k8s-default", "bestfit", "packing", "fgd", "fleetpilot"])
+def test_a_task_no_node_takes_is_told_what_each_node_lacks(policy):
+    d = build_policy(policy).decide(short_fleet(), ONE_G2)
+    # Most common first, then by name; a node lacking several things counts under each.
+    expected = ("0 of 7 nodes: 2 lack free GPUs, 2 not of a GPU model it accepts, 2 out of service, "
+                "1 lack free CPU, 1 lack free GPU memory, 1 lack free memory")
+    assert (d.action, d.shortfall) == ("queue", expected)
+    assert d.reason == f"no node passes the filters ({expected})"
+    # A share is told of a GPU with its share free, not of a whole free GPU.
+    share = build_policy(policy).decide(short_fleet(), msgspec.structs.replace(ONE_G2, gpu_milli=500))
+    if policy != "k8s-default":  # which takes whole GPUs only
+        assert share.shortfall == expected.replace("free GPUs", "a GPU with the share free")
+
+
+def test_a_placed_task_carries_no_shortfall_and_a_filter_of_its_own_is_named():
+    from fleetpilot.policy.framework import Cycle, FilterPlugin
+
+    assert build_policy("fleetpilot").decide(cluster(FLEET), WHOLE).shortfall == ""
+
+    class EvenRows(FilterPlugin):
+        name = "even-rows"
+
+        def filter(self, cycle: Cycle) -> np.ndarray:
+            return np.arange(cycle.state.n_nodes) % 2 == 0
+
+    state = cluster(FLEET)
+    [(what, lacking)] = EvenRows().shortfalls(Cycle(state=state, task=WHOLE, free=state.gpu_free))
+    assert what == "even-rows" and lacking.tolist() == [False, True, False]
+
+
 @pytest.mark.parametrize("policy", ["k8s-default", "bestfit", "packing", "fgd", "fleetpilot"])
 def test_cpu_only_task_holds_no_gpu(policy):
     d = build_policy(policy).decide(cluster(FLEET), CPU)
