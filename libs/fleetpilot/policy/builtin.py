@@ -89,17 +89,18 @@ def builtin_profile(name: str, *, seed: int = 0, typical: Sequence[TaskShape] | 
     raise ValueError(f"unknown built-in policy {name!r} (known: {', '.join(BUILTIN_POLICIES)})")
 
 
-def build_policy(profile: ProfileConfig | Mapping[str, Any] | str, **kwargs: Any) -> Policy:
+def build_policy(profile: ProfileConfig | Mapping[str, Any] | str, *, explain: bool = True, **kwargs: Any) -> Policy:
     """Compile a profile into a ``Policy``.
 
     ``profile`` is a ``ProfileConfig``, its dict form (from YAML/JSON config, validated), or
-    the name of a built-in (``kwargs`` then go to ``builtin_profile``).
+    the name of a built-in (``kwargs`` then go to ``builtin_profile``). ``explain``: whether a
+    refusal says what keeps the task off the nodes (``Policy``).
     """
     if isinstance(profile, str):
-        return Policy(builtin_profile(profile, **kwargs))
+        return Policy(builtin_profile(profile, **kwargs), explain=explain)
     if isinstance(profile, Mapping):
         try:
             profile = msgspec.convert(dict(profile), ProfileConfig)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid policy profile: {exc}") from None
-    return Policy(profile)
+    return Policy(profile, explain=explain)

@@ -221,10 +221,16 @@ def instantiate(point: str, spec: PluginSpec) -> Plugin:
 
 
 class Policy:
-    """A compiled profile: call ``decide(state, task)`` (pure: the state is not modified)."""
+    """A compiled profile: call ``decide(state, task)`` (pure: the state is not modified).
 
-    def __init__(self, config: ProfileConfig) -> None:
+    ``explain``: a decision that finds no node says what keeps the task off them
+    (``shortfall_summary``). It costs about as much again as the refusal itself; a caller that
+    never reads it (the fleet benchmark, refused tens of thousands of times a run) leaves it off.
+    """
+
+    def __init__(self, config: ProfileConfig, *, explain: bool = True) -> None:
         self.config = config
+        self.explain = explain
         self.name = config.name
         self.filters = [instantiate("filter", s) for s in config.filters]
         self.scores = [(instantiate("score", s), float(s.weight)) for s in config.scores]
@@ -255,9 +261,10 @@ class Policy:
             mask &= f.filter(cycle)
         cycle.rows = np.flatnonzero(mask)
         if cycle.rows.size == 0:
-            shortfall = self.shortfall_summary(cycle)
+            shortfall = self.shortfall_summary(cycle) if self.explain else ""
             return PolicyDecision(action=self.config.no_fit_action, confidence=0.95, policy=self.name,
-                                  reason=f"no node passes the filters ({shortfall})", shortfall=shortfall)
+                                  reason="no node passes the filters" + (f" ({shortfall})" if shortfall else ""),
+                                  shortfall=shortfall)
         total = np.zeros(cycle.rows.size, dtype=np.float64)
         for plugin, weight in self.scores:
             raw = plugin.score(cycle)

@@ -115,6 +115,9 @@ def test_a_task_no_node_takes_is_told_what_each_node_lacks(policy):
     share = build_policy(policy).decide(short_fleet(), msgspec.structs.replace(ONE_G2, gpu_milli=500))
     if policy != "k8s-default":  # which takes whole GPUs only
         assert share.shortfall == expected.replace("free GPUs", "a GPU with the share free")
+    # A caller that reads no reason (the fleet benchmark) need not pay for it.
+    quiet = build_policy(policy, explain=False).decide(short_fleet(), ONE_G2)
+    assert (quiet.action, quiet.shortfall, quiet.reason) == ("queue", "", "no node passes the filters")
 
 
 def test_a_placed_task_carries_no_shortfall_and_a_filter_of_its_own_is_named():
