@@ -519,7 +519,8 @@ class Report:
         lines = [f"  {t}: {self.queued_why.get(t) or 'no reason given'}" for t in waiting[:shown]]
         if len(waiting) > shown:
             lines.append(f"  and {len(waiting) - shown} more")
-        return [f"still queued at the end, longest waiting first: {len(waiting)}", *lines] if waiting else []
+        head = f"still queued at the end, longest waiting first, with why they were queued: {len(waiting)}"
+        return [head, *lines] if waiting else []
 
     def oom_line(self) -> str:
         """The OOM kills by program: how many of its tasks died so, and how many of those

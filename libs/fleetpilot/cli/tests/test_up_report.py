@@ -149,7 +149,7 @@ async def test_the_tasks_still_queued_at_the_end_are_named_longest_waiting_first
                           policy=PolicyRef(name="fleetpilot"), decided_at=130.0)
     await report.on_message(SimpleNamespace(subject="decision.made", data=encode(placed)))
     lines = report.render(1.0).splitlines()
-    at = lines.index("still queued at the end, longest waiting first: 7")
+    at = lines.index("still queued at the end, longest waiting first, with why they were queued: 7")
     assert lines[at + 1:at + 7] == [
         "  q6: no node has room now (0 of 4 nodes: 3 lack free GPUs); queued",
         "  q5: no node has room now (0 of 4 nodes: 2 lack free GPUs); queued",
