@@ -23,7 +23,15 @@ from typing import Self
 import msgspec
 from fleetpilot.contracts import DecisionMade, TaskAdmitted, now
 from fleetpilot.policy.backfill import Demand, delays_any, queue_key
-from fleetpilot.policy.preempt import Requeue, claim_of, claim_pending, decode_pending, run_left_s
+from fleetpilot.policy.preempt import (
+    NoRoom,
+    Requeue,
+    claim_of,
+    claim_pending,
+    decode_pending,
+    run_left_s,
+    with_no_room,
+)
 from fleetpilot.policy.state import MILLI
 from fleetpilot.runtime import Bus, CasConflict, KeyValue, KvEntry, Retry
 
@@ -211,9 +219,11 @@ class RetryRound:
                 claimed = await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)
             except CasConflict:
                 continue  # one replica takes it
+            refused = False  # by the policy, this try (not a lost race nor an unready view)
             try:
                 decision, _, _ = await ps.place(adm, w.requeue)
                 if decision is None:
+                    refused = True
                     self.failed.extend((d, hide) for d in demands)
                     self.blocked.append(adm)
             except Retry:
@@ -223,7 +233,10 @@ class RetryRound:
                     # Put back only under our own claim: a replica that stalled past
                     # ``claim_timeout_s`` may find its entry taken over, the task placed and
                     # the entry cleared; writing it back would queue a placed task again.
-                    await pending.update(w.entry.key, w.value, claimed)
+                    # With what kept it off every node this time, if the policy said.
+                    refusal = ps.refusals.get(adm.task.task_id, "") if refused else ""
+                    back = with_no_room(w.value, NoRoom(shortfall=refusal, at=now())) if refusal else w.value
+                    await pending.update(w.entry.key, back, claimed)
                 except CasConflict:
                     log.warning("%s: claim taken over while placing it; left to its new owner", w.entry.key)
                     continue

@@ -85,7 +85,7 @@ from fleetpilot.contracts import (
 from fleetpilot.fingerprint import keep_signature_knowledge
 from fleetpilot.ledger import FleetView, LedgerStore
 from fleetpilot.ledger.store import node_key
-from fleetpilot.policy.preempt import claim_of, decode_pending, encode_pending
+from fleetpilot.policy.preempt import NoRoom, claim_of, decode_pending, encode_pending, with_no_room
 from fleetpilot.runtime import Bus, CasConflict, Delivery, KeyValue, Retry, ServiceHost, serve
 
 from .admissions import Admissions
@@ -336,11 +336,15 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
             decision, name, shard_id = await ps.place(adm)
         if decision is not None:
             return outgoing(decision)
-        # What kept it off every node, as the policy counted it, for whoever asks why it waits.
-        shortfall = f" ({ps.refusals[adm.task.task_id]})" if ps.refusals.get(adm.task.task_id) else ""
+        # What kept it off every node, as the policy counted it, for whoever asks why it waits:
+        # its decision now, its queue entry until it is placed (``fleetpilot queue``).
+        refusal = "" if unknown_fleet or reading else ps.refusals.get(adm.task.task_id, "")
+        shortfall = f" ({refusal})" if refusal else ""
+        entry = encode_pending(adm)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         try:
-            await pending.create(node_key(adm.task.task_id), encode_pending(adm))
+            await pending.create(node_key(adm.task.task_id),
+                                 with_no_room(entry, NoRoom(shortfall=refusal, at=now())) if refusal else entry)
         except CasConflict:
             # Queued already, by an earlier delivery of this admission: the entry may have
             # moved on since (claimed by a round, queued again with a note), and is left to

@@ -112,6 +112,16 @@ def nats_url(text: str) -> str:
     return text
 
 
+def add_bus_arguments(parser) -> None:
+    """``--nats-url`` and ``--state-dir``: how a command that reads a running fleet finds its
+    bus (the flag, else ``$FLEETPILOT_NATS_URL``, else the one ``fleetpilot up`` runs from the
+    state directory, else :4222: ``local.local_nats_url``)."""
+    parser.add_argument("--nats-url", type=nats_url, default=None,
+                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
+                             "--state-dir, else :4222)")
+    parser.add_argument("--state-dir", type=path_text, default=None, help="where a running `fleetpilot up` keeps its state")
+
+
 def model_names(text: str) -> str:
     """Comma-separated GPU models, at least one named (``A100,H100``): ``,,`` asked for no model,
     which reads as any GPU."""

@@ -29,7 +29,7 @@ from fleetpilot.runtime.bus import StoredMessage
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from . import event_loop
-from .arguments import duration, nats_url, non_negative_int, path_text, subject_pattern
+from .arguments import add_bus_arguments, duration, non_negative_int, subject_pattern
 from .local import local_nats_url, no_jetstream
 
 DLQ_STREAM = "DLQ"
@@ -47,10 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per dead letter")
     parser.add_argument("--redrive", action="store_true",
                         help="publish each one shown to its subject again, then remove it from the dead letters")
-    parser.add_argument("--nats-url", type=nats_url, default=None,
-                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
-                             "--state-dir, else :4222)")
-    parser.add_argument("--state-dir", type=path_text, default=None, help="where a running `fleetpilot up` keeps its state")
+    add_bus_arguments(parser)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("fleetpilot.cli.up", "run NATS and all services locally, show live decisions"),
     "submit": ("fleetpilot.cli.submit", "submit a task and print its decision"),
     "watch": ("fleetpilot.cli.watch", "follow decision.made (or other subjects)"),
+    "queue": ("fleetpilot.cli.queue_cmd", "list the tasks waiting for a place, how long, and what kept them off every node"),
     "dead-letters": ("fleetpilot.cli.dead_letters_cmd", "list what the services refused, and why; --redrive sends it back"),
     "token": ("fleetpilot.cli.token", "mint a bearer token with the local key"),
     "topology": ("fleetpilot.cli.topology_cmd", "parse saved `nvidia-smi topo -m` output, print the graph as JSON"),

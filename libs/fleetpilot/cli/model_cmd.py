@@ -20,7 +20,7 @@ from fleetpilot.contracts import ModelPublished, decode
 from fleetpilot.learner import CANDIDATE_KEY, PROMOTED_KEY, OutcomeModel
 
 from . import event_loop
-from .arguments import nats_url, path_text
+from .arguments import add_bus_arguments
 from .local import connect_once, local_nats_url, no_jetstream
 
 SCANNED_EVENTS = 500
@@ -30,10 +30,7 @@ ROLES = {PROMOTED_KEY: "what the policies use", CANDIDATE_KEY: "the latest model
 
 def add_arguments(parser) -> None:
     """Flags of ``fleetpilot model``."""
-    parser.add_argument("--nats-url", type=nats_url, default=None,
-                        help="the fleet's NATS (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs "
-                             "from --state-dir, else nats://127.0.0.1:4222)")
-    parser.add_argument("--state-dir", type=path_text, default=None, help="where a running `fleetpilot up` keeps its state")
+    add_bus_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 

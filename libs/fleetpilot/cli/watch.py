@@ -15,7 +15,7 @@ from fleetpilot.contracts import subject_matches
 from fleetpilot.runtime.nats_bus import NatsBus
 
 from . import event_loop
-from .arguments import nats_url, non_negative_int, path_text, subject_pattern
+from .arguments import add_bus_arguments, non_negative_int, subject_pattern
 from .local import local_nats_url
 
 
@@ -26,10 +26,7 @@ def add_arguments(parser) -> None:
                         help="subjects (wildcards allowed; default decision.made)")
     parser.add_argument("--count", type=non_negative_int, default=0,
                         help="exit after this many messages (default 0: follow until Ctrl-C)")
-    parser.add_argument("--nats-url", type=nats_url, default=None,
-                        help="the bus (default: $FLEETPILOT_NATS_URL, else the one `fleetpilot up` runs from "
-                             "--state-dir, else :4222)")
-    parser.add_argument("--state-dir", type=path_text, default=None, help="where a running `fleetpilot up` keeps its state")
+    add_bus_arguments(parser)
 
 
 async def watch(args, out=sys.stdout) -> int:

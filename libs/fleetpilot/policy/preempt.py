@@ -310,8 +310,18 @@ def run_left_s(adm: TaskAdmitted, progress_s: float = 0.0) -> float | None:
     return max(declared - progress_s, 0.0) if declared else None
 
 
+class NoRoom(msgspec.Struct, frozen=True, kw_only=True):
+    """What kept a queued task off every node at its latest try (``at``): the policy's
+    ``shortfall`` for its plain request (``PolicyDecision.shortfall``). Kept in its ``pending``
+    entry, as ``requeue`` is, for whoever asks what it waits for (``fleetpilot queue``)."""
+
+    shortfall: str
+    at: float
+
+
 class _Envelope(msgspec.Struct):
     requeue: Requeue | None = None
+    no_room: NoRoom | None = None
 
 
 _ENVELOPE = msgspec.json.Decoder(_Envelope)
@@ -332,6 +342,19 @@ def encode_pending(adm: TaskAdmitted, requeue: Requeue | None = None) -> bytes:
 def decode_pending(raw: bytes) -> tuple[TaskAdmitted, Requeue | None]:
     """The admission in a ``pending`` value and its ``requeue`` note, if any."""
     return _ADMITTED.decode(raw), _ENVELOPE.decode(raw).requeue
+
+
+def with_no_room(raw: bytes, no_room: NoRoom) -> bytes:
+    """The ``pending`` value ``raw`` (unclaimed) telling ``no_room`` instead of what it told
+    before; the admission and its ``requeue`` note stay as they are."""
+    doc = msgspec.json.decode(raw)
+    doc["no_room"] = msgspec.to_builtins(no_room)
+    return msgspec.json.encode(doc)
+
+
+def no_room_of(raw: bytes) -> NoRoom | None:
+    """What a ``pending`` value (unclaimed) says kept its task off every node, if it says."""
+    return _ENVELOPE.decode(raw).no_room
 
 
 CLAIM_PREFIX = b"claimed "

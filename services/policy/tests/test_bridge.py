@@ -22,7 +22,8 @@ from fleetpilot.contracts import (
     subject_for,
 )
 from fleetpilot.fingerprint import SignatureStats, task_signature
-from fleetpilot.policy.preempt import decode_pending
+from fleetpilot.ledger.store import node_key
+from fleetpilot.policy.preempt import NoRoom, claim_of, decode_pending, no_room_of
 from fleetpilot_services.policy.service import build
 
 from .conftest import admitted, fingerprinted, node, settings, wait_for
@@ -76,6 +77,7 @@ async def test_a_leaking_task_starts_on_its_ask_where_a_flat_one_of_the_same_pea
         await wait_for(lambda: "flat" in observer.by_task(), timeout_s=3.0, what="flat decided")
         await asyncio.sleep(0.6)  # retry rounds: a free A100 holds the flat task's ask, not its peak
         ledgers = await observer.ledgers()
+        waiting = await (await observer.js.key_value("pending")).get(node_key("flat"))
     finally:
         await policy.stop()
     by_task = observer.by_task()
@@ -92,6 +94,10 @@ async def test_a_leaking_task_starts_on_its_ask_where_a_flat_one_of_the_same_pea
     # The queue decision says what keeps the task off each node, as the policy counted it.
     assert (flat.action, flat.reason) == ("queue", "no node has room now (0 of 3 nodes: 2 lack free GPUs, "
                                           "1 lack free GPU memory); queued until capacity frees")
+    # Its queue entry keeps it for `fleetpilot queue`, through the retry rounds' refusals.
+    claimed = claim_of(waiting.value)  # a retry round may hold it as it was read
+    no_room = no_room_of(claimed[1] if claimed is not None else waiting.value)
+    assert no_room is not None and no_room.shortfall == "0 of 3 nodes: 2 lack free GPUs, 1 lack free GPU memory"
 
 
 async def test_a_queued_grower_is_bridged_by_the_retry_round_behind_a_flat_task_that_found_no_node(
@@ -459,3 +465,35 @@ async def test_a_run_outgrowing_the_largest_gpu_it_accepts_is_not_checkpointed_t
         await policy.stop()
     decisions = [(d.action, d.policy.name) for d in observer.by_task().get("grow", [])]
     assert decisions == ([("evict", "checkpoint")] if bigger_gpu_in_fleet else [])
+
+
+async def test_the_retry_round_keeps_what_kept_a_waiting_task_off_every_node_in_its_queue_entry(
+    observer, nats_url, tmp_path
+):
+    await observer.put_fleet([node("big", gpus=1)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
+    await policy.start()
+    pending = await observer.js.key_value("pending")
+
+    async def no_room() -> NoRoom | None:
+        value = (await pending.get(node_key("wait"))).value
+        claimed = claim_of(value)  # a retry round may hold it as it was read
+        return no_room_of(claimed[1] if claimed is not None else value)
+
+    try:
+        await observer.admit(task("wait"))
+        await wait_for(lambda: "wait" in observer.by_task(), timeout_s=3.0, what="wait queued")
+        first = await no_room()
+        # The GPU's share is given back but its memory stays held: refused for another reason.
+        memory_only = msgspec.structs.replace(blocker("held"), milli=0)
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[memory_only])))
+        deadline = asyncio.get_running_loop().time() + 3.0
+        while (later := await no_room()) == first and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+    finally:
+        await policy.stop()
+    assert first is not None and first.shortfall == "0 of 1 nodes: 1 lack free GPUs"
+    assert later is not None and later.shortfall == "0 of 1 nodes: 1 lack free GPU memory" and later.at > first.at
+    [queued] = observer.by_task()["wait"]  # one decision: the entry, not a new queue decision, says it
+    assert queued.reason == "no node has room now (0 of 1 nodes: 1 lack free GPUs); queued until capacity frees"

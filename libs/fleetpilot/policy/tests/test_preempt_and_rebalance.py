@@ -23,6 +23,7 @@ from fleetpilot.contracts import (
 from fleetpilot.policy import TaskRequest
 from fleetpilot.policy.preempt import (
     EXACT_LIMIT,
+    NoRoom,
     Requeue,
     Victim,
     cheapest_on_node,
@@ -32,9 +33,11 @@ from fleetpilot.policy.preempt import (
     evict_decision_id,
     eviction_cost,
     fits,
+    no_room_of,
     preemptions,
     reassign_decision_id,
     spares_an_eviction,
+    with_no_room,
 )
 from fleetpilot.policy.rebalance import (
     Running,
@@ -252,6 +255,12 @@ def test_pending_entries_carry_the_requeue_note_and_stay_readable_as_admissions(
     note = Requeue(decision_id="t.assign.2", evict_id="t.evict.1", for_task="v")
     assert decode_pending(encode_pending(adm)) == (adm, None)
     assert decode_pending(encode_pending(adm, note)) == (adm, note)
+    # What kept it off every node rides along, replaced by each refusal, leaving the rest.
+    refused = with_no_room(encode_pending(adm, note), NoRoom(shortfall="0 of 2 nodes: 2 lack free GPUs", at=5.0))
+    again = with_no_room(refused, NoRoom(shortfall="0 of 2 nodes: 1 lack free CPU", at=9.0))
+    assert decode_pending(again) == (adm, note)
+    assert (no_room_of(encode_pending(adm)), no_room_of(again)) == (None, NoRoom(shortfall="0 of 2 nodes: 1 lack free CPU",
+                                                                                  at=9.0))
 
 
 def alone_on_an_a100() -> tuple[NodeTopology, NodeLedger, Running]:
