@@ -235,8 +235,8 @@ class RetryRound:
                     # the entry cleared; writing it back would queue a placed task again.
                     # With what kept it off every node this time, if the policy said.
                     refusal = ps.refusals.get(adm.task.task_id, "") if refused else ""
-                    back = with_no_room(w.value, NoRoom(shortfall=refusal, at=now())) if refusal else w.value
-                    await pending.update(w.entry.key, back, claimed)
+                    await pending.update(w.entry.key, with_no_room(w.value, NoRoom(shortfall=refusal, at=now())),
+                                         claimed)
                 except CasConflict:
                     log.warning("%s: claim taken over while placing it; left to its new owner", w.entry.key)
                     continue

@@ -340,11 +340,10 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         # its decision now, its queue entry until it is placed (``fleetpilot queue``).
         refusal = "" if unknown_fleet or reading else ps.refusals.get(adm.task.task_id, "")
         shortfall = f" ({refusal})" if refusal else ""
-        entry = encode_pending(adm)
         pending = await host.bus.kv("pending")  # type: ignore[union-attr]
         try:
             await pending.create(node_key(adm.task.task_id),
-                                 with_no_room(entry, NoRoom(shortfall=refusal, at=now())) if refusal else entry)
+                                 with_no_room(encode_pending(adm), NoRoom(shortfall=refusal, at=now())))
         except CasConflict:
             # Queued already, by an earlier delivery of this admission: the entry may have
             # moved on since (claimed by a round, queued again with a note), and is left to

@@ -346,7 +346,10 @@ def decode_pending(raw: bytes) -> tuple[TaskAdmitted, Requeue | None]:
 
 def with_no_room(raw: bytes, no_room: NoRoom) -> bytes:
     """The ``pending`` value ``raw`` (unclaimed) telling ``no_room`` instead of what it told
-    before; the admission and its ``requeue`` note stay as they are."""
+    before; the admission and its ``requeue`` note stay as they are. A refusal that says
+    nothing (an empty ``shortfall``) leaves ``raw`` as it is."""
+    if not no_room.shortfall:
+        return raw
     doc = msgspec.json.decode(raw)
     doc["no_room"] = msgspec.to_builtins(no_room)
     return msgspec.json.encode(doc)
