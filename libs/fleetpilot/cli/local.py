@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ AUDIENCE = "fleetpilot"
 ISSUER = "fleetpilot-local"
 NATS_URL_FILE = "nats.url"
 """Where a running ``fleetpilot up`` leaves its bus's URL in the state directory."""
+UP_LOCK_FILE = "up.lock"
+"""Held by the ``fleetpilot up`` that runs from a state directory, for as long as it runs."""
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
@@ -27,15 +30,34 @@ def state_dir(explicit: str | None = None) -> Path:
 def announced_nats_url(explicit_state: str | None = None) -> str | None:
     """The bus of a fleet known to be running: ``FLEETPILOT_NATS_URL``, else the one a
     running ``fleetpilot up`` announced in the state directory (its embedded server takes a
-    free port); None when neither says."""
+    free port); None when neither says. An announcement whose ``up`` no longer runs says
+    nothing: an ``up`` killed outright cannot take its ``nats.url`` back."""
     env = os.environ.get("FLEETPILOT_NATS_URL")
     if env:
         return env
+    state = state_dir(explicit_state)
     try:
-        announced = (state_dir(explicit_state) / NATS_URL_FILE).read_text().strip()
+        announced = (state / NATS_URL_FILE).read_text().strip()
     except OSError:
-        announced = ""
-    return announced or None
+        return None
+    return announced if announced and up_runs_from(state) else None
+
+
+def up_runs_from(state: Path) -> bool:
+    """Whether a ``fleetpilot up`` holds ``<state>/up.lock`` now. Asked of the lock, not of
+    a pid written down: the kernel lets it go however its holder ended, SIGKILL included, and
+    a pid may since be another process's."""
+    try:
+        lock = (state / UP_LOCK_FILE).open("rb")
+    except OSError:
+        return False
+    with lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        return False
 
 
 def local_nats_url(explicit_state: str | None = None) -> str:

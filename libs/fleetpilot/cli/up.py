@@ -66,7 +66,7 @@ from .arguments import (
     positive_int,
 )
 from .fleet_cmd import load_fleet_file
-from .local import NATS_URL_FILE, local_keyring, local_token, no_jetstream, state_dir
+from .local import NATS_URL_FILE, UP_LOCK_FILE, local_keyring, local_token, no_jetstream, state_dir
 from .workload import demo_tasks
 
 SERVICES = ("collector", "topology", "fingerprinter", "sla", "policy", "executor", "feedback", "learner")
@@ -79,8 +79,6 @@ FLEET_ANSWER_TIMEOUT_S = 60.0
 POLICY_REBALANCE_S = 30.0
 """The policy service's rebalance period on a real fleet (its ``rebalance_s``); on a
 simulated one, divided by ``--speed``."""
-UP_LOCK_FILE = "up.lock"
-"""Held by the ``fleetpilot up`` that runs from a state directory, for as long as it runs."""
 
 
 def add_arguments(parser) -> None:

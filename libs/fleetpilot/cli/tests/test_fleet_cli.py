@@ -11,7 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 from fleetpilot.cli.fleet_cmd import service_state
+from fleetpilot.cli.local import NATS_URL_FILE
 from fleetpilot.cli.main import main
+from fleetpilot.cli.up import announce, hold_state_dir
 from fleetpilot.contracts import Allocation, ExecutorPresence, GpuSample, NodeLedger, TopologyUpdated, encode
 from fleetpilot.fleet.bandwidth import SiteNetwork
 from fleetpilot.fleet.inventory import load_fleet_spec
@@ -333,8 +335,9 @@ def test_fleet_finds_the_bus_a_running_fleetpilot_up_announced(capsys, nats_url,
     asyncio.run(_populate(nats_url))
     state = tmp_path / "up-state"
     state.mkdir()
-    (state / "nats.url").write_text(nats_url + "\n")  # what `fleetpilot up` leaves while it runs
-    code, out, err = run(capsys, "fleet", "--state-dir", str(state))
+    with hold_state_dir(state):  # what `fleetpilot up` holds and leaves while it runs
+        announce(state / NATS_URL_FILE, nats_url)
+        code, out, err = run(capsys, "fleet", "--state-dir", str(state))
     assert code == 0 and err == ""
     assert out.startswith(f"fleet three-site (topology bucket at {nats_url})") and "live: 9 GPUs" in out
 

@@ -4,6 +4,9 @@ up``, NATS's default) and the key ring that ``submit`` and ``up`` mint their tok
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 from pathlib import Path
 
 from fleetpilot.auth import KeyRing, TokenVerifier, load_jwks
@@ -12,9 +15,11 @@ from fleetpilot.cli.local import (
     DEFAULT_NATS_URL,
     ISSUER,
     NATS_URL_FILE,
+    announced_nats_url,
     local_nats_url,
     local_token,
 )
+from fleetpilot.cli.up import announce, hold_state_dir
 
 FORK = multiprocessing.get_context("fork")
 
@@ -23,13 +28,39 @@ def test_the_environment_wins_then_what_fleetpilot_up_announced_then_the_default
     monkeypatch.delenv("FLEETPILOT_NATS_URL", raising=False)
     monkeypatch.setenv("FLEETPILOT_STATE_DIR", str(tmp_path))
     assert local_nats_url() == DEFAULT_NATS_URL
-    (tmp_path / NATS_URL_FILE).write_text("nats://127.0.0.1:41234\n")
-    assert local_nats_url() == "nats://127.0.0.1:41234"
-    other = tmp_path / "other"
-    other.mkdir()
-    assert local_nats_url(str(other)) == DEFAULT_NATS_URL  # --state-dir names another directory
-    monkeypatch.setenv("FLEETPILOT_NATS_URL", "nats://bus.internal:4222")
-    assert local_nats_url() == "nats://bus.internal:4222"
+    with hold_state_dir(tmp_path):  # as a running `fleetpilot up` holds it
+        announce(tmp_path / NATS_URL_FILE, "nats://127.0.0.1:41234")
+        assert local_nats_url() == "nats://127.0.0.1:41234"
+        other = tmp_path / "other"
+        other.mkdir()
+        assert local_nats_url(str(other)) == DEFAULT_NATS_URL  # --state-dir names another directory
+        monkeypatch.setenv("FLEETPILOT_NATS_URL", "nats://bus.internal:4222")
+        assert local_nats_url() == "nats://bus.internal:4222"
+
+
+def _up_killed_before_it_could_clean_up(state: Path, announced) -> None:
+    with hold_state_dir(state):
+        announce(state / NATS_URL_FILE, "nats://127.0.0.1:41234")
+        announced.set()
+        time.sleep(60)
+
+
+def test_the_url_an_up_killed_outright_left_behind_is_not_taken_for_a_running_fleet(tmp_path, monkeypatch) -> None:
+    # Before, `fleetpilot fleet` after a `kill -9` of `up` said "cannot connect to
+    # nats://127.0.0.1:41234" and `submit` sent its task there, to a bus nobody runs.
+    monkeypatch.delenv("FLEETPILOT_NATS_URL", raising=False)
+    announced = FORK.Event()
+    up = FORK.Process(target=_up_killed_before_it_could_clean_up, args=(tmp_path, announced))
+    up.start()
+    try:
+        assert announced.wait(30)
+        assert announced_nats_url(str(tmp_path)) == "nats://127.0.0.1:41234"
+    finally:
+        os.kill(up.pid, signal.SIGKILL)
+        up.join(30)
+    assert (tmp_path / NATS_URL_FILE).read_text() == "nats://127.0.0.1:41234\n"  # left behind, as after a crash
+    assert announced_nats_url(str(tmp_path)) is None
+    assert local_nats_url(str(tmp_path)) == DEFAULT_NATS_URL
 
 
 def _first_use(state: Path, start, queue) -> None:
