@@ -2,7 +2,7 @@
 side on one workload (``Comparison``: ratios, target verdicts, ``--json``), the printed table
 (``report``) and the PNG plots of utilisation and queue length over time (``plot``).
 
-Kept apart from the run itself (``fleet.FleetRun``) so that what is measured and how it is
+Kept apart from the run itself (``fleet_run.FleetRun``) so that what is measured and how it is
 shown can be read, and changed, one without the other.
 """
 

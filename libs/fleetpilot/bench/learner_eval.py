@@ -23,7 +23,8 @@ from typing import NoReturn
 from fleetpilot.learner import Example, OutcomeModel, learn
 from fleetpilot.learner.promotion import held_out_figures
 
-from .fleet import DEFAULT_FRACTION, DEFAULT_HOURS, DEFAULT_TASKS, FleetRun, load_bench_fleet
+from .fleet import DEFAULT_FRACTION, DEFAULT_HOURS, DEFAULT_TASKS, load_bench_fleet
+from .fleet_run import FleetRun
 from .fleet_sweep import parse_seeds
 from .fleet_workload import generate_workload, load_trace
 from .openb import NODES_FILE, TRACES, find_data_dir

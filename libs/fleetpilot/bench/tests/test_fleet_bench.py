@@ -13,24 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fleetpilot.bench import fleet as bench
+from fleetpilot.bench import fleet_run
 from fleetpilot.bench import fleet_workload as bench_workload
 from fleetpilot.bench.default_preemption import TERMINATION_GRACE_S
-from fleetpilot.bench.fleet import (
-    BACKOFF_LIMIT,
-    TICK_S,
-    FleetRun,
-    compare,
-    main,
-    workload_sharing_bound,
-    workload_sm_use_bound,
-)
+from fleetpilot.bench.fleet import compare, main, workload_sharing_bound, workload_sm_use_bound
+from fleetpilot.bench.fleet_job import BACKOFF_LIMIT, MIGRATION_BASE_S, TICK_S
 from fleetpilot.bench.fleet_report import RunResult
+from fleetpilot.bench.fleet_run import FleetRun
 from fleetpilot.bench.fleet_workload import BenchTask, FaultPlan, Workload, generate_workload
 from fleetpilot.bench.outputs import code_digest
 from fleetpilot.contracts import Fingerprint
 from fleetpilot.fingerprint import restores_start_over, run_envelope
 from fleetpilot.fleet.inventory import Fleet, build_fleet, load_fleet_spec
 from fleetpilot.fleet.simulator import CONTEXT_MB
+from fleetpilot.policy.backfill import Move
 from fleetpilot.policy.rebalance import GROWTH_LOOKAHEAD_S
 from fleetpilot.workload.growth import MemoryGrowth
 
@@ -613,11 +609,11 @@ def test_fleetpilot_clears_a_node_for_a_wide_task_when_its_tenants_fit_elsewhere
     tenants = {t for g in range(4) for t in run.on_gpu.get((job.row, g), set())}
     assert tenants == {"t6"}
     # It waits for the longest checkpoint of the moved tasks (8 GB: 30 s + 2 s per GB).
-    assert bench.MIGRATION_BASE_S <= job.queue_s <= bench.MIGRATION_BASE_S + 60.0
+    assert MIGRATION_BASE_S <= job.queue_s <= MIGRATION_BASE_S + 60.0
     # Each moved tenant stalls for its own checkpoint and restore, counted as its waiting.
     moved = [j for j in run.jobs[:6] if j.migrations == 1]
     assert len(moved) == 2
-    assert all(bench.MIGRATION_BASE_S <= j.queue_s <= bench.MIGRATION_BASE_S + 60.0 for j in moved)
+    assert all(MIGRATION_BASE_S <= j.queue_s <= MIGRATION_BASE_S + 60.0 for j in moved)
 
 
 def test_fleetpilot_never_clears_a_node_by_pausing_a_task_past_its_deadline() -> None:
@@ -719,7 +715,7 @@ def test_a_step_schedule_in_its_low_phase_moves_down_for_a_task_only_its_gpu_hol
     # the pause); and without making way either, the waiter waits for its end.
     late, _ = play(with_envelope=False)
     assert late.counts["migrations_down"] == 0 and late.counts["made_way"] == 1 and late.jobs[1].queue_s < 240.0
-    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    monkeypatch.setattr(fleet_run, "MAKE_WAY_PER_ROUND", 0)
     later, _ = play(with_envelope=False)
     assert later.counts["migrations_down"] == 0 and later.jobs[1].queue_s > 3000.0
 
@@ -737,7 +733,7 @@ def test_a_run_moved_down_keeps_its_progress_but_teaches_no_envelope_from_where_
     run._start(job, h100, [0], 1000, 0.0)
     assert job.from_start and job.run_at == 0.0
     a100 = run.node_model.index("A100-40GB")
-    assert run._migrate(job, 600.0, reason="down", target=bench.Move(task_id="t0", row=a100, gpus=(0,), milli=1000),
+    assert run._migrate(job, 600.0, reason="down", target=Move(task_id="t0", row=a100, gpus=(0,), milli=1000),
                         bridge=True)
     assert job.bridged and job.from_start and job.run_at == 0.0
     assert job.fingerprinter is not None and not job.fingerprinter.from_start
@@ -763,7 +759,7 @@ def test_a_run_with_hours_left_makes_way_for_a_short_task_and_goes_on_from_its_c
     assert 500.0 <= first.progress_s <= 720.0  # kept: checkpointed at about ten minutes in
     assert first.finished_at is not None and first.finished_at < 5 * 3600.0 + 1800.0
     # Without making way the task waits for the run's five hours.
-    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    monkeypatch.setattr(fleet_run, "MAKE_WAY_PER_ROUND", 0)
     late, without = play()
     assert without.breakdown["made_way"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
 
@@ -786,7 +782,7 @@ def test_a_run_with_hours_left_makes_room_on_its_gpu_for_a_short_share(monkeypat
     first, waiter = run.jobs
     assert waiter.queue_s < 240.0
     assert 500.0 <= first.progress_s <= 720.0
-    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)
+    monkeypatch.setattr(fleet_run, "MAKE_WAY_PER_ROUND", 0)
     late, without = play()
     assert without.breakdown["made_room"] == 0 and late.jobs[1].queue_s > 4 * 3600.0
 
@@ -798,7 +794,7 @@ def test_the_negotiator_counts_a_gpu_held_by_shares_as_freeing_when_its_last_sha
     # ends: the task is admitted and waits for it (not refused as if the GPU never freed).
     long = task(0, duration=5 * 3600.0, milli=700)
     patient = dataclasses.replace(task(1, duration=600.0, arrival=600.0, milli=500), max_queue_s=6 * 3600.0)
-    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 0)  # no room made: it waits for the run's end
+    monkeypatch.setattr(fleet_run, "MAKE_WAY_PER_ROUND", 0)  # no room made: it waits for the run's end
     run = FleetRun(tiny_fleet(), workload(long, patient, hours=8.0), "fleetpilot", seed=1)
     result = run.run()
     assert result.breakdown["rejected"] == 0 and result.breakdown["admitted"] == 2
@@ -1288,7 +1284,7 @@ def test_a_hold_that_found_no_room_grows_in_a_later_cycle_once_room_frees() -> N
 def test_a_resize_and_making_way_draw_on_one_budget_of_the_cycle_s_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     # As the service's round stops at ``max_migrations_per_round`` decisions of every kind: at
     # two decisions a cycle, a resize leaves room to make way for one waiting task, not two.
-    monkeypatch.setattr(bench, "DECISIONS_PER_CYCLE", 2)
+    monkeypatch.setattr(fleet_run, "DECISIONS_PER_CYCLE", 2)
     runs = [task(k, duration=5 * 3600.0) for k in range(3)]
     waiters = [task(3 + k, duration=600.0, arrival=600.0) for k in range(2)]
     run = FleetRun(tiny_fleet(gpus=3), workload(*runs, *waiters, hours=8.0), "fleetpilot", seed=1)
@@ -1318,7 +1314,7 @@ def test_making_way_and_making_room_share_the_cycle_s_two_rounds(monkeypatch: py
     # Three five-hour runs hold the node's three GPUs when three ten-minute tasks and a
     # ten-minute share wait. At one checkpoint a round, the cycle's two rounds make way for
     # two of them; the third task and the share wait for the next cycle.
-    monkeypatch.setattr(bench, "MAKE_WAY_PER_ROUND", 1)
+    monkeypatch.setattr(fleet_run, "MAKE_WAY_PER_ROUND", 1)
     runs = [task(k, duration=5 * 3600.0) for k in range(3)]
     waiters = [task(3 + k, duration=600.0, arrival=600.0) for k in range(3)]
     share = dataclasses.replace(task(6, duration=600.0, arrival=600.0, milli=500), max_queue_s=6 * 3600.0)
