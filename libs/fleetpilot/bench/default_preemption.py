@@ -19,7 +19,10 @@ faithful baseline plays it. What is modelled, from
   them, from a random offset, and picks among those).
 
 The resources are those the baseline's filters see: whole GPUs (the NVIDIA device plugin),
-CPU and host memory, the GPU models the pod accepts, healthy GPUs in service.
+CPU and host memory, the GPU models the pod accepts, healthy GPUs in service. Where pods share
+GPUs (``shared``: the ``kai-share`` baseline, KAI-Scheduler's GPU sharing), a GPU counts as
+what its free compute and GPU memory come to once the victims have gone, as KAI's preemption
+frees a share's fraction and memory.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ TERMINATION_GRACE_S = 30.0
 """A pod's default ``terminationGracePeriodSeconds``: the victims' time to stop before the
 preemptor can start on what they held."""
 NO_POD = np.iinfo(np.int64).max
-"""``holder_priority`` of a GPU no pod holds."""
+"""``holder_priority`` of a GPU no pod holds (where pods share one, it is the lowest of theirs)."""
 _PRIORITY_OFFSET = 2**31 + 1  # the scheduler's MaxInt32 + 1, which makes every priority count positive
 
 
@@ -51,6 +54,8 @@ class RunningPod:
     gpus: tuple[int, ...]
     cpu_milli: int
     memory_mb: int
+    milli: int = MILLI  # of each of its GPUs (less: a share)
+    gpu_memory_mb: int = 0  # held on each of its GPUs, where pods share them
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,19 @@ def usable_gpus(state: ClusterState, request: TaskRequest) -> np.ndarray:
 
 
 def preempt(state: ClusterState, request: TaskRequest, priority: int, holder_priority: np.ndarray,
-            pods_on: Callable[[int], Sequence[RunningPod]]) -> Preemption | None:
+            pods_on: Callable[[int], Sequence[RunningPod]], *, shared: bool = False) -> Preemption | None:
     """Where a pod of ``priority`` that fits nowhere gets in by evicting lower-priority pods,
     and which; ``None`` when no node would take it even with all of them gone.
 
-    ``holder_priority`` is ``(N, G)``: the priority of the pod holding each GPU (``NO_POD``
-    where none does); ``pods_on(row)`` the pods running on a node."""
+    ``holder_priority`` is ``(N, G)``: the lowest priority of the pods holding each GPU
+    (``NO_POD`` where none does); ``pods_on(row)`` the pods running on a node. ``shared``:
+    pods hold shares of GPUs and GPU memory (``RunningPod.milli``, ``gpu_memory_mb``), and a
+    GPU fits the pod when its free compute and GPU memory hold the request's."""
     gpu_task = request.gpus > 0 and request.gpu_milli > 0
     usable = usable_gpus(state, request)
-    free = usable & (state.gpu_free >= MILLI)
+    free = usable & (state.gpu_free >= (request.gpu_milli if shared else MILLI))
+    if shared:
+        free &= state.gpu_mem_free >= request.gpu_memory_mb
     # Nodes where the GPUs free, or held by lower-priority pods, are enough (CPU and host
     # memory are checked on each candidate below).
     rows = np.flatnonzero(((free | (usable & (holder_priority < priority))).sum(axis=1) >= request.gpus)
@@ -91,14 +100,14 @@ def preempt(state: ClusterState, request: TaskRequest, priority: int, holder_pri
         lower = [p for p in pods_on(int(row)) if p.priority < priority]
         if not lower:
             continue
-        chosen = _victims_on_node(state, request, int(row), free[row], usable[row], lower, gpu_task)
+        chosen = _victims_on_node(state, request, int(row), free[row], usable[row], lower, gpu_task, shared)
         if chosen is not None:
             candidates.append(chosen)
     return min(candidates, key=_node_order) if candidates else None
 
 
 def _victims_on_node(state: ClusterState, request: TaskRequest, row: int, free: np.ndarray, usable: np.ndarray,
-                     lower: list[RunningPod], gpu_task: bool) -> Preemption | None:
+                     lower: list[RunningPod], gpu_task: bool, shared: bool) -> Preemption | None:
     def fits_without(gone: Sequence[RunningPod]) -> bool:
         cpu = state.cpu_free[row] + sum(p.cpu_milli for p in gone)
         memory = state.mem_free[row] + sum(p.memory_mb for p in gone)
@@ -106,6 +115,13 @@ def _victims_on_node(state: ClusterState, request: TaskRequest, row: int, free: 
             return False
         if not gpu_task:
             return True
+        if shared:
+            milli, gpu_memory = state.gpu_free[row].copy(), state.gpu_mem_free[row].copy()
+            for p in gone:
+                milli[list(p.gpus)] += p.milli
+                gpu_memory[list(p.gpus)] += p.gpu_memory_mb
+            freed = (milli >= request.gpu_milli) & (gpu_memory >= request.gpu_memory_mb)
+            return int((freed & usable).sum()) >= request.gpus
         freed = free.copy()
         for p in gone:
             freed[list(p.gpus)] = True

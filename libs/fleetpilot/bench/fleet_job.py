@@ -14,7 +14,11 @@ from fleetpilot.workload.growth import MemoryGrowth
 
 from .fleet_workload import BenchTask
 
-MODES: tuple[str, ...] = ("k8s-default", "fleetpilot")
+MODES: tuple[str, ...] = ("k8s-default", "kai-share", "fleetpilot")
+BASELINES: tuple[str, ...] = ("k8s-default", "kai-share")
+"""What Fleetpilot's loop can be measured against: the default scheduler with the NVIDIA device
+plugin (whole GPUs; the issue's targets are set against it), or a scheduler that shares GPUs by
+their declared memory with no knowledge of growth (KAI-Scheduler's GPU sharing, binpack)."""
 TICK_S = 60.0
 """Scheduling cycle and telemetry period of the virtual clock."""
 HEALTH_EVERY = 2

@@ -34,7 +34,8 @@ class FleetPreemption:
         priority = PRIORITY_CLASS.get(job.task.tier, 0)
         if not self.preempts or priority <= min(PRIORITY_CLASS.values()):
             return False
-        plan = preempt(self.state, self._request(job), priority, self.holder_priority, self._pods_on)
+        plan = preempt(self.state, self._request(job), priority, self.holder_priority, self._pods_on,
+                       shared=self.shares)
         if plan is None:
             return False
         for pod in plan.victims:
@@ -156,5 +157,6 @@ class FleetPreemption:
     def _pods_on(self, row: int) -> list[RunningPod]:
         """The baseline's pods running on node ``row``, as preemption sees them."""
         return [RunningPod(pod_id=j.task.task_id, priority=PRIORITY_CLASS.get(j.task.tier, 0), started_s=j.seg_start,
-                           gpus=tuple(j.gpus), cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb)
+                           gpus=tuple(j.gpus), cpu_milli=j.task.cpu_milli, memory_mb=j.task.memory_mb,
+                           milli=j.milli, gpu_memory_mb=j.reserved_mb)
                 for j in self._running_on(row)]

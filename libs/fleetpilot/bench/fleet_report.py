@@ -88,7 +88,7 @@ class Comparison:
                 "arrival_window_h": self.span_h, "utilisation_bound_from_sharing": self.sharing_bound,
                 "utilisation_bound_from_sm_use": self.sm_use_bound,
                 "largest_gpu_load": asdict(self.largest_load) if self.largest_load else None,
-                "baseline": {"policy": "k8s-default", **self.baseline.figures, "details": self.baseline.breakdown,
+                "baseline": {"policy": self.baseline.mode, **self.baseline.figures, "details": self.baseline.breakdown,
                              "wall_s": self.baseline.wall_s},
                 "fleetpilot": {**self.fleetpilot.figures, "details": self.fleetpilot.breakdown,
                                "wall_s": self.fleetpilot.wall_s},
@@ -116,16 +116,17 @@ def report(c: Comparison) -> str:
     aging = "" if c.queue_aging == 1.0 else f"; Fleetpilot's queue aging {c.queue_aging:g}"
     preempts = "" if c.baseline_preempts else "; the baseline's PriorityClasses never preempt"
     vips = "; Fleetpilot's vips may evict standard work its contract spares" if c.vip_evicts_standard else ""
+    base = c.baseline.mode
     lines = [f"fleet benchmark: fleet {c.fleet}, seed {c.seed}{aging}{preempts}{vips}", f"workload: {c.workload}",
              f"(packing shares can raise utilisation at most x{c.sharing_bound:.2f} when both are saturated; "
              f"packing every task by the SM time it really uses, at full speed, at most x{c.sm_use_bound:.2f})",
              *([c.largest_load.describe()] if c.largest_load else []),
              *_queue_by_work_lines(c),
-             f"{'figure':<40} {'k8s-default':>14} {'fleetpilot':>14} {'ratio':>8}"]
+             f"{'figure':<40} {base:>14} {'fleetpilot':>14} {'ratio':>8}"]
     for k, (label, fmt) in _LABELS.items():
         lines.append(f"{label:<40} {fmt(c.baseline.figures[k]):>14} {fmt(c.fleetpilot.figures[k]):>14} {r[k]:>8.2f}")
     b, f = c.baseline.breakdown, c.fleetpilot.breakdown
-    lines.append(f"interventions: k8s-default {b['oom_restarts']:.0f} OOM restarts, {b['stuck_over_1h']:.0f} stuck > 1 h, "
+    lines.append(f"interventions: {base} {b['oom_restarts']:.0f} OOM restarts, {b['stuck_over_1h']:.0f} stuck > 1 h, "
                  f"{b['gpu_failure_kills']:.0f} lost to failed GPUs, {b['backoff_failed']:.0f} hit the backoff limit; "
                  f"fleetpilot {f['oom_restarts']:.0f}, {f['stuck_over_1h']:.0f}, {f['gpu_failure_kills']:.0f}, "
                  f"{f['backoff_failed']:.0f}")
@@ -142,15 +143,15 @@ def report(c: Comparison) -> str:
                  f"failures seen coming "
                  f"{f['failures_seen_coming']:.0f} of {f['failures']:.0f} (median warning {f['median_warning_h']:.2f} h), "
                  f"{f['false_alarms']:.0f} false alarms")
-    lines.append(f"completed: k8s-default {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
+    lines.append(f"completed: {base} {b['completed']:.0f}, fleetpilot {f['completed']:.0f}; never started "
                  f"{b['never_started']:.0f} / {f['never_started']:.0f}; max queue length {b['max_queue_length']:.0f} / "
                  f"{f['max_queue_length']:.0f}")
-    lines.append(f"confidence of first placements (predicted vs met, Brier): k8s-default "
+    lines.append(f"confidence of first placements (predicted vs met, Brier): {base} "
                  f"{b['confidence_predicted']:.3f} vs {b['confidence_observed']:.3f} ({b['confidence_brier']:.3f}), "
                  f"fleetpilot {f['confidence_predicted']:.3f} vs {f['confidence_observed']:.3f} "
                  f"({f['confidence_brier']:.3f})")
     verdict = c.targets()
-    lines.append("targets vs k8s-default: " + ", ".join(
+    lines.append(f"targets vs {base}: " + ", ".join(
         f"{name} {'met' if ok else 'MISSED'} ({_target_text(name, r[name])})" for name, ok in verdict.items()))
     if c.peaks_known is not None:
         k = c.ratios(c.peaks_known)
@@ -158,7 +159,7 @@ def report(c: Comparison) -> str:
                      f"{_target_text('mean_queue_s', k['mean_queue_s'])}, OOM events "
                      f"{c.peaks_known.figures['oom_events']:.0f} ({_target_text('oom_events', k['oom_events'])}), "
                      f"p95 queue {(k['p95_queue_s'] - 1) * 100:+.0f}%")
-    lines.append(f"wall time: k8s-default {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
+    lines.append(f"wall time: {base} {c.baseline.wall_s:.1f} s, fleetpilot {c.fleetpilot.wall_s:.1f} s; "
                  f"code {c.code or 'unknown'} on {describe_environment(c.environment) or 'an unnamed machine'}")
     return "\n".join(lines)
 
@@ -169,11 +170,11 @@ def _queue_by_work_lines(c: Comparison) -> list[str]:
     split = c.queue_by_work()
     if not (c.largest_load and c.largest_load.tasks and "rest" in split):
         return []
-    b, f = c.baseline.breakdown, c.fleetpilot.breakdown
-    return [f"  their mean queue: k8s-default {b['mean_queue_s_only_largest'] / 60:.1f} min, fleetpilot "
+    b, f, base = c.baseline.breakdown, c.fleetpilot.breakdown, c.baseline.mode
+    return [f"  their mean queue: {base} {b['mean_queue_s_only_largest'] / 60:.1f} min, fleetpilot "
             f"{f['mean_queue_s_only_largest'] / 60:.1f} min (ratio {split['only_largest']:.2f}); completed: "
-            f"k8s-default {b['completed_only_largest']:.0f}, fleetpilot {f['completed_only_largest']:.0f}",
-            f"  the other runs' mean queue: k8s-default {b['mean_queue_s_rest'] / 60:.1f} min, fleetpilot "
+            f"{base} {b['completed_only_largest']:.0f}, fleetpilot {f['completed_only_largest']:.0f}",
+            f"  the other runs' mean queue: {base} {b['mean_queue_s_rest'] / 60:.1f} min, fleetpilot "
             f"{f['mean_queue_s_rest'] / 60:.1f} min (ratio {split['rest']:.2f})"]
 
 

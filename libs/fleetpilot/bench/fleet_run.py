@@ -67,7 +67,8 @@ from .fleet_workload import BenchTask, Workload
 
 
 class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
-    """One mode (``k8s-default`` or ``fleetpilot``) playing a workload on a fresh simulated fleet."""
+    """One mode (``k8s-default``, ``kai-share`` or ``fleetpilot``) playing a workload on a fresh
+    simulated fleet."""
 
     def __init__(self, fleet: Fleet, workload: Workload, mode: str, seed: int, *, knows_peaks: bool = False,
                  queue_aging: float = 1.0, preempts: bool | None = None, vip_evicts_standard: bool = False) -> None:
@@ -75,12 +76,16 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
             raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
         if knows_peaks and mode != "fleetpilot":
             raise ValueError("only Fleetpilot's loop can be told each run's true peak")
-        if preempts and mode != "k8s-default":
-            raise ValueError("only the baseline plays kube-scheduler's DefaultPreemption")
+        if preempts and mode == "fleetpilot":
+            raise ValueError("only a baseline plays kube-scheduler's DefaultPreemption")
         if vip_evicts_standard and mode != "fleetpilot":
             raise ValueError("only Fleetpilot's vips may evict standard work its contract spares")
         self.fleet, self.workload, self.mode, self.seed = fleet, workload, mode, seed
         self.smart = mode == "fleetpilot"
+        # KAI-Scheduler's GPU sharing: a share holds its fraction of one GPU and the GPU memory
+        # it declared (plus its CUDA context), binpacked, with no isolation and no knowledge of
+        # how it grows; a whole-GPU pod is scheduled as under ``k8s-default``.
+        self.shares = mode == "kai-share"
         # An analysis, not a scheduler: each run asks for its true peak (``_reservation``), to
         # measure what no better memory prediction could add to the rest of the loop.
         self.knows_peaks = knows_peaks
@@ -92,7 +97,7 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
         self.vip_evicts_standard = vip_evicts_standard
         # The baseline's PriorityClasses preempt lower ones (``default_preemption``), unless told
         # they are non-preempting (``preemptionPolicy: Never``): priority orders the queue only.
-        self.preempts = mode == "k8s-default" if preempts is None else preempts
+        self.preempts = not self.smart if preempts is None else preempts
         # The simulator's noise stream is seeded from the workload seed in both runs.
         self.sim = SimulatedFleet(fleet, seed=seed, start_at=0.0)
         self.gpu_nodes = gpu_nodes = [n for n in fleet.nodes if n.gpus]
@@ -172,7 +177,9 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
         # A refusal's reason is read by no one here: not working it out keeps a run about 15%
         # shorter on openb (``Policy``'s ``explain``).
         if not self.smart:
-            return build_policy("k8s-default", seed=self.seed, explain=False)
+            # KAI's default placement strategy for GPUs is binpack: the reference simulator's
+            # GPU packing (a partly used GPU first, then the tightest), on shares it holds.
+            return build_policy("packing" if self.shares else "k8s-default", seed=self.seed, explain=False)
         if not seen:
             return build_policy("fleetpilot", seed=self.seed, explain=False)
         # As the policy service does: FGD's typical tasks at 95% coverage, and every shape
@@ -213,7 +220,7 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
                                role=ROLE_OF_KIND[t.kind], site=site)
         if not self.smart:
             return TaskRequest(task_id=t.task_id, kind=t.kind, gpus=t.gpus, gpu_milli=t.gpu_milli, cpu_milli=t.cpu_milli,
-                               memory_mb=t.memory_mb, gpu_models=t.gpu_models)
+                               memory_mb=t.memory_mb, gpu_models=t.gpu_models, gpu_memory_mb=self._declared_mb(job))
         peak = sigma = 0.0
         if job.prediction is not None:
             peak = float(job.prediction.predicted_peak_mb)
@@ -226,6 +233,12 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
                            gpu_memory_mb=reserve, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_models=models, tier=t.tier, role=ROLE_OF_KIND[t.kind],
                            predicted_peak_mb=peak, peak_sigma_mb=sigma, site=site)
+
+    def _declared_mb(self, job: Job) -> int:
+        """GPU memory a baseline holds per GPU: under ``kai-share`` what the task declared
+        plus its CUDA context (KAI's ``gpu-memory``), as Fleetpilot holds it for a task it
+        knows nothing of; none under ``k8s-default``, which knows no GPU memory."""
+        return int(job.task.request_mb + CONTEXT_MB) if self.shares else 0
 
     def _hold(self, job: Job, row: int, gpus: list[int]) -> int:
         """The reservation, but never more than the GPUs a bridged task sits on."""
@@ -472,7 +485,7 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
         hide = delays_any(hiding, job.task.task_id, self._remaining(job), now)
         for first, (bridge, req) in enumerate(requests):
             k = int(bridge)
-            demand = Demand.of(req, whole_gpus=not self.smart)
+            demand = Demand.of(req, whole_gpus=not (self.smart or self.shares))
             # A failure with the reservation hidden says nothing about a task that may use it.
             if any(demand.cannot_fit_after(f) for f, masked in failed if hide or not masked):
                 self._note_blocked(job, k)
@@ -588,10 +601,8 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
         # A waiting task's run begins after the pause it was given, and after that its restore
         # (a checkpointed one's curve plays it).
         delay = pause if job.state == "pending" else 0.0
-        reserve = self._hold(job, row, gpus) if self.smart else 0
+        reserve = self._hold(job, row, gpus) if self.smart else self._declared_mb(job)
         self.state.allocate(row, gpus, milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb, gpu_memory_mb=reserve)
-        if not self.smart:
-            self.holder_priority[row, gpus] = PRIORITY_CLASS.get(t.tier, 0)
         if job.state == "pending" and self.smart:
             self.waits.started(float(self.state.gpu_mem_total[row, gpus[0]]), now - job.queued_since)
         if job.state == "pending" and job.resume is not None:
@@ -637,15 +648,24 @@ class FleetRun(FleetPreemption, FleetMoves, FleetMemory, FleetFigures):
         self.sim.place(t.task_id, node, gpus, job.curve, util=t.util, start_s=max(now, self.sim.now_s) + delay)
         for g in gpus:
             self.on_gpu.setdefault((row, g), set()).add(t.task_id)
+        self._count_holders(row, gpus)
 
     def _stop(self, job: Job) -> None:
         t = job.task
         self.state.release(job.row, job.gpus, job.milli, cpu_milli=t.cpu_milli, memory_mb=t.memory_mb,
                            gpu_memory_mb=job.reserved_mb)
-        if not self.smart:
-            self.holder_priority[job.row, job.gpus] = NO_POD
         for g in job.gpus:
             self.on_gpu.get((job.row, g), set()).discard(t.task_id)
+        self._count_holders(job.row, job.gpus)
+
+    def _count_holders(self, row: int, gpus: list[int]) -> None:
+        """A baseline's ``holder_priority`` of these GPUs: the lowest priority of the pods on
+        each (``NO_POD`` for none), which its preemption looks for first."""
+        if self.smart:
+            return
+        for g in gpus:
+            self.holder_priority[row, g] = min((PRIORITY_CLASS.get(self.by_id[i].task.tier, 0)
+                                                for i in self.on_gpu.get((row, g), ())), default=NO_POD)
 
     def _take_off(self, job: Job) -> None:
         """Stop a task's process to move or checkpoint it; its run goes on where it is restored,

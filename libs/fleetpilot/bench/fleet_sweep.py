@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from .fleet_job import BASELINES
 from .fleet_report import TARGETS
 from .outputs import check_writable, describe_environment
 
@@ -64,6 +65,7 @@ class SweepRun:
     # The mean queue's ratio over the runs only the largest GPUs can hold and over the rest
     # (``Comparison.queue_by_work``; empty before it was kept).
     by_work: dict[str, float] = field(default_factory=dict)
+    baseline: str = "k8s-default"  # what Fleetpilot was measured against (the fleet benchmark's ``--baseline``)
 
     @classmethod
     def read(cls, path: Path) -> SweepRun:
@@ -74,7 +76,8 @@ class SweepRun:
                    oom_events=float(doc["fleetpilot"]["oom_events"]), largest_load=largest.get("load"),
                    code=str(doc.get("code_digest") or ""),
                    machine=describe_environment(doc.get("environment") or {}),
-                   known=(doc.get("peaks_known") or {}).get("ratio"), by_work=doc.get("queue_by_work") or {})
+                   known=(doc.get("peaks_known") or {}).get("ratio"), by_work=doc.get("queue_by_work") or {},
+                   baseline=str(doc.get("baseline", {}).get("policy") or "k8s-default"))
 
 
 def run_path(out: Path, fleet: str, seed: int) -> Path:
@@ -199,7 +202,8 @@ def summary(runs: dict[tuple[str, int], SweepRun], against: dict[tuple[str, int]
         if run is not None and run.known is not None:
             row += f"  | peaks known: {_change(run.known['mean_queue_s'])}"
         lines.append(row)
-    lines.append("(ratios Fleetpilot / k8s-default, as changes, and Fleetpilot's OOM events; * a missed target; "
+    baselines = " or ".join(sorted({r.baseline for r in (*runs.values(), *(against or {}).values())}))
+    lines.append(f"(ratios Fleetpilot / {baselines}, as changes, and Fleetpilot's OOM events; * a missed target; "
                  "largest: the load of the largest GPUs by the runs only they hold)")
     for fleet in sorted({k[0] for k in keys}, key=lambda f: FLEETS.index(f) if f in FLEETS else 9):
         for name, source in (("", runs), ("against ", against)):
@@ -311,6 +315,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the fleet benchmark's --peak-spread in every run (runs' peaks farther from their program's)")
     p.add_argument("--resumable-share", type=float, default=None,
                    help="the fleet benchmark's --resumable-share in every run (only that share of programs resume)")
+    p.add_argument("--baseline", choices=BASELINES, default=None,
+                   help="the fleet benchmark's --baseline in every run (default: k8s-default)")
     p.add_argument("--baseline-never-preempts", action="store_true",
                    help="the fleet benchmark's --baseline-never-preempts in every run (non-preempting PriorityClasses)")
     p.add_argument("--vip-evicts-standard", action="store_true",
@@ -357,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--arrivals", args.arrivals] if args.arrivals is not None else []),
                  *(["--queue-aging", repr(args.queue_aging)] if args.queue_aging is not None else []),
                  *(["--peaks-known"] if args.peaks_known else []),
+                 *(["--baseline", args.baseline] if args.baseline is not None else []),
                  *(["--baseline-never-preempts"] if args.baseline_never_preempts else []),
                  *(["--vip-evicts-standard"] if args.vip_evicts_standard else []),
                  *(["--estimate-spread", repr(args.estimate_spread)] if args.estimate_spread is not None else []),

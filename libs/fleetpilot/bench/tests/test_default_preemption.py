@@ -90,3 +90,27 @@ def test_no_node_when_even_every_lower_pod_gone_is_not_enough() -> None:
     fleet.run("vip", 0, (0,), VIP)
     fleet.run("be", 0, (1,), BEST_EFFORT)
     assert fleet.preempt_for(2, STANDARD) is None
+
+
+def test_where_pods_share_gpus_a_vip_share_evicts_only_the_lower_share_whose_going_leaves_it_room() -> None:
+    # KAI-Scheduler's GPU sharing: GPU 0 holds a best_effort share of 500 milli and 20 GB and a
+    # standard one of 250 milli and 10 GB; GPU 1 a standard whole-GPU pod. A vip share of 500
+    # milli and 16 GB gets in by evicting the best_effort share alone (the standard one stays).
+    fleet = Fleet(gpus=2)
+    for pod_id, gpu, milli, memory, priority in (("be", 0, 500, 20_000, BEST_EFFORT), ("std", 0, 250, 10_000, STANDARD),
+                                                 ("whole", 1, MILLI, 0, STANDARD)):
+        fleet.state.allocate(0, [gpu], milli, cpu_milli=1000, memory_mb=1024, gpu_memory_mb=memory)
+        fleet.holders[0, gpu] = min(fleet.holders[0, gpu], priority)
+        fleet.pods.setdefault(0, []).append(RunningPod(pod_id, priority, 0.0, (gpu,), 1000, 1024, milli=milli,
+                                                       gpu_memory_mb=memory))
+    share = TaskRequest(task_id="v", gpus=1, gpu_milli=500, gpu_memory_mb=16_000, cpu_milli=1000, memory_mb=1024)
+    plan = preempt(fleet.state, share, VIP, fleet.holders, lambda row: fleet.pods.get(row, []), shared=True)
+    assert plan is not None and victims(plan) == {"be"}
+    # The memory counts too: 32 GB is more than the best_effort share frees on GPU 0, so the
+    # vip takes GPU 1 from the whole-GPU pod; a standard share, which may evict only the
+    # best_effort one, gets nowhere.
+    roomy = TaskRequest(task_id="v", gpus=1, gpu_milli=500, gpu_memory_mb=32_000, cpu_milli=1000, memory_mb=1024)
+    plan = preempt(fleet.state, roomy, VIP, fleet.holders, lambda row: fleet.pods.get(row, []), shared=True)
+    assert plan is not None and victims(plan) == {"whole"}
+    assert preempt(fleet.state, roomy, STANDARD, fleet.holders, lambda row: fleet.pods.get(row, []),
+                   shared=True) is None

@@ -1327,3 +1327,35 @@ def test_making_way_and_making_room_share_the_cycle_s_two_rounds(monkeypatch: py
     run._schedule(600.0)
     assert (run.counts["made_way"], run.counts["made_room"]) == (2, 0)
     assert [j.state for j in run.jobs[3:]] == ["running", "running", "pending", "pending"]
+
+
+def test_the_sharing_baseline_puts_shares_on_one_gpu_by_their_declared_memory_where_k8s_default_gives_each_a_gpu():
+    # Two GPUs. A share leaking from 5 to 30 GB that declared 10, and a flat 15 GB share:
+    # k8s-default gives each a whole GPU (nothing dies); kai-share binpacks them on one GPU by
+    # what they declared (10 + 15 GB and their contexts), and the leak outgrows it.
+    tasks = (task(0, pattern="leak", peak=30_000.0, request=10_000.0, milli=500, duration=1800.0),
+             task(1, peak=15_000.0, milli=500, duration=1800.0))
+    whole = FleetRun(tiny_fleet(gpus=2), workload(*tasks), "k8s-default", seed=1)
+    shared = FleetRun(tiny_fleet(gpus=2), workload(*tasks), "kai-share", seed=1)
+    whole_result, shared_result = whole.run(), shared.run()
+    assert [j.gpus for j in whole.jobs] == [[0], [1]] and whole_result.figures["oom_events"] == 0
+    first_gpus = {t: [p.gpu for p in d.placement] for t, (d, _) in shared.first_placements.items()}
+    assert first_gpus["t0"] == first_gpus["t1"]
+    held = {t: [p.memory_mb for p in d.placement] for t, (d, _) in shared.first_placements.items()}
+    assert held == {"t0": [10_000 + CONTEXT_MB], "t1": [15_000 + CONTEXT_MB]}
+    assert shared_result.figures["oom_events"] >= 1 and shared.jobs[0].attempts >= 2  # the leak, started again
+
+
+def test_the_sharing_baseline_holds_what_a_share_declared_and_its_report_names_it() -> None:
+    # Four shares of 250 milli declaring 8 GB on one GPU: all four run at once (4 x (8 GB +
+    # context) fits 40 GB); under k8s-default three of them wait for the GPU.
+    tasks = tuple(task(i, peak=8_000.0, milli=250, duration=600.0) for i in range(4))
+    both = compare(tiny_fleet(), workload(*tasks), fleet_name="tiny", seed=1, baseline="kai-share")
+    assert both.baseline.mode == "kai-share" and both.baseline.figures["mean_queue_s"] == 0.0
+    assert both.to_json()["baseline"]["policy"] == "kai-share"
+    table = bench.report(both)
+    assert "targets vs kai-share:" in table and "k8s-default" not in table
+    header = next(line for line in table.splitlines() if line.startswith("figure"))
+    assert header.split() == ["figure", "kai-share", "fleetpilot", "ratio"]
+    whole = FleetRun(tiny_fleet(), workload(*tasks), "k8s-default", seed=1).run()
+    assert whole.figures["mean_queue_s"] > 0.0

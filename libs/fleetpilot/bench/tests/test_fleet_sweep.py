@@ -132,12 +132,15 @@ def test_a_sweep_runs_the_benchmark_in_processes_and_prints_the_table(tmp_path: 
     out = tmp_path / "sweep"
     assert main(["--out", str(out), "--fleet", "three-site", "--seeds", "3-4", "--tasks", "150", "--hours", "0.5",
                  "--arrivals", "generated", "--jobs", "2", "--estimate-spread", "0.5",
-                 "--peak-spread", "0.2"]) == 0
+                 "--peak-spread", "0.2", "--baseline", "kai-share"]) == 0
     assert sorted(p.name for p in out.glob("*.json")) == ["three-site-3.json", "three-site-4.json"]
     # The runs were given the sweep's settings.
-    described = json.loads((out / "three-site-3.json").read_text())["workload"]
+    written = json.loads((out / "three-site-3.json").read_text())
+    described = written["workload"]
     assert "sigma 0.5" in described and "within 20%" in described
+    assert written["baseline"]["policy"] == "kai-share"
     text = capsys.readouterr().out
+    assert "(ratios Fleetpilot / kai-share," in text
     assert sum(line.startswith("three-site ") for line in text.splitlines()) == 2
     assert "three-site: met utilisation" in text
     # Read again without running: the same table.
