@@ -45,6 +45,7 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.maintenance.eval
 	mkdir -p out
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --json out/fleet-three-site.json --plot-dir out/
+	$(BIN)/python -m fleetpilot.bench.fleet --fleet three-site --seed 7 --baseline kai-share --json out/fleet-three-site-kai-share.json
 	$(BIN)/python -m fleetpilot.bench.fleet --fleet openb --seed 7 --json out/fleet-openb.json --plot-dir out/
 	$(BIN)/python -m fleetpilot.bench.openb --seeds 42-51 --jobs 2 --plot out/openb.png --json out/openb.json
 
