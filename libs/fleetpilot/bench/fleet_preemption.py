@@ -1,4 +1,4 @@
-"""Preemption in the fleet benchmark: the baseline's ``DefaultPreemption`` and Fleetpilot's vip
+"""Preemption in the fleet benchmark: the baselines' ``DefaultPreemption`` and Fleetpilot's vip
 preemption."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from .fleet_job import Job
 
 
 class FleetPreemption:
-    """Preemption for a waiting task that found no node, in either mode: kube-scheduler's
-    ``DefaultPreemption`` for the baseline, the policy service's vip preemption for Fleetpilot
+    """Preemption for a waiting task that found no node, in every mode: kube-scheduler's
+    ``DefaultPreemption`` for the baselines, the policy service's vip preemption for Fleetpilot
     (``FleetRun`` mixes it in and holds the state it reads)."""
 
     def _preempt_for(self, job: Job, now: float) -> bool:
         """A preemption for a waiting task that found no node; whether it started.
 
-        The baseline plays kube-scheduler's ``DefaultPreemption`` (``default_preemption``):
-        the lower-priority pods it picks are evicted (each a failed attempt of its Job, which
+        A baseline plays kube-scheduler's ``DefaultPreemption`` (``default_preemption``; on
+        shared GPUs under ``kai-share``): the lower-priority pods it picks are evicted (each a failed attempt of its Job, which
         counts toward the backoff limit and starts again from scratch), and the pod starts
         there after their grace period (counted as its queue time). Fleetpilot plays its
         policy service's vip preemption (``_vip_preempts``)."""
