@@ -29,6 +29,7 @@ from fleetpilot.policy.preempt import (
     claim_of,
     claim_pending,
     decode_pending,
+    no_room_of,
     run_left_s,
     with_no_room,
 )
@@ -116,10 +117,11 @@ class RetryRound:
     leaving: set[str] = field(default_factory=set)
     # The decisions, in the order they were made.
     out: list[DecisionMade] = field(default_factory=list)
-    # What found no node this round (and whether the reservation was hidden from it): a task
-    # that needs no less is not tried again until the next round. A backlog of hundreds then
-    # costs a few decisions a round, not hundreds of claims and decisions.
-    failed: list[tuple[Demand, bool]] = field(default_factory=list)
+    # What found no node this round (whether the reservation was hidden from it, and whose
+    # request it was): a task that needs no less is not tried again until the next round. A
+    # backlog of hundreds then costs a few decisions a round, not hundreds of claims and
+    # decisions.
+    failed: list[tuple[Demand, bool, str]] = field(default_factory=list)
     # The tasks that found no place this round, skipped ones included: the reservation's
     # owner is chosen among them once the round is over.
     blocked: list[TaskAdmitted] = field(default_factory=list)
@@ -210,10 +212,11 @@ class RetryRound:
             hide = delays_any((ps.reservation, *ps.reservations_apart), adm.task.task_id, left, now())
             # A smooth grower is skipped only when its bridge (its ask) cannot fit either.
             demands = [Demand.of(r) for r in ps.requests(adm.task, w.requeue)]
-            if adm.contract.tier != "vip" and all(
-                any(d.cannot_fit_after(f) for f, masked in self.failed if hide or not masked) for d in demands
-            ):
+            like = [next((by for f, masked, by in self.failed if (hide or not masked) and d.cannot_fit_after(f)), None)
+                    for d in demands]
+            if adm.contract.tier != "vip" and None not in like:
                 self.blocked.append(adm)
+                await self._tell_skipped(w, like[0] or "")
                 continue  # a vip still gets its turn: it may preempt
             try:
                 claimed = await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)
@@ -224,7 +227,7 @@ class RetryRound:
                 decision, _, _ = await ps.place(adm, w.requeue)
                 if decision is None:
                     refused = True
-                    self.failed.extend((d, hide) for d in demands)
+                    self.failed.extend((d, hide, adm.task.task_id) for d in demands)
                     self.blocked.append(adm)
             except Retry:
                 decision = None
@@ -260,6 +263,23 @@ class RetryRound:
             # Its holds are reserved: the decision goes out either way (under the same id as
             # the new owner's, if that owner placed it too, so the stream keeps one).
             self.out.append(self.decided(decision))
+
+    async def _tell_skipped(self, w: Waiting, like: str) -> None:
+        """Tell a waiting task the round skipped what kept ``like`` off every node (its plain
+        request needs no less): without it, its entry kept the reason of its own latest try,
+        which may be its admission, long ago. At most every ``no_room_refresh_s``, and only
+        on an entry no replica holds; one written since it was read is left as it is."""
+        refusal = self.ps.refusals.get(like, "")
+        if not refusal or claim_of(w.entry.value) is not None:
+            return
+        told = no_room_of(w.value)
+        if told is not None and now() - told.at < self.settings.no_room_refresh_s:
+            return
+        try:
+            await self.queue.kv.update(w.entry.key, with_no_room(w.value, NoRoom(shortfall=refusal, at=now(), like=like)),
+                                       w.entry.revision)
+        except CasConflict:
+            pass  # claimed, placed or told since: its owner's word is newer
 
     def reservation_owner(self) -> TaskAdmitted | None:
         """The task the reservation goes to: the whole-GPU task first in the queue's order

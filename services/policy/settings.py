@@ -36,6 +36,9 @@ class PolicySettings(ServiceSettings):
     pending_retry_s: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     claim_timeout_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False, description="A pending entry claimed longer ago than this "
                                    "was left by a replica that died placing it: another replica takes it")
+    no_room_refresh_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False, description="A waiting task the retry "
+                                     "round skips (a task asking no more found no node) has what kept it off every "
+                                     "node told again at most this often: each telling is a write to its pending entry")
     # Before ``profile`` and the rules: they are checked against it (pydantic validates in order).
     plugin_dir: str = Field(default="", description="Directory of hot-reloaded policy modules ('' = none)")
     profile: str = "fleetpilot"

@@ -6,8 +6,9 @@ note says why it came back). For each: how long it has waited, whether a policy 
 placing it right now (the entry is claimed), and what kept it off every node at the policy's
 latest try (``preempt.NoRoom``: ``0 of N nodes: 16 lack free GPUs, ...``, as the policy
 counted it with the GPUs it keeps for a reserved task). Longest waiting first. The retry
-round tries again only what may fit since its last refusal, so that reason is as old as it
-says.
+round does not try a task when one asking no more found no node in the same round; such a
+task is told that task's reason instead (``NoRoom.like``), at most every
+``no_room_refresh_s``, so either reason is as old as it says.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def entry_row(key: str, value: bytes, at: float) -> dict[str, Any]:
         "queued_again": requeue.reason if requeue is not None else None,
         "no_room": no_room.shortfall if no_room is not None else None,
         "no_room_age_s": max(at - no_room.at, 0.0) if no_room is not None else None,
+        # Not tried itself: the task asking no more whose refusal it is (``NoRoom.like``).
+        "no_room_like": (no_room.like or None) if no_room is not None else None,
     }
 
 
@@ -128,7 +131,10 @@ def render(rows: list[dict[str, Any]], out) -> None:
         placing = "; a policy replica is placing it now" if r["placing"] else ""
         print(f"{r['task_id']} ({r['tenant'] or 'no tenant'}, {r['tier']}, {ask}): waiting {_duration(r['waiting_s'])}, "
               f"{how}{placing}", file=out)
-        if r["no_room"] is not None:
+        if r["no_room"] is not None and r.get("no_room_like"):
+            print(f"  no room at the latest look, {_duration(r['no_room_age_s'])} ago (not tried: {r['no_room_like']}, "
+                  f"which asks no more, found none): {r['no_room']}", file=out)
+        elif r["no_room"] is not None:
             print(f"  no room at the latest try, {_duration(r['no_room_age_s'])} ago: {r['no_room']}", file=out)
         else:
             print("  no refusal recorded since it was queued", file=out)

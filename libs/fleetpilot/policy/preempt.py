@@ -313,10 +313,16 @@ def run_left_s(adm: TaskAdmitted, progress_s: float = 0.0) -> float | None:
 class NoRoom(msgspec.Struct, frozen=True, kw_only=True):
     """What kept a queued task off every node at its latest try (``at``): the policy's
     ``shortfall`` for its plain request (``PolicyDecision.shortfall``). Kept in its ``pending``
-    entry, as ``requeue`` is, for whoever asks what it waits for (``fleetpilot queue``)."""
+    entry, as ``requeue`` is, for whoever asks what it waits for (``fleetpilot queue``).
+
+    ``like``: the task was not tried itself, because ``like``, which asks no more of anything
+    and accepts every model it does (``backfill.Demand.cannot_fit_after``), found no node in
+    the same round; ``shortfall`` is that task's, and every node it names lacks at least as
+    much for this one."""
 
     shortfall: str
     at: float
+    like: str = ""
 
 
 class _Envelope(msgspec.Struct):

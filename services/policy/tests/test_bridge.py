@@ -497,3 +497,41 @@ async def test_the_retry_round_keeps_what_kept_a_waiting_task_off_every_node_in_
     assert later is not None and later.shortfall == "0 of 1 nodes: 1 lack free GPU memory" and later.at > first.at
     [queued] = observer.by_task()["wait"]  # one decision: the entry, not a new queue decision, says it
     assert queued.reason == "no node has room now (0 of 1 nodes: 1 lack free GPUs); queued until capacity frees"
+
+
+@pytest.mark.parametrize("refresh_s", [0.5, 3600.0])
+async def test_a_waiting_task_the_retry_round_skips_is_told_why_the_task_asking_no_more_found_no_node(
+    observer, nats_url, tmp_path, refresh_s
+):
+    # One GPU, held. "small" (one GPU) waits first in the queue's order, "wide" (two) behind
+    # it: once "small" finds no node in a round, "wide" needs no less and is not tried. Its
+    # entry kept the reason of its admission; now it is told "small"'s, at most every
+    # `no_room_refresh_s`.
+    await observer.put_fleet([node("big", gpus=1)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2, no_room_refresh_s=refresh_s))
+    await policy.start()
+    pending = await observer.js.key_value("pending")
+
+    async def no_room() -> NoRoom | None:
+        value = (await pending.get(node_key("wide"))).value
+        claimed = claim_of(value)  # a retry round may hold it as it was read
+        return no_room_of(claimed[1] if claimed is not None else value)
+
+    try:
+        await observer.admit(task("small"))
+        await wait_for(lambda: "small" in observer.by_task(), timeout_s=3.0, what="small queued")
+        await observer.admit(admitted("wide", gpus=2, gpu_milli=1000, gpu_memory_mb=ASK_MB))
+        await wait_for(lambda: "wide" in observer.by_task(), timeout_s=3.0, what="wide queued")
+        first = await no_room()
+        deadline = asyncio.get_running_loop().time() + (3.0 if refresh_s < 1 else 1.2)
+        while ((later := await no_room()) is None or not later.like) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+    finally:
+        await policy.stop()
+    assert first is not None and first.like == "" and first.shortfall == "0 of 1 nodes: 1 lack free GPUs"
+    if refresh_s < 1:
+        assert later is not None and later.like == "small" and later.at > first.at
+        assert later.shortfall == "0 of 1 nodes: 1 lack free GPUs"  # small's, as the policy counted it
+    else:
+        assert later == first  # told at admission, under the refresh period: left as it was

@@ -35,7 +35,9 @@ async def test_the_waiting_tasks_longest_first_with_what_kept_them_off_every_nod
     note = Requeue(decision_id="ckpt.assign.2", reason="checkpoint: predicted OOM in place", at=time.time() - 90)
     await kv.put("ckpt", claim_pending(encode_pending(admission("ckpt", 4000, tier="best_effort", gpu_milli=500), note),
                                        time.time()))
-    await kv.put("fresh", encode_pending(admission("fresh", 5)))
+    # Not tried by the latest round: "big", which asks no more, found no node in it.
+    like_big = NoRoom(shortfall=refused.shortfall, at=time.time() - 3, like="big")
+    await kv.put("fresh", with_no_room(encode_pending(admission("fresh", 5)), like_big))
     await kv.put("junk", b"{not json")
     await kv.put("gone", encode_pending(admission("gone", 9000)))
     await kv.delete("gone")  # placed: its entry deleted
@@ -50,12 +52,15 @@ async def test_the_waiting_tasks_longest_first_with_what_kept_them_off_every_nod
                         "predicted OOM in place; a policy replica is placing it now")
     assert lines[4] == "  no refusal recorded since it was queued"
     assert lines[5].startswith("fresh (acme, standard, 1 GPU): waiting 5 s")
+    assert lines[6] == ("  no room at the latest look, 3 s ago (not tried: big, which asks no more, found none): "
+                        "0 of 3 nodes: 2 lack free GPUs, 1 lack free GPU memory")
     assert lines[7].startswith("junk: unreadable entry:")
 
     rows = json.loads(await asyncio.to_thread(show, nats_url, as_json=True))["waiting"]
     assert [r.get("task_id", r.get("key")) for r in rows] == ["big", "ckpt", "fresh", "junk"]
     assert rows[0]["no_room"] == refused.shortfall and 19 <= rows[0]["no_room_age_s"] <= 30
     assert rows[1]["placing"] and rows[1]["queued_again"] == note.reason
+    assert (rows[0]["no_room_like"], rows[2]["no_room_like"]) == (None, "big")
 
 
 async def test_an_empty_queue_and_a_fleet_with_no_queue_yet_say_so(nats_client, nats_url):
