@@ -62,6 +62,13 @@ def task(task_id: str):
     return admitted(task_id, gpu_milli=1000, gpu_memory_mb=ASK_MB)
 
 
+async def told_no_room(pending, task_id: str) -> NoRoom | None:
+    """What ``task_id``'s pending entry says kept it off every node."""
+    value = (await pending.get(node_key(task_id))).value
+    claimed = claim_of(value)  # a retry round may hold it as it was read
+    return no_room_of(claimed[1] if claimed is not None else value)
+
+
 async def test_a_leaking_task_starts_on_its_ask_where_a_flat_one_of_the_same_peak_waits(
     observer, nats_url, tmp_path
 ):
@@ -477,9 +484,7 @@ async def test_the_retry_round_keeps_what_kept_a_waiting_task_off_every_node_in_
     pending = await observer.js.key_value("pending")
 
     async def no_room() -> NoRoom | None:
-        value = (await pending.get(node_key("wait"))).value
-        claimed = claim_of(value)  # a retry round may hold it as it was read
-        return no_room_of(claimed[1] if claimed is not None else value)
+        return await told_no_room(pending, "wait")
 
     try:
         await observer.admit(task("wait"))
@@ -514,9 +519,7 @@ async def test_a_waiting_task_the_retry_round_skips_is_told_why_the_task_asking_
     pending = await observer.js.key_value("pending")
 
     async def no_room() -> NoRoom | None:
-        value = (await pending.get(node_key("wide"))).value
-        claimed = claim_of(value)  # a retry round may hold it as it was read
-        return no_room_of(claimed[1] if claimed is not None else value)
+        return await told_no_room(pending, "wide")
 
     try:
         await observer.admit(task("small"))
