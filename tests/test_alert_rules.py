@@ -71,7 +71,8 @@ def test_alert_names_are_unique_and_cover_what_operators_watch():
     watched = " ".join(rule["expr"] for rule in RULE_LIST)
     for metric in ("fleetpilot_topology_nodes", "fleetpilot_policy_breaker_open", "fleetpilot_dead_letters_total",
                    "fleetpilot_bus_connected", "fleetpilot_fingerprinter_partition",
-                   "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total"):
+                   "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total",
+                   "fleetpilot_policy_oldest_wait_seconds"):
         assert metric in watched
 
 

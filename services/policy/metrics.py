@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import get_args
 
 from fleetpilot.contracts import DecisionMade
+from fleetpilot.contracts.task import SlaTier
 from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger("fleetpilot.policy")
@@ -52,6 +55,18 @@ class PolicyMetrics:
             "fleetpilot_policy_breaker_trips_total", "Times the policy's breaker opened, by the outcome that opened it",
             ["policy", "outcome"], registry=registry,
         )
+        # Every replica reads the whole queue: across replicas, take the max, not the sum.
+        self.waiting_tasks = Gauge(
+            "fleetpilot_policy_waiting_tasks",
+            "Tasks waiting for a place (the pending bucket, as `fleetpilot queue` lists it), by tier; every "
+            "replica reports the whole queue",
+            ["tier"], registry=registry,
+        )
+        self.oldest_wait = Gauge(
+            "fleetpilot_policy_oldest_wait_seconds",
+            "How long the task waiting longest has waited, since its admission or its requeue (0: none waits)",
+            registry=registry,
+        )
 
     def swapped(self, kind: str, seconds: float, generation: int) -> None:
         """Record one swap."""
@@ -69,6 +84,13 @@ class PolicyMetrics:
                         policy, outcome.replace("_", " "))
         else:
             log.warning("policy %s: breaker closed; it decides again", policy)
+
+    def waiting(self, tiers: Mapping[str, int], since: float | None, at: float) -> None:
+        """The queue as a retry round found it: tasks per tier, and the longest wait (from
+        ``since``, the earliest admission or requeue among them, to ``at``)."""
+        for tier in get_args(SlaTier):
+            self.waiting_tasks.labels(tier).set(tiers.get(tier, 0))
+        self.oldest_wait.set(max(at - since, 0.0) if since is not None else 0.0)
 
     def decided(self, d: DecisionMade) -> DecisionMade:
         """Count a decision on its way out."""

@@ -16,6 +16,7 @@ its holds are reserved and its entries gone.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
@@ -127,6 +128,11 @@ class RetryRound:
     blocked: list[TaskAdmitted] = field(default_factory=list)
     # How far the waiting tasks restored from a checkpoint had got (``Requeue.progress_s``).
     progress: dict[str, float] = field(default_factory=dict)
+    # Every task the bucket holds, this round's or not (claimed by a replica placing it, leaving
+    # a node): how many per tier, and since when the longest has waited (what an operator
+    # watches, ``PolicyMetrics.waiting``; the tasks ``fleetpilot queue`` lists).
+    tiers: Counter[str] = field(default_factory=Counter)
+    waiting_since: float | None = None
 
     async def collect(self) -> None:
         """Read every entry; keep those this round may place, in the queue's order."""
@@ -139,6 +145,7 @@ class RetryRound:
             if claim is not None:
                 at, value = claim
                 if not value or now() - at < settings.claim_timeout_s:
+                    self._count(value)
                     continue  # a replica is placing it (or a claim of old left nothing to place)
                 # Its replica died, or lost the bus, while placing it: the entry is ours.
                 log.warning("%s: claimed %.0f s ago and never decided; taken over", key, now() - at)
@@ -179,11 +186,26 @@ class RetryRound:
                 if requeue.for_task:
                     self.evicting.add(requeue.for_task)
                 self.leaving.add(adm.task.task_id)
+                self._counted(adm, requeue)
                 continue
+            self._counted(adm, requeue)
             self.waiting.append(Waiting(adm, requeue, entry, value))
             if requeue is not None and requeue.progress_s > 0:
                 self.progress[adm.task.task_id] = requeue.progress_s
         self.waiting.sort(key=lambda w: self.position(w.adm))
+
+    def _count(self, value: bytes) -> None:
+        """Count a task a replica is placing now, if its entry reads (``tiers``)."""
+        try:
+            self._counted(*decode_pending(value))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass  # nothing to place, or unreadable: its replica says so
+
+    def _counted(self, adm: TaskAdmitted, requeue: Requeue | None) -> None:
+        """Count a waiting task in ``tiers`` and ``waiting_since`` (since its requeue, if any)."""
+        since = requeue.at if requeue is not None and requeue.at > 0 else adm.admitted_at
+        self.tiers[adm.contract.tier] += 1
+        self.waiting_since = since if self.waiting_since is None else min(self.waiting_since, since)
 
     def position(self, adm: TaskAdmitted) -> tuple[int, float, float]:
         """Where a waiting task stands (``queue_position``), by the run it has left."""

@@ -379,6 +379,7 @@ def build(settings: PolicySettings | None = None) -> ServiceHost:
         ps = state()
         round_ = RetryRound(ps, ps.queue, settings, outgoing)
         await round_.collect()
+        metrics.waiting(round_.tiers, round_.waiting_since, now())
         try:
             await round_.place()
         except Exception:  # noqa: BLE001 - the bus lost mid-round

@@ -538,3 +538,31 @@ async def test_a_waiting_task_the_retry_round_skips_is_told_why_the_task_asking_
         assert later.shortfall == "0 of 1 nodes: 1 lack free GPUs"  # small's, as the policy counted it
     else:
         assert later == first  # told at admission, under the refresh period: left as it was
+
+
+async def test_the_retry_round_reports_how_many_tasks_wait_by_tier_and_the_longest_wait(observer, nats_url, tmp_path):
+    # One GPU, held: "small" (standard, one GPU) and "wide" (vip, two) wait. Once the GPU is
+    # given back, "small" is placed; "wide" still waits (the node has one GPU).
+    await observer.put_fleet([node("big", gpus=1)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
+    await policy.start()
+    registry = policy.metrics.registry
+
+    def waiting() -> tuple[float | None, ...]:
+        return (*(registry.get_sample_value("fleetpilot_policy_waiting_tasks", {"tier": t})
+                  for t in ("vip", "standard", "best_effort")),)
+
+    try:
+        await observer.admit(task("small"))
+        wide = admitted("wide", gpus=2, gpu_milli=1000, gpu_memory_mb=ASK_MB)
+        await observer.admit(msgspec.structs.replace(wide, contract=msgspec.structs.replace(wide.contract, tier="vip")))
+        await wait_for(lambda: waiting() == (1.0, 1.0, 0.0), timeout_s=3.0, what="both counted")
+        await asyncio.sleep(0.5)
+        oldest = registry.get_sample_value("fleetpilot_policy_oldest_wait_seconds")
+        await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[])))
+        await wait_for(lambda: waiting() == (1.0, 0.0, 0.0), timeout_s=3.0, what="small placed")
+    finally:
+        await policy.stop()
+    assert oldest is not None and 0.5 <= oldest < 10.0
+    assert "small" in {d.task_id for d in observer.by_task()["small"] if d.action == "assign"}
