@@ -238,7 +238,7 @@ class RetryRound:
                     for d in demands]
             if adm.contract.tier != "vip" and None not in like:
                 self.blocked.append(adm)
-                await self._tell_skipped(w, like[0] or "")
+                await self._tell_skipped(w, next((by for by in like if by), ""))
                 continue  # a vip still gets its turn: it may preempt
             try:
                 claimed = await pending.update(w.entry.key, claim_pending(w.value, now()), w.entry.revision)
