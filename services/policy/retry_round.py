@@ -32,6 +32,7 @@ from fleetpilot.policy.preempt import (
     decode_pending,
     no_room_of,
     run_left_s,
+    waiting_since,
     with_no_room,
 )
 from fleetpilot.policy.state import MILLI
@@ -203,7 +204,7 @@ class RetryRound:
 
     def _counted(self, adm: TaskAdmitted, requeue: Requeue | None) -> None:
         """Count a waiting task in ``tiers`` and ``waiting_since`` (since its requeue, if any)."""
-        since = requeue.at if requeue is not None and requeue.at > 0 else adm.admitted_at
+        since = waiting_since(adm, requeue)
         self.tiers[adm.contract.tier] += 1
         self.waiting_since = since if self.waiting_since is None else min(self.waiting_since, since)
 

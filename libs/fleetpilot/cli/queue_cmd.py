@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from fleetpilot.policy.preempt import claim_of, decode_pending, no_room_of
+from fleetpilot.policy.preempt import claim_of, decode_pending, no_room_of, waiting_since
 from fleetpilot.runtime.nats_bus import bucket_subject_keys
 
 from . import event_loop
@@ -52,7 +52,7 @@ def entry_row(key: str, value: bytes, at: float) -> dict[str, Any]:
         no_room = no_room_of(value)
     except msgspec.DecodeError as exc:  # ValidationError is one
         return {"key": key, "placing": placing, "error": f"unreadable entry: {exc}"}
-    since = requeue.at if requeue is not None and requeue.at > 0 else adm.admitted_at
+    since = waiting_since(adm, requeue)
     task = adm.task
     return {
         "task_id": task.task_id,

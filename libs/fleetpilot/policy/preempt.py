@@ -350,6 +350,12 @@ def decode_pending(raw: bytes) -> tuple[TaskAdmitted, Requeue | None]:
     return _ADMITTED.decode(raw), _ENVELOPE.decode(raw).requeue
 
 
+def waiting_since(adm: TaskAdmitted, requeue: Requeue | None) -> float:
+    """When a ``pending`` entry's task began its wait: its requeue (evicted, checkpointed or
+    failed), else its admission."""
+    return requeue.at if requeue is not None and requeue.at > 0 else adm.admitted_at
+
+
 def with_no_room(raw: bytes, no_room: NoRoom) -> bytes:
     """The ``pending`` value ``raw`` (unclaimed) telling ``no_room`` instead of what it told
     before; the admission and its ``requeue`` note stay as they are. A refusal that says

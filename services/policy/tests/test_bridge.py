@@ -62,6 +62,16 @@ def task(task_id: str):
     return admitted(task_id, gpu_milli=1000, gpu_memory_mb=ASK_MB)
 
 
+async def started_on_one_held_gpu(observer, nats_url, tmp_path, **overrides):
+    """A policy replica retrying its queue every 0.2 s, on a fleet of one node whose one GPU
+    is held; started."""
+    await observer.put_fleet([node("big", gpus=1)])
+    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
+    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2, **overrides))
+    await policy.start()
+    return policy
+
+
 async def told_no_room(pending, task_id: str) -> NoRoom | None:
     """What ``task_id``'s pending entry says kept it off every node."""
     value = (await pending.get(node_key(task_id))).value
@@ -477,10 +487,7 @@ async def test_a_run_outgrowing_the_largest_gpu_it_accepts_is_not_checkpointed_t
 async def test_the_retry_round_keeps_what_kept_a_waiting_task_off_every_node_in_its_queue_entry(
     observer, nats_url, tmp_path
 ):
-    await observer.put_fleet([node("big", gpus=1)])
-    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
-    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
-    await policy.start()
+    policy = await started_on_one_held_gpu(observer, nats_url, tmp_path)
     pending = await observer.js.key_value("pending")
 
     async def no_room() -> NoRoom | None:
@@ -512,10 +519,7 @@ async def test_a_waiting_task_the_retry_round_skips_is_told_why_the_task_asking_
     # it: once "small" finds no node in a round, "wide" needs no less and is not tried. Its
     # entry kept the reason of its admission; now it is told "small"'s, at most every
     # `no_room_refresh_s`.
-    await observer.put_fleet([node("big", gpus=1)])
-    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
-    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2, no_room_refresh_s=refresh_s))
-    await policy.start()
+    policy = await started_on_one_held_gpu(observer, nats_url, tmp_path, no_room_refresh_s=refresh_s)
     pending = await observer.js.key_value("pending")
 
     async def no_room() -> NoRoom | None:
@@ -543,10 +547,7 @@ async def test_a_waiting_task_the_retry_round_skips_is_told_why_the_task_asking_
 async def test_the_retry_round_reports_how_many_tasks_wait_by_tier_and_the_longest_wait(observer, nats_url, tmp_path):
     # One GPU, held: "small" (standard, one GPU) and "wide" (vip, two) wait. Once the GPU is
     # given back, "small" is placed; "wide" still waits (the node has one GPU).
-    await observer.put_fleet([node("big", gpus=1)])
-    await observer.kv_put("ledger", "big", encode(NodeLedger(node="big", allocations=[blocker("held")])))
-    policy = build(settings(nats_url, tmp_path, pending_retry_s=0.2))
-    await policy.start()
+    policy = await started_on_one_held_gpu(observer, nats_url, tmp_path)
     registry = policy.metrics.registry
 
     def waiting() -> tuple[float | None, ...]:
