@@ -17,7 +17,8 @@ rules of ``fleetpilot.feedback.outcomes``:
 
 Records go to the store (SQLite by default, PostgreSQL when ``store_dsn`` is a
 ``postgresql://`` URL), then out as ``feedback.recorded``. Statistics are served on the
-``feedback.stats`` request/reply endpoint, which the policy's fallback reads.
+``feedback.stats`` request/reply endpoint, which the policy's fallback reads, and each
+stored record is counted on ``/metrics`` (``metrics.FeedbackMetrics``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ from fleetpilot.runtime import (
 )
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
+
+from .metrics import FeedbackMetrics
 
 log = logging.getLogger("fleetpilot.feedback")
 
@@ -130,6 +133,7 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
     """Wire the feedback service."""
     settings = settings or FeedbackSettings.from_environment()
     host = ServiceHost("feedback", settings)
+    metrics = FeedbackMetrics(host.metrics.registry)
     parts: dict = {}
 
     async def open_parts(bus: Bus) -> None:
@@ -154,7 +158,10 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
             # key, a number that would not read back): no redelivery can change that, so it
             # is dead-lettered at once with the store's reason instead of retried.
             raise Reject(str(error)) from None
-        return event if stored else None  # a redelivery is stored once and announced once
+        if not stored:
+            return None  # a redelivery is stored once, counted once and announced once
+        metrics.stored(event)
+        return event
 
     async def judge(result: ActionExecuted | ActionFailed,
                     ending: TaskLifecycle | None = None) -> FeedbackRecorded | None:
@@ -168,10 +175,13 @@ def build(settings: FeedbackSettings | None = None) -> ServiceHost:
         the record as amended, ``None`` when it had them already (or none is stored)."""
         latency = Measured(value=action.latency_ms, uncertainty_score=EXECUTOR_LATENCY_UNCERTAINTY)
         try:
-            return await parts["store"].amend_late_result(action.action_id, latency,
-                                                          resource_saving_of(action, "success"))
+            amended = await parts["store"].amend_late_result(action.action_id, latency,
+                                                             resource_saving_of(action, "success"))
         except ValueError as error:
             raise Reject(str(error)) from None  # a latency no store can keep: no redelivery helps
+        if amended is not None:
+            metrics.measured(amended)
+        return amended
 
     async def open_placement(action: ActionExecuted, delivery: Delivery) -> FeedbackRecorded | None:
         """Keep an executed placement until its end is known (or judge it, if it came first)."""

@@ -104,6 +104,18 @@ def ended(decision_id: str, state: str, policy: str, task_kind: str = "train", *
     )
 
 
+def samples(host, name: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """The values of the series ``name`` the host serves, summed by the values of ``labels``,
+    leaving out the ones never incremented."""
+    out: dict[tuple[str, ...], float] = {}
+    for family in host.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and sample.value:
+                key = tuple(sample.labels[label] for label in labels)
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 @pytest.fixture
 async def announced(nats_client) -> list[FeedbackRecorded]:
     """Every ``feedback.recorded`` published, in order. A core subscription sees every
@@ -170,6 +182,15 @@ async def test_every_action_gets_exactly_one_feedback_record(feedback_settings, 
     }
     assert kinds == {("best-fit@1", "train"): 2, ("best-fit@1", "infer"): 1, ("fgd@1", "train"): 1}
 
+    # The service's series count each stored record once: the failure delivered twice and
+    # the end delivered again add nothing. (An end handled before its result files its record
+    # under the action the lifecycle names, which these ends do not: summed over actions.)
+    assert samples(host, "fleetpilot_feedback_records_total", "policy", "outcome") == {
+        ("fgd", "failure"): 1, ("best-fit", "success"): 2, ("best-fit", "oom"): 1,
+    }
+    assert samples(host, "fleetpilot_feedback_expected_successes_total", "policy") == pytest.approx(
+        {("fgd",): 0.6, ("best-fit",): 0.7 * 3})
+
 
 async def test_an_assign_is_judged_by_the_end_of_its_task_even_when_the_end_comes_first(
     feedback_settings, nats_client
@@ -218,6 +239,10 @@ async def test_a_result_that_comes_after_its_end_was_judged_gives_the_record_its
     [group] = decode(reply.data, FeedbackStats).groups
     assert (group.count, group.measured, group.p95_latency_ms) == (1, 1, 12.0)
     assert [(f.action_id, f.latency_ms.uncertainty_score) for f in announced] == [("act-d7", 1.0)]
+    # Counted when judged; its latency observed once the late result brought it.
+    assert samples(host, "fleetpilot_feedback_records_total", "action", "policy", "outcome") == {
+        ("unknown", "fgd", "failure"): 1}
+    assert samples(host, "fleetpilot_feedback_action_latency_seconds_sum") == {(): pytest.approx(0.012)}
 
 
 async def test_a_late_result_of_a_shared_gpu_success_gives_the_record_the_memory_it_left_free(
@@ -285,6 +310,8 @@ async def test_a_late_result_delivered_again_gives_its_latency_once(feedback_set
     finally:
         await host.stop()
     assert [a is not None for a in amended] == [True, False]
+    # Observed at most once (the handling whose reply was lost could not count it).
+    assert sum(samples(host, "fleetpilot_feedback_action_latency_seconds_count").values()) <= 1
     assert (group.count, group.measured, group.weighted_mean_latency_ms) == (1, 1, 12.0)
 
 
