@@ -22,6 +22,7 @@ from fleetpilot_services.learner.service import LearnerSettings
 from fleetpilot_services.learner.service import build as build_learner
 from fleetpilot_services.policy.learned import LearnedConfidence
 from fleetpilot_services.policy.metrics import PolicyMetrics
+from fleetpilot_services.sla.metrics import SlaMetrics
 from fleetpilot_services.topology.service import TopologySettings
 from fleetpilot_services.topology.service import build as build_topology
 from prometheus_client import CollectorRegistry
@@ -46,6 +47,7 @@ def served() -> dict[str, frozenset[str]]:
     PolicyMetrics(registries[1])
     LearnedConfidence(None, registries[1])
     NvmlWatchdog(1.0, registries[1])
+    SlaMetrics(registries[1])
     out: dict[str, frozenset[str]] = {}
     for registry in registries:
         # The collectors themselves: a labelled series shows no sample before its first use.
@@ -143,10 +145,11 @@ def test_the_dashboard_reads_its_chosen_prometheus_and_tiles_its_panels():
         assert all(t["datasource"] == panel["datasource"] for t in panel["targets"])
 
 
-def test_the_dashboard_shows_the_loop_the_queue_and_the_services():
+def test_the_dashboard_shows_admission_the_loop_the_queue_and_the_services():
     shown = " ".join(target["expr"] for _, target in TARGETS)
     for metric in ("fleetpilot_policy_decisions_total", "fleetpilot_feedback_records_total",
                    "fleetpilot_feedback_expected_successes_total", "fleetpilot_feedback_action_latency_seconds",
                    "fleetpilot_policy_waiting_tasks", "fleetpilot_policy_oldest_wait_seconds",
-                   "fleetpilot_topology_nodes", "fleetpilot_bus_connected", "fleetpilot_dead_letters_total"):
+                   "fleetpilot_topology_nodes", "fleetpilot_bus_connected", "fleetpilot_dead_letters_total",
+                   "fleetpilot_sla_answers_total", "fleetpilot_sla_offers_closed_total"):
         assert metric in shown

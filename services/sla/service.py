@@ -75,10 +75,11 @@ from fleetpilot.sla.snapshot import (
     fleet_view,
     offers_hold_until,
 )
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from .metrics import SlaMetrics
 from .store import ContractStore, OfferRecord
 
 log = logging.getLogger("fleetpilot.sla")
@@ -291,8 +292,9 @@ class Negotiator:
     """One replica's live inputs (fleet, ledger, contracts, bandwidth) and the decisions on them."""
 
     def __init__(self, bus: Bus, settings: SlaSettings, clock: Clock, topology: TopologyView,
-                 ledger: LedgerStore, store: ContractStore) -> None:
+                 ledger: LedgerStore, store: ContractStore, metrics: SlaMetrics | None = None) -> None:
         self.bus, self.settings, self.clock = bus, settings, clock
+        self.metrics = metrics or SlaMetrics(CollectorRegistry())
         self.topology, self.ledger, self.store = topology, ledger, store
         self.bandwidth: dict[tuple[str, str], float] = {}
         self.knobs = SnapshotKnobs(reserve_fraction=settings.reserve_fraction,
@@ -410,7 +412,9 @@ class Negotiator:
                 return None  # its admission went out before the task could run
             # Stamped now: a second resubmission gets an answer of its own, not one the
             # stream's duplicate window drops.
-            return msgspec.structs.replace(ended.rejection, rejected_at=self.clock())
+            spent = msgspec.structs.replace(ended.rejection, rejected_at=self.clock())
+            self.metrics.answered(task, spent)
+            return spent
         existing = await self.store.offer(task.task_id)
         if existing is not None:
             record, revision = existing
@@ -437,6 +441,7 @@ class Negotiator:
             record = await self.store.open_offer(OfferRecord(offer=answer, task=task),
                                                  replacing=existing[1] if existing is not None else None)
             answer = record.offer if record.state == "open" else record.outcome  # type: ignore[assignment]
+        self.metrics.answered(task, answer)
         return answer
 
     async def replied(self, reply: SlaReply, tenant: str | None, stored_at: float | None = None
@@ -466,6 +471,7 @@ class Negotiator:
                                                  revision)
                 except CasConflict:
                     continue  # another replica closed it (or it expired): read its answer
+                self.metrics.offer_closed(state)
             if isinstance(outcome, TaskAdmitted):
                 await self.store.record_admission(outcome)
             return outcome
@@ -500,6 +506,7 @@ class Negotiator:
                                              revision)
             except CasConflict:
                 continue  # answered or expired by another replica meanwhile
+            self.metrics.offer_closed("expired")
             out.append(outcome)
         return out
 
@@ -539,16 +546,15 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     validity; tests inject one to move through key rotation."""
     settings = settings or SlaSettings.from_environment()
     host = ServiceHost("sla", settings)
-    refused = Counter("fleetpilot_sla_unauthenticated_total", "Submissions and replies rejected for their token",
-                      ["reason"], registry=host.metrics.registry)
-    gate = Gate(settings, clock, refused)
+    metrics = SlaMetrics(host.metrics.registry)
+    gate = Gate(settings, clock, metrics.unauthenticated)
     holder: dict[str, Negotiator] = {}
 
     async def open_state(bus: Bus) -> None:
         topology = await TopologyView.open(bus)
         ledger = await LedgerStore.open(bus)
         store = await ContractStore.open(bus)
-        holder["n"] = Negotiator(bus, settings, clock, topology, ledger, store)
+        holder["n"] = Negotiator(bus, settings, clock, topology, ledger, store, metrics)
         host.background(topology.follow, "topology-watch")
         host.background(ledger.follow, "ledger-watch")
         host.background(store.follow, "contracts-watch")
@@ -580,6 +586,7 @@ def build(settings: SlaSettings | None = None, *, clock: Clock = time.time) -> S
     async def on_submitted(task: TaskSubmitted, delivery: Delivery) -> Event | None:
         checked = verified(task, delivery)
         if isinstance(checked, TaskRejected):
+            metrics.answered(task, checked)
             return checked
         if not await fleet_reported(checked):
             raise Retry(f"no node has reported in {settings.fleet_wait_s:g} s", 1.0)

@@ -168,6 +168,17 @@ class Rig:
         return self.sla.metrics.registry.get_sample_value("fleetpilot_sla_unauthenticated_total",
                                                           {"reason": reason}) or 0.0
 
+    def answers(self) -> dict[tuple[str, str, str], float]:
+        """``fleetpilot_sla_answers_total`` as the service serves it: (answer, tier, code) → count."""
+        return {(s.labels["answer"], s.labels["tier"], s.labels["code"]): s.value
+                for family in self.sla.metrics.registry.collect() for s in family.samples
+                if s.name == "fleetpilot_sla_answers_total"}
+
+    def offers_closed(self) -> dict[str, float]:
+        """``fleetpilot_sla_offers_closed_total`` as the service serves it: state → count."""
+        return {s.labels["state"]: s.value for family in self.sla.metrics.registry.collect()
+                for s in family.samples if s.name == "fleetpilot_sla_offers_closed_total"}
+
     async def __aexit__(self, *exc) -> None:
         # Each stop waits out a pending pull (about a second): stop the hosts together.
         await asyncio.gather(*(host.stop() for host in self.hosts))
@@ -217,6 +228,7 @@ async def test_request_that_can_be_met_is_admitted_with_the_tenant_of_the_token(
     stored = await (await rig.bus.kv("contracts")).get(contract_key("t-ok"))
     assert stored is not None and decode(stored.value, TaskAdmitted) == adm
     assert [s for s, _ in rig.recorder.about("t-ok")] == ["task.admitted"]
+    assert rig.answers() == {("admitted", "standard", ""): 1}
 
 
 async def test_negotiate_endpoint_quotes_without_publishing(rig):
@@ -262,6 +274,8 @@ async def test_full_model_gets_counter_offer_and_accepting_it_is_placed_as_agree
     decision: DecisionMade = await rig.recorder.wait("decision.made", "t-full")
     assert decision.action == "assign" and {p.node for p in decision.placement} == {"a100-00"}
     assert decision.contract == adm.contract
+    # The submission was answered with an offer, which the acceptance closed.
+    assert rig.answers() == {("offer", "standard", ""): 1} and rig.offers_closed() == {"accepted": 1}
 
 
 async def test_accepting_the_wait_option_sets_not_before(rig):
@@ -350,6 +364,7 @@ async def test_declining_rejects_and_a_reply_from_another_tenant_changes_nothing
     # would be admitted by now, however slowly it was handled (half a second proves little).
     assert "task.admitted" not in [s for s, _ in rig.recorder.about("t-no")]
     assert await (await rig.bus.kv("contracts")).get(contract_key("t-no")) is None
+    assert rig.offers_closed() == {"declined": 1}
 
 
 async def stored(rig: Rig, subject: str, task_id: str) -> list:
@@ -425,6 +440,8 @@ async def test_unanswered_offer_expires_after_its_validity(rig):
     assert "task.admitted" not in [s for s, _ in after]
     assert all(e == rejected for s, e in after if s == "task.rejected")
     assert await (await rig.bus.kv("contracts")).get(contract_key("t-silent")) is None
+    # Closed once, by its expiry: the late acceptance told the same answer, counted nothing.
+    assert rig.offers_closed() == {"expired": 1}
 
 
 async def test_offer_survives_a_restart_of_the_service(rig):
@@ -587,6 +604,7 @@ async def test_bad_tokens_are_rejected_unauthenticated_and_nothing_else_happens(
         assert [s for s, _ in rig.recorder.about(task_id)] == ["task.rejected"], task_id
     contracts = await rig.bus.kv("contracts")
     assert await contracts.keys() == []
+    assert rig.answers() == {("rejected", "standard", "unauthenticated"): len(cases)}
 
 
 # (d) ------------------------------------------------------------------------------------
@@ -637,6 +655,7 @@ async def test_redelivered_or_repeated_submission_gets_the_same_admission(rig):
     # slept on: a loaded machine answering after a fixed pause failed the test.
     await eventually(lambda: len(admitted()) >= 2, timeout_s=10, what="the second admission")
     assert len(admitted()) == 2 and admitted()[1] == first
+    assert rig.answers() == {("admitted", "standard", ""): 1}  # negotiated once
 
 
 async def test_a_task_given_up_after_admission_loses_its_contract_and_only_for_its_tenant(rig):
