@@ -14,6 +14,7 @@ import pytest
 import yaml
 from fleetpilot.runtime.metrics import HandlerMetrics
 from fleetpilot_services.collector.watchdog import NvmlWatchdog
+from fleetpilot_services.executor.metrics import ExecutorMetrics
 from fleetpilot_services.feedback.service import FeedbackSettings
 from fleetpilot_services.feedback.service import build as build_feedback
 from fleetpilot_services.fingerprinter.service import FingerprinterSettings
@@ -48,6 +49,7 @@ def served() -> dict[str, frozenset[str]]:
     LearnedConfidence(None, registries[1])
     NvmlWatchdog(1.0, registries[1])
     SlaMetrics(registries[1])
+    ExecutorMetrics(registries[1])
     out: dict[str, frozenset[str]] = {}
     for registry in registries:
         # The collectors themselves: a labelled series shows no sample before its first use.
@@ -98,7 +100,7 @@ def test_alert_names_are_unique_and_cover_what_operators_watch():
                    "fleetpilot_bus_connected", "fleetpilot_fingerprinter_partition",
                    "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total",
                    "fleetpilot_policy_oldest_wait_seconds", "fleetpilot_feedback_records_total",
-                   "fleetpilot_feedback_expected_successes_total"):
+                   "fleetpilot_feedback_expected_successes_total", "fleetpilot_executor_gpu_failure_probability"):
         assert metric in watched
 
 
@@ -151,5 +153,6 @@ def test_the_dashboard_shows_admission_the_loop_the_queue_and_the_services():
                    "fleetpilot_feedback_expected_successes_total", "fleetpilot_feedback_action_latency_seconds",
                    "fleetpilot_policy_waiting_tasks", "fleetpilot_policy_oldest_wait_seconds",
                    "fleetpilot_topology_nodes", "fleetpilot_bus_connected", "fleetpilot_dead_letters_total",
-                   "fleetpilot_sla_answers_total", "fleetpilot_sla_offers_closed_total"):
+                   "fleetpilot_sla_answers_total", "fleetpilot_sla_offers_closed_total",
+                   "fleetpilot_executor_gpu_failure_probability", "fleetpilot_executor_task_ends_total"):
         assert metric in shown

@@ -29,6 +29,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.maintenance import HealthModel
 
 from .fleet_labels import CORDONED, DECOMMISSIONED, MAINTENANCE_PENDING, UNREACHABLE
+from .metrics import ExecutorMetrics
 from .replica import ExecutorReplica
 from .settings import ExecutorSettings
 
@@ -36,6 +37,16 @@ log = logging.getLogger("fleetpilot.executor")
 
 MAINTENANCE_BOARD = "maintenance_board"
 """The label naming the board (NVML uuid) that ``maintenance_pending`` was set for."""
+
+
+def _as_risk(label: str) -> float:
+    """The failure probability a ``maintenance_risk`` label says; 1 when it says none (an
+    operator set ``maintenance_pending`` by hand, or wrote something else)."""
+    try:
+        risk = float(label)
+    except ValueError:
+        return 1.0
+    return risk if 0.0 <= risk <= 1.0 else 1.0
 
 
 BoardKey = tuple[str, str]
@@ -159,9 +170,9 @@ class HealthWindows:
 class GpuHealth(ExecutorReplica):
     """The replica with the GPUs' recent samples, their health model, and what both ask."""
 
-    def __init__(self, settings: ExecutorSettings) -> None:
+    def __init__(self, settings: ExecutorSettings, metrics: ExecutorMetrics | None = None) -> None:
         """The replica, with empty windows and the health model at the set threshold."""
-        super().__init__(settings)
+        super().__init__(settings, metrics)
         self.windows = HealthWindows(settings.health_window_s, settings.health_sample_every_s)
         self.model = HealthModel(threshold=settings.health_threshold)
 
@@ -271,6 +282,7 @@ class GpuHealth(ExecutorReplica):
         self.windows.forget_silent()
         await labels.apply_pending()
         self.take_overrides()
+        risks: dict[tuple[str, int], float] = {}
         for node, gpu, window in self.windows.current():
             if len(window) < 2:
                 continue
@@ -279,13 +291,17 @@ class GpuHealth(ExecutorReplica):
             # a replaced board's and lifted (``_clear_if_replaced``).
             current = labels.labels_of(node, gpu, uuid=HealthWindows.board(window))
             if current.get(MAINTENANCE_PENDING) == "true":
+                # Not assessed again while it waits for its board's replacement: shown at
+                # the risk it was flagged at.
+                risks[node, gpu] = _as_risk(current.get("maintenance_risk", ""))
                 await self._clear_if_replaced(node, gpu, window, current)
                 continue
             try:
-                await self._label_if_at_risk(node, gpu, list(window))
+                risks[node, gpu] = await self._label_if_at_risk(node, gpu, list(window))
             except Exception:  # noqa: BLE001 - one GPU's failure must not skip the GPUs after it
                 # The next round tries this GPU again.
                 log.exception("could not assess the health of %s/%d", node, gpu)
+        self.metrics.assessed(risks)
 
     def take_overrides(self) -> None:
         """Read afresh the history of each GPU whose ``maintenance_pending`` someone else set
@@ -311,11 +327,13 @@ class GpuHealth(ExecutorReplica):
         if await self.labels.set(node, gpu, {MAINTENANCE_PENDING: "false", MAINTENANCE_BOARD: board}, uuid=board):
             log.warning("%s/%d: board %s replaced by %s; back in service", node, gpu, flagged, board)
 
-    async def _label_if_at_risk(self, node: str, gpu: int, window: list[GpuSample]) -> None:
+    async def _label_if_at_risk(self, node: str, gpu: int, window: list[GpuSample]) -> float:
+        """Assess the GPU's window, label it ``maintenance_pending`` if it is at risk; its
+        failure probability."""
         assert self.labels is not None
         assessment = self.model.assess(window)
         if not assessment.maintenance_pending:
-            return
+            return assessment.failure_probability
         # Every replica assesses the same samples; the label write is idempotent, so
         # no lock is needed here. The board is named, so that its replacement lifts the label.
         risk = f"{assessment.failure_probability:.2f}"
@@ -326,6 +344,7 @@ class GpuHealth(ExecutorReplica):
             top = max(assessment.contributions, key=lambda k: assessment.contributions[k])
             log.warning("maintenance pending on %s/%d: risk %.2f, mostly %s", node, gpu,
                         assessment.failure_probability, top)
+        return assessment.failure_probability
 
     async def give_up_unreachable_nodes(self) -> list[Event]:
         """The tasks of a node whose GPUs the topology service labelled ``unreachable`` (its

@@ -49,10 +49,12 @@ from fleetpilot.ledger.accounting import confirmed, moved_here, resized, without
 from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, Retry
 from fleetpilot.workload import GROWTH_LABEL
+from prometheus_client import CollectorRegistry
 
 from .backends import BusSimBackend, BusTakeOver, KvExecutionJournal, simulated_peak_mb
 from .fleet_labels import CORDONED, DECOMMISSIONED, FleetLabels, LabelGate
 from .hook_lock import KvHookLock
+from .metrics import ExecutorMetrics
 from .settings import ExecutorSettings
 
 log = logging.getLogger("fleetpilot.executor")
@@ -155,9 +157,11 @@ class ExecutorReplica:
     """The parts of one replica, opened at start-up (``open``), and the decisions it has
     carried out (for the ids on later lifecycle events)."""
 
-    def __init__(self, settings: ExecutorSettings) -> None:
-        """A replica with ``settings``; its parts come with ``open``."""
+    def __init__(self, settings: ExecutorSettings, metrics: ExecutorMetrics | None = None) -> None:
+        """A replica with ``settings``, counting on ``metrics`` (a registry of its own when
+        none is given); its parts come with ``open``."""
         self.settings = settings
+        self.metrics = metrics or ExecutorMetrics(CollectorRegistry())
         self.rules = DecommissionRules(
             threshold_c=settings.decommission_threshold_c,
             hot_for_s=settings.decommission_hot_for_s,
@@ -540,6 +544,7 @@ class ExecutorReplica:
         out = [self.lifecycle(event.task_id, state, event.node, [event.gpu] if event.gpu >= 0 else [],
                               event.detail, exit_code)]
         self.decisions.pop(event.task_id, None)
+        self.metrics.ended(state)
         return out
 
     async def backend_changes(self) -> list[Event]:
@@ -578,6 +583,7 @@ class ExecutorReplica:
                                change.exit_code, at=change.at)
         if change.state in ("finished", "oom_killed", "failed"):
             self.decisions.pop(change.task_id, None)
+            self.metrics.ended(change.state)
         return event
 
     async def give_up_tasks(self) -> list[Event]:

@@ -37,6 +37,7 @@ from fleetpilot.ledger.store import node_key
 from fleetpilot.runtime import Bus, ServiceHost, serve
 
 from .health import GpuHealth
+from .metrics import ExecutorMetrics
 from .settings import DECISION_REPLAY_S, ExecutorSettings
 
 __all__ = ["ExecutorSettings", "build", "main"]
@@ -48,7 +49,7 @@ def build(settings: ExecutorSettings | None = None) -> ServiceHost:
     """Wire the executor."""
     settings = settings or ExecutorSettings.from_environment()
     host = ServiceHost("executor", settings)
-    replica = GpuHealth(settings)
+    replica = GpuHealth(settings, ExecutorMetrics(host.metrics.registry))
 
     async def open_replica(bus: Bus) -> None:
         await replica.open(bus, host.background)

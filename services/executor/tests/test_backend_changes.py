@@ -57,3 +57,7 @@ async def test_ends_whose_holds_could_not_be_given_back_are_told_on_the_next_loo
             pass  # the old way: raised, and the changes polled were gone
     assert [(e.task_id, e.state) for e in told] == [("a", "finished"), ("b", "oom_killed")]
     assert ledger.nodes[node_key("n1")].allocations == []
+    # Counted once each, as told: not when the first look failed.
+    ends = {s.labels["state"]: s.value for family in replica.metrics.task_ends.collect() for s in family.samples
+            if s.name == "fleetpilot_executor_task_ends_total"}
+    assert ends == {"finished": 1, "oom_killed": 1}

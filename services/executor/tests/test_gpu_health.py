@@ -177,6 +177,10 @@ async def test_gpu_with_decaying_hardware_is_labelled_maintenance_pending(observ
     assert float(labels["maintenance_risk"]) >= 0.85
     assert "cordoned" not in labels
     assert quiet == {}
+    # /metrics shows each GPU's failure probability: the flagged one at its label's risk.
+    risk = {gpu: host.metrics.registry.get_sample_value("fleetpilot_executor_gpu_failure_probability",
+                                                        {"node": "n1", "gpu": gpu}) for gpu in ("0", "1")}
+    assert risk["0"] == float(labels["maintenance_risk"]) and risk["1"] < 0.85
 
 
 async def flag_gpu_0_for_maintenance(observer, t0: float) -> dict[str, str]:

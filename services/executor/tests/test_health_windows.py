@@ -106,6 +106,9 @@ async def test_a_gpu_silent_for_longer_than_the_window_is_forgotten(tmp_path: Pa
     await replica.assess_health()
     assert list(replica.windows.windows) == [("here", "GPU-here-0")]
     assert replica.windows.of("gone", 0) is None  # the index no longer names the board either
+    # Its GPUs' failure probabilities leave /metrics with it; the one still heard stays.
+    shown = [s.labels for family in replica.metrics.failure_probability.collect() for s in family.samples]
+    assert shown == [{"node": "here", "gpu": "0"}]
 
 
 async def test_a_board_swapped_after_it_fell_off_the_bus_starts_a_window_of_its_own(tmp_path: Path) -> None:
