@@ -1,5 +1,6 @@
 """docker-compose.yml starts the whole system: NATS with JetStream, PostgreSQL 16 and the
-eight services, each healthy-checked on its own metrics port.
+eight services, each healthy-checked on its own metrics port; with ``--profile monitoring``,
+Prometheus scraping all of them and Grafana with the dashboard.
 
 The structure is checked with PyYAML on every run; ``docker compose config`` (or the older
 ``docker-compose``) additionally validates the file against the Compose schema where a
@@ -35,6 +36,8 @@ SERVICE_PORTS = {
     "learner": 9108,
 }
 FEEDBACK_DSN = "postgresql://postgres:postgres@postgres:5432/fleetpilot"
+MONITORING = {"prometheus", "grafana"}
+"""Started only with ``--profile monitoring``."""
 
 
 def compose_command() -> list[str] | None:
@@ -67,7 +70,50 @@ def _depends(service: dict[str, Any]) -> dict[str, str]:
 
 def test_all_services_and_infrastructure_are_declared(compose):
     # `keys` is the one-shot that creates the token issuer's key set for the SLA service.
-    assert set(compose["services"]) == set(SERVICE_PORTS) | {"nats", "postgres", "keys"}
+    assert set(compose["services"]) == set(SERVICE_PORTS) | {"nats", "postgres", "keys"} | MONITORING
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """A service's bind mounts of this repository's files: container path → host path."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        if source.startswith("./"):
+            out[target] = source
+    return out
+
+
+def test_monitoring_starts_only_with_its_profile_and_scrapes_every_service(compose):
+    for name, service in compose["services"].items():
+        assert (service.get("profiles") == ["monitoring"]) == (name in MONITORING), name
+    prometheus = compose["services"]["prometheus"]
+    mounts = _mounts(prometheus)
+    [config_flag] = [arg for arg in prometheus["command"] if arg.startswith("--config.file=")]
+    config_path = config_flag.split("=", 1)[1]
+    folder = str(Path(config_path).parent)
+    config = yaml.safe_load((ROOT / mounts[folder] / Path(config_path).name).read_text())
+    targets = {name: sd["port"] for job in config["scrape_configs"] for sd in job["dns_sd_configs"]
+               for name in sd["names"]}
+    # Found by name through Docker's DNS, one address per replica: both policy replicas.
+    assert all(sd["type"] == "A" for job in config["scrape_configs"] for sd in job["dns_sd_configs"])
+    assert targets == SERVICE_PORTS
+    for rules in config["rule_files"]:
+        assert (ROOT / mounts[folder] / rules).is_file(), rules
+
+
+def test_grafana_is_given_the_compose_prometheus_and_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    prometheus_port = compose["services"]["prometheus"]["ports"][0].split(":")[-1]
+    assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{prometheus_port}"
+    assert source["isDefault"] is True  # the dashboard's data-source variable takes the default
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "fleetpilot.yaml").read_text())["providers"]
+    dashboards = [target for target in mounts if target.startswith(provider["options"]["path"] + "/")]
+    assert dashboards and all((ROOT / mounts[t]).is_file() for t in dashboards)
+    home = _env(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home in dashboards
 
 
 def test_nats_runs_jetstream_with_a_data_dir_and_healthcheck(compose):
