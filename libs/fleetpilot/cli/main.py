@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("fleetpilot.cli.fleet_cmd", "show the fleet from a spec, and live GPU readings when it runs"),
     "fingerprint": ("fleetpilot.cli.fingerprint_cmd", "fingerprint a task's memory series (CSV) as JSON"),
     "model": ("fleetpilot.cli.model_cmd", "show the learner's outcome models: what the policies use, and why"),
+    "feedback": ("fleetpilot.cli.feedback_cmd", "show what the feedback store says of the actions taken, by policy and action"),
     "replay": ("fleetpilot.cli.replay_cmd", "replay recorded decision inputs through two policies, print the diff"),
     "bench": ("fleetpilot.cli.bench_cmd", "run a benchmark suite (openb, fleet, fleet-sweep, learner) with its own arguments"),
 }

@@ -65,6 +65,7 @@ from .arguments import (
     positive_float,
     positive_int,
 )
+from .feedback_cmd import DEFAULT_BY, figures, key_of
 from .fleet_cmd import load_fleet_file
 from .local import NATS_URL_FILE, UP_LOCK_FILE, local_keyring, local_token, no_jetstream, state_dir
 from .workload import demo_tasks
@@ -541,17 +542,8 @@ class Report:
             return ["feedback store: no record yet"]
         # The store outlives a run (the learner's file and the bus do not): its figures are
         # of every run it kept, which the counts above (this run's) are not.
-        lines = ["feedback store, every run it holds (feedback.stats, by policy and action):"]
-        for g in self.store_stats.groups:
-            weighted = "" if g.weighted_success_rate is None else f" (weighted {g.weighted_success_rate:.2f})"
-            latency = ("no latency measured" if g.p95_latency_ms is None
-                       else f"p95 latency {g.p95_latency_ms:.0f} ms over {g.measured} measured")
-            lines.append(f"  {g.key.get('policy', '?')} {g.key.get('action') or '(judged without its result)'}: "
-                         f"{g.count} record{'s' * (g.count != 1)}, success {g.success_rate:.2f}{weighted}, {latency}, "
-                         f"{g.expected_successes:.1f} successes expected, {g.successes} met, "
-                         f"Brier {g.brier_score:.3f}"
-                         + (f", {g.mean_resource_saving_mb / 1024:.1f} GB of GPU memory left free per record against whole "
-                            "GPUs" if g.mean_resource_saving_mb > 0 else ""))
+        lines = ["feedback store, every run it holds (feedback.stats, by policy and action; `fleetpilot feedback`):"]
+        lines += [f"  {key_of(g, DEFAULT_BY)}: {figures(g)}" for g in self.store_stats.groups]
         return lines
 
     def learnt(self) -> str:
@@ -591,7 +583,7 @@ async def store_stats(bus: NatsBus, timeout_s: float = 3.0) -> FeedbackStats | N
     """The feedback store's statistics by policy and action, ``None`` when the feedback
     service does not answer in time (stopped, or never started)."""
     try:
-        reply = await bus.request("feedback.stats", encode(StatsQuery(by=["policy", "action"])), timeout_s=timeout_s)
+        reply = await bus.request("feedback.stats", encode(StatsQuery(by=list(DEFAULT_BY))), timeout_s=timeout_s)
         return decode(reply, FeedbackStats)
     except (TimeoutError, msgspec.DecodeError):  # ValidationError is a DecodeError
         return None

@@ -378,7 +378,7 @@ async def test_the_closing_report_gives_the_feedback_store_s_own_figures(nats_cl
     finally:
         await bus.drain()
     assert asked == [["policy", "action"]]
-    start = lines.index("feedback store, every run it holds (feedback.stats, by policy and action):")
+    start = lines.index("feedback store, every run it holds (feedback.stats, by policy and action; `fleetpilot feedback`):")
     assert lines[start + 1:start + 3] == [
         "  fleetpilot@1 assign: 40 records, success 0.95 (weighted 0.96), p95 latency 12 ms over 40 measured, "
         "37.6 successes expected, 38 met, Brier 0.041, 30.0 GB of GPU memory left free per record against whole GPUs",
