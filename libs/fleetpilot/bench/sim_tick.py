@@ -42,12 +42,22 @@ class _LoopGpu:
     power_w: float = 0.0
 
 
-def _synthetic_fleet() -> Fleet:
-    # Same GPU count as openb (6,212) when the trace is not available.
+def synthetic_openb_fleet() -> Fleet:
+    """A fleet of openb's GPU count (6,212), for when the trace is not available."""
     return build_fleet({"sites": [{"name": "openb", "groups": [
         {"prefix": "g2-", "count": 776, "shape": {"gpu_model": "G2", "gpus": 8}},
         {"prefix": "t4-", "count": 2, "shape": {"gpu_model": "T4", "gpus": 2}},
     ]}]})
+
+
+def openb_or_synthetic(csv: Path | None) -> tuple[Fleet, str]:
+    """The openb fleet from ``csv`` (default: found as the other benchmarks find the openb
+    data), or one of its size when there is no node list; and what to call it."""
+    data = find_data_dir() if csv is None else None
+    csv = csv or (data / NODES_FILE if data else None)
+    if csv is not None and csv.exists():
+        return load_openb_fleet(csv), "openb fleet"
+    return synthetic_openb_fleet(), "synthetic fleet of openb's size (no openb node list found)"
 
 
 def populate(sim: SimulatedFleet, seed: int = 0) -> list[_LoopGpu]:
@@ -115,12 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--ticks", type=int, default=20)
     parser.add_argument("--baseline-ticks", type=int, default=2)
     args = parser.parse_args(argv)
-    data = find_data_dir() if args.csv is None else None
-    csv = args.csv or (data / NODES_FILE if data else None)
-    if csv is not None and csv.exists():
-        fleet, name = load_openb_fleet(csv), "openb fleet"
-    else:
-        fleet, name = _synthetic_fleet(), "synthetic fleet of openb's size (no openb node list found)"
+    fleet, name = openb_or_synthetic(args.csv)
     result = measure(fleet, ticks=args.ticks, baseline_ticks=args.baseline_ticks)
     print(f"sim tick {name}: {result['sim_ms']:.2f} ms per virtual second "
           f"(baseline python loop: {result['baseline_ms']:.1f} ms, ratio {result['ratio']:.0f}x) "

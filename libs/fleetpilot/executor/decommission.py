@@ -40,6 +40,7 @@ from typing import Literal
 import msgspec
 
 from fleetpilot.contracts import DecisionMade, GpuSample, TaskLifecycle
+from fleetpilot.fleet.boards import BoardIndex
 
 from .business import ALLOW, HookVerdict
 from .locks import Clock, HookLock
@@ -167,22 +168,19 @@ class PreDecommissionHook:
         self._applied: dict[GpuKey, Stage] = {}
         # The board last read at each index: what a placement's index names, and whose a
         # sample NVML could not read the uuid of is.
-        self.boards: dict[tuple[str, int], str] = {}
+        self.boards = BoardIndex()
 
     def board_at(self, node: str, gpu: int) -> GpuKey:
         """The board that reads at ``node``/``gpu`` now, or the index itself when no uuid was
         read there."""
-        return node, self.boards.get((node, gpu)) or _by_index(gpu)
+        return node, self.boards.get(node, gpu) or _by_index(gpu)
 
     def _seen(self, sample: GpuSample) -> GpuKey:
         """Note where ``sample``'s board reads now; returns its key."""
         node, gpu, uuid = sample.node, sample.gpu, sample.uuid
         if not uuid:
             return self.board_at(node, gpu)
-        for (n, i), there in list(self.boards.items()):
-            if n == node and there == uuid and i != gpu:
-                del self.boards[(n, i)]  # renumbered: the board left that index
-        self.boards[(node, gpu)] = uuid
+        self.boards.seen(node, gpu, uuid)
         key, by_index = (node, uuid), (node, _by_index(gpu))
         if key not in self._states and by_index in self._states:
             # The uuid read for the first time at an index followed so far by its number (a
@@ -265,8 +263,7 @@ class PreDecommissionHook:
         for key in [k for k in self._states.keys() | self._applied.keys() if k[0] == node]:
             self._states.pop(key, None)
             self._applied.pop(key, None)
-        for at in [k for k in self.boards if k[0] == node]:
-            del self.boards[at]
+        self.boards.forget_node(node)
 
     def accepts_work(self, node: str, gpu: int) -> bool:
         """Whether new work may go to the board at this index now (not cordoned, not
@@ -297,7 +294,7 @@ class PreDecommissionHook:
             return ""
         if not self.accepts_board(node, uuid):
             return f"{node}/{gpu}: the board its hold names, {uuid}, is {self.board_state(node, uuid).stage}"
-        there = self.boards.get((node, gpu))
+        there = self.boards.get(node, gpu)
         if there and there != uuid:
             return (f"{node}/{gpu} reads board {there} now, not {uuid}, which its hold names (placed by a "
                     "topology behind a renumbering)")

@@ -21,8 +21,8 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.executor.decommission import lock_key
+from fleetpilot.maintenance.windows import HealthWindows
 from fleetpilot.runtime.testing import eventually as wait_for
-from fleetpilot_services.executor.health import HealthWindows
 from fleetpilot_services.executor.service import ExecutorSettings, build
 
 from .conftest import gpu_sample, node_topology, publish_telemetry

@@ -10,8 +10,9 @@ from pathlib import Path
 import msgspec
 from fleetpilot.contracts import GpuInfo, NodeTopology, encode
 from fleetpilot.executor import Cordon
+from fleetpilot.maintenance.windows import HealthWindows
 from fleetpilot.runtime import CasConflict
-from fleetpilot_services.executor.health import GpuHealth, HealthWindows
+from fleetpilot_services.executor.health import GpuHealth
 from fleetpilot_services.executor.service import ExecutorSettings
 
 from .conftest import gpu_sample
