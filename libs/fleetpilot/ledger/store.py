@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import string
 from collections.abc import Callable
 from typing import ClassVar, Self
@@ -272,6 +273,21 @@ def node_key(node: str) -> str:
     can end so). Left whole, a client's task id of some 1400 characters that each take three
     made a key whose subject the server answered by closing the connection: every service on
     it cut off, and again on each redelivery."""
+    if _ITS_OWN_KEY.fullmatch(node) and len(node) <= KEY_LIMIT:
+        # The common case, at a dict lookup's cost: an executor covering the openb fleet asks
+        # for a node's key twice per GPU sample, 12,000 times a second, and the escaping
+        # below took 7.5 µs a name (a fifth of its time on telemetry).
+        return node
+    return _escaped_key(node)
+
+
+_ITS_OWN_KEY = re.compile(r"[A-Za-z0-9_/-]+(?:\.[A-Za-z0-9_/-]+)*")
+"""A name that is its own key: only characters a key keeps, and no dot at either end or
+next to another (``node_key``)."""
+
+
+def _escaped_key(node: str) -> str:
+    """``node_key`` of any name, one character at a time."""
     if not node:
         return "="
     out = []

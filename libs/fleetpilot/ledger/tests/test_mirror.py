@@ -221,6 +221,20 @@ def test_no_two_names_share_a_key():
         assert node_key(key) == key or "=" in key  # a valid key without ``=`` is its own
 
 
+def test_the_short_way_for_a_name_that_is_its_own_key_gives_the_escaping_s_key():
+    # A valid key without ``=`` is returned as it is, without walking its characters: the
+    # same key as the escaping gives, for every name (valid or not) of these characters.
+    from fleetpilot.ledger.store import _escaped_key
+
+    rng = random.Random(11)
+    alphabet = "aZ09_-/.=é "
+    for _ in range(20_000):
+        name = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9)))
+        assert node_key(name) == _escaped_key(name), name
+    long_name = "n" * (KEY_LIMIT + 1)  # its own key but too long: bounded as before
+    assert node_key(long_name) == _escaped_key(long_name) != long_name
+
+
 async def test_a_ledger_keyed_by_a_name_with_a_letter_no_key_allows_is_written_and_read(nats_server):
     bus = await NatsBus.connect(nats_server.url, "test")
     await bus.ensure_topology()
