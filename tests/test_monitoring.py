@@ -100,7 +100,8 @@ def test_alert_names_are_unique_and_cover_what_operators_watch():
                    "fleetpilot_bus_connected", "fleetpilot_fingerprinter_partition",
                    "fleetpilot_policy_learned_confidence_total", "fleetpilot_learner_models_withdrawn_total",
                    "fleetpilot_policy_oldest_wait_seconds", "fleetpilot_feedback_records_total",
-                   "fleetpilot_feedback_expected_successes_total", "fleetpilot_executor_gpu_failure_probability"):
+                   "fleetpilot_feedback_expected_successes_total", "fleetpilot_executor_gpu_failure_probability",
+                   "fleetpilot_sla_answers_total"):
         assert metric in watched
 
 
