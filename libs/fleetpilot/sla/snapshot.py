@@ -184,16 +184,25 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
     return tallies
 
 
+BLOCK_NODES = 32
+"""How many consecutive nodes :class:`SnapshotCache` folds into one block's pools."""
+
+
 @dataclass
 class SnapshotCache:
     """Per-node tallies of the last :func:`fleet_view`, reused while a node's topology
     record, its ledger allocations and its holders' admissions are the very objects they
-    were built from (the services' mirrors replace a record when it changes, never edit it).
+    were built from (the services' mirrors replace a record when it changes, never edit it);
+    and, per block of ``BLOCK_NODES`` consecutive nodes, their tallies folded into pools,
+    reused while every node's tallies in it were.
 
     On the openb fleet (1,213 nodes, 6,212 GPUs) a view built from scratch is a Python loop
-    over every GPU for every submission; with the cache only the nodes that changed are."""
+    over every GPU for every submission; with the cache only the nodes that changed are
+    counted again, and only their blocks folded again (folding every node's tallies took
+    as long as checking them: a fifth of the sla service's time per submission there)."""
 
     _by_node: dict[str, tuple[NodeTopology, object, tuple, NodeTallies]] = field(default_factory=dict)
+    _blocks: list[tuple[list[NodeTallies], NodeTallies]] = field(default_factory=list)
 
     def tallies(self, node: NodeTopology, allocations: Iterable, admitted: Mapping[str, TaskAdmitted],
                 memory_of: dict[str, int], knobs: SnapshotKnobs) -> NodeTallies:
@@ -207,10 +216,29 @@ class SnapshotCache:
         self._by_node[node.node] = (node, allocations, holders, tallies)
         return tallies
 
-    def keep_only(self, nodes: set[str]) -> None:
-        """Forget the nodes no longer in the fleet."""
+    def folded(self, index: int, parts: list[NodeTallies]) -> NodeTallies:
+        """The ``index``-th block's node tallies ``parts`` (in the view's node order) folded
+        into one tally per pool, from the cache when each part is the one folded last time.
+        The tallies returned are read, never changed."""
+        if index < len(self._blocks):
+            kept, folded = self._blocks[index]
+            if len(kept) == len(parts) and all(a is b for a, b in zip(kept, parts, strict=True)):
+                return folded
+        folded = defaultdict(_PoolTally)
+        for node_parts in parts:
+            for pool, part in node_parts.items():
+                folded[pool].add(part)
+        if index < len(self._blocks):
+            self._blocks[index] = (parts, folded)
+        else:
+            self._blocks.append((parts, folded))
+        return folded
+
+    def keep_only(self, nodes: set[str], blocks: int) -> None:
+        """Forget the nodes no longer in the fleet, and the blocks past the last."""
         for gone in set(self._by_node) - nodes:
             del self._by_node[gone]
+        del self._blocks[blocks:]
 
 
 def frees_in(end: float, duration: float, now: float) -> float:
@@ -423,15 +451,29 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     tallies: dict[tuple[str, str], _PoolTally] = defaultdict(_PoolTally)
     memory_of: dict[str, int] = {}  # catalogue memory per model, looked up once per call
     seen: set[str] = set()
+    block: list[NodeTallies] = []
+    blocks = 0
+
+    def fold(parts: NodeTallies) -> None:
+        for pool, part in parts.items():
+            tallies[pool].add(part)
+
     for node in nodes:
         allocations = holds.get(node.node, ())
         seen.add(node.node)
-        parts = (cache.tallies(node, allocations, admitted, memory_of, knobs) if cache is not None
-                 else _node_tallies(node, allocations, admitted, memory_of, knobs))
-        for pool, part in parts.items():
-            tallies[pool].add(part)
+        if cache is None:
+            fold(_node_tallies(node, allocations, admitted, memory_of, knobs))
+            continue
+        # Folded block by block, in the nodes' order: the pools come out as folded node by node.
+        block.append(cache.tallies(node, allocations, admitted, memory_of, knobs))
+        if len(block) == BLOCK_NODES:
+            fold(cache.folded(blocks, block))
+            block, blocks = [], blocks + 1
     if cache is not None:
-        cache.keep_only(seen)
+        if block:
+            fold(cache.folded(blocks, block))
+            blocks += 1
+        cache.keep_only(seen, blocks)
     holding = {a.task_id for allocations in holds.values() for a in allocations}
     # (its place in the queue, the task) of each task ahead of a new request, per pool.
     waiting: dict[tuple[str, str], list[tuple[tuple[float, ...], TaskSubmitted]]] = defaultdict(list)

@@ -323,6 +323,51 @@ def test_a_cached_view_equals_one_built_afresh_through_every_kind_of_change():
     assert fleet_view(nodes.values(), ledgers.values(), contracts, now=NOW, cache=cache).pools[0].free_gpus == 4
 
 
+def test_a_cached_view_of_many_blocks_equals_one_built_afresh_as_nodes_change_come_and_go():
+    # The cache folds the nodes block by block (``BLOCK_NODES``): a change to one node folds its
+    # block again; a node that comes or goes shifts every block after it.
+    import random
+
+    from fleetpilot.sla.snapshot import BLOCK_NODES, SnapshotCache
+
+    rng = random.Random(5)
+
+    def node(i: int) -> NodeTopology:
+        model, site = ("A100-40GB", "s1") if i % 3 else ("H100", "s2")
+        return NodeTopology(node=f"n{i:03d}", site=site, cpu_milli=64_000 + 1000 * (i % 4),
+                            gpus=[GpuInfo(index=g, model=model, memory_mb=40_960 + 1024 * (i % 5))
+                                  for g in range(1 + i % 8)])
+
+    nodes = {f"n{i:03d}": node(i) for i in range(3 * BLOCK_NODES + 7)}
+    ledgers: dict[str, NodeLedger] = {}
+    contracts: dict[str, TaskAdmitted] = {}
+    cache = SnapshotCache()
+    for step in range(60):
+        name = rng.choice(sorted(nodes))
+        change = rng.randrange(5)
+        if change == 0:  # a task starts there
+            task = f"t{step}"
+            contracts[task] = admitted(task, rng.choice(["best_effort", "standard"]), rng.choice([None, 50.0, 500.0]))
+            held = ledgers.get(name, NodeLedger(node=name)).allocations
+            ledgers[name] = NodeLedger(node=name, allocations=[*held, hold(task, rng.randrange(len(nodes[name].gpus)),
+                                                                            milli=rng.choice([250, 1000]))])
+        elif change == 1:  # every task there ends
+            ledgers.pop(name, None)
+        elif change == 2:  # a node leaves
+            nodes.pop(name)
+            ledgers.pop(name, None)
+        elif change == 3:  # a node joins
+            i = 1000 + step
+            nodes[f"n{i:03d}"] = node(i)
+        else:  # a holder's contract is replaced
+            if contracts:
+                task = rng.choice(sorted(contracts))
+                contracts[task] = admitted(task, "standard", 80.0)
+        ordered = [nodes[n] for n in sorted(nodes)]
+        args = (ordered, list(ledgers.values()), contracts)
+        assert fleet_view(*args, now=NOW, cache=cache) == fleet_view(*args, now=NOW), step
+
+
 def test_a_task_asking_more_gpus_than_any_node_has_is_refused_not_queued_for_ever():
     # Two idle 4-GPU nodes: 8 free GPUs in the pool, and a 6-GPU task was admitted on them,
     # then queued by the policy ("no node has room now") for as long as it waited.
