@@ -58,6 +58,10 @@ class BoardIndex:
             if at is not None and self._board_at.get((node, at)) == uuid:
                 del self._board_at[node, at]
 
+    def __contains__(self, key: IndexKey) -> bool:
+        """Whether a board was read at ``key``, (node, index)."""
+        return key in self._board_at
+
     def __len__(self) -> int:
         """How many indices have a board read at them."""
         return len(self._board_at)

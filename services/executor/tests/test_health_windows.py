@@ -218,3 +218,14 @@ async def test_an_operator_s_override_restarts_the_history_of_the_board_it_was_s
     labels.overridden = [("n1", 2, "maintenance_pending", "false")]
     replica.take_overrides()
     assert replica.windows.of("n1", 1) is None and len(replica.windows.of("n1", 2)) == 2
+
+
+def test_a_gpu_no_uuid_was_ever_read_for_is_assessed_at_its_index() -> None:
+    # Its window is keyed by its index; asking whether a board reads at that index raised
+    # a TypeError once the index became a ``BoardIndex``, and every health round failed.
+    windows = HealthWindows(window_s=7200, every_s=30)
+    windows.add(gpu_sample("n1", 0, 60.0))
+    for at in (60.0, 120.0):
+        windows.add(gpu_sample("n1", 3, at, uuid=""))
+    assert sorted((node, gpu, len(window)) for node, gpu, window in windows.current()) == [
+        ("n1", 0, 1), ("n1", 3, 2)]
