@@ -58,16 +58,15 @@ async def _feed(rounds: list[list[GpuSample]]) -> float:
 
 
 def measure(large: Fleet, small: Fleet, rounds: int = 5) -> dict[str, float]:
-    """Microseconds per sample on ``large`` and on ``small`` (the baseline), and their ratio."""
+    """Microseconds per sample on ``large`` and on ``small`` (the baseline), and their ratio.
+    The small fleet is fed as many samples as the large one: more rounds of its own."""
+    gpus = {name: sum(len(node.gpus) for node in fleet.nodes) for name, fleet in (("large", large), ("small", small))}
     out: dict[str, float] = {}
     for name, fleet in (("large", large), ("small", small)):
-        samples = rounds_of(fleet, rounds)
-        count = sum(len(r) for r in samples)
-        # The small fleet is fed as many samples as the large one, in rounds of its own size.
-        repeat = max(1, round(sum(len(r) for r in rounds_of(large, 1)) * rounds / count)) if fleet is small else 1
-        seconds = min(asyncio.run(_feed(samples * repeat)) for _ in range(3))
-        out[f"{name}_us"] = seconds / (count * repeat) * 1e6
-        out[f"{name}_gpus"] = float(len(samples[0]))
+        samples = rounds_of(fleet, rounds * max(1, round(gpus["large"] / gpus[name])))
+        seconds = min(asyncio.run(_feed(samples)) for _ in range(3))
+        out[f"{name}_us"] = seconds / sum(len(r) for r in samples) * 1e6
+        out[f"{name}_gpus"] = float(gpus[name])
     out["ratio"] = out["large_us"] / out["small_us"]
     return out
 
