@@ -40,6 +40,7 @@ test: $(STAMP) ## Every test (unit, service over real nats-server, end to end, P
 bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measured in the same run)
 	$(BIN)/python -m fleetpilot.bench.sim_tick
 	$(BIN)/python -m fleetpilot.bench.executor_telemetry
+	$(BIN)/python -m fleetpilot.bench.dispatch
 	$(BIN)/python -m fleetpilot.bench.policy_latency
 	$(BIN)/python -m fleetpilot.bench.fingerprint_eval
 	$(BIN)/python -m fleetpilot.bench.learner_eval

@@ -37,7 +37,13 @@ class Route:
     and keys from the task id alone dropped the second submission and answer unseen.
 
     ``replies`` makes the subject a request/reply endpoint and names every type its answer
-    may have (the requester gets exactly one of them on its reply inbox)."""
+    may have (the requester gets exactly one of them on its reply inbox).
+
+    ``traced=False`` marks a sample stream: a message of it that carries no trace context
+    starts no trace where it is handled. One trace per sample per service was the most of a
+    consumer's cost per message (the executor reads every node's GPUs each second), and sent
+    thousands of one-span traces a second to the collector; a sample that does carry a
+    ``traceparent`` still continues its trace."""
 
     event: type[Event]
     subject: str
@@ -45,6 +51,7 @@ class Route:
     description: str
     durable: bool = True
     replies: tuple[type[Event], ...] = ()
+    traced: bool = True
 
 
 ROUTES: tuple[Route, ...] = (
@@ -61,8 +68,10 @@ ROUTES: tuple[Route, ...] = (
     Route(FeedbackRecorded, "feedback.recorded", "feedback:{action_id}", "An action's outcome was stored."),
     Route(ModelPublished, "model.published", "model:{name}:{version}:{withdrawn}",
           "The learner trained a model, stored it in the models bucket, and says whether it is promoted."),
-    Route(NodeTelemetry, "telemetry.gpu.{node}", None, "Per-GPU samples of one node (core NATS, high rate).", durable=False),
-    Route(TaskTelemetry, "telemetry.task.{task_id}", None, "Memory samples of one task's processes (core NATS).", durable=False),
+    Route(NodeTelemetry, "telemetry.gpu.{node}", None, "Per-GPU samples of one node (core NATS, high rate).", durable=False,
+          traced=False),
+    Route(TaskTelemetry, "telemetry.task.{task_id}", None, "Memory samples of one task's processes (core NATS).", durable=False,
+          traced=False),
     Route(TopologyReport, "topology.report.{node.node}", "topo:{node.node}:{at}", "A collector's raw view of one node's topology."),
     Route(TopologyUpdated, "topology.updated", "topo-rev:{revision}", "The merged fleet topology changed."),
     Route(DeadLetter, "dlq.{subject}", None, "A message no handler could take, with its reason and original bytes."),

@@ -351,6 +351,8 @@ def _channel(route: Route) -> dict[str, Any]:
                     "stream": stream.name if stream else None,
                     "msgIdTemplate": route.msg_id,
                     "durableConsumers": _consumers_for(route) or None,
+                    # A sample stream: its consumers start no trace for it (``Route.traced``).
+                    "traced": None if route.traced else False,
                     # An endpoint answers a bad request with an error body instead.
                     "deadLetter": None
                     if route.subject.startswith(DLQ_PREFIX) or route.replies

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from fleetpilot.contracts import DeadLetter, Event, decoder_for, dlq_subject, encode, now
+from fleetpilot.contracts import DeadLetter, Event, decoder_for, dlq_subject, encode, now, route_for
 from fleetpilot.contracts.codec import NonFiniteFloat
 
 from . import tracing
@@ -61,6 +61,18 @@ def _wants_delivery(handler: TypedHandler) -> bool:
     params = [p for p in inspect.signature(handler).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(params) >= 2
+
+
+def starts_traces(event_types: Iterable[type[Event]]) -> bool:
+    """Whether handling messages of ``event_types`` starts a trace for one that carries none:
+    unless every type is a sample stream's (``Route.traced``). A type without a route (a
+    test's) is traced."""
+    def traced(event_type: type[Event]) -> bool:
+        try:
+            return route_for(event_type).traced
+        except LookupError:
+            return True
+    return any(traced(t) for t in event_types)
 
 
 def as_events(result: HandlerResult) -> list[Event]:
@@ -125,6 +137,7 @@ class Dispatcher:
     def __post_init__(self) -> None:
         self._decoder = decoder_for(*self.event_types)
         self._pass_delivery = _wants_delivery(self.handler)
+        self._traced = starts_traces(self.event_types)
 
     async def __call__(self, msg: Inbound) -> None:
         """Handle one message end to end; never raises."""
@@ -145,7 +158,7 @@ class Dispatcher:
         delivery = Delivery(subject=msg.subject, headers=dict(msg.headers), deliveries=msg.deliveries,
                             msg_id=msg.headers.get("Nats-Msg-Id"), pending=msg.pending,
                             stream_seq=msg.stream_seq, stored_at=msg.stored_at)
-        with tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject) as span:
+        with self._span(msg) as span:
             try:
                 # Kept in progress while at work only: a beat after the nak below would
                 # stretch the nak's delay to a whole ack wait.
@@ -158,7 +171,7 @@ class Dispatcher:
                         # its redrive, once fixed, publishes them all once.
                         for out in outputs:
                             encode(out)
-                    carrier = tracing.inject_headers()
+                    carrier = tracing.inject_headers() if outputs else {}
                     for out in outputs:
                         await self.bus.publish(out, headers=carrier)
             except Reject as exc:
@@ -190,6 +203,13 @@ class Dispatcher:
                 return
         await msg.ack()
         self.metrics.handled(self.name, time.perf_counter() - started)
+
+    def _span(self, msg: Inbound) -> contextlib.AbstractContextManager[tracing.Span]:
+        """The consumer span ``msg`` is handled in; none (a span that records nothing) for a
+        sample that carries no trace context."""
+        if self._traced or tracing.TRACEPARENT in msg.headers:
+            return tracing.span_from_headers(f"{self.service}.{self.name}", msg.headers, msg.subject)
+        return contextlib.nullcontext(tracing.NO_SPAN)
 
     async def _handled_in_time(self, event: Event, delivery: Delivery) -> object:
         """The handler's result; ``HandlerOverran`` once it runs past ``handler_limit_s``."""

@@ -1,10 +1,11 @@
 """W3C trace context across the bus with OpenTelemetry.
 
-Spans are always created (so ``traceparent`` flows from ``task.submitted`` to
-``feedback.recorded``); they are exported over OTLP/HTTP only when an endpoint is
-configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the service's ``otlp_endpoint``). Either is
-the collector's base URL, as the OpenTelemetry specification has it: spans go to
-``<base>/v1/traces``.
+A span is created for every message handled (so ``traceparent`` flows from
+``task.submitted`` to ``feedback.recorded``), except a sample of a stream that starts no
+trace (``Route.traced``: telemetry) and carries none. Spans are exported over OTLP/HTTP only
+when an endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or the service's
+``otlp_endpoint``). Either is the collector's base URL, as the OpenTelemetry specification
+has it: spans go to ``<base>/v1/traces``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+Span = trace.Span
+NO_SPAN: Span = trace.INVALID_SPAN
+"""A span that records nothing: what a message that starts no trace is handled in."""
+TRACEPARENT = "traceparent"
+"""The W3C header that carries a message's trace context."""
 
 _tracer = trace.get_tracer("fleetpilot")
 _provider: TracerProvider | None = None  # the one ``configure`` installed: ``flush`` empties it
