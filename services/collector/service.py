@@ -16,7 +16,6 @@ NVML reads go through ``watchdog.NvmlWatchdog``: one at a time, each bounded by
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from fleetpilot.fleet.nvml_reader import read_ib_ports
 from fleetpilot.fleet.reader import FleetEvent, GpuReader
 from fleetpilot.fleet.simulator import SimulatedFleet
 from fleetpilot.ledger.store import node_key
-from fleetpilot.runtime import Bus, KeyValue, ServiceHost, ServiceSettings, serve
+from fleetpilot.runtime import Bus, ServiceHost, ServiceSettings, serve
 from fleetpilot.workload import MemoryGrowth
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -48,9 +47,6 @@ from .watchdog import NvmlHung, NvmlWatchdog
 
 log = logging.getLogger("fleetpilot.collector")
 
-# KV puts are JetStream publishes waiting for an ack each; sent in concurrent batches so
-# the openb fleet's 6,212 GPUs fit in one sampling interval instead of 6,212 round trips.
-KV_PUT_BATCH = 512
 MAX_STOPPED_TASKS = 100_000
 """How many removed tasks' progress the simulated hardware keeps for a later restore."""
 
@@ -250,11 +246,6 @@ class SimulatedHardware:
                         detail=ev.detail, at=now())
 
 
-async def _put_all(kv: KeyValue, items: list[tuple[str, bytes]]) -> None:
-    for start in range(0, len(items), KV_PUT_BATCH):
-        await asyncio.gather(*(kv.put(k, v) for k, v in items[start:start + KV_PUT_BATCH]))
-
-
 def build(settings: CollectorSettings | None = None, reader: GpuReader | None = None) -> ServiceHost:
     """Wire the collector; fails with ``NoGpuSource`` when there is nothing to read.
 
@@ -373,7 +364,7 @@ def build(settings: CollectorSettings | None = None, reader: GpuReader | None = 
                 return out  # told by the watchdog; a late reading is stale and dropped
         out.extend(events)
         try:
-            await _put_all(await bus.kv("gpu_state"), state)
+            await (await bus.kv("gpu_state")).put_many(state)
         except Exception as exc:  # noqa: BLE001 - the bucket is a cache; the telemetry still goes
             log.error("gpu_state not written (%s); the samples go out on telemetry.gpu all the same", exc)
         return out

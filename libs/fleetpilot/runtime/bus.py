@@ -8,7 +8,7 @@ Two implementations share these types: ``NatsBus`` (nats-py, JetStream, KV, micr
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fleetpilot.contracts import ConsumerSpec, Event, subject_matches
@@ -72,6 +72,13 @@ class KeyValue(abc.ABC):
     @abc.abstractmethod
     async def put(self, key: str, value: bytes) -> int:
         """Write unconditionally; returns the new revision."""
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write each ``(key, value)`` unconditionally, in order, where no one write's revision
+        is wanted (a cache of the latest samples). Raises as ``put`` does when the bucket does
+        not take the last; one before it may be lost unseen (a cache's next round rewrites it)."""
+        for key, value in items:
+            await self.put(key, value)
 
     @abc.abstractmethod
     async def create(self, key: str, value: bytes) -> int:

