@@ -71,6 +71,25 @@ def test_from_topology_applies_ledger_roles_links_and_health():
     assert s.usable_free().tolist() == [[0, 600]]
 
 
+def test_from_topology_gives_each_node_its_own_links_and_rules_when_nodes_share_them():
+    # Nodes of one make share their links and labels, and a build works each set out once:
+    # a node whose links or labels differ must still get its own.
+    def node(name: str, links: list[Link], **labels: str) -> NodeTopology:
+        return NodeTopology(node=name, cpu_milli=8000, memory_mb=8000, links=links,
+                            gpus=[GpuInfo(index=i, model="A100", memory_mb=40000, labels=dict(labels)) for i in range(3)])
+    nvlinked = [Link(a="GPU0", b="GPU1", kind="NV"), Link(a="GPU1", b="GPU2", kind="NV"), Link(a="GPU0", b="GPU2", kind="NV")]
+    apart = [Link(a="GPU0", b="GPU1", kind="SYS"), Link(a="GPU0", b="NIC0", kind="PIX"), Link(a="GPU2", b="GPU1", kind="PHB")]
+    s = ClusterState.from_topology([node("a", nvlinked), node("b", apart, role="serving"), node("c", nvlinked),
+                                    node("d", apart, task_kinds="infer")])
+    nv = [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
+    far = [[0, 6, 4], [6, 0, 4], [4, 4, 0]]  # GPU0-GPU2: no link named, unknown
+    assert [s.gpu_link[i].tolist() for i in range(4)] == [nv, far, nv, far]
+    assert [[s.rule_sets[r].role for r in row] for row in s.gpu_rule.tolist()] == [["general"] * 3, ["serving"] * 3,
+                                                                                 ["general"] * 3, ["general"] * 3]
+    assert [s.rule_sets[r].task_kinds for r in s.gpu_rule[3]] == [("infer",)] * 3
+    assert s.gpu_role.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]]
+
+
 def test_task_request_from_submitted_uses_fingerprint_spread():
     task = TaskSubmitted(task_id="t", kind="finetune", gpus=1, gpu_milli=500, gpu_models=["A100"],
                          labels={"role": "training"})
