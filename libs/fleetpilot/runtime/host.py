@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -99,6 +100,8 @@ connected, and takes no work."""
 
 UNSENT_LIMIT = 10_000
 """The most events of one periodic job kept while the bus refuses them."""
+PUBLISH_TURN = 256
+"""Events of one periodic job published between two turns of the event loop."""
 
 
 def next_tick(due: float, interval_s: float, now: float) -> float:
@@ -409,6 +412,8 @@ class ServiceHost:
         """Publish ``events`` in order; those from the first the bus refuses on, kept (at
         most ``UNSENT_LIMIT``) to be published again."""
         for i, event in enumerate(events):
+            if i and i % PUBLISH_TURN == 0:
+                await asyncio.sleep(0)  # a job's thousands of events (the collector's) held the loop
             try:
                 await self._publish_sendable(event, "periodic job", job)
             except Exception as exc:  # noqa: BLE001 - kept, published again next tick
@@ -506,6 +511,11 @@ class ServiceHost:
         except StartupAbandoned as reason:
             log.info("%s: stopping before it started: %s", self.name, reason)
         else:
+            # What start-up built (catalog, views, a simulated fleet, models) lives as long as
+            # the process: frozen, Python's full garbage collections no longer walk it (they
+            # stopped the openb fleet's collector service 65-74 ms each, 21 ms since).
+            gc.collect()
+            gc.freeze()
             await self._stop_requested.wait()
             log.info("%s: signal received, draining", self.name)
         await self.stop()
