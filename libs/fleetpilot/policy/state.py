@@ -43,6 +43,15 @@ def _gpu_number(device: str) -> int | None:
     return int(digits) if device.startswith("GPU") and digits.isdigit() else None
 
 
+def _index_in(table: list, item: Any) -> int:
+    """The index of ``item`` in ``table``, appended when it is not there yet."""
+    try:
+        return table.index(item)
+    except ValueError:
+        table.append(item)
+        return len(table) - 1
+
+
 def _link_costs(links: Iterable[tuple[str, str, str]], slots: int) -> np.ndarray:
     """A node's ``slots`` x ``slots`` link costs from its links' ``(a, b, kind)``: 0 to itself,
     ``UNKNOWN_LINK_COST`` between GPUs no link names, a later link of a pair over an earlier
@@ -346,6 +355,7 @@ class ClusterState:
         unhealthy: Iterable[tuple[str, int]] = (),
         maintenance: Iterable[str] = (),
         not_ready: Iterable[str] = (),
+        max_gpus: int | None = None,
     ) -> ClusterState:
         """Build the state from ``contracts.topology.NodeTopology`` records and the ledger.
 
@@ -368,6 +378,7 @@ class ClusterState:
             gpus=[s[-1] + 1 if s else 0 for s in slots],
             models=[next((g.model for g in t.gpus if g.model), "") for t in topo],
             sites=[t.site for t in topo],
+            max_gpus=max_gpus,
         )
         # Mixed-model nodes are rare; the node's model is its first GPU's, per-GPU models
         # would need a per-slot model array that no policy uses yet. A GPU with no model (one
@@ -447,6 +458,29 @@ class ClusterState:
             if node in state._index:
                 state.set_holds(state._index[node], holds)
         return state
+
+    def set_topology(self, node: int, topology: NodeTopology) -> bool:
+        """Make row ``node`` what ``from_topology`` builds of ``topology``, nothing held and
+        no condition set (the caller applies the node's holds and conditions again), and bump
+        the node's version. ``False``, the row unchanged, where it cannot take it in place: the
+        row is another node's, or the node has more GPU slots than the fleet's rows, or a GPU
+        model or site the fleet has no index for (the tables stay sorted, as a build makes
+        them); a build from the records is then needed."""
+        one = ClusterState.from_topology([topology], max_gpus=self.max_gpus)
+        model = one.models[one.node_model[0]] if one.node_model[0] >= 0 else ""
+        site = one.sites[one.node_site[0]]
+        if (topology.node != self.node_names[node] or one.max_gpus != self.max_gpus
+                or (model and model not in self.models) or site not in self.sites):
+            return False
+        for name in (*_NODE_ARRAYS, *_GPU_ARRAYS, "gpu_link"):
+            if name not in ("version", "node_model", "node_site", "gpu_role", "gpu_rule"):
+                getattr(self, name)[node] = getattr(one, name)[0]
+        self.node_model[node] = self.models.index(model) if model else -1
+        self.node_site[node] = self.sites.index(site)
+        self.gpu_role[node] = [_index_in(self.roles, one.roles[r]) for r in one.gpu_role[0]]
+        self.gpu_rule[node] = [_index_in(self.rule_sets, one.rule_sets[r]) for r in one.gpu_rule[0]]  # type: ignore[index]
+        self.version[node] += 1
+        return True
 
     def set_holds(self, node: int, holds: Iterable[Any]) -> None:
         """Make row ``node``'s free capacity its totals minus ``holds`` (the node's whole
