@@ -49,6 +49,7 @@ from fleetpilot.contracts import (
     now,
 )
 from fleetpilot.fingerprint import MODEL_LABEL
+from fleetpilot.fleet.inventory import load_fleet_spec
 from fleetpilot.learner import STORE_FILE
 from fleetpilot.runtime import partition_of
 from fleetpilot.runtime.children import ended_with_this_process
@@ -641,6 +642,22 @@ async def simulated_fleet_answers(bus: NatsBus, timeout_s: float,
     return False
 
 
+async def fleet_known(bus: NatsBus, nodes: int, timeout_s: float, given_up: Callable[[], bool] = lambda: False) -> int:
+    """Wait until the ``topology`` bucket names ``nodes`` nodes (the simulated fleet's): the
+    topology service writes each as its first report comes, which on the openb fleet takes
+    about 14 s, and the policy rebuilds its view of the fleet at each change, so the tasks
+    submitted meanwhile waited seconds for a decision and were placed on part of the fleet.
+    Returns how many it names when the wait ends (at once when ``given_up()`` says so)."""
+    deadline = time.monotonic() + timeout_s
+    known = 0
+    while time.monotonic() < deadline and not given_up():
+        known = len(await bus.bucket_keys("topology"))
+        if known >= nodes:
+            break
+        await asyncio.sleep(0.5)
+    return known
+
+
 async def submit_demo(bus: NatsBus, state: Path, count: int, rate: float, report: Report) -> None:
     """Publish the demo workload with a bearer token per tenant, and play the users: a
     counter-offer for a demo task is answered by accepting its first option."""
@@ -793,6 +810,11 @@ async def _run(args, state: Path, services: ServiceProcesses) -> int:
             answered = await simulated_fleet_answers(bus, FLEET_ANSWER_TIMEOUT_S, given_up)  # type: ignore[arg-type]
             if not answered and not given_up():
                 print("fleetpilot up: the simulated fleet does not answer sim.control yet; submitting anyway",
+                      file=sys.stderr)
+            nodes = len(load_fleet_file(args.fleet).nodes) if args.fleet else len(load_fleet_spec().nodes)
+            known = await fleet_known(bus, nodes, FLEET_ANSWER_TIMEOUT_S, given_up)  # type: ignore[arg-type]
+            if known < nodes and not given_up():
+                print(f"fleetpilot up: the topology names {known} of the fleet's {nodes} nodes yet; submitting anyway",
                       file=sys.stderr)
             if not given_up():
                 demo = asyncio.create_task(submit_demo(bus, state, args.demo, args.rate, report))  # type: ignore[arg-type]

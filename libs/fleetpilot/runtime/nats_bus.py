@@ -762,6 +762,11 @@ class NatsBus(Bus):
                                                    nc=self._nc)
         return self._kv_cache[bucket]
 
+    async def bucket_keys(self, bucket: str) -> list[str]:
+        """Every key ``bucket`` has a subject for, deleted ones included, in one request
+        (``KeyValue.keys`` reads each key)."""
+        return await bucket_subject_keys(self._js, bucket)
+
     @override
     async def stop_consuming(self) -> None:
         if self._stopping.is_set():

@@ -426,3 +426,23 @@ def test_up_scales_the_policy_s_rebalance_period_by_the_simulated_fleet_s_speed(
     monkeypatch.delenv("FLEETPILOT_POLICY_REBALANCE_S")
     monkeypatch.setenv("FLEETPILOT_COLLECTOR_SOURCE", "nvml")  # real GPUs run in real time
     assert "FLEETPILOT_POLICY_REBALANCE_S" not in processes.env_for("policy")
+
+
+async def test_the_demo_waits_until_the_topology_names_the_whole_fleet(nats_server):
+    # The policy rebuilds its view of the fleet at each new node: on the openb fleet, whose
+    # 1,213 nodes are written over 14 s, the demo's first tasks waited seconds for a decision.
+    from fleetpilot.cli.up import fleet_known
+    from fleetpilot.runtime.nats_bus import NatsBus
+
+    bus = await NatsBus.connect(nats_server.url, "test")
+    try:
+        await bus.ensure_topology()
+        topology = await bus.kv("topology")
+        for node in ("n1", "n2"):
+            await topology.put(node, b"{}")
+        assert await fleet_known(bus, 3, timeout_s=0.6) == 2  # waited its time out, named 2
+        await topology.put("n3", b"{}")
+        assert await fleet_known(bus, 3, timeout_s=30.0) == 3
+        assert await fleet_known(bus, 5, timeout_s=30.0, given_up=lambda: True) == 0  # not asked at all
+    finally:
+        await bus.drain()
