@@ -35,6 +35,8 @@ log = logging.getLogger("fleetpilot.executor")
 
 MAINTENANCE_BOARD = "maintenance_board"
 """The label naming the board (NVML uuid) that ``maintenance_pending`` was set for."""
+GPUS_PER_TURN = 64
+"""GPUs a health round assesses between two turns of the event loop (tens of milliseconds)."""
 
 
 def _as_risk(label: str) -> float:
@@ -163,7 +165,11 @@ class GpuHealth(ExecutorReplica):
         await labels.apply_pending()
         self.take_overrides()
         risks: dict[tuple[str, int], float] = {}
-        for node, gpu, window in self.windows.current():
+        for assessed, (node, gpu, window) in enumerate(self.windows.current()):
+            if assessed and assessed % GPUS_PER_TURN == 0:
+                # Assessed at once, the openb fleet's 6,212 full windows (0.65 ms each) held
+                # the loop 4 s a round: no decision carried out, no sample read meanwhile.
+                await asyncio.sleep(0)
             if len(window) < 2:
                 continue
             # The labels of the window's board: by index alone, a topology entry behind a

@@ -27,3 +27,30 @@ async def eventually(predicate: Callable[[], Any] | Callable[[], Awaitable[Any]]
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         await asyncio.sleep(interval_s)
+
+
+class LoopTurns:
+    """Counts the turns of the event loop while entered (``async with LoopTurns() as turns``,
+    then ``turns.count``): a test records it where work happens, to see that long work gives
+    the loop back between its parts."""
+
+    def __init__(self) -> None:
+        """No turn counted yet."""
+        self.count = 0
+        self._counting: asyncio.Task | None = None
+
+    async def _count(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.count += 1
+
+    async def __aenter__(self) -> LoopTurns:
+        """Start counting, from the next turn."""
+        self._counting = asyncio.create_task(self._count())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Stop counting."""
+        assert self._counting is not None
+        self._counting.cancel()

@@ -605,36 +605,28 @@ def test_sensible_timing_settings_are_taken(monkeypatch):
 async def test_a_sampling_round_gives_the_loop_back_between_groups_of_nodes(nats_server, monkeypatch):
     # Read at once, the openb fleet's 1,213 simulated nodes held the loop for 0.3 s of every
     # second, and the executor's sim.control requests waited behind them.
+    from fleetpilot.runtime.testing import LoopTurns
     from fleetpilot_services.collector import service as collector
 
     monkeypatch.setattr(collector, "SIM_NODES_PER_TURN", 4)
     fleet = SimulatedFleet(THREE_SITE)
-    turns = 0
+    turns = LoopTurns()
     turn_of_each_read: list[int] = []
     read_node = fleet.sample
 
     def sample_node(node: str) -> list[GpuSample]:
-        turn_of_each_read.append(turns)
+        turn_of_each_read.append(turns.count)
         return read_node(node)
 
     fleet.sample = sample_node  # type: ignore[method-assign]
     host = build(settings(nats_server.url, interval_s=3600.0), reader=fleet)
     await host.start()
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
     sample = next(p.job for p in host._periodic if p.job.__name__ == "sample")
-    counting = asyncio.create_task(count_turns())
-    await asyncio.sleep(0)  # counting from now on
     try:
         turn_of_each_read.clear()
-        events = await sample()
+        async with turns:
+            events = await sample()
     finally:
-        counting.cancel()
         await host.stop()
     assert sum(isinstance(e, NodeTelemetry) for e in events) == len(NODES)
     # Four nodes read in each turn of the loop, then the loop's other work.

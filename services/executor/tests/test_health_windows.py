@@ -229,3 +229,31 @@ def test_a_gpu_no_uuid_was_ever_read_for_is_assessed_at_its_index() -> None:
         windows.add(gpu_sample("n1", 3, at, uuid=""))
     assert sorted((node, gpu, len(window)) for node, gpu, window in windows.current()) == [
         ("n1", 0, 1), ("n1", 3, 2)]
+
+
+async def test_a_health_round_gives_the_loop_back_between_groups_of_gpus(tmp_path: Path, monkeypatch) -> None:
+    # Assessed at once, the openb fleet's 6,212 full windows held the executor's loop 4 s a
+    # round: no decision carried out, no sample read meanwhile.
+    import math
+
+    from fleetpilot.runtime.testing import LoopTurns
+    from fleetpilot_services.executor import health as executor_health
+
+    monkeypatch.setattr(executor_health, "GPUS_PER_TURN", 3)
+    replica = health(tmp_path, Labels())
+    for gpu in range(10):
+        replica.windows.add(gpu_sample("n1", gpu, 1_000_000.0))
+        replica.windows.add(gpu_sample("n1", gpu, 1_000_060.0))
+    turns = LoopTurns()
+    turn_of_each: list[int] = []
+    assess = replica._label_if_at_risk
+
+    async def assessed(node: str, gpu: int, window: list) -> float:
+        turn_of_each.append(turns.count)
+        return await assess(node, gpu, window)
+
+    replica._label_if_at_risk = assessed  # type: ignore[method-assign]
+    async with turns:
+        await replica.assess_health()
+    assert len(turn_of_each) == 10
+    assert len(set(turn_of_each)) == math.ceil(10 / 3), turn_of_each  # three GPUs a turn
