@@ -41,6 +41,7 @@ bench: $(STAMP) ## Benchmarks with their figures (ratios against baselines measu
 	$(BIN)/python -m fleetpilot.bench.sim_tick
 	$(BIN)/python -m fleetpilot.bench.executor_telemetry
 	$(BIN)/python -m fleetpilot.bench.dispatch
+	$(BIN)/python -m fleetpilot.bench.fleet_view
 	$(BIN)/python -m fleetpilot.bench.policy_latency
 	$(BIN)/python -m fleetpilot.bench.fingerprint_eval
 	$(BIN)/python -m fleetpilot.bench.learner_eval
