@@ -131,8 +131,8 @@ class Reconnections:
 
 
 TURN = 256
-"""Messages a batch sends (``put_many``, a periodic job's events) between two turns of the
-event loop, so that requests waiting on it are answered meanwhile."""
+"""Writes ``put_many`` sends between two turns of the event loop, so that requests waiting on
+the loop are answered meanwhile."""
 
 
 class NatsKeyValue(KeyValue):
