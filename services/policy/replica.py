@@ -195,6 +195,27 @@ def checked_decide(guarded: GuardedPolicy, name: str, state: ClusterState, req: 
     return msgspec.structs.replace(fb, reason=f"{fb.reason} (primary: {problem})")
 
 
+def mark_conditions(state: ClusterState, nodes: list[NodeTopology]) -> None:
+    """Flag in ``state`` what ``nodes``' labels say (``gpu_conditions``, ``nodes_out_of_service``):
+    a GPU out of service takes no new work, one pending maintenance has its tasks moved (per
+    GPU: only that GPU stops taking work), a node out of service as a whole takes no task. An
+    index outside the slots, or a node ``state`` lacks, flags nothing."""
+    def row_of(node: str) -> int | None:
+        try:
+            return state.node_index(node)
+        except KeyError:
+            return None
+
+    unhealthy, maintenance = gpu_conditions(nodes)
+    for gpus, flag in ((unhealthy, {"healthy": False}), (maintenance, {"maintenance": True})):
+        for node, gpu in gpus:
+            if (row := row_of(node)) is not None and 0 <= gpu < state.max_gpus:
+                state.set_condition(row, [gpu], **flag)
+    for node in nodes_out_of_service(nodes):
+        if (row := row_of(node)) is not None:
+            state.node_ready[row] = False  # type: ignore[index]
+
+
 class ReplicaState:
     """The replica's live view (fleet + ledger + fingerprints + the executor's journal), its
     policies, and the choose-reserve steps of a placement. ``Moves`` and ``Evictions`` build
@@ -453,9 +474,9 @@ class ReplicaState:
             self._view = self.build_snapshot()
             self._view_rows = {node_key(name): row for row, name in enumerate(self._view.node_names)}
         elif self._view_ledger != self.ledger.version:
-            for key, at in self.ledger.changed_at.items():
+            for key in self.ledger.changed_since(self._view_ledger):
                 row = self._view_rows.get(key)
-                if at > self._view_ledger and row is not None:
+                if row is not None:
                     ledger = self.ledger.nodes.get(key)
                     self._view.set_holds(row, ledger.allocations if ledger is not None else ())
             self._view_ledger = self.ledger.version
@@ -469,20 +490,14 @@ class ReplicaState:
         ~30 ms on the openb fleet, and one label changing made the next decision pay it."""
         view = self._view
         assert view is not None
-        changed = [key for key, at in self.fleet.changed_at.items() if at > self._view_topology]
+        changed = self.fleet.changed_since(self._view_topology)
         if any(key not in self._view_rows or key not in self.fleet.nodes for key in changed):
             return False
         for key in changed:
             row, topo = self._view_rows[key], self.fleet.nodes[key]
             if not view.set_topology(row, topo):
                 return False
-            unhealthy, maintenance = gpu_conditions([topo])
-            for gpus, flag in ((unhealthy, {"healthy": False}), (maintenance, {"maintenance": True})):
-                slots = [gpu for _, gpu in gpus if 0 <= gpu < view.max_gpus]
-                if slots:
-                    view.set_condition(row, slots, **flag)
-            if nodes_out_of_service([topo]):
-                view.node_ready[row] = False  # type: ignore[index]
+            mark_conditions(view, [topo])
             ledger = self.ledger.nodes.get(key)
             view.set_holds(row, ledger.allocations if ledger is not None else ())
         return True
@@ -490,21 +505,11 @@ class ReplicaState:
     def build_snapshot(self, without: frozenset[str] = frozenset()) -> ClusterState:
         """``snapshot`` built from the records, every node."""
         nodes = list(self.fleet.nodes.values())
-        unhealthy, maintenance = gpu_conditions(nodes)
-        state = ClusterState.from_topology(
-            nodes,
-            {
-                ledger.node: [a for a in ledger.allocations if a.task_id not in without]
-                for ledger in self.ledger.nodes.values()
-            },
-            unhealthy=unhealthy,
-            not_ready=nodes_out_of_service(nodes),
-        )
-        # ``from_topology``'s ``maintenance`` takes whole nodes; a label is per GPU, so only
-        # that GPU stops taking work.
-        for node, gpu in maintenance:
-            if node in state.node_names and 0 <= gpu < state.max_gpus:  # a slot of a known node
-                state.set_condition(state.node_index(node), [gpu], maintenance=True)
+        state = ClusterState.from_topology(nodes, {
+            ledger.node: [a for a in ledger.allocations if a.task_id not in without]
+            for ledger in self.ledger.nodes.values()
+        })
+        mark_conditions(state, nodes)
         return state
 
     def request(self, task: TaskSubmitted) -> TaskRequest:

@@ -99,6 +99,10 @@ class BucketMirror:
                 return
         self._changed(key)
 
+    def changed_since(self, version: int) -> list[str]:
+        """The keys (deleted ones too) changed after the mirror's ``version`` was ``version``."""
+        return [key for key, at in self.changed_at.items() if at > version]
+
     def _changed(self, key: str) -> None:
         """Count a change of ``key`` and wake whoever waits for one."""
         self.version += 1
