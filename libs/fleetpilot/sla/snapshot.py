@@ -184,6 +184,12 @@ def _node_tallies(node: NodeTopology, allocations: Iterable, admitted: Mapping[s
     return tallies
 
 
+def _fold_into(pools: NodeTallies, parts: NodeTallies) -> None:
+    """Add each pool's tally of ``parts`` to ``pools``' (a ``defaultdict``)."""
+    for pool, part in parts.items():
+        pools[pool].add(part)
+
+
 BLOCK_NODES = 32
 """How many consecutive nodes :class:`SnapshotCache` folds into one block's pools."""
 
@@ -224,10 +230,9 @@ class SnapshotCache:
             kept, folded = self._blocks[index]
             if len(kept) == len(parts) and all(a is b for a, b in zip(kept, parts, strict=True)):
                 return folded
-        folded = defaultdict(_PoolTally)
+        folded: NodeTallies = defaultdict(_PoolTally)
         for node_parts in parts:
-            for pool, part in node_parts.items():
-                folded[pool].add(part)
+            _fold_into(folded, node_parts)
         if index < len(self._blocks):
             self._blocks[index] = (parts, folded)
         else:
@@ -453,25 +458,20 @@ def fleet_view(nodes: Iterable[NodeTopology], ledgers: Iterable[NodeLedger],
     seen: set[str] = set()
     block: list[NodeTallies] = []
     blocks = 0
-
-    def fold(parts: NodeTallies) -> None:
-        for pool, part in parts.items():
-            tallies[pool].add(part)
-
     for node in nodes:
         allocations = holds.get(node.node, ())
         seen.add(node.node)
         if cache is None:
-            fold(_node_tallies(node, allocations, admitted, memory_of, knobs))
+            _fold_into(tallies, _node_tallies(node, allocations, admitted, memory_of, knobs))
             continue
         # Folded block by block, in the nodes' order: the pools come out as folded node by node.
         block.append(cache.tallies(node, allocations, admitted, memory_of, knobs))
         if len(block) == BLOCK_NODES:
-            fold(cache.folded(blocks, block))
+            _fold_into(tallies, cache.folded(blocks, block))
             block, blocks = [], blocks + 1
     if cache is not None:
         if block:
-            fold(cache.folded(blocks, block))
+            _fold_into(tallies, cache.folded(blocks, block))
             blocks += 1
         cache.keep_only(seen, blocks)
     holding = {a.task_id for allocations in holds.values() for a in allocations}
